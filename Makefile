@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned and installed first so that no dependency can pull a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[train,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/edgc demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
