@@ -1,0 +1,195 @@
+"""`EDGCConfig`: every knob of EDGC in one validated dataclass.
+
+Defaults follow the paper's released code (see ``docs`` / README table): α = 0.1, β = 0.25,
+1000 histogram bins, window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up
+floor 10 % of the planned steps, PowerSGD seed 714.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+RANK_MAPPINGS = ("delta", "cqm")
+ENTROPY_ESTIMATORS = ("histogram", "gaussian")
+COMM_DTYPES = (None, "bfloat16", "float16", "float32")
+
+
+@dataclass(kw_only=True)
+class EDGCConfig:
+    """Configuration of the EDGC compressor (one instance per data-parallel group)."""
+
+    r_max: int | None = None
+    """Largest PowerSGD rank (rank ceiling); None = profile it at start (ranks 2, 4, 8, …). ≥ 1."""
+
+    r_min: int | None = None
+    """Smallest rank the controller may choose; None = max(1, r_max // 4). 1 ≤ r_min ≤ r_max."""
+
+    rank_step: int = 4
+    """Largest rank change per window (s), in ranks. ≥ 1."""
+
+    rank_granularity: int = 2
+    """Chosen ranks are rounded down to a multiple of this (the paper uses even ranks). ≥ 1."""
+
+    window: int = 1000
+    """Window length w in optimizer steps; the rank is re-decided once per window. ≥ 1."""
+
+    adaptive: bool = True
+    """False = static PowerSGD at r_max after warm-up (no entropy sampling, no rank changes)."""
+
+    rank_mapping: str = "delta"
+    """Entropy → rank mapping: 'delta' (authors' linear map of the windowed entropy change) or 'cqm'."""
+
+    cqm_exponent: float = 2.0
+    """c in g(r1) = e^{c(H0−H1)} g(r0): 2 for squared Frobenius error, 1 for the plain norm. > 0."""
+
+    cqm_mc_samples: int = 4
+    """Monte-Carlo draws per matrix shape when estimating g(r; m, n) for the 'cqm' mapping. ≥ 1."""
+
+    iteration_sample_ratio: float = 0.1
+    """α (ISR): entropy is estimated every round(1/α) optimizer steps. In (0, 1]."""
+
+    gradient_sample_ratio: float = 0.25
+    """β (GSR): fraction of gradient elements used (every round(1/β)-th element of each tensor). In (0, 1]."""
+
+    entropy_bins: int = 1000
+    """Histogram bins over the sample's [min, max] for the entropy estimate. ≥ 2."""
+
+    entropy_estimator: str = "histogram"
+    """'histogram' (plug-in Shannon entropy, nats) or 'gaussian' (½·ln(2πeσ²), a differential entropy)."""
+
+    total_steps: int | None = None
+    """Planned optimizer steps T of the run, for the warm-up floor; None = no fraction-based floor. ≥ 1."""
+
+    warmup_fraction: float = 0.1
+    """f_w: no compression before ⌊f_w·T⌋ steps (needs total_steps). In [0, 1]."""
+
+    warmup_error_test: bool = True
+    """Also wait until the rank-r_min error of today's gradients ≤ the rank-r_max error at warm-up start."""
+
+    min_warmup_steps: int = 2
+    """Absolute floor of uncompressed steps (lets DDP rebuild its buckets first). ≥ 0."""
+
+    min_compression_rate: float = 2.0
+    """A matrix m×n is compressed only if (m+n)·r·rate < m·n; others go raw. ≥ 0 (0 = compress all)."""
+
+    error_feedback: bool = True
+    """Keep the local compression residual and add it to the next step's gradient."""
+
+    orthogonalization_epsilon: float = 1e-8
+    """Added to column norms in Gram–Schmidt so all-zero columns stay finite. ≥ 0."""
+
+    profile_max_rank: int = 128
+    """Highest rank tried when profiling r_max (powers of two from 2). ≥ 2."""
+
+    profile_steps_per_rank: int = 2
+    """Timed steps per candidate rank when profiling (after one untimed transition step). ≥ 1."""
+
+    communication_dtype: str | None = None
+    """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
+
+    seed: int = 714
+    """Seed of the generator that draws the initial Q factors (identical on every rank). ≥ 0."""
+
+    def __post_init__(self) -> None:
+        def fail(name: str, requirement: str) -> None:
+            raise ValueError(f"EDGCConfig.{name} {requirement}, got {getattr(self, name)!r}")
+
+        def check_int(name: str, low: int) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                fail(name, f"must be an integer ≥ {low}")
+
+        def check_ratio(name: str, low_open: bool) -> None:
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok and (0 < value <= 1 if low_open else 0 <= value <= 1)
+            if not ok:
+                fail(name, "must be in (0, 1]" if low_open else "must be in [0, 1]")
+
+        def check_positive_float(name: str, allow_zero: bool) -> None:
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (value == 0 and not allow_zero):
+                fail(name, "must be a finite number ≥ 0" if allow_zero else "must be a finite number > 0")
+
+        for name in ("r_max", "r_min", "total_steps"):
+            if getattr(self, name) is not None:
+                check_int(name, 1)
+        for name in ("rank_step", "rank_granularity", "window", "cqm_mc_samples", "profile_steps_per_rank"):
+            check_int(name, 1)
+        check_int("entropy_bins", 2)
+        check_int("profile_max_rank", 2)
+        check_int("min_warmup_steps", 0)
+        check_int("seed", 0)
+        check_ratio("iteration_sample_ratio", low_open=True)
+        check_ratio("gradient_sample_ratio", low_open=True)
+        check_ratio("warmup_fraction", low_open=False)
+        check_positive_float("cqm_exponent", allow_zero=False)
+        check_positive_float("min_compression_rate", allow_zero=True)
+        check_positive_float("orthogonalization_epsilon", allow_zero=True)
+        for name in ("adaptive", "warmup_error_test", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be True or False")
+        if self.rank_mapping not in RANK_MAPPINGS:
+            fail("rank_mapping", f"must be one of {RANK_MAPPINGS}")
+        if self.entropy_estimator not in ENTROPY_ESTIMATORS:
+            fail("entropy_estimator", f"must be one of {ENTROPY_ESTIMATORS}")
+        if self.communication_dtype not in COMM_DTYPES:
+            fail("communication_dtype", f"must be one of {COMM_DTYPES}")
+        if self.r_min is not None:
+            if self.r_max is None:
+                fail("r_min", "needs r_max to be set (with a profiled r_max, r_min = r_max // 4)")
+            if self.r_min > self.r_max:
+                fail("r_min", f"must be ≤ r_max = {self.r_max}")
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def static(cls, rank: int, **overrides: Any) -> "EDGCConfig":
+        """Static PowerSGD at ``rank`` after the warm-up: the non-adaptive baseline."""
+        overrides.setdefault("warmup_error_test", False)
+        return cls(r_max=rank, r_min=rank, adaptive=False, **overrides)
+
+    @property
+    def sample_every(self) -> int:
+        """Entropy is sampled on steps where step % sample_every == 0 (1/α rounded)."""
+        return max(1, round(1.0 / self.iteration_sample_ratio))
+
+    @property
+    def element_stride(self) -> int:
+        """Every element_stride-th gradient element enters the entropy sample (1/β rounded)."""
+        return max(1, round(1.0 / self.gradient_sample_ratio))
+
+    def warmup_floor(self) -> int:
+        """Steps that are always uncompressed: max(⌊f_w·T⌋, min_warmup_steps)."""
+        from_fraction = math.floor(self.warmup_fraction * self.total_steps) if self.total_steps else 0
+        return max(from_fraction, self.min_warmup_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"EDGCConfig: unknown field(s) {unknown}")
+        return cls(**values)
+
+
+def field_docs() -> list[tuple[str, Any, str]]:
+    """(name, default, one-line doc) for every config field, read from the source docstrings."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(EDGCConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+    return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(EDGCConfig)]
+
+
+__all__ = ["EDGCConfig", "field_docs", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS"]

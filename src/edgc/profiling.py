@@ -1,0 +1,97 @@
+"""Sync-time tables: {rank → measured gradient-sync time}, the r_max rule, interpolation.
+
+At start-up EDGC times the data-parallel gradient sync uncompressed and at ranks 2, 4, 8, …
+(paper §2.7). The table answers two questions by piecewise-linear interpolation (with linear
+extrapolation past the ends): how long does rank r take (`rank_to_time`), and which rank fits
+in a time budget (`time_to_rank`). r_max is the largest rank still faster than uncompressed.
+The stage-alignment rule of pipeline training uses the same table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear y(x) through sorted points, extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = next(k for k in range(len(xs) - 1) if xs[k] <= x <= xs[k + 1])
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    if x1 == x0:
+        return y1
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class SyncTimeTable:
+    """Measured sync times of one data-parallel group (seconds per optimizer step)."""
+
+    uncompressed: float | None = None
+    """Time of the plain averaged all-reduce of all gradients."""
+
+    by_rank: dict[int, float] = field(default_factory=dict)
+    """Time of the compressed sync (compress + P/Q all-reduces + decompress + raw tensors) per rank."""
+
+    def _monotone_points(self) -> tuple[list[float], list[float]]:
+        # Time should grow with rank; a running maximum removes measurement noise that would
+        # otherwise make time → rank ambiguous.
+        ranks = sorted(self.by_rank)
+        times, running = [], float("-inf")
+        for rank in ranks:
+            running = max(running, self.by_rank[rank])
+            times.append(running)
+        return [float(r) for r in ranks], times
+
+    def rank_to_time(self, rank: float) -> float:
+        ranks, times = self._monotone_points()
+        if not ranks:
+            raise ValueError("SyncTimeTable has no compressed measurements")
+        return max(0.0, _interpolate(ranks, times, rank))
+
+    def time_to_rank(self, seconds: float) -> float:
+        ranks, times = self._monotone_points()
+        if not ranks:
+            raise ValueError("SyncTimeTable has no compressed measurements")
+        # Collapse plateaus (equal times) to their largest rank so the inverse is a function.
+        points: dict[float, float] = {}
+        for t, r in zip(times, ranks):
+            points[t] = r
+        ts = sorted(points)
+        return _interpolate(ts, [points[t] for t in ts], seconds)
+
+    def rank_ceiling(self, multiple: int = 4) -> int | None:
+        """r_max: largest rank (a multiple of ``multiple``) predicted faster than uncompressed.
+
+        None when even the smallest measured rank is not faster: compression does not pay here.
+        """
+        if self.uncompressed is None or not self.by_rank:
+            raise ValueError("SyncTimeTable needs the uncompressed time and ≥ 1 compressed time")
+        smallest = min(self.by_rank)
+        if self.by_rank[smallest] >= self.uncompressed:
+            return None
+        # Never extrapolate above the largest rank actually measured.
+        rank = int(min(self.time_to_rank(self.uncompressed), max(self.by_rank)) // multiple * multiple)
+        if rank < multiple:  # only ranks below the rounding unit pay off
+            rank = max(r for r, t in self.by_rank.items() if t < self.uncompressed)
+        return rank
+
+    def state_dict(self) -> dict:
+        return {"uncompressed": self.uncompressed, "by_rank": dict(self.by_rank)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.uncompressed = state["uncompressed"]
+        self.by_rank = {int(r): float(t) for r, t in state["by_rank"].items()}
+
+
+def profile_candidates(max_rank: int) -> list[int]:
+    """Ranks tried when profiling: 2, 4, 8, … ≤ max_rank."""
+    ranks, rank = [], 2
+    while rank <= max_rank:
+        ranks.append(rank)
+        rank *= 2
+    return ranks

@@ -1,0 +1,276 @@
+"""DAC, the window controller: when to compress and at which rank (pure logic, no collectives).
+
+Phases of a run (paper §2.7, §2.8, §2.11):
+
+* ``profile``  – r_max unknown: gradients are synced uncompressed while a compressed sync at
+  ranks 2, 4, 8, … is timed beside it; ends with r_max = the largest rank still faster.
+* ``warmup``   – uncompressed until t ≥ max(⌊f_w·T⌋, t_e). t_e is the first window boundary where
+  the rank-r_min error of today's 2-D gradients is ≤ the rank-r_max error measured when warm-up
+  began (squared Frobenius norm, summed over this rank's matrices, averaged over ranks).
+* ``compress`` – PowerSGD at the current rank; at each window boundary a new rank from the
+  entropy series, at most ``rank_step`` away from the last, within [r_min, r_max].
+* ``off``      – profiling found no rank faster than uncompressed: compression never pays.
+
+The controller only plans steps and turns *agreed* inputs into decisions. The state object
+(`edgc.state`) measures, agrees (all-reduce), lets group rank 0 ``propose`` and broadcasts the
+proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .config import EDGCConfig
+from .profiling import SyncTimeTable, profile_candidates
+from .rank_model import ErrorModel, cqm_target_rank
+
+PROFILE, WARMUP, COMPRESS, OFF = "profile", "warmup", "compress", "off"
+PHASES = (PROFILE, WARMUP, COMPRESS, OFF)
+PROFILE_START_STEP = 1  # step 0 carries one-off costs (allocation, DDP's bucket rebuild)
+
+
+# ---------------------------------------------------------------------------- rank mappings
+def limit_rank(target: float, previous: int, r_min: int, r_max: int, step_limit: int, granularity: int) -> int:
+    """Round ``target`` down to the granularity, then move from ``previous`` by at most ``step_limit``."""
+    target = min(max(target, r_min), r_max)
+    target = max(r_min, int(target // granularity * granularity))
+    move = max(-step_limit, min(step_limit, target - previous))
+    return int(min(max(previous + move, r_min), r_max))
+
+
+def window_means(entropies: Sequence[float], per_window: int) -> tuple[float, float] | None:
+    """Mean entropy of the previous and of the latest window, or None with < 2 windows of samples."""
+    if per_window < 1 or len(entropies) < 2 * per_window:
+        return None
+    previous = entropies[-2 * per_window : -per_window]
+    latest = entropies[-per_window:]
+    return sum(previous) / per_window, sum(latest) / per_window
+
+
+def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> float:
+    """The authors' linear map (paper §2.5) of the normalised windowed entropy change.
+
+    ρ = |Δ latest two windows| / |Δ first two windows of training|; target = r_min + (r_max − r_min)·ρ.
+    Fast-moving entropy (unstable regime) keeps the rank near r_max; a stable entropy lets it
+    decay to r_min. With fewer than two windows of history the target is r_max.
+    """
+    means = window_means(entropies, per_window)
+    if means is None:
+        return float(r_max)
+    change_now = abs(means[1] - means[0])
+    first = entropies[:per_window], entropies[per_window : 2 * per_window]
+    change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window)
+    if change_ref == 0:
+        ratio = 0.0 if change_now == 0 else 1.0
+    else:
+        ratio = min(change_now / change_ref, 1.0)
+    return round(r_min + (r_max - r_min) * ratio)
+
+
+# ---------------------------------------------------------------------------- plans and decisions
+@dataclass(frozen=True)
+class StepPlan:
+    """What one optimizer step does; identical on every rank because it depends only on agreed state."""
+
+    step: int
+    phase: str
+    rank: int | None  # compression rank of the real sync; None = uncompressed
+    profile_rank: int | None = None  # also time a shadow compressed sync at this rank
+    profile_timed: bool = False  # … and count its time (the first step of each rank is a transition)
+    probe_rank: int | None = None  # measure the local rank-r error of the 2-D gradients
+    decision: bool = False  # agree measurements and broadcast a decision at the end of the step
+
+
+@dataclass
+class Decision:
+    """The outcome of a decision point; broadcast from group rank 0 as a float64 vector."""
+
+    phase: str
+    r_max: int | None
+    r_min: int | None
+    rank: int | None
+    error_test_step: int | None  # t_e
+    error_at_start: float | None  # E_max
+
+    def encode(self) -> list[float]:
+        def number(value: float | None) -> float:
+            return -1.0 if value is None else float(value)
+
+        return [float(PHASES.index(self.phase)), number(self.r_max), number(self.r_min), number(self.rank),
+                number(self.error_test_step), number(self.error_at_start)]
+
+    @classmethod
+    def decode(cls, values: Sequence[float]) -> "Decision":
+        def integer(value: float) -> int | None:
+            return None if value < 0 else int(round(value))
+
+        return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
+                   integer(values[4]), None if values[5] < 0 else float(values[5]))
+
+    SIZE = 6
+
+
+@dataclass
+class Agreed:
+    """Measurements averaged over the group at a decision point."""
+
+    profile_time: float = math.nan  # compressed sync at plan.profile_rank, s/step
+    uncompressed_time: float = math.nan  # plain all-reduce, s/step
+    probe_error: float = math.nan  # squared truncation error at plan.probe_rank
+
+    def encode(self) -> list[float]:
+        return [self.profile_time, self.uncompressed_time, self.probe_error]
+
+    SIZE = 3
+
+
+class WindowController:
+    def __init__(self, config: EDGCConfig):
+        self.config = config
+        self.r_max = config.r_max
+        self.r_min = config.r_min if config.r_min is not None else self._default_r_min(config.r_max)
+        self.phase = WARMUP if config.r_max is not None else PROFILE
+        self.rank: int | None = None
+        self.schedule: list[tuple[int, int]] = []  # (first step, rank) each time the rank changes; 0 = off
+        self.table = SyncTimeTable()
+        self.warmup_start = 0 if config.r_max is not None else None
+        self.error_at_start: float | None = None
+        self.error_test_step: int | None = None
+        self._error_model: ErrorModel | None = None
+        self._candidates = profile_candidates(config.profile_max_rank)
+
+    @staticmethod
+    def _default_r_min(r_max: int | None) -> int | None:
+        return None if r_max is None else max(1, r_max // 4)
+
+    # ------------------------------------------------------------------ planning
+    def _window_end(self, step: int) -> bool:
+        return (step + 1) % self.config.window == 0
+
+    def _warmup_over(self, step: int) -> bool:
+        if step < self.config.warmup_floor():
+            return False
+        if not self.config.warmup_error_test:
+            return True
+        return self.error_test_step is not None and step >= self.error_test_step
+
+    def plan(self, step: int) -> StepPlan:
+        if self.phase == WARMUP and self._warmup_over(step):
+            self.phase, self.rank = COMPRESS, self.r_max
+            self.schedule.append((step, self.r_max))
+        if self.phase == PROFILE:
+            return self._plan_profile(step)
+        if self.phase == WARMUP:
+            probe = None
+            if self.config.warmup_error_test:
+                if self.error_at_start is None:  # normally just the first warm-up step
+                    probe = self.r_max
+                elif self.error_test_step is None and self._window_end(step):
+                    probe = self.r_min
+            return StepPlan(step, WARMUP, None, probe_rank=probe, decision=probe is not None)
+        if self.phase == COMPRESS:
+            decide = self.config.adaptive and self._window_end(step) and step > self.schedule[-1][0]
+            return StepPlan(step, COMPRESS, self.rank, decision=decide)
+        return StepPlan(step, OFF, None)
+
+    def _plan_profile(self, step: int) -> StepPlan:
+        offset = step - PROFILE_START_STEP
+        if offset < 0:
+            return StepPlan(step, PROFILE, None)
+        block = 1 + self.config.profile_steps_per_rank
+        index, position = divmod(offset, block)
+        candidate = self._candidates[min(index, len(self._candidates) - 1)]
+        return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_timed=position > 0,
+                        decision=position == block - 1)
+
+    # ------------------------------------------------------------------ deciding
+    def current(self) -> Decision:
+        return Decision(self.phase, self.r_max, self.r_min, self.rank, self.error_test_step, self.error_at_start)
+
+    def propose(self, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
+                shapes: list[tuple[int, int]]) -> Decision:
+        """Group rank 0's decision at a decision point. Reads state, changes nothing."""
+        decision = self.current()
+        if plan.phase == PROFILE:
+            table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
+            self._record_profile(table, plan.profile_rank, agreed)
+            last = plan.profile_rank == self._candidates[-1]
+            if agreed.profile_time > agreed.uncompressed_time or last:
+                decision.r_max = table.rank_ceiling(multiple=4 if max(table.by_rank) >= 4 else 1)
+                if decision.r_max is None:
+                    decision.phase = OFF
+                else:
+                    decision.phase = WARMUP
+                    decision.r_min = self.config.r_min or self._default_r_min(decision.r_max)
+                    decision.r_min = min(decision.r_min, decision.r_max)
+        elif plan.phase == WARMUP:
+            if self.error_at_start is None:
+                if math.isfinite(agreed.probe_error):  # a NaN/Inf gradient: measure again next step
+                    decision.error_at_start = agreed.probe_error
+            elif agreed.probe_error <= self.error_at_start:
+                decision.error_test_step = plan.step + 1
+        elif plan.phase == COMPRESS:
+            decision.rank = self.next_rank(entropies, shapes)
+        return decision
+
+    def next_rank(self, entropies: Sequence[float], shapes: list[tuple[int, int]]) -> int:
+        config = self.config
+        assert self.rank is not None and self.r_min is not None and self.r_max is not None
+        per_window = max(1, config.window // config.sample_every)
+        if config.rank_mapping == "cqm":
+            means = window_means(entropies, per_window)
+            if means is None:
+                target: float = self.rank
+            else:
+                if self._error_model is None:
+                    self._error_model = ErrorModel(samples=config.cqm_mc_samples, seed=config.seed)
+                target = cqm_target_rank(self._error_model, shapes, self.rank, means[0], means[1],
+                                         config.cqm_exponent, self.r_min, self.r_max)
+        else:
+            target = delta_target(entropies, per_window, self.r_min, self.r_max)
+        return limit_rank(target, self.rank, self.r_min, self.r_max, config.rank_step, config.rank_granularity)
+
+    @staticmethod
+    def _record_profile(table: SyncTimeTable, rank: int | None, agreed: Agreed) -> None:
+        if rank is not None and math.isfinite(agreed.profile_time):
+            table.by_rank[rank] = agreed.profile_time
+        if math.isfinite(agreed.uncompressed_time):
+            # Each candidate block also timed the plain sync; keep the running mean.
+            count = len(table.by_rank)
+            previous = table.uncompressed if table.uncompressed is not None else agreed.uncompressed_time
+            table.uncompressed = previous + (agreed.uncompressed_time - previous) / max(count, 1)
+
+    def apply(self, plan: StepPlan, agreed: Agreed, decision: Decision) -> None:
+        """Adopt a decision (the same on every rank) at the end of ``plan.step``."""
+        if plan.phase == PROFILE:
+            self._record_profile(self.table, plan.profile_rank, agreed)
+        self.r_max, self.r_min = decision.r_max, decision.r_min
+        self.error_at_start, self.error_test_step = decision.error_at_start, decision.error_test_step
+        if decision.phase != self.phase:
+            self.phase = decision.phase
+            if self.phase == WARMUP:
+                self.warmup_start = plan.step + 1
+            if self.phase == OFF:
+                self.schedule.append((plan.step + 1, 0))
+        if self.phase == COMPRESS and decision.rank != self.rank:
+            self.rank = decision.rank
+            self.schedule.append((plan.step + 1, decision.rank))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        return {
+            "phase": self.phase, "r_max": self.r_max, "r_min": self.r_min, "rank": self.rank,
+            "schedule": list(self.schedule), "table": self.table.state_dict(),
+            "warmup_start": self.warmup_start, "error_at_start": self.error_at_start,
+            "error_test_step": self.error_test_step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["phase"] not in PHASES:
+            raise ValueError(f"unknown phase {state['phase']!r} in EDGC controller state")
+        self.phase, self.r_max, self.r_min, self.rank = state["phase"], state["r_max"], state["r_min"], state["rank"]
+        self.schedule = [(int(s), int(r)) for s, r in state["schedule"]]
+        self.table.load_state_dict(state["table"])
+        self.warmup_start = state["warmup_start"]
+        self.error_at_start, self.error_test_step = state["error_at_start"], state["error_test_step"]

@@ -1,0 +1,170 @@
+"""`EDGCState`: the EDGC compressor for one data-parallel group, usable as a DDP hook state.
+
+    state = EDGCState(process_group=None, config=EDGCConfig(total_steps=10_000), model=ddp_model)
+    ddp_model.register_comm_hook(state, edgc_hook)
+
+Per optimizer step it (1) samples the local gradient for the entropy series (GDS) on due
+steps, (2) runs the warm-up error probe or the r_max profiling when planned, (3) syncs
+gradients uncompressed or with PowerSGD at the controller's rank, and (4) at decision points
+agrees measurements over the group, lets group rank 0 decide and broadcasts the decision.
+Decision points depend only on the step number, so every rank takes part in every broadcast.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import EDGCConfig
+from .entropy import EntropySampler
+from .lowrank import LowRankCompressor, matrix_shape
+from .rank_control import OFF, Agreed, Decision, StepPlan, WindowController
+from .reducer import GradientReducer
+
+STATE_FORMAT = "edgc-state/1"
+
+
+class EDGCState(GradientReducer):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        config: EDGCConfig | None = None,
+        *,
+        model: nn.Module | None = None,
+    ):
+        super().__init__(process_group, model=model)
+        self.config = config if config is not None else EDGCConfig()
+        if not isinstance(self.config, EDGCConfig):
+            raise TypeError(f"config must be an EDGCConfig, got {type(self.config).__name__}")
+        self.compressor = LowRankCompressor(self.config)
+        self.sampler = EntropySampler(self.config)
+        self.controller = WindowController(self.config)
+        # Profiling times a compressed sync beside the real one, with its own Q and no error
+        # feedback, so training itself stays exactly uncompressed until warm-up ends.
+        self._profiler = LowRankCompressor(EDGCConfig(**{**self.config.to_dict(), "error_feedback": False,
+                                                         "r_max": None, "r_min": None}))
+        self._shapes: dict[str, tuple[int, int]] = {}
+        self._plan = StepPlan(0, self.controller.phase, None)
+        self._profile_seconds = [0.0, 0.0, 0]  # compressed, uncompressed, timed steps
+        self._probe_error = 0.0
+        self._last_entropy: float | None = None
+
+    # ------------------------------------------------------------------ per step
+    def _begin_step(self) -> None:
+        super()._begin_step()
+        self._plan = self.controller.plan(self.step)
+        self.sampler.begin(self.step if self.config.adaptive and self._plan.phase != OFF else -1)
+        self._probe_error = 0.0
+
+    def _on_device(self, device: torch.device) -> None:
+        self.compressor.to(device)
+
+    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+        plan = self._plan
+        self.sampler.add(grads)  # a no-op unless this step is sampled
+        for name, grad in zip(names, grads):
+            shape = matrix_shape(grad)
+            if shape is not None:
+                self._shapes[name] = shape
+        if plan.probe_rank is not None:
+            self._probe_error += self.compressor.probe_error(names, grads, plan.probe_rank)
+        if plan.profile_rank is not None:
+            self._profile(names, grads, flat, plan)
+        elif plan.rank is None:
+            self._average_raw(names, grads, flat)
+        else:
+            self._add_stats(self.compressor.reduce(names, grads, plan.rank, self.comm))
+
+    def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan) -> None:
+        shadow = [g.detach().clone() for g in grads]
+        comm_before = self.comm.seconds
+        start = time.perf_counter()
+        self._profiler.reduce(names, shadow, plan.profile_rank, self.comm)  # type: ignore[arg-type]
+        compressed = time.perf_counter() - start
+        self.comm.seconds = comm_before  # the shadow sync is not part of the step's traffic
+        start = time.perf_counter()
+        self._average_raw(names, grads, flat)
+        uncompressed = time.perf_counter() - start
+        if plan.profile_timed:
+            self._profile_seconds[0] += compressed
+            self._profile_seconds[1] += uncompressed
+
+    def _end_step(self) -> None:
+        self._last_entropy = self.sampler.finish()
+        plan = self._plan
+        if plan.profile_timed:
+            self._profile_seconds[2] += 1
+        if plan.decision:
+            self._decide(plan)
+        super()._end_step()
+
+    def _decide(self, plan: StepPlan) -> None:
+        compressed, uncompressed, count = self._profile_seconds
+        local = Agreed(
+            profile_time=compressed / count if count else math.nan,
+            uncompressed_time=uncompressed / count if count else math.nan,
+            probe_error=self._probe_error if plan.probe_rank is not None else math.nan,
+        )
+        device = self.device or torch.device("cpu")
+        agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
+        if self.comm.rank == 0:
+            shapes = [s for s in self._shapes.values() if self.compressor.compressed_rank(s, self.controller.r_max or 1)]
+            proposal = self.controller.propose(plan, agreed, self.sampler.values(), shapes)
+        else:
+            proposal = self.controller.current()
+        vector = self.comm.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
+        self.controller.apply(plan, agreed, Decision.decode(vector.tolist()))
+        self._profile_seconds = [0.0, 0.0, 0]
+
+    def _step_metrics(self) -> dict:
+        plan = self._plan
+        return {
+            "phase": plan.phase,
+            "rank": plan.rank,
+            "entropy": self._last_entropy,
+            "entropy_time_s": self.sampler.last_seconds if self._last_entropy is not None else 0.0,
+            "r_max": self.controller.r_max,
+            "r_min": self.controller.r_min,
+        }
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """This rank's complete state, keyed by parameter name (not DDP bucket index)."""
+        return {
+            "format": STATE_FORMAT,
+            **super().state_dict(),
+            "rank": self.comm.rank,
+            "config": self.config.to_dict(),
+            "controller": self.controller.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "profiler": self._profiler.state_dict(),
+            "profile_seconds": list(self._profile_seconds),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not an EDGC state (expected format {STATE_FORMAT!r})")
+        if state["config"] != self.config.to_dict():
+            changed = sorted(k for k, v in state["config"].items() if self.config.to_dict().get(k) != v)
+            warnings.warn(f"EDGCState: loading state saved with different config fields {changed}", stacklevel=2)
+        super().load_state_dict(state)
+        self.controller.load_state_dict(state["controller"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.compressor.load_state_dict(state["compressor"])
+        self._profiler.load_state_dict(state["profiler"])
+        self._profile_seconds = list(state["profile_seconds"])
+        if int(state["world_size"]) != self.comm.world_size:
+            # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
+            warnings.warn(
+                f"EDGCState: world size changed from {state['world_size']} to {self.comm.world_size}; "
+                "error feedback is reset (step, rank schedule, entropy history and Q factors are kept)",
+                stacklevel=2,
+            )
+            self.compressor.error.clear()
+        if self.device is not None:
+            self.compressor.to(self.device)
