@@ -1,0 +1,236 @@
+"""`edgc train`: flags and config file -> validated TrainConfig -> (torchrun) -> train().
+
+Every user error is found before any work starts (no data preparation, no process group, no folder
+created) and reported as one line with exit code 2: unknown compressor, bad numbers, missing or
+empty data, an existing ``--out`` folder, a missing/corrupt/mismatched checkpoint on ``--resume``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from edgc_cli.main import CLIError
+
+from .config import TrainConfig, field_help, load_config_file
+
+# Flags that may be given with --resume (they do not change what is computed).
+RESUME_OK = {"progress", "tensorboard"}
+
+
+def _bool_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train GPT-2 with a gradient compressor (runs under torchrun)",
+        description="Train a GPT-2 model data-parallel with a DP gradient compressor. Run it under "
+                    "`torchrun --nproc_per_node N`, or pass --nproc N to have it start torchrun itself. "
+                    "Numbers are checked after parsing, so every flag takes a string here.")
+    p.add_argument("--out", metavar="RUN_DIR", help="new run folder (must not exist)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    p.add_argument("--config", metavar="FILE", help="JSON or TOML file of config fields (flags override it)")
+    p.add_argument("--nproc", metavar="N", help="start N processes on this host via torch.distributed.run")
+    p.add_argument("--stop-at", metavar="STEP", dest="stop_at",
+                   help="stop after this optimizer step, checkpointed, as if interrupted (continue with --resume)")
+    docs = field_help()
+    bools = _bool_fields()
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "edgc":
+            p.add_argument("--edgc", metavar="KEY=VALUE", action="append", default=argparse.SUPPRESS,
+                           help=docs[f.name] + " Repeatable; VALUE is JSON (16, 0.5, true, null) or a string.")
+        elif f.name in bools:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=docs[f.name])
+        else:
+            p.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(), help=docs[f.name])
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------- parsing values
+def _convert(name: str, raw: str, annotation: str):
+    """Turn a flag string into the field's type; the error names the flag."""
+    optional = "None" in annotation
+    if optional and raw.lower() in ("none", "null"):
+        return None
+    flag = "--" + name.replace("_", "-")
+    if annotation.startswith("int"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise CLIError(f"{flag}: expected an integer, got {raw!r}") from None
+    if annotation.startswith("float"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise CLIError(f"{flag}: expected a number, got {raw!r}") from None
+    return raw
+
+
+def _parse_edgc(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value  # bare strings such as rank_mapping=cqm
+    return out
+
+
+def flag_values(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields given explicitly on the command line, converted to their types."""
+    values = {}
+    for f in dataclasses.fields(TrainConfig):
+        if not hasattr(args, f.name):
+            continue
+        raw = getattr(args, f.name)
+        if f.name == "edgc":
+            values["edgc"] = _parse_edgc(raw)
+        elif isinstance(raw, bool):
+            values[f.name] = raw
+        else:
+            values[f.name] = _convert(f.name, raw, str(f.type))
+    return values
+
+
+def _positive_int(flag: str, raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CLIError(f"{flag}: expected an integer, got {raw!r}") from None
+    if value < 1:
+        raise CLIError(f"{flag}: must be ≥ 1, got {value}")
+    return value
+
+
+# ------------------------------------------------------------------------- checks before any work
+def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Path, bool, int | None]:
+    """Validate everything; return (config, run folder, resume?, stop_at). Raises CLIError."""
+    from . import checkpoint as ckpt
+    from .data import DataError, source_files
+    from .train import config_from_run
+
+    stop_at = _positive_int("--stop-at", args.stop_at)
+    flags = flag_values(args)
+    if args.resume is not None:
+        if args.out is not None or args.config is not None:
+            raise CLIError("--resume continues a run with its own config: do not combine it with --out or --config")
+        changed = sorted(set(flags) - RESUME_OK)
+        if changed:
+            raise CLIError(f"--resume cannot change the run's config ({', '.join('--' + c.replace('_', '-') for c in changed)})")
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.json").is_file():
+            raise CLIError(f"--resume: {run_dir} is not a run folder (no config.json)")
+        try:
+            cfg = config_from_run(run_dir)
+            cfg = dataclasses.replace(cfg, **flags)
+        except (ValueError, TypeError) as exc:
+            raise CLIError(f"--resume: {run_dir / 'config.json'} is invalid: {exc}") from None
+        latest = ckpt.latest_checkpoint(run_dir)
+        if latest is None:
+            raise CLIError(f"--resume: {run_dir} has no checkpoint to resume from")
+        try:
+            trainer = ckpt.verify(latest)
+        except ckpt.CheckpointError as exc:
+            raise CLIError(str(exc)) from None
+        if trainer.get("world_size") != world_size:
+            raise CLIError(f"--resume: {latest.name} was written by {trainer.get('world_size')} processes, "
+                           f"this run has {world_size}; resume with the same number")
+        saved = {k: v for k, v in trainer.get("config", {}).items() if k not in RESUME_OK}
+        now = {k: v for k, v in cfg.to_dict().items() if k not in RESUME_OK}
+        if saved != now:
+            diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+            raise CLIError(f"--resume: {latest / 'trainer.json'} does not match config.json ({', '.join(diff)})")
+        if trainer["step"] >= cfg.steps:
+            raise CLIError(f"--resume: {run_dir} already finished all {cfg.steps} steps")
+        if stop_at is not None and stop_at <= trainer["step"]:
+            raise CLIError(f"--stop-at {stop_at} is not after the checkpoint's step {trainer['step']}")
+        resume = True
+    else:
+        if args.out is None:
+            raise CLIError("--out RUN_DIR is required (or --resume RUN_DIR)")
+        run_dir = Path(args.out)
+        if run_dir.exists():
+            raise CLIError(f"--out: {run_dir} already exists; choose a new folder or --resume it")
+        values = {}
+        try:
+            if args.config is not None:
+                values = load_config_file(args.config)
+            file_edgc = values.get("edgc") or {}
+            if not isinstance(file_edgc, dict):
+                raise ValueError("edgc: must be a table of EDGCConfig fields")
+            values.update({k: v for k, v in flags.items() if k != "edgc"})
+            values["edgc"] = {**file_edgc, **flags.get("edgc", {})}
+            cfg = TrainConfig.from_dict(values)
+        except (ValueError, TypeError) as exc:
+            raise CLIError(str(exc)) from None
+        resume = False
+    try:
+        files = source_files(cfg.data)
+    except DataError as exc:
+        raise CLIError(str(exc)) from None
+    if not any(_has_text(p) for p in files):
+        raise CLIError(f"--data: {cfg.data} holds no text (empty files)")
+    return cfg, run_dir, resume, stop_at
+
+
+def _has_text(path: Path) -> bool:
+    """Cheap emptiness test: any non-whitespace byte in the first 64 KiB."""
+    with open(path, "rb") as f:
+        return bool(f.read(1 << 16).strip())
+
+
+# ------------------------------------------------------------------------- entry point
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Re-run this command under ``python -m torch.distributed.run --standalone --nproc_per_node N``."""
+    env = dict(os.environ)
+    # torchrun would set 1 thread per process and warn; split the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "edgc_cli.main", "train", *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    nproc = _positive_int("--nproc", args.nproc)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if nproc is not None and under_torchrun:
+        raise CLIError("--nproc starts torchrun itself; do not use it under torchrun")
+    world_size = nproc or int(os.environ.get("WORLD_SIZE", 1))
+    cfg, run_dir, resume, stop_at = resolve(args, world_size)
+    if nproc is not None:
+        argv = sys.argv[1:]
+        argv = _strip_nproc(argv[argv.index("train") + 1:])
+        return launch_torchrun(nproc, argv)
+
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .train import train
+
+    try:
+        return train(cfg, run_dir, resume=resume, stop_at=stop_at)
+    except (DataError, CheckpointError) as exc:
+        raise CLIError(str(exc)) from None

