@@ -1,0 +1,146 @@
+"""`edgc simulate`: project EDGC and its baselines onto a paper-scale cluster, or calibrate the model
+against runs measured on this machine."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from .hardware import CLUSTERS, LINKS, cluster_with_inter_link
+from .iteration import IterationModel
+from .methods import METHODS, MethodConfig, simulate_methods
+from .presets import PRESETS
+from .report import DAY, format_table, plot_breakdown, reductions
+from .schedule import DeltaMapping, delta_rank_schedule, read_metrics, schedule_from_metrics, synthetic_entropy
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="project EDGC vs baselines onto a paper-scale TP x PP x DP cluster",
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="gpt2-12.1b", choices=sorted(PRESETS), help="model + layout + run length")
+    p.add_argument("--method", action="append", choices=METHODS,
+                   help="method to simulate (repeatable); default: all, with 'none' as the baseline")
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), help="hardware (default: the preset's)")
+    p.add_argument("--inter-link", choices=sorted(LINKS), help="replace the cluster's inter-node link")
+    p.add_argument("--iterations", type=int, help="run length (default: the preset's, 230k)")
+    p.add_argument("--rank", type=int, default=32, help="static PowerSGD rank")
+    p.add_argument("--optimus-rank", type=int, default=128, help="Optimus-CC DP rank")
+    p.add_argument("--optimus-stages", type=int, default=3, help="Optimus-CC compresses the first k stages")
+    p.add_argument("--r-max", type=int, help="EDGC rank ceiling (default: profiled from the model)")
+    p.add_argument("--window", type=int, default=1000, help="EDGC window w (iterations)")
+    p.add_argument("--warmup", type=float, default=0.1, help="uncompressed warm-up, fraction of the run")
+    p.add_argument("--metrics", help="replay the rank schedule of an `edgc train` metrics.jsonl")
+    p.add_argument("--entropy-tau", type=float, default=10_000,
+                   help="synthetic entropy decay time constant (iterations)")
+    p.add_argument("--out-dir", default="runs/simulate", help="where the plot (and --json) go")
+    p.add_argument("--no-plot", action="store_true", help="skip the breakdown plot")
+    p.add_argument("--json", action="store_true", help="also write the results as JSON to --out-dir")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                   help="compare the model with measured `edgc train` runs instead of projecting")
+    p.add_argument("--measure-host", action="store_true",
+                   help="measure this CPU (matmul, memory, dispatch) and the local gloo link, print, exit")
+    p.add_argument("--host-profile", help="JSON from --measure-host --save-profile, instead of measuring")
+    p.add_argument("--save-profile", help="with --measure-host: write the profile JSON here")
+    p.add_argument("--threads", type=int, default=1, help="threads per process for host measurements")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from edgc_cli.main import CLIError
+
+    try:
+        if args.measure_host:
+            return _measure(args)
+        if args.calibrate:
+            return _calibrate(args)
+        return _project(args)
+    except (ValueError, OSError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _project(args) -> int:
+    preset = PRESETS[args.preset]
+    if args.iterations:
+        preset = replace(preset, iterations=args.iterations)
+    cluster = CLUSTERS[args.cluster or preset.cluster]
+    if args.inter_link:
+        cluster = cluster_with_inter_link(cluster, args.inter_link)
+    methods = list(dict.fromkeys(["none"] + (args.method or list(METHODS))))  # baseline first
+    mapping = DeltaMapping(window=args.window, warmup_frac=args.warmup)
+    cfg = MethodConfig(args.rank, args.optimus_rank, args.optimus_stages, mapping, args.r_max)
+    model = IterationModel(preset, cluster)
+    if args.metrics:
+        records = read_metrics(args.metrics)
+        schedule = lambda r_max: schedule_from_metrics(records, preset.iterations, r_max, args.window)  # noqa: E731
+        source = f"ranks replayed from {args.metrics}"
+    else:
+        entropy = synthetic_entropy(preset.iterations, mapping.alpha, tau=args.entropy_tau)
+        schedule = lambda r_max: delta_rank_schedule(entropy, preset.iterations, r_max, mapping)  # noqa: E731
+        source = f"synthetic entropy (tau {args.entropy_tau:g} it)"
+    r_max, results = simulate_methods(model, preset.iterations, methods, cfg, schedule)
+    par = preset.parallel
+    title = (f"{preset.name} (TP{par.tp} PP{par.pp} DP{par.dp}, m={par.micro_batches}, {preset.precision}) on "
+             f"{cluster.name}: {cluster.nodes}x{cluster.gpus_per_node} {cluster.device.name}, "
+             f"intra {cluster.intra.name}, inter {cluster.inter.name}")
+    print(title)
+    print(f"{preset.iterations} iterations; EDGC r_max {r_max} (profiled: largest rank with compressed sync "
+          f"<= uncompressed), warm-up {args.warmup:.0%}, {source}\n")
+    print(format_table(results, results[0]))
+    if not args.no_plot:
+        path = plot_breakdown(results, title, Path(args.out_dir) / f"simulate_{preset.name}.png")
+        print(f"\nbreakdown plot: {path}")
+    if args.json:
+        path = Path(args.out_dir) / f"simulate_{preset.name}.json"
+        path.write_text(json.dumps(_as_json(preset.name, cluster.name, r_max, results), indent=2))
+        print(f"results: {path}")
+    return 0
+
+
+def _as_json(preset: str, cluster: str, r_max: int, results) -> dict:
+    out = {"preset": preset, "cluster": cluster, "r_max": r_max, "methods": {}}
+    for r in results:
+        d_comm, d_time = reductions(r, results[0])
+        out["methods"][r.method] = {"ranks": r.ranks, "dp_comm_s": r.dp_sync_s, "iteration_s": r.iteration_s,
+                                    "run_days": r.total_s / DAY, "comm_reduction": d_comm,
+                                    "time_reduction": d_time, "breakdown_s": r.breakdown}
+    return out
+
+
+def _host_profile(args):
+    from .host import load_profile, measure_host, measure_link
+
+    if args.host_profile:
+        device, link = load_profile(args.host_profile)
+        if link is not None:
+            return device, link, None
+    else:
+        device = measure_host(args.threads)
+    link, sizes, seconds = measure_link()
+    return device, link, (sizes, seconds)
+
+
+def _measure(args) -> int:
+    from .host import save_profile
+
+    device, link, sweep = _host_profile(args)
+    print(f"matmul {device.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, memory {device.mem_bytes_per_s / 1e9:.1f} GB/s, "
+          f"dispatch {device.launch_s * 1e6:.1f} us/op ({args.threads} thread(s))")
+    if sweep:
+        for n, t in zip(*sweep):
+            print(f"  gloo all-reduce {n / 2 ** 20:8.3f} MiB: {t * 1e3:8.3f} ms")
+    print(f"link fit: alpha {link.latency_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.2f} GB/s")
+    if args.save_profile:
+        save_profile(args.save_profile, device, link)
+        print(f"profile: {args.save_profile}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from .calibrate import calibrate, format_calibration, load_run
+
+    runs = [load_run(d) for d in args.calibrate]
+    device, link, _ = _host_profile(args)
+    print(format_calibration(calibrate(runs, device, link)))
+    return 0

@@ -1,0 +1,120 @@
+"""Quick measurements of this machine, so the cost model can be checked against runs made here.
+
+`measure_host` (~1 s): matmul throughput, memory bandwidth and per-op dispatch overhead of the CPU
+with a given thread count. `measure_link` (~5-10 s): a gloo all-reduce size sweep between local
+processes, fitted to the ring alpha-beta model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .hardware import DeviceSpec, LinkSpec
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of `repeats` calls: the least disturbed by other users of the 2 shared cores."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64) -> DeviceSpec:
+    """This CPU as a DeviceSpec (mfu 1: the measured matmul rate already is the achieved rate)."""
+    import torch
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
+        flops = 2 * matmul_n ** 3 / _best_time(lambda: a @ b, 5)
+        src = torch.empty(copy_mb * 2 ** 20 // 4)
+        dst = torch.empty_like(src)
+        mem = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), 5)  # read + write
+        tiny = torch.zeros(4)
+        reps = 2000
+        launch = _best_time(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps
+    finally:
+        torch.set_num_threads(old_threads)
+    return DeviceSpec("host", {"fp32": flops}, 1.0, mem, launch,
+                      f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy, tiny add_; {threads} thread(s)")
+
+
+def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:
+    """Fit of T = 2(n-1) alpha + 2(n-1)/n * N / beta minimising *relative* squared error (so the
+    small sizes still pin alpha); returns (alpha_s, bytes_per_s)."""
+    x = np.asarray(sizes_bytes, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    design = np.column_stack([np.full_like(x, 2 * (world - 1)), 2 * (world - 1) / world * x]) / y[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+    if inv_beta <= 0:
+        raise ValueError("all-reduce time did not grow with size; cannot fit a bandwidth")
+    return max(float(alpha), 0.0), 1.0 / float(inv_beta)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sweep_worker(rank: int, world: int, port: int, sizes: list, repeats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        medians = []
+        for nbytes in sizes:
+            buf = torch.ones(max(1, nbytes // 4))
+            dist.all_reduce(buf)  # first call of a size sets up buffers; not timed
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(buf)
+                times.append(time.perf_counter() - t)
+            medians.append(statistics.median(times))
+        if rank == 0:
+            Path(out).write_text(json.dumps(medians))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(world: int = 2, sizes=(4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20),
+                 repeats: int = 5) -> tuple:
+    """gloo all-reduce sweep between `world` local processes. Returns (LinkSpec, sizes, seconds)."""
+    import torch.multiprocessing as mp
+
+    sizes = list(sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sweep.json")
+        mp.spawn(_sweep_worker, args=(world, _free_port(), sizes, repeats, out), nprocs=world, join=True)
+        seconds = json.loads(Path(out).read_text())
+    alpha, beta = fit_alpha_beta(world, sizes, seconds)
+    link = LinkSpec("host-gloo", beta, 1.0, alpha, f"measured: gloo all-reduce sweep, {world} local processes")
+    return link, sizes, seconds
+
+
+def save_profile(path: str | Path, device: DeviceSpec, link: LinkSpec | None) -> None:
+    Path(path).write_text(json.dumps({"device": asdict(device), "link": asdict(link) if link else None},
+                                     indent=2))
+
+
+def load_profile(path: str | Path) -> tuple:
+    """(DeviceSpec, LinkSpec or None) from a file written by save_profile."""
+    data = json.loads(Path(path).read_text())
+    link = LinkSpec(**data["link"]) if data.get("link") else None
+    return DeviceSpec(**data["device"]), link

@@ -1,0 +1,108 @@
+"""The pure pieces of the cost model against closed forms and independent counts."""
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from edgc_sim import cost_model as cm
+from edgc_sim.cost_model import AlphaBeta
+
+
+def test_ring_allreduce_alpha_beta():
+    link = AlphaBeta(1e-5, 1e9)
+    # 2(n-1) steps of alpha, and each rank sends and receives 2(n-1)/n of the buffer
+    assert cm.ring_allreduce_time(4, 1e6, link) == pytest.approx(6e-5 + 1.5e-3)
+    assert cm.ring_allreduce_time(2, 1e6, link) == pytest.approx(2e-5 + 1e-3)
+    assert cm.ring_allreduce_time(1, 1e6, link) == 0.0
+    assert cm.ring_reduce_scatter_time(4, 1e6, link) == pytest.approx(3e-5 + 0.75e-3)
+
+
+def test_hierarchical_allreduce():
+    intra, inter = AlphaBeta(1e-6, 1e11), AlphaBeta(1e-5, 1e9)
+    n = 8e6
+    assert cm.hierarchical_allreduce_time(1, 4, n, intra, inter) == cm.ring_allreduce_time(4, n, intra)
+    assert cm.hierarchical_allreduce_time(4, 1, n, intra, inter) == cm.ring_allreduce_time(4, n, inter)
+    expected = 2 * cm.ring_reduce_scatter_time(2, n, intra) + cm.ring_allreduce_time(4, n / 2, inter)
+    assert cm.hierarchical_allreduce_time(4, 2, n, intra, inter) == pytest.approx(expected)
+    # two members per node halve the inter-node payload, so it beats a flat ring over the slow link
+    assert expected < cm.ring_allreduce_time(8, n, inter)
+
+
+@pytest.mark.parametrize("P,m", [(4, 8), (4, 4), (2, 16), (8, 3), (1, 5)])
+def test_1f1b_bubble_fraction(P, m):
+    assert cm.bubble_fraction(P, m) == pytest.approx((P - 1) / (m + P - 1))
+    tf, tb = 1.0, 2.0
+    tl = cm.one_f_one_b_timeline([tf] * P, [tb] * P, m)
+    makespan = max(tl.flush_end)
+    assert makespan == pytest.approx((m + P - 1) * (tf + tb))
+    idle = 1 - m * (tf + tb) / makespan
+    assert idle == pytest.approx(cm.bubble_fraction(P, m))
+    # stage p finishes its last backward p * t_b before stage 0: the slack DAC spends
+    for p in range(P):
+        assert tl.flush_end[0] - tl.flush_end[p] == pytest.approx(p * tb)
+
+
+def test_1f1b_respects_dependencies_and_order():
+    P, m = 3, 5
+    tl = cm.one_f_one_b_timeline([1.0, 1.5, 1.2], [2.0, 3.0, 2.5], m, p2p_s=[0.1, 0.2])
+    for p in range(P):
+        for i in range(m):
+            if p:
+                assert tl.fwd_start[p][i] >= tl.fwd_end[p - 1][i] + [0.1, 0.2][p - 1] - 1e-12
+            if p < P - 1:
+                assert tl.bwd_start[p][i] >= tl.bwd_end[p + 1][i] + [0.1, 0.2][p] - 1e-12
+    order = cm.one_f_one_b_order(0, 4, 8)
+    assert order[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)] and order[4] == ("B", 0)
+    assert len(order) == 16 and order[-3:] == [("B", 5), ("B", 6), ("B", 7)]
+
+
+def test_powersgd_bytes_vs_raw():
+    # paper.md §3.2 worked example: a 1920x1920 shard at r=32 sends 122,880 values instead of 3,686,400
+    p, q = cm.powersgd_values([(1920, 1920)], 32)
+    assert p + q == 32 * (1920 + 1920) == 122_880
+    assert 1920 * 1920 / (p + q) == pytest.approx(30)
+    p, q = cm.powersgd_values([(1440, 1920), (1920, 480)], 16)
+    assert (p, q) == (16 * (1440 + 1920), 16 * (1920 + 480))
+    # the rank is clipped to min(m, n): a thin matrix never costs more than sending it raw
+    assert sum(cm.powersgd_values([(1024, 3)], 64)) == 3 * (1024 + 3)
+    assert cm.powersgd_matmul_flops([(100, 50)], 8) == 6 * 100 * 50 * 8
+
+
+def test_powersgd_compute_grows_with_rank():
+    shapes = [(1920, 1920)] * 4
+    t = [cm.powersgd_compute_time(shapes, r, 1e13, 9e11, 5e-6, 4) for r in (4, 16, 64)]
+    assert t[0] < t[1] < t[2]
+    # launch-bound orthogonalisation: r columns x kernels per column x launch time, at least
+    assert cm.orthogonalize_time(10, 64, 1e15, 5e-6, 4) >= 64 * cm.GS_KERNELS_PER_COLUMN * 5e-6
+
+
+def test_gpt2_layer_flops_explicit_count():
+    b, s, h = 2, 16, 32
+    explicit = (2 * b * s * h * 3 * h  # QKV projection
+                + 2 * b * s * s * h  # Q K^T over all heads
+                + 2 * b * s * s * h  # attention x V
+                + 2 * b * s * h * h  # output projection
+                + 2 * b * s * h * 4 * h * 2)  # MLP up and down
+    assert cm.layer_forward_flops(b, s, h) == explicit
+
+
+def test_gpt2_layer_flops_match_torch_counter():
+    b, s, h, heads = 2, 16, 32, 4
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+            self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+            self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+        def forward(self, x):
+            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+            att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(h // heads), dim=-1)
+            x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, h))
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+    with FlopCounterMode(display=False) as counter:
+        Block()(torch.randn(b, s, h))
+    assert counter.get_total_flops() == cm.layer_forward_flops(b, s, h)
