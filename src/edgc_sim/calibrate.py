@@ -18,11 +18,12 @@ from .iteration import IterationModel
 from .presets import ModelSpec, ParallelSpec, Preset
 from .schedule import read_metrics
 
-# HF GPT2Config names first, then plain ones; the first present key wins.
-SHAPE_KEYS = {"layers": ("n_layer", "layers", "num_layers"),
-              "hidden": ("n_embd", "hidden", "hidden_size"),
-              "heads": ("n_head", "heads", "num_heads"),
-              "vocab": ("vocab_size", "vocab")}
+# `edgc train` writes the resolved GPT2Config shape under "model"; top-level keys are the user's
+# overrides (often null) and are only a fallback. The first non-null key wins.
+SHAPE_KEYS = {"layers": ("n_layer",), "hidden": ("n_embd",), "heads": ("n_head",),
+              "vocab": ("vocab_size", "vocab_size_actual"), "positions": ("n_positions",)}
+# these compressors time their compression inside comm_time_s (edgc_train/compressors.py)
+COMM_INCLUDES_COMPRESS = ("torch-powersgd",)
 REQUIRED = ("world_size", "micro_batch", "seq_len", "grad_accum", "compressor")
 SKIP_FRACTION = 0.1  # the first steps of a run carry start-up costs (allocation, gloo connects)
 
@@ -47,7 +48,7 @@ class CalibrationRow:
     step_measured_s: float  #: median measured step time, seconds
     step_predicted_s: float  #: model's step time, seconds
     comm_measured_s: float  #: median measured comm time, seconds
-    comm_predicted_s: float  #: model's DP sync time (compress + all-reduce), seconds
+    comm_predicted_s: float  #: model's DP all-reduce time (plus compression where the run's timer includes it)
 
     @property
     def step_error(self) -> float:
@@ -73,17 +74,17 @@ def load_run(run_dir: str | Path) -> MeasuredRun:
 
 
 def harness_model(config: dict) -> ModelSpec:
-    """The GPT-2 shape of a run, from config.json (top level or under "model")."""
-    sources = [config, config.get("model") or {}]
+    """The GPT-2 shape of a run, from config.json ("model", then top level)."""
+    sources = [config.get("model") or {}, config]
     shape = {}
     for field, keys in SHAPE_KEYS.items():
-        value = next((src[k] for src in sources for k in keys if k in src), None)
-        if value is None:
+        value = next((src[k] for src in sources for k in keys if src.get(k) is not None), None)
+        if value is None and field != "positions":
             raise ValueError(f"config.json has no model {field} (any of {keys})")
-        shape[field] = int(value)
+        shape[field] = int(value or 0)
     # HF GPT-2 does not pad its vocabulary
     return ModelSpec(shape["layers"], shape["hidden"], shape["heads"], int(config["seq_len"]),
-                     shape["vocab"], vocab_pad=1)
+                     shape["vocab"], vocab_pad=1, positions=shape["positions"])
 
 
 def host_model(config: dict, device: DeviceSpec, link: LinkSpec) -> IterationModel:
@@ -107,10 +108,13 @@ def calibrate(runs: Sequence[MeasuredRun], device: DeviceSpec, link: LinkSpec) -
             by_rank.setdefault(rec.get("rank"), []).append(rec)
         for rank, recs in sorted(by_rank.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)):
             it = model.iteration((rank,))
+            compressor = str(run.config["compressor"])
+            sync = it.sync[0]
+            predicted_comm = sync.total_s if compressor in COMM_INCLUDES_COMPRESS else sync.comm_s
             rows.append(CalibrationRow(
-                Path(run.path).name, str(run.config["compressor"]), rank, len(recs),
+                Path(run.path).name, compressor, rank, len(recs),
                 statistics.median(r["step_time_s"] for r in recs), it.iteration_s,
-                statistics.median(r.get("comm_time_s", 0.0) for r in recs), it.sync[0].total_s))
+                statistics.median(r.get("comm_time_s", 0.0) for r in recs), predicted_comm))
     return rows
 
 

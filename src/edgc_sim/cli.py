@@ -62,7 +62,7 @@ def run(args) -> int:
 
 def _project(args) -> int:
     preset = PRESETS[args.preset]
-    if args.iterations:
+    if args.iterations is not None:
         preset = replace(preset, iterations=args.iterations)
     cluster = CLUSTERS[args.cluster or preset.cluster]
     if args.inter_link:

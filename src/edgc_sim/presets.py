@@ -16,11 +16,14 @@ class ModelSpec:
     seq_len: int = 1024  #: tokens per sequence, also the number of position embeddings (>= 1)
     vocab: int = GPT2_VOCAB  #: vocabulary size before padding (>= 1)
     vocab_pad: int = 128  #: vocab is padded to a multiple of vocab_pad * TP (Megatron 128; 1 = none)
+    positions: int = 0  #: learned position embeddings (>= seq_len); 0 = seq_len (Megatron max-position)
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "vocab_pad"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.positions and self.positions < self.seq_len:
+            raise ValueError(f"positions ({self.positions}) must be 0 or >= seq_len ({self.seq_len})")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
@@ -32,7 +35,11 @@ class ModelSpec:
     def params(self) -> int:
         """Parameters (unpadded vocab): 12 L h^2 + 13 L h + embeddings + final LayerNorm."""
         h = self.hidden
-        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq_len) * h + 2 * h
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.position_count) * h + 2 * h
+
+    @property
+    def position_count(self) -> int:
+        return self.positions or self.seq_len
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def stage_params(model: ModelSpec, tp: int, pp: int, stage: int) -> StageParams:
     word = (model.padded_vocab(tp) // tp, model.hidden)
     embedding = 0
     if stage == 0:
-        matrices += [word, (model.seq_len, model.hidden)]
+        matrices += [word, (model.position_count, model.hidden)]
         embedding = word[0] * word[1]
     if stage == pp - 1:
         vectors += 2 * model.hidden
