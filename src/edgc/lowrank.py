@@ -20,7 +20,7 @@ when the rank falls, and extended with new columns drawn from a generator seeded
 (seed, parameter name, old rank, new rank) when it rises — the same numbers on every rank, so
 replicas stay identical without any extra communication.
 
-Factors and error feedback are fp32 whatever the gradient dtype.
+Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64).
 """
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ class LowRankCompressor:
         grad_dtype = grads[0].dtype
         wire_dtype = DTYPES[config.communication_dtype] if config.communication_dtype else grad_dtype
         device = grads[0].device
+        compute_dtype = torch.float64 if grad_dtype == torch.float64 else torch.float32
 
         groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
         raw: list[int] = []
@@ -138,21 +139,21 @@ class LowRankCompressor:
         # Local compute: M = G + e and P = M·orth(Q), every P in one buffer.
         p_sizes = [len(ix) * m * r for (m, n, r), ix in groups.items()]
         q_sizes = [len(ix) * n * r for (m, n, r), ix in groups.items()]
-        p_flat = torch.empty(sum(p_sizes), device=device, dtype=torch.float32)
-        q_flat = torch.empty(sum(q_sizes), device=device, dtype=torch.float32)
+        p_flat = torch.empty(sum(p_sizes), device=device, dtype=compute_dtype)
+        q_flat = torch.empty(sum(q_sizes), device=device, dtype=compute_dtype)
         batches = []
         for ((m, n, r), indices), p_view, q_view in zip(
             groups.items(), p_flat.split(p_sizes), q_flat.split(q_sizes)
         ):
             b = len(indices)
             p_group, q_group = p_view.view(b, m, r), q_view.view(b, n, r)
-            matrices = torch.stack([grads[i].view(m, n).float() for i in indices])
+            matrices = torch.stack([grads[i].view(m, n).to(compute_dtype) for i in indices])
             if config.error_feedback:
                 for k, i in enumerate(indices):
                     error = self.error.get(names[i])
                     if error is not None and error.shape == (m, n):
-                        matrices[k].add_(error)
-            torch.stack([self.resize_q(names[i], n, r, device) for i in indices], out=q_group)
+                        matrices[k].add_(error.to(compute_dtype))
+            torch.stack([self.resize_q(names[i], n, r, device).to(compute_dtype) for i in indices], out=q_group)
             orthogonalize_(q_group, config.orthogonalization_epsilon)
             torch.bmm(matrices, q_group, out=p_group)
             batches.append((indices, matrices, p_group, q_group))
@@ -252,8 +253,8 @@ class LowRankCompressor:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.q = {name: q.float() for name, q in state["q"].items()}
-        self.error = {name: e.float() for name, e in state["error"].items()}
+        self.q = dict(state["q"])
+        self.error = dict(state["error"])
 
     def to(self, device: torch.device) -> None:
         self.q = {name: q.to(device) for name, q in self.q.items()}

@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+
+from edgc import EDGCConfig, EntropySampler, gaussian_entropy, histogram_entropy
+
+
+def test_uniform_sample_has_log_bins_entropy():
+    x = torch.rand(2_000_000, generator=torch.Generator().manual_seed(0))
+    assert histogram_entropy(x, bins=1000) == pytest.approx(math.log(1000), abs=2e-3)
+
+
+def test_gaussian_histogram_entropy_matches_differential_minus_log_bin_width():
+    sigma = 0.01
+    x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1)) * sigma
+    bins = 1000
+    width = float(x.max() - x.min()) / bins
+    expected = 0.5 * math.log(2 * math.pi * math.e * sigma**2) - math.log(width)
+    assert histogram_entropy(x, bins) == pytest.approx(expected, abs=0.01)
+
+
+def test_gaussian_closed_form():
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(2)) * 3.0
+    assert gaussian_entropy(x) == pytest.approx(0.5 * math.log(2 * math.pi * math.e * 9.0), abs=2e-3)
+
+
+def test_histogram_entropy_is_scale_invariant_and_zero_for_constants():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    assert histogram_entropy(x * 1e-4) == pytest.approx(histogram_entropy(x), abs=1e-3)
+    assert histogram_entropy(torch.full((100,), 0.5)) == 0.0
+
+
+def test_sampler_samples_every_kth_step_and_element_and_counts_nonfinite():
+    sampler = EntropySampler(EDGCConfig(iteration_sample_ratio=0.5, gradient_sample_ratio=0.25, entropy_bins=10))
+    grad = torch.arange(16.0)
+    grad[4] = float("inf")  # element 4 is sampled (stride 4), element 5 is not
+    grad[5] = float("nan")
+    values = []
+    for step in range(4):
+        sampler.begin(step)
+        sampler.add([grad])
+        values.append(sampler.finish())
+    assert values[1] is None and values[3] is None
+    expected = histogram_entropy(torch.tensor([0.0, 8.0, 12.0]), bins=10)  # 4 → inf dropped
+    assert values[0] == pytest.approx(expected) and values[2] == pytest.approx(expected)
+    assert sampler.nonfinite_total == 2
+    assert [s for s, _ in sampler.history] == [0, 2]
+    assert sampler.calls == 2 and sampler.seconds_total > 0
+
+
+def test_sampler_copies_the_sample_before_the_gradient_is_overwritten():
+    sampler = EntropySampler(EDGCConfig(iteration_sample_ratio=1.0, gradient_sample_ratio=1.0))
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    expected = histogram_entropy(grad)
+    sampler.begin(0)
+    sampler.add([grad])
+    grad.zero_()  # what an all-reduce does to the bucket afterwards
+    assert sampler.finish() == pytest.approx(expected)
+
+
+def test_sampler_state_round_trip():
+    config = EDGCConfig(iteration_sample_ratio=1.0)
+    sampler = EntropySampler(config)
+    for step in range(3):
+        sampler.begin(step)
+        sampler.add([torch.randn(100)])
+        sampler.finish()
+    restored = EntropySampler(config)
+    restored.load_state_dict(sampler.state_dict())
+    assert restored.history == sampler.history

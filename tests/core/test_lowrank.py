@@ -1,0 +1,107 @@
+import torch
+
+from edgc import EDGCConfig, LowRankCompressor, orthogonalize_
+from edgc.comm import Communicator
+
+
+def make_grads(seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "attn.weight": torch.randn(48, 32, generator=g, dtype=dtype),
+        "mlp.weight": torch.randn(48, 32, generator=g, dtype=dtype),  # same shape: batched with attn
+        "conv.weight": torch.randn(16, 4, 3, 3, generator=g, dtype=dtype),  # viewed as 16 × 36
+        "bias": torch.randn(48, generator=g, dtype=dtype),
+        "tiny.weight": torch.randn(3, 3, generator=g, dtype=dtype),  # not worth compressing
+    }
+
+
+def test_error_feedback_conserves_the_gradient_single_process():
+    compressor = LowRankCompressor(EDGCConfig(r_max=4))
+    comm = Communicator()
+    previous_error = {}
+    for step in range(3):
+        grads = make_grads(step)
+        names = list(grads)
+        originals = {n: g.clone() + previous_error.get(n, torch.zeros_like(g)).view_as(g) for n, g in grads.items()}
+        stats = compressor.reduce(names, list(grads.values()), 4, comm)
+        for name in names:
+            residual = compressor.error.get(name, torch.zeros_like(grads[name])).view_as(grads[name])
+            torch.testing.assert_close(grads[name] + residual, originals[name], rtol=0, atol=1e-12)
+        previous_error = {n: e.clone() for n, e in compressor.error.items()}
+        assert stats.ranks == {"attn.weight": 4, "mlp.weight": 4, "conv.weight": 4, "bias": 0, "tiny.weight": 0}
+        assert stats.elements_sent == 48 + 9 + 1 + 2 * 4 * (48 + 32) + 4 * (16 + 36)
+        assert stats.elements_raw == 2 * 48 * 32 + 16 * 36 + 48 + 9
+        assert 0 < stats.error_sq < stats.norm_sq
+
+
+def test_rank_at_least_min_dimension_is_lossless():
+    compressor = LowRankCompressor(EDGCConfig(r_max=64, min_compression_rate=0.0, error_feedback=False))
+    grads = make_grads(7, dtype=torch.float32)
+    originals = {n: g.clone() for n, g in grads.items()}
+    stats = compressor.reduce(list(grads), list(grads.values()), 64, Communicator())
+    assert stats.ranks["attn.weight"] == 32 and stats.ranks["conv.weight"] == 16
+    for name in grads:
+        torch.testing.assert_close(grads[name], originals[name], rtol=0, atol=1e-5)
+
+
+def test_orthogonalize_handles_all_zero_columns():
+    for rank in (1, 2, 5):
+        matrices = torch.zeros(3, 10, rank)
+        matrices[1, :, 0] = 1.0
+        orthogonalize_(matrices)
+        assert torch.isfinite(matrices).all()
+        orthonormal = orthogonalize_(torch.randn(2, 10, rank))
+        torch.testing.assert_close(orthonormal.transpose(1, 2) @ orthonormal, torch.eye(rank).expand(2, -1, -1),
+                                   atol=1e-5, rtol=0)
+
+
+def test_q_resize_truncates_or_extends_identically_everywhere():
+    a, b = LowRankCompressor(EDGCConfig(seed=3)), LowRankCompressor(EDGCConfig(seed=3))
+    q8 = a.resize_q("w", 20, 8, torch.device("cpu"))
+    torch.testing.assert_close(q8, b.resize_q("w", 20, 8, torch.device("cpu")), rtol=0, atol=0)
+    a.q["w"] = q8
+    torch.testing.assert_close(a.resize_q("w", 20, 4, torch.device("cpu")), q8[:, :4], rtol=0, atol=0)
+    grown = a.resize_q("w", 20, 12, torch.device("cpu"))
+    torch.testing.assert_close(grown[:, :8], q8, rtol=0, atol=0)
+    b.q["w"] = q8.clone()
+    torch.testing.assert_close(grown, b.resize_q("w", 20, 12, torch.device("cpu")), rtol=0, atol=0)
+    assert not torch.equal(LowRankCompressor(EDGCConfig(seed=4)).resize_q("w", 20, 8, torch.device("cpu")), q8)
+
+
+def test_half_precision_gradients_keep_fp32_state():
+    compressor = LowRankCompressor(EDGCConfig(r_max=4))
+    grads = {n: g.to(torch.bfloat16) for n, g in make_grads(1, torch.float32).items()}
+    compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
+    assert all(q.dtype == torch.float32 for q in compressor.q.values())
+    assert all(e.dtype == torch.float32 for e in compressor.error.values())
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads.values())
+
+
+def test_non_finite_gradient_is_sent_raw_and_leaves_state_untouched():
+    compressor = LowRankCompressor(EDGCConfig(r_max=4))
+    grads = make_grads(2)
+    compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
+    before = {k: {n: t.clone() for n, t in d.items()} for k, d in compressor.state_dict().items()}
+    grads = make_grads(3)
+    grads["mlp.weight"][5, 5] = float("inf")
+    poisoned = {n: g.clone() for n, g in grads.items()}
+    stats = compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
+    assert stats.nonfinite and set(stats.ranks.values()) == {0}
+    for name in grads:  # uncompressed average of one rank = the gradient itself, inf included
+        torch.testing.assert_close(grads[name], poisoned[name], rtol=0, atol=0)
+    after = compressor.state_dict()
+    for kind in before:
+        for name, tensor in before[kind].items():
+            assert torch.equal(after[kind][name], tensor), (kind, name)
+
+
+def test_matrix_that_turns_raw_after_a_rank_change_flushes_its_residual():
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=1.0))
+    grads = make_grads(4)
+    compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
+    residual = compressor.error["conv.weight"].clone()
+    grads = make_grads(5)
+    expected = grads["conv.weight"] + residual.view_as(grads["conv.weight"])
+    stats = compressor.reduce(list(grads), list(grads.values()), 16, Communicator())  # (16+36)·16 ≥ 16·36 → raw
+    assert stats.ranks["conv.weight"] == 0 and "conv.weight" not in compressor.error
+    torch.testing.assert_close(grads["conv.weight"], expected, rtol=0, atol=1e-12)

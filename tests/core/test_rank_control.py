@@ -1,0 +1,128 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgc import EDGCConfig, WindowController, delta_target, limit_rank
+from edgc.profiling import SyncTimeTable, profile_candidates
+from edgc.rank_control import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    entropies=st.lists(st.floats(-50, 50), min_size=0, max_size=60),
+    per_window=st.integers(1, 10),
+    r_min=st.integers(1, 16),
+    span=st.integers(0, 48),
+    step_limit=st.integers(1, 8),
+    previous_offset=st.integers(0, 48),
+)
+def test_delta_mapping_respects_bounds_and_step_limit(entropies, per_window, r_min, span, step_limit, previous_offset):
+    r_max = r_min + span
+    previous = r_min + previous_offset % (span + 1)
+    target = delta_target(entropies, per_window, r_min, r_max)
+    rank = limit_rank(target, previous, r_min, r_max, step_limit, granularity=2)
+    assert r_min <= rank <= r_max
+    assert abs(rank - previous) <= step_limit
+
+
+@settings(max_examples=100, deadline=None)
+@given(drop=st.floats(-0.5, 0.5), previous=st.integers(4, 16), step_limit=st.integers(1, 6))
+def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
+    config = EDGCConfig(r_max=16, r_min=4, rank_mapping="cqm", rank_step=step_limit, window=4,
+                        iteration_sample_ratio=1.0, cqm_mc_samples=1)
+    controller = WindowController(config)
+    controller.rank = previous
+    entropies = [1.0] * 4 + [1.0 - drop] * 4
+    rank = controller.next_rank(entropies, [(32, 64), (32, 64)])
+    assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
+    if drop > 0.05 and previous - step_limit >= 4:
+        assert rank < previous  # falling entropy lowers the rank
+
+
+def test_delta_mapping_follows_the_authors_formula():
+    # first two windows change by 1.0; the latest two by 0.25 → ρ = 0.25
+    entropies = [3.0, 3.0, 2.0, 2.0, 1.75, 1.75, 1.5, 1.5]
+    assert delta_target(entropies, 2, r_min=8, r_max=32) == round(8 + 24 * 0.25)
+    assert delta_target(entropies[:3], 2, 8, 32) == 32  # < 2 windows: stay at r_max
+    stable = [3.0, 3.0, 2.0, 2.0, 1.5, 1.5, 1.5, 1.5]
+    assert delta_target(stable, 2, 8, 32) == 8
+
+
+def test_limit_rank_rounds_to_granularity_and_clamps():
+    assert limit_rank(13, 16, 4, 32, 4, 2) == 12
+    assert limit_rank(3, 16, 4, 32, 4, 2) == 12  # step limit
+    assert limit_rank(100, 30, 4, 32, 4, 2) == 32
+    assert limit_rank(1, 5, 4, 32, 4, 2) == 4
+
+
+def test_sync_time_table_interpolates_both_ways_and_finds_r_max():
+    table = SyncTimeTable(uncompressed=1.0, by_rank={2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7})
+    assert table.rank_to_time(12) == pytest.approx(0.7)
+    assert table.time_to_rank(0.7) == pytest.approx(12)
+    assert table.rank_to_time(64) == pytest.approx(3.3)  # linear extrapolation
+    assert table.rank_ceiling() == 16  # L⁻¹(1.0) = 18 → multiple of 4
+    assert SyncTimeTable(uncompressed=0.1, by_rank={2: 0.2, 4: 0.3}).rank_ceiling() is None
+    noisy = SyncTimeTable(uncompressed=1.0, by_rank={2: 0.3, 4: 0.25, 8: 0.6})
+    assert noisy.time_to_rank(0.3) == pytest.approx(4)  # noise flattened by the running max
+    assert profile_candidates(16) == [2, 4, 8, 16]
+
+
+def run_controller(config, steps, agreed_for):
+    """Drive the controller like a single-rank EDGCState would."""
+    controller = WindowController(config)
+    plans = []
+    for step in range(steps):
+        plan = controller.plan(step)
+        plans.append(plan)
+        if plan.decision:
+            agreed = agreed_for(plan)
+            controller.apply(plan, agreed, controller.propose(plan, agreed, [], []))
+    return controller, plans
+
+
+def test_profiling_finds_r_max_then_warms_up_then_compresses():
+    times = {2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7}
+    config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=2, window=5, total_steps=100,
+                        warmup_fraction=0.2, warmup_error_test=False)
+    controller, plans = run_controller(config, 40, lambda plan: Agreed(times.get(plan.profile_rank, math.nan), 1.0))
+    assert controller.r_max == 16 and controller.r_min == 4
+    assert [p.profile_rank for p in plans[1:16:3]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
+    assert plans[16].phase == WARMUP and plans[19].phase == WARMUP
+    assert plans[20].phase == COMPRESS and plans[20].rank == 16  # floor ⌊0.2·100⌋ = 20
+    assert controller.schedule == [(20, 16)]
+
+
+def test_profiling_turns_compression_off_when_it_never_pays():
+    config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1)
+    controller, plans = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))
+    assert controller.phase == OFF and plans[-1].rank is None and plans[-1].profile_rank is None
+
+
+def test_warmup_error_test_sets_t_e_at_first_passing_window_boundary():
+    config = EDGCConfig(r_max=8, window=4, min_warmup_steps=0)
+    errors = iter([1.0, 3.0, 0.9])  # E_max = 1.0 at step 0; boundary at step 3 fails; step 7 passes
+
+    def agreed(plan):
+        return Agreed(probe_error=next(errors)) if plan.phase == WARMUP else Agreed()
+
+    controller, plans = run_controller(config, 12, agreed)
+    assert [p.step for p in plans if p.probe_rank is not None] == [0, 3, 7]
+    assert plans[0].probe_rank == 8 and plans[3].probe_rank == 2
+    assert controller.error_test_step == 8 and plans[8].phase == COMPRESS and plans[7].phase == WARMUP
+
+
+def test_decision_round_trips_through_its_wire_encoding():
+    decision = Decision(COMPRESS, 32, 8, 12, 40, 0.125)
+    assert Decision.decode(decision.encode()) == decision
+    assert Decision.decode(Decision(PROFILE, None, None, None, None, None).encode()).r_max is None
+
+
+def test_controller_state_round_trip():
+    config = EDGCConfig(r_max=8, window=3, warmup_error_test=False)
+    controller, _ = run_controller(config, 10, lambda plan: Agreed())
+    restored = WindowController(config)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.state_dict() == controller.state_dict()
+    assert restored.plan(10) == controller.plan(10)
