@@ -192,4 +192,12 @@ def field_docs() -> list[tuple[str, Any, str]]:
     return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(EDGCConfig)]
 
 
-__all__ = ["EDGCConfig", "field_docs", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS"]
+__all__ = ["EDGCConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS"]
+
+
+def config_table_markdown() -> str:
+    """The README's table of every EDGCConfig field, generated from the dataclass itself."""
+    rows = ["| field | default | meaning, unit, valid range |", "| --- | --- | --- |"]
+    for name, default, doc in field_docs():
+        rows.append(f"| `{name}` | `{default!r}` | {doc.replace('|', '∣')} |")
+    return "\n".join(rows)

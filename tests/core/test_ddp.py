@@ -150,3 +150,49 @@ def test_error_feedback_conservation_two_processes_float64():
             assert torch.equal(decompressed, ranks[1][step][1][name])  # identical average everywhere
             mean_residual = sum(r[step][2][name] for r in ranks) / 2
             torch.testing.assert_close(decompressed + mean_residual, mean_input, rtol=0, atol=1e-12)
+
+
+def accumulation_worker(rank, world_size, micro_batches, steps):
+    model, ddp, state, optimizer, calls = build(ADAPTIVE)
+    for step in range(steps):
+        calls.append(0)
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            tokens, targets = batch(rank, step * micro_batches + micro)
+            if micro < micro_batches - 1:
+                with ddp.no_sync():  # accumulate locally: no hook call, no step
+                    loss_fn(ddp, tokens, targets).backward()
+            else:
+                loss_fn(ddp, tokens, targets).backward()
+        optimizer.step()
+    return state.step, state.controller.schedule, flat_parameters(model)
+
+
+def test_no_sync_accumulation_counts_optimizer_steps_not_micro_batches():
+    results = run_distributed(accumulation_worker, 2, 3, 7)
+    for steps_counted, schedule, _ in results:
+        assert steps_counted == 7
+        assert schedule[0] == (2, 8)  # the warm-up floor ⌊0.1·24⌋ = 2 optimizer steps
+    assert torch.equal(results[0][2], results[1][2])
+
+
+def plain_loop_worker(rank, world_size, steps):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    state = EDGCState(None, EDGCConfig(**ADAPTIVE), model=model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    phases = []
+    for step in range(steps):
+        tokens, targets = batch(rank, step)
+        optimizer.zero_grad()
+        loss_fn(model, tokens, targets).backward()
+        state.synchronize(model.named_parameters())  # no DDP: e.g. one pipeline stage
+        optimizer.step()
+        phases.append(state.last_step_metrics["phase"])
+    return flat_parameters(model), phases, state.controller.schedule
+
+
+def test_plain_loop_path_without_ddp_keeps_replicas_identical():
+    (params0, phases, schedule0), (params1, _, schedule1) = run_distributed(plain_loop_worker, 2, 8)
+    assert "compress" in phases and schedule0 == schedule1
+    assert torch.equal(params0, params1)
