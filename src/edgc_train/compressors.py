@@ -107,6 +107,7 @@ class TorchPowerSGD(Compressor):
         self.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                         start_powerSGD_iter=max(2, start_iter), random_seed=seed)
         self._names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+        self._layouts: dict[int, list[tuple[str, tuple[int, ...]]]] = {}  # bucket -> (name, shape) in order
         self._reset()
         ddp_model.register_comm_hook(self, TorchPowerSGD._hook)
 
@@ -114,21 +115,65 @@ class TorchPowerSGD(Compressor):
         self._acc = {"comm_time_s": 0.0, "elements_sent": 0, "elements_raw": 0, "bytes_sent": 0, "bytes_raw": 0,
                      "ranks": {}}
 
+    def _compressed(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(n, m, k) when the hook sends this gradient as rank-k factors, else None (its rule exactly)."""
+        n = shape[0]
+        m = math.prod(shape) // n
+        k = min(n, m, self.state.matrix_approximation_rank)
+        return (n, m, k) if (n + m) * k * self.state.min_compression_rate < n * m else None
+
+    def _segments(self, layout: list[tuple[str, tuple[int, ...]]]) -> dict[str, list[tuple[str, int]]]:
+        """How the hook's bucket-indexed buffers are laid out for a bucket holding ``layout`` in order.
+
+        error: one slice per parameter, in bucket order (it mirrors the bucket buffer). P and Q: one
+        slice per compressed parameter, grouped by matrix shape in order of first appearance, then
+        bucket order (``powerSGD_hook`` batches by shape the same way).
+        """
+        by_shape: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
+        for name, shape in layout:
+            if (nmk := self._compressed(shape)) is not None:
+                by_shape.setdefault(nmk[:2], []).append((name, *nmk))
+        ordered = [entry for group in by_shape.values() for entry in group]
+        return {"error": [(name, math.prod(shape)) for name, shape in layout],
+                "p": [(name, n * k) for name, n, m, k in ordered],
+                "q": [(name, m * k) for name, n, m, k in ordered]}
+
+    def _relayout(self, index: int, old: list, new: list) -> None:
+        """Permute the state of bucket ``index`` from parameter order ``old`` to ``new``.
+
+        DDP builds its first buckets in reverse parameter order and rebuilds them in gradient-ready
+        order after the first iteration, so a fresh DDP (after a resume) presents the parameters in
+        another order than the one the saved error-feedback and P/Q buffers were written in.
+        """
+        if sorted(old) != sorted(new):
+            raise RuntimeError("torch-powersgd: DDP moved parameters between buckets; its state cannot be remapped")
+        old_seg, new_seg = self._segments(old), self._segments(new)
+        for kind, memory in (("error", self.state.error_dict), ("p", self.state.p_memory_dict),
+                             ("q", self.state.q_memory_dict)):
+            if index not in memory:
+                continue
+            buf, pieces, offset = memory[index], {}, 0
+            for name, size in old_seg[kind]:
+                pieces[name] = buf[offset:offset + size]
+                offset += size
+            memory[index] = torch.cat([pieces[name] for name, _ in new_seg[kind]]) if pieces else buf
+
     @staticmethod
     def _hook(self, bucket):  # unannotated: DDP checks annotations and ours would be strings
-        st = self.state
+        st, acc = self.state, self._acc
+        layout = [(self._names.get(id(p), str(id(p))), tuple(g.shape))
+                  for p, g in zip(bucket.parameters(), bucket.gradients())]
+        index = bucket.index()
+        if index in self._layouts and self._layouts[index] != layout:
+            self._relayout(index, self._layouts[index], layout)
+        self._layouts[index] = layout
         compressing = st.iter >= st.start_powerSGD_iter
-        r, acc = st.matrix_approximation_rank, self._acc
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            raw = g.numel()
-            sent = raw
-            if compressing and g.ndim > 1:
-                n = g.shape[0]
-                m = raw // n
-                k = min(n, m, r)
-                if n * m > (n + m) * k * st.min_compression_rate:
-                    sent = (n + m) * k
-                    acc["ranks"][self._names.get(id(p), str(id(p)))] = k
+        for (name, shape), g in zip(layout, bucket.gradients()):
+            raw = sent = g.numel()
+            if compressing and (nmk := self._compressed(shape)) is not None:
+                n, m, k = nmk
+                sent = (n + m) * k
+                acc["ranks"][name] = k
             acc["elements_raw"] += raw
             acc["elements_sent"] += sent
             acc["bytes_raw"] += raw * g.element_size()
@@ -153,12 +198,17 @@ class TorchPowerSGD(Compressor):
         return out
 
     def state_dict(self) -> Any:
-        # PowerSGDState pickles everything but the process group (error feedback, P/Q memories, RNG).
-        return self.state.__getstate__()
+        # Every PowerSGDState slot but the process group (error feedback, P/Q memories, RNG, iter),
+        # plus the parameter order those bucket-indexed buffers are in.
+        slots = {slot: getattr(self.state, slot) for slot in self.state.__slots__ if slot != "process_group"}
+        return {"format": "torch-powersgd/1", "slots": slots, "layouts": self._layouts}
 
     def load_state_dict(self, sd: Any) -> None:
-        for slot, value in sd.items():
+        if not isinstance(sd, dict) or sd.get("format") != "torch-powersgd/1":
+            raise ValueError("not a torch-powersgd compressor state")
+        for slot, value in sd["slots"].items():
             setattr(self.state, slot, value)
+        self._layouts = sd["layouts"]
 
 
 def build(name: str, ddp_model, config) -> Compressor:

@@ -50,11 +50,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SOLO_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+
+
 def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     """Join the process group (torchrun's env:// variables; a 1-process group when run without torchrun)."""
     if "RANK" not in os.environ:  # plain `edgc train`: a group of one, so the same DDP code path runs
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        # (train() removes these again, so a caller in the same process is not left "under torchrun")
+        os.environ.update(SOLO_ENV, MASTER_PORT=str(free_port()))
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
@@ -135,6 +138,7 @@ class MetricsLog:
             self.f.close()
         if self.tb is not None:
             self.tb.close()
+        self.f = self.tb = None
 
 
 @torch.no_grad()
@@ -174,9 +178,12 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
     if cfg.device != "cpu":
         # cuBLAS needs this for deterministic GEMMs; it must be set before the first CUDA call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    solo = "RANK" not in os.environ
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
     rank, world, local_rank, device = setup_distributed(cfg)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
+    metrics = None
     try:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -282,7 +289,6 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                                 scheduler, sampler, compressor, cfg)
         if progress is not None:
             progress.close()
-        metrics.close()
         if step < cfg.steps:
             log(f"stopped at step {step} of {cfg.steps}; continue with: edgc train --resume {run_dir}")
         elif master:
@@ -293,7 +299,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         dist.barrier()
         return 0
     finally:
+        if metrics is not None:
+            metrics.close()
         dist.destroy_process_group()
+        torch.use_deterministic_algorithms(deterministic_before)
+        if solo:
+            for key in (*SOLO_ENV, "MASTER_PORT"):
+                os.environ.pop(key, None)
 
 
 def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device) -> None:

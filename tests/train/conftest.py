@@ -1,0 +1,37 @@
+"""Shared helpers for the training-harness tests: a small corpus slice, fast flags, subprocess runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EDGC = [sys.executable, "-m", "edgc_cli.main"]
+
+# Small enough for 2 cores: tiny preset (3.4M params at vocab 512), 4 x 64 tokens per rank.
+FAST = ["--max-chars", "200000", "--vocab-size", "512", "--seq-len", "64", "--micro-batch", "4",
+        "--eval-batches", "4", "--no-progress", "--no-tensorboard"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One data cache for the whole session, so the tokenizer is trained once."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def run_edgc(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`edgc ...` in a subprocess, 1 thread per process, killed after ``timeout`` seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([*EDGC, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}

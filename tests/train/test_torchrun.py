@@ -1,0 +1,95 @@
+"""End to end: `edgc train --nproc 2` (torchrun, gloo) on the tiny preset, and an exact resume.
+
+Three 2-process runs of the same 20-step EDGC job (~15-20 s each on 2 cores):
+  A  uninterrupted, checkpoints at steps 10 and 20;
+  B  the same job stopped after step 10 (`--stop-at 10`), then `--resume`d to step 20.
+B's losses at steps 11-20 must equal A's bit for bit.
+EDGC is given r_max=8 and no warm-up error test, so it compresses from step 3 on (warm-up floor
+⌊0.1·20⌋ = 2): the resume must then restore error feedback and Q factors, not just the model.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from .conftest import FAST, read_metrics, run_edgc, train_losses
+
+JOB = ["--nproc", "2", "--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--compressor", "edgc",
+       "--edgc", "r_max=8", "--edgc", "warmup_error_test=false", *FAST]
+
+TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_time_s", "comm_time_s",
+              "compress_time_s", "tokens_per_s", "phase", "rank", "ranks", "entropy", "elements_sent",
+              "elements_raw", "bytes_sent", "bytes_raw"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("runs")
+    a, b = root / "a", root / "b"
+    job = [*JOB, "--cache-dir", str(cache_dir)]
+    for args in (["--out", str(a), *job], ["--out", str(b), "--stop-at", "10", *job],
+                 ["--resume", str(b), "--nproc", "2", "--no-progress"]):
+        proc = run_edgc("train", *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if "--stop-at" in args:  # really stopped: nothing past step 10, no summary yet
+            assert max(train_losses(b)) == 10 and not (b / "summary.json").exists()
+    return a, b
+
+
+def test_two_process_run_learns(runs):
+    a, _ = runs
+    losses = train_losses(a)
+    assert sorted(losses) == list(range(1, 21))
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (18, 19, 20)) / 3
+    assert last < first - 0.5, losses
+    evals = [r for r in read_metrics(a) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert evals[-1]["val_loss"] < math.log(512) - 0.5  # clearly better than a uniform guess
+    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+
+
+def test_metrics_follow_the_contract(runs):
+    a, _ = runs
+    train = [r for r in read_metrics(a) if r["kind"] == "train"]
+    for r in train:
+        assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 4 * 64 / r["step_time_s"])
+        assert r["compute_time_s"] == pytest.approx(max(0.0, r["step_time_s"] - r["comm_time_s"] - r["compress_time_s"]))
+        assert r["bytes_raw"] == 4 * r["elements_raw"] > 0
+    # Warm-up (steps 1-2) sends everything; afterwards rank-8 factors, far fewer elements.
+    assert [r["phase"] for r in train[:2]] == ["warmup", "warmup"]
+    assert all(r["phase"] == "compress" and r["rank"] == 8 for r in train[2:])
+    assert all(r["elements_sent"] == r["elements_raw"] for r in train[:2])
+    assert all(r["elements_sent"] < r["elements_raw"] / 5 for r in train[2:])
+    assert 8 in set(train[-1]["ranks"].values())
+    assert any(r["entropy"] is not None for r in train)
+    config = json.loads((a / "config.json").read_text())
+    for key in ("preset", "n_params", "world_size", "micro_batch", "seq_len", "grad_accum", "steps",
+                "compressor", "seed", "edgc", "started_at"):
+        assert key in config
+    assert config["world_size"] == 2 and config["compressor"] == "edgc" and config["edgc"]["r_max"] == 8
+    assert 3_000_000 < config["n_params"] < 5_000_000
+    summary = json.loads((a / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["val_loss"] == [r for r in read_metrics(a) if r["kind"] == "eval"][-1]["val_loss"]
+
+
+def test_checkpoint_layout(runs):
+    a, _ = runs
+    dirs = sorted(p.name for p in (a / "checkpoints").iterdir())
+    assert dirs == ["step_000010", "step_000020"]
+    files = {p.name for p in (a / "checkpoints" / "step_000010").iterdir()}
+    assert files == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer.json", "manifest.json",
+                     "rank0.pt", "rank1.pt", "edgc_rank0.pt", "edgc_rank1.pt"}
+
+
+def test_resume_reproduces_uninterrupted_losses_exactly(runs):
+    a, b = runs
+    la, lb = train_losses(a), train_losses(b)
+    assert sorted(lb) == list(range(1, 21))  # lines 1-10 from before the stop, 11-20 after resume
+    for step in range(11, 21):
+        assert lb[step] == la[step], (step, la[step], lb[step])
+    ea = [r["val_loss"] for r in read_metrics(a) if r["kind"] == "eval"]
+    eb = [r["val_loss"] for r in read_metrics(b) if r["kind"] == "eval"]
+    assert ea == eb
