@@ -22,12 +22,12 @@ from .comm import Communicator
 from .lowrank import ReduceStats
 
 
-def parameter_names(model: nn.Module | None) -> dict[int, str]:
-    """id(parameter) → name, without DDP's ``module.`` prefix so names survive (un)wrapping."""
+def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) pairs without DDP's ``module.`` prefix, so names survive (un)wrapping."""
     if model is None:
-        return {}
+        return []
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return {id(p): name for name, p in inner.named_parameters()}
+    return list(inner.named_parameters())
 
 
 class GradientReducer:
@@ -36,7 +36,9 @@ class GradientReducer:
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, model: nn.Module | None = None):
         self.comm = Communicator(process_group)
         self.step = 0  # optimizer steps completed
-        self._names = parameter_names(model)
+        parameters = named_parameters(model)
+        self._names = {id(p): name for name, p in parameters}
+        self.parameter_shapes = {name: tuple(p.shape) for name, p in parameters}  # for checking loaded state
         self.last_step_metrics: dict = {}
         self.totals = {"elements_raw": 0, "elements_sent": 0, "bytes_raw": 0, "bytes_sent": 0}
         self._in_step = False
@@ -180,5 +182,10 @@ def edgc_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futures.
     future.set_result(state.reduce_bucket(bucket))
     return future
 
+
+# DDP's register_comm_hook compares the annotations with the classes themselves, and this
+# module's annotations are strings (postponed evaluation): give the hook the evaluated ones.
+edgc_hook.__annotations__ = {"state": GradientReducer, "bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
 
 allreduce_hook = edgc_hook  # the same hook; the name reads better with AllReduceState
