@@ -147,8 +147,10 @@ class EDGCState(GradientReducer):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()`; a malformed or mismatched state raises ValueError and changes nothing."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not an EDGC state (expected format {STATE_FORMAT!r})")
+        self._check_loadable(state)
         if state["config"] != self.config.to_dict():
             changed = sorted(k for k, v in state["config"].items() if self.config.to_dict().get(k) != v)
             warnings.warn(f"EDGCState: loading state saved with different config fields {changed}", stacklevel=2)
@@ -168,3 +170,31 @@ class EDGCState(GradientReducer):
             self.compressor.error.clear()
         if self.device is not None:
             self.compressor.to(self.device)
+
+    def _check_loadable(self, state: dict) -> None:
+        """Validate everything first, so a bad checkpoint cannot leave the state half-loaded."""
+        required = ("step", "totals", "world_size", "config", "controller", "sampler", "compressor", "profiler",
+                    "profile_seconds")
+        missing = [key for key in required if key not in state]
+        if missing:
+            raise ValueError(f"corrupt EDGC state: missing {missing}")
+        try:
+            WindowController(self.config).load_state_dict(state["controller"])
+            EntropySampler(self.config).load_state_dict(state["sampler"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"corrupt EDGC state: {exc!r}") from exc
+        compressor = state["compressor"]
+        if not isinstance(compressor, dict) or set(compressor) != {"q", "error"}:
+            raise ValueError("corrupt EDGC state: compressor must hold 'q' and 'error'")
+        if not self.parameter_shapes:
+            return  # no model given: nothing to check shapes against
+        for kind, tensors in compressor.items():
+            for name, tensor in tensors.items():
+                shape = self.parameter_shapes.get(name)
+                if shape is None:
+                    raise ValueError(f"EDGC state has {kind} for parameter {name!r}, which the model does not have")
+                rows, cols = shape[0], math.prod(shape[1:])
+                expected = (rows, cols) if kind == "error" else (cols,)
+                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
+                    got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                    raise ValueError(f"EDGC state {kind} of {name!r} has shape {got}, the parameter needs {expected}")

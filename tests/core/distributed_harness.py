@@ -38,12 +38,18 @@ def _entry(fn, rank, world_size, port, results, args):
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
     finally:
+        # Flush the result before tearing down: after a peer died, gloo may abort the process.
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """fn(rank, world_size, *args) on every rank; returns the results ordered by rank."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_dead: tuple | list = ()) -> list:
+    """fn(rank, world_size, *args) on every rank; returns the results ordered by rank.
+
+    Ranks in ``expect_dead`` are meant to die without reporting; their result is None.
+    """
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -51,7 +57,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                  for rank in range(world_size)]
     for process in processes:
         process.start()
-    collected: dict[int, object] = {}
+    collected: dict[int, object] = {rank: None for rank in expect_dead}
     try:
         while len(collected) < world_size:
             try:

@@ -1,0 +1,82 @@
+"""Glue for training stacks: register an edgc hook wherever a DDP model is built for you.
+
+- Plain DDP / HF transformers / HF Accelerate: ``register_edgc(ddp_model, EDGCConfig(...))`` on
+  the DistributedDataParallel model (for Accelerate: the model ``accelerator.prepare`` returned).
+- Lightning: ``Trainer(strategy=EDGCDDPStrategy(EDGCConfig(...)))`` from
+  ``edgc.integrations.lightning`` (Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers
+  nothing unless the device is CUDA).
+
+Nothing here imports Lightning or Accelerate; ``import edgc`` never needs them.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import EDGCConfig
+from ..reducer import GradientReducer, edgc_hook
+from ..state import EDGCState
+
+
+def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DistributedDataParallel module of ``model`` (itself, or under torch.compile's wrapper)."""
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, DistributedDataParallel):
+            return candidate
+    return None
+
+
+def check_group(state: object) -> None:
+    """Raise if an edgc state was built before the process group it is meant to average over.
+
+    A `GradientReducer` reads the world size when it is constructed; built before
+    ``init_process_group`` (easy with launchers that initialise it for you), it would
+    silently communicate nothing.
+    """
+    if isinstance(state, GradientReducer) and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size(state.comm.group)
+        if state.comm.world_size != world:
+            raise RuntimeError(
+                f"{type(state).__name__} was created for a world of {state.comm.world_size} process(es) "
+                f"but the process group has {world}: create it after init_process_group "
+                "(or pass an EDGCConfig and let the integration build the state)"
+            )
+
+
+def register_edgc(
+    model: nn.Module,
+    config: EDGCConfig | None = None,
+    *,
+    state: GradientReducer | None = None,
+    hook: Callable = edgc_hook,
+    process_group: dist.ProcessGroup | None = None,
+) -> GradientReducer | None:
+    """Register the EDGC hook on a DDP-wrapped ``model`` and return its state.
+
+    Give ``config`` (an `EDGCState` is built with the model's parameter names) or a ready
+    ``state`` (any `GradientReducer`, e.g. `AllReduceState`). Call it before the first
+    forward. Without a process group of more than one rank there is nothing to compress: it
+    warns and returns None, so one script runs under ``python`` and ``torchrun`` alike.
+    """
+    if config is not None and state is not None:
+        raise ValueError("give either config or state, not both")
+    ddp = find_ddp(model)
+    if ddp is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+            warnings.warn("edgc: no distributed process group of more than one rank; no hook registered",
+                          stacklevel=2)
+            return None
+        raise TypeError(f"register_edgc needs a DistributedDataParallel model, got {type(model).__name__} "
+                        "(with Accelerate: the model returned by accelerator.prepare)")
+    if state is None:
+        state = EDGCState(process_group, config if config is not None else EDGCConfig(), model=ddp)
+    check_group(state)
+    ddp.register_comm_hook(state, hook)
+    return state
+
+
+__all__ = ["register_edgc", "find_ddp", "check_group"]
