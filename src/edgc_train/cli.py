@@ -31,14 +31,14 @@ def register(subparsers) -> None:
         "train", help="train GPT-2 with a gradient compressor (runs under torchrun)",
         description="Train a GPT-2 model data-parallel with a DP gradient compressor. Run it under "
                     "`torchrun --nproc_per_node N`, or pass --nproc N to have it start torchrun itself. "
-                    "Numbers are checked after parsing, so every flag takes a string here.")
+                    "See docs/train.md.")
     p.add_argument("--out", metavar="RUN_DIR", help="new run folder (must not exist)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
     p.add_argument("--config", metavar="FILE", help="JSON or TOML file of config fields (flags override it)")
     p.add_argument("--nproc", metavar="N", help="start N processes on this host via torch.distributed.run")
     p.add_argument("--stop-at", metavar="STEP", dest="stop_at",
                    help="stop after this optimizer step, checkpointed, as if interrupted (continue with --resume)")
-    docs = field_help()
+    docs = {name: doc.replace("%", "%%") for name, doc in field_help().items()}  # argparse formats help with %
     bools = _bool_fields()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

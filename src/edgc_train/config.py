@@ -73,7 +73,7 @@ class TrainConfig:
     """Optimizer steps to train. ≥ 1."""
 
     lr: float = 1e-3
-    """Peak AdamW learning rate. > 0."""
+    """Peak AdamW learning rate. In (0, 10]."""
 
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr × this. In [0, 1]."""
