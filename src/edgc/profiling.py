@@ -54,15 +54,23 @@ class SyncTimeTable:
         return max(0.0, _interpolate(ranks, times, rank))
 
     def time_to_rank(self, seconds: float) -> float:
+        """The largest (fractional) rank predicted to sync within ``seconds``: max{r : time(r) ≤ seconds}."""
         ranks, times = self._monotone_points()
         if not ranks:
             raise ValueError("SyncTimeTable has no compressed measurements")
-        # Collapse plateaus (equal times) to their largest rank so the inverse is a function.
-        points: dict[float, float] = {}
-        for t, r in zip(times, ranks):
-            points[t] = r
-        ts = sorted(points)
-        return _interpolate(ts, [points[t] for t in ts], seconds)
+        rising = [(ranks[i], times[i], ranks[i + 1], times[i + 1]) for i in range(len(ranks) - 1)
+                  if times[i + 1] > times[i]]
+        if not rising:  # every measured rank takes the same time
+            return ranks[-1] if seconds >= times[0] else 0.0
+        if seconds < times[0]:  # below the cheapest measurement: extend the first rising segment
+            r0, t0, r1, t1 = rising[0]
+            return max(0.0, r0 - (t0 - seconds) * (r1 - r0) / (t1 - t0))
+        for r0, t0, r1, t1 in rising:
+            if t0 <= seconds < t1:
+                return r0 + (seconds - t0) * (r1 - r0) / (t1 - t0)
+        # At or above the slowest measurement: from the last rank, extend the last rising slope.
+        r0, t0, r1, t1 = rising[-1]
+        return ranks[-1] + (seconds - times[-1]) * (r1 - r0) / (t1 - t0)
 
     def rank_ceiling(self, multiple: int = 4) -> int | None:
         """r_max: largest rank (a multiple of ``multiple``) predicted faster than uncompressed.
