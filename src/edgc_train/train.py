@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import statistics
 import time
@@ -160,7 +161,9 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
                     sampler: BlockSampler, compressor, cfg: TrainConfig) -> None:
     tmp = ckpt.tmp_dir_for(run_dir, step)
     if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
+        if tmp.exists():  # left by a run that crashed while saving this step: incomplete by definition
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     dist.barrier()
     ckpt.save_rank_files(tmp, rank, sampler.state_dict(), compressor.state_dict())
     if rank == 0:

@@ -36,9 +36,11 @@ def edgc_train(capsys, *args):
 def small_run(tmp_path_factory, cache_dir):
     """A finished 1-process run to resume from (and to try to damage)."""
     run = tmp_path_factory.mktemp("small") / "run"
+    fast = [a for a in FAST if a != "--no-tensorboard"]
     code = main(["train", "--out", str(run), "--steps", "4", "--ckpt-every", "2", "--compressor", "none",
-                 "--cache-dir", str(cache_dir), *FAST])
+                 "--cache-dir", str(cache_dir), *fast])
     assert code == 0
+    assert list((run / "tb").glob("events.out.tfevents.*"))  # TensorBoard is installed here
     return run
 
 

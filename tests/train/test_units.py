@@ -229,3 +229,15 @@ def test_model_overrides_and_checks():
         model_shape("tiny", 512, 64, n_embd=65)
     with pytest.raises(ValueError, match="n_positions"):
         model_shape("tiny", 512, 64, n_positions=32)
+
+
+def test_resume_drops_metric_lines_after_the_checkpoint(tmp_path):
+    from edgc_train.train import MetricsLog
+
+    lines = [{"kind": "train", "step": s} for s in range(1, 7)] + [{"kind": "eval", "step": 5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    log = MetricsLog(tmp_path, enabled=True, tensorboard=False, resume_step=4)
+    log.write({"kind": "train", "step": 5})
+    log.close()
+    kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in kept] == [("train", s) for s in (1, 2, 3, 4, 5)]
