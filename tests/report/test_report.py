@@ -146,6 +146,31 @@ def test_same_run_twice_refused(two_runs, capsys):
     assert "twice" in capsys.readouterr().err
 
 
+def _train(out: Path, compressor: str) -> None:
+    """A real 6-step `edgc train` run of a shrunken tiny model, 1 process (about 10 s)."""
+    cmd = [sys.executable, "-m", "edgc_cli.main", "train", "--out", str(out), "--preset", "tiny", "--n-layer", "1",
+           "--n-embd", "64", "--n-head", "2", "--seq-len", "32", "--micro-batch", "2", "--steps", "6",
+           "--eval-every", "3", "--eval-batches", "1", "--no-progress", "--no-tensorboard", "--compressor", compressor]
+    if compressor == "edgc":
+        cmd += ["--edgc", "r_max=4", "--edgc", "r_min=2", "--edgc", "window=2", "--edgc", "iteration_sample_ratio=1",
+                "--edgc", "warmup_fraction=0.3", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_report_from_real_runs(tmp_path):
+    none, edgc = tmp_path / "none", tmp_path / "edgc"
+    _train(none, "none")
+    _train(edgc, "edgc")
+    result = build_report([none, edgc], tmp_path / "report")
+    check_report(tmp_path / "report", ["none", "edgc"])
+    stats = {r.label: r.stats for r in result["runs"]}
+    assert stats["edgc"]["first_compressed_step"] is not None and stats["none"]["first_compressed_step"] is None
+    assert stats["edgc"]["bytes_per_step"] < stats["none"]["bytes_per_step"]
+    assert stats["edgc"]["entropy_samples"] == 6 and stats["none"]["val_loss"] is not None
+
+
 # ------------------------------------------------------------------------------------------ demo
 def test_demo_refuses_existing_out(tmp_path, capsys):
     existing = tmp_path / "demo"
