@@ -152,6 +152,12 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         if saved != now:
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             raise CLIError(f"--resume: {latest / 'trainer.json'} does not match config.json ({', '.join(diff)})")
+        saved_edgc = json.loads((run_dir / "config.json").read_text()).get("edgc")
+        now_edgc = cfg.edgc_config().to_dict() if cfg.compressor in ("edgc", "powersgd") else None
+        if saved_edgc != now_edgc:  # e.g. the run-length scaling rules changed since the run started
+            diff = sorted(k for k in set(saved_edgc or {}) | set(now_edgc or {})
+                          if (saved_edgc or {}).get(k) != (now_edgc or {}).get(k))
+            raise CLIError(f"--resume: the EDGC config derived now differs from config.json ({', '.join(diff)})")
         if trainer["step"] >= cfg.steps:
             raise CLIError(f"--resume: {run_dir} already finished all {cfg.steps} steps")
         if stop_at is not None and stop_at <= trainer["step"]:

@@ -112,6 +112,12 @@ def test_corrupt_or_mismatched_checkpoint_is_refused(capsys, small_run, tmp_path
     (run / "config.json").write_text(json.dumps({**config, "lr": 0.5}))
     code, lines = edgc_train(capsys, "--resume", str(run))
     assert code == 2 and "does not match config.json (lr)" in lines[0], lines
+    (run / "config.json").write_text(json.dumps({**config, "edgc": {"window": 7}}))
+    code, lines = edgc_train(capsys, "--resume", str(run))
+    assert code == 2 and "EDGC config derived now differs from config.json (window)" in lines[0], lines
+    (run / "config.json").write_text(json.dumps(config))
+    code, lines = edgc_train(capsys, "--resume", str(run), "--stop-at", "1")
+    assert code == 2 and "--stop-at 1 is not after the checkpoint's step 2" in lines[0], lines
     code, lines = edgc_train(capsys, "--resume", str(tmp_path / "nothing"))
     assert code == 2 and "not a run folder" in lines[0]
 
