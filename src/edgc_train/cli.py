@@ -238,5 +238,5 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return train(cfg, run_dir, resume=resume, stop_at=stop_at)
-    except (DataError, CheckpointError) as exc:
+    except (DataError, CheckpointError, FloatingPointError) as exc:  # FloatingPointError: the loss diverged
         raise CLIError(str(exc)) from None

@@ -216,6 +216,10 @@ class TrainConfig:
 
         values = scaled_edgc_defaults(self.steps)
         if self.compressor == "powersgd":
+            fixed = sorted({"r_max", "r_min", "adaptive"} & set(self.edgc))
+            if fixed:
+                raise ValueError(f"edgc: {', '.join(fixed)} cannot be set for compressor powersgd "
+                                 "(a static rank: use --powersgd-rank)")
             values = {"total_steps": self.steps, "warmup_fraction": values["warmup_fraction"]}
             return EDGCConfig.static(self.powersgd_rank, **{**values, **self.edgc})
         return EDGCConfig.from_dict({**values, **self.edgc})

@@ -54,6 +54,8 @@ def small_run(tmp_path_factory, cache_dir):
     (["--edgc", "windw=5"], "unknown field(s) ['windw']"),
     (["--nproc", "0"], "--nproc: must be ≥ 1"),
     (["--data", "/no/such/corpus"], "does not exist"),
+    (["--config", "/no/such/config.toml"], "config file /no/such/config.toml does not exist"),
+    (["--compressor", "powersgd", "--edgc", "r_max=4"], "cannot be set for compressor powersgd"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(capsys, tmp_path, args, message):
     out = tmp_path / "run"

@@ -38,6 +38,9 @@ def test_invalid_values_name_the_field(field, value):
 def test_edgc_fields_rejected_for_other_compressors():
     with pytest.raises(ValueError, match="edgc"):
         TrainConfig(compressor="none", edgc={"r_max": 8})
+    with pytest.raises(ValueError, match="r_max cannot be set for compressor powersgd"):
+        TrainConfig(compressor="powersgd", edgc={"r_max": 8})
+    assert TrainConfig(compressor="powersgd", edgc={"window": 9}).edgc_config().window == 9
 
 
 def test_config_file_json_and_toml(tmp_path):
