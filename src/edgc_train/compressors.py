@@ -65,14 +65,7 @@ class EngineCompressor(Compressor):
             self.state = edgc.AllReduceState(process_group=None, model=ddp_model)
         else:
             self.state = edgc.EDGCState(process_group=None, config=config, model=ddp_model)
-        hook = edgc.allreduce_hook if name == "none" else edgc.edgc_hook
-
-        # DDP rejects a hook whose `bucket` annotation is not the GradBucket class itself, and
-        # edgc's module uses postponed (string) annotations; an unannotated wrapper passes the check.
-        def engine_hook(state, bucket):
-            return hook(state, bucket)
-
-        ddp_model.register_comm_hook(self.state, engine_hook)
+        ddp_model.register_comm_hook(self.state, edgc.allreduce_hook if name == "none" else edgc.edgc_hook)
 
     def step_metrics(self) -> dict[str, Any]:
         m = self.state.last_step_metrics or {}
