@@ -274,7 +274,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix.lower() == ".toml":
-            import tomllib
+            try:
+                import tomllib  # Python ≥ 3.11
+            except ImportError:
+                raise ValueError(f"config file {path}: TOML needs Python 3.11 or newer; use JSON") from None
 
             values = tomllib.loads(text)
         else:
