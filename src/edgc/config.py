@@ -148,6 +148,9 @@ class EDGCConfig:
     @classmethod
     def static(cls, rank: int, **overrides: Any) -> "EDGCConfig":
         """Static PowerSGD at ``rank`` after the warm-up: the non-adaptive baseline."""
+        fixed = sorted({"r_max", "r_min", "adaptive"} & set(overrides))
+        if fixed:
+            raise ValueError(f"EDGCConfig.static: {fixed} are set by the rank argument; pass rank= only")
         overrides.setdefault("warmup_error_test", False)
         return cls(r_max=rank, r_min=rank, adaptive=False, **overrides)
 

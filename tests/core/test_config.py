@@ -63,3 +63,8 @@ def test_dict_round_trip_and_unknown_field():
     assert EDGCConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown field"):
         EDGCConfig.from_dict({"rmax": 3})
+
+
+def test_static_rejects_conflicting_overrides():
+    with pytest.raises(ValueError, match=r"EDGCConfig\.static.*r_max"):
+        EDGCConfig.static(rank=8, r_max=16)
