@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+
+import pytest
 import re
 import subprocess
 import sys
@@ -26,3 +28,13 @@ def summaries(output: str) -> dict[int, dict]:
         rank, step, phase, r, sent, raw = match.groups()
         found[int(rank)] = {"step": int(step), "phase": phase, "rank": int(r), "sent": int(sent), "raw": int(raw)}
     return found
+
+
+@pytest.fixture(scope="session")
+def two_process_results():
+    """test_composability's worker, run once for that file and test_register (2 gloo processes)."""
+    from distributed_harness import run_distributed
+
+    from .test_composability import worker
+
+    return run_distributed(worker, 2)

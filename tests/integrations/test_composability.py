@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import run_distributed
 from edgc import EDGCConfig
 from edgc.integrations import register_edgc
 from models import TinyTransformer, batch, flat_parameters, loss_fn
@@ -68,17 +67,15 @@ def run_case(rank, name, ddp_kwargs):
 
 
 def worker(rank, world_size):
-    return {name: run_case(rank, name, kwargs) for name, kwargs in CASES.items()}
+    from .test_register import registration_checks  # in the same start-up: it costs seconds
 
-
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(worker, 2)
+    return {"cases": {name: run_case(rank, name, kwargs) for name, kwargs in CASES.items()},
+            "registration": registration_checks(rank)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_hook_composes_with_ddp_option(results, case):
-    first, second = results[0][case], results[1][case]
+def test_hook_composes_with_ddp_option(two_process_results, case):
+    first, second = (r["cases"][case] for r in two_process_results)
     assert first["step"] == first["calls"] == STEPS  # one hook step per optimizer step
     assert first["phases"][-1] == "compress" and first["phases"] == second["phases"]
     assert first["sent"] < first["raw"] / 2

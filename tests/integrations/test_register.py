@@ -1,15 +1,17 @@
-"""`register_edgc` and the hook's registration on a plain DDP model (2 gloo processes)."""
+"""`register_edgc` and the hook's registration on a plain DDP model.
+
+The 2-process checks run inside test_composability's processes (one start-up for both files).
+"""
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import run_distributed
 from edgc import EDGCConfig, EDGCState, allreduce_hook, edgc_hook
 from edgc.integrations import register_edgc
 
 
-def registration_worker(rank, world_size):
+def registration_checks(rank):
     out = {}
     # edgc_hook itself passes DDP's annotation check (it once failed: string annotations).
     ddp = DDP(nn.Linear(32, 32))
@@ -39,8 +41,8 @@ def registration_worker(rank, world_size):
     return out
 
 
-def test_hook_registers_directly_and_through_register_edgc():
-    results = run_distributed(registration_worker, 2)
+def test_hook_registers_directly_and_through_register_edgc(two_process_results):
+    results = [r["registration"] for r in two_process_results]
     for out in results:
         assert out["direct_steps"] == 1
         assert out["names"] == ["bias", "weight"] and out["phase"] == "compress"
