@@ -128,8 +128,10 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 
 def _label(runs: list[Run]) -> None:
-    """Label = folder name + compressor ("demo-edgc (edgc)"); just the name when it is the compressor."""
+    """Label = folder name + compressor: "e120 (edgc)", "edgc", "base (none: uncompressed)", "none (uncompressed)"."""
     def make(run: Run, name: str) -> str:
+        if run.compressor == "none":
+            return f"{name} (uncompressed)" if name == "none" else f"{name} (none: uncompressed)"
         return name if name == run.compressor else f"{name} ({run.compressor})"
 
     labels = [make(r, r.path.name) for r in runs]
@@ -410,6 +412,13 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
                 xs.append(math.nan)
                 ys.append(math.nan)
             ax.plot(xs, ys, lw=2.2, color=c, label=f"{run.label}: window mean (window = {window} steps)")
+            if len(with_entropy) == 1:  # the rank in force in each window, above its mean
+                in_force = {(r["step"] - 1) // window: r.get("rank") for r in run.train}  # at the window's end
+                for w, values in sorted(groups.items()):
+                    rank = in_force.get(w)
+                    ax.annotate("uncompr." if rank is None else f"r={rank}", ((w + 0.5) * window + 0.5,
+                                sum(values) / len(values)), textcoords="offset points", xytext=(0, 5),
+                                ha="center", fontsize=7.5, color="#333333")
     if with_entropy:
         _mark_warmup(ax, runs, colors)
         ax.legend(fontsize=8.5)
@@ -541,7 +550,8 @@ def summary_table(runs: list[Run]) -> str:
     head = ["run", "steps", "train time", "final val loss", "val PPL", "median step (ms)", "median comm (ms)",
             "median compress (ms)", "MB sent/step", "ranks used"]
     if base is not None:
-        head += ["bytes/step vs none", "comm vs none", "step time vs none", "train time vs none", "Δ val loss vs none"]
+        head += ["bytes/step vs uncompressed", "comm vs uncompressed", "step time vs uncompressed",
+                 "train time vs uncompressed", "Δ val loss vs uncompressed"]
     rows = []
     for run in runs:
         s = run.stats
@@ -617,7 +627,7 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
         "moves about 2(N−1)/N times this over each link.",
     ]
     if base is not None:
-        lines += [f"- **… vs none**: this run's value divided by the uncompressed run **{base.label}**'s "
+        lines += [f"- **… vs uncompressed**: this run's value divided by the uncompressed run **{base.label}**'s "
                   "(below 1× = less); Δ val loss is the difference (negative = better than uncompressed)."]
     else:
         lines += ["- No uncompressed run (compressor `none`) was given, so there are no ratio columns."]
@@ -640,8 +650,9 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
                             "did not slow learning per step.",
         "loss_vs_time.png": "The same against wall-clock time: what a faster (or slower) step buys.",
         "val_ppl.png": "Validation perplexity at each evaluation (log scale); the legend gives the final values.",
-        "entropy.png": "Gradient entropy samples (dots) and their per-window means (bars). EDGC turns the change "
-                       "in this mean between windows into the next window's rank.",
+        "entropy.png": "Gradient entropy samples (dots) and their per-window means (bars), labelled with the rank "
+                       "in force in that window. EDGC turns the change in this mean between the last two windows "
+                       "into the next window's rank.",
         "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed). Bottom: bytes "
                     "sent per step, which follow the rank.",
         "comm_time.png": "Left: time in the gradient collectives per step. Right: where a median step's time "

@@ -82,7 +82,7 @@ def check_report(out: Path, labels: list[str], ratios: bool = True) -> str:
     header = table[0]
     for label in labels:
         assert any(row.startswith(f"| {label} |") for row in table[2:]), (label, table)
-    assert ("bytes/step vs none" in header) == ratios
+    assert ("bytes/step vs uncompressed" in header) == ratios
     for name in PLOTS:
         assert f"]({name})" in md
     return md
@@ -92,16 +92,16 @@ def test_report_two_runs(two_runs, capsys):
     none, edgc = two_runs
     assert edgc_main(["report", str(none), str(edgc)]) == 0
     out = none.parent / "report"  # default: next to the first run
-    md = check_report(out, ["none", "edgc"])
+    md = check_report(out, ["none (uncompressed)", "edgc"])
     edgc_row = next(line for line in md.splitlines() if line.startswith("| edgc |"))
     cells = [c.strip() for c in edgc_row.strip("|").split("|")]
     header = [c.strip() for c in md.splitlines()[[l.startswith("|") for l in md.splitlines()].index(True)].strip("|").split("|")]
-    ratio = float(cells[header.index("bytes/step vs none")].rstrip("×"))
+    ratio = float(cells[header.index("bytes/step vs uncompressed")].rstrip("×"))
     assert 0.05 < ratio < 0.4  # 6 raw steps of 40, the rest at rank/200 of the raw size
     assert "medians over steps 4–end" in md
     assert "6–10: r=16" not in md and "7–11: r=16" in md  # rank schedule (steps: rank)
     printed = capsys.readouterr().out
-    assert "report.md" in printed and "× of none" in printed
+    assert "report.md" in printed and "× of none (uncompressed)" in printed
 
 
 def test_report_out_flag_single_run_no_baseline(tmp_path):
@@ -117,7 +117,7 @@ def test_report_uncompressed_only_still_draws_every_plot(tmp_path):
     run = write_run(tmp_path / "base", "none")
     out = tmp_path / "rep"
     build_report([run], out)
-    check_report(out, ["base (none)"])
+    check_report(out, ["base (none: uncompressed)"])
 
 
 @pytest.mark.parametrize("setup, message", [
@@ -164,11 +164,11 @@ def test_report_from_real_runs(tmp_path):
     _train(none, "none")
     _train(edgc, "edgc")
     result = build_report([none, edgc], tmp_path / "report")
-    check_report(tmp_path / "report", ["none", "edgc"])
+    check_report(tmp_path / "report", ["none (uncompressed)", "edgc"])
     stats = {r.label: r.stats for r in result["runs"]}
-    assert stats["edgc"]["first_compressed_step"] is not None and stats["none"]["first_compressed_step"] is None
-    assert stats["edgc"]["bytes_per_step"] < stats["none"]["bytes_per_step"]
-    assert stats["edgc"]["entropy_samples"] == 6 and stats["none"]["val_loss"] is not None
+    assert stats["edgc"]["first_compressed_step"] is not None and stats["none (uncompressed)"]["first_compressed_step"] is None
+    assert stats["edgc"]["bytes_per_step"] < stats["none (uncompressed)"]["bytes_per_step"]
+    assert stats["edgc"]["entropy_samples"] == 6 and stats["none (uncompressed)"]["val_loss"] is not None
 
 
 # ------------------------------------------------------------------------------------------ demo
