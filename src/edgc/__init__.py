@@ -4,6 +4,7 @@
     state = EDGCState(process_group=None, config=EDGCConfig(total_steps=10_000), model=ddp_model)
     ddp_model.register_comm_hook(state, edgc_hook)
 """
+from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .config import EDGCConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .lowrank import LowRankCompressor, orthogonalize_
@@ -17,5 +18,6 @@ __all__ = [
     "LowRankCompressor", "EntropySampler", "WindowController", "ErrorModel",
     "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
     "delta_target", "limit_rank", "orthogonalize_", "field_docs",
+    "CastState", "TopKState", "RandomKState", "QSGDState",
 ]
 __version__ = "0.1.0"

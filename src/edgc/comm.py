@@ -48,6 +48,14 @@ class Communicator:
         self._timed(tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group))
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on all ranks), in group-rank order."""
+        if self.world_size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._timed(tensor, lambda: dist.all_gather(out, tensor, group=self.group))
+        return out
+
     def mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place average over the group. Divides first so fp16 sums cannot overflow."""
         if self.world_size > 1:

@@ -1,0 +1,315 @@
+"""Baseline gradient compressors, each a `GradientReducer` (same hook, metrics and checkpoints as EDGC).
+
+==============  =============================================================================  ==============
+state           what one call (a DDP bucket, or all gradients on the plain-loop path) sends     bytes per rank
+==============  =============================================================================  ==============
+`CastState`     the packed gradients cast to fp16 / bf16, one all-reduce (mean)                 2·N
+`TopKState`     the k = ⌈ratio·N⌉ largest-magnitude entries of G + e: values (fp32) and          8·k
+                indices (int32, bit-cast into the same fp32 buffer), one all-gather; EF
+`RandomKState`  k entries at indices drawn from a generator seeded by (seed, step, call):       4·k
+                the same indices on every rank, so the values go in one all-reduce; EF
+`QSGDState`     G + e stochastically rounded to int8 (levels −127…127) with one fp32 scale     N + 4·⌈N/c⌉
+                (max-abs) per chunk of c elements, one all-gather of int8; EF
+==============  =============================================================================  ==============
+
+N = elements in the call, ratio = ``ratio``, c = ``chunk``. "Bytes per rank" is what this rank puts
+on the wire for that call (``bytes_sent``); all-gathered payloads reach every other rank.
+
+Error feedback (EF, ``error_feedback=True``): e ← (G + e) − C(G + e), the part of this rank's
+corrected gradient that its compressed message did not carry; it is added to the next step's
+gradient, so mean over ranks of (decompressed + e) equals mean of (G + e): nothing is lost, only
+delayed. It is stored per parameter name, so checkpoints survive a different DDP bucket layout.
+
+Unbiasedness: `RandomKState` with ``rescale=True`` (the default without EF) multiplies the kept
+values by 1/P(index drawn), and `QSGDState`'s stochastic rounding is unbiased per element, so
+E[decompressed] = input for both. `TopKState` is biased (and relies on EF); `CastState` rounds to
+nearest (deterministic, relative error ≤ 2⁻¹¹ for fp16, 2⁻⁸ for bf16).
+
+Collectives are blocking and issued in a fixed order by `Communicator` (see comm.py), never from
+future callbacks, so any number of DDP buckets is safe under gloo.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .lowrank import ReduceStats, stable_seed
+from .reducer import GradientReducer
+
+BASELINE_FORMAT = "edgc-baseline/1"
+CAST_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _pack(grads: list[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
+    return flat if flat is not None else torch.cat([g.reshape(-1) for g in grads])
+
+
+def _unpack(packed: torch.Tensor, grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+    if flat is not None and packed.data_ptr() == flat.data_ptr():
+        return
+    offset = 0
+    for g in grads:
+        g.view(-1).copy_(packed[offset : offset + g.numel()].to(g.dtype))
+        offset += g.numel()
+
+
+class CastState(GradientReducer):
+    """Averaged all-reduce of the gradients cast to fp16 or bf16 (no error feedback)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, dtype: str | torch.dtype = "float16",
+                 model: nn.Module | None = None):
+        super().__init__(process_group, model=model)
+        if isinstance(dtype, str):
+            if dtype not in CAST_DTYPES:
+                raise ValueError(f"dtype: must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
+            dtype = CAST_DTYPES[dtype]
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype: must be float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
+
+    def _reduce(self, names, grads, flat) -> None:
+        packed = _pack(grads, flat)
+        on_wire = packed.to(self.dtype)
+        self.comm.mean_(on_wire)  # divides before summing, so fp16 cannot overflow in the sum
+        packed.copy_(on_wire)
+        _unpack(packed, grads, flat)
+        n = packed.numel()
+        self._add_stats(ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(),
+                                    ranks={name: 0 for name in names}))
+
+    def _step_metrics(self) -> dict:
+        return {"phase": "compress", "rank": None, "entropy": None}
+
+    def state_dict(self) -> dict:
+        return {"format": BASELINE_FORMAT, "method": "cast", **super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_format(state, "cast")
+        super().load_state_dict(state)
+
+
+class _ErrorFeedbackReducer(GradientReducer):
+    """Shared part of the sparsifiers and the quantiser: M = G + e in fp32, the EF update, checkpoints."""
+
+    method = ""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, error_feedback: bool = True,
+                 model: nn.Module | None = None):
+        super().__init__(process_group, model=model)
+        self.error_feedback = bool(error_feedback)
+        self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, fp32, the parameter's shape
+        self._call = 0  # calls (buckets) so far in this step
+
+    def _begin_step(self) -> None:
+        super()._begin_step()
+        self._call = 0
+
+    def _on_device(self, device: torch.device) -> None:
+        self.error = {name: e.to(device) for name, e in self.error.items()}
+
+    def _corrected(self, names: list[str], grads: list[torch.Tensor]) -> torch.Tensor:
+        """M = G + e as one flat fp32 (fp64 for fp64 gradients) vector."""
+        dtype = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
+        parts = []
+        for name, g in zip(names, grads):
+            part = g.reshape(-1).to(dtype)
+            error = self.error.get(name) if self.error_feedback else None
+            if error is not None and error.numel() == g.numel():
+                part = part + error.reshape(-1).to(dtype)
+            parts.append(part)
+        return torch.cat(parts)
+
+    def _finish(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
+                corrected: torch.Tensor, sent_local: torch.Tensor, average: torch.Tensor,
+                elements_sent: int, bytes_sent: int) -> None:
+        """Write ``average`` into the gradients; e ← corrected − sent_local; record the metrics."""
+        if flat is not None:
+            flat.copy_(average.to(flat.dtype))  # grads are views into DDP's bucket buffer
+        else:
+            _unpack(average, grads, flat)
+        if self.error_feedback:
+            residual = corrected - sent_local
+            offset = 0
+            for name, g in zip(names, grads):
+                self.error[name] = residual[offset : offset + g.numel()].view(g.shape).clone()
+                offset += g.numel()
+        n = corrected.numel()
+        error_sq = float((corrected - sent_local).square().sum())
+        self._add_stats(ReduceStats(n, elements_sent, n * grads[0].element_size(), bytes_sent,
+                                    error_sq=error_sq, norm_sq=float(corrected.square().sum()),
+                                    ranks={name: 0 for name in names}))
+        self._call += 1
+
+    def _step_metrics(self) -> dict:
+        return {"phase": "compress", "rank": None, "entropy": None}
+
+    def state_dict(self) -> dict:
+        return {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict(),
+                "error": {name: e.detach().cpu().clone() for name, e in self.error.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_format(state, self.method)
+        error = state.get("error")
+        if not isinstance(error, dict):
+            raise ValueError(f"corrupt {self.method} state: 'error' must be a table of tensors")
+        for name, tensor in error.items():
+            shape = self.parameter_shapes.get(name)
+            if self.parameter_shapes and shape is None:
+                raise ValueError(f"{self.method} state has error feedback for {name!r}, which the model does not have")
+            if shape is not None and tuple(tensor.shape) != shape:
+                raise ValueError(f"{self.method} state error of {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the parameter needs {shape}")
+        super().load_state_dict(state)
+        self.error = dict(error)
+        if int(state["world_size"]) != self.comm.world_size:
+            self.error.clear()  # residuals are per rank: they cannot be split or merged
+        if self.device is not None:
+            self._on_device(self.device)
+
+
+def _check_format(state: dict, method: str) -> None:
+    if not isinstance(state, dict) or state.get("format") != BASELINE_FORMAT or state.get("method") != method:
+        raise ValueError(f"not a {method} compressor state (expected format {BASELINE_FORMAT!r})")
+
+
+def _keep(n: int, ratio: float) -> int:
+    return max(1, min(n, math.ceil(ratio * n)))
+
+
+def _check_ratio(ratio: float) -> float:
+    if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+        raise ValueError(f"ratio: must be in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+class TopKState(_ErrorFeedbackReducer):
+    """Global top-k by magnitude per call; values + int32 indices in one all-gather; error feedback."""
+
+    method = "topk"
+
+    def __init__(self, process_group=None, *, ratio: float = 0.01, error_feedback: bool = True, model=None):
+        super().__init__(process_group, error_feedback=error_feedback, model=model)
+        self.ratio = _check_ratio(ratio)
+
+    def _reduce(self, names, grads, flat) -> None:
+        corrected = self._corrected(names, grads)
+        n = corrected.numel()
+        if n >= 2**31:
+            raise ValueError("topk: a call holds ≥ 2^31 elements; int32 indices cannot address it")
+        k = _keep(n, self.ratio)
+        indices = corrected.abs().topk(k, sorted=False).indices
+        values = corrected[indices]
+        # One message: k fp32 values, then the k int32 indices bit-cast to fp32 (no conversion).
+        message = torch.cat([values.float(), indices.to(torch.int32).view(torch.float32)])
+        sent_local = torch.zeros_like(corrected)
+        sent_local[indices] = values
+        average = torch.zeros_like(corrected)
+        for part in self.comm.all_gather(message):
+            average.index_add_(0, part[k:].view(torch.int32).long(), part[:k].to(average.dtype))
+        average.div_(self.comm.world_size)
+        self._finish(names, grads, flat, corrected, sent_local, average, 2 * k, message.numel() * 4)
+
+
+class RandomKState(_ErrorFeedbackReducer):
+    """k entries at shared random indices (same on every rank, no index traffic), one all-reduce.
+
+    Indices are k draws with replacement from a generator seeded by (seed, step, call), so a
+    resumed run draws the same ones. ``rescale`` (default: on without error feedback) divides the
+    kept values by P(an index is drawn) = 1 − (1 − 1/N)^k, which makes the result unbiased.
+    """
+
+    method = "randomk"
+
+    def __init__(self, process_group=None, *, ratio: float = 0.01, error_feedback: bool = True,
+                 rescale: bool | None = None, seed: int = 714, model=None):
+        super().__init__(process_group, error_feedback=error_feedback, model=model)
+        self.ratio = _check_ratio(ratio)
+        self.rescale = (not error_feedback) if rescale is None else bool(rescale)
+        self.seed = int(seed)
+
+    def indices(self, n: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(stable_seed(self.seed, "randomk", self.step, self._call))
+        return torch.randint(0, n, (_keep(n, self.ratio),), generator=generator)
+
+    def _reduce(self, names, grads, flat) -> None:
+        corrected = self._corrected(names, grads)
+        n = corrected.numel()
+        indices = self.indices(n).to(corrected.device)
+        k = indices.numel()
+        values = corrected[indices]
+        sent_local = torch.zeros_like(corrected)
+        sent_local[indices] = values
+        message = values.float()
+        self.comm.mean_(message)
+        scale = 1.0 / (1.0 - (1.0 - 1.0 / n) ** k) if self.rescale else 1.0
+        average = torch.zeros_like(corrected)
+        average[indices] = message.to(average.dtype) * scale
+        self._finish(names, grads, flat, corrected, sent_local, average, k, k * 4)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "seed": self.seed}
+
+
+class QSGDState(_ErrorFeedbackReducer):
+    """8-bit stochastic quantisation (QSGD with max-abs scaling per chunk), one all-gather; error feedback.
+
+    Per chunk of ``chunk`` elements: scale = max|x| / 127, q = ⌊|x|/scale + u⌋·sign(x) with
+    u ~ U[0, 1) (so E[q·scale] = x), sent as int8 followed by the chunk scales as bytes.
+    """
+
+    method = "qsgd8"
+    LEVELS = 127
+
+    def __init__(self, process_group=None, *, chunk: int = 1024, error_feedback: bool = True, seed: int = 714,
+                 model=None):
+        super().__init__(process_group, error_feedback=error_feedback, model=model)
+        if not (isinstance(chunk, int) and chunk >= 1):
+            raise ValueError(f"chunk: must be an integer ≥ 1, got {chunk!r}")
+        self.chunk = chunk
+        self.seed = int(seed)
+        self.generator = torch.Generator()  # rounding noise: independent between ranks
+        self.generator.manual_seed(stable_seed(self.seed, "qsgd", self.comm.rank))
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 levels of shape x, fp32 scale per chunk); dequantize(...) ≈ x, unbiased."""
+        n = x.numel()
+        chunks = math.ceil(n / self.chunk)
+        padded = torch.zeros(chunks * self.chunk, dtype=torch.float32, device=x.device)
+        padded[:n] = x
+        blocks = padded.view(chunks, self.chunk)
+        scale = blocks.abs().amax(dim=1) / self.LEVELS
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        level = blocks.abs().div_(safe.unsqueeze(1))
+        noise = torch.rand(level.shape, generator=self.generator).to(x.device)
+        level.add_(noise).floor_().clamp_(max=self.LEVELS).mul_(blocks.sign())
+        return level.view(-1)[:n].to(torch.int8), scale
+
+    def dequantize(self, levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        n = levels.numel()
+        chunks = scale.numel()
+        padded = torch.zeros(chunks * self.chunk, dtype=torch.float32, device=levels.device)
+        padded[:n] = levels
+        return padded.view(chunks, self.chunk).mul_(scale.unsqueeze(1)).view(-1)[:n]
+
+    def _reduce(self, names, grads, flat) -> None:
+        corrected = self._corrected(names, grads)
+        n = corrected.numel()
+        levels, scale = self.quantize(corrected)
+        message = torch.cat([levels, scale.view(torch.int8)])
+        sent_local = self.dequantize(levels, scale).to(corrected.dtype)
+        average = torch.zeros_like(corrected)
+        for part in self.comm.all_gather(message):
+            average.add_(self.dequantize(part[:n], part[n:].clone().view(torch.float32)).to(average.dtype))
+        average.div_(self.comm.world_size)
+        self._finish(names, grads, flat, corrected, sent_local, average, message.numel(), message.numel())
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
