@@ -9,7 +9,14 @@ name                what runs in DDP's gradient synchronisation
 ``torch-powersgd``  PyTorch's built-in ``powerSGD_hook`` / ``PowerSGDState`` (rank
                     ``powersgd_rank``, compression from the same warm-up step as ours)
 ``edgc``            ``edgc.edgc_hook``: entropy-driven dynamic rank
+``fp16``, ``bf16``  ``edgc.CastState``: all-reduce of the gradients cast to 16 bits
+``topk``            ``edgc.TopKState``: top ``compress_ratio`` of entries, values+indices all-gather, EF
+``randomk``         ``edgc.RandomKState``: ``compress_ratio`` of entries at shared random indices, EF
+``qsgd8``           ``edgc.QSGDState``: 8-bit stochastic quantisation (chunked max-abs), all-gather, EF
 ==================  ==========================================================================
+
+The baselines (``fp16`` … ``qsgd8``) compress from the first step (no warm-up) and run through the
+same ``edgc_hook`` as EDGC, so they share its blocking, fixed-order collectives and its metrics.
 
 Every handle reports, after each optimizer step, the fields of a ``metrics.jsonl`` train line that
 come from the synchronisation: phase, rank, ranks, entropy, elements/bytes sent vs raw, and the
@@ -32,6 +39,21 @@ from .config import scaled_edgc_defaults
 
 METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
                "bytes_raw", "compress_time_s", "comm_time_s", "relative_error")
+
+
+def _baselines() -> dict:
+    import edgc
+
+    return {
+        "fp16": lambda ddp, cfg: edgc.CastState(dtype="float16", model=ddp),
+        "bf16": lambda ddp, cfg: edgc.CastState(dtype="bfloat16", model=ddp),
+        "topk": lambda ddp, cfg: edgc.TopKState(ratio=cfg.compress_ratio, model=ddp),
+        "randomk": lambda ddp, cfg: edgc.RandomKState(ratio=cfg.compress_ratio, seed=cfg.seed, model=ddp),
+        "qsgd8": lambda ddp, cfg: edgc.QSGDState(seed=cfg.seed, model=ddp),
+    }
+
+
+BASELINES = _baselines()
 
 
 def ddp_kwargs(name: str) -> dict[str, Any]:
@@ -63,6 +85,8 @@ class EngineCompressor(Compressor):
         self.name = name
         if name == "none":
             self.state = edgc.AllReduceState(process_group=None, model=ddp_model)
+        elif name in BASELINES:
+            self.state = BASELINES[name](ddp_model, config)
         else:
             self.state = edgc.EDGCState(process_group=None, config=config, model=ddp_model)
         ddp_model.register_comm_hook(self.state, edgc.allreduce_hook if name == "none" else edgc.edgc_hook)
@@ -206,6 +230,8 @@ class TorchPowerSGD(Compressor):
 
 def build(name: str, ddp_model, config) -> Compressor:
     """Register compressor ``name`` on ``ddp_model``; ``config`` is the TrainConfig."""
+    if name in BASELINES:
+        return EngineCompressor(name, ddp_model, config)
     if name in ("none", "powersgd", "edgc"):
         return EngineCompressor(name, ddp_model, config.edgc_config() if name != "none" else None)
     if name == "torch-powersgd":

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESSORS = ("none", "powersgd", "torch-powersgd", "edgc")
+COMPRESSORS = ("none", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -98,10 +98,13 @@ class TrainConfig:
 
     # ---- gradient compression
     compressor: str = "edgc"
-    """DP gradient sync: none (all-reduce), powersgd (static rank, our engine), torch-powersgd, edgc."""
+    """DP gradient sync: none (all-reduce), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8."""
 
     powersgd_rank: int = 8
     """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""
+
+    compress_ratio: float = 0.01
+    """Fraction of gradient elements sent by topk and randomk. In (0, 1]."""
 
     edgc: dict = field(default_factory=dict)
     """EDGCConfig fields to set explicitly (compressor edgc/powersgd), e.g. {"r_max": 16}."""
@@ -185,6 +188,7 @@ class TrainConfig:
         check_int("seed", 0, 2**32 - 1)
         check_choice("compressor", COMPRESSORS)
         check_int("powersgd_rank", 1)
+        check_num("compress_ratio", 0, 1, low_open=True)
         check_int("eval_every", 0)
         check_int("eval_batches", 1)
         check_int("ckpt_every", 0)
