@@ -85,8 +85,8 @@ class EntropySampler:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def begin(self, step: int) -> None:
-        self._step = step if self.due(step) else None
+    def begin(self, step: int, enabled: bool = True) -> None:
+        self._step = step if enabled and self.due(step) else None
         self._parts, self._nonfinite, self._elapsed = [], 0, 0.0
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:

@@ -177,28 +177,29 @@ class LowRankCompressor:
         if bool(raw_flat[-1] != 0):
             # Policy: send this call's matrices raw so the optimizer (or a GradScaler) sees the
             # NaN/Inf and can skip the step; Q and error feedback stay as they were.
-            stats.nonfinite = True
-            matrices_flat = torch.cat([grads[i].reshape(-1) for batch in batches for i in batch[0]])
-            comm.mean_(matrices_flat)
-            offset = 0
-            for batch in batches:
-                for i in batch[0]:
-                    grads[i].view(-1).copy_(matrices_flat[offset : offset + grads[i].numel()])
-                    offset += grads[i].numel()
-            stats.elements_sent += matrices_flat.numel()
-            stats.bytes_sent += matrices_flat.numel() * matrices_flat.element_size()
-            for name in stats.ranks:
-                stats.ranks[name] = 0
+            self._send_matrices_raw(batches, grads, comm, stats)
             return stats
 
         self._mean_on_wire(p_flat, wire_dtype, comm)
+        wire_bytes = torch.empty((), dtype=wire_dtype).element_size()
+        stats.elements_sent += p_flat.numel()
+        stats.bytes_sent += p_flat.numel() * wire_bytes
+        # P and Q are larger than the gradient entries and can overflow a half-precision wire
+        # although every gradient is finite. Their averages are identical on every rank, so
+        # every rank takes the same branch: send raw this time and keep the old state.
+        if not bool(torch.isfinite(p_flat.sum())):
+            self._send_matrices_raw(batches, grads, comm, stats)
+            return stats
         for _, _, p_group, _ in batches:
             orthogonalize_(p_group, config.orthogonalization_epsilon)
         for _, matrices, p_group, q_group in batches:
             torch.bmm(matrices.transpose(1, 2), p_group, out=q_group)
         self._mean_on_wire(q_flat, wire_dtype, comm)
-        stats.elements_sent += p_flat.numel() + q_flat.numel()
-        stats.bytes_sent += (p_flat.numel() + q_flat.numel()) * torch.empty((), dtype=wire_dtype).element_size()
+        stats.elements_sent += q_flat.numel()
+        stats.bytes_sent += q_flat.numel() * wire_bytes
+        if not bool(torch.isfinite(q_flat.sum())):
+            self._send_matrices_raw(batches, grads, comm, stats)
+            return stats
 
         for indices, matrices, p_group, q_group in batches:
             approx = torch.bmm(p_group, q_group.transpose(1, 2))
@@ -212,6 +213,21 @@ class LowRankCompressor:
                 if config.error_feedback:
                     self.error[names[i]] = matrices[k]
         return stats
+
+    @staticmethod
+    def _send_matrices_raw(batches: list, grads: list[torch.Tensor], comm: Communicator, stats: ReduceStats) -> None:
+        """Average this call's compressible gradients uncompressed (the non-finite fallback)."""
+        indices = [i for batch in batches for i in batch[0]]
+        packed = torch.cat([grads[i].reshape(-1) for i in indices])
+        comm.mean_(packed)
+        offset = 0
+        for i in indices:
+            grads[i].view(-1).copy_(packed[offset : offset + grads[i].numel()])
+            offset += grads[i].numel()
+        stats.nonfinite = True
+        stats.elements_sent += packed.numel()
+        stats.bytes_sent += packed.numel() * packed.element_size()
+        stats.ranks.update({name: 0 for name in stats.ranks})
 
     @staticmethod
     def _mean_on_wire(values: torch.Tensor, wire_dtype: torch.dtype, comm: Communicator) -> None:

@@ -126,15 +126,19 @@ class Agreed:
 
 
 class WindowController:
-    def __init__(self, config: EDGCConfig):
+    def __init__(self, config: EDGCConfig, *, follower: bool = False, always_profile: bool = False):
+        """``follower``: the rank is set from outside with `follow` (pipeline stages after the first);
+        ``always_profile``: measure the sync-time table even when r_max is given (stage alignment needs it)."""
         self.config = config
+        self.follower = follower
         self.r_max = config.r_max
         self.r_min = config.r_min if config.r_min is not None else self._default_r_min(config.r_max)
-        self.phase = WARMUP if config.r_max is not None else PROFILE
+        profile = config.r_max is None or always_profile
+        self.phase = PROFILE if profile else WARMUP
         self.rank: int | None = None
         self.schedule: list[tuple[int, int]] = []  # (first step, rank) each time the rank changes; 0 = off
         self.table = SyncTimeTable()
-        self.warmup_start = 0 if config.r_max is not None else None
+        self.warmup_start = None if profile else 0
         self.error_at_start: float | None = None
         self.error_test_step: int | None = None
         self._error_model: ErrorModel | None = None
@@ -156,6 +160,8 @@ class WindowController:
         return self.error_test_step is not None and step >= self.error_test_step
 
     def plan(self, step: int) -> StepPlan:
+        if self.follower:
+            return self._plan_follower(step)
         if self.phase == WARMUP and self._warmup_over(step):
             self.phase, self.rank = COMPRESS, self.r_max
             self.schedule.append((step, self.r_max))
@@ -173,6 +179,22 @@ class WindowController:
             decide = self.config.adaptive and self._window_end(step) and step > self.schedule[-1][0]
             return StepPlan(step, COMPRESS, self.rank, decision=decide)
         return StepPlan(step, OFF, None)
+
+    def _plan_follower(self, step: int) -> StepPlan:
+        if self.phase == PROFILE:
+            return self._plan_profile(step)
+        return StepPlan(step, self.phase, self.rank if self.phase == COMPRESS else None)
+
+    def follow(self, step: int, rank: int | None) -> None:
+        """Adopt an externally decided rank from ``step`` on (None = uncompressed). Followers only;
+        ignored while the stage is still profiling or when profiling found compression never pays."""
+        if not self.follower:
+            raise RuntimeError("follow() is for follower controllers (pipeline stages after the first)")
+        if self.phase in (PROFILE, OFF):
+            return
+        if self.phase != COMPRESS or rank != self.rank:
+            self.phase, self.rank = COMPRESS, rank
+            self.schedule.append((step, rank or 0))
 
     def _plan_profile(self, step: int) -> StepPlan:
         offset = step - PROFILE_START_STEP
@@ -197,7 +219,8 @@ class WindowController:
             self._record_profile(table, plan.profile_rank, agreed)
             last = plan.profile_rank == self._candidates[-1]
             if agreed.profile_time > agreed.uncompressed_time or last:
-                decision.r_max = table.rank_ceiling(multiple=4 if max(table.by_rank) >= 4 else 1)
+                measured = table.rank_ceiling(multiple=4 if max(table.by_rank) >= 4 else 1)
+                decision.r_max = self.config.r_max if self.config.r_max is not None else measured
                 if decision.r_max is None:
                     decision.phase = OFF
                 else:
@@ -260,6 +283,7 @@ class WindowController:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         return {
+            "follower": self.follower,
             "phase": self.phase, "r_max": self.r_max, "r_min": self.r_min, "rank": self.rank,
             "schedule": list(self.schedule), "table": self.table.state_dict(),
             "warmup_start": self.warmup_start, "error_at_start": self.error_at_start,
@@ -269,6 +293,8 @@ class WindowController:
     def load_state_dict(self, state: dict) -> None:
         if state["phase"] not in PHASES:
             raise ValueError(f"unknown phase {state['phase']!r} in EDGC controller state")
+        if state.get("follower", False) != self.follower:
+            raise ValueError("EDGC controller state of a pipeline follower stage cannot load into a leader, or back")
         self.phase, self.r_max, self.r_min, self.rank = state["phase"], state["r_max"], state["r_min"], state["rank"]
         self.schedule = [(int(s), int(r)) for s, r in state["schedule"]]
         self.table.load_state_dict(state["table"])

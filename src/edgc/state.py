@@ -35,14 +35,17 @@ class EDGCState(GradientReducer):
         config: EDGCConfig | None = None,
         *,
         model: nn.Module | None = None,
+        follower: bool = False,
+        always_profile: bool = False,
     ):
+        """``follower`` and ``always_profile`` are for pipeline stages (see `edgc.pipeline.StageAligner`)."""
         super().__init__(process_group, model=model)
         self.config = config if config is not None else EDGCConfig()
         if not isinstance(self.config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(self.config).__name__}")
         self.compressor = LowRankCompressor(self.config)
         self.sampler = EntropySampler(self.config)
-        self.controller = WindowController(self.config)
+        self.controller = WindowController(self.config, follower=follower, always_profile=always_profile)
         # Profiling times a compressed sync beside the real one, with its own Q and no error
         # feedback, so training itself stays exactly uncompressed until warm-up ends.
         self._profiler = LowRankCompressor(EDGCConfig(**{**self.config.to_dict(), "error_feedback": False,
@@ -57,7 +60,9 @@ class EDGCState(GradientReducer):
     def _begin_step(self) -> None:
         super()._begin_step()
         self._plan = self.controller.plan(self.step)
-        self.sampler.begin(self.step if self.config.adaptive and self._plan.phase != OFF else -1)
+        # Followers take their rank from the pipeline alignment: their entropy is never used.
+        sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
+        self.sampler.begin(self.step, enabled=sampled)
         self._probe_error = 0.0
 
     def _on_device(self, device: torch.device) -> None:
@@ -179,7 +184,7 @@ class EDGCState(GradientReducer):
         if missing:
             raise ValueError(f"corrupt EDGC state: missing {missing}")
         try:
-            WindowController(self.config).load_state_dict(state["controller"])
+            WindowController(self.config, follower=self.controller.follower).load_state_dict(state["controller"])
             EntropySampler(self.config).load_state_dict(state["sampler"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"corrupt EDGC state: {exc!r}") from exc

@@ -183,3 +183,19 @@ def test_fuzzed_config_values_are_accepted_or_rejected_clearly(field, value):
         assert 0 < value <= 1
     if field in ("window", "rank_step", "entropy_bins") or (field == "r_max" and value is not None):
         assert isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def half_wire_overflow_worker(rank, world_size):
+    from edgc import LowRankCompressor
+    from edgc.comm import Communicator
+
+    compressor = LowRankCompressor(EDGCConfig(r_max=4))
+    grad = torch.full((1024, 1024), 4000.0, dtype=torch.float16)  # finite, but P = M·Q is not in fp16
+    stats = compressor.reduce(["w"], [grad], 4, Communicator())
+    return stats.nonfinite, bool(torch.isfinite(grad).all()), float(grad[0, 0]), sorted(compressor.q)
+
+
+def test_half_precision_wire_overflow_falls_back_to_raw_and_keeps_state_clean():
+    for nonfinite, finite, value, stored_q in run_distributed(half_wire_overflow_worker, 2):
+        assert nonfinite and finite and value == 4000.0  # averaged raw instead
+        assert stored_q == []  # no NaN factor was kept for the next step
