@@ -1,0 +1,13 @@
+"""stub"""
+NAME="pure-dp"
+HELP="todo"
+DEFAULT_STEPS=10
+TINY_STEPS=5
+def add_arguments(p):
+    pass
+
+
+def run(args, out, setting, log=print):
+    from edgc_cli.main import CLIError
+
+    raise CLIError("not implemented yet")
