@@ -1,0 +1,117 @@
+"""DAC across pipeline stages: one `EDGCState` per stage, ranks aligned every window.
+
+Usage, on every rank of a pipeline-parallel × data-parallel job (one DP group per stage, one
+pipeline group per DP index):
+
+    state = EDGCState(dp_group, config, model=stage_module,
+                      follower=stage > 0, always_profile=True)
+    aligner = StageAligner(state, stage, n_stages, pipeline_group)
+    ... per micro-batch backward: aligner.record_backward_time(seconds)
+    ... after the pipeline step:  state.synchronize(stage_module.named_parameters()); aligner.after_sync()
+
+Stage 0 leads: its entropy series chooses its rank (and its warm-up decides when compression
+starts). At each window boundary every stage shares, over its pipeline group, its measured
+sync-time table, its r_min/r_max and its mean micro-batch backward time t_b; each stage then
+applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage agree
+on the maximum (least compression), and the followers adopt the result from the next step.
+Followers start compressing at the first window boundary after stage 0 does.
+
+Boundaries depend only on the step number, so every rank joins every collective.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .alignment import StageRank, StageTiming, align_stage_ranks
+from .comm import Communicator
+from .profiling import SyncTimeTable, profile_candidates
+from .rank_control import COMPRESS, PHASES
+from .state import EDGCState
+
+
+class StageAligner:
+    def __init__(self, state: EDGCState, stage: int, n_stages: int,
+                 pipeline_group: dist.ProcessGroup | None = None, granularity: int = 4):
+        if stage > 0 and not state.controller.follower:
+            raise ValueError("stages after the first need EDGCState(..., follower=True)")
+        if stage == 0 and state.controller.follower:
+            raise ValueError("stage 0 leads: build its EDGCState with follower=False")
+        self.state, self.stage, self.n_stages = state, stage, n_stages
+        self.pipeline = Communicator(pipeline_group)
+        self.granularity = granularity
+        self._candidates = profile_candidates(state.config.profile_max_rank)
+        self._backward = [0.0, 0]  # seconds, micro-batches in this window
+        self.last_plan: list[StageRank] | None = None  # the latest alignment, for metrics
+        self.last_backward_time = math.nan
+
+    def record_backward_time(self, seconds: float) -> None:
+        """One micro-batch backward on this stage (t_b sample)."""
+        self._backward[0] += seconds
+        self._backward[1] += 1
+
+    # ------------------------------------------------------------------ the window boundary
+    def _encode(self) -> list[float]:
+        controller = self.state.controller
+        table = controller.table
+        t_b = self._backward[0] / self._backward[1] if self._backward[1] else math.nan
+
+        def number(value: float | None) -> float:
+            return math.nan if value is None else float(value)
+
+        return [float(PHASES.index(controller.phase)), number(controller.rank), number(controller.r_min),
+                number(controller.r_max), t_b, number(table.uncompressed),
+                *[number(table.by_rank.get(rank)) for rank in self._candidates]]
+
+    def _decode(self, row: list[float]) -> tuple[str, int | None, StageTiming | None]:
+        phase = PHASES[int(row[0])]
+        rank = None if math.isnan(row[1]) else int(row[1])
+        r_min, r_max, t_b, uncompressed = row[2], row[3], row[4], row[5]
+        by_rank = {r: t for r, t in zip(self._candidates, row[6:]) if not math.isnan(t)}
+        if not by_rank or math.isnan(r_max) or math.isnan(uncompressed):
+            return phase, rank, None  # this stage has no table (yet): cannot be aligned
+        timing = StageTiming(SyncTimeTable(uncompressed, by_rank), 0.0 if math.isnan(t_b) else t_b,
+                             int(r_min), int(r_max))
+        return phase, rank, timing
+
+    def after_sync(self) -> None:
+        """Call once per optimizer step, after ``state.synchronize``; aligns at window boundaries."""
+        step = self.state.step  # steps completed; the next step to run has this index
+        if step % self.state.config.window != 0:
+            return
+        if self.stage == 0:
+            self.state.controller.plan(step)  # apply a warm-up end due at `step` now, so followers see it
+        mine = torch.tensor(self._encode(), dtype=torch.float64, device=self.state.device or torch.device("cpu"))
+        rows = [torch.empty_like(mine) for _ in range(self.pipeline.world_size)]
+        if self.pipeline.world_size > 1:
+            dist.all_gather(rows, mine, group=self.pipeline.group)
+        else:
+            rows = [mine]
+        decoded = [self._decode(row.tolist()) for row in rows]
+        self.last_backward_time = float(mine[4])
+        self._backward = [0.0, 0]
+        leader_phase, leader_rank, _ = decoded[0]
+        timings = [timing for _, _, timing in decoded]
+        if leader_phase != COMPRESS or leader_rank is None:
+            return  # stage 0 is not compressing yet: everyone stays as they are
+        if all(t is not None for t in timings):
+            self.last_plan = align_stage_ranks(leader_rank, timings, self.granularity)  # type: ignore[arg-type]
+            wanted = self.last_plan[self.stage].rank
+        else:
+            wanted = leader_rank  # a stage without a table: same rank as stage 0 (documented fallback)
+        if self.stage == 0:
+            return
+        # Replicas of a stage agree on the least compression any of them asked for.
+        agreed = torch.tensor([math.inf if wanted is None else float(wanted)], dtype=torch.float64, device=mine.device)
+        self.state.comm.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        value = float(agreed)
+        self.state.controller.follow(step, None if math.isinf(value) else int(value))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        return {"backward": list(self._backward)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._backward = [float(state["backward"][0]), int(state["backward"][1])]
