@@ -116,12 +116,22 @@ def save_rank_files(tmp_dir: Path, rank: int, sampler_state: dict, compressor_st
     atomic_torch_save(compressor_state, tmp_dir / f"edgc_rank{rank}.pt")
 
 
-def save_shared_files(tmp_dir: Path, model_sd: dict, optimizer_sd: dict, scheduler_sd: dict, trainer: dict) -> None:
-    """The replicated part (rank 0 only)."""
-    atomic_torch_save(model_sd, tmp_dir / "model.pt")
-    atomic_torch_save(optimizer_sd, tmp_dir / "optimizer.pt")
+def save_model_shard(tmp_dir: Path, shard: str, model_sd: dict, optimizer_sd: dict) -> None:
+    """Model and optimizer of one shard: "" for data parallel, "_stage{s}" for pipeline stage s."""
+    atomic_torch_save(model_sd, tmp_dir / f"model{shard}.pt")
+    atomic_torch_save(optimizer_sd, tmp_dir / f"optimizer{shard}.pt")
+
+
+def save_trainer_files(tmp_dir: Path, scheduler_sd: dict, trainer: dict) -> None:
+    """LR scheduler and trainer.json (global rank 0)."""
     atomic_torch_save(scheduler_sd, tmp_dir / "scheduler.pt")
     atomic_write_json(tmp_dir / "trainer.json", trainer)
+
+
+def save_shared_files(tmp_dir: Path, model_sd: dict, optimizer_sd: dict, scheduler_sd: dict, trainer: dict) -> None:
+    """The replicated part of a data-parallel run (rank 0 only)."""
+    save_model_shard(tmp_dir, "", model_sd, optimizer_sd)
+    save_trainer_files(tmp_dir, scheduler_sd, trainer)
 
 
 def tmp_dir_for(run_dir: Path, step: int) -> Path:
@@ -129,11 +139,12 @@ def tmp_dir_for(run_dir: Path, step: int) -> Path:
     return final.with_name(f".{final.name}.tmp")
 
 
-def finalize(tmp_dir: Path, final_dir: Path, world_size: int) -> None:
+def finalize(tmp_dir: Path, final_dir: Path, world_size: int, shards: tuple[str, ...] = ("",)) -> None:
     """Rank 0, after every rank wrote its files: manifest, then the atomic rename into place."""
     if final_dir.exists():
         raise CheckpointError(f"checkpoint {final_dir} already exists; refusing to overwrite it")
-    expected = {"model.pt", "optimizer.pt", "scheduler.pt", "trainer.json"}
+    expected = {"scheduler.pt", "trainer.json"}
+    expected |= {f"model{shard}.pt" for shard in shards} | {f"optimizer{shard}.pt" for shard in shards}
     expected |= {f"rank{r}.pt" for r in range(world_size)} | {f"edgc_rank{r}.pt" for r in range(world_size)}
     present = {p.name for p in tmp_dir.iterdir() if not p.name.startswith(".")}
     if present != expected:

@@ -153,7 +153,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             raise CLIError(f"--resume: {latest / 'trainer.json'} does not match config.json ({', '.join(diff)})")
         saved_edgc = json.loads((run_dir / "config.json").read_text()).get("edgc")
-        now_edgc = cfg.edgc_config().to_dict() if cfg.compressor in ("edgc", "powersgd") else None
+        now_edgc = cfg.edgc_config().to_dict() if cfg.uses_edgc_config else None
         if saved_edgc != now_edgc:  # e.g. the run-length scaling rules changed since the run started
             diff = sorted(k for k in set(saved_edgc or {}) | set(now_edgc or {})
                           if (saved_edgc or {}).get(k) != (now_edgc or {}).get(k))
@@ -182,6 +182,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         except (ValueError, TypeError) as exc:
             raise CLIError(str(exc)) from None
         resume = False
+    if world_size % cfg.pp:
+        raise CLIError(f"--pp {cfg.pp}: the world size {world_size} is not a multiple of the pipeline stages")
     try:
         files = source_files(cfg.data)
     except DataError as exc:

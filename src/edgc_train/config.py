@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESSORS = ("none", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8")
+COMPRESSORS = ("none", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8", "optimus-cc")
+PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -98,7 +100,7 @@ class TrainConfig:
 
     # ---- gradient compression
     compressor: str = "edgc"
-    """DP gradient sync: none (all-reduce), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8."""
+    """DP gradient sync: none (all-reduce), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8, optimus-cc (--pp only)."""
 
     powersgd_rank: int = 8
     """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""
@@ -108,6 +110,16 @@ class TrainConfig:
 
     edgc: dict = field(default_factory=dict)
     """EDGCConfig fields to set explicitly (compressor edgc/powersgd), e.g. {"r_max": 16}."""
+
+    # ---- pipeline parallelism
+    pp: int = 1
+    """Pipeline stages P; the world size must be a multiple, DP degree = world / P. 1 = data parallel only. ≥ 1."""
+
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule with --pp > 1: 1f1b or gpipe; grad_accum is its number of micro-batches."""
+
+    selective_stages: int = 1
+    """optimus-cc: compress (static rank) only the first k pipeline stages. 1 ≤ k ≤ pp."""
 
     # ---- evaluation, checkpoints, logging
     eval_every: int = 50
@@ -187,6 +199,17 @@ class TrainConfig:
         check_num("grad_clip", 0, math.inf, high_open=True)
         check_int("seed", 0, 2**32 - 1)
         check_choice("compressor", COMPRESSORS)
+        check_int("pp", 1)
+        check_choice("pp_schedule", PIPELINE_SCHEDULES)
+        check_int("selective_stages", 1, self.pp if is_int(self.pp) else None)
+        if self.pp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
+            fail("compressor", f"with --pp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
+        if self.pp == 1 and self.compressor == "optimus-cc":
+            fail("compressor", "optimus-cc (selective stage compression) needs --pp > 1")
+        if self.pp > 1 and self.grad_accum < self.pp:
+            fail("grad_accum", f"is the number of pipeline micro-batches and must be ≥ pp = {self.pp}")
+        if self.pp > 1 and self.eval_batches % self.grad_accum:
+            fail("eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --pp (whole pipeline steps)")
         check_int("powersgd_rank", 1)
         check_num("compress_ratio", 0, 1, low_open=True)
         check_int("eval_every", 0)
@@ -202,13 +225,20 @@ class TrainConfig:
         # Shape problems (n_embd % n_head, n_positions < seq_len) are reported now, not after data prep.
         from .model import model_shape
 
-        model_shape(self.preset, self.vocab_size, self.seq_len, self.n_layer, self.n_embd, self.n_head)
-        if self.compressor in ("edgc", "powersgd"):
+        shape = model_shape(self.preset, self.vocab_size, self.seq_len, self.n_layer, self.n_embd, self.n_head)
+        if self.pp > shape["n_layer"]:
+            fail("pp", f"must be ≤ the model's {shape['n_layer']} transformer blocks (one stage needs one)")
+        if self.uses_edgc_config:
             self.edgc_config()  # raises ValueError naming the bad EDGC field
         elif self.edgc:
-            fail("edgc", f"EDGC fields only apply to compressors edgc and powersgd, not {self.compressor}")
+            fail("edgc", f"EDGC fields only apply to compressors edgc, powersgd and optimus-cc, not {self.compressor}")
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def uses_edgc_config(self) -> bool:
+        """Whether the compressor runs our PowerSGD engine, configured by an EDGCConfig."""
+        return self.compressor in ("edgc", "powersgd", "optimus-cc")
+
     @property
     def resolved_warmup_steps(self) -> int:
         """LR warm-up length: the field, or 5% of the run (at least 1 step)."""
@@ -219,7 +249,7 @@ class TrainConfig:
         from edgc.config import EDGCConfig
 
         values = scaled_edgc_defaults(self.steps)
-        if self.compressor == "powersgd":
+        if self.compressor in ("powersgd", "optimus-cc"):
             fixed = sorted({"r_max", "r_min", "adaptive"} & set(self.edgc))
             if fixed:
                 raise ValueError(f"edgc: {', '.join(fixed)} cannot be set for compressor powersgd "

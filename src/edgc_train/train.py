@@ -18,6 +18,7 @@ Timing, per optimizer step (all in seconds, wall clock on this rank, rank 0 is l
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -157,23 +158,98 @@ def evaluate(model: torch.nn.Module, data, cfg: TrainConfig, rank: int, world: i
     return (totals[0] / totals[1]).item()
 
 
-def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: int, model, optimizer, scheduler,
-                    sampler: BlockSampler, compressor, cfg: TrainConfig) -> None:
+def verify_replicas(module: torch.nn.Module, group) -> None:
+    """Data-parallel replicas must hold bit-identical parameters; a checkpoint refuses to save drift."""
+    digest = hashlib.sha256()
+    for name, p in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    digests = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest.hexdigest(), group=group)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"data-parallel replicas diverged (parameter digests {sorted(set(digests))}); "
+                           "not saving a checkpoint of inconsistent replicas")
+
+
+def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: int, runner, optimizer, scheduler,
+                    cfg: TrainConfig) -> None:
+    verify_replicas(runner.module, runner.dp_group)
     tmp = ckpt.tmp_dir_for(run_dir, step)
     if rank == 0:
         if tmp.exists():  # left by a run that crashed while saving this step: incomplete by definition
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    ckpt.save_rank_files(tmp, rank, sampler.state_dict(), compressor.state_dict())
+    ckpt.save_rank_files(tmp, rank, runner.sampler.state_dict(), runner.compressor.state_dict())
+    if runner.saves_shard:  # one writer per model shard (the whole model, or one pipeline stage)
+        ckpt.save_model_shard(tmp, runner.shard, runner.module.state_dict(), optimizer.state_dict())
     if rank == 0:
         trainer = {"step": step, "wall_s": wall_s, "world_size": world, "compressor": cfg.compressor,
                    "config": cfg.to_dict()}
-        ckpt.save_shared_files(tmp, model.state_dict(), optimizer.state_dict(), scheduler.state_dict(), trainer)
+        ckpt.save_trainer_files(tmp, scheduler.state_dict(), trainer)
     dist.barrier()  # every rank's files are on disk
     if rank == 0:
-        ckpt.finalize(tmp, ckpt.step_dir(run_dir, step), world)
+        ckpt.finalize(tmp, ckpt.step_dir(run_dir, step), world, runner.shards)
     dist.barrier()  # nobody runs ahead of a checkpoint that is not in place yet
+
+
+class DataParallelRunner:
+    """The whole model on every rank, wrapped in DDP; gradients synchronised by the compressor's hook.
+
+    The runner interface (shared with `pipeline.PipelineRunner`): ``module`` (the parameters this
+    rank trains), ``compressor``, ``sampler``, ``train_step()``, ``mean_loss()``, ``evaluate()``,
+    the checkpoint shard this rank writes (``shard``, ``saves_shard``, ``shards``) and the group of
+    its data-parallel replicas (``dp_group``, None = all ranks).
+    """
+
+    def __init__(self, cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
+        self.cfg, self.data, self.rank, self.world, self.device = cfg, data, rank, world, device
+        self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
+        seed_everything(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+        self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
+        self.module = build_model(self.shape, cfg.dropout).to(device)
+        self.n_params = count_parameters(self.module)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            self.module, device_ids=[local_rank] if device.type == "cuda" else None, **ddp_kwargs(cfg.compressor))
+        self.compressor = build_compressor(cfg.compressor, self.ddp, cfg)
+        self.shard, self.saves_shard, self.shards = "", rank == 0, ("",)
+        self.dp_group = None  # every rank is a replica
+        self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+
+    def train_step(self) -> tuple[float, dict]:
+        """Forward/backward over grad_accum micro-batches (synchronised on the last), then clip.
+        Returns this rank's mean micro-batch loss and extra metrics for the train line."""
+        cfg, loss_sum = self.cfg, 0.0
+        for micro in range(cfg.grad_accum):
+            x, y = self.sampler.next_batch()
+            x, y = torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+            # Gradients are synchronised (the hook runs) only on the last micro-batch.
+            sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else self.ddp.no_sync()
+            with sync:
+                logits = self.ddp(input_ids=x).logits
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.item()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.grad_clip)
+        return loss_sum / cfg.grad_accum, {}
+
+    def mean_loss(self, local: float | None) -> float:
+        """The logged loss: the mean over all ranks' micro-batches (one scalar all-reduce, untimed)."""
+        loss = torch.tensor([local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss)
+        return loss.item() / self.world
+
+    def evaluate(self) -> float:
+        return evaluate(self.module, self.data, self.cfg, self.rank, self.world, self.device)
+
+
+def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
+    if cfg.pp > 1:
+        from .pipeline import PipelineRunner
+
+        return PipelineRunner(cfg, data, rank, world, device)
+    return DataParallelRunner(cfg, data, rank, world, local_rank, device)
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> int:
@@ -193,16 +269,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
 
         # ---------------------------------------------------------------- data
         data = prepare_data(cfg.data, cfg.vocab_size, cfg.val_fraction, cfg.max_chars, cfg.cache_dir, log=log)
-        sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
 
-        # ---------------------------------------------------------------- model, DDP, compressor
-        seed_everything(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
-        model = build_model(shape, cfg.dropout).to(device)
-        n_params = count_parameters(model)
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None, **ddp_kwargs(cfg.compressor))
-        compressor = build_compressor(cfg.compressor, ddp, cfg)
+        # ---------------------------------------------------------------- model, parallelism, compressor
+        runner = make_runner(cfg, data, rank, world, local_rank, device)
+        model, compressor, n_params, shape = runner.module, runner.compressor, runner.n_params, runner.shape
         optimizer = make_optimizer(model, cfg, device)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         # From here on each rank has its own random stream (dropout), restored exactly on resume.
@@ -213,24 +283,24 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if resume:
             ckpt_dir = ckpt.latest_checkpoint(run_dir)
             trainer = ckpt.verify(ckpt_dir, world)
-            model.load_state_dict(ckpt.load(ckpt_dir / "model.pt", device))
-            optimizer.load_state_dict(ckpt.load(ckpt_dir / "optimizer.pt", device))
+            model.load_state_dict(ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device))
+            optimizer.load_state_dict(ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device))
             scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
             mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
-            sampler.load_state_dict(mine["sampler"])
+            runner.sampler.load_state_dict(mine["sampler"])
             compressor.load_state_dict(ckpt.load(ckpt_dir / f"edgc_rank{rank}.pt", device))
             ckpt.set_rng_state(mine["rng"])
             step, wall_offset = trainer["step"], trainer["wall_s"]
             log(f"resuming {run_dir} from {ckpt_dir.name} (step {step})")
         elif master:
             run_dir.mkdir(parents=True, exist_ok=False)
-            write_run_config(run_dir, cfg, n_params, world, shape, data, device)
+            write_run_config(run_dir, cfg, n_params, world, shape, data, device, runner.tokens_per_step)
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
         log(f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
             f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}")
 
         # ---------------------------------------------------------------- the loop
-        tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+        tokens_per_step = runner.tokens_per_step
         last = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
         progress = None
         if master and cfg.progress and step < last:
@@ -240,19 +310,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         t_start = time.perf_counter() - wall_offset
         while step < last:
             t0 = time.perf_counter()
-            loss_sum = 0.0
-            for micro in range(cfg.grad_accum):
-                x, y = sampler.next_batch()
-                x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-                # Gradients are synchronised (the hook runs) only on the last micro-batch.
-                sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else ddp.no_sync()
-                with sync:
-                    logits = ddp(input_ids=x).logits
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.item()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            local_loss, extra = runner.train_step()
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -263,10 +321,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             step += 1
 
             sync_metrics = compressor.step_metrics()
-            # The logged loss is the mean over all ranks' micro-batches (one scalar all-reduce, untimed).
-            loss_t = torch.tensor([loss_sum / cfg.grad_accum], dtype=torch.float64, device=device)
-            dist.all_reduce(loss_t)
-            loss_value = loss_t.item() / world
+            loss_value = runner.mean_loss(local_loss)
             comm, compress = sync_metrics["comm_time_s"] or 0.0, sync_metrics["compress_time_s"] or 0.0
             metrics.write({
                 "kind": "train", "step": step, "wall_s": time.perf_counter() - t_start, "loss": loss_value,
@@ -275,6 +330,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 "phase": sync_metrics["phase"], "rank": sync_metrics["rank"], "ranks": sync_metrics["ranks"] or {},
                 "entropy": sync_metrics["entropy"], "relative_error": sync_metrics["relative_error"],
                 **{k: int(sync_metrics[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},
+                **extra,
             })
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
@@ -284,12 +340,12 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
 
             final = step == cfg.steps
             if final or (cfg.eval_every and step % cfg.eval_every == 0):
-                val_loss = evaluate(model, data, cfg, rank, world, device)
+                val_loss = runner.evaluate()
                 metrics.write({"kind": "eval", "step": step, "wall_s": time.perf_counter() - t_start,
                                "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700))})
             if final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                save_checkpoint(run_dir, step, time.perf_counter() - t_start, rank, world, model, optimizer,
-                                scheduler, sampler, compressor, cfg)
+                save_checkpoint(run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer,
+                                scheduler, cfg)
         if progress is not None:
             progress.close()
         if step < cfg.steps:
@@ -311,16 +367,17 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 os.environ.pop(key, None)
 
 
-def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device) -> None:
+def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device,
+                     tokens_per_step: int) -> None:
     """``config.json``: the resolved TrainConfig plus what the run derived (contract for `edgc report`)."""
     resolved = cfg.to_dict()
-    edgc_cfg = cfg.edgc_config() if cfg.compressor in ("edgc", "powersgd") else None
+    edgc_cfg = cfg.edgc_config() if cfg.uses_edgc_config else None
     resolved.update({
         "edgc": edgc_cfg.to_dict() if edgc_cfg is not None else None,  # the EDGCConfig actually used
         "edgc_overrides": cfg.edgc,  # what the user set; `--resume` rebuilds the config from this
         "format": RUN_FORMAT, "n_params": n_params, "world_size": world, "model": shape,
         "vocab_size_actual": data.vocab_size, "warmup_steps_resolved": cfg.resolved_warmup_steps,
-        "tokens_per_step": world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len,
+        "tokens_per_step": tokens_per_step,
         "data_cache": str(data.dir), "train_tokens": data.meta["train_tokens"], "val_tokens": data.meta["val_tokens"],
         "device_type": device.type, "torch": torch.__version__,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,0 +1,390 @@
+"""Pipeline × data parallelism for `edgc train --pp P`: GPT-2 split into P stages.
+
+Process grid (world = P × D): global rank = d·P + stage, so a whole pipeline (replica d) sits
+on consecutive ranks — one host under ``torchrun --nproc_per_node P`` — and each stage's
+data-parallel group spans the hosts, which is where gradient compression pays. Stage s's D
+replicas form its data-parallel group; the P stages of replica d form pipeline group d; stage 0
+and stage P−1 of replica d share the tied word embedding (group "embedding d").
+
+One optimizer step:
+1. the pipeline schedule (1F1B or GPipe from torch.distributed.pipelining) runs
+   ``grad_accum`` micro-batches forward and backward; activations and activation gradients
+   between stages travel uncompressed (see the README: they are small next to the weight
+   gradients here, and compressing them changes the model's gradient, not only its sync);
+2. each stage synchronises its gradients over its DP group with its compressor
+   (``state.synchronize``, no DDP — DDP inside pipeline stages is unreliable, env.md §3);
+3. the tied embedding: the DP-averaged gradients of stage 0's ``wte`` and stage P−1's
+   ``lm_head`` are summed over the embedding group (uncompressed), so both copies get the
+   true gradient and stay identical;
+4. the global gradient norm is clipped over the whole pipeline, then AdamW steps per stage.
+
+With ``--compressor edgc``, stage 0 leads (entropy-driven rank) and the other stages follow
+the DAC alignment (`edgc.pipeline.StageAligner`), which needs each stage's measured sync-time
+table: every stage profiles at start-up even when r_max is given.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import edgc
+from edgc.pipeline import StageAligner
+
+from .compressors import METRIC_KEYS, Compressor
+
+
+# ---------------------------------------------------------------------------- process grid
+@dataclass
+class Grid:
+    rank: int
+    world: int
+    stages: int
+    replicas: int
+    stage: int  # this rank's pipeline stage
+    replica: int  # this rank's data-parallel index
+    dp_group: Any
+    pp_group: Any
+    embedding_group: Any  # None unless this rank holds a tied-embedding copy (first or last stage)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def global_rank(self, stage: int, replica: int) -> int:
+        return replica * self.stages + stage
+
+
+def make_grid(rank: int, world: int, stages: int) -> Grid:
+    """Create every group on every rank, in the same order (new_group is collective)."""
+    if world % stages:
+        raise ValueError(f"pp: world size {world} is not a multiple of {stages} stages")
+    replicas = world // stages
+    replica, stage = divmod(rank, stages)
+    dp_group = pp_group = embedding_group = None
+    for s in range(stages):
+        group = dist.new_group([d * stages + s for d in range(replicas)])
+        if s == stage:
+            dp_group = group
+    for d in range(replicas):
+        group = dist.new_group([d * stages + s for s in range(stages)])
+        if d == replica:
+            pp_group = group
+    for d in range(replicas):
+        group = dist.new_group([d * stages, d * stages + stages - 1])
+        if d == replica and stage in (0, stages - 1):
+            embedding_group = group
+    return Grid(rank, world, stages, replicas, stage, replica, dp_group, pp_group, embedding_group)
+
+
+# ---------------------------------------------------------------------------- stage modules
+class _Stamp(torch.autograd.Function):
+    """Identity whose backward records the wall clock: brackets one stage's backward pass."""
+
+    @staticmethod
+    def forward(ctx, tensor, clock, key):
+        ctx.clock, ctx.key = clock, key
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.stamp(ctx.key)
+        return grad, None, None
+
+
+class BackwardClock:
+    """t_b samples: time from the gradient entering a stage's output to it leaving its input."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self._entered: float | None = None
+
+    def stamp(self, key: str) -> None:
+        now = time.perf_counter()
+        if key == "output":
+            self._entered = now
+        elif self._entered is not None:
+            self.samples.append(now - self._entered)
+            self._entered = None
+
+    def take(self) -> list[float]:
+        samples, self.samples = self.samples, []
+        return samples
+
+
+def layer_split(n_layer: int, stages: int) -> list[range]:
+    """Contiguous blocks per stage, as even as possible (earlier stages get the extra block)."""
+    base, extra = divmod(n_layer, stages)
+    bounds, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        if size < 1:
+            raise ValueError(f"pp: {stages} stages need at least {stages} transformer blocks, the model has {n_layer}")
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
+class GPT2Stage(nn.Module):
+    """Stage s of a ``GPT2LMHeadModel``: [embeddings] → blocks → [final LayerNorm, LM head]."""
+
+    def __init__(self, model, stage: int, stages: int):
+        super().__init__()
+        transformer = model.transformer
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+        self.h = nn.ModuleList(transformer.h[i] for i in layer_split(len(transformer.h), stages)[stage])
+        if self.last:
+            self.ln_f = transformer.ln_f
+            # The LM head shares its weight with wte in the full model; on its own stage it is a
+            # separate copy kept equal by summing both gradients (see module docstring, step 3).
+            self.lm_head = torch.nn.utils.skip_init(nn.Linear, model.lm_head.in_features,
+                                                    model.lm_head.out_features, bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(model.lm_head.weight)
+        self.clock = BackwardClock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(positions))
+        x = _Stamp.apply(x, self.clock, "input")
+        for block in self.h:
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return _Stamp.apply(x, self.clock, "output")
+
+    def tied_weight(self) -> torch.Tensor | None:
+        if self.first:
+            return self.wte.weight
+        if self.last:
+            return self.lm_head.weight
+        return None
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---------------------------------------------------------------------------- compressors per stage
+class StageCompressor(Compressor):
+    """A stage's gradient sync over its DP group: ``none``, ``powersgd``, ``optimus-cc`` or ``edgc``."""
+
+    def __init__(self, name: str, module: GPT2Stage, grid: Grid, cfg):
+        self.name, self.module, self.grid = name, module, grid
+        self.aligner: StageAligner | None = None
+        compress = name in ("powersgd", "edgc") or (name == "optimus-cc" and grid.stage < cfg.selective_stages)
+        if not compress:
+            self.state: edgc.GradientReducer = edgc.AllReduceState(grid.dp_group, model=module)
+        elif name == "edgc":
+            self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(), model=module,
+                                        follower=grid.stage > 0, always_profile=grid.stages > 1)
+            self.aligner = StageAligner(self.state, grid.stage, grid.stages, grid.pp_group)
+        else:  # one static rank: on every stage (powersgd) or on the first k (optimus-cc)
+            self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(static=True), model=module)
+
+    def synchronize(self) -> float:
+        start = time.perf_counter()
+        self.state.synchronize(self.module.named_parameters())
+        seconds = time.perf_counter() - start
+        if self.aligner is not None:
+            for sample in self.module.clock.take():
+                self.aligner.record_backward_time(sample)
+            self.aligner.after_sync()
+        else:
+            self.module.clock.take()
+        return seconds
+
+    def step_metrics(self) -> dict[str, Any]:
+        m = self.state.last_step_metrics or {}
+        return {k: m.get(k) for k in METRIC_KEYS}
+
+    def state_dict(self) -> Any:
+        return {"state": self.state.state_dict(), "aligner": self.aligner.state_dict() if self.aligner else None}
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.state.load_state_dict(sd["state"])
+        if self.aligner is not None:
+            self.aligner.load_state_dict(sd["aligner"])
+
+
+# ---------------------------------------------------------------------------- one optimizer step
+class PipelineStep:
+    """Everything one rank does per optimizer step in PP × DP training."""
+
+    def __init__(self, cfg, grid: Grid, module: GPT2Stage, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.cfg, self.grid, self.module, self.device = cfg, grid, module, device
+        stage = PipelineStage(module, grid.stage, grid.stages, device, group=grid.pp_group)
+        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[cfg.pp_schedule]
+        # scale_grads: gradients are the mean over micro-batches, as (loss / grad_accum).backward() gives.
+        self.schedule = schedule_class(stage, cfg.grad_accum, loss_fn=next_token_loss, scale_grads=True)
+        self.compressor = StageCompressor(cfg.compressor, module, grid, cfg)
+
+    def _run(self, run, x: torch.Tensor | None, y: torch.Tensor | None) -> float | None:
+        """The schedule on this stage; returns the mean micro-batch loss on the last stage."""
+        losses: list[torch.Tensor] = []
+        if self.grid.first:
+            run(x)
+        elif self.grid.last:
+            run(target=y, losses=losses)
+        else:
+            run()
+        return float(torch.stack(losses).detach().float().mean()) if losses else None
+
+    def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> tuple[float | None, dict]:
+        timing = {}
+        loss = self._run(self.schedule.step, x, y)
+        timing["backward_end"] = time.monotonic()
+        timing["sync_s"] = self.compressor.synchronize()
+        timing["sync_end"] = time.monotonic()
+        self._sum_tied_gradients()
+        if self.cfg.grad_clip > 0:
+            self._clip_gradients(self.cfg.grad_clip)
+        return loss, timing
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float | None:
+        self.module.eval()
+        try:
+            return self._run(self.schedule.eval, x, y)
+        finally:
+            self.module.train()
+
+    def _sum_tied_gradients(self) -> None:
+        weight = self.module.tied_weight()
+        if self.grid.stages == 1 or self.grid.embedding_group is None or weight is None:
+            return
+        dist.all_reduce(weight.grad, group=self.grid.embedding_group)
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """torch's clip_grad_norm_ over the whole pipeline (the tied weight counted once)."""
+        skip = self.module.lm_head.weight if (self.module.last and self.grid.stages > 1) else None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None and p is not skip]
+        squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().double().reshape(1)
+        dist.all_reduce(squares, group=self.grid.pp_group)
+        total = float(squares.sqrt())
+        coefficient = min(1.0, max_norm / (total + 1e-6))
+        if coefficient < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+
+
+# ---------------------------------------------------------------------------- per-stage metrics
+STAGE_FIELDS = ("rank", "sync_s", "backward_end", "sync_end", "t_b_s", "predicted_s", "budget_s",
+                "bytes_sent", "bytes_raw", "elements_sent", "elements_raw")
+
+
+def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
+    """Each stage's numbers for replica 0 (gathered on every rank; rank 0 writes them)."""
+    grid, compressor = step.grid, step.compressor
+    m = compressor.state.last_step_metrics or {}
+    plan = compressor.aligner.last_plan if compressor.aligner else None
+    mine = [m.get("rank"), timing["sync_s"], timing["backward_end"], timing["sync_end"],
+            compressor.aligner.last_backward_time if compressor.aligner else None,
+            plan[grid.stage].predicted if plan else None, plan[grid.stage].budget if plan else None,
+            m.get("bytes_sent"), m.get("bytes_raw"), m.get("elements_sent"), m.get("elements_raw")]
+    row = torch.tensor([math.nan if v is None else float(v) for v in mine], dtype=torch.float64, device=step.device)
+    rows = [torch.empty_like(row) for _ in range(grid.world)]
+    dist.all_gather(rows, row)
+    first_backward_end = min(float(rows[grid.global_rank(s, 0)][2]) for s in range(grid.stages))
+    out = []
+    for s in range(grid.stages):
+        values = dict(zip(STAGE_FIELDS, rows[grid.global_rank(s, 0)].tolist()))
+        replica_ranks = {str(rows[grid.global_rank(s, d)][0].item()) for d in range(grid.replicas)}
+        out.append({
+            "stage": s,
+            "rank": None if math.isnan(values["rank"]) else int(values["rank"]),
+            "replicas_agree": len(replica_ranks) == 1,  # every replica of the stage used this rank
+            "sync_time_s": values["sync_s"],
+            # when this stage's backward ended / its sync ended, after the earliest backward end
+            "backward_end_s": values["backward_end"] - first_backward_end,
+            "sync_finish_s": values["sync_end"] - first_backward_end,
+            "t_b_s": None if math.isnan(values["t_b_s"]) else values["t_b_s"],
+            "predicted_s": None if math.isnan(values["predicted_s"]) else values["predicted_s"],
+            "budget_s": None if math.isnan(values["budget_s"]) else values["budget_s"],
+            **{k: int(values[k]) if not math.isnan(values[k]) else 0
+               for k in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw")},
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------- the runner used by train.py
+class PipelineRunner:
+    """`edgc train --pp P`: this rank's stage of the model; same interface as `train.DataParallelRunner`."""
+
+    def __init__(self, cfg, data, rank: int, world: int, device: torch.device):
+        from .data import BlockSampler
+        from .model import build_model, count_parameters, model_shape
+        from .train import seed_everything
+
+        self.cfg, self.data, self.device = cfg, data, device
+        self.grid = make_grid(rank, world, cfg.pp)
+        # Stages 0 and P−1 of one replica read the same blocks (inputs and targets).
+        self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, self.grid.replica,
+                                    self.grid.replicas, cfg.seed)
+        seed_everything(cfg.seed)  # the full model is built identically everywhere, then cut
+        self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
+        full = build_model(self.shape, cfg.dropout)
+        self.n_params = count_parameters(full)
+        self.module = GPT2Stage(full, self.grid.stage, self.grid.stages).to(device)
+        self.step = PipelineStep(cfg, self.grid, self.module, device)
+        self.compressor = self.step.compressor
+        self.shard = f"_stage{self.grid.stage}"
+        self.saves_shard = self.grid.replica == 0
+        self.shards = tuple(f"_stage{s}" for s in range(self.grid.stages))
+        self.dp_group = self.grid.dp_group
+        self.tokens_per_step = self.grid.replicas * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+
+    def _batch(self, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.from_numpy(np.concatenate([b[0] for b in blocks])).to(self.device)
+        y = torch.from_numpy(np.concatenate([b[1] for b in blocks])).to(self.device)
+        return x, y
+
+    def train_step(self) -> tuple[float | None, dict]:
+        # Every stage advances the sampler so all ranks hold the same position in checkpoints.
+        x, y = self._batch([self.sampler.next_batch() for _ in range(self.cfg.grad_accum)])
+        loss, timing = self.step.train_step(x, y)
+        stages = stage_metrics(self.step, timing)
+        totals = {k: sum(s[k] for s in stages) for k in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw")}
+        return loss, {"stages": stages, **totals}  # bytes of the whole pipeline (replica 0)
+
+    def mean_loss(self, local: float | None) -> float:
+        """Mean over replicas of the last stage's mean micro-batch loss."""
+        loss = torch.tensor([local if self.grid.last else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss)
+        return loss.item() / self.grid.replicas
+
+    def evaluate(self) -> float:
+        """Validation through the pipeline (forward only), ``grad_accum`` micro-batches at a time."""
+        from .data import val_batches
+
+        cfg = self.cfg
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        chunk: list = []
+        for batch in val_batches(self.data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches,
+                                 self.grid.replica, self.grid.replicas):
+            chunk.append(batch)
+            if len(chunk) == cfg.grad_accum:
+                x, y = self._batch(chunk)
+                loss = self.step.eval_loss(x, y)
+                if loss is not None:
+                    totals += torch.tensor([loss * y.numel(), y.numel()], dtype=torch.float64, device=self.device)
+                chunk = []
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
