@@ -541,7 +541,53 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
     fig.savefig(out / "comm_time.png", dpi=110)
     plt.close(fig)
     written.append(out / "comm_time.png")
+    pipelined = [run for run in runs if run.train and "stages" in run.train[0]]
+    if pipelined:
+        written.append(plot_stages(plt, pipelined, out))
     return written
+
+
+def sync_finish_spread(record: dict) -> float:
+    """Seconds between the first and the last pipeline stage finishing its gradient sync in one step."""
+    finishes = [s["sync_finish_s"] for s in record["stages"]]
+    return max(finishes) - min(finishes)
+
+
+def plot_stages(plt, runs: list[Run], out: Path) -> Path:
+    """``stages.png``: per pipeline stage, the rank in force and when its gradient sync finished."""
+    fig, axes = plt.subplots(2, len(runs), figsize=(6.5 * len(runs), 7.5), squeeze=False, sharex="col")
+    fig.suptitle("Pipeline stages: ranks and gradient-sync finish times", fontsize=13, fontweight="bold")
+    for col, run in enumerate(runs):
+        top, bottom = axes[0][col], axes[1][col]
+        n_stages = len(run.train[0]["stages"])
+        ceiling = max([s["rank"] or 0 for r in run.train for s in r["stages"]] + [1])
+        for stage in range(n_stages):
+            xs = [r["step"] for r in run.train]
+            # uncompressed steps are drawn above the highest rank, so "no compression" reads as "least"
+            ranks = [r["stages"][stage]["rank"] for r in run.train]
+            top.step(xs, [ceiling * 1.25 if v is None else v for v in ranks], where="post", lw=2,
+                     label=f"stage {stage}")
+            bottom.plot(xs, [r["stages"][stage]["sync_finish_s"] * 1000 for r in run.train], lw=1.2,
+                        label=f"stage {stage}")
+        top.axhline(ceiling * 1.25, color="#999999", ls=":", lw=1)
+        top.text(run.train[0]["step"], ceiling * 1.27, "uncompressed", fontsize=8, color="#666666", va="bottom")
+        top.set_ylim(0, ceiling * 1.45)
+        top.set_ylabel("PowerSGD rank")
+        top.set_title(run.label, fontsize=10)
+        top.grid(alpha=0.3)
+        top.legend(fontsize=8, loc="lower right")
+        spreads = [sync_finish_spread(r) * 1000 for r in steady(run)]
+        bottom.set_title("gradient sync finished, ms after the earliest stage's backward ended"
+                         + (f"\nmedian spread between stages: {statistics.median(spreads):.1f} ms" if spreads else ""),
+                         fontsize=9)
+        bottom.set_xlabel("optimizer step")
+        bottom.set_ylabel("sync finished (ms)")
+        bottom.grid(alpha=0.3)
+        bottom.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(out / "stages.png", dpi=110)
+    plt.close(fig)
+    return out / "stages.png"
 
 
 # ------------------------------------------------------------------------------------------ markdown
@@ -655,6 +701,9 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
                        "into the next window's rank.",
         "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed). Bottom: bytes "
                     "sent per step, which follow the rank.",
+        "stages.png": "Pipeline runs: top, the rank each stage used (stage 0 from the entropy; later stages from "
+                      "the DAC alignment, drawn at the top when uncompressed); bottom, when each stage finished "
+                      "its gradient sync. DAC aims to make the stages finish together (a small spread).",
         "comm_time.png": "Left: time in the gradient collectives per step. Right: where a median step's time "
                          "goes. When all processes share one host, moving the bytes over loopback is nearly free "
                          "and this time is mostly one process waiting for the other (they share the cores), so "

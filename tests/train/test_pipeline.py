@@ -70,3 +70,11 @@ def test_pp2_dp2_resume_is_exact(dac_runs):
     a, b = dac_runs
     losses_a, losses_b = train_losses(a), train_losses(b)
     assert [losses_b[s] for s in range(7, 13)] == [losses_a[s] for s in range(7, 13)]
+
+
+def test_report_plots_the_stages(dac_runs, tmp_path):
+    from edgc_train.report import build_report
+
+    build_report([dac_runs[0]], tmp_path / "report")
+    assert (tmp_path / "report" / "stages.png").stat().st_size > 20_000
+    assert "stages.png" in (tmp_path / "report" / "report.md").read_text()
