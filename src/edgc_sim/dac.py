@@ -1,7 +1,7 @@
-"""EDGC's rank ceiling (paper.md §2.7) and DAC per-stage alignment (§2.9) as small pure functions.
+"""EDGC's rank ceiling (paper.md §2.7) and DAC per-stage alignment (§2.9) on the cost model.
 
-Kept local to the simulator for now; the library's own `edgc.alignment` will implement the same rule
-for real training, and this module should then call it instead.
+The alignment rule itself is the library's (`edgc.alignment.align_stage_ranks`): the simulator
+only turns its analytic sync-time function into the tables that rule reads.
 """
 from __future__ import annotations
 
@@ -39,18 +39,14 @@ def profile_r_max(sync_time: Callable[[Optional[int]], float], max_rank: int = 4
 def align_stage_ranks(r0: int, sync_time: SyncTime, t_backward: Sequence[float], r_max: int) -> tuple:
     """DAC: stage 0 keeps r0; stage p gets the largest multiple-of-4 rank <= r_max whose predicted
     sync ends within T0 + p * t_b(p), or None (uncompressed) if the plain all-reduce already fits.
-    If no rank fits, the stage takes its fastest rank. Returns one rank (or None) per stage."""
+    If no rank fits, the stage takes its smallest (fastest) rank. Returns one rank (or None) per stage."""
+    from edgc.alignment import StageTiming
+    from edgc.alignment import align_stage_ranks as align
+    from edgc.profiling import SyncTimeTable
+
     if r_max < RANK_GRANULARITY:
         raise ValueError(f"r_max must be >= {RANK_GRANULARITY}, got {r_max}")
-    t0 = sync_time(0, r0)
-    ranks = [r0]
     candidates = range(RANK_GRANULARITY, r_max + 1, RANK_GRANULARITY)
-    for p in range(1, len(t_backward)):
-        budget = t0 + p * t_backward[p]
-        if sync_time(p, None) <= budget:
-            ranks.append(None)
-            continue
-        times = {r: sync_time(p, r) for r in candidates}
-        fitting = [r for r, t in times.items() if t <= budget]
-        ranks.append(max(fitting) if fitting else min(times, key=times.get))
-    return tuple(ranks)
+    timings = [StageTiming(SyncTimeTable(sync_time(p, None), {r: sync_time(p, r) for r in candidates}),
+                           t_backward[p], RANK_GRANULARITY, r_max) for p in range(len(t_backward))]
+    return tuple(plan.rank for plan in align(r0, timings, RANK_GRANULARITY))
