@@ -238,3 +238,14 @@ def test_ddp_replicas_stay_identical(kind):
     assert a["step"] == 6
     if kind != "fp16":
         assert a["sd"] == {name for name, _ in TinyTransformer().named_parameters()}
+
+
+def test_fast_topk_selects_exactly_the_topk():
+    from edgc.baselines import exact_topk_indices
+
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(4)).abs()
+    for k in (1, 10_000, 200_000):
+        fast = torch.sort(exact_topk_indices(x, k)).values
+        slow = torch.sort(x.topk(k, sorted=False).indices).values
+        assert torch.equal(x[fast].sort().values, x[slow].sort().values)
+        assert fast.numel() == k and fast.unique().numel() == k

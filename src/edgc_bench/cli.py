@@ -1,0 +1,117 @@
+"""`edgc bench` flags -> BenchSettings -> run_bench (see run.py and docs/bench.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from edgc_cli.main import CLIError
+
+from .netns import NetnsError, check_prerequisites
+from .run import ALL_METHODS, BenchSettings, check_methods
+
+DEFAULTS = BenchSettings()
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="compare every compressor on emulated hosts with rate-limited links (needs root)",
+        description="Create one network namespace per host (veth links through a bridge, tc tbf on both ends), "
+                    "train the same model with every selected method one after the other, and write a markdown "
+                    "table (bench.md), results.json and plots into --out. See docs/bench.md.")
+    p.add_argument("--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist")
+    p.add_argument("--hosts", type=int, default=DEFAULTS.hosts, help="emulated hosts (default %(default)s)")
+    p.add_argument("--nproc", type=int, default=DEFAULTS.nproc, help="processes per host (default %(default)s)")
+    p.add_argument("--rate", default=f"{DEFAULTS.rate_mbit:g}",
+                   help="link rate per host in Mbit/s, or 'none' for unlimited (default %(default)s)")
+    p.add_argument("--methods", default=",".join(DEFAULTS.methods),
+                   help="comma-separated: " + ", ".join(ALL_METHODS) + ", powersgd@N (default: all)")
+    p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
+    p.add_argument("--preset", default=DEFAULTS.preset, help="model preset of edgc train (default %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULTS.vocab_size, help="BPE vocabulary (default %(default)s)")
+    p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="validation every N steps (default %(default)s)")
+    p.add_argument("--eval-batches", type=int, default=DEFAULTS.eval_batches, help="validation micro-batches per rank (default %(default)s)")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of every run (default %(default)s)")
+    p.add_argument("--threads", type=int, default=DEFAULTS.threads, help="OMP threads per process (default %(default)s)")
+    p.add_argument("--r-max", type=int, default=None, help="fix EDGC's r_max instead of profiling it on the link")
+    p.add_argument("--compress-ratio", type=float, default=DEFAULTS.compress_ratio, help="topk/randomk fraction (default %(default)s)")
+    p.add_argument("--edgc", action="append", default=[], metavar="KEY=VALUE", help="EDGCConfig field for edgc (repeatable; adds to / overrides the bench's "
+                        "profile_max_rank=8 warmup_error_test=false)")
+    p.add_argument("--data", default=None, help="training text (default: edgc train's default corpus)")
+    p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
+    p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
+    p.set_defaults(func=run)
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    def positive(name: str, value: int) -> int:
+        if value < 1:
+            raise CLIError(f"--{name}: must be ≥ 1, got {value}")
+        return value
+
+    if str(args.rate).lower() in ("none", "unlimited"):
+        rate = None
+    else:
+        try:
+            rate = float(args.rate)
+        except ValueError:
+            raise CLIError(f"--rate: expected Mbit/s or 'none', got {args.rate!r}") from None
+        if rate <= 0:
+            raise CLIError(f"--rate: must be > 0, got {args.rate}")
+    try:
+        methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()])
+    except ValueError as exc:
+        raise CLIError(f"--methods: {exc}") from None
+    if not methods:
+        raise CLIError("--methods: empty")
+    edgc = dict(DEFAULTS.edgc)
+    for item in args.edgc:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
+        try:
+            edgc[key] = json.loads(value)
+        except ValueError:
+            edgc[key] = value
+    if not 0 < args.compress_ratio <= 1:
+        raise CLIError(f"--compress-ratio: must be in (0, 1], got {args.compress_ratio}")
+    return BenchSettings(
+        hosts=positive("hosts", args.hosts), nproc=positive("nproc", args.nproc), rate_mbit=rate,
+        methods=tuple(methods), preset=args.preset, steps=positive("steps", args.steps),
+        micro_batch=positive("micro-batch", args.micro_batch), seq_len=positive("seq-len", args.seq_len),
+        vocab_size=args.vocab_size, eval_every=positive("eval-every", args.eval_every),
+        eval_batches=positive("eval-batches", args.eval_batches), seed=args.seed,
+        threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
+        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    if args.hosts > 250:
+        raise CLIError("--hosts: at most 250")
+    # The training config is checked once here (bad preset/batch), before any namespace exists.
+    from edgc_train.config import TrainConfig
+
+    try:
+        TrainConfig(preset=settings.preset, seq_len=settings.seq_len, micro_batch=settings.micro_batch,
+                    steps=settings.steps, vocab_size=settings.vocab_size, compressor="none")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        check_prerequisites()
+    except NetnsError as exc:
+        raise CLIError(str(exc)) from None
+    out = Path(args.out)
+    if (out / "runs").exists():
+        raise CLIError(f"--out: {out}/runs already exists; choose a new folder")
+    from .run import run_bench
+
+    command = "edgc bench" + ("".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:])
+                              if "bench" in sys.argv else "")
+    summary = run_bench(settings, out, command)
+    print((out / "bench.md").read_text())
+    return 1 if summary["notes"] and any("failed" in n for n in summary["notes"]) else 0

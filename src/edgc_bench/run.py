@@ -1,0 +1,194 @@
+"""`edgc bench`: every selected method trained on the same emulated multi-host network, one after another.
+
+For each method the bench starts one ``torchrun`` agent per host inside that host's namespace
+(static rendezvous on host 0's address, ``--nnodes H --node_rank i --nproc_per_node N``), each running
+``edgc train`` with identical model, data, seed, batch and step count; only ``--compressor`` (and its
+rank) differ. Then it reads every run's ``metrics.jsonl`` and writes the comparison (table.py).
+
+Order: ``none`` first (its final validation loss is everyone's target), then ``edgc`` (its profiled
+r_max fixes the ranks of ``powersgd@rmax``, ``powersgd@rmin`` and ``torch-powersgd``), then the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import calibrate
+from .netns import Network
+
+ALL_METHODS = ("none", "fp16", "bf16", "powersgd@rmax", "powersgd@rmin", "torch-powersgd", "topk", "randomk",
+               "qsgd8", "edgc")
+PORT = 29500
+
+
+@dataclass
+class BenchSettings:
+    hosts: int = 2
+    nproc: int = 1
+    rate_mbit: float | None = 1000.0
+    methods: tuple[str, ...] = ALL_METHODS
+    preset: str = "small"
+    steps: int = 60
+    micro_batch: int = 2
+    seq_len: int = 128
+    vocab_size: int = 4096
+    eval_every: int = 5
+    eval_batches: int = 4
+    seed: int = 1337
+    threads: int = 1
+    r_max: int | None = None  # None: EDGC profiles it on the link
+    compress_ratio: float = 0.01
+    # EDGC knobs for a short bench run (docs/bench.md): profile ranks 2, 4, 8 on the link (the scaled
+    # default would stop at 2 in 60 steps), and no warm-up error test (it never passed in 20 steps).
+    edgc: dict = field(default_factory=lambda: {"profile_max_rank": 8, "warmup_error_test": False})
+    calibration_mb: tuple[float, ...] = (1, 4, 16, 64)
+    run_timeout_s: int = 900
+    data: str | None = None
+    max_chars: int | None = None
+
+
+def check_methods(methods: list[str]) -> list[str]:
+    """Validated method tokens; raises ValueError with one line."""
+    out = []
+    for m in methods:
+        base, _, rank = m.partition("@")
+        ok = m in ALL_METHODS or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
+        if not ok:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} or powersgd@N")
+        if m not in out:
+            out.append(m)
+    return out
+
+
+def execution_order(methods: list[str]) -> list[str]:
+    first = [m for m in ("none", "edgc") if m in methods]
+    return first + [m for m in methods if m not in first]
+
+
+def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> list[str]:
+    args = ["--out", str(out), "--preset", s.preset, "--steps", str(s.steps), "--micro-batch", str(s.micro_batch),
+            "--seq-len", str(s.seq_len), "--vocab-size", str(s.vocab_size), "--eval-every", str(s.eval_every),
+            "--eval-batches", str(s.eval_batches), "--seed", str(s.seed), "--no-progress", "--no-tensorboard",
+            "--device", "cpu"]
+    if s.data:
+        args += ["--data", s.data]
+    if s.max_chars:
+        args += ["--max-chars", str(s.max_chars)]
+    base, _, rank = method.partition("@")
+    args += ["--compressor", base]
+    if base == "powersgd" or base == "torch-powersgd":
+        r = r_max if rank in ("rmax", "") else max(1, r_max // 4) if rank == "rmin" else int(rank)
+        args += ["--powersgd-rank", str(r)]
+    if base in ("topk", "randomk"):
+        args += ["--compress-ratio", str(s.compress_ratio)]
+    if base == "edgc":
+        edgc = dict(s.edgc)
+        if s.r_max is not None:
+            edgc.setdefault("r_max", s.r_max)
+        for key, value in edgc.items():
+            args += ["--edgc", f"{key}={json.dumps(value)}"]
+    return args
+
+
+def launch(net: Network, s: BenchSettings, module_argv: list[str], log_path: Path, timeout_s: int) -> list[int]:
+    """Start one torchrun agent per host running ``python -m <module_argv>``; wait for all."""
+    env = {"OMP_NUM_THREADS": str(s.threads), "EDGC_DIST_TIMEOUT": "300", "PYTHONUNBUFFERED": "1"}
+    processes = []
+    with open(log_path, "w") as log:
+        for host in range(s.hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={s.hosts}", f"--node_rank={host}",
+                    f"--nproc_per_node={s.nproc}", f"--master_addr={net.addr(0)}", f"--master_port={PORT}",
+                    "-m", *module_argv]
+            processes.append(net.popen(host, argv, env=env, timeout_s=timeout_s, stdout=log, stderr=subprocess.STDOUT))
+            if host == 0:
+                time.sleep(0.5)  # host 0 opens the store first
+        return net.wait_all(processes)
+
+
+def run_calibration(net: Network, s: BenchSettings, out: Path) -> list[dict]:
+    env = {"OMP_NUM_THREADS": "1", "WORLD_SIZE": str(s.hosts), "MASTER_ADDR": net.addr(0), "MASTER_PORT": str(PORT)}
+    sizes = [str(mb) for mb in s.calibration_mb]
+    processes = []
+    for host in range(s.hosts):
+        processes.append(net.popen(host, [sys.executable, "-m", "edgc_bench.calibrate", *sizes],
+                                   env={**env, "RANK": str(host)}, timeout_s=300,
+                                   stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL))
+    codes = net.wait_all(processes)
+    text = processes[0].stdout.read().decode()  # type: ignore[union-attr]
+    if any(codes):
+        raise RuntimeError(f"calibration failed (exit codes {codes})")
+    results = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    rows = calibrate.rows(results, s.hosts, s.rate_mbit)
+    (out / "calibration.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def read_run(run_dir: Path) -> dict:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    config = json.loads((run_dir / "config.json").read_text())
+    return {"train": [r for r in lines if r["kind"] == "train"], "eval": [r for r in lines if r["kind"] == "eval"],
+            "config": config}
+
+
+def edgc_r_max(run: dict) -> int | None:
+    """EDGC compresses first at r_max (then only moves within [r_min, r_max]): its largest rank used."""
+    ranks = [r["rank"] for r in run["train"] if r.get("rank")]
+    return max(ranks) if ranks else None
+
+
+def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs").mkdir(exist_ok=True)
+    started = time.time()
+    load_start = os.getloadavg()
+    from edgc_train.data import prepare_data
+
+    prepare_data(s.data, s.vocab_size, 0.1, s.max_chars, None, log=lambda *a, **k: None)  # once, before the hosts
+    results: dict[str, dict] = {}
+    r_max = s.r_max
+    notes: list[str] = []
+    with Network(s.hosts, s.rate_mbit) as net:
+        say(f"network: {s.hosts} hosts × {s.nproc} processes, "
+            f"{'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link (tbf both ends)")
+        calibration = run_calibration(net, s, out)
+        say(calibrate.table(calibration, s.rate_mbit))
+        for method in execution_order(list(s.methods)):
+            if method != "edgc" and ("@r" in method or method == "torch-powersgd") and r_max is None:
+                r_max = 8
+                notes.append("r_max was not profiled (EDGC not run or never compressed): static ranks use r_max = 8")
+            run_dir = out / "runs" / method.replace("@", "-")
+            argv = ["edgc_cli.main", "train", *train_args(s, method, run_dir, r_max)]
+            say(f"[{time.time() - started:6.0f} s] {method}: edgc train {shlex.join(argv[2:])}")
+            t0 = time.time()
+            codes = launch(net, s, argv, out / "runs" / f"{method.replace('@', '-')}.log", s.run_timeout_s)
+            if any(codes) or not (run_dir / "metrics.jsonl").exists():
+                notes.append(f"{method}: failed (exit codes {codes}); see runs/{method.replace('@', '-')}.log")
+                say(f"  {method} failed: exit codes {codes}")
+                continue
+            run = read_run(run_dir)
+            run["wall_total_s"] = time.time() - t0
+            run["powersgd_rank"] = run["config"].get("powersgd_rank")
+            results[method] = run
+            if method == "edgc" and r_max is None:
+                r_max = edgc_r_max(run)
+                if r_max is None:
+                    notes.append("EDGC never compressed (profiling found no rank faster than uncompressed)")
+            say(f"  done in {time.time() - t0:.0f} s: val_loss {run['eval'][-1]['val_loss']:.4f}")
+    summary = {"settings": s.__dict__ | {"methods": list(s.methods)}, "command": command, "calibration": calibration,
+               "r_max": r_max, "notes": notes, "elapsed_s": time.time() - started,
+               "load_start": load_start, "load_end": os.getloadavg(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
+    from . import table
+
+    summary["rows"] = table.rows(results, r_max)
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "bench.md").write_text(table.markdown(summary))
+    table.plots(results, out)
+    return summary

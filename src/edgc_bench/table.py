@@ -1,0 +1,164 @@
+"""The bench's comparison: one row per method, every figure also as a ratio to ``none`` of the same run.
+
+Per method, from rank 0's ``metrics.jsonl``: medians over all optimizer steps of the DP comm time,
+step time, compress/decompress time and tokens/s; the mean bytes this rank sent per step (warm-up
+steps included); the final validation loss and perplexity; and the wall time (as logged by the run,
+evaluations included) of the first evaluation whose loss is ≤ ``none``'s final validation loss × 1.01.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+TARGET_SLACK = 1.01
+
+
+def _median(run: dict, key: str) -> float:
+    return statistics.median(r[key] or 0.0 for r in run["train"])
+
+
+def rows(results: dict[str, dict], r_max: int | None) -> list[dict]:
+    base = results.get("none")
+    target = base["eval"][-1]["val_loss"] * TARGET_SLACK if base else None
+    out = []
+    for method, run in results.items():
+        train = run["train"]
+        ranks = sorted({r["rank"] for r in train if r.get("rank")})
+        reached = next((e["wall_s"] for e in run["eval"] if target is not None and e["val_loss"] <= target), None)
+        row = {
+            "method": method,
+            "rank": (f"{ranks[0]}–{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])) if ranks else "",
+            "comm_s": _median(run, "comm_time_s"),
+            "step_s": _median(run, "step_time_s"),
+            "compress_s": _median(run, "compress_time_s"),
+            "tokens_per_s": _median(run, "tokens_per_s"),
+            "bytes_per_step": sum(r["bytes_sent"] for r in train) / len(train),
+            "val_loss": run["eval"][-1]["val_loss"],
+            "val_ppl": run["eval"][-1]["val_ppl"],
+            "wall_s": train[-1]["wall_s"],
+            "time_to_target_s": reached,
+        }
+        row["comm_share"] = row["comm_s"] / row["step_s"] if row["step_s"] else None
+        out.append(row)
+    ref = next((r for r in out if r["method"] == "none"), None)
+    for row in out:
+        for key in ("comm_s", "step_s", "tokens_per_s", "bytes_per_step", "val_loss", "val_ppl", "time_to_target_s"):
+            value, reference = row[key], ref[key] if ref else None
+            row[key + "_x"] = value / reference if value is not None and reference else None
+    return out
+
+
+def _x(value) -> str:
+    return f" ({value:.2f}×)" if value is not None else ""
+
+
+def result_table(rows_: list[dict]) -> str:
+    head = ("| method | rank | DP comm s/step | step s | comm share | tokens/s | MB sent/step | compress s/step "
+            "| final val loss | val ppl | time to target |\n"
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    lines = []
+    for r in rows_:
+        target = (f"{r['time_to_target_s']:.0f} s{_x(r['time_to_target_s_x'])}" if r["time_to_target_s"] is not None
+                  else "not reached")
+        lines.append(
+            f"| {r['method']} | {r['rank']} | {r['comm_s']:.3f}{_x(r['comm_s_x'])} | {r['step_s']:.3f}{_x(r['step_s_x'])} "
+            f"| {100 * r['comm_share']:.0f}% | {r['tokens_per_s']:.0f}{_x(r['tokens_per_s_x'])} "
+            f"| {r['bytes_per_step'] / 1e6:.2f}{_x(r['bytes_per_step_x'])} | {r['compress_s']:.3f} "
+            f"| {r['val_loss']:.4f}{_x(r['val_loss_x'])} | {r['val_ppl']:.1f} | {target} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def checks(rows_: list[dict], r_max: int | None) -> list[str]:
+    """The issue's acceptance targets, evaluated on this run's numbers."""
+    by = {r["method"]: r for r in rows_}
+    e, n = by.get("edgc"), by.get("none")
+    out = []
+    if e and n:
+        out.append(f"EDGC DP comm time {e['comm_s_x']:.2f}× none (target ≤ 0.40×): "
+                   f"{'holds' if e['comm_s_x'] <= 0.40 else 'MISSED'}")
+        out.append(f"EDGC step time {e['step_s_x']:.2f}× none (target ≤ 0.75×): "
+                   f"{'holds' if e['step_s_x'] <= 0.75 else 'MISSED'}")
+        diff = e["val_loss"] / n["val_loss"] - 1
+        out.append(f"EDGC final validation loss {100 * diff:+.2f}% vs none (target within ±1%): "
+                   f"{'holds' if abs(diff) <= 0.01 else 'MISSED'}")
+    hi, lo = by.get("powersgd@rmax"), by.get("powersgd@rmin")
+    if e and hi:
+        te, th = e["time_to_target_s"], hi["time_to_target_s"]
+        verdict = ("holds" if te is not None and (th is None or te < th) else "MISSED")
+        fmt = lambda t: f"{t:.0f} s" if t is not None else "not reached"  # noqa: E731
+        out.append(f"time to target: EDGC {fmt(te)} vs static PowerSGD at r_max = {r_max} {fmt(th)} "
+                   f"(target: EDGC less): {verdict}")
+    if e and lo:
+        better = e["val_loss"] < lo["val_loss"]
+        out.append(f"final validation loss: EDGC {e['val_loss']:.4f} vs static PowerSGD at r_min = "
+                   f"{max(1, (r_max or 4) // 4)} {lo['val_loss']:.4f}: EDGC is {'lower' if better else 'NOT lower'}")
+    return out
+
+
+def markdown(summary: dict) -> str:
+    from .calibrate import table as calibration_table
+
+    s = summary["settings"]
+    rate = "unlimited" if s["rate_mbit"] is None else f"{s['rate_mbit']:g} Mbit/s"
+    rows_ = summary["rows"]
+    none = next((r for r in rows_ if r["method"] == "none"), None)
+    share = f"{100 * none['comm_share']:.0f}%" if none else "–"
+    load = summary["load_start"], summary["load_end"]
+    parts = [
+        "# edgc bench\n",
+        f"Date: {summary['date']}. Command: `{summary['command']}`\n",
+        "<!-- bench:start -->",
+        f"`{summary['command']}` — {summary['date']}, {s['hosts']} hosts × {s['nproc']} process(es), "
+        f"{rate} per host link (tc tbf on both ends of each veth), preset `{s['preset']}`, "
+        f"{s['micro_batch']} × {s['seq_len']} tokens per rank per step, {s['steps']} steps, seed {s['seed']}; "
+        f"uncompressed communication share {share}; EDGC r_max = {summary['r_max']}. "
+        f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; whole bench {summary['elapsed_s'] / 60:.1f} min.\n",
+        result_table(rows_),
+        "Ratios are to `none` in the same invocation. Times are medians over all steps (rank 0); "
+        "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
+        "validation loss ≤ 1.01 × `none`'s final one.\n",
+        *[f"- {line}" for line in checks(rows_, summary["r_max"])],
+        "<!-- bench:end -->\n",
+        "## Link calibration (gloo all-reduce between the hosts)\n",
+        calibration_table(summary["calibration"], s["rate_mbit"]),
+    ]
+    if summary["notes"]:
+        parts += ["## Notes\n", *[f"- {n}" for n in summary["notes"]], ""]
+    parts += ["Plots: `val_loss.png` (validation loss vs wall time), `step_time.png` (step time split).\n"]
+    return "\n".join(parts)
+
+
+def plots(results: dict[str, dict], out: Path) -> None:
+    if not results:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for method, run in results.items():
+        ax.plot([e["wall_s"] for e in run["eval"]], [e["val_loss"] for e in run["eval"]], marker=".", label=method)
+    if "none" in results:
+        ax.axhline(results["none"]["eval"][-1]["val_loss"] * TARGET_SLACK, color="grey", ls=":", label="target")
+    ax.set(xlabel="wall time (s)", ylabel="validation loss", title="validation loss vs wall time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "val_loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = list(results)
+    comm = [_median(results[m], "comm_time_s") for m in names]
+    comp = [_median(results[m], "compress_time_s") for m in names]
+    step = [_median(results[m], "step_time_s") for m in names]
+    rest = [max(0.0, s - c - k) for s, c, k in zip(step, comm, comp)]
+    ax.bar(names, rest, label="compute")
+    ax.bar(names, comp, bottom=rest, label="compress/decompress")
+    ax.bar(names, comm, bottom=[a + b for a, b in zip(rest, comp)], label="DP communication")
+    ax.set(ylabel="median seconds per step", title="step time")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,86 @@
+"""Fast check of the multi-host emulation: two namespaces, a 2-rank gloo all-reduce across them, clean-up.
+
+Needs root and iproute2 (ip, tc); skipped with the reason otherwise.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgc_bench.netns import Network, NetnsError, burst_bytes, check_prerequisites, namespaces
+
+try:
+    check_prerequisites()
+    REASON = None
+except NetnsError as exc:
+    REASON = str(exc)
+
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"netns emulation unavailable: {REASON}")
+
+WORKER = """
+import os, torch, torch.distributed as dist
+from datetime import timedelta
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+t = torch.full((1000,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+assert t.eq(3.0).all(), t[:3]
+print("ok", dist.get_rank(), os.environ["GLOO_SOCKET_IFNAME"], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def mine(prefix):
+    return [n for n in namespaces() if n.startswith(prefix + "-")]
+
+
+@needs_netns
+def test_two_hosts_all_reduce_and_cleanup():
+    net = Network(hosts=2, rate_mbit=1000, prefix=f"edgcb-test-{os.getpid()}")
+    with net:
+        assert sorted(mine(net.prefix)) == sorted([net.bridge, net.ns(0), net.ns(1)])
+        qdisc = subprocess.run(["ip", "netns", "exec", net.ns(0), "tc", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": net.addr(0), "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1"}
+        procs = [net.popen(i, [sys.executable, "-c", WORKER], env={**env, "RANK": str(i)}, timeout_s=60,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+        codes = net.wait_all(procs)
+        outputs = [p.stdout.read().decode() for p in procs]
+        assert codes == [0, 0], outputs
+        assert "ok 0 eth0" in outputs[0] and "ok 1 eth0" in outputs[1]
+    assert mine(net.prefix) == []
+
+
+@needs_netns
+def test_cleanup_after_an_exception_and_failed_setup():
+    net = Network(hosts=2, rate_mbit=None, prefix=f"edgcb-test-{os.getpid()}-x")
+    with pytest.raises(RuntimeError, match="boom"):
+        with net:
+            sleeper = net.popen(0, ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert sleeper.poll() is not None  # the process started inside was stopped
+    assert mine(net.prefix) == []
+    # a name that already exists makes set-up fail half-way: what was created is removed again
+    subprocess.run(["ip", "netns", "add", f"edgcb-test-{os.getpid()}-y-h1"], check=True)
+    try:
+        clash = Network(hosts=2, rate_mbit=1000, prefix=f"edgcb-test-{os.getpid()}-y")
+        with pytest.raises(NetnsError, match="netns add"):
+            clash.open()
+        assert mine(clash.prefix) == [f"edgcb-test-{os.getpid()}-y-h1"]
+    finally:
+        subprocess.run(["ip", "netns", "del", f"edgcb-test-{os.getpid()}-y-h1"], check=False)
+
+
+def test_burst_scales_with_rate():
+    assert burst_bytes(1000) == 250_000
+    assert burst_bytes(10) == 32 * 1024
+
+
+def test_not_root_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(NetnsError, match="needs root"):
+        check_prerequisites()
+    from edgc_cli.main import main
+
+    assert main(["bench", "--steps", "2"]) == 2
