@@ -21,7 +21,7 @@ from .common import LAYER_TYPES, fmt, markdown_table
 
 NAME = "entropy-trend"
 HELP = "full vs GDS-sampled gradient entropy per layer type over a run; skewness/kurtosis early vs late"
-DEFAULT_STEPS = 800
+DEFAULT_STEPS = 600
 TINY_STEPS = 12
 GROUPS = (*LAYER_TYPES, "all")
 

@@ -27,7 +27,7 @@ from .common import fmt, markdown_table
 
 NAME = "window"
 HELP = "window sizes: CC of windowed sampled vs full entropy, and the rank schedules each window gives"
-DEFAULT_STEPS = 800
+DEFAULT_STEPS = 600
 TINY_STEPS = 24
 R_MAX, R_MIN = 32, 8
 
