@@ -84,3 +84,22 @@ def test_not_root_is_a_clear_error(monkeypatch):
     from edgc_cli.main import main
 
     assert main(["bench", "--steps", "2"]) == 2
+
+
+def test_readme_sync_copies_the_bench_section(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_to_readme.py"
+    spec = importlib.util.spec_from_file_location("bench_to_readme", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bench = tmp_path / "bench.md"
+    bench.write_text("# x\n<!-- bench:start -->\n| a |\n<!-- bench:end -->\nrest\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    assert module.main([str(bench), str(readme)]) == 0
+    assert readme.read_text() == "intro\n\n<!-- bench-table:start -->\n| a |\n<!-- bench-table:end -->\n"
+    bench.write_text("<!-- bench:start -->\n| b |\n<!-- bench:end -->\n")
+    module.main([str(bench), str(readme)])
+    assert "| b |" in readme.read_text() and "| a |" not in readme.read_text()

@@ -1,0 +1,46 @@
+"""Copy the table that `edgc bench` wrote (OUT/bench.md, between <!-- bench:start/end -->) into README.md.
+
+    python scripts/bench_to_readme.py runs/bench/bench.md
+
+It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:end --> in README.md
+(adding both markers at the end of the README when they are missing), so the README's numbers are
+always the ones a real `edgc bench` produced, never typed by hand.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def section(bench_md: str) -> str:
+    try:
+        body = bench_md.split(SRC_START, 1)[1].split(SRC_END, 1)[0]
+    except IndexError:
+        raise SystemExit("bench.md has no <!-- bench:start/end --> section (was it written by edgc bench?)") from None
+    return body.strip() + "\n"
+
+
+def update(readme: str, table: str) -> str:
+    if START not in readme or END not in readme:
+        readme = readme.rstrip() + f"\n\n{START}\n{END}\n"
+    head, rest = readme.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table}{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (1, 2):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    bench = Path(argv[0])
+    readme = Path(argv[1]) if len(argv) == 2 else Path(__file__).resolve().parents[1] / "README.md"
+    readme.write_text(update(readme.read_text(), section(bench.read_text())))
+    print(f"{readme}: bench table from {bench}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
