@@ -34,6 +34,9 @@ def register(subparsers) -> None:
                     "See docs/train.md.")
     p.add_argument("--out", metavar="RUN_DIR", help="new run folder (must not exist)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    p.add_argument("--auto-resume", action="store_true", dest="auto_resume",
+                   help="with --out: if RUN_DIR exists from an earlier attempt of this same command (e.g. "
+                        "torchrun --max-restarts after a worker died), continue it from its latest checkpoint")
     p.add_argument("--config", metavar="FILE", help="JSON or TOML file of config fields (flags override it)")
     p.add_argument("--nproc", metavar="N", help="start N processes on this host via torch.distributed.run")
     p.add_argument("--stop-at", metavar="STEP", dest="stop_at",
@@ -123,6 +126,11 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
 
     stop_at = _positive_int("--stop-at", args.stop_at)
     flags = flag_values(args)
+    auto_resume = getattr(args, "auto_resume", False)
+    if auto_resume and args.resume is not None:
+        raise CLIError("--auto-resume goes with --out (the same command restarted); --resume RUN_DIR needs neither")
+    if auto_resume and args.out is not None and Path(args.out).exists():
+        return _restart(args, flags, world_size, stop_at)
     if args.resume is not None:
         if args.out is not None or args.config is not None:
             raise CLIError("--resume continues a run with its own config: do not combine it with --out or --config")
@@ -169,18 +177,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         run_dir = Path(args.out)
         if run_dir.exists():
             raise CLIError(f"--out: {run_dir} already exists; choose a new folder or --resume it")
-        values = {}
-        try:
-            if args.config is not None:
-                values = load_config_file(args.config)
-            file_edgc = values.get("edgc") or {}
-            if not isinstance(file_edgc, dict):
-                raise ValueError("edgc: must be a table of EDGCConfig fields")
-            values.update({k: v for k, v in flags.items() if k != "edgc"})
-            values["edgc"] = {**file_edgc, **flags.get("edgc", {})}
-            cfg = TrainConfig.from_dict(values)
-        except (ValueError, TypeError) as exc:
-            raise CLIError(str(exc)) from None
+        cfg = _fresh_config(args, flags)
         resume = False
     if world_size % cfg.pp:
         raise CLIError(f"--pp {cfg.pp}: the world size {world_size} is not a multiple of the pipeline stages")
@@ -191,6 +188,56 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
     if not any(_has_text(p) for p in files):
         raise CLIError(f"--data: {cfg.data} holds no text (empty files)")
     return cfg, run_dir, resume, stop_at
+
+
+def _fresh_config(args: argparse.Namespace, flags: dict) -> TrainConfig:
+    """The config of a new run: defaults, then --config FILE, then flags."""
+    values = {}
+    try:
+        if args.config is not None:
+            values = load_config_file(args.config)
+        file_edgc = values.get("edgc") or {}
+        if not isinstance(file_edgc, dict):
+            raise ValueError("edgc: must be a table of EDGCConfig fields")
+        values.update({k: v for k, v in flags.items() if k != "edgc"})
+        values["edgc"] = {**file_edgc, **flags.get("edgc", {})}
+        return TrainConfig.from_dict(values)
+    except (ValueError, TypeError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: int | None):
+    """--auto-resume on an existing --out: the same command again, so continue where it stopped."""
+    from . import checkpoint as ckpt
+    from .train import config_from_run
+
+    run_dir = Path(args.out)
+    cfg = _fresh_config(args, flags)
+    if not (run_dir / "config.json").is_file():
+        raise CLIError(f"--auto-resume: {run_dir} exists but is not a run folder (no config.json)")
+    try:
+        saved = config_from_run(run_dir)
+    except (ValueError, TypeError) as exc:
+        raise CLIError(f"--auto-resume: {run_dir / 'config.json'} is invalid: {exc}") from None
+    now = {k: v for k, v in cfg.to_dict().items() if k not in RESUME_OK}
+    before = {k: v for k, v in saved.to_dict().items() if k not in RESUME_OK}
+    if now != before:
+        diff = sorted(k for k in now if now[k] != before.get(k))
+        raise CLIError(f"--auto-resume: {run_dir} was started with a different config ({', '.join(diff)}); "
+                       "use a new --out")
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None:
+        return cfg, run_dir, False, stop_at  # died before its first checkpoint: start it again in place
+    try:
+        trainer = ckpt.verify(latest)
+    except ckpt.CheckpointError as exc:
+        raise CLIError(str(exc)) from None
+    if trainer.get("world_size") != world_size:
+        raise CLIError(f"--auto-resume: {latest.name} was written by {trainer.get('world_size')} processes, "
+                       f"this run has {world_size}")
+    if trainer["step"] >= cfg.steps:
+        raise CLIError(f"--auto-resume: {run_dir} already finished all {cfg.steps} steps")
+    return cfg, run_dir, True, stop_at
 
 
 def _has_text(path: Path) -> bool:
@@ -239,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
     from .train import train
 
     try:
-        return train(cfg, run_dir, resume=resume, stop_at=stop_at)
+        restart_in_place = getattr(args, "auto_resume", False) and not resume and run_dir.exists()
+        return train(cfg, run_dir, resume=resume, stop_at=stop_at, restart_in_place=restart_in_place)
     except (DataError, CheckpointError, FloatingPointError) as exc:  # FloatingPointError: the loss diverged
         raise CLIError(str(exc)) from None

@@ -252,8 +252,12 @@ def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, 
     return DataParallelRunner(cfg, data, rank, world, local_rank, device)
 
 
-def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> int:
-    """Run (or continue) training into ``run_dir``. Returns the process exit code."""
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | None = None,
+          restart_in_place: bool = False) -> int:
+    """Run (or continue) training into ``run_dir``. Returns the process exit code.
+
+    ``restart_in_place``: ``run_dir`` holds an earlier attempt of this same run that died before
+    its first checkpoint (``--auto-resume``); start again there instead of refusing the folder."""
     if cfg.device != "cpu":
         # cuBLAS needs this for deterministic GEMMs; it must be set before the first CUDA call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -293,7 +297,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             step, wall_offset = trainer["step"], trainer["wall_s"]
             log(f"resuming {run_dir} from {ckpt_dir.name} (step {step})")
         elif master:
-            run_dir.mkdir(parents=True, exist_ok=False)
+            run_dir.mkdir(parents=True, exist_ok=restart_in_place)
+            if restart_in_place:
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             write_run_config(run_dir, cfg, n_params, world, shape, data, device, runner.tokens_per_step)
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
         log(f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
