@@ -148,13 +148,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         latest = ckpt.latest_checkpoint(run_dir)
         if latest is None:
             raise CLIError(f"--resume: {run_dir} has no checkpoint to resume from")
-        try:
-            trainer = ckpt.verify(latest)
-        except ckpt.CheckpointError as exc:
-            raise CLIError(str(exc)) from None
-        if trainer.get("world_size") != world_size:
-            raise CLIError(f"--resume: {latest.name} was written by {trainer.get('world_size')} processes, "
-                           f"this run has {world_size}; resume with the same number")
+        trainer = _verified_trainer(latest, world_size, "--resume")
         saved = {k: v for k, v in trainer.get("config", {}).items() if k not in RESUME_OK}
         now = {k: v for k, v in cfg.to_dict().items() if k not in RESUME_OK}
         if saved != now:
@@ -206,6 +200,20 @@ def _fresh_config(args: argparse.Namespace, flags: dict) -> TrainConfig:
         raise CLIError(str(exc)) from None
 
 
+def _verified_trainer(latest: Path, world_size: int, flag: str) -> dict:
+    """The checkpoint's trainer.json after its manifest checks out and its world size matches."""
+    from . import checkpoint as ckpt
+
+    try:
+        trainer = ckpt.verify(latest)
+    except ckpt.CheckpointError as exc:
+        raise CLIError(str(exc)) from None
+    if trainer.get("world_size") != world_size:
+        raise CLIError(f"{flag}: {latest.name} was written by {trainer.get('world_size')} processes, "
+                       f"this run has {world_size}; resume with the same number")
+    return trainer
+
+
 def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: int | None):
     """--auto-resume on an existing --out: the same command again, so continue where it stopped."""
     from . import checkpoint as ckpt
@@ -228,13 +236,7 @@ def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: in
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
         return cfg, run_dir, False, stop_at  # died before its first checkpoint: start it again in place
-    try:
-        trainer = ckpt.verify(latest)
-    except ckpt.CheckpointError as exc:
-        raise CLIError(str(exc)) from None
-    if trainer.get("world_size") != world_size:
-        raise CLIError(f"--auto-resume: {latest.name} was written by {trainer.get('world_size')} processes, "
-                       f"this run has {world_size}")
+    trainer = _verified_trainer(latest, world_size, "--auto-resume")
     if trainer["step"] >= cfg.steps:
         raise CLIError(f"--auto-resume: {run_dir} already finished all {cfg.steps} steps")
     return cfg, run_dir, True, stop_at
