@@ -1,0 +1,97 @@
+"""Do pipeline stages finish their gradient sync closer together with DAC than with one rank for all?
+
+    python -m edgc_bench.stages [--rate-mbit 100] [--rank 8] [--steps 30] [--out runs/stages]
+
+Two emulated hosts (`edgc_bench.netns`), each running one whole 2-stage pipeline
+(`edgc train --pp 2`, 2 processes per host), so each stage's data-parallel group crosses the
+rate-limited link. Two runs on the same data and seed:
+
+* ``uniform`` — static PowerSGD at ``--rank`` on both stages (`--compressor powersgd`);
+* ``dac``     — EDGC with stage 0 held at the same rank (r_min = r_max = ``--rank``) and stage 1
+  set by the DAC alignment from the measured sync-time tables and backward time.
+
+Per step, the spread is the time between the first and the last stage finishing its sync
+(`sync_finish_s` in metrics.jsonl); the table reports its median over the compressed steps and
+the ratio dac / uniform measured in this one invocation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from .netns import Network, check_prerequisites
+from .run import BenchSettings, launch
+
+
+def spread(record: dict) -> float:
+    finishes = [s["sync_finish_s"] for s in record["stages"]]
+    return max(finishes) - min(finishes)
+
+
+def summarise(run_dir: Path) -> dict:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    compressed = [r for r in lines if r["kind"] == "train" and r["phase"] == "compress"][2:]  # skip transitions
+    if not compressed:
+        raise RuntimeError(f"{run_dir}: no compressed steps to measure")
+    return {
+        "spread_s": statistics.median(spread(r) for r in compressed),
+        "step_s": statistics.median(r["step_time_s"] for r in compressed),
+        "stage_ranks": [sorted({str(r["stages"][s]["rank"]) for r in compressed}) for s in range(len(compressed[0]["stages"]))],
+        "stage_sync_s": [statistics.median(r["stages"][s]["sync_time_s"] for r in compressed)
+                         for s in range(len(compressed[0]["stages"]))],
+        "steps": len(compressed),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m edgc_bench.stages", description=__doc__.splitlines()[0])
+    parser.add_argument("--rate-mbit", type=float, default=100.0, help="per-host link rate (Mbit/s)")
+    parser.add_argument("--rank", type=int, default=8, help="stage 0's rank in both runs")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--out", default="runs/stages")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists():
+        print(f"{out} exists; choose another --out", file=sys.stderr)
+        return 2
+    check_prerequisites()
+    out.mkdir(parents=True)
+    settings = BenchSettings(hosts=2, nproc=2, rate_mbit=args.rate_mbit)
+    common = ["--pp", "2", "--grad-accum", "4", "--preset", args.preset, "--steps", str(args.steps),
+              "--micro-batch", "4", "--seq-len", "128", "--eval-every", "0", "--eval-batches", "4",
+              "--no-progress", "--no-tensorboard", "--powersgd-rank", str(args.rank)]
+    edgc = {"r_max": args.rank, "r_min": args.rank, "window": 5, "profile_max_rank": 16,
+            "profile_steps_per_rank": 1, "warmup_error_test": False}
+    runs = {
+        "uniform": ["--compressor", "powersgd"],
+        "dac": ["--compressor", "edgc", *[a for k, v in edgc.items() for a in ("--edgc", f"{k}={json.dumps(v)}")]],
+    }
+    results = {}
+    with Network(2, args.rate_mbit) as net:
+        for name, extra in runs.items():
+            codes = launch(net, settings, ["edgc_cli.main", "train", "--out", str(out / name), *common, *extra],
+                           out / f"{name}.log", timeout_s=1200)
+            if any(codes):
+                print(f"{name}: edgc train failed (exit codes {codes}); see {out / (name + '.log')}", file=sys.stderr)
+                return 1
+            results[name] = summarise(out / name)
+    ratio = results["dac"]["spread_s"] / results["uniform"]["spread_s"]
+    table = ["| run | stage ranks | median sync time per stage (ms) | median finish spread (ms) | median step (s) |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        table.append(f"| {name} | {' / '.join(','.join(ranks) for ranks in r['stage_ranks'])} | "
+                     f"{' / '.join(f'{t * 1000:.0f}' for t in r['stage_sync_s'])} | {r['spread_s'] * 1000:.1f} | "
+                     f"{r['step_s']:.2f} |")
+    text = "\n".join(table) + f"\n\nspread dac / uniform: {ratio:.2f}× ({args.rate_mbit:g} Mbit/s per host, PP2 × DP2)\n"
+    (out / "stages.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
