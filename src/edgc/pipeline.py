@@ -84,11 +84,7 @@ class StageAligner:
         if self.stage == 0:
             self.state.controller.plan(step)  # apply a warm-up end due at `step` now, so followers see it
         mine = torch.tensor(self._encode(), dtype=torch.float64, device=self.state.device or torch.device("cpu"))
-        rows = [torch.empty_like(mine) for _ in range(self.pipeline.world_size)]
-        if self.pipeline.world_size > 1:
-            dist.all_gather(rows, mine, group=self.pipeline.group)
-        else:
-            rows = [mine]
+        rows = self.pipeline.all_gather(mine)
         decoded = [self._decode(row.tolist()) for row in rows]
         self.last_backward_time = float(mine[4])
         self._backward = [0.0, 0]
