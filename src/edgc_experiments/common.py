@@ -222,6 +222,16 @@ def edgc_train(setting: Setting, run_dir: Path, nproc: int, extra: Sequence[str]
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def report_plots(folders: list[Path], out: Path) -> list[Path]:
+    """`edgc report` on the runs (into ``out``); returns its plots."""
+    from edgc_train.report import ReportError, build_report
+
+    try:
+        return build_report(folders, out)["plots"]
+    except ReportError as exc:
+        raise CLIError(f"report: {exc}") from None
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

@@ -13,7 +13,7 @@ nearly free, so the bytes are the number to watch; `edgc bench` measures time on
 """
 from __future__ import annotations
 
-from edgc_train.report import ReportError, build_report, format_schedule, load_run
+from edgc_train.report import format_schedule, load_run
 
 from . import common
 from .common import markdown_table
@@ -63,10 +63,7 @@ def run(args, out, setting, log=print) -> dict:
     headline = (f"pure DP, no DAC: EDGC sends {e['bytes_ratio_run']:.3f}× the bytes of the uncompressed run over the "
                 f"whole run (static PowerSGD r={EDGC_FIELDS['r_max']}: {p['bytes_ratio_run']:.3f}×), total comm time "
                 f"{e['comm_total_ratio']:.2f}× on loopback, Δ val loss {e['delta_val_loss']:+.4f} nats")
-    try:
-        report = build_report(folders, out / "report")
-    except ReportError as exc:
-        raise common.CLIError(f"report: {exc}") from None
+    report_plots = common.report_plots(folders, out / "report")
     summary = [
         f"# Experiment `{NAME}`: EDGC on pure data parallelism (no pipeline, no DAC)",
         "",
@@ -88,7 +85,7 @@ def run(args, out, setting, log=print) -> dict:
         "into time depends on the link: on loopback they barely do (see the comm columns); `edgc bench` "
         "measures it on a bandwidth-limited link.",
         "",
-        "Plots: " + ", ".join(f"`{p_.relative_to(out)}`" for p_ in report["plots"]),
+        "Plots: " + ", ".join(f"`{p_.relative_to(out)}`" for p_ in report_plots),
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(out / "results.json", {"setting": vars(dp), "nproc": nproc, "edgc": EDGC_FIELDS,

@@ -11,7 +11,7 @@ bandwidth-limited comparison is `edgc bench`; the bytes column is what a real ne
 """
 from __future__ import annotations
 
-from edgc_train.report import ReportError, build_report, load_run, run_stats
+from edgc_train.report import load_run, run_stats
 
 from . import common
 from .common import fmt, markdown_table
@@ -96,11 +96,8 @@ def run(args, out, setting, log=print) -> dict:
     headline = (f"{suggestion}; at rank {ranks[0]} PowerSGD sends {results[1]['bytes_ratio']:.3f}× the bytes "
                 f"(Δ val loss {results[1]['delta_val_loss']:+.4f}); comm+compression beats the uncompressed "
                 f"all-reduce on this link at ranks: {', '.join(map(str, faster)) or 'none'}")
-    try:
-        report = build_report(folders, out / "report")
-    except ReportError as exc:
-        raise common.CLIError(f"report: {exc}") from None
-    plots = [_plot(out, results, loaded, ranks), *report["plots"]]
+    report_plots = common.report_plots(folders, out / "report")
+    plots = [_plot(out, results, loaded, ranks), *report_plots]
     summary = [
         f"# Experiment `{NAME}`: static ranks vs uncompressed",
         "",
