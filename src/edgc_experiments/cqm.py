@@ -37,6 +37,11 @@ def add_arguments(p) -> None:
                    help="number of evenly spaced steps at which the gradients are measured (default 6)")
 
 
+def validate(args, setting) -> None:
+    if args.captures < 1:
+        raise common.CLIError(f"--captures: must be ≥ 1, got {args.captures}")
+
+
 def run(args, out, setting, log=print) -> dict:
     import torch
 

@@ -32,6 +32,11 @@ def add_arguments(p) -> None:
     p.add_argument("--beta", type=float, default=0.25, help="GDS gradient sample ratio β (default 0.25)")
 
 
+def validate(args, setting) -> None:
+    if args.every < 1 or not (0 < args.alpha <= 1 and 0 < args.beta <= 1):
+        raise common.CLIError("--every must be ≥ 1 and --alpha, --beta in (0, 1]")
+
+
 def run(args, out, setting, log=print) -> dict:
     every = max(1, args.every if not args.tiny else 1)
     sample_every = max(1, round(1 / args.alpha))

@@ -29,6 +29,41 @@ EDGC_FIELDS = {"r_max": 16, "r_min": 4, "rank_mapping": "cqm", "entropy_estimato
 def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=2, metavar="N",
                    help="data-parallel processes per run (1 = in this process, for quick checks)")
+    p.add_argument("--link-mbit", type=float, metavar="RATE",
+                   help="also run the same three methods with `edgc bench` on 2 emulated hosts joined by a "
+                        "RATE Mbit/s link (needs root, ip and tc), and add its table (doubles the run time)")
+
+
+def validate(args, setting) -> None:
+    if args.nproc < 1:
+        raise common.CLIError(f"--nproc: must be ≥ 1, got {args.nproc}")
+    if args.link_mbit is not None and not args.link_mbit > 0:
+        raise common.CLIError(f"--link-mbit: must be > 0 Mbit/s, got {args.link_mbit:g}")
+
+
+def bench(args, setting, out, log) -> str:
+    """The same comparison on a rate-limited link via `edgc bench`; returns its bench.md text."""
+    try:
+        from edgc_bench.netns import NetnsError, check_prerequisites
+        from edgc_bench.run import BenchSettings, run_bench
+    except ImportError:
+        raise common.CLIError("--link-mbit needs edgc bench (src/edgc_bench), which is not installed") from None
+    try:
+        check_prerequisites()
+    except NetnsError as exc:
+        raise common.CLIError(f"--link-mbit: {exc}") from None
+    edgc = {k: v for k, v in EDGC_FIELDS.items() if k != "r_max"}
+    settings = BenchSettings(hosts=2, nproc=1, rate_mbit=args.link_mbit, preset=setting.preset,
+                             methods=("none", f"powersgd@{EDGC_FIELDS['r_max']}", "edgc"), steps=setting.steps,
+                             micro_batch=setting.micro_batch, seq_len=setting.seq_len, vocab_size=setting.vocab_size,
+                             eval_every=max(1, setting.steps // 4), seed=setting.seed, r_max=EDGC_FIELDS["r_max"],
+                             edgc={**edgc, "warmup_error_test": not args.tiny}, data=setting.data,
+                             max_chars=setting.max_chars)
+    try:
+        run_bench(settings, out / "bench", f"edgc experiment {NAME} --link-mbit {args.link_mbit:g}", say=log)
+    except NetnsError as exc:
+        raise common.CLIError(f"--link-mbit: {exc}") from None
+    return (out / "bench" / "bench.md").read_text()
 
 
 def run(args, out, setting, log=print) -> dict:
@@ -69,7 +104,7 @@ def run(args, out, setting, log=print) -> dict:
         "",
         f"**Headline:** {headline}.",
         "",
-        f"Setting: {dp.describe()}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on loopback), same "
+        f"Setting: {dp.describe(nproc)}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on loopback), same "
         f"seed and data order for all runs. EDGC: {', '.join(f'{k}={v}' for k, v in EDGC_FIELDS.items())}, other "
         "knobs scaled to the run by `edgc train` (10% warm-up, window steps/20). Per-step times are medians over "
         "compressed steps (all steps for `none`).",
@@ -87,6 +122,9 @@ def run(args, out, setting, log=print) -> dict:
         "",
         "Plots: " + ", ".join(f"`{p_.relative_to(out)}`" for p_ in report_plots),
     ]
+    if args.link_mbit is not None:
+        summary += ["", f"## The same on a {args.link_mbit:g} Mbit/s link (`edgc bench`, 2 emulated hosts × 1 process)",
+                    "", bench(args, dp, out, log).replace("\n# ", "\n### ")]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(out / "results.json", {"setting": vars(dp), "nproc": nproc, "edgc": EDGC_FIELDS,
                                             "results": results})

@@ -42,6 +42,12 @@ def parse_ranks(raw: str) -> list[int]:
     return ranks
 
 
+def validate(args, setting) -> None:
+    parse_ranks(args.ranks)
+    if args.nproc < 1:
+        raise common.CLIError(f"--nproc: must be ≥ 1, got {args.nproc}")
+
+
 def dp_setting(setting, nproc: int):
     """The per-process micro-batch that keeps the global batch of the single-process experiments."""
     from dataclasses import replace
@@ -103,7 +109,7 @@ def run(args, out, setting, log=print) -> dict:
         "",
         f"**Headline:** {headline}.",
         "",
-        f"Setting: {dp.describe()} (micro-batch per process), {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on "
+        f"Setting: {dp.describe(nproc)}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on "
         f"loopback), same seed and data order for every run; PowerSGD (our engine, error feedback) after "
         f"a 10% uncompressed warm-up. Per-step numbers are medians over the compressed steps (all steps for "
         f"`none`); validation loss at the last step ({setting.steps}).",

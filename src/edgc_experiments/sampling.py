@@ -37,6 +37,11 @@ def add_arguments(p) -> None:
                    help="window length in steps for the trajectories (default steps // 10, so that α = 0.05 still has 2 samples per window)")
 
 
+def validate(args, setting) -> None:
+    if args.window is not None and not 1 <= args.window <= setting.steps:
+        raise common.CLIError(f"--window: must be in [1, steps = {setting.steps}], got {args.window}")
+
+
 def window_for(args, steps: int) -> int:
     if args.window is not None:
         return max(1, args.window)

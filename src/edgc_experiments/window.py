@@ -51,6 +51,12 @@ def windows_for(args, steps: int) -> list[int]:
     return sorted({max(2, steps // d) for d in (40, 20, 10, 5)})
 
 
+def validate(args, setting) -> None:
+    if not (0 < args.alpha <= 1 and 0 < args.beta <= 1):
+        raise common.CLIError("--alpha and --beta must be in (0, 1]")
+    windows_for(args, setting.steps)
+
+
 def rank_schedule(values: list[float], steps: int, window: int, alpha: float, mapping: str,
                   shapes: list[tuple[int, int]]) -> list[int]:
     """Rank per step (0 = uncompressed warm-up) chosen by the library controller from a sampled series.
@@ -75,8 +81,6 @@ def rank_schedule(values: list[float], steps: int, window: int, alpha: float, ma
 
 
 def run(args, out, setting, log=print) -> dict:
-    if not (0 < args.alpha <= 1 and 0 < args.beta <= 1):
-        raise common.CLIError("--alpha and --beta must be in (0, 1]")
     every, stride = max(1, round(1 / args.alpha)), max(1, round(1 / args.beta))
     full_steps, full, sampled, gauss, full_gauss = [], [], [], [], []
     shapes: list[tuple[int, int]] = []

@@ -84,3 +84,18 @@ def test_refuses_existing_folder(root, capsys):
     (root / "cqm-existing" / "cqm").mkdir(parents=True)
     assert main(["experiment", "cqm", "--tiny", "--out", str(root / "cqm-existing")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["rank-sweep", "--ranks", "4,x"], "--ranks"),
+    (["window", "--windows", "0"], "--windows"),
+    (["window", "--alpha", "2"], "--alpha"),
+    (["cqm", "--captures", "0"], "--captures"),
+    (["sampling", "--window", "0"], "--window"),
+    (["pure-dp", "--link-mbit", "-1"], "--link-mbit"),
+    (["entropy-trend", "--steps", "0"], "--steps"),
+])
+def test_bad_flags_fail_before_writing(tmp_path, capsys, argv, message):
+    assert main(["experiment", *argv, "--tiny", "--out", str(tmp_path / "root")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "root").exists()
