@@ -35,3 +35,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+# The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):
+# 20 steps, checkpoints at 10 and 20, compressing from step 3 (warm-up floor ⌊0.1·20⌋ = 2).
+EDGC_JOB = ["--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--compressor", "edgc",
+            "--edgc", "r_max=8", "--edgc", "warmup_error_test=false", *FAST]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, cache_dir) -> Path:
+    """One uninterrupted 2-process run of EDGC_JOB, shared by the tests that compare against it."""
+    run_dir = tmp_path_factory.mktemp("reference") / "a"
+    proc = run_edgc("train", "--out", str(run_dir), "--nproc", "2", *EDGC_JOB, "--cache-dir", str(cache_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir

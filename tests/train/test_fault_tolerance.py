@@ -13,30 +13,24 @@ import torch
 
 from edgc_train.train import free_port
 
-from .conftest import FAST, REPO, read_metrics, run_edgc, train_losses
+from .conftest import EDGC_JOB, REPO, read_metrics, train_losses
 
 
 def torchrun(run_dir, cache_dir, *extra):
     port = free_port()
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
             "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *extra, "-m", "edgc_cli.main", "train",
-            "--out", str(run_dir), "--auto-resume", "--cache-dir", str(cache_dir), *JOB]
-
-
-JOB = ["--steps", "24", "--ckpt-every", "4", "--eval-every", "0", "--compressor", "edgc", "--edgc", "r_max=8",
-       "--edgc", "warmup_error_test=false", *FAST]
+            "--out", str(run_dir), "--auto-resume", "--cache-dir", str(cache_dir), *EDGC_JOB]
 
 
 def final_model(run_dir):
-    return torch.load(run_dir / "checkpoints" / "step_000024" / "model.pt", weights_only=True)
+    return torch.load(run_dir / "checkpoints" / "step_000020" / "model.pt", weights_only=True)
 
 
 @pytest.mark.timeout(600)
-def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cache_dir):
+def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cache_dir, reference_run):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    reference = tmp_path / "reference"
-    proc = run_edgc("train", "--nproc", "2", "--out", str(reference), "--cache-dir", str(cache_dir), *JOB)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = reference_run
 
     killed = tmp_path / "killed"
     log = open(tmp_path / "torchrun.log", "w")  # a file, not a pipe: a full pipe would block the agent
@@ -48,7 +42,7 @@ def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cach
         while victim is None and time.monotonic() < deadline and agent.poll() is None:
             metrics = killed / "metrics.jsonl"
             steps = [r["step"] for r in read_metrics(killed)] if metrics.exists() else []
-            if steps and max(steps) >= 8:
+            if steps and max(steps) >= 12:
                 workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
                 victim = int(workers[-1])
                 os.kill(victim, signal.SIGKILL)
@@ -64,7 +58,7 @@ def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cach
 
     # Training continued from a checkpoint (steps after it were run again) and ended identical.
     losses, expected = train_losses(killed), train_losses(reference)
-    assert sorted(losses) == list(range(1, 25))
+    assert sorted(losses) == list(range(1, 21))
     assert losses == expected
     reference_model, resumed_model = final_model(reference), final_model(killed)
     assert all(torch.equal(reference_model[k], resumed_model[k]) for k in reference_model)

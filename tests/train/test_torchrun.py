@@ -16,10 +16,7 @@ import shutil
 
 import pytest
 
-from .conftest import FAST, read_metrics, run_edgc, train_losses
-
-JOB = ["--nproc", "2", "--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--compressor", "edgc",
-       "--edgc", "r_max=8", "--edgc", "warmup_error_test=false", *FAST]
+from .conftest import read_metrics, run_edgc, train_losses
 
 TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_time_s", "comm_time_s",
               "compress_time_s", "tokens_per_s", "phase", "rank", "ranks", "entropy", "elements_sent",
@@ -27,11 +24,8 @@ TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_ti
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
-    root = tmp_path_factory.mktemp("runs")
-    a, b = root / "a", root / "b"
-    proc = run_edgc("train", "--out", str(a), *JOB, "--cache-dir", str(cache_dir))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def runs(tmp_path_factory, reference_run):
+    a, b = reference_run, tmp_path_factory.mktemp("runs") / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_000020")
     (b / "summary.json").unlink()
