@@ -39,6 +39,11 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="also write the results as JSON to --out-dir")
     p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                    help="compare the model with measured `edgc train` runs instead of projecting")
+    p.add_argument("--link-calibration", metavar="JSON",
+                   help="with --calibrate: `edgc bench` runs; the link is the alpha-beta fit of this "
+                        "calibration.json (default: <bench>/calibration.json when the runs are <bench>/runs/*)")
+    p.add_argument("--link-mbit", type=float,
+                   help="with --calibrate: `edgc bench` runs on a link of this nominal rate (no fit)")
     p.add_argument("--measure-host", action="store_true",
                    help="measure this CPU (matmul, memory, dispatch) and the local gloo link, print, exit")
     p.add_argument("--host-profile", help="JSON from --measure-host --save-profile, instead of measuring")
@@ -138,9 +143,18 @@ def _measure(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import calibrate, format_calibration, load_run
+    from .calibrate import (bench_link, calibrate, calibrate_bench, find_bench_calibration, format_bench_calibration,
+                            format_calibration, load_run, nominal_link)
+    from .host import load_profile, measure_host
 
     runs = [load_run(d) for d in args.calibrate]
+    link_json = args.link_calibration or (None if args.link_mbit else find_bench_calibration(args.calibrate))
+    if args.link_mbit or link_json:
+        # bench runs: hosts over the emulated link; only the CPU is taken from the profile / measured
+        link = nominal_link(args.link_mbit) if args.link_mbit else bench_link(link_json, int(runs[0].config["world_size"]))
+        device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(args.threads)
+        print(format_bench_calibration(calibrate_bench(runs, device, link), link, device))
+        return 0
     device, link, _ = _host_profile(args)
     print(format_calibration(calibrate(runs, device, link)))
     return 0
