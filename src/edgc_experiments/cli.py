@@ -33,8 +33,7 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="experiment", metavar="NAME")
     for name, module_name in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
-        sp = sub.add_parser(name, help=module.HELP, description=(module.__doc__ or "").split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sp = sub.add_parser(name, help=module.HELP, description=(module.__doc__ or "").split("\n\n")[0])
         common.add_setting_arguments(sp, module.DEFAULT_STEPS, module.TINY_STEPS)
         module.add_arguments(sp)
         sp.set_defaults(module=module)

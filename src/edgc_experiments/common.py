@@ -103,7 +103,7 @@ def add_setting_arguments(p, steps: int, tiny_steps: int) -> None:
     p.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps of the training run(s) (default {steps})")
     p.add_argument("--preset", default="tiny", help="GPT-2 preset of edgc train: tiny, small, gpt2 (default tiny)")
     p.add_argument("--seq-len", type=int, default=64, metavar="N", help="tokens per sequence (default 64)")
-    p.add_argument("--micro-batch", type=int, default=8, metavar="N", help="sequences per step per process (default 8)")
+    p.add_argument("--micro-batch", type=int, default=8, metavar="N", help="sequences per optimizer step in all (default 8; data-parallel runs split them over the processes)")
     p.add_argument("--data", metavar="PATH", help="text file or folder to train on (default: the KJV Bible)")
     p.add_argument("--cache-dir", metavar="DIR", help="data cache folder (default: edgc train's)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the training run(s) (default 1337)")

@@ -28,7 +28,7 @@ EDGC_FIELDS = {"r_max": 16, "r_min": 4, "rank_mapping": "cqm", "entropy_estimato
 
 def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=2, metavar="N",
-                   help="data-parallel processes per run (1 = in this process, for quick checks)")
+                   help="data-parallel processes per run (default 2; 1 = in this process, for quick checks)")
     p.add_argument("--link-mbit", type=float, metavar="RATE",
                    help="also run the same three methods with `edgc bench` on 2 emulated hosts joined by a "
                         "RATE Mbit/s link (needs root, ip and tc), and add its table (doubles the run time)")

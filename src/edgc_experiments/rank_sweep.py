@@ -25,11 +25,11 @@ RANKS = (4, 8, 16, 32, 64)
 
 def add_arguments(p) -> None:
     p.add_argument("--ranks", default=",".join(map(str, RANKS)), metavar="R,R,...",
-                   help="static ranks to compare with uncompressed")
+                   help="static ranks to compare with uncompressed (default 4,8,16,32,64)")
     p.add_argument("--nproc", type=int, default=2, metavar="N",
-                   help="data-parallel processes per run (1 = in this process, for quick checks)")
+                   help="data-parallel processes per run (default 2; 1 = in this process, for quick checks)")
     p.add_argument("--tolerance", type=float, default=0.02, metavar="NATS",
-                   help="validation-loss increase over uncompressed still counted as no loss of quality")
+                   help="validation-loss increase over uncompressed still counted as no loss of quality (default 0.02)")
 
 
 def parse_ranks(raw: str) -> list[int]:
