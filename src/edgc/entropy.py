@@ -53,11 +53,11 @@ def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.
     if not parts:
         return torch.empty(0), 0
     sample = torch.cat(parts)
+    if bool(torch.isfinite(sample.sum())):  # the usual case, one reduction instead of a mask
+        return sample, 0
     finite = torch.isfinite(sample)
     nonfinite = int(sample.numel() - int(finite.sum()))
-    if nonfinite:
-        sample = sample[finite]
-    return sample, nonfinite
+    return sample[finite], nonfinite
 
 
 class EntropySampler:
