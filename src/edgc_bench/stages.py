@@ -6,9 +6,10 @@ Two emulated hosts (`edgc_bench.netns`), each running one whole 2-stage pipeline
 (`edgc train --pp 2`, 2 processes per host), so each stage's data-parallel group crosses the
 rate-limited link. Two runs on the same data and seed:
 
-* ``uniform`` — static PowerSGD at ``--rank`` on both stages (`--compressor powersgd`);
-* ``dac``     — EDGC with stage 0 held at the same rank (r_min = r_max = ``--rank``) and stage 1
-  set by the DAC alignment from the measured sync-time tables and backward time.
+* ``dac``     — EDGC: every stage profiles its sync-time table and r_max on the link; stage 0's
+  rank comes from its entropy, stage 1's from the DAC alignment;
+* ``uniform`` — static PowerSGD on both stages at the rank stage 0 used most in the ``dac`` run
+  (`--compressor powersgd`), so only the later stage's rank differs between the runs.
 
 Per step, the spread is the time between the first and the last stage finishing its sync
 (`sync_finish_s` in metrics.jsonl); the table reports its median over the compressed steps and
@@ -42,6 +43,7 @@ def summarise(run_dir: Path) -> dict:
         "stage_ranks": [sorted({str(r["stages"][s]["rank"]) for r in compressed}) for s in range(len(compressed[0]["stages"]))],
         "stage_sync_s": [statistics.median(r["stages"][s]["sync_time_s"] for r in compressed)
                          for s in range(len(compressed[0]["stages"]))],
+        "stage0_ranks": [r["stages"][0]["rank"] for r in compressed],
         "steps": len(compressed),
     }
 
@@ -49,7 +51,6 @@ def summarise(run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m edgc_bench.stages", description=__doc__.splitlines()[0])
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="per-host link rate (Mbit/s)")
-    parser.add_argument("--rank", type=int, default=8, help="stage 0's rank in both runs")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--out", default="runs/stages")
@@ -63,26 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     settings = BenchSettings(hosts=2, nproc=2, rate_mbit=args.rate_mbit)
     common = ["--pp", "2", "--grad-accum", "4", "--preset", args.preset, "--steps", str(args.steps),
               "--micro-batch", "4", "--seq-len", "128", "--eval-every", "0", "--eval-batches", "4",
-              "--no-progress", "--no-tensorboard", "--powersgd-rank", str(args.rank)]
-    edgc = {"r_max": args.rank, "r_min": args.rank, "window": 5, "profile_max_rank": 16,
-            "profile_steps_per_rank": 1, "warmup_error_test": False}
-    runs = {
-        "uniform": ["--compressor", "powersgd"],
-        "dac": ["--compressor", "edgc", *[a for k, v in edgc.items() for a in ("--edgc", f"{k}={json.dumps(v)}")]],
-    }
+              "--no-progress", "--no-tensorboard"]
+    edgc = {"window": 5, "profile_max_rank": 64, "profile_steps_per_rank": 1, "warmup_error_test": False}
     results = {}
     with Network(2, args.rate_mbit) as net:
-        for name, extra in runs.items():
+        def train(name: str, extra: list[str]) -> dict:
             codes = launch(net, settings, ["edgc_cli.main", "train", "--out", str(out / name), *common, *extra],
                            out / f"{name}.log", timeout_s=1200)
             if any(codes):
-                print(f"{name}: edgc train failed (exit codes {codes}); see {out / (name + '.log')}", file=sys.stderr)
-                return 1
-            results[name] = summarise(out / name)
+                raise RuntimeError(f"{name}: edgc train failed (exit codes {codes}); see {out / (name + '.log')}")
+            return summarise(out / name)
+
+        results["dac"] = train("dac", ["--compressor", "edgc",
+                                       *[a for k, v in edgc.items() for a in ("--edgc", f"{k}={json.dumps(v)}")]])
+        stage0_rank = statistics.mode(results["dac"]["stage0_ranks"])
+        results["uniform"] = train("uniform", ["--compressor", "powersgd", "--powersgd-rank", str(stage0_rank)])
     ratio = results["dac"]["spread_s"] / results["uniform"]["spread_s"]
     table = ["| run | stage ranks | median sync time per stage (ms) | median finish spread (ms) | median step (s) |",
              "| --- | --- | --- | --- | --- |"]
-    for name, r in results.items():
+    for name in ("uniform", "dac"):
+        r = results[name]
         table.append(f"| {name} | {' / '.join(','.join(ranks) for ranks in r['stage_ranks'])} | "
                      f"{' / '.join(f'{t * 1000:.0f}' for t in r['stage_sync_s'])} | {r['spread_s'] * 1000:.1f} | "
                      f"{r['step_s']:.2f} |")

@@ -194,7 +194,7 @@ class StageCompressor(Compressor):
                                         follower=grid.stage > 0, always_profile=grid.stages > 1)
             self.aligner = StageAligner(self.state, grid.stage, grid.stages, grid.pp_group)
         else:  # one static rank: on every stage (powersgd) or on the first k (optimus-cc)
-            self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(static=True), model=module)
+            self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(), model=module)  # static for these two
 
     def synchronize(self) -> float:
         start = time.perf_counter()
