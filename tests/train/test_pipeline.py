@@ -78,3 +78,13 @@ def test_report_plots_the_stages(dac_runs, tmp_path):
     build_report([dac_runs[0]], tmp_path / "report")
     assert (tmp_path / "report" / "stages.png").stat().st_size > 20_000
     assert "stages.png" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_optimus_cc_compresses_only_the_first_stages(tmp_path, cache_dir):
+    proc = run_edgc("train", "--out", str(tmp_path / "occ"), "--nproc", "2", "--pp", "2", "--steps", "6",
+                    "--eval-every", "0", "--compressor", "optimus-cc", "--selective-stages", "1",
+                    "--powersgd-rank", "4", "--cache-dir", str(cache_dir), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_metrics(tmp_path / "occ") if r["kind"] == "train"]
+    assert train[-1]["stages"][0]["rank"] == 4  # static rank on stage 0 after the warm-up
+    assert all(r["stages"][1]["rank"] is None for r in train)  # stage 1 always uncompressed
