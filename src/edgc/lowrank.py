@@ -202,17 +202,23 @@ class LowRankCompressor:
             return stats
 
         for indices, matrices, p_group, q_group in batches:
-            approx = torch.bmm(p_group, q_group.transpose(1, 2))
             flat_m = matrices.view(-1)  # ‖·‖² as one BLAS dot: no squared temporary (3× faster on CPU)
             stats.norm_sq += float(torch.dot(flat_m, flat_m))
-            matrices.sub_(approx)  # now the residual e = M − Ĝ
-            stats.error_sq += float(torch.dot(flat_m, flat_m))
+            m, n = matrices.shape[1:]
             for k, i in enumerate(indices):
-                m, n = matrices.shape[1:]
-                grads[i].view(m, n).copy_(approx[k])
+                target = grads[i].view(m, n)
+                if target.dtype == matrices.dtype:
+                    # Ĝ = P·Qᵀ straight into the gradient (no (m × n) temporary), then e = M − Ĝ.
+                    torch.mm(p_group[k], q_group[k].T, out=target)
+                    matrices[k].sub_(target)
+                else:
+                    approx = p_group[k] @ q_group[k].T
+                    matrices[k].sub_(approx)
+                    target.copy_(approx)
                 self.q[names[i]] = q_group[k]
                 if config.error_feedback:
                     self.error[names[i]] = matrices[k]
+            stats.error_sq += float(torch.dot(flat_m, flat_m))  # matrices now hold the residuals
         return stats
 
     @staticmethod
