@@ -1,7 +1,7 @@
 """`edgc train --pp`: pipeline correctness against a single process, and PP2 × DP2 with EDGC's DAC.
 
 Runs (tiny preset, 2 pipeline micro-batches per step):
-  pp1  `--pp 2`, 2 processes, compression off;   solo  the same job in 1 process without pipeline
+  pp   `--pp 2 --nproc 4` (PP2 × DP2), compression off;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints at 6 and 12
   b    a copy of a cut back to its step-6 checkpoint, then `--resume`d
 """
@@ -19,11 +19,12 @@ EDGC_DAC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "
             "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
 
 
-def test_pipeline_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir):
+def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir):
+    # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     common = ["--steps", "6", "--eval-every", "3", "--compressor", "none", "--cache-dir", str(cache_dir), *SMALL]
-    proc = run_edgc("train", "--out", str(tmp_path / "pp"), "--nproc", "2", "--pp", "2", *common)
+    proc = run_edgc("train", "--out", str(tmp_path / "pp"), "--nproc", "4", "--pp", "2", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_edgc("train", "--out", str(tmp_path / "solo"), *common)
+    proc = run_edgc("train", "--out", str(tmp_path / "solo"), *common, "--micro-batch", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     pipelined, solo = train_losses(tmp_path / "pp"), train_losses(tmp_path / "solo")
     assert sorted(pipelined) == list(range(1, 7))
