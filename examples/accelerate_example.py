@@ -42,6 +42,7 @@ def main():
     m = state.last_step_metrics
     print(f"[rank {accelerator.process_index}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    accelerator.wait_for_everyone()  # nobody tears gloo down while a peer still uses it
     accelerator.end_training()
 
 

@@ -49,6 +49,7 @@ def main():
     m = state.last_step_metrics
     print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    dist.barrier()  # nobody tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 
