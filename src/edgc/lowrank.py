@@ -180,24 +180,17 @@ class LowRankCompressor:
             self._send_matrices_raw(batches, grads, comm, stats)
             return stats
 
-        self._mean_on_wire(p_flat, wire_dtype, comm)
-        wire_bytes = torch.empty((), dtype=wire_dtype).element_size()
-        stats.elements_sent += p_flat.numel()
-        stats.bytes_sent += p_flat.numel() * wire_bytes
         # P and Q are larger than the gradient entries and can overflow a half-precision wire
         # although every gradient is finite. Their averages are identical on every rank, so
         # every rank takes the same branch: send raw this time and keep the old state.
-        if not bool(torch.isfinite(p_flat.sum())):
+        if not self._send_factors(p_flat, wire_dtype, comm, stats):
             self._send_matrices_raw(batches, grads, comm, stats)
             return stats
         for _, _, p_group, _ in batches:
             orthogonalize_(p_group, config.orthogonalization_epsilon)
         for _, matrices, p_group, q_group in batches:
             torch.bmm(matrices.transpose(1, 2), p_group, out=q_group)
-        self._mean_on_wire(q_flat, wire_dtype, comm)
-        stats.elements_sent += q_flat.numel()
-        stats.bytes_sent += q_flat.numel() * wire_bytes
-        if not bool(torch.isfinite(q_flat.sum())):
+        if not self._send_factors(q_flat, wire_dtype, comm, stats):
             self._send_matrices_raw(batches, grads, comm, stats)
             return stats
 
@@ -235,6 +228,15 @@ class LowRankCompressor:
         stats.elements_sent += packed.numel()
         stats.bytes_sent += packed.numel() * packed.element_size()
         stats.ranks.update({name: 0 for name in stats.ranks})
+
+    @classmethod
+    def _send_factors(cls, values: torch.Tensor, wire_dtype: torch.dtype, comm: Communicator,
+                      stats: ReduceStats) -> bool:
+        """Average the packed P (or Q) over the group; False when the average is not finite."""
+        cls._mean_on_wire(values, wire_dtype, comm)
+        stats.elements_sent += values.numel()
+        stats.bytes_sent += values.numel() * torch.empty((), dtype=wire_dtype).element_size()
+        return bool(torch.isfinite(values.sum()))
 
     @staticmethod
     def _mean_on_wire(values: torch.Tensor, wire_dtype: torch.dtype, comm: Communicator) -> None:

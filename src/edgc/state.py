@@ -71,9 +71,8 @@ class EDGCState(GradientReducer):
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
         plan = self._plan
         self.sampler.add(grads)  # a no-op unless this step is sampled
-        for name, grad in zip(names, grads):
-            shape = matrix_shape(grad)
-            if shape is not None:
+        for name, grad in zip(names, grads):  # matrix shapes for the CQM mapping, recorded once
+            if name not in self._shapes and (shape := matrix_shape(grad)) is not None:
                 self._shapes[name] = shape
         if plan.probe_rank is not None:
             self._probe_error += self.compressor.probe_error(names, grads, plan.probe_rank)
