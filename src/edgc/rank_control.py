@@ -3,7 +3,8 @@
 Phases of a run (paper §2.7, §2.8, §2.11):
 
 * ``profile``  – r_max unknown: gradients are synced uncompressed while a compressed sync at
-  ranks 2, 4, 8, … is timed beside it; ends with r_max = the largest rank still faster.
+  ranks 2, 4, 8, … is timed beside it; ends with r_max = the largest rank still faster. Profiling
+  steps are uncompressed, so they count towards the warm-up floor.
 * ``warmup``   – uncompressed until t ≥ max(⌊f_w·T⌋, t_e). t_e is the first window boundary where
   the rank-r_min error of today's 2-D gradients is ≤ the rank-r_max error measured when warm-up
   began (squared Frobenius norm, summed over this rank's matrices, averaged over ranks).
@@ -77,7 +78,7 @@ class StepPlan:
     phase: str
     rank: int | None  # compression rank of the real sync; None = uncompressed
     profile_rank: int | None = None  # also time a shadow compressed sync at this rank
-    profile_timed: bool = False  # … and count its time (the first step of each rank is a transition)
+    profile_warm: bool = False  # … after an untimed one (first step of a rank: allocation, new Q columns)
     probe_rank: int | None = None  # measure the local rank-r error of the 2-D gradients
     decision: bool = False  # agree measurements and broadcast a decision at the end of the step
 
@@ -200,10 +201,12 @@ class WindowController:
         offset = step - PROFILE_START_STEP
         if offset < 0:
             return StepPlan(step, PROFILE, None)
-        block = 1 + self.config.profile_steps_per_rank
+        # The paper spends a whole uncompressed "transition" step per candidate rank; a second,
+        # untimed shadow call in the candidate's first step absorbs the same one-off costs.
+        block = self.config.profile_steps_per_rank
         index, position = divmod(offset, block)
         candidate = self._candidates[min(index, len(self._candidates) - 1)]
-        return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_timed=position > 0,
+        return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_warm=position == 0,
                         decision=position == block - 1)
 
     # ------------------------------------------------------------------ deciding

@@ -84,23 +84,23 @@ class EDGCState(GradientReducer):
             self._add_stats(self.compressor.reduce(names, grads, plan.rank, self.comm))
 
     def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan) -> None:
-        shadow = [g.detach().clone() for g in grads]
         comm_before = self.comm.seconds
-        start = time.perf_counter()
-        self._profiler.reduce(names, shadow, plan.profile_rank, self.comm)  # type: ignore[arg-type]
-        compressed = time.perf_counter() - start
+        for _ in range(2 if plan.profile_warm else 1):  # only the last call's time counts
+            shadow = [g.detach().clone() for g in grads]
+            start = time.perf_counter()
+            self._profiler.reduce(names, shadow, plan.profile_rank, self.comm)  # type: ignore[arg-type]
+            compressed = time.perf_counter() - start
         self.comm.seconds = comm_before  # the shadow sync is not part of the step's traffic
         start = time.perf_counter()
         self._average_raw(names, grads, flat)
         uncompressed = time.perf_counter() - start
-        if plan.profile_timed:
-            self._profile_seconds[0] += compressed
-            self._profile_seconds[1] += uncompressed
+        self._profile_seconds[0] += compressed
+        self._profile_seconds[1] += uncompressed
 
     def _end_step(self) -> None:
         self._last_entropy = self.sampler.finish()
         plan = self._plan
-        if plan.profile_timed:
+        if plan.profile_rank is not None:
             self._profile_seconds[2] += 1
         if plan.decision:
             self._decide(plan)

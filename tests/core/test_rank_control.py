@@ -88,8 +88,10 @@ def test_profiling_finds_r_max_then_warms_up_then_compresses():
                         warmup_fraction=0.2, warmup_error_test=False)
     controller, plans = run_controller(config, 40, lambda plan: Agreed(times.get(plan.profile_rank, math.nan), 1.0))
     assert controller.r_max == 16 and controller.r_min == 4
-    assert [p.profile_rank for p in plans[1:16:3]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
-    assert plans[16].phase == WARMUP and plans[19].phase == WARMUP
+    assert [p.profile_rank for p in plans[1:11:2]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
+    assert [p.profile_warm for p in plans[1:5]] == [True, False, True, False]  # first step of each rank
+    assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [2, 4, 6, 8, 10]
+    assert plans[11].phase == WARMUP and plans[19].phase == WARMUP
     assert plans[20].phase == COMPRESS and plans[20].rank == 16  # floor ⌊0.2·100⌋ = 20
     assert controller.schedule == [(20, 16)]
 
