@@ -95,7 +95,42 @@ def checks(rows_: list[dict], r_max: int | None) -> list[str]:
     return out
 
 
-def markdown(summary: dict) -> str:
+def _reached(run: dict, target: float) -> dict | None:
+    return next((e for e in run["eval"] if e["val_loss"] <= target), None)
+
+
+def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc", "powersgd@rmax")) -> str:
+    """Where the wall time to the target went, summed over the steps before the target was reached.
+
+    Evaluations and logging are the wall time not inside any step. EDGC's profiling cost is the
+    compress time of its profile steps (the shadow compressed syncs); its entropy cost is GDS.
+    """
+    if "none" not in results:
+        return ""
+    target = results["none"]["eval"][-1]["val_loss"] * TARGET_SLACK
+    head = ("| method | reached at step | wall to target | compute | compress/decompress | of which entropy "
+            "| of which profiling | DP comm | evaluation, other |\n"
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    lines = []
+    for method in methods:
+        run = results.get(method)
+        hit = _reached(run, target) if run else None
+        if hit is None:
+            continue
+        steps = [r for r in run["train"] if r["step"] <= hit["step"]]
+
+        def total(key: str, rows=steps) -> float:
+            return sum(r.get(key) or 0.0 for r in rows)
+
+        profiling = total("compress_time_s", [r for r in steps if r.get("phase") == "profile"])
+        other = hit["wall_s"] - total("step_time_s")
+        lines.append(f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {total('compute_time_s'):.1f} s "
+                     f"| {total('compress_time_s'):.1f} s | {total('entropy_time_s'):.1f} s | {profiling:.1f} s "
+                     f"| {total('comm_time_s'):.1f} s | {other:.1f} s |")
+    return head + "\n".join(lines) + "\n" if lines else ""
+
+
+def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
     from .calibrate import table as calibration_table
 
     s = summary["settings"]
@@ -118,6 +153,8 @@ def markdown(summary: dict) -> str:
         "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
         "validation loss ≤ 1.01 × `none`'s final one.\n",
         *[f"- {line}" for line in checks(rows_, summary["r_max"])],
+        *(["\nWhere the wall time to the target went (sums over the steps up to the evaluation that reached it):\n",
+           breakdown] if (breakdown := target_breakdown(results or {})) else []),
         "<!-- bench:end -->\n",
         "## Link calibration (gloo all-reduce between the hosts)\n",
         calibration_table(summary["calibration"], s["rate_mbit"]),

@@ -38,7 +38,7 @@ import torch
 from .config import scaled_edgc_defaults
 
 METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
-               "bytes_raw", "compress_time_s", "comm_time_s", "relative_error")
+               "bytes_raw", "compress_time_s", "comm_time_s", "relative_error", "entropy_time_s")
 
 
 def _baselines() -> dict:

@@ -12,7 +12,8 @@ Timing, per optimizer step (all in seconds, wall clock on this rank, rank 0 is l
   time each one, summed over buckets. ``torch-powersgd`` is timed from hook call to completion of its
   future, so its compression work is included there (see compressors.py).
 - ``compress_time_s``: time in compression/decompression (P/Q products, orthogonalisation, entropy
-  sampling), as reported by the hook.
+  sampling), as reported by the hook; ``entropy_time_s`` is EDGC's entropy-sampling part of it
+  (0 on steps that are not sampled, absent for other compressors).
 - ``compute_time_s = step_time_s - comm_time_s - compress_time_s``: forward, backward, optimizer.
 """
 from __future__ import annotations

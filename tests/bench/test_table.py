@@ -1,0 +1,40 @@
+"""The bench's comparison table and its time-to-target breakdown, on synthetic runs (no network)."""
+from edgc_bench import table
+
+
+def run(losses, step_s, comm_s, compress_s, phases=None, entropy_s=0.0, eval_s=1.0):
+    """Five steps per evaluation; wall time = steps + one ``eval_s`` per evaluation."""
+    train, evals, wall = [], [], 0.0
+    for step in range(1, 5 * len(losses) + 1):
+        wall += step_s
+        phase = phases(step) if phases else "compress"
+        train.append({"step": step, "wall_s": wall, "step_time_s": step_s, "comm_time_s": comm_s,
+                      "compress_time_s": compress_s, "compute_time_s": step_s - comm_s - compress_s,
+                      "entropy_time_s": entropy_s, "phase": phase, "rank": 4, "bytes_sent": 100,
+                      "tokens_per_s": 1 / step_s})
+        if step % 5 == 0:
+            wall += eval_s
+            evals.append({"step": step, "wall_s": wall, "val_loss": losses[step // 5 - 1], "val_ppl": 1.0})
+    return {"train": train, "eval": evals}
+
+
+def test_time_to_target_and_its_breakdown_add_up():
+    results = {
+        "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
+        "edgc": run([2.9, 2.01, 1.9], step_s=1.0, comm_s=0.1, compress_s=0.3, entropy_s=0.05,
+                    phases=lambda step: "profile" if step <= 3 else "compress"),
+        "powersgd@rmax": run([2.9, 2.3, 2.1], step_s=0.9, comm_s=0.1, compress_s=0.2),
+    }
+    rows = {r["method"]: r for r in table.rows(results, r_max=8)}
+    # target = 2.0 × 1.01 = 2.02: EDGC reaches it at its 2nd evaluation (step 10), PowerSGD at its 3rd
+    assert rows["edgc"]["time_to_target_s"] == 10 * 1.0 + 2 * 1.0
+    assert rows["powersgd@rmax"]["time_to_target_s"] is None
+    assert rows["edgc"]["step_s_x"] == 0.5 and rows["none"]["step_s_x"] == 1.0
+
+    breakdown = table.target_breakdown(results).splitlines()
+    edgc = [cell.strip() for cell in breakdown[2].split("|")[1:-1]]
+    assert edgc == ["edgc", "10", "12.0 s", "6.0 s", "3.0 s", "0.5 s", "0.9 s", "1.0 s", "2.0 s"]
+    assert len(breakdown) == 3  # PowerSGD never reached the target: no row
+
+    checks = table.checks(list(rows.values()), r_max=8)
+    assert any("time to target" in c and c.endswith("holds") for c in checks)
