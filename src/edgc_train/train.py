@@ -28,7 +28,7 @@ import shutil
 import socket
 import statistics
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from .compressors import ddp_kwargs
 from .config import TrainConfig
 from .data import BlockSampler, prepare_data, val_batches
 from .model import build_model, count_parameters, model_shape
+from .rendezvous import dist_timeout, join_process_group
 
 # Fields of config.json beyond TrainConfig's own (the report tool reads these).
 RUN_FORMAT = 1
@@ -71,7 +72,9 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     else:
         device = torch.device("cpu")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("EDGC_DIST_TIMEOUT", 120))))
+    # (not a plain init_process_group: under torchrun a restarted worker could read the keys of the
+    # attempt before it; see rendezvous.py)
+    join_process_group(backend, dist_timeout())
     return rank, world, local_rank, device
 
 
