@@ -39,6 +39,7 @@ import edgc
 from edgc.pipeline import StageAligner
 
 from .compressors import METRIC_KEYS, Compressor
+from .rendezvous import dist_timeout
 
 
 # ---------------------------------------------------------------------------- process grid
@@ -73,16 +74,17 @@ def make_grid(rank: int, world: int, stages: int) -> Grid:
     replicas = world // stages
     replica, stage = divmod(rank, stages)
     dp_group = pp_group = embedding_group = None
+    timeout = dist_timeout()  # the default group's; new_group's own default is 30 min on gloo
     for s in range(stages):
-        group = dist.new_group([d * stages + s for d in range(replicas)])
+        group = dist.new_group([d * stages + s for d in range(replicas)], timeout=timeout)
         if s == stage:
             dp_group = group
     for d in range(replicas):
-        group = dist.new_group([d * stages + s for s in range(stages)])
+        group = dist.new_group([d * stages + s for s in range(stages)], timeout=timeout)
         if d == replica:
             pp_group = group
     for d in range(replicas):
-        group = dist.new_group([d * stages, d * stages + stages - 1])
+        group = dist.new_group([d * stages, d * stages + stages - 1], timeout=timeout)
         if d == replica and stage in (0, stages - 1):
             embedding_group = group
     return Grid(rank, world, stages, replicas, stage, replica, dp_group, pp_group, embedding_group)
