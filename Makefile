@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fault clean
+.PHONY: install run test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,6 @@ run: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
-
-# The killed-worker restart test (SIGKILL a worker under torchrun --max-restarts), opt-in.
-test-fault: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m fault tests/train/test_fault_tolerance.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

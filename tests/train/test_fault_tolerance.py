@@ -27,7 +27,6 @@ def final_model(run_dir):
     return torch.load(run_dir / "checkpoints" / "step_000020" / "model.pt", weights_only=True)
 
 
-@pytest.mark.fault
 @pytest.mark.timeout(600)
 def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cache_dir, reference_run):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
