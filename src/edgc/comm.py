@@ -31,14 +31,18 @@ class Communicator:
         # Global rank of the group's rank 0: the source of every decision broadcast.
         self.root = dist.get_global_rank(process_group, 0) if distributed and process_group is not None else 0
         self.seconds = 0.0  # wall time spent inside collectives since the last reset()
+        self.collectives = 0  # collectives issued since the last reset() (each has a fixed latency cost)
 
     def reset(self) -> float:
+        """Zero the time and the collective count; returns the time."""
         seconds, self.seconds = self.seconds, 0.0
+        self.collectives = 0
         return seconds
 
     def _timed(self, tensor: torch.Tensor, run) -> None:
         if self.world_size == 1:
             return
+        self.collectives += 1
         start = time.perf_counter()
         run()
         synchronize(tensor.device)

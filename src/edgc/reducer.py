@@ -110,6 +110,7 @@ class GradientReducer:
 
     def _end_step(self) -> None:
         stats = self._stats
+        collectives = self.comm.collectives
         comm_seconds = self.comm.reset()
         for key in self.totals:
             self.totals[key] += getattr(stats, key)
@@ -121,6 +122,7 @@ class GradientReducer:
             "bytes_raw": stats.bytes_raw,
             "bytes_sent": stats.bytes_sent,
             "comm_time_s": comm_seconds,
+            "collectives": collectives,
             "compress_time_s": max(0.0, self._busy - comm_seconds),
             "relative_error": relative_error,
             "nonfinite": stats.nonfinite,

@@ -37,8 +37,9 @@ import torch
 
 from .config import scaled_edgc_defaults
 
+TORCH_POWERSGD_COLLECTIVES = 3  # per bucket once compressing (powerSGD_hook: uncompressed, P, Q)
 METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
-               "bytes_raw", "compress_time_s", "comm_time_s", "relative_error", "entropy_time_s")
+               "bytes_raw", "compress_time_s", "comm_time_s", "collectives", "relative_error", "entropy_time_s")
 
 
 def _baselines() -> dict:
@@ -129,8 +130,8 @@ class TorchPowerSGD(Compressor):
         ddp_model.register_comm_hook(self, TorchPowerSGD._hook)
 
     def _reset(self) -> None:
-        self._acc = {"comm_time_s": 0.0, "elements_sent": 0, "elements_raw": 0, "bytes_sent": 0, "bytes_raw": 0,
-                     "ranks": {}}
+        self._acc = {"comm_time_s": 0.0, "collectives": 0, "elements_sent": 0, "elements_raw": 0, "bytes_sent": 0,
+                     "bytes_raw": 0, "ranks": {}}
 
     def _compressed(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(n, m, k) when the hook sends this gradient as rank-k factors, else None (its rule exactly)."""
@@ -185,6 +186,9 @@ class TorchPowerSGD(Compressor):
             self._relayout(index, self._layouts[index], layout)
         self._layouts[index] = layout
         compressing = st.iter >= st.start_powerSGD_iter
+        # the hook's pattern: one all-reduce of the bucket before start_powerSGD_iter, then three
+        # (the uncompressed tensors, the packed Ps, the packed Qs; issued even when one is empty)
+        acc["collectives"] += TORCH_POWERSGD_COLLECTIVES if compressing else 1
         for (name, shape), g in zip(layout, bucket.gradients()):
             raw = sent = g.numel()
             if compressing and (nmk := self._compressed(shape)) is not None:
@@ -210,7 +214,8 @@ class TorchPowerSGD(Compressor):
         out = {"phase": "compress" if compressed else "warmup",
                "rank": self.state.matrix_approximation_rank if compressed else None,
                "ranks": acc["ranks"], "entropy": None, "compress_time_s": 0.0, "relative_error": None}
-        out.update({k: acc[k] for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "comm_time_s")})
+        out.update({k: acc[k] for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "comm_time_s",
+                                        "collectives")})
         self._reset()
         return out
 

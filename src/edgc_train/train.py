@@ -15,6 +15,8 @@ Timing, per optimizer step (all in seconds, wall clock on this rank, rank 0 is l
   sampling), as reported by the hook; ``entropy_time_s`` is EDGC's entropy-sampling part of it
   (0 on steps that are not sampled, absent for other compressors).
 - ``compute_time_s = step_time_s - comm_time_s - compress_time_s``: forward, backward, optimizer.
+- ``collectives``: collectives issued by the gradient sync in the step (counted by our engine's
+  Communicator; for ``torch-powersgd`` the hook's known pattern per bucket).
 """
 from __future__ import annotations
 
@@ -336,7 +338,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             metrics.write({
                 "kind": "train", "step": step, "wall_s": time.perf_counter() - t_start, "loss": loss_value,
                 "lr": lr, "step_time_s": step_time, "compute_time_s": max(0.0, step_time - comm - compress),
-                "comm_time_s": comm, "compress_time_s": compress, "tokens_per_s": tokens_per_step / step_time,
+                "comm_time_s": comm, "compress_time_s": compress, "collectives": int(sync_metrics["collectives"] or 0),
+                "tokens_per_s": tokens_per_step / step_time,
                 "phase": sync_metrics["phase"], "rank": sync_metrics["rank"], "ranks": sync_metrics["ranks"] or {},
                 "entropy": sync_metrics["entropy"], "relative_error": sync_metrics["relative_error"],
                 **{k: int(sync_metrics[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},

@@ -35,7 +35,7 @@ def build(config_kwargs, bucket_cap_mb=None, seed=0):
     return model, ddp, state, optimizer, calls
 
 
-def train(rank, ddp, state, optimizer, calls, start, stop):
+def train(rank, ddp, state, optimizer, calls, start, stop, collectives=None):
     log = []
     for step in range(start, stop):
         calls.append(0)
@@ -47,16 +47,20 @@ def train(rank, ddp, state, optimizer, calls, start, stop):
         if state is not None:
             metrics = state.last_step_metrics
             log.append((metrics["step"], metrics["phase"], metrics["rank"]))
+            if collectives is not None:
+                collectives.append(metrics["collectives"])
     return log
 
 
 def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb):
     model, ddp, state, optimizer, calls = build(config_kwargs, bucket_cap_mb)
-    log = train(rank, ddp, state, optimizer, calls, 0, steps)
+    collectives: list[int] = []
+    log = train(rank, ddp, state, optimizer, calls, 0, steps, collectives)
     return {
         "params": flat_parameters(model),
         "log": log,
         "calls": calls,
+        "collectives": collectives,
         "schedule": state.controller.schedule if state else None,
         "r_max": state.controller.r_max if state else None,
         "sent": state.totals["elements_sent"] if state else None,
@@ -72,10 +76,16 @@ def test_ddp_training_with_default_buckets_keeps_replicas_identical(world_size):
     assert any(phase == "compress" for _, phase, _ in reference["log"])
     assert len({rank for _, _, rank in reference["log"]} - {None}) >= 2, "the rank should adapt"
     assert reference["sent"] < reference["raw"]
+    # collectives per step: 1 per bucket uncompressed; 3 per bucket compressed (raw tensors, P, Q),
+    # plus the decision's all-reduce and broadcast at the end of a window
+    extra = {c - (3 if phase == "compress" else 1) * calls
+             for (_, phase, _), calls, c in zip(reference["log"], reference["calls"], reference["collectives"])}
+    assert extra == {0, 2}
     for other in results[1:]:
         assert torch.equal(other["params"], reference["params"])
         assert other["log"] == reference["log"]  # same phase and rank at every step
         assert other["schedule"] == reference["schedule"]
+        assert other["collectives"] == reference["collectives"]
 
 
 def test_hook_equals_plain_averaged_allreduce_during_warmup():

@@ -19,7 +19,7 @@ import pytest
 from .conftest import read_metrics, run_edgc, train_losses
 
 TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_time_s", "comm_time_s",
-              "compress_time_s", "tokens_per_s", "phase", "rank", "ranks", "entropy", "elements_sent",
+              "compress_time_s", "collectives", "tokens_per_s", "phase", "rank", "ranks", "entropy", "elements_sent",
               "elements_raw", "bytes_sent", "bytes_raw"}
 
 
@@ -62,6 +62,8 @@ def test_metrics_follow_the_contract(runs):
     assert all(r["phase"] == "compress" and r["rank"] == 8 for r in train[2:])
     assert all(r["elements_sent"] == r["elements_raw"] for r in train[:2])
     assert all(r["elements_sent"] < r["elements_raw"] / 5 for r in train[2:])
+    # one collective per DDP bucket in the warm-up, at least three (raw tensors, P, Q) per bucket after
+    assert all(r["collectives"] >= 1 for r in train[:2]) and all(r["collectives"] >= 3 for r in train[2:])
     assert 8 in set(train[-1]["ranks"].values())
     assert any(r["entropy"] is not None for r in train)
     config = json.loads((a / "config.json").read_text())
