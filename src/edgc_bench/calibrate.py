@@ -2,7 +2,15 @@
 
 The worker (``python -m edgc_bench.calibrate SIZE_MB ...``) runs on every host (one process each,
 env:// rendezvous from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); rank 0 prints one JSON line per
-size: {"mb", "seconds"} (median of ``REPEATS`` timed all-reduces after one untimed).
+size: {"mb", "seconds", "mean_s"} (median and mean of ``repeats(mb)`` timed all-reduces after one
+untimed). Each starts after a barrier (both hosts start together: the collective alone, no peer
+wait) and ``GAP_S`` of idle time, which refills tc tbf's token bucket as the compute between a
+training step's collectives does, so a message up to the bucket's burst passes at once here too.
+
+``SIZES_MB`` (what `edgc bench` measures) starts at 4 KiB: in a few seconds in all, the sizes pin
+the fixed cost of one collective (≤ 64 KiB), the burst (256 KiB–1 MiB) and the rate (≥ 4 MiB), the
+three numbers edgc_sim's link fit takes (edgc_sim.calibrate.fit_bench_link). The low-rank methods
+pay the fixed cost a dozen times per step and send a few hundred KiB per collective, about a burst.
 
 The expectation: an all-reduce of S bytes over W hosts moves 2·(W−1)/W·S bytes out of (and into)
 every host (ring: reduce-scatter then all-gather; for W = 2, gloo's halving-doubling sends the same
@@ -17,7 +25,19 @@ import sys
 import time
 from datetime import timedelta
 
-REPEATS = 3
+REPEATS = 3  # timed all-reduces per size from 1 MiB up (64 MiB: ~0.6 s each)
+SMALL_REPEATS = 30  # below 1 MiB (0.3-4 ms each on a shared CPU: a late wake-up is a large share)
+SIZES_MB = (4 / 1024, 64 / 1024, 256 / 1024, 512 / 1024, 1, 4, 16, 64)  # 4 KiB … 64 MiB, ~5 s at 1 Gbit/s
+GAP_S = 0.005  # idle before each timed all-reduce: the tbf bucket (2 ms at the rate) is full again
+
+
+def repeats(mb: float) -> int:
+    return REPEATS if mb >= 1 else SMALL_REPEATS
+
+
+def size_label(mb: float) -> str:
+    """'4 KiB', '256 KiB', '16 MiB'."""
+    return f"{mb * 1024:g} KiB" if mb < 1 else f"{mb:g} MiB"
 
 
 def ideal_seconds(size_bytes: float, world: int, rate_mbit: float) -> float:
@@ -34,14 +54,16 @@ def worker(sizes_mb: list[float]) -> None:
         for mb in sizes_mb:
             tensor = torch.ones(int(mb * 2**20 / 4))
             times = []
-            for i in range(REPEATS + 1):
+            for i in range(repeats(mb) + 1):
                 dist.barrier()
+                time.sleep(GAP_S)
                 start = time.perf_counter()
                 dist.all_reduce(tensor)
                 if i:
                     times.append(time.perf_counter() - start)
             if dist.get_rank() == 0:
-                print(json.dumps({"mb": mb, "seconds": statistics.median(times)}), flush=True)
+                print(json.dumps({"mb": mb, "seconds": statistics.median(times), "mean_s": statistics.fmean(times)}),
+                      flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -57,13 +79,14 @@ def rows(results: list[dict], world: int, rate_mbit: float | None) -> list[dict]
 
 
 def table(calibration: list[dict], rate_mbit: float | None) -> str:
-    head = ("| all-reduce size | measured | bytes / rate | measured ÷ ideal | effective rate per host |\n"
-            "| ---: | ---: | ---: | ---: | ---: |\n")
+    head = ("| all-reduce size | measured (median) | mean | bytes / rate | measured ÷ ideal | effective rate per host |\n"
+            "| ---: | ---: | ---: | ---: | ---: | ---: |\n")
     lines = []
     for r in calibration:
-        ideal = f"{r['ideal_s'] * 1e3:.1f} ms" if r["ideal_s"] else "–"
+        ideal = f"{r['ideal_s'] * 1e3:.2f} ms" if r["ideal_s"] else "–"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "–"
-        lines.append(f"| {r['mb']:g} MiB | {r['seconds'] * 1e3:.1f} ms | {ideal} | {ratio} | "
+        mean = f"{r['mean_s'] * 1e3:.2f} ms" if r.get("mean_s") is not None else "–"
+        lines.append(f"| {size_label(r['mb'])} | {r['seconds'] * 1e3:.2f} ms | {mean} | {ideal} | {ratio} | "
                      f"{r['effective_mbit']:.0f} Mbit/s |")
     return head + "\n".join(lines) + "\n"
 

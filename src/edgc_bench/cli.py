@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgc_cli.main import CLIError
 
+from .calibrate import SIZES_MB
 from .netns import NetnsError, check_prerequisites
 from .run import ALL_METHODS, BenchSettings, check_methods
 
@@ -43,6 +44,9 @@ def register(subparsers) -> None:
                         "profile_max_rank=8 warmup_error_test=false)")
     p.add_argument("--data", default=None, help="training text (default: edgc train's default corpus)")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
+    p.add_argument("--link-only", action="store_true",
+                   help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
+                        "--out/calibration.json, train nothing")
     p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -86,7 +90,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         vocab_size=args.vocab_size, eval_every=positive("eval-every", args.eval_every),
         eval_batches=positive("eval-batches", args.eval_batches), seed=args.seed,
         threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
-        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars)
+        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars,
+        calibration_mb=SIZES_MB)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
     except NetnsError as exc:
         raise CLIError(str(exc)) from None
     out = Path(args.out)
+    if args.link_only:
+        if (out / "calibration.json").exists():
+            raise CLIError(f"--out: {out}/calibration.json already exists; choose a new folder")
+        return link_only(settings, out)
     if (out / "runs").exists():
         raise CLIError(f"--out: {out}/runs already exists; choose a new folder")
     from .run import run_bench
@@ -115,3 +124,17 @@ def run(args: argparse.Namespace) -> int:
     summary = run_bench(settings, out, command)
     print((out / "bench.md").read_text())
     return 1 if summary["notes"] and any("failed" in n for n in summary["notes"]) else 0
+
+
+def link_only(settings: BenchSettings, out: Path) -> int:
+    """The bench's link calibration alone, on a fresh network of the same hosts and rate."""
+    from . import calibrate
+    from .netns import Network
+    from .run import run_calibration
+
+    out.mkdir(parents=True, exist_ok=True)
+    with Network(settings.hosts, settings.rate_mbit) as net:
+        rows = run_calibration(net, settings, out)
+    print(calibrate.table(rows, settings.rate_mbit))
+    print(f"written: {out / 'calibration.json'}")
+    return 0
