@@ -8,9 +8,10 @@ wait) and ``GAP_S`` of idle time, which refills tc tbf's token bucket as the com
 training step's collectives does, so a message up to the bucket's burst passes at once here too.
 
 ``SIZES_MB`` (what `edgc bench` measures) starts at 4 KiB: in a few seconds in all, the sizes pin
-the fixed cost of one collective (≤ 64 KiB), the burst (256 KiB–1 MiB) and the rate (≥ 4 MiB), the
-three numbers edgc_sim's link fit takes (edgc_sim.calibrate.fit_bench_link). The low-rank methods
-pay the fixed cost a dozen times per step and send a few hundred KiB per collective, about a burst.
+the fixed cost of one collective (≤ 64 KiB) and the rate (≥ 4 MiB), the two numbers edgc_sim's link
+fit takes (edgc_sim.calibrate.fit_bench_link); 256 and 512 KiB show the tbf burst (the rows record
+the burst the links were given). The low-rank methods pay the fixed cost a dozen times per step and
+send a few hundred KiB per collective, about one burst.
 
 The expectation: an all-reduce of S bytes over W hosts moves 2·(W−1)/W·S bytes out of (and into)
 every host (ring: reduce-scatter then all-gather; for W = 2, gloo's halving-doubling sends the same
@@ -69,12 +70,16 @@ def worker(sizes_mb: list[float]) -> None:
 
 
 def rows(results: list[dict], world: int, rate_mbit: float | None) -> list[dict]:
+    """The worker's lines plus the bound bytes / rate and the tbf burst the links were given."""
+    from .netns import burst_bytes
+
     out = []
     for r in results:
         size = r["mb"] * 2**20
         ideal = ideal_seconds(size, world, rate_mbit) if rate_mbit else None
         out.append({**r, "ideal_s": ideal, "ratio": r["seconds"] / ideal if ideal else None,
-                    "effective_mbit": 2 * (world - 1) / world * size * 8 / r["seconds"] / 1e6})
+                    "effective_mbit": 2 * (world - 1) / world * size * 8 / r["seconds"] / 1e6,
+                    "rate_mbit": rate_mbit, "burst_bytes": burst_bytes(rate_mbit) if rate_mbit else 0})
     return out
 
 

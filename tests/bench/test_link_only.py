@@ -29,6 +29,7 @@ def test_link_only_writes_a_calibration_with_small_sizes(tmp_path, capsys):
     rows = json.loads((out / "calibration.json").read_text())
     assert [r["mb"] for r in rows] == list(SIZES_MB)
     assert all(r["seconds"] > 0 and r["mean_s"] > 0 for r in rows)
+    assert rows[0]["burst_bytes"] == 250_000 and rows[0]["rate_mbit"] == 1000  # what the links were given
     assert rows[-1]["seconds"] > 10 * rows[0]["seconds"]  # 64 MiB takes far longer than 4 KiB
     assert "| 4 KiB |" in capsys.readouterr().out
     assert not (out / "runs").exists()  # nothing trained
