@@ -23,12 +23,13 @@ def section(bench_md: str) -> str:
     return body.strip() + "\n"
 
 
-def update(readme: str, table: str) -> str:
-    if START not in readme or END not in readme:
-        readme = readme.rstrip() + f"\n\n{START}\n{END}\n"
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{table}{END}{tail}"
+def update(readme: str, table: str, start: str = START, end: str = END) -> str:
+    """`table` between the markers `start` and `end` (added at the end when missing)."""
+    if start not in readme or end not in readme:
+        readme = readme.rstrip() + f"\n\n{start}\n{end}\n"
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{table}{end}{tail}"
 
 
 def main(argv: list[str]) -> int:

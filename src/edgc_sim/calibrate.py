@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import collectives
 from . import cost_model as cm
 from .hardware import ClusterSpec, DeviceSpec, LinkSpec
 from .iteration import IterationModel
@@ -135,44 +136,125 @@ def format_calibration(rows: Sequence[CalibrationRow]) -> str:
 # ---------------------------------------------------------------------------------------------
 # `edgc bench` runs: W emulated hosts, one process each, DP over a tbf rate-limited veth link.
 #
-# Model of one measured step (every term below is the same formula for every method):
-#   comm    = wire + wait                        (what rank 0's comm_time_s times)
-#   wire    = factor(n) * bytes_sent / beta + alpha      beta, alpha: ONE link fit for all methods
-#             factor = 2(n-1)/n for all-reduce methods, (n-1) for all-gather methods (top-k, QSGD)
-#   wait    = the peer wait of the uncompressed reference run: its median comm_time_s minus its
-#             predicted wire time. One host-load constant (a slower peer on the shared CPU), not
-#             fitted per method; the reference row's comm error is therefore 0 by construction.
-#   step    = compute_ref + compress + comm      (step_time_s = compute + compress + comm in the logs)
+# Model of one measured step (the same formulas for every method, nothing fitted per method):
+#   comm  = wire + wait                              (what rank 0's comm_time_s times)
+#   wire  = sum over the step's collectives c of   lat + max(0, f * S_c - B) / beta
+#           lat = 2(n-1) alpha per all-reduce ((n-1) alpha per all-gather); f = 2(n-1)/n for an
+#           all-reduce, (n-1) for an all-gather (top-k, QSGD); B: the tbf burst, which passes at
+#           once because the compute between a step's collectives refills the token bucket.
+#           alpha, beta: ONE fit of the bench's calibration.json (fit_bench_link), B: its tbf burst.
+#           S_c: collectives.step_collectives (DDP buckets x the method's pattern), rescaled to
+#           the run's median bytes_sent; the count: the run's logged `collectives` where the
+#           metrics have it (the extra ones, EDGC's decisions, carry lat only), else the pattern's.
+#   wait  = omega * (compute_ref + compress): rank 0 waits inside every collective for the slower peer;
+#           over a step that adds up to a share of the work both do between the collectives.
+#           omega = the reference run's (comm - wire) / (compute + compress), one number.
+#   step  = compute_ref + compress + comm            (step_time_s = compute + compress + comm)
 #   compute_ref = the reference run's median compute_time_s (same model, data, batch for all)
 #   compress: PowerSGD FLOP/memory model (cost_model.powersgd_compute_time) with the host profile;
 #             fp16/bf16 casts: 12 bytes moved per value (4 read + 2 written, then back) / memory
 #             bandwidth; none: 0; top-k / random-k / QSGD: not modelled, the measured median is used.
 # torch-powersgd times its compression inside comm_time_s, so its comm adds the compress model.
 # ---------------------------------------------------------------------------------------------
-ALL_GATHER_METHODS = ("topk", "qsgd8")
+ALL_GATHER_METHODS = collectives.ALL_GATHER
 CAST_METHODS = ("fp16", "bf16")
-POWERSGD_METHODS = ("powersgd", "edgc", "torch-powersgd")
+POWERSGD_METHODS = collectives.LOW_RANK
 UNMODELLED_COMPRESS = ("topk", "randomk", "qsgd8")
 REFERENCE = "none"
+SMALL_WIRE = 64 * 1024  # bytes on the wire per host up to which an all-reduce is latency alone
+LARGE_WIRE = 4 * 2 ** 20  # ... and from which bytes / beta dominates
 
 
-def bench_link(calibration_json: str | Path, world: int = 2) -> LinkSpec:
-    """alpha-beta fit (host.fit_alpha_beta: relative error, ring formula) of an `edgc bench`
-    calibration.json: rows of {"mb": MiB all-reduced, "seconds": median time}."""
-    from .host import fit_alpha_beta
+@dataclass(frozen=True)
+class BenchLink:
+    """The emulated link as one collective sees it: tc tbf is a token bucket of `burst_bytes`
+    refilled at `bytes_per_s`; every collective also pays a fixed latency."""
 
+    alpha_s: float  #: fixed cost of one ring step; an all-reduce over n hosts pays 2(n-1) of them
+    bytes_per_s: float  #: beta: the sustained rate per host and direction
+    burst_bytes: float  #: what one message gets through at once after an idle gap
+    source: str = ""
+
+    def latency_s(self, world: int, all_gather: bool = False) -> float:
+        """Fixed cost of one all-reduce (2(n-1) ring steps) or all-gather (n-1) over `world` hosts."""
+        return (world - 1) * (1 if all_gather else 2) * self.alpha_s if world > 1 else 0.0
+
+    def bytes_s(self, world: int, nbytes: float, all_gather: bool = False) -> float:
+        """Transfer time of one collective of an `nbytes` buffer: what each host sends (2(n-1)/n of
+        it for an all-reduce, (n-1) times it for an all-gather) beyond the burst, at beta."""
+        if world <= 1:
+            return 0.0
+        factor = world - 1 if all_gather else 2 * (world - 1) / world
+        return max(0.0, factor * nbytes - self.burst_bytes) / self.bytes_per_s
+
+    def collective_s(self, world: int, nbytes: float, all_gather: bool = False) -> float:
+        """One all-reduce (or all-gather) of an `nbytes` buffer over `world` hosts."""
+        return self.latency_s(world, all_gather) + self.bytes_s(world, nbytes, all_gather)
+
+    def describe(self, world: int = 2) -> str:
+        return (f"beta {8 * self.bytes_per_s / 1e6:.0f} Mbit/s, {1e6 * self.latency_s(world):.0f} us per "
+                f"all-reduce (alpha {1e6 * self.alpha_s:.0f} us per ring step), burst {self.burst_bytes / 1e3:.0f} kB")
+
+
+def fit_bench_link(world: int, sizes_bytes: Sequence[float], seconds: Sequence[float],
+                   burst_bytes: float = 0.0) -> tuple:
+    """(alpha_s, bytes_per_s) of an all-reduce sweep, T(S) = 2(n-1) alpha + max(0, f S - B) / beta
+    with f = 2(n-1)/n and B the tbf burst the links were given; each number from the sizes where it
+    dominates: beta from the least-squares slope over the sizes with f S >= 4 MiB (the burst only
+    shifts them), alpha from the mean time of those with f S <= 64 KiB (latency alone), / 2(n-1);
+    alpha = 0 without such sizes. (B itself is not fitted: on a loaded machine the sizes near it
+    scatter by more than the burst is worth.)"""
+    if world < 2:
+        raise ValueError("a link fit needs at least 2 hosts")
+    factor = 2 * (world - 1) / world
+    points = [(factor * float(s), float(t)) for s, t in zip(sizes_bytes, seconds)]
+    large = [(w, t) for w, t in points if w >= LARGE_WIRE]
+    if len({w for w, _ in large}) < 2:
+        raise ValueError("the link fit needs at least two sizes of >= 4 MiB on the wire")
+    mean_w = statistics.fmean(w for w, _ in large)
+    mean_t = statistics.fmean(t for _, t in large)
+    slope = sum((w - mean_w) * (t - mean_t) for w, t in large) / sum((w - mean_w) ** 2 for w, _ in large)
+    if slope <= 0:
+        raise ValueError("all-reduce time did not grow with size; cannot fit a bandwidth")
+    small = [t - max(0.0, w - burst_bytes) * slope for w, t in points if w <= SMALL_WIRE]
+    latency = max(0.0, statistics.fmean(small)) if small else 0.0
+    return latency / (2 * (world - 1)), 1.0 / slope
+
+
+def _burst(rows: list, world: int) -> float:
+    """The tbf burst of a calibration's links: recorded (newer files), else netns.burst_bytes of the
+    rate implied by a row's bytes / rate bound (ideal_s = f S 8 / R), else 0 (unlimited)."""
+    if rows[0].get("burst_bytes") is not None:
+        return float(rows[0]["burst_bytes"])
+    row = rows[-1]
+    if not row.get("ideal_s"):
+        return 0.0
+    from edgc_bench.netns import burst_bytes
+
+    wire = 2 * (world - 1) / world * float(row["mb"]) * 2 ** 20
+    return float(burst_bytes(wire * 8 / float(row["ideal_s"]) / 1e6))
+
+
+def bench_link(calibration_json: str | Path, world: int = 2) -> BenchLink:
+    """fit_bench_link of an `edgc bench` calibration.json: rows of {"mb": MiB all-reduced,
+    "seconds": median time, "mean_s": mean time and "burst_bytes" (newer files)}; the mean is used
+    where present (a step's many collectives add up to their mean, not their median)."""
     rows = json.loads(Path(calibration_json).read_text())
     if not isinstance(rows, list) or not rows or any("mb" not in r or "seconds" not in r for r in rows):
         raise ValueError(f"{calibration_json}: expected a list of {{'mb', 'seconds'}} rows")
     sizes = [float(r["mb"]) * 2 ** 20 for r in rows]
-    alpha, beta = fit_alpha_beta(world, sizes, [float(r["seconds"]) for r in rows])
-    return LinkSpec("bench-tbf", beta, 1.0, alpha,
-                    f"fit of {calibration_json}: {8 * beta / 1e6:.0f} Mbit/s, alpha {alpha * 1e6:.0f} us")
+    times = [float(r.get("mean_s", r["seconds"])) for r in rows]
+    burst = _burst(rows, world)
+    alpha, beta = fit_bench_link(world, sizes, times, burst)
+    link = BenchLink(alpha, beta, burst)
+    note = "" if any(2 * (world - 1) / world * s <= SMALL_WIRE for s in sizes) else \
+        " (no size <= 64 KiB measured: latency unknown, taken as 0)"
+    return replace(link, source=f"fit of {calibration_json}: {link.describe(world)}{note}")
 
 
-def nominal_link(mbit: float) -> LinkSpec:
-    """The tbf rate as given (--link-mbit), no latency: an upper bound on the bandwidth."""
-    return LinkSpec("bench-nominal", mbit * 1e6 / 8, 1.0, 0.0, f"nominal {mbit:g} Mbit/s")
+def nominal_link(mbit: float) -> BenchLink:
+    """The tbf rate as given (--link-mbit), no latency, no burst: a bound, not a fit."""
+    return BenchLink(0.0, mbit * 1e6 / 8, 0.0, f"nominal {mbit:g} Mbit/s, no latency, no burst")
 
 
 def find_bench_calibration(run_dirs: Sequence[str | Path]) -> Optional[Path]:
@@ -194,10 +276,14 @@ class BenchRow:
     rank: Optional[int]
     steps: int
     bytes_sent: float  #: median payload per rank per step
+    collectives: float  #: collectives per step used by the model
+    collectives_measured: bool  #: True: the median of the logged count, False: the method's pattern
     comm_measured_s: float  #: median comm_time_s
-    comm_predicted_s: float  #: wire + wait (+ compress for torch-powersgd)
-    comm_p10_s: float  #: 10th percentile of comm_time_s: steps where the peer was (nearly) not waited for
-    wire_predicted_s: float  #: wire time alone (+ compress for torch-powersgd)
+    comm_predicted_s: float  #: latency + bytes + wait (+ compress for torch-powersgd)
+    latency_s: float  #: collectives x fixed cost per collective
+    bytes_s: float  #: sum over the collectives of the bytes beyond the burst / beta
+    wait_s: float  #: omega x (reference compute + modelled compress)
+    wait_own_s: float  #: omega x (this run's measured compute + compress): the same share of its own work
     step_measured_s: float
     step_predicted_s: float
     compute_measured_s: float  #: this run's median compute_time_s (for reading the step error)
@@ -214,8 +300,9 @@ class BenchRow:
         return self._err(self.comm_predicted_s, self.comm_measured_s)
 
     @property
-    def wire_error(self) -> float:
-        return self._err(self.wire_predicted_s, self.comm_p10_s)
+    def comm_own_work_error(self) -> float:
+        """The comm error with the wait taken from this run's own work (load drift between runs removed)."""
+        return self._err(self.comm_predicted_s - self.wait_s + self.wait_own_s, self.comm_measured_s)
 
     @property
     def step_error(self) -> float:
@@ -246,10 +333,31 @@ def _compressor(run: MeasuredRun) -> str:
     return str(run.config["compressor"])
 
 
-def wire_time(compressor: str, world: int, nbytes: float, link: LinkSpec) -> float:
-    """Ring time of one step's payload: each host sends factor(n) x payload over its link."""
-    factor = (world - 1) if compressor in ALL_GATHER_METHODS else 2 * (world - 1) / world
-    return 2 * (world - 1) * link.latency_s + factor * nbytes / link.bytes_per_s
+def step_payloads(compressor: str, rank: Optional[int], config: dict, nbytes: float) -> list:
+    """Bytes of each collective of one step (collectives.step_collectives for this run's model),
+    rescaled to the measured `nbytes` per step."""
+    rate = float((config.get("edgc") or {}).get("min_compression_rate") or 2.0)
+    if compressor == "torch-powersgd":
+        rate = 2.0  # PowerSGDState's default, which edgc_train keeps
+    payloads = collectives.step_collectives(compressor, harness_model(config), rank, 4, rate)
+    return collectives.scale_to(payloads, nbytes)
+
+
+def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
+               count: Optional[float] = None) -> tuple:
+    """(latency, bytes) seconds of one step's collectives: `count` (a measured collectives per step,
+    default len(payloads)) x the fixed cost, and each payload's bytes beyond the burst / beta. The
+    collectives a measured count has beyond the payloads (EDGC's decision all-reduce and broadcast,
+    a few bytes) cost the latency alone."""
+    all_gather = compressor in ALL_GATHER_METHODS
+    n = len(payloads) if count is None else count
+    return n * link.latency_s(world, all_gather), sum(link.bytes_s(world, p, all_gather) for p in payloads)
+
+
+def wire_time(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
+              count: Optional[float] = None) -> float:
+    """Latency + bytes of one step's collectives (wire_parts)."""
+    return sum(wire_parts(compressor, world, payloads, link, count))
 
 
 def compress_model(compressor: str, rank: Optional[int], config: dict, device: DeviceSpec) -> Optional[float]:
@@ -267,59 +375,78 @@ def compress_model(compressor: str, rank: Optional[int], config: dict, device: D
     return 0.0
 
 
-def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: LinkSpec) -> list:
+def _measured_count(recs: Sequence[dict]) -> Optional[float]:
+    counts = [float(r["collectives"]) for r in recs if r.get("collectives") is not None]
+    return statistics.median(counts) if counts else None
+
+
+def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: BenchLink) -> list:
     """One BenchRow per (run, rank); needs the uncompressed reference run among `runs`."""
     ref = next((r for r in runs if _compressor(r) == REFERENCE), None)
     if ref is None:
         raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}) "
                          "for its compute time and peer wait")
     ref_recs = [rec for _, recs in _step_groups(ref) for rec in recs]
-    world = int(ref.config["world_size"])
-    compute_ref = statistics.median(r["compute_time_s"] for r in ref_recs)
-    ref_wire = wire_time(REFERENCE, world, statistics.median(r["bytes_sent"] for r in ref_recs), link)
-    wait = max(0.0, statistics.median(r["comm_time_s"] for r in ref_recs) - ref_wire)
+    ref_med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in ref_recs)  # noqa: E731
+    compute_ref = ref_med("compute_time_s")
+    ref_payloads = step_payloads(REFERENCE, None, ref.config, ref_med("bytes_sent"))
+    ref_wire = wire_time(REFERENCE, int(ref.config["world_size"]), ref_payloads, link, _measured_count(ref_recs))
+    omega = max(0.0, ref_med("comm_time_s") - ref_wire) / (compute_ref + ref_med("compress_time_s"))
     rows = []
     for run in runs:
         compressor = _compressor(run)
+        world = int(run.config["world_size"])
         for rank, recs in _step_groups(run):
             med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in recs)  # noqa: E731
             nbytes = med("bytes_sent")
             comp_meas = med("compress_time_s")
             comp_model = compress_model(compressor, rank, run.config, device)
             comp_pred = comp_meas if comp_model is None else comp_model
-            wire = wire_time(compressor, int(run.config["world_size"]), nbytes, link)
+            payloads = step_payloads(compressor, rank, run.config, nbytes)
+            count = _measured_count(recs)
+            count_used = len(payloads) if count is None else count
+            latency, transfer = wire_parts(compressor, world, payloads, link, count)
+            wire = latency + transfer
             in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
+            wait = omega * (compute_ref + comp_pred)
+            # torch-powersgd's own compress is inside its comm time: its work is compute + compress model
+            wait_own = omega * (med("compute_time_s") + (comp_pred if in_comm else comp_meas))
             comm_pred = wire + wait + in_comm
             step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
             rows.append(BenchRow(
-                Path(run.path).name, compressor, rank, len(recs), nbytes, med("comm_time_s"), comm_pred,
-                _quantile([float(r.get("comm_time_s", 0.0)) for r in recs], 0.1), wire + in_comm,
-                med("step_time_s"), step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None))
+                Path(run.path).name, compressor, rank, len(recs), nbytes, count_used, count is not None,
+                med("comm_time_s"), comm_pred, latency, transfer, wait, wait_own, med("step_time_s"),
+                step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None))
     return rows
 
 
-def format_bench_calibration(rows: Sequence[BenchRow], link: LinkSpec, device: DeviceSpec) -> str:
+def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: DeviceSpec) -> str:
     """Markdown: the model's inputs, then one line per (run, rank), times in ms, errors in %."""
     ms = lambda s: f"{1e3 * s:.0f}"  # noqa: E731
     pct = lambda e: f"{100 * e:+.1f}%"  # noqa: E731
-    lines = [f"link: {link.source or link.name} (beta {8 * link.bytes_per_s / 1e6:.0f} Mbit/s, "
-             f"alpha {link.latency_s * 1e6:.0f} us); host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
+    lines = [f"link: {link.source or link.describe()}; host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
              f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
              "",
-             "| run | rank | steps | MB sent | comm meas | comm pred | comm err | comm p10 | wire pred | "
-             "wire err | step meas | step pred | step err | compute meas | compress meas | compress pred |",
-             "|" + "---|" * 16]
+             "| run | rank | steps | MB sent | collectives | comm meas | comm pred | comm err | latency | bytes | "
+             "wait | comm err, own work | step meas | step pred | step err | compute meas | compress meas | "
+             "compress pred |",
+             "|" + "---|" * 18]
     for r in rows:
         comp = ms(r.compress_predicted_s) + ("" if r.compress_modelled else " (meas)")
         ref = " (ref)" if r.compressor == REFERENCE else ""
+        count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         lines.append(
-            f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | "
-            f"{ms(r.comm_measured_s)} | {ms(r.comm_predicted_s)} | {pct(r.comm_error)}{ref} | {ms(r.comm_p10_s)} | "
-            f"{ms(r.wire_predicted_s)} | {pct(r.wire_error)} | {ms(r.step_measured_s)} | {ms(r.step_predicted_s)} | "
-            f"{pct(r.step_error)} | {ms(r.compute_measured_s)} | {ms(r.compress_measured_s)} | {comp} |")
+            f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | {count} | "
+            f"{ms(r.comm_measured_s)} | {ms(r.comm_predicted_s)} | {pct(r.comm_error)}{ref} | {ms(r.latency_s)} | "
+            f"{ms(r.bytes_s)} | {ms(r.wait_s)} | {pct(r.comm_own_work_error)} | {ms(r.step_measured_s)} | "
+            f"{ms(r.step_predicted_s)} | {pct(r.step_error)} | {ms(r.compute_measured_s)} | "
+            f"{ms(r.compress_measured_s)} | {comp} |")
     lines.append("")
-    lines.append("times in ms (medians over the compressed steps after the first 10%); comm pred = wire + "
-                 "peer wait of the reference run; wire err compares the wire time with the 10th-percentile "
-                 "comm time (steps without waiting for the peer); step pred = reference compute + compress + "
-                 "comm pred.")
+    lines.append("times in ms, medians over the compressed steps after the first 10%. collectives: per step, the "
+                 "logged median or (pattern) the method's pattern over DDP's buckets. comm pred = latency "
+                 "(collectives x the fixed cost of one) + bytes (each collective's bytes beyond the burst / beta) "
+                 "+ wait (the reference run's peer-wait share of its work x reference compute + compress pred) "
+                 "(+ compress pred for torch-powersgd, whose comm time includes it). comm err, own work: the "
+                 "same with the wait share applied to this run's measured compute + compress. step pred = "
+                 "reference compute + compress pred + comm pred.")
     return "\n".join(lines)

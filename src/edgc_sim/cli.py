@@ -40,10 +40,12 @@ def register(subparsers) -> None:
     p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                    help="compare the model with measured `edgc train` runs instead of projecting")
     p.add_argument("--link-calibration", metavar="JSON",
-                   help="with --calibrate: `edgc bench` runs; the link is the alpha-beta fit of this "
-                        "calibration.json (default: <bench>/calibration.json when the runs are <bench>/runs/*)")
+                   help="with --calibrate: `edgc bench` runs; the link (rate, latency per collective; the tbf "
+                        "burst it records) is fitted to this calibration.json (default: <bench>/calibration.json "
+                        "when the runs are <bench>/runs/*; `edgc bench --link-only` measures a fresh one)")
     p.add_argument("--link-mbit", type=float,
-                   help="with --calibrate: `edgc bench` runs on a link of this nominal rate (no fit)")
+                   help="with --calibrate: `edgc bench` runs on a link of this nominal rate (no fit, no latency, "
+                        "no burst)")
     p.add_argument("--measure-host", action="store_true",
                    help="measure this CPU (matmul, memory, dispatch) and the local gloo link, print, exit")
     p.add_argument("--host-profile", help="JSON from --measure-host --save-profile, instead of measuring")

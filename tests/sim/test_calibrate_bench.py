@@ -1,18 +1,65 @@
-"""Bench-mode calibration (`edgc simulate --calibrate <bench>/runs/*`) on a synthetic bench folder."""
+"""Bench-mode calibration (`edgc simulate --calibrate <bench>/runs/*`) on a synthetic bench folder,
+the link fit, and the collectives each method's step issues."""
 import json
+import math
 
 import pytest
 
 from edgc_cli.main import main
-from edgc_sim.calibrate import (bench_link, calibrate_bench, compress_model, find_bench_calibration,
-                                format_bench_calibration, load_run, nominal_link, wire_time)
+from edgc_sim.calibrate import (BenchLink, bench_link, calibrate_bench, compress_model, find_bench_calibration,
+                                fit_bench_link, format_bench_calibration, load_run, nominal_link, step_payloads,
+                                wire_parts, wire_time)
+from edgc_sim.collectives import ddp_buckets, gpt2_gradient_shapes, step_collectives
 from edgc_sim.hardware import DeviceSpec
+from edgc_sim.presets import ModelSpec
 
 DEVICE = DeviceSpec("host", {"fp32": 50e9}, 1.0, 10e9, 5e-6)
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64, "vocab_size": 256}
-MBIT = 1000.0
-BETA = 0.92 * MBIT * 1e6 / 8  # what tbf delivers
-COMPUTE, WAIT = 0.5, 0.05
+ALPHA, BETA, BURST = 150e-6, 0.92 * 1000e6 / 8, 200e3  # per ring step; what tbf delivers; its burst
+LINK = BenchLink(ALPHA, BETA, BURST)
+COMPUTE, OMEGA = 0.5, 0.04  # reference compute; peer-wait share of the work
+# the bench's small preset (8 x 512, vocab 4096, 512 positions), as `edgc train` builds it
+SMALL = ModelSpec(8, 512, 8, 128, 4096, vocab_pad=1, positions=512)
+
+
+def allreduce_time(nbytes, world=2):
+    return 2 * (world - 1) * ALPHA + max(0.0, 2 * (world - 1) / world * nbytes - BURST) / BETA
+
+
+def test_link_fit_recovers_alpha_and_beta():
+    sizes = [mb * 2 ** 20 for mb in (1 / 256, 1 / 16, 1 / 4, 1 / 2, 1, 4, 16, 64)]
+    for world in (2, 4):
+        alpha, beta = fit_bench_link(world, sizes, [allreduce_time(s, world) for s in sizes], BURST)
+        assert alpha == pytest.approx(ALPHA, rel=1e-9) and beta == pytest.approx(BETA, rel=1e-9)
+    # the old calibration (1-64 MiB only): the rate still, no latency
+    large = sizes[4:]
+    alpha, beta = fit_bench_link(2, large, [s / BETA for s in large])
+    assert alpha == 0 and beta == pytest.approx(BETA)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_bench_link(2, sizes[:5], [allreduce_time(s) for s in sizes[:5]])
+
+
+def test_ddp_buckets_of_the_bench_model_match_torch():
+    # torch 2.13 DDP on the small preset (measured with a comm hook: bucket sizes in MiB, tensors)
+    buckets = ddp_buckets(gpt2_gradient_shapes(SMALL))
+    mib = [round(sum(math.prod(s) for s in b) * 4 / 2 ** 20, 2) for b in buckets]
+    assert mib == [4.01, 28.06, 25.06, 27.06, 21.03] and [len(b) for b in buckets] == [4, 26, 28, 26, 16]
+    assert len(ddp_buckets(gpt2_gradient_shapes(SMALL), 500)) == 1  # torch-powersgd's bucket_cap_mb
+
+
+def test_collectives_per_step_of_each_method():
+    count = lambda method, rank=None: len(step_collectives(method, SMALL, rank))  # noqa: E731
+    for method in ("none", "fp16", "bf16", "topk", "randomk", "qsgd8"):
+        assert count(method) == 5  # one per DDP bucket
+    assert count("powersgd", 8) == count("edgc", 2) == 15  # raw tensors, P, Q per bucket
+    assert count("powersgd", None) == 5  # warm-up: uncompressed
+    assert count("torch-powersgd", 8) == 3  # one 500 MB bucket: raw, P, Q
+    # the payloads add up to what the runs logged as bytes_sent (runs/bench, torch 2.13)
+    assert sum(step_collectives("none", SMALL, None)) == 110317568
+    assert sum(step_collectives("powersgd", SMALL, 8)) == 2494484
+    assert sum(step_collectives("edgc", SMALL, 4)) == 1355796
+    assert sum(step_collectives("powersgd", SMALL, 2)) == 786452
+    assert sum(step_collectives("torch-powersgd", SMALL, 8)) == 2494464
 
 
 def config(compressor):
@@ -20,36 +67,49 @@ def config(compressor):
             "compressor": compressor, "powersgd_rank": 4, "model": MODEL}
 
 
-def write_bench(tmp_path):
-    """calibration.json measured at BETA, and runs whose times follow the bench model exactly."""
+def write_bench(tmp_path, logged_collectives=None):
+    """calibration.json measured on LINK, and runs whose times follow the bench model exactly;
+    `logged_collectives`: method -> the `collectives` its metrics log (none: no such field)."""
+    logged_collectives = logged_collectives or {}
     bench = tmp_path / "bench"
     (bench / "runs").mkdir(parents=True)
     (bench / "calibration.json").write_text(json.dumps(
-        [{"mb": mb, "seconds": mb * 2 ** 20 / BETA} for mb in (1.0, 4.0, 16.0)]))
-    link = nominal_link(MBIT * 0.92)
+        [{"mb": mb, "seconds": 9.0, "mean_s": allreduce_time(mb * 2 ** 20), "burst_bytes": BURST}
+         for mb in (1 / 256, 1 / 16, 1 / 2, 1.0, 4.0, 16.0)]))
     payload = {"none": (None, 400_000.0), "fp16": (None, 200_000.0), "powersgd": (4, 20_000.0)}
     for name, (rank, nbytes) in payload.items():
         run = bench / "runs" / name
         run.mkdir()
         (run / "config.json").write_text(json.dumps(config(name)))
         compress = compress_model(name, rank, config(name), DEVICE)
-        comm = wire_time(name, 2, nbytes, link) + WAIT
+        count = logged_collectives.get(name)
+        comm = wire_time(name, 2, step_payloads(name, rank, config(name), nbytes), LINK, count)
+        comm += OMEGA * (COMPUTE + compress)
         lines = []
         for step in range(1, 21):
             warm = rank is not None and step <= 4  # uncompressed warm-up: a different workload, ignored
-            lines.append(json.dumps({
-                "kind": "train", "step": step, "rank": None if warm else rank,
-                "bytes_sent": 400_000 if warm else nbytes, "compute_time_s": COMPUTE,
-                "compress_time_s": compress, "comm_time_s": 9.0 if warm else comm,
-                "step_time_s": 9.0 if warm else COMPUTE + compress + comm}))
+            record = {"kind": "train", "step": step, "rank": None if warm else rank,
+                      "bytes_sent": 400_000 if warm else nbytes, "compute_time_s": COMPUTE,
+                      "compress_time_s": compress, "comm_time_s": 9.0 if warm else comm,
+                      "step_time_s": 9.0 if warm else COMPUTE + compress + comm}
+            if count is not None:
+                record["collectives"] = 99 if warm else count
+            lines.append(json.dumps(record))
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return bench
 
 
 def test_bench_link_fits_calibration(tmp_path):
     bench = write_bench(tmp_path)
-    link = bench_link(bench / "calibration.json")
-    assert link.bytes_per_s == pytest.approx(BETA, rel=1e-6) and link.latency_s == pytest.approx(0, abs=1e-9)
+    link = bench_link(bench / "calibration.json")  # the mean times, not the (here bogus) medians
+    assert link.bytes_per_s == pytest.approx(BETA, rel=1e-6) and link.alpha_s == pytest.approx(ALPHA, rel=1e-6)
+    assert link.burst_bytes == BURST and "300 us per all-reduce" in link.source
+    # an older calibration.json: medians of 1-64 MiB, burst from the rate of its bytes / rate bound
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([{"mb": mb, "seconds": mb * 2 ** 20 / BETA, "ideal_s": mb * 2 ** 20 * 8 / 1e9}
+                               for mb in (1.0, 4.0, 16.0)]))
+    link = bench_link(old)
+    assert link.alpha_s == 0 and link.burst_bytes == pytest.approx(250_000, abs=1) and "latency unknown" in link.source
     assert find_bench_calibration(sorted((bench / "runs").iterdir())) == (bench / "calibration.json").resolve()
     assert find_bench_calibration([tmp_path]) is None
 
@@ -58,15 +118,31 @@ def test_calibrate_bench_matches_its_own_model(tmp_path):
     bench = write_bench(tmp_path)
     runs = [load_run(d) for d in sorted((bench / "runs").iterdir())]
     rows = calibrate_bench(runs, DEVICE, bench_link(bench / "calibration.json"))
-    assert [(r.run, r.rank, r.steps) for r in rows] == [("fp16", None, 18), ("none", None, 18), ("powersgd", 4, 16)]
+    assert [(r.run, r.rank, r.steps, r.collectives) for r in rows] == [
+        ("fp16", None, 18, 1), ("none", None, 18, 1), ("powersgd", 4, 16, 3)]  # the tiny model: one bucket
     for r in rows:  # warm-up steps (rank None in a compressed run) and the first 10% are left out
         assert r.comm_error == pytest.approx(0, abs=1e-9) and r.step_error == pytest.approx(0, abs=1e-9)
-        assert r.wire_predicted_s == pytest.approx(r.comm_measured_s - WAIT)
+        assert r.comm_own_work_error == pytest.approx(0, abs=1e-9) and not r.collectives_measured
+        assert r.latency_s == pytest.approx(r.collectives * 2 * ALPHA)
     assert rows[2].bytes_sent == 20_000 and rows[2].compress_modelled
-    table = format_bench_calibration(rows, nominal_link(MBIT), DEVICE)
-    assert "+0.0% (ref)" in table and table.count("| powersgd | 4 |") == 1
+    table = format_bench_calibration(rows, nominal_link(1000), DEVICE)
+    assert "+0.0% (ref)" in table and table.count("| powersgd | 4 |") == 1 and "3 (pattern)" in table
     with pytest.raises(ValueError, match="uncompressed run"):
-        calibrate_bench(runs[2:], DEVICE, nominal_link(MBIT))
+        calibrate_bench(runs[2:], DEVICE, nominal_link(1000))
+
+
+def test_calibrated_prediction_uses_the_logged_collectives(tmp_path):
+    # powersgd's metrics log 7 collectives per step (say, decisions), not its pattern's 3
+    bench = write_bench(tmp_path, {"powersgd": 7})
+    runs = [load_run(d) for d in sorted((bench / "runs").iterdir())]
+    rows = {r.run: r for r in calibrate_bench(runs, DEVICE, LINK)}
+    row = rows["powersgd"]
+    assert row.collectives == 7 and row.collectives_measured
+    assert row.latency_s == pytest.approx(7 * 2 * ALPHA) and row.comm_error == pytest.approx(0, abs=1e-9)
+    payloads = step_payloads("powersgd", 4, config("powersgd"), 20_000.0)
+    latency, transfer = wire_parts("powersgd", 2, payloads, LINK)  # the pattern: 3
+    assert latency == pytest.approx(3 * 2 * ALPHA)
+    assert row.comm_predicted_s - row.wait_s == pytest.approx(latency + transfer + 4 * 2 * ALPHA)
 
 
 def test_cli_calibrate_bench(tmp_path, capsys):
@@ -79,3 +155,26 @@ def test_cli_calibrate_bench(tmp_path, capsys):
     assert "fit of" in out and "| none | - | 18 |" in out
     assert main(["simulate", "--calibrate", *dirs, "--host-profile", str(profile), "--link-mbit", "920"]) == 0
     assert "nominal 920 Mbit/s" in capsys.readouterr().out
+
+
+def test_docs_script_regenerates_docs_and_readme(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "calibration_to_docs.py"
+    spec = importlib.util.spec_from_file_location("calibration_to_docs", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bench = write_bench(tmp_path)
+    (bench / "runs" / "powersgd").rename(bench / "runs" / "powersgd-rmax")
+    profile = tmp_path / "host.json"
+    profile.write_text(json.dumps({"device": DEVICE.__dict__, "link": None}))
+    readme, docs = tmp_path / "README.md", tmp_path / "calibration.md"
+    readme.write_text("# x\n\n<!-- calibration-table:start -->\nold\n<!-- calibration-table:end -->\n\ntail\n")
+    args = [str(bench), "--host-profile", str(profile), "--readme", str(readme), "--docs", str(docs)]
+    assert module.main(args) == 0
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("tail\n") and "| powersgd-rmax | 4 | 3 (pattern) | +0.0 % |" in text
+    assert "comm time within 15%: none, fp16, powersgd-rmax r=4; outside: none." in text
+    assert "scripts/calibration_to_docs.py " + " ".join(args) in docs.read_text()
+    assert module.main(args) == 0 and readme.read_text() == text  # idempotent

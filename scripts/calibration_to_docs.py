@@ -1,0 +1,124 @@
+"""Regenerate docs/calibration.md and the README's calibration table from one `edgc bench` folder.
+
+    .venv/bin/python scripts/calibration_to_docs.py runs/bench-3
+    .venv/bin/python scripts/calibration_to_docs.py runs/bench --link-calibration runs/link/calibration.json
+
+It runs the same calibration as `edgc simulate --calibrate BENCH/runs/{none,fp16,bf16,powersgd-rmax,
+powersgd-rmin,torch-powersgd,edgc}` (the methods present; `none` is required), with the link fitted
+from BENCH/calibration.json unless --link-calibration names another and this CPU measured unless
+--host-profile is given, then writes docs/calibration.md (command, model inputs, full table, which
+errors are within the target) and replaces what lies between <!-- calibration-table:start --> and
+<!-- calibration-table:end --> in README.md with the per-method errors. No number is typed by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench table)
+from edgc_sim.calibrate import (bench_link, calibrate_bench, find_bench_calibration,  # noqa: E402
+                                format_bench_calibration, load_run)
+from edgc_sim.host import load_profile, measure_host  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("none", "fp16", "bf16", "powersgd-rmax", "powersgd-rmin", "torch-powersgd", "edgc")
+TARGET = 0.15  # issue 6: predicted within 15% of measured
+START, END = "<!-- calibration-table:start -->", "<!-- calibration-table:end -->"
+
+
+def label(row) -> str:
+    return row.run + ("" if row.rank is None else f" r={row.rank}")
+
+
+def verdict(rows) -> str:
+    """One generated sentence per quantity: which rows are within the target."""
+    out = []
+    for name, err in (("comm", lambda r: r.comm_error), ("step", lambda r: r.step_error)):
+        inside = [label(r) for r in rows if abs(err(r)) <= TARGET]
+        outside = [f"{label(r)} ({100 * err(r):+.0f}%)" for r in rows if abs(err(r)) > TARGET]
+        out.append(f"{name} time within {TARGET:.0%}: {', '.join(inside) or 'none'}; "
+                   f"outside: {', '.join(outside) or 'none'}.")
+    return " ".join(out)
+
+
+def readme_table(rows, link_source: str, runs_note: str) -> str:
+    lines = ["| run | rank | collectives / step | comm error | comm error, wait from its own work | step error |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
+        ref = " (reference for the wait)" if r.compressor == "none" else ""
+        lines.append(f"| {r.run} | {'-' if r.rank is None else r.rank} | {count} | {100 * r.comm_error:+.1f} %{ref} | "
+                     f"{100 * r.comm_own_work_error:+.1f} % | {100 * r.step_error:+.1f} % |")
+    return "\n".join(lines) + f"\n\n{verdict(rows)} Runs: {runs_note}; link: {link_source}.\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bench", help="an `edgc bench --out` folder (runs/<method>/ inside)")
+    parser.add_argument("--link-calibration", help="calibration.json to fit the link from (default: BENCH's)")
+    parser.add_argument("--host-profile", help="host profile JSON (default: measure this CPU, ~1 s)")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--docs", default=str(ROOT / "docs" / "calibration.md"))
+    args = parser.parse_args(argv)
+
+    bench = Path(args.bench)
+    dirs = [bench / "runs" / m for m in METHODS if (bench / "runs" / m / "metrics.jsonl").is_file()]
+    if not any(d.name == "none" for d in dirs):
+        parser.error(f"{bench}/runs/none/metrics.jsonl missing: the uncompressed run is the reference")
+    link_json = args.link_calibration or find_bench_calibration(dirs)
+    if link_json is None:
+        parser.error(f"{bench}/calibration.json missing; pass --link-calibration")
+    link_json = Path(link_json).resolve()
+    if link_json.is_relative_to(Path.cwd()):
+        link_json = link_json.relative_to(Path.cwd())  # the README names it as the command did
+    runs = [load_run(d) for d in dirs]
+    link = bench_link(link_json, int(runs[0].config["world_size"]))
+    device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(1)
+    rows = calibrate_bench(runs, device, link)
+
+    command = ".venv/bin/edgc simulate --calibrate " + " ".join(str(d) for d in dirs)
+    if args.link_calibration:
+        command += f" --link-calibration {args.link_calibration}"
+    if args.host_profile:
+        command += f" --host-profile {args.host_profile}"
+    regenerate = ".venv/bin/python scripts/calibration_to_docs.py " + " ".join(argv)
+    doc = "\n".join([
+        "## Calibration of the cost model against `edgc bench`",
+        "",
+        f"Predicted vs measured median DP-comm and step time per method (issue 6's {TARGET:.0%} target). "
+        "The model is explained in docs/simulate.md (Calibration). This file and the README's calibration "
+        "table are generated; regenerate both with",
+        "",
+        "```bash",
+        regenerate,
+        "```",
+        "",
+        "which runs the equivalent of",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-3`; its calibration.json has the "
+        "small sizes that give the per-collective latency, its metrics log the collectives per step), "
+        "`.venv/bin/python scripts/calibration_to_docs.py runs/bench-3` regenerates both from it.",
+        "",
+        format_bench_calibration(rows, link, device),
+        "",
+        verdict(rows),
+        "",
+    ])
+    Path(args.docs).write_text(doc)
+    readme = Path(args.readme)
+    ref = next(r for r in runs if r.config["compressor"] == "none")
+    runs_note = f"{bench}/runs, reference run started {ref.config.get('started_at', '?')}"
+    readme.write_text(update(readme.read_text(), readme_table(rows, link.source, runs_note), START, END))
+    print(doc)
+    print(f"written: {args.docs}, {readme} (calibration table)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

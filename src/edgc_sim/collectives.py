@@ -1,0 +1,106 @@
+"""The collectives one training step of each method issues on `edgc bench` / `edgc train` (pure DP).
+
+A step's DP sync is one or more blocking collectives per DDP bucket; each costs a fixed latency
+besides its bytes, and a token-bucket link lets a message of up to its burst through at once. So the
+cost model needs the collectives and their sizes, not only the step's total bytes:
+
+* DDP buckets (torch's rule): the gradients in ready order (the reverse of the HF GPT-2 parameter
+  order), packed greedily until a bucket holds at least its cap; the first bucket's cap is 1 MiB
+  with DDP's default 25 MiB cap (torch ``_DEFAULT_FIRST_BUCKET_BYTES``), the cap itself when one is
+  given. ``torch-powersgd`` runs with ``bucket_cap_mb=500`` (edgc_train.compressors), one bucket.
+* per bucket, ``none``, fp16/bf16, random-k: one all-reduce; top-k, QSGD: one all-gather;
+  ``powersgd`` / ``edgc`` (our engine, edgc/lowrank.py) and ``torch-powersgd`` (PyTorch's hook)
+  once compressing: three all-reduces, the raw (uncompressed) tensors, the packed Ps, the packed Qs
+  (our engine issues only the raw one for a bucket without a compressible matrix); EDGC adds an
+  all-reduce and a broadcast of a few bytes at each decision step, which only a measured count sees.
+
+`edgc train` logs the measured count per step (``collectives`` in metrics.jsonl); this module is
+the fallback for runs without it and gives every collective its payload.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from .presets import ModelSpec
+
+MIB = 2 ** 20
+DDP_BUCKET_CAP_MIB = 25  # DistributedDataParallel's default bucket_cap_mb
+DDP_FIRST_BUCKET_MIB = 1  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (default cap only)
+BUCKET_CAP_MIB = {"torch-powersgd": 500}  # edgc_train.compressors.ddp_kwargs
+LOW_RANK = ("powersgd", "edgc", "torch-powersgd")
+ALL_GATHER = ("topk", "qsgd8")
+
+
+def gpt2_gradient_shapes(model: ModelSpec) -> list:
+    """Shapes of HF GPT2LMHeadModel's parameters in definition order (the LM head is tied to wte;
+    Conv1D weights are stored (in, out))."""
+    h = model.hidden
+    shapes = [(model.vocab, h), (model.position_count, h)]
+    for _ in range(model.layers):
+        shapes += [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    return shapes + [(h,), (h,)]
+
+
+def ddp_buckets(shapes: Sequence[tuple], cap_mib: Optional[float] = None, bytes_per_value: int = 4) -> list:
+    """DDP's buckets after its rebuild: lists of gradient shapes in ready order (reverse definition
+    order), greedily filled until each reaches its size limit."""
+    if cap_mib is None:
+        limits = [DDP_FIRST_BUCKET_MIB * MIB, DDP_BUCKET_CAP_MIB * MIB]
+    else:
+        limits = [cap_mib * MIB]
+    buckets, current, size = [], [], 0
+    for shape in reversed(list(shapes)):
+        current.append(shape)
+        size += math.prod(shape) * bytes_per_value
+        if size >= limits[min(len(buckets), len(limits) - 1)]:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def compressed_rank(shape: tuple, rank: int, min_compression_rate: float = 2.0) -> int:
+    """The rank a gradient of this shape is sent at, 0 = raw (our engine's and torch's rule alike:
+    the tensor as shape[0] x rest, compressed when (m + n) r * rate < m n)."""
+    if len(shape) < 2 or math.prod(shape) == 0:
+        return 0
+    m = shape[0]
+    n = math.prod(shape) // m
+    r = min(rank, m, n)
+    return r if (m + n) * r * min_compression_rate < m * n else 0
+
+
+def step_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
+                     min_compression_rate: float = 2.0) -> list:
+    """Payload in bytes of every collective one step issues, in order (rank None: uncompressed).
+
+    For the low-rank methods the payloads follow from the shapes (raw tensors, P = m x r, Q = n x r
+    per compressed matrix; our engine adds one flag value to the raw message); for the others
+    each bucket's collective carries that bucket's share of the step's values (multiply by the
+    method's bytes per value, e.g. via `scale_to`)."""
+    buckets = ddp_buckets(gpt2_gradient_shapes(model), BUCKET_CAP_MIB.get(compressor), bytes_per_value)
+    payloads = []
+    for bucket in buckets:
+        values = sum(math.prod(s) for s in bucket)
+        if compressor not in LOW_RANK or not rank:
+            payloads.append(values * bytes_per_value)
+            continue
+        ranks = [compressed_rank(s, rank, min_compression_rate) for s in bucket]
+        raw = sum(math.prod(s) for s, r in zip(bucket, ranks) if not r)
+        p = sum(s[0] * r for s, r in zip(bucket, ranks) if r)
+        q = sum(math.prod(s) // s[0] * r for s, r in zip(bucket, ranks) if r)
+        if compressor == "torch-powersgd":
+            payloads += [raw * bytes_per_value, p * bytes_per_value, q * bytes_per_value]
+        elif p:
+            payloads += [(raw + 1) * bytes_per_value, p * bytes_per_value, q * bytes_per_value]
+        else:
+            payloads.append((raw + 1) * bytes_per_value)
+    return payloads
+
+
+def scale_to(payloads: Sequence[float], total: float) -> list:
+    """The payloads rescaled so that they add up to `total` (a run's measured bytes per step)."""
+    s = sum(payloads)
+    return [p * total / s for p in payloads] if s > 0 else list(payloads)
