@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--r-max", type=int, default=None, help="fix EDGC's r_max instead of profiling it on the link")
     p.add_argument("--compress-ratio", type=float, default=DEFAULTS.compress_ratio, help="topk/randomk fraction (default %(default)s)")
     p.add_argument("--edgc", action="append", default=[], metavar="KEY=VALUE", help="EDGCConfig field for edgc (repeatable; adds to / overrides the bench's "
-                        "profile_max_rank=8 warmup_error_test=false)")
+                        + " ".join(f"{k}={json.dumps(v)}" for k, v in DEFAULTS.edgc.items()) + ")")
     p.add_argument("--data", default=None, help="training text (default: edgc train's default corpus)")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
     p.add_argument("--link-only", action="store_true",
