@@ -9,7 +9,6 @@ from pathlib import Path
 
 from edgc_cli.main import CLIError
 
-from .calibrate import SIZES_MB
 from .netns import NetnsError, check_prerequisites
 from .run import ALL_METHODS, BenchSettings, check_methods
 
@@ -90,8 +89,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         vocab_size=args.vocab_size, eval_every=positive("eval-every", args.eval_every),
         eval_batches=positive("eval-batches", args.eval_batches), seed=args.seed,
         threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
-        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars,
-        calibration_mb=SIZES_MB)
+        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars)
 
 
 def run(args: argparse.Namespace) -> int:

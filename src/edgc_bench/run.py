@@ -49,7 +49,7 @@ class BenchSettings:
     # and no warm-up error test (it never passed in 20 steps).
     edgc: dict = field(default_factory=lambda: {"profile_max_rank": 8, "profile_steps_per_rank": 1,
                                                 "warmup_error_test": False})
-    calibration_mb: tuple[float, ...] = (1, 4, 16, 64)
+    calibration_mb: tuple[float, ...] = calibrate.SIZES_MB
     run_timeout_s: int = 900
     data: str | None = None
     max_chars: int | None = None
