@@ -124,8 +124,10 @@ def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc
 
         profiling = total("compress_time_s", [r for r in steps if r.get("phase") == "profile"])
         other = hit["wall_s"] - total("step_time_s")
+        logged = any("entropy_time_s" in r for r in steps)  # runs before it was logged: unknown
+        entropy = f"{total('entropy_time_s'):.1f} s" if logged else "–"
         lines.append(f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {total('compute_time_s'):.1f} s "
-                     f"| {total('compress_time_s'):.1f} s | {total('entropy_time_s'):.1f} s | {profiling:.1f} s "
+                     f"| {total('compress_time_s'):.1f} s | {entropy} | {profiling:.1f} s "
                      f"| {total('comm_time_s'):.1f} s | {other:.1f} s |")
     return head + "\n".join(lines) + "\n" if lines else ""
 

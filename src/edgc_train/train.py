@@ -341,7 +341,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 "comm_time_s": comm, "compress_time_s": compress, "collectives": int(sync_metrics["collectives"] or 0),
                 "tokens_per_s": tokens_per_step / step_time,
                 "phase": sync_metrics["phase"], "rank": sync_metrics["rank"], "ranks": sync_metrics["ranks"] or {},
-                "entropy": sync_metrics["entropy"], "relative_error": sync_metrics["relative_error"],
+                "entropy": sync_metrics["entropy"], "entropy_time_s": sync_metrics.get("entropy_time_s"),
+                "relative_error": sync_metrics["relative_error"],
                 **{k: int(sync_metrics[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},
                 **extra,
             })
