@@ -38,3 +38,20 @@ def test_time_to_target_and_its_breakdown_add_up():
 
     checks = table.checks(list(rows.values()), r_max=8)
     assert any("time to target" in c and c.endswith("holds") for c in checks)
+
+
+def test_recoverable_bound_compares_edgc_overhead_with_all_static_comm():
+    results = {
+        "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
+        "edgc": run([2.9, 2.01, 1.9], step_s=1.0, comm_s=0.1, compress_s=0.3, entropy_s=0.05,
+                    phases=lambda step: "profile" if step <= 3 else "compress"),
+        "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=0.9, comm_s=0.1, compress_s=0.2,
+                             phases=lambda step: "warmup" if step <= 2 else "compress"),
+    }
+    # EDGC: entropy 10 × 0.05 + profiling 3 × 0.3 = 1.4 s; static comm in compressed steps 3..10: 0.8 s
+    line = table.recoverable_bound(results)
+    assert "was 1.4 s" in line and ", 0.8 s:" in line and "EDGC cannot recover" in line
+    results["powersgd@rmax"] = run([2.01, 2.0, 2.0], step_s=0.9, comm_s=0.5, compress_s=0.2)
+    assert table.recoverable_bound(results) is not None  # static needs fewer steps: the bound still holds
+    results["edgc"], results["powersgd@rmax"] = results["powersgd@rmax"], results["edgc"]
+    assert table.recoverable_bound(results) is None  # EDGC needed fewer steps: not a question of overhead
