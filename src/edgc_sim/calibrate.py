@@ -8,6 +8,8 @@ CPU as the device and the local gloo link as the intra-node link.
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -290,6 +292,12 @@ class BenchRow:
     compress_measured_s: float
     compress_predicted_s: float
     compress_modelled: bool  #: False: compress_predicted_s is the measured median
+    comm_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of the measured median comm
+
+    @property
+    def comm_in_ci(self) -> bool:
+        """The prediction lies inside the measured median's 95% interval (within measurement noise)."""
+        return self.comm_ci_s[0] <= self.comm_predicted_s <= self.comm_ci_s[1]
 
     @staticmethod
     def _err(pred: float, meas: float) -> float:
@@ -315,6 +323,22 @@ def _quantile(values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median: how precisely a run's median is known.
+
+    Seeded, so a table regenerates identically. Per-step comm times of the low-rank methods spread
+    over 10–250 ms (peer waits), so their medians over 10–50 steps are known only to ±10–20%.
+    """
+    if not values:
+        return (math.nan, math.nan)
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return _quantile(medians, tail), _quantile(medians, 1 - tail)
 
 
 def _step_groups(run: MeasuredRun) -> list:
@@ -416,7 +440,8 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             rows.append(BenchRow(
                 Path(run.path).name, compressor, rank, len(recs), nbytes, count_used, count is not None,
                 med("comm_time_s"), comm_pred, latency, transfer, wait, wait_own, med("step_time_s"),
-                step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None))
+                step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
+                median_interval([float(r.get("comm_time_s", 0.0)) for r in recs])))
     return rows
 
 
@@ -427,22 +452,23 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
     lines = [f"link: {link.source or link.describe()}; host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
              f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
              "",
-             "| run | rank | steps | MB sent | collectives | comm meas | comm pred | comm err | latency | bytes | "
-             "wait | comm err, own work | step meas | step pred | step err | compute meas | compress meas | "
+             "| run | rank | steps | MB sent | collectives | comm meas | comm meas 95% | comm pred | comm err | latency "
+             "| bytes | wait | comm err, own work | step meas | step pred | step err | compute meas | compress meas | "
              "compress pred |",
-             "|" + "---|" * 18]
+             "|" + "---|" * 19]
     for r in rows:
         comp = ms(r.compress_predicted_s) + ("" if r.compress_modelled else " (meas)")
         ref = " (ref)" if r.compressor == REFERENCE else ""
         count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         lines.append(
             f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | {count} | "
-            f"{ms(r.comm_measured_s)} | {ms(r.comm_predicted_s)} | {pct(r.comm_error)}{ref} | {ms(r.latency_s)} | "
+            f"{ms(r.comm_measured_s)} | {ms(r.comm_ci_s[0])}–{ms(r.comm_ci_s[1])} | {ms(r.comm_predicted_s)} | {pct(r.comm_error)}{ref} | {ms(r.latency_s)} | "
             f"{ms(r.bytes_s)} | {ms(r.wait_s)} | {pct(r.comm_own_work_error)} | {ms(r.step_measured_s)} | "
             f"{ms(r.step_predicted_s)} | {pct(r.step_error)} | {ms(r.compute_measured_s)} | "
             f"{ms(r.compress_measured_s)} | {comp} |")
     lines.append("")
-    lines.append("times in ms, medians over the compressed steps after the first 10%. collectives: per step, the "
+    lines.append("times in ms, medians over the compressed steps after the first 10%; comm meas 95%: bootstrap "
+                 "interval of that median (how precisely the run pins it). collectives: per step, the "
                  "logged median or (pattern) the method's pattern over DDP's buckets. comm pred = latency "
                  "(collectives x the fixed cost of one) + bytes (each collective's bytes beyond the burst / beta) "
                  "+ wait (the reference run's peer-wait share of its work x reference compute + compress pred) "
