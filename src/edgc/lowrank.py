@@ -66,6 +66,15 @@ def matrix_shape(tensor: torch.Tensor) -> tuple[int, int] | None:
     return tensor.shape[0], tensor.numel() // tensor.shape[0]
 
 
+def compressed_rank(shape: tuple[int, int] | None, rank: int, min_compression_rate: float) -> int:
+    """Rank a matrix of this (m, n) shape is sent at, or 0 when sending it raw is cheaper."""
+    if shape is None:
+        return 0
+    m, n = shape
+    r = min(rank, m, n)
+    return r if (m + n) * r * min_compression_rate < m * n else 0
+
+
 @dataclass
 class ReduceStats:
     """What one call sent and how well it compressed (local view)."""
@@ -90,11 +99,7 @@ class LowRankCompressor:
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
-        if shape is None:
-            return 0
-        m, n = shape
-        r = min(rank, m, n)
-        return r if (m + n) * r * self.config.min_compression_rate < m * n else 0
+        return compressed_rank(shape, rank, self.config.min_compression_rate)
 
     def resize_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
         """This parameter's warm-start Q with exactly ``rank`` columns (see module docstring)."""

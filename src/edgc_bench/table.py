@@ -17,14 +17,29 @@ def _median(run: dict, key: str) -> float:
     return statistics.median(r[key] or 0.0 for r in run["train"])
 
 
-def rows(results: dict[str, dict], r_max: int | None) -> list[dict]:
+def _target(results: dict[str, dict]) -> float | None:
+    """The loss every method must reach: ``none``'s final validation loss × TARGET_SLACK."""
     base = results.get("none")
-    target = base["eval"][-1]["val_loss"] * TARGET_SLACK if base else None
+    return base["eval"][-1]["val_loss"] * TARGET_SLACK if base else None
+
+
+def _reached(run: dict, target: float | None) -> dict | None:
+    """The first evaluation at or below the target (None: never, or no target)."""
+    return next((e for e in run["eval"] if target is not None and e["val_loss"] <= target), None)
+
+
+def _total(steps: list[dict], key: str, phase: str | None = None) -> float:
+    return sum(r.get(key) or 0.0 for r in steps if phase is None or r.get("phase") == phase)
+
+
+def rows(results: dict[str, dict], r_max: int | None) -> list[dict]:
+    target = _target(results)
     out = []
     for method, run in results.items():
         train = run["train"]
         ranks = sorted({r["rank"] for r in train if r.get("rank")})
-        reached = next((e["wall_s"] for e in run["eval"] if target is not None and e["val_loss"] <= target), None)
+        hit = _reached(run, target)
+        reached = hit["wall_s"] if hit else None
         row = {
             "method": method,
             "rank": (f"{ranks[0]}–{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])) if ranks else "",
@@ -95,19 +110,13 @@ def checks(rows_: list[dict], r_max: int | None) -> list[str]:
     return out
 
 
-def _reached(run: dict, target: float) -> dict | None:
-    return next((e for e in run["eval"] if e["val_loss"] <= target), None)
-
-
 def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc", "powersgd@rmax")) -> str:
     """Where the wall time to the target went, summed over the steps before the target was reached.
 
     Evaluations and logging are the wall time not inside any step. EDGC's profiling cost is the
     compress time of its profile steps (the shadow compressed syncs); its entropy cost is GDS.
     """
-    if "none" not in results:
-        return ""
-    target = results["none"]["eval"][-1]["val_loss"] * TARGET_SLACK
+    target = _target(results)
     head = ("| method | reached at step | wall to target | compute | compress/decompress | of which entropy "
             "| of which profiling | DP comm | evaluation, other |\n"
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
@@ -118,17 +127,13 @@ def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc
         if hit is None:
             continue
         steps = [r for r in run["train"] if r["step"] <= hit["step"]]
-
-        def total(key: str, rows=steps) -> float:
-            return sum(r.get(key) or 0.0 for r in rows)
-
-        profiling = total("compress_time_s", [r for r in steps if r.get("phase") == "profile"])
-        other = hit["wall_s"] - total("step_time_s")
+        other = hit["wall_s"] - _total(steps, "step_time_s")
         logged = any("entropy_time_s" in r for r in steps)  # runs before it was logged: unknown
-        entropy = f"{total('entropy_time_s'):.1f} s" if logged else "–"
-        lines.append(f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {total('compute_time_s'):.1f} s "
-                     f"| {total('compress_time_s'):.1f} s | {entropy} | {profiling:.1f} s "
-                     f"| {total('comm_time_s'):.1f} s | {other:.1f} s |")
+        entropy = f"{_total(steps, 'entropy_time_s'):.1f} s" if logged else "–"
+        lines.append(f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {_total(steps, 'compute_time_s'):.1f} s "
+                     f"| {_total(steps, 'compress_time_s'):.1f} s | {entropy} "
+                     f"| {_total(steps, 'compress_time_s', 'profile'):.1f} s "
+                     f"| {_total(steps, 'comm_time_s'):.1f} s | {other:.1f} s |")
     return head + "\n".join(lines) + "\n" if lines else ""
 
 
@@ -139,18 +144,17 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
     is the static run's DP comm in its compressed steps (sending nothing at all); EDGC pays its
     entropy sampling and r_max profiling on top. None when a run is missing or never reached it.
     """
-    if "none" not in results or "edgc" not in results or "powersgd@rmax" not in results:
+    if "edgc" not in results or "powersgd@rmax" not in results:
         return None
-    target = results["none"]["eval"][-1]["val_loss"] * TARGET_SLACK
+    target = _target(results)
     edgc, static = results["edgc"], results["powersgd@rmax"]
     hit_e, hit_s = _reached(edgc, target), _reached(static, target)
     if hit_e is None or hit_s is None or hit_e["step"] < hit_s["step"]:  # fewer steps: the bound does not apply
         return None
     steps_e = [r for r in edgc["train"] if r["step"] <= hit_e["step"]]
-    overhead = sum((r.get("entropy_time_s") or 0.0) for r in steps_e) + sum(
-        r.get("compress_time_s") or 0.0 for r in steps_e if r.get("phase") == "profile")
-    savable = sum(r.get("comm_time_s") or 0.0 for r in static["train"]
-                  if r["step"] <= hit_s["step"] and r.get("phase") == "compress")
+    steps_s = [r for r in static["train"] if r["step"] <= hit_s["step"]]
+    overhead = _total(steps_e, "entropy_time_s") + _total(steps_e, "compress_time_s", "profile")
+    savable = _total(steps_s, "comm_time_s", "compress")
     verdict = "cannot" if overhead > savable else "can"
     return (f"EDGC reached the target at step {hit_e['step']}, static PowerSGD at r_max at step {hit_s['step']}. "
             f"EDGC's own cost up to then (entropy sampling + r_max profiling) was {overhead:.1f} s; the most any "
@@ -205,8 +209,8 @@ def plots(results: dict[str, dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for method, run in results.items():
         ax.plot([e["wall_s"] for e in run["eval"]], [e["val_loss"] for e in run["eval"]], marker=".", label=method)
-    if "none" in results:
-        ax.axhline(results["none"]["eval"][-1]["val_loss"] * TARGET_SLACK, color="grey", ls=":", label="target")
+    if (target := _target(results)) is not None:
+        ax.axhline(target, color="grey", ls=":", label="target")
     ax.set(xlabel="wall time (s)", ylabel="validation loss", title="validation loss vs wall time")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from edgc.lowrank import compressed_rank as engine_rank
+
 from .presets import ModelSpec
 
 MIB = 2 ** 20
@@ -62,14 +64,11 @@ def ddp_buckets(shapes: Sequence[tuple], cap_mib: Optional[float] = None, bytes_
 
 
 def compressed_rank(shape: tuple, rank: int, min_compression_rate: float = 2.0) -> int:
-    """The rank a gradient of this shape is sent at, 0 = raw (our engine's and torch's rule alike:
-    the tensor as shape[0] x rest, compressed when (m + n) r * rate < m n)."""
+    """The rank a gradient of this shape is sent at, 0 = raw: the engine's rule (`edgc.lowrank`) on
+    the tensor viewed as shape[0] x rest, which is also torch's hook's rule."""
     if len(shape) < 2 or math.prod(shape) == 0:
         return 0
-    m = shape[0]
-    n = math.prod(shape) // m
-    r = min(rank, m, n)
-    return r if (m + n) * r * min_compression_rate < m * n else 0
+    return engine_rank((shape[0], math.prod(shape) // shape[0]), rank, min_compression_rate)
 
 
 def step_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
