@@ -30,23 +30,36 @@ class Communicator:
         self.rank = dist.get_rank(process_group) if distributed else 0
         # Global rank of the group's rank 0: the source of every decision broadcast.
         self.root = dist.get_global_rank(process_group, 0) if distributed and process_group is not None else 0
-        self.seconds = 0.0  # wall time spent inside collectives since the last reset()
-        self.collectives = 0  # collectives issued since the last reset() (each has a fixed latency cost)
+        # Wall seconds of each collective since the last reset(), in issue order (the same order on
+        # every rank, so traces of all ranks line up collective by collective).
+        self.durations: list[float] = []
 
-    def reset(self) -> float:
-        """Zero the time and the collective count; returns the time."""
-        seconds, self.seconds = self.seconds, 0.0
-        self.collectives = 0
-        return seconds
+    @property
+    def seconds(self) -> float:
+        """Wall time spent inside collectives since the last reset()."""
+        return sum(self.durations)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives issued since the last reset() (each has a fixed latency cost)."""
+        return len(self.durations)
+
+    def reset(self) -> list[float]:
+        """Start a new step; returns the durations of the collectives of the one that ended."""
+        durations, self.durations = self.durations, []
+        return durations
+
+    def forget_since(self, count: int) -> None:
+        """Drop the collectives issued after the first ``count`` (traffic that is not the step's)."""
+        del self.durations[count:]
 
     def _timed(self, tensor: torch.Tensor, run) -> None:
         if self.world_size == 1:
             return
-        self.collectives += 1
         start = time.perf_counter()
         run()
         synchronize(tensor.device)
-        self.seconds += time.perf_counter() - start
+        self.durations.append(time.perf_counter() - start)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         self._timed(tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group))

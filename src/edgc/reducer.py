@@ -110,8 +110,8 @@ class GradientReducer:
 
     def _end_step(self) -> None:
         stats = self._stats
-        collectives = self.comm.collectives
-        comm_seconds = self.comm.reset()
+        durations = self.comm.reset()
+        comm_seconds = sum(durations)
         for key in self.totals:
             self.totals[key] += getattr(stats, key)
         relative_error = (stats.error_sq / stats.norm_sq) ** 0.5 if stats.norm_sq > 0 else None
@@ -122,7 +122,8 @@ class GradientReducer:
             "bytes_raw": stats.bytes_raw,
             "bytes_sent": stats.bytes_sent,
             "comm_time_s": comm_seconds,
-            "collectives": collectives,
+            "collectives": len(durations),
+            "collective_s": durations,
             "compress_time_s": max(0.0, self._busy - comm_seconds),
             "relative_error": relative_error,
             "nonfinite": stats.nonfinite,

@@ -84,13 +84,13 @@ class EDGCState(GradientReducer):
             self._add_stats(self.compressor.reduce(names, grads, plan.rank, self.comm))
 
     def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan) -> None:
-        comm_before = self.comm.seconds, self.comm.collectives
+        issued_before = self.comm.collectives
         for _ in range(2 if plan.profile_warm else 1):  # only the last call's time counts
             shadow = [g.detach().clone() for g in grads]
             start = time.perf_counter()
             self._profiler.reduce(names, shadow, plan.profile_rank, self.comm)  # type: ignore[arg-type]
             compressed = time.perf_counter() - start
-        self.comm.seconds, self.comm.collectives = comm_before  # the shadow sync is not the step's traffic
+        self.comm.forget_since(issued_before)  # the shadow sync is not the step's traffic
         start = time.perf_counter()
         self._average_raw(names, grads, flat)
         uncompressed = time.perf_counter() - start

@@ -39,7 +39,8 @@ from .config import scaled_edgc_defaults
 
 TORCH_POWERSGD_COLLECTIVES = 3  # per bucket once compressing (powerSGD_hook: uncompressed, P, Q)
 METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
-               "bytes_raw", "compress_time_s", "comm_time_s", "collectives", "relative_error", "entropy_time_s")
+               "bytes_raw", "compress_time_s", "comm_time_s", "collectives", "collective_s", "relative_error",
+               "entropy_time_s")
 
 
 def _baselines() -> dict:
@@ -130,8 +131,8 @@ class TorchPowerSGD(Compressor):
         ddp_model.register_comm_hook(self, TorchPowerSGD._hook)
 
     def _reset(self) -> None:
-        self._acc = {"comm_time_s": 0.0, "collectives": 0, "elements_sent": 0, "elements_raw": 0, "bytes_sent": 0,
-                     "bytes_raw": 0, "ranks": {}}
+        self._acc = {"comm_time_s": 0.0, "collective_s": [], "collectives": 0, "elements_sent": 0,
+                     "elements_raw": 0, "bytes_sent": 0, "bytes_raw": 0, "ranks": {}}
 
     def _compressed(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(n, m, k) when the hook sends this gradient as rank-k factors, else None (its rule exactly)."""
@@ -203,7 +204,9 @@ class TorchPowerSGD(Compressor):
         fut = self._psgd.powerSGD_hook(st, bucket)
 
         def done(f):
-            acc["comm_time_s"] += time.perf_counter() - t0
+            span = time.perf_counter() - t0
+            acc["comm_time_s"] += span
+            acc["collective_s"].append(span)  # its collectives are chained inside: one span per bucket
             return f.value()
 
         return fut.then(done)
@@ -215,7 +218,7 @@ class TorchPowerSGD(Compressor):
                "rank": self.state.matrix_approximation_rank if compressed else None,
                "ranks": acc["ranks"], "entropy": None, "compress_time_s": 0.0, "relative_error": None}
         out.update({k: acc[k] for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "comm_time_s",
-                                        "collectives")})
+                                        "collectives", "collective_s")})
         self._reset()
         return out
 

@@ -134,6 +134,9 @@ class TrainConfig:
     tensorboard: bool = True
     """Also log metrics to TensorBoard (RUN_DIR/tb) when the tensorboard package is installed."""
 
+    comm_trace: bool = False
+    """Every rank writes RUN_DIR/comm_trace/rank{R}.jsonl: each DP collective's seconds per step (for the simulator's calibration)."""
+
     progress: bool = True
     """Show a tqdm progress bar (rank 0 only)."""
 
@@ -215,7 +218,7 @@ class TrainConfig:
         check_int("eval_every", 0)
         check_int("eval_batches", 1)
         check_int("ckpt_every", 0)
-        for name in ("tensorboard", "progress", "deterministic"):
+        for name in ("tensorboard", "comm_trace", "progress", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be true or false")
         check_choice("device", DEVICES)

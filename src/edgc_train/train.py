@@ -107,6 +107,42 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
+def open_step_log(path: Path, resume_step: int | None):
+    """Open a per-step JSON-lines log for appending: truncated on a fresh run, and on resume cut
+    back to the checkpoint (lines after it belong to steps that will be run again)."""
+    if resume_step is None:
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step]
+        ckpt.atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
+    return open(path, "a")
+
+
+class CommTrace:
+    """``comm_trace/rank{R}.jsonl`` on every rank: each DP collective's seconds per step, in issue
+    order. Rank 0's ``comm_time_s`` includes waiting for slower peers; the last rank to reach a
+    collective waits for nobody, so the minimum over ranks of each collective is its time on the
+    link (``edgc simulate --calibrate`` compares the α–β model with that)."""
+
+    def __init__(self, run_dir: Path, rank: int, enabled: bool, resume_step: int | None):
+        self.path = run_dir / "comm_trace" / f"rank{rank}.jsonl" if enabled else None
+        self.resume_step, self.f = resume_step, None
+
+    def write(self, step: int, durations) -> None:
+        if self.path is None:
+            return
+        if self.f is None:  # opened at the first step's end: by then rank 0 has created the run folder
+            self.path.parent.mkdir(exist_ok=True)
+            self.f = open_step_log(self.path, self.resume_step)
+        self.f.write(json.dumps({"step": step, "collective_s": list(durations or [])}) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
 class MetricsLog:
     """``metrics.jsonl`` (flushed per line) and optionally TensorBoard; rank 0 only."""
 
@@ -114,13 +150,7 @@ class MetricsLog:
         self.enabled, self.tb, self.f = enabled, None, None
         if not enabled:
             return
-        path = run_dir / "metrics.jsonl"
-        if resume_step is not None and path.exists():
-            # Lines after the checkpoint belong to steps that will be run again: drop them.
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-            ckpt.atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
-        self.f = open(path, "a")
+        self.f = open_step_log(run_dir / "metrics.jsonl", resume_step)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -272,7 +302,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
     rank, world, local_rank, device = setup_distributed(cfg)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
-    metrics = None
+    metrics = trace = None
     try:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -303,11 +333,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             step, wall_offset = trainer["step"], trainer["wall_s"]
             log(f"resuming {run_dir} from {ckpt_dir.name} (step {step})")
         elif master:
-            run_dir.mkdir(parents=True, exist_ok=restart_in_place)
-            if restart_in_place:
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            run_dir.mkdir(parents=True, exist_ok=restart_in_place)  # a restart's old logs are truncated below
             write_run_config(run_dir, cfg, n_params, world, shape, data, device, runner.tokens_per_step)
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
+        trace = CommTrace(run_dir, rank, cfg.comm_trace, step if resume else None)
         log(f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
             f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}")
 
@@ -346,6 +375,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 **{k: int(sync_metrics[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},
                 **extra,
             })
+            trace.write(step, sync_metrics.get("collective_s"))
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
             if progress is not None:
@@ -372,8 +402,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         dist.barrier()
         return 0
     finally:
-        if metrics is not None:
-            metrics.close()
+        for log_file in (metrics, trace):
+            if log_file is not None:
+                log_file.close()
         dist.destroy_process_group()
         torch.use_deterministic_algorithms(deterministic_before)
         if solo:

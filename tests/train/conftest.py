@@ -40,7 +40,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 # The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):
 # 20 steps, checkpoints at 10 and 20, compressing from step 3 (warm-up floor ⌊0.1·20⌋ = 2).
 EDGC_JOB = ["--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--compressor", "edgc",
-            "--edgc", "r_max=8", "--edgc", "warmup_error_test=false", *FAST]
+            "--edgc", "r_max=8", "--edgc", "warmup_error_test=false", "--comm-trace", *FAST]
 
 
 @pytest.fixture(scope="session")

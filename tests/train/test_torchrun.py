@@ -76,6 +76,21 @@ def test_metrics_follow_the_contract(runs):
     assert summary["steps"] == 20 and summary["val_loss"] == [r for r in read_metrics(a) if r["kind"] == "eval"][-1]["val_loss"]
 
 
+def test_comm_trace_lines_up_with_the_metrics_on_every_rank(runs):
+    """--comm-trace: each rank logs its collectives' durations per step; rank 0's sum is its comm_time_s,
+    and a resume cuts the traces back to the checkpoint like metrics.jsonl (steps 11-20 once each)."""
+    for run in runs:
+        train = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
+        traces = [[json.loads(line) for line in (run / "comm_trace" / f"rank{k}.jsonl").read_text().splitlines()]
+                  for k in (0, 1)]
+        for trace in traces:
+            assert [t["step"] for t in trace] == list(range(1, 21))
+            for t in trace:  # the same collectives in the same order on both ranks
+                assert len(t["collective_s"]) == train[t["step"]]["collectives"] and min(t["collective_s"]) > 0
+        for t in traces[0]:
+            assert sum(t["collective_s"]) == pytest.approx(train[t["step"]]["comm_time_s"], rel=1e-9)
+
+
 def test_checkpoint_layout(runs):
     a, b = runs
     for run in runs:
