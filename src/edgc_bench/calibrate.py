@@ -3,9 +3,10 @@
 The worker (``python -m edgc_bench.calibrate SIZE_MB ...``) runs on every host (one process each,
 env:// rendezvous from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); rank 0 prints one JSON line per
 size: {"mb", "seconds", "mean_s"} (median and mean of ``repeats(mb)`` timed all-reduces after one
-untimed). Each starts after a barrier (both hosts start together: the collective alone, no peer
-wait) and ``GAP_S`` of idle time, which refills tc tbf's token bucket as the compute between a
-training step's collectives does, so a message up to the bucket's burst passes at once here too.
+untimed, each timed on every host and taken as the minimum over hosts: the collective alone, no
+peer wait). Each starts after a barrier and ``GAP_S`` of idle time, which refills tc tbf's token
+bucket as the compute between a training step's collectives does, so a message up to the bucket's
+burst passes at once here too.
 
 ``SIZES_MB`` (what `edgc bench` measures) starts at 4 KiB: in a few seconds in all, the sizes pin
 the fixed cost of one collective (≤ 64 KiB) and the rate (≥ 4 MiB), the two numbers edgc_sim's link
@@ -45,6 +46,15 @@ def ideal_seconds(size_bytes: float, world: int, rate_mbit: float) -> float:
     return 2 * (world - 1) / world * size_bytes * 8 / (rate_mbit * 1e6)
 
 
+def all_gather(tensor):
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return out
+
+
 def worker(sizes_mb: list[float]) -> None:
     import torch
     import torch.distributed as dist
@@ -54,14 +64,17 @@ def worker(sizes_mb: list[float]) -> None:
     try:
         for mb in sizes_mb:
             tensor = torch.ones(int(mb * 2**20 / 4))
-            times = []
+            mine = torch.zeros(repeats(mb))
             for i in range(repeats(mb) + 1):
                 dist.barrier()
                 time.sleep(GAP_S)
                 start = time.perf_counter()
                 dist.all_reduce(tensor)
                 if i:
-                    times.append(time.perf_counter() - start)
+                    mine[i - 1] = time.perf_counter() - start
+            # Each repetition's time is the minimum over hosts: the host whose sleep ended last waited
+            # for nobody (the same estimator as the training traces, edgc_sim.calibrate.link_times).
+            times = torch.stack(all_gather(mine)).min(dim=0).values.tolist()
             if dist.get_rank() == 0:
                 print(json.dumps({"mb": mb, "seconds": statistics.median(times), "mean_s": statistics.fmean(times)}),
                       flush=True)

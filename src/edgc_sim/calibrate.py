@@ -39,6 +39,7 @@ class MeasuredRun:
     path: str  #: run folder
     config: dict  #: config.json
     records: tuple  #: "train" records of metrics.jsonl, by step
+    link_s: Optional[dict] = None  #: step -> its collectives' time on the link (link_times), None without traces
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,40 @@ class CalibrationRow:
         return (self.comm_predicted_s - self.comm_measured_s) / self.comm_measured_s if self.comm_measured_s else 0.0
 
 
+def link_times(traces: Sequence[dict]) -> dict:
+    """Per step, the time its collectives took on the link: the sum over the step's collectives of the
+    minimum over ranks of that collective's duration.
+
+    `traces`: one {step: [seconds of each collective, in issue order]} per rank. A rank's timer also
+    counts waiting for peers that reach the collective later; the last to arrive waits for nobody, so
+    the minimum is the collective itself (the quantity Megatron-LM times behind a barrier). Steps
+    missing on a rank or whose ranks logged different counts are left out."""
+    if not traces:
+        return {}
+    out = {}
+    for step in sorted(set.intersection(*(set(t) for t in traces))):
+        per_rank = [t[step] for t in traces]
+        if len({len(d) for d in per_rank}) == 1:
+            out[step] = sum(min(ds) for ds in zip(*per_rank))
+    return out
+
+
+def read_comm_traces(run_dir: str | Path, world: int) -> Optional[dict]:
+    """link_times of a run's comm_trace/rank*.jsonl (`edgc train --comm-trace`), None unless every
+    one of the `world` ranks left one."""
+    files = [Path(run_dir) / "comm_trace" / f"rank{r}.jsonl" for r in range(world)]
+    if world < 2 or not all(f.is_file() for f in files):
+        return None
+    traces = []
+    for f in files:
+        try:
+            rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            traces.append({int(row["step"]): [float(x) for x in row["collective_s"]] for row in rows})
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{f}: not a comm trace ({e})") from None
+    return link_times(traces)
+
+
 def load_run(run_dir: str | Path) -> MeasuredRun:
     run_dir = Path(run_dir)
     cfg_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
@@ -74,7 +109,8 @@ def load_run(run_dir: str | Path) -> MeasuredRun:
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise ValueError(f"{cfg_path}: missing keys {missing}")
-    return MeasuredRun(str(run_dir), config, tuple(read_metrics(metrics_path)))
+    return MeasuredRun(str(run_dir), config, tuple(read_metrics(metrics_path)),
+                       read_comm_traces(run_dir, int(config["world_size"])))
 
 
 def harness_model(config: dict) -> ModelSpec:
@@ -140,6 +176,8 @@ def format_calibration(rows: Sequence[CalibrationRow]) -> str:
 #
 # Model of one measured step (the same formulas for every method, nothing fitted per method):
 #   comm  = wire + wait                              (what rank 0's comm_time_s times)
+#   wire is compared on its own with the traced link time (link_times: per collective, the minimum
+#   over ranks, i.e. the rank that arrived last and waited for nobody), wait through comm and step.
 #   wire  = sum over the step's collectives c of   lat + max(0, f * S_c - B) / beta
 #           lat = 2(n-1) alpha per all-reduce ((n-1) alpha per all-gather); f = 2(n-1)/n for an
 #           all-reduce, (n-1) for an all-gather (top-k, QSGD); B: the tbf burst, which passes at
@@ -156,7 +194,8 @@ def format_calibration(rows: Sequence[CalibrationRow]) -> str:
 #   compress: PowerSGD FLOP/memory model (cost_model.powersgd_compute_time) with the host profile;
 #             fp16/bf16 casts: 12 bytes moved per value (4 read + 2 written, then back) / memory
 #             bandwidth; none: 0; top-k / random-k / QSGD: not modelled, the measured median is used.
-# torch-powersgd times its compression inside comm_time_s, so its comm adds the compress model.
+# torch-powersgd times its compression inside comm_time_s, so its comm adds the compress model, its
+# own (cost_model.torch_powersgd_hook_time: more passes over the whole bucket, two fresh allocations).
 # ---------------------------------------------------------------------------------------------
 ALL_GATHER_METHODS = collectives.ALL_GATHER
 CAST_METHODS = ("fp16", "bf16")
@@ -285,7 +324,6 @@ class BenchRow:
     latency_s: float  #: collectives x fixed cost per collective
     bytes_s: float  #: sum over the collectives of the bytes beyond the burst / beta
     wait_s: float  #: omega x (reference compute + modelled compress)
-    wait_own_s: float  #: omega x (this run's measured compute + compress): the same share of its own work
     step_measured_s: float
     step_predicted_s: float
     compute_measured_s: float  #: this run's median compute_time_s (for reading the step error)
@@ -293,6 +331,22 @@ class BenchRow:
     compress_predicted_s: float
     compress_modelled: bool  #: False: compress_predicted_s is the measured median
     comm_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of the measured median comm
+    link_measured_s: float = math.nan  #: median time of the step's collectives on the link (link_times); nan without traces
+    link_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of that median
+
+    @property
+    def link_predicted_s(self) -> float:
+        """The model's time of the collectives themselves: comm without the peer wait."""
+        return self.comm_predicted_s - self.wait_s
+
+    @property
+    def link_error(self) -> float:
+        """(predicted - measured) / measured of the collectives' time on the link; nan without traces."""
+        return self._err(self.link_predicted_s, self.link_measured_s) if self.link_measured else math.nan
+
+    @property
+    def link_measured(self) -> bool:
+        return not math.isnan(self.link_measured_s)
 
     @property
     def comm_in_ci(self) -> bool:
@@ -306,11 +360,6 @@ class BenchRow:
     @property
     def comm_error(self) -> float:
         return self._err(self.comm_predicted_s, self.comm_measured_s)
-
-    @property
-    def comm_own_work_error(self) -> float:
-        """The comm error with the wait taken from this run's own work (load drift between runs removed)."""
-        return self._err(self.comm_predicted_s - self.wait_s + self.wait_own_s, self.comm_measured_s)
 
     @property
     def step_error(self) -> float:
@@ -388,8 +437,11 @@ def compress_model(compressor: str, rank: Optional[int], config: dict, device: D
     """Modelled compress + decompress seconds of one step, None where not modelled."""
     if compressor in POWERSGD_METHODS:
         r = rank if rank is not None else int(config.get("powersgd_rank") or 8)
-        matrices = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].matrices
-        return cm.powersgd_compute_time(matrices, r, device.flops_per_s("fp32"), device.mem_bytes_per_s,
+        stage = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0]
+        if compressor == "torch-powersgd":
+            return cm.torch_powersgd_hook_time(stage.matrices, stage.values, r, device.flops_per_s("fp32"),
+                                               device.mem_bytes_per_s, device.launch_s, device.alloc_s(1.0), 4)
+        return cm.powersgd_compute_time(stage.matrices, r, device.flops_per_s("fp32"), device.mem_bytes_per_s,
                                         device.launch_s, 4)
     if compressor in CAST_METHODS:
         values = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].values
@@ -433,46 +485,48 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             wire = latency + transfer
             in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
             wait = omega * (compute_ref + comp_pred)
-            # torch-powersgd's own compress is inside its comm time: its work is compute + compress model
-            wait_own = omega * (med("compute_time_s") + (comp_pred if in_comm else comp_meas))
             comm_pred = wire + wait + in_comm
             step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
+            on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
             rows.append(BenchRow(
                 Path(run.path).name, compressor, rank, len(recs), nbytes, count_used, count is not None,
-                med("comm_time_s"), comm_pred, latency, transfer, wait, wait_own, med("step_time_s"),
+                med("comm_time_s"), comm_pred, latency, transfer, wait, med("step_time_s"),
                 step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
-                median_interval([float(r.get("comm_time_s", 0.0)) for r in recs])))
+                median_interval([float(r.get("comm_time_s", 0.0)) for r in recs]),
+                statistics.median(on_link) if on_link else math.nan, median_interval(on_link)))
     return rows
 
 
 def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: DeviceSpec) -> str:
     """Markdown: the model's inputs, then one line per (run, rank), times in ms, errors in %."""
-    ms = lambda s: f"{1e3 * s:.0f}"  # noqa: E731
-    pct = lambda e: f"{100 * e:+.1f}%"  # noqa: E731
+    ms = lambda s: "-" if math.isnan(s) else f"{1e3 * s:.0f}"  # noqa: E731
+    pct = lambda e: "-" if math.isnan(e) else f"{100 * e:+.1f}%"  # noqa: E731
+    ci = lambda lo_hi: "-" if math.isnan(lo_hi[0]) else f"{ms(lo_hi[0])}–{ms(lo_hi[1])}"  # noqa: E731
     lines = [f"link: {link.source or link.describe()}; host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
              f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
              "",
-             "| run | rank | steps | MB sent | collectives | comm meas | comm meas 95% | comm pred | comm err | latency "
-             "| bytes | wait | comm err, own work | step meas | step pred | step err | compute meas | compress meas | "
-             "compress pred |",
-             "|" + "---|" * 19]
+             "| run | rank | steps | MB sent | collectives | latency | bytes | link pred | link meas | link meas 95% "
+             "| link err | wait pred | comm pred | comm meas | comm meas 95% | comm err | step pred | step meas "
+             "| step err | compress pred | compress meas |",
+             "|" + "---|" * 21]
     for r in rows:
         comp = ms(r.compress_predicted_s) + ("" if r.compress_modelled else " (meas)")
         ref = " (ref)" if r.compressor == REFERENCE else ""
         count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         lines.append(
             f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | {count} | "
-            f"{ms(r.comm_measured_s)} | {ms(r.comm_ci_s[0])}–{ms(r.comm_ci_s[1])} | {ms(r.comm_predicted_s)} | {pct(r.comm_error)}{ref} | {ms(r.latency_s)} | "
-            f"{ms(r.bytes_s)} | {ms(r.wait_s)} | {pct(r.comm_own_work_error)} | {ms(r.step_measured_s)} | "
-            f"{ms(r.step_predicted_s)} | {pct(r.step_error)} | {ms(r.compute_measured_s)} | "
-            f"{ms(r.compress_measured_s)} | {comp} |")
+            f"{ms(r.latency_s)} | {ms(r.bytes_s)} | {ms(r.link_predicted_s)} | {ms(r.link_measured_s)} | "
+            f"{ci(r.link_ci_s)} | {pct(r.link_error)} | {ms(r.wait_s)} | {ms(r.comm_predicted_s)} | "
+            f"{ms(r.comm_measured_s)} | {ci(r.comm_ci_s)} | {pct(r.comm_error)}{ref} | {ms(r.step_predicted_s)} | "
+            f"{ms(r.step_measured_s)} | {pct(r.step_error)} | {comp} | {ms(r.compress_measured_s)} |")
     lines.append("")
-    lines.append("times in ms, medians over the compressed steps after the first 10%; comm meas 95%: bootstrap "
-                 "interval of that median (how precisely the run pins it). collectives: per step, the "
-                 "logged median or (pattern) the method's pattern over DDP's buckets. comm pred = latency "
-                 "(collectives x the fixed cost of one) + bytes (each collective's bytes beyond the burst / beta) "
-                 "+ wait (the reference run's peer-wait share of its work x reference compute + compress pred) "
-                 "(+ compress pred for torch-powersgd, whose comm time includes it). comm err, own work: the "
-                 "same with the wait share applied to this run's measured compute + compress. step pred = "
-                 "reference compute + compress pred + comm pred.")
+    lines.append("times in ms, medians over the compressed steps after the first 10%; 95%: bootstrap interval of "
+                 "that median (how precisely the run pins it). collectives: per step, the logged median or "
+                 "(pattern) the method's pattern over DDP's buckets. link pred = latency (collectives x the fixed "
+                 "cost of one) + bytes (each collective's bytes beyond the burst / beta) (+ compress pred for "
+                 "torch-powersgd, whose timer spans its compression); link meas = per step, the sum over its "
+                 "collectives of the minimum over ranks of each one's duration (the last rank to arrive waits for "
+                 "nobody; `edgc train --comm-trace`). comm = rank 0's comm_time_s, which adds waiting for the "
+                 "slower peer: comm pred = link pred + wait pred (the reference run's peer-wait share of its work "
+                 "x reference compute + compress pred). step pred = reference compute + compress pred + comm pred.")
     return "\n".join(lines)

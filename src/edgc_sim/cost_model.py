@@ -188,3 +188,18 @@ def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float
                for m, n in shapes)
     elementwise = 7 * bytes_per_value * sum(m * n for m, n in shapes) / mem_bytes_per_s
     return matmul + orth + elementwise
+
+
+def torch_powersgd_hook_time(shapes: Sequence[tuple], bucket_values: int, rank: int, flops_per_s: float,
+                             mem_bytes_per_s: float, launch_s: float, alloc_s_per_byte: float,
+                             bytes_per_value: int) -> float:
+    """Compress + decompress of PyTorch's powerSGD_hook over one bucket of `bucket_values` values
+    (counted from torch 2.13's source): the same three matmuls; both Q (warm start) and P
+    orthogonalised; error feedback over the whole bucket, 1-D tensors included (add_ the error: 3
+    accesses, clone the input: 2, decompress writes: 1, error = copy - input: 3), and the clone and
+    the new error are fresh allocations of the bucket, first touched every step."""
+    matmul = powersgd_matmul_flops(shapes, rank) / flops_per_s
+    orth = sum(orthogonalize_time(rows, effective_rank(m, n, rank), mem_bytes_per_s, launch_s, bytes_per_value)
+               for m, n in shapes for rows in (m, n))
+    bucket_bytes = bucket_values * bytes_per_value
+    return matmul + orth + 9 * bucket_bytes / mem_bytes_per_s + 2 * bucket_bytes * alloc_s_per_byte

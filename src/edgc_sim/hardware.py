@@ -55,6 +55,7 @@ class DeviceSpec:
     mem_bytes_per_s: float  #: memory bandwidth, bytes/s (> 0); elementwise ops are bound by it
     launch_s: float  #: per-kernel launch + framework dispatch overhead, seconds (>= 0)
     source: str = ""  #: where the numbers come from
+    alloc_bytes_per_s: float = 0.0  #: first touch of freshly allocated memory (page faults, zeroing), bytes/s; 0 = free
 
     def __post_init__(self):
         _fraction(self, "mfu")
@@ -63,6 +64,12 @@ class DeviceSpec:
             raise ValueError("matmul_flops must map each precision to a value > 0")
         if self.launch_s < 0:
             raise ValueError(f"launch_s must be >= 0, got {self.launch_s!r}")
+        if self.alloc_bytes_per_s < 0:
+            raise ValueError(f"alloc_bytes_per_s must be >= 0 (0 = free), got {self.alloc_bytes_per_s!r}")
+
+    def alloc_s(self, nbytes: float) -> float:
+        """Extra time of writing `nbytes` into memory allocated just before (0 when not measured)."""
+        return nbytes / self.alloc_bytes_per_s if self.alloc_bytes_per_s else 0.0
 
     def flops_per_s(self, precision: str) -> float:
         """Achieved matmul FLOP/s at `precision`."""

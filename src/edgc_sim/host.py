@@ -1,6 +1,7 @@
 """Quick measurements of this machine, so the cost model can be checked against runs made here.
 
-`measure_host` (~1 s): matmul throughput, memory bandwidth and per-op dispatch overhead of the CPU
+`measure_host` (~1 s): matmul throughput, memory bandwidth, the cost of first-touching new memory and
+per-op dispatch overhead of the CPU
 with a given thread count. `measure_link` (~5-10 s): a gloo all-reduce size sweep between local
 processes, fitted to the ring alpha-beta model.
 """
@@ -41,14 +42,19 @@ def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64) -> De
         flops = 2 * matmul_n ** 3 / _best_time(lambda: a @ b, 5)
         src = torch.empty(copy_mb * 2 ** 20 // 4)
         dst = torch.empty_like(src)
-        mem = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), 5)  # read + write
+        copy_s = _best_time(lambda: dst.copy_(src), 5)
+        mem = 2 * src.numel() * 4 / copy_s  # read + write
+        # the same copy into a new tensor: the kernel maps and zeroes its pages on first touch
+        fresh_s = _best_time(lambda: src.clone(), 5) - copy_s
+        alloc = src.numel() * 4 / fresh_s if fresh_s > 0 else 0.0
         tiny = torch.zeros(4)
         reps = 2000
         launch = _best_time(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps
     finally:
         torch.set_num_threads(old_threads)
     return DeviceSpec("host", {"fp32": flops}, 1.0, mem, launch,
-                      f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy, tiny add_; {threads} thread(s)")
+                      f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_; "
+                      f"{threads} thread(s)", alloc)
 
 
 def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:

@@ -7,8 +7,8 @@ import pytest
 
 from edgc_cli.main import main
 from edgc_sim.calibrate import (BenchLink, bench_link, calibrate_bench, compress_model, find_bench_calibration,
-                                fit_bench_link, format_bench_calibration, load_run, nominal_link, step_payloads,
-                                wire_parts, wire_time)
+                                fit_bench_link, format_bench_calibration, link_times, load_run, nominal_link,
+                                step_payloads, wire_parts, wire_time)
 from edgc_sim.collectives import ddp_buckets, gpt2_gradient_shapes, step_collectives
 from edgc_sim.hardware import DeviceSpec
 from edgc_sim.presets import ModelSpec
@@ -122,7 +122,7 @@ def test_calibrate_bench_matches_its_own_model(tmp_path):
         ("fp16", None, 18, 1), ("none", None, 18, 1), ("powersgd", 4, 16, 3)]  # the tiny model: one bucket
     for r in rows:  # warm-up steps (rank None in a compressed run) and the first 10% are left out
         assert r.comm_error == pytest.approx(0, abs=1e-9) and r.step_error == pytest.approx(0, abs=1e-9)
-        assert r.comm_own_work_error == pytest.approx(0, abs=1e-9) and not r.collectives_measured
+        assert not r.collectives_measured and not r.link_measured and math.isnan(r.link_error)  # no traces
         assert r.latency_s == pytest.approx(r.collectives * 2 * ALPHA)
     assert rows[2].bytes_sent == 20_000 and rows[2].compress_modelled
     table = format_bench_calibration(rows, nominal_link(1000), DEVICE)
@@ -143,6 +143,39 @@ def test_calibrated_prediction_uses_the_logged_collectives(tmp_path):
     latency, transfer = wire_parts("powersgd", 2, payloads, LINK)  # the pattern: 3
     assert latency == pytest.approx(3 * 2 * ALPHA)
     assert row.comm_predicted_s - row.wait_s == pytest.approx(latency + transfer + 4 * 2 * ALPHA)
+
+
+def test_link_times_take_each_collectives_minimum_over_ranks():
+    # rank 0 waited 5 in the first collective, rank 1 waited 3 in the second: the link took 1 + 2
+    traces = [{1: [6.0, 2.0], 2: [1.0], 3: [1.0, 1.0]}, {1: [1.0, 5.0], 2: [1.0], 4: [9.0]}]
+    assert link_times(traces) == {1: 3.0, 2: 1.0}  # step 3/4: not on both ranks
+    assert link_times([{1: [1.0, 2.0]}, {1: [1.0]}]) == {}  # different counts: not comparable
+    assert link_times([]) == {}
+
+
+def test_calibration_compares_the_model_with_the_traced_link_time(tmp_path):
+    bench = write_bench(tmp_path)
+    run = bench / "runs" / "powersgd"
+    payloads = step_payloads("powersgd", 4, config("powersgd"), 20_000.0)
+    on_link = [LINK.collective_s(2, p) for p in payloads]
+    wait = [0.010, 0.0, 0.004]  # who waits, and how long, differs per collective
+    (run / "comm_trace").mkdir()
+    for k in (0, 1):
+        lines = [json.dumps({"step": step, "collective_s": [t + (w if (i + k) % 2 else 0.0)
+                                                            for i, (t, w) in enumerate(zip(on_link, wait))]})
+                 for step in range(1, 21)]
+        (run / "comm_trace" / f"rank{k}.jsonl").write_text("\n".join(lines) + "\n")
+    rows = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted((bench / "runs").iterdir())],
+                                              DEVICE, LINK)}
+    row = rows["powersgd"]
+    assert row.link_measured and row.link_measured_s == pytest.approx(sum(on_link))
+    assert row.link_predicted_s == pytest.approx(sum(on_link)) and row.link_error == pytest.approx(0, abs=1e-9)
+    assert row.link_ci_s == pytest.approx((sum(on_link), sum(on_link)))
+    table = format_bench_calibration(list(rows.values()), LINK, DEVICE)
+    assert table.count("| - | - | -") == 2  # the untraced runs: no link measurement
+    (run / "comm_trace" / "rank1.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="not a comm trace"):
+        load_run(run)
 
 
 def test_cli_calibrate_bench(tmp_path, capsys):
@@ -176,7 +209,8 @@ def test_docs_script_regenerates_docs_and_readme(tmp_path, capsys):
     text = readme.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| powersgd-rmax | 4 | 3 (pattern) |"))
     assert "old" not in text and text.endswith("tail\n") and "| +0.0 % |" in row
-    assert "comm time within 15%: none, fp16, powersgd-rmax r=4; outside: none." in text
+    assert "rank-0 comm time (with peer wait) within 15%: none, fp16, powersgd-rmax r=4; outside: none." in text
+    assert "link time" not in text  # no run was traced
     assert "scripts/calibration_to_docs.py " + " ".join(args) in docs.read_text()
     assert module.main(args) == 0 and readme.read_text() == text  # idempotent
 
