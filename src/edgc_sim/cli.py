@@ -51,6 +51,9 @@ def register(subparsers) -> None:
     p.add_argument("--host-profile", help="JSON from --measure-host --save-profile, instead of measuring")
     p.add_argument("--save-profile", help="with --measure-host: write the profile JSON here")
     p.add_argument("--threads", type=int, default=1, help="threads per process for host measurements")
+    p.add_argument("--host-processes", type=int,
+                   help="measure the CPU in this many processes at once (default: 1 with --measure-host; with "
+                        "--calibrate of bench runs, their world size: all ranks share this CPU)")
     p.set_defaults(func=run)
 
 
@@ -123,7 +126,7 @@ def _host_profile(args):
         if link is not None:
             return device, link, None
     else:
-        device = measure_host(args.threads)
+        device = measure_host(args.threads, processes=args.host_processes or 1)
     link, sizes, seconds = measure_link()
     return device, link, (sizes, seconds)
 
@@ -154,7 +157,9 @@ def _calibrate(args) -> int:
     if args.link_mbit or link_json:
         # bench runs: hosts over the emulated link; only the CPU is taken from the profile / measured
         link = nominal_link(args.link_mbit) if args.link_mbit else bench_link(link_json, int(runs[0].config["world_size"]))
-        device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(args.threads)
+        processes = args.host_processes or int(runs[0].config["world_size"])
+        device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(args.threads,
+                                                                                           processes=processes)
         print(format_bench_calibration(calibrate_bench(runs, device, link), link, device))
         return 0
     device, link, _ = _host_profile(args)

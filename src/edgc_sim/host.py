@@ -31,30 +31,60 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64) -> DeviceSpec:
-    """This CPU as a DeviceSpec (mfu 1: the measured matmul rate already is the achieved rate)."""
+def _host_numbers(threads: int, matmul_n: int, copy_mb: int, barrier=None) -> dict:
+    """This process's matmul FLOP/s, copy bandwidth, first-touch rate and per-op overhead; with a
+    barrier, each measurement starts together with the other processes' (they share the memory bus)."""
     import torch
 
+    sync = barrier.wait if barrier is not None else (lambda: None)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
+        sync()
         flops = 2 * matmul_n ** 3 / _best_time(lambda: a @ b, 5)
         src = torch.empty(copy_mb * 2 ** 20 // 4)
         dst = torch.empty_like(src)
+        sync()
         copy_s = _best_time(lambda: dst.copy_(src), 5)
-        mem = 2 * src.numel() * 4 / copy_s  # read + write
         # the same copy into a new tensor: the kernel maps and zeroes its pages on first touch
+        sync()
         fresh_s = _best_time(lambda: src.clone(), 5) - copy_s
-        alloc = src.numel() * 4 / fresh_s if fresh_s > 0 else 0.0
         tiny = torch.zeros(4)
         reps = 2000
+        sync()
         launch = _best_time(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps
     finally:
         torch.set_num_threads(old_threads)
-    return DeviceSpec("host", {"fp32": flops}, 1.0, mem, launch,
+    nbytes = src.numel() * 4
+    return {"flops": flops, "mem": 2 * nbytes / copy_s, "alloc": nbytes / fresh_s if fresh_s > 0 else 0.0,
+            "launch": launch}
+
+
+def _host_worker(args) -> dict:
+    barrier, threads, matmul_n, copy_mb = args
+    return _host_numbers(threads, matmul_n, copy_mb, barrier)
+
+
+def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64, processes: int = 1) -> DeviceSpec:
+    """This CPU as a DeviceSpec (mfu 1: the measured matmul rate already is the achieved rate).
+
+    `processes` > 1 runs the measurements in that many processes at once and averages them: what one
+    rank gets while the other ranks of a run on the same host compress at the same moment."""
+    if processes <= 1:
+        numbers = [_host_numbers(threads, matmul_n, copy_mb)]
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager, ctx.Pool(processes) as pool:
+            barrier = manager.Barrier(processes)
+            numbers = pool.map(_host_worker, [(barrier, threads, matmul_n, copy_mb)] * processes)
+    mean = {key: statistics.fmean(n[key] for n in numbers) for key in numbers[0]}
+    together = f", {processes} processes at once" if processes > 1 else ""
+    return DeviceSpec("host", {"fp32": mean["flops"]}, 1.0, mean["mem"], mean["launch"],
                       f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_; "
-                      f"{threads} thread(s)", alloc)
+                      f"{threads} thread(s){together}", mean["alloc"])
 
 
 def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:

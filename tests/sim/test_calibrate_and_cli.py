@@ -71,8 +71,12 @@ def test_fit_alpha_beta_recovers_parameters():
 def test_measure_host_and_profile_roundtrip(tmp_path):
     dev = measure_host(threads=1, matmul_n=128, copy_mb=4)
     assert dev.matmul_flops["fp32"] > 1e8 and dev.mem_bytes_per_s > 1e8 and dev.launch_s > 0
+    assert dev.alloc_bytes_per_s >= 0 and dev.alloc_s(1e6) >= 0
     save_profile(tmp_path / "p.json", dev, LINK)
     assert load_profile(tmp_path / "p.json") == (dev, LINK)
+    # two processes at once, as a bench's two ranks share the CPU
+    both = measure_host(threads=1, matmul_n=128, copy_mb=4, processes=2)
+    assert both.mem_bytes_per_s > 1e8 and "2 processes at once" in both.source
 
 
 def test_cli_simulate_preset_fast(tmp_path, capsys):

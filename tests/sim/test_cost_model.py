@@ -77,6 +77,19 @@ def test_powersgd_compute_grows_with_rank():
     assert cm.orthogonalize_time(10, 64, 1e15, 5e-6, 4) >= 64 * cm.GS_KERNELS_PER_COLUMN * 5e-6
 
 
+def test_torch_hook_costs_our_engine_plus_what_its_source_adds():
+    shapes, vectors, r = [(512, 2048), (2048, 512)], 10_000, 8
+    flops, mem, launch, alloc, bpv = 5e10, 1e10, 5e-6, 1 / 3e9, 4
+    values = sum(m * n for m, n in shapes) + vectors
+    ours = cm.powersgd_compute_time(shapes, r, flops, mem, launch, bpv)
+    torch_hook = cm.torch_powersgd_hook_time(shapes, values, r, flops, mem, launch, alloc, bpv)
+    q_orth = sum(cm.orthogonalize_time(n, r, mem, launch, bpv) for _, n in shapes)  # Q as well as P
+    passes = 9 * values * bpv / mem - 7 * (values - vectors) * bpv / mem  # whole bucket, 2 more passes
+    assert torch_hook == pytest.approx(ours + q_orth + passes + 2 * values * bpv * alloc)
+    # first touch not measured: free
+    assert cm.torch_powersgd_hook_time(shapes, values, r, flops, mem, launch, 0.0, bpv) < torch_hook
+
+
 def test_gpt2_layer_flops_explicit_count():
     b, s, h = 2, 16, 32
     explicit = (2 * b * s * h * 3 * h  # QKV projection
