@@ -1,6 +1,6 @@
 """Regenerate docs/calibration.md and the README's calibration table from one `edgc bench` folder.
 
-    .venv/bin/python scripts/calibration_to_docs.py runs/bench-3
+    .venv/bin/python scripts/calibration_to_docs.py runs/bench-4 --host-profile runs/bench-4/host.json
     .venv/bin/python scripts/calibration_to_docs.py runs/bench --link-calibration runs/link/calibration.json
 
 It runs the same calibration as `edgc simulate --calibrate BENCH/runs/{none,fp16,bf16,powersgd-rmax,
@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", help="an `edgc bench --out` folder (runs/<method>/ inside)")
     parser.add_argument("--link-calibration", help="calibration.json to fit the link from (default: BENCH's)")
-    parser.add_argument("--host-profile", help="host profile JSON (default: measure this CPU, ~1 s)")
+    parser.add_argument("--host-profile", help="host profile JSON (default: measure this CPU with one process per "
+                                               "rank at once, a few seconds)")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))
     parser.add_argument("--docs", default=str(ROOT / "docs" / "calibration.md"))
     args = parser.parse_args(argv)
@@ -92,7 +93,9 @@ def main(argv: list[str]) -> int:
         link_json = link_json.relative_to(Path.cwd())  # the README names it as the command did
     runs = [load_run(d) for d in dirs]
     link = bench_link(link_json, int(runs[0].config["world_size"]))
-    device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(1)
+    # all ranks of a bench share this CPU: measure it with as many processes at once
+    world = int(runs[0].config["world_size"])
+    device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(1, processes=world)
     rows = calibrate_bench(runs, device, link)
 
     command = ".venv/bin/edgc simulate --calibrate " + " ".join(str(d) for d in dirs)
@@ -118,9 +121,12 @@ def main(argv: list[str]) -> int:
         command,
         "```",
         "",
-        "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-3`; its calibration.json has the "
-        "small sizes that give the per-collective latency, its metrics log the collectives per step), "
-        "`.venv/bin/python scripts/calibration_to_docs.py runs/bench-3` regenerates both from it.",
+        "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-N`: its calibration.json has the "
+        "small sizes that give the per-collective latency, its metrics log the collectives per step and "
+        "comm_trace/ each collective's time on every rank), measure the host on the idle machine with "
+        "`.venv/bin/edgc simulate --measure-host --host-processes 2 --save-profile runs/bench-N/host.json` "
+        "and run `.venv/bin/python scripts/calibration_to_docs.py runs/bench-N --host-profile "
+        "runs/bench-N/host.json`.",
         "",
         format_bench_calibration(rows, link, device),
         "",
