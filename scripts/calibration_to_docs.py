@@ -46,8 +46,7 @@ def verdict(rows) -> str:
         outside = [f"{label(r)} ({100 * err(r):+.0f}%)" for r in measured if abs(err(r)) > TARGET]
         out.append(f"{name} within {TARGET:.0%}: {', '.join(inside) or 'none'}; "
                    f"outside: {', '.join(outside) or 'none'}.")
-    noisy = [label(r) for r in rows if r.link_measured and abs(r.link_error) > TARGET
-             and r.link_ci_s[0] <= r.link_predicted_s <= r.link_ci_s[1]]
+    noisy = [label(r) for r in rows if r.link_measured and abs(r.link_error) > TARGET and r.link_in_ci]
     if noisy:
         out.append(f"Of the link rows outside {TARGET:.0%}, the prediction lies inside the measured median's "
                    f"95% interval (the run does not pin its median more precisely) for: {', '.join(noisy)}.")

@@ -46,18 +46,11 @@ def ideal_seconds(size_bytes: float, world: int, rate_mbit: float) -> float:
     return 2 * (world - 1) / world * size_bytes * 8 / (rate_mbit * 1e6)
 
 
-def all_gather(tensor):
-    import torch
-    import torch.distributed as dist
-
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, tensor)
-    return out
-
-
 def worker(sizes_mb: list[float]) -> None:
     import torch
     import torch.distributed as dist
+
+    from edgc.comm import Communicator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -74,7 +67,7 @@ def worker(sizes_mb: list[float]) -> None:
                     mine[i - 1] = time.perf_counter() - start
             # Each repetition's time is the minimum over hosts: the host whose sleep ended last waited
             # for nobody (the same estimator as the training traces, edgc_sim.calibrate.link_times).
-            times = torch.stack(all_gather(mine)).min(dim=0).values.tolist()
+            times = torch.stack(Communicator().all_gather(mine)).min(dim=0).values.tolist()
             if dist.get_rank() == 0:
                 print(json.dumps({"mb": mb, "seconds": statistics.median(times), "mean_s": statistics.fmean(times)}),
                       flush=True)

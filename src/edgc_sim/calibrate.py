@@ -349,9 +349,9 @@ class BenchRow:
         return not math.isnan(self.link_measured_s)
 
     @property
-    def comm_in_ci(self) -> bool:
-        """The prediction lies inside the measured median's 95% interval (within measurement noise)."""
-        return self.comm_ci_s[0] <= self.comm_predicted_s <= self.comm_ci_s[1]
+    def link_in_ci(self) -> bool:
+        """The link prediction lies inside the measured median's 95% interval (within measurement noise)."""
+        return self.link_ci_s[0] <= self.link_predicted_s <= self.link_ci_s[1]
 
     @staticmethod
     def _err(pred: float, meas: float) -> float:

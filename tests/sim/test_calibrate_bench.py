@@ -2,6 +2,7 @@
 the link fit, and the collectives each method's step issues."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -171,6 +172,7 @@ def test_calibration_compares_the_model_with_the_traced_link_time(tmp_path):
     assert row.link_measured and row.link_measured_s == pytest.approx(sum(on_link))
     assert row.link_predicted_s == pytest.approx(sum(on_link)) and row.link_error == pytest.approx(0, abs=1e-9)
     assert row.link_ci_s == pytest.approx((sum(on_link), sum(on_link)))
+    assert replace(row, link_ci_s=(0.0, 1.0)).link_in_ci and not replace(row, link_ci_s=(1.0, 2.0)).link_in_ci
     table = format_bench_calibration(list(rows.values()), LINK, DEVICE)
     assert table.count("| - | - | -") == 2  # the untraced runs: no link measurement
     (run / "comm_trace" / "rank1.jsonl").write_text("not json\n")
