@@ -1,8 +1,8 @@
 """Quick measurements of this machine, so the cost model can be checked against runs made here.
 
 `measure_host` (~1 s): matmul throughput, memory bandwidth, the cost of first-touching new memory and
-per-op dispatch overhead of the CPU
-with a given thread count. `measure_link` (~5-10 s): a gloo all-reduce size sweep between local
+per-op dispatch overhead of the CPU with a given thread count (optionally in several processes at
+once). `measure_link` (~5-10 s): a gloo all-reduce size sweep between local
 processes, fitted to the ring alpha-beta model.
 """
 from __future__ import annotations
