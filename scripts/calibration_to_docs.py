@@ -5,7 +5,8 @@
 
 It runs the same calibration as `edgc simulate --calibrate BENCH/runs/{none,fp16,bf16,powersgd-rmax,
 powersgd-rmin,torch-powersgd,edgc}` (the methods present; `none` is required), with the link fitted
-from BENCH/calibration.json unless --link-calibration names another and this CPU measured unless
+from BENCH/calibration.json unless --link-calibration names another (its fixed cost per collective
+from the other runs' comm traces unless --latency sweep) and this CPU measured unless
 --host-profile is given, then writes docs/calibration.md (command, model inputs, full table, which
 errors are within the target) and replaces what lies between <!-- calibration-table:start --> and
 <!-- calibration-table:end --> in README.md with the per-method errors. No number is typed by hand.
@@ -18,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench table)
-from edgc_sim.calibrate import (bench_link, calibrate_bench, find_bench_calibration,  # noqa: E402
-                                format_bench_calibration, load_run)
+from edgc_sim.calibrate import (LATENCY_SOURCES, bench_link, calibrate_bench,  # noqa: E402
+                                find_bench_calibration, format_bench_calibration, load_run)
 from edgc_sim.host import load_profile, measure_host  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,8 @@ def verdict(rows) -> str:
     """One generated sentence per quantity: which rows are within the target."""
     out = []
     quantities = (("link time (the collectives alone, traced)", lambda r: r.link_error, lambda r: r.link_measured),
+                  ("link time with the sweep's fixed cost per collective instead",
+                   lambda r: r.link_sweep_error, lambda r: r.link_measured and r.latency_from != "sweep"),
                   ("rank-0 comm time (with peer wait)", lambda r: r.comm_error, lambda r: True),
                   ("step time", lambda r: r.step_error, lambda r: True))
     for name, err, has in quantities:
@@ -57,17 +60,22 @@ def readme_table(rows, link_source: str, runs_note: str) -> str:
     ms = lambda s: "-" if s != s else f"{1e3 * s:.0f}"  # noqa: E731  (nan: not traced)
     pct = lambda e: "-" if e != e else f"{100 * e:+.1f} %"  # noqa: E731
     lines = ["| run | rank | collectives / step | link measured (95% interval), ms | link predicted, ms | link error "
-             "| rank-0 comm measured (95% interval), ms | comm predicted, ms | comm error | step error |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| link error, sweep latency | rank-0 comm measured (95% interval), ms | comm predicted, ms "
+             "| comm error | step error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         ref = " (reference for the wait)" if r.compressor == "none" else ""
         link = f"{ms(r.link_measured_s)} ({ms(r.link_ci_s[0])}–{ms(r.link_ci_s[1])})" if r.link_measured else "-"
         comm = f"{ms(r.comm_measured_s)} ({ms(r.comm_ci_s[0])}–{ms(r.comm_ci_s[1])})"
         lines.append(f"| {r.run} | {'-' if r.rank is None else r.rank} | {count} | {link} | "
-                     f"{ms(r.link_predicted_s)} | {pct(r.link_error)} | {comm} | {ms(r.comm_predicted_s)} | "
+                     f"{ms(r.link_predicted_s)} | {pct(r.link_error)} | {pct(r.link_sweep_error)} | {comm} | "
+                     f"{ms(r.comm_predicted_s)} | "
                      f"{pct(r.comm_error)}{ref} | {pct(r.step_error)} |")
-    return "\n".join(lines) + f"\n\n{verdict(rows)} Runs: {runs_note}; link: {link_source}.\n"
+    latency = ("fixed cost per collective from the other runs' comm traces (leave one run out; see "
+               "docs/calibration.md)" if any(r.latency_from != "sweep" for r in rows) else "")
+    return "\n".join(lines) + (f"\n\n{verdict(rows)} Runs: {runs_note}; link: {link_source}"
+                                f"{'; ' + latency if latency else ''}.\n")
 
 
 def main(argv: list[str]) -> int:
@@ -76,6 +84,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--link-calibration", help="calibration.json to fit the link from (default: BENCH's)")
     parser.add_argument("--host-profile", help="host profile JSON (default: measure this CPU with one process per "
                                                "rank at once, a few seconds)")
+    parser.add_argument("--latency", choices=LATENCY_SOURCES, default="traced",
+                        help="fixed cost per collective: from the other runs' comm traces (default) or the sweep")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))
     parser.add_argument("--docs", default=str(ROOT / "docs" / "calibration.md"))
     args = parser.parse_args(argv)
@@ -95,13 +105,15 @@ def main(argv: list[str]) -> int:
     # all ranks of a bench share this CPU: measure it with as many processes at once
     world = int(runs[0].config["world_size"])
     device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(1, processes=world)
-    rows = calibrate_bench(runs, device, link)
+    rows = calibrate_bench(runs, device, link, args.latency)
 
     command = ".venv/bin/edgc simulate --calibrate " + " ".join(str(d) for d in dirs)
     if args.link_calibration:
         command += f" --link-calibration {args.link_calibration}"
     if args.host_profile:
         command += f" --host-profile {args.host_profile}"
+    if args.latency != "traced":
+        command += f" --latency {args.latency}"
     regenerate = ".venv/bin/python scripts/calibration_to_docs.py " + " ".join(argv)
     doc = "\n".join([
         "## Calibration of the cost model against `edgc bench`",
@@ -120,9 +132,10 @@ def main(argv: list[str]) -> int:
         command,
         "```",
         "",
-        "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-N`: its calibration.json has the "
-        "small sizes that give the per-collective latency, its metrics log the collectives per step and "
-        "comm_trace/ each collective's time on every rank), measure the host on the idle machine with "
+        "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-N`: its calibration.json gives "
+        "the link's rate and burst and the sweep's fixed cost per collective, its metrics log the "
+        "collectives per step and comm_trace/ each collective's time on every rank, from which the "
+        "other runs' fixed cost per collective is taken), measure the host on the idle machine with "
         "`.venv/bin/edgc simulate --measure-host --host-processes 2 --save-profile runs/bench-N/host.json` "
         "and run `.venv/bin/python scripts/calibration_to_docs.py runs/bench-N --host-profile "
         "runs/bench-N/host.json`.",

@@ -182,13 +182,17 @@ def format_calibration(rows: Sequence[CalibrationRow]) -> str:
 #           lat = 2(n-1) alpha per all-reduce ((n-1) alpha per all-gather); f = 2(n-1)/n for an
 #           all-reduce, (n-1) for an all-gather (top-k, QSGD); B: the tbf burst, which passes at
 #           once because the compute between a step's collectives refills the token bucket.
-#           alpha, beta: ONE fit of the bench's calibration.json (fit_bench_link), B: its tbf burst.
+#           beta: the fit of the bench's calibration.json (fit_bench_link), B: its tbf burst.
+#           alpha: by default from the comm traces of the OTHER runs (traced_alpha: leave one run
+#           out); the sweep's fit (--latency sweep) misses it on this machine, where a collective's
+#           fixed cost is mostly waking the peer's threads and depends on what ran before it.
 #           S_c: collectives.step_collectives (DDP buckets x the method's pattern), rescaled to
 #           the run's median bytes_sent; the count: the run's logged `collectives` where the
 #           metrics have it (the extra ones, EDGC's decisions, carry lat only), else the pattern's.
 #   wait  = omega * (compute_ref + compress): rank 0 waits inside every collective for the slower peer;
 #           over a step that adds up to a share of the work both do between the collectives.
-#           omega = the reference run's (comm - wire) / (compute + compress), one number.
+#           omega = the reference run's (comm - link) / (compute + compress), one number; link:
+#           its traced link time, or its predicted wire where it was not traced.
 #   step  = compute_ref + compress + comm            (step_time_s = compute + compress + comm)
 #   compute_ref = the reference run's median compute_time_s (same model, data, batch for all)
 #   compress: PowerSGD FLOP/memory model (cost_model.powersgd_compute_time) with the host profile;
@@ -333,6 +337,8 @@ class BenchRow:
     comm_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of the measured median comm
     link_measured_s: float = math.nan  #: median time of the step's collectives on the link (link_times); nan without traces
     link_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of that median
+    latency_from: str = "sweep"  #: where latency_s's fixed cost per collective came from ("sweep" or "traced: <runs>")
+    sweep_latency_s: float = math.nan  #: latency_s with the sweep's fixed cost (for comparison)
 
     @property
     def link_predicted_s(self) -> float:
@@ -343,6 +349,13 @@ class BenchRow:
     def link_error(self) -> float:
         """(predicted - measured) / measured of the collectives' time on the link; nan without traces."""
         return self._err(self.link_predicted_s, self.link_measured_s) if self.link_measured else math.nan
+
+    @property
+    def link_sweep_error(self) -> float:
+        """link_error as it would be with the fixed cost per collective of the bench's all-reduce sweep."""
+        if not self.link_measured or math.isnan(self.sweep_latency_s):
+            return math.nan
+        return self._err(self.link_predicted_s - self.latency_s + self.sweep_latency_s, self.link_measured_s)
 
     @property
     def link_measured(self) -> bool:
@@ -456,44 +469,111 @@ def _measured_count(recs: Sequence[dict]) -> Optional[float]:
     return statistics.median(counts) if counts else None
 
 
-def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: BenchLink) -> list:
-    """One BenchRow per (run, rank); needs the uncompressed reference run among `runs`."""
+LATENCY_BOUND_SHARE = 0.5  # a traced group teaches the fixed cost only if bytes are at most this share of its link time
+LATENCY_SOURCES = ("traced", "sweep")
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One (run, rank) group's inputs to the prediction (calibrate_bench's first pass)."""
+
+    run: MeasuredRun
+    rank: Optional[int]
+    recs: list
+    payloads: list
+    count: Optional[float]
+    transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
+    link_s: list  #: traced link time of each of its steps (empty without traces)
+
+    @property
+    def name(self) -> str:
+        return Path(self.run.path).name
+
+    @property
+    def collectives(self) -> float:
+        return len(self.payloads) if self.count is None else self.count
+
+    def teaches_latency(self) -> bool:
+        """Traced, all-reduce only, compression outside the timer, and latency-bound: its link time
+        minus its bytes is the fixed cost of its collectives."""
+        compressor = _compressor(self.run)
+        return (bool(self.link_s) and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
+                and self.transfer_s <= LATENCY_BOUND_SHARE * statistics.median(self.link_s))
+
+    def alpha_s(self) -> float:
+        """Fixed cost per ring step in training: (median link time - bytes) / collectives / 2(n-1)."""
+        world = int(self.run.config["world_size"])
+        per_collective = max(0.0, statistics.median(self.link_s) - self.transfer_s) / self.collectives
+        return per_collective / (2 * (world - 1))
+
+
+def traced_alpha(groups: Sequence[_Group], group: _Group) -> tuple:
+    """(alpha_s, run names) from the latency-bound traced groups of the *other* runs (leave one run
+    out, so a run's prediction never sees its own measurement), or (None, ()) when there are none."""
+    teachers = [g for g in groups if g.run is not group.run and g.teaches_latency()]
+    if not teachers:
+        return None, ()
+    return statistics.fmean(g.alpha_s() for g in teachers), tuple(sorted({g.name for g in teachers}))
+
+
+def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: BenchLink,
+                    latency: str = "traced") -> list:
+    """One BenchRow per (run, rank); needs the uncompressed reference run among `runs`.
+
+    `latency`: where the fixed cost per collective comes from. "sweep": the link fit (`link`, from
+    the bench's all-reduce sweep). "traced": from the comm traces of the other runs (traced_alpha),
+    the sweep's where no other run teaches it. Rate and burst always come from `link`."""
+    if latency not in LATENCY_SOURCES:
+        raise ValueError(f"latency must be one of {LATENCY_SOURCES}, got {latency!r}")
     ref = next((r for r in runs if _compressor(r) == REFERENCE), None)
     if ref is None:
         raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}) "
                          "for its compute time and peer wait")
-    ref_recs = [rec for _, recs in _step_groups(ref) for rec in recs]
+    groups = []
+    for run in runs:
+        compressor, world = _compressor(run), int(run.config["world_size"])
+        for rank, recs in _step_groups(run):
+            payloads = step_payloads(compressor, rank, run.config,
+                                     statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs))
+            transfer = sum(link.bytes_s(world, p, compressor in ALL_GATHER_METHODS) for p in payloads)
+            on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
+            groups.append(_Group(run, rank, recs, payloads, _measured_count(recs), transfer, on_link))
+
+    def link_of(group: _Group) -> tuple:
+        alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
+        if alpha is None:
+            return link, "sweep"
+        return replace(link, alpha_s=alpha), "traced: " + ", ".join(teachers)
+
+    ref_group = next(g for g in groups if g.run is ref)
+    ref_recs = [rec for g in groups if g.run is ref for rec in g.recs]
     ref_med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in ref_recs)  # noqa: E731
     compute_ref = ref_med("compute_time_s")
-    ref_payloads = step_payloads(REFERENCE, None, ref.config, ref_med("bytes_sent"))
-    ref_wire = wire_time(REFERENCE, int(ref.config["world_size"]), ref_payloads, link, _measured_count(ref_recs))
-    omega = max(0.0, ref_med("comm_time_s") - ref_wire) / (compute_ref + ref_med("compress_time_s"))
+    # the reference's own peer wait: comm minus its collectives' time, measured where it was traced
+    ref_link = statistics.median(ref_group.link_s) if ref_group.link_s else wire_time(
+        REFERENCE, int(ref.config["world_size"]), ref_group.payloads, link_of(ref_group)[0], ref_group.count)
+    omega = max(0.0, ref_med("comm_time_s") - ref_link) / (compute_ref + ref_med("compress_time_s"))
     rows = []
-    for run in runs:
-        compressor = _compressor(run)
-        world = int(run.config["world_size"])
-        for rank, recs in _step_groups(run):
-            med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in recs)  # noqa: E731
-            nbytes = med("bytes_sent")
-            comp_meas = med("compress_time_s")
-            comp_model = compress_model(compressor, rank, run.config, device)
-            comp_pred = comp_meas if comp_model is None else comp_model
-            payloads = step_payloads(compressor, rank, run.config, nbytes)
-            count = _measured_count(recs)
-            count_used = len(payloads) if count is None else count
-            latency, transfer = wire_parts(compressor, world, payloads, link, count)
-            wire = latency + transfer
-            in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
-            wait = omega * (compute_ref + comp_pred)
-            comm_pred = wire + wait + in_comm
-            step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
-            on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
-            rows.append(BenchRow(
-                Path(run.path).name, compressor, rank, len(recs), nbytes, count_used, count is not None,
-                med("comm_time_s"), comm_pred, latency, transfer, wait, med("step_time_s"),
-                step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
-                median_interval([float(r.get("comm_time_s", 0.0)) for r in recs]),
-                statistics.median(on_link) if on_link else math.nan, median_interval(on_link)))
+    for g in groups:
+        compressor, world = _compressor(g.run), int(g.run.config["world_size"])
+        med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in g.recs)  # noqa: E731
+        comp_meas = med("compress_time_s")
+        comp_model = compress_model(compressor, g.rank, g.run.config, device)
+        comp_pred = comp_meas if comp_model is None else comp_model
+        group_link, latency_from = link_of(g)
+        latency_s, transfer = wire_parts(compressor, world, g.payloads, group_link, g.count)
+        sweep_latency_s = wire_parts(compressor, world, g.payloads, link, g.count)[0]
+        in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
+        wait = omega * (compute_ref + comp_pred)
+        comm_pred = latency_s + transfer + wait + in_comm
+        step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
+        rows.append(BenchRow(
+            g.name, compressor, g.rank, len(g.recs), med("bytes_sent"), g.collectives, g.count is not None,
+            med("comm_time_s"), comm_pred, latency_s, transfer, wait, med("step_time_s"),
+            step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
+            median_interval([float(r.get("comm_time_s", 0.0)) for r in g.recs]),
+            statistics.median(g.link_s) if g.link_s else math.nan, median_interval(g.link_s),
+            latency_from, sweep_latency_s))
     return rows
 
 
@@ -505,28 +585,40 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
     lines = [f"link: {link.source or link.describe()}; host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
              f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
              "",
-             "| run | rank | steps | MB sent | collectives | latency | bytes | link pred | link meas | link meas 95% "
-             "| link err | wait pred | comm pred | comm meas | comm meas 95% | comm err | step pred | step meas "
-             "| step err | compress pred | compress meas |",
-             "|" + "---|" * 21]
+             "| run | rank | steps | MB sent | collectives | us per collective | latency | bytes | link pred "
+             "| link meas | link meas 95% | link err | link err, sweep latency | wait pred | comm pred | comm meas "
+             "| comm meas 95% | comm err | step pred | step meas | step err | compress pred | compress meas |",
+             "|" + "---|" * 23]
     for r in rows:
         comp = ms(r.compress_predicted_s) + ("" if r.compress_modelled else " (meas)")
         ref = " (ref)" if r.compressor == REFERENCE else ""
         count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         lines.append(
             f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | {count} | "
+            f"{1e6 * r.latency_s / r.collectives:.0f}{'' if r.latency_from == 'sweep' else ' (traced)'} | "
             f"{ms(r.latency_s)} | {ms(r.bytes_s)} | {ms(r.link_predicted_s)} | {ms(r.link_measured_s)} | "
-            f"{ci(r.link_ci_s)} | {pct(r.link_error)} | {ms(r.wait_s)} | {ms(r.comm_predicted_s)} | "
+            f"{ci(r.link_ci_s)} | {pct(r.link_error)} | {pct(r.link_sweep_error)} | {ms(r.wait_s)} | "
+            f"{ms(r.comm_predicted_s)} | "
             f"{ms(r.comm_measured_s)} | {ci(r.comm_ci_s)} | {pct(r.comm_error)}{ref} | {ms(r.step_predicted_s)} | "
             f"{ms(r.step_measured_s)} | {pct(r.step_error)} | {comp} | {ms(r.compress_measured_s)} |")
     lines.append("")
     lines.append("times in ms, medians over the compressed steps after the first 10%; 95%: bootstrap interval of "
                  "that median (how precisely the run pins it). collectives: per step, the logged median or "
-                 "(pattern) the method's pattern over DDP's buckets. link pred = latency (collectives x the fixed "
-                 "cost of one) + bytes (each collective's bytes beyond the burst / beta) (+ compress pred for "
+                 "(pattern) the method's pattern over DDP's buckets. us per collective: the fixed cost of one, "
+                 "from the link sweep or (traced) from the comm traces of the *other* runs (leave one run out: "
+                 "the mean over their latency-bound groups of (link meas - bytes) / collectives; link err, sweep "
+                 "latency: the same prediction with the sweep's fixed cost). link pred = latency (collectives x the "
+                 "fixed cost of one) + bytes (each collective's bytes beyond the burst / beta) (+ compress pred for "
                  "torch-powersgd, whose timer spans its compression); link meas = per step, the sum over its "
                  "collectives of the minimum over ranks of each one's duration (the last rank to arrive waits for "
                  "nobody; `edgc train --comm-trace`). comm = rank 0's comm_time_s, which adds waiting for the "
                  "slower peer: comm pred = link pred + wait pred (the reference run's peer-wait share of its work "
                  "x reference compute + compress pred). step pred = reference compute + compress pred + comm pred.")
+    sources = {}
+    for r in rows:
+        sources.setdefault(r.latency_from, []).append(r.run + ("" if r.rank is None else f" r={r.rank}"))
+    for source, members in sources.items():
+        lines.append("")
+        lines.append(f"fixed cost per collective of {', '.join(dict.fromkeys(members))}: " + (
+            "the link sweep's" if source == "sweep" else "traced in " + source.removeprefix("traced: ")))
     return "\n".join(lines)

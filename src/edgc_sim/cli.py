@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from .calibrate import LATENCY_SOURCES
 from .hardware import CLUSTERS, LINKS, cluster_with_inter_link
 from .iteration import IterationModel
 from .methods import METHODS, MethodConfig, simulate_methods
@@ -46,6 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--link-mbit", type=float,
                    help="with --calibrate: `edgc bench` runs on a link of this nominal rate (no fit, no latency, "
                         "no burst)")
+    p.add_argument("--latency", choices=LATENCY_SOURCES, default="traced",
+                   help="with --calibrate of bench runs: the fixed cost per collective from the other runs' comm "
+                        "traces (leave one run out; the sweep's where none teaches it) or from the link sweep")
     p.add_argument("--measure-host", action="store_true",
                    help="measure this CPU (matmul, memory, dispatch) and the local gloo link, print, exit")
     p.add_argument("--host-profile", help="JSON from --measure-host --save-profile, instead of measuring")
@@ -160,7 +164,7 @@ def _calibrate(args) -> int:
         processes = args.host_processes or int(runs[0].config["world_size"])
         device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(args.threads,
                                                                                            processes=processes)
-        print(format_bench_calibration(calibrate_bench(runs, device, link), link, device))
+        print(format_bench_calibration(calibrate_bench(runs, device, link, args.latency), link, device))
         return 0
     device, link, _ = _host_profile(args)
     print(format_calibration(calibrate(runs, device, link)))

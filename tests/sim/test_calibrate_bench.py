@@ -180,6 +180,74 @@ def test_calibration_compares_the_model_with_the_traced_link_time(tmp_path):
         load_run(run)
 
 
+def write_trace(run, per_collective):
+    """Both ranks trace every step's collectives at the link model's time plus `per_collective` each
+    (a fixed cost the sweep did not see); rank 1 also waits 5 ms in the first."""
+    payloads = step_payloads("powersgd", 4, config("powersgd"), 20_000.0)
+    on_link = [LINK.collective_s(2, p) + per_collective for p in payloads]
+    (run / "comm_trace").mkdir()
+    for k in (0, 1):
+        lines = [json.dumps({"step": step, "collective_s": [t + (0.005 if k and not i else 0.0)
+                                                            for i, t in enumerate(on_link)]})
+                 for step in range(1, 21)]
+        (run / "comm_trace" / f"rank{k}.jsonl").write_text("\n".join(lines) + "\n")
+    return sum(on_link)
+
+
+def test_traced_latency_leaves_the_predicted_run_out(tmp_path):
+    import shutil
+
+    bench = write_bench(tmp_path)
+    runs_dir = bench / "runs"
+    shutil.copytree(runs_dir / "powersgd", runs_dir / "powersgd-b")
+    extra = {"powersgd": 0.001, "powersgd-b": 0.002}  # each run's collectives cost this much more than the sweep says
+    measured = {name: write_trace(runs_dir / name, e) for name, e in extra.items()}
+    runs = [load_run(d) for d in sorted(runs_dir.iterdir())]
+    rows = {r.run: r for r in calibrate_bench(runs, DEVICE, LINK)}
+    sweep_fixed = 2 * ALPHA
+    for name, other in (("powersgd", "powersgd-b"), ("powersgd-b", "powersgd")):
+        row = rows[name]
+        # the fixed cost comes from the other run's trace alone: 3 collectives x (sweep's + other's extra)
+        assert row.latency_from == f"traced: {other}"
+        assert row.latency_s == pytest.approx(3 * (sweep_fixed + extra[other]))
+        assert row.link_measured_s == pytest.approx(measured[name])  # rank 1's wait is not the link's
+        assert row.link_error == pytest.approx(3 * (extra[other] - extra[name]) / measured[name])
+        assert row.link_sweep_error == pytest.approx(-3 * extra[name] / measured[name])
+    # untraced runs learn from every latency-bound traced run
+    assert rows["none"].latency_from == "traced: powersgd, powersgd-b"
+    assert rows["none"].latency_s == pytest.approx(sweep_fixed + 0.0015)
+    # a run's own trace never moves its own prediction
+    shutil.rmtree(runs_dir / "powersgd" / "comm_trace")
+    write_trace(runs_dir / "powersgd", 0.050)
+    again = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted(runs_dir.iterdir())], DEVICE, LINK)}
+    assert again["powersgd"].link_predicted_s == pytest.approx(rows["powersgd"].link_predicted_s)
+    assert again["powersgd-b"].latency_s == pytest.approx(3 * (sweep_fixed + 0.050))
+    # the sweep on request; alone when no other run is traced
+    swept = {r.run: r for r in calibrate_bench(runs, DEVICE, LINK, latency="sweep")}
+    assert all(r.latency_from == "sweep" and r.latency_s == pytest.approx(r.collectives * sweep_fixed)
+               for r in swept.values())
+    table = format_bench_calibration(list(rows.values()), LINK, DEVICE)
+    assert "(traced)" in table and "fixed cost per collective of powersgd r=4: traced in powersgd-b" in table
+    with pytest.raises(ValueError, match="latency must be one of"):
+        calibrate_bench(runs, DEVICE, LINK, latency="guess")
+
+
+def test_bandwidth_bound_traces_do_not_teach_the_latency(tmp_path):
+    bench = write_bench(tmp_path)
+    run = bench / "runs" / "none"
+    payloads = step_payloads("none", None, config("none"), 400_000.0)
+    (run / "comm_trace").mkdir()
+    for k in (0, 1):  # bytes are most of this link time: a wrong rate would pass for latency
+        (run / "comm_trace" / f"rank{k}.jsonl").write_text("".join(
+            json.dumps({"step": s, "collective_s": [LINK.collective_s(2, p) + 1e-4 for p in payloads]}) + "\n"
+            for s in range(1, 21)))
+    rows = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted((bench / "runs").iterdir())],
+                                              DEVICE, LINK)}
+    assert {r.latency_from for r in rows.values()} == {"sweep"}
+    # but the reference's traced link time is what its comm has beyond the peer wait
+    assert rows["none"].wait_s == pytest.approx(OMEGA * COMPUTE - len(payloads) * 1e-4)
+
+
 def test_cli_calibrate_bench(tmp_path, capsys):
     bench = write_bench(tmp_path)
     profile = tmp_path / "host.json"
@@ -188,6 +256,8 @@ def test_cli_calibrate_bench(tmp_path, capsys):
     assert main(["simulate", "--calibrate", *dirs, "--host-profile", str(profile)]) == 0
     out = capsys.readouterr().out
     assert "fit of" in out and "| none | - | 18 |" in out
+    assert main(["simulate", "--calibrate", *dirs, "--host-profile", str(profile), "--latency", "sweep"]) == 0
+    assert "the link sweep's" in capsys.readouterr().out
     assert main(["simulate", "--calibrate", *dirs, "--host-profile", str(profile), "--link-mbit", "920"]) == 0
     assert "nominal 920 Mbit/s" in capsys.readouterr().out
 
