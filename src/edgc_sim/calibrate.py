@@ -474,7 +474,7 @@ LATENCY_SOURCES = ("traced", "sweep")
 
 
 @dataclass(frozen=True)
-class _Group:
+class RunGroup:
     """One (run, rank) group's inputs to the prediction (calibrate_bench's first pass)."""
 
     run: MeasuredRun
@@ -493,21 +493,24 @@ class _Group:
     def collectives(self) -> float:
         return len(self.payloads) if self.count is None else self.count
 
+    @property
+    def link_median_s(self) -> float:
+        return statistics.median(self.link_s) if self.link_s else math.nan
+
     def teaches_latency(self) -> bool:
         """Traced, all-reduce only, compression outside the timer, and latency-bound: its link time
         minus its bytes is the fixed cost of its collectives."""
         compressor = _compressor(self.run)
         return (bool(self.link_s) and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
-                and self.transfer_s <= LATENCY_BOUND_SHARE * statistics.median(self.link_s))
+                and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s)
 
     def alpha_s(self) -> float:
         """Fixed cost per ring step in training: (median link time - bytes) / collectives / 2(n-1)."""
         world = int(self.run.config["world_size"])
-        per_collective = max(0.0, statistics.median(self.link_s) - self.transfer_s) / self.collectives
-        return per_collective / (2 * (world - 1))
+        return max(0.0, self.link_median_s - self.transfer_s) / self.collectives / (2 * (world - 1))
 
 
-def traced_alpha(groups: Sequence[_Group], group: _Group) -> tuple:
+def traced_alpha(groups: Sequence[RunGroup], group: RunGroup) -> tuple:
     """(alpha_s, run names) from the latency-bound traced groups of the *other* runs (leave one run
     out, so a run's prediction never sees its own measurement), or (None, ()) when there are none."""
     teachers = [g for g in groups if g.run is not group.run and g.teaches_latency()]
@@ -537,9 +540,9 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
                                      statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs))
             transfer = sum(link.bytes_s(world, p, compressor in ALL_GATHER_METHODS) for p in payloads)
             on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
-            groups.append(_Group(run, rank, recs, payloads, _measured_count(recs), transfer, on_link))
+            groups.append(RunGroup(run, rank, recs, payloads, _measured_count(recs), transfer, on_link))
 
-    def link_of(group: _Group) -> tuple:
+    def link_of(group: RunGroup) -> tuple:
         alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
         if alpha is None:
             return link, "sweep"
@@ -550,7 +553,7 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     ref_med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in ref_recs)  # noqa: E731
     compute_ref = ref_med("compute_time_s")
     # the reference's own peer wait: comm minus its collectives' time, measured where it was traced
-    ref_link = statistics.median(ref_group.link_s) if ref_group.link_s else wire_time(
+    ref_link = ref_group.link_median_s if ref_group.link_s else wire_time(
         REFERENCE, int(ref.config["world_size"]), ref_group.payloads, link_of(ref_group)[0], ref_group.count)
     omega = max(0.0, ref_med("comm_time_s") - ref_link) / (compute_ref + ref_med("compress_time_s"))
     rows = []
@@ -572,7 +575,7 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             med("comm_time_s"), comm_pred, latency_s, transfer, wait, med("step_time_s"),
             step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
             median_interval([float(r.get("comm_time_s", 0.0)) for r in g.recs]),
-            statistics.median(g.link_s) if g.link_s else math.nan, median_interval(g.link_s),
+            g.link_median_s, median_interval(g.link_s),
             latency_from, sweep_latency_s))
     return rows
 
