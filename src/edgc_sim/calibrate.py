@@ -548,9 +548,8 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             return link, "sweep"
         return replace(link, alpha_s=alpha), "traced: " + ", ".join(teachers)
 
-    ref_group = next(g for g in groups if g.run is ref)
-    ref_recs = [rec for g in groups if g.run is ref for rec in g.recs]
-    ref_med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in ref_recs)  # noqa: E731
+    ref_group = next(g for g in groups if g.run is ref)  # uncompressed: one group, rank None
+    ref_med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in ref_group.recs)  # noqa: E731
     compute_ref = ref_med("compute_time_s")
     # the reference's own peer wait: comm minus its collectives' time, measured where it was traced
     ref_link = ref_group.link_median_s if ref_group.link_s else wire_time(
