@@ -501,7 +501,8 @@ class RunGroup:
         """Traced, all-reduce only, compression outside the timer, and latency-bound: its link time
         minus its bytes is the fixed cost of its collectives."""
         compressor = _compressor(self.run)
-        return (bool(self.link_s) and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
+        return (bool(self.link_s) and self.collectives > 0
+                and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
                 and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s)
 
     def alpha_s(self) -> float:
@@ -597,7 +598,8 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
         count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         lines.append(
             f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | {count} | "
-            f"{1e6 * r.latency_s / r.collectives:.0f}{'' if r.latency_from == 'sweep' else ' (traced)'} | "
+            f"{f'{1e6 * r.latency_s / r.collectives:.0f}' if r.collectives else '-'}"
+            f"{'' if r.latency_from == 'sweep' else ' (traced)'} | "
             f"{ms(r.latency_s)} | {ms(r.bytes_s)} | {ms(r.link_predicted_s)} | {ms(r.link_measured_s)} | "
             f"{ci(r.link_ci_s)} | {pct(r.link_error)} | {pct(r.link_sweep_error)} | {ms(r.wait_s)} | "
             f"{ms(r.comm_predicted_s)} | "
