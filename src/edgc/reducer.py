@@ -67,6 +67,20 @@ class GradientReducer:
             self._end_step()
         return buffer
 
+    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool) -> None:
+        """Integration path (FSDP2 hooks, custom buckets): average ``tensors`` in place as one bucket.
+
+        Blocking: the tensors hold the group's average when this returns. Buckets of one optimizer
+        step are passed in the same order on every rank; ``last=True`` closes the step (metrics,
+        decisions, step counter). ``names`` key the compressor state (error feedback, Q) and must
+        be the same on every rank and every step for the same tensor.
+        """
+        if not self._in_step:
+            self._begin_step()
+        self._timed_reduce(list(names), list(tensors), None)
+        if last:
+            self._end_step()
+
     def synchronize(self, parameters: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Plain-loop path: average ``p.grad`` of all parameters over the group, after backward.
 
