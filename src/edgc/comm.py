@@ -1,25 +1,60 @@
-"""Blocking, timed collectives over one process group (or none at all).
+"""Collectives over one process group (or none at all), with a two-rule contract.
 
-Every collective is issued from the caller's thread and waited for before returning, so all
-ranks issue them in the same order whatever the bucket count (PyTorch's PowerSGD hook chains
-them in future callbacks, whose order differs between ranks and aborts gloo). Without an
-initialised process group the world has size 1 and collectives are no-ops, which keeps the
+1. **Issue order is program order.** Every collective is issued from the caller's thread at the
+   moment ``all_reduce_async``/``mean_async`` (or a blocking call) is made, never from a
+   callback. Callers issue in an order that depends only on what every rank knows (bucket order,
+   step number), so all ranks issue the same sequence; gloo and NCCL match collectives by that
+   order. (PyTorch's PowerSGD hook issues from ``Future.then`` callbacks, whose order differs
+   between ranks, and aborts gloo with several buckets.)
+2. **A result may be read only after ``Pending.wait()``.** ``wait`` blocks the host on gloo and
+   makes the current stream wait on NCCL (no host synchronisation); it never reads a value.
+
+Blocking calls (``all_reduce``, ``mean_``, ``broadcast``, ``all_gather``) are issue + wait. Without
+an initialised process group the world has size 1 and collectives are no-ops, which keeps the
 compressors testable in a single plain process.
+
+Each collective's duration is kept in issue order (the same order on every rank, so traces of
+all ranks line up): from its issue to its completion, as device-timeline stamps turned into
+seconds at ``reset()`` (the end of a step). On CPU the completion time is the earlier of the
+work's completion callback and the return of ``wait``.
 """
 from __future__ import annotations
 
 import time
+from typing import Any, Generator
 
 import torch
 import torch.distributed as dist
 
+from .timing import Clock, Stamp
+from .timing import synchronize as synchronize  # re-exported: older imports use edgc.comm.synchronize
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued device work so wall-clock timings mean something on accelerators."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type not in ("cpu", "meta") and hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize(device)
+
+class Pending:
+    """One issued collective; ``wait()`` returns its tensor once the result may be read."""
+
+    def __init__(self, tensor: torch.Tensor, work, record: list | None, clock: Clock, after=None,
+                 waits: list | None = None):
+        self.tensor, self._work, self._record, self._clock, self._after = tensor, work, record, clock, after
+        self._waits = waits
+        if work is not None and record is not None and not clock.cuda:
+            # The completion callback runs on the backend's thread; it only stores a time.
+            work.get_future().add_done_callback(lambda _: record.__setitem__(2, time.perf_counter()))
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            waited_from = self._clock.stamp()
+            self._work.wait()
+            self._work = None
+            waited_to = self._clock.stamp()
+            if self._record is not None:
+                self._record[1] = waited_to
+            if self._waits is not None:
+                self._waits.append((waited_from, waited_to))
+        if self._after is not None:
+            self._after()
+            self._after = None
+        return self.tensor
 
 
 class Communicator:
@@ -30,57 +65,110 @@ class Communicator:
         self.rank = dist.get_rank(process_group) if distributed else 0
         # Global rank of the group's rank 0: the source of every decision broadcast.
         self.root = dist.get_global_rank(process_group, 0) if distributed and process_group is not None else 0
-        # Wall seconds of each collective since the last reset(), in issue order (the same order on
-        # every rank, so traces of all ranks line up collective by collective).
-        self.durations: list[float] = []
+        self.clock = Clock()
+        self._records: list[list] = []  # [issue stamp, wait stamp, completion time] per collective
+        self._waits: list[tuple] = []  # (start, end) stamps of every wait that found work unfinished
+        self.durations: list[float] = []  # seconds per collective of the last finished step
+        self.wait_seconds = 0.0  # of the last finished step: time the caller was blocked in wait()
 
-    @property
-    def seconds(self) -> float:
-        """Wall time spent inside collectives since the last reset()."""
-        return sum(self.durations)
+    def use_device(self, device: torch.device) -> None:
+        self.clock = Clock(device)
 
     @property
     def collectives(self) -> int:
         """Collectives issued since the last reset() (each has a fixed latency cost)."""
-        return len(self.durations)
+        return len(self._records)
 
     def reset(self) -> list[float]:
-        """Start a new step; returns the durations of the collectives of the one that ended."""
-        durations, self.durations = self.durations, []
+        """End a step: the durations (s) of its collectives in issue order. Call after every wait."""
+        durations = []
+        for start, end, completed in self._records:
+            if end is None:
+                raise RuntimeError("Communicator.reset() before every issued collective was waited for")
+            seconds = Clock.seconds(start, end)
+            if completed is not None:  # CPU: the work may have finished long before anyone waited
+                seconds = min(seconds, max(0.0, completed - start))
+            durations.append(seconds)
+        self._records = []
+        self.durations = durations
+        self.wait_seconds = sum(Clock.seconds(start, end) for start, end in self._waits)
+        self._waits = []
         return durations
 
-    def forget_since(self, count: int) -> None:
-        """Drop the collectives issued after the first ``count`` (traffic that is not the step's)."""
-        del self.durations[count:]
+    def forget_since(self, count: int, waits: int) -> None:
+        """Drop the collectives issued after the first ``count``, and the waits after the first
+        ``waits`` (traffic that is not the step's, e.g. a profiling shadow sync)."""
+        del self._records[count:]
+        del self._waits[waits:]
 
-    def _timed(self, tensor: torch.Tensor, run) -> None:
+    def mark(self) -> tuple[int, int]:
+        """(collectives, waits) so far: the argument of a later ``forget_since``."""
+        return len(self._records), len(self._waits)
+
+    # ------------------------------------------------------------------ asynchronous
+    def _issue(self, tensor: torch.Tensor, run, after=None) -> Pending:
         if self.world_size == 1:
-            return
-        start = time.perf_counter()
-        run()
-        synchronize(tensor.device)
-        self.durations.append(time.perf_counter() - start)
+            if after is not None:
+                after()
+            return Pending(tensor, None, None, self.clock)
+        record: list = [self.clock.stamp(), None, None]
+        self._records.append(record)
+        return Pending(tensor, run(), record, self.clock, after, self._waits)
 
+    def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+        return self._issue(tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+
+    def mean_async(self, tensor: torch.Tensor, wire_dtype: torch.dtype | None = None) -> Pending:
+        """Average ``tensor`` in place over the group, sent as ``wire_dtype`` (default: its own).
+
+        Divides before summing so that half-precision sums cannot overflow.
+        """
+        if self.world_size == 1:
+            return Pending(tensor, None, None, self.clock)
+        if wire_dtype is None or wire_dtype == tensor.dtype:
+            tensor.div_(self.world_size)
+            return self.all_reduce_async(tensor)
+        on_wire = tensor.div(self.world_size).to(wire_dtype)
+        return self._issue(tensor, lambda: dist.all_reduce(on_wire, group=self.group, async_op=True),
+                           after=lambda: tensor.copy_(on_wire))
+
+    # ------------------------------------------------------------------ blocking
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        self._timed(tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group))
-        return tensor
+        return self.all_reduce_async(tensor, op).wait()
+
+    def mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place average over the group (blocking)."""
+        return self.mean_async(tensor).wait()
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on all ranks), in group-rank order."""
         if self.world_size == 1:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._timed(tensor, lambda: dist.all_gather(out, tensor, group=self.group))
+        self._issue(tensor, lambda: dist.all_gather(out, tensor, group=self.group, async_op=True)).wait()
         return out
 
-    def mean_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """In-place average over the group. Divides first so fp16 sums cannot overflow."""
-        if self.world_size > 1:
-            tensor.div_(self.world_size)
-            self.all_reduce(tensor)
-        return tensor
-
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Overwrite ``tensor`` on every rank with group rank 0's value."""
-        self._timed(tensor, lambda: dist.broadcast(tensor, src=self.root, group=self.group))
-        return tensor
+        """Overwrite ``tensor`` on every rank with group rank 0's value (blocking)."""
+        if self.world_size == 1:
+            return tensor
+        return self._issue(tensor, lambda: dist.broadcast(tensor, src=self.root, group=self.group,
+                                                          async_op=True)).wait()
+
+
+# ---------------------------------------------------------------------------- bucket jobs
+# A *job* syncs one bucket as a generator: it issues collectives (rule 1), then ``yield``s so
+# that backward can go on, and on resumption waits for them (rule 2) before computing and
+# issuing the next ones. Its return value is its result. The driver (`edgc.reducer`) resumes
+# jobs at points that depend only on the bucket sequence, never on timing, so every rank
+# issues the same collectives in the same order.
+Job = Generator[None, None, Any]
+
+
+def run_job(job: Job) -> Any:
+    """Run a job to its end, blocking; returns its result."""
+    while True:
+        try:
+            next(job)
+        except StopIteration as done:
+            return done.value

@@ -14,6 +14,7 @@ from typing import Any
 RANK_MAPPINGS = ("delta", "cqm")
 ENTROPY_ESTIMATORS = ("histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
+ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +78,9 @@ class EDGCConfig:
     error_feedback: bool = True
     """Keep the local compression residual and add it to the next step's gradient."""
 
+    error_feedback_dtype: str = "float32"
+    """dtype of error feedback for bf16/fp16 gradients: 'float32' (exact) or 'gradient' (half the memory)."""
+
     orthogonalization_epsilon: float = 1e-8
     """Added to column norms in Gram–Schmidt so all-zero columns stay finite. ≥ 0."""
 
@@ -136,6 +140,8 @@ class EDGCConfig:
             fail("rank_mapping", f"must be one of {RANK_MAPPINGS}")
         if self.entropy_estimator not in ENTROPY_ESTIMATORS:
             fail("entropy_estimator", f"must be one of {ENTROPY_ESTIMATORS}")
+        if self.error_feedback_dtype not in ERROR_FEEDBACK_DTYPES:
+            fail("error_feedback_dtype", f"must be one of {ERROR_FEEDBACK_DTYPES}")
         if self.communication_dtype not in COMM_DTYPES:
             fail("communication_dtype", f"must be one of {COMM_DTYPES}")
         if self.r_min is not None:

@@ -47,17 +47,23 @@ def gaussian_entropy(sample: torch.Tensor) -> float:
     return 0.5 * math.log(2 * math.pi * math.e * variance)
 
 
-def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.Tensor, int]:
-    """Every ``stride``-th element of each tensor, as one fp32 vector, and the non-finite count."""
+def strided_copy(tensors: Iterable[torch.Tensor], stride: int) -> torch.Tensor:
+    """Every ``stride``-th element of each tensor, copied into one fp32 vector (no host read)."""
     parts = [t.detach().reshape(-1)[::stride].float() for t in tensors]
-    if not parts:
-        return torch.empty(0), 0
-    sample = torch.cat(parts)
-    if bool(torch.isfinite(sample.sum())):  # the usual case, one reduction instead of a mask
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
+def drop_nonfinite(sample: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The finite elements of ``sample`` and how many were not (reads the device: step end only)."""
+    if sample.numel() == 0 or bool(torch.isfinite(sample.sum())):  # the usual case: one reduction
         return sample, 0
     finite = torch.isfinite(sample)
-    nonfinite = int(sample.numel() - int(finite.sum()))
-    return sample[finite], nonfinite
+    return sample[finite], int(sample.numel() - int(finite.sum()))
+
+
+def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.Tensor, int]:
+    """Every ``stride``-th element of each tensor, as one fp32 vector, and the non-finite count."""
+    return drop_nonfinite(strided_copy(tensors, stride))
 
 
 class EntropySampler:
@@ -93,9 +99,7 @@ class EntropySampler:
         if self._step is None:
             return
         start = time.perf_counter()
-        sample, nonfinite = strided_sample(tensors, self.stride)
-        self._parts.append(sample)
-        self._nonfinite += nonfinite
+        self._parts.append(strided_copy(tensors, self.stride))  # filtered in finish(): no per-bucket read
         self._elapsed += time.perf_counter() - start
 
     def estimate(self, sample: torch.Tensor) -> float:
@@ -108,7 +112,7 @@ class EntropySampler:
         if self._step is None:
             return None
         start = time.perf_counter()
-        sample = torch.cat(self._parts) if self._parts else torch.empty(0)
+        sample, self._nonfinite = drop_nonfinite(torch.cat(self._parts) if self._parts else torch.empty(0))
         value = self.estimate(sample) if sample.numel() else None
         self._elapsed += time.perf_counter() - start
         self.calls += 1

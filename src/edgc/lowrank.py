@@ -24,13 +24,14 @@ Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
-from .comm import Communicator
+from .comm import Communicator, Job, run_job
 from .config import EDGCConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -77,16 +78,41 @@ def compressed_rank(shape: tuple[int, int] | None, rank: int, min_compression_ra
 
 @dataclass
 class ReduceStats:
-    """What one call sent and how well it compressed (local view)."""
+    """What one call sent and how well it compressed (local view).
+
+    ``error_sq``, ``norm_sq`` and ``nonfinite`` may be 0-dim device tensors: they are read once,
+    at the end of the optimizer step, never per bucket.
+    """
 
     elements_raw: int = 0  # elements an uncompressed all-reduce would have sent
     elements_sent: int = 0
     bytes_raw: int = 0
     bytes_sent: int = 0
-    error_sq: float = 0.0  # ‖M − Ĝ‖² over compressed matrices
-    norm_sq: float = 0.0  # ‖M‖² over compressed matrices
-    nonfinite: bool = False  # the group saw a NaN/Inf and fell back to a raw all-reduce
+    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² over compressed matrices (when measured)
+    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured)
+    nonfinite: bool | torch.Tensor = False  # the group saw a NaN/Inf: the averaged gradients are NaN
     ranks: dict[str, int] = field(default_factory=dict)  # per parameter; 0 = sent raw
+    # For the end of a non-finite step: error-feedback tensors this call updated (to clean of
+    # NaN/Inf) and the Q factors it resized for a new rank (to put back as they were).
+    touched_error: list[torch.Tensor] = field(default_factory=list)
+    resized_q: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a·b, computed in the dtype of the bigger operand (a half-precision gradient or error
+    buffer is never copied whole; only small factors are cast)."""
+    big = max((out, a, b), key=torch.Tensor.numel).dtype
+    a, b = a.to(big), b.to(big)
+    if out.dtype == big:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))  # a small factor
+
+
+def _half_wire_shift(size: int) -> float:
+    """A power of two ≈ 1/√size: scales a factor so that its entries stay within the gradient's
+    range on an fp16 wire. Powers of two scale exactly, so scaling back loses nothing."""
+    return 2.0 ** -math.ceil(math.log2(max(1.0, math.sqrt(size))))
 
 
 class LowRankCompressor:
@@ -95,7 +121,8 @@ class LowRankCompressor:
     def __init__(self, config: EDGCConfig):
         self.config = config
         self.q: dict[str, torch.Tensor] = {}  # name → (n, r) fp32, identical on every rank
-        self.error: dict[str, torch.Tensor] = {}  # name → (m, n) fp32, this rank's residual
+        self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
+        self._reseed: dict[tuple[str, int], torch.Tensor] = {}  # replacement columns for all-zero Q columns
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
@@ -117,14 +144,50 @@ class LowRankCompressor:
             q = torch.cat([q, extra], dim=1)
         return q
 
-    def reduce(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator) -> ReduceStats:
-        """Replace ``grads`` in place with their compressed group average; update Q and error feedback."""
+    def _reseed_columns(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
+        """Fixed columns (same on every rank) that replace Q columns that collapsed to zero.
+
+        A layer without gradient for a step has M = 0, so its new Q is 0; Gram–Schmidt keeps a
+        zero column zero, and P = M·Q = 0 forever after. Replacing such columns (selected on
+        the device, no host read) lets the power iteration start again.
+        """
+        key = (name, rank)
+        columns = self._reseed.get(key)
+        if columns is None or columns.shape[0] != n or columns.device != device:
+            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "reseed", rank))
+            columns = self._reseed[key] = torch.randn(n, rank, generator=generator).to(device)
+        return columns
+
+    def _error_dtype(self, grad_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+        if self.config.error_feedback_dtype == "gradient":
+            return grad_dtype
+        return compute_dtype
+
+    def reduce(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
+               *, measure_error: bool = True) -> ReduceStats:
+        """Blocking form of `reduce_steps`: replace ``grads`` in place with their compressed average."""
+        return run_job(self.reduce_steps(names, grads, rank, comm, measure_error=measure_error))
+
+    def reduce_steps(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
+                     *, measure_error: bool = False) -> Job:
+        """The compressed average of ``grads`` as a job (`edgc.comm`): three collectives, two yields.
+
+        Forms M = G + e inside the error-feedback buffer and Pᵀ = orth(Q)ᵀ·Mᵀ, issues the raw
+        tensors (+ a non-finite flag) and P, yields; computes Qᵀ = orth(P)ᵀ·M and issues it,
+        yields; writes Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. Factors are kept transposed
+        (r × m, r × n): on CPU these products stream M row by row and run 2–4× faster than
+        M·Q and Mᵀ·P. Memory beyond the persistent error feedback and Q: the P and Q buffers.
+        No host read of a device value: a non-finite step is handled by device-side selects, and
+        the caller calls `clear_nonfinite_error` when it learns of one. Returns `ReduceStats`.
+        """
         config = self.config
         stats = ReduceStats()
         grad_dtype = grads[0].dtype
         wire_dtype = DTYPES[config.communication_dtype] if config.communication_dtype else grad_dtype
+        half_wire = wire_dtype == torch.float16 and comm.world_size > 1
         device = grads[0].device
         compute_dtype = torch.float64 if grad_dtype == torch.float64 else torch.float32
+        error_dtype = self._error_dtype(grad_dtype, compute_dtype)
 
         groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
         raw: list[int] = []
@@ -141,124 +204,150 @@ class LowRankCompressor:
                     grad.add_(pending.view_as(grad).to(grad.dtype))
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
 
-        # Local compute: M = G + e and P = M·orth(Q), every P in one buffer.
+        # ---- M = G + e in place, Pᵀ = orth(Q)ᵀ·Mᵀ; every Pᵀ (and Qᵀ) of the call in one buffer.
         p_sizes = [len(ix) * m * r for (m, n, r), ix in groups.items()]
         q_sizes = [len(ix) * n * r for (m, n, r), ix in groups.items()]
         p_flat = torch.empty(sum(p_sizes), device=device, dtype=compute_dtype)
         q_flat = torch.empty(sum(q_sizes), device=device, dtype=compute_dtype)
         batches = []
-        for ((m, n, r), indices), p_view, q_view in zip(
-            groups.items(), p_flat.split(p_sizes), q_flat.split(q_sizes)
-        ):
+        for ((m, n, r), indices), p_view, q_view in zip(groups.items(), p_flat.split(p_sizes), q_flat.split(q_sizes)):
             b = len(indices)
-            p_group, q_group = p_view.view(b, m, r), q_view.view(b, n, r)
-            matrices = torch.stack([grads[i].view(m, n).to(compute_dtype) for i in indices])
-            if config.error_feedback:
-                for k, i in enumerate(indices):
-                    error = self.error.get(names[i])
-                    if error is not None and error.shape == (m, n):
-                        matrices[k].add_(error.to(compute_dtype))
-            torch.stack([self.resize_q(names[i], n, r, device).to(compute_dtype) for i in indices], out=q_group)
-            orthogonalize_(q_group, config.orthogonalization_epsilon)
-            torch.bmm(matrices, q_group, out=p_group)
-            batches.append((indices, matrices, p_group, q_group))
+            p_t, q_t = p_view.view(b, r, m), q_view.view(b, r, n)
+            old_q = []
+            for k, i in enumerate(indices):
+                stored = self.q.get(names[i])
+                if stored is not None and stored.shape != (n, r):
+                    stats.resized_q[names[i]] = stored
+                old_q.append(self.resize_q(names[i], n, r, device).to(compute_dtype))
+                q_t[k].copy_(old_q[k].T)
+            reseed = torch.stack([self._reseed_columns(names[i], n, r, device).T for i in indices]).to(compute_dtype)
+            q_t.copy_(torch.where(q_t.abs().sum(dim=2, keepdim=True) == 0, reseed, q_t))
+            orthogonalize_(q_t.transpose(1, 2), config.orthogonalization_epsilon)
+            matrices = [self._error_plus_gradient(names[i], grads[i].view(m, n), error_dtype, stats)
+                        for i in indices]
+            for k, matrix in enumerate(matrices):
+                _mm_into(p_t[k], q_t[k], matrix.T)
+            batches.append((indices, p_t, q_t, old_q, matrices, m, n))
 
         # Raw tensors plus one flag element: is anything non-finite anywhere in the group?
         # A NaN/Inf anywhere in M makes its P non-finite, so checking P's sum is enough.
-        local_bad = ~torch.isfinite(p_flat.sum()) if p_flat.numel() else torch.zeros((), dtype=torch.bool, device=device)
+        local_bad = ~torch.isfinite(p_flat.sum())
         raw_flat = torch.cat([grads[i].reshape(-1) for i in raw] + [local_bad.to(grad_dtype).reshape(1)])
         if raw:
-            local_bad |= ~torch.isfinite(raw_flat.sum())
-            raw_flat[-1] = local_bad.to(grad_dtype)
-        comm.mean_(raw_flat)
+            raw_flat[-1] = (local_bad | ~torch.isfinite(raw_flat.sum())).to(grad_dtype)
+        raw_sent = comm.mean_async(raw_flat)
+        stats.elements_sent = raw_flat.numel()
+        stats.bytes_sent = raw_flat.numel() * raw_flat.element_size()
+        if batches:
+            if half_wire:
+                for _, p_t, _, _, _, m, n in batches:
+                    p_t.mul_(_half_wire_shift(n))  # P is orthonormalised after the sum: its scale is free
+            p_sent = comm.mean_async(p_flat, wire_dtype)
+            self._count_sent(stats, p_flat, wire_dtype)
+        yield
+
+        raw_sent.wait()
         offset = 0
         for i in raw:
             grads[i].view(-1).copy_(raw_flat[offset : offset + grads[i].numel()])
             offset += grads[i].numel()
-        stats.elements_sent = raw_flat.numel()
-        stats.bytes_sent = raw_flat.numel() * raw_flat.element_size()
+        bad = raw_flat[-1] != 0  # identical on every rank: it is an average
+        stats.nonfinite = bad
         if not batches:
             return stats
-        if bool(raw_flat[-1] != 0):
-            # Policy: send this call's matrices raw so the optimizer (or a GradScaler) sees the
-            # NaN/Inf and can skip the step; Q and error feedback stay as they were.
-            self._send_matrices_raw(batches, grads, comm, stats)
-            return stats
+        p_sent.wait()
 
-        # P and Q are larger than the gradient entries and can overflow a half-precision wire
-        # although every gradient is finite. Their averages are identical on every rank, so
-        # every rank takes the same branch: send raw this time and keep the old state.
-        if not self._send_factors(p_flat, wire_dtype, comm, stats):
-            self._send_matrices_raw(batches, grads, comm, stats)
-            return stats
-        for _, _, p_group, _ in batches:
-            orthogonalize_(p_group, config.orthogonalization_epsilon)
-        for _, matrices, p_group, q_group in batches:
-            torch.bmm(matrices.transpose(1, 2), p_group, out=q_group)
-        if not self._send_factors(q_flat, wire_dtype, comm, stats):
-            self._send_matrices_raw(batches, grads, comm, stats)
-            return stats
+        # ---- Qᵀ = orth(P)ᵀ·M.
+        for _, p_t, q_t, _, matrices, m, n in batches:
+            orthogonalize_(p_t.transpose(1, 2), config.orthogonalization_epsilon)
+            for k, matrix in enumerate(matrices):
+                _mm_into(q_t[k], p_t[k], matrix)
+        if measure_error:
+            local_q = q_flat.clone()
+            stats.norm_sq = sum(torch.dot(x.reshape(-1), x.reshape(-1)).to(torch.float64)
+                                for batch in batches for x in batch[4])
+        if half_wire:
+            for _, _, q_t, _, _, m, n in batches:
+                q_t.mul_(_half_wire_shift(m))
+        q_sent = comm.mean_async(q_flat, wire_dtype)
+        self._count_sent(stats, q_flat, wire_dtype)
+        yield
 
-        for indices, matrices, p_group, q_group in batches:
-            flat_m = matrices.view(-1)  # ‖·‖² as one BLAS dot: no squared temporary (3× faster on CPU)
-            stats.norm_sq += float(torch.dot(flat_m, flat_m))
-            m, n = matrices.shape[1:]
+        q_sent.wait()
+        if half_wire:
+            for _, _, q_t, _, _, m, n in batches:
+                q_t.div_(_half_wire_shift(m))
+        # An fp16 wire can overflow; the averages are identical on every rank, so is the verdict.
+        bad = bad | ~torch.isfinite(p_flat.sum()) | ~torch.isfinite(q_flat.sum())
+        stats.nonfinite = bad
+        # ---- Ĝ = P·Qᵀ into the gradients, e = M − Ĝ. On a non-finite step Ĝ is NaN everywhere, so
+        # every rank's optimizer (or GradScaler) skips it; Q keeps its old value.
+        p_to_grad = p_flat + torch.where(bad, float("nan"), 0.0).to(compute_dtype)
+        offset = 0
+        for indices, p_t, q_t, old_q, matrices, m, n in batches:
+            p_grad = p_to_grad[offset : offset + p_t.numel()].view_as(p_t)
+            offset += p_t.numel()
+            # A half-precision Ĝ is computed from factors moved to the same scale by a power of
+            # two (exact), since Q's entries can exceed fp16 although Ĝ's do not.
+            shift = _half_wire_shift(m) if grad_dtype == torch.float16 else 1.0
             for k, i in enumerate(indices):
-                target = grads[i].view(m, n)
-                if target.dtype == matrices.dtype:
-                    # Ĝ = P·Qᵀ straight into the gradient (no (m × n) temporary), then e = M − Ĝ.
-                    torch.mm(p_group[k], q_group[k].T, out=target)
-                    matrices[k].sub_(target)
+                gradient = grads[i].view(m, n)
+                if shift == 1.0:
+                    _mm_into(gradient, p_grad[k].T, q_t[k])
                 else:
-                    approx = p_group[k] @ q_group[k].T
-                    matrices[k].sub_(approx)
-                    target.copy_(approx)
-                self.q[names[i]] = q_group[k]
+                    _mm_into(gradient, p_grad[k].T / shift, q_t[k] * shift)
                 if config.error_feedback:
-                    self.error[names[i]] = matrices[k]
-            stats.error_sq += float(torch.dot(flat_m, flat_m))  # matrices now hold the residuals
+                    matrices[k].sub_(gradient)
+                self.q[names[i]] = torch.where(bad, old_q[k], q_t[k].T)
+        if measure_error:
+            # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
+            cross = torch.dot(local_q, q_flat).to(torch.float64)
+            square = torch.dot(q_flat, q_flat).to(torch.float64)
+            stats.error_sq = (stats.norm_sq - 2 * cross + square).clamp(min=0)
         return stats
 
-    @staticmethod
-    def _send_matrices_raw(batches: list, grads: list[torch.Tensor], comm: Communicator, stats: ReduceStats) -> None:
-        """Average this call's compressible gradients uncompressed (the non-finite fallback)."""
-        indices = [i for batch in batches for i in batch[0]]
-        packed = torch.cat([grads[i].reshape(-1) for i in indices])
-        comm.mean_(packed)
-        offset = 0
-        for i in indices:
-            grads[i].view(-1).copy_(packed[offset : offset + grads[i].numel()])
-            offset += grads[i].numel()
-        stats.nonfinite = True
-        stats.elements_sent += packed.numel()
-        stats.bytes_sent += packed.numel() * packed.element_size()
-        stats.ranks.update({name: 0 for name in stats.ranks})
+    def _error_plus_gradient(self, name: str, gradient: torch.Tensor, error_dtype: torch.dtype,
+                             stats: ReduceStats) -> torch.Tensor:
+        """M = G + e, formed inside this parameter's error-feedback buffer (M = G without EF)."""
+        if not self.config.error_feedback:
+            return gradient if gradient.dtype in (torch.float32, torch.float64) else gradient.to(error_dtype)
+        m, n = gradient.shape
+        error = self.error.get(name)
+        if error is not None and error.numel() == m * n:
+            # A loaded checkpoint or a changed error_feedback_dtype: same values, this layout.
+            error = error.reshape(m, n).to(error_dtype)
+            matrix = error.add_(gradient)
+        else:
+            matrix = gradient.to(error_dtype, copy=True)
+        self.error[name] = matrix
+        stats.touched_error.append(matrix)
+        return matrix
 
-    @classmethod
-    def _send_factors(cls, values: torch.Tensor, wire_dtype: torch.dtype, comm: Communicator,
-                      stats: ReduceStats) -> bool:
-        """Average the packed P (or Q) over the group; False when the average is not finite."""
-        cls._mean_on_wire(values, wire_dtype, comm)
+    def clear_nonfinite_error(self, stats: ReduceStats) -> None:
+        """After a non-finite step (known on the host at its end): clear the error feedback of the
+        step's compressed matrices, and give Q factors resized for a new rank their old shape back.
+
+        Why clear: M = G + e was formed in place before the group knew of the NaN/Inf, so e no
+        longer holds the old residual alone; and with a GradScaler such a step halves the loss
+        scale, so a kept residual would come back at twice its size. Q is kept as it was."""
+        for error in stats.touched_error:
+            error.zero_()
+        self.q.update(stats.resized_q)
+
+    @staticmethod
+    def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:
         stats.elements_sent += values.numel()
         stats.bytes_sent += values.numel() * torch.empty((), dtype=wire_dtype).element_size()
-        return bool(torch.isfinite(values.sum()))
 
-    @staticmethod
-    def _mean_on_wire(values: torch.Tensor, wire_dtype: torch.dtype, comm: Communicator) -> None:
-        if wire_dtype == values.dtype or comm.world_size == 1:
-            comm.mean_(values)
-            return
-        on_wire = values.to(wire_dtype)
-        comm.mean_(on_wire)
-        values.copy_(on_wire)
+    def probe_error(self, names: list[str], grads: list[torch.Tensor], rank: int) -> torch.Tensor:
+        """(‖M − M̂_rank‖², ‖M‖²) of one seeded randomised power iteration, summed over local matrices.
 
-    def probe_error(self, names: list[str], grads: list[torch.Tensor], rank: int) -> float:
-        """Squared rank-``rank`` error of one randomised power iteration, summed over local matrices.
-
-        Used by the warm-up test; local only (no communication) and seeded per parameter, so the
-        same gradient always gives the same value.
+        Used by the warm-up test; local only (no communication), seeded per parameter so the same
+        gradient always gives the same value, and returned as a float64 device tensor (read at
+        the end of the step). A non-finite gradient gives an infinite error.
         """
-        total = 0.0
+        device = grads[0].device if grads else torch.device("cpu")
+        total = torch.zeros(2, dtype=torch.float64, device=device)
         for name, grad in zip(names, grads):
             shape = matrix_shape(grad)
             if shape is None:
@@ -266,13 +355,12 @@ class LowRankCompressor:
             m, n = shape
             r = min(rank, m, n)
             matrix = grad.detach().view(m, n).float()
-            if not torch.isfinite(matrix).all():
-                return float("inf")
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "probe"))
             q = orthogonalize_(torch.randn(1, n, r, generator=generator).to(grad.device))[0]
             p = orthogonalize_((matrix @ q).unsqueeze(0))[0]
-            approx = p @ (matrix.T @ p).T
-            total += float((matrix - approx).square().sum())
+            error = (matrix - p @ (matrix.T @ p).T).square().sum().double()
+            norm = matrix.square().sum().double()
+            total += torch.stack([torch.where(torch.isfinite(error), error, float("inf")), norm])
         return total
 
     # ------------------------------------------------------------------ checkpointing

@@ -3,23 +3,36 @@
 Contract of ``_reduce(names, grads, flat)``: replace each tensor in ``grads`` in place by the
 process group's average *as this method communicates it* (exact for plain all-reduce, an
 approximation for a compressor). ``flat`` is DDP's bucket buffer that ``grads`` are views
-into, or None. Everything else — step counting, parameter names, the DDP hook and the plain
-training-loop path, timing and per-step metrics — lives here once.
+into, or None. It either does so before returning (blocking), or returns a *job* (`edgc.comm`):
+a generator that issues collectives, yields, and on resumption waits for them and goes on.
 
-A step is one optimizer step: DDP calls the hook once per bucket and ``bucket.is_last()``
-closes the step, so ``no_sync`` gradient accumulation does not advance the counter.
+The DDP hook never blocks backward on a job. Each hook call first resumes every bucket job in
+flight once, oldest first, then starts the new bucket's job up to its first yield, and returns
+a Future; the last bucket of the step resumes all jobs to their end before it returns, so
+DDP finds every Future complete. Which job is resumed when depends only on the bucket sequence,
+so every rank issues the same collectives in the same order, with DDP's default buckets or many
+tiny ones. Communication of bucket k runs while autograd computes the gradients of bucket k+1.
+
+Everything else — step counting, parameter names, the plain training-loop path, timing and
+per-step metrics — lives here once. A step is one optimizer step: DDP calls the hook once per
+bucket and ``bucket.is_last()`` closes the step, so ``no_sync`` gradient accumulation does not
+advance the counter. Device values of a step (non-finite flags, errors, timestamps) are read
+once, at its end (`edgc.timing`).
 """
 from __future__ import annotations
 
-import time
-from typing import Iterable
+import math
+import types
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Communicator
+from .comm import Communicator, run_job
 from .lowrank import ReduceStats
+from . import timing
+from .timing import Clock
 
 
 def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
@@ -42,9 +55,11 @@ class GradientReducer:
         self.last_step_metrics: dict = {}
         self.totals = {"elements_raw": 0, "elements_sent": 0, "bytes_raw": 0, "bytes_sent": 0}
         self._in_step = False
-        self._busy = 0.0
+        self._busy: list[tuple] = []  # (start, end) stamps of the host's time inside the hook
         self._stats = ReduceStats()
+        self._in_flight: list[list] = []  # [job, future, bucket buffer] of buckets not yet averaged
         self.device: torch.device | None = None
+        self.clock = Clock()
 
     # ------------------------------------------------------------------ names
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
@@ -57,15 +72,18 @@ class GradientReducer:
         return names
 
     # ------------------------------------------------------------------ entry points
-    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """DDP path: average one bucket in place and return its buffer."""
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP path: start averaging one bucket; the Future completes when it is averaged."""
         if not self._in_step:
             self._begin_step()
+        self._resume_in_flight()
         buffer = bucket.buffer()
-        self._timed_reduce(self.names_for(bucket.parameters()), bucket.gradients(), buffer)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._start(self.names_for(bucket.parameters()), bucket.gradients(), buffer, future)
         if bucket.is_last():
+            self._finish_in_flight()
             self._end_step()
-        return buffer
+        return future
 
     def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool) -> None:
         """Integration path (FSDP2 hooks, custom buckets): average ``tensors`` in place as one bucket.
@@ -77,7 +95,8 @@ class GradientReducer:
         """
         if not self._in_step:
             self._begin_step()
-        self._timed_reduce(list(names), list(tensors), None)
+        self._start(list(names), list(tensors), None, None)
+        self._finish_in_flight()
         if last:
             self._end_step()
 
@@ -86,6 +105,7 @@ class GradientReducer:
 
         Accepts ``model.parameters()`` or ``model.named_parameters()``. A parameter without a
         gradient counts as a zero gradient, as in DDP, so every rank sends the same tensors.
+        Blocking (the Megatron-style sync after backward: nothing left to overlap with).
         """
         entries = list(parameters)
         if entries and isinstance(entries[0], tuple):
@@ -99,36 +119,85 @@ class GradientReducer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._begin_step()
-        self._timed_reduce([n for n, _ in params_with_grad], [p.grad for _, p in params_with_grad], None)
+        self._start([n for n, _ in params_with_grad], [p.grad for _, p in params_with_grad], None, None)
+        self._finish_in_flight()
         self._end_step()
 
-    # ------------------------------------------------------------------ step bookkeeping
-    def _timed_reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+    # ------------------------------------------------------------------ jobs in flight
+    def _start(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
+               future: torch.futures.Future | None) -> None:
         if not grads:
+            if future is not None:
+                future.set_result(flat)
             return
         if self.device is None:
             self.device = grads[0].device
+            self.comm.use_device(self.device)
+            self.clock = Clock(self.device)
             self._on_device(self.device)
-        start = time.perf_counter()
-        self._reduce(names, grads, flat)
-        self._busy += time.perf_counter() - start
+        begin = self.clock.stamp()
+        job = self._reduce(names, grads, flat)
+        entry = [job if isinstance(job, types.GeneratorType) else None, future, flat]
+        self._advance(entry)
+        self._busy.append((begin, self.clock.stamp()))
 
+    def _advance(self, entry: list) -> None:
+        """Resume one job to its next yield; completes its Future when it returns."""
+        job, future, flat = entry
+        if job is not None:
+            try:
+                next(job)
+                if entry not in self._in_flight:
+                    self._in_flight.append(entry)
+                return
+            except StopIteration as done:
+                if done.value is not None:
+                    self._add_stats(done.value)
+        if entry in self._in_flight:
+            self._in_flight.remove(entry)
+        if future is not None:
+            future.set_result(flat)
+
+    def _resume_in_flight(self) -> None:
+        """Every job in flight moves on by one stage, oldest first (a fixed, rank-independent order)."""
+        if not self._in_flight:
+            return
+        begin = self.clock.stamp()
+        for entry in list(self._in_flight):
+            self._advance(entry)
+        self._busy.append((begin, self.clock.stamp()))
+
+    def _finish_in_flight(self) -> None:
+        while self._in_flight:
+            self._resume_in_flight()
+
+    # ------------------------------------------------------------------ step bookkeeping
     def _on_device(self, device: torch.device) -> None:
         """Called once with the gradients' device (move loaded state there)."""
 
     def _begin_step(self) -> None:
         self._in_step = True
-        self._busy = 0.0
+        self._busy = []
         self._stats = ReduceStats()
-        self.comm.reset()
+        self._in_flight = []
+
+    def _device_values(self) -> list[torch.Tensor]:
+        """0-dim device tensors this step needs on the host; read together at its end."""
+        stats = self._stats
+        return [torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
+                for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
 
     def _end_step(self) -> None:
         stats = self._stats
+        values = self._device_values()
+        host = timing.to_host(torch.stack(values)) if values and self.device is not None else []
+        nonfinite, error_sq, norm_sq = (host + [0.0, 0.0, 0.0])[:3]
+        self._after_values(host)
         durations = self.comm.reset()
         comm_seconds = sum(durations)
+        busy = sum(Clock.seconds(start, end) for start, end in self._busy)
         for key in self.totals:
             self.totals[key] += getattr(stats, key)
-        relative_error = (stats.error_sq / stats.norm_sq) ** 0.5 if stats.norm_sq > 0 else None
         self.last_step_metrics = {
             "step": self.step,
             "elements_raw": stats.elements_raw,
@@ -136,16 +205,21 @@ class GradientReducer:
             "bytes_raw": stats.bytes_raw,
             "bytes_sent": stats.bytes_sent,
             "comm_time_s": comm_seconds,
+            "comm_wait_s": self.comm.wait_seconds,
             "collectives": len(durations),
             "collective_s": durations,
-            "compress_time_s": max(0.0, self._busy - comm_seconds),
-            "relative_error": relative_error,
-            "nonfinite": stats.nonfinite,
+            "compress_time_s": max(0.0, busy - self.comm.wait_seconds),
+            "relative_error": math.sqrt(error_sq / norm_sq) if norm_sq > 0 else None,
+            "nonfinite": bool(nonfinite),
             "ranks": dict(stats.ranks),
             **self._step_metrics(),
         }
         self.step += 1
         self._in_step = False
+
+    def _after_values(self, host: list[float]) -> None:
+        """Subclass hook: the step's device values are on the host (``host[:3]``: non-finite,
+        ‖M−Ĝ‖², ‖M‖²; then whatever `_device_values` added)."""
 
     def _step_metrics(self) -> dict:
         return {"phase": "off", "rank": None, "entropy": None}
@@ -154,21 +228,25 @@ class GradientReducer:
         total = self._stats
         for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
             setattr(total, key, getattr(total, key) + getattr(stats, key))
-        total.nonfinite |= stats.nonfinite
+        total.nonfinite = total.nonfinite | stats.nonfinite
         total.ranks.update(stats.ranks)
+        total.touched_error.extend(stats.touched_error)
+        total.resized_q.update(stats.resized_q)
 
-    def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
-        """Plain averaged all-reduce: of DDP's bucket buffer directly, or of one packed copy."""
+    def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
+        """Plain averaged all-reduce, as a job: of DDP's bucket buffer directly, or of one packed copy."""
         packed = flat if flat is not None else torch.cat([g.reshape(-1) for g in grads])
-        self.comm.mean_(packed)
+        sent = self.comm.mean_async(packed)
+        elements = sum(g.numel() for g in grads)
+        size = elements * grads[0].element_size()
+        yield
+        sent.wait()
         if flat is None:
             offset = 0
             for g in grads:
                 g.view(-1).copy_(packed[offset : offset + g.numel()])
                 offset += g.numel()
-        elements = sum(g.numel() for g in grads)
-        size = elements * grads[0].element_size()
-        self._add_stats(ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names}))
+        return ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names})
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
         raise NotImplementedError
@@ -183,21 +261,19 @@ class GradientReducer:
 
 
 class AllReduceState(GradientReducer):
-    """Plain averaged all-reduce (the uncompressed baseline) with the same metrics as EDGC."""
+    """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics."""
 
-    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
-        self._average_raw(names, grads, flat)
+    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
+        return self._average_raw(names, grads, flat)
 
 
 def edgc_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook for any `GradientReducer` (EDGCState, AllReduceState, …).
 
-    Usage: ``ddp_model.register_comm_hook(state, edgc_hook)``. Collectives run synchronously
-    inside the hook, in bucket order, so ranks can never issue them in different orders.
+    Usage: ``ddp_model.register_comm_hook(state, edgc_hook)``. Returns at once with a Future;
+    backward goes on while the bucket is averaged (see the module docstring for the order).
     """
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(state.reduce_bucket(bucket))
-    return future
+    return state.reduce_bucket(bucket)
 
 
 # DDP's register_comm_hook compares the annotations with the classes themselves, and this

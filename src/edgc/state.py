@@ -12,18 +12,19 @@ Decision points depend only on the step number, so every rank takes part in ever
 from __future__ import annotations
 
 import math
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .comm import run_job
 from .config import EDGCConfig
 from .entropy import EntropySampler
 from .lowrank import LowRankCompressor, matrix_shape
-from .rank_control import OFF, Agreed, Decision, StepPlan, WindowController
+from .rank_control import OFF, PROFILE, Agreed, Decision, StepPlan, WindowController
 from .reducer import GradientReducer
+from .timing import Clock
 
 STATE_FORMAT = "edgc-state/1"
 
@@ -53,7 +54,9 @@ class EDGCState(GradientReducer):
         self._shapes: dict[str, tuple[int, int]] = {}
         self._plan = StepPlan(0, self.controller.phase, None)
         self._profile_seconds = [0.0, 0.0, 0]  # compressed, uncompressed, timed steps
-        self._probe_error = 0.0
+        self._probe: torch.Tensor | None = None
+        self._profile_stamps: list[tuple] = []
+        self._measure_error = False
         self._last_entropy: float | None = None
 
     # ------------------------------------------------------------------ per step
@@ -63,55 +66,70 @@ class EDGCState(GradientReducer):
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
         self.sampler.begin(self.step, enabled=sampled)
-        self._probe_error = 0.0
+        # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
+        self._measure_error = self.sampler.due(self.step)
+        self._probe: torch.Tensor | None = None  # (error², ‖M‖²) on the device, summed over buckets
+        self._profile_stamps: list[tuple] = []
 
     def _on_device(self, device: torch.device) -> None:
         self.compressor.to(device)
 
-    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._plan
         self.sampler.add(grads)  # a no-op unless this step is sampled
         for name, grad in zip(names, grads):  # matrix shapes for the CQM mapping, recorded once
             if name not in self._shapes and (shape := matrix_shape(grad)) is not None:
                 self._shapes[name] = shape
         if plan.probe_rank is not None:
-            self._probe_error += self.compressor.probe_error(names, grads, plan.probe_rank)
+            probe = self.compressor.probe_error(names, grads, plan.probe_rank)
+            self._probe = probe if self._probe is None else self._probe + probe
         if plan.profile_rank is not None:
-            self._profile(names, grads, flat, plan)
-        elif plan.rank is None:
-            self._average_raw(names, grads, flat)
-        else:
-            self._add_stats(self.compressor.reduce(names, grads, plan.rank, self.comm))
+            return self._profile(names, grads, flat, plan)
+        if plan.rank is None:
+            return self._average_raw(names, grads, flat)
+        return self.compressor.reduce_steps(names, grads, plan.rank, self.comm, measure_error=self._measure_error)
 
     def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan) -> None:
-        issued_before = self.comm.collectives
+        """A profiling bucket, blocking: a timed shadow compressed sync, then the real raw one."""
+        issued_before = self.comm.mark()
         for _ in range(2 if plan.profile_warm else 1):  # only the last call's time counts
             shadow = [g.detach().clone() for g in grads]
-            start = time.perf_counter()
-            self._profiler.reduce(names, shadow, plan.profile_rank, self.comm)  # type: ignore[arg-type]
-            compressed = time.perf_counter() - start
-        self.comm.forget_since(issued_before)  # the shadow sync is not the step's traffic
-        start = time.perf_counter()
-        self._average_raw(names, grads, flat)
-        uncompressed = time.perf_counter() - start
-        self._profile_seconds[0] += compressed
-        self._profile_seconds[1] += uncompressed
+            start = self.clock.stamp()
+            self._profiler.reduce(names, shadow, plan.profile_rank, self.comm, measure_error=False)  # type: ignore[arg-type]
+            end = self.clock.stamp()
+        self.comm.forget_since(*issued_before)  # the shadow sync is not the step's traffic
+        raw_start = self.clock.stamp()
+        self._add_stats(run_job(self._average_raw(names, grads, flat)))
+        self._profile_stamps.append((start, end, raw_start, self.clock.stamp()))
 
-    def _end_step(self) -> None:
+    def _device_values(self) -> list[torch.Tensor]:
+        values = super()._device_values()
+        if self._probe is not None:
+            values.extend(self._probe.unbind())
+        return values
+
+    def _after_values(self, host: list[float]) -> None:
+        if host and host[0]:
+            self.compressor.clear_nonfinite_error(self._stats)
         self._last_entropy = self.sampler.finish()
         plan = self._plan
-        if plan.profile_rank is not None:
+        if self._profile_stamps:
+            self._profile_seconds[0] += sum(Clock.seconds(a, b) for a, b, _, _ in self._profile_stamps)
+            self._profile_seconds[1] += sum(Clock.seconds(c, d) for _, _, c, d in self._profile_stamps)
             self._profile_seconds[2] += 1
+        probe = host[3:5] if self._probe is not None else None
         if plan.decision:
-            self._decide(plan)
-        super()._end_step()
+            self._decide(plan, probe)
+            if self.controller.phase != PROFILE:
+                self._profiler.q.clear()  # profiling is over: its shadow Q factors are garbage
+                self._profiler.error.clear()
 
-    def _decide(self, plan: StepPlan) -> None:
+    def _decide(self, plan: StepPlan, probe: list[float] | None) -> None:
         compressed, uncompressed, count = self._profile_seconds
         local = Agreed(
             profile_time=compressed / count if count else math.nan,
             uncompressed_time=uncompressed / count if count else math.nan,
-            probe_error=self._probe_error if plan.probe_rank is not None else math.nan,
+            probe_error=probe[0] if probe is not None else math.nan,
         )
         device = self.device or torch.device("cpu")
         agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())

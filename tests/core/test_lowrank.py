@@ -77,7 +77,7 @@ def test_half_precision_gradients_keep_fp32_state():
     assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads.values())
 
 
-def test_non_finite_gradient_is_sent_raw_and_leaves_state_untouched():
+def test_non_finite_gradient_gives_nan_averages_keeps_q_and_clears_error_feedback():
     compressor = LowRankCompressor(EDGCConfig(r_max=4))
     grads = make_grads(2)
     compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
@@ -86,13 +86,21 @@ def test_non_finite_gradient_is_sent_raw_and_leaves_state_untouched():
     grads["mlp.weight"][5, 5] = float("inf")
     poisoned = {n: g.clone() for n, g in grads.items()}
     stats = compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
-    assert stats.nonfinite and set(stats.ranks.values()) == {0}
-    for name in grads:  # uncompressed average of one rank = the gradient itself, inf included
-        torch.testing.assert_close(grads[name], poisoned[name], rtol=0, atol=0)
+    assert bool(stats.nonfinite)
+    for name, rank in stats.ranks.items():
+        if rank:  # compressed: NaN everywhere, so every optimizer (or GradScaler) skips the step
+            assert torch.isnan(grads[name]).all(), name
+        else:  # raw: the average of one rank is the gradient itself
+            torch.testing.assert_close(grads[name], poisoned[name], rtol=0, atol=0)
+    compressor.clear_nonfinite_error(stats)  # what EDGCState does at the end of such a step
     after = compressor.state_dict()
     for kind in before:
+        assert after[kind].keys() == before[kind].keys()
         for name, tensor in before[kind].items():
-            assert torch.equal(after[kind][name], tensor), (kind, name)
+            # Q is kept; the residual of the step's compressed matrices is cleared (see
+            # clear_nonfinite_error for why)
+            expected = torch.zeros_like(tensor) if kind == "error" else tensor
+            assert torch.equal(after[kind][name], expected), (kind, name)
 
 
 def test_matrix_that_turns_raw_after_a_rank_change_flushes_its_residual():

@@ -1,0 +1,133 @@
+"""The non-blocking hook: fixed collective order with many buckets, Futures that complete after the
+hook returns, at most one host read per step, and the engine defects found in review."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import edgc.timing
+from distributed_harness import run_distributed
+from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
+from edgc.comm import Communicator
+from models import flat_parameters
+from test_ddp import ADAPTIVE, build, train
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts every Python-level read of a tensor value (the calls that synchronise a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def many_buckets_worker(rank, world_size, bucket_cap_mb, steps):
+    model, ddp, state, optimizer, calls = build(ADAPTIVE, bucket_cap_mb)
+    collectives: list[int] = []
+    log = train(rank, ddp, state, optimizer, calls, 0, steps, collectives)
+    return {"params": flat_parameters(model), "log": log, "calls": calls, "collectives": collectives,
+            "schedule": state.controller.schedule}
+
+
+@pytest.mark.parametrize("world_size,bucket_cap_mb", [(2, 1), (4, 1), (2, 0.02)])
+def test_small_buckets_keep_replicas_identical_and_every_rank_on_the_same_ranks(world_size, bucket_cap_mb):
+    results = run_distributed(many_buckets_worker, world_size, bucket_cap_mb, 30, timeout=600)
+    reference = results[0]
+    assert min(reference["calls"][1:]) >= (2 if bucket_cap_mb == 1 else 10)
+    assert any(phase == "compress" for _, phase, _ in reference["log"])
+    for other in results[1:]:
+        assert torch.equal(other["params"], reference["params"])
+        assert other["log"] == reference["log"]
+        assert other["collectives"] == reference["collectives"]
+        assert other["schedule"] == reference["schedule"]
+
+
+def overlap_worker(rank, world_size, steps):
+    static = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2,
+                  window=1000, min_compression_rate=1.0)
+    model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.05)
+    state = EDGCState(None, EDGCConfig(**static), model=ddp)
+    done_at_return: list[list[bool]] = []
+    reads: list[int] = []
+    syncs: list[int] = []
+    counted = {"to_host": 0, "synchronize": 0}
+    original_to_host, original_sync = edgc.timing.to_host, edgc.timing.synchronize
+
+    def to_host(tensor):
+        counted["to_host"] += 1
+        return original_to_host(tensor)
+
+    def synchronize(device):
+        counted["synchronize"] += 1
+        original_sync(device)
+
+    edgc.timing.to_host, edgc.timing.synchronize = to_host, synchronize  # the library's only ways
+
+    def watching_hook(s, bucket):
+        with CountHostReads() as mode:
+            future = edgc_hook(s, bucket)
+        reads[-1] += mode.reads
+        done_at_return[-1].append(future.done())
+        return future
+
+    ddp.register_comm_hook(state, watching_hook)
+    for step in range(steps):
+        done_at_return.append([])
+        reads.append(0)
+        counted["to_host"] = counted["synchronize"] = 0
+        calls.append(0)
+        train(rank, ddp, state, optimizer, calls, step, step + 1)
+        syncs.append((counted["to_host"], counted["synchronize"]))
+    return {"done": done_at_return, "reads": reads, "syncs": syncs, "phases": state.controller.schedule,
+            "params": flat_parameters(model)}
+
+
+def test_hook_returns_before_the_bucket_is_averaged_and_reads_the_host_once_per_step():
+    results = run_distributed(overlap_worker, 2, 6)
+    for result in results:
+        compressing = result["done"][4]  # steps 0–1 warm up; DDP has rebuilt its buckets by then
+        assert len(compressing) >= 10
+        assert not all(compressing[:-1]), "every non-last bucket was complete at return: the hook blocked"
+        assert compressing[-1], "the last bucket must drain every job before backward ends"
+        # Per step, however many buckets: one packed device read at the end of the step (tolist
+        # inside edgc.timing.to_host), no device synchronise, and no other read of a tensor value.
+        for step in range(3, 6):
+            assert result["reads"][step] == 1, result["reads"]
+            assert result["syncs"][step] == (1, 0), result["syncs"]
+    assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+def test_a_layer_without_gradient_recovers_at_low_rank():
+    """Review defect: M = 0 made Q = 0, and Gram–Schmidt (rank ≤ 2) kept it 0 for ever."""
+    compressor = LowRankCompressor(EDGCConfig(r_max=2, min_compression_rate=1.0))
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(32, 24, generator=generator, dtype=torch.float64) for _ in range(8)]
+    gradients[1] = torch.zeros(32, 24, dtype=torch.float64)  # no gradient this step
+    for step, gradient in enumerate(gradients):
+        sent = gradient.clone()
+        compressor.reduce(["w"], [sent], 2, Communicator())
+        if step >= 2:
+            assert sent.norm() > 0.1 * gradient.norm(), f"step {step}: the averaged gradient stayed zero"
+    # The residual stays the size of one gradient instead of accumulating every step's.
+    assert compressor.error["w"].norm() < 2 * gradients[-1].norm()
+
+
+def test_profiling_frees_its_q_factors_when_it_ends():
+    from edgc.rank_control import PROFILE
+
+    config = EDGCConfig(r_max=None, profile_max_rank=4, profile_steps_per_rank=1, window=2,
+                        warmup_error_test=False, min_compression_rate=1.0)
+    state = EDGCState(None, config)
+    layer = torch.nn.Linear(32, 32)
+    for _ in range(12):
+        layer.zero_grad()
+        layer(torch.randn(4, 32)).sum().backward()
+        state.synchronize(layer.named_parameters())
+    assert state.controller.phase != PROFILE
+    assert state._profiler.q == {} and state.state_dict()["profiler"]["q"] == {}
