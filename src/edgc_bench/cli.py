@@ -24,10 +24,10 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist")
     p.add_argument("--hosts", type=int, default=DEFAULTS.hosts, help="emulated hosts (default %(default)s)")
     p.add_argument("--nproc", type=int, default=DEFAULTS.nproc, help="processes per host (default %(default)s)")
-    p.add_argument("--rate", default=f"{DEFAULTS.rate_mbit:g}",
+    p.add_argument("--rate", "--rate-mbit", dest="rate", default=f"{DEFAULTS.rate_mbit:g}",
                    help="link rate per host in Mbit/s, or 'none' for unlimited (default %(default)s)")
     p.add_argument("--methods", default=",".join(DEFAULTS.methods),
-                   help="comma-separated: " + ", ".join(ALL_METHODS) + ", powersgd@N (default: all)")
+                   help="comma-separated: " + ", ".join(ALL_METHODS) + ", powersgd@N, or 'all' (default: %(default)s)")
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
     p.add_argument("--preset", default=DEFAULTS.preset, help="model preset of edgc train (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step (default %(default)s)")
@@ -66,7 +66,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         if rate <= 0:
             raise CLIError(f"--rate: must be > 0, got {args.rate}")
     try:
-        methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()])
+        names = ALL_METHODS if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+        methods = check_methods(list(names))
     except ValueError as exc:
         raise CLIError(f"--methods: {exc}") from None
     if not methods:

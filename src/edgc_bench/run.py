@@ -22,8 +22,13 @@ from pathlib import Path
 from . import calibrate
 from .netns import Network
 
-ALL_METHODS = ("none", "fp16", "bf16", "powersgd@rmax", "powersgd@rmin", "torch-powersgd", "topk", "randomk",
-               "qsgd8", "edgc")
+ALL_METHODS = ("none", "allreduce", "allreduce-blocking", "nosync", "fp16", "bf16", "powersgd@rmax", "powersgd@rmin",
+               "torch-powersgd", "topk", "randomk", "qsgd8", "edgc")
+# The default comparison: what users run (DDP's native all-reduce, PyTorch's PowerSGD hook), the
+# compute floor, our uncompressed hook path, the paper's sync-after-backward, static ranks and EDGC.
+# The other baselines run with --methods all.
+DEFAULT_METHODS = ("none", "nosync", "allreduce", "allreduce-blocking", "torch-powersgd", "powersgd@rmax",
+                   "powersgd@rmin", "edgc")
 PORT = 29500
 
 
@@ -32,7 +37,7 @@ class BenchSettings:
     hosts: int = 2
     nproc: int = 1
     rate_mbit: float | None = 1000.0
-    methods: tuple[str, ...] = ALL_METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     preset: str = "small"
     steps: int = 60
     micro_batch: int = 2

@@ -3,7 +3,13 @@
 ==================  ==========================================================================
 name                what runs in DDP's gradient synchronisation
 ==================  ==========================================================================
-``none``            ``edgc.allreduce_hook``: plain all-reduce (mean), with the same metrics
+``none``            DDP with no hook: its native all-reduce, overlapped with backward (what users
+                    run today; every ratio is against it)
+``allreduce``       ``edgc.allreduce_hook``: the same averaged all-reduce through our non-blocking
+                    hook machinery, with our metrics
+``allreduce-blocking`` the paper's (Megatron-style) sync: an all-reduce of all gradients *after*
+                    backward, nothing overlapped (a labelled comparison, not a baseline)
+``nosync``          no gradient sync at all: the compute floor (replicas drift apart; time only)
 ``powersgd``        ``edgc.edgc_hook`` with ``EDGCConfig.static(rank)``: PowerSGD at a fixed rank
                     after the warm-up, through our engine (error feedback, warm-started Q)
 ``torch-powersgd``  PyTorch's built-in ``powerSGD_hook`` / ``PowerSGDState`` (rank
@@ -16,7 +22,7 @@ name                what runs in DDP's gradient synchronisation
 ==================  ==========================================================================
 
 The baselines (``fp16`` … ``qsgd8``) compress from the first step (no warm-up) and run through the
-same ``edgc_hook`` as EDGC, so they share its blocking, fixed-order collectives and its metrics.
+same ``edgc_hook`` as EDGC (their collectives are blocking inside it), with the same metrics.
 
 Every handle reports, after each optimizer step, the fields of a ``metrics.jsonl`` train line that
 come from the synchronisation: phase, rank, ranks, entropy, elements/bytes sent vs raw, and the
@@ -77,21 +83,73 @@ class Compressor:
     def load_state_dict(self, sd: Any) -> None:
         raise NotImplementedError
 
+    def after_backward(self) -> None:
+        """Called once per optimizer step after the last backward (only a sync-after-backward acts)."""
+
+
+def _skip_sync_hook(state, bucket):  # unannotated: DDP checks annotations
+    """A DDP hook that communicates nothing: the bucket's local gradients are its result."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class Uncompressed(Compressor):
+    """``none`` (DDP's own all-reduce), ``nosync`` and ``allreduce-blocking``.
+
+    DDP's native all-reduce runs in C++ and overlaps backward: its time is not separable, so
+    comm and compress times are None. Bytes are the full gradient (0 for ``nosync``)."""
+
+    def __init__(self, name: str, ddp_model):
+        import edgc
+
+        self.name = name
+        params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+        self.elements = sum(p.numel() for p in params)
+        self.size = self.elements * (params[0].element_size() if params else 4)
+        self.state = None
+        if name != "none":
+            ddp_model.register_comm_hook(None, _skip_sync_hook)
+        if name == "allreduce-blocking":
+            self.state = edgc.AllReduceState(process_group=None, model=ddp_model)
+            self._module = ddp_model.module
+
+    def after_backward(self) -> None:
+        if self.state is not None:
+            self.state.synchronize(self._module.named_parameters())
+
+    def step_metrics(self) -> dict[str, Any]:
+        if self.state is not None:
+            m = self.state.last_step_metrics
+            return {k: m.get(k) for k in METRIC_KEYS}
+        sent = 0 if self.name == "nosync" else self.elements
+        return {"phase": "off", "rank": None, "ranks": {}, "entropy": None, "elements_sent": sent,
+                "elements_raw": self.elements, "bytes_sent": sent * self.size // max(1, self.elements),
+                "bytes_raw": self.size, "compress_time_s": None, "comm_time_s": None, "collectives": None,
+                "collective_s": None, "relative_error": None, "entropy_time_s": None}
+
+    def state_dict(self) -> Any:
+        return {"format": f"{self.name}/1"}
+
+    def load_state_dict(self, sd: Any) -> None:
+        if not isinstance(sd, dict) or sd.get("format") != f"{self.name}/1":
+            raise ValueError(f"not a {self.name} compressor state")
+
 
 class EngineCompressor(Compressor):
-    """``none``, ``powersgd`` and ``edgc``: our engine's states already report per-step metrics."""
+    """``allreduce``, ``powersgd``, ``edgc`` and the baselines: our states report per-step metrics."""
 
     def __init__(self, name: str, ddp_model, config):
         import edgc
 
         self.name = name
-        if name == "none":
+        if name == "allreduce":
             self.state = edgc.AllReduceState(process_group=None, model=ddp_model)
         elif name in BASELINES:
             self.state = BASELINES[name](ddp_model, config)
         else:
             self.state = edgc.EDGCState(process_group=None, config=config, model=ddp_model)
-        ddp_model.register_comm_hook(self.state, edgc.allreduce_hook if name == "none" else edgc.edgc_hook)
+        ddp_model.register_comm_hook(self.state, edgc.allreduce_hook if name == "allreduce" else edgc.edgc_hook)
 
     def step_metrics(self) -> dict[str, Any]:
         m = self.state.last_step_metrics or {}
@@ -240,8 +298,10 @@ def build(name: str, ddp_model, config) -> Compressor:
     """Register compressor ``name`` on ``ddp_model``; ``config`` is the TrainConfig."""
     if name in BASELINES:
         return EngineCompressor(name, ddp_model, config)
-    if name in ("none", "powersgd", "edgc"):
-        return EngineCompressor(name, ddp_model, config.edgc_config() if name != "none" else None)
+    if name in ("none", "nosync", "allreduce-blocking"):
+        return Uncompressed(name, ddp_model)
+    if name in ("allreduce", "powersgd", "edgc"):
+        return EngineCompressor(name, ddp_model, config.edgc_config() if name != "allreduce" else None)
     if name == "torch-powersgd":
         # Same uncompressed warm-up as our engine's default: ⌊0.1 · steps⌋ (at least 2, see above).
         start = math.floor(scaled_edgc_defaults(config.steps)["warmup_fraction"] * config.steps)

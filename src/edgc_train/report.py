@@ -128,10 +128,10 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 
 def _label(runs: list[Run]) -> None:
-    """Label = folder name + compressor: "e120 (edgc)", "edgc", "base (none: uncompressed)", "none (uncompressed)"."""
+    """Label = folder name + compressor: "e120 (edgc)", "edgc", "base (none: DDP all-reduce)", "none (DDP all-reduce)"."""
     def make(run: Run, name: str) -> str:
         if run.compressor == "none":
-            return f"{name} (uncompressed)" if name == "none" else f"{name} (none: uncompressed)"
+            return f"{name} (DDP all-reduce)" if name == "none" else f"{name} (none: DDP all-reduce)"
         return name if name == run.compressor else f"{name} ({run.compressor})"
 
     labels = [make(r, r.path.name) for r in runs]

@@ -266,6 +266,7 @@ class DataParallelRunner:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.item()
+        self.compressor.after_backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.grad_clip)
         return loss_sum / cfg.grad_accum, {}

@@ -92,7 +92,7 @@ def test_report_two_runs(two_runs, capsys):
     none, edgc = two_runs
     assert edgc_main(["report", str(none), str(edgc)]) == 0
     out = none.parent / "report"  # default: next to the first run
-    md = check_report(out, ["none (uncompressed)", "edgc"])
+    md = check_report(out, ["none (DDP all-reduce)", "edgc"])
     edgc_row = next(line for line in md.splitlines() if line.startswith("| edgc |"))
     cells = [c.strip() for c in edgc_row.strip("|").split("|")]
     header = [c.strip() for c in md.splitlines()[[l.startswith("|") for l in md.splitlines()].index(True)].strip("|").split("|")]
@@ -101,7 +101,7 @@ def test_report_two_runs(two_runs, capsys):
     assert "medians over steps 4–end" in md
     assert "6–10: r=16" not in md and "7–11: r=16" in md  # rank schedule (steps: rank)
     printed = capsys.readouterr().out
-    assert "report.md" in printed and "× of none (uncompressed)" in printed
+    assert "report.md" in printed and "× of none (DDP all-reduce)" in printed
 
 
 def test_report_out_flag_single_run_no_baseline(tmp_path):
@@ -117,7 +117,7 @@ def test_report_uncompressed_only_still_draws_every_plot(tmp_path):
     run = write_run(tmp_path / "base", "none")
     out = tmp_path / "rep"
     build_report([run], out)
-    check_report(out, ["base (none: uncompressed)"])
+    check_report(out, ["base (none: DDP all-reduce)"])
 
 
 @pytest.mark.parametrize("setup, message", [
@@ -164,11 +164,11 @@ def test_report_from_real_runs(tmp_path):
     _train(none, "none")
     _train(edgc, "edgc")
     result = build_report([none, edgc], tmp_path / "report")
-    check_report(tmp_path / "report", ["none (uncompressed)", "edgc"])
+    check_report(tmp_path / "report", ["none (DDP all-reduce)", "edgc"])
     stats = {r.label: r.stats for r in result["runs"]}
-    assert stats["edgc"]["first_compressed_step"] is not None and stats["none (uncompressed)"]["first_compressed_step"] is None
-    assert stats["edgc"]["bytes_per_step"] < stats["none (uncompressed)"]["bytes_per_step"]
-    assert stats["edgc"]["entropy_samples"] == 6 and stats["none (uncompressed)"]["val_loss"] is not None
+    assert stats["edgc"]["first_compressed_step"] is not None and stats["none (DDP all-reduce)"]["first_compressed_step"] is None
+    assert stats["edgc"]["bytes_per_step"] < stats["none (DDP all-reduce)"]["bytes_per_step"]
+    assert stats["edgc"]["entropy_samples"] == 6 and stats["none (DDP all-reduce)"]["val_loss"] is not None
 
 
 # ------------------------------------------------------------------------------------------ demo

@@ -45,7 +45,7 @@ def small_run(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--compressor", "zip"], "compressor: must be one of none, powersgd, torch-powersgd, edgc"),
+    (["--compressor", "zip"], "compressor: must be one of none, allreduce, allreduce-blocking, nosync, powersgd, torch-powersgd, edgc"),
     (["--steps", "ten"], "--steps: expected an integer, got 'ten'"),
     (["--steps", "0"], "steps: must be an integer ≥ 1"),
     (["--lr", "-3"], "lr: must be a number in (0, 10]"),
