@@ -4,11 +4,16 @@ Each tool module exposes ``register(subparsers)``, which adds its parser and set
 ``func`` (called with the parsed namespace; its return value is the exit code).
 Tool modules are imported lazily so that `edgc simulate` never pays for importing
 transformers, and a missing optional dependency only breaks the tool that needs it.
+
+A user error (a bad flag, a `CLIError` from a tool) is one line on stderr, ``edgc <command>: error:
+...``, and exit code 2, whatever the entry point: the `edgc` script, ``python -m edgc_cli.main``, or
+each process of ``torchrun ... -m edgc_cli.main``, where only rank 0 prints it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # sub-command name -> module that registers it
@@ -26,8 +31,22 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2, no traceback."""
 
 
+def print_error(line: str) -> None:
+    """Print a user error; under torchrun only rank 0 does, so N processes print one line, not N."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage of `edgc train` alone fills a screen)."""
+
+    def error(self, message: str):
+        print_error(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(2)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgc", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="edgc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in TOOLS.items():
         if only is not None and name != only:
@@ -39,6 +58,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 continue  # tool not built yet
             raise
         module.register(sub)
+        if name in sub.choices:  # so that an unknown flag is reported as `edgc <command>: error: ...`
+            sub.choices[name].set_defaults(command_parser=sub.choices[name])
     return parser
 
 
@@ -46,16 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in TOOLS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
     except CLIError as exc:
-        print(f"edgc {args.command}: error: {exc}", file=sys.stderr)
+        print_error(f"edgc {args.command}: error: {exc}")
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m edgc_cli.main` runs this file as the module __main__, a second copy beside the
+    # edgc_cli.main the tools import: their CLIError would not be this copy's and would end in a
+    # traceback. Run the one the tools share.
+    from edgc_cli.main import main as shared_main
+
+    sys.exit(shared_main())
