@@ -7,7 +7,7 @@ transformers, and a missing optional dependency only breaks the tool that needs 
 
 A user error (a bad flag, a `CLIError` from a tool) is one line on stderr, ``edgc <command>: error:
 ...``, and exit code 2, whatever the entry point: the `edgc` script, ``python -m edgc_cli.main``, or
-each process of ``torchrun ... -m edgc_cli.main``, where only rank 0 prints it.
+each process of ``torchrun ... -m edgc_cli.main``, where rank 0 prints it (see print_error).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 # sub-command name -> module that registers it
 TOOLS = {
@@ -31,10 +32,20 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2, no traceback."""
 
 
+# How long another torchrun worker waits for rank 0 to report the same user error (see print_error).
+RANK0_GRACE_S = 30.0
+
+
 def print_error(line: str) -> None:
-    """Print a user error; under torchrun only rank 0 does, so N processes print one line, not N."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr)
+    """Print a user error; under torchrun rank 0 does, so N workers print one line, not N.
+
+    The other workers wait instead: torchrun stops them when rank 0 fails, and stops rank 0 as soon
+    as one of them ends, which would lose the line if a silent worker ended first. A worker still
+    alive after the grace period met an error rank 0 did not (a file only it lacks), and says so.
+    """
+    if os.environ.get("RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(RANK0_GRACE_S)
+    print(line, file=sys.stderr)
 
 
 class OneLineParser(argparse.ArgumentParser):

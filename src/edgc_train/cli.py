@@ -122,9 +122,6 @@ def _positive_int(flag: str, raw: str | None) -> int | None:
 # ------------------------------------------------------------------------- checks before any work
 def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Path, bool, int | None]:
     """Validate everything; return (config, run folder, resume?, stop_at). Raises CLIError."""
-    from . import checkpoint as ckpt
-    from .train import config_from_run
-
     stop_at = _positive_int("--stop-at", args.stop_at)
     flags = flag_values(args)
     auto_resume = getattr(args, "auto_resume", False)
@@ -133,6 +130,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
     if auto_resume and args.out is not None and Path(args.out).exists():
         return _restart(args, flags, world_size, stop_at)
     if args.resume is not None:
+        from . import checkpoint as ckpt  # (imported here: torch takes seconds, a new run's checks need none)
+        from .train import config_from_run
+
         if args.out is not None or args.config is not None:
             raise CLIError("--resume continues a run with its own config: do not combine it with --out or --config")
         changed = sorted(set(flags) - RESUME_OK)
