@@ -104,7 +104,7 @@ def load_corpus(files: list[Path], max_chars: int | None = None) -> str:
     if max_chars is not None:
         corpus = corpus[:max_chars]
     if not corpus.strip():
-        raise DataError(f"corpus holds no text ({', '.join(str(p) for p in files[:3])})")
+        raise DataError(f"corpus holds no text: empty or blank files ({', '.join(str(p) for p in files[:3])})")
     return corpus
 
 
