@@ -263,6 +263,7 @@ def check_split_sizes(data: str | None, vocab_size: int, val_fraction: float, ma
     to count exactly. A prepared cache answers from its meta.json.
     """
     files = source_files(data)
+    corpus = load_corpus(files, max_chars)  # first: an unreadable or binary file is a DataError here
     meta_path = (Path(cache_root) if cache_root is not None else default_cache_root()) / cache_key(
         files, vocab_size, val_fraction, max_chars) / "meta.json"
     if meta_path.is_file():
@@ -270,7 +271,7 @@ def check_split_sizes(data: str | None, vocab_size: int, val_fraction: float, ma
         counts = {"training": meta["train_tokens"], "validation": meta["val_tokens"]}
         texts = None
     else:
-        texts = dict(zip(("training", "validation"), split_corpus(load_corpus(files, max_chars), val_fraction)))
+        texts = dict(zip(("training", "validation"), split_corpus(corpus, val_fraction)))
         counts = {part: len(text.encode("utf-8")) for part, text in texts.items()}  # ≥ the token counts
         if all(_pre_tokens_reach(texts[part], need) for part, (need, _) in needs.items()):
             return
