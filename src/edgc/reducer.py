@@ -68,6 +68,13 @@ class GradientReducer:
             name = self._names.get(id(p))
             if name is None:  # no model given: name by first appearance (stable for one layout)
                 name = self._names[id(p)] = f"param{len(self._names)}"
+                if not getattr(self, "_warned_unnamed", False):  # once: the same holds for every such name
+                    import warnings
+
+                    self._warned_unnamed = True
+                    warnings.warn(f"{type(self).__name__}: a parameter without a name (no model= given, or not "
+                                  f"in it) is called {name} by bucket order, so state_dict() loads only into a "
+                                  "run with the same DDP bucket layout; pass model=ddp_model", stacklevel=2)
             names.append(name)
         return names
 
@@ -258,6 +265,18 @@ class GradientReducer:
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.totals = {key: int(value) for key, value in state["totals"].items()}
+
+    # ------------------------------------------------------------------ pickling: begin
+    def __getstate__(self) -> dict:
+        """Pickle the data but not the ties to this run (see `edgc.detached`): the unpickled state
+        refuses to step, with one line naming state_dict()/load_state_dict() and model=."""
+        from .detached import DetachedCommunicator
+
+        state = dict(self.__dict__)
+        state["comm"] = DetachedCommunicator(type(self).__name__, self.comm.rank, self.comm.world_size)
+        state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
+        return state
+    # ------------------------------------------------------------------ pickling: end
 
 
 class AllReduceState(GradientReducer):

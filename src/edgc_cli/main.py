@@ -4,12 +4,18 @@ Each tool module exposes ``register(subparsers)``, which adds its parser and set
 ``func`` (called with the parsed namespace; its return value is the exit code).
 Tool modules are imported lazily so that `edgc simulate` never pays for importing
 transformers, and a missing optional dependency only breaks the tool that needs it.
+
+A user error (a bad flag, a `CLIError` from a tool) is one line on stderr, ``edgc <command>: error:
+...``, and exit code 2, whatever the entry point: the `edgc` script, ``python -m edgc_cli.main``, or
+each process of ``torchrun ... -m edgc_cli.main``, where rank 0 prints it (see print_error).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
 
 # sub-command name -> module that registers it
 TOOLS = {
@@ -26,8 +32,32 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2, no traceback."""
 
 
+# How long another torchrun worker waits for rank 0 to report the same user error (see print_error).
+RANK0_GRACE_S = 30.0
+
+
+def print_error(line: str) -> None:
+    """Print a user error; under torchrun rank 0 does, so N workers print one line, not N.
+
+    The other workers wait instead: torchrun stops them when rank 0 fails, and stops rank 0 as soon
+    as one of them ends, which would lose the line if a silent worker ended first. A worker still
+    alive after the grace period met an error rank 0 did not (a file only it lacks), and says so.
+    """
+    if os.environ.get("RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(RANK0_GRACE_S)
+    print(line, file=sys.stderr)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage of `edgc train` alone fills a screen)."""
+
+    def error(self, message: str):
+        print_error(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(2)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgc", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="edgc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in TOOLS.items():
         if only is not None and name != only:
@@ -39,6 +69,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 continue  # tool not built yet
             raise
         module.register(sub)
+        if name in sub.choices:  # so that an unknown flag is reported as `edgc <command>: error: ...`
+            sub.choices[name].set_defaults(command_parser=sub.choices[name])
     return parser
 
 
@@ -46,16 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in TOOLS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
     except CLIError as exc:
-        print(f"edgc {args.command}: error: {exc}", file=sys.stderr)
+        print_error(f"edgc {args.command}: error: {exc}")
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m edgc_cli.main` runs this file as the module __main__, a second copy beside the
+    # edgc_cli.main the tools import: their CLIError would not be this copy's and would end in a
+    # traceback. Run the one the tools share.
+    from edgc_cli.main import main as shared_main
+
+    sys.exit(shared_main())

@@ -1,8 +1,10 @@
 """`edgc train`: flags and config file -> validated TrainConfig -> (torchrun) -> train().
 
 Every user error is found before any work starts (no data preparation, no process group, no folder
-created) and reported as one line with exit code 2: unknown compressor, bad numbers, missing or
-empty data, an existing ``--out`` folder, a missing/corrupt/mismatched checkpoint on ``--resume``.
+created) and reported as one line with exit code 2: unknown compressor, bad numbers, missing, empty,
+unreadable or binary data or data too small for one batch, an existing ``--out`` folder, a
+missing/corrupt/mismatched checkpoint on ``--resume``. Under `--nproc N` this all happens in the
+launching process, before torchrun starts a worker.
 """
 from __future__ import annotations
 
@@ -120,10 +122,6 @@ def _positive_int(flag: str, raw: str | None) -> int | None:
 # ------------------------------------------------------------------------- checks before any work
 def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Path, bool, int | None]:
     """Validate everything; return (config, run folder, resume?, stop_at). Raises CLIError."""
-    from . import checkpoint as ckpt
-    from .data import DataError, source_files
-    from .train import config_from_run
-
     stop_at = _positive_int("--stop-at", args.stop_at)
     flags = flag_values(args)
     auto_resume = getattr(args, "auto_resume", False)
@@ -132,6 +130,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
     if auto_resume and args.out is not None and Path(args.out).exists():
         return _restart(args, flags, world_size, stop_at)
     if args.resume is not None:
+        from . import checkpoint as ckpt  # (imported here: torch takes seconds, a new run's checks need none)
+        from .train import config_from_run
+
         if args.out is not None or args.config is not None:
             raise CLIError("--resume continues a run with its own config: do not combine it with --out or --config")
         changed = sorted(set(flags) - RESUME_OK)
@@ -175,13 +176,31 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         resume = False
     if world_size % cfg.pp:
         raise CLIError(f"--pp {cfg.pp}: the world size {world_size} is not a multiple of the pipeline stages")
+    _check_data(cfg, world_size)
+    return cfg, run_dir, resume, stop_at
+
+
+def _check_data(cfg: TrainConfig, world_size: int) -> None:
+    """The data must be readable UTF-8 text with tokens enough for one global batch and one
+    validation block, checked here so that a bad file is one line, not a traceback per worker."""
+    from .data import DataError, check_split_sizes
+
+    replicas = world_size // cfg.pp  # the data-parallel degree: ranks that read different blocks
+    batch_blocks = replicas * cfg.micro_batch
+    # A pipeline evaluates whole pipeline steps (grad_accum micro-batches) on replica 0's blocks,
+    # every replica-th block of the split; data parallelism needs one block anywhere.
+    eval_steps = cfg.grad_accum if cfg.pp > 1 else 1
+    val_blocks = (eval_steps - 1) * cfg.micro_batch * replicas + 1
+    block = cfg.seq_len + 1  # inputs and next-token targets; consecutive blocks share one token
+    val_what = (f"one validation block of {block} tokens" if val_blocks == 1
+                else f"one pipeline evaluation step ({val_blocks} blocks of {block} tokens)")
+    needs = {"training": (batch_blocks * cfg.seq_len + 1, f"one global batch of {batch_blocks} x {block} tokens"),
+             "validation": (val_blocks * cfg.seq_len + 1, val_what)}
     try:
-        files = source_files(cfg.data)
+        check_split_sizes(cfg.data, cfg.vocab_size, cfg.val_fraction, cfg.max_chars, cfg.cache_dir, needs,
+                          "use more data or smaller --seq-len/--micro-batch")
     except DataError as exc:
         raise CLIError(str(exc)) from None
-    if not any(_has_text(p) for p in files):
-        raise CLIError(f"--data: {cfg.data} holds no text (empty files)")
-    return cfg, run_dir, resume, stop_at
 
 
 def _fresh_config(args: argparse.Namespace, flags: dict) -> TrainConfig:
@@ -240,12 +259,6 @@ def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: in
     if trainer["step"] >= cfg.steps:
         raise CLIError(f"--auto-resume: {run_dir} already finished all {cfg.steps} steps")
     return cfg, run_dir, True, stop_at
-
-
-def _has_text(path: Path) -> bool:
-    """Cheap emptiness test: any non-whitespace byte in the first 64 KiB."""
-    with open(path, "rb") as f:
-        return bool(f.read(1 << 16).strip())
 
 
 # ------------------------------------------------------------------------- entry point

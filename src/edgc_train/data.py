@@ -77,7 +77,14 @@ def _read_file(path: Path) -> str:
         with open(path, encoding="utf-8") as f:
             return "\n".join(json.loads(line)["text"] for line in f if line.strip())
     try:
-        return path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path} cannot be read ({exc.strerror})") from None
+    nul = raw.find(b"\0")
+    if nul != -1:  # valid UTF-8, but no text file holds a NUL byte: a binary file
+        raise DataError(f"{path} is a binary file (NUL byte at byte {nul}), not UTF-8 text")
+    try:
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
@@ -97,7 +104,7 @@ def load_corpus(files: list[Path], max_chars: int | None = None) -> str:
     if max_chars is not None:
         corpus = corpus[:max_chars]
     if not corpus.strip():
-        raise DataError(f"corpus is empty ({', '.join(str(p) for p in files[:3])})")
+        raise DataError(f"corpus holds no text: empty or blank files ({', '.join(str(p) for p in files[:3])})")
     return corpus
 
 
@@ -108,6 +115,14 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
     if newline != -1 and newline < len(text) - 1:
         cut = newline + 1
     return text[:cut], text[cut:]
+
+
+def split_corpus(text: str, val_fraction: float) -> tuple[str, str]:
+    """``split_text``, refusing a corpus whose training or validation part would be empty."""
+    train_text, val_text = split_text(text, val_fraction)
+    if not val_text.strip() or not train_text.strip():
+        raise DataError(f"corpus too small to split ({len(text)} characters)")
+    return train_text, val_text
 
 
 def train_tokenizer(text: str, vocab_size: int):
@@ -196,9 +211,7 @@ def prepare_data(data: str | None, vocab_size: int, val_fraction: float, max_cha
             return _load(final)
         log(f"preparing data cache {final} (vocab {vocab_size}) ...")
         text = load_corpus(files, max_chars)
-        train_text, val_text = split_text(text, val_fraction)
-        if not val_text.strip() or not train_text.strip():
-            raise DataError(f"corpus too small to split ({len(text)} characters)")
+        train_text, val_text = split_corpus(text, val_fraction)
         tok = train_tokenizer(train_text, vocab_size)
         actual_vocab = tok.get_vocab_size()
         train_ids, val_ids = _encode(tok, train_text, vocab_size), _encode(tok, val_text, vocab_size)
@@ -217,6 +230,61 @@ def prepare_data(data: str | None, vocab_size: int, val_fraction: float, max_cha
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return _load(final)
+
+
+def _pre_tokens_reach(text: str, need: int) -> bool:
+    """Whether ``text`` holds at least ``need`` pre-tokens: a lower bound on its token count.
+
+    The tokenizer first cuts each line at its end-of-text tokens (one token each) and the rest
+    into pre-tokens (GPT-2's split into words, numbers, punctuation and spaces); no BPE merge
+    crosses a pre-token, so each is at least one token. Stops counting once ``need`` is reached.
+    """
+    from tokenizers import ByteLevelBPETokenizer
+
+    pre_tokenize = ByteLevelBPETokenizer().pre_tokenizer.pre_tokenize_str  # the one train_tokenizer uses
+    count = 0
+    for line in text.splitlines(keepends=True):  # encoded line by line, as in _encode
+        pieces = line.split(EOT)
+        count += len(pieces) - 1 + sum(len(pre_tokenize(piece)) for piece in pieces if piece)
+        if count >= need:
+            return True
+    return False
+
+
+def check_split_sizes(data: str | None, vocab_size: int, val_fraction: float, max_chars: int | None,
+                      cache_root: str | Path | None, needs: dict[str, tuple[int, str]], hint: str) -> None:
+    """Raise DataError unless ``prepare_data`` would give each split at least the tokens it needs.
+
+    ``needs`` maps "training"/"validation" to (tokens, what they are for). Writes nothing, and is
+    exact without training the tokenizer on any but a tiny corpus: byte-level BPE makes at most one
+    token of each UTF-8 byte and at least one of each pre-token (``_pre_tokens_reach``), so a split
+    with fewer bytes than it needs is too small and one with enough pre-tokens is large enough.
+    Only in between, a split of a few bytes per needed token, is the tokenizer trained (in memory)
+    to count exactly. A prepared cache answers from its meta.json.
+    """
+    files = source_files(data)
+    corpus = load_corpus(files, max_chars)  # first: an unreadable or binary file is a DataError here
+    meta_path = (Path(cache_root) if cache_root is not None else default_cache_root()) / cache_key(
+        files, vocab_size, val_fraction, max_chars) / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        counts = {"training": meta["train_tokens"], "validation": meta["val_tokens"]}
+        texts = None
+    else:
+        texts = dict(zip(("training", "validation"), split_corpus(corpus, val_fraction)))
+        counts = {part: len(text.encode("utf-8")) for part, text in texts.items()}  # ≥ the token counts
+        if all(_pre_tokens_reach(texts[part], need) for part, (need, _) in needs.items()):
+            return
+    for part, (need, what) in needs.items():
+        if counts[part] < need:
+            have = f"{counts[part]} tokens" if texts is None else f"{counts[part]} bytes of text, so at most as many tokens"
+            raise DataError(f"{part} split has {have}: too few for {what}; {hint}")
+    if texts is not None:  # between the bounds: count exactly
+        tok = train_tokenizer(texts["training"], vocab_size)
+        for part, (need, what) in needs.items():
+            tokens = _encode(tok, texts[part], vocab_size).size
+            if tokens < need:
+                raise DataError(f"{part} split has {tokens} tokens: too few for {what}; {hint}")
 
 
 class BlockSampler:

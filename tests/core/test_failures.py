@@ -1,8 +1,10 @@
 """Bad input and failures: non-finite gradients, corrupt or mismatched state, dead peers, fuzzed configs."""
 import dataclasses
+import io
 import math
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -10,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed_harness import run_distributed
-from edgc import EDGCConfig, EDGCState
+from edgc import EDGCConfig, EDGCState, edgc_hook
 from models import TinyTransformer, batch, flat_parameters, loss_fn
-from test_ddp import ADAPTIVE, build
+from test_ddp import ADAPTIVE, build, train
 
 # ---------------------------------------------------------------------------- non-finite gradients
 
@@ -163,6 +165,60 @@ def test_corrupt_or_mismatched_state_is_rejected_and_changes_nothing(corrupt):
     after = fresh.state_dict()
     assert after["step"] == before["step"] and after["controller"] == before["controller"]
     assert after["compressor"]["error"].keys() == before["compressor"]["error"].keys()
+
+
+def pickled_state_worker(rank, world_size, split, total):
+    model, ddp, state, optimizer, calls = build(ADAPTIVE)
+    train(rank, ddp, state, optimizer, calls, 0, split)
+    buffer = io.BytesIO()  # the pattern PyTorch documents for its PowerSGD state: pickle the live state
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": state}, buffer)
+    train(rank, ddp, state, optimizer, calls, split, total)
+    uninterrupted = flat_parameters(model)
+
+    def restored(config_kwargs):
+        model, ddp, state, optimizer, calls = build(config_kwargs, seed=123)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        return model, ddp, state, optimizer, calls
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)  # the rest of the checkpoint loads as ever
+    model, ddp, _, optimizer, calls = restored(None)
+    ddp.register_comm_hook(checkpoint["state"], edgc_hook)
+    try:
+        train(rank, ddp, None, optimizer, calls, split, total)
+        refusal = None
+    except RuntimeError as exc:
+        refusal = str(exc)
+    # The way the refusal names, from the unpickled state itself: nothing is lost.
+    model, ddp, state, optimizer, calls = restored(ADAPTIVE)
+    state.load_state_dict(checkpoint["state"].state_dict())
+    train(rank, ddp, state, optimizer, calls, split, total)
+    return uninterrupted, flat_parameters(model), refusal
+
+
+def test_a_pickled_state_refuses_to_step_and_names_the_way_that_resumes_exactly():
+    for uninterrupted, resumed, refusal in run_distributed(pickled_state_worker, 2, 7, 10):
+        assert refusal is not None and "\n" not in refusal, refusal  # not a silent loss of error feedback
+        assert "restored from a pickle" in refusal and "state_dict()" in refusal and "model=" in refusal
+        assert torch.equal(uninterrupted, resumed)
+
+
+def test_a_state_that_cannot_name_parameters_warns_once():
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=32, width=16, layers=1, heads=2, seq_len=8)
+    config = EDGCConfig(**dict(ADAPTIVE, min_compression_rate=0.5))
+    for state, expected in ((EDGCState(None, config), 1), (EDGCState(None, config, model=model), 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                tokens, targets = batch(0, step, vocab=32, seq_len=8)
+                model.zero_grad()
+                loss_fn(model, tokens, targets).backward()
+                state.synchronize(model.parameters())  # by tensor, not by name
+        layout = [str(w.message) for w in caught if "bucket layout" in str(w.message)]
+        assert len(layout) == expected, layout
+        assert all("model=" in message for message in layout)
 
 
 # ---------------------------------------------------------------------------- config fuzzing

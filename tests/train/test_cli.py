@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from edgc_cli.main import main
+from edgc_train.data import DataError, _pre_tokens_reach, check_split_sizes, load_corpus, prepare_data, split_corpus
 
 from .conftest import FAST, train_losses
 
@@ -81,6 +86,123 @@ def test_empty_data_is_rejected(capsys, tmp_path):
         code, lines = edgc_train(capsys, "--out", str(tmp_path / "run"), "--data", str(data))
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_data_too_small_for_one_batch_is_one_line_before_any_worker_starts(capsys, tmp_path):
+    (tmp_path / "t.txt").write_text("hello world\n")  # 9 + 3 bytes: no global batch of 2 x 8 blocks
+    code, lines = edgc_train(capsys, "--out", str(tmp_path / "run"), "--nproc", "2", "--data", str(tmp_path / "t.txt"),
+                             "--cache-dir", str(tmp_path / "cache"))
+    assert code == 2 and len(lines) == 1, lines
+    assert "training split has 9 bytes of text, so at most as many tokens: too few for one global batch of " \
+           "16 x 129 tokens" in lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]  # no run folder, no data cache
+
+
+def test_the_data_check_counts_exactly_what_preparation_gives(tmp_path):
+    """Between its bounds (fewer pre-tokens than needed, at least as many bytes) the check trains the
+    tokenizer to count: the exact count passes and one token more fails, in either split."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"line {i}: the cat sat on mat number {i * 7919 % 1000}\n" for i in range(60)))
+    args = (str(corpus), 300, 0.25, None)
+    train_text, val_text = split_corpus(load_corpus([corpus]), 0.25)
+    prepared = prepare_data(*args, cache_root=tmp_path / "prepared", log=lambda *a: None)
+    counts = {"training": prepared.meta["train_tokens"], "validation": prepared.meta["val_tokens"]}
+    for part, text in (("training", train_text), ("validation", val_text)):
+        assert not _pre_tokens_reach(text, counts[part]) and len(text.encode()) > counts[part]  # between
+    for cache_root in (tmp_path / "counted", tmp_path / "prepared"):  # counted here, or read from the cache
+        check_split_sizes(*args, cache_root, {part: (n, part) for part, n in counts.items()}, "hint")
+        for short in counts:
+            needs = {part: (n + (part == short), part) for part, n in counts.items()}
+            with pytest.raises(DataError, match=f"{short} split has {counts[short]} tokens: too few for {short}; hint"):
+                check_split_sizes(*args, cache_root, needs, "hint")
+    assert not (tmp_path / "counted").exists()
+
+
+def test_python_m_form_gives_the_same_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "edgc_cli.main", "train", "--out", str(tmp_path / "run"), "--steps", "0"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == ["edgc train: error: steps: must be an integer ≥ 1, got 0"]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _user_error_cases(root, small_run) -> dict[str, tuple[list[str], str]]:
+    """Each user error of `edgc train` in a folder under ``root``: name -> (arguments, part of its line)."""
+    (root / "empty.txt").write_text("\n  \n")
+    (root / "binary.dat").write_bytes(bytes(range(256)) * 8)
+    (root / "small.txt").write_text("hello world\n")
+    (root / "existing").mkdir()
+    (root / "existing" / "notes.txt").write_text("keep me")
+    shutil.copytree(small_run, root / "corrupt")
+    model = next((root / "corrupt" / "checkpoints").glob("step_*")) / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[100] ^= 0x01
+    model.write_bytes(bytes(data))
+    data_flags = ["--out", "run", "--cache-dir", "cache", "--data"]
+    return {
+        "bad option": (["--out", "run", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        "bad value": (["--out", "run", "--steps", "0"], "steps: must be an integer ≥ 1"),
+        "missing data": ([*data_flags, "missing.txt"], "does not exist"),
+        "empty data": ([*data_flags, "empty.txt"], "holds no text"),
+        "binary data": ([*data_flags, "binary.dat"], "binary.dat is a binary file"),
+        "too-small data": ([*data_flags, "small.txt"], "too few for one global batch"),
+        "existing --out": (["--out", "existing"], "existing already exists"),
+        "corrupt checkpoint": (["--resume", "corrupt"], "model.pt is corrupt"),
+    }
+
+
+def _launch_all(form: list[str], cases: dict, cwd, log_root=None) -> dict[str, tuple[subprocess.Popen, object]]:
+    """Start every case at once (each mostly waits for imports and rendezvous); wait for all."""
+    running = {}
+    for name, (args, _) in cases.items():
+        logs = log_root / name.replace(" ", "_") if log_root is not None else None
+        cmd = [*form[:-2], "--log-dir", str(logs), *form[-2:]] if logs else form
+        running[name] = (subprocess.Popen([*cmd, "train", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True), logs)
+    return {name: (proc, *proc.communicate(timeout=300), logs) for name, (proc, logs) in running.items()}
+
+
+def _assert_one_line(stderr: str, message: str, where: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edgc train: error:") and message in lines[0], (where, stderr)
+    assert "Traceback" not in stderr, where
+
+
+# Under torchrun every check runs in the workers; these four take its four routes to the one line:
+# argparse, a config value, the data check, the checkpoint check (each ~3 s of torchrun start-up).
+TORCHRUN_CASES = ("bad option", "bad value", "too-small data", "corrupt checkpoint")
+
+
+def test_every_user_error_is_one_line_exit_2_and_changes_nothing_in_every_launch_form(tmp_path, small_run):
+    """The console script, `python -m edgc_cli.main`, and every worker of `torchrun -m edgc_cli.main`.
+
+    torchrun itself then reports its failed workers (its own traceback, exit 1), which no worker can
+    change; so under torchrun the workers' logs are checked: rank 0 exits 2 and prints the one line,
+    rank 1 prints nothing (it waits for rank 0 and is stopped by torchrun, -15). `edgc train
+    --nproc N` checks everything before it starts torchrun: one line, exit 2.
+    """
+    work = tmp_path / "work"
+    work.mkdir()
+    cases = _user_error_cases(work, small_run)
+    before = _tree_digest(work)
+    forms = {"console script": [os.path.join(os.path.dirname(sys.executable), "edgc")],
+             "python -m": [sys.executable, "-m", "edgc_cli.main"]}
+    for form_name, form in forms.items():
+        for name, (proc, _, stderr, _) in _launch_all(form, cases, work).items():
+            assert proc.returncode == 2, (form_name, name, stderr)
+            _assert_one_line(stderr, cases[name][1], (form_name, name))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--redirects", "3", "-m", "edgc_cli.main"]
+    subset = {name: cases[name] for name in TORCHRUN_CASES}
+    for name, (proc, _, agent_stderr, logs) in _launch_all(torchrun, subset, work, tmp_path / "logs").items():
+        exits = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", agent_stderr))
+        assert proc.returncode != 0 and exits.get("0") == "2" and exits.get("1") in ("2", "-15"), (name, agent_stderr)
+        rank0, rank1 = (next(logs.glob(f"*/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1))
+        _assert_one_line(rank0, cases[name][1], ("torchrun rank 0", name))
+        assert rank1 == "", (name, rank1)
+    assert _tree_digest(work) == before
 
 
 def test_existing_run_is_never_overwritten(capsys, small_run):
