@@ -1,0 +1,26 @@
+"""`edgc bench --fsdp`: HSDP settings and the train flags each host runs (no network)."""
+from pathlib import Path
+
+import pytest
+
+from edgc_bench.cli import settings_from
+from edgc_bench.run import train_args
+from edgc_cli.main import CLIError, build_parser
+
+
+def parse(*flags):
+    return settings_from(build_parser(only="bench").parse_args(["bench", *flags]))
+
+
+def test_fsdp_defaults_to_two_processes_per_host_and_none_vs_edgc():
+    s = parse("--fsdp")
+    assert (s.fsdp, s.hosts, s.nproc, s.methods) == (True, 2, 2, ("none", "edgc"))
+    args = train_args(s, "edgc", Path("out"), None)
+    assert args[args.index("--fsdp") + 1:args.index("--fsdp") + 3] == ["--fsdp-shard", "2"]
+    plain = parse()
+    assert (plain.fsdp, plain.nproc) == (False, 1) and "--fsdp" not in train_args(plain, "none", Path("o"), None)
+
+
+def test_fsdp_refuses_methods_the_fsdp_hook_cannot_run():
+    with pytest.raises(CLIError, match="not available with --fsdp"):
+        parse("--fsdp", "--methods", "none,topk")
