@@ -24,3 +24,19 @@ def test_fsdp_defaults_to_two_processes_per_host_and_none_vs_edgc():
 def test_fsdp_refuses_methods_the_fsdp_hook_cannot_run():
     with pytest.raises(CLIError, match="not available with --fsdp"):
         parse("--fsdp", "--methods", "none,topk")
+
+
+def test_readme_sync_puts_an_hsdp_table_in_its_own_place(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_to_readme.py"
+    spec = importlib.util.spec_from_file_location("bench_to_readme", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
+    bench = tmp_path / "bench.md"
+    bench.write_text("<!-- bench:start -->\n2 hosts × 2 process(es) as HSDP (…)\n<!-- bench:end -->\n")
+    assert module.main([str(bench), str(readme)]) == 0
+    text = readme.read_text()
+    assert "ddp" in text and "<!-- bench-hsdp-table:start -->\n2 hosts × 2 process(es) as HSDP (…)\n" in text
