@@ -81,7 +81,7 @@ def train(model, state, optimizer, start, stop, log):
         loss.backward()
         optimizer.step()
         metrics = state.last_step_metrics if state is not None else {}
-        log.append((float(loss), metrics.get("step"), metrics.get("phase"), metrics.get("rank")))
+        log.append((loss.item(), metrics.get("step"), metrics.get("phase"), metrics.get("rank")))
 
 
 def local_shards(model):
@@ -243,3 +243,23 @@ def test_bf16_reduce_dtype_with_fp32_factors():
         assert any(phase == "compress" for *_, phase, _ in r["log"])
         assert max(r["ranks"].values()) > 0
         assert r["replicas_identical"]
+
+
+def profiling_worker(rank, world_size):
+    """r_max not given: EDGC profiles it on the replicate group and decides; replicas agree."""
+    mesh = hsdp_mesh(2)
+    config = {**COMPRESS, "r_max": None, "r_min": None, "profile_max_rank": 4, "profile_steps_per_rank": 1,
+              "total_steps": 30}
+    model, state, opt = build(mesh, False, config)
+    log = []
+    train(model, state, opt, 0, 10, log)
+    return {"phases": [phase for *_, phase, _ in log], "r_max": state.controller.r_max,
+            "replicas_identical": replicas_identical(model, mesh)}
+
+
+def test_r_max_profiling_on_the_replicate_group():
+    results = run_distributed(profiling_worker, 4)
+    for r in results:
+        # on loopback the profile may find that compression never pays (r_max None, phase off)
+        assert "profile" in r["phases"] and r["replicas_identical"]
+    assert results[0]["phases"] == results[2]["phases"] and results[0]["r_max"] == results[2]["r_max"]
