@@ -3,6 +3,7 @@
     python scripts/bench_to_readme.py runs/bench/bench.md
 
 It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:end --> in README.md
+(<!-- bench-hsdp-table:start/end --> for a table of `edgc bench --fsdp`)
 (adding both markers at the end of the README when they are missing), so the README's numbers are
 always the ones a real `edgc bench` produced, never typed by hand.
 """
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+# `edgc bench --fsdp` tables go to their own place (the HSDP section), not over the DDP bench's.
+HSDP_START, HSDP_END = "<!-- bench-hsdp-table:start -->", "<!-- bench-hsdp-table:end -->"
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -38,7 +41,9 @@ def main(argv: list[str]) -> int:
         return 2
     bench = Path(argv[0])
     readme = Path(argv[1]) if len(argv) == 2 else Path(__file__).resolve().parents[1] / "README.md"
-    readme.write_text(update(readme.read_text(), section(bench.read_text())))
+    table = section(bench.read_text())
+    markers = (HSDP_START, HSDP_END) if " as HSDP " in table else (START, END)
+    readme.write_text(update(readme.read_text(), table, *markers))
     print(f"{readme}: bench table from {bench}")
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from edgc_cli.main import CLIError
 
 from .netns import NetnsError, check_prerequisites
-from .run import ALL_METHODS, BenchSettings, check_methods
+from .run import ALL_METHODS, FSDP_METHODS, BenchSettings, check_methods
 
 DEFAULTS = BenchSettings()
 
@@ -23,11 +23,13 @@ def register(subparsers) -> None:
                     "table (bench.md), results.json and plots into --out. See docs/bench.md.")
     p.add_argument("--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist")
     p.add_argument("--hosts", type=int, default=DEFAULTS.hosts, help="emulated hosts (default %(default)s)")
-    p.add_argument("--nproc", type=int, default=DEFAULTS.nproc, help="processes per host (default %(default)s)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"processes per host (default {DEFAULTS.nproc}; 2 with --fsdp: the shard degree)")
     p.add_argument("--rate", "--rate-mbit", dest="rate", default=f"{DEFAULTS.rate_mbit:g}",
                    help="link rate per host in Mbit/s, or 'none' for unlimited (default %(default)s)")
-    p.add_argument("--methods", default=",".join(DEFAULTS.methods),
-                   help="comma-separated: " + ", ".join(ALL_METHODS) + ", powersgd@N, or 'all' (default: %(default)s)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated: " + ", ".join(ALL_METHODS) + ", powersgd@N, or 'all' (default: "
+                        + ",".join(DEFAULTS.methods) + "; with --fsdp: " + ",".join(FSDP_METHODS) + ")")
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
     p.add_argument("--preset", default=DEFAULTS.preset, help="model preset of edgc train (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step (default %(default)s)")
@@ -43,6 +45,9 @@ def register(subparsers) -> None:
                         + " ".join(f"{k}={json.dumps(v)}" for k, v in DEFAULTS.edgc.items()) + ")")
     p.add_argument("--data", default=None, help="training text (default: edgc train's default corpus)")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
+    p.add_argument("--fsdp", action="store_true",
+                   help="HSDP: the processes of a host shard the model with FSDP2, hosts are replicas, and the "
+                        "methods compress the replica all-reduce (methods: none, edgc, powersgd@…; default none,edgc)")
     p.add_argument("--link-only", action="store_true",
                    help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
                         "--out/calibration.json, train nothing")
@@ -66,8 +71,9 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         if rate <= 0:
             raise CLIError(f"--rate: must be > 0, got {args.rate}")
     try:
-        names = ALL_METHODS if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
-        methods = check_methods(list(names))
+        chosen = args.methods if args.methods is not None else ",".join(FSDP_METHODS if args.fsdp else DEFAULTS.methods)
+        names = ",".join(ALL_METHODS) if chosen.strip() == "all" else chosen
+        methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp)
     except ValueError as exc:
         raise CLIError(f"--methods: {exc}") from None
     if not methods:
@@ -84,13 +90,15 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     if not 0 < args.compress_ratio <= 1:
         raise CLIError(f"--compress-ratio: must be in (0, 1], got {args.compress_ratio}")
     return BenchSettings(
-        hosts=positive("hosts", args.hosts), nproc=positive("nproc", args.nproc), rate_mbit=rate,
+        hosts=positive("hosts", args.hosts), rate_mbit=rate,
+        nproc=positive("nproc", args.nproc if args.nproc is not None else 2 if args.fsdp else DEFAULTS.nproc),
         methods=tuple(methods), preset=args.preset, steps=positive("steps", args.steps),
         micro_batch=positive("micro-batch", args.micro_batch), seq_len=positive("seq-len", args.seq_len),
         vocab_size=args.vocab_size, eval_every=positive("eval-every", args.eval_every),
         eval_batches=positive("eval-batches", args.eval_batches), seed=args.seed,
         threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
-        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars)
+        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars,
+        fsdp=args.fsdp)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,13 +58,19 @@ class BenchSettings:
     run_timeout_s: int = 900
     data: str | None = None
     max_chars: int | None = None
+    fsdp: bool = False  # HSDP: each host's processes shard the model (edgc train --fsdp --fsdp-shard nproc)
 
 
-def check_methods(methods: list[str]) -> list[str]:
+FSDP_METHODS = ("none", "edgc")  # with --fsdp: HSDP's replica all-reduce (edgc train --fsdp compressors)
+
+
+def check_methods(methods: list[str], fsdp: bool = False) -> list[str]:
     """Validated method tokens; raises ValueError with one line."""
     out = []
     for m in methods:
         base, _, rank = m.partition("@")
+        if fsdp and base not in (*FSDP_METHODS, "powersgd"):
+            raise ValueError(f"method {m!r} is not available with --fsdp; choose from none, edgc, powersgd@…")
         ok = m in ALL_METHODS or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
         if not ok:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} or powersgd@N")
@@ -87,6 +93,8 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
         args += ["--data", s.data]
     if s.max_chars:
         args += ["--max-chars", str(s.max_chars)]
+    if s.fsdp:
+        args += ["--fsdp", "--fsdp-shard", str(s.nproc)]
     base, _, rank = method.partition("@")
     args += ["--compressor", base]
     if base == "powersgd" or base == "torch-powersgd":

@@ -208,7 +208,8 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         "# edgc bench\n",
         f"Date: {summary['date']}. Command: `{summary['command']}`\n",
         "<!-- bench:start -->",
-        f"`{summary['command']}` — {summary['date']}, {s['hosts']} hosts × {s['nproc']} process(es), "
+        f"`{summary['command']}` — {summary['date']}, {s['hosts']} hosts × {s['nproc']} process(es)"
+        f"{' as HSDP (FSDP2 shards inside a host, hosts are replicas; none = uncompressed replica all-reduce)' if s.get('fsdp') else ''}, "
         f"{rate} per host link (tc tbf on both ends of each veth), preset `{s['preset']}`, "
         f"{s['micro_batch']} × {s['seq_len']} tokens per rank per step, {s['steps']} steps, seed {s['seed']}; "
         f"uncompressed communication share (sync after backward) {share}; EDGC r_max = {summary['r_max']}. "

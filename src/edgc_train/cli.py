@@ -174,6 +174,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
             raise CLIError(f"--out: {run_dir} already exists; choose a new folder or --resume it")
         cfg = _fresh_config(args, flags)
         resume = False
+    if cfg.fsdp and cfg.fsdp_shard and world_size % cfg.fsdp_shard:
+        raise CLIError(f"--fsdp-shard {cfg.fsdp_shard}: the world size {world_size} is not a multiple of the shard degree")
     if world_size % cfg.pp:
         raise CLIError(f"--pp {cfg.pp}: the world size {world_size} is not a multiple of the pipeline stages")
     _check_data(cfg, world_size)

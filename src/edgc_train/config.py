@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8", "optimus-cc")
+FSDP_COMPRESSORS = ("none", "powersgd", "edgc")  # those the FSDP2 all-reduce hook runs
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
@@ -121,6 +122,13 @@ class TrainConfig:
     selective_stages: int = 1
     """optimus-cc: compress (static rank) only the first k pipeline stages. 1 ≤ k ≤ pp."""
 
+    # ---- FSDP2 / HSDP
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state with FSDP2 over groups of --fsdp-shard ranks and replicate across groups (HSDP); the compressor syncs the replicas' gradient shards. Compressors none, powersgd, edgc."""
+
+    fsdp_shard: int = 0
+    """With --fsdp: ranks per shard group (ranks per host); replicas = world / shard. 0 = the processes per host (LOCAL_WORLD_SIZE). ≥ 0."""
+
     # ---- evaluation, checkpoints, logging
     eval_every: int = 50
     """Validation every N optimizer steps (and always at the end); 0 = only at the end. ≥ 0."""
@@ -213,12 +221,17 @@ class TrainConfig:
             fail("grad_accum", f"is the number of pipeline micro-batches and must be ≥ pp = {self.pp}")
         if self.pp > 1 and self.eval_batches % self.grad_accum:
             fail("eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --pp (whole pipeline steps)")
+        check_int("fsdp_shard", 0)
+        if self.fsdp and self.pp > 1:
+            fail("fsdp", "cannot be combined with --pp > 1")
+        if self.fsdp and self.compressor not in FSDP_COMPRESSORS:
+            fail("compressor", f"with --fsdp must be one of {', '.join(FSDP_COMPRESSORS)}")
         check_int("powersgd_rank", 1)
         check_num("compress_ratio", 0, 1, low_open=True)
         check_int("eval_every", 0)
         check_int("eval_batches", 1)
         check_int("ckpt_every", 0)
-        for name in ("tensorboard", "comm_trace", "progress", "deterministic"):
+        for name in ("fsdp", "tensorboard", "comm_trace", "progress", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be true or false")
         check_choice("device", DEVICES)

@@ -195,9 +195,12 @@ def evaluate(model: torch.nn.Module, data, cfg: TrainConfig, rank: int, world: i
 
 
 def verify_replicas(module: torch.nn.Module, group) -> None:
-    """Data-parallel replicas must hold bit-identical parameters; a checkpoint refuses to save drift."""
+    """Data-parallel replicas must hold bit-identical parameters; a checkpoint refuses to save drift.
+
+    Sharded (FSDP) parameters are compared by their local shards: replicas of a shard hold the same."""
     digest = hashlib.sha256()
     for name, p in module.state_dict().items():
+        p = p.to_local() if hasattr(p, "to_local") else p
         digest.update(name.encode())
         digest.update(p.detach().cpu().contiguous().numpy().tobytes())
     digests = [None] * dist.get_world_size(group)
@@ -218,7 +221,7 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     dist.barrier()
     ckpt.save_rank_files(tmp, rank, runner.sampler.state_dict(), runner.compressor.state_dict())
     if runner.saves_shard:  # one writer per model shard (the whole model, or one pipeline stage)
-        ckpt.save_model_shard(tmp, runner.shard, runner.module.state_dict(), optimizer.state_dict())
+        ckpt.save_model_shard(tmp, runner.shard, *shard_states(runner, optimizer))
     if rank == 0:
         trainer = {"step": step, "wall_s": wall_s, "world_size": world, "compressor": cfg.compressor,
                    "config": cfg.to_dict()}
@@ -227,6 +230,21 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     if rank == 0:
         ckpt.finalize(tmp, ckpt.step_dir(run_dir, step), world, runner.shards)
     dist.barrier()  # nobody runs ahead of a checkpoint that is not in place yet
+
+
+def shard_states(runner, optimizer) -> tuple[dict, dict]:
+    """The model and optimizer state this rank writes (FSDP's runner turns DTensors into local tensors)."""
+    if hasattr(runner, "shard_states"):
+        return runner.shard_states(optimizer)
+    return runner.module.state_dict(), optimizer.state_dict()
+
+
+def load_shard_states(runner, model_sd: dict, optimizer_sd: dict, optimizer) -> None:
+    if hasattr(runner, "load_shard_states"):
+        runner.load_shard_states(model_sd, optimizer_sd, optimizer)
+    else:
+        runner.module.load_state_dict(model_sd)
+        optimizer.load_state_dict(optimizer_sd)
 
 
 class DataParallelRunner:
@@ -260,8 +278,7 @@ class DataParallelRunner:
             x, y = self.sampler.next_batch()
             x, y = torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
             # Gradients are synchronised (the hook runs) only on the last micro-batch.
-            sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else self.ddp.no_sync()
-            with sync:
+            with self.sync_context(micro == cfg.grad_accum - 1):
                 logits = self.ddp(input_ids=x).logits
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 (loss / cfg.grad_accum).backward()
@@ -270,6 +287,10 @@ class DataParallelRunner:
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.grad_clip)
         return loss_sum / cfg.grad_accum, {}
+
+    def sync_context(self, sync: bool):
+        """Where the micro-batch's backward runs: with or without the gradient sync."""
+        return contextlib.nullcontext() if sync else self.ddp.no_sync()
 
     def mean_loss(self, local: float | None) -> float:
         """The logged loss: the mean over all ranks' micro-batches (one scalar all-reduce, untimed)."""
@@ -282,6 +303,10 @@ class DataParallelRunner:
 
 
 def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
+    if cfg.fsdp:
+        from .fsdp import FSDPRunner
+
+        return FSDPRunner(cfg, data, rank, world, local_rank, device)
     if cfg.pp > 1:
         from .pipeline import PipelineRunner
 
@@ -324,8 +349,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if resume:
             ckpt_dir = ckpt.latest_checkpoint(run_dir)
             trainer = ckpt.verify(ckpt_dir, world)
-            model.load_state_dict(ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device))
-            optimizer.load_state_dict(ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device))
+            load_shard_states(runner, ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
+                              ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device), optimizer)
             scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
             mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
             runner.sampler.load_state_dict(mine["sampler"])

@@ -1,4 +1,4 @@
-"""Every script in examples/ runs with 2 processes on CPU, and its EDGC hook really ran.
+"""Every script in examples/ runs on CPU (2 processes; the HSDP one 4), and its EDGC hook really ran.
 
 Each example prints ``[rank R] edgc: step S phase P rank r sent B of RAW bytes`` from its last
 optimizer step: both ranks must report the last step (the hook counted every sync), the
@@ -14,6 +14,7 @@ from distributed_harness import free_port
 from .conftest import REPO, run_script, summaries
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+TORCHRUN4 = [*TORCHRUN[:-3], "4", *TORCHRUN[-2:]]  # 2 replicas × 2 shards
 
 # example → (command, optimizer steps it runs by default)
 EXAMPLES = {
@@ -21,6 +22,7 @@ EXAMPLES = {
     "hf_transformers": (TORCHRUN, 16),
     "accelerate_example": (TORCHRUN, 12),
     "lightning_trainer": ([sys.executable], 12),  # Lightning starts the second process itself
+    "fsdp2_hsdp": (TORCHRUN4, 12),
 }
 
 
@@ -28,17 +30,19 @@ EXAMPLES = {
 def test_example_runs_and_compresses(name):
     launcher, steps = EXAMPLES[name]
     port = str(free_port())
-    args = [*launcher, *(["--master_port", port] if launcher is TORCHRUN else []), f"examples/{name}.py"]
+    torchrun = launcher in (TORCHRUN, TORCHRUN4)
+    args = [*launcher, *(["--master_port", port] if torchrun else []), f"examples/{name}.py"]
     proc = run_script(args, MASTER_PORT=port, MASTER_ADDR="127.0.0.1")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     found = summaries(output)
-    assert sorted(found) == [0, 1], output[-4000:]
+    nproc = 4 if launcher is TORCHRUN4 else 2
+    assert sorted(found) == list(range(nproc)), output[-4000:]
     for summary in found.values():
         assert summary["step"] == steps - 1  # 0-based: one hook step per optimizer step
         assert summary["phase"] == "compress" and summary["rank"] > 0
         assert 0 < summary["sent"] < summary["raw"] / 2
-    assert found[0] == found[1]
+    assert found[0] == found[nproc // 2]  # replicas (of the same shards, for HSDP) agree
 
 
 def test_plain_diff_is_the_change_from_the_vanilla_script():

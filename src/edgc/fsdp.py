@@ -1,0 +1,161 @@
+"""EDGC for FSDP2 (`fully_shard`) and HSDP: compress the all-reduce between replicas.
+
+HSDP shards parameters inside a host and replicates them across hosts; the all-reduce between
+replicas crosses the slow network, and that is the one EDGC compresses:
+
+    mesh = hsdp_mesh(shard_size)                        # 2-D ("replicate", "shard") DeviceMesh
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])          # shard over the host only: FSDP, not native HSDP
+    fully_shard(model, mesh=mesh["shard"])
+    state = EDGCState(mesh.get_group("replicate"), EDGCConfig(total_steps=10_000))
+    register_fsdp_comm_hook(model, state)               # the replica all-reduce, compressed
+
+FSDP2 reduce-scatters every parameter group over the shard dimension as usual; its all-reduce
+hook (``FSDPModule.set_all_reduce_hook``) then receives the group's flat reduce-scatter output,
+this rank's shards of the group's parameters back to back (each padded to the shard size). The
+hook cuts it into per-parameter views, ``(rows this rank owns) × (rest)``, and averages them
+over the replicate group with `GradientReducer.reduce_tensors`: the same `EDGCState` as for DDP
+(warm-up, r_max profiling, entropy, window decisions agreed over the replicate group, metrics,
+``state_dict()``), with error feedback and Q per shard — 1/k of DDP's EF memory for k shards.
+1-D and small shards are sent raw. The views alias FSDP's buffer, so the averages land in the
+sharded gradients FSDP then hands to the optimizer. With ``MixedPrecisionPolicy(reduce_dtype=
+torch.bfloat16)`` the shards are bf16; factors and error feedback are fp32 (see `edgc.lowrank`).
+
+The model must be sharded on a 1-D mesh (the shard dimension): with a 2-D mesh FSDP runs its
+own replica all-reduce before the hook, and there would be nothing left to compress.
+
+The step closes (metrics, decisions, step counter) in an autograd callback queued by the first
+hook call of a backward, which runs after FSDP's own final callback, so after every group,
+including the root's, has been reduced. Gradient accumulation: wrap the non-final micro-batches
+in ``model.set_requires_gradient_sync(False)`` as usual; those backwards call no hook and do not
+count as steps.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from .reducer import GradientReducer
+
+__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout"]
+
+
+def hsdp_mesh(shard_size: int, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D ``("replicate", "shard")`` mesh over all ranks: consecutive ranks share a host.
+
+    Shard with ``mesh["shard"]``; the EDGC state takes ``mesh.get_group("replicate")``.
+    """
+    world = dist.get_world_size()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"shard size {shard_size} must divide the world size {world}")
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def _param_group(module: FSDPModule):
+    """The single FSDP parameter group of one `fully_shard`-ed module, or None (no parameters).
+
+    FSDP2 keeps the layout (``fsdp_params``, ``sharded_size``, padding) in private state; the
+    attributes used here are those `foreach_reduce` itself uses to view the same buffer.
+    """
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError("EDGC for FSDP supports one parameter group per fully_shard call "
+                         "(no per-parameter meshes from shard_placement_fn)")
+    return groups[0] if groups else None
+
+
+def shard_layout(group) -> list[tuple[nn.Parameter, torch.Size, int]]:
+    """(sharded parameter, this rank's shard size, padded shard numel) per parameter, in buffer order."""
+    return [(fp.sharded_param, fp.sharded_size, fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
+
+
+class FSDPCommHook:
+    """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`."""
+
+    def __init__(self, model: nn.Module, state: GradientReducer):
+        if not isinstance(model, FSDPModule):
+            raise TypeError("register_fsdp_comm_hook needs a model that fully_shard was applied to")
+        self.state = state
+        self.model = model
+        names = {id(p): name for name, p in model.named_parameters()}
+        self._groups = []  # (module, [(name, size, padded numel)])
+        shapes = {}
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = _param_group(module)
+            if group is None or not group.fsdp_params:
+                continue
+            if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
+                raise ValueError("shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['shard']): on a 2-D mesh FSDP "
+                                 "all-reduces over the replicas itself before any hook runs")
+            layout = []
+            for param, size, padded in shard_layout(group):
+                if not param.requires_grad:
+                    continue
+                name = names[id(param)]
+                layout.append((name, size, padded))
+                shapes[name] = tuple(size)
+            self._groups.append((module, layout))
+            module.set_all_reduce_hook(self._make_hook(layout))
+        if not self._groups:
+            raise ValueError("the model has no parameters to reduce")
+        # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
+        # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
+        model.set_reduce_scatter_unused_params(True)
+        # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
+        state.parameter_shapes = shapes
+        self._step_open = False
+
+    def _make_hook(self, layout):
+        # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
+        # not a gradient and is neither sent nor compressed.
+        expected = sum(padded for _, _, padded in layout)
+
+        def hook(reduce_output: torch.Tensor) -> None:
+            if reduce_output.numel() != expected:
+                raise RuntimeError(f"FSDP reduce-scatter output has {reduce_output.numel()} elements, the layout "
+                                   f"{expected}: parameters without requires_grad changed since registering?")
+            names, views, offset = [], [], 0
+            for name, size, padded in layout:
+                numel = math.prod(size)
+                view = reduce_output[offset : offset + numel].view(size)
+                views.append(view.view(size[0], -1) if view.dim() >= 2 else view)
+                names.append(name)
+                offset += padded
+            self._open_step()
+            self.state.reduce_tensors(names, views, last=False)
+
+        return hook
+
+    def _open_step(self) -> None:
+        if not self._step_open:
+            self._step_open = True
+            Variable._execution_engine.queue_callback(self._close_step)
+
+    def _close_step(self) -> None:
+        self._step_open = False
+        self.state.reduce_tensors([], [], last=True)  # no tensors: closes the step on every rank
+
+    def remove(self) -> None:
+        """Unregister: FSDP goes back to no replica all-reduce at all (plain FSDP on the shard mesh)."""
+        for module, _ in self._groups:
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                group._all_reduce_hook = None
+        self._groups = []
+
+
+def register_fsdp_comm_hook(model: nn.Module, state: GradientReducer) -> FSDPCommHook:
+    """Average the gradient shards of a `fully_shard`-ed model over ``state``'s process group.
+
+    ``model`` is sharded on the shard mesh dimension only (a 1-D mesh, e.g. ``hsdp_mesh(k)["shard"]``);
+    ``state`` (an `EDGCState`, or `AllReduceState` for the uncompressed baseline) is built on the
+    replicate group. Call once, before the first backward; returns a handle with ``remove()``.
+    """
+    return FSDPCommHook(model, state)

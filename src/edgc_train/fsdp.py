@@ -1,0 +1,144 @@
+"""``edgc train --fsdp``: GPT-2 with FSDP2 as HSDP, the replica all-reduce compressed by `edgc.fsdp`.
+
+Ranks form a (replicas × shard) grid: consecutive ``--fsdp-shard`` ranks (one host) shard every
+transformer block and the root (embeddings, final LayerNorm, tied head) with ``fully_shard`` on the
+shard dimension; ranks with the same shard index on different hosts are replicas, and the
+compressor (``none``, ``powersgd`` or ``edgc``) averages their gradient shards over that
+replicate group from FSDP's all-reduce hook. Every rank reads its own data (FSDP is data parallel).
+
+Checkpoints: one model and optimizer file per shard index (``model_shard{s}.pt``), written by
+replica 0 of that shard, holding this shard's local tensors (plain tensors, no DTensor or mesh in
+the file); resume wraps them back into the parameters' DTensors. The compressor's state (error
+feedback per local shard, Q, schedule) is per rank as for DDP.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from .compressors import EngineCompressor
+from .data import BlockSampler, val_batches
+from .model import build_model, count_parameters, model_shape
+from .train import DataParallelRunner
+
+
+def shard_degree(cfg, world: int) -> int:
+    """``--fsdp-shard``, or the processes per host (torchrun's LOCAL_WORLD_SIZE) when 0."""
+    shard = cfg.fsdp_shard or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % shard:
+        raise ValueError(f"--fsdp-shard {shard} does not divide the world size {world}")
+    return shard
+
+
+class FSDPCompressor(EngineCompressor):
+    """``none`` / ``powersgd`` / ``edgc`` on the replicate group, registered as FSDP's all-reduce hook."""
+
+    def __init__(self, name: str, model, config, replicate_group):
+        import edgc
+        from edgc.fsdp import register_fsdp_comm_hook
+
+        self.name = name
+        if name == "none":
+            self.state = edgc.AllReduceState(process_group=replicate_group)
+        else:
+            self.state = edgc.EDGCState(process_group=replicate_group, config=config)
+        self.hook = register_fsdp_comm_hook(model, self.state)
+
+
+def local_tensors(obj):
+    """``obj`` with every DTensor replaced by this rank's local tensor (for a checkpoint file)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, dict):
+        return {k: local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_tensors(v) for v in obj)
+    return obj
+
+
+def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
+                              shape=like.shape, stride=like.stride(), run_check=False)
+
+
+class FSDPRunner(DataParallelRunner):
+    """`train.DataParallelRunner` for HSDP: its training step, with FSDP's own sync switch."""
+
+    def __init__(self, cfg, data, rank: int, world: int, local_rank: int, device: torch.device):
+        from edgc.fsdp import hsdp_mesh
+
+        self.cfg, self.data, self.rank, self.world, self.device = cfg, data, rank, world, device
+        shard = shard_degree(cfg, world)
+        self.mesh = hsdp_mesh(shard, device.type)
+        self.replicas = world // shard
+        self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
+        torch.manual_seed(cfg.seed)  # the same full model on every rank before sharding
+        self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
+        self.module = build_model(self.shape, cfg.dropout).to(device)
+        self.n_params = count_parameters(self.module)
+        for block in self.module.transformer.h:
+            fully_shard(block, mesh=self.mesh["shard"])
+        fully_shard(self.module, mesh=self.mesh["shard"])
+        self.dp_group = self.mesh.get_group("replicate")
+        edgc_config = cfg.edgc_config() if cfg.compressor != "none" else None
+        self.compressor = FSDPCompressor(cfg.compressor, self.module, edgc_config, self.dp_group)
+        shard_index = self.mesh["shard"].get_local_rank()
+        self.shard = f"_shard{shard_index}"
+        self.saves_shard = self.mesh["replicate"].get_local_rank() == 0
+        self.shards = tuple(f"_shard{s}" for s in range(shard))
+        self.ddp = self.module  # what train_step runs forward through
+        self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+
+    def sync_context(self, sync: bool):
+        # Reduce-scatter and the replica sync (the hook) only on the last micro-batch.
+        self.module.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """As `train.evaluate`, but every rank runs the same number of forwards (FSDP all-gathers
+        in each): a rank with fewer validation blocks repeats its last batch and does not count it."""
+        cfg, model = self.cfg, self.module
+        model.eval()
+        mine = list(val_batches(self.data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches, self.rank, self.world))
+        count = torch.tensor([len(mine)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i in range(int(count)):
+            x, y = mine[min(i, len(mine) - 1)]
+            x, y = torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+            logits = model(input_ids=x).logits
+            if i < len(mine):
+                totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
+                totals[1] += y.numel()
+        dist.all_reduce(totals)
+        model.train()
+        return (totals[0] / totals[1]).item()
+
+    # ------------------------------------------------------------------ checkpoints
+    def shard_states(self, optimizer) -> tuple[dict, dict]:
+        """This shard's model and optimizer state as plain local tensors."""
+        return local_tensors(self.module.state_dict()), local_tensors(optimizer.state_dict())
+
+    def load_shard_states(self, model_sd: dict, optimizer_sd: dict, optimizer) -> None:
+        with torch.no_grad():
+            for name, param in self.module.state_dict().items():
+                param.to_local().copy_(model_sd[name]) if isinstance(param, DTensor) else param.copy_(model_sd[name])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, entries in optimizer_sd["state"].items():
+            param = params[index]
+            state[index] = {key: as_dtensor(value, param)
+                            if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, DTensor)
+                            else value for key, value in entries.items()}
+        optimizer.load_state_dict({**optimizer_sd, "state": state})
+
+    def local_parameters(self) -> dict:
+        """Local shards, for the replica digest before a checkpoint."""
+        return local_tensors(self.module.state_dict())
