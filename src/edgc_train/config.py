@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8", "optimus-cc")
-FSDP_COMPRESSORS = ("none", "powersgd", "edgc")  # those the FSDP2 all-reduce hook runs
+FSDP_COMPRESSORS = ("none", "allreduce", "powersgd", "edgc")  # none: native HSDP; the others via the hook
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")

@@ -3,8 +3,10 @@
 Ranks form a (replicas × shard) grid: consecutive ``--fsdp-shard`` ranks (one host) shard every
 transformer block and the root (embeddings, final LayerNorm, tied head) with ``fully_shard`` on the
 shard dimension; ranks with the same shard index on different hosts are replicas, and the
-compressor (``none``, ``powersgd`` or ``edgc``) averages their gradient shards over that
-replicate group from FSDP's all-reduce hook. Every rank reads its own data (FSDP is data parallel).
+compressor (``allreduce``, ``powersgd`` or ``edgc``) averages their gradient shards over that
+replicate group from FSDP's all-reduce hook. ``none`` is native HSDP: ``fully_shard`` on the 2-D
+(replicate, shard) mesh with no hook, FSDP's own replica all-reduce, the reference every ratio is
+against. Every rank reads its own data (FSDP is data parallel).
 
 Checkpoints: one model and optimizer file per shard index (``model_shard{s}.pt``), written by
 replica 0 of that shard, holding this shard's local tensors (plain tensors, no DTensor or mesh in
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from .compressors import EngineCompressor
+from .compressors import Compressor, EngineCompressor
 from .data import BlockSampler, val_batches
 from .model import build_model, count_parameters, model_shape
 from .train import DataParallelRunner
@@ -36,15 +38,39 @@ def shard_degree(cfg, world: int) -> int:
     return shard
 
 
+class NativeHSDP(Compressor):
+    """``none``: FSDP2 on the 2-D mesh with no hook, i.e. HSDP's own replica all-reduce (what users
+    run). Bytes are this rank's gradient shard; times are not separable from FSDP's."""
+
+    name = "none"
+
+    def __init__(self, model):
+        self.elements = sum(p.to_local().numel() for p in model.parameters() if p.requires_grad)
+        self.size = self.elements * next(model.parameters()).element_size()
+
+    def step_metrics(self) -> dict:
+        return {"phase": "off", "rank": None, "ranks": {}, "entropy": None, "elements_sent": self.elements,
+                "elements_raw": self.elements, "bytes_sent": self.size, "bytes_raw": self.size,
+                "compress_time_s": None, "comm_time_s": None, "collectives": None, "collective_s": None,
+                "relative_error": None, "entropy_time_s": None}
+
+    def state_dict(self) -> dict:
+        return {"format": "native-hsdp/1"}
+
+    def load_state_dict(self, sd) -> None:
+        if not isinstance(sd, dict) or sd.get("format") != "native-hsdp/1":
+            raise ValueError("not a native HSDP compressor state")
+
+
 class FSDPCompressor(EngineCompressor):
-    """``none`` / ``powersgd`` / ``edgc`` on the replicate group, registered as FSDP's all-reduce hook."""
+    """``allreduce`` / ``powersgd`` / ``edgc`` on the replicate group, registered as FSDP's all-reduce hook."""
 
     def __init__(self, name: str, model, config, replicate_group):
         import edgc
         from edgc.fsdp import register_fsdp_comm_hook
 
         self.name = name
-        if name == "none":
+        if name == "allreduce":
             self.state = edgc.AllReduceState(process_group=replicate_group)
         else:
             self.state = edgc.EDGCState(process_group=replicate_group, config=config)
@@ -82,12 +108,19 @@ class FSDPRunner(DataParallelRunner):
         self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
         self.module = build_model(self.shape, cfg.dropout).to(device)
         self.n_params = count_parameters(self.module)
+        # none: HSDP on the 2-D mesh, FSDP's own replica all-reduce. Otherwise the model is sharded
+        # on the shard dimension only and the hook averages over the replicate group.
+        native = cfg.compressor == "none"
+        mesh = self.mesh if native else self.mesh["shard"]
         for block in self.module.transformer.h:
-            fully_shard(block, mesh=self.mesh["shard"])
-        fully_shard(self.module, mesh=self.mesh["shard"])
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.module, mesh=mesh)
         self.dp_group = self.mesh.get_group("replicate")
-        edgc_config = cfg.edgc_config() if cfg.compressor != "none" else None
-        self.compressor = FSDPCompressor(cfg.compressor, self.module, edgc_config, self.dp_group)
+        if native:
+            self.compressor = NativeHSDP(self.module)
+        else:
+            edgc_config = cfg.edgc_config() if cfg.compressor != "allreduce" else None
+            self.compressor = FSDPCompressor(cfg.compressor, self.module, edgc_config, self.dp_group)
         shard_index = self.mesh["shard"].get_local_rank()
         self.shard = f"_shard{shard_index}"
         self.saves_shard = self.mesh["replicate"].get_local_rank() == 0

@@ -8,7 +8,7 @@ import edgc.timing
 from distributed_harness import run_distributed
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
 from edgc.comm import Communicator
-from models import flat_parameters
+from models import batch, flat_parameters, loss_fn
 from test_ddp import ADAPTIVE, build, train
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
@@ -131,3 +131,34 @@ def test_profiling_frees_its_q_factors_when_it_ends():
         state.synchronize(layer.named_parameters())
     assert state.controller.phase != PROFILE
     assert state._profiler.q == {} and state.state_dict()["profiler"]["q"] == {}
+
+
+def raw_bias_inf_worker(rank, world_size):
+    config = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000,
+                  min_compression_rate=1.0)
+    model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.0005)  # one parameter per bucket
+    state = EDGCState(None, EDGCConfig(**config), model=ddp)
+    ddp.register_comm_hook(state, edgc_hook)
+    bias = model.head.bias
+    poison = {"step": None}
+    bias.register_hook(lambda g: g.clone().fill_(float("inf")) if poison["step"] and rank == 1 else g)
+    flags, skipped = [], []
+    for step in range(5):
+        poison["step"] = step == 3
+        tokens, targets = batch(rank, step)
+        optimizer.zero_grad()
+        loss_fn(ddp, tokens, targets).backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            optimizer.step()
+        else:
+            skipped.append(step)
+        flags.append(state.last_step_metrics["nonfinite"])
+    return flags, skipped, flat_parameters(model)
+
+
+def test_a_non_finite_raw_bias_on_one_rank_sets_the_step_flag_whatever_the_buckets():
+    results = run_distributed(raw_bias_inf_worker, 2)
+    for flags, skipped, _ in results:
+        assert flags == [False, False, False, True, False]
+        assert skipped == [3]
+    assert torch.equal(results[0][2], results[1][2])
