@@ -183,6 +183,9 @@ class GradientReducer:
         """Called once with the gradients' device (move loaded state there)."""
 
     def _begin_step(self) -> None:
+        # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
+        # anything of the state has changed (see edgc.detached).
+        self.comm.reset()
         self._in_step = True
         self._busy = []
         self._stats = ReduceStats()
