@@ -220,8 +220,9 @@ class LowRankCompressor:
                     stats.resized_q[names[i]] = stored
                 old_q.append(self.resize_q(names[i], n, r, device).to(compute_dtype))
                 q_t[k].copy_(old_q[k].T)
-            reseed = torch.stack([self._reseed_columns(names[i], n, r, device).T for i in indices]).to(compute_dtype)
-            q_t.copy_(torch.where(q_t.abs().sum(dim=2, keepdim=True) == 0, reseed, q_t))
+            if r <= 2:  # Gram–Schmidt keeps a zero column zero; QR (r > 2) recovers by itself
+                reseed = torch.stack([self._reseed_columns(names[i], n, r, device).T for i in indices]).to(compute_dtype)
+                q_t.copy_(torch.where(q_t.abs().sum(dim=2, keepdim=True) == 0, reseed, q_t))
             orthogonalize_(q_t.transpose(1, 2), config.orthogonalization_epsilon)
             matrices = [self._error_plus_gradient(names[i], grads[i].view(m, n), error_dtype, stats)
                         for i in indices]

@@ -162,3 +162,16 @@ def test_a_non_finite_raw_bias_on_one_rank_sets_the_step_flag_whatever_the_bucke
         assert flags == [False, False, False, True, False]
         assert skipped == [3]
     assert torch.equal(results[0][2], results[1][2])
+
+
+def test_persistent_compressor_memory_is_at_most_1_05_times_the_gradients():
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    gradient_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    compressor = LowRankCompressor(EDGCConfig(r_max=8))
+    named = list(model.named_parameters())
+    compressor.reduce([n for n, _ in named], [p.grad for _, p in named], 8, Communicator())
+    state = [*compressor.error.values(), *compressor.q.values(), *compressor._reseed.values()]
+    persistent = sum(t.numel() * t.element_size() for t in state)
+    assert persistent <= 1.05 * gradient_bytes, persistent / gradient_bytes
