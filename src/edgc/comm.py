@@ -157,12 +157,14 @@ class Communicator:
 
 
 # ---------------------------------------------------------------------------- bucket jobs
-# A *job* syncs one bucket as a generator: it issues collectives (rule 1), then ``yield``s so
-# that backward can go on, and on resumption waits for them (rule 2) before computing and
-# issuing the next ones. Its return value is its result. The driver (`edgc.reducer`) resumes
-# jobs at points that depend only on the bucket sequence, never on timing, so every rank
-# issues the same collectives in the same order.
-Job = Generator[None, None, Any]
+# A *job* syncs one bucket as a generator: it issues collectives (rule 1), then yields so that
+# backward can go on, and on resumption waits for them (rule 2) before computing and issuing the
+# next ones. It yields ISSUES_MORE when it will issue more collectives once resumed, FINISHES
+# when all that is left is to wait and compute locally. Its return value is its result. The
+# driver (`edgc.reducer`) resumes jobs at points that depend only on the bucket sequence and on
+# what the jobs yielded, never on timing, so every rank issues the same collectives in order.
+ISSUES_MORE, FINISHES = "issues more", "finishes"
+Job = Generator[str, None, Any]
 
 
 def run_job(job: Job) -> Any:

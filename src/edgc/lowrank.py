@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm import Communicator, Job, run_job
+from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from .config import EDGCConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -245,7 +245,7 @@ class LowRankCompressor:
                     p_t.mul_(_half_wire_shift(n))  # P is orthonormalised after the sum: its scale is free
             p_sent = comm.mean_async(p_flat, wire_dtype)
             self._count_sent(stats, p_flat, wire_dtype)
-        yield
+        yield ISSUES_MORE if batches else FINISHES
 
         raw_sent.wait()
         offset = 0
@@ -272,7 +272,7 @@ class LowRankCompressor:
                 q_t.mul_(_half_wire_shift(m))
         q_sent = comm.mean_async(q_flat, wire_dtype)
         self._count_sent(stats, q_flat, wire_dtype)
-        yield
+        yield FINISHES
 
         q_sent.wait()
         if half_wire:

@@ -6,10 +6,10 @@ approximation for a compressor). ``flat`` is DDP's bucket buffer that ``grads`` 
 into, or None. It either does so before returning (blocking), or returns a *job* (`edgc.comm`):
 a generator that issues collectives, yields, and on resumption waits for them and goes on.
 
-The DDP hook never blocks backward on a job. Each hook call first resumes every bucket job in
-flight once, oldest first, then starts the new bucket's job up to its first yield, and returns
-a Future; the last bucket of the step resumes all jobs to their end before it returns, so
-DDP finds every Future complete. Which job is resumed when depends only on the bucket sequence,
+The DDP hook never blocks backward on a job. Each hook call first resumes, oldest first, every
+job in flight that still has collectives to issue (a job says so with what it yields), then
+starts the new bucket's job up to its first yield, and returns a Future; the last bucket of the
+step resumes all jobs to their end before it returns, so DDP finds every Future complete. Which job is resumed when depends only on the bucket sequence,
 so every rank issues the same collectives in the same order, with DDP's default buckets or many
 tiny ones. Communication of bucket k runs while autograd computes the gradients of bucket k+1.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Communicator, run_job
+from .comm import FINISHES, ISSUES_MORE, Communicator, run_job
 from .lowrank import ReduceStats
 from . import timing
 from .timing import Clock
@@ -144,16 +144,16 @@ class GradientReducer:
             self._on_device(self.device)
         begin = self.clock.stamp()
         job = self._reduce(names, grads, flat)
-        entry = [job if isinstance(job, types.GeneratorType) else None, future, flat]
+        entry = [job if isinstance(job, types.GeneratorType) else None, future, flat, FINISHES]
         self._advance(entry)
         self._busy.append((begin, self.clock.stamp()))
 
     def _advance(self, entry: list) -> None:
         """Resume one job to its next yield; completes its Future when it returns."""
-        job, future, flat = entry
+        job, future, flat, _ = entry
         if job is not None:
             try:
-                next(job)
+                entry[3] = next(job)  # ISSUES_MORE or FINISHES
                 if entry not in self._in_flight:
                     self._in_flight.append(entry)
                 return
@@ -165,18 +165,23 @@ class GradientReducer:
         if future is not None:
             future.set_result(flat)
 
-    def _resume_in_flight(self) -> None:
-        """Every job in flight moves on by one stage, oldest first (a fixed, rank-independent order)."""
-        if not self._in_flight:
+    def _resume_in_flight(self, finishing: bool = False) -> None:
+        """Jobs in flight move on by one stage, oldest first (a fixed, rank-independent order).
+
+        Only jobs with collectives still to issue are resumed between buckets; one that only has
+        to wait and finish is left for the drain (``finishing``), so backward never waits for a
+        transfer that nothing needs yet."""
+        due = [entry for entry in self._in_flight if finishing or entry[3] == ISSUES_MORE]
+        if not due:
             return
         begin = self.clock.stamp()
-        for entry in list(self._in_flight):
+        for entry in due:
             self._advance(entry)
         self._busy.append((begin, self.clock.stamp()))
 
     def _finish_in_flight(self) -> None:
         while self._in_flight:
-            self._resume_in_flight()
+            self._resume_in_flight(finishing=True)
 
     # ------------------------------------------------------------------ step bookkeeping
     def _on_device(self, device: torch.device) -> None:
@@ -249,7 +254,7 @@ class GradientReducer:
         sent = self.comm.mean_async(packed)
         elements = sum(g.numel() for g in grads)
         size = elements * grads[0].element_size()
-        yield
+        yield FINISHES
         sent.wait()
         if flat is None:
             offset = 0
