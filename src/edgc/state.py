@@ -108,23 +108,39 @@ class EDGCState(GradientReducer):
 
     def _decide(self, plan: StepPlan) -> None:
         compressed, uncompressed, count = self._profile_seconds
+        errors = self._window_errors()
         local = Agreed(
             profile_time=compressed / count if count else math.nan,
             uncompressed_time=uncompressed / count if count else math.nan,
             probe_error=self._probe_error if plan.probe_rank is not None else math.nan,
+            relative_error=sum(errors) / len(errors) if errors else math.nan,
         )
         device = self.device or torch.device("cpu")
         agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
         if self.comm.rank == 0:
             shapes = [s for s in self._shapes.values() if self.compressor.compressed_rank(s, self.controller.r_max or 1)]
-            proposal = self.controller.propose(plan, agreed, self.sampler.values(), shapes)
+            history = self.sampler.history
+            proposal = self.controller.propose(plan, agreed, [v for _, v in history], shapes,
+                                               sample_steps=[s for s, _ in history])
         else:
             proposal = self.controller.current()
         vector = self.comm.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
         self.controller.apply(plan, agreed, Decision.decode(vector.tolist()))
         self._profile_seconds = [0.0, 0.0, 0]
+        errors.clear()
+
+    def _window_errors(self) -> list[float]:
+        """‖M−Ĝ‖²/‖M‖² of the compressed steps since the last decision (collected by `_step_metrics`,
+        one step late: a step's error is known only once its metrics are built)."""
+        if not hasattr(self, "_relative_errors"):
+            self._relative_errors: list[float] = []
+        return self._relative_errors
 
     def _step_metrics(self) -> dict:
+        previous = self.last_step_metrics or {}
+        error = previous.get("relative_error")
+        if previous.get("phase") == "compress" and error is not None and math.isfinite(error):
+            self._window_errors().append(float(error) ** 2)
         plan = self._plan
         return {
             "phase": plan.phase,

@@ -34,7 +34,7 @@ def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
                         iteration_sample_ratio=1.0, cqm_mc_samples=1)
     controller = WindowController(config)
     controller.rank = previous
-    entropies = [1.0] * 4 + [1.0 - drop] * 4
+    entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
     rank = controller.next_rank(entropies, [(32, 64), (32, 64)])
     assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
     if drop > 0.05 and previous - step_limit >= 4:
