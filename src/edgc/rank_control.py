@@ -126,6 +126,20 @@ def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max:
     return round(r_min + (r_max - r_min) * ratio)
 
 
+def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
+    """One line for people: what profiling measured, what it decided, and how to compress anyway."""
+    def ms(seconds: float | None) -> str:
+        return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
+
+    times = ", ".join(f"r={rank}: {ms(t)}" for rank, t in verdict["compressed_s"].items())
+    measured = f"uncompressed all-reduce {ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
+    advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
+    if verdict["status"] == "off":
+        return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."
+    return (f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
+            f"uncompressed ({measured}); {advice}.")
+
+
 # ---------------------------------------------------------------------------- plans and decisions
 @dataclass(frozen=True)
 class StepPlan:
@@ -377,6 +391,25 @@ class WindowController:
         if self.phase == COMPRESS and decision.rank != self.rank:
             self.rank = decision.rank
             self.schedule.append((plan.step + 1, decision.rank))
+
+    # ------------------------------------------------------------------ saying what profiling found
+    def profiling_verdict(self) -> dict | None:
+        """Why compression is off, or pinned at its lowest candidate rank, after profiling; None otherwise.
+
+        ``{"status": "off" | "floor", "r_max": …, "uncompressed_s": …, "compressed_s": {rank: s}}``,
+        times in seconds per step as measured (averaged over the group). Only a *profiled* r_max
+        can be at its floor: a given r_max is the user's choice.
+        """
+        if self.follower or not self.table.by_rank or self.phase == PROFILE:
+            return None
+        if self.phase == OFF:
+            status = "off"
+        elif self.config.r_max is None and self.r_max is not None and self.r_max <= self._candidates[0]:
+            status = "floor"
+        else:
+            return None
+        return {"status": status, "r_max": self.r_max, "uncompressed_s": self.table.uncompressed,
+                "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())}}
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
