@@ -39,7 +39,7 @@ class EDGCConfig:
     """False = static PowerSGD at r_max after warm-up (no entropy sampling, no rank changes)."""
 
     rank_mapping: str = "delta"
-    """Entropy → rank mapping: 'delta' (authors' linear map of the windowed entropy change) or 'cqm'."""
+    """Rank mapping: 'delta' (authors' linear map of the entropy change), 'cqm', or 'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
 
     cqm_exponent: float = 2.0
     """c in g(r1) = e^{c(H0−H1)} g(r0): 2 for squared Frobenius error, 1 for the plain norm. > 0."""

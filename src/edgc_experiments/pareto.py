@@ -117,9 +117,13 @@ def run(args, out, setting, log=print) -> dict:
     for folder, label, extra in jobs:
         log(f"  {label}")
         common.edgc_train(setting, out / folder, nproc, [*flags, *extra], log)
+    return summarise(args, out, setting, nproc, [(folder, label) for folder, label, _ in jobs])
 
+
+def summarise(args, out, setting, nproc: int, jobs: list[tuple[str, str]]) -> dict:
+    """Read the finished runs in ``out`` and write the table, plots, summary.md and results.json."""
     results = []
-    for folder, label, _ in jobs:
+    for folder, label in jobs:
         loaded = load_run(out / folder)
         stats = run_stats(loaded)
         results.append({
@@ -191,6 +195,9 @@ def _decisions(run) -> int:
 
 def _verdict(r: dict) -> str:
     gap, ratio = r["gap_loss"], r["bytes_vs_frontier"]
+    if r["rank_changes"] == 0 and r["mean_rank"] is not None:
+        return (f"never changed its rank in {r['decisions']} decisions, so it is static PowerSGD at "
+                f"r={r['mean_rank']:.0f} (on the frontier only by being one of its points)")
     parts = []
     if gap is not None:
         parts.append(f"Δ loss {gap:+.4f} at the same bytes")
