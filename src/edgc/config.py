@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-RANK_MAPPINGS = ("delta", "cqm")
-ENTROPY_ESTIMATORS = ("histogram", "gaussian")
+RANK_MAPPINGS = ("delta", "cqm", "error-band")
+ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
 ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
 
@@ -40,7 +40,7 @@ class EDGCConfig:
     """False = static PowerSGD at r_max after warm-up (no entropy sampling, no rank changes)."""
 
     rank_mapping: str = "delta"
-    """Entropy → rank mapping: 'delta' (authors' linear map of the windowed entropy change) or 'cqm'."""
+    """Rank mapping: 'delta' (authors' linear map of the entropy change), 'cqm', or 'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
 
     cqm_exponent: float = 2.0
     """c in g(r1) = e^{c(H0−H1)} g(r0): 2 for squared Frobenius error, 1 for the plain norm. > 0."""
@@ -57,8 +57,8 @@ class EDGCConfig:
     entropy_bins: int = 1000
     """Histogram bins over the sample's [min, max] for the entropy estimate. ≥ 2."""
 
-    entropy_estimator: str = "histogram"
-    """'histogram' (plug-in Shannon entropy, nats) or 'gaussian' (½·ln(2πeσ²), a differential entropy)."""
+    entropy_estimator: str = "auto"
+    """'histogram' (plug-in Shannon entropy, nats), 'gaussian' (½·ln(2πeσ²)) or 'auto' (gaussian for cqm, else histogram)."""
 
     total_steps: int | None = None
     """Planned optimizer steps T of the run, for the warm-up floor; None = no fraction-based floor. ≥ 1."""
@@ -96,6 +96,16 @@ class EDGCConfig:
     seed: int = 714
     """Seed of the generator that draws the initial Q factors (identical on every rank). ≥ 0."""
 
+    # --- noise-robust rank decisions (issue 18) ---
+    entropy_significance: float = 3.0
+    """k of the noise gate: the rank moves only if the entropy shift exceeds k standard errors of the window means. ≥ 0."""
+
+    max_warmup_fraction: float = 0.3
+    """The warm-up ends by ⌊this·T⌋ steps even if the error test has not passed (needs total_steps). In [0, 1]."""
+
+    error_band: tuple[float, float] = (0.05, 0.15)
+    """'error-band' mapping: keep the window mean of ‖M−Ĝ‖²/‖M‖² (relative, unitless) in [low, high]; 0 ≤ low < high ≤ 1."""
+
     def __post_init__(self) -> None:
         def fail(name: str, requirement: str) -> None:
             raise ValueError(f"EDGCConfig.{name} {requirement}, got {getattr(self, name)!r}")
@@ -130,6 +140,14 @@ class EDGCConfig:
         check_ratio("iteration_sample_ratio", low_open=True)
         check_ratio("gradient_sample_ratio", low_open=True)
         check_ratio("warmup_fraction", low_open=False)
+        check_ratio("max_warmup_fraction", low_open=False)
+        check_positive_float("entropy_significance", allow_zero=True)
+        band = self.error_band
+        if (not isinstance(band, (tuple, list)) or len(band) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band)
+                or not 0 <= band[0] < band[1] <= 1):
+            fail("error_band", "must be (low, high) with 0 ≤ low < high ≤ 1")
+        self.error_band = (float(band[0]), float(band[1]))
         check_positive_float("cqm_exponent", allow_zero=False)
         check_positive_float("min_compression_rate", allow_zero=True)
         check_positive_float("orthogonalization_epsilon", allow_zero=True)
@@ -174,6 +192,20 @@ class EDGCConfig:
         """Steps that are always uncompressed: max(⌊f_w·T⌋, min_warmup_steps)."""
         from_fraction = math.floor(self.warmup_fraction * self.total_steps) if self.total_steps else 0
         return max(from_fraction, self.min_warmup_steps)
+
+    def warmup_ceiling(self) -> int:
+        """The warm-up never lasts beyond max(⌊max_warmup_fraction·T⌋, warmup_floor()) steps (no cap without T)."""
+        if not self.total_steps:
+            return math.inf  # type: ignore[return-value]
+        return max(math.floor(self.max_warmup_fraction * self.total_steps), self.warmup_floor())
+
+    @property
+    def resolved_entropy_estimator(self) -> str:
+        """The estimator in use: 'auto' is 'gaussian' for the cqm mapping (whose error model reads entropy
+        differences as log-scale changes, paper §2.5) and 'histogram' otherwise."""
+        if self.entropy_estimator != "auto":
+            return self.entropy_estimator
+        return "gaussian" if self.rank_mapping == "cqm" else "histogram"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

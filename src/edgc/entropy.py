@@ -77,7 +77,7 @@ class EntropySampler:
         self.every = config.sample_every
         self.stride = config.element_stride
         self.bins = config.entropy_bins
-        self.estimator = config.entropy_estimator
+        self.estimator = config.resolved_entropy_estimator
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
         self.nonfinite_total = 0
         self.calls = 0

@@ -9,7 +9,26 @@ Phases of a run (paper §2.7, §2.8, §2.11):
   the rank-r_min error of today's 2-D gradients is ≤ the rank-r_max error measured when warm-up
   began (squared Frobenius norm, summed over this rank's matrices, averaged over ranks).
 * ``compress`` – PowerSGD at the current rank; at each window boundary a new rank from the
-  entropy series, at most ``rank_step`` away from the last, within [r_min, r_max].
+  entropy series, at most ``rank_step`` away from the last, within [r_min, r_max], but only when
+  the entropy has really moved (the noise gate below).
+* the warm-up also ends at ⌊max_warmup_fraction·T⌋ steps, whether or not the error test passed.
+
+The noise gate (what makes a decision follow the entropy trend, not its sampling noise):
+
+* The *reference* is every entropy sample taken since the rank last changed (since compression
+  began), except the latest window; the *latest* is the last window's samples.
+* The shift ΔH = mean(latest) − mean(reference) counts only if |ΔH| > k·SE, with
+  SE = √(s²_ref/n_ref + s²_latest/n_latest) from the samples themselves and k =
+  ``entropy_significance``, and only if the window before also passed that test (against the
+  samples before it) with the same sign. Otherwise the rank stays where it is.
+* Hysteresis: the reference stays put (and grows, so its SE shrinks) until a shift is accepted
+  *and* moves the rank; then it restarts at the new level. A stationary stream therefore keeps
+  its rank, a lasting step moves the rank once and keeps it there, a falling staircase moves
+  it down once per stair.
+* The paper's mappings are the target functions applied to an accepted shift: ``cqm`` maps
+  (H_ref, H_latest) to r₁ = g⁻¹(e^{c(H_ref−H_latest)}·g(r₀)); ``delta`` maps ρ = |ΔH| / |change
+  between the first two windows| linearly to [r_min, r_max].
+
 * ``off``      – profiling found no rank faster than uncompressed: compression never pays.
 
 The controller only plans steps and turns *agreed* inputs into decisions. The state object
@@ -49,6 +68,44 @@ def window_means(entropies: Sequence[float], per_window: int) -> tuple[float, fl
     return sum(previous) / per_window, sum(latest) / per_window
 
 
+def entropy_shift(reference: Sequence[float], latest: Sequence[float], k: float) -> float | None:
+    """mean(latest) − mean(reference) when it exceeds ``k`` standard errors of that difference, else None.
+
+    SE² = s²_ref/n_ref + s²_latest/n_latest (sample variances). Each side needs ≥ 2 samples; with
+    fewer, or a shift inside the noise, the answer is None (= no evidence of a change).
+    """
+    if len(reference) < 2 or len(latest) < 2:
+        return None
+
+    def mean_and_sem2(values: Sequence[float]) -> tuple[float, float]:
+        mean = sum(values) / len(values)
+        variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+        return mean, variance / len(values)
+
+    ref_mean, ref_sem2 = mean_and_sem2(reference)
+    new_mean, new_sem2 = mean_and_sem2(latest)
+    shift = new_mean - ref_mean
+    noise = k * math.sqrt(ref_sem2 + new_sem2)
+    floor = 1e-9 * max(1.0, abs(ref_mean))  # rounding error is not a shift
+    return shift if abs(shift) > max(noise, floor) else None
+
+
+def confirmed_shift(samples: Sequence[float], per_window: int, k: float) -> float | None:
+    """The latest window's `entropy_shift` against all earlier ``samples``, if the window before it
+    already showed a significant shift of the same sign against the samples before *it*; else None.
+
+    Asking two consecutive windows turns a k-SE false alarm (likely somewhere in 50 windows of
+    10 samples) into a pair of them, and delays a real step by one window.
+    """
+    if per_window < 1 or len(samples) < 2 * per_window + 2:
+        return None
+    latest = entropy_shift(samples[:-per_window], samples[-per_window:], k)
+    before = entropy_shift(samples[: -2 * per_window], samples[-2 * per_window : -per_window], k)
+    if latest is None or before is None or (latest > 0) != (before > 0):
+        return None
+    return latest
+
+
 def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> float:
     """The authors' linear map (paper §2.5) of the normalised windowed entropy change.
 
@@ -67,6 +124,20 @@ def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max:
     else:
         ratio = min(change_now / change_ref, 1.0)
     return round(r_min + (r_max - r_min) * ratio)
+
+
+def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
+    """One line for people: what profiling measured, what it decided, and how to compress anyway."""
+    def ms(seconds: float | None) -> str:
+        return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
+
+    times = ", ".join(f"r={rank}: {ms(t)}" for rank, t in verdict["compressed_s"].items())
+    measured = f"uncompressed all-reduce {ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
+    advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
+    if verdict["status"] == "off":
+        return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."
+    return (f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
+            f"uncompressed ({measured}); {advice}.")
 
 
 # ---------------------------------------------------------------------------- plans and decisions
@@ -119,11 +190,12 @@ class Agreed:
     profile_time: float = math.nan  # compressed sync at plan.profile_rank, s/step
     uncompressed_time: float = math.nan  # plain all-reduce, s/step
     probe_error: float = math.nan  # squared truncation error at plan.probe_rank
+    relative_error: float = math.nan  # window mean of ‖M−Ĝ‖²/‖M‖² over the compressed steps (error-band)
 
     def encode(self) -> list[float]:
-        return [self.profile_time, self.uncompressed_time, self.probe_error]
+        return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error]
 
-    SIZE = 3
+    SIZE = 4
 
 
 class WindowController:
@@ -156,7 +228,7 @@ class WindowController:
     def _warmup_over(self, step: int) -> bool:
         if step < self.config.warmup_floor():
             return False
-        if not self.config.warmup_error_test:
+        if not self.config.warmup_error_test or step >= self.config.warmup_ceiling():
             return True
         return self.error_test_step is not None and step >= self.error_test_step
 
@@ -214,8 +286,11 @@ class WindowController:
         return Decision(self.phase, self.r_max, self.r_min, self.rank, self.error_test_step, self.error_at_start)
 
     def propose(self, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
-                shapes: list[tuple[int, int]]) -> Decision:
-        """Group rank 0's decision at a decision point. Reads state, changes nothing."""
+                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None = None) -> Decision:
+        """Group rank 0's decision at a decision point. Reads state, changes nothing.
+
+        ``sample_steps``: the step of each entropy sample; None = every sample counts as taken since
+        the rank last changed."""
         decision = self.current()
         if plan.phase == PROFILE:
             table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
@@ -237,25 +312,59 @@ class WindowController:
             elif agreed.probe_error <= self.error_at_start:
                 decision.error_test_step = plan.step + 1
         elif plan.phase == COMPRESS:
-            decision.rank = self.next_rank(entropies, shapes)
+            if self.config.rank_mapping == "error-band":
+                decision.rank = self.band_rank(agreed.relative_error)
+            else:
+                decision.rank = self.next_rank(entropies, shapes, sample_steps)
         return decision
 
-    def next_rank(self, entropies: Sequence[float], shapes: list[tuple[int, int]]) -> int:
+    def next_rank(self, entropies: Sequence[float], shapes: list[tuple[int, int]],
+                  sample_steps: Sequence[int] | None = None) -> int:
+        """The rank for the next window: unchanged unless the noise gate accepts an entropy shift."""
         config = self.config
         assert self.rank is not None and self.r_min is not None and self.r_max is not None
         per_window = max(1, config.window // config.sample_every)
+        since = self._samples_since_change(entropies, sample_steps)
+        shift = confirmed_shift(since, per_window, config.entropy_significance)
+        if shift is None:
+            return self.rank
+        reference, latest = since[:-per_window], since[-per_window:]
+        h_ref, h_new = sum(reference) / len(reference), sum(latest) / len(latest)
         if config.rank_mapping == "cqm":
-            means = window_means(entropies, per_window)
-            if means is None:
-                target: float = self.rank
-            else:
-                if self._error_model is None:
-                    self._error_model = ErrorModel(samples=config.cqm_mc_samples, seed=config.seed)
-                target = cqm_target_rank(self._error_model, shapes, self.rank, means[0], means[1],
-                                         config.cqm_exponent, self.r_min, self.r_max)
+            if self._error_model is None:
+                self._error_model = ErrorModel(samples=config.cqm_mc_samples, seed=config.seed)
+            target: float = cqm_target_rank(self._error_model, shapes, self.rank, h_ref, h_new,
+                                            config.cqm_exponent, self.r_min, self.r_max)
         else:
-            target = delta_target(entropies, per_window, self.r_min, self.r_max)
+            first = entropies[:per_window], entropies[per_window : 2 * per_window]
+            change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window) if len(entropies) >= 2 * per_window else 0.0
+            ratio = 1.0 if change_ref == 0 else min(abs(h_new - h_ref) / change_ref, 1.0)
+            target = round(self.r_min + (self.r_max - self.r_min) * ratio)
         return limit_rank(target, self.rank, self.r_min, self.r_max, config.rank_step, config.rank_granularity)
+
+    def band_rank(self, relative_error: float) -> int:
+        """'error-band' mapping: one ``rank_step`` up when the window's mean ‖M−Ĝ‖²/‖M‖² is above the
+        band, one down when below, unchanged inside it or when unmeasured (the band is the hysteresis)."""
+        assert self.rank is not None and self.r_min is not None and self.r_max is not None
+        low, high = self.config.error_band
+        target = self.rank
+        if math.isfinite(relative_error) and relative_error > high:
+            target = self.rank + self.config.rank_step
+        elif math.isfinite(relative_error) and relative_error < low:
+            target = self.rank - self.config.rank_step
+        if target == self.rank:
+            return self.rank
+        granularity = self.config.rank_granularity
+        if target > self.rank:  # round up, so a move up is never swallowed by the granularity
+            target = -(-target // granularity) * granularity
+        return limit_rank(target, self.rank, self.r_min, self.r_max, self.config.rank_step, granularity)
+
+    def _samples_since_change(self, entropies: Sequence[float], sample_steps: Sequence[int] | None) -> list[float]:
+        """The entropy samples taken since the rank last changed (compression start counts as a change)."""
+        if sample_steps is None or not self.schedule:
+            return list(entropies)
+        since = self.schedule[-1][0]
+        return [value for step, value in zip(sample_steps, entropies) if step >= since]
 
     @staticmethod
     def _record_profile(table: SyncTimeTable, rank: int | None, agreed: Agreed) -> None:
@@ -282,6 +391,25 @@ class WindowController:
         if self.phase == COMPRESS and decision.rank != self.rank:
             self.rank = decision.rank
             self.schedule.append((plan.step + 1, decision.rank))
+
+    # ------------------------------------------------------------------ saying what profiling found
+    def profiling_verdict(self) -> dict | None:
+        """Why compression is off, or pinned at its lowest candidate rank, after profiling; None otherwise.
+
+        ``{"status": "off" | "floor", "r_max": …, "uncompressed_s": …, "compressed_s": {rank: s}}``,
+        times in seconds per step as measured (averaged over the group). Only a *profiled* r_max
+        can be at its floor: a given r_max is the user's choice.
+        """
+        if self.follower or not self.table.by_rank or self.phase == PROFILE:
+            return None
+        if self.phase == OFF:
+            status = "off"
+        elif self.config.r_max is None and self.r_max is not None and self.r_max <= self._candidates[0]:
+            status = "floor"
+        else:
+            return None
+        return {"status": status, "r_max": self.r_max, "uncompressed_s": self.table.uncompressed,
+                "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())}}
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

@@ -57,6 +57,7 @@ class EDGCState(GradientReducer):
         self._probe: torch.Tensor | None = None
         self._profile_stamps: list[tuple] = []
         self._measure_error = False
+        self._relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self._last_entropy: float | None = None
 
     # ------------------------------------------------------------------ per step
@@ -118,6 +119,8 @@ class EDGCState(GradientReducer):
             self._profile_seconds[1] += sum(Clock.seconds(c, d) for _, _, c, d in self._profile_stamps)
             self._profile_seconds[2] += 1
         probe = host[3:5] if self._probe is not None else None
+        if plan.phase == "compress" and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
+            self._relative_errors.append(host[1] / host[2])
         if plan.decision:
             self._decide(plan, probe)
             if self.controller.phase != PROFILE:
@@ -126,21 +129,28 @@ class EDGCState(GradientReducer):
 
     def _decide(self, plan: StepPlan, probe: list[float] | None) -> None:
         compressed, uncompressed, count = self._profile_seconds
+        errors = self._relative_errors
         local = Agreed(
             profile_time=compressed / count if count else math.nan,
             uncompressed_time=uncompressed / count if count else math.nan,
-            probe_error=probe[0] if probe is not None else math.nan,
+            # The warm-up test is relative (‖M − M̂‖²/‖M‖²): the absolute error tracks the gradient
+            # scale, which falls during training whatever the rank structure does.
+            probe_error=(probe[0] / probe[1] if probe[1] > 0 else math.inf) if probe is not None else math.nan,
+            relative_error=sum(errors) / len(errors) if errors else math.nan,
         )
         device = self.device or torch.device("cpu")
         agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
         if self.comm.rank == 0:
             shapes = [s for s in self._shapes.values() if self.compressor.compressed_rank(s, self.controller.r_max or 1)]
-            proposal = self.controller.propose(plan, agreed, self.sampler.values(), shapes)
+            history = self.sampler.history
+            proposal = self.controller.propose(plan, agreed, [v for _, v in history], shapes,
+                                               sample_steps=[s for s, _ in history])
         else:
             proposal = self.controller.current()
         vector = self.comm.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
         self.controller.apply(plan, agreed, Decision.decode(vector.tolist()))
         self._profile_seconds = [0.0, 0.0, 0]
+        errors.clear()
 
     def _step_metrics(self) -> dict:
         plan = self._plan
@@ -166,6 +176,7 @@ class EDGCState(GradientReducer):
             "compressor": self.compressor.state_dict(),
             "profiler": self._profiler.state_dict(),
             "profile_seconds": list(self._profile_seconds),
+            "relative_errors": list(self._relative_errors),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,6 +193,7 @@ class EDGCState(GradientReducer):
         self.compressor.load_state_dict(state["compressor"])
         self._profiler.load_state_dict(state["profiler"])
         self._profile_seconds = list(state["profile_seconds"])
+        self._relative_errors = [float(e) for e in state.get("relative_errors", [])]
         if int(state["world_size"]) != self.comm.world_size:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
             warnings.warn(

@@ -23,6 +23,7 @@ EXPERIMENTS = {
     "window": "edgc_experiments.window",
     "cqm": "edgc_experiments.cqm",
     "pure-dp": "edgc_experiments.pure_dp",
+    "pareto": "edgc_experiments.pareto",
 }
 
 

@@ -74,7 +74,8 @@ def rank_schedule(values: list[float], steps: int, window: int, alpha: float, ma
         ranks.append(plan.rank or 0)
         if plan.decision:
             seen = values[: step // every + 1]
-            decision = controller.propose(plan, Agreed(), seen, shapes)
+            decision = controller.propose(plan, Agreed(), seen, shapes,
+                                          sample_steps=[i * every for i in range(len(seen))])
             controller.apply(plan, Agreed(), decision)
         assert controller.phase in (COMPRESS, "warmup")
     return ranks

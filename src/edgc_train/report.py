@@ -46,6 +46,7 @@ class Run:
     evals: list[dict]
     label: str = ""
     ignored_lines: int = 0  # a truncated last line (run killed while writing) is skipped
+    notices: list[dict] = field(default_factory=list)  # "kind": "notice" lines (e.g. EDGC switched off)
     stats: dict = field(default_factory=dict)
 
     @property
@@ -113,7 +114,8 @@ def load_run(path: str | Path) -> Run:
     evals = list({r["step"]: r for r in evals}.values())
     train.sort(key=lambda r: r["step"])
     evals.sort(key=lambda r: r["step"])
-    return Run(path=path, config=config, train=train, evals=evals, ignored_lines=ignored)
+    notices = [r for r in records if r["kind"] == "notice"]
+    return Run(path=path, config=config, train=train, evals=evals, ignored_lines=ignored, notices=notices)
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -178,6 +180,14 @@ def format_schedule(run: Run, limit: int = 14) -> str:
     if len(parts) > limit:
         parts = parts[: limit // 2] + [f"… ({len(parts) - limit} more) …"] + parts[-limit // 2:]
     return "; ".join(parts)
+
+
+def _estimator(edgc: dict) -> str:
+    """The entropy estimator a run used ('auto' resolves as EDGCConfig does)."""
+    name = edgc.get("entropy_estimator", "histogram")
+    if name == "auto":
+        return "gaussian" if edgc.get("rank_mapping") == "cqm" else "histogram"
+    return name
 
 
 def run_stats(run: Run) -> dict[str, Any]:
@@ -391,7 +401,7 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
 
     # ---- entropy
     with_entropy = [r for r in runs if any(x.get("entropy") is not None for x in r.train)]
-    estimators = {r.edgc.get("entropy_estimator", "histogram") for r in with_entropy}
+    estimators = {_estimator(r.edgc) for r in with_entropy}
     sub = ("entropy of a strided sample of the rank-0 gradient, on sampled steps; "
            "bold steps = mean per rank-decision window")
     fig, ax = _new_figure(plt, "Gradient entropy seen by EDGC", sub)
@@ -678,7 +688,7 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
     else:
         lines += ["- No uncompressed run (compressor `none`) was given, so there are no ratio columns."]
     compressed = [r for r in runs if r.compressed_steps]
-    if compressed:
+    if compressed or any(r.notices for r in runs):
         lines += ["", "## Rank schedules", ""]
         for run in compressed:
             s = run.stats
@@ -688,7 +698,10 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
             lines.append(f"- **{run.label}**: compressed {s['compressed_fraction']:.0%} of the steps (from step "
                          f"{s['first_compressed_step']}), {s['rank_changes']} rank change(s), {full}. "
                          f"Steps → rank: {format_schedule(run)}.")
-    uncompressed = [r for r in runs if not r.compressed_steps and r.compressor != "none"]
+    for run in runs:
+        for notice in run.notices:
+            lines.append(f"- **{run.label}**, step {notice['step']}: {notice.get('message', notice.get('event'))}")
+    uncompressed = [r for r in runs if not r.compressed_steps and r.compressor != "none" and not r.notices]
     for run in uncompressed:
         lines.append(f"- **{run.label}** never compressed (its warm-up lasted the whole run).")
     captions = {

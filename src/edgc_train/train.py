@@ -376,6 +376,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
 
             progress = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
         t_start = time.perf_counter() - wall_offset
+        profiling_told = False
         while step < last:
             t0 = time.perf_counter()
             local_loss, extra = runner.train_step()
@@ -403,6 +404,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 **extra,
             })
             trace.write(step, sync_metrics.get("collective_s"))
+            if not profiling_told:
+                profiling_told = tell_profiling_verdict(compressor, step, metrics, log)
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
             if progress is not None:
@@ -437,6 +440,26 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if solo:
             for key in (*SOLO_ENV, "MASTER_PORT"):
                 os.environ.pop(key, None)
+
+
+def tell_profiling_verdict(compressor, step: int, metrics, log) -> bool:
+    """Once EDGC's profiling has decided: if it switched compression off (or left r_max at its floor),
+    say so on one line and log a ``"kind": "notice"`` record (summary.json and the report show it).
+    Returns True once there is nothing more to tell."""
+    from edgc.rank_control import PROFILE, describe_profiling_verdict
+
+    controller = getattr(getattr(compressor, "state", None), "controller", None)
+    if controller is None:
+        return True
+    if controller.phase == PROFILE:
+        return False
+    verdict = controller.profiling_verdict()
+    if verdict is not None:
+        message = describe_profiling_verdict(verdict)
+        log(f"step {step}: {message}")
+        metrics.write({"kind": "notice", "step": step, "event": f"edgc_{verdict['status']}", "message": message,
+                       **verdict})
+    return True
 
 
 def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device,
@@ -478,6 +501,7 @@ def write_summary(run_dir: Path) -> dict:
         "median_compress_time_s": statistics.median(r["compress_time_s"] for r in train_lines),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_lines),
         "bytes_sent": sum(r["bytes_sent"] for r in train_lines), "bytes_raw": sum(r["bytes_raw"] for r in train_lines),
+        "compression_notice": next((r for r in reversed(lines) if r["kind"] == "notice"), None),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     ckpt.atomic_write_json(run_dir / "summary.json", summary)

@@ -34,7 +34,7 @@ def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
                         iteration_sample_ratio=1.0, cqm_mc_samples=1)
     controller = WindowController(config)
     controller.rank = previous
-    entropies = [1.0] * 4 + [1.0 - drop] * 4
+    entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
     rank = controller.next_rank(entropies, [(32, 64), (32, 64)])
     assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
     if drop > 0.05 and previous - step_limit >= 4:
@@ -128,3 +128,16 @@ def test_controller_state_round_trip():
     restored.load_state_dict(controller.state_dict())
     assert restored.state_dict() == controller.state_dict()
     assert restored.plan(10) == controller.plan(10)
+
+
+def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times():
+    from edgc.rank_control import describe_profiling_verdict
+
+    config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1)
+    controller, _ = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))
+    verdict = controller.profiling_verdict()
+    assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "compressed_s": {2: 2.0}}
+    line = describe_profiling_verdict(verdict)
+    assert "OFF" in line and "1000.00 ms" in line and "--edgc r_max=16" in line and "\n" not in line
+    on, _ = run_controller(EDGCConfig(r_max=8, warmup_error_test=False), 10, lambda plan: Agreed())
+    assert on.profiling_verdict() is None
