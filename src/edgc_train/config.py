@@ -21,6 +21,7 @@ from typing import Any
 COMPRESSORS = ("none", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8", "optimus-cc")
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+INTERSTAGE_MODES = ("off", "all", "cooldown")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -121,6 +122,15 @@ class TrainConfig:
     selective_stages: int = 1
     """optimus-cc: compress (static rank) only the first k pipeline stages. 1 ≤ k ≤ pp."""
 
+    interstage: str = "off"
+    """Activation gradients sent back between pipeline stages: off (raw), all (low-rank + error feedback per micro-batch slot), cooldown (only the last pp − 1 micro-batches' backward, the 1F1B cool-down)."""
+
+    interstage_rank: int = 8
+    """Rank of the compressed activation gradients (--interstage); with --compressor edgc the upper bound of the rank that follows the stage's DP rank. ≥ 1."""
+
+    interstage_min_rank: int = 2
+    """With --compressor edgc: lower bound of the inter-stage rank. 1 ≤ it ≤ interstage_rank."""
+
     # ---- evaluation, checkpoints, logging
     eval_every: int = 50
     """Validation every N optimizer steps (and always at the end); 0 = only at the end. ≥ 0."""
@@ -205,6 +215,11 @@ class TrainConfig:
         check_int("pp", 1)
         check_choice("pp_schedule", PIPELINE_SCHEDULES)
         check_int("selective_stages", 1, self.pp if is_int(self.pp) else None)
+        check_choice("interstage", INTERSTAGE_MODES)
+        check_int("interstage_rank", 1)
+        check_int("interstage_min_rank", 1, self.interstage_rank if is_int(self.interstage_rank) else None)
+        if self.interstage != "off" and self.pp == 1:
+            fail("interstage", "compresses pipeline traffic and needs --pp > 1")
         if self.pp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
             fail("compressor", f"with --pp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
         if self.pp == 1 and self.compressor == "optimus-cc":
