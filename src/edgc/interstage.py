@@ -23,10 +23,12 @@ Wire contract (`send_gradient` / `recv_gradient`, point-to-point, any backend wi
 one int64 header [r, m, n] then, for r > 0, one fp32 buffer holding P then Q, ((m + n)·r values),
 and for r = 0 the raw gradient (m·n values). `wire_bytes(m, n, r, element_size)` is that size.
 
-Rank policy (`interstage_rank`): with EDGC the inter-stage rank follows the sending stage's DP
-rank (the entropy-driven one, after DAC alignment) times `scale`, clamped to the inter-stage
-bounds [r_min, r_max]; while the stage's DP sync is not compressing (EDGC warm-up), inter-stage
-traffic is raw too. Static compressors use r_max.
+Rank policy (`interstage_rank`): with EDGC the inter-stage rank follows the pipeline's
+entropy-driven rank r_0 (stage 0's, as `edgc.pipeline.StageAligner` shares it at every window
+boundary) times `scale`, clamped to the inter-stage bounds [r_min, r_max]; while stage 0 is not
+compressing (EDGC's warm-up), inter-stage traffic is raw too. It does not follow the sending
+stage's own DAC-aligned DP rank: DAC may leave a stage's DP sync raw because that stage has slack
+on the DP link, which says nothing about the inter-stage link. Static compressors use r_max.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def effective_rank(m: int, n: int, rank: int | None) -> int:
 
 
 def interstage_rank(dp_rank: int | None, r_min: int, r_max: int, scale: float = 1.0) -> int | None:
-    """EDGC's inter-stage rank from the stage's DP rank: round(dp_rank · scale) within [r_min, r_max]."""
+    """EDGC's inter-stage rank from an entropy-driven DP rank: round(dp_rank · scale) within [r_min, r_max]."""
     if dp_rank is None:
         return None
     return max(r_min, min(r_max, int(round(dp_rank * scale))))

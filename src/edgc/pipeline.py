@@ -46,6 +46,9 @@ class StageAligner:
         self._backward = [0.0, 0]  # seconds, micro-batches in this window
         self.last_plan: list[StageRank] | None = None  # the latest alignment, for metrics
         self.last_backward_time = math.nan
+        # Stage 0's entropy-driven rank at the latest window boundary (None while it does not
+        # compress): the signal the inter-stage compressor follows (`edgc.interstage`).
+        self.leader_rank: int | None = None
 
     def record_backward_time(self, seconds: float) -> None:
         """One micro-batch backward on this stage (t_b sample)."""
@@ -89,6 +92,7 @@ class StageAligner:
         self.last_backward_time = float(mine[4])
         self._backward = [0.0, 0]
         leader_phase, leader_rank, _ = decoded[0]
+        self.leader_rank = leader_rank if leader_phase == COMPRESS else None
         timings = [timing for _, _, timing in decoded]
         if leader_phase != COMPRESS or leader_rank is None:
             return  # stage 0 is not compressing yet: everyone stays as they are
@@ -107,7 +111,8 @@ class StageAligner:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        return {"backward": list(self._backward)}
+        return {"backward": list(self._backward), "leader_rank": self.leader_rank}
 
     def load_state_dict(self, state: dict) -> None:
         self._backward = [float(state["backward"][0]), int(state["backward"][1])]
+        self.leader_rank = state.get("leader_rank")

@@ -39,7 +39,6 @@ from torch import nn
 import edgc
 from edgc.interstage import InterStageCompressor, interstage_rank, recv_gradient, send_gradient
 from edgc.pipeline import StageAligner
-from edgc.rank_control import COMPRESS
 
 from .compressors import METRIC_KEYS, Compressor
 from .rendezvous import dist_timeout
@@ -223,12 +222,12 @@ class StageCompressor(Compressor):
             self.aligner.after_sync()
         return seconds
 
-    def dp_rank(self) -> int | None:
-        """The rank this stage's DP sync used in its last step, or None when it sent raw."""
-        m = self.state.last_step_metrics or {}
-        if self.name == "none" or m.get("phase") not in (None, COMPRESS):
-            return None
-        return m.get("rank")
+    def entropy_rank(self) -> int | None:
+        """The pipeline's entropy-driven rank (stage 0's, from the latest DAC window boundary), or
+        None while stage 0 does not compress. Not this stage's own DP rank: DAC may leave a
+        stage's DP sync raw because it has slack on the DP link, which says nothing about the
+        inter-stage link."""
+        return self.aligner.leader_rank if self.aligner is not None else None
 
     def step_metrics(self) -> dict[str, Any]:
         m = self.state.last_step_metrics or {}
@@ -321,9 +320,9 @@ class PipelineStep:
         if compressor.interstage is None:
             return None
         if compressor.name == "edgc":
-            # EDGC: follow the stage's (entropy-driven, DAC-aligned) DP rank, within the
-            # inter-stage bounds; raw while the stage's DP sync is not compressing.
-            return interstage_rank(compressor.dp_rank(), cfg.interstage_min_rank, cfg.interstage_rank)
+            # EDGC: follow the pipeline's entropy-driven rank within the inter-stage bounds; raw
+            # while stage 0 is not compressing (EDGC's warm-up holds for this traffic too).
+            return interstage_rank(compressor.entropy_rank(), cfg.interstage_min_rank, cfg.interstage_rank)
         return cfg.interstage_rank
 
     def _forward(self, index: int, x: torch.Tensor | None, y: torch.Tensor | None, losses: list, train: bool):
