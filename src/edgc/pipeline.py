@@ -12,8 +12,9 @@ pipeline group per DP index):
 Stage 0 leads: its entropy series chooses its rank (and its warm-up decides when compression
 starts). At each window boundary every stage shares, over its pipeline group, its measured
 sync-time table, its r_min/r_max and its mean micro-batch backward time t_b; each stage then
-applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage agree
-on the maximum (least compression), and the followers adopt the result from the next step.
+applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage (and,
+with tensor parallelism, its TP ranks: ``tp_group``) agree on the maximum (least compression),
+and the followers adopt the result from the next step.
 Followers start compressing at the first window boundary after stage 0 does.
 
 Boundaries depend only on the step number, so every rank joins every collective.
@@ -34,7 +35,8 @@ from .state import EDGCState
 
 class StageAligner:
     def __init__(self, state: EDGCState, stage: int, n_stages: int,
-                 pipeline_group: dist.ProcessGroup | None = None, granularity: int = 4):
+                 pipeline_group: dist.ProcessGroup | None = None, granularity: int = 4,
+                 tp_group: dist.ProcessGroup | None = None):
         if stage > 0 and not state.controller.follower:
             raise ValueError("stages after the first need EDGCState(..., follower=True)")
         if stage == 0 and state.controller.follower:
@@ -42,6 +44,7 @@ class StageAligner:
         self.state, self.stage, self.n_stages = state, stage, n_stages
         self.pipeline = Communicator(pipeline_group)
         self.granularity = granularity
+        self.tp_group = tp_group  # tensor parallelism: the TP ranks of a stage agree too
         self._candidates = profile_candidates(state.config.profile_max_rank)
         self._backward = [0.0, 0]  # seconds, micro-batches in this window
         self.last_plan: list[StageRank] | None = None  # the latest alignment, for metrics
@@ -106,6 +109,8 @@ class StageAligner:
         # Replicas of a stage agree on the least compression any of them asked for.
         agreed = torch.tensor([math.inf if wanted is None else float(wanted)], dtype=torch.float64, device=mine.device)
         self.state.comm.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if self.tp_group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
         value = float(agreed)
         self.state.controller.follow(step, None if math.isinf(value) else int(value))
 

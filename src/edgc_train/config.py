@@ -116,6 +116,9 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages P; the world size must be a multiple, DP degree = world / P. 1 = data parallel only. ≥ 1."""
 
+    tp: int = 1
+    """Tensor-parallel degree T (Megatron-style GPT-2 blocks); world = T × pp × DP, rank = (replica·pp + stage)·T + tp_rank. 1 = none. ≥ 1."""
+
     pp_schedule: str = "1f1b"
     """Pipeline schedule with --pp > 1: 1f1b or gpipe; grad_accum is its number of micro-batches."""
 
@@ -213,6 +216,11 @@ class TrainConfig:
         check_int("seed", 0, 2**32 - 1)
         check_choice("compressor", COMPRESSORS)
         check_int("pp", 1)
+        check_int("tp", 1)
+        if self.tp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
+            fail("compressor", f"with --tp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
+        if self.tp > 1 and self.pp == 1 and self.eval_batches % self.grad_accum:
+            fail("eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --tp (whole steps)")
         check_choice("pp_schedule", PIPELINE_SCHEDULES)
         check_int("selective_stages", 1, self.pp if is_int(self.pp) else None)
         check_choice("interstage", INTERSTAGE_MODES)
@@ -244,6 +252,8 @@ class TrainConfig:
         from .model import model_shape
 
         shape = model_shape(self.preset, self.vocab_size, self.seq_len, self.n_layer, self.n_embd, self.n_head)
+        if self.tp > 1 and (shape["n_head"] % self.tp or shape["n_embd"] % self.tp):
+            fail("tp", f"must divide the model's {shape['n_head']} heads and width {shape['n_embd']}")
         if self.pp > shape["n_layer"]:
             fail("pp", f"must be ≤ the model's {shape['n_layer']} transformer blocks (one stage needs one)")
         if self.uses_edgc_config:

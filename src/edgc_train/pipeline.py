@@ -56,6 +56,9 @@ class Grid:
     dp_group: Any
     pp_group: Any
     embedding_group: Any  # None unless this rank holds a tied-embedding copy (first or last stage)
+    tp: int = 1  # tensor-parallel degree T
+    tp_rank: int = 0
+    tp_group: Any = None  # None when tp = 1
 
     @property
     def first(self) -> bool:
@@ -65,31 +68,52 @@ class Grid:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def global_rank(self, stage: int, replica: int) -> int:
-        return replica * self.stages + stage
+    def global_rank(self, stage: int, replica: int, tp_rank: int | None = None) -> int:
+        return (replica * self.stages + stage) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
 
 
-def make_grid(rank: int, world: int, stages: int) -> Grid:
-    """Create every group on every rank, in the same order (new_group is collective)."""
-    if world % stages:
-        raise ValueError(f"pp: world size {world} is not a multiple of {stages} stages")
-    replicas = world // stages
-    replica, stage = divmod(rank, stages)
-    dp_group = pp_group = embedding_group = None
+def make_grid(rank: int, world: int, stages: int, tp: int = 1) -> Grid:
+    """Create every group on every rank, in the same order (new_group is collective).
+
+    rank = (replica·P + stage)·T + tp_rank: a TP group is T consecutive ranks (one host), a
+    pipeline P·T consecutive ones; one DP group per (TP rank, stage), one pipeline group and one
+    embedding group per (TP rank, replica), one TP group per (stage, replica).
+    """
+    if world % (stages * tp):
+        raise ValueError(f"pp × tp: world size {world} is not a multiple of {stages} stages × {tp} TP ranks")
+    replicas = world // (stages * tp)
+    rest, tp_rank = divmod(rank, tp)
+    replica, stage = divmod(rest, stages)
+
+    def at(s: int, d: int, t: int) -> int:
+        return (d * stages + s) * tp + t
+
+    dp_group = pp_group = embedding_group = tp_group = None
     timeout = dist_timeout()  # the default group's; new_group's own default is 30 min on gloo
-    for s in range(stages):
-        group = dist.new_group([d * stages + s for d in range(replicas)], timeout=timeout)
-        if s == stage:
-            dp_group = group
-    for d in range(replicas):
-        group = dist.new_group([d * stages + s for s in range(stages)], timeout=timeout)
-        if d == replica:
-            pp_group = group
-    for d in range(replicas):
-        group = dist.new_group([d * stages, d * stages + stages - 1], timeout=timeout)
-        if d == replica and stage in (0, stages - 1):
-            embedding_group = group
-    return Grid(rank, world, stages, replicas, stage, replica, dp_group, pp_group, embedding_group)
+    for t in range(tp):
+        for s in range(stages):
+            group = dist.new_group([at(s, d, t) for d in range(replicas)], timeout=timeout)
+            if (t, s) == (tp_rank, stage):
+                dp_group = group
+    for t in range(tp):
+        for d in range(replicas):
+            group = dist.new_group([at(s, d, t) for s in range(stages)], timeout=timeout)
+            if (t, d) == (tp_rank, replica):
+                pp_group = group
+    if stages > 1:
+        for t in range(tp):
+            for d in range(replicas):
+                group = dist.new_group([at(0, d, t), at(stages - 1, d, t)], timeout=timeout)
+                if (t, d) == (tp_rank, replica) and stage in (0, stages - 1):
+                    embedding_group = group
+    if tp > 1:
+        for s in range(stages):
+            for d in range(replicas):
+                group = dist.new_group([at(s, d, t) for t in range(tp)], timeout=timeout)
+                if (s, d) == (stage, replica):
+                    tp_group = group
+    return Grid(rank, world, stages, replicas, stage, replica, dp_group, pp_group, embedding_group,
+                tp, tp_rank, tp_group)
 
 
 # ---------------------------------------------------------------------------- stage modules
@@ -149,14 +173,22 @@ def layer_split(n_layer: int, stages: int) -> list[range]:
 class GPT2Stage(nn.Module):
     """Stage s of a ``GPT2LMHeadModel``: [embeddings] → blocks → [final LayerNorm, LM head]."""
 
-    def __init__(self, model, stage: int, stages: int):
+    def __init__(self, model, stage: int, stages: int, tp_rank: int = 0, tp: int = 1, tp_group=None):
         super().__init__()
         transformer = model.transformer
         self.first, self.last = stage == 0, stage == stages - 1
         if self.first:
             self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
-        self.h = nn.ModuleList(transformer.h[i] for i in layer_split(len(transformer.h), stages)[stage])
-        if self.last:
+        blocks = [transformer.h[i] for i in layer_split(len(transformer.h), stages)[stage]]
+        if tp > 1:
+            from .tensor_parallel import TPBlock
+
+            blocks = [TPBlock(block, tp_rank, tp, tp_group) for block in blocks]
+        self.h = nn.ModuleList(blocks)
+        if self.last and self.first:  # one stage (--tp without --pp): the weight stays tied
+            self.ln_f = transformer.ln_f
+            self.lm_head = model.lm_head
+        elif self.last:
             self.ln_f = transformer.ln_f
             # The LM head shares its weight with wte in the full model; on its own stage it is a
             # separate copy kept equal by summing both gradients (see module docstring, step 3).
@@ -176,6 +208,8 @@ class GPT2Stage(nn.Module):
         return x
 
     def tied_weight(self) -> torch.Tensor | None:
+        if self.first and self.last:
+            return None  # tied in place
         if self.first:
             return self.wte.weight
         if self.last:
@@ -199,6 +233,7 @@ class StageCompressor(Compressor):
     def __init__(self, name: str, module: GPT2Stage, grid: Grid, cfg):
         self.name, self.module, self.grid = name, module, grid
         self.aligner: StageAligner | None = None
+        self.replicated_bytes = 0  # --tp: bytes of the replicated parameters' raw DP all-reduce
         # The activation-gradient sender (every stage but the first) when --interstage is on.
         self.interstage = (InterStageCompressor(seed=cfg.seed)
                            if getattr(cfg, "interstage", "off") != "off" and grid.stage > 0 else None)
@@ -208,19 +243,43 @@ class StageCompressor(Compressor):
         elif name == "edgc":
             self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(), model=module,
                                         follower=grid.stage > 0, always_profile=grid.stages > 1)
-            self.aligner = StageAligner(self.state, grid.stage, grid.stages, grid.pp_group)
+            self.aligner = StageAligner(self.state, grid.stage, grid.stages, grid.pp_group, tp_group=grid.tp_group)
         else:  # one static rank: on every stage (powersgd) or on the first k (optimus-cc)
             self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(), model=module)  # static for these two
 
     def synchronize(self, backward_times: list[float]) -> float:
         start = time.perf_counter()
-        self.state.synchronize(self.module.named_parameters())
+        if self.grid.tp > 1:
+            # The compressor gets this rank's TP shards; replicated parameters (LayerNorms,
+            # row-parallel biases, embeddings, LM head) are averaged raw, so the TP ranks' copies
+            # stay identical whatever rank each TP rank's DP group chose.
+            from .tensor_parallel import is_sharded
+
+            named = list(self.module.named_parameters())
+            self.state.synchronize([(n, p) for n, p in named if is_sharded(p)])
+            self.replicated_bytes = self._mean_raw([p for _, p in named if not is_sharded(p)])
+        else:
+            self.state.synchronize(self.module.named_parameters())
         seconds = time.perf_counter() - start
         if self.aligner is not None:
             for sample in backward_times:
                 self.aligner.record_backward_time(sample)
             self.aligner.after_sync()
         return seconds
+
+    def _mean_raw(self, parameters: list) -> int:
+        """Plain all-reduce-mean of these gradients over the DP group (one flat buffer); its bytes."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return 0
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.grid.dp_group)
+        flat /= self.grid.replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return flat.numel() * flat.element_size()
 
     def entropy_rank(self) -> int | None:
         """The pipeline's entropy-driven rank (stage 0's, from the latest DAC window boundary), or
@@ -406,10 +465,15 @@ class PipelineStep:
         dist.all_reduce(weight.grad, group=self.grid.embedding_group)
 
     def _clip_gradients(self, max_norm: float) -> None:
-        """torch's clip_grad_norm_ over the whole pipeline (the tied weight counted once)."""
+        """torch's clip_grad_norm_ over the whole model: all stages and TP shards (the tied weight once)."""
         skip = self.module.lm_head.weight if (self.module.last and self.grid.stages > 1) else None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None and p is not skip]
-        squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().double().reshape(1)
+        if self.grid.tp > 1:  # shards summed over the TP group, replicated parameters counted once
+            from .tensor_parallel import tp_squared_norm
+
+            squares = tp_squared_norm(self.module.parameters(), self.grid.tp_group, skip).to(self.device)
+        else:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None and p is not skip]
+            squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().double().reshape(1)
         dist.all_reduce(squares, group=self.grid.pp_group)
         total = float(squares.sqrt())
         coefficient = min(1.0, max_norm / (total + 1e-6))
@@ -426,27 +490,33 @@ STAGE_FIELDS = ("rank", "sync_s", "backward_end", "sync_end", "t_b_s", "predicte
 
 
 def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
-    """Each stage's numbers for replica 0 (gathered on every rank; rank 0 writes them)."""
+    """Each stage's numbers for replica 0, TP rank 0 (gathered on every rank; rank 0 writes them)."""
     grid, compressor = step.grid, step.compressor
     m = compressor.state.last_step_metrics or {}
     plan = compressor.aligner.last_plan if compressor.aligner else None
     mine = [m.get("rank"), timing["sync_s"], timing["backward_end"], timing["sync_end"],
             compressor.aligner.last_backward_time if compressor.aligner else None,
             plan[grid.stage].predicted if plan else None, plan[grid.stage].budget if plan else None,
-            m.get("bytes_sent"), m.get("bytes_raw"), m.get("elements_sent"), m.get("elements_raw"),
+            (m.get("bytes_sent") or 0) + compressor.replicated_bytes, (m.get("bytes_raw") or 0) + compressor.replicated_bytes,
+            m.get("elements_sent"), m.get("elements_raw"),
             step.interstage_rank, timing["interstage_bytes_sent"], timing["interstage_bytes_raw"]]
     row = torch.tensor([math.nan if v is None else float(v) for v in mine], dtype=torch.float64, device=step.device)
     rows = [torch.empty_like(row) for _ in range(grid.world)]
     dist.all_gather(rows, row)
-    first_backward_end = min(float(rows[grid.global_rank(s, 0)][2]) for s in range(grid.stages))
+    first_backward_end = min(float(rows[grid.global_rank(s, 0, 0)][2]) for s in range(grid.stages))
     out = []
     for s in range(grid.stages):
-        values = dict(zip(STAGE_FIELDS, rows[grid.global_rank(s, 0)].tolist()))
-        replica_ranks = {str(rows[grid.global_rank(s, d)][0].item()) for d in range(grid.replicas)}
+        values = dict(zip(STAGE_FIELDS, rows[grid.global_rank(s, 0, 0)].tolist()))
+        replica_ranks = {str(rows[grid.global_rank(s, d, 0)][0].item()) for d in range(grid.replicas)}
+        tp_ranks = {str(rows[grid.global_rank(s, d, t)][0].item()) for d in range(grid.replicas) for t in range(grid.tp)}
+        for key in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw"):  # all TP ranks' shards
+            column = STAGE_FIELDS.index(key)
+            values[key] = sum(float(rows[grid.global_rank(s, 0, t)][column]) for t in range(grid.tp))
         out.append({
             "stage": s,
             "rank": None if math.isnan(values["rank"]) else int(values["rank"]),
             "replicas_agree": len(replica_ranks) == 1,  # every replica of the stage used this rank
+            "tp_agree": len(tp_ranks) == 1,  # … and every TP rank of every replica (1 when tp = 1)
             "sync_time_s": values["sync_s"],
             # when this stage's backward ended / its sync ended, after the earliest backward end
             "backward_end_s": values["backward_end"] - first_backward_end,
@@ -473,7 +543,7 @@ class PipelineRunner:
         from .train import seed_everything
 
         self.cfg, self.data, self.device = cfg, data, device
-        self.grid = make_grid(rank, world, cfg.pp)
+        self.grid = make_grid(rank, world, cfg.pp, cfg.tp)
         # Stages 0 and P−1 of one replica read the same blocks (inputs and targets).
         self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, self.grid.replica,
                                     self.grid.replicas, cfg.seed)
@@ -481,12 +551,14 @@ class PipelineRunner:
         self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
         full = build_model(self.shape, cfg.dropout)
         self.n_params = count_parameters(full)
-        self.module = GPT2Stage(full, self.grid.stage, self.grid.stages).to(device)
+        self.module = GPT2Stage(full, self.grid.stage, self.grid.stages, self.grid.tp_rank, self.grid.tp,
+                                self.grid.tp_group).to(device)
         self.step = PipelineStep(cfg, self.grid, self.module, device)
         self.compressor = self.step.compressor
-        self.shard = f"_stage{self.grid.stage}"
+        tp_part = (lambda t: f"_tp{t}") if cfg.tp > 1 else (lambda t: "")
+        self.shard = f"_stage{self.grid.stage}{tp_part(self.grid.tp_rank)}"
         self.saves_shard = self.grid.replica == 0
-        self.shards = tuple(f"_stage{s}" for s in range(self.grid.stages))
+        self.shards = tuple(f"_stage{s}{tp_part(t)}" for s in range(self.grid.stages) for t in range(self.grid.tp))
         self.dp_group = self.grid.dp_group
         self.tokens_per_step = self.grid.replicas * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
 
@@ -508,7 +580,7 @@ class PipelineRunner:
         """Mean over replicas of the last stage's mean micro-batch loss."""
         loss = torch.tensor([local if self.grid.last else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss)
-        return loss.item() / self.grid.replicas
+        return loss.item() / (self.grid.replicas * self.grid.tp)  # every TP rank of the last stage has it
 
     def evaluate(self) -> float:
         """Validation through the pipeline (forward only), ``grad_accum`` micro-batches at a time."""

@@ -281,7 +281,7 @@ class DataParallelRunner:
 
 
 def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
-    if cfg.pp > 1:
+    if cfg.pp > 1 or cfg.tp > 1:
         from .pipeline import PipelineRunner
 
         return PipelineRunner(cfg, data, rank, world, device)
