@@ -18,8 +18,6 @@ local shards; the equivalence test compares losses, not weights).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -120,10 +118,3 @@ def tp_squared_norm(parameters, group, skip=None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(sharded, group=group)
     return sharded + replicated
-
-
-def check_tp_shape(n_head: int, n_embd: int, tp: int) -> None:
-    if n_head % tp or n_embd % tp:
-        raise ValueError(f"tp: n_head {n_head} and n_embd {n_embd} must be multiples of tp = {tp}")
-    if not math.isfinite(tp) or tp < 1:
-        raise ValueError("tp must be ≥ 1")

@@ -13,28 +13,19 @@ import shutil
 
 import pytest
 
-from .conftest import FAST, read_metrics, run_edgc, train_losses
+from .conftest import FAST, read_metrics, run_edgc, run_parallel_and_solo, train_losses
 
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
-EDGC_DAC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
-            "--edgc", "profile_steps_per_rank=1", "--edgc", "warmup_error_test=false",
-            "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian",
-            "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
+EDGC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
+       "--edgc", "profile_steps_per_rank=1", "--edgc", "warmup_error_test=false",
+       "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
+EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
 
 
 def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir):
     # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     common = ["--steps", "6", "--eval-every", "3", "--compressor", "none", "--cache-dir", str(cache_dir), *SMALL]
-    proc = run_edgc("train", "--out", str(tmp_path / "pp"), "--nproc", "4", "--pp", "2", *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_edgc("train", "--out", str(tmp_path / "solo"), *common, "--micro-batch", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    pipelined, solo = train_losses(tmp_path / "pp"), train_losses(tmp_path / "solo")
-    assert sorted(pipelined) == list(range(1, 7))
-    for step in solo:
-        assert pipelined[step] == pytest.approx(solo[step], abs=1e-5), step
-    evals = [[r["val_loss"] for r in read_metrics(tmp_path / d) if r["kind"] == "eval"] for d in ("pp", "solo")]
-    assert evals[0] == pytest.approx(evals[1], abs=1e-5)
+    run_parallel_and_solo(tmp_path, ["--nproc", "4", "--pp", "2"], common)
 
 
 @pytest.fixture(scope="module")
