@@ -14,7 +14,8 @@ starts). At each window boundary every stage shares, over its pipeline group, it
 sync-time table, its r_min/r_max and its mean micro-batch backward time t_b; each stage then
 applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage (and,
 with tensor parallelism, its TP ranks: ``tp_group``) agree on the maximum (least compression),
-and the followers adopt the result from the next step.
+and the followers adopt the result from the next step. With ``tp_group``, stage 0's TP ranks
+also adopt the maximum of their entropy-driven ranks at each boundary, before the exchange.
 Followers start compressing at the first window boundary after stage 0 does.
 
 Boundaries depend only on the step number, so every rank joins every collective.
@@ -89,6 +90,8 @@ class StageAligner:
             return
         if self.stage == 0:
             self.state.controller.plan(step)  # apply a warm-up end due at `step` now, so followers see it
+            if self.tp_group is not None:
+                self._agree_over_tp(step)
         mine = torch.tensor(self._encode(), dtype=torch.float64, device=self.state.device or torch.device("cpu"))
         rows = self.pipeline.all_gather(mine)
         decoded = [self._decode(row.tolist()) for row in rows]
@@ -113,6 +116,17 @@ class StageAligner:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
         value = float(agreed)
         self.state.controller.follow(step, None if math.isinf(value) else int(value))
+
+    def _agree_over_tp(self, step: int) -> None:
+        """Stage 0's TP ranks (each led by its own DP group's entropy) adopt the largest rank any of
+        them chose, so the TP shards of a stage are compressed alike. Every DP replica sees the same
+        maximum (each DP group already agreed), so replicas stay identical."""
+        controller = self.state.controller
+        mine = float(controller.rank) if controller.phase == COMPRESS and controller.rank is not None else -1.0
+        agreed = torch.tensor([mine], dtype=torch.float64, device=self.state.device or torch.device("cpu"))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if agreed.item() > 0:
+            controller.agree(step, int(agreed.item()))
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

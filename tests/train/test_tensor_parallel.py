@@ -30,7 +30,7 @@ def test_tp2_dp2_with_edgc_keeps_replicas_identical_and_the_loss_falls(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
     assert any(r["phase"] == "compress" for r in train)
-    assert all(s["replicas_agree"] for r in train for s in r["stages"])
+    assert all(s["replicas_agree"] and s["tp_agree"] for r in train for s in r["stages"])  # one rank per stage
     assert any(r["bytes_sent"] < r["bytes_raw"] for r in train)
     # Checkpoints are written only after the DP replicas of every TP shard had identical parameter
     # digests (train.verify_replicas); the replicated parameters are identical across TP ranks too.
