@@ -22,6 +22,7 @@ is flushed into it). Rank 0 (or None) means "send raw".
 Wire contract (`send_gradient` / `recv_gradient`, point-to-point, any backend with isend/irecv):
 one int64 header [r, m, n] then, for r > 0, one fp32 buffer holding P then Q, ((m + n)·r values),
 and for r = 0 the raw gradient (m·n values). `wire_bytes(m, n, r, element_size)` is that size.
+The payload is fp32 (fp64 for fp64 gradients); the receiver passes the same dtype to `recv_gradient`.
 
 Rank policy (`interstage_rank`): with EDGC the inter-stage rank follows the pipeline's
 entropy-driven rank r_0 (stage 0's, as `edgc.pipeline.StageAligner` shares it at every window

@@ -301,7 +301,7 @@ class StageCompressor(Compressor):
         if self.aligner is not None:
             self.aligner.load_state_dict(sd["aligner"])
         if self.interstage is not None and sd.get("interstage") is not None:
-            self.interstage.load_state_dict(sd["interstage"])
+            self.interstage.load_state_dict(sd["interstage"], device=next(self.module.parameters()).device)
 
 
 # ---------------------------------------------------------------------------- one optimizer step
