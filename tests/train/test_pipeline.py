@@ -22,10 +22,11 @@ EDGC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--ed
 EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
 
 
-def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir):
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, schedule):
     # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     common = ["--steps", "6", "--eval-every", "3", "--compressor", "none", "--cache-dir", str(cache_dir), *SMALL]
-    run_parallel_and_solo(tmp_path, ["--nproc", "4", "--pp", "2"], common)
+    run_parallel_and_solo(tmp_path, ["--nproc", "4", "--pp", "2", "--pp-schedule", schedule], common)
 
 
 @pytest.fixture(scope="module")
