@@ -12,8 +12,10 @@ pipeline group per DP index):
 Stage 0 leads: its entropy series chooses its rank (and its warm-up decides when compression
 starts). At each window boundary every stage shares, over its pipeline group, its measured
 sync-time table, its r_min/r_max and its mean micro-batch backward time t_b; each stage then
-applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage agree
-on the maximum (least compression), and the followers adopt the result from the next step.
+applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage (and,
+with tensor parallelism, its TP ranks: ``tp_group``) agree on the maximum (least compression),
+and the followers adopt the result from the next step. With ``tp_group``, stage 0's TP ranks
+also adopt the maximum of their entropy-driven ranks at each boundary, before the exchange.
 Followers start compressing at the first window boundary after stage 0 does.
 
 Boundaries depend only on the step number, so every rank joins every collective.
@@ -34,7 +36,8 @@ from .state import EDGCState
 
 class StageAligner:
     def __init__(self, state: EDGCState, stage: int, n_stages: int,
-                 pipeline_group: dist.ProcessGroup | None = None, granularity: int = 4):
+                 pipeline_group: dist.ProcessGroup | None = None, granularity: int = 4,
+                 tp_group: dist.ProcessGroup | None = None):
         if stage > 0 and not state.controller.follower:
             raise ValueError("stages after the first need EDGCState(..., follower=True)")
         if stage == 0 and state.controller.follower:
@@ -42,10 +45,14 @@ class StageAligner:
         self.state, self.stage, self.n_stages = state, stage, n_stages
         self.pipeline = Communicator(pipeline_group)
         self.granularity = granularity
+        self.tp_group = tp_group  # tensor parallelism: the TP ranks of a stage agree too
         self._candidates = profile_candidates(state.config.profile_max_rank)
         self._backward = [0.0, 0]  # seconds, micro-batches in this window
         self.last_plan: list[StageRank] | None = None  # the latest alignment, for metrics
         self.last_backward_time = math.nan
+        # Stage 0's entropy-driven rank at the latest window boundary (None while it does not
+        # compress): the signal the inter-stage compressor follows (`edgc.interstage`).
+        self.leader_rank: int | None = None
 
     def record_backward_time(self, seconds: float) -> None:
         """One micro-batch backward on this stage (t_b sample)."""
@@ -83,12 +90,15 @@ class StageAligner:
             return
         if self.stage == 0:
             self.state.controller.plan(step)  # apply a warm-up end due at `step` now, so followers see it
+            if self.tp_group is not None:
+                self._agree_over_tp(step)
         mine = torch.tensor(self._encode(), dtype=torch.float64, device=self.state.device or torch.device("cpu"))
         rows = self.pipeline.all_gather(mine)
         decoded = [self._decode(row.tolist()) for row in rows]
         self.last_backward_time = float(mine[4])
         self._backward = [0.0, 0]
         leader_phase, leader_rank, _ = decoded[0]
+        self.leader_rank = leader_rank if leader_phase == COMPRESS else None
         timings = [timing for _, _, timing in decoded]
         if leader_phase != COMPRESS or leader_rank is None:
             return  # stage 0 is not compressing yet: everyone stays as they are
@@ -102,12 +112,26 @@ class StageAligner:
         # Replicas of a stage agree on the least compression any of them asked for.
         agreed = torch.tensor([math.inf if wanted is None else float(wanted)], dtype=torch.float64, device=mine.device)
         self.state.comm.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if self.tp_group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
         value = float(agreed)
         self.state.controller.follow(step, None if math.isinf(value) else int(value))
 
+    def _agree_over_tp(self, step: int) -> None:
+        """Stage 0's TP ranks (each led by its own DP group's entropy) adopt the largest rank any of
+        them chose, so the TP shards of a stage are compressed alike. Every DP replica sees the same
+        maximum (each DP group already agreed), so replicas stay identical."""
+        controller = self.state.controller
+        mine = float(controller.rank) if controller.phase == COMPRESS and controller.rank is not None else -1.0
+        agreed = torch.tensor([mine], dtype=torch.float64, device=self.state.device or torch.device("cpu"))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if agreed.item() > 0:
+            controller.agree(step, int(agreed.item()))
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        return {"backward": list(self._backward)}
+        return {"backward": list(self._backward), "leader_rank": self.leader_rank}
 
     def load_state_dict(self, state: dict) -> None:
         self._backward = [float(state["backward"][0]), int(state["backward"][1])]
+        self.leader_rank = state.get("leader_rank")

@@ -269,6 +269,13 @@ class WindowController:
             self.phase, self.rank = COMPRESS, rank
             self.schedule.append((step, rank or 0))
 
+    def agree(self, step: int, rank: int | None) -> None:
+        """Adopt ``rank`` from ``step`` on, if compressing: a leader whose peers outside its group
+        (the TP ranks of its pipeline stage) agreed on it. Same bookkeeping as a decision."""
+        if self.phase == COMPRESS and rank is not None and rank != self.rank:
+            self.rank = rank
+            self.schedule.append((step, rank))
+
     def _plan_profile(self, step: int) -> StepPlan:
         offset = step - PROFILE_START_STEP
         if offset < 0:

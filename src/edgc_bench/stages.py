@@ -1,10 +1,13 @@
 """Do pipeline stages finish their gradient sync closer together with DAC than with one rank for all?
 
     python -m edgc_bench.stages [--rate-mbit 100] [--rank 8] [--steps 30] [--out runs/stages]
+                                [--tp T] [--interstage off|all|cooldown]
 
 Two emulated hosts (`edgc_bench.netns`), each running one whole 2-stage pipeline
-(`edgc train --pp 2`, 2 processes per host), so each stage's data-parallel group crosses the
-rate-limited link. Two runs on the same data and seed:
+(`edgc train --pp 2`, 2 processes per host; ``--tp T``: `--tp T --pp 2`, 2·T processes per host,
+TP and PP inside the host), so each stage's data-parallel group crosses the rate-limited link.
+``--interstage`` compresses the activation gradients between the stages in both runs (intra-host;
+their bytes per step are reported). Two runs on the same data and seed:
 
 * ``dac``     — EDGC: every stage profiles its sync-time table and r_max on the link; stage 0's
   rank comes from its entropy, stage 1's from the DAC alignment;
@@ -45,6 +48,9 @@ def summarise(run_dir: Path) -> dict:
                          for s in range(len(compressed[0]["stages"]))],
         "stage0_ranks": [r["stages"][0]["rank"] for r in compressed],
         "steps": len(compressed),
+        "dp_mb": statistics.median(r["bytes_sent"] for r in compressed) / 1e6,
+        "interstage_mb": statistics.median(r.get("interstage_bytes_sent", 0) for r in compressed) / 1e6,
+        "interstage_raw_mb": statistics.median(r.get("interstage_bytes_raw", 0) for r in compressed) / 1e6,
     }
 
 
@@ -54,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--out", default="runs/stages")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside each host")
+    parser.add_argument("--interstage", default="off", choices=("off", "all", "cooldown"))
     args = parser.parse_args(argv)
     out = Path(args.out)
     if out.exists():
@@ -61,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     check_prerequisites()
     out.mkdir(parents=True)
-    settings = BenchSettings(hosts=2, nproc=2, rate_mbit=args.rate_mbit)
-    common = ["--pp", "2", "--grad-accum", "4", "--preset", args.preset, "--steps", str(args.steps),
+    settings = BenchSettings(hosts=2, nproc=2 * args.tp, rate_mbit=args.rate_mbit)
+    common = ["--pp", "2", "--tp", str(args.tp), "--interstage", args.interstage, "--grad-accum", "4", "--preset", args.preset, "--steps", str(args.steps),
               "--micro-batch", "4", "--seq-len", "128", "--eval-every", "0", "--eval-batches", "4",
               "--no-progress", "--no-tensorboard"]
     edgc = {"window": 5, "profile_max_rank": 64, "profile_steps_per_rank": 1, "warmup_error_test": False}
@@ -80,14 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         stage0_rank = statistics.mode(results["dac"]["stage0_ranks"])
         results["uniform"] = train("uniform", ["--compressor", "powersgd", "--powersgd-rank", str(stage0_rank)])
     ratio = results["dac"]["spread_s"] / results["uniform"]["spread_s"]
-    table = ["| run | stage ranks | median sync time per stage (ms) | median finish spread (ms) | median step (s) |",
-             "| --- | --- | --- | --- | --- |"]
+    table = ["| run | stage ranks | median sync time per stage (ms) | median finish spread (ms) | median step (s) "
+             "| DP MB/step | inter-stage MB/step (raw) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("uniform", "dac"):
         r = results[name]
         table.append(f"| {name} | {' / '.join(','.join(ranks) for ranks in r['stage_ranks'])} | "
                      f"{' / '.join(f'{t * 1000:.0f}' for t in r['stage_sync_s'])} | {r['spread_s'] * 1000:.1f} | "
-                     f"{r['step_s']:.2f} |")
-    text = "\n".join(table) + f"\n\nspread dac / uniform: {ratio:.2f}× ({args.rate_mbit:g} Mbit/s per host, PP2 × DP2)\n"
+                     f"{r['step_s']:.2f} | {r['dp_mb']:.2f} | {r['interstage_mb']:.3f} ({r['interstage_raw_mb']:.3f}) |")
+    text = "\n".join(table) + f"\n\nspread dac / uniform: {ratio:.2f}× ({args.rate_mbit:g} Mbit/s per host, "
+    text += f"{'TP' + str(args.tp) + ' × ' if args.tp > 1 else ''}PP2 × DP2, inter-stage {args.interstage})\n"
     (out / "stages.md").write_text(text)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(text)

@@ -22,6 +22,7 @@ COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", 
 FSDP_COMPRESSORS = ("none", "allreduce", "powersgd", "edgc")  # none: native HSDP; the others via the hook
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+INTERSTAGE_MODES = ("off", "all", "cooldown")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -116,6 +117,9 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages P; the world size must be a multiple, DP degree = world / P. 1 = data parallel only. ≥ 1."""
 
+    tp: int = 1
+    """Tensor-parallel degree T (Megatron-style GPT-2 blocks); world = T × pp × DP, rank = (replica·pp + stage)·T + tp_rank. 1 = none. ≥ 1."""
+
     pp_schedule: str = "1f1b"
     """Pipeline schedule with --pp > 1: 1f1b or gpipe; grad_accum is its number of micro-batches."""
 
@@ -128,6 +132,15 @@ class TrainConfig:
 
     fsdp_shard: int = 0
     """With --fsdp: ranks per shard group (ranks per host); replicas = world / shard. 0 = the processes per host (LOCAL_WORLD_SIZE). ≥ 0."""
+
+    interstage: str = "off"
+    """Activation gradients sent back between pipeline stages: off (raw), all (low-rank + error feedback per micro-batch slot), cooldown (only the last pp − 1 micro-batches' backward, the 1F1B cool-down)."""
+
+    interstage_rank: int = 8
+    """Rank of the compressed activation gradients (--interstage); with --compressor edgc the upper bound of the rank that follows the stage's DP rank. ≥ 1."""
+
+    interstage_min_rank: int = 2
+    """With --compressor edgc: lower bound of the inter-stage rank. 1 ≤ it ≤ interstage_rank."""
 
     # ---- evaluation, checkpoints, logging
     eval_every: int = 50
@@ -211,8 +224,18 @@ class TrainConfig:
         check_int("seed", 0, 2**32 - 1)
         check_choice("compressor", COMPRESSORS)
         check_int("pp", 1)
+        check_int("tp", 1)
+        if self.tp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
+            fail("compressor", f"with --tp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
+        if self.tp > 1 and self.pp == 1 and self.eval_batches % self.grad_accum:
+            fail("eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --tp (whole steps)")
         check_choice("pp_schedule", PIPELINE_SCHEDULES)
         check_int("selective_stages", 1, self.pp if is_int(self.pp) else None)
+        check_choice("interstage", INTERSTAGE_MODES)
+        check_int("interstage_rank", 1)
+        check_int("interstage_min_rank", 1, self.interstage_rank if is_int(self.interstage_rank) else None)
+        if self.interstage != "off" and self.pp == 1:
+            fail("interstage", "compresses pipeline traffic and needs --pp > 1")
         if self.pp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
             fail("compressor", f"with --pp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
         if self.pp == 1 and self.compressor == "optimus-cc":
@@ -242,6 +265,8 @@ class TrainConfig:
         from .model import model_shape
 
         shape = model_shape(self.preset, self.vocab_size, self.seq_len, self.n_layer, self.n_embd, self.n_head)
+        if self.tp > 1 and (shape["n_head"] % self.tp or shape["n_embd"] % self.tp):
+            fail("tp", f"must divide the model's {shape['n_head']} heads and width {shape['n_embd']}")
         if self.pp > shape["n_layer"]:
             fail("pp", f"must be ≤ the model's {shape['n_layer']} transformer blocks (one stage needs one)")
         if self.uses_edgc_config:

@@ -308,7 +308,7 @@ def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, 
         from .fsdp import FSDPRunner
 
         return FSDPRunner(cfg, data, rank, world, local_rank, device)
-    if cfg.pp > 1:
+    if cfg.pp > 1 or cfg.tp > 1:
         from .pipeline import PipelineRunner
 
         return PipelineRunner(cfg, data, rank, world, device)

@@ -37,6 +37,22 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
 
 
+def run_parallel_and_solo(tmp_path: Path, parallel: list[str], common: list[str]) -> tuple[Path, Path]:
+    """The same data in a parallel job (``parallel`` flags) and in one process with micro-batch 4;
+    asserts both finished and their train and eval losses agree to 1e-5."""
+    proc = run_edgc("train", "--out", str(tmp_path / "parallel"), *parallel, *common, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_edgc("train", "--out", str(tmp_path / "solo"), *common, "--micro-batch", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [train_losses(tmp_path / d) for d in ("parallel", "solo")]
+    assert sorted(losses[0]) == sorted(losses[1]) and losses[1]
+    for step in losses[1]:
+        assert losses[0][step] == pytest.approx(losses[1][step], abs=1e-5), step
+    evals = [[r["val_loss"] for r in read_metrics(tmp_path / d) if r["kind"] == "eval"] for d in ("parallel", "solo")]
+    assert evals[0] == pytest.approx(evals[1], abs=1e-5)
+    return tmp_path / "parallel", tmp_path / "solo"
+
+
 # The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):
 # 20 steps, checkpoints at 10 and 20, compressing from step 3 (warm-up floor ⌊0.1·20⌋ = 2).
 EDGC_JOB = ["--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--compressor", "edgc",

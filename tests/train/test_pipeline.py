@@ -4,6 +4,8 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
   pp   `--pp 2 --nproc 4` (PP2 × DP2), compression off;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints at 6 and 12
   b    a copy of a cut back to its step-6 checkpoint, then `--resume`d
+  (a and b send their activation gradients compressed: --interstage all, rank following the DP rank)
+  is   `--pp 2 --nproc 2` with static PowerSGD and --interstage all / cooldown
 """
 from __future__ import annotations
 
@@ -11,27 +13,20 @@ import shutil
 
 import pytest
 
-from .conftest import FAST, read_metrics, run_edgc, train_losses
+from .conftest import FAST, read_metrics, run_edgc, run_parallel_and_solo, train_losses
 
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
-EDGC_DAC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
-            "--edgc", "profile_steps_per_rank=1", "--edgc", "warmup_error_test=false",
-            "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
+EDGC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
+       "--edgc", "profile_steps_per_rank=1", "--edgc", "warmup_error_test=false",
+       "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
+EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
 
 
-def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir):
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, schedule):
     # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     common = ["--steps", "6", "--eval-every", "3", "--compressor", "none", "--cache-dir", str(cache_dir), *SMALL]
-    proc = run_edgc("train", "--out", str(tmp_path / "pp"), "--nproc", "4", "--pp", "2", *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_edgc("train", "--out", str(tmp_path / "solo"), *common, "--micro-batch", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    pipelined, solo = train_losses(tmp_path / "pp"), train_losses(tmp_path / "solo")
-    assert sorted(pipelined) == list(range(1, 7))
-    for step in solo:
-        assert pipelined[step] == pytest.approx(solo[step], abs=1e-5), step
-    evals = [[r["val_loss"] for r in read_metrics(tmp_path / d) if r["kind"] == "eval"] for d in ("pp", "solo")]
-    assert evals[0] == pytest.approx(evals[1], abs=1e-5)
+    run_parallel_and_solo(tmp_path, ["--nproc", "4", "--pp", "2", "--pp-schedule", schedule], common)
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +84,40 @@ def test_optimus_cc_compresses_only_the_first_stages(tmp_path, cache_dir):
     train = [r for r in read_metrics(tmp_path / "occ") if r["kind"] == "train"]
     assert train[-1]["stages"][0]["rank"] == 4  # static rank on stage 0 after the warm-up
     assert all(r["stages"][1]["rank"] is None for r in train)  # stage 1 always uncompressed
+
+
+def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_rank(dac_runs):
+    a, _ = dac_runs
+    train = [r for r in read_metrics(a) if r["kind"] == "train"]
+    leader_ranks = {max(3, min(6, r["stages"][0]["rank"])) for r in train if r["phase"] == "compress"}
+    first_compressing = min(r["step"] for r in train if r["phase"] == "compress")
+    for r in train:
+        stage0, stage1 = r["stages"]
+        assert stage0["interstage_bytes_sent"] == 0 and stage0["interstage_rank"] is None  # nothing to send back
+        assert r["interstage_bytes_raw"] == stage1["interstage_bytes_raw"] > 0
+        if r["step"] <= first_compressing:  # raw until stage 0 compresses (and a window boundary tells stage 1)
+            assert stage1["interstage_rank"] is None and r["interstage_bytes_sent"] > r["interstage_bytes_raw"]
+        elif stage1["interstage_rank"] is not None:  # stage 0's entropy rank, clamped to [3, 6]
+            assert stage1["interstage_rank"] in leader_ranks
+    assert any(r["stages"][1]["interstage_rank"] for r in train)
+    assert any(r["interstage_bytes_sent"] < r["interstage_bytes_raw"] / 2 for r in train)
+
+
+@pytest.mark.parametrize("mode", ["all", "cooldown"])
+def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formula(tmp_path, cache_dir, mode):
+    from edgc.interstage import wire_bytes
+
+    run = tmp_path / mode
+    proc = run_edgc("train", "--out", str(run), "--nproc", "2", "--pp", "2", "--steps", "10", "--eval-every", "0",
+                    "--compressor", "powersgd", "--powersgd-rank", "4", "--interstage", mode,
+                    "--interstage-rank", "2", "--lr", "3e-3", "--cache-dir", str(cache_dir), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_metrics(run) if r["kind"] == "train"]
+    m, n = 2 * 32, 256  # (micro-batch · tokens, the tiny preset's hidden size); grad_accum 2
+    ranks = [2, 2] if mode == "all" else [0, 2]  # cool-down: the last pp − 1 = 1 micro-batch
+    for r in train:
+        assert r["stages"][1]["interstage_rank"] == 2
+        assert r["interstage_bytes_sent"] == sum(wire_bytes(m, n, k) for k in ranks)
+        assert r["interstage_bytes_raw"] == 2 * 4 * m * n
+    losses = [r["loss"] for r in train]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1

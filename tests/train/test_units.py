@@ -26,6 +26,7 @@ def test_every_field_has_a_one_line_doc():
     ("lr", float("nan")), ("vocab_size", 100), ("val_fraction", 0.9), ("warmup_steps", 500),
     ("preset", "huge"), ("seq_len", 1), ("grad_clip", -1.0), ("dropout", 1.0), ("tensorboard", "yes"),
     ("n_head", 3), ("edgc", {"window": 0}), ("edgc", {"no_such_field": 1}),
+    ("interstage", "sometimes"), ("interstage_rank", 0), ("tp", 0), ("tp", 3),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError) as err:

@@ -1,0 +1,171 @@
+"""Compressed inter-stage traffic: low-rank activation gradients with per-slot error feedback.
+
+Optimus-CC's compressed backpropagation with lazy error propagation (anchors.md §2.6), for the
+activation gradient a pipeline stage sends back to its predecessor. The gradient of one
+micro-batch, viewed as G (tokens × hidden) = (shape[:-1] flattened, shape[-1]), is sent as two
+factors instead of G:
+
+    M ← G + e[slot]                 e[slot]: what this micro-batch slot failed to send last step
+    P ← M · Q[slot]                 Q warm-started from this slot's previous step
+    P ← orth(P)
+    Q ← Mᵀ · P
+    sent  Ĝ = P · Qᵀ                the receiver rebuilds Ĝ from P (m × r) and Q (n × r)
+    e[slot] ← M − Ĝ                 kept by the sender, added to the same slot next step
+
+so sent + residual = original gradient + old residual, exactly (up to rounding). A slot is the
+micro-batch's index inside the optimizer step (0 … grad_accum − 1): the same slot of the next
+step is the closest thing to "the same gradient later" a pipeline has.
+
+When (m + n)·r ≥ m·n the factors would not be smaller and G is sent raw (and the slot's residual
+is flushed into it). Rank 0 (or None) means "send raw".
+
+Wire contract (`send_gradient` / `recv_gradient`, point-to-point, any backend with isend/irecv):
+one int64 header [r, m, n] then, for r > 0, one fp32 buffer holding P then Q, ((m + n)·r values),
+and for r = 0 the raw gradient (m·n values). `wire_bytes(m, n, r, element_size)` is that size.
+The payload is fp32 (fp64 for fp64 gradients); the receiver passes the same dtype to `recv_gradient`.
+
+Rank policy (`interstage_rank`): with EDGC the inter-stage rank follows the pipeline's
+entropy-driven rank r_0 (stage 0's, as `edgc.pipeline.StageAligner` shares it at every window
+boundary) times `scale`, clamped to the inter-stage bounds [r_min, r_max]; while stage 0 is not
+compressing (EDGC's warm-up), inter-stage traffic is raw too. It does not follow the sending
+stage's own DAC-aligned DP rank: DAC may leave a stage's DP sync raw because that stage has slack
+on the DP link, which says nothing about the inter-stage link. Static compressors use r_max.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .lowrank import orthogonalize_, stable_seed
+
+HEADER = 3  # int64 values: rank, rows, columns
+HEADER_BYTES = HEADER * 8
+
+
+def wire_bytes(m: int, n: int, rank: int, element_size: int = 4) -> int:
+    """Bytes one gradient takes on the wire: header + factors (rank > 0) or the raw matrix."""
+    return HEADER_BYTES + element_size * ((m + n) * rank if rank > 0 else m * n)
+
+
+def effective_rank(m: int, n: int, rank: int | None) -> int:
+    """The rank a (m × n) gradient is sent at: 0 (raw) when factors would not be smaller."""
+    if not rank or rank <= 0:
+        return 0
+    r = min(rank, m, n)
+    return r if (m + n) * r < m * n else 0
+
+
+def interstage_rank(dp_rank: int | None, r_min: int, r_max: int, scale: float = 1.0) -> int | None:
+    """EDGC's inter-stage rank from an entropy-driven DP rank: round(dp_rank · scale) within [r_min, r_max]."""
+    if dp_rank is None:
+        return None
+    return max(r_min, min(r_max, int(round(dp_rank * scale))))
+
+
+@dataclass
+class Packet:
+    """What goes on the wire for one micro-batch gradient."""
+
+    rank: int  # 0 = raw
+    shape: torch.Size
+    payload: torch.Tensor  # P and Q concatenated (flat), or the raw matrix (flat)
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.payload.numel() * self.payload.element_size()
+
+
+class InterStageCompressor:
+    """Sender side: rank-r compression with error feedback per micro-batch slot."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32):
+        self.seed, self.dtype = seed, dtype
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.qs: dict[int, torch.Tensor] = {}
+        self.bytes_sent = 0
+        self.bytes_raw = 0
+
+    def _q(self, slot: int, n: int, rank: int, device: torch.device) -> torch.Tensor:
+        q = self.qs.get(slot)
+        if q is None or q.shape != (n, rank):
+            generator = torch.Generator().manual_seed(stable_seed(self.seed, "interstage", slot, n, rank))
+            q = torch.randn(n, rank, generator=generator, dtype=self.dtype).to(device)
+        return q
+
+    def compress(self, slot: int, grad: torch.Tensor, rank: int | None) -> Packet:
+        """The packet for this slot's gradient; updates the slot's residual and warm-start Q."""
+        shape = grad.shape
+        n = shape[-1]
+        m = grad.numel() // n
+        dtype = torch.float64 if grad.dtype == torch.float64 else self.dtype
+        matrix = grad.detach().reshape(m, n).to(dtype)
+        residual = self.residuals.get(slot)
+        if residual is not None and residual.shape == matrix.shape:
+            matrix = matrix + residual
+        r = effective_rank(m, n, rank)
+        if r == 0:
+            self.residuals.pop(slot, None)  # everything is sent: nothing left over
+            payload = matrix.reshape(-1).clone()
+        else:
+            q = self._q(slot, n, r, matrix.device).to(dtype)
+            p = matrix @ q
+            orthogonalize_(p.unsqueeze(0))
+            q = matrix.t() @ p
+            self.residuals[slot] = matrix - p @ q.t()
+            self.qs[slot] = q.detach().to(self.dtype).clone()
+            payload = torch.cat([p.reshape(-1), q.reshape(-1)])
+        packet = Packet(r, shape, payload)
+        self.bytes_sent += packet.nbytes
+        self.bytes_raw += m * n * grad.element_size()
+        return packet
+
+    def take_bytes(self) -> tuple[int, int]:
+        """(bytes sent, bytes an uncompressed transfer would have sent) since the last call."""
+        out = (self.bytes_sent, self.bytes_raw)
+        self.bytes_sent = self.bytes_raw = 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()},
+                "qs": {k: v.cpu() for k, v in self.qs.items()}}
+
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        self.residuals = {int(k): v.to(device) if device else v for k, v in state["residuals"].items()}
+        self.qs = {int(k): v.to(device) if device else v for k, v in state["qs"].items()}
+
+
+def decompress(packet: Packet) -> torch.Tensor:
+    """The gradient the receiver uses: P · Qᵀ (or the raw matrix), in the original shape."""
+    n = packet.shape[-1]
+    m = math.prod(packet.shape) // n
+    if packet.rank == 0:
+        return packet.payload.reshape(packet.shape)
+    p = packet.payload[: m * packet.rank].reshape(m, packet.rank)
+    q = packet.payload[m * packet.rank:].reshape(n, packet.rank)
+    return (p @ q.t()).reshape(packet.shape)
+
+
+# ---------------------------------------------------------------------------- the send/recv contract
+def send_gradient(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
+    """Non-blocking send of one packet; returns the works (wait on them before reusing buffers)."""
+    n = packet.shape[-1]
+    m = math.prod(packet.shape) // n
+    header = torch.tensor([packet.rank, m, n], dtype=torch.int64, device=packet.payload.device)
+    works = [dist.isend(header, dst, group=group, tag=tag), dist.isend(packet.payload, dst, group=group, tag=tag)]
+    return [(w, header, packet.payload) for w in works]  # keep the buffers alive with their work
+
+
+def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float32, device=None,
+                  group=None, tag: int = 0) -> torch.Tensor:
+    """Blocking receive of one packet sent by `send_gradient`; returns the decompressed gradient."""
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group, tag=tag)
+    rank, m, n = (int(v) for v in header)
+    if m * n != math.prod(shape):
+        raise RuntimeError(f"interstage: got a {m}×{n} gradient for an activation of shape {tuple(shape)}")
+    payload = torch.empty((m + n) * rank if rank else m * n, dtype=dtype, device=device)
+    dist.recv(payload, src, group=group, tag=tag)
+    return decompress(Packet(rank, torch.Size(shape), payload)).to(dtype)
