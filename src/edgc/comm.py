@@ -16,7 +16,8 @@ compressors testable in a single plain process.
 Each collective's duration is kept in issue order (the same order on every rank, so traces of
 all ranks line up): from its issue to its completion, as device-timeline stamps turned into
 seconds at ``reset()`` (the end of a step). On CPU the completion time is the earlier of the
-work's completion callback and the return of ``wait``.
+return of ``wait`` and the first ``poll()`` that saw the work complete (no completion callback:
+one would run on the backend's thread, possibly while the interpreter exits).
 """
 from __future__ import annotations
 
@@ -37,9 +38,6 @@ class Pending:
                  waits: list | None = None):
         self.tensor, self._work, self._record, self._clock, self._after = tensor, work, record, clock, after
         self._waits = waits
-        if work is not None and record is not None and not clock.cuda:
-            # The completion callback runs on the backend's thread; it only stores a time.
-            work.get_future().add_done_callback(lambda _: record.__setitem__(2, time.perf_counter()))
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -49,6 +47,7 @@ class Pending:
             waited_to = self._clock.stamp()
             if self._record is not None:
                 self._record[1] = waited_to
+                self._record[3] = None  # the work is done with
             if self._waits is not None:
                 self._waits.append((waited_from, waited_to))
         if self._after is not None:
@@ -82,7 +81,7 @@ class Communicator:
     def reset(self) -> list[float]:
         """End a step: the durations (s) of its collectives in issue order. Call after every wait."""
         durations = []
-        for start, end, completed in self._records:
+        for start, end, completed, _ in self._records:
             if end is None:
                 raise RuntimeError("Communicator.reset() before every issued collective was waited for")
             seconds = Clock.seconds(start, end)
@@ -111,9 +110,22 @@ class Communicator:
             if after is not None:
                 after()
             return Pending(tensor, None, None, self.clock)
-        record: list = [self.clock.stamp(), None, None]
+        record: list = [self.clock.stamp(), None, None, None]  # issued, waited, seen complete, work
         self._records.append(record)
-        return Pending(tensor, run(), record, self.clock, after, self._waits)
+        work = run()
+        record[3] = work
+        return Pending(tensor, work, record, self.clock, after, self._waits)
+
+    def poll(self) -> None:
+        """Note the time at which unwaited collectives are seen complete (CPU timing only; called
+        at each hook call, so a collective's end is known to within one bucket's backward)."""
+        if self.clock.cuda:
+            return
+        now = None
+        for record in self._records:
+            if record[2] is None and record[3] is not None and record[3].is_completed():
+                now = now if now is not None else time.perf_counter()
+                record[2] = now
 
     def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
         return self._issue(tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))

@@ -98,7 +98,7 @@ class EDGCConfig:
 
     # --- noise-robust rank decisions (issue 18) ---
     entropy_significance: float = 3.0
-    """k of the noise gate: the rank moves only if the entropy shift exceeds k standard errors of the window means. ≥ 0."""
+    """k of the noise gate: the rank moves only if the entropy shift exceeds k standard errors of the window means; 0 = no gate (the paper's rule, every window). ≥ 0."""
 
     max_warmup_fraction: float = 0.3
     """The warm-up ends by ⌊this·T⌋ steps even if the error test has not passed (needs total_steps). In [0, 1]."""
@@ -208,7 +208,8 @@ class EDGCConfig:
         return "gaussian" if self.rank_mapping == "cqm" else "histogram"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON values (tuples as lists), so a dict survives config.json unchanged."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":

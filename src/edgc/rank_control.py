@@ -331,12 +331,22 @@ class WindowController:
         config = self.config
         assert self.rank is not None and self.r_min is not None and self.r_max is not None
         per_window = max(1, config.window // config.sample_every)
-        since = self._samples_since_change(entropies, sample_steps)
-        shift = confirmed_shift(since, per_window, config.entropy_significance)
-        if shift is None:
-            return self.rank
-        reference, latest = since[:-per_window], since[-per_window:]
-        h_ref, h_new = sum(reference) / len(reference), sum(latest) / len(latest)
+        if config.entropy_significance == 0:
+            # Gate off: the paper's rule, a new target every window from the last two window means.
+            means = window_means(entropies, per_window)
+            if means is None:
+                return self.rank
+            h_ref, h_new = means
+            if config.rank_mapping != "cqm":
+                target = delta_target(entropies, per_window, self.r_min, self.r_max)
+                return limit_rank(target, self.rank, self.r_min, self.r_max, config.rank_step, config.rank_granularity)
+        else:
+            since = self._samples_since_change(entropies, sample_steps)
+            shift = confirmed_shift(since, per_window, config.entropy_significance)
+            if shift is None:
+                return self.rank
+            reference, latest = since[:-per_window], since[-per_window:]
+            h_ref, h_new = sum(reference) / len(reference), sum(latest) / len(latest)
         if config.rank_mapping == "cqm":
             if self._error_model is None:
                 self._error_model = ErrorModel(samples=config.cqm_mc_samples, seed=config.seed)

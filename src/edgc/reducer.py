@@ -83,6 +83,7 @@ class GradientReducer:
         """DDP path: start averaging one bucket; the Future completes when it is averaged."""
         if not self._in_step:
             self._begin_step()
+        self.comm.poll()
         self._resume_in_flight()
         buffer = bucket.buffer()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

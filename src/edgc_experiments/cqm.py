@@ -73,7 +73,7 @@ def run(args, out, setting, log=print) -> dict:
                     continue
                 exact = max(float(tails[r]), 0.0)
                 predicted = sigma2 * float(curve[r])
-                power = engine.probe_error([name], [grad], r)
+                power = float(engine.probe_error([name], [grad], r)[0])  # (error², ‖M‖²): the error
                 rows.append({"step": step, "name": name, "type": common.layer_type(name), "m": m, "n": k, "rank": r,
                              "exact": exact, "power_iteration": power, "model": predicted, "norm_sq": total,
                              "ratio_exact": exact / predicted if predicted > 0 else float("nan"),

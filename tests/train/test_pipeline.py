@@ -18,7 +18,8 @@ from .conftest import FAST, read_metrics, run_edgc, run_parallel_and_solo, train
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
 EDGC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
        "--edgc", "profile_steps_per_rank=1", "--edgc", "warmup_error_test=false",
-       "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
+       "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian",
+       "--edgc", "entropy_significance=0"]  # no noise gate: 12 steps must show rank changes
 EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
 
 
