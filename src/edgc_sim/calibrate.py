@@ -453,9 +453,10 @@ def compress_model(compressor: str, rank: Optional[int], config: dict, device: D
         stage = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0]
         if compressor == "torch-powersgd":
             return cm.torch_powersgd_hook_time(stage.matrices, stage.values, r, device.flops_per_s("fp32"),
-                                               device.mem_bytes_per_s, device.launch_s, device.alloc_s(1.0), 4)
+                                               device.mem_bytes_per_s, device.launch_s, device.alloc_s(1.0), 4,
+                                               device.hook_gemm_flops_per_s or None)
         return cm.powersgd_compute_time(stage.matrices, r, device.flops_per_s("fp32"), device.mem_bytes_per_s,
-                                        device.launch_s, 4)
+                                        device.launch_s, 4, device.skinny_rates())
     if compressor in CAST_METHODS:
         values = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].values
         return 12 * values / device.mem_bytes_per_s
