@@ -668,7 +668,12 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
                                      statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs))
             transfer = sum(link.bytes_s(world, p, compressor in ALL_GATHER_METHODS) for p in payloads)
             on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
-            groups.append(RunGroup(run, rank, recs, payloads, _measured_count(recs), transfer, on_link))
+            count = _measured_count(recs)
+            if new_style and compressor in (REFERENCE, COMPUTE_FLOOR):
+                # DDP's native all-reduce: nothing of ours counts or traces it (it logs 0 collectives
+                # and empty traces), the pattern gives the count; nosync has nothing to trace
+                count, on_link = None, []
+            groups.append(RunGroup(run, rank, recs, payloads, count, transfer, on_link))
 
     def link_of(group: RunGroup) -> tuple:
         alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
