@@ -207,7 +207,7 @@ class SkinnyRates(NamedTuple):
 
     read_bytes_per_s: float  #: M streamed by a product form (P^T = Q^T M^T, Q^T = P^T M) beyond its FLOPs
     write_bytes_per_s: float  #: G_hat = P Q^T written by the decompression form beyond its FLOPs
-    qr_flops_per_s: float = 0.0  #: torch.linalg.qr of a k x r at 4 k r^2 FLOPs; 0 = Gram-Schmidt model
+    qr_flops_per_s: float = 0.0  #: torch.linalg.qr of a k x r at 4 k r^2 FLOPs; 0 = at the matmul rate
 
 
 def engine_gemm_time(m: int, n: int, r: int, flops_per_s: float, bytes_per_s: float,
@@ -218,34 +218,50 @@ def engine_gemm_time(m: int, n: int, r: int, flops_per_s: float, bytes_per_s: fl
 
 def engine_orthogonalize_time(rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
                               launch_s: float, bytes_per_value: int, qr_flops_per_s: float = 0.0) -> float:
-    """`edgc.lowrank.orthogonalize_` of one rows x cols factor: QR (r > 2) at the measured QR rate,
-    else (or with no QR rate) Gram-Schmidt with the engine's kernel count per column."""
-    if cols > 2 and qr_flops_per_s > 0:
-        return (QR_OPS * launch_s + 4 * rows * cols * cols / qr_flops_per_s
+    """`edgc.lowrank.orthogonalize_` of one rows x cols factor: QR for r > 2 (4 rows r^2 FLOPs at the
+    measured QR rate; at the matmul rate `flops_per_s` where none was measured), Gram-Schmidt with
+    the engine's kernel count per column for r <= 2."""
+    if cols > 2:
+        return (QR_OPS * launch_s + 4 * rows * cols * cols / (qr_flops_per_s or flops_per_s)
                 + 2 * rows * cols * bytes_per_value / mem_bytes_per_s)
     touched = rows * (cols * (cols - 1) / 2 + cols)
     return cols * ENGINE_GS_KERNELS_PER_COLUMN * launch_s + 3 * touched * bytes_per_value / mem_bytes_per_s
 
 
+def optimus_powersgd_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
+                          mem_bytes_per_s: float, launch_s: float, bytes_per_value: int) -> float:
+    """Compress + decompress of the paper's reducer (Optimus-CC's megatron/mpu/reducers.py, which
+    EDGC reuses; paper.md §2.3), what the paper-scale projections model: the three matmuls at the
+    matmul rate, orthogonalising P only (with a warm-started Q that reducer skips Q) by its
+    TorchScript Gram-Schmidt, and the elementwise error-feedback passes (M = G + e: 3 accesses,
+    e = M - G_hat: 3, write-back of G_hat: 1)."""
+    matmul = powersgd_matmul_flops(shapes, rank) / flops_per_s
+    orth = sum(orthogonalize_time(m, effective_rank(m, n, rank), mem_bytes_per_s, launch_s, bytes_per_value)
+               for m, n in shapes)
+    elementwise = 7 * bytes_per_value * sum(m * n for m, n in shapes) / mem_bytes_per_s
+    return matmul + orth + elementwise
+
+
 def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
                           mem_bytes_per_s: float, launch_s: float, bytes_per_value: int,
                           skinny: Optional[SkinnyRates] = None, measure_error: bool = False) -> float:
-    """Compress + decompress time of one step of our engine (see the comment above for the count):
-    3 skinny GEMMs per matrix (bytes at the skinny read/write rates, FLOPs at `flops_per_s`),
-    orthogonalising Q and P, 6 elementwise passes (+1 when the error is measured) at the memory
-    bandwidth, and per-op dispatch. `skinny` None: the GEMMs' bytes move at the memory bandwidth
-    and the QR follows the Gram-Schmidt model (a device without measured rates, e.g. the GPU presets)."""
-    read = skinny.read_bytes_per_s if skinny else mem_bytes_per_s
-    write = skinny.write_bytes_per_s if skinny else mem_bytes_per_s
-    qr = skinny.qr_flops_per_s if skinny else 0.0
+    """Compress + decompress time of one step.
+
+    With `skinny` (a measured host: edgc_sim.host), our engine (see the comment above for the
+    count): 3 skinny GEMMs per matrix (bytes at the skinny read/write rates, FLOPs at
+    `flops_per_s`), orthogonalising Q and P, 6 elementwise passes (+1 when the error is measured)
+    at the memory bandwidth, and per-op dispatch. Without (the GPU presets, which project the
+    paper's system): the paper's reducer, `optimus_powersgd_time`."""
+    if skinny is None:
+        return optimus_powersgd_time(shapes, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value)
     passes = ENGINE_ELEMENTWISE_PASSES + (MEASURE_ERROR_PASSES if measure_error else 0)
     total = 0.0
     for m, n in shapes:
         r = effective_rank(m, n, rank)
-        total += (2 * engine_gemm_time(m, n, r, flops_per_s, read, bytes_per_value)
-                  + engine_gemm_time(m, n, r, flops_per_s, write, bytes_per_value)
-                  + sum(engine_orthogonalize_time(k, r, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value, qr)
-                        for k in (m, n))
+        total += (2 * engine_gemm_time(m, n, r, flops_per_s, skinny.read_bytes_per_s, bytes_per_value)
+                  + engine_gemm_time(m, n, r, flops_per_s, skinny.write_bytes_per_s, bytes_per_value)
+                  + sum(engine_orthogonalize_time(k, r, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value,
+                                                  skinny.qr_flops_per_s) for k in (m, n))
                   + passes * m * n * bytes_per_value / mem_bytes_per_s
                   + ENGINE_OPS_PER_MATRIX * launch_s)
     groups = len({(m, n, effective_rank(m, n, rank)) for m, n in shapes})

@@ -118,10 +118,12 @@ def test_engine_compress_time_counts_the_engines_gemms_passes_and_orthogonalisat
         # same-shape matrices share one group's dispatch (the engine batches them)
         two = cm.powersgd_compute_time([(m, n)] * 2, r, flops, mem, launch, bpv, rates)
         assert two == pytest.approx(2 * one - cm.ENGINE_OPS_PER_GROUP * launch)
-    # no measured rates (the GPU presets): the GEMMs stream at the memory bandwidth
-    plain = cm.powersgd_compute_time([(m, n)], 2, flops, mem, launch, bpv)
-    assert plain == pytest.approx(cm.powersgd_compute_time([(m, n)], 2, flops, mem, launch, bpv,
-                                                           cm.SkinnyRates(mem, mem, 0.0)))
+    # no measured rates (the GPU presets project the paper's system): the paper's reducer, FLOP-bound
+    # matmuls, Gram-Schmidt of P only, 7 passes
+    for r in (2, 8):
+        plain = cm.powersgd_compute_time([(m, n)], r, flops, mem, launch, bpv)
+        assert plain == pytest.approx(6 * m * n * r / flops + cm.orthogonalize_time(m, r, mem, launch, bpv)
+                                      + 7 * m * n * bpv / mem)
 
 
 def test_gpt2_layer_flops_explicit_count():
