@@ -721,7 +721,8 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             extra = max(0.0, g.collectives - sum(len(d) for d in durations)) * group_link.latency_s(world, all_gather)
             timeline = step_timeline(compute_ref, comp_pred, durations,
                                      collectives.bucket_values(compressor, harness_model(g.run.config)), mode)
-            comm_pred = timeline.comm_s + extra + wait
+            # DDP native has no timer to compare with: report the link's own time, not the queueing
+            comm_pred = (latency_s + transfer if mode == "native" else timeline.comm_s + extra) + wait
             step_pred = timeline.end_s + extra + compute_ref * OTHER_SHARE + wait
         comm_meas = math.nan if untimed else med("comm_time_s")
         rows.append(BenchRow(
