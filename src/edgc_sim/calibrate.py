@@ -608,6 +608,7 @@ class RunGroup:
     count: Optional[float]
     transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
     link_s: list  #: traced link time of each of its steps (empty without traces)
+    overlapped: bool = False  #: issued without blocking (issue-15 hook): traced durations include queueing
 
     @property
     def name(self) -> str:
@@ -625,7 +626,7 @@ class RunGroup:
         """Traced, all-reduce only, compression outside the timer, and latency-bound: its link time
         minus its bytes is the fixed cost of its collectives."""
         compressor = _compressor(self.run)
-        return (bool(self.link_s) and self.collectives > 0
+        return (bool(self.link_s) and self.collectives > 0 and not self.overlapped
                 and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
                 and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s)
 
@@ -673,7 +674,8 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
                 # DDP's native all-reduce: nothing of ours counts or traces it (it logs 0 collectives
                 # and empty traces), the pattern gives the count; nosync has nothing to trace
                 count, on_link = None, []
-            groups.append(RunGroup(run, rank, recs, payloads, count, transfer, on_link))
+            groups.append(RunGroup(run, rank, recs, payloads, count, transfer, on_link,
+                                   new_style and compressor in OVERLAPPED))
 
     def link_of(group: RunGroup) -> tuple:
         alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
