@@ -195,6 +195,26 @@ def format_calibration(rows: Sequence[CalibrationRow]) -> str:
 #           its traced link time, or its predicted wire where it was not traced.
 #   step  = compute_ref + compress + comm            (step_time_s = compute + compress + comm)
 #   compute_ref = the reference run's median compute_time_s (same model, data, batch for all)
+#
+# Bench folders from issue 15 on (they have a `nosync`, `allreduce` or `allreduce-blocking` run):
+#   `none` is DDP's native all-reduce (no hook: no comm/compress timer, no comm trace; its step
+#   time is what is compared), `nosync` the compute floor (no collectives), `allreduce` our hook
+#   uncompressed (the old `none`'s collectives), `allreduce-blocking` one packed all-reduce after
+#   backward. compute_ref = `nosync`'s median step; omega from `allreduce-blocking` (a blocking
+#   run: its comm minus its traced link time), 0 without one. Our hook is non-blocking (edgc/
+#   reducer.py) and DDP's native all-reduce is asynchronous, so for `none`, `allreduce`, `powersgd`
+#   and `edgc` the step comes from a timeline (step_timeline) instead of the sum above:
+#     forward = FORWARD_SHARE, backward = 1 - FORWARD_SHARE - OTHER_SHARE of compute_ref; bucket k
+#     is ready after its share (by values) of backward; the link runs one collective at a time in
+#     issue order (gloo), each taking lat + bytes as above. Our hook (mode "hook"): bucket k's job
+#     does a third of its compress, issues raw + P; at hook k+1 it waits for them (blocking the
+#     host, i.e. backward, if they are not done), does the next third, issues Q; at hook k+2 it
+#     waits and decompresses; the last bucket runs every job to its end. DDP native (mode
+#     "native"): each bucket's all-reduce is issued when ready and waited for only after backward.
+#     step = (host time when every collective is waited for) + OTHER_SHARE x compute_ref + wait;
+#     comm (what the hook times) = the sum over collectives of completion - issue (queueing on the
+#     link included) + wait. So at least the last bucket's collectives are exposed; the others
+#     hide behind backward when the link keeps up. Older folders (every hook blocking): the sum.
 #   compress: PowerSGD FLOP/memory model (cost_model.powersgd_compute_time) with the host profile;
 #             fp16/bf16 casts: 12 bytes moved per value (4 read + 2 written, then back) / memory
 #             bandwidth; none: 0; top-k / random-k / QSGD: not modelled, the measured median is used.
@@ -206,6 +226,13 @@ CAST_METHODS = ("fp16", "bf16")
 POWERSGD_METHODS = collectives.LOW_RANK
 UNMODELLED_COMPRESS = ("topk", "randomk", "qsgd8")
 REFERENCE = "none"
+COMPUTE_FLOOR = "nosync"  # issue-15 bench folders: the compute reference
+BLOCKING_REFERENCE = "allreduce-blocking"  # issue-15 bench folders: the peer-wait reference
+NEW_STYLE = ("nosync", "allreduce", "allreduce-blocking")  # a folder with any of these is issue-15 style
+OVERLAPPED = ("allreduce", "powersgd", "edgc")  # through our non-blocking hook (issue-15 folders)
+NATIVE = ("none",)  # DDP's own all-reduce in issue-15 folders: asynchronous, no timer, no trace
+FORWARD_SHARE = 0.3  # of compute: backward costs about twice the forward's FLOPs (assumed)
+OTHER_SHARE = 0.1  # of compute after the sync: optimizer step, zero_grad, bookkeeping (assumed)
 SMALL_WIRE = 64 * 1024  # bytes on the wire per host up to which an all-reduce is latency alone
 LARGE_WIRE = 4 * 2 ** 20  # ... and from which bytes / beta dominates
 
@@ -339,6 +366,7 @@ class BenchRow:
     link_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of that median
     latency_from: str = "sweep"  #: where latency_s's fixed cost per collective came from ("sweep" or "traced: <runs>")
     sweep_latency_s: float = math.nan  #: latency_s with the sweep's fixed cost (for comparison)
+    step_model: str = "sum"  #: "sum" (blocking), "hook" / "native" (step_timeline: overlapped with backward)
 
     @property
     def link_predicted_s(self) -> float:
@@ -368,6 +396,8 @@ class BenchRow:
 
     @staticmethod
     def _err(pred: float, meas: float) -> float:
+        if math.isnan(meas):
+            return math.nan
         return (pred - meas) / meas if meas else 0.0
 
     @property
@@ -429,6 +459,96 @@ def step_payloads(compressor: str, rank: Optional[int], config: dict, nbytes: fl
     return collectives.scale_to(payloads, nbytes)
 
 
+def payload_groups(compressor: str, rank: Optional[int], config: dict, nbytes: float) -> list:
+    """`step_payloads` grouped per DDP bucket (collectives.bucket_collectives), same scaling."""
+    rate = float((config.get("edgc") or {}).get("min_compression_rate") or 2.0)
+    if compressor == "torch-powersgd":
+        rate = 2.0
+    groups = collectives.bucket_collectives(compressor, harness_model(config), rank, 4, rate)
+    total = sum(p for g in groups for p in g)
+    return [[p * nbytes / total for p in g] for g in groups] if total > 0 else groups
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One step of an overlapped sync (step_timeline)."""
+
+    end_s: float  #: host time when every collective has been waited for and the last job finished
+    comm_s: float  #: sum over collectives of completion - issue (what our hook's timer sums)
+    exposed_s: float  #: end_s - (forward + backward + compress): host time spent waiting on the link
+
+
+def step_timeline(compute_s: float, compress_s: float, durations: Sequence[Sequence[float]],
+                  values: Sequence[float], mode: str) -> StepTimeline:
+    """Event timeline of one step's backward and sync (see the comment block above).
+
+    `durations[k]`: link time of each collective of bucket k (ready order); `values[k]`: its
+    gradient values (its share of backward and of compress). mode "hook": our non-blocking hook
+    (3 collectives: raw + P, then Q, then decompress; 1: issue, then wait); "native": DDP's own
+    (issued when ready, waited after backward); "blocking": every collective waited at once."""
+    if mode not in ("hook", "native", "blocking"):
+        raise ValueError(f"mode must be hook, native or blocking, got {mode!r}")
+    total_values = sum(values) or 1.0
+    backward = compute_s * (1 - FORWARD_SHARE - OTHER_SHARE)
+    host = compute_s * FORWARD_SHARE
+    link_free, comm = 0.0, 0.0
+    issued: dict = {}  # job -> ends of its collectives issued at its last stage
+
+    def issue(ds):
+        nonlocal link_free, comm
+        ends = []
+        for d in ds:
+            link_free = max(host, link_free) + d
+            comm += link_free - host
+            ends.append(link_free)
+        return ends
+
+    def stages(k):
+        ds, work = list(durations[k]), compress_s * values[k] / total_values
+        if len(ds) == 3:  # our engine: raw + P | Q | decompress
+            return [(work / 3, ds[:2]), (work / 3, ds[2:]), (work / 3, [])]
+        return [(work, ds), (0.0, [])]
+
+    plans = {k: stages(k) for k in range(len(durations))}
+    cursor: dict = {}
+    in_flight: list = []
+
+    def advance(k):
+        nonlocal host
+        if k in issued and mode != "native":
+            host = max([host] + issued.pop(k))
+        work, ds = plans[k][cursor.get(k, 0)]
+        host += work
+        issued.setdefault(k, []).extend(issue(ds))
+        cursor[k] = cursor.get(k, 0) + 1
+        if cursor[k] >= len(plans[k]):
+            if k in in_flight:
+                in_flight.remove(k)
+        elif k not in in_flight:
+            in_flight.append(k)
+
+    for k in range(len(durations)):
+        host += backward * values[k] / total_values
+        if mode == "blocking":
+            for work, ds in plans[k]:
+                host += work
+                for end in issue(ds):
+                    host = max(host, end)
+            continue
+        if mode == "hook":
+            for j in list(in_flight):
+                advance(j)
+        advance(k)
+    while in_flight:
+        for j in list(in_flight):
+            advance(j)
+    host = max([host] + [e for ends in issued.values() for e in ends])
+    if not durations:
+        host += backward
+    exposed = host - compute_s * (1 - OTHER_SHARE) - compress_s
+    return StepTimeline(host, comm, max(0.0, exposed))
+
+
 def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
                count: Optional[float] = None) -> tuple:
     """(latency, bytes) seconds of one step's collectives: `count` (a measured collectives per step,
@@ -453,12 +573,16 @@ def compress_model(compressor: str, rank: Optional[int], config: dict, device: D
         stage = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0]
         if compressor == "torch-powersgd":
             return cm.torch_powersgd_hook_time(stage.matrices, stage.values, r, device.flops_per_s("fp32"),
-                                               device.mem_bytes_per_s, device.launch_s, device.alloc_s(1.0), 4)
+                                               device.mem_bytes_per_s, device.launch_s, device.alloc_s(1.0), 4,
+                                               device.hook_gemm_flops_per_s or None)
         return cm.powersgd_compute_time(stage.matrices, r, device.flops_per_s("fp32"), device.mem_bytes_per_s,
-                                        device.launch_s, 4)
+                                        device.launch_s, 4, device.skinny_rates())
     if compressor in CAST_METHODS:
         values = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].values
         return 12 * values / device.mem_bytes_per_s
+    if compressor in collectives.ONE_PACKED:  # torch.cat into a fresh buffer, copied back after the all-reduce
+        nbytes = 4 * host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].values
+        return 4 * nbytes / device.mem_bytes_per_s + device.alloc_s(nbytes)
     if compressor in UNMODELLED_COMPRESS:
         return None
     return 0.0
@@ -484,6 +608,7 @@ class RunGroup:
     count: Optional[float]
     transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
     link_s: list  #: traced link time of each of its steps (empty without traces)
+    overlapped: bool = False  #: issued without blocking (issue-15 hook): traced durations include queueing
 
     @property
     def name(self) -> str:
@@ -501,7 +626,7 @@ class RunGroup:
         """Traced, all-reduce only, compression outside the timer, and latency-bound: its link time
         minus its bytes is the fixed cost of its collectives."""
         compressor = _compressor(self.run)
-        return (bool(self.link_s) and self.collectives > 0
+        return (bool(self.link_s) and self.collectives > 0 and not self.overlapped
                 and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
                 and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s)
 
@@ -529,10 +654,13 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     the sweep's where no other run teaches it. Rate and burst always come from `link`."""
     if latency not in LATENCY_SOURCES:
         raise ValueError(f"latency must be one of {LATENCY_SOURCES}, got {latency!r}")
-    ref = next((r for r in runs if _compressor(r) == REFERENCE), None)
+    new_style = any(_compressor(r) in NEW_STYLE for r in runs)
+    ref = next((r for r in runs if _compressor(r) == (COMPUTE_FLOOR if new_style else REFERENCE)), None)
+    if new_style and ref is None:
+        ref = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None)
     if ref is None:
-        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}) "
-                         "for its compute time and peer wait")
+        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in an issue-15 "
+                         f"folder {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait")
     groups = []
     for run in runs:
         compressor, world = _compressor(run), int(run.config["world_size"])
@@ -541,7 +669,13 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
                                      statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs))
             transfer = sum(link.bytes_s(world, p, compressor in ALL_GATHER_METHODS) for p in payloads)
             on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
-            groups.append(RunGroup(run, rank, recs, payloads, _measured_count(recs), transfer, on_link))
+            count = _measured_count(recs)
+            if new_style and compressor in (REFERENCE, COMPUTE_FLOOR):
+                # DDP's native all-reduce: nothing of ours counts or traces it (it logs 0 collectives
+                # and empty traces), the pattern gives the count; nosync has nothing to trace
+                count, on_link = None, []
+            groups.append(RunGroup(run, rank, recs, payloads, count, transfer, on_link,
+                                   new_style and compressor in OVERLAPPED))
 
     def link_of(group: RunGroup) -> tuple:
         alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
@@ -549,17 +683,25 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             return link, "sweep"
         return replace(link, alpha_s=alpha), "traced: " + ", ".join(teachers)
 
+    def medians(group: RunGroup):
+        return lambda key: statistics.median(float(r.get(key) or 0.0) for r in group.recs)
+
     ref_group = next(g for g in groups if g.run is ref)  # uncompressed: one group, rank None
-    ref_med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in ref_group.recs)  # noqa: E731
-    compute_ref = ref_med("compute_time_s")
-    # the reference's own peer wait: comm minus its collectives' time, measured where it was traced
-    ref_link = ref_group.link_median_s if ref_group.link_s else wire_time(
-        REFERENCE, int(ref.config["world_size"]), ref_group.payloads, link_of(ref_group)[0], ref_group.count)
-    omega = max(0.0, ref_med("comm_time_s") - ref_link) / (compute_ref + ref_med("compress_time_s"))
+    compute_ref = medians(ref_group)("compute_time_s")
+    # the peer wait: a blocking uncompressed run's comm minus its collectives' time (traced, else predicted)
+    wait_run = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None) if new_style else ref
+    omega = 0.0
+    if wait_run is not None:
+        wait_group = next(g for g in groups if g.run is wait_run)
+        wmed = medians(wait_group)
+        wait_link = wait_group.link_median_s if wait_group.link_s else wire_time(
+            _compressor(wait_run), int(wait_run.config["world_size"]), wait_group.payloads,
+            link_of(wait_group)[0], wait_group.count)
+        omega = max(0.0, wmed("comm_time_s") - wait_link) / (wmed("compute_time_s") + wmed("compress_time_s"))
     rows = []
     for g in groups:
         compressor, world = _compressor(g.run), int(g.run.config["world_size"])
-        med = lambda key: statistics.median(float(r.get(key, 0.0)) for r in g.recs)  # noqa: E731
+        med = medians(g)
         comp_meas = med("compress_time_s")
         comp_model = compress_model(compressor, g.rank, g.run.config, device)
         comp_pred = comp_meas if comp_model is None else comp_model
@@ -567,16 +709,31 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
         latency_s, transfer = wire_parts(compressor, world, g.payloads, group_link, g.count)
         sweep_latency_s = wire_parts(compressor, world, g.payloads, link, g.count)[0]
         in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
-        wait = omega * (compute_ref + comp_pred)
-        comm_pred = latency_s + transfer + wait + in_comm
-        step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
+        untimed = new_style and compressor in NATIVE + (COMPUTE_FLOOR,)  # no comm timer at all
+        wait = 0.0 if compressor == COMPUTE_FLOOR else omega * (compute_ref + comp_pred)
+        mode = ("native" if compressor in NATIVE else "hook" if compressor in OVERLAPPED else None) \
+            if new_style else None
+        if mode is None:
+            comm_pred = latency_s + transfer + wait + in_comm
+            step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
+        else:
+            all_gather = compressor in ALL_GATHER_METHODS
+            pattern = payload_groups(compressor, g.rank, g.run.config, med("bytes_sent"))
+            durations = [[group_link.collective_s(world, p, all_gather) for p in grp] for grp in pattern]
+            extra = max(0.0, g.collectives - sum(len(d) for d in durations)) * group_link.latency_s(world, all_gather)
+            timeline = step_timeline(compute_ref, comp_pred, durations,
+                                     collectives.bucket_values(compressor, harness_model(g.run.config)), mode)
+            # DDP native has no timer to compare with: report the link's own time, not the queueing
+            comm_pred = (latency_s + transfer if mode == "native" else timeline.comm_s + extra) + wait
+            step_pred = timeline.end_s + extra + compute_ref * OTHER_SHARE + wait
+        comm_meas = math.nan if untimed else med("comm_time_s")
         rows.append(BenchRow(
             g.name, compressor, g.rank, len(g.recs), med("bytes_sent"), g.collectives, g.count is not None,
-            med("comm_time_s"), comm_pred, latency_s, transfer, wait, med("step_time_s"),
+            comm_meas, comm_pred, latency_s, transfer, wait, med("step_time_s"),
             step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
-            median_interval([float(r.get("comm_time_s", 0.0)) for r in g.recs]),
+            (math.nan, math.nan) if untimed else median_interval([float(r.get("comm_time_s") or 0.0) for r in g.recs]),
             g.link_median_s, median_interval(g.link_s),
-            latency_from, sweep_latency_s))
+            latency_from, sweep_latency_s, mode or "sum"))
     return rows
 
 
@@ -594,7 +751,7 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
              "|" + "---|" * 23]
     for r in rows:
         comp = ms(r.compress_predicted_s) + ("" if r.compress_modelled else " (meas)")
-        ref = " (ref)" if r.compressor == REFERENCE else ""
+        ref = " (ref)" if r.compressor in (REFERENCE, COMPUTE_FLOOR, BLOCKING_REFERENCE) else ""
         count = f"{r.collectives:g}" + ("" if r.collectives_measured else " (pattern)")
         lines.append(
             f"| {r.run} | {'-' if r.rank is None else r.rank} | {r.steps} | {r.bytes_sent / 1e6:.2f} | {count} | "
@@ -604,7 +761,8 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
             f"{ci(r.link_ci_s)} | {pct(r.link_error)} | {pct(r.link_sweep_error)} | {ms(r.wait_s)} | "
             f"{ms(r.comm_predicted_s)} | "
             f"{ms(r.comm_measured_s)} | {ci(r.comm_ci_s)} | {pct(r.comm_error)}{ref} | {ms(r.step_predicted_s)} | "
-            f"{ms(r.step_measured_s)} | {pct(r.step_error)} | {comp} | {ms(r.compress_measured_s)} |")
+            f"{ms(r.step_measured_s)} | {pct(r.step_error)}{'' if r.step_model == 'sum' else f' ({r.step_model})'} | "
+            f"{comp} | {ms(r.compress_measured_s)} |")
     lines.append("")
     lines.append("times in ms, medians over the compressed steps after the first 10%; 95%: bootstrap interval of "
                  "that median (how precisely the run pins it). collectives: per step, the logged median or "
@@ -617,7 +775,11 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
                  "collectives of the minimum over ranks of each one's duration (the last rank to arrive waits for "
                  "nobody; `edgc train --comm-trace`). comm = rank 0's comm_time_s, which adds waiting for the "
                  "slower peer: comm pred = link pred + wait pred (the reference run's peer-wait share of its work "
-                 "x reference compute + compress pred). step pred = reference compute + compress pred + comm pred.")
+                 "x reference compute + compress pred). step pred = reference compute + compress pred + comm pred; "
+                 "(hook) / (native): overlapped with backward, from the step timeline (calibrate.step_timeline: "
+                 "our non-blocking hook, DDP's native all-reduce), comm pred = the sum of each collective's issue "
+                 "to completion + wait pred. In issue-15 folders the reference compute is nosync's step, the "
+                 "peer wait allreduce-blocking's; none (DDP native) and nosync have no comm timer (-).")
     sources = {}
     for r in rows:
         sources.setdefault(r.latency_from, []).append(r.run + ("" if r.rank is None else f" r={r.rank}"))

@@ -151,13 +151,27 @@ def _measure(args) -> int:
     return 0
 
 
+def expand_bench_dirs(paths) -> list:
+    """`--calibrate BENCHDIR`: an `edgc bench` folder (one with runs/<method>/config.json) stands for
+    its run folders; run folders are kept as given."""
+    from pathlib import Path
+
+    out = []
+    for path in map(Path, paths):
+        runs = sorted(d for d in (path / "runs").glob("*") if (d / "config.json").is_file()) \
+            if not (path / "config.json").is_file() else []
+        out += [str(d) for d in runs] or [str(path)]
+    return out
+
+
 def _calibrate(args) -> int:
     from .calibrate import (bench_link, calibrate, calibrate_bench, find_bench_calibration, format_bench_calibration,
                             format_calibration, load_run, nominal_link)
     from .host import load_profile, measure_host
 
-    runs = [load_run(d) for d in args.calibrate]
-    link_json = args.link_calibration or (None if args.link_mbit else find_bench_calibration(args.calibrate))
+    dirs = expand_bench_dirs(args.calibrate)
+    runs = [load_run(d) for d in dirs]
+    link_json = args.link_calibration or (None if args.link_mbit else find_bench_calibration(dirs))
     if args.link_mbit or link_json:
         # bench runs: hosts over the emulated link; only the CPU is taken from the profile / measured
         link = nominal_link(args.link_mbit) if args.link_mbit else bench_link(link_json, int(runs[0].config["world_size"]))

@@ -8,7 +8,10 @@ cost model needs the collectives and their sizes, not only the step's total byte
   order), packed greedily until a bucket holds at least its cap; the first bucket's cap is 1 MiB
   with DDP's default 25 MiB cap (torch ``_DEFAULT_FIRST_BUCKET_BYTES``), the cap itself when one is
   given. ``torch-powersgd`` runs with ``bucket_cap_mb=500`` (edgc_train.compressors), one bucket.
-* per bucket, ``none``, fp16/bf16, random-k: one all-reduce; top-k, QSGD: one all-gather;
+* per bucket, ``none`` (DDP's native all-reduce; in bench folders before issue 15 our blocking
+  hook), ``allreduce`` (our non-blocking hook), fp16/bf16, random-k: one all-reduce; top-k, QSGD:
+  one all-gather; ``allreduce-blocking``: one all-reduce of all gradients packed, after backward;
+  ``nosync``: none at all;
   ``powersgd`` / ``edgc`` (our engine, edgc/lowrank.py) and ``torch-powersgd`` (PyTorch's hook)
   once compressing: three all-reduces, the raw (uncompressed) tensors, the packed Ps, the packed Qs
   (our engine issues only the raw one for a bucket without a compressible matrix); EDGC adds an
@@ -32,6 +35,8 @@ DDP_FIRST_BUCKET_MIB = 1  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (defau
 BUCKET_CAP_MIB = {"torch-powersgd": 500}  # edgc_train.compressors.ddp_kwargs
 LOW_RANK = ("powersgd", "edgc", "torch-powersgd")
 ALL_GATHER = ("topk", "qsgd8")
+NO_SYNC = ("nosync",)  # the compute floor: no collectives
+ONE_PACKED = ("allreduce-blocking",)  # one all-reduce of every gradient, after backward
 
 
 def gpt2_gradient_shapes(model: ModelSpec) -> list:
@@ -71,32 +76,56 @@ def compressed_rank(shape: tuple, rank: int, min_compression_rate: float = 2.0) 
     return engine_rank((shape[0], math.prod(shape) // shape[0]), rank, min_compression_rate)
 
 
-def step_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
-                     min_compression_rate: float = 2.0) -> list:
-    """Payload in bytes of every collective one step issues, in order (rank None: uncompressed).
+def bucket_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
+                       min_compression_rate: float = 2.0) -> list:
+    """Per DDP bucket in ready order, the payloads in bytes of the collectives it issues (rank None:
+    uncompressed); ``allreduce-blocking`` is one group (its single packed all-reduce), ``nosync`` none.
 
     For the low-rank methods the payloads follow from the shapes (raw tensors, P = m x r, Q = n x r
     per compressed matrix; our engine adds one flag value to the raw message); for the others
     each bucket's collective carries that bucket's share of the step's values (multiply by the
     method's bytes per value, e.g. via `scale_to`)."""
-    buckets = ddp_buckets(gpt2_gradient_shapes(model), BUCKET_CAP_MIB.get(compressor), bytes_per_value)
-    payloads = []
+    if compressor in NO_SYNC:
+        return []
+    shapes = gpt2_gradient_shapes(model)
+    if compressor in ONE_PACKED:
+        return [[sum(math.prod(s) for s in shapes) * bytes_per_value]]
+    buckets = ddp_buckets(shapes, BUCKET_CAP_MIB.get(compressor), bytes_per_value)
+    out = []
     for bucket in buckets:
         values = sum(math.prod(s) for s in bucket)
         if compressor not in LOW_RANK or not rank:
-            payloads.append(values * bytes_per_value)
+            out.append([values * bytes_per_value])
             continue
         ranks = [compressed_rank(s, rank, min_compression_rate) for s in bucket]
         raw = sum(math.prod(s) for s, r in zip(bucket, ranks) if not r)
         p = sum(s[0] * r for s, r in zip(bucket, ranks) if r)
         q = sum(math.prod(s) // s[0] * r for s, r in zip(bucket, ranks) if r)
         if compressor == "torch-powersgd":
-            payloads += [raw * bytes_per_value, p * bytes_per_value, q * bytes_per_value]
+            out.append([raw * bytes_per_value, p * bytes_per_value, q * bytes_per_value])
         elif p:
-            payloads += [(raw + 1) * bytes_per_value, p * bytes_per_value, q * bytes_per_value]
+            out.append([(raw + 1) * bytes_per_value, p * bytes_per_value, q * bytes_per_value])
         else:
-            payloads.append((raw + 1) * bytes_per_value)
-    return payloads
+            out.append([(raw + 1) * bytes_per_value])
+    return out
+
+
+def bucket_values(compressor: str, model: ModelSpec, bytes_per_value: int = 4) -> list:
+    """Gradient values of each group of `bucket_collectives` (how far backward is when it is ready)."""
+    if compressor in NO_SYNC:
+        return []
+    shapes = gpt2_gradient_shapes(model)
+    if compressor in ONE_PACKED:
+        return [sum(math.prod(s) for s in shapes)]
+    return [sum(math.prod(s) for s in b)
+            for b in ddp_buckets(shapes, BUCKET_CAP_MIB.get(compressor), bytes_per_value)]
+
+
+def step_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
+                     min_compression_rate: float = 2.0) -> list:
+    """Payload in bytes of every collective one step issues, in order (`bucket_collectives` flattened)."""
+    return [p for group in bucket_collectives(compressor, model, rank, bytes_per_value, min_compression_rate)
+            for p in group]
 
 
 def scale_to(payloads: Sequence[float], total: float) -> list:

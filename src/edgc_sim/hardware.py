@@ -56,6 +56,11 @@ class DeviceSpec:
     launch_s: float  #: per-kernel launch + framework dispatch overhead, seconds (>= 0)
     source: str = ""  #: where the numbers come from
     alloc_bytes_per_s: float = 0.0  #: first touch of freshly allocated memory (page faults, zeroing), bytes/s; 0 = free
+    # Measured on a host (edgc_sim.host); 0 = not measured (the GPU presets): see cost_model.SkinnyRates
+    skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs
+    skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs
+    qr_flops_per_s: float = 0.0  #: torch.linalg.qr of a skinny k x r factor, 4 k r^2 FLOPs per QR
+    hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T)
 
     def __post_init__(self):
         _fraction(self, "mfu")
@@ -66,6 +71,17 @@ class DeviceSpec:
             raise ValueError(f"launch_s must be >= 0, got {self.launch_s!r}")
         if self.alloc_bytes_per_s < 0:
             raise ValueError(f"alloc_bytes_per_s must be >= 0 (0 = free), got {self.alloc_bytes_per_s!r}")
+        for name in ("skinny_read_bytes_per_s", "skinny_write_bytes_per_s", "qr_flops_per_s", "hook_gemm_flops_per_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = not measured), got {getattr(self, name)!r}")
+
+    def skinny_rates(self):
+        """cost_model.SkinnyRates of this device, None where they were not measured."""
+        from .cost_model import SkinnyRates
+
+        if not (self.skinny_read_bytes_per_s and self.skinny_write_bytes_per_s):
+            return None
+        return SkinnyRates(self.skinny_read_bytes_per_s, self.skinny_write_bytes_per_s, self.qr_flops_per_s)
 
     def alloc_s(self, nbytes: float) -> float:
         """Extra time of writing `nbytes` into memory allocated just before (0 when not measured)."""

@@ -54,11 +54,52 @@ def _host_numbers(threads: int, matmul_n: int, copy_mb: int, barrier=None) -> di
         reps = 2000
         sync()
         launch = _best_time(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps
+        skinny = _skinny_numbers(flops, sync)
     finally:
         torch.set_num_threads(old_threads)
     nbytes = src.numel() * 4
     return {"flops": flops, "mem": 2 * nbytes / copy_s, "alloc": nbytes / fresh_s if fresh_s > 0 else 0.0,
-            "launch": launch}
+            "launch": launch, **skinny}
+
+
+# The engine's GEMMs are measured on the shape that dominates the bench's small preset (the MLP's
+# 512 x 2048) at a representative rank, over enough matrices that M comes from memory, not cache,
+# as it does in a step (every matrix is touched once per pass).
+SKINNY_SHAPE = (512, 2048)
+SKINNY_RANK = 8
+SKINNY_MB = 64
+
+
+def _skinny_numbers(flops: float, sync=lambda: None) -> dict:
+    """Rates of our engine's three GEMM forms and its QR, and of PyTorch's hook's GEMM forms, on
+    cold matrices (cost_model.SkinnyRates): each product form's time minus its FLOPs at the square
+    rate gives the rate M is streamed at; the same for the decompression's write."""
+    import torch
+
+    m, n = SKINNY_SHAPE
+    r = SKINNY_RANK
+    count = max(2, SKINNY_MB * 2 ** 20 // (4 * m * n))
+    mats = torch.randn(count, m, n)
+    q_t, p_t = torch.randn(r, n), torch.randn(r, m)
+    out_p, out_q = torch.empty(r, m), torch.empty(r, n)
+    gemm_flops = 2 * m * n * r
+    per = lambda fn: _best_time(fn, 3) / count  # noqa: E731
+    sync()
+    t_p = per(lambda: [torch.mm(q_t, mats[k].T, out=out_p) for k in range(count)])
+    t_q = per(lambda: [torch.mm(p_t, mats[k], out=out_q) for k in range(count)])
+    t_g = per(lambda: [torch.mm(p_t.T, q_t, out=mats[k]) for k in range(count)])
+    nbytes = 4 * m * n
+    stream = lambda t: nbytes / max(t - gemm_flops / flops, 0.1 * t)  # noqa: E731
+    # PyTorch's powerSGD_hook: bmm(M, Q), bmm(M^T, P), bmm(P, Q^T) over the batch of same-shape matrices
+    q_b, p_b = torch.randn(count, n, r), torch.randn(count, m, r)
+    sync()
+    t_hook = per(lambda: (torch.bmm(mats, q_b), torch.bmm(mats.transpose(1, 2), p_b),
+                          torch.bmm(p_b, q_b.transpose(1, 2), out=mats)))
+    factor = torch.randn(1, n, r)
+    sync()
+    t_qr = _best_time(lambda: torch.linalg.qr(factor), 5)
+    return {"skinny_read": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write": stream(t_g),
+            "qr_flops": 4 * n * r * r / t_qr, "hook_gemm_flops": 3 * gemm_flops / t_hook}
 
 
 def _host_worker(args) -> dict:
@@ -82,9 +123,12 @@ def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64, proce
             numbers = pool.map(_host_worker, [(barrier, threads, matmul_n, copy_mb)] * processes)
     mean = {key: statistics.fmean(n[key] for n in numbers) for key in numbers[0]}
     together = f", {processes} processes at once" if processes > 1 else ""
+    m, n = SKINNY_SHAPE
     return DeviceSpec("host", {"fp32": mean["flops"]}, 1.0, mean["mem"], mean["launch"],
-                      f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_; "
-                      f"{threads} thread(s){together}", mean["alloc"])
+                      f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_, "
+                      f"rank-{SKINNY_RANK} GEMMs over {SKINNY_MB} MB of {m}x{n}; {threads} thread(s){together}",
+                      mean["alloc"], mean["skinny_read"], mean["skinny_write"], mean["qr_flops"],
+                      mean["hook_gemm_flops"])
 
 
 def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:

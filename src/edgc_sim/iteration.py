@@ -146,7 +146,7 @@ class IterationModel:
         dev = self.cluster.device
         p_vals, q_vals = cm.powersgd_values(st.matrices, rank)
         compute = cm.powersgd_compute_time(st.matrices, rank, self.flops_per_s, dev.mem_bytes_per_s,
-                                           dev.launch_s, self.bytes)
+                                           dev.launch_s, self.bytes, dev.skinny_rates())
         # the raw 1-D tensors are all-reduced alongside the P all-reduce, sharing its bandwidth
         comm = (self.allreduce(span, (p_vals + st.vector_values) * self.bytes)
                 + self.allreduce(span, q_vals * self.bytes))

@@ -301,3 +301,93 @@ def test_median_interval_brackets_the_median_and_narrows_with_more_steps():
     assert median_interval(few) == (low, high)  # seeded: a regenerated table is identical
     assert median_interval(many)[1] - median_interval(many)[0] < (high - low) / 2
     assert median_interval([0.05] * 10) == (0.05, 0.05)
+
+
+# ---------------------------------------------------------------------------------- issue-15 folders
+def test_step_timeline_overlaps_all_but_the_tail():
+    from edgc_sim.calibrate import OTHER_SHARE, step_timeline
+
+    compute, compress, values = 1.0, 0.3, [1, 2, 2, 2, 1]
+    before = compute * (1 - OTHER_SHARE)
+    # a free link: nothing exposed, whatever the mode
+    for mode in ("hook", "native", "blocking"):
+        t = step_timeline(compute, compress, [[0.0]] * 5, values, mode)
+        assert t.end_s == pytest.approx(before + compress) and t.exposed_s == pytest.approx(0)
+    # blocking: every collective adds up (the old model's sum)
+    durations = [[0.01, 0.02, 0.01]] * 5
+    blocking = step_timeline(compute, compress, durations, values, "blocking")
+    assert blocking.end_s == pytest.approx(before + compress + 0.2)
+    # our hook: the others hide behind backward; the last bucket's collectives are exposed, less what
+    # the host meanwhile spends finishing the earlier buckets' jobs
+    hook = step_timeline(compute, compress, durations, values, "hook")
+    assert 0 < hook.exposed_s < 0.04 and hook.end_s < blocking.end_s
+    # no compress: the previous bucket's Q (issued at the last hook) and the last bucket's three
+    assert step_timeline(compute, 0.0, durations, values, "hook").exposed_s == pytest.approx(0.01 + 0.04)
+    # a link slower than backward: everything but what backward covers is exposed
+    slow = [[0.5]] * 5
+    native = step_timeline(compute, 0.0, slow, values, "native")
+    assert native.end_s == pytest.approx(compute * 0.3 + compute * 0.6 / 8 + 2.5)
+    assert step_timeline(compute, 0.0, [], [], "native").end_s == pytest.approx(before)  # nosync
+    with pytest.raises(ValueError):
+        step_timeline(compute, 0.0, slow, values, "overlap")
+
+
+def write_bench15(tmp_path):
+    """An issue-15 bench folder (none = DDP native, nosync, allreduce, allreduce-blocking, powersgd)
+    whose step times follow the model exactly."""
+    from edgc_sim.calibrate import OTHER_SHARE, payload_groups, step_timeline
+    from edgc_sim.collectives import bucket_values
+    from edgc_sim.calibrate import harness_model
+
+    bench = tmp_path / "bench15"
+    (bench / "runs").mkdir(parents=True)
+    (bench / "calibration.json").write_text(json.dumps(
+        [{"mb": mb, "seconds": 9.0, "mean_s": allreduce_time(mb * 2 ** 20), "burst_bytes": BURST}
+         for mb in (1 / 256, 1 / 16, 1 / 2, 1.0, 4.0, 16.0)]))
+    full = 400_000.0
+    runs = {"none": (None, full, "native"), "nosync": (None, 0.0, None), "allreduce": (None, full, "hook"),
+            "allreduce-blocking": (None, full, "sum"), "powersgd": (4, 20_000.0, "hook")}
+    for name, (rank, nbytes, mode) in runs.items():
+        cfg = config(name)
+        run = bench / "runs" / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(cfg))
+        compress = compress_model(name, rank, cfg, DEVICE)
+        wait = 0.0 if name == "nosync" else OMEGA * (COMPUTE + compress)
+        if mode in ("native", "hook"):
+            durations = [[LINK.collective_s(2, p) for p in g] for g in payload_groups(name, rank, cfg, nbytes)]
+            t = step_timeline(COMPUTE, compress, durations, bucket_values(name, harness_model(cfg)), mode)
+            step, comm = t.end_s + COMPUTE * OTHER_SHARE + wait, t.comm_s + wait
+        else:
+            comm = wire_time(name, 2, step_payloads(name, rank, cfg, nbytes), LINK) + wait
+            step = COMPUTE + compress + comm
+        untimed = name in ("none", "nosync")
+        lines = [json.dumps({"kind": "train", "step": s, "rank": rank, "bytes_sent": nbytes,
+                             "compute_time_s": step if untimed else COMPUTE,
+                             "compress_time_s": 0.0 if untimed else compress,
+                             "comm_time_s": 0.0 if untimed else comm, "step_time_s": step})
+                 for s in range(1, 21)]
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return bench
+
+
+def test_calibrate_issue15_bench(tmp_path, capsys):
+    bench = write_bench15(tmp_path)
+    runs = [load_run(d) for d in sorted((bench / "runs").iterdir())]
+    rows = {r.run: r for r in calibrate_bench(runs, DEVICE, LINK, "sweep")}
+    for name, row in rows.items():
+        assert row.step_error == pytest.approx(0, abs=1e-9), name
+    assert rows["none"].step_model == "native" and rows["allreduce"].step_model == "hook"
+    assert rows["powersgd"].step_model == "hook" and rows["allreduce-blocking"].step_model == "sum"
+    assert math.isnan(rows["none"].comm_error) and math.isnan(rows["nosync"].comm_error)  # no timer
+    assert rows["allreduce"].comm_error == pytest.approx(0, abs=1e-9)
+    # overlapped: DDP's native all-reduce beats the blocking one, the compute floor beats both
+    assert rows["nosync"].step_predicted_s < rows["none"].step_predicted_s < rows["allreduce-blocking"].step_predicted_s
+    assert step_collectives("allreduce-blocking", SMALL, None) == [sum(step_collectives("none", SMALL, None))]
+    assert step_collectives("nosync", SMALL, None) == []
+    # `edgc simulate --calibrate BENCHDIR` takes the bench folder itself
+    profile = tmp_path / "host.json"
+    profile.write_text(json.dumps({"device": DEVICE.__dict__, "link": None}))
+    assert main(["simulate", "--calibrate", str(bench), "--host-profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "| allreduce | - |" in out and "(hook)" in out and "(native)" in out
