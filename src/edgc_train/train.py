@@ -392,10 +392,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             sync_metrics = compressor.step_metrics()
             loss_value = runner.mean_loss(local_loss)
             comm, compress = sync_metrics["comm_time_s"] or 0.0, sync_metrics["compress_time_s"] or 0.0
+            # With the non-blocking hook comm overlaps compute: only the time the step waited on it
+            # is not compute (comm_wait_s; the blocking methods wait for all of their comm).
+            waited = sync_metrics.get("comm_wait_s")
+            waited = comm if waited is None else waited
             metrics.write({
                 "kind": "train", "step": step, "wall_s": time.perf_counter() - t_start, "loss": loss_value,
-                "lr": lr, "step_time_s": step_time, "compute_time_s": max(0.0, step_time - comm - compress),
-                "comm_time_s": comm, "compress_time_s": compress, "collectives": int(sync_metrics["collectives"] or 0),
+                "lr": lr, "step_time_s": step_time, "compute_time_s": max(0.0, step_time - waited - compress),
+                "comm_time_s": comm, "comm_wait_s": waited, "compress_time_s": compress, "collectives": int(sync_metrics["collectives"] or 0),
                 "tokens_per_s": tokens_per_step / step_time,
                 "phase": sync_metrics["phase"], "rank": sync_metrics["rank"], "ranks": sync_metrics["ranks"] or {},
                 "entropy": sync_metrics["entropy"], "entropy_time_s": sync_metrics.get("entropy_time_s"),
