@@ -3,18 +3,22 @@
     python scripts/bench_to_readme.py runs/bench/bench.md
 
 It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:end --> in README.md
-(<!-- bench-hsdp-table:start/end --> for a table of `edgc bench --fsdp`)
+(<!-- bench-hsdp-table:start/end --> for a table of `edgc bench --fsdp`, and
+<!-- bench-slow-link-table:start/end --> for a DDP bench at a rate below 1 Gbit/s)
 (adding both markers at the end of the README when they are missing), so the README's numbers are
 always the ones a real `edgc bench` produced, never typed by hand.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 # `edgc bench --fsdp` tables go to their own place (the HSDP section), not over the DDP bench's.
 HSDP_START, HSDP_END = "<!-- bench-hsdp-table:start -->", "<!-- bench-hsdp-table:end -->"
+# A slower link (e.g. --rate-mbit 100) is a second setting beside the default 1 Gbit/s table.
+SLOW_START, SLOW_END = "<!-- bench-slow-link-table:start -->", "<!-- bench-slow-link-table:end -->"
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -42,7 +46,13 @@ def main(argv: list[str]) -> int:
     bench = Path(argv[0])
     readme = Path(argv[1]) if len(argv) == 2 else Path(__file__).resolve().parents[1] / "README.md"
     table = section(bench.read_text())
-    markers = (HSDP_START, HSDP_END) if " as HSDP " in table else (START, END)
+    rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
+    if " as HSDP " in table:
+        markers = (HSDP_START, HSDP_END)
+    elif rate and float(rate.group(1)) < 1000:
+        markers = (SLOW_START, SLOW_END)
+    else:
+        markers = (START, END)
     readme.write_text(update(readme.read_text(), table, *markers))
     print(f"{readme}: bench table from {bench}")
     return 0
