@@ -61,7 +61,7 @@ class BenchSettings:
     fsdp: bool = False  # HSDP: each host's processes shard the model (edgc train --fsdp --fsdp-shard nproc)
 
 
-FSDP_METHODS = ("none", "edgc")  # with --fsdp: HSDP's replica all-reduce (edgc train --fsdp compressors)
+FSDP_METHODS = ("none", "edgc")  # with --fsdp: native HSDP vs EDGC on the replica all-reduce
 
 
 def check_methods(methods: list[str], fsdp: bool = False) -> list[str]:
@@ -69,8 +69,8 @@ def check_methods(methods: list[str], fsdp: bool = False) -> list[str]:
     out = []
     for m in methods:
         base, _, rank = m.partition("@")
-        if fsdp and base not in (*FSDP_METHODS, "powersgd"):
-            raise ValueError(f"method {m!r} is not available with --fsdp; choose from none, edgc, powersgd@…")
+        if fsdp and base not in (*FSDP_METHODS, "allreduce", "powersgd"):
+            raise ValueError(f"method {m!r} is not available with --fsdp; choose from none, allreduce, edgc, powersgd@…")
         ok = m in ALL_METHODS or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
         if not ok:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} or powersgd@N")
