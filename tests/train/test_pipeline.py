@@ -96,10 +96,12 @@ def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_r
         stage0, stage1 = r["stages"]
         assert stage0["interstage_bytes_sent"] == 0 and stage0["interstage_rank"] is None  # nothing to send back
         assert r["interstage_bytes_raw"] == stage1["interstage_bytes_raw"] > 0
-        if r["step"] <= first_compressing:  # raw until stage 0 compresses (and a window boundary tells stage 1)
+        if r["step"] < first_compressing:  # raw while stage 0 does not compress (EDGC's warm-up)
             assert stage1["interstage_rank"] is None and r["interstage_bytes_sent"] > r["interstage_bytes_raw"]
         elif stage1["interstage_rank"] is not None:  # stage 0's entropy rank, clamped to [3, 6]
-            assert stage1["interstage_rank"] in leader_ranks
+            assert r["phase"] == "compress" and stage1["interstage_rank"] in leader_ranks
+            # stage 1 learns the rank at a window boundary, so it never runs ahead of stage 0
+            assert stage1["interstage_rank"] == max(3, min(6, stage0["rank"]))
     assert any(r["stages"][1]["interstage_rank"] for r in train)
     assert any(r["interstage_bytes_sent"] < r["interstage_bytes_raw"] / 2 for r in train)
 
