@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, edgc_hook  # EDGC
+from edgc import EDGCConfig, EDGCState, barrier_before_exit, edgc_hook  # EDGC
 
 STEPS = int(os.environ.get("STEPS", 20))
 
@@ -38,6 +38,7 @@ def main():
     m = state.last_step_metrics  # EDGC: what the hook did on the last step
     print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from edgc import EDGCConfig, EDGCState  # EDGC
+from edgc import EDGCConfig, EDGCState, barrier_before_exit  # EDGC
 from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook  # EDGC
 
 STEPS = int(os.environ.get("STEPS", 12))
@@ -55,6 +55,7 @@ def main():
     m = state.last_step_metrics  # EDGC: what the hook did on the last step (this rank's shards)
     print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, barrier_before_exit
 from edgc.integrations import register_edgc
 
 STEPS = int(os.environ.get("STEPS", 16))
@@ -49,7 +49,7 @@ def main():
     m = state.last_step_metrics
     print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
-    dist.barrier()  # nobody tears gloo down while a peer still uses it
+    barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@
     ddp_model.register_comm_hook(state, edgc_hook)
 """
 from .baselines import CastState, QSGDState, RandomKState, TopKState
+from .comm import barrier_before_exit
 from .config import EDGCConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .lowrank import LowRankCompressor, orthogonalize_
@@ -18,6 +19,6 @@ __all__ = [
     "LowRankCompressor", "EntropySampler", "WindowController", "ErrorModel",
     "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
     "delta_target", "limit_rank", "orthogonalize_", "field_docs",
-    "CastState", "TopKState", "RandomKState", "QSGDState",
+    "CastState", "TopKState", "RandomKState", "QSGDState", "barrier_before_exit",
 ]
 __version__ = "0.1.0"

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from edgc.comm import barrier_before_exit
+
 from . import checkpoint as ckpt
 from .compressors import build as build_compressor
 from .compressors import ddp_kwargs
@@ -433,7 +435,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             log(f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, val_loss {summary['val_loss']:.4f} "
                 f"(ppl {summary['val_ppl']:.1f}), median step {summary['median_step_time_s']:.3f} s, "
                 f"comm {summary['median_comm_time_s']:.4f} s; run folder {run_dir}")
-        dist.barrier()
+        barrier_before_exit()
         return 0
     finally:
         for log_file in (metrics, trace):
