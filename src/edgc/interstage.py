@@ -58,6 +58,23 @@ def effective_rank(m: int, n: int, rank: int | None) -> int:
     return r if (m + n) * r < m * n else 0
 
 
+MODES = ("off", "all", "cooldown")
+
+
+def compresses(mode: str, index: int, micro_batches: int, stages: int) -> bool:
+    """Whether micro-batch ``index``'s activation gradient goes out compressed under ``mode``.
+
+    ``cooldown``: only the last P − 1 backwards, run after stage 0's last forward in 1F1B, when
+    nothing is left to overlap the transfer with (the pipeline's critical path). One policy for
+    the training schedule and the simulator, so their byte counts cannot drift apart.
+    """
+    if mode not in MODES:
+        raise ValueError(f"interstage mode must be one of {MODES}, got {mode!r}")
+    if mode == "all":
+        return True
+    return mode == "cooldown" and index >= micro_batches - (stages - 1)
+
+
 def interstage_rank(dp_rank: int | None, r_min: int, r_max: int, scale: float = 1.0) -> int | None:
     """EDGC's inter-stage rank from an entropy-driven DP rank: round(dp_rank · scale) within [r_min, r_max]."""
     if dp_rank is None:
