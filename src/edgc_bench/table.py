@@ -286,7 +286,8 @@ def _pipeline_markdown(summary: dict, rate: str) -> str:
         f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; whole bench "
         f"{summary['elapsed_s'] / 60:.1f} min.\n",
         pipeline_table(summary["rows"]),
-        "Ratios are to `none` (each stage all-reduces its gradients uncompressed) in the same invocation. Step "
+        "Ratios are to `none` (each stage all-reduces its gradients uncompressed) in the same invocation; every "
+        "method runs the same `--interstage` setting, so the methods differ only in the DP sync. Step "
         "time and inter-stage time are medians over all steps (rank 0's record); bytes are means per step "
         "(warm-up steps included). DP MB: what the pipeline's stages (replica 0, all TP ranks) sent over the "
         "link; inter-stage MB: the activation gradients replica 0's stages sent back to their predecessors "
