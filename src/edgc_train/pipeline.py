@@ -329,9 +329,11 @@ class PipelineStep:
         # Stamps of this step's spans, turned into seconds once at its end (no host sync per
         # micro-batch on CUDA): "interstage" = each activation-gradient exchange (sender: compress
         # and issue the send; receiver: blocked in the receive, which includes waiting for the
-        # next stage's backward, and decompress), "forward" = each micro-batch's forward compute.
+        # next stage's backward, and decompress), "forward" = each micro-batch's forward compute; with
+        # --interstage on, also the parts "interstage_wire" (receiver: the payload's transfer, from its
+        # header's arrival) and "interstage_compress" (sender: compress; receiver: decompress).
         self.clock = Clock(device)
-        self._spans: dict[str, list] = {"interstage": [], "forward": []}
+        self._spans: dict[str, list] = {key: [] for key in SPANS}
 
     # ------------------------------------------------------------------ point to point
     def _prev(self) -> int:
@@ -368,6 +370,7 @@ class PipelineStep:
         else:
             rank = self.interstage_rank if self._compresses(index) else None
             packet = self.compressor.interstage.compress(index, grad, rank)
+            self._spans["interstage_compress"].append((start, self.clock.stamp()))
             self._sends.extend(send_gradient(packet, self._prev(), tag=1))
             self._bytes[0] += packet.nbytes
             self._bytes[1] += raw
@@ -377,9 +380,15 @@ class PipelineStep:
         start = self.clock.stamp()
         if self.mode == "off":
             grad = self._recv(self._next(), tag=1)
-        else:
-            grad = recv_gradient(self.activation_shape, self._next(), device=self.device, tag=1)
-        self._spans["interstage"].append((start, self.clock.stamp()))
+            self._spans["interstage"].append((start, self.clock.stamp()))
+            return grad
+        marks: list = []  # header arrived, payload arrived
+        grad = recv_gradient(self.activation_shape, self._next(), device=self.device, tag=1,
+                             mark=lambda: marks.append(self.clock.stamp()))
+        end = self.clock.stamp()
+        self._spans["interstage_wire"].append((marks[0], marks[1]))
+        self._spans["interstage_compress"].append((marks[1], end))
+        self._spans["interstage"].append((start, end))
         return grad
 
     # ------------------------------------------------------------------ the schedule
@@ -446,7 +455,7 @@ class PipelineStep:
         timing = {}
         self.interstage_rank = self._choose_interstage_rank()
         self._bytes = [0, 0]
-        self._spans = {"interstage": [], "forward": []}
+        self._spans = {key: [] for key in SPANS}
         if self.compressor.interstage is not None:
             self.compressor.interstage.take_bytes()
         start = self.clock.stamp()
@@ -504,10 +513,11 @@ class PipelineStep:
 
 
 # ---------------------------------------------------------------------------- per-stage metrics
+SPANS = ("interstage", "interstage_wire", "interstage_compress", "forward")  # PipelineStep._spans, logged as <key>_s
 STAGE_FIELDS = ("rank", "sync_s", "backward_end", "sync_end", "t_b_s", "predicted_s", "budget_s",
                 "bytes_sent", "bytes_raw", "elements_sent", "elements_raw", "interstage_rank",
-                "interstage_bytes_sent", "interstage_bytes_raw", "interstage_s", "forward_s", "backward_s",
-                "pipeline_s")
+                "interstage_bytes_sent", "interstage_bytes_raw", "interstage_s", "interstage_wire_s",
+                "interstage_compress_s", "forward_s", "backward_s", "pipeline_s")
 
 
 def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
@@ -521,7 +531,8 @@ def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
             (m.get("bytes_sent") or 0) + compressor.replicated_bytes, (m.get("bytes_raw") or 0) + compressor.replicated_bytes,
             m.get("elements_sent"), m.get("elements_raw"),
             step.interstage_rank, timing["interstage_bytes_sent"], timing["interstage_bytes_raw"],
-            timing["interstage_s"], timing["forward_s"], timing["backward_s"], timing["pipeline_s"]]
+            timing["interstage_s"], timing["interstage_wire_s"], timing["interstage_compress_s"], timing["forward_s"],
+            timing["backward_s"], timing["pipeline_s"]]
     row = torch.tensor([math.nan if v is None else float(v) for v in mine], dtype=torch.float64, device=step.device)
     rows = [torch.empty_like(row) for _ in range(grid.world)]
     dist.all_gather(rows, row)
@@ -551,9 +562,11 @@ def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
             **{k: int(values[k]) if not math.isnan(values[k]) else 0
                for k in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw",
                          "interstage_bytes_sent", "interstage_bytes_raw")},
-            # seconds this step (edgc.timing.Clock): activation-gradient exchanges (PipelineStep._spans),
-            # forward and backward compute summed over the micro-batches, the whole schedule
-            **{k: values[k] for k in ("interstage_s", "forward_s", "backward_s", "pipeline_s")},
+            # seconds this step (edgc.timing.Clock): activation-gradient exchanges and, with --interstage
+            # on, their payload transfers and compress/decompress (PipelineStep._spans), forward and
+            # backward compute summed over the micro-batches, the whole schedule
+            **{k: values[k] for k in ("interstage_s", "interstage_wire_s", "interstage_compress_s", "forward_s",
+                                      "backward_s", "pipeline_s")},
         })
     return out
 
