@@ -42,11 +42,19 @@ def summary(rows) -> str:
                   if len(exact) == len(rows) else
                   f"predicted inter-stage bytes differ from the measured ones in {len(rows) - len(exact)} of "
                   f"{len(rows)} groups")
-    share = [r.wire_predicted_s / r.interstage_predicted_s for r in rows if r.interstage_predicted_s]
-    return (f"{bytes_part} ({len(rows)} groups of steps over {len({r.run for r in rows})} runs); inter-stage time "
-            f"error {span([r.interstage_error for r in rows])}, step time error {span([r.step_error for r in rows])}; "
-            f"the wire sizes and the compress model set {span(share).replace('+', '')} of the predicted "
-            f"inter-stage time, the rest is waiting for the next stage's backward")
+    parts = [f"inter-stage time error {span([r.interstage_error for r in rows])}"]
+    for name, errors in (("payload transfer", [r.wire_error for r in rows]),
+                         # only where something was compressed: the model prices a raw gradient's copy at 0
+                         ("compress + decompress", [r.compress_error for r in rows if any(r.ranks)])):
+        known = [e for e in errors if e is not None]
+        if known:
+            parts.append(f"{name} {span(known)}")
+    share = [(r.wire_predicted_s or 0) + r.compress_predicted_s for r in rows]
+    share = [x / r.interstage_predicted_s for x, r in zip(share, rows) if r.interstage_predicted_s]
+    return (f"{bytes_part} ({len(rows)} groups of steps over {len({r.run for r in rows})} runs); "
+            f"{', '.join(parts)}; step time error {span([r.step_error for r in rows])}; the payload transfers "
+            f"and compress + decompress are {span(share).replace('+', '')} of the predicted inter-stage time, "
+            f"the rest is waiting for the next stage's backward")
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,10 @@ SKIP_FRACTION of the run left out), the simulator predicts:
 * inter-stage time = what `edgc train` times (pipeline.PipelineStep._spans) summed over the stages:
   the receivers' idle time before each backward in the timeline (waiting for the next stage's
   gradient, its transfer included; `cost_model.backward_waits`) + the senders' compress time;
+* with --interstage on, its parts that the compressed sizes set, against what `edgc train` logs of
+  them: the payload transfers (interstage_wire_s: from a gradient's header arriving to its payload
+  arriving; predicted alpha + payload bytes / beta each) and compress + decompress
+  (interstage_compress_s; predicted by the compress model);
 * step time = the predicted schedule + the group's measured remainder of the step (step_time_s minus
   the longest stage's pipeline_s: DP sync, tied-embedding sum, clipping, optimizer), which this
   model does not predict; so the step error is the schedule's error in seconds over the step.
@@ -26,6 +30,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+
+from edgc.interstage import HEADER_BYTES
 
 from . import cost_model as cm
 from .calibrate import SKIP_FRACTION, MeasuredRun, harness_model
@@ -50,7 +56,10 @@ class PipelineRow:
     raw_predicted: int  #: step_bytes, raw
     interstage_measured_s: float  #: median interstage_time_s (summed over stages)
     interstage_predicted_s: float  #: timeline waits + compress, summed over stages
-    wire_predicted_s: float  #: of which set by the wire sizes and the compress model (transfers + compress)
+    wire_measured_s: Optional[float]  #: median interstage_wire_s summed over stages; None with off (not separable)
+    wire_predicted_s: Optional[float]  #: the compressed path's payload transfers (alpha + bytes / beta each)
+    compress_measured_s: Optional[float]  #: median interstage_compress_s summed over stages (None with off)
+    compress_predicted_s: float  #: the compress model over the compressed gradients
     pipeline_measured_s: float  #: median over steps of the longest stage's pipeline_s
     pipeline_predicted_s: float  #: the timeline's last backward end
     step_measured_s: float  #: median step_time_s
@@ -66,8 +75,22 @@ class PipelineRow:
         return (self.interstage_predicted_s - self.interstage_measured_s) / self.interstage_measured_s
 
     @property
+    def wire_error(self) -> Optional[float]:
+        return _error(self.wire_predicted_s, self.wire_measured_s)
+
+    @property
+    def compress_error(self) -> Optional[float]:
+        return _error(self.compress_predicted_s, self.compress_measured_s)
+
+    @property
     def step_error(self) -> float:
         return (self.step_predicted_s - self.step_measured_s) / self.step_measured_s
+
+
+def _error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
 
 
 def is_pipeline_run(run: MeasuredRun) -> bool:
@@ -87,10 +110,11 @@ def _groups(run: MeasuredRun) -> list:
 def predict_schedule(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_batches: int, mode: str,
                      ranks: Sequence[Optional[int]], rows: int, cols: int, link: cm.AlphaBeta,
                      device: DeviceSpec) -> tuple:
-    """(timeline, per-stage inter-stage seconds, transfer + compress seconds) of one step: t_fwd/t_bwd per
-    stage (compute of one micro-batch), ranks[s] the rank stage s sends its gradients at. The last is
-    the part of the inter-stage time the wire sizes and the compress model set (the rest is waiting
-    for the next stage's backward compute)."""
+    """(timeline, per-stage inter-stage seconds, payload transfer seconds, compress seconds) of one step:
+    t_fwd/t_bwd per stage (compute of one micro-batch), ranks[s] the rank stage s sends its gradients
+    at. The last two are the parts the compressed sizes set, summed over the step's gradients: each
+    payload's transfer without its header (what interstage_wire_s times; None with ``off``, which
+    has no header to time it from) and compress + decompress; the rest is waiting for compute."""
     P = len(t_fwd)
     forward = [transfer_s(rows * cols * BYTES, link)] * (P - 1)
     per_stage = [gradient_ranks(mode, ranks[s], micro_batches, P, rows, cols) for s in range(P)]
@@ -101,8 +125,9 @@ def predict_schedule(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_batch
     t_bwd_micro = [[t_bwd[s] + c for c in compress[s]] for s in range(P)]
     timeline = cm.one_f_one_b_timeline(t_fwd, t_bwd_micro, micro_batches, forward, backward)
     waits = cm.backward_waits(timeline, P, micro_batches)
-    wire = sum(map(sum, backward)) + sum(map(sum, compress))
-    return timeline, [w + sum(c) for w, c in zip(waits, compress)], wire
+    payload = None if mode == "off" else sum(transfer_s(gradient_bytes(r, rows, cols, BYTES) - HEADER_BYTES, link)
+                                             for s in range(1, P) for r in per_stage[s])
+    return timeline, [w + sum(c) for w, c in zip(waits, compress)], payload, sum(map(sum, compress))
 
 
 def calibrate_pipeline(runs: Sequence[MeasuredRun], device: DeviceSpec, link: LinkSpec) -> list:
@@ -119,9 +144,17 @@ def calibrate_pipeline(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Li
         tokens, hidden = int(cfg["micro_batch"]) * int(cfg["seq_len"]), harness_model(cfg).hidden
         for ranks, recs in _groups(run):
             med = lambda f: statistics.median(f(r) for r in recs)  # noqa: E731
+
+            def measured(key: str) -> Optional[float]:
+                """Median over steps of the stages' sum; None where not logged (off, or older runs)."""
+                if mode == "off" or any(key not in s for r in recs for s in r["stages"]):
+                    return None
+                return med(lambda r: sum(s[key] for s in r["stages"]))
+
             t_fwd = [med(lambda r: r["stages"][s]["forward_s"]) / m for s in range(P)]
             t_bwd = [med(lambda r: r["stages"][s]["backward_s"]) / m for s in range(P)]
-            timeline, interstage, wire = predict_schedule(t_fwd, t_bwd, m, mode, ranks, tokens, hidden, local, device)
+            timeline, interstage, wire, compress = predict_schedule(t_fwd, t_bwd, m, mode, ranks, tokens, hidden,
+                                                                    local, device)
             sent, raw = step_bytes(mode, list(ranks), m, P, tokens, hidden, BYTES)
             pipeline_meas = med(lambda r: max(s["pipeline_s"] for s in r["stages"]))
             pipeline_pred = max(timeline.flush_end)
@@ -129,7 +162,9 @@ def calibrate_pipeline(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Li
             rows.append(PipelineRow(
                 Path(run.path).name, str(cfg["compressor"]), mode, ranks, len(recs),
                 med(lambda r: r["interstage_bytes_sent"]), sent, med(lambda r: r["interstage_bytes_raw"]), raw,
-                med(lambda r: r["interstage_time_s"]), sum(interstage), wire, pipeline_meas, pipeline_pred,
+                med(lambda r: r["interstage_time_s"]), sum(interstage),
+                measured("interstage_wire_s"), wire, measured("interstage_compress_s"), compress,
+                pipeline_meas, pipeline_pred,
                 med(lambda r: r["step_time_s"]), pipeline_pred + remainder))
     return rows
 
@@ -138,27 +173,34 @@ def format_pipeline_calibration(rows: Sequence[PipelineRow], link: LinkSpec, dev
     """Markdown: the model's inputs, one line per (run, ranks), times in ms, errors in %."""
     ms = lambda s: f"{1e3 * s:.0f}"  # noqa: E731
     pct = lambda e: f"{100 * e:+.1f}%"  # noqa: E731
+    opt = lambda s: "-" if s is None else f"{1e3 * s:.2f}"  # noqa: E731
+    opt_pct = lambda e: "-" if e is None else pct(e)  # noqa: E731
     lines = [f"local link (inter-stage): alpha {link.latency_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.2f} GB/s "
              f"({link.source}); host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
              f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
              "",
              "| run | inter-stage | ranks per stage | steps | bytes sent meas | bytes sent pred | raw meas | raw pred "
-             "| exact | inter-stage meas | inter-stage pred | of which wire + compress | inter-stage err | schedule meas "
-             "| schedule pred | step meas | step pred | step err |",
-             "|" + "---|" * 18]
+             "| exact | inter-stage meas | inter-stage pred | inter-stage err | wire meas | wire pred | wire err "
+             "| compress meas | compress pred | compress err | schedule meas | schedule pred | step meas | step pred "
+             "| step err |",
+             "|" + "---|" * 23]
     for r in rows:
         lines.append(
             f"| {r.run} | {r.mode} | {'/'.join('-' if k is None else str(k) for k in r.ranks)} | {r.steps} "
             f"| {r.bytes_measured:.0f} | {r.bytes_predicted} | {r.raw_measured:.0f} | {r.raw_predicted} "
             f"| {'yes' if r.bytes_exact else 'NO'} | {ms(r.interstage_measured_s)} | {ms(r.interstage_predicted_s)} "
-            f"| {1e3 * r.wire_predicted_s:.1f} | {pct(r.interstage_error)} | {ms(r.pipeline_measured_s)} | {ms(r.pipeline_predicted_s)} "
+            f"| {pct(r.interstage_error)} | {opt(r.wire_measured_s)} | {opt(r.wire_predicted_s)} | {opt_pct(r.wire_error)} "
+            f"| {opt(r.compress_measured_s)} | {opt(r.compress_predicted_s)} | {opt_pct(r.compress_error)} | {ms(r.pipeline_measured_s)} | {ms(r.pipeline_predicted_s)} "
             f"| {ms(r.step_measured_s)} | {ms(r.step_predicted_s)} | {pct(r.step_error)} |")
     lines += ["", "bytes per step of replica 0's activation gradients (TP rank 0), medians over the group's steps "
               "after the first 10%; times in ms, medians. ranks per stage: the inter-stage rank each stage sent "
               "at (- raw; stage 0 sends nothing). inter-stage: summed over the stages, the time in each "
               "activation-gradient exchange (pred: the 1F1B timeline's idle time before each backward, from the "
               "stages' measured forward/backward compute and the wire sizes over the local link, + the "
-              "compress model; of which wire + compress: the backward transfers' alpha + bytes / beta and the "
-              "compress model alone, the part the compressed sizes set, the rest is waiting for compute). schedule: the longest stage's pipeline time. step pred = schedule pred + the "
+              "compress model). wire (ms, 2 decimals): the payload transfers of the compressed path, each from "
+              "its header's arrival to its payload's (pred: alpha + payload bytes / beta; - with off, where "
+              "no header separates waiting from transfer); compress: compress + decompress (pred: the "
+              "PowerSGD compute model of one gradient matrix at its rank). Both summed over the step's "
+              "gradients: the part of the inter-stage time the compressed sizes set, the rest is waiting. schedule: the longest stage's pipeline time. step pred = schedule pred + the "
               "measured rest of the step (DP sync, optimizer: not modelled here)."]
     return "\n".join(lines)

@@ -29,14 +29,16 @@ def write_bench(tmp_path, slow=1.0, wrong_bytes=False):
     lines = []
     for step in range(1, 21):
         ranks = (None, None) if step <= 10 else (None, 4)  # EDGC-like: raw until the rank is known
-        timeline, per_stage, _ = predict_schedule(t_fwd, t_bwd, M, "cooldown", ranks, TOKENS, HIDDEN,
+        timeline, per_stage, wire, compress = predict_schedule(t_fwd, t_bwd, M, "cooldown", ranks, TOKENS, HIDDEN,
                                                AlphaBeta(LINK.latency_s, LINK.bytes_per_s), DEVICE)
         # bytes counted independently: 3 raw gradients (with header) and, from step 11, one at rank 4
         last = wire_bytes(TOKENS, HIDDEN, 4 if ranks[1] else 0)
         sent = 3 * wire_bytes(TOKENS, HIDDEN, 0) + last + (1 if wrong_bytes else 0)
         pipeline = max(timeline.flush_end)
         stages = [{"interstage_rank": r, "forward_s": M * f, "backward_s": M * b, "pipeline_s": pipeline,
-                   "interstage_s": slow * s} for r, f, b, s in zip(ranks, t_fwd, t_bwd, per_stage)]
+                   "interstage_s": slow * s, "interstage_wire_s": slow * wire if stage == 0 else 0.0,  # receiver
+                   "interstage_compress_s": slow * compress if stage == 1 else 0.0}  # sender
+                  for stage, (r, f, b, s) in enumerate(zip(ranks, t_fwd, t_bwd, per_stage))]
         lines.append(json.dumps({"kind": "train", "step": step, "rank": None, "step_time_s": pipeline + 0.05,
                                  "interstage_bytes_sent": sent, "interstage_bytes_raw": M * TOKENS * HIDDEN * 4,
                                  "interstage_time_s": slow * sum(per_stage), "stages": stages}))
@@ -53,6 +55,9 @@ def test_a_run_that_follows_the_model_is_predicted_exactly(tmp_path):
         assert r.interstage_error == pytest.approx(0, abs=1e-9) and r.step_error == pytest.approx(0, abs=1e-9)
     raw_group, compressed = rows
     assert compressed.bytes_predicted < raw_group.bytes_predicted  # the cool-down's gradient went as factors
+    assert compressed.wire_predicted_s < raw_group.wire_predicted_s  # its payload is smaller
+    assert compressed.wire_error == pytest.approx(0, abs=1e-9) and compressed.compress_error == pytest.approx(0, abs=1e-9)
+    assert raw_group.compress_predicted_s == 0 and compressed.compress_predicted_s > 0
     assert compressed.interstage_predicted_s != raw_group.interstage_predicted_s
 
 
@@ -61,6 +66,7 @@ def test_errors_and_byte_mismatches_show(tmp_path):
     rows = calibrate_pipeline([load_run(run)], DEVICE, LINK)
     assert all(not r.bytes_exact for r in rows)
     assert all(r.interstage_error == pytest.approx(1 / 1.25 - 1) for r in rows)
+    assert all(r.wire_error == pytest.approx(1 / 1.25 - 1) for r in rows)
     text = format_pipeline_calibration(rows, LINK, DEVICE)
     assert "| NO |" in text and "-20.0%" in text
 
@@ -105,7 +111,7 @@ def test_docs_script_fills_the_doc_section_and_the_readme(tmp_path):
     assert "STALE" not in doc and doc.startswith("intro\n") and doc.endswith("after\n")
     assert "on the bench of `edgc bench --tp 2 --pp 2`" in doc and "| none | cooldown | -/4 |" in doc
     assert "predicted inter-stage bytes equal the measured ones in every group (2 groups of steps over 1 runs)" in doc
-    assert re.search(r"inter-stage time error [+-]0\.0%( … [+-]0\.0%)?, step time error", doc)
+    assert re.search(r"inter-stage time error [+-]0\.0%( … [+-]0\.0%)?, payload transfer [+-]0\.0%", doc)
     text = readme.read_text()
     assert "2 hosts × TP2 × PP2" in text and "STALE" not in text
     assert "<!-- interstage-calibration-line:start -->\nSimulator vs this bench" in text
