@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,23 @@ def effective_rank(m: int, n: int, rank: int | None) -> int:
         return 0
     r = min(rank, m, n)
     return r if (m + n) * r < m * n else 0
+
+
+MODES = ("off", "all", "cooldown")
+
+
+def compresses(mode: str, index: int, micro_batches: int, stages: int) -> bool:
+    """Whether micro-batch ``index``'s activation gradient goes out compressed under ``mode``.
+
+    ``cooldown``: only the last P − 1 backwards, run after stage 0's last forward in 1F1B, when
+    nothing is left to overlap the transfer with (the pipeline's critical path). One policy for
+    the training schedule and the simulator, so their byte counts cannot drift apart.
+    """
+    if mode not in MODES:
+        raise ValueError(f"interstage mode must be one of {MODES}, got {mode!r}")
+    if mode == "all":
+        return True
+    return mode == "cooldown" and index >= micro_batches - (stages - 1)
 
 
 def interstage_rank(dp_rank: int | None, r_min: int, r_max: int, scale: float = 1.0) -> int | None:
@@ -159,13 +177,21 @@ def send_gradient(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
 
 
 def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float32, device=None,
-                  group=None, tag: int = 0) -> torch.Tensor:
-    """Blocking receive of one packet sent by `send_gradient`; returns the decompressed gradient."""
+                  group=None, tag: int = 0, mark: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """Blocking receive of one packet sent by `send_gradient`; returns the decompressed gradient.
+
+    ``mark`` (a timing hook, e.g. a clock stamp) is called once the header has arrived and once the
+    payload has: the sender issues both right after compressing, so the span between the two calls
+    is the payload's transfer, and what precedes the first is waiting for the sender."""
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group, tag=tag)
+    if mark is not None:
+        mark()
     rank, m, n = (int(v) for v in header)
     if m * n != math.prod(shape):
         raise RuntimeError(f"interstage: got a {m}×{n} gradient for an activation of shape {tuple(shape)}")
     payload = torch.empty((m + n) * rank if rank else m * n, dtype=dtype, device=device)
     dist.recv(payload, src, group=group, tag=tag)
+    if mark is not None:
+        mark()
     return decompress(Packet(rank, torch.Size(shape), payload)).to(dtype)

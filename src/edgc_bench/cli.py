@@ -10,7 +10,7 @@ from pathlib import Path
 from edgc_cli.main import CLIError
 
 from .netns import NetnsError, check_prerequisites
-from .run import ALL_METHODS, FSDP_METHODS, BenchSettings, check_methods
+from .run import ALL_METHODS, FSDP_METHODS, PIPELINE_METHODS, BenchSettings, check_methods
 
 DEFAULTS = BenchSettings()
 
@@ -48,6 +48,17 @@ def register(subparsers) -> None:
     p.add_argument("--fsdp", action="store_true",
                    help="HSDP: the processes of a host shard the model with FSDP2, hosts are replicas, and the "
                         "methods compress the replica all-reduce (methods: none, edgc, powersgd@…; default none,edgc)")
+    p.add_argument("--tp", type=int, default=DEFAULTS.tp,
+                   help="tensor-parallel degree inside each host (default %(default)s); with --tp/--pp each host "
+                        "runs one whole TP × PP model (--nproc = tp × pp) and DP crosses the link "
+                        "(methods: none, edgc, powersgd@…; default " + ",".join(PIPELINE_METHODS) + ")")
+    p.add_argument("--pp", type=int, default=DEFAULTS.pp, help="pipeline stages inside each host (default %(default)s)")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches per step (default 4 with --pp > 1, else 1; with --pp: ≥ pp)")
+    p.add_argument("--interstage", default=DEFAULTS.interstage, choices=("off", "all", "cooldown"),
+                   help="with --pp: compress the activation gradients between stages (default %(default)s)")
+    p.add_argument("--interstage-rank", type=int, default=DEFAULTS.interstage_rank,
+                   help="with --interstage: their rank (edgc: its upper bound) (default %(default)s)")
     p.add_argument("--link-only", action="store_true",
                    help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
                         "--out/calibration.json, train nothing")
@@ -70,10 +81,28 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
             raise CLIError(f"--rate: expected Mbit/s or 'none', got {args.rate!r}") from None
         if rate <= 0:
             raise CLIError(f"--rate: must be > 0, got {args.rate}")
+    tp, pp = positive("tp", args.tp), positive("pp", args.pp)
+    pipeline = tp > 1 or pp > 1
+    if pipeline and args.fsdp:
+        raise CLIError("--tp/--pp: cannot be combined with --fsdp (HSDP shards the model another way)")
+    if args.interstage != "off" and pp == 1:
+        raise CLIError("--interstage: compresses pipeline traffic and needs --pp > 1")
+    nproc = args.nproc if args.nproc is not None else tp * pp if pipeline else 2 if args.fsdp else DEFAULTS.nproc
+    if pipeline and nproc != tp * pp:
+        raise CLIError(f"--nproc: with --tp/--pp each host runs one whole model, so it must be tp × pp = {tp * pp}, "
+                       f"got {nproc}")
+    grad_accum = positive("grad-accum", args.grad_accum if args.grad_accum is not None else 4 if pp > 1 else 1)
+    if pp > 1 and grad_accum < pp:
+        raise CLIError(f"--grad-accum: is the number of pipeline micro-batches and must be ≥ pp = {pp}, got {grad_accum}")
+    eval_batches = positive("eval-batches", args.eval_batches)
+    if pipeline and eval_batches % grad_accum:
+        raise CLIError(f"--eval-batches: must be a multiple of --grad-accum = {grad_accum} with --tp/--pp "
+                       f"(whole pipeline steps), got {eval_batches}")
     try:
-        chosen = args.methods if args.methods is not None else ",".join(FSDP_METHODS if args.fsdp else DEFAULTS.methods)
+        default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
+        chosen = args.methods if args.methods is not None else ",".join(default)
         names = ",".join(ALL_METHODS) if chosen.strip() == "all" else chosen
-        methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp)
+        methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
     except ValueError as exc:
         raise CLIError(f"--methods: {exc}") from None
     if not methods:
@@ -91,28 +120,22 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         raise CLIError(f"--compress-ratio: must be in (0, 1], got {args.compress_ratio}")
     return BenchSettings(
         hosts=positive("hosts", args.hosts), rate_mbit=rate,
-        nproc=positive("nproc", args.nproc if args.nproc is not None else 2 if args.fsdp else DEFAULTS.nproc),
+        nproc=positive("nproc", nproc),
         methods=tuple(methods), preset=args.preset, steps=positive("steps", args.steps),
         micro_batch=positive("micro-batch", args.micro_batch), seq_len=positive("seq-len", args.seq_len),
         vocab_size=args.vocab_size, eval_every=positive("eval-every", args.eval_every),
-        eval_batches=positive("eval-batches", args.eval_batches), seed=args.seed,
+        eval_batches=eval_batches, seed=args.seed,
         threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
         run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars,
-        fsdp=args.fsdp)
+        fsdp=args.fsdp, tp=tp, pp=pp, grad_accum=grad_accum, interstage=args.interstage,
+        interstage_rank=positive("interstage-rank", args.interstage_rank))
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if args.hosts > 250:
         raise CLIError("--hosts: at most 250")
-    # The training config is checked once here (bad preset/batch), before any namespace exists.
-    from edgc_train.config import TrainConfig
-
-    try:
-        TrainConfig(preset=settings.preset, seq_len=settings.seq_len, micro_batch=settings.micro_batch,
-                    steps=settings.steps, vocab_size=settings.vocab_size, compressor="none")
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    check_training(settings)
     try:
         check_prerequisites()
     except NetnsError as exc:
@@ -131,6 +154,19 @@ def run(args: argparse.Namespace) -> int:
     summary = run_bench(settings, out, command)
     print((out / "bench.md").read_text())
     return 1 if summary["notes"] and any("failed" in n for n in summary["notes"]) else 0
+
+
+def check_training(settings: BenchSettings) -> None:
+    """The training config, checked once (bad preset, batch, layout) before any namespace exists."""
+    from edgc_train.config import TrainConfig
+
+    try:
+        TrainConfig(preset=settings.preset, seq_len=settings.seq_len, micro_batch=settings.micro_batch,
+                    steps=settings.steps, vocab_size=settings.vocab_size, compressor="none", tp=settings.tp,
+                    pp=settings.pp, grad_accum=settings.grad_accum, eval_batches=settings.eval_batches,
+                    interstage=settings.interstage, interstage_rank=settings.interstage_rank)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def link_only(settings: BenchSettings, out: Path) -> int:

@@ -59,18 +59,33 @@ class BenchSettings:
     data: str | None = None
     max_chars: int | None = None
     fsdp: bool = False  # HSDP: each host's processes shard the model (edgc train --fsdp --fsdp-shard nproc)
+    tp: int = 1  # tensor-parallel degree inside each host (edgc train --tp)
+    pp: int = 1  # pipeline stages inside each host (edgc train --pp); nproc = tp × pp, DP crosses the link
+    grad_accum: int = 1  # micro-batches per step (with --pp: the pipeline's micro-batches, ≥ pp)
+    interstage: str = "off"  # activation gradients between stages: off | all | cooldown (edgc train --interstage)
+    interstage_rank: int = 8  # their rank (with edgc: the upper bound of the rank that follows the entropy)
+
+    @property
+    def pipeline(self) -> bool:
+        """A TP × PP × DP layout: each host runs one whole TP × PP model, its DP groups cross the link."""
+        return self.tp > 1 or self.pp > 1
 
 
 FSDP_METHODS = ("none", "edgc")  # with --fsdp: native HSDP vs EDGC on the replica all-reduce
+# with --tp/--pp: every stage syncs over its DP group with our all-reduce (none), static PowerSGD or EDGC
+PIPELINE_METHODS = ("none", "powersgd@rmax", "edgc")
 
 
-def check_methods(methods: list[str], fsdp: bool = False) -> list[str]:
+def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False) -> list[str]:
     """Validated method tokens; raises ValueError with one line."""
     out = []
     for m in methods:
         base, _, rank = m.partition("@")
         if fsdp and base not in (*FSDP_METHODS, "allreduce", "powersgd"):
             raise ValueError(f"method {m!r} is not available with --fsdp; choose from none, allreduce, edgc, powersgd@…")
+        if pipeline and base not in ("none", "powersgd", "edgc"):
+            raise ValueError(f"method {m!r} is not available with --tp/--pp (a pipeline stage's sync); "
+                             "choose from none, edgc, powersgd@…")
         ok = m in ALL_METHODS or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
         if not ok:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} or powersgd@N")
@@ -95,6 +110,10 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
         args += ["--max-chars", str(s.max_chars)]
     if s.fsdp:
         args += ["--fsdp", "--fsdp-shard", str(s.nproc)]
+    if s.pipeline:
+        args += ["--tp", str(s.tp), "--pp", str(s.pp), "--grad-accum", str(s.grad_accum)]
+        if s.pp > 1:
+            args += ["--interstage", s.interstage, "--interstage-rank", str(s.interstage_rank)]
     base, _, rank = method.partition("@")
     args += ["--compressor", base]
     if base == "powersgd" or base == "torch-powersgd":
@@ -170,7 +189,8 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
     r_max = s.r_max
     notes: list[str] = []
     with Network(s.hosts, s.rate_mbit) as net:
-        say(f"network: {s.hosts} hosts × {s.nproc} processes, "
+        layout = f" (TP{s.tp} × PP{s.pp} per host, DP{s.hosts} across)" if s.pipeline else ""
+        say(f"network: {s.hosts} hosts × {s.nproc} processes{layout}, "
             f"{'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link (tbf both ends)")
         calibration = run_calibration(net, s, out)
         say(calibrate.table(calibration, s.rate_mbit))
@@ -202,7 +222,7 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
     from . import table
 
-    summary["rows"] = table.rows(results, r_max)
+    summary["rows"] = table.rows(results, r_max, s.pipeline)
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "bench.md").write_text(table.markdown(summary, results))
     table.plots(results, out)

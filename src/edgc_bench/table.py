@@ -40,7 +40,9 @@ def _total(steps: list[dict], key: str, phase: str | None = None) -> float:
     return sum(r.get(key) or 0.0 for r in steps if phase is None or r.get("phase") == phase)
 
 
-def rows(results: dict[str, dict], r_max: int | None) -> list[dict]:
+def rows(results: dict[str, dict], r_max: int | None, pipeline: bool = False) -> list[dict]:
+    """One row per method. ``pipeline`` (--tp/--pp): ``none`` is our per-stage all-reduce, which is timed."""
+    untimed = ("nosync",) if pipeline else UNTIMED
     target = _target(results)
     out = []
     for method, run in results.items():
@@ -52,7 +54,7 @@ def rows(results: dict[str, dict], r_max: int | None) -> list[dict]:
             "method": method,
             "rank": (f"{ranks[0]}–{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])) if ranks else "",
             # DDP's native all-reduce overlaps backward inside C++: its time is not separable.
-            "comm_s": None if method in UNTIMED else _median(run, "comm_time_s"),
+            "comm_s": None if method in untimed else _median(run, "comm_time_s"),
             "step_s": _median(run, "step_time_s"),
             "compress_s": _median(run, "compress_time_s"),
             "tokens_per_s": _median(run, "tokens_per_s"),
@@ -63,6 +65,10 @@ def rows(results: dict[str, dict], r_max: int | None) -> list[dict]:
             "time_to_target_s": reached,
         }
         row["comm_share"] = row["comm_s"] / row["step_s"] if row["step_s"] and row["comm_s"] is not None else None
+        if any("interstage_bytes_raw" in r for r in train):  # a pipeline run: its activation-gradient traffic
+            row["interstage_sent_per_step"] = sum(r.get("interstage_bytes_sent", 0) for r in train) / len(train)
+            row["interstage_raw_per_step"] = sum(r.get("interstage_bytes_raw", 0) for r in train) / len(train)
+            row["interstage_s"] = _median(run, "interstage_time_s")
         out.append(row)
     ref = next((r for r in out if r["method"] == "none"), None)
     floor = next((r for r in out if r["method"] == "nosync"), None)
@@ -102,6 +108,25 @@ def result_table(rows_: list[dict], fsdp: bool = False) -> str:
             f"| {_num(r['comm_share'] and 100 * r['comm_share'], 0)}% | {r['tokens_per_s']:.0f}{_x(r['tokens_per_s_x'])} "
             f"| {r['bytes_per_step'] / 1e6:.2f}{_x(r['bytes_per_step_x'])} | {_num(r['compress_s'])} "
             f"| {r['val_loss']:.4f}{_x(r['val_loss_x'])} | {r['val_ppl']:.1f} | {target} |")
+    return head + "\n".join(lines) + "\n"
+
+
+PIPELINE_LABELS = {"none": "none (our all-reduce per stage, uncompressed)"}
+
+
+def pipeline_table(rows_: list[dict]) -> str:
+    """--tp/--pp: per method the step, the DP bytes over the link and the inter-stage traffic inside a host."""
+    head = ("| method | rank | step s (× none) | DP MB sent/step | inter-stage MB/step sent (raw) | × raw "
+            "| inter-stage s/step | inter-stage share of step |\n"
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    lines = []
+    for r in rows_:
+        sent, raw, seconds = r.get("interstage_sent_per_step"), r.get("interstage_raw_per_step"), r.get("interstage_s")
+        lines.append(
+            f"| {PIPELINE_LABELS.get(r['method'], r['method'])} | {r['rank']} | {r['step_s']:.3f}{_x(r['step_s_x'])} "
+            f"| {r['bytes_per_step'] / 1e6:.2f}{_x(r['bytes_per_step_x'])} "
+            f"| {_num(sent and sent / 1e6)} ({_num(raw and raw / 1e6)}) | {_num(sent / raw if sent and raw else None, 2)} "
+            f"| {_num(seconds)} | {_num(seconds and 100 * seconds / r['step_s'], 0)}% |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -208,6 +233,9 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
     blocking = next((r for r in rows_ if r["method"] == "allreduce-blocking"), None)
     share = f"{100 * blocking['comm_share']:.0f}%" if blocking and blocking["comm_share"] is not None else "–"
     load = summary["load_start"], summary["load_end"]
+    pipeline = s.get("tp", 1) > 1 or s.get("pp", 1) > 1
+    if pipeline:
+        return _pipeline_markdown(summary, rate)
     parts = [
         "# edgc bench\n",
         f"Date: {summary['date']}. Command: `{summary['command']}`\n",
@@ -238,6 +266,40 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
     if summary["notes"]:
         parts += ["## Notes\n", *[f"- {n}" for n in summary["notes"]], ""]
     parts += ["Plots: `val_loss.png` (validation loss vs wall time), `step_time.png` (step time split).\n"]
+    return "\n".join(parts)
+
+
+def _pipeline_markdown(summary: dict, rate: str) -> str:
+    """bench.md of a TP × PP × DP bench: one whole model per host, DP over the link (no DDP reference)."""
+    from .calibrate import table as calibration_table
+
+    s, load = summary["settings"], (summary["load_start"], summary["load_end"])
+    parts = [
+        "# edgc bench\n",
+        f"Date: {summary['date']}. Command: `{summary['command']}`\n",
+        "<!-- bench:start -->",
+        f"`{summary['command']}` — {summary['date']}, {s['hosts']} hosts × TP{s['tp']} × PP{s['pp']} "
+        f"({s['nproc']} processes per host: one whole model per host, each stage's DP group crosses the link), "
+        f"{rate} per host link (tc tbf on both ends of each veth), preset `{s['preset']}`, {s['grad_accum']} "
+        f"micro-batches of {s['micro_batch']} × {s['seq_len']} tokens per step, {s['steps']} steps, seed {s['seed']}; "
+        f"inter-stage {s['interstage']} at rank {s['interstage_rank']}; EDGC r_max = {summary['r_max']}. "
+        f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; whole bench "
+        f"{summary['elapsed_s'] / 60:.1f} min.\n",
+        pipeline_table(summary["rows"]),
+        "Ratios are to `none` (each stage all-reduces its gradients uncompressed) in the same invocation; every "
+        "method runs the same `--interstage` setting, so the methods differ only in the DP sync. Step "
+        "time and inter-stage time are medians over all steps (rank 0's record); bytes are means per step "
+        "(warm-up steps included). DP MB: what the pipeline's stages (replica 0, all TP ranks) sent over the "
+        "link; inter-stage MB: the activation gradients replica 0's stages sent back to their predecessors "
+        "(TP rank 0, inside the host), raw = uncompressed. Inter-stage s: summed over the stages, the time in "
+        "each activation-gradient exchange (sender: compress and issue; receiver: blocked in the receive, "
+        "waiting for the next stage's backward included, and decompress).\n",
+        "<!-- bench:end -->\n",
+        "## Link calibration (gloo all-reduce between the hosts)\n",
+        calibration_table(summary["calibration"], s["rate_mbit"]),
+    ]
+    if summary["notes"]:
+        parts += ["## Notes\n", *[f"- {n}" for n in summary["notes"]], ""]
     return "\n".join(parts)
 
 
@@ -285,7 +347,8 @@ def rewrite(out: Path) -> Path:
 
     summary = json.loads((out / "results.json").read_text())
     results = {r["method"]: read_run(out / "runs" / r["method"].replace("@", "-")) for r in summary["rows"]}
-    summary["rows"] = rows(results, summary["r_max"])
+    s = summary["settings"]
+    summary["rows"] = rows(results, summary["r_max"], s.get("tp", 1) > 1 or s.get("pp", 1) > 1)
     (out / "bench.md").write_text(markdown(summary, results))
     plots(results, out)
     return out / "bench.md"

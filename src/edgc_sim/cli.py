@@ -9,7 +9,9 @@ from pathlib import Path
 
 from .calibrate import LATENCY_SOURCES
 from .hardware import CLUSTERS, LINKS, cluster_with_inter_link
+from .interstage import InterStage
 from .iteration import IterationModel
+from edgc.interstage import MODES
 from .methods import METHODS, MethodConfig, simulate_methods
 from .presets import PRESETS
 from .report import DAY, format_table, plot_breakdown, reductions
@@ -26,6 +28,12 @@ def register(subparsers) -> None:
     p.add_argument("--cluster", choices=sorted(CLUSTERS), help="hardware (default: the preset's)")
     p.add_argument("--inter-link", choices=sorted(LINKS), help="replace the cluster's inter-node link")
     p.add_argument("--iterations", type=int, help="run length (default: the preset's, 230k)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default: the preset's); the preset's world size "
+                                          "is kept, DP = world / (tp x pp)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default: the preset's)")
+    p.add_argument("--interstage", choices=MODES, default="off",
+                   help="activation gradients between stages: raw, all compressed, or only the 1F1B cool-down's")
+    p.add_argument("--interstage-rank", type=int, default=8, help="rank of the compressed activation gradients")
     p.add_argument("--rank", type=int, default=32, help="static PowerSGD rank")
     p.add_argument("--optimus-rank", type=int, default=128, help="Optimus-CC DP rank")
     p.add_argument("--optimus-stages", type=int, default=3, help="Optimus-CC compresses the first k stages")
@@ -75,7 +83,7 @@ def run(args) -> int:
 
 
 def _project(args) -> int:
-    preset = PRESETS[args.preset]
+    preset = with_layout(PRESETS[args.preset], args.tp, args.pp)
     if args.iterations is not None:
         preset = replace(preset, iterations=args.iterations)
     cluster = CLUSTERS[args.cluster or preset.cluster]
@@ -84,7 +92,10 @@ def _project(args) -> int:
     methods = list(dict.fromkeys(["none"] + (args.method or list(METHODS))))  # baseline first
     mapping = DeltaMapping(window=args.window, warmup_frac=args.warmup)
     cfg = MethodConfig(args.rank, args.optimus_rank, args.optimus_stages, mapping, args.r_max)
-    model = IterationModel(preset, cluster)
+    interstage = InterStage(args.interstage, args.interstage_rank)
+    if interstage.mode != "off" and preset.parallel.pp == 1:
+        raise ValueError("--interstage: compresses pipeline traffic and needs pp > 1")
+    model = IterationModel(preset, cluster, interstage)
     if args.metrics:
         records = read_metrics(args.metrics)
         schedule = lambda r_max: schedule_from_metrics(records, preset.iterations, r_max, args.window)  # noqa: E731
@@ -102,6 +113,12 @@ def _project(args) -> int:
     print(f"{preset.iterations} iterations; EDGC r_max {r_max} (profiled: largest rank with compressed sync "
           f"<= uncompressed), warm-up {args.warmup:.0%}, {source}\n")
     print(format_table(results, results[0]))
+    if par.pp > 1:
+        sent, raw = model.interstage_bytes
+        print(f"\ninter-stage activation gradients ({interstage.mode}, rank {interstage.rank}): "
+              f"{sent / 1e6:.2f} MB of {raw / 1e6:.2f} MB raw per iteration and TP rank "
+              f"({sent / raw:.3f}x); compress + decompress {1e3 * model.interstage_compress_s:.2f} ms per sending "
+              f"stage; pipeline flush {1e3 * max(model.timeline.flush_end):.1f} ms")
     if not args.no_plot:
         path = plot_breakdown(results, title, Path(args.out_dir) / f"simulate_{preset.name}.png")
         print(f"\nbreakdown plot: {path}")
@@ -110,6 +127,23 @@ def _project(args) -> int:
         path.write_text(json.dumps(_as_json(preset.name, cluster.name, r_max, results), indent=2))
         print(f"results: {path}")
     return 0
+
+
+def with_layout(preset, tp: int | None, pp: int | None):
+    """`preset` with TP and/or PP replaced, its world size kept (DP = world / (tp x pp))."""
+    if tp is None and pp is None:
+        return preset
+    par = preset.parallel
+    tp, pp = tp or par.tp, pp or par.pp
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp/--pp: must be >= 1, got tp {tp}, pp {pp}")
+    world = par.world_size
+    if world % (tp * pp):
+        raise ValueError(f"--tp/--pp: the preset's world size {world} is not a multiple of tp x pp = {tp * pp}")
+    dp = world // (tp * pp)
+    if preset.model.hidden % tp or preset.model.heads % tp:
+        raise ValueError(f"--tp: must divide the model's {preset.model.heads} heads and width {preset.model.hidden}")
+    return replace(preset, parallel=replace(par, tp=tp, pp=pp, dp=dp))
 
 
 def _as_json(preset: str, cluster: str, r_max: int, results) -> dict:
@@ -171,6 +205,15 @@ def _calibrate(args) -> int:
 
     dirs = expand_bench_dirs(args.calibrate)
     runs = [load_run(d) for d in dirs]
+    from .calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration, is_pipeline_run
+
+    if any(is_pipeline_run(r) for r in runs):
+        # TP x PP bench: the inter-stage model on the local link (the p2p stays inside a host)
+        if args.host_profile is None:
+            args.host_processes = args.host_processes or int(runs[0].config["world_size"])
+        device, link, _ = _host_profile(args)
+        print(format_pipeline_calibration(calibrate_pipeline(runs, device, link), link, device))
+        return 0
     link_json = args.link_calibration or (None if args.link_mbit else find_bench_calibration(dirs))
     if args.link_mbit or link_json:
         # bench runs: hosts over the emulated link; only the CPU is taken from the profile / measured

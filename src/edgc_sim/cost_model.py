@@ -101,16 +101,24 @@ def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list:
     return order
 
 
-def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_batches: int,
-                         p2p_s: Sequence[float] = ()) -> Timeline:
-    """Event simulation of one 1F1B iteration. t_fwd/t_bwd: per-stage time of one micro-batch;
-    p2p_s[p]: transfer time of an activation (or its gradient) between stage p and p+1."""
+def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence, micro_batches: int,
+                         p2p_s: Sequence[float] = (), p2p_bwd_s: Optional[Sequence] = None) -> Timeline:
+    """Event simulation of one 1F1B iteration. t_fwd[p]: stage p's time of one micro-batch forward;
+    t_bwd[p]: of one backward, or a sequence of one per micro-batch (a compressed gradient's compress
+    time lengthens its sender's backward). p2p_s[p]: transfer time of an activation from stage p to
+    p+1; p2p_bwd_s[p]: of an activation gradient from p+1 back to p, a number or one per micro-batch
+    (compressed transfers are shorter); None: the same as p2p_s."""
     P, m = len(t_fwd), micro_batches
     if len(t_bwd) != P:
         raise ValueError("t_fwd and t_bwd must have one entry per stage")
     p2p = list(p2p_s) if p2p_s else [0.0] * (P - 1)
     if len(p2p) != P - 1:
         raise ValueError("p2p_s must have one entry per stage boundary (P-1)")
+    back = p2p if p2p_bwd_s is None else list(p2p_bwd_s)
+    if len(back) != P - 1:
+        raise ValueError("p2p_bwd_s must have one entry per stage boundary (P-1)")
+    bwd = [_per_micro_batch(t, m, "t_bwd") for t in t_bwd]
+    back = [_per_micro_batch(t, m, "p2p_bwd_s") for t in back]
     ends = {"F": [[None] * m for _ in range(P)], "B": [[None] * m for _ in range(P)]}
     starts = {"F": [[None] * m for _ in range(P)], "B": [[None] * m for _ in range(P)]}
     orders = [one_f_one_b_order(p, P, m) for p in range(P)]
@@ -120,7 +128,7 @@ def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_b
         # forward waits for the previous stage's forward, backward for the next stage's backward
         if kind == "F":
             return 0.0 if p == 0 else _plus(ends["F"][p - 1][i], p2p[p - 1])
-        return ends["F"][p][i] if p == P - 1 else _plus(ends["B"][p + 1][i], p2p[p])
+        return ends["F"][p][i] if p == P - 1 else _plus(ends["B"][p + 1][i], back[p][i])
 
     remaining = 2 * P * m
     while remaining:
@@ -133,7 +141,7 @@ def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_b
                     break
                 start = max(free_at[p], ready)
                 starts[kind][p][i] = start
-                ends[kind][p][i] = free_at[p] = start + (t_fwd[p] if kind == "F" else t_bwd[p])
+                ends[kind][p][i] = free_at[p] = start + (t_fwd[p] if kind == "F" else bwd[p][i])
                 cursor[p] += 1
                 remaining -= 1
                 progressed = True
@@ -141,6 +149,33 @@ def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_b
             raise RuntimeError("1F1B schedule deadlocked")
     freeze = lambda grid: tuple(tuple(row) for row in grid)  # noqa: E731
     return Timeline(freeze(starts["F"]), freeze(ends["F"]), freeze(starts["B"]), freeze(ends["B"]))
+
+
+def _per_micro_batch(value, m: int, name: str) -> list:
+    if isinstance(value, (int, float)):
+        return [float(value)] * m
+    values = list(value)
+    if len(values) != m:
+        raise ValueError(f"{name}: a per-micro-batch entry needs {m} values, got {len(values)}")
+    return values
+
+
+def backward_waits(timeline: Timeline, stages: int, micro_batches: int) -> list:
+    """Per stage: seconds it sat idle before its backwards (waiting for the next stage's activation
+    gradient), summed over the micro-batches; the last stage never waits for one (0)."""
+    out = []
+    for p in range(stages):
+        if p == stages - 1:
+            out.append(0.0)
+            continue
+        previous_end, idle = 0.0, 0.0
+        for kind, i in one_f_one_b_order(p, stages, micro_batches):
+            start = (timeline.fwd_start if kind == "F" else timeline.bwd_start)[p][i]
+            if kind == "B":
+                idle += max(0.0, start - previous_end)
+            previous_end = (timeline.fwd_end if kind == "F" else timeline.bwd_end)[p][i]
+        out.append(idle)
+    return out
 
 
 def _plus(t, dt):

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from . import cost_model as cm
 from .hardware import ClusterSpec
+from .interstage import InterStage, compress_s, gradient_bytes, gradient_ranks, step_bytes, transfer_s
 from .presets import Preset
 from .shapes import StageParams, stage_params
 
@@ -60,12 +61,12 @@ def _span(ranks: Sequence[int], gpus_per_node: int) -> tuple:
 class IterationModel:
     """Precomputes per-stage costs of a (preset, cluster) pair; `iteration(ranks)` is then cheap."""
 
-    def __init__(self, preset: Preset, cluster: ClusterSpec):
+    def __init__(self, preset: Preset, cluster: ClusterSpec, interstage: InterStage = InterStage()):
         par, model = preset.parallel, preset.model
         if par.world_size > cluster.world_size:
             raise ValueError(f"preset {preset.name} needs {par.world_size} GPUs, cluster {cluster.name} "
                              f"has {cluster.world_size}")
-        self.preset, self.cluster = preset, cluster
+        self.preset, self.cluster, self.interstage = preset, cluster, interstage
         self.P, self.D, self.T, self.m = par.pp, par.dp, par.tp, par.micro_batches
         self.bytes = preset.bytes_per_value
         self.flops_per_s = cluster.device.flops_per_s(preset.precision)
@@ -120,13 +121,29 @@ class IterationModel:
             self.tp_bwd.append(tp_b)
         # Megatron's scatter-gather p2p: each TP rank sends 1/T of the activation, then an intra all-gather
         gather = cm.ring_reduce_scatter_time(T, act_bytes, self.intra)
-        self.p2p = [(self.inter if inter else self.intra).alpha_s
-                    + act_bytes / T / (self.inter if inter else self.intra).bytes_per_s + gather
-                    for inter in self.p2p_inter]
+        links = [self.inter if inter else self.intra for inter in self.p2p_inter]
+        self.p2p = [link.alpha_s + act_bytes / T / link.bytes_per_s + gather for link in links]
         self.t_fwd = [c + t for c, t in zip(self.compute_fwd, self.tp_fwd)]
         self.t_bwd = [c + t for c, t in zip(self.compute_bwd, self.tp_bwd)]
-        self.timeline = cm.one_f_one_b_timeline(self.t_fwd, self.t_bwd, self.m, self.p2p)
+        self._interstage(links, b * s, h)
+        self.timeline = cm.one_f_one_b_timeline(self.t_fwd, self.t_bwd_per_micro, self.m, self.p2p, self.p2p_bwd)
         self.optimizer_s = max(st.values for st in self.stages) * ADAM_BYTES_PER_PARAM / dev.mem_bytes_per_s
+
+    def _interstage(self, links: list, rows: int, cols: int) -> None:
+        """Backward p2p per boundary and micro-batch: raw gradients cost what an activation does (scatter-
+        gather); compressed ones each TP rank's factors (wire_bytes) plus compress + decompress on the
+        sender's backward (edgc_sim.interstage)."""
+        mode, dev = self.interstage.mode, self.cluster.device
+        self.gradient_ranks = gradient_ranks(mode, self.interstage.rank, self.m, self.P, rows, cols)
+        self.p2p_bwd = [[raw if not r else transfer_s(gradient_bytes(r, rows, cols, self.bytes), link)
+                         for r in self.gradient_ranks] for raw, link in zip(self.p2p, links)]
+        extra = [compress_s(r, rows, cols, self.flops_per_s, dev.mem_bytes_per_s, dev.launch_s, self.bytes,
+                            dev.skinny_rates()) for r in self.gradient_ranks]
+        self.interstage_compress_s = sum(extra)  # per sending stage and iteration
+        self.t_bwd_per_micro = [[t + (e if p > 0 else 0.0) for e in extra] for p, t in enumerate(self.t_bwd)]
+        # per TP rank of one replica, as `edgc train` logs interstage_bytes_sent / _raw
+        self.interstage_bytes = step_bytes(mode, [self.interstage.rank] * self.P, self.m, self.P, rows, cols,
+                                           self.bytes)
 
     # -- DP sync ---------------------------------------------------------------------------------
     def sync_cost(self, stage: int, rank: Optional[int]) -> SyncCost:

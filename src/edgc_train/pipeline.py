@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgc
-from edgc.interstage import InterStageCompressor, interstage_rank, recv_gradient, send_gradient
+from edgc.interstage import InterStageCompressor, compresses, interstage_rank, recv_gradient, send_gradient
 from edgc.pipeline import StageAligner
+from edgc.timing import Clock
 
 from .compressors import METRIC_KEYS, Compressor
 from .rendezvous import dist_timeout
@@ -325,6 +326,14 @@ class PipelineStep:
         self.interstage_rank: int | None = None  # the rank of this step's compressed gradients
         self._sends: list = []
         self._bytes = [0, 0]  # activation-gradient bytes sent, raw, this step
+        # Stamps of this step's spans, turned into seconds once at its end (no host sync per
+        # micro-batch on CUDA): "interstage" = each activation-gradient exchange (sender: compress
+        # and issue the send; receiver: blocked in the receive, which includes waiting for the
+        # next stage's backward, and decompress), "forward" = each micro-batch's forward compute; with
+        # --interstage on, also the parts "interstage_wire" (receiver: the payload's transfer, from its
+        # header's arrival) and "interstage_compress" (sender: compress; receiver: decompress).
+        self.clock = Clock(device)
+        self._spans: dict[str, list] = {key: [] for key in SPANS}
 
     # ------------------------------------------------------------------ point to point
     def _prev(self) -> int:
@@ -349,29 +358,38 @@ class PipelineStep:
 
     def _compresses(self, index: int) -> bool:
         """Whether micro-batch ``index``'s activation gradient goes out compressed."""
-        if self.mode == "all":
-            return True
-        # cool-down: the last P − 1 backwards, run after stage 0's last forward, when nothing is
-        # left to overlap the transfer with (the pipeline's critical path)
-        return self.mode == "cooldown" and index >= self.micro - (self.grid.stages - 1)
+        return compresses(self.mode, index, self.micro, self.grid.stages)
 
     def _send_gradient(self, index: int, grad: torch.Tensor) -> None:
+        start = self.clock.stamp()
         raw = grad.numel() * grad.element_size()
         if self.compressor.interstage is None:
             self._send(grad, self._prev(), tag=1)
             self._bytes[0] += raw
             self._bytes[1] += raw
-            return
-        rank = self.interstage_rank if self._compresses(index) else None
-        packet = self.compressor.interstage.compress(index, grad, rank)
-        self._sends.extend(send_gradient(packet, self._prev(), tag=1))
-        self._bytes[0] += packet.nbytes
-        self._bytes[1] += raw
+        else:
+            rank = self.interstage_rank if self._compresses(index) else None
+            packet = self.compressor.interstage.compress(index, grad, rank)
+            self._spans["interstage_compress"].append((start, self.clock.stamp()))
+            self._sends.extend(send_gradient(packet, self._prev(), tag=1))
+            self._bytes[0] += packet.nbytes
+            self._bytes[1] += raw
+        self._spans["interstage"].append((start, self.clock.stamp()))
 
     def _recv_gradient(self) -> torch.Tensor:
+        start = self.clock.stamp()
         if self.mode == "off":
-            return self._recv(self._next(), tag=1)
-        return recv_gradient(self.activation_shape, self._next(), device=self.device, tag=1)
+            grad = self._recv(self._next(), tag=1)
+            self._spans["interstage"].append((start, self.clock.stamp()))
+            return grad
+        marks: list = []  # header arrived, payload arrived
+        grad = recv_gradient(self.activation_shape, self._next(), device=self.device, tag=1,
+                             mark=lambda: marks.append(self.clock.stamp()))
+        end = self.clock.stamp()
+        self._spans["interstage_wire"].append((marks[0], marks[1]))
+        self._spans["interstage_compress"].append((marks[1], end))
+        self._spans["interstage"].append((start, end))
+        return grad
 
     # ------------------------------------------------------------------ the schedule
     def _choose_interstage_rank(self) -> int | None:
@@ -391,13 +409,16 @@ class PipelineStep:
             inputs = self._recv(self._prev(), tag=0)
             if train:
                 inputs.requires_grad_(True)
+        start = self.clock.stamp() if train else None
         output = self.module(inputs)
         if self.grid.last:
             target = y[index * self.cfg.micro_batch:(index + 1) * self.cfg.micro_batch]
             loss = next_token_loss(output, target)
             losses.append(loss.detach())
             output = loss / self.micro  # gradients are the mean over micro-batches
-        else:
+        if train:
+            self._spans["forward"].append((start, self.clock.stamp()))
+        if not self.grid.last:
             self._send(output, self._next(), tag=0)
         return inputs, output
 
@@ -434,11 +455,19 @@ class PipelineStep:
         timing = {}
         self.interstage_rank = self._choose_interstage_rank()
         self._bytes = [0, 0]
+        self._spans = {key: [] for key in SPANS}
         if self.compressor.interstage is not None:
             self.compressor.interstage.take_bytes()
+        start = self.clock.stamp()
         loss = self._mean(self._run_train(x, y))
+        end = self.clock.stamp()
         timing["backward_end"] = time.monotonic()
-        timing["sync_s"] = self.compressor.synchronize(self.timer.take())
+        backward_times = self.timer.take()
+        timing["pipeline_s"] = self.clock.seconds(start, end)
+        timing["backward_s"] = sum(backward_times)
+        for key, spans in self._spans.items():
+            timing[f"{key}_s"] = sum(self.clock.seconds(a, b) for a, b in spans)
+        timing["sync_s"] = self.compressor.synchronize(backward_times)
         timing["sync_end"] = time.monotonic()
         timing["interstage_bytes_sent"], timing["interstage_bytes_raw"] = self._bytes
         self._sum_tied_gradients()
@@ -484,9 +513,11 @@ class PipelineStep:
 
 
 # ---------------------------------------------------------------------------- per-stage metrics
+SPANS = ("interstage", "interstage_wire", "interstage_compress", "forward")  # PipelineStep._spans, logged as <key>_s
 STAGE_FIELDS = ("rank", "sync_s", "backward_end", "sync_end", "t_b_s", "predicted_s", "budget_s",
                 "bytes_sent", "bytes_raw", "elements_sent", "elements_raw", "interstage_rank",
-                "interstage_bytes_sent", "interstage_bytes_raw")
+                "interstage_bytes_sent", "interstage_bytes_raw", "interstage_s", "interstage_wire_s",
+                "interstage_compress_s", "forward_s", "backward_s", "pipeline_s")
 
 
 def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
@@ -499,7 +530,9 @@ def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
             plan[grid.stage].predicted if plan else None, plan[grid.stage].budget if plan else None,
             (m.get("bytes_sent") or 0) + compressor.replicated_bytes, (m.get("bytes_raw") or 0) + compressor.replicated_bytes,
             m.get("elements_sent"), m.get("elements_raw"),
-            step.interstage_rank, timing["interstage_bytes_sent"], timing["interstage_bytes_raw"]]
+            step.interstage_rank, timing["interstage_bytes_sent"], timing["interstage_bytes_raw"],
+            timing["interstage_s"], timing["interstage_wire_s"], timing["interstage_compress_s"], timing["forward_s"],
+            timing["backward_s"], timing["pipeline_s"]]
     row = torch.tensor([math.nan if v is None else float(v) for v in mine], dtype=torch.float64, device=step.device)
     rows = [torch.empty_like(row) for _ in range(grid.world)]
     dist.all_gather(rows, row)
@@ -529,6 +562,11 @@ def stage_metrics(step: PipelineStep, timing: dict) -> list[dict]:
             **{k: int(values[k]) if not math.isnan(values[k]) else 0
                for k in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw",
                          "interstage_bytes_sent", "interstage_bytes_raw")},
+            # seconds this step (edgc.timing.Clock): activation-gradient exchanges and, with --interstage
+            # on, their payload transfers and compress/decompress (PipelineStep._spans), forward and
+            # backward compute summed over the micro-batches, the whole schedule
+            **{k: values[k] for k in ("interstage_s", "interstage_wire_s", "interstage_compress_s", "forward_s",
+                                      "backward_s", "pipeline_s")},
         })
     return out
 
@@ -574,7 +612,8 @@ class PipelineRunner:
         stages = stage_metrics(self.step, timing)
         totals = {k: sum(s[k] for s in stages) for k in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw",
                                                           "interstage_bytes_sent", "interstage_bytes_raw")}
-        return loss, {"stages": stages, **totals}  # bytes of the whole pipeline (replica 0)
+        # bytes of the whole pipeline (replica 0); inter-stage seconds summed over its stages
+        return loss, {"stages": stages, **totals, "interstage_time_s": sum(s["interstage_s"] for s in stages)}
 
     def mean_loss(self, local: float | None) -> float:
         """Mean over replicas of the last stage's mean micro-batch loss."""

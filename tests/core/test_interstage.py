@@ -68,7 +68,10 @@ def _roundtrip(rank, world, ranks):
         for work, *_ in works:
             work.wait()
         return [decompress(compressor.compress(slot, grads[slot], r)) * 0 for slot, r in enumerate(ranks)]
-    return [recv_gradient((2, 8, 16), 1, tag=1) for _ in ranks]
+    marks: list = []
+    received = [recv_gradient((2, 8, 16), 1, tag=1, mark=lambda: marks.append(len(marks))) for _ in ranks]
+    assert len(marks) == 2 * len(ranks)  # the timing hook: once after each header, once after each payload
+    return received
 
 
 def test_point_to_point_roundtrip_over_gloo():

@@ -122,5 +122,13 @@ def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formul
         assert r["stages"][1]["interstage_rank"] == 2
         assert r["interstage_bytes_sent"] == sum(wire_bytes(m, n, k) for k in ranks)
         assert r["interstage_bytes_raw"] == 2 * 4 * m * n
+        for stage in r["stages"]:  # the timed spans are disjoint parts of the stage's schedule
+            assert 0 < stage["interstage_s"] and 0 < stage["forward_s"] and 0 < stage["backward_s"]
+            assert stage["interstage_s"] + stage["forward_s"] + stage["backward_s"] <= stage["pipeline_s"] + 1e-6
+            # its parts: payload transfers (receiver) and compress/decompress, inside the exchanges
+            assert 0 <= stage["interstage_wire_s"] and 0 < stage["interstage_compress_s"]
+            assert stage["interstage_wire_s"] + stage["interstage_compress_s"] <= stage["interstage_s"] + 1e-6
+        assert r["stages"][0]["interstage_wire_s"] > 0 and r["stages"][1]["interstage_wire_s"] == 0  # stage 0 receives
+        assert r["interstage_time_s"] == pytest.approx(sum(s["interstage_s"] for s in r["stages"]))
     losses = [r["loss"] for r in train]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1
