@@ -54,6 +54,17 @@ class Run:
         return str(self.config.get("compressor", "?"))
 
     @property
+    def comm_measured(self) -> bool:
+        """False for native DDP / HSDP (``none`` without a pipeline): their all-reduce runs inside
+        DDP or FSDP, overlapped with backward, with no time of its own to log."""
+        return not (self.compressor == "none" and int(self.config.get("pp") or 1) == 1)
+
+    def comm_wait(self, record: dict) -> float:
+        """Seconds the step waited on its gradient collectives (what overlap did not hide)."""
+        waited = record.get("comm_wait_s")
+        return record["comm_time_s"] if waited is None else waited
+
+    @property
     def compressed_steps(self) -> list[dict]:
         return [r for r in self.train if r.get("rank") is not None]
 
@@ -207,7 +218,7 @@ def run_stats(run: Run) -> dict[str, Any]:
         "val_ppl": last_eval["val_ppl"] if last_eval else None,
         "val_step": last_eval["step"] if last_eval else None,
         "median_step_s": _median([r["step_time_s"] for r in core]),
-        "median_comm_s": _median([r["comm_time_s"] for r in core]),
+        "median_comm_s": _median([run.comm_wait(r) for r in core]) if run.comm_measured else None,
         "median_compress_s": _median([r.get("compress_time_s") for r in core]),
         "median_compute_s": _median([r.get("compute_time_s") for r in core]),
         "median_tokens_per_s": _median([r.get("tokens_per_s") for r in core]),
@@ -508,26 +519,32 @@ def plot_all(runs: list[Run], out: Path) -> list[Path]:
     n = max(len(r.train) for r in runs)
     k = max(3, _smooth_window(n))
     fig.suptitle("Time in gradient communication", fontsize=13, fontweight="bold")
-    fig.text(0.5, 0.915, f"rank 0's wall time inside the data-parallel gradient collectives, {procs}, "
-             "including any wait for a slower rank\n"
-             f"faint = every step, bold = median over {k} neighbouring steps", ha="center", va="top", fontsize=9,
+    fig.text(0.5, 0.915, f"time rank 0's step waited on the data-parallel gradient collectives, {procs} "
+             "(what overlap with backward did not hide), including any wait for a slower rank\n"
+             f"faint = every step, bold = median over {k} neighbouring steps; native DDP/HSDP: "
+             "not separable (overlapped inside DDP/FSDP), not drawn", ha="center", va="top", fontsize=9,
              color="#444444")
-    for run in runs:
+    measured = [run for run in runs if run.comm_measured]
+    for run in measured:
         xs = [r["step"] for r in run.train]
-        ys = [r["comm_time_s"] * 1000 for r in run.train]
+        ys = [run.comm_wait(r) * 1000 for r in run.train]
         c = colors[run.label]
         ax.plot(xs, ys, color=c, alpha=0.25, lw=0.8)
         ax.plot(xs, _rolling(ys, k, statistics.median), color=c, lw=2,
                 label=f"{run.label}: median {_fmt_ms(run.stats['median_comm_s'])} ms")
     _mark_warmup(ax, runs, colors)
     # Linear scale; a few stalls (another process took the core) must not squash the rest.
-    raw = sorted(r["comm_time_s"] * 1000 for run in runs for r in run.train)
+    raw = sorted(run.comm_wait(r) * 1000 for run in measured for r in run.train) or [1.0]
     ax.set_ylim(0, raw[min(len(raw) - 1, int(0.98 * len(raw)))] * 1.15 or 1)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("communication time per step (ms)")
+    ax.set_ylabel("wait on communication per step (ms)")
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if measured:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "native DDP/HSDP only: no separate communication time", ha="center",
+                transform=ax.transAxes, color="#666666")
     # right: median step broken into compute / compression / communication
     labels = [r.label for r in runs]
     parts = [("compute (fwd, bwd, optimizer)", "median_compute_s", "#9ecae1"),
@@ -603,7 +620,7 @@ def plot_stages(plt, runs: list[Run], out: Path) -> Path:
 # ------------------------------------------------------------------------------------------ markdown
 def summary_table(runs: list[Run]) -> str:
     base = baseline(runs)
-    head = ["run", "steps", "train time", "final val loss", "val PPL", "median step (ms)", "median comm (ms)",
+    head = ["run", "steps", "train time", "final val loss", "val PPL", "median step (ms)", "median comm wait (ms)",
             "median compress (ms)", "MB sent/step", "ranks used"]
     if base is not None:
         head += ["bytes/step vs uncompressed", "comm vs uncompressed", "step time vs uncompressed",
