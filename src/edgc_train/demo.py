@@ -134,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
         result = build_report([out / "none", out / "edgc"], report_dir)
     except ReportError as exc:
         raise CLIError(str(exc)) from None
-    print("\n".join(headline(result, time.perf_counter() - start)))
+    lines = headline(result, time.perf_counter() - start)
+    print("\n".join(lines))
+    (out / "headline.txt").write_text("\n".join(lines).strip() + "\n")  # what docs/report.md quotes
     return 0
 
 

@@ -434,7 +434,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             summary = write_summary(run_dir)
             log(f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, val_loss {summary['val_loss']:.4f} "
                 f"(ppl {summary['val_ppl']:.1f}), median step {summary['median_step_time_s']:.3f} s, "
-                f"comm {summary['median_comm_time_s']:.4f} s; run folder {run_dir}")
+                f"waited on comm {summary['median_comm_wait_s']:.4f} s; run folder {run_dir}")
         barrier_before_exit()
         return 0
     finally:
@@ -504,6 +504,8 @@ def write_summary(run_dir: Path) -> dict:
         "final_loss": train_lines[-1]["loss"], "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
         "median_step_time_s": statistics.median(r["step_time_s"] for r in train_lines),
         "median_comm_time_s": statistics.median(r["comm_time_s"] for r in train_lines),
+        # the part of the step spent waiting on collectives (comm_time_s sums overlapping spans)
+        "median_comm_wait_s": statistics.median(r.get("comm_wait_s", r["comm_time_s"]) for r in train_lines),
         "median_compress_time_s": statistics.median(r["compress_time_s"] for r in train_lines),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_lines),
         "bytes_sent": sum(r["bytes_sent"] for r in train_lines), "bytes_raw": sum(r["bytes_raw"] for r in train_lines),
