@@ -26,13 +26,8 @@ def test_fsdp_refuses_methods_the_fsdp_hook_cannot_run():
         parse("--fsdp", "--methods", "none,topk")
 
 
-def test_readme_sync_puts_an_hsdp_table_in_its_own_place(tmp_path):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_to_readme.py"
-    spec = importlib.util.spec_from_file_location("bench_to_readme", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_readme_sync_puts_an_hsdp_table_in_its_own_place(tmp_path, load_script):
+    module = load_script("bench_to_readme")
     readme = tmp_path / "README.md"
     readme.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
     bench = tmp_path / "bench.md"

@@ -86,14 +86,8 @@ def test_not_root_is_a_clear_error(monkeypatch):
     assert main(["bench", "--steps", "2"]) == 2
 
 
-def test_readme_sync_copies_the_bench_section(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_to_readme.py"
-    spec = importlib.util.spec_from_file_location("bench_to_readme", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_readme_sync_copies_the_bench_section(tmp_path, load_script):
+    module = load_script("bench_to_readme")
     bench = tmp_path / "bench.md"
     bench.write_text("# x\n<!-- bench:start -->\n| a |\n<!-- bench:end -->\nrest\n")
     readme = tmp_path / "README.md"

@@ -262,14 +262,8 @@ def test_cli_calibrate_bench(tmp_path, capsys):
     assert "nominal 920 Mbit/s" in capsys.readouterr().out
 
 
-def test_docs_script_regenerates_docs_and_readme(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "scripts" / "calibration_to_docs.py"
-    spec = importlib.util.spec_from_file_location("calibration_to_docs", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_docs_script_regenerates_docs_and_readme(tmp_path, capsys, load_script):
+    module = load_script("calibration_to_docs")
     bench = write_bench(tmp_path)
     (bench / "runs" / "powersgd").rename(bench / "runs" / "powersgd-rmax")
     profile = tmp_path / "host.json"

@@ -90,10 +90,7 @@ def test_cli_calibrate_reads_a_tp_pp_bench_folder(tmp_path, capsys):
     assert "| none | cooldown | -/4 | 10 |" in out and "| yes |" in out
 
 
-def test_docs_script_fills_the_doc_section_and_the_readme(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
+def test_docs_script_fills_the_doc_section_and_the_readme(tmp_path, load_script):
     bench, _ = write_bench(tmp_path)
     (bench / "bench.md").write_text("# edgc bench\n\n<!-- bench:start -->\n`edgc bench --tp 2 --pp 2` — 2 hosts × TP2 × "
                                     "PP2 …\n\n| method | … |\n<!-- bench:end -->\n")
@@ -102,10 +99,7 @@ def test_docs_script_fills_the_doc_section_and_the_readme(tmp_path):
     docs, readme = tmp_path / "simulate.md", tmp_path / "README.md"
     docs.write_text("intro\n<!-- interstage-calibration:start -->\nSTALE\n<!-- interstage-calibration:end -->\nafter\n")
     readme.write_text("top\n<!-- bench-tp-table:start -->\nSTALE\n<!-- bench-tp-table:end -->\n")
-    path = Path(__file__).resolve().parents[2] / "scripts" / "interstage_calibration_to_docs.py"
-    spec = importlib.util.spec_from_file_location("interstage_calibration_to_docs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("interstage_calibration_to_docs")
     assert module.main([str(bench), "--host-profile", str(profile), "--docs", str(docs), "--readme", str(readme)]) == 0
     doc = docs.read_text()
     assert "STALE" not in doc and doc.startswith("intro\n") and doc.endswith("after\n")
