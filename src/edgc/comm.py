@@ -27,7 +27,7 @@ from typing import Any, Generator
 import torch
 import torch.distributed as dist
 
-from .timing import Clock, Stamp
+from .timing import Clock
 from .timing import synchronize as synchronize  # re-exported: older imports use edgc.comm.synchronize
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,14 @@ def run_edgc(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """`edgc ...` in a subprocess, 1 thread per process, killed after ``timeout`` seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([*EDGC, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def cut_back(run_dir: Path, copy: Path, latest_step: int) -> Path:
+    """``copy`` = ``run_dir`` without its ``latest_step`` checkpoint and summary: an interrupted run to resume."""
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / f"step_{latest_step:06d}")
+    (copy / "summary.json").unlink()
+    return copy
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -18,7 +18,7 @@ import pytest
 from edgc_cli.main import main
 from edgc_train.data import DataError, _pre_tokens_reach, check_split_sizes, load_corpus, prepare_data, split_corpus
 
-from .conftest import FAST, train_losses
+from .conftest import FAST, cut_back, train_losses
 
 
 def _tree_digest(path):
@@ -218,9 +218,7 @@ def test_existing_run_is_never_overwritten(capsys, small_run):
 
 def test_corrupt_or_mismatched_checkpoint_is_refused(capsys, small_run, tmp_path):
     run = tmp_path / "copy"
-    shutil.copytree(small_run, run)
-    shutil.rmtree(run / "checkpoints" / "step_000004")  # latest is now step 2: resumable
-    (run / "summary.json").unlink()
+    cut_back(small_run, run, 4)  # latest is now step 2: resumable
     target = run / "checkpoints" / "step_000002" / "optimizer.pt"
     data = bytearray(target.read_bytes())
     data[100] ^= 0x01

@@ -7,11 +7,10 @@ B: A's folder cut back to its step-6 checkpoint, then `--resume`d: B's losses at
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from .conftest import FAST, read_metrics, run_edgc, train_losses
+from .conftest import FAST, cut_back, read_metrics, run_edgc, train_losses
 
 FSDP_JOB = ["--fsdp", "--fsdp-shard", "2", "--steps", "12", "--eval-every", "6", "--ckpt-every", "6",
             "--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "warmup_error_test=false",
@@ -23,10 +22,7 @@ def runs(tmp_path_factory, cache_dir):
     a = tmp_path_factory.mktemp("fsdp") / "a"
     proc = run_edgc("train", "--out", str(a), "--nproc", "4", *FSDP_JOB, "--cache-dir", str(cache_dir), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    b = a.parent / "b"
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "step_000012")
-    (b / "summary.json").unlink()
+    b = cut_back(a, a.parent / "b", 12)
     proc = run_edgc("train", "--resume", str(b), "--nproc", "4", "--no-progress", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return a, b

@@ -9,11 +9,10 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
 """
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
-from .conftest import FAST, read_metrics, run_edgc, run_parallel_and_solo, train_losses
+from .conftest import FAST, cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses
 
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
 EDGC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
@@ -37,9 +36,7 @@ def dac_runs(tmp_path_factory, cache_dir):
     proc = run_edgc("train", "--out", str(a), "--nproc", "4", "--pp", "2", "--steps", "12", "--ckpt-every", "6",
                     "--eval-every", "0", "--cache-dir", str(cache_dir), *EDGC_DAC, *SMALL, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "step_000012")
-    (b / "summary.json").unlink()
+    cut_back(a, b, 12)
     proc = run_edgc("train", "--resume", str(b), "--nproc", "4", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return a, b

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 
-from .conftest import read_metrics, run_edgc, train_losses
+from .conftest import cut_back, read_metrics, run_edgc, train_losses
 
 TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_time_s", "comm_time_s", "comm_wait_s",
               "compress_time_s", "collectives", "tokens_per_s", "phase", "rank", "ranks", "entropy", "elements_sent",
@@ -26,9 +25,7 @@ TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_ti
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reference_run):
     a, b = reference_run, tmp_path_factory.mktemp("runs") / "b"
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "step_000020")
-    (b / "summary.json").unlink()
+    cut_back(a, b, 20)
     # A crashed save of step 20 left its temp folder: not a checkpoint, and cleared when step 20 is saved.
     (b / "checkpoints" / ".step_000020.tmp").mkdir()
     (b / "checkpoints" / ".step_000020.tmp" / "model.pt").write_bytes(b"partial")
