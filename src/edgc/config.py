@@ -15,6 +15,8 @@ RANK_MAPPINGS = ("delta", "cqm", "error-band")
 ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
 ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
+BUDGET_SIGNALS = ("schedule", "gradnorm", "entropy", "error")  # edgc.budget.SIGNALS
+RANK_CHANGES = ("warm", "truncate")
 
 
 @dataclass(kw_only=True)
@@ -106,6 +108,22 @@ class EDGCConfig:
     error_band: tuple[float, float] = (0.05, 0.15)
     """'error-band' mapping: keep the window mean of ‖M−Ĝ‖²/‖M‖² (relative, unitless) in [low, high]; 0 ≤ low < high ≤ 1."""
 
+    # --- the byte budget (issue 23) ---
+    rank_budget: float | None = None
+    """Byte budget as the mean rank over the compressed steps, spent early by the budget controller (needs total_steps); None = the paper's rank rules (rank_mapping). r_min ≤ budget ≤ r_max."""
+
+    budget_signal: str = "schedule"
+    """What tells the budget controller the early regime lasts: 'schedule' (fixed front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
+
+    front_load: float = 2.0
+    """Budget controller: rank = even spending rate × (1 + (front_load − 1)·need), need ∈ [0, 1] from the signal. ≥ 1 (1 = spend evenly)."""
+
+    rank_schedule: tuple[tuple[int, int], ...] | None = None
+    """Hand-set ranks: ((step, rank), …), the rank in force from each optimizer step on once compressing; overrides every controller. 1 ≤ rank ≤ r_max."""
+
+    rank_change: str = "warm"
+    """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first columns, random new ones)."""
+
     def __post_init__(self) -> None:
         def fail(name: str, requirement: str) -> None:
             raise ValueError(f"EDGCConfig.{name} {requirement}, got {getattr(self, name)!r}")
@@ -162,6 +180,33 @@ class EDGCConfig:
             fail("error_feedback_dtype", f"must be one of {ERROR_FEEDBACK_DTYPES}")
         if self.communication_dtype not in COMM_DTYPES:
             fail("communication_dtype", f"must be one of {COMM_DTYPES}")
+        if self.budget_signal not in BUDGET_SIGNALS:
+            fail("budget_signal", f"must be one of {BUDGET_SIGNALS}")
+        if self.rank_change not in RANK_CHANGES:
+            fail("rank_change", f"must be one of {RANK_CHANGES}")
+        check_positive_float("front_load", allow_zero=False)
+        if self.front_load < 1:
+            fail("front_load", "must be ≥ 1 (1 = spend the budget evenly)")
+        if self.rank_budget is not None:
+            check_positive_float("rank_budget", allow_zero=False)
+            if self.total_steps is None:
+                fail("rank_budget", "needs total_steps (the budget is a mean over the run's compressed steps)")
+            if self.rank_budget < 1 or (self.r_max is not None and self.rank_budget > self.r_max):
+                fail("rank_budget", f"must be in [max(1, r_min), r_max = {self.r_max}]")
+            if self.r_min is not None and self.rank_budget < self.r_min:
+                fail("rank_budget", f"must be ≥ r_min = {self.r_min}")
+        if self.rank_schedule is not None:
+            entries = self.rank_schedule
+            ok = isinstance(entries, (tuple, list)) and len(entries) > 0 and all(
+                isinstance(e, (tuple, list)) and len(e) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in e) for e in entries)
+            ok = ok and all(step >= 0 and rank >= 1 for step, rank in entries)
+            ok = ok and all(a[0] < b[0] for a, b in zip(entries, entries[1:]))
+            if not ok:
+                fail("rank_schedule", "must be ((step, rank), …) with increasing steps ≥ 0 and ranks ≥ 1")
+            self.rank_schedule = tuple((int(a), int(b)) for a, b in entries)
+            if self.r_max is not None and max(r for _, r in self.rank_schedule) > self.r_max:
+                fail("rank_schedule", f"ranks must be ≤ r_max = {self.r_max}")
         if self.r_min is not None:
             if self.r_max is None:
                 fail("r_min", "needs r_max to be set (with a profiled r_max, r_min = r_max // 4)")
@@ -209,7 +254,10 @@ class EDGCConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (tuples as lists), so a dict survives config.json unchanged."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        def plain(value: Any) -> Any:
+            return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+        return {k: plain(v) for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
@@ -234,7 +282,8 @@ def field_docs() -> list[tuple[str, Any, str]]:
     return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(EDGCConfig)]
 
 
-__all__ = ["EDGCConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS"]
+__all__ = ["EDGCConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS",
+           "BUDGET_SIGNALS", "RANK_CHANGES"]
 
 
 def config_table_markdown() -> str:

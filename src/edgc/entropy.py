@@ -79,6 +79,7 @@ class EntropySampler:
         self.bins = config.entropy_bins
         self.estimator = config.resolved_entropy_estimator
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
+        self.norm_history: list[tuple[int, float]] = []  # (step, ln of the sample's RMS): the gradnorm signal
         self.nonfinite_total = 0
         self.calls = 0
         self.seconds_total = 0.0  # measured cost of sampling + estimation, all calls
@@ -119,6 +120,10 @@ class EntropySampler:
         self.last_seconds = self._elapsed
         self.seconds_total += self._elapsed
         self.nonfinite_total += self._nonfinite
+        if sample.numel():
+            rms = float(sample.square().mean().sqrt())
+            if rms > 0 and math.isfinite(rms):
+                self.norm_history.append((self._step, math.log(rms)))
         if value is not None and math.isfinite(value):
             self.history.append((self._step, value))
         else:
@@ -136,6 +141,7 @@ class EntropySampler:
     def state_dict(self) -> dict:
         return {
             "history": list(self.history),
+            "norm_history": list(self.norm_history),
             "nonfinite_total": self.nonfinite_total,
             "calls": self.calls,
             "seconds_total": self.seconds_total,
@@ -143,6 +149,7 @@ class EntropySampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.history = [(int(s), float(v)) for s, v in state["history"]]
+        self.norm_history = [(int(s), float(v)) for s, v in state.get("norm_history", [])]
         self.nonfinite_total = int(state["nonfinite_total"])
         self.calls = int(state["calls"])
         self.seconds_total = float(state["seconds_total"])

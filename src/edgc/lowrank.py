@@ -15,10 +15,16 @@ so that Ĝ + mean(e) = mean(M) exactly: nothing is lost, only delayed. Matrices 
 sent raw in one buffer. Same-shape matrices are batched (bmm), and all P's (and all Q's) of a
 call live in one contiguous buffer, so a call issues exactly three all-reduces: raw, P, Q.
 
-Rank changes (see `resize_q`): error feedback is kept. Q is truncated to its first r columns
-when the rank falls, and extended with new columns drawn from a generator seeded by
-(seed, parameter name, old rank, new rank) when it rises — the same numbers on every rank, so
-replicas stay identical without any extra communication.
+Rank changes keep error feedback (the residual is still what was not sent) and, with
+``rank_change='warm'`` (`change_rank`, called before the first step at the new rank), keep the
+warm start of the power iteration: a falling rank keeps the directions of Q that carry the most
+energy (Q rotated to the eigenvectors of QᵀQ; since P is orthonormal, P·Qᵀ = (P·V)(Q·V)ᵀ and
+Q·V's column norms are the singular values of the last step's approximation), and a rising rank
+adds directions where the residuals are largest (one power iteration eᵀ·e·Ω, averaged over the
+group by one all-reduce so every replica appends the same columns), orthogonal to the kept
+ones. ``'truncate'`` (`resize_q` alone) keeps the first r columns and appends columns drawn from a
+generator seeded by (seed, parameter name, old rank, new rank): no communication, but the new
+directions are random and the kept ones are whichever came first.
 
 Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64).
 """
@@ -122,6 +128,7 @@ class LowRankCompressor:
         self.config = config
         self.q: dict[str, torch.Tensor] = {}  # name → (n, r) fp32, identical on every rank
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
+        self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self._reseed: dict[tuple[str, int], torch.Tensor] = {}  # replacement columns for all-zero Q columns
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
@@ -143,6 +150,64 @@ class LowRankCompressor:
             extra = torch.randn(n, rank - q.shape[1], generator=generator).to(device)
             q = torch.cat([q, extra], dim=1)
         return q
+
+    def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
+        """Give every stored Q the columns of ``rank`` while keeping the warm start (module docstring).
+
+        Called on every rank with the same ``rank`` at the same point (before the first step that
+        uses it); issues one blocking all-reduce when some Q grows and error feedback is on, none
+        otherwise. Returns (elements, bytes) that all-reduce sent ((0, 0) if none). With ``rank_change='truncate'`` it does
+        nothing: `resize_q` truncates or appends random columns inside the next step.
+        """
+        if self.config.rank_change != "warm":
+            return 0, 0
+        shrink, grow = [], []
+        for name in sorted(self.q):  # sorted: the same order (and buffer layout) on every rank
+            q, shape = self.q[name], self.shapes.get(name)
+            target = self.compressed_rank(shape, rank)
+            if shape is None or target == 0 or q.shape[1] == target:
+                continue
+            (shrink if target < q.shape[1] else grow).append((name, target))
+        for name, target in shrink:
+            self.q[name] = self._principal_columns(self.q[name], target)
+        return self._grow_along_residual(grow, comm) if grow else (0, 0)
+
+    @staticmethod
+    def _principal_columns(q: torch.Tensor, rank: int) -> torch.Tensor:
+        """Q·V[:, :rank] for the eigenvectors V of QᵀQ, largest eigenvalue first."""
+        gram = (q.T @ q).double()
+        _, vectors = torch.linalg.eigh(gram)  # ascending
+        top = vectors.flip(-1)[:, :rank].to(q.dtype)
+        return q @ top
+
+    def _grow_along_residual(self, grow: list[tuple[str, int]], comm: Communicator) -> tuple[int, int]:
+        """Append, to each Q, the group's top residual directions orthogonal to its current columns."""
+        blocks = []
+        for name, target in grow:
+            q, (m, n) = self.q[name], self.shapes[name]
+            extra = target - q.shape[1]
+            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, q.shape[1], target))
+            omega = torch.randn(n, extra, generator=generator).to(q.device, q.dtype)
+            residual = self.error.get(name)
+            if residual is not None and residual.numel() == m * n:
+                e = residual.reshape(m, n).to(q.dtype)
+                omega = e.T @ (e @ omega)  # one power iteration on eᵀe
+            blocks.append(omega)
+        flat = torch.cat([b.reshape(-1) for b in blocks])
+        sent = flat.numel() if self.config.error_feedback else 0  # counted like every other call (world of 1 too)
+        if self.config.error_feedback:
+            comm.mean_async(flat).wait()  # the group's residual directions, identical on every rank
+        offset = 0
+        for (name, target), block in zip(grow, blocks):
+            columns = flat[offset : offset + block.numel()].view_as(block)
+            offset += block.numel()
+            q = self.q[name]
+            basis = orthogonalize_(q.clone().unsqueeze(0), self.config.orthogonalization_epsilon)[0]
+            columns = columns - basis @ (basis.T @ columns)  # only what Q does not already span
+            scale = q.norm(dim=0).min().clamp(min=self.config.orthogonalization_epsilon)
+            columns = columns / (columns.norm(dim=0, keepdim=True) + self.config.orthogonalization_epsilon) * scale
+            self.q[name] = torch.cat([q, columns], dim=1)
+        return sent, sent * flat.element_size()
 
     def _reseed_columns(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
         """Fixed columns (same on every rank) that replace Q columns that collapsed to zero.
@@ -192,7 +257,10 @@ class LowRankCompressor:
         groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
         raw: list[int] = []
         for i, (name, grad) in enumerate(zip(names, grads)):
-            r = self.compressed_rank(matrix_shape(grad), rank)
+            shape = matrix_shape(grad)
+            if shape is not None:
+                self.shapes[name] = shape
+            r = self.compressed_rank(shape, rank)
             stats.ranks[name] = r
             stats.elements_raw += grad.numel()
             if r:
@@ -369,11 +437,13 @@ class LowRankCompressor:
         return {
             "q": {name: q.detach().cpu().clone() for name, q in self.q.items()},
             "error": {name: e.detach().cpu().clone() for name, e in self.error.items()},
+            "shapes": {name: list(shape) for name, shape in self.shapes.items()},  # for change_rank after a resume
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.q = dict(state["q"])
         self.error = dict(state["error"])
+        self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
 
     def to(self, device: torch.device) -> None:
         self.q = {name: q.to(device) for name, q in self.q.items()}

@@ -31,6 +31,11 @@ The noise gate (what makes a decision follow the entropy trend, not its sampling
 
 * ``off``      – profiling found no rank faster than uncompressed: compression never pays.
 
+Who picks the rank while compressing, in order: a hand-set ``rank_schedule`` (no decisions; the
+rank follows the step), the byte budget (``rank_budget``: `edgc.budget` plans the rest of the
+run at every window boundary, from the chosen ``budget_signal``), else the paper's rules
+(`edgc.rank_rules`, the ``paper`` mode) with the ``rank_mapping``.
+
 The controller only plans steps and turns *agreed* inputs into decisions. The state object
 (`edgc.state`) measures, agrees (all-reduce), lets group rank 0 ``propose`` and broadcasts the
 proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
@@ -41,89 +46,15 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import budget as budgeting
 from .config import EDGCConfig
 from .profiling import SyncTimeTable, profile_candidates
 from .rank_model import ErrorModel, cqm_target_rank
+from .rank_rules import confirmed_shift, delta_target, entropy_shift, limit_rank, window_means  # noqa: F401 (re-exported)
 
 PROFILE, WARMUP, COMPRESS, OFF = "profile", "warmup", "compress", "off"
 PHASES = (PROFILE, WARMUP, COMPRESS, OFF)
 PROFILE_START_STEP = 1  # step 0 carries one-off costs (allocation, DDP's bucket rebuild)
-
-
-# ---------------------------------------------------------------------------- rank mappings
-def limit_rank(target: float, previous: int, r_min: int, r_max: int, step_limit: int, granularity: int) -> int:
-    """Round ``target`` down to the granularity, then move from ``previous`` by at most ``step_limit``."""
-    target = min(max(target, r_min), r_max)
-    target = max(r_min, int(target // granularity * granularity))
-    move = max(-step_limit, min(step_limit, target - previous))
-    return int(min(max(previous + move, r_min), r_max))
-
-
-def window_means(entropies: Sequence[float], per_window: int) -> tuple[float, float] | None:
-    """Mean entropy of the previous and of the latest window, or None with < 2 windows of samples."""
-    if per_window < 1 or len(entropies) < 2 * per_window:
-        return None
-    previous = entropies[-2 * per_window : -per_window]
-    latest = entropies[-per_window:]
-    return sum(previous) / per_window, sum(latest) / per_window
-
-
-def entropy_shift(reference: Sequence[float], latest: Sequence[float], k: float) -> float | None:
-    """mean(latest) − mean(reference) when it exceeds ``k`` standard errors of that difference, else None.
-
-    SE² = s²_ref/n_ref + s²_latest/n_latest (sample variances). Each side needs ≥ 2 samples; with
-    fewer, or a shift inside the noise, the answer is None (= no evidence of a change).
-    """
-    if len(reference) < 2 or len(latest) < 2:
-        return None
-
-    def mean_and_sem2(values: Sequence[float]) -> tuple[float, float]:
-        mean = sum(values) / len(values)
-        variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-        return mean, variance / len(values)
-
-    ref_mean, ref_sem2 = mean_and_sem2(reference)
-    new_mean, new_sem2 = mean_and_sem2(latest)
-    shift = new_mean - ref_mean
-    noise = k * math.sqrt(ref_sem2 + new_sem2)
-    floor = 1e-9 * max(1.0, abs(ref_mean))  # rounding error is not a shift
-    return shift if abs(shift) > max(noise, floor) else None
-
-
-def confirmed_shift(samples: Sequence[float], per_window: int, k: float) -> float | None:
-    """The latest window's `entropy_shift` against all earlier ``samples``, if the window before it
-    already showed a significant shift of the same sign against the samples before *it*; else None.
-
-    Asking two consecutive windows turns a k-SE false alarm (likely somewhere in 50 windows of
-    10 samples) into a pair of them, and delays a real step by one window.
-    """
-    if per_window < 1 or len(samples) < 2 * per_window + 2:
-        return None
-    latest = entropy_shift(samples[:-per_window], samples[-per_window:], k)
-    before = entropy_shift(samples[: -2 * per_window], samples[-2 * per_window : -per_window], k)
-    if latest is None or before is None or (latest > 0) != (before > 0):
-        return None
-    return latest
-
-
-def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> float:
-    """The authors' linear map (paper §2.5) of the normalised windowed entropy change.
-
-    ρ = |Δ latest two windows| / |Δ first two windows of training|; target = r_min + (r_max − r_min)·ρ.
-    Fast-moving entropy (unstable regime) keeps the rank near r_max; a stable entropy lets it
-    decay to r_min. With fewer than two windows of history the target is r_max.
-    """
-    means = window_means(entropies, per_window)
-    if means is None:
-        return float(r_max)
-    change_now = abs(means[1] - means[0])
-    first = entropies[:per_window], entropies[per_window : 2 * per_window]
-    change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window)
-    if change_ref == 0:
-        ratio = 0.0 if change_now == 0 else 1.0
-    else:
-        ratio = min(change_now / change_ref, 1.0)
-    return round(r_min + (r_max - r_min) * ratio)
 
 
 def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
@@ -164,23 +95,28 @@ class Decision:
     rank: int | None
     error_test_step: int | None  # t_e
     error_at_start: float | None  # E_max
+    need: float | None = None  # budget mode: the signal's verdict in [0, 1] (1 = still early)
+    target: float | None = None  # budget mode: the unrounded rank the plan asked for
 
     def encode(self) -> list[float]:
         def number(value: float | None) -> float:
             return -1.0 if value is None else float(value)
 
         return [float(PHASES.index(self.phase)), number(self.r_max), number(self.r_min), number(self.rank),
-                number(self.error_test_step), number(self.error_at_start)]
+                number(self.error_test_step), number(self.error_at_start), number(self.need), number(self.target)]
 
     @classmethod
     def decode(cls, values: Sequence[float]) -> "Decision":
         def integer(value: float) -> int | None:
             return None if value < 0 else int(round(value))
 
-        return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
-                   integer(values[4]), None if values[5] < 0 else float(values[5]))
+        def real(value: float) -> float | None:
+            return None if value < 0 else float(value)
 
-    SIZE = 6
+        return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
+                   integer(values[4]), real(values[5]), real(values[6]), real(values[7]))
+
+    SIZE = 8
 
 
 @dataclass
@@ -216,10 +152,54 @@ class WindowController:
         self.error_test_step: int | None = None
         self._error_model: ErrorModel | None = None
         self._candidates = profile_candidates(config.profile_max_rank)
+        self.error_windows: list[tuple[int, float]] = []  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed
+        self.last_decision: Decision | None = None  # the latest decision applied while compressing
 
-    @staticmethod
-    def _default_r_min(r_max: int | None) -> int | None:
-        return None if r_max is None else max(1, r_max // 4)
+    def _default_r_min(self, r_max: int | None) -> int | None:
+        if r_max is None:
+            return None
+        # A budget bounds the bytes itself; its plan may go down to rank 1 late in the run.
+        return 1 if self.config.rank_budget is not None else max(1, r_max // 4)
+
+    # ------------------------------------------------------------------ the byte budget
+    def budget_state(self, step: int) -> dict | None:
+        """Budget mode: the budget, the compressed steps planned and done, and the mean rank so far."""
+        if self.config.rank_budget is None or not self.schedule or self.schedule[0][1] == 0:
+            return None
+        spent, done = budgeting.spent_rank_steps(self.schedule, step)
+        total = max(1, (self.config.total_steps or step) - self.schedule[0][0])
+        return {"budget": self.config.rank_budget, "total": total, "done": done, "spent": spent,
+                "mean_rank": spent / done if done else None}
+
+    def _budget_decision(self, next_step: int, need: float) -> tuple[int, float]:
+        """The rank (on the grid) and the unrounded target for the window starting at ``next_step``."""
+        assert self.r_min is not None and self.r_max is not None
+        state = self.budget_state(next_step)
+        assert state is not None
+        budget = min(max(self.config.rank_budget, self.r_min), self.r_max)  # a profiled r_max may sit below it
+        target = budgeting.budget_target(budget=budget, total=state["total"], done=state["done"],
+                                         spent=state["spent"], window=self.config.window, need=need,
+                                         front_load=self.config.front_load, r_min=self.r_min, r_max=self.r_max)
+        grid = budgeting.rank_grid(self.r_min, self.r_max, self.config.rank_granularity)
+        return budgeting.nearest_rank(target, grid), target
+
+    def budget_need(self, signals: dict[str, Sequence[tuple[int, float]]], next_step: int) -> float:
+        """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate)."""
+        name = self.config.budget_signal
+        if name == "schedule":
+            state = self.budget_state(next_step)
+            return 1.0 - state["done"] / state["total"] if state else 1.0
+        series = signals.get(name, [])
+        windows = budgeting.window_stats(series, self.config.window)
+        return budgeting.trend_need(windows, self.config.entropy_significance)
+
+    def _scheduled_rank(self, step: int) -> int | None:
+        """The hand-set rank in force at ``step`` (None before its first entry)."""
+        rank = None
+        for start, value in self.config.rank_schedule or ():
+            if start <= step:
+                rank = value
+        return None if rank is None else min(rank, self.r_max or rank)
 
     # ------------------------------------------------------------------ planning
     def _window_end(self, step: int) -> bool:
@@ -236,8 +216,16 @@ class WindowController:
         if self.follower:
             return self._plan_follower(step)
         if self.phase == WARMUP and self._warmup_over(step):
-            self.phase, self.rank = COMPRESS, self.r_max
+            self.phase = COMPRESS
             self.schedule.append((step, self.r_max))
+            if self.config.rank_budget is not None:  # the first window is early by definition
+                self.schedule[-1] = (step, self._budget_decision(step, need=1.0)[0])
+            self.rank = self.schedule[-1][1]
+        if self.phase == COMPRESS and self.config.rank_schedule is not None:
+            scheduled = self._scheduled_rank(step)
+            if scheduled is not None and scheduled != self.rank:
+                self.rank = scheduled
+                self.schedule.append((step, scheduled))
         if self.phase == PROFILE:
             return self._plan_profile(step)
         if self.phase == WARMUP:
@@ -249,7 +237,10 @@ class WindowController:
                     probe = self.r_min
             return StepPlan(step, WARMUP, None, probe_rank=probe, decision=probe is not None)
         if self.phase == COMPRESS:
-            decide = self.config.adaptive and self._window_end(step) and step > self.schedule[-1][0]
+            decide = (self.config.adaptive and self.config.rank_schedule is None and self._window_end(step)
+                      and step > self.schedule[-1][0])
+            if self.config.rank_budget is not None:  # nothing left to spend after the last planned step
+                decide = decide and step + 1 < (self.config.total_steps or 0)
             return StepPlan(step, COMPRESS, self.rank, decision=decide)
         return StepPlan(step, OFF, None)
 
@@ -293,11 +284,13 @@ class WindowController:
         return Decision(self.phase, self.r_max, self.r_min, self.rank, self.error_test_step, self.error_at_start)
 
     def propose(self, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
-                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None = None) -> Decision:
+                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None = None,
+                signals: dict[str, Sequence[tuple[int, float]]] | None = None) -> Decision:
         """Group rank 0's decision at a decision point. Reads state, changes nothing.
 
         ``sample_steps``: the step of each entropy sample; None = every sample counts as taken since
-        the rank last changed."""
+        the rank last changed. ``signals``: the budget signals' (step, value) series by name
+        ('entropy', 'gradnorm'; 'error' is kept by the controller itself)."""
         decision = self.current()
         if plan.phase == PROFILE:
             table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
@@ -318,6 +311,12 @@ class WindowController:
                     decision.error_at_start = agreed.probe_error
             elif agreed.probe_error <= self.error_at_start:
                 decision.error_test_step = plan.step + 1
+        elif plan.phase == COMPRESS and self.config.rank_budget is not None:
+            errors = list(self.error_windows)  # the error signal's series, as apply() will record it
+            if math.isfinite(agreed.relative_error):
+                errors.append((plan.step, agreed.relative_error))
+            decision.need = self.budget_need({**(signals or {}), "error": errors}, plan.step + 1)
+            decision.rank, decision.target = self._budget_decision(plan.step + 1, decision.need)
         elif plan.phase == COMPRESS:
             if self.config.rank_mapping == "error-band":
                 decision.rank = self.band_rank(agreed.relative_error)
@@ -405,9 +404,13 @@ class WindowController:
                 self.warmup_start = plan.step + 1
             if self.phase == OFF:
                 self.schedule.append((plan.step + 1, 0))
+        if plan.phase == COMPRESS and math.isfinite(agreed.relative_error):
+            self.error_windows.append((plan.step, agreed.relative_error))
         if self.phase == COMPRESS and decision.rank != self.rank:
             self.rank = decision.rank
             self.schedule.append((plan.step + 1, decision.rank))
+        if plan.phase == COMPRESS:
+            self.last_decision = decision
 
     # ------------------------------------------------------------------ saying what profiling found
     def profiling_verdict(self) -> dict | None:
@@ -436,6 +439,7 @@ class WindowController:
             "schedule": list(self.schedule), "table": self.table.state_dict(),
             "warmup_start": self.warmup_start, "error_at_start": self.error_at_start,
             "error_test_step": self.error_test_step,
+            "error_windows": list(self.error_windows),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -448,3 +452,4 @@ class WindowController:
         self.table.load_state_dict(state["table"])
         self.warmup_start = state["warmup_start"]
         self.error_at_start, self.error_test_step = state["error_at_start"], state["error_test_step"]
+        self.error_windows = [(int(s), float(v)) for s, v in state.get("error_windows", [])]

@@ -59,6 +59,7 @@ class EDGCState(GradientReducer):
         self._measure_error = False
         self._relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self._last_entropy: float | None = None
+        self._decision: dict | None = None  # the rank decision taken at the end of the last step, for people
 
     # ------------------------------------------------------------------ per step
     def _begin_step(self) -> None:
@@ -67,6 +68,15 @@ class EDGCState(GradientReducer):
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
         self.sampler.begin(self.step, enabled=sampled)
+        if self._plan.rank is not None:
+            # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
+            # before any bucket, on every rank alike (`LowRankCompressor.change_rank`).
+            before = dict(self.compressor.q)
+            elements, nbytes = self.compressor.change_rank(self._plan.rank, self.comm)
+            self._stats.elements_sent += elements
+            self._stats.bytes_sent += nbytes
+            # A non-finite step puts these back (`clear_nonfinite_error`), and the next step redoes the change.
+            self._stats.resized_q.update({name: q for name, q in before.items() if self.compressor.q[name] is not q})
         # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
         self._measure_error = self.sampler.due(self.step)
         self._probe: torch.Tensor | None = None  # (error², ‖M‖²) on the device, summed over buckets
@@ -121,6 +131,7 @@ class EDGCState(GradientReducer):
         probe = host[3:5] if self._probe is not None else None
         if plan.phase == "compress" and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
             self._relative_errors.append(host[1] / host[2])
+        self._decision = None
         if plan.decision:
             self._decide(plan, probe)
             if self.controller.phase != PROFILE:
@@ -144,16 +155,45 @@ class EDGCState(GradientReducer):
             shapes = [s for s in self._shapes.values() if self.compressor.compressed_rank(s, self.controller.r_max or 1)]
             history = self.sampler.history
             proposal = self.controller.propose(plan, agreed, [v for _, v in history], shapes,
-                                               sample_steps=[s for s, _ in history])
+                                               sample_steps=[s for s, _ in history],
+                                               signals={"entropy": history, "gradnorm": self.sampler.norm_history})
         else:
             proposal = self.controller.current()
         vector = self.comm.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
-        self.controller.apply(plan, agreed, Decision.decode(vector.tolist()))
+        decision = Decision.decode(vector.tolist())
+        self.controller.apply(plan, agreed, decision)
+        if plan.phase == "compress":
+            self._decision = self._describe(plan, decision)
         self._profile_seconds = [0.0, 0.0, 0]
         errors.clear()
 
+    def _describe(self, plan: StepPlan, decision: Decision) -> dict:
+        """A rank decision as a record: what was decided, from what signal, and why (for the log)."""
+        old, new = plan.rank, decision.rank
+        record = {"step": plan.step + 1, "old_rank": old, "rank": new, "need": decision.need,
+                  "target": decision.target, "signal": None, "budget": None, "mean_rank": None}
+        budget = self.controller.budget_state(plan.step + 1)
+        if budget is not None:
+            record.update(signal=self.config.budget_signal, budget=budget["budget"], mean_rank=budget["mean_rank"])
+            why = (f"budget mean rank {budget['budget']:g}, spent {budget['mean_rank']:.2f} over "
+                   f"{budget['done']}/{budget['total']} compressed steps; signal '{self.config.budget_signal}' "
+                   f"need {decision.need:.2f} → target {decision.target:.2f}")
+        else:
+            why = f"{self.config.rank_mapping} mapping, noise gate k = {self.config.entropy_significance:g}"
+            if self._last_entropy is not None:
+                why += f", entropy {self._last_entropy:.3f} nats"
+        verb = "keeps" if new == old else "moves"
+        record["message"] = f"step {plan.step + 1}: EDGC {verb} rank {old}" + ("" if new == old else f" → {new}") + f" ({why})"
+        return record
+
+    @property
+    def last_decision(self) -> dict | None:
+        """The rank decision taken at the end of the last step (None if that step took none)."""
+        return self._decision
+
     def _step_metrics(self) -> dict:
         plan = self._plan
+        budget = self.controller.budget_state(self.step + 1)
         return {
             "phase": plan.phase,
             "rank": plan.rank,
@@ -161,6 +201,9 @@ class EDGCState(GradientReducer):
             "entropy_time_s": self.sampler.last_seconds if self._last_entropy is not None else 0.0,
             "r_max": self.controller.r_max,
             "r_min": self.controller.r_min,
+            "rank_budget": budget["budget"] if budget else None,
+            "mean_rank": budget["mean_rank"] if budget else None,
+            "decision": self._decision,
         }
 
     # ------------------------------------------------------------------ checkpointing
@@ -218,12 +261,12 @@ class EDGCState(GradientReducer):
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"corrupt EDGC state: {exc!r}") from exc
         compressor = state["compressor"]
-        if not isinstance(compressor, dict) or set(compressor) != {"q", "error"}:
-            raise ValueError("corrupt EDGC state: compressor must hold 'q' and 'error'")
+        if not isinstance(compressor, dict) or not {"q", "error"} <= set(compressor) <= {"q", "error", "shapes"}:
+            raise ValueError("corrupt EDGC state: compressor must hold 'q' and 'error' (and optionally 'shapes')")
         if not self.parameter_shapes:
             return  # no model given: nothing to check shapes against
-        for kind, tensors in compressor.items():
-            for name, tensor in tensors.items():
+        for kind in ("q", "error"):
+            for name, tensor in compressor[kind].items():
                 shape = self.parameter_shapes.get(name)
                 if shape is None:
                     raise ValueError(f"EDGC state has {kind} for parameter {name!r}, which the model does not have")

@@ -1,233 +1,231 @@
-"""`edgc experiment pareto` — does the entropy-driven rank beat a fixed rank (loss against bytes)?
+"""`edgc experiment pareto` — at the same bytes, does a rank that moves beat the best fixed rank?
 
-`edgc train` runs that differ only in the gradient sync, on the same data, seed and 10 %
-uncompressed warm-up: uncompressed, static PowerSGD (our engine, error feedback) at r_max/4,
-r_max/2, r_max and 2·r_max, and EDGC with r_max given and each rank mapping (``delta``, ``cqm``,
-``error-band``). Each run's point is (total bytes sent, final validation loss); the static ranks
-and the uncompressed run span the frontier (straight lines between neighbouring non-dominated
-points: alternating two static ranks reaches any point between them). EDGC earns its keep when
-its point lies on or below that frontier.
+The instrument of issue 23. For each budget b (a mean rank over the compressed steps: the factor
+bytes per step are linear in it) and each seed, one-process runs that share everything but the
+rank schedule of their compressed steps (same data order, initialisation and uncompressed
+warm-up, `pareto_train`):
 
-Bytes are the measure (on one host the link is loopback, where time says little); with
-``--link-mbit RATE`` a second plot shows a modelled wall time: each run's measured compute and
-compression time plus its bytes over a RATE Mbit/s link.
+* ``static``     static PowerSGD at rank b: the reference every other arm is paired with;
+* ``budget-S``   the budget controller (`edgc.budget`, r_max = 2b) with signal S:
+                 ``schedule`` (fixed front-loaded, the baseline), ``gradnorm``, ``entropy``, ``error``;
+* ``hand-3``     hand-set 2b, b, b/2 for 2/9, 3/9, 4/9 of the compressed steps (issue 23's best);
+* ``hand-2``     hand-set 2b for 1/3, then b/2;
+* ``alt-warm`` / ``alt-truncate`` (``--rank-change-cost``, at the middle budget): the rank
+  alternates between b/2 and 3b/2 every window, with the warm-start-preserving rank change or with
+  the old truncate-or-random one: at equal bytes, what changing the rank costs.
+
+Every arm spends b on average, so a paired Δ val loss (arm − static, same seed) says what the
+schedule is worth. The summary gives, per budget and arm, the paired Δ per seed, its mean and
+95 % t-interval, the bytes against static, and the share of the best hand-set gain it recovers.
+It prints its wall time; it is an experiment, not a test.
 """
 from __future__ import annotations
 
-from edgc_train.report import format_schedule, load_run, run_stats
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from statistics import mean, stdev
 
 from . import common
 from .common import fmt, markdown_table
+from .pareto_train import train_run
 
 NAME = "pareto"
-HELP = "static PowerSGD ranks vs EDGC's mappings vs uncompressed: final validation loss against total bytes"
+HELP = "budget controller vs static PowerSGD at the same bytes: paired Δ val loss over seeds"
 DEFAULT_STEPS = 400
-TINY_STEPS = 40
-R_MAX = 16
-MAPPINGS = ("delta", "cqm", "error-band")
+TINY_STEPS = 30
+BUDGETS = (2, 4, 8)
+SIGNALS = ("schedule", "gradnorm", "entropy", "error")
+HAND_SET = ("hand-3", "hand-2")
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--r-max", type=int, default=R_MAX, metavar="R",
-                   help=f"EDGC's rank ceiling; static ranks R/4, R/2, R, 2R (default {R_MAX})")
-    p.add_argument("--mappings", default=",".join(MAPPINGS), metavar="M,M,...",
-                   help=f"EDGC rank mappings to run (default {','.join(MAPPINGS)})")
-    p.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="data-parallel processes per run (default 1: bytes do not depend on it, time does)")
-    p.add_argument("--eval-batches", type=int, default=32, metavar="N",
-                   help="validation batches of the final loss (default 32; fewer = noisier points)")
-    p.add_argument("--link-mbit", type=float, metavar="RATE",
-                   help="also plot a modelled wall time on a RATE Mbit/s link (compute + compression + bytes/RATE)")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), metavar="B,B,...",
+                   help="mean ranks to compare at (default 2,4,8)")
+    p.add_argument("--seeds", type=int, default=5, metavar="N", help="seeds per arm (default 5)")
+    p.add_argument("--signals", default=",".join(SIGNALS), metavar="S,S,...",
+                   help=f"budget controller signals to run (default {','.join(SIGNALS)})")
+    p.add_argument("--hand-set", default=",".join(HAND_SET), metavar="H,H,...",
+                   help=f"hand-set schedules to run, '' for none (default {','.join(HAND_SET)})")
+    p.add_argument("--rank-change-cost", action="store_true",
+                   help="also alternate the rank every window (warm vs truncate) at the middle budget")
+    p.add_argument("--jobs", type=int, default=2, metavar="N", help="runs in parallel, one thread each (default 2)")
 
 
-def parse_mappings(raw: str) -> list[str]:
-    from edgc.config import RANK_MAPPINGS
-
-    mappings = [m.strip() for m in raw.split(",") if m.strip()]
-    unknown = [m for m in mappings if m not in RANK_MAPPINGS]
-    if not mappings or unknown:
-        raise common.CLIError(f"--mappings: expected some of {', '.join(RANK_MAPPINGS)}, got {raw!r}")
-    return mappings
+def parse_list(raw: str, flag: str, cast, allowed=None) -> list:
+    try:
+        values = [cast(v.strip()) for v in raw.split(",") if v.strip()]
+    except ValueError:
+        raise common.CLIError(f"{flag}: expected a comma-separated list, got {raw!r}") from None
+    if not values or (allowed is not None and any(v not in allowed for v in values)):
+        raise common.CLIError(f"{flag}: expected some of {', '.join(map(str, allowed or ()))}, got {raw!r}")
+    return values
 
 
 def validate(args, setting) -> None:
-    parse_mappings(args.mappings)
-    if args.r_max < 4:
-        raise common.CLIError(f"--r-max: must be ≥ 4 (the lowest static rank is r_max/4), got {args.r_max}")
-    if args.nproc < 1:
-        raise common.CLIError(f"--nproc: must be ≥ 1, got {args.nproc}")
-    if args.eval_batches < 1:
-        raise common.CLIError(f"--eval-batches: must be ≥ 1, got {args.eval_batches}")
-    if args.link_mbit is not None and not args.link_mbit > 0:
-        raise common.CLIError(f"--link-mbit: must be > 0 Mbit/s, got {args.link_mbit:g}")
+    budgets = parse_list(args.budgets, "--budgets", int)
+    if any(b < 2 for b in budgets):
+        raise common.CLIError(f"--budgets: each must be ≥ 2 (the hand-set schedules go down to b/2), got {args.budgets}")
+    parse_list(args.signals, "--signals", str, SIGNALS)
+    if args.hand_set:
+        parse_list(args.hand_set, "--hand-set", str, HAND_SET)
+    if not 2 <= args.seeds <= 10:
+        raise common.CLIError(f"--seeds: must be in 2..10 (a paired interval needs two), got {args.seeds}")
+    if args.jobs < 1:
+        raise common.CLIError(f"--jobs: must be ≥ 1, got {args.jobs}")
+    if setting.steps < 20:
+        raise common.CLIError(f"--steps: must be ≥ 20 (warm-up plus several windows), got {setting.steps}")
 
 
-def static_ranks(r_max: int) -> list[int]:
-    return sorted({max(1, r_max // 4), max(1, r_max // 2), r_max, 2 * r_max})
+def base_fields(steps: int) -> dict:
+    """What every arm shares: the 10 % warm-up (no error test, so only the rank differs) and `edgc train`'s window."""
+    from edgc_train.config import scaled_edgc_defaults
+
+    scaled = scaled_edgc_defaults(steps)
+    return {"total_steps": steps, "warmup_fraction": 0.1, "warmup_error_test": False, "window": scaled["window"],
+            "iteration_sample_ratio": scaled["iteration_sample_ratio"]}
 
 
-def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The non-dominated (bytes, loss) points, by increasing bytes (so by decreasing loss)."""
-    kept: list[tuple[float, float]] = []
-    for b, loss in sorted(points):
-        if not kept or loss < kept[-1][1]:
-            kept.append((b, loss))
-    return kept
+def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], change_cost: bool) -> dict[str, dict]:
+    """{arm name: EDGCConfig fields} at this budget."""
+    base = base_fields(steps)
+    start = math.floor(0.1 * steps)
+    n = steps - start
+
+    def schedule(*parts: tuple[float, int]) -> tuple:
+        """Ranks for fractions of the compressed steps, as absolute (step, rank) entries."""
+        entries, at = [], start
+        for fraction, rank in parts:
+            entries.append((at, rank))
+            at += round(fraction * n)
+        return tuple(entries)
+
+    result = {"static": {**base, "r_max": budget, "r_min": budget, "adaptive": False}}
+    for signal in signals:
+        result[f"budget-{signal}"] = {**base, "r_max": 2 * budget, "rank_budget": float(budget), "budget_signal": signal}
+    half = max(1, budget // 2)
+    if "hand-3" in hand_set:
+        result["hand-3"] = {**base, "r_max": 2 * budget, "adaptive": False,
+                            "rank_schedule": schedule((2 / 9, 2 * budget), (3 / 9, budget), (4 / 9, half))}
+    if "hand-2" in hand_set:
+        result["hand-2"] = {**base, "r_max": 2 * budget, "adaptive": False,
+                            "rank_schedule": schedule((1 / 3, 2 * budget), (2 / 3, half))}
+    if change_cost:
+        window = base["window"]
+        low, high = budget // 2, budget + budget // 2
+        entries = tuple((s, high if k % 2 == 0 else low) for k, s in enumerate(range(start, steps, window)))
+        for mode in ("warm", "truncate"):
+            result[f"alt-{mode}"] = {**base, "r_max": high, "adaptive": False, "rank_schedule": entries,
+                                     "rank_change": mode}
+    return result
 
 
-def frontier_loss(front: list[tuple[float, float]], nbytes: float) -> float | None:
-    """The frontier's loss at ``nbytes`` (linear between its points); None below its fewest bytes."""
-    if not front or nbytes < front[0][0]:
-        return None
-    for (b0, l0), (b1, l1) in zip(front, front[1:]):
-        if b0 <= nbytes <= b1:
-            return l0 + (l1 - l0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else min(l0, l1)
-    return front[-1][1]
+def _prepare_data(setting) -> None:
+    from edgc_train.data import DataError, prepare_data
+
+    cfg = setting.train_config()
+    try:
+        prepare_data(cfg.data, cfg.vocab_size, cfg.val_fraction, cfg.max_chars, cfg.cache_dir, log=lambda _: None)
+    except DataError as exc:
+        raise common.CLIError(str(exc)) from None
 
 
-def frontier_bytes(front: list[tuple[float, float]], loss: float) -> float | None:
-    """The fewest bytes on the frontier that reach ``loss`` (linear between points); None if none does."""
-    for (b0, l0), (b1, l1) in zip(front, front[1:]):
-        if l1 <= loss <= l0:
-            return b0 + (b1 - b0) * (l0 - loss) / (l0 - l1) if l0 > l1 else b0
-    if front and loss >= front[0][1]:
-        return front[0][0]
-    return None
-
-
-def modelled_seconds(run, link_mbit: float) -> float:
-    """Σ (step time − communication time) + bytes sent · 8 / link rate, over every step of the run."""
-    compute = sum(max(0.0, r["step_time_s"] - r["comm_time_s"]) for r in run.train)
-    sent = sum(r.get("bytes_sent") or 0 for r in run.train)
-    return compute + sent * 8 / (link_mbit * 1e6)
+def _run_one(job):
+    setting, fields, seed = job
+    return train_run(setting, fields, seed)
 
 
 def run(args, out, setting, log=print) -> dict:
-    mappings = parse_mappings(args.mappings)
-    ranks = static_ranks(args.r_max)
-    nproc = 1 if args.tiny else args.nproc
-    flags = ["--eval-every", str(max(1, setting.steps // 4)), "--eval-batches", str(args.eval_batches)]
-    jobs: list[tuple[str, str, list[str]]] = [("none", "uncompressed", ["--compressor", "none"])]
-    jobs += [(f"rank{r}", f"static r={r}", ["--compressor", "powersgd", "--powersgd-rank", str(r)]) for r in ranks]
-    for mapping in mappings:
-        fields = {"r_max": args.r_max, "rank_mapping": mapping, "warmup_error_test": False}
-        jobs.append((f"edgc-{mapping}", f"EDGC {mapping}",
-                     ["--compressor", "edgc", *(a for k, v in fields.items()
-                                                for a in ("--edgc", f"{k}={str(v).lower() if isinstance(v, bool) else v}"))]))
-    for folder, label, extra in jobs:
-        log(f"  {label}")
-        common.edgc_train(setting, out / folder, nproc, [*flags, *extra], log)
-    return summarise(args, out, setting, nproc, [(folder, label) for folder, label, _ in jobs])
+    budgets = parse_list(args.budgets, "--budgets", int)
+    signals = parse_list(args.signals, "--signals", str, SIGNALS)
+    seeds = [setting.seed + k for k in range(args.seeds)]
+    middle = budgets[len(budgets) // 2]
+    hand_set = parse_list(args.hand_set, "--hand-set", str, HAND_SET) if args.hand_set else []
+    plan = {b: arms(b, setting.steps, signals, hand_set, args.rank_change_cost and b == middle)
+            for b in budgets}
+    jobs = [(b, name, seed) for b in budgets for name in plan[b] for seed in seeds]
+    log(f"  {len(jobs)} runs ({args.jobs} at a time): budgets {budgets}, arms per budget "
+        f"{[len(plan[b]) for b in budgets]}, seeds {seeds}")
+    _prepare_data(setting)  # once, here: the runs then read the same cache
+    results: dict = {str(b): {name: {} for name in plan[b]} for b in budgets}
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_one, (setting, plan[b][name], seed)): (b, name, seed) for b, name, seed in jobs}
+        for done, future in enumerate(futures, 1):
+            b, name, seed = futures[future]
+            run_result = future.result()
+            results[str(b)][name][str(seed)] = run_result
+            log(f"  [{done}/{len(jobs)}] b={b} {name} seed {seed}: val {run_result['val_loss']:.4f}, "
+                f"mean rank {fmt(run_result['mean_rank'], '.2f')}, {run_result['wall_s']:.0f} s")
+    return summarise(out, setting, budgets, seeds, plan, results)
 
 
-def summarise(args, out, setting, nproc: int, jobs: list[tuple[str, str]]) -> dict:
-    """Read the finished runs in ``out`` and write the table, plots, summary.md and results.json."""
-    results = []
-    for folder, label in jobs:
-        loaded = load_run(out / folder)
-        stats = run_stats(loaded)
-        results.append({
-            "run": folder, "label": label, "kind": "edgc" if folder.startswith("edgc") else "static",
-            "val_loss": stats["val_loss"], "bytes": stats["bytes_per_step"] * len(loaded.train),
-            "mean_rank": (sum(r["rank"] for r in loaded.compressed_steps) / len(loaded.compressed_steps)
-                          if loaded.compressed_steps else None),
-            "rank_changes": stats["rank_changes"], "decisions": _decisions(loaded),
-            "schedule": format_schedule(loaded, limit=10), "wall_s": stats["wall_s"],
-            "modelled_s": modelled_seconds(loaded, args.link_mbit) if args.link_mbit else None,
-        })
-    front = frontier([(r["bytes"], r["val_loss"]) for r in results if r["kind"] == "static"])
-    for r in results:
-        at_bytes = frontier_loss(front, r["bytes"])
-        r["gap_loss"] = None if at_bytes is None else r["val_loss"] - at_bytes
-        same_loss = frontier_bytes(front, r["val_loss"])
-        r["bytes_vs_frontier"] = None if same_loss is None else r["bytes"] / same_loss
-    edgc = [r for r in results if r["kind"] == "edgc"]
-    verdicts = [f"{r['label']}: {_verdict(r)}" for r in edgc]
-    headline = "; ".join(verdicts)
-    base_bytes = results[0]["bytes"]
-    rows = [[r["label"], f"{r['bytes'] / 1e9:.3f}", f"{r['bytes'] / base_bytes:.3f}", f"{r['val_loss']:.4f}",
-             fmt(r["mean_rank"], ".1f") if r["mean_rank"] is not None else "–",
-             str(r["rank_changes"]) if r["kind"] == "edgc" else "–",
-             fmt(r["gap_loss"], "+.4f") if r["gap_loss"] is not None else "–",
-             fmt(r["bytes_vs_frontier"], ".3f") if r["bytes_vs_frontier"] is not None else "–",
-             *([f"{r['modelled_s']:.0f}"] if args.link_mbit else [])] for r in results]
-    header = ["run", "GB sent", "bytes vs none", "val loss", "mean rank", "rank changes",
-              "Δ loss vs frontier at same bytes", "bytes vs frontier at same loss",
-              *([f"modelled s at {args.link_mbit:g} Mbit/s"] if args.link_mbit else [])]
-    plots = [_plot(out, results, front, "bytes", "total bytes sent (GB, per process)", "pareto.png")]
-    if args.link_mbit:
-        plots.append(_plot(out, results, None, "modelled_s",
-                           f"modelled wall time at {args.link_mbit:g} Mbit/s (s)", "pareto_time.png"))
+def paired(results: dict, arm: str, seeds: list[int]) -> dict:
+    """Paired Δ val loss and bytes ratio of ``arm`` against static at one budget."""
+    deltas = [results[arm][str(s)]["val_loss"] - results["static"][str(s)]["val_loss"] for s in seeds]
+    ratio = mean(results[arm][str(s)]["bytes"] / results["static"][str(s)]["bytes"] for s in seeds)
+    half = T_975.get(len(deltas) - 1, 2.0) * stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else math.nan
+    m = mean(deltas)
+    return {"deltas": deltas, "mean": m, "low": m - half, "high": m + half, "bytes_ratio": ratio,
+            "mean_rank": mean(results[arm][str(s)]["mean_rank"] or 0.0 for s in seeds),
+            "rank_changes": mean(results[arm][str(s)]["rank_changes"] for s in seeds),
+            "val_loss": mean(results[arm][str(s)]["val_loss"] for s in seeds)}
+
+
+def summarise(out, setting, budgets, seeds, plan, results) -> dict:
+    table, headline = [], []
+    stats: dict = {}
+    for b in budgets:
+        arms_b = {name: paired(results[str(b)], name, seeds) for name in plan[b]}
+        hand = [arms_b[n]["mean"] for n in ("hand-3", "hand-2") if n in arms_b]
+        best_hand = min(hand) if hand else None
+        for name, p in arms_b.items():
+            p["recovered"] = (p["mean"] / best_hand if best_hand is not None and best_hand < 0 and name != "static"
+                              else None)
+            p["beats_static"] = name != "static" and p["high"] < 0
+        stats[str(b)] = arms_b
+        for name, p in arms_b.items():
+            table.append([b, name, f"{p['mean_rank']:.2f}", f"{p['bytes_ratio']:.3f}", f"{p['val_loss']:.4f}",
+                          "–" if name == "static" else " ".join(f"{d:+.4f}" for d in p["deltas"]),
+                          "–" if name == "static" else f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]",
+                          fmt(p["recovered"], ".0%") if p["recovered"] is not None else "–",
+                          f"{p['rank_changes']:.1f}"])
+        default = arms_b.get("budget-schedule")
+        if default is not None:
+            headline.append(f"b={b}: budget controller {default['mean']:+.4f} "
+                            f"[{default['low']:+.4f}, {default['high']:+.4f}] vs static"
+                            + (f" ({default['recovered']:.0%} of the best hand-set gain)" if default["recovered"] is not None else ""))
+    header = ["budget", "arm", "mean rank", "bytes vs static", "val loss (mean)", "Δ per seed",
+              "Δ mean [95 % CI]", "of best hand-set gain", "rank changes"]
+    plot = _plot(out, budgets, stats)
     summary = [
-        f"# Experiment `{NAME}`: entropy-driven rank vs static ranks",
-        "",
-        f"**Headline:** {headline}.",
-        "",
-        f"Setting: {setting.describe(nproc)}; {nproc} process(es); every run has the same 10 % uncompressed "
-        f"warm-up (EDGC's warm-up error test is off so that only the rank differs); EDGC: r_max = {args.r_max}, "
-        f"r_min = r_max/4, the run-length-scaled window of `edgc train`. Validation loss at step {setting.steps} "
-        f"over {args.eval_batches} batches. The frontier joins the non-dominated static points "
-        "(uncompressed and static PowerSGD); Δ loss < 0 or a bytes ratio < 1 puts a run below it.",
-        "",
-        markdown_table(header, rows),
-        "",
-        "Rank schedules (steps: rank):",
-        *(f"- {r['label']} ({r['decisions']} decisions): {r['schedule']}" for r in edgc),
-        "",
-        "Plots: " + ", ".join(f"`{p.relative_to(out)}`" for p in plots),
+        f"# Experiment `{NAME}`: does a moving rank beat static PowerSGD at the same bytes?", "",
+        f"**Headline:** {'; '.join(headline) or 'no budget-controller arm ran'}.", "",
+        f"Setting: {setting.describe(1)}; seeds {seeds}; every arm shares data order, initialisation and the "
+        "10 % uncompressed warm-up; validation loss over the whole validation split; bytes counted after the warm-up. "
+        "Δ = arm − static at the same seed (negative: the arm learns more from the same bytes).", "",
+        markdown_table(header, table), "",
+        f"Plot: `{plot.relative_to(out)}`",
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(setting), "nproc": nproc, "r_max": args.r_max,
-                                            "results": results, "frontier": front})
-    return {"headline": headline, "results": results, "frontier": front}
+    common.write_json(out / "results.json", {"setting": vars(setting), "seeds": seeds, "budgets": budgets,
+                                            "arms": {str(b): plan[b] for b in budgets}, "runs": results,
+                                            "paired": stats})
+    return {"headline": "; ".join(headline), "paired": stats}
 
 
-def _decisions(run) -> int:
-    """Window boundaries while compressing = the rank decisions the controller took."""
-    from edgc_train.config import scaled_edgc_defaults
-
-    if run.compressor != "edgc":
-        return 0
-    steps = int(run.config.get("steps") or len(run.train))
-    window = run.edgc.get("window") or scaled_edgc_defaults(steps)["window"]
-    return len(run.compressed_steps) // int(window)
-
-
-def _verdict(r: dict) -> str:
-    gap, ratio = r["gap_loss"], r["bytes_vs_frontier"]
-    if r["rank_changes"] == 0 and r["mean_rank"] is not None:
-        return (f"never changed its rank in {r['decisions']} decisions, so it is static PowerSGD at "
-                f"r={r['mean_rank']:.0f} (on the frontier only by being one of its points)")
-    parts = []
-    if gap is not None:
-        parts.append(f"Δ loss {gap:+.4f} at the same bytes")
-    if ratio is not None:
-        parts.append(f"{ratio:.3f}× the frontier's bytes at the same loss")
-    below = (gap is not None and gap <= 0) or (ratio is not None and ratio <= 1)
-    return ("on/below the static frontier" if below else "above the static frontier") + (
-        f" ({', '.join(parts)})" if parts else "")
-
-
-def _plot(out, results, front, key, xlabel, name):
+def _plot(out, budgets, stats):
     plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    scale = 1e9 if key == "bytes" else 1.0
-    if front:
-        ax.plot([b / scale for b, _ in front], [loss for _, loss in front], "-", color="grey", lw=1,
-                label="static frontier")
-    for r in results:
-        x = r[key] / scale
-        style = dict(marker="*", ms=12, color="tab:red") if r["kind"] == "edgc" else dict(marker="o", ms=6,
-                                                                                        color="tab:blue")
-        if r["run"] == "none":
-            style = dict(marker="s", ms=6, color="black")
-        ax.plot([x], [r["val_loss"]], linestyle="none", **style)
-        ax.annotate(r["label"], (x, r["val_loss"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("final validation loss (nats/token)")
-    ax.set_title("Loss against cost: lower left is better", fontsize=9)
-    if front:
-        ax.legend(fontsize=7)
-    return common.save(fig, out / name)
-
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.6), squeeze=False)
+    for ax, b in zip(axes[0], budgets):
+        names = [n for n in stats[str(b)] if n != "static"]
+        ys = range(len(names))
+        for y, name in zip(ys, names):
+            p = stats[str(b)][name]
+            color = "tab:red" if name.startswith("budget") else ("tab:grey" if name.startswith("alt") else "tab:blue")
+            ax.errorbar([p["mean"]], [y], xerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]], fmt="o", color=color)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(list(ys), names, fontsize=7)
+        ax.set_xlabel("Δ val loss vs static (95 % CI)", fontsize=8)
+        ax.set_title(f"budget: mean rank {b}", fontsize=9)
+    return common.save(fig, out / "pareto.png")

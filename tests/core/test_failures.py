@@ -30,7 +30,7 @@ def inf_worker(rank, world_size, poison_step, steps):
         if step == poison_step and rank == 1:
             loss = loss * float("inf")  # one rank overflows
         if step == poison_step:
-            snapshots["before"] = {k: {n: t.clone() for n, t in v.items()} for k, v in state.compressor.state_dict().items()}
+            snapshots["before"] = {k: {n: t.clone() for n, t in v.items()} for k, v in state.compressor.state_dict().items() if k != "shapes"}
             snapshots["entropies"] = list(state.sampler.history)
         loss.backward()
         finite = all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -37,7 +37,9 @@ def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
     entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
     rank = controller.next_rank(entropies, [(32, 64), (32, 64)])
     assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
-    if drop > 0.05 and previous - step_limit >= 4:
+    # A drop of 0.0625 nats can leave g⁻¹ inside the current rank's step (hypothesis found one);
+    # from 0.1 nats on, g(r₀)·e^{2·ΔH} always passes the next lower rank of a 32 × 64 matrix.
+    if drop >= 0.1 and previous - step_limit >= 4:
         assert rank < previous  # falling entropy lowers the rank
 
 

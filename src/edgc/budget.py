@@ -1,0 +1,113 @@
+"""The byte budget: spend a mean rank over the compressed steps, more of it early (pure logic).
+
+The user states a budget B as a mean rank over the N compressed steps of the run (the factor
+bytes of a step are linear in the rank, so this is a bytes-per-step target). At each window
+boundary the controller has spent S rank-steps in the first d compressed steps and asks for the
+rank of the next window:
+
+    even   = (B·N − S) / (N − d)              the rate that spends the rest evenly
+    target = even · (1 + (front_load − 1)·need)
+
+clamped so that the rest of the run can still be paid at r_min … r_max, and rounded to the
+nearest rank of the grid. ``need`` ∈ [0, 1] says how much the current moment is still the
+"early", critical regime in which a higher rank pays. The fixed ``schedule`` signal sets need =
+the fraction of compressed steps still to come: with front_load = 2 the rank then falls from 2B
+through B to about B/2 (B = 4: 8, 6, 4, 2 over 40, 80, 80, 160 steps of 360), the staircase
+that won issue 23's prototype. With need ≡ 1 the target would decay to r_min; with need = 0 the
+budget is spent evenly. Whatever ``need`` does, the budget is kept: every window re-plans the
+remainder, so a rounding or an early surge is paid back later, and the last window spends what
+is left (up to the grid's rounding).
+
+Why early: the prototype of issue 23 (tiny GPT-2, 3 seeds) found that at equal bytes a
+decreasing schedule beats static PowerSGD and an increasing one loses (README, "Reproducing
+the paper"); the paper's premise (entropy falls, so a lower rank suffices later) and
+Accordion's critical regime say the same.
+
+``need`` comes from one of the ``SIGNALS``: a fixed schedule (need ≡ 1), or the normalised,
+noise-gated trend of a per-window series (entropy, log gradient norm, relative compression
+error): |latest window mean − the one before| over |the first such change of the run|, counted
+only when it exceeds ``k`` standard errors of the two window means.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+SIGNALS = ("schedule", "gradnorm", "entropy", "error")
+
+
+def rank_grid(r_min: int, r_max: int, granularity: int) -> list[int]:
+    """The ranks the budget controller may choose: r_min, r_max and the multiples of the granularity between."""
+    return sorted({r_min, r_max, *range(granularity * math.ceil(r_min / granularity), r_max + 1, granularity)})
+
+
+def spent_rank_steps(schedule: Sequence[tuple[int, int]], step: int) -> tuple[int, int]:
+    """(Σ rank over the compressed steps before ``step``, number of those steps) from a schedule of
+    (first step, rank) entries; rank 0 entries (compression off) count as uncompressed."""
+    spent = steps = 0
+    for (start, rank), nxt in zip(schedule, [*schedule[1:], (step, 0)]):
+        length = max(0, min(nxt[0], step) - start)
+        if rank > 0:
+            spent += rank * length
+            steps += length
+    return spent, steps
+
+
+def budget_target(*, budget: float, total: int, done: int, spent: float, window: int, need: float,
+                  front_load: float, r_min: int, r_max: int) -> float:
+    """The rank the next window should run at (before rounding to the grid); see the module docstring."""
+    left = max(1, total - done)
+    remaining = budget * total - spent
+    even = remaining / left
+    target = even * (1.0 + (front_load - 1.0) * min(1.0, max(0.0, need)))
+    span = min(window, left)
+    # The rest of the run (after this window) must still be payable within [r_min, r_max].
+    highest = (remaining - r_min * (left - span)) / span
+    lowest = (remaining - r_max * (left - span)) / span
+    return min(max(target, lowest, r_min), highest, r_max) if highest >= r_min else float(r_min)
+
+
+def nearest_rank(target: float, grid: Sequence[int]) -> int:
+    """The grid rank nearest to ``target`` (the lower one on a tie: a tie spends less)."""
+    return min(grid, key=lambda r: (abs(r - target), r))
+
+
+def window_stats(samples: Sequence[tuple[int, float]], window: int) -> list[tuple[float, float, int]]:
+    """(mean, squared standard error, count) of the samples in each window [k·w, (k+1)·w), for every
+    window up to the last one that has samples; empty windows are (nan, nan, 0)."""
+    if not samples:
+        return []
+    count = max(step for step, _ in samples) // window + 1
+    buckets: list[list[float]] = [[] for _ in range(count)]
+    for step, value in samples:
+        buckets[step // window].append(value)
+    stats = []
+    for values in buckets:
+        n = len(values)
+        if n == 0:
+            stats.append((math.nan, math.nan, 0))
+            continue
+        mean = sum(values) / n
+        sem2 = sum((v - mean) ** 2 for v in values) / (n - 1) / n if n > 1 else math.nan
+        stats.append((mean, sem2, n))
+    return stats
+
+
+def trend_need(windows: Sequence[tuple[float, float, int]], k: float) -> float:
+    """How fast the series still moves, in [0, 1]: |Δ of the last two full windows| / |Δ of the first
+    two|, where a change counts only if it exceeds ``k`` standard errors (when those are known).
+
+    0 with fewer than three windows of data (no trend and no reference yet)."""
+    full = [w for w in windows if w[2] > 0]
+    if len(full) < 3:
+        return 0.0
+
+    def change(a, b) -> float:
+        delta = abs(b[0] - a[0])
+        noise = k * math.sqrt(a[1] + b[1]) if math.isfinite(a[1]) and math.isfinite(b[1]) else 0.0
+        return delta if delta > noise else 0.0
+
+    first, latest = change(full[0], full[1]), change(full[-2], full[-1])
+    if first == 0.0:
+        return 1.0 if latest > 0.0 else 0.0
+    return min(1.0, latest / first)

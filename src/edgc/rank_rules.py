@@ -1,0 +1,84 @@
+"""The paper's rank rules (DAC, §2.5) and the noise gate that makes them follow the entropy trend.
+
+Pure functions of an entropy series; `edgc.rank_control.WindowController` applies them at window
+boundaries when no byte budget is set (``EDGCConfig.rank_budget = None``, the ``paper`` mode).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def limit_rank(target: float, previous: int, r_min: int, r_max: int, step_limit: int, granularity: int) -> int:
+    """Round ``target`` down to the granularity, then move from ``previous`` by at most ``step_limit``."""
+    target = min(max(target, r_min), r_max)
+    target = max(r_min, int(target // granularity * granularity))
+    move = max(-step_limit, min(step_limit, target - previous))
+    return int(min(max(previous + move, r_min), r_max))
+
+
+def window_means(entropies: Sequence[float], per_window: int) -> tuple[float, float] | None:
+    """Mean entropy of the previous and of the latest window, or None with < 2 windows of samples."""
+    if per_window < 1 or len(entropies) < 2 * per_window:
+        return None
+    previous = entropies[-2 * per_window : -per_window]
+    latest = entropies[-per_window:]
+    return sum(previous) / per_window, sum(latest) / per_window
+
+
+def entropy_shift(reference: Sequence[float], latest: Sequence[float], k: float) -> float | None:
+    """mean(latest) − mean(reference) when it exceeds ``k`` standard errors of that difference, else None.
+
+    SE² = s²_ref/n_ref + s²_latest/n_latest (sample variances). Each side needs ≥ 2 samples; with
+    fewer, or a shift inside the noise, the answer is None (= no evidence of a change).
+    """
+    if len(reference) < 2 or len(latest) < 2:
+        return None
+
+    def mean_and_sem2(values: Sequence[float]) -> tuple[float, float]:
+        mean = sum(values) / len(values)
+        variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+        return mean, variance / len(values)
+
+    ref_mean, ref_sem2 = mean_and_sem2(reference)
+    new_mean, new_sem2 = mean_and_sem2(latest)
+    shift = new_mean - ref_mean
+    noise = k * math.sqrt(ref_sem2 + new_sem2)
+    floor = 1e-9 * max(1.0, abs(ref_mean))  # rounding error is not a shift
+    return shift if abs(shift) > max(noise, floor) else None
+
+
+def confirmed_shift(samples: Sequence[float], per_window: int, k: float) -> float | None:
+    """The latest window's `entropy_shift` against all earlier ``samples``, if the window before it
+    already showed a significant shift of the same sign against the samples before *it*; else None.
+
+    Asking two consecutive windows turns a k-SE false alarm (likely somewhere in 50 windows of
+    10 samples) into a pair of them, and delays a real step by one window.
+    """
+    if per_window < 1 or len(samples) < 2 * per_window + 2:
+        return None
+    latest = entropy_shift(samples[:-per_window], samples[-per_window:], k)
+    before = entropy_shift(samples[: -2 * per_window], samples[-2 * per_window : -per_window], k)
+    if latest is None or before is None or (latest > 0) != (before > 0):
+        return None
+    return latest
+
+
+def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> float:
+    """The authors' linear map (paper §2.5) of the normalised windowed entropy change.
+
+    ρ = |Δ latest two windows| / |Δ first two windows of training|; target = r_min + (r_max − r_min)·ρ.
+    Fast-moving entropy (unstable regime) keeps the rank near r_max; a stable entropy lets it
+    decay to r_min. With fewer than two windows of history the target is r_max.
+    """
+    means = window_means(entropies, per_window)
+    if means is None:
+        return float(r_max)
+    change_now = abs(means[1] - means[0])
+    first = entropies[:per_window], entropies[per_window : 2 * per_window]
+    change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window)
+    if change_ref == 0:
+        ratio = 0.0 if change_now == 0 else 1.0
+    else:
+        ratio = min(change_now / change_ref, 1.0)
+    return round(r_min + (r_max - r_min) * ratio)
