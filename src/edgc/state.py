@@ -175,7 +175,7 @@ class EDGCState(GradientReducer):
         budget = self.controller.budget_state(plan.step + 1)
         if budget is not None:
             record.update(signal=self.config.budget_signal, budget=budget["budget"], mean_rank=budget["mean_rank"])
-            why = (f"budget mean rank {budget['budget']:g}, spent {budget['mean_rank']:.2f} over "
+            why = (f"budget mean rank {budget['budget']:g}, mean so far {budget['mean_rank']:.2f} over "
                    f"{budget['done']}/{budget['total']} compressed steps; signal '{self.config.budget_signal}' "
                    f"need {decision.need:.2f} → target {decision.target:.2f}")
         else:

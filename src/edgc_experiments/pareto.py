@@ -21,9 +21,11 @@ It prints its wall time; it is an experiment, not a test.
 """
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from statistics import mean, stdev
 
 from . import common
@@ -51,6 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rank-change-cost", action="store_true",
                    help="also alternate the rank every window (warm vs truncate) at the middle budget")
     p.add_argument("--jobs", type=int, default=2, metavar="N", help="runs in parallel, one thread each (default 2)")
+    p.add_argument("--reuse", metavar="DIR", action="append", default=[],
+                   help="reuse finished runs of an earlier pareto folder (its runs/*.json) whose setting, seed "
+                        "and config are identical; repeatable")
 
 
 def parse_list(raw: str, flag: str, cast, allowed=None) -> list:
@@ -131,6 +136,32 @@ def _prepare_data(setting) -> None:
         raise common.CLIError(str(exc)) from None
 
 
+def _run_key(setting, fields: dict, seed: int) -> str:
+    """What makes two runs the same run: the training setting, the seed and the compressor config."""
+    return json.dumps({"setting": vars(setting), "seed": seed, "fields": fields}, sort_keys=True, default=list)
+
+
+def _reusable_runs(folders: list[str]) -> dict[str, dict]:
+    """{run key: record} of the finished runs in earlier pareto folders (runs/*.json, or a results.json)."""
+    found = {}
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise common.CLIError(f"--reuse: {folder} is not a folder")
+        for path in sorted(folder.glob("runs/*.json")):
+            record = json.loads(path.read_text())
+            found[record["key"]] = record
+        summary = folder / "results.json"
+        if summary.is_file():  # a finished experiment: the keys follow from its setting, arms and seeds
+            data = json.loads(summary.read_text())
+            setting = common.Setting(**data["setting"])
+            for b, arms_b in data["arms"].items():
+                for name, fields in arms_b.items():
+                    for seed, result in data["runs"][b][name].items():
+                        key = _run_key(setting, fields, int(seed))
+                        found.setdefault(key, {"key": key, "result": result})
+    return found
+
+
 def _run_one(job):
     setting, fields, seed = job
     return train_run(setting, fields, seed)
@@ -149,13 +180,26 @@ def run(args, out, setting, log=print) -> dict:
         f"{[len(plan[b]) for b in budgets]}, seeds {seeds}")
     _prepare_data(setting)  # once, here: the runs then read the same cache
     results: dict = {str(b): {name: {} for name in plan[b]} for b in budgets}
+    (out / "runs").mkdir()
+    reusable = _reusable_runs(args.reuse)
+    todo = []
+    for b, name, seed in jobs:
+        key = _run_key(setting, plan[b][name], seed)
+        if key in reusable:
+            results[str(b)][name][str(seed)] = reusable[key]["result"]
+            common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", reusable[key])
+        else:
+            todo.append((b, name, seed))
+    log(f"  {len(jobs) - len(todo)} reused from {', '.join(args.reuse) or '-'}; {len(todo)} to train")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_one, (setting, plan[b][name], seed)): (b, name, seed) for b, name, seed in jobs}
+        futures = {pool.submit(_run_one, (setting, plan[b][name], seed)): (b, name, seed) for b, name, seed in todo}
         for done, future in enumerate(futures, 1):
             b, name, seed = futures[future]
             run_result = future.result()
             results[str(b)][name][str(seed)] = run_result
-            log(f"  [{done}/{len(jobs)}] b={b} {name} seed {seed}: val {run_result['val_loss']:.4f}, "
+            record = {"key": _run_key(setting, plan[b][name], seed), "result": run_result}
+            common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", record)  # kept even if a later run fails
+            log(f"  [{done}/{len(todo)}] b={b} {name} seed {seed}: val {run_result['val_loss']:.4f}, "
                 f"mean rank {fmt(run_result['mean_rank'], '.2f')}, {run_result['wall_s']:.0f} s")
     return summarise(out, setting, budgets, seeds, plan, results)
 

@@ -46,7 +46,7 @@ from .config import scaled_edgc_defaults
 TORCH_POWERSGD_COLLECTIVES = 3  # per bucket once compressing (powerSGD_hook: uncompressed, P, Q)
 METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
                "bytes_raw", "compress_time_s", "comm_time_s", "comm_wait_s", "collectives", "collective_s",
-               "relative_error", "entropy_time_s")
+               "relative_error", "entropy_time_s", "rank_budget", "mean_rank", "decision")
 
 
 def _baselines() -> dict:

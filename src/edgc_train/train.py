@@ -377,6 +377,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             from tqdm import tqdm
 
             progress = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
+            log = progress.write  # notices go on their own line above the bar, not into it
         t_start = time.perf_counter() - wall_offset
         profiling_told = False
         while step < last:
@@ -406,12 +407,17 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 "phase": sync_metrics["phase"], "rank": sync_metrics["rank"], "ranks": sync_metrics["ranks"] or {},
                 "entropy": sync_metrics["entropy"], "entropy_time_s": sync_metrics.get("entropy_time_s"),
                 "relative_error": sync_metrics["relative_error"],
+                "rank_budget": sync_metrics.get("rank_budget"), "mean_rank": sync_metrics.get("mean_rank"),
                 **{k: int(sync_metrics[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},
                 **extra,
             })
             trace.write(step, sync_metrics.get("collective_s"))
             if not profiling_told:
                 profiling_told = tell_profiling_verdict(compressor, step, metrics, log)
+            if sync_metrics.get("decision"):
+                decision = sync_metrics["decision"]
+                log(decision["message"])
+                metrics.write({"kind": "decision", **decision})
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
             if progress is not None:
@@ -510,6 +516,10 @@ def write_summary(run_dir: Path) -> dict:
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_lines),
         "bytes_sent": sum(r["bytes_sent"] for r in train_lines), "bytes_raw": sum(r["bytes_raw"] for r in train_lines),
         "compression_notice": next((r for r in reversed(lines) if r["kind"] == "notice"), None),
+        # The byte budget (EDGCConfig.rank_budget) and the mean rank the run actually spent on it.
+        "rank_budget": train_lines[-1].get("rank_budget"), "mean_rank": train_lines[-1].get("mean_rank"),
+        "rank_decisions": sum(1 for r in lines if r["kind"] == "decision"),
+        "rank_changes": sum(1 for r in lines if r["kind"] == "decision" and r["rank"] != r["old_rank"]),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     ckpt.atomic_write_json(run_dir / "summary.json", summary)

@@ -261,3 +261,26 @@ def test_single_process_resume_is_exact(capsys, tmp_path, cache_dir, compressor)
         assert lines[-2]["elements_sent"] < lines[-2]["elements_raw"]
     # one process: our engine issues no collectives; torch's hook does (one bucket: raw, P, Q)
     assert lines[-2]["collectives"] == (3 if compressor == "torch-powersgd" else 0)
+
+
+def test_budget_run_tells_each_decision_and_resumes_exactly(capsys, tmp_path, cache_dir):
+    """With a byte budget the rank moves; every decision is a line of its own and a metrics record,
+    the summary states the budget and the mean rank spent, and a resume across the moves is exact."""
+    job = ["--steps", "24", "--ckpt-every", "12", "--eval-every", "0", "--compressor", "edgc",
+           "--edgc", "r_max=8", "--edgc", "rank_budget=4", "--edgc", "window=4",
+           "--cache-dir", str(cache_dir), *FAST]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--out", str(a), *job]) == 0
+    out = capsys.readouterr().out
+    records = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert decisions and any(d["rank"] != d["old_rank"] for d in decisions)
+    for d in decisions:  # printed whole, on a line of its own
+        assert d["message"] in out.splitlines()
+    ranks = [r["rank"] for r in records if r["kind"] == "train" and r["phase"] == "compress"]
+    summary = json.loads((a / "summary.json").read_text())
+    assert summary["rank_budget"] == 4 and summary["mean_rank"] == pytest.approx(sum(ranks) / len(ranks))
+    assert summary["rank_changes"] == len(set(ranks)) - 1 == sum(d["rank"] != d["old_rank"] for d in decisions)
+    assert main(["train", "--out", str(b), "--stop-at", "12", *job]) == 0
+    assert main(["train", "--resume", str(b)]) == 0
+    assert train_losses(a) == train_losses(b)
