@@ -3,7 +3,7 @@
     .venv/bin/python scripts/pareto_to_readme.py [RESULTS_DIR]   # default runs/experiments/pareto
 
 Copies RESULTS_DIR/pareto.png to docs/img/exp_pareto.png and replaces the README block between
-``<!-- pareto:start -->`` and ``<!-- pareto:end -->`` with the run's table, headline and schedules.
+``<!-- pareto:start -->`` and ``<!-- pareto:end -->`` with the run's headline and paired table.
 """
 import shutil
 import sys
@@ -17,7 +17,7 @@ def block(summary: str) -> str:
     """summary.md from its headline up to (not including) the plot list."""
     lines = summary.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("**Headline"))
-    end = next((i for i, line in enumerate(lines) if line.startswith("Plots:")), len(lines))
+    end = next((i for i, line in enumerate(lines) if line.startswith(("Plot:", "Plots:"))), len(lines))
     return "\n".join(lines[start:end]).strip()
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from statistics import mean, stdev
 
@@ -79,8 +79,8 @@ def validate(args, setting) -> None:
         raise common.CLIError(f"--seeds: must be in 2..10 (a paired interval needs two), got {args.seeds}")
     if args.jobs < 1:
         raise common.CLIError(f"--jobs: must be ≥ 1, got {args.jobs}")
-    if setting.steps < 20:
-        raise common.CLIError(f"--steps: must be ≥ 20 (warm-up plus several windows), got {setting.steps}")
+    if setting.steps < 10:
+        raise common.CLIError(f"--steps: must be ≥ 10 (a warm-up step and a window to compress), got {setting.steps}")
 
 
 def base_fields(steps: int) -> dict:
@@ -162,6 +162,28 @@ def _reusable_runs(folders: list[str]) -> dict[str, dict]:
     return found
 
 
+class _InProcess:
+    """``--jobs 1``: the runs one after the other in this process (no worker start-up)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @staticmethod
+    def submit(fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def _executor(jobs: int):
+    if jobs == 1:
+        return _InProcess()
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
 def _run_one(job):
     setting, fields, seed = job
     return train_run(setting, fields, seed)
@@ -191,7 +213,7 @@ def run(args, out, setting, log=print) -> dict:
         else:
             todo.append((b, name, seed))
     log(f"  {len(jobs) - len(todo)} reused from {', '.join(args.reuse) or '-'}; {len(todo)} to train")
-    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with _executor(args.jobs) as pool:
         futures = {pool.submit(_run_one, (setting, plan[b][name], seed)): (b, name, seed) for b, name, seed in todo}
         for done, future in enumerate(futures, 1):
             b, name, seed = futures[future]

@@ -1,21 +1,53 @@
+"""The pareto instrument: its arms spend the same bytes, its statistics are paired, and a tiny run works end to end."""
+import json
+import math
+
 import pytest
 
-from edgc_experiments.pareto import frontier, frontier_bytes, frontier_loss, static_ranks, _verdict
+from edgc import EDGCConfig
+from edgc.budget import spent_rank_steps
+from edgc.rank_control import Agreed, WindowController
+from edgc_cli.main import main
+from edgc_experiments.pareto import arms, paired
 
 
-def test_frontier_keeps_non_dominated_points_and_interpolates_between_them():
-    points = [(1.0, 5.0), (2.0, 4.0), (3.0, 4.5), (4.0, 3.0)]  # (3, 4.5) is dominated by (2, 4)
-    front = frontier(points)
-    assert front == [(1.0, 5.0), (2.0, 4.0), (4.0, 3.0)]
-    assert frontier_loss(front, 3.0) == pytest.approx(3.5)
-    assert frontier_loss(front, 0.5) is None and frontier_loss(front, 9.0) == 3.0
-    assert frontier_bytes(front, 3.5) == pytest.approx(3.0)
-    assert frontier_bytes(front, 2.0) is None  # lower than any static point reached
+@pytest.mark.parametrize("budget", [2, 4, 8])
+def test_every_arm_spends_the_budget_of_static(budget):
+    for name, fields in arms(budget, 400, ["schedule", "gradnorm"], ["hand-3", "hand-2"], True).items():
+        controller = WindowController(EDGCConfig(**fields))
+        for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
+            plan = controller.plan(step)
+            if plan.decision:
+                controller.apply(plan, Agreed(), controller.propose(plan, Agreed(), [], [], signals={}))
+        spent, steps = spent_rank_steps(controller.schedule, 400)
+        assert steps == 360, name
+        assert spent / steps == pytest.approx(budget, rel=0.02), name
 
 
-def test_static_ranks_and_an_unmoved_edgc_run_is_called_static():
-    assert static_ranks(16) == [4, 8, 16, 32]
-    unmoved = {"rank_changes": 0, "mean_rank": 16.0, "decisions": 18, "gap_loss": 0.0, "bytes_vs_frontier": 1.0}
-    assert "static PowerSGD at r=16" in _verdict(unmoved)
-    below = {**unmoved, "rank_changes": 3, "mean_rank": 12.0, "gap_loss": -0.01}
-    assert _verdict(below).startswith("on/below")
+def test_paired_statistics_pair_by_seed():
+    runs = {"static": {"1": {"val_loss": 5.0, "bytes": 100, "mean_rank": 4, "rank_changes": 0},
+                       "2": {"val_loss": 6.0, "bytes": 100, "mean_rank": 4, "rank_changes": 0}},
+            "arm": {"1": {"val_loss": 4.9, "bytes": 100, "mean_rank": 4, "rank_changes": 3},
+                    "2": {"val_loss": 5.9, "bytes": 102, "mean_rank": 4, "rank_changes": 3}}}
+    p = paired(runs, "arm", [1, 2])
+    assert p["deltas"] == pytest.approx([-0.1, -0.1]) and p["mean"] == pytest.approx(-0.1)
+    assert p["low"] == pytest.approx(-0.1) and p["high"] == pytest.approx(-0.1)  # no spread: a point interval
+    assert p["bytes_ratio"] == pytest.approx(1.01)
+
+
+def test_tiny_pareto_run_writes_paired_results_and_reuses_runs(tmp_path, capsys):
+    flags = ["experiment", "pareto", "--tiny", "--steps", "12", "--budgets", "2", "--seeds", "2", "--signals",
+             "schedule", "--hand-set", "", "--jobs", "1"]
+    assert main([*flags, "--out", str(tmp_path / "a")]) == 0
+    out = tmp_path / "a" / "pareto"
+    data = json.loads((out / "results.json").read_text())
+    p = data["paired"]["2"]["budget-schedule"]
+    assert len(p["deltas"]) == 2 and all(math.isfinite(d) for d in p["deltas"])
+    assert p["bytes_ratio"] == pytest.approx(1.0, rel=0.1)
+    assert "**Headline:** b=2: budget controller" in (out / "summary.md").read_text()
+    assert (out / "pareto.png").stat().st_size > 1000 and len(list((out / "runs").glob("*.json"))) == 4
+    capsys.readouterr()
+    assert main([*flags, "--out", str(tmp_path / "b"), "--reuse", str(out)]) == 0
+    assert "4 reused" in capsys.readouterr().out
+    again = json.loads((tmp_path / "b" / "pareto" / "results.json").read_text())
+    assert again["paired"] == data["paired"]
