@@ -14,7 +14,7 @@ compression time plus its bytes over a RATE Mbit/s link.
 """
 from __future__ import annotations
 
-from edgc_train.report import format_schedule, load_run, run_stats
+from edgc_train.report_runs import format_schedule, load_run, run_stats
 
 from . import common
 from .common import fmt, markdown_table

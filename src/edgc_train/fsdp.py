@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from .compressors import Compressor, EngineCompressor
 from .data import BlockSampler, val_batches
 from .model import build_model, count_parameters, model_shape
-from .train import DataParallelRunner
+from .runner import DataParallelRunner
 
 
 def shard_degree(cfg, world: int) -> int:
@@ -94,7 +94,7 @@ def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
 
 
 class FSDPRunner(DataParallelRunner):
-    """`train.DataParallelRunner` for HSDP: its training step, with FSDP's own sync switch."""
+    """`runner.DataParallelRunner` for HSDP: its training step, with FSDP's own sync switch."""
 
     def __init__(self, cfg, data, rank: int, world: int, local_rank: int, device: torch.device):
         from edgc.fsdp import hsdp_mesh
@@ -135,7 +135,7 @@ class FSDPRunner(DataParallelRunner):
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """As `train.evaluate`, but every rank runs the same number of forwards (FSDP all-gathers
+        """As `runner.evaluate`, but every rank runs the same number of forwards (FSDP all-gathers
         in each): a rank with fewer validation blocks repeats its last batch and does not count it."""
         cfg, model = self.cfg, self.module
         model.eval()
