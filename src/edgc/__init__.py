@@ -17,6 +17,7 @@ Modules:
     pipeline.py     `StageAligner`: DAC across pipeline stages, one `EDGCState` per stage
     interstage.py   low-rank activation gradients between pipeline stages, with error feedback
     fsdp.py         EDGC as FSDP2/HSDP's replica all-reduce (`register_fsdp_comm_hook`)
+    mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, tp) every group comes from
     comm.py         collectives over one process group (or a mesh dimension)
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
     timing.py       device-timeline timestamps, the library's only device→host reads

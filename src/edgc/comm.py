@@ -27,6 +27,7 @@ from typing import Any, Generator
 import torch
 import torch.distributed as dist
 
+from .mesh import as_process_group
 from .timing import Clock
 from .timing import synchronize as synchronize  # re-exported: older imports use edgc.comm.synchronize
 
@@ -57,8 +58,8 @@ class Pending:
 
 
 class Communicator:
-    def __init__(self, process_group: dist.ProcessGroup | None = None):
-        self.group = process_group
+    def __init__(self, process_group=None):
+        process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0

@@ -13,8 +13,9 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     schedule.py     one optimizer step of a stage: 1F1B / GPipe over isend/irecv
     stage_sync.py   a stage's gradient sync over its DP group, and the per-stage metrics
     stage.py        one pipeline stage of GPT-2, and the loss
-    tensor_parallel.py  Megatron-style TP blocks
-    mesh.py         the process grid of `--pp/--tp`
+    tensor_parallel.py  `--tp`: torch's DTensor plan (ColwiseParallel / RowwiseParallel) for a block
+    linear_gpt2.py  GPT-2 blocks with nn.Linear projections, loaded from HF's Conv1D
+    mesh.py         this rank's place in the run's DeviceMesh (`--pp/--tp`)
     runner.py       the runner interface and the DDP runner
     run_folder.py   a run folder's files: config.json, metrics.jsonl, comm traces, summary.json
     compressors.py  one DDP hook + state per compressor name

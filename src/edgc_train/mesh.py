@@ -1,29 +1,50 @@
-"""The process grid of `edgc train --pp/--tp`: every rank's groups."""
+"""The process grid of `edgc train --pp/--tp`: this rank's place in the run's one `DeviceMesh`.
+
+`edgc.mesh.init_parallel_mesh` builds the mesh (dp_replicate, pp, dp_shard = 1, tp); every group
+comes from it: a stage's data-parallel group is ``mesh["dp_replicate"]``, a pipeline ``mesh["pp"]``,
+a stage's tensor-parallel ranks ``mesh["tp"]``, and the tied embedding's stage 0 and stage P−1
+`edgc.mesh.pipeline_ends_group`. Global rank = (replica·P + stage)·T + tp_rank: a pipeline with
+its TP ranks is P·T consecutive ranks (one host under ``torchrun --nproc_per_node P·T``), and each
+stage's DP group spans the hosts, which is where gradient compression pays.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from edgc.mesh import init_parallel_mesh, pipeline_ends_group
 
 from .rendezvous import dist_timeout
 
 
 @dataclass
 class Grid:
+    mesh: DeviceMesh
     rank: int
     world: int
     stages: int
     replicas: int
     stage: int  # this rank's pipeline stage
     replica: int  # this rank's data-parallel index
-    dp_group: Any
-    pp_group: Any
+    tp: int  # tensor-parallel degree T
+    tp_rank: int
     embedding_group: Any  # None unless this rank holds a tied-embedding copy (first or last stage)
-    tp: int = 1  # tensor-parallel degree T
-    tp_rank: int = 0
-    tp_group: Any = None  # None when tp = 1
+
+    @property
+    def dp_group(self):
+        return self.mesh.get_group("dp_replicate")
+
+    @property
+    def pp_group(self):
+        return self.mesh.get_group("pp")
+
+    @property
+    def tp_group(self):
+        """None when tp = 1."""
+        return self.mesh.get_group("tp") if self.tp > 1 else None
 
     @property
     def first(self) -> bool:
@@ -34,48 +55,13 @@ class Grid:
         return self.stage == self.stages - 1
 
     def global_rank(self, stage: int, replica: int, tp_rank: int | None = None) -> int:
-        return (replica * self.stages + stage) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+        return int(self.mesh.mesh[replica, stage, 0, self.tp_rank if tp_rank is None else tp_rank])
 
 
-def make_grid(rank: int, world: int, stages: int, tp: int = 1) -> Grid:
-    """Create every group on every rank, in the same order (new_group is collective).
-
-    rank = (replica·P + stage)·T + tp_rank: a TP group is T consecutive ranks (one host), a
-    pipeline P·T consecutive ones; one DP group per (TP rank, stage), one pipeline group and one
-    embedding group per (TP rank, replica), one TP group per (stage, replica).
-    """
-    if world % (stages * tp):
-        raise ValueError(f"pp × tp: world size {world} is not a multiple of {stages} stages × {tp} TP ranks")
-    replicas = world // (stages * tp)
-    rest, tp_rank = divmod(rank, tp)
-    replica, stage = divmod(rest, stages)
-
-    def at(s: int, d: int, t: int) -> int:
-        return (d * stages + s) * tp + t
-
-    dp_group = pp_group = embedding_group = tp_group = None
-    timeout = dist_timeout()  # the default group's; new_group's own default is 30 min on gloo
-    for t in range(tp):
-        for s in range(stages):
-            group = dist.new_group([at(s, d, t) for d in range(replicas)], timeout=timeout)
-            if (t, s) == (tp_rank, stage):
-                dp_group = group
-    for t in range(tp):
-        for d in range(replicas):
-            group = dist.new_group([at(s, d, t) for s in range(stages)], timeout=timeout)
-            if (t, d) == (tp_rank, replica):
-                pp_group = group
-    if stages > 1:
-        for t in range(tp):
-            for d in range(replicas):
-                group = dist.new_group([at(0, d, t), at(stages - 1, d, t)], timeout=timeout)
-                if (t, d) == (tp_rank, replica) and stage in (0, stages - 1):
-                    embedding_group = group
-    if tp > 1:
-        for s in range(stages):
-            for d in range(replicas):
-                group = dist.new_group([at(s, d, t) for t in range(tp)], timeout=timeout)
-                if (s, d) == (stage, replica):
-                    tp_group = group
-    return Grid(rank, world, stages, replicas, stage, replica, dp_group, pp_group, embedding_group,
-                tp, tp_rank, tp_group)
+def make_grid(device_type: str, stages: int, tp: int = 1) -> Grid:
+    """The mesh over all ranks and this rank's coordinates in it (collective: every rank calls it)."""
+    timeout = dist_timeout()  # the default group's, for every group of the mesh
+    mesh = init_parallel_mesh(device_type, pp=stages, tp=tp, timeout=timeout)
+    replica, stage, _, tp_rank = mesh.get_coordinate()
+    return Grid(mesh, dist.get_rank(), dist.get_world_size(), stages, mesh.size(0), stage, replica, tp, tp_rank,
+                pipeline_ends_group(mesh, "pp", timeout))

@@ -1,10 +1,11 @@
 """Pipeline × data parallelism for `edgc train --pp P`: GPT-2 split into P stages.
 
-Process grid (world = P × D): global rank = d·P + stage, so a whole pipeline (replica d) sits
-on consecutive ranks — one host under ``torchrun --nproc_per_node P`` — and each stage's
-data-parallel group spans the hosts, which is where gradient compression pays. Stage s's D
-replicas form its data-parallel group; the P stages of replica d form pipeline group d; stage 0
-and stage P−1 of replica d share the tied word embedding (group "embedding d").
+Process grid (`mesh.make_grid`, one DeviceMesh): a whole pipeline (replica d) and its TP ranks sit
+on consecutive ranks — one host under ``torchrun --nproc_per_node P·T`` — and each stage's
+data-parallel group (``mesh["dp_replicate"]``) spans the hosts, which is where gradient compression
+pays. The P stages of replica d form its pipeline (``mesh["pp"]``); stage 0 and stage P−1 share the
+tied word embedding. With ``--tp T`` each stage's blocks are sharded over ``mesh["tp"]`` by DTensor
+(`tensor_parallel`).
 
 One optimizer step:
 1. our own pipeline schedule (1F1B or GPipe, ``isend``/``irecv``, see `PipelineStep`) runs
@@ -43,7 +44,7 @@ class PipelineRunner:
 
     def __init__(self, cfg, data, rank: int, world: int, device: torch.device):
         self.cfg, self.data, self.device = cfg, data, device
-        self.grid = make_grid(rank, world, cfg.pp, cfg.tp)
+        self.grid = make_grid(device.type, cfg.pp, cfg.tp)
         # Stages 0 and P−1 of one replica read the same blocks (inputs and targets).
         self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, self.grid.replica,
                                     self.grid.replicas, cfg.seed)
@@ -51,8 +52,8 @@ class PipelineRunner:
         self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
         full = build_model(self.shape, cfg.dropout)
         self.n_params = count_parameters(full)
-        self.module = GPT2Stage(full, self.grid.stage, self.grid.stages, self.grid.tp_rank, self.grid.tp,
-                                self.grid.tp_group).to(device)
+        tp_mesh = self.grid.mesh["tp"] if cfg.tp > 1 else None
+        self.module = GPT2Stage(full, self.grid.stage, self.grid.stages, tp_mesh).to(device)
         self.step = PipelineStep(cfg, self.grid, self.module, device)
         self.compressor = self.step.compressor
         tp_part = (lambda t: f"_tp{t}") if cfg.tp > 1 else (lambda t: "")

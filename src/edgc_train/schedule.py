@@ -13,6 +13,7 @@ from edgc.timing import Clock
 from .mesh import Grid
 from .stage import GPT2Stage, module_width, next_token_loss
 from .stage_sync import StageCompressor
+from .tensor_parallel import tp_squared_norm
 
 
 class BackwardTimer:
@@ -249,8 +250,6 @@ class PipelineStep:
         """torch's clip_grad_norm_ over the whole model: all stages and TP shards (the tied weight once)."""
         skip = self.module.lm_head.weight if (self.module.last and self.grid.stages > 1) else None
         if self.grid.tp > 1:  # shards summed over the TP group, replicated parameters counted once
-            from .tensor_parallel import tp_squared_norm
-
             squares = tp_squared_norm(self.module.parameters(), self.grid.tp_group, skip).to(self.device)
         else:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None and p is not skip]

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .tensor_parallel import parallelize_block
+
 
 def layer_split(n_layer: int, stages: int) -> list[range]:
     """Contiguous blocks per stage, as even as possible (earlier stages get the extra block)."""
@@ -22,17 +24,15 @@ def layer_split(n_layer: int, stages: int) -> list[range]:
 class GPT2Stage(nn.Module):
     """Stage s of a ``GPT2LMHeadModel``: [embeddings] → blocks → [final LayerNorm, LM head]."""
 
-    def __init__(self, model, stage: int, stages: int, tp_rank: int = 0, tp: int = 1, tp_group=None):
+    def __init__(self, model, stage: int, stages: int, tp_mesh=None):
         super().__init__()
         transformer = model.transformer
         self.first, self.last = stage == 0, stage == stages - 1
         if self.first:
             self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
         blocks = [transformer.h[i] for i in layer_split(len(transformer.h), stages)[stage]]
-        if tp > 1:
-            from .tensor_parallel import TPBlock
-
-            blocks = [TPBlock(block, tp_rank, tp, tp_group) for block in blocks]
+        if tp_mesh is not None:  # --tp: DTensor-sharded nn.Linear blocks (tensor_parallel.py)
+            blocks = [parallelize_block(block, tp_mesh) for block in blocks]
         self.h = nn.ModuleList(blocks)
         if self.last and self.first:  # one stage (--tp without --pp): the weight stays tied
             self.ln_f = transformer.ln_f

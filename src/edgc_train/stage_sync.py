@@ -11,11 +11,13 @@ import torch.distributed as dist
 
 import edgc
 from edgc.interstage import InterStageCompressor
+from edgc.mesh import local_tensor
 from edgc.pipeline import StageAligner
 
 from .compressors import METRIC_KEYS, Compressor
 from .mesh import Grid
 from .stage import GPT2Stage
+from .tensor_parallel import is_sharded
 
 
 class StageCompressor(Compressor):
@@ -28,15 +30,17 @@ class StageCompressor(Compressor):
         # The activation-gradient sender (every stage but the first) when --interstage is on.
         self.interstage = (InterStageCompressor(seed=cfg.seed)
                            if getattr(cfg, "interstage", "off") != "off" and grid.stage > 0 else None)
+        mesh = grid.mesh  # the library takes mesh dimensions where it takes process groups
         compress = name in ("powersgd", "edgc") or (name == "optimus-cc" and grid.stage < cfg.selective_stages)
         if not compress:
-            self.state: edgc.GradientReducer = edgc.AllReduceState(grid.dp_group, model=module)
+            self.state: edgc.GradientReducer = edgc.AllReduceState(mesh["dp_replicate"], model=module)
         elif name == "edgc":
-            self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(), model=module,
+            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config(), model=module,
                                         follower=grid.stage > 0, always_profile=grid.stages > 1)
-            self.aligner = StageAligner(self.state, grid.stage, grid.stages, grid.pp_group, tp_group=grid.tp_group)
+            self.aligner = StageAligner(self.state, grid.stage, grid.stages, mesh["pp"],
+                                        tp_group=mesh["tp"] if grid.tp > 1 else None)
         else:  # one static rank: on every stage (powersgd) or on the first k (optimus-cc)
-            self.state = edgc.EDGCState(grid.dp_group, cfg.edgc_config(), model=module)  # static for these two
+            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config(), model=module)  # static for these two
 
     def synchronize(self, backward_times: list[float]) -> float:
         start = time.perf_counter()
@@ -44,8 +48,6 @@ class StageCompressor(Compressor):
             # The compressor gets this rank's TP shards; replicated parameters (LayerNorms,
             # row-parallel biases, embeddings, LM head) are averaged raw, so the TP ranks' copies
             # stay identical whatever rank each TP rank's DP group chose.
-            from .tensor_parallel import is_sharded
-
             named = list(self.module.named_parameters())
             self.state.synchronize([(n, p) for n, p in named if is_sharded(p)])
             self.replicated_bytes = self._mean_raw([p for _, p in named if not is_sharded(p)])
@@ -60,7 +62,7 @@ class StageCompressor(Compressor):
 
     def _mean_raw(self, parameters: list) -> int:
         """Plain all-reduce-mean of these gradients over the DP group (one flat buffer); its bytes."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]  # a Replicate DTensor: its full copy
         if not grads:
             return 0
         flat = torch.cat([g.reshape(-1) for g in grads])

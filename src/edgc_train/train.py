@@ -120,7 +120,7 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     dist.barrier()
     ckpt.save_rank_files(tmp, rank, runner.sampler.state_dict(), runner.compressor.state_dict())
     if runner.saves_shard:  # one writer per model shard (the whole model, or one pipeline stage)
-        ckpt.save_model_shard(tmp, runner.shard, *shard_states(runner, optimizer))
+        ckpt.save_model_shard(tmp, runner.shard, *ckpt.model_and_optimizer_state(runner.module, optimizer))
     if rank == 0:
         trainer = {"step": step, "wall_s": wall_s, "world_size": world, "compressor": cfg.compressor,
                    "config": cfg.to_dict()}
@@ -129,21 +129,6 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     if rank == 0:
         ckpt.finalize(tmp, ckpt.step_dir(run_dir, step), world, runner.shards)
     dist.barrier()  # nobody runs ahead of a checkpoint that is not in place yet
-
-
-def shard_states(runner, optimizer) -> tuple[dict, dict]:
-    """The model and optimizer state this rank writes (FSDP's runner turns DTensors into local tensors)."""
-    if hasattr(runner, "shard_states"):
-        return runner.shard_states(optimizer)
-    return runner.module.state_dict(), optimizer.state_dict()
-
-
-def load_shard_states(runner, model_sd: dict, optimizer_sd: dict, optimizer) -> None:
-    if hasattr(runner, "load_shard_states"):
-        runner.load_shard_states(model_sd, optimizer_sd, optimizer)
-    else:
-        runner.module.load_state_dict(model_sd)
-        optimizer.load_state_dict(optimizer_sd)
 
 
 def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
@@ -193,8 +178,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if resume:
             ckpt_dir = ckpt.latest_checkpoint(run_dir)
             trainer = ckpt.verify(ckpt_dir, world)
-            load_shard_states(runner, ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
-                              ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device), optimizer)
+            ckpt.load_model_and_optimizer_state(runner.module, optimizer,
+                                                ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
+                                                ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device))
             scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
             mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
             runner.sampler.load_state_dict(mine["sampler"])
