@@ -173,7 +173,7 @@ class Communicator:
 _EXIT_BARRIERS: list = []  # referenced until the interpreter exits (see barrier_before_exit)
 
 
-def barrier_before_exit(group: dist.ProcessGroup | None = None) -> None:
+def barrier_before_exit(group=None) -> None:
     """Barrier to call once after the last step, before ``destroy_process_group``.
 
     Why: a gloo work keeps the issuing thread's state, which holds Python objects, so whoever
@@ -185,7 +185,7 @@ def barrier_before_exit(group: dist.ProcessGroup | None = None) -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    work = dist.barrier(group=group, async_op=True)
+    work = dist.barrier(group=as_process_group(group), async_op=True)
     work.wait()
     _EXIT_BARRIERS.append(work)
 

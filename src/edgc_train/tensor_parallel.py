@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 from edgc.mesh import local_tensor
 
@@ -24,8 +25,14 @@ from .linear_gpt2 import LinearGPT2Block
 
 
 def block_plan() -> dict:
-    """The sharding plan of one `LinearGPT2Block` (Megatron's: column-parallel in, row-parallel out)."""
-    return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+    """The sharding plan of one `LinearGPT2Block` (Megatron's: column-parallel in, row-parallel out).
+
+    The attention's input enters as one replicated DTensor (``PrepareModuleInput``, as torchtitan
+    does), so the gradients q, k and v send back to it are summed first and all-reduced once, not
+    once per projection."""
+    return {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=False),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
 
 
