@@ -21,7 +21,7 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     compressors.py  one DDP hook + state per compressor name
     checkpoint.py   atomic, verified checkpoints
     data.py         corpus → tokenizer → token arrays → resumable sampler
-    model.py        GPT-2 presets, built from a config (no download)
     config.py       `TrainConfig`: every knob of `edgc train`
+    model.py        GPT-2 presets, built from a config (no download)
     rendezvous.py   joining the process group under torchrun, across restarts
 """

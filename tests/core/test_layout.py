@@ -119,3 +119,12 @@ def test_the_readme_layout_names_every_module_under_its_package():
         missing = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
                          if p.name != "__init__.py" and f"`{p.name}`" not in bullet)
         assert not missing, f"README's layout bullet for src/{package.name}/ does not name {missing}"
+
+
+def test_the_harness_lists_its_modules_in_import_order():
+    """edgc_train's docstring promises that each module imports only modules listed below it."""
+    doc = ast.get_docstring(ast.parse((SRC / "edgc_train" / "__init__.py").read_text()))
+    position = {f"edgc_train.{m}": i for i, m in enumerate(re.findall(r"^\s+(\w+)\.py", doc, re.M))}
+    upward = [(m, dep) for m, i in position.items() for dep in imports_of(m, MODULES[m])
+              if position.get(dep, len(position)) < i]
+    assert not upward, upward
