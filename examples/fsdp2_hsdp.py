@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/fsdp2_hsdp.py        # 2 replicas × 2 shards
 
 Native HSDP would be ``fully_shard(module, mesh=mesh)`` on the 2-D mesh. With EDGC, shard on the
-mesh's "shard" dimension only and let EDGC do the replica all-reduce (the lines marked ``# EDGC``).
+mesh's "dp_shard" dimension only and let EDGC do the replica all-reduce (the lines marked ``# EDGC``).
 """
 import os
 
@@ -34,13 +34,13 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), Block(128), Block(128), nn.Linear(128, 8))
-    mesh = hsdp_mesh(SHARD)  # 2-D ("replicate", "shard") DeviceMesh
+    mesh = hsdp_mesh(SHARD)  # 2-D ("dp_replicate", "dp_shard") DeviceMesh
     for block in (model[1], model[2]):
-        fully_shard(block, mesh=mesh["shard"])  # EDGC: native HSDP would pass mesh=mesh
-    fully_shard(model, mesh=mesh["shard"])
+        fully_shard(block, mesh=mesh["dp_shard"])  # EDGC: native HSDP would pass mesh=mesh
+    fully_shard(model, mesh=mesh["dp_shard"])
     # EDGC: short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
     config = EDGCConfig(r_max=8, window=4, total_steps=STEPS, warmup_error_test=False)
-    state = EDGCState(mesh.get_group("replicate"), config)  # EDGC
+    state = EDGCState(mesh["dp_replicate"], config)  # EDGC
     register_fsdp_comm_hook(model, state)  # EDGC
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(rank)  # different data on every rank

@@ -19,8 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench table)
-from edgc_sim.calibrate import (LATENCY_SOURCES, NEW_STYLE, bench_link, calibrate_bench,  # noqa: E402
-                                find_bench_calibration, format_bench_calibration, load_run)
+from edgc_sim.bench_link import bench_link, find_bench_calibration  # noqa: E402
+from edgc_sim.calibrate import load_run  # noqa: E402
+from edgc_sim.calibrate_bench import LATENCY_SOURCES, NEW_STYLE, calibrate_bench  # noqa: E402
+from edgc_sim.calibration_tables import format_bench_calibration  # noqa: E402
 from edgc_sim.host import load_profile, measure_host  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,13 +42,13 @@ def worker(rank, world, variant, preset, steps, vocab, seq_len, batch):
     mesh = hsdp_mesh(2)
     torch.manual_seed(0)
     model = build_model(model_shape(preset, vocab, seq_len))
-    shard_mesh = mesh if variant == "native" else mesh["shard"]
+    shard_mesh = mesh if variant == "native" else mesh["dp_shard"]
     for block in model.transformer.h:
         fully_shard(block, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
     state = None
     if variant == "edgc":
-        state = EDGCState(mesh.get_group("replicate"),
+        state = EDGCState(mesh["dp_replicate"],
                           EDGCConfig(r_max=8, total_steps=steps, warmup_fraction=0.1, warmup_error_test=False,
                                      window=4))
         register_fsdp_comm_hook(model, state)

@@ -3,6 +3,26 @@
     from edgc import EDGCConfig, EDGCState, edgc_hook
     state = EDGCState(process_group=None, config=EDGCConfig(total_steps=10_000), model=ddp_model)
     ddp_model.register_comm_hook(state, edgc_hook)
+
+Modules:
+    config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass
+    state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
+    reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
+    lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
+    entropy.py      GDS, the gradient data sampler: cheap gradient-entropy estimates
+    rank_model.py   CQM: rank ↔ truncation error ↔ entropy
+    rank_control.py DAC's window controller: when to compress and at which rank
+    profiling.py    sync-time tables {rank → seconds}, the r_max rule
+    alignment.py    DAC stage alignment: per-stage ranks so all stages finish their sync together
+    pipeline.py     `StageAligner`: DAC across pipeline stages, one `EDGCState` per stage
+    interstage.py   low-rank activation gradients between pipeline stages, with error feedback
+    fsdp.py         EDGC as FSDP2/HSDP's replica all-reduce (`register_fsdp_comm_hook`)
+    mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, tp) every group comes from
+    comm.py         collectives over one process group (or a mesh dimension)
+    baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
+    timing.py       device-timeline timestamps, the library's only device→host reads
+    detached.py     what an unpickled state holds in place of its `Communicator`
+    integrations/   glue for training stacks (Lightning)
 """
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .comm import barrier_before_exit

@@ -27,6 +27,7 @@ from typing import Any, Generator
 import torch
 import torch.distributed as dist
 
+from .mesh import as_process_group
 from .timing import Clock
 from .timing import synchronize as synchronize  # re-exported: older imports use edgc.comm.synchronize
 
@@ -57,8 +58,8 @@ class Pending:
 
 
 class Communicator:
-    def __init__(self, process_group: dist.ProcessGroup | None = None):
-        self.group = process_group
+    def __init__(self, process_group=None):
+        process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0
@@ -172,7 +173,7 @@ class Communicator:
 _EXIT_BARRIERS: list = []  # referenced until the interpreter exits (see barrier_before_exit)
 
 
-def barrier_before_exit(group: dist.ProcessGroup | None = None) -> None:
+def barrier_before_exit(group=None) -> None:
     """Barrier to call once after the last step, before ``destroy_process_group``.
 
     Why: a gloo work keeps the issuing thread's state, which holds Python objects, so whoever
@@ -184,7 +185,7 @@ def barrier_before_exit(group: dist.ProcessGroup | None = None) -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    work = dist.barrier(group=group, async_op=True)
+    work = dist.barrier(group=as_process_group(group), async_op=True)
     work.wait()
     _EXIT_BARRIERS.append(work)
 

@@ -3,11 +3,11 @@
 HSDP shards parameters inside a host and replicates them across hosts; the all-reduce between
 replicas crosses the slow network, and that is the one EDGC compresses:
 
-    mesh = hsdp_mesh(shard_size)                        # 2-D ("replicate", "shard") DeviceMesh
+    mesh = hsdp_mesh(shard_size)                        # 2-D ("dp_replicate", "dp_shard") DeviceMesh
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["shard"])          # shard over the host only: FSDP, not native HSDP
-    fully_shard(model, mesh=mesh["shard"])
-    state = EDGCState(mesh.get_group("replicate"), EDGCConfig(total_steps=10_000))
+        fully_shard(block, mesh=mesh["dp_shard"])          # shard over the host only: FSDP, not native HSDP
+    fully_shard(model, mesh=mesh["dp_shard"])
+    state = EDGCState(mesh["dp_replicate"], EDGCConfig(total_steps=10_000))
     register_fsdp_comm_hook(model, state)               # the replica all-reduce, compressed
 
 FSDP2 reduce-scatters every parameter group over the shard dimension as usual; its all-reduce
@@ -38,23 +38,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from .mesh import init_parallel_mesh
 from .reducer import GradientReducer
 
 __all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout"]
 
 
 def hsdp_mesh(shard_size: int, device_type: str = "cpu") -> DeviceMesh:
-    """The 2-D ``("replicate", "shard")`` mesh over all ranks: consecutive ranks share a host.
+    """The 2-D ``("dp_replicate", "dp_shard")`` part of the run's mesh (`edgc.mesh.init_parallel_mesh`
+    with pp = tp = 1): consecutive ranks share a host.
 
-    Shard with ``mesh["shard"]``; the EDGC state takes ``mesh.get_group("replicate")``.
+    Shard with ``mesh["dp_shard"]``; the EDGC state takes ``mesh["dp_replicate"]``.
     """
     world = dist.get_world_size()
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"shard size {shard_size} must divide the world size {world}")
-    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    return init_parallel_mesh(device_type, dp_shard=shard_size)["dp_replicate", "dp_shard"]
 
 
 def _param_group(module: FSDPModule):
@@ -93,7 +95,7 @@ class FSDPCommHook:
             if group is None or not group.fsdp_params:
                 continue
             if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
-                raise ValueError("shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['shard']): on a 2-D mesh FSDP "
+                raise ValueError("shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
                                  "all-reduces over the replicas itself before any hook runs")
             layout = []
             for param, size, padded in shard_layout(group):
@@ -154,7 +156,7 @@ class FSDPCommHook:
 def register_fsdp_comm_hook(model: nn.Module, state: GradientReducer) -> FSDPCommHook:
     """Average the gradient shards of a `fully_shard`-ed model over ``state``'s process group.
 
-    ``model`` is sharded on the shard mesh dimension only (a 1-D mesh, e.g. ``hsdp_mesh(k)["shard"]``);
+    ``model`` is sharded on the shard mesh dimension only (a 1-D mesh, e.g. ``hsdp_mesh(k)["dp_shard"]``);
     ``state`` (an `EDGCState`, or `AllReduceState` for the uncompressed baseline) is built on the
     replicate group. Call once, before the first backward; returns a handle with ``remove()``.
     """

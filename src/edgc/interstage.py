@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .lowrank import orthogonalize_, stable_seed
+from .mesh import as_process_group
 
 HEADER = 3  # int64 values: rank, rows, columns
 HEADER_BYTES = HEADER * 8
@@ -168,7 +169,9 @@ def decompress(packet: Packet) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- the send/recv contract
 def send_gradient(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
-    """Non-blocking send of one packet; returns the works (wait on them before reusing buffers)."""
+    """Non-blocking send of one packet; returns the works (wait on them before reusing buffers).
+    ``group``: a process group or a 1-D mesh (``dst`` is a global rank either way)."""
+    group = as_process_group(group)
     n = packet.shape[-1]
     m = math.prod(packet.shape) // n
     header = torch.tensor([packet.rank, m, n], dtype=torch.int64, device=packet.payload.device)
@@ -183,6 +186,7 @@ def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float3
     ``mark`` (a timing hook, e.g. a clock stamp) is called once the header has arrived and once the
     payload has: the sender issues both right after compressing, so the span between the two calls
     is the payload's transfer, and what precedes the first is waiting for the sender."""
+    group = as_process_group(group)
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group, tag=tag)
     if mark is not None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .alignment import StageRank, StageTiming, align_stage_ranks
 from .comm import Communicator
+from .mesh import as_process_group
 from .profiling import SyncTimeTable, profile_candidates
 from .rank_control import COMPRESS, PHASES
 from .state import EDGCState
@@ -36,8 +37,7 @@ from .state import EDGCState
 
 class StageAligner:
     def __init__(self, state: EDGCState, stage: int, n_stages: int,
-                 pipeline_group: dist.ProcessGroup | None = None, granularity: int = 4,
-                 tp_group: dist.ProcessGroup | None = None):
+                 pipeline_group=None, granularity: int = 4, tp_group=None):
         if stage > 0 and not state.controller.follower:
             raise ValueError("stages after the first need EDGCState(..., follower=True)")
         if stage == 0 and state.controller.follower:
@@ -45,7 +45,7 @@ class StageAligner:
         self.state, self.stage, self.n_stages = state, stage, n_stages
         self.pipeline = Communicator(pipeline_group)
         self.granularity = granularity
-        self.tp_group = tp_group  # tensor parallelism: the TP ranks of a stage agree too
+        self.tp_group = as_process_group(tp_group)  # tensor parallelism: the TP ranks of a stage agree too
         self._candidates = profile_candidates(state.config.profile_max_rank)
         self._backward = [0.0, 0]  # seconds, micro-batches in this window
         self.last_plan: list[StageRank] | None = None  # the latest alignment, for metrics

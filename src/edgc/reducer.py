@@ -31,6 +31,7 @@ from torch import nn
 
 from .comm import FINISHES, ISSUES_MORE, Communicator, run_job
 from .lowrank import ReduceStats
+from .mesh import local_tensor
 from . import timing
 from .timing import Clock
 
@@ -51,7 +52,7 @@ class GradientReducer:
         self.step = 0  # optimizer steps completed
         parameters = named_parameters(model)
         self._names = {id(p): name for name, p in parameters}
-        self.parameter_shapes = {name: tuple(p.shape) for name, p in parameters}  # for checking loaded state
+        self.parameter_shapes = {name: tuple(local_tensor(p).shape) for name, p in parameters}  # for checking loaded state
         self.last_step_metrics: dict = {}
         self.totals = {"elements_raw": 0, "elements_sent": 0, "bytes_raw": 0, "bytes_sent": 0}
         self._in_step = False
@@ -113,7 +114,8 @@ class GradientReducer:
 
         Accepts ``model.parameters()`` or ``model.named_parameters()``. A parameter without a
         gradient counts as a zero gradient, as in DDP, so every rank sends the same tensors.
-        Blocking (the Megatron-style sync after backward: nothing left to overlap with).
+        Blocking (the Megatron-style sync after backward: nothing left to overlap with). A DTensor
+        parameter (tensor parallelism) is averaged shard by shard: this rank's local shard.
         """
         entries = list(parameters)
         if entries and isinstance(entries[0], tuple):
@@ -127,7 +129,7 @@ class GradientReducer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._begin_step()
-        self._start([n for n, _ in params_with_grad], [p.grad for _, p in params_with_grad], None, None)
+        self._start([n for n, _ in params_with_grad], [local_tensor(p.grad) for _, p in params_with_grad], None, None)
         self._finish_in_flight()
         self._end_step()
 

@@ -10,7 +10,7 @@ burst passes at once here too.
 
 ``SIZES_MB`` (what `edgc bench` measures) starts at 4 KiB: in a few seconds in all, the sizes pin
 the fixed cost of one collective (≤ 64 KiB) and the rate (≥ 4 MiB), the two numbers edgc_sim's link
-fit takes (edgc_sim.calibrate.fit_bench_link); 256 and 512 KiB show the tbf burst (the rows record
+fit takes (edgc_sim.bench_link.fit_bench_link); 256 and 512 KiB show the tbf burst (the rows record
 the burst the links were given). The low-rank methods pay the fixed cost a dozen times per step and
 send a few hundred KiB per collective, about one burst.
 

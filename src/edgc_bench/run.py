@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import calibrate
+from . import calibrate, table
 from .netns import Network
+from .run_folder import method_dir, read_run
 
 ALL_METHODS = ("none", "allreduce", "allreduce-blocking", "nosync", "fp16", "bf16", "powersgd@rmax", "powersgd@rmin",
                "torch-powersgd", "topk", "randomk", "qsgd8", "edgc")
@@ -164,13 +165,6 @@ def run_calibration(net: Network, s: BenchSettings, out: Path) -> list[dict]:
     return rows
 
 
-def read_run(run_dir: Path) -> dict:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    config = json.loads((run_dir / "config.json").read_text())
-    return {"train": [r for r in lines if r["kind"] == "train"], "eval": [r for r in lines if r["kind"] == "eval"],
-            "config": config}
-
-
 def edgc_r_max(run: dict) -> int | None:
     """EDGC compresses first at r_max (then only moves within [r_min, r_max]): its largest rank used."""
     ranks = [r["rank"] for r in run["train"] if r.get("rank")]
@@ -198,11 +192,11 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
             if method != "edgc" and ("@r" in method or method == "torch-powersgd") and r_max is None:
                 r_max = 8
                 notes.append("r_max was not profiled (EDGC not run or never compressed): static ranks use r_max = 8")
-            run_dir = out / "runs" / method.replace("@", "-")
+            run_dir = method_dir(out, method)
             argv = ["edgc_cli.main", "train", *train_args(s, method, run_dir, r_max)]
             say(f"[{time.time() - started:6.0f} s] {method}: edgc train {shlex.join(argv[2:])}")
             t0 = time.time()
-            codes = launch(net, s, argv, out / "runs" / f"{method.replace('@', '-')}.log", s.run_timeout_s)
+            codes = launch(net, s, argv, run_dir.parent / f"{run_dir.name}.log", s.run_timeout_s)
             if any(codes) or not (run_dir / "metrics.jsonl").exists():
                 notes.append(f"{method}: failed (exit codes {codes}); see runs/{method.replace('@', '-')}.log")
                 say(f"  {method} failed: exit codes {codes}")
@@ -220,8 +214,6 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
                "r_max": r_max, "notes": notes, "elapsed_s": time.time() - started,
                "load_start": load_start, "load_end": os.getloadavg(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
-    from . import table
-
     summary["rows"] = table.rows(results, r_max, s.pipeline)
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "bench.md").write_text(table.markdown(summary, results))

@@ -11,8 +11,11 @@ evaluations included) of the first evaluation whose loss is ≤ ``none``'s final
 """
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
+
+from .run_folder import method_dir, read_run
 
 TARGET_SLACK = 1.01
 UNTIMED = ("none", "nosync")  # methods whose logged comm time is 0 because nothing of ours ran
@@ -341,12 +344,8 @@ def plots(results: dict[str, dict], out: Path) -> None:
 
 def rewrite(out: Path) -> Path:
     """Re-render ``OUT/bench.md`` and the plots from a finished bench's results.json and run folders."""
-    import json
-
-    from .run import read_run
-
     summary = json.loads((out / "results.json").read_text())
-    results = {r["method"]: read_run(out / "runs" / r["method"].replace("@", "-")) for r in summary["rows"]}
+    results = {r["method"]: read_run(method_dir(out, r["method"])) for r in summary["rows"]}
     s = summary["settings"]
     summary["rows"] = rows(results, summary["r_max"], s.get("tp", 1) > 1 or s.get("pp", 1) > 1)
     (out / "bench.md").write_text(markdown(summary, results))

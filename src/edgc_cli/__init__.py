@@ -1,0 +1,5 @@
+"""The `edgc` console command.
+
+Modules:
+    main.py         one sub-command per tool, each registered lazily from its own package
+"""

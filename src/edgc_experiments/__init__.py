@@ -1,0 +1,13 @@
+"""`edgc experiment NAME`: each of EDGC's claims as one command that leaves plots, a summary and a number.
+
+Modules:
+    cli.py          `edgc experiment` flags and the experiment registry
+    common.py       output folders, the single-process training run, shared plotting
+    cqm.py          how conservative is the Marchenko–Pastur error model?
+    entropy_trend.py does gradient entropy fall and stabilise?
+    pareto.py       does the entropy-driven rank beat a fixed rank (loss against bytes)?
+    pure_dp.py      EDGC on pure data parallelism, on the emulated network
+    rank_sweep.py   which static ranks are safe and which pay?
+    sampling.py     does GDS keep the entropy trend at a fraction of the cost?
+    window.py       how long should the rank window be?
+"""

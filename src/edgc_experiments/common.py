@@ -147,7 +147,8 @@ def train_and_capture(setting: Setting, on_grads: GradCallback, every: int = 1,
 
     from edgc_train.data import BlockSampler, DataError, prepare_data
     from edgc_train.model import build_model, count_parameters, model_shape
-    from edgc_train.train import lr_lambda, make_optimizer, seed_everything
+    from edgc_train.runner import seed_everything
+    from edgc_train.train import lr_lambda, make_optimizer
 
     cfg = setting.train_config()
     try:

@@ -42,7 +42,8 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     from edgc.budget import spent_rank_steps
     from edgc_train.data import BlockSampler, prepare_data
     from edgc_train.model import build_model, model_shape
-    from edgc_train.train import lr_lambda, make_optimizer, seed_everything
+    from edgc_train.runner import seed_everything
+    from edgc_train.train import lr_lambda, make_optimizer
 
     torch.set_num_threads(1)
     cfg = setting.train_config(seed=seed)

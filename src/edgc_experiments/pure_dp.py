@@ -13,7 +13,7 @@ nearly free, so the bytes are the number to watch; `edgc bench` measures time on
 """
 from __future__ import annotations
 
-from edgc_train.report import format_schedule, load_run
+from edgc_train.report_runs import format_schedule, load_run
 
 from . import common
 from .common import markdown_table

@@ -11,7 +11,7 @@ bandwidth-limited comparison is `edgc bench`; the bytes column is what a real ne
 """
 from __future__ import annotations
 
-from edgc_train.report import load_run, run_stats
+from edgc_train.report_runs import load_run, run_stats
 
 from . import common
 from .common import fmt, markdown_table

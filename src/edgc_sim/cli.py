@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .calibrate import LATENCY_SOURCES
+from .calibrate_bench import LATENCY_SOURCES
 from .hardware import CLUSTERS, LINKS, cluster_with_inter_link
 from .interstage import InterStage
 from .iteration import IterationModel
@@ -199,8 +199,10 @@ def expand_bench_dirs(paths) -> list:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import (bench_link, calibrate, calibrate_bench, find_bench_calibration, format_bench_calibration,
-                            format_calibration, load_run, nominal_link)
+    from .bench_link import bench_link, find_bench_calibration, nominal_link
+    from .calibrate import calibrate, load_run
+    from .calibrate_bench import calibrate_bench
+    from .calibration_tables import format_bench_calibration, format_calibration
     from .host import load_profile, measure_host
 
     dirs = expand_bench_dirs(args.calibrate)

@@ -1,0 +1,27 @@
+"""The GPT-2 training harness behind `edgc train`, `edgc report` and `edgc demo`.
+
+Modules, top to bottom (each imports only modules listed below it, or the library):
+    cli.py          `edgc train` flags and config file → `TrainConfig` → (torchrun) → `train.train`
+    demo.py         `edgc demo` (`make run`): uncompressed vs EDGC on the tiny GPT-2, then the report
+    report_cli.py   `edgc report RUN_DIR …`
+    report.py       the report's markdown: summary table, rank schedules, setups
+    report_plots.py the report's plots, one function each
+    report_runs.py  run folders loaded for the report, their statistics and number formats
+    train.py        the training loop: runner → optimizer → resume → steps, logs, evals, checkpoints
+    fsdp.py         `--fsdp`: FSDP2 as HSDP, EDGC on the replica all-reduce
+    pipeline.py     `--pp/--tp`: this rank's stage, trained by the pipeline schedule
+    schedule.py     one optimizer step of a stage: 1F1B / GPipe over isend/irecv
+    stage_sync.py   a stage's gradient sync over its DP group, and the per-stage metrics
+    stage.py        one pipeline stage of GPT-2, and the loss
+    tensor_parallel.py  `--tp`: torch's DTensor plan (ColwiseParallel / RowwiseParallel) for a block
+    linear_gpt2.py  GPT-2 blocks with nn.Linear projections, loaded from HF's Conv1D
+    mesh.py         this rank's place in the run's DeviceMesh (`--pp/--tp`)
+    runner.py       the runner interface and the DDP runner
+    run_folder.py   a run folder's files: config.json, metrics.jsonl, comm traces, summary.json
+    compressors.py  one DDP hook + state per compressor name
+    checkpoint.py   atomic, verified checkpoints
+    data.py         corpus → tokenizer → token arrays → resumable sampler
+    config.py       `TrainConfig`: every knob of `edgc train`
+    model.py        GPT-2 presets, built from a config (no download)
+    rendezvous.py   joining the process group under torchrun, across restarts
+"""

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -196,3 +197,42 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a corrupt file to the user
         raise CheckpointError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- a rank's model and optimizer state
+def local_tensors(obj):
+    """``obj`` with every DTensor replaced by this rank's local tensor (plain tensors in the file, no mesh)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, dict):
+        return {k: local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_tensors(v) for v in obj)
+    return obj
+
+
+def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
+                              shape=like.shape, stride=like.stride(), run_check=False)
+
+
+def model_and_optimizer_state(module: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """What this rank writes: its model and optimizer state, DTensors (FSDP2 shards, tensor-parallel
+    shards) as their local tensors."""
+    return local_tensors(module.state_dict()), local_tensors(optimizer.state_dict())
+
+
+def load_model_and_optimizer_state(module: torch.nn.Module, optimizer, model_sd: dict, optimizer_sd: dict) -> None:
+    """The inverse of `model_and_optimizer_state`: local tensors copied into the parameters (their
+    DTensors' local shards), the optimizer's state wrapped back into its parameters' DTensors."""
+    with torch.no_grad():
+        for name, param in module.state_dict().items():
+            (param.to_local() if isinstance(param, DTensor) else param).copy_(model_sd[name])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entries in optimizer_sd["state"].items():
+        param = params[index]
+        state[index] = {key: _as_dtensor(value, param)
+                        if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, DTensor)
+                        else value for key, value in entries.items()}
+    optimizer.load_state_dict({**optimizer_sd, "state": state})

@@ -131,7 +131,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         return _restart(args, flags, world_size, stop_at)
     if args.resume is not None:
         from . import checkpoint as ckpt  # (imported here: torch takes seconds, a new run's checks need none)
-        from .train import config_from_run
+        from .run_folder import config_from_run
 
         if args.out is not None or args.config is not None:
             raise CLIError("--resume continues a run with its own config: do not combine it with --out or --config")
@@ -238,7 +238,7 @@ def _verified_trainer(latest: Path, world_size: int, flag: str) -> dict:
 def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: int | None):
     """--auto-resume on an existing --out: the same command again, so continue where it stopped."""
     from . import checkpoint as ckpt
-    from .train import config_from_run
+    from .run_folder import config_from_run
 
     run_dir = Path(args.out)
     cfg = _fresh_config(args, flags)

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def headline(result: dict, seconds: float) -> list[str]:
-    from .report import format_schedule
+    from .report_runs import format_schedule
 
     base, runs = result["baseline"], result["runs"]
     edgc = next(r for r in runs if r is not base)

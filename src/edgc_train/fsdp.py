@@ -10,7 +10,7 @@ against. Every rank reads its own data (FSDP is data parallel).
 
 Checkpoints: one model and optimizer file per shard index (``model_shard{s}.pt``), written by
 replica 0 of that shard, holding this shard's local tensors (plain tensors, no DTensor or mesh in
-the file); resume wraps them back into the parameters' DTensors. The compressor's state (error
+the file; `checkpoint.model_and_optimizer_state`); resume wraps them back into the parameters' DTensors. The compressor's state (error
 feedback per local shard, Q, schedule) is per rank as for DDP.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from .compressors import Compressor, EngineCompressor
 from .data import BlockSampler, val_batches
 from .model import build_model, count_parameters, model_shape
-from .train import DataParallelRunner
+from .rendezvous import dist_timeout
+from .runner import DataParallelRunner
 
 
 def shard_degree(cfg, world: int) -> int:
@@ -65,7 +65,7 @@ class NativeHSDP(Compressor):
 class FSDPCompressor(EngineCompressor):
     """``allreduce`` / ``powersgd`` / ``edgc`` on the replicate group, registered as FSDP's all-reduce hook."""
 
-    def __init__(self, name: str, model, config, replicate_group):
+    def __init__(self, name: str, model, config, replicate_group):  # a group or a mesh dimension
         import edgc
         from edgc.fsdp import register_fsdp_comm_hook
 
@@ -77,31 +77,16 @@ class FSDPCompressor(EngineCompressor):
         self.hook = register_fsdp_comm_hook(model, self.state)
 
 
-def local_tensors(obj):
-    """``obj`` with every DTensor replaced by this rank's local tensor (for a checkpoint file)."""
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, dict):
-        return {k: local_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(local_tensors(v) for v in obj)
-    return obj
-
-
-def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
-                              shape=like.shape, stride=like.stride(), run_check=False)
-
-
 class FSDPRunner(DataParallelRunner):
-    """`train.DataParallelRunner` for HSDP: its training step, with FSDP's own sync switch."""
+    """`runner.DataParallelRunner` for HSDP: its training step, with FSDP's own sync switch."""
 
     def __init__(self, cfg, data, rank: int, world: int, local_rank: int, device: torch.device):
-        from edgc.fsdp import hsdp_mesh
+        from edgc.mesh import init_parallel_mesh
 
         self.cfg, self.data, self.rank, self.world, self.device = cfg, data, rank, world, device
         shard = shard_degree(cfg, world)
-        self.mesh = hsdp_mesh(shard, device.type)
+        # the run's mesh (pp = tp = 1); its (dp_replicate, dp_shard) part is HSDP's
+        self.mesh = init_parallel_mesh(device.type, dp_shard=shard, timeout=dist_timeout())["dp_replicate", "dp_shard"]
         self.replicas = world // shard
         self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
         torch.manual_seed(cfg.seed)  # the same full model on every rank before sharding
@@ -111,19 +96,19 @@ class FSDPRunner(DataParallelRunner):
         # none: HSDP on the 2-D mesh, FSDP's own replica all-reduce. Otherwise the model is sharded
         # on the shard dimension only and the hook averages over the replicate group.
         native = cfg.compressor == "none"
-        mesh = self.mesh if native else self.mesh["shard"]
+        mesh = self.mesh if native else self.mesh["dp_shard"]
         for block in self.module.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(self.module, mesh=mesh)
-        self.dp_group = self.mesh.get_group("replicate")
+        self.dp_group = self.mesh.get_group("dp_replicate")
         if native:
             self.compressor = NativeHSDP(self.module)
         else:
             edgc_config = cfg.edgc_config() if cfg.compressor != "allreduce" else None
-            self.compressor = FSDPCompressor(cfg.compressor, self.module, edgc_config, self.dp_group)
-        shard_index = self.mesh["shard"].get_local_rank()
+            self.compressor = FSDPCompressor(cfg.compressor, self.module, edgc_config, self.mesh["dp_replicate"])
+        shard_index = self.mesh["dp_shard"].get_local_rank()
         self.shard = f"_shard{shard_index}"
-        self.saves_shard = self.mesh["replicate"].get_local_rank() == 0
+        self.saves_shard = self.mesh["dp_replicate"].get_local_rank() == 0
         self.shards = tuple(f"_shard{s}" for s in range(shard))
         self.ddp = self.module  # what train_step runs forward through
         self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
@@ -135,7 +120,7 @@ class FSDPRunner(DataParallelRunner):
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """As `train.evaluate`, but every rank runs the same number of forwards (FSDP all-gathers
+        """As `runner.evaluate`, but every rank runs the same number of forwards (FSDP all-gathers
         in each): a rank with fewer validation blocks repeats its last batch and does not count it."""
         cfg, model = self.cfg, self.module
         model.eval()
@@ -153,25 +138,3 @@ class FSDPRunner(DataParallelRunner):
         dist.all_reduce(totals)
         model.train()
         return (totals[0] / totals[1]).item()
-
-    # ------------------------------------------------------------------ checkpoints
-    def shard_states(self, optimizer) -> tuple[dict, dict]:
-        """This shard's model and optimizer state as plain local tensors."""
-        return local_tensors(self.module.state_dict()), local_tensors(optimizer.state_dict())
-
-    def load_shard_states(self, model_sd: dict, optimizer_sd: dict, optimizer) -> None:
-        with torch.no_grad():
-            for name, param in self.module.state_dict().items():
-                param.to_local().copy_(model_sd[name]) if isinstance(param, DTensor) else param.copy_(model_sd[name])
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {}
-        for index, entries in optimizer_sd["state"].items():
-            param = params[index]
-            state[index] = {key: as_dtensor(value, param)
-                            if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, DTensor)
-                            else value for key, value in entries.items()}
-        optimizer.load_state_dict({**optimizer_sd, "state": state})
-
-    def local_parameters(self) -> dict:
-        """Local shards, for the replica digest before a checkpoint."""
-        return local_tensors(self.module.state_dict())

@@ -31,7 +31,7 @@ JOIN_GRACE_S = 30
 
 def dist_timeout() -> timedelta:
     """The timeout of every process group we create: ``EDGC_DIST_TIMEOUT`` seconds (default 120), not
-    the backend's default (30 min for gloo, also for ``new_group`` without a timeout)."""
+    the backend's default (30 min for gloo, also for the groups a DeviceMesh builds without one)."""
     return timedelta(seconds=int(os.environ.get("EDGC_DIST_TIMEOUT", 120)))
 
 

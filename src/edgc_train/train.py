@@ -20,36 +20,25 @@ Timing, per optimizer step (all in seconds, wall clock on this rank, rank 0 is l
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import math
 import os
-import random
 import shutil
 import socket
-import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from edgc.comm import barrier_before_exit
 
 from . import checkpoint as ckpt
-from .compressors import build as build_compressor
-from .compressors import ddp_kwargs
 from .config import TrainConfig
-from .data import BlockSampler, prepare_data, val_batches
-from .model import build_model, count_parameters, model_shape
+from .data import prepare_data
 from .rendezvous import dist_timeout, join_process_group
-
-# Fields of config.json beyond TrainConfig's own (the report tool reads these).
-RUN_FORMAT = 1
+from .run_folder import CommTrace, MetricsLog, write_run_config, write_summary
+from .runner import DataParallelRunner, seed_everything
 
 
 def free_port() -> int:
@@ -82,12 +71,6 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     return rank, world, local_rank, device
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def lr_lambda(cfg: TrainConfig):
     """Linear warm-up to 1, then cosine down to ``min_lr_ratio`` at the last step (a multiplier of lr)."""
     warmup, total, floor = cfg.resolved_warmup_steps, cfg.steps, cfg.min_lr_ratio
@@ -107,93 +90,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-
-
-def open_step_log(path: Path, resume_step: int | None):
-    """Open a per-step JSON-lines log for appending: truncated on a fresh run, and on resume cut
-    back to the checkpoint (lines after it belong to steps that will be run again)."""
-    if resume_step is None:
-        path.unlink(missing_ok=True)
-    elif path.exists():
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step]
-        ckpt.atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
-    return open(path, "a")
-
-
-class CommTrace:
-    """``comm_trace/rank{R}.jsonl`` on every rank: each DP collective's seconds per step, in issue
-    order. Rank 0's ``comm_time_s`` includes waiting for slower peers; the last rank to reach a
-    collective waits for nobody, so the minimum over ranks of each collective is its time on the
-    link (``edgc simulate --calibrate`` compares the α–β model with that)."""
-
-    def __init__(self, run_dir: Path, rank: int, enabled: bool, resume_step: int | None):
-        self.path = run_dir / "comm_trace" / f"rank{rank}.jsonl" if enabled else None
-        self.resume_step, self.f = resume_step, None
-
-    def write(self, step: int, durations) -> None:
-        if self.path is None:
-            return
-        if self.f is None:  # opened at the first step's end: by then rank 0 has created the run folder
-            self.path.parent.mkdir(exist_ok=True)
-            self.f = open_step_log(self.path, self.resume_step)
-        self.f.write(json.dumps({"step": step, "collective_s": list(durations or [])}) + "\n")
-        self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-
-
-class MetricsLog:
-    """``metrics.jsonl`` (flushed per line) and optionally TensorBoard; rank 0 only."""
-
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, resume_step: int | None):
-        self.enabled, self.tb, self.f = enabled, None, None
-        if not enabled:
-            return
-        self.f = open_step_log(run_dir / "metrics.jsonl", resume_step)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=(resume_step + 1) if resume_step else None)
-            except ImportError:  # tensorboard is optional
-                self.tb = None
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.f.write(json.dumps(record) + "\n")
-        self.f.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "rank"):
-                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-                elif key == "rank" and value is not None:
-                    self.tb.add_scalar(f"{record['kind']}/rank", value, record["step"])
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-        if self.tb is not None:
-            self.tb.close()
-        self.f = self.tb = None
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> float:
-    """Mean next-token loss over the fixed validation blocks, averaged over all ranks' tokens."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, tokens)
-    for x, y in val_batches(data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches, rank, world):
-        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-        logits = model(input_ids=x).logits
-        totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
-        totals[1] += y.numel()
-    dist.all_reduce(totals)
-    model.train()
-    return (totals[0] / totals[1]).item()
 
 
 def verify_replicas(module: torch.nn.Module, group) -> None:
@@ -224,7 +120,7 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     dist.barrier()
     ckpt.save_rank_files(tmp, rank, runner.sampler.state_dict(), runner.compressor.state_dict())
     if runner.saves_shard:  # one writer per model shard (the whole model, or one pipeline stage)
-        ckpt.save_model_shard(tmp, runner.shard, *shard_states(runner, optimizer))
+        ckpt.save_model_shard(tmp, runner.shard, *ckpt.model_and_optimizer_state(runner.module, optimizer))
     if rank == 0:
         trainer = {"step": step, "wall_s": wall_s, "world_size": world, "compressor": cfg.compressor,
                    "config": cfg.to_dict()}
@@ -233,76 +129,6 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     if rank == 0:
         ckpt.finalize(tmp, ckpt.step_dir(run_dir, step), world, runner.shards)
     dist.barrier()  # nobody runs ahead of a checkpoint that is not in place yet
-
-
-def shard_states(runner, optimizer) -> tuple[dict, dict]:
-    """The model and optimizer state this rank writes (FSDP's runner turns DTensors into local tensors)."""
-    if hasattr(runner, "shard_states"):
-        return runner.shard_states(optimizer)
-    return runner.module.state_dict(), optimizer.state_dict()
-
-
-def load_shard_states(runner, model_sd: dict, optimizer_sd: dict, optimizer) -> None:
-    if hasattr(runner, "load_shard_states"):
-        runner.load_shard_states(model_sd, optimizer_sd, optimizer)
-    else:
-        runner.module.load_state_dict(model_sd)
-        optimizer.load_state_dict(optimizer_sd)
-
-
-class DataParallelRunner:
-    """The whole model on every rank, wrapped in DDP; gradients synchronised by the compressor's hook.
-
-    The runner interface (shared with `pipeline.PipelineRunner`): ``module`` (the parameters this
-    rank trains), ``compressor``, ``sampler``, ``train_step()``, ``mean_loss()``, ``evaluate()``,
-    the checkpoint shard this rank writes (``shard``, ``saves_shard``, ``shards``) and the group of
-    its data-parallel replicas (``dp_group``, None = all ranks).
-    """
-
-    def __init__(self, cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
-        self.cfg, self.data, self.rank, self.world, self.device = cfg, data, rank, world, device
-        self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
-        seed_everything(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
-        self.module = build_model(self.shape, cfg.dropout).to(device)
-        self.n_params = count_parameters(self.module)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(
-            self.module, device_ids=[local_rank] if device.type == "cuda" else None, **ddp_kwargs(cfg.compressor))
-        self.compressor = build_compressor(cfg.compressor, self.ddp, cfg)
-        self.shard, self.saves_shard, self.shards = "", rank == 0, ("",)
-        self.dp_group = None  # every rank is a replica
-        self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
-
-    def train_step(self) -> tuple[float, dict]:
-        """Forward/backward over grad_accum micro-batches (synchronised on the last), then clip.
-        Returns this rank's mean micro-batch loss and extra metrics for the train line."""
-        cfg, loss_sum = self.cfg, 0.0
-        for micro in range(cfg.grad_accum):
-            x, y = self.sampler.next_batch()
-            x, y = torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
-            # Gradients are synchronised (the hook runs) only on the last micro-batch.
-            with self.sync_context(micro == cfg.grad_accum - 1):
-                logits = self.ddp(input_ids=x).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                (loss / cfg.grad_accum).backward()
-            loss_sum += loss.item()
-        self.compressor.after_backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.grad_clip)
-        return loss_sum / cfg.grad_accum, {}
-
-    def sync_context(self, sync: bool):
-        """Where the micro-batch's backward runs: with or without the gradient sync."""
-        return contextlib.nullcontext() if sync else self.ddp.no_sync()
-
-    def mean_loss(self, local: float | None) -> float:
-        """The logged loss: the mean over all ranks' micro-batches (one scalar all-reduce, untimed)."""
-        loss = torch.tensor([local], dtype=torch.float64, device=self.device)
-        dist.all_reduce(loss)
-        return loss.item() / self.world
-
-    def evaluate(self) -> float:
-        return evaluate(self.module, self.data, self.cfg, self.rank, self.world, self.device)
 
 
 def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
@@ -352,8 +178,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if resume:
             ckpt_dir = ckpt.latest_checkpoint(run_dir)
             trainer = ckpt.verify(ckpt_dir, world)
-            load_shard_states(runner, ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
-                              ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device), optimizer)
+            ckpt.load_model_and_optimizer_state(runner.module, optimizer,
+                                                ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
+                                                ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device))
             scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
             mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
             runner.sampler.load_state_dict(mine["sampler"])
@@ -474,53 +301,3 @@ def tell_profiling_verdict(compressor, step: int, metrics, log) -> bool:
     return True
 
 
-def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device,
-                     tokens_per_step: int) -> None:
-    """``config.json``: the resolved TrainConfig plus what the run derived (contract for `edgc report`)."""
-    resolved = cfg.to_dict()
-    edgc_cfg = cfg.edgc_config() if cfg.uses_edgc_config else None
-    resolved.update({
-        "edgc": edgc_cfg.to_dict() if edgc_cfg is not None else None,  # the EDGCConfig actually used
-        "edgc_overrides": cfg.edgc,  # what the user set; `--resume` rebuilds the config from this
-        "format": RUN_FORMAT, "n_params": n_params, "world_size": world, "model": shape,
-        "vocab_size_actual": data.vocab_size, "warmup_steps_resolved": cfg.resolved_warmup_steps,
-        "tokens_per_step": tokens_per_step,
-        "data_cache": str(data.dir), "train_tokens": data.meta["train_tokens"], "val_tokens": data.meta["val_tokens"],
-        "device_type": device.type, "torch": torch.__version__,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    })
-    ckpt.atomic_write_json(run_dir / "config.json", resolved)
-
-
-def config_from_run(run_dir: Path) -> TrainConfig:
-    """Rebuild the TrainConfig of an existing run from its ``config.json``."""
-    values = json.loads((run_dir / "config.json").read_text())
-    fields = set(TrainConfig.__dataclass_fields__)
-    values["edgc"] = values.get("edgc_overrides") or {}
-    return TrainConfig.from_dict({k: v for k, v in values.items() if k in fields})
-
-
-def write_summary(run_dir: Path) -> dict:
-    """``summary.json`` from the whole ``metrics.jsonl`` (so a resumed run summarises all its steps)."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train_lines = [r for r in lines if r["kind"] == "train"]
-    last_eval = [r for r in lines if r["kind"] == "eval"][-1]
-    summary = {
-        "steps": train_lines[-1]["step"], "wall_s": train_lines[-1]["wall_s"],
-        "final_loss": train_lines[-1]["loss"], "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
-        "median_step_time_s": statistics.median(r["step_time_s"] for r in train_lines),
-        "median_comm_time_s": statistics.median(r["comm_time_s"] for r in train_lines),
-        # the part of the step spent waiting on collectives (comm_time_s sums overlapping spans)
-        "median_comm_wait_s": statistics.median(r.get("comm_wait_s", r["comm_time_s"]) for r in train_lines),
-        "median_compress_time_s": statistics.median(r["compress_time_s"] for r in train_lines),
-        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_lines),
-        "bytes_sent": sum(r["bytes_sent"] for r in train_lines), "bytes_raw": sum(r["bytes_raw"] for r in train_lines),
-        "compression_notice": next((r for r in reversed(lines) if r["kind"] == "notice"), None),
-        # The byte budget (EDGCConfig.rank_budget) and the mean rank the run actually spent on it.
-        "rank_budget": train_lines[-1].get("rank_budget"), "mean_rank": train_lines[-1].get("mean_rank"),
-        "rank_decisions": sum(1 for r in lines if r["kind"] == "decision"),
-        "rank_changes": sum(1 for r in lines if r["kind"] == "decision" and r["rank"] != r["old_rank"]),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    ckpt.atomic_write_json(run_dir / "summary.json", summary)
-    return summary

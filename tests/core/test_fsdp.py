@@ -58,14 +58,14 @@ def batch(rank, step):
 def build(mesh, native, config, dtype=torch.float32, mp_policy=None):
     torch.manual_seed(0)
     model = Tiny().to(dtype)
-    shard_mesh = mesh if native else mesh["shard"]
+    shard_mesh = mesh if native else mesh["dp_shard"]
     kwargs = {"mesh": shard_mesh, **({"mp_policy": mp_policy} if mp_policy else {})}
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     state = None
     if not native:
-        group = mesh.get_group("replicate")
+        group = mesh.get_group("dp_replicate")
         state = EDGCState(group, EDGCConfig(**config)) if config is not None else AllReduceState(group)
         register_fsdp_comm_hook(model, state)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -91,8 +91,8 @@ def local_shards(model):
 def replicas_identical(model, mesh):
     """Every rank's shards equal its replica's (gathered over the replicate group), bit for bit."""
     mine = local_shards(model)
-    gathered = [torch.empty_like(mine) for _ in range(mesh["replicate"].size())]
-    dist.all_gather(gathered, mine, group=mesh.get_group("replicate"))
+    gathered = [torch.empty_like(mine) for _ in range(mesh["dp_replicate"].size())]
+    dist.all_gather(gathered, mine, group=mesh.get_group("dp_replicate"))
     return all(torch.equal(g, mine) for g in gathered)
 
 
@@ -151,7 +151,7 @@ def training_worker(rank, world_size):
 def conservation_worker(rank, world_size):
     """float64: Ĝ + mean(e_new) = mean(G + e_old) per shard, over the replicate group."""
     mesh = hsdp_mesh(2)
-    group = mesh.get_group("replicate")
+    group = mesh.get_group("dp_replicate")
     model, state, opt = build(mesh, False, {**COMPRESS, "adaptive": False}, dtype=torch.float64)
     worst = []
     original = state.reduce_tensors

@@ -1,4 +1,5 @@
-"""Every script in examples/ runs on CPU (2 processes; the HSDP one 4), and its EDGC hook really ran.
+"""Every script in examples/ runs on CPU (2 processes; the HSDP one 4), and its EDGC hook really ran
+(llama_tp_dp.py, TP × DP against one process, has its own test: test_llama_tp_dp.py).
 
 Each example prints ``[rank R] edgc: step S phase P rank r sent B of RAW bytes`` from its last
 optimizer step: both ranks must report the last step (the hook counted every sync), the

@@ -18,7 +18,9 @@ import pytest
 
 from edgc_cli.main import main as edgc_main
 from edgc_train import demo
-from edgc_train.report import PLOTS, ReportError, build_report, load_run
+from edgc_train.report import build_report
+from edgc_train.report_plots import PLOTS
+from edgc_train.report_runs import ReportError, load_run
 
 PARAMS = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.0.ln_1.bias"]
 RAW_BYTES = 17_094_656

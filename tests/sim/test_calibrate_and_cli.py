@@ -5,7 +5,8 @@ import time
 import pytest
 
 from edgc_cli.main import main
-from edgc_sim.calibrate import calibrate, format_calibration, host_model, load_run
+from edgc_sim.calibrate import calibrate, host_model, load_run
+from edgc_sim.calibration_tables import format_calibration
 from edgc_sim.hardware import DeviceSpec, LinkSpec
 from edgc_sim.host import fit_alpha_beta, load_profile, measure_host, save_profile
 

@@ -7,9 +7,11 @@ from dataclasses import replace
 import pytest
 
 from edgc_cli.main import main
-from edgc_sim.calibrate import (BenchLink, bench_link, calibrate_bench, compress_model, find_bench_calibration,
-                                fit_bench_link, format_bench_calibration, link_times, load_run, nominal_link,
-                                step_payloads, wire_parts, wire_time)
+from edgc_sim.bench_link import BenchLink, bench_link, find_bench_calibration, fit_bench_link, nominal_link
+from edgc_sim.calibrate import link_times, load_run
+from edgc_sim.calibrate_bench import calibrate_bench
+from edgc_sim.calibration_tables import format_bench_calibration
+from edgc_sim.step_model import compress_model, step_payloads, wire_parts, wire_time
 from edgc_sim.collectives import ddp_buckets, gpt2_gradient_shapes, step_collectives
 from edgc_sim.hardware import DeviceSpec
 from edgc_sim.presets import ModelSpec
@@ -285,7 +287,7 @@ def test_median_interval_brackets_the_median_and_narrows_with_more_steps():
     import random
     import statistics
 
-    from edgc_sim.calibrate import median_interval
+    from edgc_sim.step_model import median_interval
 
     rng = random.Random(3)
     few = [rng.uniform(0.01, 0.25) for _ in range(20)]
@@ -299,7 +301,7 @@ def test_median_interval_brackets_the_median_and_narrows_with_more_steps():
 
 # ---------------------------------------------------------------------------------- issue-15 folders
 def test_step_timeline_overlaps_all_but_the_tail():
-    from edgc_sim.calibrate import OTHER_SHARE, step_timeline
+    from edgc_sim.step_model import OTHER_SHARE, step_timeline
 
     compute, compress, values = 1.0, 0.3, [1, 2, 2, 2, 1]
     before = compute * (1 - OTHER_SHARE)
@@ -329,7 +331,7 @@ def test_step_timeline_overlaps_all_but_the_tail():
 def write_bench15(tmp_path):
     """An issue-15 bench folder (none = DDP native, nosync, allreduce, allreduce-blocking, powersgd)
     whose step times follow the model exactly."""
-    from edgc_sim.calibrate import OTHER_SHARE, payload_groups, step_timeline
+    from edgc_sim.step_model import OTHER_SHARE, payload_groups, step_timeline
     from edgc_sim.collectives import bucket_values
     from edgc_sim.calibrate import harness_model
 

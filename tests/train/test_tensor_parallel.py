@@ -1,4 +1,4 @@
-"""`edgc train --tp`: Megatron-style tensor parallelism, alone and in TP × PP × DP.
+"""`edgc train --tp`: tensor parallelism through DTensor, alone and in TP × PP × DP.
 
 Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step):
   tp3d   `--tp 2 --pp 2 --nproc 8` (TP2 × PP2 × DP2), compression off, 5 steps;  solo  the same data in 1 process
@@ -35,9 +35,9 @@ def test_tp2_dp2_with_edgc_keeps_replicas_identical_and_the_loss_falls(tmp_path,
     # digests (train.verify_replicas); the replicated parameters are identical across TP ranks too.
     step = run / "checkpoints" / "step_000012"
     shards = [torch.load(step / f"model_stage0_tp{t}.pt", map_location="cpu", weights_only=True) for t in (0, 1)]
-    replicated = [k for k in shards[0] if "ln_" in k or k.endswith("proj_bias") or k.startswith(("wte", "wpe"))]
+    replicated = [k for k in shards[0] if "ln_" in k or k.endswith("proj.bias") or k.startswith(("wte", "wpe"))]
     assert replicated and all(torch.equal(shards[0][k], shards[1][k]) for k in replicated)
-    sharded = [k for k in shards[0] if k.endswith("qkv_weight")]
+    sharded = [k for k in shards[0] if k.endswith("attn.q.weight")]
     assert sharded and not torch.equal(shards[0][sharded[0]], shards[1][sharded[0]])
     losses = [r["loss"] for r in train]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1

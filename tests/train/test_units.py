@@ -236,7 +236,7 @@ def test_model_overrides_and_checks():
 
 
 def test_resume_drops_metric_lines_after_the_checkpoint(tmp_path):
-    from edgc_train.train import MetricsLog
+    from edgc_train.run_folder import MetricsLog
 
     lines = [{"kind": "train", "step": s} for s in range(1, 7)] + [{"kind": "eval", "step": 5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))

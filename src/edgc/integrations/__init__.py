@@ -1,12 +1,7 @@
 """Glue for training stacks: register an edgc hook wherever a DDP model is built for you.
 
-- Plain DDP / HF transformers / HF Accelerate: ``register_edgc(ddp_model, EDGCConfig(...))`` on
-  the DistributedDataParallel model (for Accelerate: the model ``accelerator.prepare`` returned).
-- Lightning: ``Trainer(strategy=EDGCDDPStrategy(EDGCConfig(...)))`` from
-  ``edgc.integrations.lightning`` (Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers
-  nothing unless the device is CUDA).
-
-Nothing here imports Lightning or Accelerate; ``import edgc`` never needs them.
+Modules:
+    lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook
 """
 from __future__ import annotations
 

@@ -1,0 +1,101 @@
+"""The one `DeviceMesh` of a run: every process group of a 3D-parallel job comes from it.
+
+    mesh = init_parallel_mesh("cuda", pp=2, tp=2)                 # dp_replicate = the rest of the world
+    parallelize_module(block, mesh["tp"], plan)                    # DTensor tensor parallelism
+    fully_shard(model, mesh=mesh["dp_shard"])                      # FSDP2 on the shard dimension
+    state = EDGCState(mesh["dp_replicate"], EDGCConfig(...))       # EDGC over the replicas
+    aligner = StageAligner(state, stage, stages, mesh["pp"], tp_group=mesh["tp"])
+
+Dimensions ``MESH_DIMS`` = (dp_replicate, pp, dp_shard, tp), as torchtitan names them; any may be 1.
+The order is the rank layout, outermost first: TP ranks are consecutive, then the FSDP shards, then
+the pipeline stages, so a host (``torchrun --nproc_per_node pp·dp_shard·tp``) holds whole pipelines
+and the replicas, whose gradient all-reduce EDGC compresses, are on different hosts. (torchtitan
+puts pp outermost, with pipelines across hosts; here the slow link is the replicas'.)
+
+Wherever the library takes a process group it also takes a 1-D mesh (a dimension such as
+``mesh["dp_replicate"]``), resolved by `as_process_group`. The mesh has no dimension for the tied
+embedding of a pipeline (stage 0 and stage P−1 of one pipeline): `pipeline_ends_group` builds it,
+the one place in the code that calls ``new_group``.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["MESH_DIMS", "init_parallel_mesh", "as_process_group", "pipeline_ends_group", "local_tensor"]
+
+MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "tp")
+
+
+def _backend_options(timeout: timedelta | None) -> dict | None:
+    """Per-dimension backend options carrying ``timeout`` (the mesh's groups otherwise get c10d's
+    default, 30 minutes on gloo, instead of the default group's)."""
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:  # another backend: its own default timeout
+        return None
+    options._timeout = timeout
+    return {name: (backend, options) for name in MESH_DIMS}
+
+
+def init_parallel_mesh(device_type: str = "cpu", *, pp: int = 1, dp_shard: int = 1, tp: int = 1,
+                       dp_replicate: int | None = None, timeout: timedelta | None = None) -> DeviceMesh:
+    """The 4-D mesh ``MESH_DIMS`` over all ranks; ``dp_replicate`` defaults to the rest of the world.
+
+    Collective: every rank calls it with the same arguments. ``timeout`` applies to every group."""
+    world = dist.get_world_size()
+    inner = pp * dp_shard * tp
+    if min(pp, dp_shard, tp) < 1 or world % inner:
+        raise ValueError(f"mesh: pp {pp} × dp_shard {dp_shard} × tp {tp} must divide the world size {world}")
+    if dp_replicate is None:
+        dp_replicate = world // inner
+    if dp_replicate * inner != world:
+        raise ValueError(f"mesh: dp_replicate {dp_replicate} × pp {pp} × dp_shard {dp_shard} × tp {tp} "
+                         f"is not the world size {world}")
+    return init_device_mesh(device_type, (dp_replicate, pp, dp_shard, tp), mesh_dim_names=MESH_DIMS,
+                            backend_override=_backend_options(timeout))
+
+
+def as_process_group(group):
+    """The process group for what the library accepts in its place: a group, None (the default
+    group), or a 1-D `DeviceMesh`, e.g. ``mesh["dp_replicate"]``."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a {group.ndim}-D mesh ({group.mesh_dim_names}) is not one group: pass one "
+                             "dimension, e.g. mesh['dp_replicate']")
+        return group.get_group()
+    return group
+
+
+def pipeline_ends_group(mesh: DeviceMesh, dim: str = "pp", timeout: timedelta | None = None):
+    """The group of the first and the last rank along ``dim`` through this rank (stage 0 and stage
+    P−1 of one pipeline: the copies of a tied embedding); None on the ranks in between and when
+    ``dim`` has size 1. With 2 stages it is the ``dim`` group itself. Collective over all ranks."""
+    size = mesh.size(mesh.mesh_dim_names.index(dim))
+    if size == 1:
+        return None
+    if size == 2:
+        return mesh.get_group(dim)
+    axis = mesh.mesh_dim_names.index(dim)
+    pairs = mesh.mesh.movedim(axis, -1).reshape(-1, size)[:, [0, size - 1]].tolist()
+    rank, mine = dist.get_rank(), None
+    for pair in pairs:  # every rank creates every group, in the same order
+        group = dist.new_group(pair, timeout=timeout)
+        if rank in pair:
+            mine = group
+    return mine
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writing it writes the DTensor), or the tensor itself.
+    EDGC compresses a tensor-parallel parameter's gradient shard by shard, each over its DP group."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,130 @@
+"""The source tree's shape: no import circles, every package's docstring names its modules, and one
+place builds process groups by hand. Read from the source with `ast` (nothing is imported)."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in SRC.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """The src modules ``name`` imports anywhere in its body (function-level imports included).
+
+    ``from pkg import x`` counts as importing the module ``pkg.x`` when that is a module, else
+    ``pkg``; the implicit import of a module's parent packages does not count."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in MODULES}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in MODULES:
+                    found.add(f"{source}.{alias.name}")
+                elif source in MODULES:
+                    found.add(source)
+    found.discard(name)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_circle_through_a_third_module():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    graph = {name: imports_of(name, path) for name, path in MODULES.items()}
+    assert import_cycles(graph) == []
+
+
+def test_every_package_docstring_names_exactly_its_modules():
+    for init in SRC.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = set(re.findall(r"\b(\w+\.py)\b", doc))
+        present = {p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+        subpackages = {p.parent.name for p in init.parent.glob("*/__init__.py")}
+        assert present <= named, f"{init}: docstring does not name {sorted(present - named)}"
+        assert named <= present, f"{init}: docstring names missing modules {sorted(named - present)}"
+        assert all(f"{sub}/" in doc for sub in subpackages), f"{init}: name its sub-packages ({sorted(subpackages)})"
+
+
+def calls_new_group(path: Path) -> bool:
+    return any(isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "new_group"
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_process_groups_are_built_in_one_place():
+    """Every group of a run comes from the DeviceMesh; `new_group` only where the mesh has no dimension for it."""
+    builders = sorted(str(p.relative_to(SRC)) for p in MODULES.values() if calls_new_group(p))
+    assert builders in ([], ["edgc/mesh.py"]), builders
+
+
+def test_the_readme_layout_names_every_module_under_its_package():
+    readme = (SRC.parent / "README.md").read_text()
+    layout = readme[readme.index("## Repository layout"):]
+    bullets = {b.split("`")[1]: b for b in layout.split("\n- ")[1:] if b.startswith("`src/")}
+    for init in SRC.glob("*/__init__.py"):
+        package = init.parent
+        bullet = bullets.get(f"src/{package.name}/", "")
+        missing = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
+                         if p.name != "__init__.py" and f"`{p.name}`" not in bullet)
+        assert not missing, f"README's layout bullet for src/{package.name}/ does not name {missing}"
+
+
+def test_the_harness_lists_its_modules_in_import_order():
+    """edgc_train's docstring promises that each module imports only modules listed below it."""
+    doc = ast.get_docstring(ast.parse((SRC / "edgc_train" / "__init__.py").read_text()))
+    position = {f"edgc_train.{m}": i for i, m in enumerate(re.findall(r"^\s+(\w+)\.py", doc, re.M))}
+    upward = [(m, dep) for m, i in position.items() for dep in imports_of(m, MODULES[m])
+              if position.get(dep, len(position)) < i]
+    assert not upward, upward

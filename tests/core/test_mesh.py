@@ -1,0 +1,66 @@
+"""`edgc.mesh`: one DeviceMesh for every group; the library takes its dimensions where it takes groups.
+
+4 gloo processes; each check is a collective on the mesh's groups."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed_harness import run_distributed
+
+
+def _mesh_checks(rank: int, world: int) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import edgc
+    from edgc.mesh import as_process_group, init_parallel_mesh, local_tensor, pipeline_ends_group
+
+    out = {}
+    with pytest.raises(ValueError, match="must divide the world size 4"):  # before any collective
+        init_parallel_mesh("cpu", tp=3)
+    mesh = init_parallel_mesh("cpu", tp=2)  # dp_replicate 2 × pp 1 × dp_shard 1 × tp 2
+    out["shape"] = tuple(mesh.shape)
+    out["coordinate"] = tuple(mesh.get_coordinate())
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, group=as_process_group(mesh["tp"]))
+    out["tp_sum"] = value.item()
+    try:
+        as_process_group(mesh["dp_replicate", "tp"])
+    except ValueError as error:
+        out["two_d"] = str(error)
+
+    # A column-parallel Linear: each rank's weight gradient is its DTensor's local shard; the state,
+    # built on the dp_replicate dimension, averages those shards over the replicas.
+    torch.manual_seed(0)
+    layer = parallelize_module(nn.Linear(4, 6, bias=False), mesh["tp"], ColwiseParallel())
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    local_tensor(layer.weight.grad).fill_(float(rank))
+    state = edgc.AllReduceState(mesh["dp_replicate"], model=layer)
+    state.synchronize(layer.named_parameters())
+    out["shard_grad"] = local_tensor(layer.weight.grad).clone()
+    out["shapes"] = state.parameter_shapes
+
+    four_stages = init_parallel_mesh("cpu", pp=4)
+    ends = pipeline_ends_group(four_stages)
+    if ends is not None:
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=ends)
+        out["ends_sum"] = value.item()
+    return out
+
+
+def test_one_mesh_builds_every_group_and_the_library_takes_its_dimensions():
+    results = run_distributed(_mesh_checks, 4)
+    for rank, r in enumerate(results):
+        replica, tp_rank = divmod(rank, 2)  # TP ranks consecutive, replicas outermost
+        assert r["shape"] == (2, 1, 1, 2) and r["coordinate"] == (replica, 0, 0, tp_rank)
+        assert r["tp_sum"] == {0: 1.0, 1: 5.0}[replica]
+        assert "pass one dimension" in r["two_d"]
+        # replicas r and r + 2 hold the same shard: its average is (r + r + 2) / 2
+        assert torch.equal(r["shard_grad"], torch.full((3, 4), float(tp_rank + 1)))
+        assert r["shapes"] == {"weight": (3, 4)}  # the local shard's shape, for checking loaded state
+    # stage 0 and stage 3 of the one pipeline share a group; stages 1 and 2 are in none
+    assert [r.get("ends_sum") for r in results] == [3.0, None, None, 3.0]
+
