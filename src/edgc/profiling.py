@@ -103,3 +103,17 @@ def profile_candidates(max_rank: int) -> list[int]:
         ranks.append(rank)
         rank *= 2
     return ranks
+
+
+def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
+    """One line for people: what profiling measured, what it decided, and how to compress anyway."""
+    def ms(seconds: float | None) -> str:
+        return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
+
+    times = ", ".join(f"r={rank}: {ms(t)}" for rank, t in verdict["compressed_s"].items())
+    measured = f"uncompressed all-reduce {ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
+    advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
+    if verdict["status"] == "off":
+        return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."
+    return (f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
+            f"uncompressed ({measured}); {advice}.")

@@ -43,95 +43,14 @@ proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 from . import budget as budgeting
 from .config import EDGCConfig
-from .profiling import SyncTimeTable, profile_candidates
+from .plans import COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, Decision, StepPlan  # noqa: F401 (re-exported)
+from .profiling import SyncTimeTable, describe_profiling_verdict, profile_candidates  # noqa: F401 (re-exported)
 from .rank_model import ErrorModel, cqm_target_rank
 from .rank_rules import confirmed_shift, delta_target, entropy_shift, limit_rank, window_means  # noqa: F401 (re-exported)
-
-PROFILE, WARMUP, COMPRESS, OFF = "profile", "warmup", "compress", "off"
-PHASES = (PROFILE, WARMUP, COMPRESS, OFF)
-PROFILE_START_STEP = 1  # step 0 carries one-off costs (allocation, DDP's bucket rebuild)
-
-
-def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
-    """One line for people: what profiling measured, what it decided, and how to compress anyway."""
-    def ms(seconds: float | None) -> str:
-        return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
-
-    times = ", ".join(f"r={rank}: {ms(t)}" for rank, t in verdict["compressed_s"].items())
-    measured = f"uncompressed all-reduce {ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
-    advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
-    if verdict["status"] == "off":
-        return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."
-    return (f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
-            f"uncompressed ({measured}); {advice}.")
-
-
-# ---------------------------------------------------------------------------- plans and decisions
-@dataclass(frozen=True)
-class StepPlan:
-    """What one optimizer step does; identical on every rank because it depends only on agreed state."""
-
-    step: int
-    phase: str
-    rank: int | None  # compression rank of the real sync; None = uncompressed
-    profile_rank: int | None = None  # also time a shadow compressed sync at this rank
-    profile_warm: bool = False  # … after an untimed one (first step of a rank: allocation, new Q columns)
-    probe_rank: int | None = None  # measure the local rank-r error of the 2-D gradients
-    decision: bool = False  # agree measurements and broadcast a decision at the end of the step
-
-
-@dataclass
-class Decision:
-    """The outcome of a decision point; broadcast from group rank 0 as a float64 vector."""
-
-    phase: str
-    r_max: int | None
-    r_min: int | None
-    rank: int | None
-    error_test_step: int | None  # t_e
-    error_at_start: float | None  # E_max
-    need: float | None = None  # budget mode: the signal's verdict in [0, 1] (1 = still early)
-    target: float | None = None  # budget mode: the unrounded rank the plan asked for
-
-    def encode(self) -> list[float]:
-        def number(value: float | None) -> float:
-            return -1.0 if value is None else float(value)
-
-        return [float(PHASES.index(self.phase)), number(self.r_max), number(self.r_min), number(self.rank),
-                number(self.error_test_step), number(self.error_at_start), number(self.need), number(self.target)]
-
-    @classmethod
-    def decode(cls, values: Sequence[float]) -> "Decision":
-        def integer(value: float) -> int | None:
-            return None if value < 0 else int(round(value))
-
-        def real(value: float) -> float | None:
-            return None if value < 0 else float(value)
-
-        return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
-                   integer(values[4]), real(values[5]), real(values[6]), real(values[7]))
-
-    SIZE = 8
-
-
-@dataclass
-class Agreed:
-    """Measurements averaged over the group at a decision point."""
-
-    profile_time: float = math.nan  # compressed sync at plan.profile_rank, s/step
-    uncompressed_time: float = math.nan  # plain all-reduce, s/step
-    probe_error: float = math.nan  # squared truncation error at plan.probe_rank
-    relative_error: float = math.nan  # window mean of ‖M−Ĝ‖²/‖M‖² over the compressed steps (error-band)
-
-    def encode(self) -> list[float]:
-        return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error]
-
-    SIZE = 4
 
 
 class WindowController:

@@ -5,7 +5,8 @@ Modules:
     common.py       output folders, the single-process training run, shared plotting
     cqm.py          how conservative is the Marchenko–Pastur error model?
     entropy_trend.py does gradient entropy fall and stabilise?
-    pareto.py       does the entropy-driven rank beat a fixed rank (loss against bytes)?
+    pareto.py       at the same bytes, does a moving rank beat static PowerSGD? (paired seeds)
+    pareto_train.py one in-process training run of the pareto instrument
     pure_dp.py      EDGC on pure data parallelism, on the emulated network
     rank_sweep.py   which static ranks are safe and which pay?
     sampling.py     does GDS keep the entropy trend at a fraction of the cost?
