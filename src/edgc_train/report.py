@@ -128,6 +128,11 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
             lines.append(f"- **{run.label}**: compressed {s['compressed_fraction']:.0%} of the steps (from step "
                          f"{s['first_compressed_step']}), {s['rank_changes']} rank change(s), {full}. "
                          f"Steps → rank: {format_schedule(run)}.")
+            budget = run.edgc.get("rank_budget")
+            spent = [r["mean_rank"] for r in run.train if r.get("mean_rank") is not None]
+            if budget is not None and spent:
+                lines.append(f"  Byte budget: mean rank {budget:g} (signal `{run.edgc.get('budget_signal')}`); "
+                             f"spent {spent[-1]:.2f} ({spent[-1] / budget - 1:+.1%}).")
     for run in runs:
         for notice in run.notices:
             lines.append(f"- **{run.label}**, step {notice['step']}: {notice.get('message', notice.get('event'))}")

@@ -221,6 +221,15 @@ def plot_rank(plt, runs: list[Run], out: Path, colors: dict) -> Path:
             for b in range(window, run.train[-1]["step"] + 1, window):
                 if b >= first:
                     ax.axvline(b + 0.5, color=c, lw=0.5, alpha=0.25)
+        budget = run.edgc.get("rank_budget")
+        if budget is not None:  # the budget against what the run has spent so far
+            spent = [(r["step"], r["mean_rank"]) for r in run.train if r.get("mean_rank") is not None]
+            ax.axhline(budget, color=c, ls=":", lw=1.6)
+            ax.annotate(f"budget: mean rank {budget:g}", (0.995, budget), xycoords=("axes fraction", "data"),
+                        textcoords="offset points", xytext=(-2, 3), fontsize=8, color=c, ha="right")
+            if spent:
+                ax.plot([s for s, _ in spent], [m for _, m in spent], color=c, lw=1.2, ls="-.",
+                        label=f"{run.label}: mean rank spent so far (final {spent[-1][1]:.2f})")
         for bound, name in (("r_max", "r_max"), ("r_min", "r_min")):
             value = run.edgc.get(bound)
             if value is not None:
@@ -236,7 +245,7 @@ def plot_rank(plt, runs: list[Run], out: Path, colors: dict) -> Path:
         if len(compressed_runs) == 1 and compressed_runs[0].edgc.get("window"):
             ax.plot([], [], color=colors[compressed_runs[0].label], lw=0.5, alpha=0.4,
                     label=f"window boundary (every {compressed_runs[0].edgc['window']} steps)")
-        ax.legend(fontsize=8.5, loc="lower right")
+        ax.legend(fontsize=8.5, loc="best")
     else:
         _empty(ax, "no compressed steps in these runs (rank is undefined while uncompressed)")
     ax.set_ylabel("PowerSGD rank")
