@@ -33,7 +33,8 @@ VOCAB, SEQ, NOISE = 64, 16, 0.2
 CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warmup_error_test=False,
               iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, min_compression_rate=1.0,
               entropy_estimator="gaussian", entropy_significance=0.0)
-TIMEOUT = timedelta(seconds=10)
+TIMEOUT = timedelta(seconds=5)  # process group and manager calls
+QUORUM_TIMEOUT = timedelta(seconds=60)  # > TIMEOUT: a peer may sit out one timeout after a failure
 _MODEL_LOCK = threading.Lock()  # replicas share the process's RNG: build models one at a time
 
 
@@ -41,10 +42,11 @@ class InjectedKill(Exception):
     pass
 
 
-def batch(replica: int, step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences of the toy language, different per replica and step, the same on a retried step."""
+def batch(replica: int, step: int, size: int = 8, retry: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of the toy language, different per replica, step and retry of a step (a discarded
+    step's gradient is in the error feedback: the retry must not see the same batch again)."""
     permutation = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
-    generator = torch.Generator().manual_seed(10_000 * replica + step)
+    generator = torch.Generator().manual_seed(1_000_000 * retry + 10_000 * replica + step)
     tokens = [torch.randint(0, VOCAB, (size,), generator=generator)]
     for _ in range(SEQ):
         noise = torch.rand(size, generator=generator) < NOISE
@@ -108,7 +110,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
     manager = Manager(pg=pg, min_replica_size=2, load_state_dict=load, state_dict=save, replica_id=str(replica),
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=lighthouse, use_async_quorum=False, timeout=TIMEOUT,
-                      quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT)
+                      quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT)
     try:
         with _MODEL_LOCK:
             torch.manual_seed(0)
@@ -118,6 +120,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
         holder.update(model=module, optimizer=optimizer)
         state = model.edgc_state
         gradients: dict[str, torch.Tensor] = {}
+        retries: dict[int, int] = {}
         reduce = state._reduce
 
         def recording_reduce(names, grads, flat):  # the local gradient G, before the sync replaces it
@@ -134,7 +137,8 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             pg.die_next = faults.take("kill", replica, step)
             error_before = {n: e.clone() for n, e in state.compressor.error.items()}
             gradients.clear()
-            loss = loss_of(model, *batch(replica, step))
+            retries[step] = retries.get(step, -1) + 1
+            loss = loss_of(model, *batch(replica, step, retry=retries[step]))
             if faults.take("nan", replica, step):
                 loss = loss * float("nan")
             if faults.take("failed_allreduce", replica, step):
