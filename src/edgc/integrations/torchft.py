@@ -19,7 +19,8 @@ What the one call sets up (`TorchFTEDGCState`):
   torchft's own hook does. After an error that did not come from a collective, the rest of the
   step's collectives still run (see `ManagedCommunicator`), so that no peer waits for a timeout.
 * **A failed step loses nothing.** ``manager.should_commit()`` is wrapped: True commits the
-  EDGC step, False rolls it back (`GradientReducer.rollback_step`): the accumulated gradient M of
+  EDGC step (except a profiling step in a quorum of one: timing no link, it is not counted),
+  False rolls it back (`GradientReducer.rollback_step`): the accumulated gradient M of
   every compressed matrix becomes the error feedback again, Q, the step counter, the controller,
   the window and the entropy series are as before the step. A non-finite gradient average (a NaN
   on any replica) is reported as an error, so every replica discards that step.
@@ -49,6 +50,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 from ..comm import Communicator
 from ..config import EDGCConfig
 from ..lowrank import ReduceStats
+from ..rank_control import PROFILE
 from ..reducer import edgc_hook
 from ..state import EDGCState
 
@@ -155,6 +157,7 @@ class TorchFTEDGCState(EDGCState):
         self.defer_commit = True
         self.steps_discarded = 0  # steps whose sync ran but which the manager did not commit
         self.heals = 0  # times the shared state was received from a peer
+        self.profile_steps_alone = 0  # committed profiling steps not counted: a quorum of one times no link
         manager.register_state_dict_fn(state_key, self._heal, self.shared_state_dict)
         _commit_with(manager, self)
 
@@ -175,10 +178,20 @@ class TorchFTEDGCState(EDGCState):
             self.manager.report_error(RuntimeError(
                 f"EDGC: non-finite gradient average at step {self.step}; the step is discarded on every replica"))
 
-    def rollback_step(self) -> None:
-        if self.pending:
+    def finish_step(self, committed: bool) -> None:
+        """The manager's verdict on the pending step. A profiling step timed in a quorum of one
+        measured no link: the model step stands, but EDGC does not count it (its state is as
+        before), so r_max is profiled once a peer is there — and never from a lone replica."""
+        if not self.pending:
+            return
+        if not committed:
             self.steps_discarded += 1
-        super().rollback_step()
+            self.rollback_step()
+        elif self._plan.phase == PROFILE and self.comm.world_size < 2:
+            self.profile_steps_alone += 1
+            self.rollback_step()
+        else:
+            self.commit_step()
 
 
 def _commit_with(manager: Manager, state: TorchFTEDGCState) -> None:
@@ -189,12 +202,9 @@ def _commit_with(manager: Manager, state: TorchFTEDGCState) -> None:
         try:
             committed = decide(timeout)
         except BaseException:
-            state.rollback_step()
+            state.finish_step(False)
             raise
-        if committed:
-            state.commit_step()
-        else:
-            state.rollback_step()
+        state.finish_step(committed)
         return committed
 
     manager.should_commit = should_commit  # type: ignore[method-assign]
