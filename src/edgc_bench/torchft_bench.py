@@ -3,8 +3,9 @@
 One network of ``--hosts`` hosts at ``--rate`` (see netns.py), the same training (edgc train's
 model, data, optimizer, schedule and validation blocks, ``--steps`` optimizer steps), run as:
 
-1. ``ddp-edgc``: EDGC on plain torch DDP, no failure — the failure-free reference (step time,
-   final validation loss), one torchrun across the hosts (`edgc_bench.torchft_train --mode ddp`);
+1. ``ddp-edgc``: EDGC on plain torch DDP, no failure — the step-time reference, one torchrun
+   across the hosts (`edgc_bench.torchft_train --mode ddp`);
+   ``torchft-edgc-nofail``: torchft + EDGC as in 3., no failure — the final-loss reference;
 2. ``torchft``: torchft's own DDP, one replica group per host (torchrun per host, a lighthouse
    on host 0); host 1's worker is SIGKILLed at step ``--kill-at``, its torchrun restarts it and it
    heals from a peer;
@@ -37,7 +38,7 @@ from .netns import Network, _kill_group
 from .run import PORT, BenchSettings, launch, train_args
 
 LIGHTHOUSE_PORT, GROUP_PORT = 29510, 29600
-RUNS = ("ddp-edgc", "torchft", "torchft-edgc", "elastic-edgc")
+RUNS = ("ddp-edgc", "torchft-edgc-nofail", "torchft", "torchft-edgc", "elastic-edgc")
 
 
 def worker_args(s: BenchSettings, run_dir: Path) -> list[str]:
@@ -105,7 +106,7 @@ def run_ddp(net: Network, s: BenchSettings, run_dir: Path) -> dict:
             "steps_lost": 0, "heal_s": None, "val_loss": final.get("val_loss"), "identical": None}
 
 
-def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, kill_at: int) -> dict:
+def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, kill_at: int | None) -> dict:
     run_dir.mkdir(parents=True)
     log = open(run_dir / "torchrun.log", "w")
     lighthouse_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
@@ -125,7 +126,7 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
         processes.append(net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT))
     victim = run_dir / "group1.jsonl"
     kill_t = None
-    while kill_t is None and any(p.poll() is None for p in processes):
+    while kill_at is not None and kill_t is None and any(p.poll() is None for p in processes):
         lines = read_lines(victim)
         if any(r["kind"] == "step" and r["committed"] and r["step"] >= kill_at for r in lines):
             pid = [r for r in lines if r["kind"] == "start"][-1]["pid"]
@@ -136,19 +137,22 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
     wall = time.time() - t0
     _kill_group(lighthouse)
     log.close()
-    groups = [read_lines(run_dir / f"group{g}.jsonl") for g in range(s.hosts)]
-    survivor = [r for r in groups[0] if r["kind"] == "step"]
+    return {"codes": codes, "wall_s": wall, "killed": kill_t is not None,
+            **measure_torchft(run_dir, s.hosts, s.steps, kill_t)}
+
+
+def measure_torchft(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict:
+    """Step time, steps lost, heal time, final loss and replica identity from the groups' step logs."""
+    groups = [read_lines(run_dir / f"group{g}.jsonl") for g in range(hosts)]
+    survivor = [r for r in groups[0] if r["kind"] == "step" and r["committed"]]
+    full = [r["step_s"] for r in survivor if r["participants"] == hosts]  # alone, a group sends nothing
     finals = [next((r for r in g if r["kind"] == "final"), {}) for g in groups]
     restarted = [r for r in groups[1] if r["kind"] == "step" and r["committed"] and kill_t and r["t"] > kill_t]
     # Steps lost: optimizer steps a group executed beyond the run's length (uncommitted ones, and
     # those redone because nobody held the state any more), for the group that executed the most.
-    lost = max(0, max(sum(r["kind"] == "step" for r in g) for g in groups) - s.steps)
-    return {"codes": codes, "wall_s": wall,
-            # steps with the whole quorum: a group alone sends nothing over the link
-            "step_s": statistics.median(full) if (full := [r["step_s"] for r in survivor if r["committed"]
-                                                           and r["participants"] == s.hosts]) else None,
-            "steps_lost": lost, "heal_s": restarted[0]["t"] - kill_t if restarted else None,
-            "val_loss": finals[0].get("val_loss"), "killed": kill_t is not None,
+    lost = max(0, max(sum(r["kind"] == "step" for r in g) for g in groups) - steps)
+    return {"step_s": statistics.median(full) if full else None, "steps_lost": lost,
+            "heal_s": restarted[0]["t"] - kill_t if restarted else None, "val_loss": finals[0].get("val_loss"),
             "identical": len({f.get("checksum") for f in finals}) == 1 and "checksum" in finals[0]}
 
 
@@ -216,7 +220,8 @@ def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, c
             elif name == "elastic-edgc":
                 result = run_elastic(net, s, run_dir, kill_at, ckpt_every)
             else:
-                result = run_torchft(net, s, "edgc" if name == "torchft-edgc" else "none", run_dir, kill_at)
+                result = run_torchft(net, s, "none" if name == "torchft" else "edgc", run_dir,
+                                     None if name.endswith("nofail") else kill_at)
             results[name] = result
             say(f"  {json.dumps(result)}")
     summary = {"settings": s.__dict__ | {"methods": list(RUNS)}, "command": command, "kill_at": kill_at,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 LABELS = {
     "ddp-edgc": "EDGC on plain DDP, no failure (reference)",
+    "torchft-edgc-nofail": "torchft + EDGC, no failure (reference)",
     "torchft": "torchft DDP (plain all-reduce)",
     "torchft-edgc": "torchft + EDGC",
     "elastic-edgc": "EDGC + torchrun elastic restart from the last checkpoint",
@@ -42,14 +43,17 @@ def checks(summary: dict) -> list[str]:
     if ddp.get("step_s") and ft_edgc.get("step_s"):
         ratio = ft_edgc["step_s"] / ddp["step_s"]
         check(abs(ratio - 1) <= 0.10, f"step time torchft + EDGC / EDGC on plain DDP = {ratio:.2f} (within 10 %)")
+    if ft_edgc.get("steps_lost") is not None and "torchft-edgc-nofail" in r:
+        check(r["torchft-edgc-nofail"].get("steps_lost") == 0, "torchft + EDGC without a failure lost no step")
     if ft_edgc.get("steps_lost") is not None:
         check(ft_edgc["steps_lost"] <= 1, f"torchft + EDGC lost {ft_edgc['steps_lost']} step(s) to the kill "
               f"(≤ 1: the failed step) and healed in {_fmt(ft_edgc.get('heal_s'), 1, ' s')}, no checkpoint rollback")
     if ft_edgc.get("wall_s") and elastic.get("wall_s"):
         check(ft_edgc["wall_s"] < elastic["wall_s"],
               f"total wall time torchft + EDGC {ft_edgc['wall_s']:.1f} s < elastic restart {elastic['wall_s']:.1f} s")
-    if ft_edgc.get("val_loss") and ddp.get("val_loss"):
-        change = ft_edgc["val_loss"] / ddp["val_loss"] - 1
+    reference = r.get("torchft-edgc-nofail") or ddp
+    if ft_edgc.get("val_loss") and reference.get("val_loss"):
+        change = ft_edgc["val_loss"] / reference["val_loss"] - 1
         check(abs(change) <= 0.01, f"final val loss torchft + EDGC (with the kill) vs failure-free: {change:+.2%} (within 1 %)")
     if ft_edgc.get("identical") is not None:
         check(ft_edgc["identical"], "torchft + EDGC replicas bit-identical at the end (parameter checksums)")

@@ -118,6 +118,14 @@ def main(argv: list[str] | None = None) -> None:
 
             model, state = TorchFTDDP(manager, module), None
         step_of = manager.current_step
+    if manager is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        # Start with every group in the quorum: one that started first would train alone for a step
+        # or two, and runs that should be alike would differ from their first steps on.
+        deadline = time.time() + 3 * args.timeout
+        manager.start_quorum()
+        while manager.num_participants() < args.replicas and time.time() < deadline:
+            time.sleep(0.2)
+            manager.start_quorum()
     sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, group, args.replicas, cfg.seed)
     attempts = 0
     while step_of() < args.steps:
