@@ -3,9 +3,10 @@
 One network of ``--hosts`` hosts at ``--rate`` (see netns.py), the same training (edgc train's
 model, data, optimizer, schedule and validation blocks, ``--steps`` optimizer steps), run as:
 
-1. ``ddp-edgc``: EDGC on plain torch DDP, no failure — the step-time reference, one torchrun
-   across the hosts (`edgc_bench.torchft_train --mode ddp`);
-   ``torchft-edgc-nofail``: torchft + EDGC as in 3., no failure — the final-loss reference;
+1. ``ddp-edgc``: EDGC on plain torch DDP, one torchrun across the hosts
+   (`edgc_bench.torchft_train --mode ddp`), and ``torchft-nofail``, ``torchft-edgc-nofail``: 2. and
+   3. below, all three without a failure, back to back — the step-time comparison, and the
+   final-loss reference;
 2. ``torchft``: torchft's own DDP, one replica group per host (torchrun per host, a lighthouse
    on host 0); host 1's worker is SIGKILLed at step ``--kill-at``, its torchrun restarts it and it
    heals from a peer;
@@ -38,7 +39,7 @@ from .netns import Network, _kill_group
 from .run import PORT, BenchSettings, launch, train_args
 
 LIGHTHOUSE_PORT, GROUP_PORT = 29510, 29600
-RUNS = ("ddp-edgc", "torchft-edgc-nofail", "torchft", "torchft-edgc", "elastic-edgc")
+RUNS = ("ddp-edgc", "torchft-nofail", "torchft-edgc-nofail", "torchft", "torchft-edgc", "elastic-edgc")
 
 
 def worker_args(s: BenchSettings, run_dir: Path) -> list[str]:
@@ -220,8 +221,9 @@ def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, c
             elif name == "elastic-edgc":
                 result = run_elastic(net, s, run_dir, kill_at, ckpt_every)
             else:
-                result = run_torchft(net, s, "none" if name == "torchft" else "edgc", run_dir,
+                result = run_torchft(net, s, "edgc" if name.startswith("torchft-edgc") else "none", run_dir,
                                      None if name.endswith("nofail") else kill_at)
+            result["load"] = os.getloadavg()[0]  # other work on the machine slows a run: shown beside it
             results[name] = result
             say(f"  {json.dumps(result)}")
     summary = {"settings": s.__dict__ | {"methods": list(RUNS)}, "command": command, "kill_at": kill_at,
