@@ -4,7 +4,8 @@
 
 It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:end --> in README.md
 (<!-- bench-hsdp-table:start/end --> for a table of `edgc bench --fsdp`,
-<!-- bench-tp-table:start/end --> for one of `edgc bench --tp/--pp`, and
+<!-- bench-tp-table:start/end --> for one of `edgc bench --tp/--pp`,
+<!-- bench-torchft-table:start/end --> for one of `edgc bench --torchft`, and
 <!-- bench-slow-link-table:start/end --> for a DDP bench at a rate below 1 Gbit/s)
 (adding both markers at the end of the README when they are missing), so the README's numbers are
 always the ones a real `edgc bench` produced, never typed by hand.
@@ -22,6 +23,8 @@ HSDP_START, HSDP_END = "<!-- bench-hsdp-table:start -->", "<!-- bench-hsdp-table
 SLOW_START, SLOW_END = "<!-- bench-slow-link-table:start -->", "<!-- bench-slow-link-table:end -->"
 # `edgc bench --tp/--pp` (one TP x PP model per host) goes beside the 3D-parallel section.
 TP_START, TP_END = "<!-- bench-tp-table:start -->", "<!-- bench-tp-table:end -->"
+# `edgc bench --torchft` (a replica group killed mid-run) goes to the fault-tolerance section.
+TORCHFT_START, TORCHFT_END = "<!-- bench-torchft-table:start -->", "<!-- bench-torchft-table:end -->"
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -50,7 +53,9 @@ def main(argv: list[str]) -> int:
     readme = Path(argv[1]) if len(argv) == 2 else Path(__file__).resolve().parents[1] / "README.md"
     table = section(bench.read_text())
     rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
-    if re.search(r"hosts × TP\d+ × PP\d+", table):
+    if "(one replica group each)" in table:
+        markers = (TORCHFT_START, TORCHFT_END)
+    elif re.search(r"hosts × TP\d+ × PP\d+", table):
         markers = (TP_START, TP_END)
     elif " as HSDP " in table:
         markers = (HSDP_START, HSDP_END)

@@ -128,8 +128,19 @@ class Communicator:
                 now = now if now is not None else time.perf_counter()
                 record[2] = now
 
+    # The three ways a work is started: a subclass routes them elsewhere (e.g. through torchft's
+    # manager, `edgc.integrations.torchft`) and everything above them stays as it is.
+    def _all_reduce_work(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+
+    def _broadcast_work(self, tensor: torch.Tensor):
+        return dist.broadcast(tensor, src=self.root, group=self.group, async_op=True)
+
+    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):
+        return dist.all_gather(out, tensor, group=self.group, async_op=True)
+
     def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
-        return self._issue(tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+        return self._issue(tensor, lambda: self._all_reduce_work(tensor, op))
 
     def mean_async(self, tensor: torch.Tensor, wire_dtype: torch.dtype | None = None) -> Pending:
         """Average ``tensor`` in place over the group, sent as ``wire_dtype`` (default: its own).
@@ -142,7 +153,7 @@ class Communicator:
             tensor.div_(self.world_size)
             return self.all_reduce_async(tensor)
         on_wire = tensor.div(self.world_size).to(wire_dtype)
-        return self._issue(tensor, lambda: dist.all_reduce(on_wire, group=self.group, async_op=True),
+        return self._issue(tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM),
                            after=lambda: tensor.copy_(on_wire))
 
     # ------------------------------------------------------------------ blocking
@@ -158,15 +169,14 @@ class Communicator:
         if self.world_size == 1:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._issue(tensor, lambda: dist.all_gather(out, tensor, group=self.group, async_op=True)).wait()
+        self._issue(tensor, lambda: self._all_gather_work(out, tensor)).wait()
         return out
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with group rank 0's value (blocking)."""
         if self.world_size == 1:
             return tensor
-        return self._issue(tensor, lambda: dist.broadcast(tensor, src=self.root, group=self.group,
-                                                          async_op=True)).wait()
+        return self._issue(tensor, lambda: self._broadcast_work(tensor)).wait()
 
 
 # ---------------------------------------------------------------------------- exit

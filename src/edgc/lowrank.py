@@ -27,6 +27,10 @@ generator seeded by (seed, parameter name, old rank, new rank): no communication
 directions are random and the kept ones are whichever came first.
 
 Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64).
+
+Uncommitted steps (``keep_uncommitted``, used by fault-tolerant training): the residual is written
+into a second buffer instead of over M, so that M survives the step; `commit` keeps the residual,
+`rollback` makes M itself the error feedback again (the step's gradient is sent next time).
 """
 from __future__ import annotations
 
@@ -130,6 +134,12 @@ class LowRankCompressor:
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self._reseed: dict[tuple[str, int], torch.Tensor] = {}  # replacement columns for all-zero Q columns
+        # Uncommitted steps (see the module docstring): M of this step, error feedback moved into a
+        # raw-sent gradient this step, and spare residual buffers (reused, so no allocation per step).
+        self.keep_uncommitted = False
+        self._step_m: dict[str, torch.Tensor] = {}
+        self._step_popped: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
@@ -270,6 +280,8 @@ class LowRankCompressor:
                 pending = self.error.pop(names[i], None)  # was compressed at an earlier rank
                 if pending is not None:
                     grad.add_(pending.view_as(grad).to(grad.dtype))
+                    if self.keep_uncommitted:
+                        self._step_popped[names[i]] = pending
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
 
         # ---- M = G + e in place, Pᵀ = orth(Q)ᵀ·Mᵀ; every Pᵀ (and Qᵀ) of the call in one buffer.
@@ -365,7 +377,9 @@ class LowRankCompressor:
                     _mm_into(gradient, p_grad[k].T, q_t[k])
                 else:
                     _mm_into(gradient, p_grad[k].T / shift, q_t[k] * shift)
-                if config.error_feedback:
+                if config.error_feedback and self.keep_uncommitted:
+                    self._keep_residual(names[i], matrices[k], gradient, stats)
+                elif config.error_feedback:
                     matrices[k].sub_(gradient)
                 self.q[names[i]] = torch.where(bad, old_q[k], q_t[k].T)
         if measure_error:
@@ -389,8 +403,42 @@ class LowRankCompressor:
         else:
             matrix = gradient.to(error_dtype, copy=True)
         self.error[name] = matrix
-        stats.touched_error.append(matrix)
+        if self.keep_uncommitted:
+            self._step_m[name] = matrix  # the residual goes to a spare buffer (`_keep_residual`)
+        else:
+            stats.touched_error.append(matrix)
         return matrix
+
+    def _keep_residual(self, name: str, matrix: torch.Tensor, decompressed: torch.Tensor, stats: ReduceStats) -> None:
+        """e = M − Ĝ into a spare buffer, M left intact (same arithmetic as ``M.sub_(Ĝ)``)."""
+        residual = self._spare.pop(name, None)
+        if residual is None or residual.shape != matrix.shape or residual.dtype != matrix.dtype:
+            residual = torch.empty_like(matrix)
+        torch.sub(matrix, decompressed, out=residual)
+        self.error[name] = residual
+        stats.touched_error.append(residual)  # a non-finite step clears the residual, never M
+
+    def commit(self) -> None:
+        """The step is applied: its residuals stay the error feedback; M's buffers become spares."""
+        for name, matrix in self._step_m.items():
+            if self.error.get(name) is not matrix:  # (a step cut short left M as the error feedback)
+                self._spare[name] = matrix
+        self._step_m, self._step_popped = {}, {}
+
+    def rollback(self) -> None:
+        """The step is discarded: error feedback becomes M = G + e of the step again (so nothing of
+        the step's gradient is lost), error feedback moved into raw-sent gradients comes back.
+
+        An M that holds a NaN/Inf (this replica's gradient was not finite) cannot be kept: it is
+        zeroed, as a non-finite step's residual is (see `clear_nonfinite_error`)."""
+        for name, matrix in self._step_m.items():
+            residual = self.error.get(name)
+            if residual is not None and residual is not matrix:
+                self._spare[name] = residual
+            matrix.masked_fill_(~torch.isfinite(matrix).all(), 0.0)
+            self.error[name] = matrix
+        self.error.update(self._step_popped)
+        self._step_m, self._step_popped = {}, {}
 
     def clear_nonfinite_error(self, stats: ReduceStats) -> None:
         """After a non-finite step (known on the host at its end): clear the error feedback of the
@@ -444,7 +492,9 @@ class LowRankCompressor:
         self.q = dict(state["q"])
         self.error = dict(state["error"])
         self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
+        self._step_m, self._step_popped, self._spare = {}, {}, {}
 
     def to(self, device: torch.device) -> None:
         self.q = {name: q.to(device) for name, q in self.q.items()}
         self.error = {name: e.to(device) for name, e in self.error.items()}
+        self._spare = {}

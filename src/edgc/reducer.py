@@ -14,7 +14,7 @@ so every rank issues the same collectives in the same order, with DDP's default 
 tiny ones. Communication of bucket k runs while autograd computes the gradients of bucket k+1.
 
 Everything else — step counting, parameter names, the plain training-loop path, timing and
-per-step metrics — lives here once. A step is one optimizer step: DDP calls the hook once per
+per-step metrics, uncommitted steps — lives here once. A step is one optimizer step: DDP calls the hook once per
 bucket and ``bucket.is_last()`` closes the step, so ``no_sync`` gradient accumulation does not
 advance the counter. Device values of a step (non-finite flags, errors, timestamps) are read
 once, at its end (`edgc.timing`).
@@ -61,6 +61,11 @@ class GradientReducer:
         self._in_flight: list[list] = []  # [job, future, bucket buffer] of buckets not yet averaged
         self.device: torch.device | None = None
         self.clock = Clock()
+        # Uncommitted steps: with ``defer_commit`` every step stays pending after its sync until
+        # `commit_step` or `rollback_step` (a fault-tolerant loop decides after the sync whether the
+        # step is applied). ``_pending`` is the snapshot of the state from before that step.
+        self.defer_commit = False
+        self._pending: dict | None = None
 
     # ------------------------------------------------------------------ names
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
@@ -194,6 +199,11 @@ class GradientReducer:
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
+        if self._pending is not None:
+            raise RuntimeError(f"{type(self).__name__}: step {self._pending['step']} was neither committed nor "
+                               "rolled back; with defer_commit call commit_step() or rollback_step() after each step")
+        if self.defer_commit:
+            self._pending = self._snapshot()
         self._in_step = True
         self._busy = []
         self._stats = ReduceStats()
@@ -268,6 +278,41 @@ class GradientReducer:
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ uncommitted steps
+    @property
+    def pending(self) -> bool:
+        """A step has synced but is neither committed nor rolled back (only with ``defer_commit``)."""
+        return self._pending is not None
+
+    def commit_step(self) -> None:
+        """The pending step is applied (the optimizer stepped): keep its state. No-op when none is pending."""
+        if self._pending is None:
+            return
+        self._pending = None
+        self._commit()
+        self.last_step_metrics["committed"] = True
+
+    def rollback_step(self) -> None:
+        """The pending step is discarded (the optimizer did not step): the state is as if it had not
+        synced — same step number and shared state — except that what the step tried to send is
+        kept for the next one where the method has error feedback. Bytes sent stay counted: they
+        were sent. No-op when none is pending."""
+        snapshot, self._pending = self._pending, None
+        if snapshot is None:
+            return
+        self._restore(snapshot)
+        self.last_step_metrics["committed"] = False
+
+    def _snapshot(self) -> dict:
+        """What `rollback_step` restores; subclasses add their state (cheaply: no gradient-sized copy)."""
+        return {"step": self.step}
+
+    def _restore(self, snapshot: dict) -> None:
+        self.step = snapshot["step"]
+
+    def _commit(self) -> None:
+        """Subclass hook: the pending step is kept."""
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

@@ -11,6 +11,7 @@ Decision points depend only on the step number, so every rank takes part in ever
 """
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -64,6 +65,7 @@ class EDGCState(GradientReducer):
     # ------------------------------------------------------------------ per step
     def _begin_step(self) -> None:
         super()._begin_step()
+        self.compressor.keep_uncommitted = self.defer_commit
         self._plan = self.controller.plan(self.step)
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
@@ -206,6 +208,34 @@ class EDGCState(GradientReducer):
             "decision": self._decision,
         }
 
+    # ------------------------------------------------------------------ uncommitted steps
+    # Per replica: the error feedback (rolled back to M = G + e, see LowRankCompressor.rollback).
+    # Shared (identical on every rank): step, Q, controller, entropy series, profiling state —
+    # restored from the snapshot, so a discarded step is not counted anywhere.
+    def _snapshot(self) -> dict:
+        return {
+            **super()._snapshot(),
+            "controller": copy.deepcopy(self.controller.state_dict()),
+            "sampler": copy.deepcopy(self.sampler.state_dict()),
+            "q": dict(self.compressor.q),  # Q factors are replaced each step, never written in place
+            "profiler_q": dict(self._profiler.q),
+            "profile_seconds": list(self._profile_seconds),
+            "relative_errors": list(self._relative_errors),
+        }
+
+    def _restore(self, snapshot: dict) -> None:
+        super()._restore(snapshot)
+        self.controller.load_state_dict(snapshot["controller"])
+        self.sampler.load_state_dict(snapshot["sampler"])
+        self.compressor.q = snapshot["q"]
+        self._profiler.q = snapshot["profiler_q"]
+        self._profile_seconds = snapshot["profile_seconds"]
+        self._relative_errors = snapshot["relative_errors"]
+        self.compressor.rollback()
+
+    def _commit(self) -> None:
+        self.compressor.commit()
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         """This rank's complete state, keyed by parameter name (not DDP bucket index)."""
@@ -222,6 +252,22 @@ class EDGCState(GradientReducer):
             "relative_errors": list(self._relative_errors),
         }
 
+    def shared_state_dict(self) -> dict:
+        """`state_dict()` without this rank's error feedback: the part every replica holds identically
+        (step, Q, rank schedule, controller, entropy series), what a healing replica takes from a peer."""
+        error, self.compressor.error = self.compressor.error, {}
+        try:
+            state = self.state_dict()
+        finally:
+            self.compressor.error = error
+        return {**state, "shared": True}
+
+    def load_shared_state_dict(self, state: dict) -> None:
+        """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart)."""
+        error = self.compressor.error
+        self.load_state_dict(state)
+        self.compressor.error = error
+
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`; a malformed or mismatched state raises ValueError and changes nothing."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -237,7 +283,7 @@ class EDGCState(GradientReducer):
         self._profiler.load_state_dict(state["profiler"])
         self._profile_seconds = list(state["profile_seconds"])
         self._relative_errors = [float(e) for e in state.get("relative_errors", [])]
-        if int(state["world_size"]) != self.comm.world_size:
+        if not state.get("shared") and int(state["world_size"]) != self.comm.world_size:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
             warnings.warn(
                 f"EDGCState: world size changed from {state['world_size']} to {self.comm.world_size}; "

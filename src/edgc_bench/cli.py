@@ -62,6 +62,12 @@ def register(subparsers) -> None:
     p.add_argument("--link-only", action="store_true",
                    help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
                         "--out/calibration.json, train nothing")
+    p.add_argument("--torchft", action="store_true",
+                   help="fault tolerance: kill one replica group mid-run and compare torchft DDP, torchft + EDGC, EDGC "
+                        "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)")
+    p.add_argument("--kill-at", type=int, default=None, help="with --torchft: the step host 1 is killed at (default steps/2)")
+    p.add_argument("--ckpt-every", type=int, default=10,
+                   help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)")
     p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -141,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     except NetnsError as exc:
         raise CLIError(str(exc)) from None
     out = Path(args.out)
+    if args.torchft:
+        return torchft(settings, args, out)
     if args.link_only:
         if (out / "calibration.json").exists():
             raise CLIError(f"--out: {out}/calibration.json already exists; choose a new folder")
@@ -154,6 +162,32 @@ def run(args: argparse.Namespace) -> int:
     summary = run_bench(settings, out, command)
     print((out / "bench.md").read_text())
     return 1 if summary["notes"] and any("failed" in n for n in summary["notes"]) else 0
+
+
+def torchft(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
+    """`edgc bench --torchft` (torchft_bench.py): four runs, one kill each of the last three."""
+    if settings.pipeline or settings.fsdp:
+        raise CLIError("--torchft: runs plain data parallelism (one replica group per host); drop --tp/--pp/--fsdp")
+    if settings.hosts < 2:
+        raise CLIError("--torchft: needs ≥ 2 hosts (one is killed)")
+    kill_at = args.kill_at if args.kill_at is not None else settings.steps // 2
+    if not 0 < kill_at < settings.steps - 1:
+        raise CLIError(f"--kill-at: must be in [1, steps - 2] = [1, {settings.steps - 2}], got {kill_at}")
+    if not 0 < args.ckpt_every < settings.steps:
+        raise CLIError(f"--ckpt-every: must be in [1, steps - 1], got {args.ckpt_every}")
+    if (out / "runs").exists():
+        raise CLIError(f"--out: {out}/runs already exists; choose a new folder")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise CLIError("--torchft: torchft is not installed (pip install 'edgc[torchft]')") from None
+    from .torchft_bench import run_torchft_bench
+
+    command = "edgc bench" + "".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:]) \
+        if "bench" in sys.argv else "edgc bench --torchft"
+    run_torchft_bench(settings, out, command, kill_at, args.ckpt_every)
+    print((out / "bench.md").read_text())
+    return 0
 
 
 def check_training(settings: BenchSettings) -> None:

@@ -1,0 +1,114 @@
+"""EDGC across torchft replica groups: compressed gradients that survive a group failing and coming back.
+
+A lighthouse, then one ``torchrun`` per replica group (here 2 groups of one process, one machine):
+
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 1000 &
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510 OMP_NUM_THREADS=1
+    REPLICA_GROUP_ID=0 torchrun --nproc_per_node 1 --master_port 29600 --max-restarts 1 examples/torchft_ddp.py &
+    REPLICA_GROUP_ID=1 torchrun --nproc_per_node 1 --master_port 29601 --max-restarts 1 examples/torchft_ddp.py
+
+or all of it in one command (the lighthouse in-process), with group 1 killed (SIGKILL, in the
+middle of a step's gradient sync) at step 12 and restarted by its torchrun:
+
+    python examples/torchft_ddp.py --launch 2 --kill-at 12
+
+The other group discards the step the kill interrupted (its error feedback keeps that step's
+gradient), and the restarted group heals from it — model, optimizer and EDGC's shared state
+(step, Q, rank schedule) — and compresses again from its first step. Each group
+prints ``[rank G] edgc: ...`` and a checksum of its parameters: equal checksums = identical replicas.
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torchft import Manager, ProcessGroupGloo
+from torchft.optim import OptimizerWrapper
+
+from edgc import EDGCConfig
+from edgc.integrations.torchft import DistributedDataParallel  # EDGC: instead of torchft.DistributedDataParallel
+
+STEPS = int(os.environ.get("STEPS", 24))
+
+
+def train() -> None:
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    holder = {}
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
+        load_state_dict=lambda s: (holder["model"].load_state_dict(s["model"]), holder["optim"].load_state_dict(s["optim"])),
+        state_dict=lambda: {"model": holder["model"].state_dict(), "optim": holder["optim"].state_dict()},
+        replica_id=f"group{group}", use_async_quorum=False,  # EDGC: a healing group loads the rank before its sync
+        timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+    # EDGC: short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
+    config = EDGCConfig(r_max=8, window=5, total_steps=STEPS, warmup_error_test=False)
+    model = DistributedDataParallel(manager, module, config, bucket_cap_mb=0.1)
+    optimizer = OptimizerWrapper(manager, torch.optim.AdamW(module.parameters(), lr=3e-3))
+    holder.update(model=module, optim=optimizer)
+    state = model.edgc_state
+    kill_at = int(os.environ.get("KILL_AT", -1)) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else -1
+    attempts = 0
+    while manager.current_step() < STEPS:
+        optimizer.zero_grad()  # starts the quorum; a (re)started group heals here
+        step = manager.current_step()
+        if step == kill_at:  # die while the last bucket's gradient sync is under way
+            module[0].weight.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+        # Fresh data on every attempt, as from a data loader: a discarded step's gradient is in the
+        # error feedback already, so retrying the same batch would count it twice.
+        generator = torch.Generator().manual_seed(1_000_000 * group + attempts)
+        attempts += 1
+        x = torch.randn(32, 64, generator=generator)
+        loss = nn.functional.cross_entropy(model(x), x[:, :8].argmax(dim=1))
+        loss.backward()
+        optimizer.step()  # commits the step, or discards it (EDGC rolls back) if the quorum failed
+        if step % 6 == 0:
+            print(f"[group {group}] step {step} loss {loss.item():.4f} participants {manager.num_participants()} "
+                  f"committed {state.last_step_metrics.get('committed')}", flush=True)
+    m = state.last_step_metrics
+    print(f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    checksum = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double().sum().item()
+    print(f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
+          f"heals {state.heals} checksum {checksum.hex()}", flush=True)
+    manager.shutdown(wait=False)
+
+
+def launch(groups: int, kill_at: int) -> int:
+    """A lighthouse in this process and one torchrun per group; their exit status (0 = all fine)."""
+    from torchft._torchft import LighthouseServer
+
+    # min_replicas=groups: a short demo would end before the killed group is back, so the others
+    # wait for it in their next quorum (with min_replicas=1 they would go on without it).
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1", "KILL_AT": str(kill_at)}
+    procs = []
+    for group in range(groups):
+        with socket.socket() as s:  # a free port for the group's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
+                "--master_addr", "127.0.0.1", "--master_port", str(port), __file__]
+        env_group = {**env, "REPLICA_GROUP_ID": str(group), "KILL_AT": str(kill_at if group == 1 else -1)}
+        procs.append(subprocess.Popen(argv, env=env_group))
+    try:
+        return max(p.wait(timeout=600) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--launch", type=int, metavar="GROUPS", help="start a lighthouse and GROUPS torchrun groups")
+    parser.add_argument("--kill-at", type=int, default=-1, help="with --launch: kill group 1 at this step once")
+    args = parser.parse_args()
+    sys.exit(launch(args.launch, args.kill_at) if args.launch else train())

@@ -1,0 +1,224 @@
+"""EDGC across torchft replica groups: compressed gradients that survive a replica failing and coming back.
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+    from edgc.integrations.torchft import DistributedDataParallel
+
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=2, use_async_quorum=False,
+                      load_state_dict=..., state_dict=...)
+    model = DistributedDataParallel(manager, model, EDGCConfig(total_steps=10_000))  # the one call
+    optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters()))
+    # loop: optimizer.zero_grad(); loss.backward(); optimizer.step()   — as with torchft's own DDP
+
+What the one call sets up (`TorchFTEDGCState`):
+
+* **Every collective through the manager.** Raw tensors, P, Q, the agreement and the decision
+  "broadcast" (an all-reduce to which only the quorum's rank 0 contributes), r_max profiling:
+  all go through ``manager.allreduce``, so a failure is reported to the manager and the step is
+  not committed — nothing hangs or raises. Averages divide by ``manager.num_participants()``, as
+  torchft's own hook does. After an error that did not come from a collective, the rest of the
+  step's collectives still run (see `ManagedCommunicator`), so that no peer waits for a timeout.
+* **A failed step loses nothing.** ``manager.should_commit()`` is wrapped: True commits the
+  EDGC step (except a profiling step in a quorum of one: timing no link, it is not counted),
+  False rolls it back (`GradientReducer.rollback_step`): the accumulated gradient M of
+  every compressed matrix becomes the error feedback again, Q, the step counter, the controller,
+  the window and the entropy series are as before the step. A non-finite gradient average (a NaN
+  on any replica) is reported as an error, so every replica discards that step.
+* **Heal.** The shared state is registered with ``manager.register_state_dict_fn("edgc", ...)``:
+  a replica that joins or restarts receives it from a healthy peer with the model and starts at
+  the quorum's step and rank (with no error feedback of its own). Needs
+  ``use_async_quorum=False``: the state must be in place before the step's first collective,
+  whose shape depends on the rank.
+
+Per replica: the error feedback (what this replica's gradients have not yet sent) and the
+entropy series (samples of its own gradient; the quorum's rank 0 decides from its series).
+Shared, and identical on every replica: the step counter, the Q factors, the rank schedule and
+the controller (phase, r_max/r_min, decisions, profiling table). They change only through
+averaged values and decisions sent to all, so they stay identical; a replica that did not commit
+a step its peers committed is behind, and torchft heals it from a peer at the next quorum (its
+own error feedback is kept). A restarted replica takes the series of the peer it heals from.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import AllreduceOptions
+
+from ..comm import Communicator
+from ..config import EDGCConfig
+from ..lowrank import ReduceStats
+from ..rank_control import PROFILE
+from ..reducer import edgc_hook
+from ..state import EDGCState
+
+try:
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupDummy
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("edgc.integrations.torchft needs torchft: pip install 'edgc[torchft]'") from error
+
+STATE_KEY = "edgc"
+
+
+class _Watched:
+    """A work whose wait never raises (a failure is the manager's to report) and tells the
+    communicator when it failed."""
+
+    def __init__(self, work, communicator: "ManagedCommunicator"):
+        self._work, self._communicator = work, communicator
+
+    def wait(self) -> bool:
+        try:
+            done = self._work.wait() is not False if self._work is not None else True
+        except Exception:  # noqa: BLE001 - only reached by the direct process-group path below
+            done = False
+        if not done:
+            self._communicator.collective_failed = True
+        return done
+
+
+class ManagedCommunicator(Communicator):
+    """`Communicator` whose collectives go through a torchft ``Manager`` (one replica group's rank).
+
+    After an error, torchft's manager skips the step's remaining collectives. Here that happens
+    only once a collective itself has failed (the group's connections are suspect). An error that
+    did not come from a collective — raised on issue, or reported by the caller — leaves the
+    group sound, so the rest of the step's collectives still run on the quorum's process group,
+    and peers that have not seen the error are not left waiting for this replica until a timeout.
+    """
+
+    def __init__(self, manager: Manager):
+        super().__init__(None)
+        self.manager = manager
+        self.world_size, self.rank, self.root = 1, 0, 0
+        self.collective_failed = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the current quorum's size and this replica's place in it (blocks on a pending quorum)."""
+        if getattr(self.manager, "_quorum_future", None) is None:
+            return  # no quorum started yet (construction): nothing to ask
+        self.world_size = max(1, self.manager.num_participants())
+        rank = self.manager.participating_rank()
+        self.rank = -1 if rank is None else rank  # a spare never proposes a decision
+
+    def reset(self) -> list[float]:
+        durations = super().reset()
+        self.collective_failed = False
+        self.refresh()  # at a step's start: the quorum started before the forward pass
+        return durations
+
+    def poll(self) -> None:
+        """Managed works have no cheap completion query: durations run from issue to wait."""
+
+    def _all_reduce_work(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
+        manager = self.manager
+        if self.collective_failed:
+            return _Watched(None, self)  # the step is lost and the group is suspect: issue nothing more
+        if manager.errored() is None:
+            return _Watched(manager.allreduce(tensor, reduce_op=op), self)  # zeroes a non-participant's tensor
+        try:  # the step is lost, the group is sound: keep in step with peers that do not know it yet
+            options = AllreduceOptions()
+            options.reduceOp = op
+            return _Watched(manager._pg.allreduce([tensor], options), self)
+        except Exception:  # noqa: BLE001 - already reported; nothing left to keep in step with
+            self.collective_failed = True
+            return _Watched(None, self)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The quorum's rank 0's ``tensor`` on every replica: an all-reduce (sum) that only it feeds."""
+        if self.world_size == 1:
+            return tensor
+        if self.rank != 0:
+            tensor.zero_()
+        return self.all_reduce(tensor)
+
+    def _broadcast_work(self, tensor: torch.Tensor):  # pragma: no cover - broadcast() is overridden
+        raise NotImplementedError
+
+    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):
+        raise NotImplementedError("torchft's manager offers no all-gather: use an all-reduce based method")
+
+
+class TorchFTEDGCState(EDGCState):
+    """`EDGCState` for one rank of a torchft replica group (see the module docstring)."""
+
+    def __init__(self, manager: Manager, config: EDGCConfig | None = None, *, model: nn.Module | None = None,
+                 state_key: str = STATE_KEY):
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError("EDGC on torchft needs Manager(use_async_quorum=False): a healing replica must "
+                             "load the quorum's rank before the step's first collective")
+        super().__init__(None, config, model=model)
+        self.manager = manager
+        self.comm = ManagedCommunicator(manager)
+        self.defer_commit = True
+        self.steps_discarded = 0  # steps whose sync ran but which the manager did not commit
+        self.heals = 0  # times the shared state was received from a peer
+        self.profile_steps_alone = 0  # committed profiling steps not counted: a quorum of one times no link
+        manager.register_state_dict_fn(state_key, self._heal, self.shared_state_dict)
+        _commit_with(manager, self)
+
+    def _heal(self, state: dict) -> None:
+        self.load_shared_state_dict(state)
+        self.heals += 1
+
+    def _average_raw(self, names, grads, flat):
+        """Plain average, plus its non-finite flag (identical on every replica: it is of the average)."""
+        stats: ReduceStats = yield from super()._average_raw(names, grads, flat)
+        total = flat.sum() if flat is not None else torch.stack([g.sum() for g in grads]).sum()
+        stats.nonfinite = ~torch.isfinite(total)
+        return stats
+
+    def _after_values(self, host: list[float]) -> None:
+        super()._after_values(host)
+        if host and host[0]:
+            self.manager.report_error(RuntimeError(
+                f"EDGC: non-finite gradient average at step {self.step}; the step is discarded on every replica"))
+
+    def finish_step(self, committed: bool) -> None:
+        """The manager's verdict on the pending step. A profiling step timed in a quorum of one
+        measured no link: the model step stands, but EDGC does not count it (its state is as
+        before), so r_max is profiled once a peer is there — and never from a lone replica."""
+        if not self.pending:
+            return
+        if not committed:
+            self.steps_discarded += 1
+            self.rollback_step()
+        elif self._plan.phase == PROFILE and self.comm.world_size < 2:
+            self.profile_steps_alone += 1
+            self.rollback_step()
+        else:
+            self.commit_step()
+
+
+def _commit_with(manager: Manager, state: TorchFTEDGCState) -> None:
+    """Make ``manager.should_commit()`` commit or roll back ``state``'s pending step with its verdict."""
+    decide = manager.should_commit
+
+    def should_commit(timeout: timedelta | None = None) -> bool:
+        try:
+            committed = decide(timeout)
+        except BaseException:
+            state.finish_step(False)
+            raise
+        state.finish_step(committed)
+        return committed
+
+    manager.should_commit = should_commit  # type: ignore[method-assign]
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """torchft's DDP with EDGC as its gradient sync: ``DistributedDataParallel(manager, module, config)``.
+
+    Like ``torchft.ddp.DistributedDataParallel``: DDP's own process group is a dummy (torchft
+    syncs the initial weights by healing), and buckets are never rebuilt, so a recovering replica
+    has the same buckets as its peers. The EDGC state is ``model.edgc_state``.
+    """
+
+    def __init__(self, manager: Manager, module: nn.Module, config: EDGCConfig | None = None, **kwargs):
+        super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **kwargs)
+        self.edgc_state = TorchFTEDGCState(manager, config, model=module)
+        self.register_comm_hook(self.edgc_state, edgc_hook)

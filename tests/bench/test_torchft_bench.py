@@ -1,0 +1,84 @@
+"""`edgc bench --torchft` without a network: its table and checks on synthetic runs, the README
+routing of its table, the measures taken from the workers' step logs, and its flag checks."""
+import argparse
+import json
+
+import pytest
+
+from edgc_bench import torchft_bench, torchft_table
+from edgc_bench.cli import torchft
+from edgc_bench.run import BenchSettings
+from edgc_cli.main import CLIError
+
+
+def summary(ft_edgc_step=0.6, ft_wall=80.0, elastic_wall=120.0, loss=4.02, lost=1):
+    def result(step_s, wall_s, steps_lost, heal_s, val_loss, identical):
+        return {"step_s": step_s, "wall_s": wall_s, "steps_lost": steps_lost, "heal_s": heal_s,
+                "val_loss": val_loss, "identical": identical}
+
+    return {"settings": BenchSettings().__dict__, "command": "edgc bench --torchft", "kill_at": 20,
+            "ckpt_every": 10, "date": "2026-11-23 13:00 UTC", "load": (1.0, 1.0, 1.0),
+            "results": {"ddp-edgc": result(0.58, 60.0, 0, None, 3.9, None),
+                        "torchft-nofail": result(1.0, 90.0, 0, None, 4.2, True),
+                        "torchft-edgc-nofail": result(ft_edgc_step, 61.0, 0, None, 4.0, True),
+                        "torchft": result(1.0, 100.0, 9, 8.0, 4.3, True),
+                        "torchft-edgc": result(ft_edgc_step, ft_wall, lost, 8.0, loss, True),
+                        "elastic-edgc": result(0.6, elastic_wall, 11, 30.0, 4.0, None)}}
+
+
+def test_checks_pass_and_fail_on_their_thresholds():
+    good = torchft_table.checks(summary())
+    assert len(good) == 7 and all(line.startswith("- ✓") for line in good), good
+    bad = torchft_table.checks(summary(ft_edgc_step=0.7, ft_wall=130.0, loss=4.1, lost=3))
+    failed = [line for line in bad if line.startswith("- ✗")]
+    assert len(failed) == 5, bad  # ratio to torchft (0.70), to plain DDP (+21 %), steps lost, wall, loss
+    assert "0.70" in failed[0] and "+2.50%" in failed[-1]
+
+
+def test_the_table_goes_to_the_torchft_section_of_the_readme(load_script):
+    bench_md = torchft_table.markdown(summary())
+    script = load_script("bench_to_readme")
+    readme = "# x\n\n<!-- bench-torchft-table:start -->\nold\n<!-- bench-torchft-table:end -->\n\n<!-- bench-table:start -->\n"
+    table = script.section(bench_md)
+    assert "(one replica group each)" in table and "| torchft + EDGC | 0.600 s | 80.0 s | 1 | 8.0 s | 4.0200 | yes |" in table
+    updated = script.update(readme, table, script.TORCHFT_START, script.TORCHFT_END)
+    assert "old" not in updated and updated.count("torchft + EDGC |") == 1
+
+
+def test_steps_lost_and_heal_time_from_the_step_logs(tmp_path, monkeypatch):
+    """A torchft run read back: the survivor's uncommitted step is the one step lost."""
+    lines = {0: [{"kind": "start", "pid": 1, "t": 0.0, "restart": 0}]
+             + [{"kind": "step", "step": s, "t": 1.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
+                for s in range(5)]
+             + [{"kind": "step", "step": 5, "t": 6.5, "step_s": 0.5, "committed": False, "participants": 2}]
+             + [{"kind": "step", "step": s, "t": 2.0 + s, "step_s": 0.1 if s < 8 else 0.5, "committed": True,
+                 "participants": 1 if s < 8 else 2} for s in range(5, 10)]
+             + [{"kind": "final", "t": 13.0, "val_loss": 4.0, "checksum": "a"}],
+             1: [{"kind": "start", "pid": 2, "t": 0.0, "restart": 0}]
+             + [{"kind": "step", "step": s, "t": 1.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
+                for s in range(5)]
+             + [{"kind": "start", "pid": 3, "t": 7.0, "restart": 1}]
+             + [{"kind": "step", "step": s, "t": 2.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
+                for s in range(8, 10)]
+             + [{"kind": "final", "t": 13.0, "val_loss": 4.0, "checksum": "a"}]}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for group, records in lines.items():
+        (run_dir / f"group{group}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    measures = torchft_bench.measure_torchft(run_dir, hosts=2, steps=10, kill_t=6.0)
+    assert measures["steps_lost"] == 1 and measures["identical"] is True
+    assert measures["heal_s"] == pytest.approx(4.0)  # kill at t=6, the restarted group's first step at t=10
+    assert measures["step_s"] == 0.5  # only steps with both groups in the quorum
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hosts=1), "needs ≥ 2 hosts"),
+    (dict(kill_at=39), "--kill-at"),
+    (dict(ckpt_every=0), "--ckpt-every"),
+    (dict(tp=2, nproc=2), "drop --tp/--pp/--fsdp"),
+])
+def test_bad_flags_get_one_line(tmp_path, change, message):
+    settings = BenchSettings(steps=40, **{k: v for k, v in change.items() if k in ("hosts", "tp", "nproc")})
+    args = argparse.Namespace(kill_at=change.get("kill_at"), ckpt_every=change.get("ckpt_every", 10))
+    with pytest.raises(CLIError, match=message.replace("|", r"\|")):
+        torchft(settings, args, tmp_path)

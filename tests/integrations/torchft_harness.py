@@ -1,0 +1,200 @@
+"""Replica groups of torchft in one process, shaped like torchft's manager_integ_test: a lighthouse
+in-process, one thread per replica group (one rank each), a runner that restarts a killed group.
+
+Each replica trains EDGC (`edgc.integrations.torchft`) on a learnable toy language (a token is
+followed by a fixed permutation of itself, or by a random token one time in five: an entropy
+floor of about 1.3 nats, so final losses compare like those of real data), float64 so that error feedback can be checked to
+the last bit. Faults are planned per (replica, step): a kill at the start of the step, a failed
+all-reduce (the collective runs, then this replica's call raises, as a local
+error would; torchft 0.2's FakeProcessGroupWrapper's error never reaches its manager), a NaN gradient. Every uncommitted step is
+checked on the spot: the replica's error feedback must be exactly its error feedback before the
+step plus the step's gradient (or zero when that gradient was not finite).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchft._torchft import LighthouseServer
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+from edgc import EDGCConfig
+from edgc.integrations.torchft import DistributedDataParallel
+from models import TinyTransformer
+
+VOCAB, SEQ, NOISE = 64, 16, 0.2
+CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warmup_error_test=False,
+              iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, min_compression_rate=1.0,
+              entropy_estimator="gaussian", entropy_significance=0.0)
+TIMEOUT = timedelta(seconds=5)  # process group and manager calls
+QUORUM_TIMEOUT = timedelta(seconds=60)  # > TIMEOUT: a peer may sit out one timeout after a failure
+_MODEL_LOCK = threading.Lock()  # replicas share the process's RNG: build models one at a time
+
+
+class InjectedKill(Exception):
+    pass
+
+
+def batch(replica: int, step: int, size: int = 8, retry: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of the toy language, different per replica, step and retry of a step (a discarded
+    step's gradient is in the error feedback: the retry must not see the same batch again)."""
+    permutation = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(1_000_000 * retry + 10_000 * replica + step)
+    tokens = [torch.randint(0, VOCAB, (size,), generator=generator)]
+    for _ in range(SEQ):
+        noise = torch.rand(size, generator=generator) < NOISE
+        tokens.append(torch.where(noise, torch.randint(0, VOCAB, (size,), generator=generator), permutation[tokens[-1]]))
+    sequence = torch.stack(tokens, dim=1)
+    return sequence[:, :-1], sequence[:, 1:]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+@dataclass
+class Faults:
+    kill: set = field(default_factory=set)  # (replica, step): the group dies in the step's first collective
+    failed_allreduce: set = field(default_factory=set)
+    nan: set = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, kind: str, replica: int, step: int) -> bool:
+        with self._lock:
+            planned = getattr(self, kind)
+            if (replica, step) in planned:
+                planned.discard((replica, step))
+                return True
+            return False
+
+
+class FailingProcessGroup(ProcessGroupGloo):
+    """torchft's gloo process group whose next all-reduce fails on this replica once ``fail_next`` is
+    set, or which dies (its connections closed under the peers) at its next all-reduce once ``die_next`` is."""
+
+    fail_next = die_next = dead = False
+
+    def allreduce(self, tensors, opts):
+        if self.die_next:
+            self.die_next, self.dead = False, True
+            self.abort()
+            raise RuntimeError("injected kill: this replica group is gone")
+        work = super().allreduce(tensors, opts)
+        if not self.fail_next:
+            return work
+        self.fail_next = False
+        work.wait()  # the peers got their sum: only this replica sees the error
+        raise RuntimeError("injected all-reduce failure")
+
+
+def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict) -> dict:
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    pg = FailingProcessGroup(timeout=TIMEOUT)
+    holder: dict = {}
+
+    def load(state: dict) -> None:
+        holder["model"].load_state_dict(state["model"])
+        holder["optimizer"].load_state_dict(state["optimizer"])
+
+    def save() -> dict:
+        return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
+
+    manager = Manager(pg=pg, min_replica_size=2, load_state_dict=load, state_dict=save, replica_id=str(replica),
+                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=lighthouse, use_async_quorum=False, timeout=TIMEOUT,
+                      quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT)
+    try:
+        with _MODEL_LOCK:
+            torch.manual_seed(0)
+            module = TinyTransformer(vocab=VOCAB, width=64, layers=1, heads=2, seq_len=SEQ).double()
+        model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
+        optimizer = OptimizerWrapper(manager, torch.optim.Adam(module.parameters(), lr=3e-3))
+        holder.update(model=module, optimizer=optimizer)
+        state = model.edgc_state
+        gradients: dict[str, torch.Tensor] = {}
+        retries: dict[int, int] = {}
+        reduce = state._reduce
+
+        def recording_reduce(names, grads, flat):  # the local gradient G, before the sync replaces it
+            gradients.update({n: g.detach().clone() for n, g in zip(names, grads)})
+            return reduce(names, grads, flat)
+
+        state._reduce = recording_reduce
+        log = report.setdefault("log", {}).setdefault(replica, [])  # (attempt, step, phase, rank) committed
+        attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
+        attempt[0] += 1
+        while manager.current_step() < steps:
+            optimizer.zero_grad()  # starts the quorum; a restarted replica heals here
+            step = manager.current_step()
+            pg.die_next = faults.take("kill", replica, step)
+            error_before = {n: e.clone() for n, e in state.compressor.error.items()}
+            gradients.clear()
+            retries[step] = retries.get(step, -1) + 1
+            loss = loss_of(model, *batch(replica, step, retry=retries[step]))
+            if faults.take("nan", replica, step):
+                loss = loss * float("nan")
+            if faults.take("failed_allreduce", replica, step):
+                pg.fail_next = True
+            loss.backward()
+            if pg.dead:  # the group died in its first collective of the step, its peers in the middle of it
+                raise InjectedKill(f"replica {replica} killed at step {step}")
+            optimizer.step()  # should_commit: commits or rolls back the EDGC step
+            metrics = state.last_step_metrics
+            if metrics.get("committed") is False:
+                report.setdefault("discarded", []).append((replica, step))
+                check_conserved(state, metrics, error_before, gradients)
+            else:
+                log.append((attempt[0], step, metrics["phase"], metrics["rank"]))
+        module.eval()
+        with torch.no_grad():
+            final_loss = loss_of(module, *batch(99, 0, size=64)).item()
+        return {"replica": replica, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
+                "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
+                "discarded": state.steps_discarded, "phase": metrics["phase"]}
+    finally:
+        manager.shutdown(wait=False)
+        pg.shutdown()
+
+
+def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -> None:
+    """After a discarded step: e = e_before + G, bit for bit, for every compressed matrix."""
+    for name, rank in metrics["ranks"].items():
+        if not rank:
+            continue
+        gradient = gradients[name].reshape(gradients[name].shape[0], -1)
+        expected = error_before.get(name, torch.zeros_like(gradient)) + gradient
+        if not torch.isfinite(gradient).all():
+            expected = torch.zeros_like(gradient)
+        if not torch.equal(state.compressor.error[name], expected):
+            raise AssertionError(f"error feedback of {name} not conserved through the discarded step")
+
+
+def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3) -> dict:
+    """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``)."""
+    faults = faults or Faults()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    report: dict = {"kills": 0}
+
+    def runner(replica: int) -> dict:
+        for _ in range(attempts):
+            try:
+                return train_replica(replica, lighthouse.address(), steps, faults, report)
+            except InjectedKill:
+                report["kills"] += 1
+        raise RuntimeError(f"replica {replica} ran out of attempts")
+
+    try:
+        with ThreadPoolExecutor(max_workers=replicas) as pool:
+            futures = [pool.submit(runner, r) for r in range(replicas)]
+            results = [f.result(timeout=240) for f in futures]
+    finally:
+        lighthouse.shutdown()
+    return {"results": results, **report}
