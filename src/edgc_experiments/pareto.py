@@ -56,6 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--reuse", metavar="DIR", action="append", default=[],
                    help="reuse finished runs of an earlier pareto folder (its runs/*.json) whose setting, seed "
                         "and config are identical; repeatable")
+    p.add_argument("--no-train", action="store_true",
+                   help="train nothing: summarise the --reuse runs; arms without every seed are listed as not run")
 
 
 def parse_list(raw: str, flag: str, cast, allowed=None) -> list:
@@ -213,6 +215,14 @@ def run(args, out, setting, log=print) -> dict:
         else:
             todo.append((b, name, seed))
     log(f"  {len(jobs) - len(todo)} reused from {', '.join(args.reuse) or '-'}; {len(todo)} to train")
+    skipped = sorted({(b, name) for b, name, _ in todo}) if args.no_train else []
+    if args.no_train:
+        for b, name, _ in todo:  # an arm is compared over all seeds or not at all
+            plan[b].pop(name, None)
+            results[str(b)].pop(name, None)
+        todo = []
+        if any("static" not in plan[b] for b in budgets):
+            raise common.CLIError("--no-train: the reused runs lack static at some budget (every arm is paired with it)")
     with _executor(args.jobs) as pool:
         futures = {pool.submit(_run_one, (setting, plan[b][name], seed)): (b, name, seed) for b, name, seed in todo}
         for done, future in enumerate(futures, 1):
@@ -223,7 +233,7 @@ def run(args, out, setting, log=print) -> dict:
             common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", record)  # kept even if a later run fails
             log(f"  [{done}/{len(todo)}] b={b} {name} seed {seed}: val {run_result['val_loss']:.4f}, "
                 f"mean rank {fmt(run_result['mean_rank'], '.2f')}, {run_result['wall_s']:.0f} s")
-    return summarise(out, setting, budgets, seeds, plan, results)
+    return summarise(out, setting, budgets, seeds, plan, results, skipped)
 
 
 def paired(results: dict, arm: str, seeds: list[int]) -> dict:
@@ -238,7 +248,7 @@ def paired(results: dict, arm: str, seeds: list[int]) -> dict:
             "val_loss": mean(results[arm][str(s)]["val_loss"] for s in seeds)}
 
 
-def summarise(out, setting, budgets, seeds, plan, results) -> dict:
+def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     table, headline = [], []
     stats: dict = {}
     for b in budgets:
@@ -271,6 +281,8 @@ def summarise(out, setting, budgets, seeds, plan, results) -> dict:
         "10 % uncompressed warm-up; validation loss over the whole validation split; bytes counted after the warm-up. "
         "Δ = arm − static at the same seed (negative: the arm learns more from the same bytes).", "",
         markdown_table(header, table), "",
+        *([f"Not run (no finished runs for every seed): {', '.join(f'{n} at b={b}' for b, n in skipped)}.", ""]
+          if skipped else []),
         f"Plot: `{plot.relative_to(out)}`",
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
