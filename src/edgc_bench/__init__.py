@@ -8,4 +8,7 @@ Modules:
     netns.py        emulated hosts: network namespaces, a bridge, tbf rate-limited veth links
     calibrate.py    the link sweep: all-reduce time vs message size on the emulated network
     stages.py       do pipeline stages finish their sync closer together with DAC?
+    torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
+    torchft_train.py one replica group's worker of that bench (torchft DDP, torchft + EDGC, plain DDP)
+    torchft_table.py its bench.md: the table and the acceptance checks
 """

@@ -2,6 +2,7 @@
 
 Modules:
     lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook
+    torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages
 """
 from __future__ import annotations
 
