@@ -256,8 +256,8 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
         hand = [arms_b[n]["mean"] for n in ("hand-3", "hand-2") if n in arms_b]
         best_hand = min(hand) if hand else None
         for name, p in arms_b.items():
-            p["recovered"] = (p["mean"] / best_hand if best_hand is not None and best_hand < 0 and name != "static"
-                              else None)
+            p["recovered"] = (p["mean"] / best_hand if best_hand is not None and best_hand < 0
+                              and name.startswith("budget-") else None)
             p["beats_static"] = name != "static" and p["high"] < 0
         stats[str(b)] = arms_b
         for name, p in arms_b.items():
@@ -271,6 +271,20 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
             headline.append(f"b={b}: budget controller {default['mean']:+.4f} "
                             f"[{default['low']:+.4f}, {default['high']:+.4f}] vs static"
                             + (f" ({default['recovered']:.0%} of the best hand-set gain)" if default["recovered"] is not None else ""))
+    change_cost = []
+    for b in budgets:
+        if {"alt-warm", "alt-truncate"} <= set(plan[b]):
+            runs_b, pair = results[str(b)], stats[str(b)]
+            # warm − truncate, paired by seed: what keeping the warm start saves per run
+            diff = paired({"static": runs_b["alt-truncate"], "arm": runs_b["alt-warm"]}, "arm", seeds)
+            stats[str(b)]["warm-vs-truncate"] = diff
+            change_cost.append(
+                f"**Cost of changing the rank** (b={b}: the rank alternates {b // 2} ↔ {b + b // 2} every window, "
+                f"{pair['alt-warm']['rank_changes']:.0f} changes, against static {b}): warm start kept "
+                f"{pair['alt-warm']['mean']:+.4f} [{pair['alt-warm']['low']:+.4f}, {pair['alt-warm']['high']:+.4f}], "
+                f"truncate-or-random {pair['alt-truncate']['mean']:+.4f} [{pair['alt-truncate']['low']:+.4f}, "
+                f"{pair['alt-truncate']['high']:+.4f}]; warm − truncate {diff['mean']:+.4f} "
+                f"[{diff['low']:+.4f}, {diff['high']:+.4f}] (bytes {diff['bytes_ratio']:.3f}×: the residual all-reduce).")
     header = ["budget", "arm", "mean rank", "bytes vs static", "val loss (mean)", "Δ per seed",
               "Δ mean [95 % CI]", "of best hand-set gain", "rank changes"]
     plot = _plot(out, budgets, stats)
@@ -281,6 +295,7 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
         "10 % uncompressed warm-up; validation loss over the whole validation split; bytes counted after the warm-up. "
         "Δ = arm − static at the same seed (negative: the arm learns more from the same bytes).", "",
         markdown_table(header, table), "",
+        *(line for text in change_cost for line in (text, "")),
         *([f"Not run (no finished runs for every seed): {', '.join(f'{n} at b={b}' for b, n in skipped)}.", ""]
           if skipped else []),
         f"Plot: `{plot.relative_to(out)}`",
@@ -296,7 +311,7 @@ def _plot(out, budgets, stats):
     plt = common.pyplot()
     fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.6), squeeze=False)
     for ax, b in zip(axes[0], budgets):
-        names = [n for n in stats[str(b)] if n != "static"]
+        names = [n for n in stats[str(b)] if n not in ("static", "warm-vs-truncate")]  # each against static
         ys = range(len(names))
         for y, name in zip(ys, names):
             p = stats[str(b)][name]
