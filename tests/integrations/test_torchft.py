@@ -16,7 +16,7 @@ from edgc.integrations.torchft import ManagedCommunicator  # noqa: E402
 from .torchft_harness import Faults, run_replicas  # noqa: E402
 
 STEPS = 30
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

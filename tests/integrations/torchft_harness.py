@@ -34,7 +34,8 @@ CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warm
               iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, min_compression_rate=1.0,
               entropy_estimator="gaussian", entropy_significance=0.0)
 TIMEOUT = timedelta(seconds=5)  # process group and manager calls
-QUORUM_TIMEOUT = timedelta(seconds=60)  # > TIMEOUT: a peer may sit out one timeout after a failure
+QUORUM_TIMEOUT = timedelta(seconds=120)  # > TIMEOUT: a peer may sit out one timeout after a failure; a
+# restarted group on a starved 2-core machine once needed more than 60 s to join (suite at load 10+)
 _MODEL_LOCK = threading.Lock()  # replicas share the process's RNG: build models one at a time
 
 
@@ -194,7 +195,7 @@ def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, at
     try:
         with ThreadPoolExecutor(max_workers=replicas) as pool:
             futures = [pool.submit(runner, r) for r in range(replicas)]
-            results = [f.result(timeout=240) for f in futures]
+            results = [f.result(timeout=280) for f in futures]
     finally:
         lighthouse.shutdown()
     return {"results": results, **report}
