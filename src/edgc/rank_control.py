@@ -72,7 +72,6 @@ class WindowController:
         self._error_model: ErrorModel | None = None
         self._candidates = profile_candidates(config.profile_max_rank)
         self.error_windows: list[tuple[int, float]] = []  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed
-        self.last_decision: Decision | None = None  # the latest decision applied while compressing
 
     def _default_r_min(self, r_max: int | None) -> int | None:
         if r_max is None:
@@ -328,8 +327,6 @@ class WindowController:
         if self.phase == COMPRESS and decision.rank != self.rank:
             self.rank = decision.rank
             self.schedule.append((plan.step + 1, decision.rank))
-        if plan.phase == COMPRESS:
-            self.last_decision = decision
 
     # ------------------------------------------------------------------ saying what profiling found
     def profiling_verdict(self) -> dict | None:
