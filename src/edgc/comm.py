@@ -11,7 +11,8 @@
 
 Blocking calls (``all_reduce``, ``mean_``, ``broadcast``, ``all_gather``) are issue + wait. Without
 an initialised process group the world has size 1 and collectives are no-ops, which keeps the
-compressors testable in a single plain process.
+compressors testable in a single plain process; with one, even of size 1, every collective is
+issued (as DDP does), so a one-GPU NCCL run goes through NCCL's streams and ``Work.wait``.
 
 Each collective's duration is kept in issue order (the same order on every rank, so traces of
 all ranks line up): from its issue to its completion, as device-timeline stamps turned into
@@ -62,6 +63,7 @@ class Communicator:
         process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
+        self.issues = distributed  # collectives are issued (a group exists, of any size)
         self.rank = dist.get_rank(process_group) if distributed else 0
         # Global rank of the group's rank 0: the source of every decision broadcast.
         self.root = dist.get_global_rank(process_group, 0) if distributed and process_group is not None else 0
@@ -107,7 +109,7 @@ class Communicator:
 
     # ------------------------------------------------------------------ asynchronous
     def _issue(self, tensor: torch.Tensor, run, after=None) -> Pending:
-        if self.world_size == 1:
+        if not self.issues:
             if after is not None:
                 after()
             return Pending(tensor, None, None, self.clock)
@@ -147,10 +149,11 @@ class Communicator:
 
         Divides before summing so that half-precision sums cannot overflow.
         """
-        if self.world_size == 1:
+        if not self.issues:
             return Pending(tensor, None, None, self.clock)
         if wire_dtype is None or wire_dtype == tensor.dtype:
-            tensor.div_(self.world_size)
+            if self.world_size > 1:
+                tensor.div_(self.world_size)
             return self.all_reduce_async(tensor)
         on_wire = tensor.div(self.world_size).to(wire_dtype)
         return self._issue(tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM),
@@ -166,7 +169,7 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on all ranks), in group-rank order."""
-        if self.world_size == 1:
+        if not self.issues:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._issue(tensor, lambda: self._all_gather_work(out, tensor)).wait()
@@ -174,7 +177,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with group rank 0's value (blocking)."""
-        if self.world_size == 1:
+        if not self.issues:
             return tensor
         return self._issue(tensor, lambda: self._broadcast_work(tensor)).wait()
 

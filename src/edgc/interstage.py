@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .lowrank import orthogonalize_, stable_seed
 from .mesh import as_process_group
+from .timing import to_device
 
 HEADER = 3  # int64 values: rank, rows, columns
 HEADER_BYTES = HEADER * 8
@@ -111,7 +112,7 @@ class InterStageCompressor:
         q = self.qs.get(slot)
         if q is None or q.shape != (n, rank):
             generator = torch.Generator().manual_seed(stable_seed(self.seed, "interstage", slot, n, rank))
-            q = torch.randn(n, rank, generator=generator, dtype=self.dtype).to(device)
+            q = to_device(torch.randn(n, rank, generator=generator, dtype=self.dtype), device)
         return q
 
     def compress(self, slot: int, grad: torch.Tensor, rank: int | None) -> Packet:
@@ -174,7 +175,7 @@ def send_gradient(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
     group = as_process_group(group)
     n = packet.shape[-1]
     m = math.prod(packet.shape) // n
-    header = torch.tensor([packet.rank, m, n], dtype=torch.int64, device=packet.payload.device)
+    header = to_device(torch.tensor([packet.rank, m, n], dtype=torch.int64), packet.payload.device)
     works = [dist.isend(header, dst, group=group, tag=tag), dist.isend(packet.payload, dst, group=group, tag=tag)]
     return [(w, header, packet.payload) for w in works]  # keep the buffers alive with their work
 

@@ -43,6 +43,7 @@ import torch
 
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from .config import EDGCConfig
+from .timing import to_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -152,12 +153,12 @@ class LowRankCompressor:
             q = None  # the parameter changed shape: start over
         if q is None:
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name))
-            q = torch.randn(n, rank, generator=generator).to(device)
+            q = to_device(torch.randn(n, rank, generator=generator), device)
         elif q.shape[1] > rank:
             q = q[:, :rank]
         elif q.shape[1] < rank:
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, q.shape[1], rank))
-            extra = torch.randn(n, rank - q.shape[1], generator=generator).to(device)
+            extra = to_device(torch.randn(n, rank - q.shape[1], generator=generator), device)
             q = torch.cat([q, extra], dim=1)
         return q
 
@@ -197,7 +198,7 @@ class LowRankCompressor:
             q, (m, n) = self.q[name], self.shapes[name]
             extra = target - q.shape[1]
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, q.shape[1], target))
-            omega = torch.randn(n, extra, generator=generator).to(q.device, q.dtype)
+            omega = to_device(torch.randn(n, extra, generator=generator), q.device).to(q.dtype)
             residual = self.error.get(name)
             if residual is not None and residual.numel() == m * n:
                 e = residual.reshape(m, n).to(q.dtype)
@@ -230,7 +231,7 @@ class LowRankCompressor:
         columns = self._reseed.get(key)
         if columns is None or columns.shape[0] != n or columns.device != device:
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "reseed", rank))
-            columns = self._reseed[key] = torch.randn(n, rank, generator=generator).to(device)
+            columns = self._reseed[key] = to_device(torch.randn(n, rank, generator=generator), device)
         return columns
 
     def _error_dtype(self, grad_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
@@ -473,7 +474,7 @@ class LowRankCompressor:
             r = min(rank, m, n)
             matrix = grad.detach().view(m, n).float()
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "probe"))
-            q = orthogonalize_(torch.randn(1, n, r, generator=generator).to(grad.device))[0]
+            q = orthogonalize_(to_device(torch.randn(1, n, r, generator=generator), grad.device))[0]
             p = orthogonalize_((matrix @ q).unsqueeze(0))[0]
             error = (matrix - p @ (matrix.T @ p).T).square().sum().double()
             norm = matrix.square().sum().double()

@@ -92,7 +92,10 @@ class GradientReducer:
         self.comm.poll()
         self._resume_in_flight()
         buffer = bucket.buffer()
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        # A Future holding CUDA tensors must name their device: it records an event on completion
+        # that DDP's stream waits on (no host synchronisation).
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[buffer.device] if buffer.device.type == "cuda" else None)
         self._start(self.names_for(bucket.parameters()), bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._finish_in_flight()
@@ -216,6 +219,10 @@ class GradientReducer:
                 for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
 
     def _end_step(self) -> None:
+        with timing.host_reads_allowed():  # the step's one synchronisation point (edgc.timing)
+            self._close_step()
+
+    def _close_step(self) -> None:
         stats = self._stats
         values = self._device_values()
         host = timing.to_host(torch.stack(values)) if values and self.device is not None else []

@@ -5,11 +5,18 @@ the current stream, or ``perf_counter`` on CPU) and keeps device tensors. Once p
 the reducer turns stamps into seconds and reads its packed device values with ``to_host``; that
 is the step's single host synchronisation. Tests count calls of ``synchronize`` and ``to_host``
 (and of ``Tensor.item``/``__bool__``/…) to hold the hot path to this rule.
+
+The places allowed to synchronise run inside ``host_reads_allowed()``: the end of a step and a
+rank change (at most once per decision window). On CUDA that lifts
+``torch.cuda.set_sync_debug_mode("error")`` for them alone, so a run under that mode fails at any
+other synchronisation (tests/gpu). Host→device copies of CPU-made tensors go through ``to_device``
+(pinned, non-blocking): a plain ``.to("cuda")`` from pageable memory synchronises.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Union
+from typing import Iterator, Union
 
 import torch
 
@@ -26,7 +33,32 @@ def synchronize(device: torch.device) -> None:
 
 def to_host(tensor: torch.Tensor) -> list:
     """A device tensor's values as Python numbers (a host synchronisation on accelerators)."""
-    return tensor.detach().cpu().reshape(-1).tolist()
+    with host_reads_allowed():
+        return tensor.detach().cpu().reshape(-1).tolist()
+
+
+@contextlib.contextmanager
+def host_reads_allowed() -> Iterator[None]:
+    """Mark a deliberate synchronisation point (see the module docstring); re-entrant."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU-made tensor (seeded random columns, small vectors) on ``device`` without a host sync."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class Clock:

@@ -175,3 +175,18 @@ def test_persistent_compressor_memory_is_at_most_1_05_times_the_gradients():
     state = [*compressor.error.values(), *compressor.q.values(), *compressor._reseed.values()]
     persistent = sum(t.numel() * t.element_size() for t in state)
     assert persistent <= 1.05 * gradient_bytes, persistent / gradient_bytes
+
+
+def world_of_one_worker(rank, world_size):
+    comm = Communicator(None)
+    pending = comm.mean_async(torch.ones(3))
+    issued = comm.collectives
+    averaged = pending.wait()
+    comm.reset()
+    return issued, averaged, comm.world_size
+
+
+def test_a_world_of_one_with_a_process_group_issues_its_collectives():
+    """As DDP does: a one-GPU NCCL run then goes through NCCL's streams and Work.wait (tests/gpu)."""
+    (issued, averaged, world), = run_distributed(world_of_one_worker, 1)
+    assert (issued, world) == (1, 1) and torch.equal(averaged, torch.ones(3))

@@ -259,8 +259,10 @@ def test_single_process_resume_is_exact(capsys, tmp_path, cache_dir, compressor)
     if compressor != "none":  # warm-up floor ⌊0.1·8⌋ → 2 uncompressed steps, then rank 4
         assert [r["rank"] for r in lines if r["kind"] == "train"][-1] == 4
         assert lines[-2]["elements_sent"] < lines[-2]["elements_raw"]
-    # one process: our engine issues no collectives; torch's hook does (one bucket: raw, P, Q)
-    assert lines[-2]["collectives"] == (3 if compressor == "torch-powersgd" else 0)
+    # one process with a process group: collectives are issued as in any world, as DDP does
+    # (3 per compressed bucket: raw, P, Q); native DDP's own are not counted
+    collectives = lines[-2]["collectives"]
+    assert collectives == 0 if compressor == "none" else (collectives >= 3 and collectives % 3 == 0), collectives
 
 
 def test_budget_run_tells_each_decision_and_resumes_exactly(capsys, tmp_path, cache_dir):
