@@ -1,4 +1,4 @@
-"""Run a function on N gloo processes on 127.0.0.1 and collect what each returns.
+"""Run a function on N gloo (or NCCL) processes on 127.0.0.1 and collect what each returns.
 
 Every collective has a timeout (the process group's), and the whole run has a wall-clock
 limit after which all processes are killed, so a broken test fails instead of hanging CI.
@@ -23,11 +23,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, results, args):
+def _entry(fn, rank, world_size, port, results, args, backend="gloo"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
         # Serialised to bytes: tensors sent through a queue as shared memory would vanish
         # with the exiting child before the parent reads them.
@@ -45,7 +45,8 @@ def _entry(fn, rank, world_size, port, results, args):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_dead: tuple | list = ()) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_dead: tuple | list = (),
+                    backend: str = "gloo") -> list:
     """fn(rank, world_size, *args) on every rank; returns the results ordered by rank.
 
     Ranks in ``expect_dead`` are meant to die without reporting; their result is None.
@@ -53,7 +54,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_d
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_entry, args=(fn, rank, world_size, port, results, args))
+    processes = [context.Process(target=_entry, args=(fn, rank, world_size, port, results, args, backend))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
