@@ -11,4 +11,5 @@ Modules:
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
     torchft_train.py one replica group's worker of that bench (torchft DDP, torchft + EDGC, plain DDP)
     torchft_table.py its bench.md: the table and the acceptance checks
+    gpu.py          `python -m edgc_bench.gpu`: the CUDA path measured on one GPU (docs/gpu.md)
 """

@@ -131,6 +131,60 @@ def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64, proce
                       mean["hook_gemm_flops"])
 
 
+def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600, 6400), rank: int = 32) -> dict:
+    """The same quantities on the current CUDA device (`edgc_bench.gpu`), timed by CUDA events: matmul
+    FLOP/s per precision, copy bandwidth (bytes read + written), the per-op cost of a tiny eager op
+    (launch + dispatch), and the engine's skinny-GEMM and QR rates on a GPT-2 XL MLP matrix."""
+    import torch
+
+    def timed(fn, repeats: int = 10) -> float:
+        fn()
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    device = torch.device("cuda")
+    flops = {}
+    for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("tf32", torch.float32, True), ("fp32", torch.float32, False)):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+        b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+        flops[name] = 2 * matmul_n ** 3 / timed(lambda: a @ b)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    src = torch.randn(copy_mb * 2 ** 20 // 4, device=device)
+    dst = torch.empty_like(src)
+    mem = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src))
+    tiny = torch.zeros(4, device=device)
+    reps = 2000
+    launch = timed(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps  # host-bound: the issue rate
+    m, n = shape
+    count = max(2, 512 * 2 ** 20 // (4 * m * n))  # more than L2: M comes from memory, as in a step
+    mats = torch.randn(count, m, n, device=device)
+    q_t, p_t = torch.randn(rank, n, device=device), torch.randn(rank, m, device=device)
+    out_p, out_q = torch.empty(rank, m, device=device), torch.empty(rank, n, device=device)
+    per = lambda fn: timed(fn, 5) / count  # noqa: E731
+    t_p = per(lambda: [torch.mm(q_t, mats[k].T, out=out_p) for k in range(count)])
+    t_q = per(lambda: [torch.mm(p_t, mats[k], out=out_q) for k in range(count)])
+    t_g = per(lambda: [torch.mm(p_t.T, q_t, out=mats[k]) for k in range(count)])
+    gemm_flops, nbytes = 2 * m * n * rank, 4 * m * n
+    stream = lambda t: nbytes / max(t - gemm_flops / flops["fp32"], 0.1 * t)  # noqa: E731
+    factor = torch.randn(1, n, rank, device=device)
+    t_qr = timed(lambda: torch.linalg.qr(factor))
+    return {"matmul_flops": flops, "mem_bytes_per_s": mem, "launch_s": launch,
+            "skinny_read_bytes_per_s": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write_bytes_per_s": stream(t_g),
+            "qr_flops_per_s": 4 * n * rank * rank / t_qr, "qr_s": t_qr,
+            "skinny_shape": [m, n], "skinny_rank": rank, "skinny_gemm_s": {"p": t_p, "q": t_q, "decompress": t_g},
+            "source": f"torch {matmul_n}^3 matmuls, {copy_mb} MB copy, 2000 tiny add_, rank-{rank} GEMMs on "
+                      f"{count} fp32 {m}x{n} matrices; CUDA events, median"}
+
+
 def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:
     """Fit of T = 2(n-1) alpha + 2(n-1)/n * N / beta minimising *relative* squared error (so the
     small sizes still pin alpha); returns (alpha_s, bytes_per_s)."""
