@@ -72,7 +72,7 @@ def _wrap(model, method: str, rank: int, device):
 
     from edgc import EDGCConfig, EDGCState, edgc_hook
 
-    ddp = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     state = None
     if method == "powersgd":
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
@@ -127,8 +127,8 @@ def _engine_alone(model, rank: int, repeats: int = 5) -> float:
     return _median(times[2:])
 
 
-def engine_speed(sizes: list[str], ranks: list[int], micro_batch: int, seq_len: int, timed: int) -> list[dict]:
-    device = torch.device("cuda", 0)
+def engine_speed(sizes: list[str], ranks: list[int], micro_batch: int, seq_len: int, timed: int,
+                 device: torch.device = torch.device("cuda", 0)) -> list[dict]:
     rows = []
     for size in sizes:
         torch.manual_seed(0)
