@@ -105,7 +105,11 @@ class FailingProcessGroup(ProcessGroupGloo):
         raise RuntimeError("injected all-reduce failure")
 
 
-def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict) -> dict:
+def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict,
+                  start: threading.Barrier | None = None) -> dict:
+    """One attempt of one group. ``start``: passed once its manager is up (and heartbeating), so that
+    the lighthouse knows every group before the first quorum and waits for all of them (a group
+    that starts late would otherwise join by healing a few steps in: another run than the reference)."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     pg = FailingProcessGroup(timeout=TIMEOUT)
     holder: dict = {}
@@ -122,6 +126,8 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                       lighthouse_addr=lighthouse, use_async_quorum=False, timeout=TIMEOUT,
                       quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT)
     try:
+        if start is not None:
+            start.wait(timeout=QUORUM_TIMEOUT.total_seconds())
         with _MODEL_LOCK:
             torch.manual_seed(0)
             module = TinyTransformer(vocab=VOCAB, width=64, layers=1, heads=2, seq_len=SEQ).double()
@@ -195,11 +201,13 @@ def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, at
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=1000,
                                   join_timeout_ms=int(JOIN_TIMEOUT.total_seconds() * 1000))
     report: dict = {"kills": 0}
+    start = threading.Barrier(replicas)  # first attempts only: a restarted group joins a running quorum
 
     def runner(replica: int) -> dict:
-        for _ in range(attempts):
+        for attempt in range(attempts):
             try:
-                return train_replica(replica, lighthouse.address(), steps, faults, report)
+                return train_replica(replica, lighthouse.address(), steps, faults, report,
+                                     start if attempt == 0 else None)
             except InjectedKill:
                 report["kills"] += 1
         raise RuntimeError(f"replica {replica} ran out of attempts")
