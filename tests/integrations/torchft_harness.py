@@ -6,13 +6,15 @@ followed by a fixed permutation of itself, or by a random token one time in five
 floor of about 1.3 nats, so final losses compare like those of real data), float64 so that error feedback can be checked to
 the last bit. Faults are planned per (replica, step): a kill at the start of the step, a failed
 all-reduce (the collective runs, then this replica's call raises, as a local
-error would; torchft 0.2's FakeProcessGroupWrapper's error never reaches its manager), a NaN gradient. Every uncommitted step is
-checked on the spot: the replica's error feedback must be exactly its error feedback before the
+error would; torchft 0.2's FakeProcessGroupWrapper's error never reaches its manager), a NaN gradient,
+a stall (the step lasts one TIMEOUT, as for a survivor left waiting on a peer that dropped the
+collective). Every uncommitted step is checked on the spot: the replica's error feedback must be exactly its error feedback before the
 step plus the step's gradient (or zero when that gradient was not finite).
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,6 +38,12 @@ CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warm
 TIMEOUT = timedelta(seconds=5)  # process group and manager calls
 QUORUM_TIMEOUT = timedelta(seconds=120)  # > TIMEOUT: a peer may sit out one timeout after a failure; a
 # restarted group on a starved 2-core machine once needed more than 60 s to join (suite at load 10+)
+# How long the lighthouse waits for a live (heartbeating) group that has not asked for the quorum yet.
+# Longer than a group can be held in a collective: after a kill, a survivor can wait out a whole
+# TIMEOUT on a gloo receive from the other survivor, which dropped the collective when it saw the dead
+# peer's connection close (gloo tells no one; torch's gloo abort() closes no connection). A quorum
+# formed without it lets the others finish and leave: alone, it never reaches min_replicas (a hang).
+JOIN_TIMEOUT = 3 * TIMEOUT
 _MODEL_LOCK = threading.Lock()  # replicas share the process's RNG: build models one at a time
 
 
@@ -66,6 +74,7 @@ class Faults:
     kill: set = field(default_factory=set)  # (replica, step): the group dies in the step's first collective
     failed_allreduce: set = field(default_factory=set)
     nan: set = field(default_factory=set)
+    stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT (a survivor's worst case)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, kind: str, replica: int, step: int) -> bool:
@@ -96,7 +105,11 @@ class FailingProcessGroup(ProcessGroupGloo):
         raise RuntimeError("injected all-reduce failure")
 
 
-def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict) -> dict:
+def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict,
+                  start: threading.Barrier | None = None) -> dict:
+    """One attempt of one group. ``start``: passed once its manager is up (and heartbeating), so that
+    the lighthouse knows every group before the first quorum and waits for all of them (a group
+    that starts late would otherwise join by healing a few steps in: another run than the reference)."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     pg = FailingProcessGroup(timeout=TIMEOUT)
     holder: dict = {}
@@ -113,6 +126,8 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                       lighthouse_addr=lighthouse, use_async_quorum=False, timeout=TIMEOUT,
                       quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT)
     try:
+        if start is not None:
+            start.wait(timeout=QUORUM_TIMEOUT.total_seconds())
         with _MODEL_LOCK:
             torch.manual_seed(0)
             module = TinyTransformer(vocab=VOCAB, width=64, layers=1, heads=2, seq_len=SEQ).double()
@@ -136,6 +151,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             optimizer.zero_grad()  # starts the quorum; a restarted replica heals here
             step = manager.current_step()
             pg.die_next = faults.take("kill", replica, step)
+            stall_until = time.monotonic() + TIMEOUT.total_seconds() if faults.take("stall", replica, step) else 0.0
             error_before = {n: e.clone() for n, e in state.compressor.error.items()}
             gradients.clear()
             retries[step] = retries.get(step, -1) + 1
@@ -147,6 +163,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             loss.backward()
             if pg.dead:  # the group died in its first collective of the step, its peers in the middle of it
                 raise InjectedKill(f"replica {replica} killed at step {step}")
+            time.sleep(max(0.0, stall_until - time.monotonic()))
             optimizer.step()  # should_commit: commits or rolls back the EDGC step
             metrics = state.last_step_metrics
             if metrics.get("committed") is False:
@@ -181,13 +198,16 @@ def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -
 def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3) -> dict:
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``)."""
     faults = faults or Faults()
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=1000,
+                                  join_timeout_ms=int(JOIN_TIMEOUT.total_seconds() * 1000))
     report: dict = {"kills": 0}
+    start = threading.Barrier(replicas)  # first attempts only: a restarted group joins a running quorum
 
     def runner(replica: int) -> dict:
-        for _ in range(attempts):
+        for attempt in range(attempts):
             try:
-                return train_replica(replica, lighthouse.address(), steps, faults, report)
+                return train_replica(replica, lighthouse.address(), steps, faults, report,
+                                     start if attempt == 0 else None)
             except InjectedKill:
                 report["kills"] += 1
         raise RuntimeError(f"replica {replica} ran out of attempts")
