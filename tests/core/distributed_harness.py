@@ -9,9 +9,10 @@ gets a process group of its own (a new TCP store and new gloo connections, destr
 call), and the torch generator is put back to a new process's seed before it, so a call sees what
 it saw in new processes save Python state left by earlier calls in the same process (a test must
 undo what it patches). After a failure or a timeout the pool is killed and the next call starts
-new processes. ``fresh=True`` runs in new processes that exit afterwards, and so does a call with
-``expect_dead`` (ranks meant to die), or every call with EDGC_TEST_FRESH_PROCESSES=1 in the
-environment (to rule the pool out when a test fails).
+new processes; a pool unused for IDLE_SECONDS is closed (its processes hold about 0.4 GB each,
+which the later tests' own multi-process runs need). ``fresh=True`` runs in new processes that
+exit afterwards, and so does a call with ``expect_dead`` (ranks meant to die), or every call with
+EDGC_TEST_FRESH_PROCESSES=1 in the environment (to rule the pool out when a test fails).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import os
 import pickle
 import queue
 import socket
+import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 GROUP_TIMEOUT = timedelta(seconds=60)
+IDLE_SECONDS = 90
 
 
 def free_port() -> int:
@@ -119,6 +123,7 @@ class _Pool:
                           for rank in range(world_size)]
         for process in self.processes:
             process.start()
+        self.busy, self.last_used = False, time.monotonic()
 
     def alive(self) -> bool:
         return all(process.is_alive() for process in self.processes)
@@ -135,12 +140,25 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+_POOLS_LOCK = threading.Lock()
+_REAPER: list[threading.Thread] = []  # started with the first pool
 
 
 @atexit.register
 def _close_pools() -> None:
-    while _POOLS:
-        _POOLS.popitem()[1].close()
+    with _POOLS_LOCK:
+        while _POOLS:
+            _POOLS.popitem()[1].close()
+
+
+def _close_idle_pools() -> None:
+    while True:
+        time.sleep(5)
+        with _POOLS_LOCK:
+            idle = [size for size, pool in _POOLS.items()
+                    if not pool.busy and time.monotonic() - pool.last_used > IDLE_SECONDS]
+            for size in idle:
+                _POOLS.pop(size).close()
 
 
 def _run_fresh(fn, world_size: int, args, timeout: float, expect_dead) -> list:
@@ -170,16 +188,24 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_d
     if fresh or expect_dead or os.environ.get("EDGC_TEST_FRESH_PROCESSES") == "1":
         return _run_fresh(fn, world_size, args, timeout, expect_dead)
     task = pickle.dumps((fn, args, free_port()))  # here, so that what cannot be pickled fails at once
-    pool = _POOLS.get(world_size)
-    if pool is None or not pool.alive():
-        if pool is not None:
-            pool.close(kill=True)
-        pool = _POOLS[world_size] = _Pool(world_size)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close(kill=True)
+            pool = _POOLS[world_size] = _Pool(world_size)
+            if not _REAPER:
+                _REAPER.append(threading.Thread(target=_close_idle_pools, name="close idle pools", daemon=True))
+                _REAPER[0].start()
+        pool.busy = True
     for tasks in pool.tasks:
         tasks.put(task)
     try:
-        return _collect(pool.results, world_size, timeout, {})
+        results = _collect(pool.results, world_size, timeout, {})
     except BaseException:
-        del _POOLS[world_size]
+        with _POOLS_LOCK:
+            _POOLS.pop(world_size, None)
         pool.close(kill=True)
         raise
+    pool.busy, pool.last_used = False, time.monotonic()
+    return results
