@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, barrier_before_exit
 from edgc.integrations import register_edgc
 
 STEPS = int(os.environ.get("STEPS", 12))  # optimizer steps
@@ -42,7 +42,7 @@ def main():
     m = state.last_step_metrics
     print(f"[rank {accelerator.process_index}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
-    accelerator.wait_for_everyone()  # nobody tears gloo down while a peer still uses it
+    barrier_before_exit()  # EDGC: not optional on gloo, also under Accelerate (see its docstring)
     accelerator.end_training()
 
 

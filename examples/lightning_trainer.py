@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, barrier_before_exit
 from edgc.integrations.lightning import EDGCDDPStrategy
 
 STEPS = int(os.environ.get("STEPS", 12))
@@ -47,6 +47,7 @@ def main():
     m = strategy.comm_state.last_step_metrics
     print(f"[rank {trainer.global_rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
           f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    barrier_before_exit()  # EDGC: not optional on gloo, also under Lightning (see its docstring)
 
 
 if __name__ == "__main__":

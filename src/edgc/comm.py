@@ -189,12 +189,20 @@ _EXIT_BARRIERS: list = []  # referenced until the interpreter exits (see barrier
 def barrier_before_exit(group=None) -> None:
     """Barrier to call once after the last step, before ``destroy_process_group``.
 
-    Why: a gloo work keeps the issuing thread's state, which holds Python objects, so whoever
-    drops a work last must take the GIL. When that is gloo's worker thread while the interpreter
-    finalizes, the process aborts with "terminate called without an active exception"
-    (PyTorch 2.13; plain DDP does it in about 1 of 6 short runs here). Waiting on this barrier
-    lets the workers finish with every earlier work, and keeping the barrier's own work
-    referenced until exit makes the worker's drop of it never the last one.
+    Why (PyTorch 2.13 on gloo, with or without EDGC): ``torch.autograd.backward`` keeps a Python
+    ``contextvars.Context`` in the thread-local state while it runs, and every gloo work keeps a copy
+    of its issuing thread's state, so each collective issued during backward (DDP's own or a comm
+    hook's) refers to a Python object. A gloo barrier holds weak references to the works still in
+    flight when it was issued, and a work's state is freed only with its last reference, weak or
+    not. ``dist.barrier()`` drops its handle after waiting, so gloo's worker thread may hold the last
+    one. Gloo's threads run until the process exits: ``destroy_process_group`` does not stop them,
+    and once a DDP model has been built over the group the group is never freed, even with the model
+    deleted. A worker that frees such a barrier once the interpreter is finalizing must take the
+    GIL, which ends the thread through a noexcept destructor: "terminate called without an active
+    exception" (SIGABRT). Keeping this barrier's work referenced until exit leaves the last
+    reference, and the freeing, to the main thread. Accelerate's ``end_training()`` and Lightning's
+    exit handler call ``destroy_process_group``: call this before them too. tests/core/exit_race.py
+    makes the abort near-certain without it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return

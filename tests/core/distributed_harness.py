@@ -2,19 +2,37 @@
 
 Every collective has a timeout (the process group's), and the whole run has a wall-clock
 limit after which all processes are killed, so a broken test fails instead of hanging CI.
+
+The processes of a world size are started once and reused: starting them, importing torch and the
+test module, and tearing them down took about 2.7 s of a 3.3 s two-process call. Each call still
+gets a process group of its own (a new TCP store and new gloo connections, destroyed after the
+call), and the torch generator is put back to a new process's seed before it, so a call sees what
+it saw in new processes save Python state left by earlier calls in the same process (a test must
+undo what it patches). After a failure or a timeout the pool is killed and the next call starts
+new processes; a pool unused for IDLE_SECONDS is closed (its processes hold about 0.4 GB each,
+which the later tests' own multi-process runs need). ``fresh=True`` runs in new processes that
+exit afterwards, and so does a call with ``expect_dead`` (ranks meant to die), or every call with
+EDGC_TEST_FRESH_PROCESSES=1 in the environment (to rule the pool out when a test fails).
 """
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
+import threading
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+GROUP_TIMEOUT = timedelta(seconds=60)
+IDLE_SECONDS = 90
 
 
 def free_port() -> int:
@@ -23,17 +41,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _init_group(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def _result(fn, rank: int, world_size: int, args) -> bytes:
+    # Serialised to bytes: tensors sent through a queue as shared memory would vanish
+    # with the exiting child before the parent reads them.
+    payload = io.BytesIO()
+    torch.save(fn(rank, world_size, *args), payload)
+    return payload.getvalue()
+
+
 def _entry(fn, rank, world_size, port, results, args, backend="gloo"):
+    """A process of a ``fresh`` call: one call, then exit."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=60))
-        # Serialised to bytes: tensors sent through a queue as shared memory would vanish
-        # with the exiting child before the parent reads them.
-        payload = io.BytesIO()
-        torch.save(fn(rank, world_size, *args), payload)
-        results.put((rank, True, payload.getvalue()))
+        _init_group(rank, world_size, port, backend)
+        results.put((rank, True, _result(fn, rank, world_size, args)))
     except BaseException:  # report, then exit non-zero
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
@@ -45,12 +72,96 @@ def _entry(fn, rank, world_size, port, results, args, backend="gloo"):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_dead: tuple | list = (),
-                    backend: str = "gloo") -> list:
-    """fn(rank, world_size, *args) on every rank; returns the results ordered by rank.
+def _serve(rank, world_size, tasks, results, parent):
+    """A pool process: each task (pickled fn, args, port) runs in a new default process group."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    new_process_seed = torch.initial_seed()
+    while os.getppid() == parent:  # an orphan (the test run was killed) exits
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            continue
+        if task is None:
+            break
+        torch.manual_seed(new_process_seed)
+        try:
+            fn, args, port = pickle.loads(task)
+            _init_group(rank, world_size, port)
+            results.put((rank, True, _result(fn, rank, world_size, args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    # No interpreter shutdown: the groups of DDP calls are never freed and their gloo threads
+    # would race it (see edgc.barrier_before_exit).
+    os._exit(0)
 
-    Ranks in ``expect_dead`` are meant to die without reporting; their result is None.
-    """
+
+def _collect(results, world_size: int, timeout: float, collected: dict) -> list:
+    while len(collected) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"distributed test did not finish within {timeout} s") from None
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    return [collected[rank] for rank in range(world_size)]
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        context = mp.get_context("spawn")
+        self.results = context.Queue()
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.processes = [context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.results,
+                                                               os.getpid()))
+                          for rank in range(world_size)]
+        for process in self.processes:
+            process.start()
+        self.busy, self.last_used = False, time.monotonic()
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for tasks in self.tasks:
+                tasks.put(None)
+        for process in self.processes:
+            process.join(timeout=0 if kill else 10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+_POOLS: dict[int, _Pool] = {}
+_POOLS_LOCK = threading.Lock()
+_REAPER: list[threading.Thread] = []  # started with the first pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _POOLS_LOCK:
+        while _POOLS:
+            _POOLS.popitem()[1].close()
+
+
+def _close_idle_pools() -> None:
+    while True:
+        time.sleep(5)
+        with _POOLS_LOCK:
+            idle = [size for size, pool in _POOLS.items()
+                    if not pool.busy and time.monotonic() - pool.last_used > IDLE_SECONDS]
+            for size in idle:
+                _POOLS.pop(size).close()
+
+
+def _run_fresh(fn, world_size: int, args, timeout: float, expect_dead, backend: str = "gloo") -> list:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -58,19 +169,43 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_d
                  for rank in range(world_size)]
     for process in processes:
         process.start()
-    collected: dict[int, object] = {rank: None for rank in expect_dead}
     try:
-        while len(collected) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"distributed test did not finish within {timeout} s") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        return _collect(results, world_size, timeout, {rank: None for rank in expect_dead})
     finally:
         for process in processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    return [collected[rank] for rank in range(world_size)]
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_dead: tuple | list = (),
+                    fresh: bool = False, backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) on every rank; returns the results ordered by rank.
+
+    Ranks in ``expect_dead`` are meant to die without reporting; their result is None. ``timeout``
+    is the longest wait for the next rank's result. A ``backend`` other than gloo runs fresh.
+    """
+    if fresh or expect_dead or backend != "gloo" or os.environ.get("EDGC_TEST_FRESH_PROCESSES") == "1":
+        return _run_fresh(fn, world_size, args, timeout, expect_dead, backend)
+    task = pickle.dumps((fn, args, free_port()))  # here, so that what cannot be pickled fails at once
+    with _POOLS_LOCK:
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close(kill=True)
+            pool = _POOLS[world_size] = _Pool(world_size)
+            if not _REAPER:
+                _REAPER.append(threading.Thread(target=_close_idle_pools, name="close idle pools", daemon=True))
+                _REAPER[0].start()
+        pool.busy = True
+    for tasks in pool.tasks:
+        tasks.put(task)
+    try:
+        results = _collect(pool.results, world_size, timeout, {})
+    except BaseException:
+        with _POOLS_LOCK:
+            _POOLS.pop(world_size, None)
+        pool.close(kill=True)
+        raise
+    pool.busy, pool.last_used = False, time.monotonic()
+    return results

@@ -201,7 +201,7 @@ def ddp_worker(rank, world_size, backend, config_kwargs, steps):
 def test_ddp_hook_on_cuda(backend, world_size):
     if DEVICE != "cuda" and backend == "nccl":
         pytest.skip("NCCL needs CUDA")
-    results = run_distributed(ddp_worker, world_size, backend, ADAPTIVE, 14, backend=backend, timeout=300)
+    results = run_distributed(ddp_worker, world_size, backend, ADAPTIVE, 14, backend=backend, timeout=300, fresh=True)
     reference = results[0]
     assert any(phase == "compress" for _, phase, _ in reference["log"])
     assert len({r for _, phase, r in reference["log"] if phase == "compress"}) >= 2, "the rank should move"
@@ -219,8 +219,8 @@ def test_warmup_equals_native_ddp_on_cuda(backend, world_size):
     if DEVICE != "cuda" and backend == "nccl":
         pytest.skip("NCCL needs CUDA")
     warmup_only = dict(r_max=4, total_steps=10, warmup_fraction=1.0, warmup_error_test=True)
-    hooked = run_distributed(ddp_worker, world_size, backend, warmup_only, 5, backend=backend, timeout=300)
-    native = run_distributed(ddp_worker, world_size, backend, None, 5, backend=backend, timeout=300)
+    hooked = run_distributed(ddp_worker, world_size, backend, warmup_only, 5, backend=backend, timeout=300, fresh=True)
+    native = run_distributed(ddp_worker, world_size, backend, None, 5, backend=backend, timeout=300, fresh=True)
     assert all(phase == "warmup" for _, phase, _ in hooked[0]["log"])
     for ours, theirs in zip(hooked, native):
         assert torch.equal(ours["params"], theirs["params"])
@@ -249,6 +249,6 @@ def resume_worker(rank, world_size, backend, split, total):
 
 def test_resume_is_exact_on_cuda():
     backend = "nccl" if DEVICE == "cuda" else "gloo"
-    (uninterrupted, resumed, log), = run_distributed(resume_worker, 1, backend, 7, 13, backend=backend, timeout=300)
+    (uninterrupted, resumed, log), = run_distributed(resume_worker, 1, backend, 7, 13, backend=backend, timeout=300, fresh=True)
     assert len({r for _, phase, r in log if phase == "compress"}) >= 2  # resumed across a rank change
     assert torch.equal(uninterrupted, resumed)

@@ -46,20 +46,36 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
 
 
-def run_parallel_and_solo(tmp_path: Path, parallel: list[str], common: list[str]) -> tuple[Path, Path]:
-    """The same data in a parallel job (``parallel`` flags) and in one process with micro-batch 4;
-    asserts both finished and their train and eval losses agree to 1e-5."""
+@pytest.fixture(scope="session")
+def solo_run(tmp_path_factory):
+    """``solo_run(common)``: the single-process run with micro-batch 4 of ``common``'s flags, run once
+    per session (the PP and TP × PP × DP comparisons compare with the same one)."""
+    runs: dict[tuple, Path] = {}
+
+    def run(common: list[str]) -> Path:
+        if tuple(common) not in runs:
+            solo = tmp_path_factory.mktemp("solo") / "solo"
+            proc = run_edgc("train", "--out", str(solo), *common, "--micro-batch", "4")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[tuple(common)] = solo
+        return runs[tuple(common)]
+
+    return run
+
+
+def run_parallel_and_solo(tmp_path: Path, parallel: list[str], common: list[str], solo_run) -> tuple[Path, Path]:
+    """The same data in a parallel job (``parallel`` flags) and in one process with micro-batch 4
+    (``solo_run``'s); asserts both finished and their train and eval losses agree to 1e-5."""
     proc = run_edgc("train", "--out", str(tmp_path / "parallel"), *parallel, *common, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_edgc("train", "--out", str(tmp_path / "solo"), *common, "--micro-batch", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [train_losses(tmp_path / d) for d in ("parallel", "solo")]
+    runs = (tmp_path / "parallel", solo_run(common))
+    losses = [train_losses(run) for run in runs]
     assert sorted(losses[0]) == sorted(losses[1]) and losses[1]
     for step in losses[1]:
         assert losses[0][step] == pytest.approx(losses[1][step], abs=1e-5), step
-    evals = [[r["val_loss"] for r in read_metrics(tmp_path / d) if r["kind"] == "eval"] for d in ("parallel", "solo")]
+    evals = [[r["val_loss"] for r in read_metrics(run) if r["kind"] == "eval"] for run in runs]
     assert evals[0] == pytest.approx(evals[1], abs=1e-5)
-    return tmp_path / "parallel", tmp_path / "solo"
+    return runs
 
 
 # The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):

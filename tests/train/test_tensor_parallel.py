@@ -1,7 +1,8 @@
 """`edgc train --tp`: tensor parallelism through DTensor, alone and in TP × PP × DP.
 
 Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step):
-  tp3d   `--tp 2 --pp 2 --nproc 8` (TP2 × PP2 × DP2), compression off, 5 steps;  solo  the same data in 1 process
+  tp3d   `--tp 2 --pp 2 --nproc 8` (TP2 × PP2 × DP2), compression off, 6 steps, evaluated at 3 and 6;
+         solo  the same data in 1 process (the one test_pipeline compares with)
   edgc   `--tp 2 --nproc 4` (TP2 × DP2) with EDGC, 12 steps
   a / b  `--tp 2 --pp 2 --nproc 8` with EDGC and --interstage all, 8 steps, checkpoints at 4 and 8; b = a cut
          back to step 4 and `--resume`d
@@ -12,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from .conftest import cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses
-from .test_pipeline import EDGC, EDGC_DAC, SMALL
+from .test_pipeline import EDGC, EDGC_DAC, SMALL, UNCOMPRESSED
 
 
-def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir):
-    common = ["--steps", "5", "--eval-every", "0", "--compressor", "none", "--cache-dir", str(cache_dir), *SMALL]
-    parallel, _ = run_parallel_and_solo(tmp_path, ["--nproc", "8", "--tp", "2", "--pp", "2"], common)
-    assert sorted(train_losses(parallel)) == list(range(1, 6))
+def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
+    parallel, _ = run_parallel_and_solo(tmp_path, ["--nproc", "8", "--tp", "2", "--pp", "2"],
+                                        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)], solo_run)
+    assert sorted(train_losses(parallel)) == list(range(1, 7))
 
 
 def test_tp2_dp2_with_edgc_keeps_replicas_identical_and_the_loss_falls(tmp_path, cache_dir):
