@@ -181,7 +181,11 @@ def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -
 def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3) -> dict:
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``)."""
     faults = faults or Faults()
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    # A replica that a kill left waiting in a collective until TIMEOUT still heartbeats: the lighthouse
+    # waits for it (join timeout) instead of letting the other two finish the run without it, which
+    # left it alone in a quorum of one until QUORUM_TIMEOUT (seen once, with a 200 ms join timeout).
+    join_ms = int(2 * TIMEOUT.total_seconds() * 1000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=join_ms, heartbeat_timeout_ms=1000)
     report: dict = {"kills": 0}
 
     def runner(replica: int) -> dict:
