@@ -2,7 +2,7 @@
 and a DDP run that ends with it exits cleanly even when gloo's threads lag.
 
 The abort it prevents (gloo's worker thread dropping the last reference to a work while the
-interpreter finalizes) is timing-dependent: about 1 in 100 example runs on 2 busy cores. exit_race.py
+interpreter finalizes) is timing-dependent: 1 in 150 example runs on 2 busy cores. exit_race.py
 makes it near-certain for a run that ends without it (see its docstring).
 """
 from __future__ import annotations
