@@ -43,7 +43,7 @@ import torch
 
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from .config import EDGCConfig
-from .timing import to_device
+from .timing import host_reads_allowed, to_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -179,8 +179,9 @@ class LowRankCompressor:
             if shape is None or target == 0 or q.shape[1] == target:
                 continue
             (shrink if target < q.shape[1] else grow).append((name, target))
-        for name, target in shrink:
-            self.q[name] = self._principal_columns(self.q[name], target)
+        with host_reads_allowed():  # only on a fall (at most once per window): eigh checks its result on the host
+            for name, target in shrink:
+                self.q[name] = self._principal_columns(self.q[name], target)
         return self._grow_along_residual(grow, comm) if grow else (0, 0)
 
     @staticmethod

@@ -25,7 +25,7 @@ from .entropy import EntropySampler
 from .lowrank import LowRankCompressor, matrix_shape
 from .rank_control import OFF, PROFILE, Agreed, Decision, StepPlan, WindowController
 from .reducer import GradientReducer
-from .timing import Clock, host_reads_allowed
+from .timing import Clock
 
 STATE_FORMAT = "edgc-state/1"
 
@@ -74,8 +74,7 @@ class EDGCState(GradientReducer):
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
             # before any bucket, on every rank alike (`LowRankCompressor.change_rank`).
             before = dict(self.compressor.q)
-            with host_reads_allowed():  # at most once per window: eigh checks its result on the host
-                elements, nbytes = self.compressor.change_rank(self._plan.rank, self.comm)
+            elements, nbytes = self.compressor.change_rank(self._plan.rank, self.comm)
             self._stats.elements_sent += elements
             self._stats.bytes_sent += nbytes
             # A non-finite step puts these back (`clear_nonfinite_error`), and the next step redoes the change.
