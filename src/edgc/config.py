@@ -51,7 +51,7 @@ class EDGCConfig:
     """Monte-Carlo draws per matrix shape when estimating g(r; m, n) for the 'cqm' mapping. ≥ 1."""
 
     iteration_sample_ratio: float = 0.1
-    """α (ISR): entropy is estimated every round(1/α) optimizer steps. In (0, 1]."""
+    """α (ISR): entropy is estimated every round(1/α) optimizer steps (once per window when no decision reads it). In (0, 1]."""
 
     gradient_sample_ratio: float = 0.25
     """β (GSR): fraction of gradient elements used (every round(1/β)-th element of each tensor). In (0, 1]."""
@@ -227,6 +227,21 @@ class EDGCConfig:
     def sample_every(self) -> int:
         """Entropy is sampled on steps where step % sample_every == 0 (1/α rounded)."""
         return max(1, round(1.0 / self.iteration_sample_ratio))
+
+    @property
+    def decisions_read_samples(self) -> bool:
+        """Whether rank decisions read the sampled series (entropy, gradient norm, compression error).
+
+        Not with a hand-set ``rank_schedule`` nor with the budget's fixed ``schedule`` signal."""
+        if not self.adaptive or self.rank_schedule is not None:
+            return False
+        return self.rank_budget is None or self.budget_signal != "schedule"
+
+    @property
+    def sample_period(self) -> int:
+        """Steps between the GDS samples actually taken: every round(1/α) steps when decisions read
+        them; otherwise once per window, enough for the report's curves and nothing on the hot path."""
+        return self.sample_every if self.decisions_read_samples else max(self.sample_every, self.window)
 
     @property
     def element_stride(self) -> int:

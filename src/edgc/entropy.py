@@ -70,11 +70,11 @@ class EntropySampler:
     """Collects the sampled gradient of one step (possibly bucket by bucket) and records its entropy.
 
     Usage per step: ``begin(step)``; ``add(tensors)`` for each bucket; ``finish()``. On steps that
-    are not due (step % round(1/α) != 0) all three are no-ops, so the hot path pays nothing.
+    are not due (step % ``config.sample_period`` != 0) all three are no-ops, so the hot path pays nothing.
     """
 
     def __init__(self, config: EDGCConfig):
-        self.every = config.sample_every
+        self.every = config.sample_period
         self.stride = config.element_stride
         self.bins = config.entropy_bins
         self.estimator = config.resolved_entropy_estimator

@@ -69,3 +69,16 @@ def test_sampler_state_round_trip():
     restored = EntropySampler(config)
     restored.load_state_dict(sampler.state_dict())
     assert restored.history == sampler.history
+
+
+def test_samples_are_taken_once_per_window_when_no_decision_reads_them():
+    from edgc import EDGCConfig
+    from edgc.entropy import EntropySampler
+
+    reads = EDGCConfig(total_steps=400, window=20, iteration_sample_ratio=0.2, rank_budget=4, r_max=8,
+                       budget_signal="entropy")
+    fixed = EDGCConfig(total_steps=400, window=20, iteration_sample_ratio=0.2, rank_budget=4, r_max=8)
+    assert reads.decisions_read_samples and not fixed.decisions_read_samples
+    assert [s for s in range(40) if EntropySampler(reads).due(s)] == [0, 5, 10, 15, 20, 25, 30, 35]
+    assert [s for s in range(40) if EntropySampler(fixed).due(s)] == [0, 20]  # the report's one per window
+    assert EDGCConfig(total_steps=400, window=20).decisions_read_samples  # the paper's rules read entropy
