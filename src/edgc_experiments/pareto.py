@@ -12,7 +12,10 @@ warm-up, `pareto_train`):
 * ``hand-2``     hand-set 2b for 1/3, then b/2;
 * ``alt-warm`` / ``alt-truncate`` (``--rank-change-cost``, at the middle budget): the rank
   alternates between b/2 and 3b/2 every window, with the warm-start-preserving rank change or with
-  the old truncate-or-random one: at equal bytes, what changing the rank costs.
+  the old truncate-or-random one; ``alt3-warm`` / ``alt3-truncate`` alternate every 3 windows.
+  Against static, an alternation pays for the mix of ranks (a low rank loses more than a high one
+  gains) and for its changes; fast against slow, paired by seed, leaves the changes alone: their
+  difference over the difference in changes is what one change costs, under each rule.
 
 Every arm spends b on average, so a paired Δ val loss (arm − static, same seed) says what the
 schedule is worth. The summary gives, per budget and arm, the paired Δ per seed, its mean and
@@ -39,6 +42,9 @@ TINY_STEPS = 30
 BUDGETS = (2, 4, 8)
 SIGNALS = ("schedule", "gradnorm", "entropy", "error")
 HAND_SET = ("hand-3", "hand-2")
+RANK_CHANGES = ("warm", "truncate")
+DERIVED = ("warm-vs-truncate", "per-change-")  # entries of the paired stats that are not arms
+SLOW_PERIOD = 3  # windows per rank in the slow alternation: 1/3 of the changes at the same bytes
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -119,12 +125,15 @@ def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], chang
         result["hand-2"] = {**base, "r_max": 2 * budget, "adaptive": False,
                             "rank_schedule": schedule((1 / 3, 2 * budget), (2 / 3, half))}
     if change_cost:
-        window = base["window"]
         low, high = budget // 2, budget + budget // 2
-        entries = tuple((s, high if k % 2 == 0 else low) for k, s in enumerate(range(start, steps, window)))
-        for mode in ("warm", "truncate"):
-            result[f"alt-{mode}"] = {**base, "r_max": high, "adaptive": False, "rank_schedule": entries,
-                                     "rank_change": mode}
+        for prefix, period in (("alt", 1), (f"alt{SLOW_PERIOD}", SLOW_PERIOD)):
+            # the same ranks in the same share of the same windows; only the number of changes differs
+            windows = range(start, steps, base["window"])
+            entries = tuple((s, high if (k // period) % 2 == 0 else low) for k, s in enumerate(windows)
+                            if k % period == 0)
+            for mode in RANK_CHANGES:
+                result[f"{prefix}-{mode}"] = {**base, "r_max": high, "adaptive": False, "rank_schedule": entries,
+                                              "rank_change": mode}
     return result
 
 
@@ -274,17 +283,7 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     change_cost = []
     for b in budgets:
         if {"alt-warm", "alt-truncate"} <= set(plan[b]):
-            runs_b, pair = results[str(b)], stats[str(b)]
-            # warm − truncate, paired by seed: what keeping the warm start saves per run
-            diff = paired({"static": runs_b["alt-truncate"], "arm": runs_b["alt-warm"]}, "arm", seeds)
-            stats[str(b)]["warm-vs-truncate"] = diff
-            change_cost.append(
-                f"**Cost of changing the rank** (b={b}: the rank alternates {b // 2} ↔ {b + b // 2} every window, "
-                f"{pair['alt-warm']['rank_changes']:.0f} changes, against static {b}): warm start kept "
-                f"{pair['alt-warm']['mean']:+.4f} [{pair['alt-warm']['low']:+.4f}, {pair['alt-warm']['high']:+.4f}], "
-                f"truncate-or-random {pair['alt-truncate']['mean']:+.4f} [{pair['alt-truncate']['low']:+.4f}, "
-                f"{pair['alt-truncate']['high']:+.4f}]; warm − truncate {diff['mean']:+.4f} "
-                f"[{diff['low']:+.4f}, {diff['high']:+.4f}] (bytes {diff['bytes_ratio']:.3f}×: the residual all-reduce).")
+            change_cost.append(_change_cost(b, results[str(b)], stats[str(b)], seeds))
     header = ["budget", "arm", "mean rank", "bytes vs static", "val loss (mean)", "Δ per seed",
               "Δ mean [95 % CI]", "of best hand-set gain", "rank changes"]
     plot = _plot(out, budgets, stats)
@@ -307,11 +306,41 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     return {"headline": "; ".join(headline), "paired": stats}
 
 
+def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int]) -> str:
+    """The alternation arms' paragraph; adds 'warm-vs-truncate' and 'per-change-<rule>' to ``stats_b``."""
+    fast = {mode: stats_b[f"alt-{mode}"] for mode in RANK_CHANGES}
+    text = (f"**Cost of changing the rank** (b={b}: the rank alternates {b // 2} ↔ {b + b // 2} every window, "
+            f"{fast['warm']['rank_changes']:.0f} changes, against static {b}): warm start kept "
+            f"{_interval(fast['warm'])}, truncate-or-random {_interval(fast['truncate'])}")
+    # warm − truncate, paired by seed: what keeping the warm start saves per run
+    diff = stats_b["warm-vs-truncate"] = paired({"static": runs_b["alt-truncate"], "arm": runs_b["alt-warm"]},
+                                                "arm", seeds)
+    text += f"; warm − truncate {_interval(diff)} (bytes {diff['bytes_ratio']:.3f}×: the residual all-reduce)."
+    slow = f"alt{SLOW_PERIOD}"
+    if not all(f"{slow}-{mode}" in runs_b for mode in RANK_CHANGES):
+        return text
+    parts = []
+    for mode in RANK_CHANGES:  # fast − slow at the same ranks and bytes, per extra change
+        d = paired({"static": runs_b[f"{slow}-{mode}"], "arm": runs_b[f"alt-{mode}"]}, "arm", seeds)
+        extra = fast[mode]["rank_changes"] - stats_b[f"{slow}-{mode}"]["rank_changes"]
+        per = {k: d[k] / extra for k in ("mean", "low", "high")}
+        stats_b[f"per-change-{mode}"] = {**per, "fast_minus_slow": d, "extra_changes": extra}
+        parts.append(f"{mode} {_interval(per, '+.5f')}")
+    text += (f" Per change (every window against every {SLOW_PERIOD} windows at the same ranks and bytes, "
+             f"paired by seed, over the {stats_b['per-change-warm']['extra_changes']:.0f} extra changes): "
+             + ", ".join(parts) + ".")
+    return text
+
+
+def _interval(p: dict, spec: str = "+.4f") -> str:
+    return f"{p['mean']:{spec}} [{p['low']:{spec}}, {p['high']:{spec}}]"
+
+
 def _plot(out, budgets, stats):
     plt = common.pyplot()
     fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.6), squeeze=False)
     for ax, b in zip(axes[0], budgets):
-        names = [n for n in stats[str(b)] if n not in ("static", "warm-vs-truncate")]  # each against static
+        names = [n for n in stats[str(b)] if n != "static" and not n.startswith(DERIVED)]  # arms, each against static
         ys = range(len(names))
         for y, name in zip(ys, names):
             p = stats[str(b)][name]

@@ -51,3 +51,25 @@ def test_tiny_pareto_run_writes_paired_results_and_reuses_runs(tmp_path, capsys)
     assert "4 reused" in capsys.readouterr().out
     again = json.loads((tmp_path / "b" / "pareto" / "results.json").read_text())
     assert again["paired"] == data["paired"]
+
+
+def test_change_cost_is_fast_minus_slow_alternation_per_extra_change():
+    from edgc_experiments.pareto import _change_cost
+
+    def run(loss, changes):
+        return {"val_loss": loss, "bytes": 100, "mean_rank": 4, "rank_changes": changes}
+
+    seeds = [1, 2, 3]
+    runs = {"alt-warm": {str(s): run(5.0 + 0.012 + 0.001 * s, 17) for s in seeds},
+            "alt-truncate": {str(s): run(5.0 + 0.024 + 0.001 * s, 17) for s in seeds},
+            "alt3-warm": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds},
+            "alt3-truncate": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds}}
+    runs["static"] = runs["alt3-warm"]
+    stats = {name: paired(runs, name, seeds) for name in runs}
+    text = _change_cost(4, runs, stats, seeds)
+    assert stats["per-change-warm"]["mean"] == pytest.approx(0.001)  # 0.012 over 12 extra changes
+    assert stats["per-change-truncate"]["mean"] == pytest.approx(0.002)
+    assert stats["warm-vs-truncate"]["mean"] == pytest.approx(-0.012)
+    assert "Per change" in text and "12 extra changes" in text
+    del runs["alt3-truncate"]  # without the slow arms: only the fast alternation's paragraph
+    assert "Per change" not in _change_cost(4, runs, {n: paired(runs, n, seeds) for n in runs}, seeds)
