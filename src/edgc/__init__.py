@@ -9,6 +9,8 @@ Modules:
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
+    rank_change.py  how each warm-start Q follows a rank change (keep the energy, add the residual's)
+    factors.py      shapes, cross-process seeds and orthonormalisation of low-rank factors
     entropy.py      GDS, the gradient data sampler: cheap gradient-entropy estimates
     rank_model.py   CQM: rank ↔ truncation error ↔ entropy
     rank_control.py DAC's window controller: when to compress and at which rank
@@ -31,7 +33,8 @@ from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .comm import barrier_before_exit
 from .config import EDGCConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
-from .lowrank import LowRankCompressor, orthogonalize_
+from .factors import orthogonalize_
+from .lowrank import LowRankCompressor
 from .rank_control import WindowController, delta_target, limit_rank
 from .rank_model import ErrorModel, error_curve_mc, error_curve_mp
 from .reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .lowrank import ReduceStats, stable_seed
+from .factors import stable_seed
+from .lowrank import ReduceStats
 from .reducer import GradientReducer
 
 BASELINE_FORMAT = "edgc-baseline/1"

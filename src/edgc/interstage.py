@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .lowrank import orthogonalize_, stable_seed
+from .factors import orthogonalize_, stable_seed
 from .mesh import as_process_group
 from .timing import to_device
 

@@ -15,16 +15,8 @@ so that Ĝ + mean(e) = mean(M) exactly: nothing is lost, only delayed. Matrices 
 sent raw in one buffer. Same-shape matrices are batched (bmm), and all P's (and all Q's) of a
 call live in one contiguous buffer, so a call issues exactly three all-reduces: raw, P, Q.
 
-Rank changes keep error feedback (the residual is still what was not sent) and, with
-``rank_change='warm'`` (`change_rank`, called before the first step at the new rank), keep the
-warm start of the power iteration: a falling rank keeps the directions of Q that carry the most
-energy (Q rotated to the eigenvectors of QᵀQ; since P is orthonormal, P·Qᵀ = (P·V)(Q·V)ᵀ and
-Q·V's column norms are the singular values of the last step's approximation), and a rising rank
-adds directions where the residuals are largest (one power iteration eᵀ·e·Ω, averaged over the
-group by one all-reduce so every replica appends the same columns), orthogonal to the kept
-ones. ``'truncate'`` (`resize_q` alone) keeps the first r columns and appends columns drawn from a
-generator seeded by (seed, parameter name, old rank, new rank): no communication, but the new
-directions are random and the kept ones are whichever came first.
+Rank changes keep error feedback (the residual is still what was not sent) and, by default, the
+warm start of the power iteration: `edgc.rank_change`.
 
 Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64).
 
@@ -35,56 +27,18 @@ into a second buffer instead of over M, so that M survives the step; `commit` ke
 from __future__ import annotations
 
 import math
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
+from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from .config import EDGCConfig
-from .timing import host_reads_allowed, to_device
+from .factors import compressed_rank, matrix_shape, orthogonalize_, stable_seed
+from .timing import to_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed from names and numbers that is the same in every process (unlike ``hash``)."""
-    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
-
-
-def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
-    """Orthonormalise the columns of each matrix in a (batch, k, r) tensor, in place.
-
-    QR for r > 2; Gram–Schmidt otherwise (cheaper for 1–2 columns). Both keep all-zero
-    columns finite (the epsilon guards the Gram–Schmidt division).
-    """
-    rank = matrices.shape[-1]
-    if rank > 2:
-        matrices.copy_(torch.linalg.qr(matrices).Q)
-        return matrices
-    for i in range(rank):
-        column = matrices[..., i : i + 1]
-        column.div_(column.norm(dim=-2, keepdim=True) + epsilon)
-        if i + 1 < rank:
-            rest = matrices[..., i + 1 :]
-            rest.sub_(column * (column * rest).sum(dim=-2, keepdim=True))
-    return matrices
-
-
-def matrix_shape(tensor: torch.Tensor) -> tuple[int, int] | None:
-    if tensor.dim() < 2 or tensor.numel() == 0:
-        return None
-    return tensor.shape[0], tensor.numel() // tensor.shape[0]
-
-
-def compressed_rank(shape: tuple[int, int] | None, rank: int, min_compression_rate: float) -> int:
-    """Rank a matrix of this (m, n) shape is sent at, or 0 when sending it raw is cheaper."""
-    if shape is None:
-        return 0
-    m, n = shape
-    r = min(rank, m, n)
-    return r if (m + n) * r * min_compression_rate < m * n else 0
 
 
 @dataclass
@@ -147,79 +101,13 @@ class LowRankCompressor:
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
     def resize_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
-        """This parameter's warm-start Q with exactly ``rank`` columns (see module docstring)."""
-        q = self.q.get(name)
-        if q is not None and q.shape[0] != n:
-            q = None  # the parameter changed shape: start over
-        if q is None:
-            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name))
-            q = to_device(torch.randn(n, rank, generator=generator), device)
-        elif q.shape[1] > rank:
-            q = q[:, :rank]
-        elif q.shape[1] < rank:
-            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, q.shape[1], rank))
-            extra = to_device(torch.randn(n, rank - q.shape[1], generator=generator), device)
-            q = torch.cat([q, extra], dim=1)
-        return q
+        """This parameter's warm-start Q with exactly ``rank`` columns (`edgc.rank_change.resize_q`)."""
+        return rank_change.resize_q(self, name, n, rank, device)
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
-        """Give every stored Q the columns of ``rank`` while keeping the warm start (module docstring).
-
-        Called on every rank with the same ``rank`` at the same point (before the first step that
-        uses it); issues one blocking all-reduce when some Q grows and error feedback is on, none
-        otherwise. Returns (elements, bytes) that all-reduce sent ((0, 0) if none). With ``rank_change='truncate'`` it does
-        nothing: `resize_q` truncates or appends random columns inside the next step.
-        """
-        if self.config.rank_change != "warm":
-            return 0, 0
-        shrink, grow = [], []
-        for name in sorted(self.q):  # sorted: the same order (and buffer layout) on every rank
-            q, shape = self.q[name], self.shapes.get(name)
-            target = self.compressed_rank(shape, rank)
-            if shape is None or target == 0 or q.shape[1] == target:
-                continue
-            (shrink if target < q.shape[1] else grow).append((name, target))
-        with host_reads_allowed():  # only on a fall (at most once per window): eigh checks its result on the host
-            for name, target in shrink:
-                self.q[name] = self._principal_columns(self.q[name], target)
-        return self._grow_along_residual(grow, comm) if grow else (0, 0)
-
-    @staticmethod
-    def _principal_columns(q: torch.Tensor, rank: int) -> torch.Tensor:
-        """Q·V[:, :rank] for the eigenvectors V of QᵀQ, largest eigenvalue first."""
-        gram = (q.T @ q).double()
-        _, vectors = torch.linalg.eigh(gram)  # ascending
-        top = vectors.flip(-1)[:, :rank].to(q.dtype)
-        return q @ top
-
-    def _grow_along_residual(self, grow: list[tuple[str, int]], comm: Communicator) -> tuple[int, int]:
-        """Append, to each Q, the group's top residual directions orthogonal to its current columns."""
-        blocks = []
-        for name, target in grow:
-            q, (m, n) = self.q[name], self.shapes[name]
-            extra = target - q.shape[1]
-            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, q.shape[1], target))
-            omega = to_device(torch.randn(n, extra, generator=generator), q.device).to(q.dtype)
-            residual = self.error.get(name)
-            if residual is not None and residual.numel() == m * n:
-                e = residual.reshape(m, n).to(q.dtype)
-                omega = e.T @ (e @ omega)  # one power iteration on eᵀe
-            blocks.append(omega)
-        flat = torch.cat([b.reshape(-1) for b in blocks])
-        sent = flat.numel() if self.config.error_feedback else 0  # counted like every other call (world of 1 too)
-        if self.config.error_feedback:
-            comm.mean_async(flat).wait()  # the group's residual directions, identical on every rank
-        offset = 0
-        for (name, target), block in zip(grow, blocks):
-            columns = flat[offset : offset + block.numel()].view_as(block)
-            offset += block.numel()
-            q = self.q[name]
-            basis = orthogonalize_(q.clone().unsqueeze(0), self.config.orthogonalization_epsilon)[0]
-            columns = columns - basis @ (basis.T @ columns)  # only what Q does not already span
-            scale = q.norm(dim=0).min().clamp(min=self.config.orthogonalization_epsilon)
-            columns = columns / (columns.norm(dim=0, keepdim=True) + self.config.orthogonalization_epsilon) * scale
-            self.q[name] = torch.cat([q, columns], dim=1)
-        return sent, sent * flat.element_size()
+        """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
+        one blocking all-reduce when some Q grows under the 'warm' rule; (elements, bytes) it sent."""
+        return rank_change.change_rank(self, rank, comm)
 
     def _reseed_columns(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
         """Fixed columns (same on every rank) that replace Q columns that collapsed to zero.

@@ -22,7 +22,8 @@ from torch import nn
 from .comm import run_job
 from .config import EDGCConfig
 from .entropy import EntropySampler
-from .lowrank import LowRankCompressor, matrix_shape
+from .factors import matrix_shape
+from .lowrank import LowRankCompressor
 from .rank_control import OFF, PROFILE, Agreed, Decision, StepPlan, WindowController
 from .reducer import GradientReducer
 from .timing import Clock

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from edgc.config import EDGCConfig
-from edgc.lowrank import LowRankCompressor, matrix_shape
+from edgc.factors import matrix_shape
+from edgc.lowrank import LowRankCompressor
 from edgc.rank_model import ErrorModel
 
 from . import common

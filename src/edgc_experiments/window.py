@@ -91,7 +91,8 @@ def run(args, out, setting, log=print) -> dict:
 
         grads = [g for _, g in named if g is not None]
         if not shapes:
-            from edgc.lowrank import LowRankCompressor, matrix_shape
+            from edgc.factors import matrix_shape
+            from edgc.lowrank import LowRankCompressor
 
             engine = LowRankCompressor(EDGCConfig(r_max=R_MAX))
             for g in grads:  # the matrices the engine would compress at r_max (the cqm mapping's shapes)

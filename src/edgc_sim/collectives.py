@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from edgc.lowrank import compressed_rank as engine_rank
+from edgc.factors import compressed_rank as engine_rank
 
 from .presets import ModelSpec
 

@@ -253,7 +253,7 @@ def engine_gemm_time(m: int, n: int, r: int, flops_per_s: float, bytes_per_s: fl
 
 def engine_orthogonalize_time(rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
                               launch_s: float, bytes_per_value: int, qr_flops_per_s: float = 0.0) -> float:
-    """`edgc.lowrank.orthogonalize_` of one rows x cols factor: QR for r > 2 (4 rows r^2 FLOPs at the
+    """`edgc.factors.orthogonalize_` of one rows x cols factor: QR for r > 2 (4 rows r^2 FLOPs at the
     measured QR rate; at the matmul rate `flops_per_s` where none was measured), Gram-Schmidt with
     the engine's kernel count per column for r <= 2."""
     if cols > 2:
