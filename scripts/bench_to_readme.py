@@ -5,8 +5,9 @@
 It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:end --> in README.md
 (<!-- bench-hsdp-table:start/end --> for a table of `edgc bench --fsdp`,
 <!-- bench-tp-table:start/end --> for one of `edgc bench --tp/--pp`,
-<!-- bench-torchft-table:start/end --> for one of `edgc bench --torchft`, and
-<!-- bench-slow-link-table:start/end --> for a DDP bench at a rate below 1 Gbit/s)
+<!-- bench-torchft-table:start/end --> for one of `edgc bench --torchft`,
+<!-- bench-slow-link-table:start/end --> for a DDP bench at a rate below 1 Gbit/s, and
+<!-- bench-rmax-table:start/end --> for one at 1 Gbit/s with EDGC's r_max given by `--r-max`)
 (adding both markers at the end of the README when they are missing), so the README's numbers are
 always the ones a real `edgc bench` produced, never typed by hand.
 """
@@ -25,6 +26,8 @@ SLOW_START, SLOW_END = "<!-- bench-slow-link-table:start -->", "<!-- bench-slow-
 TP_START, TP_END = "<!-- bench-tp-table:start -->", "<!-- bench-tp-table:end -->"
 # `edgc bench --torchft` (a replica group killed mid-run) goes to the fault-tolerance section.
 TORCHFT_START, TORCHFT_END = "<!-- bench-torchft-table:start -->", "<!-- bench-torchft-table:end -->"
+# `--r-max N` (EDGC skips profiling r_max on the link): beside the profiled run, not over it.
+RMAX_START, RMAX_END = "<!-- bench-rmax-table:start -->", "<!-- bench-rmax-table:end -->"
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -61,6 +64,8 @@ def main(argv: list[str]) -> int:
         markers = (HSDP_START, HSDP_END)
     elif rate and float(rate.group(1)) < 1000:
         markers = (SLOW_START, SLOW_END)
+    elif re.search(r"--r-max \d+", table.splitlines()[0]):
+        markers = (RMAX_START, RMAX_END)
     else:
         markers = (START, END)
     readme.write_text(update(readme.read_text(), table, *markers))

@@ -97,3 +97,18 @@ def test_readme_sync_copies_the_bench_section(tmp_path, load_script):
     bench.write_text("<!-- bench:start -->\n| b |\n<!-- bench:end -->\n")
     module.main([str(bench), str(readme)])
     assert "| b |" in readme.read_text() and "| a |" not in readme.read_text()
+
+
+def test_readme_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_script):
+    module = load_script("bench_to_readme")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    bench = tmp_path / "bench.md"
+    for first_line, rows in (("`edgc bench --out a` — 1000 Mbit/s per host link", "| one |"),
+                             ("`edgc bench --out b --r-max 8` — 1000 Mbit/s per host link", "| two |"),
+                             ("`edgc bench --out c --rate-mbit 100` — 100 Mbit/s per host link", "| three |")):
+        bench.write_text(f"<!-- bench:start -->\n{first_line}\n{rows}\n<!-- bench:end -->\n")
+        assert module.main([str(bench), str(readme)]) == 0
+    text = readme.read_text()
+    for marker, rows in (("bench-table", "| one |"), ("bench-rmax-table", "| two |"), ("bench-slow-link-table", "| three |")):
+        assert text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].endswith(f"{rows}\n")

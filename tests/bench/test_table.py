@@ -55,3 +55,26 @@ def test_recoverable_bound_compares_edgc_overhead_with_all_static_comm():
     assert table.recoverable_bound(results) is not None  # static needs fewer steps: the bound still holds
     results["edgc"], results["powersgd@rmax"] = results["powersgd@rmax"], results["edgc"]
     assert table.recoverable_bound(results) is None  # EDGC needed fewer steps: not a question of overhead
+
+
+def test_ab_script_compares_the_methods_both_folders_ran(tmp_path, load_script):
+    import json
+
+    module = load_script("bench_ab_to_docs")
+
+    def folder(name, step, mb):
+        path = tmp_path / name
+        path.mkdir()
+        rows = [{"method": "none", "step_s": step, "bytes_per_step": mb * 1e6, "val_loss": 6.0},
+                {"method": f"only-{name}", "step_s": 1.0, "bytes_per_step": 1.0, "val_loss": 6.0}]
+        path.joinpath("results.json").write_text(json.dumps(
+            {"command": f"edgc bench --out {name}", "date": "today", "load_start": [1.0], "load_end": [2.0], "rows": rows}))
+        return path
+
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- ab:start -->\nold\n<!-- ab:end -->\nrest\n")
+    assert module.main([str(folder("a", 1.0, 30.0)), str(folder("b", 1.25, 30.0)), "--label-a", "old",
+                        "--label-b", "new", "--marker", "ab", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "| none | 1.000 | 1.250 | 1.25× | 30.00 | 30.00 |" in text
+    assert "only-a" not in text and "old\n<!-- ab:end" not in text and text.endswith("rest\n")

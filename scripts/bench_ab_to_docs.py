@@ -1,0 +1,73 @@
+"""Compare two `edgc bench` folders method by method (an A/B of two code versions or settings)
+and write the table into a markdown file between <!-- MARKER:start/end -->.
+
+    python scripts/bench_ab_to_docs.py A B --label-a "hand-written TP" --label-b "DTensor TP" \
+        --marker bench-tp-ab [--doc README.md]
+
+Only methods both folders ran are compared. Every number comes from the folders' results.json;
+nothing is typed by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench tables)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(folder: Path) -> dict:
+    path = folder / "results.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{path}: not a finished `edgc bench` folder ({exc})") from None
+
+
+def describe(label: str, data: dict) -> str:
+    loads = data.get("load_start") or [float("nan")], data.get("load_end") or [float("nan")]
+    return (f"**{label}**: `{data['command']}` — {data['date']}, load average {loads[0][0]:.1f} at start, "
+            f"{loads[1][0]:.1f} at end")
+
+
+def table(a: dict, b: dict, label_a: str, label_b: str) -> str:
+    rows_b = {row["method"]: row for row in b["rows"]}
+    lines = [f"| method | step s, {label_a} | step s, {label_b} | {label_b} ÷ {label_a} | DP MB/step, {label_a} "
+             f"| DP MB/step, {label_b} | final val loss, {label_a} | final val loss, {label_b} |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in a["rows"]:
+        other = rows_b.get(row["method"])
+        if other is None:
+            continue
+        lines.append(f"| {row['method']} | {row['step_s']:.3f} | {other['step_s']:.3f} | "
+                     f"{other['step_s'] / row['step_s']:.2f}× | {row['bytes_per_step'] / 1e6:.2f} | "
+                     f"{other['bytes_per_step'] / 1e6:.2f} | {row['val_loss']:.4f} | {other['val_loss']:.4f} |")
+    if len(lines) == 2:
+        raise SystemExit("the two folders have no method in common")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--label-a", default="A")
+    parser.add_argument("--label-b", default="B")
+    parser.add_argument("--marker", required=True, help="the block's name: <!-- MARKER:start/end -->")
+    parser.add_argument("--doc", type=Path, default=ROOT / "README.md")
+    args = parser.parse_args(argv)
+    a, b = load(args.a), load(args.b)
+    body = "\n\n".join([describe(args.label_a, a), describe(args.label_b, b), table(a, b, args.label_a, args.label_b),
+                        "Step times are medians over all steps (rank 0); DP MB/step is the mean over all steps."])
+    marker = args.marker
+    args.doc.write_text(update(args.doc.read_text(), body + "\n", f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"))
+    print(f"{args.doc}: {marker} from {args.a} and {args.b}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
