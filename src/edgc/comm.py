@@ -63,7 +63,7 @@ class Communicator:
         process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
-        self.issues = distributed  # collectives are issued (a group exists, of any size)
+        self._distributed = distributed
         self.rank = dist.get_rank(process_group) if distributed else 0
         # Global rank of the group's rank 0: the source of every decision broadcast.
         self.root = dist.get_global_rank(process_group, 0) if distributed and process_group is not None else 0
@@ -106,6 +106,11 @@ class Communicator:
     def mark(self) -> tuple[int, int]:
         """(collectives, waits) so far: the argument of a later ``forget_since``."""
         return len(self._records), len(self._waits)
+
+    @property
+    def issues(self) -> bool:
+        """Whether collectives are issued: a process group exists, of any size."""
+        return self._distributed
 
     # ------------------------------------------------------------------ asynchronous
     def _issue(self, tensor: torch.Tensor, run, after=None) -> Pending:

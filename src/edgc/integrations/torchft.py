@@ -94,16 +94,19 @@ class ManagedCommunicator(Communicator):
         super().__init__(None)
         self.manager = manager
         self.world_size, self.rank, self.root = 1, 0, 0
-        self.issues = False  # a quorum of one sends nothing (see refresh)
         self.collective_failed = False
         self.refresh()
+
+    @property
+    def issues(self) -> bool:
+        """A quorum of one sends nothing."""
+        return self.world_size > 1
 
     def refresh(self) -> None:
         """Take the current quorum's size and this replica's place in it (blocks on a pending quorum)."""
         if getattr(self.manager, "_quorum_future", None) is None:
             return  # no quorum started yet (construction): nothing to ask
         self.world_size = max(1, self.manager.num_participants())
-        self.issues = self.world_size > 1
         rank = self.manager.participating_rank()
         self.rank = -1 if rank is None else rank  # a spare never proposes a decision
 
