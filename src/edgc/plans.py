@@ -23,7 +23,8 @@ class StepPlan:
     phase: str
     rank: int | None  # compression rank of the real sync; None = uncompressed
     profile_rank: int | None = None  # also time a shadow compressed sync at this rank
-    profile_warm: bool = False  # … after an untimed one (first step of a rank: allocation, new Q columns)
+    profile_warm: bool = False  # … after an untimed one (the run's first profiled step: cold code paths, allocation)
+    profile_raw: bool = False  # time the plain sync too, blocking; otherwise it overlaps backward as in warm-up
     probe_rank: int | None = None  # measure the local rank-r error of the 2-D gradients
     decision: bool = False  # agree measurements and broadcast a decision at the end of the step
 

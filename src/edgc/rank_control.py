@@ -189,13 +189,16 @@ class WindowController:
         offset = step - PROFILE_START_STEP
         if offset < 0:
             return StepPlan(step, PROFILE, None)
-        # The paper spends a whole uncompressed "transition" step per candidate rank; a second,
-        # untimed shadow call in the candidate's first step absorbs the same one-off costs.
+        # The paper spends a whole uncompressed "transition" step per candidate rank. Here one-off
+        # costs (cold code paths, first allocations) fall on the run's first shadow call only, so
+        # only that one gets an untimed call before it; and the plain sync, whose time does not
+        # depend on the candidate, is timed (blocking) in the first candidate's steps only: later
+        # profiling steps overlap it with backward like a warm-up step and cost only their shadow sync.
         block = self.config.profile_steps_per_rank
         index, position = divmod(offset, block)
         candidate = self._candidates[min(index, len(self._candidates) - 1)]
-        return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_warm=position == 0,
-                        decision=position == block - 1)
+        return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_warm=offset == 0,
+                        profile_raw=index == 0, decision=position == block - 1)
 
     # ------------------------------------------------------------------ deciding
     def current(self) -> Decision:
@@ -214,7 +217,7 @@ class WindowController:
             table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
             self._record_profile(table, plan.profile_rank, agreed)
             last = plan.profile_rank == self._candidates[-1]
-            if agreed.profile_time > agreed.uncompressed_time or last:
+            if table.uncompressed is not None and agreed.profile_time > table.uncompressed or last:
                 measured = table.rank_ceiling(multiple=4 if max(table.by_rank) >= 4 else 1)
                 decision.r_max = self.config.r_max if self.config.r_max is not None else measured
                 if decision.r_max is None:
@@ -305,7 +308,8 @@ class WindowController:
         if rank is not None and math.isfinite(agreed.profile_time):
             table.by_rank[rank] = agreed.profile_time
         if math.isfinite(agreed.uncompressed_time):
-            # Each candidate block also timed the plain sync; keep the running mean.
+            # The plain sync is timed in the first candidate's block (`_plan_profile`); a running
+            # mean keeps any later timing (a checkpoint from a version that timed it in every block).
             count = len(table.by_rank)
             previous = table.uncompressed if table.uncompressed is not None else agreed.uncompressed_time
             table.uncompressed = previous + (agreed.uncompressed_time - previous) / max(count, 1)

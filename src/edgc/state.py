@@ -31,6 +31,15 @@ from .timing import Clock
 STATE_FORMAT = "edgc-state/1"
 
 
+def profile_seconds(saved: list) -> list:
+    """Profiling sums as `EDGCState` keeps them; a state saved with one step count for both
+    ([compressed s, uncompressed s, steps]) is read as such."""
+    if len(saved) == 3:
+        compressed, uncompressed, steps = saved
+        return [float(compressed), int(steps), float(uncompressed), int(steps)]
+    return [float(saved[0]), int(saved[1]), float(saved[2]), int(saved[3])]
+
+
 class EDGCState(GradientReducer):
     def __init__(
         self,
@@ -55,9 +64,12 @@ class EDGCState(GradientReducer):
                                                          "r_max": None, "r_min": None}))
         self._shapes: dict[str, tuple[int, int]] = {}
         self._plan = StepPlan(0, self.controller.phase, None)
-        self._profile_seconds = [0.0, 0.0, 0]  # compressed, uncompressed, timed steps
+        # Since the last decision: [compressed s, steps that timed it, uncompressed s, steps that timed it].
+        self._profile_seconds = [0.0, 0, 0.0, 0]
         self._probe: torch.Tensor | None = None
-        self._profile_stamps: list[tuple] = []
+        self._profile_stamps: list[tuple] = []  # this step's (start, end) of the timed shadow syncs
+        self._raw_stamps: list[tuple] = []  # … and of the blocking plain syncs (`StepPlan.profile_raw`)
+        self._deferred_shadow: list[tuple[list[str], list[torch.Tensor]]] = []
         self._measure_error = False
         self._relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self._last_entropy: float | None = None
@@ -83,7 +95,7 @@ class EDGCState(GradientReducer):
         # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
         self._measure_error = self.sampler.due(self.step)
         self._probe: torch.Tensor | None = None  # (error², ‖M‖²) on the device, summed over buckets
-        self._profile_stamps: list[tuple] = []
+        self._profile_stamps, self._raw_stamps, self._deferred_shadow = [], [], []
 
     def _on_device(self, device: torch.device) -> None:
         self.compressor.to(device)
@@ -103,8 +115,21 @@ class EDGCState(GradientReducer):
             return self._average_raw(names, grads, flat)
         return self.compressor.reduce_steps(names, grads, plan.rank, self.comm, measure_error=self._measure_error)
 
-    def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan) -> None:
-        """A profiling bucket, blocking: a timed shadow compressed sync, then the real raw one."""
+    def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan):
+        """A profiling bucket. With ``plan.profile_raw``, blocking: a timed shadow compressed sync,
+        then the real plain one, timed. Otherwise the plain sync overlaps backward as in warm-up and
+        the shadow sync is timed at the step's end, when no other transfer shares the link."""
+        if not plan.profile_raw:
+            self._deferred_shadow.append((names, grads))  # only their shapes matter by then
+            return self._average_raw(names, grads, flat)
+        self._time_shadow_sync(names, grads, plan)
+        raw_start = self.clock.stamp()
+        self._add_stats(run_job(self._average_raw(names, grads, flat)))
+        self._raw_stamps.append((raw_start, self.clock.stamp()))
+        return None
+
+    def _time_shadow_sync(self, names: list[str], grads: list[torch.Tensor], plan: StepPlan) -> None:
+        """One blocking compressed sync of copies of ``grads`` at ``plan.profile_rank``, timed, not counted."""
         issued_before = self.comm.mark()
         for _ in range(2 if plan.profile_warm else 1):  # only the last call's time counts
             shadow = [g.detach().clone() for g in grads]
@@ -112,9 +137,16 @@ class EDGCState(GradientReducer):
             self._profiler.reduce(names, shadow, plan.profile_rank, self.comm, measure_error=False)  # type: ignore[arg-type]
             end = self.clock.stamp()
         self.comm.forget_since(*issued_before)  # the shadow sync is not the step's traffic
-        raw_start = self.clock.stamp()
-        self._add_stats(run_job(self._average_raw(names, grads, flat)))
-        self._profile_stamps.append((start, end, raw_start, self.clock.stamp()))
+        self._profile_stamps.append((start, end))
+
+    def _end_step(self) -> None:
+        deferred, self._deferred_shadow = self._deferred_shadow, []
+        if deferred:  # every plain sync of the step has completed
+            begin = self.clock.stamp()
+            for names, grads in deferred:
+                self._time_shadow_sync(names, grads, self._plan)
+            self._busy.append((begin, self.clock.stamp()))  # profiling's cost shows as compress time
+        super()._end_step()
 
     def _device_values(self) -> list[torch.Tensor]:
         values = super()._device_values()
@@ -127,10 +159,10 @@ class EDGCState(GradientReducer):
             self.compressor.clear_nonfinite_error(self._stats)
         self._last_entropy = self.sampler.finish()
         plan = self._plan
-        if self._profile_stamps:
-            self._profile_seconds[0] += sum(Clock.seconds(a, b) for a, b, _, _ in self._profile_stamps)
-            self._profile_seconds[1] += sum(Clock.seconds(c, d) for _, _, c, d in self._profile_stamps)
-            self._profile_seconds[2] += 1
+        for offset, stamps in ((0, self._profile_stamps), (2, self._raw_stamps)):
+            if stamps:
+                self._profile_seconds[offset] += sum(Clock.seconds(a, b) for a, b in stamps)
+                self._profile_seconds[offset + 1] += 1
         probe = host[3:5] if self._probe is not None else None
         if plan.phase == "compress" and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
             self._relative_errors.append(host[1] / host[2])
@@ -142,11 +174,11 @@ class EDGCState(GradientReducer):
                 self._profiler.error.clear()
 
     def _decide(self, plan: StepPlan, probe: list[float] | None) -> None:
-        compressed, uncompressed, count = self._profile_seconds
+        compressed, compressed_steps, uncompressed, uncompressed_steps = self._profile_seconds
         errors = self._relative_errors
         local = Agreed(
-            profile_time=compressed / count if count else math.nan,
-            uncompressed_time=uncompressed / count if count else math.nan,
+            profile_time=compressed / compressed_steps if compressed_steps else math.nan,
+            uncompressed_time=uncompressed / uncompressed_steps if uncompressed_steps else math.nan,
             # The warm-up test is relative (‖M − M̂‖²/‖M‖²): the absolute error tracks the gradient
             # scale, which falls during training whatever the rank structure does.
             probe_error=(probe[0] / probe[1] if probe[1] > 0 else math.inf) if probe is not None else math.nan,
@@ -167,7 +199,7 @@ class EDGCState(GradientReducer):
         self.controller.apply(plan, agreed, decision)
         if plan.phase == "compress":
             self._decision = self._describe(plan, decision)
-        self._profile_seconds = [0.0, 0.0, 0]
+        self._profile_seconds = [0.0, 0, 0.0, 0]
         errors.clear()
 
     def _describe(self, plan: StepPlan, decision: Decision) -> dict:
@@ -282,7 +314,7 @@ class EDGCState(GradientReducer):
         self.sampler.load_state_dict(state["sampler"])
         self.compressor.load_state_dict(state["compressor"])
         self._profiler.load_state_dict(state["profiler"])
-        self._profile_seconds = list(state["profile_seconds"])
+        self._profile_seconds = profile_seconds(state["profile_seconds"])
         self._relative_errors = [float(e) for e in state.get("relative_errors", [])]
         if not state.get("shared") and int(state["world_size"]) != self.comm.world_size:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.

@@ -1,5 +1,6 @@
 """Multi-process behaviour of the EDGC hook under gloo (2 and 4 processes on 127.0.0.1)."""
 import io
+import time
 
 import pytest
 import torch
@@ -18,14 +19,14 @@ ADAPTIVE = dict(r_max=8, r_min=2, rank_step=2, window=3, total_steps=24, warmup_
                 entropy_significance=0.0)  # no noise gate: the rank must move within a few windows here
 
 
-def build(config_kwargs, bucket_cap_mb=None, seed=0):
+def build(config_kwargs, bucket_cap_mb=None, seed=0, state_class=EDGCState):
     torch.manual_seed(seed)
     model = TinyTransformer()
     ddp = DDP(model, **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
     state = None
     calls: list[int] = []
     if config_kwargs is not None:
-        state = EDGCState(None, EDGCConfig(**config_kwargs), model=ddp)
+        state = state_class(None, EDGCConfig(**config_kwargs), model=ddp)
 
         def counting_hook(s, bucket):
             calls[-1] += 1
@@ -53,8 +54,17 @@ def train(rank, ddp, state, optimizer, calls, start, stop, collectives=None):
     return log
 
 
-def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb):
-    model, ddp, state, optimizer, calls = build(config_kwargs, bucket_cap_mb)
+class SlowLinkState(EDGCState):
+    """Loopback is faster than any compression: a timed plain sync here looks like a slow link's."""
+
+    def _average_raw(self, names, grads, flat):
+        if self._plan.profile_raw:
+            time.sleep(0.1)
+        return super()._average_raw(names, grads, flat)
+
+
+def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb, state_class=EDGCState):
+    model, ddp, state, optimizer, calls = build(config_kwargs, bucket_cap_mb, state_class=state_class)
     collectives: list[int] = []
     log = train(rank, ddp, state, optimizer, calls, 0, steps, collectives)
     return {
@@ -66,6 +76,7 @@ def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb):
         "r_max": state.controller.r_max if state else None,
         "sent": state.totals["elements_sent"] if state else None,
         "raw": state.totals["elements_raw"] if state else None,
+        "table": state.controller.table.state_dict() if state else None,
     }
 
 
@@ -108,6 +119,28 @@ def test_profiling_decides_r_max_identically_on_all_ranks():
     assert results[0]["log"] == results[1]["log"]
     assert torch.equal(results[0]["params"], results[1]["params"])
     assert results[0]["log"][1][1] == "profile"
+    for result in results:  # every candidate timed; the plain sync in the first candidate's step only
+        assert set(result["table"]["by_rank"]) <= {2, 4, 8} and 2 in result["table"]["by_rank"]
+        assert result["table"]["uncompressed"] > 0
+
+
+def test_profiling_steps_train_exactly_like_plain_ddp():
+    # Steps 0–3 profile ranks 2, 4, 8 (step 1 syncs blocking, steps 2–3 overlap the plain sync with
+    # backward and time the shadow sync at the step's end), over several buckets: the model must
+    # see exactly DDP's averaged all-reduce, and the shadow syncs must not count as traffic.
+    profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=40,
+                    warmup_error_test=False)
+    with_hook = run_distributed(training_worker, 2, profiled, 4, 1, SlowLinkState)
+    plain = run_distributed(training_worker, 2, None, 4, 1)
+    assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 4
+    for result in with_hook:  # the plain sync was timed once (step 1), each candidate once
+        assert set(result["table"]["by_rank"]) == {2, 4, 8} and result["table"]["uncompressed"] >= 0.1
+        assert result["r_max"] == 8
+    assert min(with_hook[0]["calls"][1:]) >= 2, "the model should span several DDP buckets"
+    calls = with_hook[0]["calls"]  # one plain all-reduce per bucket; + agree and broadcast at each decision
+    assert with_hook[0]["collectives"] == [calls[0]] + [c + 2 for c in calls[1:]]
+    for rank in range(2):
+        assert torch.equal(with_hook[rank]["params"], plain[rank]["params"])
 
 
 def resume_worker(rank, world_size, config_kwargs, split, total, bucket_caps):

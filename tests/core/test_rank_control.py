@@ -88,10 +88,14 @@ def test_profiling_finds_r_max_then_warms_up_then_compresses():
     times = {2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7}
     config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=2, window=5, total_steps=100,
                         warmup_fraction=0.2, warmup_error_test=False)
-    controller, plans = run_controller(config, 40, lambda plan: Agreed(times.get(plan.profile_rank, math.nan), 1.0))
+    # The plain sync is timed in the first candidate's steps only (1.0 s); later blocks report NaN.
+    controller, plans = run_controller(config, 40, lambda plan: Agreed(times.get(plan.profile_rank, math.nan),
+                                                                       1.0 if plan.profile_raw else math.nan))
     assert controller.r_max == 16 and controller.r_min == 4
     assert [p.profile_rank for p in plans[1:11:2]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
-    assert [p.profile_warm for p in plans[1:5]] == [True, False, True, False]  # first step of each rank
+    assert controller.table.uncompressed == 1.0
+    assert [p.profile_warm for p in plans[1:5]] == [True, False, False, False]  # the run's first shadow call only
+    assert [p.profile_raw for p in plans[1:5]] == [True, True, False, False]  # the first candidate's block
     assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [2, 4, 6, 8, 10]
     assert plans[11].phase == WARMUP and plans[19].phase == WARMUP
     assert plans[20].phase == COMPRESS and plans[20].rank == 16  # floor ⌊0.2·100⌋ = 20
