@@ -16,6 +16,9 @@ warm-up, `pareto_train`):
   Against static, an alternation pays for the mix of ranks (a low rank loses more than a high one
   gains) and for its changes; fast against slow, paired by seed, leaves the changes alone: their
   difference over the difference in changes is what one change costs, under each rule.
+* ``cold``       (``--rank-change-cost``) static PowerSGD at rank b with Q re-drawn every step: no
+  warm start at all. A rank change discards at most part of the warm start for the few steps the
+  power iteration needs to settle again, so what ``cold`` loses per step bounds what a change can.
 
 Every arm spends b on average, so a paired Δ val loss (arm − static, same seed) says what the
 schedule is worth. The summary gives, per budget and arm, the paired Δ per seed, its mean and
@@ -43,7 +46,7 @@ BUDGETS = (2, 4, 8)
 SIGNALS = ("schedule", "gradnorm", "entropy", "error")
 HAND_SET = ("hand-3", "hand-2")
 RANK_CHANGES = ("warm", "truncate")
-DERIVED = ("warm-vs-truncate", "per-change-")  # entries of the paired stats that are not arms
+DERIVED = ("warm-vs-truncate", "per-change-", "per-step-")  # entries of the paired stats that are not arms
 SLOW_PERIOD = 3  # windows per rank in the slow alternation: 1/3 of the changes at the same bytes
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
@@ -134,6 +137,7 @@ def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], chang
             for mode in RANK_CHANGES:
                 result[f"{prefix}-{mode}"] = {**base, "r_max": high, "adaptive": False, "rank_schedule": entries,
                                               "rank_change": mode}
+        result["cold"] = {**result["static"], "cold_start": True}  # an instrument field (`pareto_train`)
     return result
 
 
@@ -283,7 +287,8 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     change_cost = []
     for b in budgets:
         if {"alt-warm", "alt-truncate"} <= set(plan[b]):
-            change_cost.append(_change_cost(b, results[str(b)], stats[str(b)], seeds))
+            change_cost.append(_change_cost(b, results[str(b)], stats[str(b)], seeds,
+                                            setting.steps - math.floor(0.1 * setting.steps)))
     header = ["budget", "arm", "mean rank", "bytes vs static", "val loss (mean)", "Δ per seed",
               "Δ mean [95 % CI]", "of best hand-set gain", "rank changes"]
     plot = _plot(out, budgets, stats)
@@ -306,8 +311,9 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     return {"headline": "; ".join(headline), "paired": stats}
 
 
-def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int]) -> str:
-    """The alternation arms' paragraph; adds 'warm-vs-truncate' and 'per-change-<rule>' to ``stats_b``."""
+def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int], compressed_steps: int) -> str:
+    """The alternation arms' paragraph; adds 'warm-vs-truncate', 'per-change-<rule>' and
+    'per-step-cold' to ``stats_b``."""
     fast = {mode: stats_b[f"alt-{mode}"] for mode in RANK_CHANGES}
     text = (f"**Cost of changing the rank** (b={b}: the rank alternates {b // 2} ↔ {b + b // 2} every window, "
             f"{fast['warm']['rank_changes']:.0f} changes, against static {b}): warm start kept "
@@ -316,6 +322,13 @@ def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int]) -> str:
     diff = stats_b["warm-vs-truncate"] = paired({"static": runs_b["alt-truncate"], "arm": runs_b["alt-warm"]},
                                                 "arm", seeds)
     text += f"; warm − truncate {_interval(diff)} (bytes {diff['bytes_ratio']:.3f}×: the residual all-reduce)."
+    if "cold" in stats_b:
+        cold = stats_b["cold"]
+        per = stats_b["per-step-cold"] = {k: cold[k] / compressed_steps for k in ("mean", "low", "high")}
+        text += (f" **What a warm start is worth:** re-drawing Q every step (static {b}, no warm start) costs "
+                 f"{_interval(cold)} against static, {_interval(per, '+.5f')} per compressed step; a change "
+                 "discards at most part of the warm start for the few steps the power iteration needs to settle, "
+                 "so this bounds what one change can cost.")
     slow = f"alt{SLOW_PERIOD}"
     if not all(f"{slow}-{mode}" in runs_b for mode in RANK_CHANGES):
         return text
@@ -344,7 +357,7 @@ def _plot(out, budgets, stats):
         ys = range(len(names))
         for y, name in zip(ys, names):
             p = stats[str(b)][name]
-            color = "tab:red" if name.startswith("budget") else ("tab:grey" if name.startswith("alt") else "tab:blue")
+            color = "tab:red" if name.startswith("budget") else ("tab:grey" if name.startswith(("alt", "cold")) else "tab:blue")
             ax.errorbar([p["mean"]], [y], xerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]], fmt="o", color=color)
         ax.axvline(0, color="black", lw=0.8)
         ax.set_yticks(list(ys), names, fontsize=7)

@@ -32,9 +32,21 @@ def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     return total / tokens
 
 
+def redraw_q(q: dict, seed: int, step: int) -> None:
+    """Replace every stored Q by Gaussian columns of the same shape (the compressor orthonormalises them)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    for name in sorted(q):
+        q[name] = torch.randn(q[name].shape, generator=generator, dtype=q[name].dtype)
+
+
 def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     """Train ``setting`` with an `EDGCConfig` of ``config_fields`` at ``seed``: final validation loss,
-    bytes after the warm-up, mean rank, rank schedule, decisions taken and wall time."""
+    bytes after the warm-up, mean rank, rank schedule, decisions taken and wall time.
+
+    ``config_fields`` may also hold the instrument's own ``cold_start: True``: every step starts
+    the power iteration from a newly drawn Q instead of the last step's (no warm start)."""
     import torch
     import torch.nn.functional as F
 
@@ -55,7 +67,8 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     optimizer = make_optimizer(model, cfg, torch.device("cpu"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     seed_everything(cfg.seed + 1)
-    state = EDGCState(None, EDGCConfig(**config_fields), model=model)
+    cold_start = bool(config_fields.get("cold_start", False))
+    state = EDGCState(None, EDGCConfig(**{k: v for k, v in config_fields.items() if k != "cold_start"}), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     start, bytes_at_warmup_end, decisions = time.perf_counter(), None, 0
     for _ in range(cfg.steps):
@@ -63,6 +76,8 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
         loss = F.cross_entropy(model(input_ids=torch.from_numpy(x)).logits.flatten(0, 1).float(),
                                torch.from_numpy(y).flatten())
         loss.backward()
+        if cold_start:
+            redraw_q(state.compressor.q, seed, state.step)
         state.synchronize(named)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -13,8 +13,10 @@ from edgc_experiments.pareto import arms, paired
 
 @pytest.mark.parametrize("budget", [2, 4, 8])
 def test_every_arm_spends_the_budget_of_static(budget):
-    for name, fields in arms(budget, 400, ["schedule", "gradnorm"], ["hand-3", "hand-2"], True).items():
-        controller = WindowController(EDGCConfig(**fields))
+    plan = arms(budget, 400, ["schedule", "gradnorm"], ["hand-3", "hand-2"], True)
+    assert plan["cold"] == {**plan["static"], "cold_start": True}  # static, without the warm start
+    for name, fields in plan.items():
+        controller = WindowController(EDGCConfig(**{k: v for k, v in fields.items() if k != "cold_start"}))
         for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
             plan = controller.plan(step)
             if plan.decision:
@@ -65,11 +67,31 @@ def test_change_cost_is_fast_minus_slow_alternation_per_extra_change():
             "alt3-warm": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds},
             "alt3-truncate": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds}}
     runs["static"] = runs["alt3-warm"]
+    runs["cold"] = {str(s): run(5.0 + 0.036 + 0.001 * s, 0) for s in seeds}
     stats = {name: paired(runs, name, seeds) for name in runs}
-    text = _change_cost(4, runs, stats, seeds)
+    text = _change_cost(4, runs, stats, seeds, 360)
+    assert stats["per-step-cold"]["mean"] == pytest.approx(0.0001)  # 0.036 over 360 compressed steps
+    assert "What a warm start is worth" in text
     assert stats["per-change-warm"]["mean"] == pytest.approx(0.001)  # 0.012 over 12 extra changes
     assert stats["per-change-truncate"]["mean"] == pytest.approx(0.002)
     assert stats["warm-vs-truncate"]["mean"] == pytest.approx(-0.012)
     assert "Per change" in text and "12 extra changes" in text
     del runs["alt3-truncate"]  # without the slow arms: only the fast alternation's paragraph
-    assert "Per change" not in _change_cost(4, runs, {n: paired(runs, n, seeds) for n in runs}, seeds)
+    assert "Per change" not in _change_cost(4, runs, {n: paired(runs, n, seeds) for n in runs}, seeds, 360)
+
+
+def test_a_cold_start_redraws_every_q_alike_and_keeps_its_shape():
+    import torch
+
+    from edgc_experiments.pareto_train import redraw_q
+
+    q = {"b": torch.ones(5, 2), "a": torch.ones(7, 3)}
+    redraw_q(q, seed=1, step=10)
+    again = {"b": torch.ones(5, 2), "a": torch.ones(7, 3)}
+    redraw_q(again, seed=1, step=10)
+    assert {n: t.shape for n, t in q.items()} == {"b": (5, 2), "a": (7, 3)}
+    assert all(torch.equal(q[n], again[n]) for n in q)  # the same draw for the same (seed, step)
+    assert not torch.equal(q["a"], torch.ones(7, 3))
+    later = {"b": torch.ones(5, 2), "a": torch.ones(7, 3)}
+    redraw_q(later, seed=1, step=11)
+    assert not torch.equal(later["a"], q["a"])  # a new draw every step
