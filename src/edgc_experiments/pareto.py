@@ -151,29 +151,50 @@ def _prepare_data(setting) -> None:
         raise common.CLIError(str(exc)) from None
 
 
-def _run_key(setting, fields: dict, seed: int) -> str:
-    """What makes two runs the same run: the training setting, the seed and the compressor config."""
-    return json.dumps({"setting": vars(setting), "seed": seed, "fields": fields}, sort_keys=True, default=list)
+def resolved_config(fields: dict) -> dict:
+    """An arm's whole compressor config: its fields over `EDGCConfig`'s defaults (and the
+    instrument's own ``cold_start``). Run keys hold this, so a changed default is a different run."""
+    from edgc import EDGCConfig
+
+    config = EDGCConfig(**{k: v for k, v in fields.items() if k != "cold_start"}).to_dict()
+    if fields.get("cold_start"):
+        config["cold_start"] = True
+    return config
 
 
-def _reusable_runs(folders: list[str]) -> dict[str, dict]:
-    """{run key: record} of the finished runs in earlier pareto folders (runs/*.json, or a results.json)."""
-    found = {}
+def _run_key(setting: dict, config: dict, seed: int) -> str:
+    """What makes two runs the same run: the training setting, the seed and the resolved config."""
+    return json.dumps({"setting": setting, "seed": seed, "config": config}, sort_keys=True, default=list)
+
+
+def _reusable_runs(folders: list[str], log=print) -> dict[str, dict]:
+    """{run key: record} of the finished runs in earlier pareto folders (runs/*.json, or a results.json).
+
+    Records whose key holds only an arm's explicit fields (written before keys held the resolved
+    config) are not reused: under which defaults they ran is not recorded."""
+    found, older = {}, 0
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise common.CLIError(f"--reuse: {folder} is not a folder")
         for path in sorted(folder.glob("runs/*.json")):
             record = json.loads(path.read_text())
+            if "config" not in json.loads(record["key"]):
+                older += 1
+                continue
             found[record["key"]] = record
         summary = folder / "results.json"
-        if summary.is_file():  # a finished experiment: the keys follow from its setting, arms and seeds
+        if summary.is_file():  # a finished experiment: the keys follow from its setting, configs and seeds
             data = json.loads(summary.read_text())
-            setting = common.Setting(**data["setting"])
-            for b, arms_b in data["arms"].items():
-                for name, fields in arms_b.items():
+            if "configs" not in data:
+                older += sum(len(by_seed) for runs_b in data["runs"].values() for by_seed in runs_b.values())
+                continue
+            for b, configs_b in data["configs"].items():
+                for name, config in configs_b.items():
                     for seed, result in data["runs"][b][name].items():
-                        key = _run_key(setting, fields, int(seed))
+                        key = _run_key(data["setting"], config, int(seed))
                         found.setdefault(key, {"key": key, "result": result})
+    if older:
+        log(f"  --reuse: {older} records from before run keys held the whole config are not reused")
     return found
 
 
@@ -218,10 +239,10 @@ def run(args, out, setting, log=print) -> dict:
     _prepare_data(setting)  # once, here: the runs then read the same cache
     results: dict = {str(b): {name: {} for name in plan[b]} for b in budgets}
     (out / "runs").mkdir()
-    reusable = _reusable_runs(args.reuse)
+    reusable = _reusable_runs(args.reuse, log)
     todo = []
     for b, name, seed in jobs:
-        key = _run_key(setting, plan[b][name], seed)
+        key = _run_key(vars(setting), resolved_config(plan[b][name]), seed)
         if key in reusable:
             results[str(b)][name][str(seed)] = reusable[key]["result"]
             common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", reusable[key])
@@ -242,7 +263,7 @@ def run(args, out, setting, log=print) -> dict:
             b, name, seed = futures[future]
             run_result = future.result()
             results[str(b)][name][str(seed)] = run_result
-            record = {"key": _run_key(setting, plan[b][name], seed), "result": run_result}
+            record = {"key": _run_key(vars(setting), resolved_config(plan[b][name]), seed), "result": run_result}
             common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", record)  # kept even if a later run fails
             log(f"  [{done}/{len(todo)}] b={b} {name} seed {seed}: val {run_result['val_loss']:.4f}, "
                 f"mean rank {fmt(run_result['mean_rank'], '.2f')}, {run_result['wall_s']:.0f} s")
@@ -306,7 +327,10 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(out / "results.json", {"setting": vars(setting), "seeds": seeds, "budgets": budgets,
-                                            "arms": {str(b): plan[b] for b in budgets}, "runs": results,
+                                            "arms": {str(b): plan[b] for b in budgets},
+                                            "configs": {str(b): {name: resolved_config(fields) for name, fields in plan[b].items()}
+                                                        for b in budgets},
+                                            "runs": results,
                                             "paired": stats})
     return {"headline": "; ".join(headline), "paired": stats}
 

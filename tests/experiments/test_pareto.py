@@ -95,3 +95,24 @@ def test_a_cold_start_redraws_every_q_alike_and_keeps_its_shape():
     later = {"b": torch.ones(5, 2), "a": torch.ones(7, 3)}
     redraw_q(later, seed=1, step=11)
     assert not torch.equal(later["a"], q["a"])  # a new draw every step
+
+
+def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_path):
+    from edgc_experiments.common import Setting
+    from edgc_experiments.pareto import _reusable_runs, _run_key, resolved_config
+
+    setting = vars(Setting(steps=400))
+    explicit = {"r_max": 4, "r_min": 4, "adaptive": False}
+    config = resolved_config(explicit)
+    assert config["rank_change"] == EDGCConfig().rank_change and config["r_max"] == 4  # defaults are in the key
+    assert resolved_config({**explicit, "cold_start": True}) == {**config, "cold_start": True}
+    runs = tmp_path / "old" / "runs"
+    runs.mkdir(parents=True)
+    new_key = _run_key(setting, config, 1)
+    older_key = json.dumps({"setting": setting, "seed": 2, "fields": explicit}, sort_keys=True)
+    for name, key in (("new", new_key), ("older", older_key)):
+        (runs / f"{name}.json").write_text(json.dumps({"key": key, "result": {"val_loss": 5.0}}))
+    said = []
+    found = _reusable_runs([str(tmp_path / "old")], said.append)
+    assert list(found) == [new_key]
+    assert said == ["  --reuse: 1 records from before run keys held the whole config are not reused"]
