@@ -87,7 +87,7 @@ class EDGCConfig:
     """Added to column norms in Gram–Schmidt so all-zero columns stay finite. ≥ 0."""
 
     profile_max_rank: int = 128
-    """Highest rank tried when profiling r_max (powers of two from 2). ≥ 2."""
+    """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
 
     profile_steps_per_rank: int = 2
     """Timed steps per candidate rank when profiling (the first candidate's also time the plain sync, blocking). ≥ 1."""

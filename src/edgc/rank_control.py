@@ -3,7 +3,9 @@
 Phases of a run (paper §2.7, §2.8, §2.11):
 
 * ``profile``  – r_max unknown: gradients are synced uncompressed while a compressed sync at
-  ranks 2, 4, 8, … is timed beside it; ends with r_max = the largest rank still faster. Profiling
+  ranks …, 8, 4, 2 is timed beside it, from the top down; ends at the first rank faster than the
+  plain sync, r_max = the largest such rank (interpolated between the last two tried). Pipeline
+  stages, whose alignment needs every rank's time, go up from 2 until a rank is slower. Profiling
   steps are uncompressed, so they count towards the warm-up floor.
 * ``warmup``   – uncompressed until t ≥ max(⌊f_w·T⌋, t_e). t_e is the first window boundary where
   the rank-r_min error of today's 2-D gradients is ≤ the rank-r_max error measured when warm-up
@@ -71,6 +73,11 @@ class WindowController:
         self.error_test_step: int | None = None
         self._error_model: ErrorModel | None = None
         self._candidates = profile_candidates(config.profile_max_rank)
+        # The order candidates are timed in. From the top down, the first rank faster than the
+        # plain sync ends profiling, so where compression pays (a slow link, where each profiling
+        # step is expensive) one candidate usually suffices; where it does not, steps are cheap.
+        self._top_down = not always_profile
+        self._profile_order = self._candidates[::-1] if self._top_down else self._candidates
         self.error_windows: list[tuple[int, float]] = []  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed
 
     def _default_r_min(self, r_max: int | None) -> int | None:
@@ -196,7 +203,7 @@ class WindowController:
         # profiling steps overlap it with backward like a warm-up step and cost only their shadow sync.
         block = self.config.profile_steps_per_rank
         index, position = divmod(offset, block)
-        candidate = self._candidates[min(index, len(self._candidates) - 1)]
+        candidate = self._profile_order[min(index, len(self._profile_order) - 1)]
         return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_warm=offset == 0,
                         profile_raw=index == 0, decision=position == block - 1)
 
@@ -216,8 +223,11 @@ class WindowController:
         if plan.phase == PROFILE:
             table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
             self._record_profile(table, plan.profile_rank, agreed)
-            last = plan.profile_rank == self._candidates[-1]
-            if table.uncompressed is not None and agreed.profile_time > table.uncompressed or last:
+            last = plan.profile_rank == self._profile_order[-1]
+            uncompressed = table.uncompressed if table.uncompressed is not None else math.nan
+            found = (agreed.profile_time <= uncompressed if self._top_down  # the largest rank that pays
+                     else agreed.profile_time > uncompressed)  # going up: the first rank that does not
+            if found or last:
                 measured = table.rank_ceiling(multiple=4 if max(table.by_rank) >= 4 else 1)
                 decision.r_max = self.config.r_max if self.config.r_max is not None else measured
                 if decision.r_max is None:
@@ -344,7 +354,7 @@ class WindowController:
             return None
         if self.phase == OFF:
             status = "off"
-        elif self.config.r_max is None and self.r_max is not None and self.r_max <= self._candidates[0]:
+        elif self.config.r_max is None and self.r_max is not None and self.r_max <= min(self._candidates):
             status = "floor"
         else:
             return None

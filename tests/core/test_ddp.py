@@ -55,7 +55,19 @@ def train(rank, ddp, state, optimizer, calls, start, stop, collectives=None):
 
 
 class SlowLinkState(EDGCState):
-    """Loopback is faster than any compression: a timed plain sync here looks like a slow link's."""
+    """Loopback is faster than any compression. Here a timed plain sync takes ≥ 0.1 s per bucket,
+    as on a slow link, and a compressed sync at rank 8 ≥ 0.5 s per bucket: rank 4 is the largest that pays."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reduce = self._profiler.reduce
+
+        def slow_at_rank_8(names, grads, rank, comm, **options):
+            if rank == 8:
+                time.sleep(0.5)
+            return reduce(names, grads, rank, comm, **options)
+
+        self._profiler.reduce = slow_at_rank_8
 
     def _average_raw(self, names, grads, flat):
         if self._plan.profile_raw:
@@ -125,20 +137,22 @@ def test_profiling_decides_r_max_identically_on_all_ranks():
 
 
 def test_profiling_steps_train_exactly_like_plain_ddp():
-    # Steps 0–3 profile ranks 2, 4, 8 (step 1 syncs blocking, steps 2–3 overlap the plain sync with
-    # backward and time the shadow sync at the step's end), over several buckets: the model must
-    # see exactly DDP's averaged all-reduce, and the shadow syncs must not count as traffic.
+    # Steps 1–2 profile ranks 8 then 4, from the top down (step 1 syncs blocking and times the plain
+    # sync; step 2 overlaps the plain sync with backward and times the shadow sync at the step's end),
+    # over several buckets: the model must see exactly DDP's averaged all-reduce, and the shadow
+    # syncs must not count as traffic.
     profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=40,
                     warmup_error_test=False)
     with_hook = run_distributed(training_worker, 2, profiled, 4, 1, SlowLinkState)
     plain = run_distributed(training_worker, 2, None, 4, 1)
-    assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 4
-    for result in with_hook:  # the plain sync was timed once (step 1), each candidate once
-        assert set(result["table"]["by_rank"]) == {2, 4, 8} and result["table"]["uncompressed"] >= 0.1
-        assert result["r_max"] == 8
+    assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 3 + ["warmup"]
+    for result in with_hook:  # the plain sync timed in step 1; 8 did not pay, 4 did: profiling ends
+        assert set(result["table"]["by_rank"]) == {8, 4} and result["table"]["uncompressed"] >= 0.1
+        assert result["table"]["by_rank"][4] < result["table"]["uncompressed"] < result["table"]["by_rank"][8]
+        assert result["r_max"] == 4
     assert min(with_hook[0]["calls"][1:]) >= 2, "the model should span several DDP buckets"
     calls = with_hook[0]["calls"]  # one plain all-reduce per bucket; + agree and broadcast at each decision
-    assert with_hook[0]["collectives"] == [calls[0]] + [c + 2 for c in calls[1:]]
+    assert with_hook[0]["collectives"] == [calls[0], calls[1] + 2, calls[2] + 2, calls[3]]
     for rank in range(2):
         assert torch.equal(with_hook[rank]["params"], plain[rank]["params"])
 

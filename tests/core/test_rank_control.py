@@ -71,9 +71,9 @@ def test_sync_time_table_interpolates_both_ways_and_finds_r_max():
     assert profile_candidates(16) == [2, 4, 8, 16]
 
 
-def run_controller(config, steps, agreed_for):
+def run_controller(config, steps, agreed_for, **controller_kwargs):
     """Drive the controller like a single-rank EDGCState would."""
-    controller = WindowController(config)
+    controller = WindowController(config, **controller_kwargs)
     plans = []
     for step in range(steps):
         plan = controller.plan(step)
@@ -84,22 +84,42 @@ def run_controller(config, steps, agreed_for):
     return controller, plans
 
 
-def test_profiling_finds_r_max_then_warms_up_then_compresses():
-    times = {2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7}
+SYNC_TIMES = {2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7, 64: 3.3}  # s; the plain sync takes 1.0 s
+
+
+def measured(plan):
+    """What a group measures: the candidate's time; the plain sync's only where the plan times it."""
+    return Agreed(SYNC_TIMES.get(plan.profile_rank, math.nan), 1.0 if plan.profile_raw else math.nan)
+
+
+def test_profiling_goes_down_from_the_top_to_the_first_rank_that_pays_then_warms_up():
     config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=2, window=5, total_steps=100,
                         warmup_fraction=0.2, warmup_error_test=False)
-    # The plain sync is timed in the first candidate's steps only (1.0 s); later blocks report NaN.
-    controller, plans = run_controller(config, 40, lambda plan: Agreed(times.get(plan.profile_rank, math.nan),
-                                                                       1.0 if plan.profile_raw else math.nan))
-    assert controller.r_max == 16 and controller.r_min == 4
-    assert [p.profile_rank for p in plans[1:11:2]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
-    assert controller.table.uncompressed == 1.0
+    controller, plans = run_controller(config, 40, measured)
+    assert [p.profile_rank for p in plans[1:7:2]] == [64, 32, 16]  # 16 is the first rank faster than 1.0 s
+    assert controller.r_max == 16 and controller.r_min == 4  # interpolated 18 between 16 and 32 → multiple of 4
+    assert controller.table.uncompressed == 1.0 and set(controller.table.by_rank) == {64, 32, 16}
     assert [p.profile_warm for p in plans[1:5]] == [True, False, False, False]  # the run's first shadow call only
     assert [p.profile_raw for p in plans[1:5]] == [True, True, False, False]  # the first candidate's block
-    assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [2, 4, 6, 8, 10]
-    assert plans[11].phase == WARMUP and plans[19].phase == WARMUP
+    assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [2, 4, 6]
+    assert plans[7].phase == WARMUP and plans[19].phase == WARMUP
     assert plans[20].phase == COMPRESS and plans[20].rank == 16  # floor ⌊0.2·100⌋ = 20
     assert controller.schedule == [(20, 16)]
+
+
+def test_on_a_slow_link_one_candidate_suffices():
+    config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
+    controller, plans = run_controller(config, 4, measured)
+    assert plans[1].profile_rank == 8 and plans[1].decision and plans[2].phase == WARMUP
+    assert controller.r_max == 8 and controller.table.by_rank == {8: 0.5}
+
+
+def test_pipeline_stages_profile_every_rank_going_up():
+    # Stage alignment needs each rank's time: from 2 up, until a rank is slower than the plain sync.
+    config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
+    controller, plans = run_controller(config, 12, measured, always_profile=True)
+    assert [p.profile_rank for p in plans[1:6]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
+    assert controller.r_max == 16 and set(controller.table.by_rank) == {2, 4, 8, 16, 32}
 
 
 def test_profiling_turns_compression_off_when_it_never_pays():
@@ -142,7 +162,8 @@ def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times()
     config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1)
     controller, _ = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))
     verdict = controller.profiling_verdict()
-    assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "compressed_s": {2: 2.0}}
+    # from the top down, no rank pays: every candidate was tried
+    assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "compressed_s": {2: 2.0, 4: 2.0, 8: 2.0}}
     line = describe_profiling_verdict(verdict)
     assert "OFF" in line and "1000.00 ms" in line and "--edgc r_max=16" in line and "\n" not in line
     on, _ = run_controller(EDGCConfig(r_max=8, warmup_error_test=False), 10, lambda plan: Agreed())
