@@ -61,6 +61,9 @@ def add_arguments(p) -> None:
                    help=f"hand-set schedules to run, '' for none (default {','.join(HAND_SET)})")
     p.add_argument("--rank-change-cost", action="store_true",
                    help="also alternate the rank every window (warm vs truncate) at the middle budget")
+    p.add_argument("--rank-change", choices=RANK_CHANGES, default=None,
+                   help="rank-change rule of every arm but the alternations, which set their own "
+                        "(default: EDGCConfig's)")
     p.add_argument("--jobs", type=int, default=2, metavar="N", help="runs in parallel, one thread each (default 2)")
     p.add_argument("--reuse", metavar="DIR", action="append", default=[],
                    help="reuse finished runs of an earlier pareto folder (its runs/*.json) whose setting, seed "
@@ -103,9 +106,13 @@ def base_fields(steps: int) -> dict:
             "iteration_sample_ratio": scaled["iteration_sample_ratio"]}
 
 
-def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], change_cost: bool) -> dict[str, dict]:
-    """{arm name: EDGCConfig fields} at this budget."""
+def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], change_cost: bool,
+         rank_change: str | None = None) -> dict[str, dict]:
+    """{arm name: EDGCConfig fields} at this budget; ``rank_change``: the rule of every arm that
+    does not set its own (None: EDGCConfig's default)."""
     base = base_fields(steps)
+    if rank_change is not None:
+        base["rank_change"] = rank_change
     start = math.floor(0.1 * steps)
     n = steps - start
 
@@ -231,7 +238,7 @@ def run(args, out, setting, log=print) -> dict:
     seeds = [setting.seed + k for k in range(args.seeds)]
     middle = budgets[len(budgets) // 2]
     hand_set = parse_list(args.hand_set, "--hand-set", str, HAND_SET) if args.hand_set else []
-    plan = {b: arms(b, setting.steps, signals, hand_set, args.rank_change_cost and b == middle)
+    plan = {b: arms(b, setting.steps, signals, hand_set, args.rank_change_cost and b == middle, args.rank_change)
             for b in budgets}
     jobs = [(b, name, seed) for b in budgets for name in plan[b] for seed in seeds]
     log(f"  {len(jobs)} runs ({args.jobs} at a time): budgets {budgets}, arms per budget "

@@ -116,3 +116,11 @@ def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_
     found = _reusable_runs([str(tmp_path / "old")], said.append)
     assert list(found) == [new_key]
     assert said == ["  --reuse: 1 records from before run keys held the whole config are not reused"]
+
+
+def test_rank_change_flag_sets_every_arm_but_the_alternations():
+    plan = arms(4, 400, ["schedule"], ["hand-3"], True, rank_change="truncate")
+    assert {name: fields.get("rank_change") for name, fields in plan.items()} == {
+        "static": "truncate", "budget-schedule": "truncate", "hand-3": "truncate", "cold": "truncate",
+        "alt-warm": "warm", "alt-truncate": "truncate", "alt3-warm": "warm", "alt3-truncate": "truncate"}
+    assert "rank_change" not in arms(4, 400, ["schedule"], [], False)["budget-schedule"]  # EDGCConfig's default
