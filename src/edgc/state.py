@@ -337,7 +337,8 @@ class EDGCState(GradientReducer):
         try:
             WindowController(self.config, follower=self.controller.follower).load_state_dict(state["controller"])
             EntropySampler(self.config).load_state_dict(state["sampler"])
-        except (KeyError, TypeError, ValueError) as exc:
+            profile_seconds(state["profile_seconds"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"corrupt EDGC state: {exc!r}") from exc
         compressor = state["compressor"]
         if not isinstance(compressor, dict) or not {"q", "error"} <= set(compressor) <= {"q", "error", "shapes"}:

@@ -142,7 +142,8 @@ def test_resume_on_another_world_size_resets_only_error_feedback():
     assert fresh.sampler.history == saved["sampler"]["history"] and fresh.compressor.q.keys() == saved["compressor"]["q"].keys()
 
 
-@pytest.mark.parametrize("corrupt", ["not a dict", "format", "missing", "controller", "shape", "unknown name"])
+@pytest.mark.parametrize("corrupt", ["not a dict", "format", "missing", "controller", "profiling", "shape",
+                                     "unknown name"])
 def test_corrupt_or_mismatched_state_is_rejected_and_changes_nothing(corrupt):
     model, saved = small_state()
     name = next(iter(saved["compressor"]["error"]))
@@ -154,6 +155,8 @@ def test_corrupt_or_mismatched_state_is_rejected_and_changes_nothing(corrupt):
         del saved["sampler"]
     elif corrupt == "controller":
         saved["controller"]["phase"] = "sideways"
+    elif corrupt == "profiling":
+        saved["profile_seconds"] = [0.5]
     elif corrupt == "shape":
         saved["compressor"]["error"][name] = torch.zeros(3, 3)
     else:
@@ -266,3 +269,10 @@ def test_half_precision_wire_scales_factors_and_skips_a_step_that_still_overflow
         assert not nonfinite and value == 4000.0  # a rank-1 matrix, compressed exactly
         assert overflowed and all_nan  # the averaged factors overflowed: a NaN step, skipped by the optimizer
         assert stored_q == ["w"]
+
+
+def test_profiling_sums_of_an_older_state_still_load():
+    from edgc.state import profile_seconds
+
+    assert profile_seconds([0.6, 1.8, 3]) == [0.6, 3, 1.8, 3]  # one step count for both sums
+    assert profile_seconds([0.6, 3, 0.9, 1]) == [0.6, 3, 0.9, 1]
