@@ -1,9 +1,9 @@
 """Sync-time tables: {rank → measured gradient-sync time}, the r_max rule, interpolation.
 
 At start-up EDGC times the data-parallel gradient sync uncompressed and at ranks 2, 4, 8, …
-(paper §2.7; from the top down, see `edgc.rank_control`). The table answers two questions by piecewise-linear interpolation (with linear
-extrapolation past the ends): how long does rank r take (`rank_to_time`), and which rank fits
-in a time budget (`time_to_rank`). r_max is the largest rank still faster than uncompressed.
+(paper §2.7; from the top down, see `edgc.rank_control`). The table answers two questions by
+piecewise-linear interpolation (with linear extrapolation past the ends): how long does rank r
+take (`rank_to_time`), and which rank fits in a time budget (`time_to_rank`). r_max is the largest rank still faster than uncompressed.
 The stage-alignment rule of pipeline training uses the same table.
 """
 from __future__ import annotations

@@ -317,12 +317,8 @@ class WindowController:
     def _record_profile(table: SyncTimeTable, rank: int | None, agreed: Agreed) -> None:
         if rank is not None and math.isfinite(agreed.profile_time):
             table.by_rank[rank] = agreed.profile_time
-        if math.isfinite(agreed.uncompressed_time):
-            # The plain sync is timed in the first candidate's block (`_plan_profile`); a running
-            # mean keeps any later timing (a checkpoint from a version that timed it in every block).
-            count = len(table.by_rank)
-            previous = table.uncompressed if table.uncompressed is not None else agreed.uncompressed_time
-            table.uncompressed = previous + (agreed.uncompressed_time - previous) / max(count, 1)
+        if math.isfinite(agreed.uncompressed_time):  # timed in the first candidate's block only (`_plan_profile`)
+            table.uncompressed = agreed.uncompressed_time
 
     def apply(self, plan: StepPlan, agreed: Agreed, decision: Decision) -> None:
         """Adopt a decision (the same on every rank) at the end of ``plan.step``."""

@@ -36,7 +36,7 @@ from statistics import mean, stdev
 
 from . import common
 from .common import fmt, markdown_table
-from .pareto_train import train_run
+from .pareto_train import compressor_fields, train_run
 
 NAME = "pareto"
 HELP = "budget controller vs static PowerSGD at the same bytes: paired Δ val loss over seeds"
@@ -97,6 +97,11 @@ def validate(args, setting) -> None:
         raise common.CLIError(f"--steps: must be ≥ 10 (a warm-up step and a window to compress), got {setting.steps}")
 
 
+def compressed_steps(steps: int) -> int:
+    """Steps after the shared 10 % warm-up (`base_fields`)."""
+    return steps - math.floor(0.1 * steps)
+
+
 def base_fields(steps: int) -> dict:
     """What every arm shares: the 10 % warm-up (no error test, so only the rank differs) and `edgc train`'s window."""
     from edgc_train.config import scaled_edgc_defaults
@@ -113,8 +118,8 @@ def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], chang
     base = base_fields(steps)
     if rank_change is not None:
         base["rank_change"] = rank_change
-    start = math.floor(0.1 * steps)
-    n = steps - start
+    n = compressed_steps(steps)
+    start = steps - n
 
     def schedule(*parts: tuple[float, int]) -> tuple:
         """Ranks for fractions of the compressed steps, as absolute (step, rank) entries."""
@@ -163,7 +168,7 @@ def resolved_config(fields: dict) -> dict:
     instrument's own ``cold_start``). Run keys hold this, so a changed default is a different run."""
     from edgc import EDGCConfig
 
-    config = EDGCConfig(**{k: v for k, v in fields.items() if k != "cold_start"}).to_dict()
+    config = EDGCConfig(**compressor_fields(fields)).to_dict()
     if fields.get("cold_start"):
         config["cold_start"] = True
     return config
@@ -248,8 +253,9 @@ def run(args, out, setting, log=print) -> dict:
     (out / "runs").mkdir()
     reusable = _reusable_runs(args.reuse, log)
     todo = []
+    keys = {(b, name, seed): _run_key(vars(setting), resolved_config(plan[b][name]), seed) for b, name, seed in jobs}
     for b, name, seed in jobs:
-        key = _run_key(vars(setting), resolved_config(plan[b][name]), seed)
+        key = keys[b, name, seed]
         if key in reusable:
             results[str(b)][name][str(seed)] = reusable[key]["result"]
             common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", reusable[key])
@@ -270,7 +276,7 @@ def run(args, out, setting, log=print) -> dict:
             b, name, seed = futures[future]
             run_result = future.result()
             results[str(b)][name][str(seed)] = run_result
-            record = {"key": _run_key(vars(setting), resolved_config(plan[b][name]), seed), "result": run_result}
+            record = {"key": keys[b, name, seed], "result": run_result}
             common.write_json(out / "runs" / f"b{b}-{name}-s{seed}.json", record)  # kept even if a later run fails
             log(f"  [{done}/{len(todo)}] b={b} {name} seed {seed}: val {run_result['val_loss']:.4f}, "
                 f"mean rank {fmt(run_result['mean_rank'], '.2f')}, {run_result['wall_s']:.0f} s")
@@ -316,7 +322,7 @@ def summarise(out, setting, budgets, seeds, plan, results, skipped=()) -> dict:
     for b in budgets:
         if {"alt-warm", "alt-truncate"} <= set(plan[b]):
             change_cost.append(_change_cost(b, results[str(b)], stats[str(b)], seeds,
-                                            setting.steps - math.floor(0.1 * setting.steps)))
+                                            compressed_steps(setting.steps)))
     header = ["budget", "arm", "mean rank", "bytes vs static", "val loss (mean)", "Δ per seed",
               "Δ mean [95 % CI]", "of best hand-set gain", "rank changes"]
     plot = _plot(out, budgets, stats)

@@ -32,6 +32,11 @@ def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     return total / tokens
 
 
+def compressor_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """An arm's `EDGCConfig` fields: its fields without the instrument's own ``cold_start``."""
+    return {k: v for k, v in fields.items() if k != "cold_start"}
+
+
 def redraw_q(q: dict, seed: int, step: int) -> None:
     """Replace every stored Q by Gaussian columns of the same shape (the compressor orthonormalises them)."""
     import torch
@@ -68,7 +73,7 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     seed_everything(cfg.seed + 1)
     cold_start = bool(config_fields.get("cold_start", False))
-    state = EDGCState(None, EDGCConfig(**{k: v for k, v in config_fields.items() if k != "cold_start"}), model=model)
+    state = EDGCState(None, EDGCConfig(**compressor_fields(config_fields)), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     start, bytes_at_warmup_end, decisions = time.perf_counter(), None, 0
     for _ in range(cfg.steps):
