@@ -5,7 +5,6 @@ only turns its analytic sync-time function into the tables that rule reads.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Sequence
 
 RANK_GRANULARITY = 4  # aligned ranks and r_max are multiples of 4 (paper.md §2.7, §2.9)
@@ -14,26 +13,20 @@ SyncTime = Callable[[int, Optional[int]], float]  # (stage, rank or None) -> pre
 
 
 def profile_r_max(sync_time: Callable[[Optional[int]], float], max_rank: int = 4096) -> int:
-    """Largest rank (multiple of 4) whose compressed sync is still no slower than uncompressed.
+    """r_max as the library's start-up profiler finds it on this sync-time model; 0 when even the
+    smallest candidate is slower than uncompressed (compression never pays).
 
-    Mirrors the start-up profiler: time ranks 2, 4, 8, ... until one is slower than the plain
-    all-reduce, then interpolate rank linearly in time between the last two points. Returns 0 when
-    even rank 2 is slower (compression never pays)."""
-    t_full = sync_time(None)
-    points = []
-    rank = 2
-    while rank <= max_rank:
-        points.append((sync_time(rank), rank))
-        if points[-1][0] > t_full:
+    The same candidates (`edgc.profiling.profile_candidates`), the same top-down order as
+    `edgc.rank_control` (stop at the first rank faster than uncompressed) and the same rule
+    (`SyncTimeTable.rank_ceiling`: interpolated, never above the largest rank timed)."""
+    from edgc.profiling import SyncTimeTable, profile_candidates
+
+    table = SyncTimeTable(sync_time(None), {})
+    for rank in reversed(profile_candidates(max_rank)):
+        table.by_rank[rank] = sync_time(rank)
+        if table.by_rank[rank] <= table.uncompressed:
             break
-        rank *= 2
-    if len(points) == 1 and points[0][0] > t_full:
-        return 0
-    if points[-1][0] <= t_full:  # never got slower within max_rank
-        return RANK_GRANULARITY * (max_rank // RANK_GRANULARITY)
-    (t_a, r_a), (t_b, r_b) = points[-2], points[-1]
-    r_est = r_a + (t_full - t_a) * (r_b - r_a) / (t_b - t_a)
-    return RANK_GRANULARITY * math.floor(r_est / RANK_GRANULARITY)
+    return table.rank_ceiling(multiple=RANK_GRANULARITY if max(table.by_rank) >= RANK_GRANULARITY else 1) or 0
 
 
 def align_stage_ranks(r0: int, sync_time: SyncTime, t_backward: Sequence[float], r_max: int) -> tuple:

@@ -51,6 +51,10 @@ def test_profile_r_max_interpolates_crossing():
     r_max = profile_r_max(lambda r: 0.1 if r is None else 0.001 * r)
     assert r_max == 100
     assert profile_r_max(lambda r: 0.1 if r is None else 1.0) == 0  # compression never pays
+    # From the top down, as the library: the largest candidate pays at once and is r_max.
+    timed = []
+    assert profile_r_max(lambda r: timed.append(r) or (0.1 if r is None else 0.0), max_rank=64) == 64
+    assert timed == [None, 64]
 
 
 def test_dac_aligns_later_stages_to_stage0_finish():
