@@ -27,7 +27,7 @@ RAW_BYTES = 17_094_656
 
 
 def write_run(path: Path, compressor: str, steps: int = 40, window: int = 5, warmup: int = 6,
-              eval_every: int = 10, truncate_last: bool = False) -> Path:
+              eval_every: int = 10, truncate_last: bool = False, budget: float | None = None) -> Path:
     """A run folder as `edgc train` writes it; the EDGC rank walks 16 → 12 → 8 → 10 over the windows."""
     path.mkdir(parents=True)
     edgc = None
@@ -35,11 +35,13 @@ def write_run(path: Path, compressor: str, steps: int = 40, window: int = 5, war
         edgc = {"r_max": 16, "r_min": 4, "window": window, "adaptive": True, "rank_mapping": "cqm",
                 "entropy_estimator": "gaussian", "iteration_sample_ratio": 0.5, "warmup_fraction": 0.15,
                 "warmup_error_test": True, "rank_step": 4, "total_steps": steps}
+        if budget is not None:
+            edgc.update(rank_budget=budget, budget_signal="schedule")
     config = {"preset": "tiny", "n_params": 4_270_000, "world_size": 2, "micro_batch": 8, "seq_len": 128,
               "grad_accum": 1, "steps": steps, "compressor": compressor, "seed": 1337, "edgc": edgc,
               "device_type": "cpu", "started_at": "2026-11-21T23:00:00+00:00"}
     (path / "config.json").write_text(json.dumps(config))
-    lines, wall = [], 0.0
+    lines, wall, spent = [], 0.0, []
     ranks = [16, 12, 8, 10, 10, 8, 6, 8]
     for step in range(1, steps + 1):
         compressed = compressor == "edgc" and step > warmup
@@ -50,7 +52,10 @@ def write_run(path: Path, compressor: str, steps: int = 40, window: int = 5, war
         sent = RAW_BYTES if rank is None else RAW_BYTES * rank // 200
         entropy = (-4.5 - 1.5 * (1 - math.exp(-step / 10)) + 0.05 * math.sin(step)
                    if compressor == "edgc" and step % 2 == 1 else None)
+        spent += [rank] if rank is not None else []
+        mean_rank = sum(spent) / len(spent) if budget is not None and spent else None
         lines.append({"kind": "train", "step": step, "wall_s": wall, "loss": 8.3 * math.exp(-step / 30) + 2.5,
+                      "mean_rank": mean_rank,
                       "lr": 1e-3, "step_time_s": step_time, "compute_time_s": 1.0, "comm_time_s": comm,
                       "compress_time_s": 0.05 if compressed else 0.0, "tokens_per_s": 2048 / step_time,
                       "phase": "compress" if compressed else "warmup", "rank": rank,
@@ -104,6 +109,19 @@ def test_report_two_runs(two_runs, capsys):
     assert "6–10: r=16" not in md and "7–11: r=16" in md  # rank schedule (steps: rank)
     printed = capsys.readouterr().out
     assert "report.md" in printed and "× of none (DDP all-reduce)" in printed
+
+
+def test_report_names_the_budget_only_for_a_budgeted_run(tmp_path):
+    """Under a byte budget the summary states budget and spending, and the captions do not claim the
+    entropy drives the rank; without one they explain the paper's rule."""
+    none = write_run(tmp_path / "none", "none")
+    budgeted = write_run(tmp_path / "edgc", "edgc", budget=10.0)
+    md = (build_report([none, budgeted], tmp_path / "b")["markdown"]).read_text()
+    assert "Byte budget: mean rank 10 (signal `schedule`)" in md and "against the byte budget" in md
+    assert "EDGC turns the change in this mean" not in md
+    paper = write_run(tmp_path / "paper", "edgc")
+    md = (build_report([none, paper], tmp_path / "p")["markdown"]).read_text()
+    assert "Byte budget" not in md and "EDGC turns the change in this mean" in md
 
 
 def test_report_out_flag_single_run_no_baseline(tmp_path):
@@ -209,7 +227,7 @@ def test_demo_dry_run_commands(tmp_path, capsys):
     for line in (none, edgc):
         assert "train --nproc 2" in line and "--preset tiny" in line and f"--steps {demo.DEFAULT_STEPS}" in line
     assert "--compressor none" in none and "--edgc" not in none
-    assert "--compressor edgc" in edgc and "--edgc r_max=16" in edgc and "--edgc rank_mapping=cqm" in edgc
+    assert "--compressor edgc" in edgc and "--edgc r_max=16" in edgc and "--edgc rank_budget=8" in edgc
     assert report.startswith("edgc report") and str(out / "report") in report
 
 
@@ -226,5 +244,6 @@ def test_demo_train_arguments_are_valid(tmp_path):
         assert cfg.compressor == compressor and run_dir == tmp_path / "d" / compressor and not resume
         if compressor == "edgc":
             e = cfg.edgc_config()
-            assert (e.r_max, e.r_min, e.window, e.rank_mapping, e.entropy_estimator) == (16, 4, 10, "cqm", "gaussian")
+            assert (e.r_max, e.r_min, e.window, e.rank_budget, e.budget_signal) == (16, 4, 10, 8.0, "schedule")
+            assert e.total_steps == demo.DEFAULT_STEPS  # the budget is a mean over the run: the harness sets its length
     assert not (tmp_path / "d").exists()
