@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(BIN)/edgc demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
