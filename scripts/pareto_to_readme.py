@@ -1,16 +1,17 @@
 """Copy `edgc experiment pareto`'s plot and table into the README (never typed by hand).
 
-    .venv/bin/python scripts/pareto_to_readme.py [RESULTS_DIR]   # default runs/experiments/pareto
+    .venv/bin/python scripts/pareto_to_readme.py [RESULTS_DIR] [--block NAME]
 
-Copies RESULTS_DIR/pareto.png to docs/img/exp_pareto.png and replaces the README block between
-``<!-- pareto:start -->`` and ``<!-- pareto:end -->`` with the run's headline and paired table.
+RESULTS_DIR defaults to runs/experiments/pareto, NAME to ``pareto``. Copies RESULTS_DIR/pareto.png
+to docs/img/exp_NAME.png and replaces the README block between ``<!-- NAME:start -->`` and
+``<!-- NAME:end -->`` with the run's headline and paired table (a second block, e.g. ``pareto-1000``,
+holds a run of another setting).
 """
+import argparse
 import shutil
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-START, END = "<!-- pareto:start -->", "<!-- pareto:end -->"
 
 
 def block(summary: str) -> str:
@@ -21,13 +22,21 @@ def block(summary: str) -> str:
     return "\n".join(lines[start:end]).strip()
 
 
-def main(results: Path) -> None:
-    shutil.copyfile(results / "pareto.png", ROOT / "docs" / "img" / "exp_pareto.png")
+def main(results: Path, name: str = "pareto") -> None:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     readme = ROOT / "README.md"
-    head, rest = readme.read_text().split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{block((results / 'summary.md').read_text())}\n{END}{tail}")
+    text = readme.read_text()
+    if start not in text or end not in text:
+        raise SystemExit(f"pareto_to_readme: the README has no {start} … {end} block")
+    shutil.copyfile(results / "pareto.png", ROOT / "docs" / "img" / f"exp_{name}.png")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{block((results / 'summary.md').read_text())}\n{end}{tail}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "runs" / "experiments" / "pareto")
+    parser = argparse.ArgumentParser(description="Copy a pareto run's summary into the README.")
+    parser.add_argument("results", nargs="?", type=Path, default=ROOT / "runs" / "experiments" / "pareto")
+    parser.add_argument("--block", default="pareto", help="README block name (default pareto)")
+    args = parser.parse_args()
+    main(args.results, args.block)
