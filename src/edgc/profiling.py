@@ -3,8 +3,9 @@
 At start-up EDGC times the data-parallel gradient sync uncompressed and at ranks 2, 4, 8, …
 (paper §2.7; from the top down, see `edgc.rank_control`). The table answers two questions by
 piecewise-linear interpolation (with linear extrapolation past the ends): how long does rank r
-take (`rank_to_time`), and which rank fits in a time budget (`time_to_rank`). r_max is the largest rank still faster than uncompressed.
-The stage-alignment rule of pipeline training uses the same table.
+take (`rank_to_time`), and which rank fits in a time budget (`time_to_rank`). r_max is the
+largest rank still faster than uncompressed. The stage-alignment rule of pipeline training uses
+the same table.
 """
 from __future__ import annotations
 
@@ -72,13 +73,16 @@ class SyncTimeTable:
         r0, t0, r1, t1 = rising[-1]
         return ranks[-1] + (seconds - times[-1]) * (r1 - r0) / (t1 - t0)
 
-    def rank_ceiling(self, multiple: int = 4) -> int | None:
+    def rank_ceiling(self, multiple: int | None = None) -> int | None:
         """r_max: largest rank (a multiple of ``multiple``) predicted faster than uncompressed.
 
+        ``multiple`` None: 4 (paper §2.7) once a rank ≥ 4 was measured, else 1 (only rank 2 timed).
         None when even the smallest measured rank is not faster: compression does not pay here.
         """
         if self.uncompressed is None or not self.by_rank:
             raise ValueError("SyncTimeTable needs the uncompressed time and ≥ 1 compressed time")
+        if multiple is None:
+            multiple = 4 if max(self.by_rank) >= 4 else 1
         smallest = min(self.by_rank)
         if self.by_rank[smallest] >= self.uncompressed:
             return None

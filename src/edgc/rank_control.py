@@ -228,7 +228,7 @@ class WindowController:
             found = (agreed.profile_time <= uncompressed if self._top_down  # the largest rank that pays
                      else agreed.profile_time > uncompressed)  # going up: the first rank that does not
             if found or last:
-                measured = table.rank_ceiling(multiple=4 if max(table.by_rank) >= 4 else 1)
+                measured = table.rank_ceiling()
                 decision.r_max = self.config.r_max if self.config.r_max is not None else measured
                 if decision.r_max is None:
                     decision.phase = OFF

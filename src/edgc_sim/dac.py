@@ -26,7 +26,7 @@ def profile_r_max(sync_time: Callable[[Optional[int]], float], max_rank: int = 4
         table.by_rank[rank] = sync_time(rank)
         if table.by_rank[rank] <= table.uncompressed:
             break
-    return table.rank_ceiling(multiple=RANK_GRANULARITY if max(table.by_rank) >= RANK_GRANULARITY else 1) or 0
+    return table.rank_ceiling() or 0
 
 
 def align_stage_ranks(r0: int, sync_time: SyncTime, t_backward: Sequence[float], r_max: int) -> tuple:

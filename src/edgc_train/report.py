@@ -140,16 +140,18 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
     for run in uncompressed:
         lines.append(f"- **{run.label}** never compressed (its warm-up lasted the whole run).")
     budgeted = any(r.edgc.get("rank_budget") is not None for r in compressed)
+    ruled = any(r.edgc.get("rank_budget") is None for r in compressed) or not budgeted  # the paper's rules
     captions = {
         "loss_vs_step.png": "Training loss per step. Curves that lie on top of each other mean compression "
                             "did not slow learning per step.",
         "loss_vs_time.png": "The same against wall-clock time: what a faster (or slower) step buys.",
         "val_ppl.png": "Validation perplexity at each evaluation (log scale); the legend gives the final values.",
         "entropy.png": "Gradient entropy samples (dots) and their per-window means (bars), labelled with the rank "
-                       "in force in that window. " + (
-                           "Under a byte budget the rank follows the budget's signal (named under Rank schedules; "
-                           "with `schedule` the entropy is recorded for reference only)." if budgeted else
-                           "EDGC turns the change in this mean between the last two windows into the next window's rank."),
+                       "in force in that window." + (
+                           " Under a byte budget the rank follows the budget's signal (named under Rank schedules; "
+                           "with `schedule` the entropy is recorded for reference only)." if budgeted else "") + (
+                           " In the paper's mode (no budget) EDGC turns the change in this mean between the last "
+                           "two windows into the next window's rank." if ruled else ""),
         "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed)" + (
                     ", and the mean rank spent so far (dash-dot) against the byte budget (dotted)" if budgeted else "") +
                     ". Bottom: bytes sent per step, which follow the rank.",

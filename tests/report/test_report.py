@@ -122,6 +122,8 @@ def test_report_names_the_budget_only_for_a_budgeted_run(tmp_path):
     paper = write_run(tmp_path / "paper", "edgc")
     md = (build_report([none, paper], tmp_path / "p")["markdown"]).read_text()
     assert "Byte budget" not in md and "EDGC turns the change in this mean" in md
+    md = (build_report([none, budgeted, paper], tmp_path / "both")["markdown"]).read_text()
+    assert "Under a byte budget" in md and "EDGC turns the change in this mean" in md  # each mode explained
 
 
 def test_report_out_flag_single_run_no_baseline(tmp_path):
