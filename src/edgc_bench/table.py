@@ -133,8 +133,15 @@ def pipeline_table(rows_: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def checks(rows_: list[dict], r_max: int | None, fsdp: bool = False) -> list[str]:
-    """The issue's acceptance targets, evaluated on this run's numbers."""
+def floor_target(rate_mbit: float | None, fsdp: bool = False) -> float:
+    """EDGC's step over the compute floor that the bench asks for: ≤ 1.15× on links of 1 Gbit/s and
+    faster (unlimited too), where the factors can hide behind backward; ≤ 1.25× on slower links,
+    where part of them cannot (issue 23). The HSDP bench keeps ≤ 1.25× at any rate."""
+    return 1.25 if fsdp or (rate_mbit is not None and rate_mbit < 1000) else 1.15
+
+
+def checks(rows_: list[dict], r_max: int | None, fsdp: bool = False, rate_mbit: float | None = None) -> list[str]:
+    """The issue's acceptance targets, evaluated on this run's numbers (``rate_mbit``: the host link)."""
     by = {r["method"]: r for r in rows_}
     e, n, ours = by.get("edgc"), by.get("none"), by.get("allreduce")
     out = []
@@ -153,7 +160,7 @@ def checks(rows_: list[dict], r_max: int | None, fsdp: bool = False) -> list[str
         out.append(f"EDGC final validation loss {100 * diff:+.2f}% vs {reference} (target within ±1%): "
                    f"{'holds' if abs(diff) <= 0.01 else 'MISSED'}")
     if e:
-        bound("EDGC step time", e["step_floor_x"], 1.25, "the compute floor")
+        bound("EDGC step time", e["step_floor_x"], floor_target(rate_mbit, fsdp), "the compute floor")
     if by.get("powersgd@rmax") and n:
         bound(f"static PowerSGD at r_max = {r_max} step time", by["powersgd@rmax"]["step_s_x"], 0.70, "native DDP")
     torch_psgd, ours_static = by.get("torch-powersgd"), by.get("powersgd@rmax")
@@ -204,9 +211,12 @@ def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc
 def recoverable_bound(results: dict[str, dict]) -> str | None:
     """Why EDGC can or cannot beat static PowerSGD at r_max to the target on this setting, measured.
 
-    Until the target both run the same steps at ranks ≤ r_max, so the most any rank choice can save
-    is the static run's DP comm in its compressed steps (sending nothing at all); EDGC pays its
-    entropy sampling and r_max profiling on top. None when a run is missing or never reached it.
+    Until the target both run the same steps, so what EDGC's lower ranks can save is what a lower
+    rank saves per step over static's compressed steps: at most static PowerSGD at r_min's median
+    step against r_max's (when ``powersgd@rmin`` ran), and at most static's time above the compute
+    floor (``nosync``'s median step; without it, static's whole DP comm time). EDGC pays on top its
+    profiling steps' time above its own median warm-up step and its entropy sampling. None when a
+    run is missing or never reached the target.
     """
     if "edgc" not in results or "powersgd@rmax" not in results:
         return None
@@ -216,14 +226,39 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
     if hit_e is None or hit_s is None or hit_e["step"] < hit_s["step"]:  # fewer steps: the bound does not apply
         return None
     steps_e = [r for r in edgc["train"] if r["step"] <= hit_e["step"]]
-    steps_s = [r for r in static["train"] if r["step"] <= hit_s["step"]]
-    overhead = _total(steps_e, "entropy_time_s") + _total(steps_e, "compress_time_s", "profile")
-    savable = _total(steps_s, "comm_time_s", "compress")
+    compressed = [r for r in static["train"] if r["step"] <= hit_s["step"] and r.get("phase") == "compress"]
+    warmup = [r["step_time_s"] for r in steps_e if r.get("phase") == "warmup"]
+    profile = [r for r in steps_e if r.get("phase") == "profile"]
+    if warmup:  # a profiling step is a warm-up step plus its blocking syncs; its entropy sample is inside
+        profiling = sum(max(0.0, r["step_time_s"] - statistics.median(warmup)) for r in profile)
+        entropy = _total([r for r in steps_e if r.get("phase") != "profile"], "entropy_time_s")
+    else:
+        profiling, entropy = _total(steps_e, "compress_time_s", "profile"), _total(steps_e, "entropy_time_s")
+    overhead = profiling + entropy
+    bounds = []
+    if results.get("powersgd@rmin"):
+        per_step = _median_step(static) - _median_step(results["powersgd@rmin"])
+        bounds.append((len(compressed) * max(0.0, per_step), f"static PowerSGD at r_min's median step instead of "
+                                                             f"r_max's, over static's {len(compressed)} compressed steps"))
+    if results.get("nosync"):
+        floor = statistics.median(r["step_time_s"] for r in results["nosync"]["train"])
+        bounds.append((sum(max(0.0, r["step_time_s"] - floor) for r in compressed),
+                       "static's compressed steps brought down to the compute floor"))
+    else:
+        bounds.append((_total(compressed, "comm_time_s"), "static PowerSGD's whole DP comm time in its compressed steps"))
+    savable, how = min(bounds)
     verdict = "cannot" if overhead > savable else "can"
     return (f"EDGC reached the target at step {hit_e['step']}, static PowerSGD at r_max at step {hit_s['step']}. "
-            f"EDGC's own cost up to then (entropy sampling + r_max profiling) was {overhead:.1f} s; the most any "
-            f"lower rank could save is static PowerSGD's whole DP comm time in its compressed steps up to the "
-            f"target, {savable:.1f} s: on this setting EDGC {verdict} recover its overhead before the target.")
+            f"EDGC's own cost up to then was {overhead:.1f} s (its profiling steps' time above its median warm-up "
+            f"step {profiling:.1f} s, entropy sampling {entropy:.1f} s); the most its lower ranks could save up to "
+            f"the target is {savable:.1f} s ({how}): on this setting EDGC {verdict} recover its overhead before the "
+            f"target.")
+
+
+def _median_step(run: dict) -> float:
+    """Median step time of a run's compressed steps (all its steps if none is marked)."""
+    times = [r["step_time_s"] for r in run["train"] if r.get("phase") == "compress"]
+    return statistics.median(times or [r["step_time_s"] for r in run["train"]])
 
 
 def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
@@ -258,7 +293,7 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         "overlaps backward and other collectives, so it can exceed the step's share of waiting); "
         "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
         "validation loss ≤ 1.01 × `none`'s final one.\n",
-        *[f"- {line}" for line in checks(rows_, summary["r_max"], bool(s.get("fsdp")))],
+        *[f"- {line}" for line in checks(rows_, summary["r_max"], bool(s.get("fsdp")), s["rate_mbit"])],
         *(["\nWhere the wall time to the target went (sums over the steps up to the evaluation that reached it):\n",
            breakdown] if (breakdown := target_breakdown(results or {})) else []),
         *([bound, ""] if (bound := recoverable_bound(results or {})) else []),
