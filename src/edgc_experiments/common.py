@@ -42,6 +42,19 @@ def write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=2, default=float) + "\n")
 
 
+# ----------------------------------------------------------------------------- paired statistics
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t, 95 % two-sided
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of per-seed values and its 95 % t-interval (nan bounds for one value)."""
+    from statistics import mean, stdev
+
+    m = mean(values)
+    half = T_975.get(len(values) - 1, 2.0) * stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    return m, m - half, m + half
+
+
 # ----------------------------------------------------------------------------- training setting
 @dataclass
 class Setting:

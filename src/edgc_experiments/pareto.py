@@ -15,7 +15,9 @@ warm-up, `pareto_train`):
   the old truncate-or-random one; ``alt3-warm`` / ``alt3-truncate`` alternate every 3 windows.
   Against static, an alternation pays for the mix of ranks (a low rank loses more than a high one
   gains) and for its changes; fast against slow, paired by seed, leaves the changes alone: their
-  difference over the difference in changes is what one change costs, under each rule.
+  difference over the difference in changes is what one change costs, under each rule. The
+  alternations also carry never-resized power iterations at both ranks on their own matrices
+  (`change_cost`): what a change costs in compression error.
 * ``cold``       (``--rank-change-cost``) static PowerSGD at rank b with Q re-drawn every step: no
   warm start at all. A rank change discards at most part of the warm start for the few steps the
   power iteration needs to settle again, so what ``cold`` loses per step bounds what a change can.
@@ -32,10 +34,10 @@ import math
 import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
-from statistics import mean, stdev
+from statistics import mean
 
-from . import common
-from .common import fmt, markdown_table
+from . import change_cost, common
+from .common import fmt, markdown_table, t_interval
 from .pareto_train import compressor_fields, train_run
 
 NAME = "pareto"
@@ -46,9 +48,8 @@ BUDGETS = (2, 4, 8)
 SIGNALS = ("schedule", "gradnorm", "entropy", "error")
 HAND_SET = ("hand-3", "hand-2")
 RANK_CHANGES = ("warm", "truncate")
-DERIVED = ("warm-vs-truncate", "per-change-", "per-step-")  # entries of the paired stats that are not arms
+DERIVED = ("warm-vs-truncate", "per-change-", "per-step-", "compression-cost")  # entries of the paired stats that are not arms
 SLOW_PERIOD = 3  # windows per rank in the slow alternation: 1/3 of the changes at the same bytes
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def add_arguments(p) -> None:
@@ -148,8 +149,10 @@ def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], chang
                             if k % period == 0)
             for mode in RANK_CHANGES:
                 result[f"{prefix}-{mode}"] = {**base, "r_max": high, "adaptive": False, "rank_schedule": entries,
-                                              "rank_change": mode}
+                                              "rank_change": mode, "shadow_ranks": (low, high)}
         result["cold"] = {**result["static"], "cold_start": True}  # an instrument field (`pareto_train`)
+        # static's excess over a never-resized twin at its own rank: the part of the alternations' excess no change causes
+        result["static"] = {**result["static"], "shadow_ranks": (budget,)}
     return result
 
 
@@ -171,6 +174,8 @@ def resolved_config(fields: dict) -> dict:
     config = EDGCConfig(**compressor_fields(fields)).to_dict()
     if fields.get("cold_start"):
         config["cold_start"] = True
+    if fields.get("shadow_ranks"):
+        config["shadow_ranks"] = list(fields["shadow_ranks"])
     return config
 
 
@@ -287,9 +292,8 @@ def paired(results: dict, arm: str, seeds: list[int]) -> dict:
     """Paired Δ val loss and bytes ratio of ``arm`` against static at one budget."""
     deltas = [results[arm][str(s)]["val_loss"] - results["static"][str(s)]["val_loss"] for s in seeds]
     ratio = mean(results[arm][str(s)]["bytes"] / results["static"][str(s)]["bytes"] for s in seeds)
-    half = T_975.get(len(deltas) - 1, 2.0) * stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else math.nan
-    m = mean(deltas)
-    return {"deltas": deltas, "mean": m, "low": m - half, "high": m + half, "bytes_ratio": ratio,
+    m, low, high = t_interval(deltas)
+    return {"deltas": deltas, "mean": m, "low": low, "high": high, "bytes_ratio": ratio,
             "mean_rank": mean(results[arm][str(s)]["mean_rank"] or 0.0 for s in seeds),
             "rank_changes": mean(results[arm][str(s)]["rank_changes"] for s in seeds),
             "val_loss": mean(results[arm][str(s)]["val_loss"] for s in seeds)}
@@ -366,6 +370,7 @@ def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int], compress
                  f"{_interval(cold)} against static, {_interval(per, '+.5f')} per compressed step; a change "
                  "discards at most part of the warm start for the few steps the power iteration needs to settle, "
                  "so this bounds what one change can cost.")
+    text += _compression_cost(b, runs_b, stats_b, seeds)
     slow = f"alt{SLOW_PERIOD}"
     if not all(f"{slow}-{mode}" in runs_b for mode in RANK_CHANGES):
         return text
@@ -379,6 +384,31 @@ def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int], compress
     text += (f" Per change (every window against every {SLOW_PERIOD} windows at the same ranks and bytes, "
              f"paired by seed, over the {stats_b['per-change-warm']['extra_changes']:.0f} extra changes): "
              + ", ".join(parts) + ".")
+    return text
+
+
+def _compression_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int]) -> str:
+    """The alternations' cost per change in compression error (`change_cost`), if their runs hold
+    shadow records; adds 'compression-cost' to ``stats_b``."""
+    per_rule = change_cost.summarise({mode: runs_b[f"alt-{mode}"] for mode in RANK_CHANGES}, seeds)
+    if per_rule is None:
+        return ""
+    halved = change_cost.halving(per_rule)
+    stats_b["compression-cost"] = {**per_rule, "warm-minus-half-truncate": halved}
+    rules = "; ".join(f"{mode}: rises {_interval(per_rule[mode]['rises'], '+.3f')}, falls "
+                      f"{_interval(per_rule[mode]['falls'], '+.3f')}, all {_interval(per_rule[mode]['all'], '+.3f')}"
+                      for mode in RANK_CHANGES)
+    settled = ", ".join(f"{mode} {_interval(per_rule[mode]['settled'], '+.4f')}" for mode in RANK_CHANGES)
+    text = (f" **In compression error** (the relative error ‖M − Ĝ‖²/‖M‖² of each `alt-` run minus that of "
+            f"never-resized power iterations at {b // 2} and {b + b // 2} on the same matrices, summed over the steps "
+            f"from a change to the next, mean per change): {rules}. Warm over truncate {halved['ratio']:.2f}×; "
+            f"warm − ½·truncate {_interval(halved, '+.3f')} (below 0: the warm rule halves the cost). "
+            f"The excess left in the last half of each window (per step): {settled}.")
+    control = change_cost.steady_excess(runs_b["static"], seeds, b)
+    if control is not None:
+        stats_b["compression-cost"]["static"] = control
+        text += (f" Static {b}, which never changes, sits above its own never-resized twin by "
+                 f"{_interval(control, '+.4f')} per step: the part of the excess that no change causes.")
     return text
 
 

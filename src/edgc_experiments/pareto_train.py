@@ -32,9 +32,12 @@ def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     return total / tokens
 
 
+INSTRUMENT_FIELDS = ("cold_start", "shadow_ranks")  # an arm's fields that are the instrument's, not EDGCConfig's
+
+
 def compressor_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    """An arm's `EDGCConfig` fields: its fields without the instrument's own ``cold_start``."""
-    return {k: v for k, v in fields.items() if k != "cold_start"}
+    """An arm's `EDGCConfig` fields: its fields without the instrument's own (`INSTRUMENT_FIELDS`)."""
+    return {k: v for k, v in fields.items() if k not in INSTRUMENT_FIELDS}
 
 
 def redraw_q(q: dict, seed: int, step: int) -> None:
@@ -51,7 +54,9 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     bytes after the warm-up, mean rank, rank schedule, decisions taken and wall time.
 
     ``config_fields`` may also hold the instrument's own ``cold_start: True``: every step starts
-    the power iteration from a newly drawn Q instead of the last step's (no warm start)."""
+    the power iteration from a newly drawn Q instead of the last step's (no warm start); and
+    ``shadow_ranks``: never-resized power iterations at these ranks follow the run's matrices
+    (`change_cost.Shadows`), and the result's ``shadow`` holds their errors beside the run's."""
     import torch
     import torch.nn.functional as F
 
@@ -61,6 +66,8 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     from edgc_train.model import build_model, model_shape
     from edgc_train.runner import seed_everything
     from edgc_train.train import lr_lambda, make_optimizer
+
+    from .change_cost import Shadows, shadow_record
 
     torch.set_num_threads(1)
     cfg = setting.train_config(seed=seed)
@@ -75,6 +82,7 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     cold_start = bool(config_fields.get("cold_start", False))
     state = EDGCState(None, EDGCConfig(**compressor_fields(config_fields)), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shadows = Shadows(state.compressor, config_fields["shadow_ranks"], seed) if config_fields.get("shadow_ranks") else None
     start, bytes_at_warmup_end, decisions = time.perf_counter(), None, 0
     for _ in range(cfg.steps):
         x, y = sampler.next_batch()
@@ -83,13 +91,17 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
         loss.backward()
         if cold_start:
             redraw_q(state.compressor.q, seed, state.step)
+        if shadows is not None:
+            shadows.before_sync(named)
         state.synchronize(named)
+        metrics = state.last_step_metrics
+        if shadows is not None and metrics["phase"] == "compress":
+            shadows.after_sync(named, metrics["step"], metrics["rank"])
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        metrics = state.last_step_metrics
         if metrics["phase"] == "compress" and bytes_at_warmup_end is None:
             bytes_at_warmup_end = state.totals["bytes_sent"] - metrics["bytes_sent"]
         decisions += metrics.get("decision") is not None
@@ -105,4 +117,5 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
         "schedule": schedule,
         "wall_s": time.perf_counter() - start,
         "decisions": decisions,
+        **({"shadow": shadow_record(shadows)} if shadows is not None else {}),
     }

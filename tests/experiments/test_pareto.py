@@ -9,14 +9,18 @@ from edgc.budget import spent_rank_steps
 from edgc.rank_control import Agreed, WindowController
 from edgc_cli.main import main
 from edgc_experiments.pareto import arms, paired
+from edgc_experiments.pareto_train import compressor_fields
 
 
 @pytest.mark.parametrize("budget", [2, 4, 8])
 def test_every_arm_spends_the_budget_of_static(budget):
     plan = arms(budget, 400, ["schedule", "gradnorm"], ["hand-3", "hand-2"], True)
-    assert plan["cold"] == {**plan["static"], "cold_start": True}  # static, without the warm start
+    static = {k: v for k, v in plan["static"].items() if k != "shadow_ranks"}
+    assert plan["cold"] == {**static, "cold_start": True}  # static, without the warm start
+    assert plan["static"]["shadow_ranks"] == (budget,)  # its own twin: the excess no change causes
+    assert plan["alt-warm"]["shadow_ranks"] == (budget // 2, budget + budget // 2)  # the alternation's two ranks
     for name, fields in plan.items():
-        controller = WindowController(EDGCConfig(**{k: v for k, v in fields.items() if k != "cold_start"}))
+        controller = WindowController(EDGCConfig(**compressor_fields(fields)))
         for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
             plan = controller.plan(step)
             if plan.decision:
@@ -124,3 +128,77 @@ def test_rank_change_flag_sets_every_arm_but_the_alternations():
         "static": "truncate", "budget-schedule": "truncate", "hand-3": "truncate", "cold": "truncate",
         "alt-warm": "warm", "alt-truncate": "truncate", "alt3-warm": "warm", "alt3-truncate": "truncate"}
     assert "rank_change" not in arms(4, 400, ["schedule"], [], False)["budget-schedule"]  # EDGCConfig's default
+
+
+# ---------------------------------------------------------------------------- cost of a change in compression error
+
+
+def shadow_records(excess_by_step, ranks):
+    """Records as `change_cost.shadow_record` writes them: the run's error = shadow's + excess."""
+    return [[step, rank, 0.5 + excess, {"2": 0.5, "6": 0.5}] for step, (rank, excess) in enumerate(zip(ranks, excess_by_step))]
+
+
+def test_change_costs_sum_the_excess_from_each_change_to_the_next():
+    from edgc_experiments.change_cost import change_costs
+
+    ranks = [6] * 4 + [2] * 4 + [6] * 4
+    excess = [0.3, 0.1, 0.0, 0.0] + [0.2, 0.0, 0.0, 0.0] + [0.4, 0.2, 0.0, 0.04]
+    costs = change_costs(shadow_records(excess, ranks))
+    # the first window begins at the warm-up, not at a change: not counted
+    assert [(c["step"], c["rise"]) for c in costs["changes"]] == [(4, False), (8, True)]
+    assert [c["cost"] for c in costs["changes"]] == pytest.approx([0.2, 0.64])
+    assert costs["settled_excess"] == pytest.approx((0.0 + 0.0 + 0.0 + 0.04) / 4)  # last halves of those windows
+
+
+def test_halving_compares_the_new_rule_with_half_the_old_per_seed():
+    from edgc_experiments.change_cost import halving, summarise
+
+    ranks = [6] * 3 + [2] * 3 + [6] * 3 + [2] * 3
+
+    def runs(rise, fall):  # per seed, an excess on the first step after each change, a little larger each seed
+        return {str(s): {"shadow": shadow_records([0, 0, 0, fall * (1 + s / 100), 0, 0, rise * (1 + s / 100), 0, 0,
+                                                   fall * (1 + s / 100), 0, 0], ranks)} for s in (1, 2, 3)}
+
+    per_rule = summarise({"warm": runs(rise=0.1, fall=0.1), "truncate": runs(rise=0.4, fall=0.2)}, [1, 2, 3])
+    assert per_rule["warm"]["rises"]["per_seed"] == pytest.approx([0.101, 0.102, 0.103])
+    assert per_rule["truncate"]["falls"]["per_seed"] == pytest.approx([0.202, 0.204, 0.206])
+    assert per_rule["truncate"]["all"]["mean"] == pytest.approx(1.02 * (0.2 + 0.4 + 0.2) / 3)
+    halved = halving(per_rule)
+    assert halved["ratio"] == pytest.approx(0.1 / (0.8 / 3))
+    assert halved["high"] < 0  # warm costs less than half of truncate, in every seed
+    assert halving(summarise({"warm": runs(0.4, 0.2), "truncate": runs(0.1, 0.1)}, [1, 2, 3]))["low"] > 0
+    assert summarise({"warm": {"1": {"val_loss": 5.0}}}, [1]) is None  # runs from before the instrument
+
+
+def test_steady_excess_is_a_static_runs_mean_excess_over_its_twin():
+    from edgc_experiments.change_cost import steady_excess
+
+    runs = {str(s): {"shadow": [[step, 4, 0.5 + 0.01 * s, {"4": 0.5}] for step in range(10)]} for s in (1, 2, 3)}
+    excess = steady_excess(runs, [1, 2, 3], 4)
+    assert excess["per_seed"] == pytest.approx([0.01, 0.02, 0.03]) and excess["mean"] == pytest.approx(0.02)
+    assert steady_excess(runs, [1, 2, 3], 2) is None  # no twin at that rank
+    assert steady_excess({"1": {"val_loss": 5.0}}, [1], 4) is None  # runs from before the instrument
+
+
+def test_shadow_records_the_compressors_own_error_and_its_own_power_iteration():
+    import torch
+
+    from edgc.comm import Communicator
+    from edgc.lowrank import LowRankCompressor
+    from edgc_experiments.change_cost import Shadows
+
+    compressor, comm = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0)), Communicator()
+    shadows = Shadows(compressor, [2, 4], seed=0)
+    weight, bias = torch.nn.Parameter(torch.zeros(12, 9)), torch.nn.Parameter(torch.zeros(9))
+    named = [("w", weight), ("b", bias)]
+    generator = torch.Generator().manual_seed(5)
+    for step in range(4):
+        weight.grad, bias.grad = torch.randn(12, 9, generator=generator), torch.randn(9, generator=generator)
+        shadows.before_sync(named)
+        stats = compressor.reduce(["w"], [weight.grad], 2, comm, measure_error=True)
+        shadows.after_sync(named, step, 2)
+        _, rank, run, by_rank = shadows.records[-1]
+        assert rank == 2 and set(by_rank) == {2, 4}
+        assert run == pytest.approx(float(stats.error_sq / stats.norm_sq), rel=1e-5)  # the engine's own measure
+        assert by_rank[4] < by_rank[2] < 1  # a higher rank approximates the same matrices better
+    assert shadows.q[2]["w"].shape == (9, 2) and "b" not in shadows.q[2]  # vectors are not matrices

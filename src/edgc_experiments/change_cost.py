@@ -1,0 +1,147 @@
+"""What one rank change costs the compression, measured on the very matrices the run compresses.
+
+A rank change (`EDGCConfig.rank_change`) replaces the warm start of PowerSGD's power iteration; what
+it throws away shows as a higher compression error in the steps after it, until the power
+iteration has settled again. A second run that never changes rank would see other matrices (its
+trajectory, its error feedback), and its noise would drown the difference. So `Shadows` follows
+the run instead: for each rank of an alternation it keeps its own Q, at that rank from the first
+compressed step on and never resized, and each step applies one warm-started power iteration to
+the same M = G + e as the run (G: this step's gradient, e: the run's error feedback). It only
+measures; training never sees it.
+
+The cost of a change is the run's relative error ‖M − Ĝ‖²/‖M‖² minus the shadow's at the run's
+new rank, summed over the steps from the change to the next one. Part of that excess never
+settles, which the summary shows as the mean excess of each window's last half: error feedback
+puts the residual where the run's own Q left it out, a bias a shadow (whose residual is not fed
+back) does not share; so the sums bound a change's cost from above.
+`summarise` compares two rules (warm vs truncate) per seed: mean cost per change, rises and falls
+apart, and warm − ½·truncate, whose interval below 0 means the warm rule at least halves what a
+change costs.
+"""
+from __future__ import annotations
+
+import math
+from statistics import mean
+
+import torch
+
+from edgc.factors import matrix_shape, orthogonalize_, stable_seed
+
+from .common import t_interval
+
+class Shadows:
+    """Never-resized power iterations at fixed ranks, run on the compressor's own M each step."""
+
+    def __init__(self, compressor, ranks: list[int], seed: int):
+        self.compressor, self.ranks, self.seed = compressor, sorted(set(ranks)), seed
+        self.q: dict[int, dict[str, torch.Tensor]] = {r: {} for r in self.ranks}
+        self._m: dict[str, torch.Tensor] = {}
+        self.records: list[tuple[int, int, float, dict[int, float]]] = []  # (step, rank, run's error, {rank: shadow's})
+
+    def before_sync(self, named) -> None:
+        """Capture M = G + e of every matrix (call after backward, before the sync changes grad and e)."""
+        self._m = {}
+        for name, p in named:
+            if p.grad is None or matrix_shape(p.grad) is None:
+                continue
+            m, n = matrix_shape(p.grad)
+            matrix = p.grad.detach().reshape(m, n).float().clone()
+            error = self.compressor.error.get(name)
+            if error is not None and error.numel() == m * n:
+                matrix = error.reshape(m, n).float() + matrix  # the compressor's own sum: e + G
+            self._m[name] = matrix
+
+    def after_sync(self, named, step: int, rank: int) -> None:
+        """Record the run's error (M against the synced gradient: in a world of one, Ĝ) and each shadow's."""
+        grads = {name: p.grad for name, p in named}
+        run = self._relative_error(rank, lambda name, matrix: grads[name].detach().reshape(matrix.shape).float())
+        shadows = {r: self._relative_error(r, lambda name, matrix, r=r: self._power_step(name, matrix, r))
+                   for r in self.ranks}
+        self.records.append((step, rank, run, shadows))
+
+    def _relative_error(self, rank: int, approximate) -> float:
+        error = norm = 0.0
+        for name, matrix in self._m.items():
+            if self.compressor.compressed_rank(tuple(matrix.shape), rank) == 0:
+                continue  # sent raw at this rank: no error, and not in the run's error either
+            error += float((matrix - approximate(name, matrix)).square().sum())
+            norm += float(matrix.square().sum())
+        return error / norm if norm > 0 else math.nan
+
+    def _power_step(self, name: str, matrix: torch.Tensor, rank: int) -> torch.Tensor:
+        r = self.compressor.compressed_rank(tuple(matrix.shape), rank)
+        q = self.q[rank].get(name)
+        if q is None:
+            generator = torch.Generator().manual_seed(stable_seed(self.seed, name, "shadow", rank))
+            q = torch.randn(matrix.shape[1], r, generator=generator)
+        p = orthogonalize_((matrix @ q).unsqueeze(0))[0]
+        q = self.q[rank][name] = matrix.T @ p
+        return p @ q.T
+
+
+def change_costs(records: list) -> dict:
+    """Per change of one run (records as `shadow_record` writes them): the excess of the run's error
+    over the shadow's at the new rank, summed over the steps until the next change, and the mean
+    excess of the windows' last halves (≈ 0 once the run's Q has settled)."""
+    changes, settled, window = [], [], []
+    opened = previous = None  # opened: (step, rise) of the change that began this window; None for the first
+
+    def close() -> None:
+        if opened is not None and window:  # the first window starts from the warm-up, not from a change
+            changes.append({"step": opened[0], "rise": opened[1], "cost": sum(window)})
+            settled.extend(window[len(window) // 2:])
+
+    for step, rank, run, shadows in records:
+        if previous is not None and rank != previous:
+            close()
+            opened, window = (step, rank > previous), []
+        window.append(run - shadows[str(rank)])
+        previous = rank
+    close()
+    return {"changes": changes, "settled_excess": mean(settled) if settled else math.nan}
+
+
+def _interval(values: list[float]) -> dict:
+    m, low, high = t_interval(values)
+    return {"mean": m, "low": low, "high": high, "per_seed": values}
+
+
+def summarise(runs: dict[str, dict], seeds: list[int]) -> dict | None:
+    """{rule: {seed: run result}} of two alternations → per-seed costs and intervals; None if the
+    runs hold no shadow records (made before this instrument)."""
+    if any("shadow" not in runs[rule][str(s)] for rule in runs for s in seeds):
+        return None
+    per_rule = {}
+    for rule, by_seed in runs.items():
+        costs = {str(s): change_costs(by_seed[str(s)]["shadow"]) for s in seeds}
+        per_rule[rule] = {
+            "all": _interval([mean(c["cost"] for c in costs[str(s)]["changes"]) for s in seeds]),
+            "rises": _interval([mean(c["cost"] for c in costs[str(s)]["changes"] if c["rise"]) for s in seeds]),
+            "falls": _interval([mean(c["cost"] for c in costs[str(s)]["changes"] if not c["rise"]) for s in seeds]),
+            "settled": _interval([costs[str(s)]["settled_excess"] for s in seeds]),
+            "changes": mean(len(costs[str(s)]["changes"]) for s in seeds),
+        }
+    return per_rule
+
+
+def steady_excess(runs: dict, seeds: list[int], rank: int) -> dict | None:
+    """A run that never changes rank, against its shadow at that rank: the mean excess per step,
+    per seed (the bias no change causes); None if the runs hold no shadow at ``rank``."""
+    records = [runs[str(s)].get("shadow") for s in seeds]
+    if not all(records) or any(str(rank) not in r[0][3] for r in records):
+        return None
+    return _interval([mean(run - shadows[str(rank)] for _, _, run, shadows in r) for r in records])
+
+
+def halving(per_rule: dict, new: str = "warm", old: str = "truncate") -> dict:
+    """new − ½·old per seed (below 0: the new rule at least halves the cost) and the ratio of the means."""
+    new_costs, old_costs = per_rule[new]["all"]["per_seed"], per_rule[old]["all"]["per_seed"]
+    result = _interval([a - 0.5 * b for a, b in zip(new_costs, old_costs)])
+    result["ratio"] = mean(new_costs) / mean(old_costs) if mean(old_costs) else math.nan
+    return result
+
+
+def shadow_record(shadows: Shadows) -> list:
+    """The records as JSON-friendly lists, errors rounded to 7 digits."""
+    return [[step, rank, round(run, 7), {str(r): round(e, 7) for r, e in shadow.items()}]
+            for step, rank, run, shadow in shadows.records]
