@@ -1,6 +1,7 @@
 """`edgc experiment NAME`: each of EDGC's claims as one command that leaves plots, a summary and a number.
 
 Modules:
+    change_cost.py  what one rank change costs the compression (never-resized twin power iterations)
     cli.py          `edgc experiment` flags and the experiment registry
     common.py       output folders, the single-process training run, shared plotting
     cqm.py          how conservative is the Marchenko–Pastur error model?
