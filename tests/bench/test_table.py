@@ -60,10 +60,10 @@ def test_recoverable_bound_weighs_edgc_overhead_against_what_a_lower_rank_saves(
         "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2,
                              phases=lambda step: "warmup" if step <= 2 else "compress"),
     }
-    # EDGC: two profiling steps 2 s above its warm-up steps + entropy in steps 3..10 (8 × 0.05) = 4.4 s;
+    # EDGC: two profiling steps 2 s above static's (warm-up) steps + entropy in steps 3..10 (8 × 0.05) = 4.4 s;
     # without r_min or the floor, the bound is static's DP comm in its compressed steps 3..10: 0.8 s
     line = table.recoverable_bound(results)
-    assert "was 4.4 s" in line and "warm-up step 4.0 s, entropy sampling 0.4 s" in line
+    assert "was 4.4 s" in line and "same, uncompressed steps 4.0 s, entropy sampling 0.4 s" in line
     assert "is 0.8 s (static PowerSGD's whole DP comm time" in line and "EDGC cannot recover" in line
     results["nosync"] = run([3.0, 3.0, 3.0], step_s=0.3, comm_s=0.0, compress_s=0.0)  # 8 × 0.7 above it
     results["powersgd@rmin"] = run([3.0, 3.0, 3.0], step_s=0.9, comm_s=0.1, compress_s=0.1)  # 8 × 0.1
