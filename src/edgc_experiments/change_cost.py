@@ -27,7 +27,7 @@ import torch
 
 from edgc.factors import matrix_shape, orthogonalize_, stable_seed
 
-from .common import t_interval
+from .common import fmt_interval, t_interval
 
 class Shadows:
     """Never-resized power iterations at fixed ranks, run on the compressor's own M each step."""
@@ -145,3 +145,28 @@ def shadow_record(shadows: Shadows) -> list:
     """The records as JSON-friendly lists, errors rounded to 7 digits."""
     return [[step, rank, round(run, 7), {str(r): round(e, 7) for r, e in shadow.items()}]
             for step, rank, run, shadow in shadows.records]
+
+
+def paragraph(b: int, alternations: dict[str, dict], static: dict, stats: dict, seeds: list[int]) -> str:
+    """The summary's sentences on a change's cost in compression error (`pareto`'s `--rank-change-cost`):
+    ``alternations`` {rule: runs by seed} alternate b/2 ↔ 3b/2, ``static`` runs at b; adds
+    'compression-cost' to ``stats``. Empty if the runs hold no shadow records."""
+    per_rule = summarise(alternations, seeds)
+    if per_rule is None:
+        return ""
+    halved = halving(per_rule)
+    stats["compression-cost"] = {**per_rule, "warm-minus-half-truncate": halved}
+    rules = "; ".join(f"{rule}: rises {fmt_interval(c['rises'], '+.3f')}, falls {fmt_interval(c['falls'], '+.3f')}, "
+                      f"all {fmt_interval(c['all'], '+.3f')}" for rule, c in per_rule.items())
+    settled = ", ".join(f"{rule} {fmt_interval(c['settled'], '+.4f')}" for rule, c in per_rule.items())
+    text = (f" **In compression error** (the relative error ‖M − Ĝ‖²/‖M‖² of each `alt-` run minus that of "
+            f"never-resized power iterations at {b // 2} and {b + b // 2} on the same matrices, summed over the steps "
+            f"from a change to the next, mean per change): {rules}. Warm over truncate {halved['ratio']:.2f}×; "
+            f"warm − ½·truncate {fmt_interval(halved, '+.3f')} (below 0: the warm rule halves the cost). "
+            f"The excess left in the last half of each window (per step): {settled}.")
+    control = steady_excess(static, seeds, b)
+    if control is not None:
+        stats["compression-cost"]["static"] = control
+        text += (f" Static {b}, which never changes, sits above its own never-resized twin by "
+                 f"{fmt_interval(control, '+.4f')} per step: the part of the excess that no change causes.")
+    return text

@@ -55,6 +55,11 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
     return m, m - half, m + half
 
 
+def fmt_interval(p: dict, spec: str = "+.4f") -> str:
+    """``mean [low, high]`` of a dict with those keys."""
+    return f"{p['mean']:{spec}} [{p['low']:{spec}}, {p['high']:{spec}}]"
+
+
 # ----------------------------------------------------------------------------- training setting
 @dataclass
 class Setting:

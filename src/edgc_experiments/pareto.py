@@ -37,7 +37,7 @@ from pathlib import Path
 from statistics import mean
 
 from . import change_cost, common
-from .common import fmt, markdown_table, t_interval
+from .common import fmt, fmt_interval, markdown_table, t_interval
 from .pareto_train import compressor_fields, train_run
 
 NAME = "pareto"
@@ -358,19 +358,20 @@ def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int], compress
     fast = {mode: stats_b[f"alt-{mode}"] for mode in RANK_CHANGES}
     text = (f"**Cost of changing the rank** (b={b}: the rank alternates {b // 2} ↔ {b + b // 2} every window, "
             f"{fast['warm']['rank_changes']:.0f} changes, against static {b}): warm start kept "
-            f"{_interval(fast['warm'])}, truncate-or-random {_interval(fast['truncate'])}")
+            f"{fmt_interval(fast['warm'])}, truncate-or-random {fmt_interval(fast['truncate'])}")
     # warm − truncate, paired by seed: what keeping the warm start saves per run
     diff = stats_b["warm-vs-truncate"] = paired({"static": runs_b["alt-truncate"], "arm": runs_b["alt-warm"]},
                                                 "arm", seeds)
-    text += f"; warm − truncate {_interval(diff)} (bytes {diff['bytes_ratio']:.3f}×: the residual all-reduce)."
+    text += f"; warm − truncate {fmt_interval(diff)} (bytes {diff['bytes_ratio']:.3f}×: the residual all-reduce)."
     if "cold" in stats_b:
         cold = stats_b["cold"]
         per = stats_b["per-step-cold"] = {k: cold[k] / compressed_steps for k in ("mean", "low", "high")}
         text += (f" **What a warm start is worth:** re-drawing Q every step (static {b}, no warm start) costs "
-                 f"{_interval(cold)} against static, {_interval(per, '+.5f')} per compressed step; a change "
+                 f"{fmt_interval(cold)} against static, {fmt_interval(per, '+.5f')} per compressed step; a change "
                  "discards at most part of the warm start for the few steps the power iteration needs to settle, "
                  "so this bounds what one change can cost.")
-    text += _compression_cost(b, runs_b, stats_b, seeds)
+    text += change_cost.paragraph(b, {mode: runs_b[f"alt-{mode}"] for mode in RANK_CHANGES}, runs_b["static"],
+                                  stats_b, seeds)
     slow = f"alt{SLOW_PERIOD}"
     if not all(f"{slow}-{mode}" in runs_b for mode in RANK_CHANGES):
         return text
@@ -380,40 +381,11 @@ def _change_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int], compress
         extra = fast[mode]["rank_changes"] - stats_b[f"{slow}-{mode}"]["rank_changes"]
         per = {k: d[k] / extra for k in ("mean", "low", "high")}
         stats_b[f"per-change-{mode}"] = {**per, "fast_minus_slow": d, "extra_changes": extra}
-        parts.append(f"{mode} {_interval(per, '+.5f')}")
+        parts.append(f"{mode} {fmt_interval(per, '+.5f')}")
     text += (f" Per change (every window against every {SLOW_PERIOD} windows at the same ranks and bytes, "
              f"paired by seed, over the {stats_b['per-change-warm']['extra_changes']:.0f} extra changes): "
              + ", ".join(parts) + ".")
     return text
-
-
-def _compression_cost(b: int, runs_b: dict, stats_b: dict, seeds: list[int]) -> str:
-    """The alternations' cost per change in compression error (`change_cost`), if their runs hold
-    shadow records; adds 'compression-cost' to ``stats_b``."""
-    per_rule = change_cost.summarise({mode: runs_b[f"alt-{mode}"] for mode in RANK_CHANGES}, seeds)
-    if per_rule is None:
-        return ""
-    halved = change_cost.halving(per_rule)
-    stats_b["compression-cost"] = {**per_rule, "warm-minus-half-truncate": halved}
-    rules = "; ".join(f"{mode}: rises {_interval(per_rule[mode]['rises'], '+.3f')}, falls "
-                      f"{_interval(per_rule[mode]['falls'], '+.3f')}, all {_interval(per_rule[mode]['all'], '+.3f')}"
-                      for mode in RANK_CHANGES)
-    settled = ", ".join(f"{mode} {_interval(per_rule[mode]['settled'], '+.4f')}" for mode in RANK_CHANGES)
-    text = (f" **In compression error** (the relative error ‖M − Ĝ‖²/‖M‖² of each `alt-` run minus that of "
-            f"never-resized power iterations at {b // 2} and {b + b // 2} on the same matrices, summed over the steps "
-            f"from a change to the next, mean per change): {rules}. Warm over truncate {halved['ratio']:.2f}×; "
-            f"warm − ½·truncate {_interval(halved, '+.3f')} (below 0: the warm rule halves the cost). "
-            f"The excess left in the last half of each window (per step): {settled}.")
-    control = change_cost.steady_excess(runs_b["static"], seeds, b)
-    if control is not None:
-        stats_b["compression-cost"]["static"] = control
-        text += (f" Static {b}, which never changes, sits above its own never-resized twin by "
-                 f"{_interval(control, '+.4f')} per step: the part of the excess that no change causes.")
-    return text
-
-
-def _interval(p: dict, spec: str = "+.4f") -> str:
-    return f"{p['mean']:{spec}} [{p['low']:{spec}}, {p['high']:{spec}}]"
 
 
 def _plot(out, budgets, stats):
