@@ -252,9 +252,9 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
     verdict = "cannot" if overhead > savable else "can"
     return (f"EDGC reached the target at step {hit_e['step']}, static PowerSGD at r_max at step {hit_s['step']}. "
             f"EDGC's own cost up to then was {overhead:.1f} s (its profiling steps' time above static's same, "
-            f"uncompressed steps {profiling:.1f} s, entropy sampling {entropy:.1f} s); the most its lower ranks could save up to "
-            f"the target is {savable:.1f} s ({how}): on this setting EDGC {verdict} recover its overhead before the "
-            f"target.")
+            f"uncompressed steps {profiling:.1f} s, entropy sampling {entropy:.1f} s); the most its lower ranks "
+            f"could save up to the target is {savable:.1f} s ({how}): on this setting EDGC {verdict} recover its "
+            f"overhead before the target.")
 
 
 def _median_step(run: dict) -> float:

@@ -4,9 +4,9 @@ A rank change (`EDGCConfig.rank_change`) replaces the warm start of PowerSGD's p
 it throws away shows as a higher compression error in the steps after it, until the power
 iteration has settled again. A second run that never changes rank would see other matrices (its
 trajectory, its error feedback), and its noise would drown the difference. So `Shadows` follows
-the run instead: for each rank of an alternation it keeps its own Q, at that rank from the first
-compressed step on and never resized, and each step applies one warm-started power iteration to
-the same M = G + e as the run (G: this step's gradient, e: the run's error feedback). It only
+the run instead: for each rank of an alternation it keeps a twin of the run's compressor, at that
+rank from the first compressed step on and never resized, and each step the twin compresses the
+same M = G + e as the run (G: this step's gradient, e: the run's error feedback). It only
 measures; training never sees it.
 
 The cost of a change is the run's relative error ‖M − Ĝ‖²/‖M‖² minus the shadow's at the run's
@@ -20,69 +20,70 @@ change costs.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from statistics import mean
 
 import torch
 
-from edgc.factors import matrix_shape, orthogonalize_, stable_seed
+from edgc.comm import Communicator
+from edgc.factors import matrix_shape
+from edgc.lowrank import LowRankCompressor
 
 from .common import fmt_interval, t_interval
 
 class Shadows:
-    """Never-resized power iterations at fixed ranks, run on the compressor's own M each step."""
+    """Never-resized twins of the run's compressor at fixed ranks, applied to the run's own M each step.
 
-    def __init__(self, compressor, ranks: list[int], seed: int):
-        self.compressor, self.ranks, self.seed = compressor, sorted(set(ranks)), seed
-        self.q: dict[int, dict[str, torch.Tensor]] = {r: {} for r in self.ranks}
+    Each twin is the engine itself (`LowRankCompressor`, the run's config without error feedback) at
+    one rank: one warm-started power iteration per matrix per step, on a copy of M, in a world of one.
+    Its Q starts from another seed, as a second run's would: with the run's own seed, a twin at the
+    run's first rank would be the run itself, error feedback and all, and a static run's excess
+    (the control) would be 0 by construction.
+    """
+
+    def __init__(self, compressor: LowRankCompressor, ranks: list[int]):
+        self.compressor = compressor
+        # M already holds the run's e; another seed: an independent start (see above)
+        config = dataclasses.replace(compressor.config, error_feedback=False, seed=compressor.config.seed + 1)
+        self.twins = {r: LowRankCompressor(config) for r in sorted(set(ranks))}
+        self._comm = Communicator()  # no process group: a mean over one process
         self._m: dict[str, torch.Tensor] = {}
-        self.records: list[tuple[int, int, float, dict[int, float]]] = []  # (step, rank, run's error, {rank: shadow's})
+        self.records: list[tuple[int, int, float, dict[int, float]]] = []  # (step, rank, run's error, {rank: twin's})
 
     def before_sync(self, named) -> None:
         """Capture M = G + e of every matrix (call after backward, before the sync changes grad and e)."""
         self._m = {}
         for name, p in named:
-            if p.grad is None or matrix_shape(p.grad) is None:
+            if p.grad is None or (shape := matrix_shape(p.grad)) is None:
                 continue
-            m, n = matrix_shape(p.grad)
-            matrix = p.grad.detach().reshape(m, n).float().clone()
+            gradient = p.grad.detach().reshape(shape).float()
             error = self.compressor.error.get(name)
-            if error is not None and error.numel() == m * n:
-                matrix = error.reshape(m, n).float() + matrix  # the compressor's own sum: e + G
-            self._m[name] = matrix
+            if error is not None and error.numel() == gradient.numel():
+                self._m[name] = error.reshape(shape).float() + gradient  # the compressor's own sum: e + G
+            else:
+                self._m[name] = gradient.clone()
 
     def after_sync(self, named, step: int, rank: int) -> None:
-        """Record the run's error (M against the synced gradient: in a world of one, Ĝ) and each shadow's."""
-        grads = {name: p.grad for name, p in named}
-        run = self._relative_error(rank, lambda name, matrix: grads[name].detach().reshape(matrix.shape).float())
-        shadows = {r: self._relative_error(r, lambda name, matrix, r=r: self._power_step(name, matrix, r))
-                   for r in self.ranks}
-        self.records.append((step, rank, run, shadows))
-
-    def _relative_error(self, rank: int, approximate) -> float:
+        """Record the run's error (M against the synced gradient: in a world of one, Ĝ) and each twin's."""
+        grads = {name: p.grad.detach() for name, p in named}
         error = norm = 0.0
         for name, matrix in self._m.items():
-            if self.compressor.compressed_rank(tuple(matrix.shape), rank) == 0:
-                continue  # sent raw at this rank: no error, and not in the run's error either
-            error += float((matrix - approximate(name, matrix)).square().sum())
-            norm += float(matrix.square().sum())
-        return error / norm if norm > 0 else math.nan
-
-    def _power_step(self, name: str, matrix: torch.Tensor, rank: int) -> torch.Tensor:
-        r = self.compressor.compressed_rank(tuple(matrix.shape), rank)
-        q = self.q[rank].get(name)
-        if q is None:
-            generator = torch.Generator().manual_seed(stable_seed(self.seed, name, "shadow", rank))
-            q = torch.randn(matrix.shape[1], r, generator=generator)
-        p = orthogonalize_((matrix @ q).unsqueeze(0))[0]
-        q = self.q[rank][name] = matrix.T @ p
-        return p @ q.T
+            if self.compressor.compressed_rank(tuple(matrix.shape), rank):  # raw-sent matrices have no error
+                error += float((matrix - grads[name].reshape(matrix.shape).float()).square().sum())
+                norm += float(matrix.square().sum())
+        twins = {}
+        for r, twin in self.twins.items():
+            names = list(self._m)
+            stats = twin.reduce(names, [self._m[n].clone() for n in names], r, self._comm, measure_error=True)
+            twins[r] = float(stats.error_sq / stats.norm_sq) if float(stats.norm_sq) > 0 else math.nan
+        self.records.append((step, rank, error / norm if norm > 0 else math.nan, twins))
 
 
 def change_costs(records: list) -> dict:
     """Per change of one run (records as `shadow_record` writes them): the excess of the run's error
     over the shadow's at the new rank, summed over the steps until the next change, and the mean
-    excess of the windows' last halves (≈ 0 once the run's Q has settled)."""
+    excess of the windows' last halves (what never settles: see the module docstring)."""
     changes, settled, window = [], [], []
     opened = previous = None  # opened: (step, rise) of the change that began this window; None for the first
 

@@ -82,7 +82,7 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     cold_start = bool(config_fields.get("cold_start", False))
     state = EDGCState(None, EDGCConfig(**compressor_fields(config_fields)), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    shadows = Shadows(state.compressor, config_fields["shadow_ranks"], seed) if config_fields.get("shadow_ranks") else None
+    shadows = Shadows(state.compressor, config_fields["shadow_ranks"]) if config_fields.get("shadow_ranks") else None
     start, bytes_at_warmup_end, decisions = time.perf_counter(), None, 0
     for _ in range(cfg.steps):
         x, y = sampler.next_batch()

@@ -188,7 +188,7 @@ def test_shadow_records_the_compressors_own_error_and_its_own_power_iteration():
     from edgc_experiments.change_cost import Shadows
 
     compressor, comm = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0)), Communicator()
-    shadows = Shadows(compressor, [2, 4], seed=0)
+    shadows = Shadows(compressor, [2, 4])
     weight, bias = torch.nn.Parameter(torch.zeros(12, 9)), torch.nn.Parameter(torch.zeros(9))
     named = [("w", weight), ("b", bias)]
     generator = torch.Generator().manual_seed(5)
@@ -201,4 +201,6 @@ def test_shadow_records_the_compressors_own_error_and_its_own_power_iteration():
         assert rank == 2 and set(by_rank) == {2, 4}
         assert run == pytest.approx(float(stats.error_sq / stats.norm_sq), rel=1e-5)  # the engine's own measure
         assert by_rank[4] < by_rank[2] < 1  # a higher rank approximates the same matrices better
-    assert shadows.q[2]["w"].shape == (9, 2) and "b" not in shadows.q[2]  # vectors are not matrices
+    assert shadows.twins[2].q["w"].shape == (9, 2) and "b" not in shadows.twins[2].q  # vectors are not matrices
+    assert not shadows.twins[2].error and compressor.error  # the twins keep no error feedback of their own
+    assert shadows.twins[2].config.seed != compressor.config.seed  # an independent start, as a second run's
