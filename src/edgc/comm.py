@@ -103,6 +103,11 @@ class Communicator:
         del self._records[count:]
         del self._waits[waits:]
 
+    def wait_stamps(self) -> list[tuple]:
+        """(start, end) stamps of this step's waits so far that found work unfinished (seconds with
+        ``Clock.seconds`` at the step's end): how long the caller was blocked on the network."""
+        return list(self._waits)
+
     def mark(self) -> tuple[int, int]:
         """(collectives, waits) so far: the argument of a later ``forget_since``."""
         return len(self._records), len(self._waits)

@@ -90,7 +90,7 @@ class EDGCConfig:
     """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
 
     profile_steps_per_rank: int = 2
-    """Timed steps per candidate rank when profiling (the first candidate's also time the plain sync, blocking). ≥ 1."""
+    """Timed steps per candidate rank when profiling, after a one-step quick test that may settle it (the first candidate's also time the plain sync, blocking). ≥ 1."""
 
     communication_dtype: str | None = None
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""

@@ -25,6 +25,7 @@ class StepPlan:
     profile_rank: int | None = None  # also time a shadow compressed sync at this rank
     profile_warm: bool = False  # … after an untimed one (the run's first profiled step: cold code paths, allocation)
     profile_raw: bool = False  # time the plain sync too, blocking; otherwise it overlaps backward as in warm-up
+    profile_bound: bool = False  # the quick test: the plain sync's wait after backward bounds its time from below
     probe_rank: int | None = None  # measure the local rank-r error of the 2-D gradients
     decision: bool = False  # agree measurements and broadcast a decision at the end of the step
 
@@ -71,8 +72,10 @@ class Agreed:
     uncompressed_time: float = math.nan  # plain all-reduce, s/step
     probe_error: float = math.nan  # squared truncation error at plan.probe_rank
     relative_error: float = math.nan  # window mean of ‖M−Ĝ‖²/‖M‖² over the compressed steps (error-band)
+    uncompressed_bound: float = math.nan  # plain all-reduce, a lower bound: its wait after backward, s/step
 
     def encode(self) -> list[float]:
-        return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error]
+        return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error,
+                self.uncompressed_bound]
 
-    SIZE = 4
+    SIZE = 5

@@ -1,7 +1,8 @@
 """Sync-time tables: {rank → measured gradient-sync time}, the r_max rule, interpolation.
 
 At start-up EDGC times the data-parallel gradient sync uncompressed and at ranks 2, 4, 8, …
-(paper §2.7; from the top down, see `edgc.rank_control`). The table answers two questions by
+(paper §2.7; from the top down, see `edgc.rank_control`; where a quick test already proved the
+first candidate faster, ``uncompressed`` is only a lower bound, flagged). The table answers two questions by
 piecewise-linear interpolation (with linear extrapolation past the ends): how long does rank r
 take (`rank_to_time`), and which rank fits in a time budget (`time_to_rank`). r_max is the
 largest rank still faster than uncompressed. The stage-alignment rule of pipeline training uses
@@ -37,6 +38,9 @@ class SyncTimeTable:
 
     by_rank: dict[int, float] = field(default_factory=dict)
     """Time of the compressed sync (compress + P/Q all-reduces + decompress + raw tensors) per rank."""
+
+    uncompressed_is_bound: bool = False
+    """``uncompressed`` is a lower bound (the quick test: the plain sync's wait after backward)."""
 
     def _monotone_points(self) -> tuple[list[float], list[float]]:
         # Time should grow with rank; a running maximum removes measurement noise that would
@@ -93,11 +97,13 @@ class SyncTimeTable:
         return rank
 
     def state_dict(self) -> dict:
-        return {"uncompressed": self.uncompressed, "by_rank": dict(self.by_rank)}
+        return {"uncompressed": self.uncompressed, "by_rank": dict(self.by_rank),
+                "uncompressed_is_bound": self.uncompressed_is_bound}
 
     def load_state_dict(self, state: dict) -> None:
         self.uncompressed = state["uncompressed"]
         self.by_rank = {int(r): float(t) for r, t in state["by_rank"].items()}
+        self.uncompressed_is_bound = bool(state.get("uncompressed_is_bound", False))  # saved before it existed
 
 
 def profile_candidates(max_rank: int) -> list[int]:
@@ -115,7 +121,8 @@ def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: s
         return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
 
     times = ", ".join(f"r={rank}: {ms(t)}" for rank, t in verdict["compressed_s"].items())
-    measured = f"uncompressed all-reduce {ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
+    at_least = "≥ " if verdict.get("uncompressed_is_bound") else ""
+    measured = f"uncompressed all-reduce {at_least}{ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
     advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
     if verdict["status"] == "off":
         return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."

@@ -6,7 +6,11 @@ Phases of a run (paper §2.7, §2.8, §2.11):
   ranks …, 8, 4, 2 is timed beside it, from the top down; ends at the first rank faster than the
   plain sync, r_max = the largest such rank (interpolated between the last two tried). Pipeline
   stages, whose alignment needs every rank's time, go up from 2 until a rank is slower. Profiling
-  steps are uncompressed, so they count towards the warm-up floor.
+  steps are uncompressed, so they count towards the warm-up floor. Top-down profiling starts with
+  a quick test that blocks nothing: the top candidate's shadow sync, timed cold at the step's end
+  (an upper bound on its time), against the host's wait for the plain sync after backward (a lower
+  bound on the plain sync's). If the candidate is faster even so, it is r_max; where the bounds
+  prove nothing (a fast link), the timing above follows, one step later.
 * ``warmup``   – uncompressed until t ≥ max(⌊f_w·T⌋, t_e). t_e is the first window boundary where
   the rank-r_min error of today's 2-D gradients is ≤ the rank-r_max error measured when warm-up
   began (squared Frobenius norm, summed over this rank's matrices, averaged over ranks).
@@ -196,15 +200,25 @@ class WindowController:
         offset = step - PROFILE_START_STEP
         if offset < 0:
             return StepPlan(step, PROFILE, None)
+        if self._top_down:
+            # The quick test: the first candidate timed at the step's end (cold, so an upper bound)
+            # against the plain sync's wait after backward (a lower bound), nothing blocking. If it
+            # pays even so, r_max is found at the cost of one shadow sync; else the full timing below.
+            if offset == 0:
+                return StepPlan(step, PROFILE, None, profile_rank=self._profile_order[0], profile_bound=True,
+                                decision=True)
+            offset -= 1
         # The paper spends a whole uncompressed "transition" step per candidate rank. Here one-off
-        # costs (cold code paths, first allocations) fall on the run's first shadow call only, so
-        # only that one gets an untimed call before it; and the plain sync, whose time does not
-        # depend on the candidate, is timed (blocking) in the first candidate's steps only: later
-        # profiling steps overlap it with backward like a warm-up step and cost only their shadow sync.
+        # costs (cold code paths, first allocations) fall on the run's first shadow call only (the
+        # quick test's, when there was one), so only that one gets an untimed call before it; and the
+        # plain sync, whose time does not depend on the candidate, is timed (blocking) in the first
+        # candidate's steps only: later profiling steps overlap it with backward like a warm-up step
+        # and cost only their shadow sync.
         block = self.config.profile_steps_per_rank
         index, position = divmod(offset, block)
         candidate = self._profile_order[min(index, len(self._profile_order) - 1)]
-        return StepPlan(step, PROFILE, None, profile_rank=candidate, profile_warm=offset == 0,
+        return StepPlan(step, PROFILE, None, profile_rank=candidate,
+                        profile_warm=offset == 0 and not self._top_down,
                         profile_raw=index == 0, decision=position == block - 1)
 
     # ------------------------------------------------------------------ deciding
@@ -222,8 +236,8 @@ class WindowController:
         decision = self.current()
         if plan.phase == PROFILE:
             table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
-            self._record_profile(table, plan.profile_rank, agreed)
-            last = plan.profile_rank == self._profile_order[-1]
+            self._record_profile(table, plan, agreed)
+            last = plan.profile_rank == self._profile_order[-1] and not plan.profile_bound
             uncompressed = table.uncompressed if table.uncompressed is not None else math.nan
             found = (agreed.profile_time <= uncompressed if self._top_down  # the largest rank that pays
                      else agreed.profile_time > uncompressed)  # going up: the first rank that does not
@@ -314,16 +328,21 @@ class WindowController:
         return [value for step, value in zip(sample_steps, entropies) if step >= since]
 
     @staticmethod
-    def _record_profile(table: SyncTimeTable, rank: int | None, agreed: Agreed) -> None:
-        if rank is not None and math.isfinite(agreed.profile_time):
-            table.by_rank[rank] = agreed.profile_time
+    def _record_profile(table: SyncTimeTable, plan: StepPlan, agreed: Agreed) -> None:
+        if plan.profile_bound:  # the quick test counts only where it proves the candidate pays
+            if agreed.profile_time <= agreed.uncompressed_bound:  # False with a NaN
+                table.by_rank[plan.profile_rank] = agreed.profile_time  # type: ignore[index]
+                table.uncompressed, table.uncompressed_is_bound = agreed.uncompressed_bound, True
+            return
+        if plan.profile_rank is not None and math.isfinite(agreed.profile_time):
+            table.by_rank[plan.profile_rank] = agreed.profile_time
         if math.isfinite(agreed.uncompressed_time):  # timed in the first candidate's block only (`_plan_profile`)
-            table.uncompressed = agreed.uncompressed_time
+            table.uncompressed, table.uncompressed_is_bound = agreed.uncompressed_time, False
 
     def apply(self, plan: StepPlan, agreed: Agreed, decision: Decision) -> None:
         """Adopt a decision (the same on every rank) at the end of ``plan.step``."""
         if plan.phase == PROFILE:
-            self._record_profile(self.table, plan.profile_rank, agreed)
+            self._record_profile(self.table, plan, agreed)
         self.r_max, self.r_min = decision.r_max, decision.r_min
         self.error_at_start, self.error_test_step = decision.error_at_start, decision.error_test_step
         if decision.phase != self.phase:
@@ -342,8 +361,8 @@ class WindowController:
     def profiling_verdict(self) -> dict | None:
         """Why compression is off, or pinned at its lowest candidate rank, after profiling; None otherwise.
 
-        ``{"status": "off" | "floor", "r_max": …, "uncompressed_s": …, "compressed_s": {rank: s}}``,
-        times in seconds per step as measured (averaged over the group). Only a *profiled* r_max
+        ``{"status": "off" | "floor", "r_max": …, "uncompressed_s": …, "uncompressed_is_bound": …,
+        "compressed_s": {rank: s}}``, times in seconds per step as measured (averaged over the group). Only a *profiled* r_max
         can be at its floor: a given r_max is the user's choice.
         """
         if self.follower or not self.table.by_rank or self.phase == PROFILE:
@@ -355,6 +374,7 @@ class WindowController:
         else:
             return None
         return {"status": status, "r_max": self.r_max, "uncompressed_s": self.table.uncompressed,
+                "uncompressed_is_bound": self.table.uncompressed_is_bound,
                 "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())}}
 
     # ------------------------------------------------------------------ checkpointing

@@ -70,6 +70,8 @@ class EDGCState(GradientReducer):
         self._profile_stamps: list[tuple] = []  # this step's (start, end) of the timed shadow syncs
         self._raw_stamps: list[tuple] = []  # … and of the blocking plain syncs (`StepPlan.profile_raw`)
         self._deferred_shadow: list[tuple[list[str], list[torch.Tensor]]] = []
+        self._plain_waits: list[tuple] = []  # the quick test's (`StepPlan.profile_bound`) waits for the plain sync
+        self._uncompressed_bound = math.nan  # … their sum, s, until the decision at the step's end
         self._measure_error = False
         self._relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self._last_entropy: float | None = None
@@ -95,7 +97,7 @@ class EDGCState(GradientReducer):
         # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
         self._measure_error = self.sampler.due(self.step)
         self._probe: torch.Tensor | None = None  # (error², ‖M‖²) on the device, summed over buckets
-        self._profile_stamps, self._raw_stamps, self._deferred_shadow = [], [], []
+        self._profile_stamps, self._raw_stamps, self._deferred_shadow, self._plain_waits = [], [], [], []
 
     def _on_device(self, device: torch.device) -> None:
         self.compressor.to(device)
@@ -118,7 +120,8 @@ class EDGCState(GradientReducer):
     def _profile(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None, plan: StepPlan):
         """A profiling bucket. With ``plan.profile_raw``, blocking: a timed shadow compressed sync,
         then the real plain one, timed. Otherwise the plain sync overlaps backward as in warm-up and
-        the shadow sync is timed at the step's end, when no other transfer shares the link."""
+        the shadow sync is timed at the step's end, when no other transfer shares the link (the quick
+        test, ``plan.profile_bound``, also keeps the step's waits for the plain sync, in `_end_step`)."""
         if not plan.profile_raw:
             self._deferred_shadow.append((names, grads))  # only their shapes matter by then
             return self._average_raw(names, grads, flat)
@@ -141,6 +144,8 @@ class EDGCState(GradientReducer):
 
     def _end_step(self) -> None:
         deferred, self._deferred_shadow = self._deferred_shadow, []
+        if self._plan.profile_bound:  # before the shadow sync adds its own waits
+            self._plain_waits = self.comm.wait_stamps()
         if deferred:  # every plain sync of the step has completed
             begin = self.clock.stamp()
             for names, grads in deferred:
@@ -163,6 +168,8 @@ class EDGCState(GradientReducer):
             if stamps:
                 self._profile_seconds[offset] += sum(Clock.seconds(a, b) for a, b in stamps)
                 self._profile_seconds[offset + 1] += 1
+        if plan.profile_bound:  # the host blocked this long on the plain sync after backward: it took at least that
+            self._uncompressed_bound = sum(Clock.seconds(a, b) for a, b in self._plain_waits)
         probe = host[3:5] if self._probe is not None else None
         if plan.phase == "compress" and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
             self._relative_errors.append(host[1] / host[2])
@@ -183,6 +190,7 @@ class EDGCState(GradientReducer):
             # scale, which falls during training whatever the rank structure does.
             probe_error=(probe[0] / probe[1] if probe[1] > 0 else math.inf) if probe is not None else math.nan,
             relative_error=sum(errors) / len(errors) if errors else math.nan,
+            uncompressed_bound=self._uncompressed_bound,
         )
         device = self.device or torch.device("cpu")
         agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
@@ -200,6 +208,7 @@ class EDGCState(GradientReducer):
         if plan.phase == "compress":
             self._decision = self._describe(plan, decision)
         self._profile_seconds = [0.0, 0, 0.0, 0]
+        self._uncompressed_bound = math.nan
         errors.clear()
 
     def _describe(self, plan: StepPlan, decision: Decision) -> dict:

@@ -75,6 +75,31 @@ class SlowLinkState(EDGCState):
         return super()._average_raw(names, grads, flat)
 
 
+class SlowWork:
+    """A gloo work whose wait lasts at least ``seconds`` more, as its bytes would on a slow wire."""
+
+    def __init__(self, work, seconds):
+        self.work, self.seconds = work, seconds
+
+    def wait(self):
+        time.sleep(self.seconds)
+        return self.work.wait()
+
+    def is_completed(self):
+        return False
+
+
+class SlowWireState(EDGCState):
+    """Every all-reduce waits its bytes at 4 MB/s on top of loopback: the plain sync, overlapped with
+    backward, leaves a wait after it that outlasts any compressed sync of this small model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        issue = self.comm._all_reduce_work
+        self.comm._all_reduce_work = lambda tensor, op: SlowWork(
+            issue(tensor, op), tensor.numel() * tensor.element_size() / 4e6)
+
+
 def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb, state_class=EDGCState):
     model, ddp, state, optimizer, calls = build(config_kwargs, bucket_cap_mb, state_class=state_class)
     collectives: list[int] = []
@@ -137,22 +162,42 @@ def test_profiling_decides_r_max_identically_on_all_ranks():
 
 
 def test_profiling_steps_train_exactly_like_plain_ddp():
-    # Steps 1–2 profile ranks 8 then 4, from the top down (step 1 syncs blocking and times the plain
-    # sync; step 2 overlaps the plain sync with backward and times the shadow sync at the step's end),
-    # over several buckets: the model must see exactly DDP's averaged all-reduce, and the shadow
-    # syncs must not count as traffic.
-    profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=40,
-                    warmup_error_test=False)
-    with_hook = run_distributed(training_worker, 2, profiled, 4, 1, SlowLinkState)
-    plain = run_distributed(training_worker, 2, None, 4, 1)
-    assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 3 + ["warmup"]
-    for result in with_hook:  # the plain sync timed in step 1; 8 did not pay, 4 did: profiling ends
+    # Step 1 is the quick test at rank 8 (plain sync overlapped, shadow timed cold at the step's end):
+    # 8 is slower than the wait, nothing proven. Steps 2–3 profile ranks 8 then 4, from the top down
+    # (step 2 syncs blocking and times the plain sync; step 3 overlaps the plain sync with backward
+    # and times the shadow sync at the step's end), over several buckets: the model must see exactly
+    # DDP's averaged all-reduce, and the shadow syncs must not count as traffic.
+    profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=60,
+                    warmup_error_test=False)  # warm-up floor: 6 steps
+    with_hook = run_distributed(training_worker, 2, profiled, 5, 1, SlowLinkState)
+    plain = run_distributed(training_worker, 2, None, 5, 1)
+    assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 4 + ["warmup"]
+    for result in with_hook:  # the plain sync timed in step 2; 8 did not pay, 4 did: profiling ends
         assert set(result["table"]["by_rank"]) == {8, 4} and result["table"]["uncompressed"] >= 0.1
         assert result["table"]["by_rank"][4] < result["table"]["uncompressed"] < result["table"]["by_rank"][8]
-        assert result["r_max"] == 4
+        assert not result["table"]["uncompressed_is_bound"] and result["r_max"] == 4
     assert min(with_hook[0]["calls"][1:]) >= 2, "the model should span several DDP buckets"
     calls = with_hook[0]["calls"]  # one plain all-reduce per bucket; + agree and broadcast at each decision
-    assert with_hook[0]["collectives"] == [calls[0], calls[1] + 2, calls[2] + 2, calls[3]]
+    assert with_hook[0]["collectives"] == [calls[0], calls[1] + 2, calls[2] + 2, calls[3] + 2, calls[4]]
+    for rank in range(2):
+        assert torch.equal(with_hook[rank]["params"], plain[rank]["params"])
+
+
+def test_on_a_slow_wire_the_quick_test_finds_r_max_in_one_overlapped_step():
+    # The plain sync's wait after backward already outlasts the cold rank-8 shadow sync: r_max = 8
+    # without a blocking step, and training is still exactly DDP's.
+    profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=40,
+                    warmup_error_test=False)
+    with_hook = run_distributed(training_worker, 2, profiled, 4, 1, SlowWireState)
+    plain = run_distributed(training_worker, 2, None, 4, 1)
+    assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 2 + ["warmup"] * 2
+    for result in with_hook:
+        table = result["table"]
+        assert result["r_max"] == 8 and set(table["by_rank"]) == {8} and table["uncompressed_is_bound"]
+        assert 0 < table["by_rank"][8] <= table["uncompressed"]
+    calls = with_hook[0]["calls"]
+    assert min(calls[1:]) >= 2, "the model should span several DDP buckets"
+    assert with_hook[0]["collectives"] == [calls[0], calls[1] + 2, calls[2], calls[3]]
     for rank in range(2):
         assert torch.equal(with_hook[rank]["params"], plain[rank]["params"])
 

@@ -82,3 +82,22 @@ def test_samples_are_taken_once_per_window_when_no_decision_reads_them():
     assert [s for s in range(40) if EntropySampler(reads).due(s)] == [0, 5, 10, 15, 20, 25, 30, 35]
     assert [s for s in range(40) if EntropySampler(fixed).due(s)] == [0, 20]  # the report's one per window
     assert EDGCConfig(total_steps=400, window=20).decisions_read_samples  # the paper's rules read entropy
+
+
+def test_report_only_estimates_thin_a_large_sample_and_decision_samples_do_not():
+    from edgc.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
+
+    reads = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, budget_signal="entropy",
+                       gradient_sample_ratio=0.5)
+    fixed = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5)
+    grad = torch.randn(3 * REPORT_SAMPLE_CAP) ** 3  # heavy tails: thinning shows in the estimate
+    sample = grad[::2]
+    values = {}
+    for name, config in (("reads", reads), ("fixed", fixed)):
+        sampler = EntropySampler(config)
+        sampler.begin(0)
+        sampler.add([grad])
+        values[name] = sampler.finish()
+    assert values["reads"] == pytest.approx(histogram_entropy(sample))
+    assert values["fixed"] == pytest.approx(histogram_entropy(sample[::2]))  # 1.5·cap elements → every 2nd
+    assert values["fixed"] != values["reads"]

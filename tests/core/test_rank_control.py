@@ -87,37 +87,70 @@ def run_controller(config, steps, agreed_for, **controller_kwargs):
 SYNC_TIMES = {2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7, 64: 3.3}  # s; the plain sync takes 1.0 s
 
 
-def measured(plan):
-    """What a group measures: the candidate's time; the plain sync's only where the plan times it."""
-    return Agreed(SYNC_TIMES.get(plan.profile_rank, math.nan), 1.0 if plan.profile_raw else math.nan)
+def measured(plan, exposed=0.6):
+    """What a group measures: the candidate's time; the plain sync's where the plan times it
+    (blocking), and in the quick test the host's wait for it after backward (``exposed`` s)."""
+    return Agreed(SYNC_TIMES.get(plan.profile_rank, math.nan), 1.0 if plan.profile_raw else math.nan,
+                  uncompressed_bound=exposed if plan.profile_bound else math.nan)
 
 
 def test_profiling_goes_down_from_the_top_to_the_first_rank_that_pays_then_warms_up():
     config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=2, window=5, total_steps=100,
-                        warmup_fraction=0.2, warmup_error_test=False)
+                        warmup_error_test=False, warmup_fraction=0.2)
     controller, plans = run_controller(config, 40, measured)
-    assert [p.profile_rank for p in plans[1:7:2]] == [64, 32, 16]  # 16 is the first rank faster than 1.0 s
+    assert plans[1].profile_bound and plans[1].profile_rank == 64 and plans[1].decision  # the quick test
+    assert not any(p.profile_bound for p in plans[2:])  # 3.3 s > the 0.6 s wait proves nothing: full timing
+    assert [p.profile_rank for p in plans[2:8:2]] == [64, 32, 16]  # 16 is the first rank faster than 1.0 s
     assert controller.r_max == 16 and controller.r_min == 4  # interpolated 18 between 16 and 32 → multiple of 4
     assert controller.table.uncompressed == 1.0 and set(controller.table.by_rank) == {64, 32, 16}
-    assert [p.profile_warm for p in plans[1:5]] == [True, False, False, False]  # the run's first shadow call only
-    assert [p.profile_raw for p in plans[1:5]] == [True, True, False, False]  # the first candidate's block
-    assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [2, 4, 6]
-    assert plans[7].phase == WARMUP and plans[19].phase == WARMUP
+    assert not controller.table.uncompressed_is_bound
+    assert [p.profile_warm for p in plans[1:6]] == [False] * 5  # the quick test took the cold costs
+    assert [p.profile_raw for p in plans[1:6]] == [False, True, True, False, False]  # the first candidate's block
+    assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [1, 3, 5, 7]
+    assert plans[8].phase == WARMUP and plans[19].phase == WARMUP
     assert plans[20].phase == COMPRESS and plans[20].rank == 16  # floor ⌊0.2·100⌋ = 20
     assert controller.schedule == [(20, 16)]
 
 
+def test_a_quick_test_that_proves_the_top_candidate_pays_ends_profiling_without_blocking():
+    config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=2, warmup_error_test=False, total_steps=100)
+    controller, plans = run_controller(config, 6, lambda plan: measured(plan, exposed=4.0))
+    assert plans[1].profile_bound and plans[2].phase == WARMUP  # one profiling step, nothing blocking
+    assert not any(p.profile_raw or p.profile_warm for p in plans)
+    assert controller.r_max == 64 and controller.table.by_rank == {64: 3.3}
+    assert controller.table.uncompressed == 4.0 and controller.table.uncompressed_is_bound
+    restored = WindowController(config)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.table.uncompressed_is_bound and restored.table.by_rank == {64: 3.3}
+
+
+def test_a_quick_test_that_proves_nothing_records_nothing():
+    # Its shadow sync ran cold (an upper bound) and the plain sync's wait is a lower bound: neither
+    # is a measurement the table may keep.
+    config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
+    controller = WindowController(config)
+    plan = controller.plan(1)
+    agreed = Agreed(0.9, uncompressed_bound=0.2)
+    controller.apply(plan, agreed, controller.propose(plan, agreed, [], []))
+    assert controller.phase == PROFILE and controller.table.by_rank == {} and controller.table.uncompressed is None
+    assert controller.plan(2).profile_raw and controller.plan(2).profile_rank == 8
+
+
 def test_on_a_slow_link_one_candidate_suffices():
     config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
-    controller, plans = run_controller(config, 4, measured)
-    assert plans[1].profile_rank == 8 and plans[1].decision and plans[2].phase == WARMUP
-    assert controller.r_max == 8 and controller.table.by_rank == {8: 0.5}
+    controller, plans = run_controller(config, 5, measured)  # the quick test proves it: 0.5 s ≤ the 0.6 s wait
+    assert plans[1].profile_rank == 8 and plans[1].profile_bound and plans[2].phase == WARMUP
+    assert controller.r_max == 8 and controller.table.by_rank == {8: 0.5} and controller.table.uncompressed_is_bound
+    controller, plans = run_controller(config, 5, lambda plan: measured(plan, exposed=0.3))
+    assert plans[2].profile_rank == 8 and plans[2].profile_raw and plans[2].decision and plans[3].phase == WARMUP
+    assert controller.r_max == 8 and controller.table.by_rank == {8: 0.5} and controller.table.uncompressed == 1.0
 
 
 def test_pipeline_stages_profile_every_rank_going_up():
     # Stage alignment needs each rank's time: from 2 up, until a rank is slower than the plain sync.
     config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
     controller, plans = run_controller(config, 12, measured, always_profile=True)
+    assert not any(p.profile_bound for p in plans)  # no quick test: bounds give no stage its times
     assert [p.profile_rank for p in plans[1:6]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
     assert controller.r_max == 16 and set(controller.table.by_rank) == {2, 4, 8, 16, 32}
 
@@ -163,8 +196,14 @@ def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times()
     controller, _ = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))
     verdict = controller.profiling_verdict()
     # from the top down, no rank pays: every candidate was tried
-    assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "compressed_s": {2: 2.0, 4: 2.0, 8: 2.0}}
+    assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "uncompressed_is_bound": False,
+                       "compressed_s": {2: 2.0, 4: 2.0, 8: 2.0}}
     line = describe_profiling_verdict(verdict)
-    assert "OFF" in line and "1000.00 ms" in line and "--edgc r_max=16" in line and "\n" not in line
+    assert "OFF" in line and "all-reduce 1000.00 ms" in line and "--edgc r_max=16" in line and "\n" not in line
+    # A single candidate proved by the quick test sits at the floor; the plain time shown is a bound.
+    floor, _ = run_controller(EDGCConfig(profile_max_rank=2, warmup_error_test=False, total_steps=100), 4,
+                              lambda plan: Agreed(0.2, uncompressed_bound=0.5 if plan.profile_bound else math.nan))
+    assert floor.profiling_verdict()["status"] == "floor"
+    assert "uncompressed all-reduce ≥ 500.00 ms/step" in describe_profiling_verdict(floor.profiling_verdict())
     on, _ = run_controller(EDGCConfig(r_max=8, warmup_error_test=False), 10, lambda plan: Agreed())
     assert on.profiling_verdict() is None
