@@ -208,7 +208,7 @@ def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc
     return head + "\n".join(lines) + "\n" if lines else ""
 
 
-def recoverable_bound(results: dict[str, dict]) -> str | None:
+def recovery(results: dict[str, dict]) -> dict | None:
     """Why EDGC can or cannot beat static PowerSGD at r_max to the target on this setting, measured.
 
     Until the target both run the same steps, so what EDGC's lower ranks can save is what a lower
@@ -216,14 +216,15 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
     step against r_max's (when ``powersgd@rmin`` ran), and at most static's time above the compute
     floor (``nosync``'s median step; without it, static's whole DP comm time). EDGC pays on top its
     profiling steps' time above static's same steps (still in its uncompressed warm-up) and its
-    entropy sampling. None when a run is missing or never reached the target.
+    entropy sampling. Seconds, with the steps each reached the target at; None when a run is
+    missing or never reached the target, or EDGC needed fewer steps (the bound does not apply).
     """
     if "edgc" not in results or "powersgd@rmax" not in results:
         return None
     target = _target(results)
     edgc, static = results["edgc"], results["powersgd@rmax"]
     hit_e, hit_s = _reached(edgc, target), _reached(static, target)
-    if hit_e is None or hit_s is None or hit_e["step"] < hit_s["step"]:  # fewer steps: the bound does not apply
+    if hit_e is None or hit_s is None or hit_e["step"] < hit_s["step"]:
         return None
     steps_e = [r for r in edgc["train"] if r["step"] <= hit_e["step"]]
     compressed = [r for r in static["train"] if r["step"] <= hit_s["step"] and r.get("phase") == "compress"]
@@ -236,7 +237,6 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
         entropy = _total([r for r in steps_e if r.get("phase") != "profile"], "entropy_time_s")
     else:
         profiling, entropy = _total(steps_e, "compress_time_s", "profile"), _total(steps_e, "entropy_time_s")
-    overhead = profiling + entropy
     bounds = []
     if results.get("powersgd@rmin"):
         per_step = _median_step(static) - _median_step(results["powersgd@rmin"])
@@ -249,12 +249,22 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
     else:
         bounds.append((_total(compressed, "comm_time_s"), "static PowerSGD's whole DP comm time in its compressed steps"))
     savable, how = min(bounds)
-    verdict = "cannot" if overhead > savable else "can"
-    return (f"EDGC reached the target at step {hit_e['step']}, static PowerSGD at r_max at step {hit_s['step']}. "
-            f"EDGC's own cost up to then was {overhead:.1f} s (its profiling steps' time above static's same, "
-            f"uncompressed steps {profiling:.1f} s, entropy sampling {entropy:.1f} s); the most its lower ranks "
-            f"could save up to the target is {savable:.1f} s ({how}): on this setting EDGC {verdict} recover its "
-            f"overhead before the target.")
+    return {"step_edgc": hit_e["step"], "step_static": hit_s["step"], "wall_edgc": hit_e["wall_s"],
+            "wall_static": hit_s["wall_s"], "profiling": profiling, "entropy": entropy,
+            "overhead": profiling + entropy, "savable": savable, "savable_how": how}
+
+
+def recoverable_bound(results: dict[str, dict]) -> str | None:
+    """`recovery` in words, for the bench's report."""
+    r = recovery(results)
+    if r is None:
+        return None
+    verdict = "cannot" if r["overhead"] > r["savable"] else "can"
+    return (f"EDGC reached the target at step {r['step_edgc']}, static PowerSGD at r_max at step {r['step_static']}. "
+            f"EDGC's own cost up to then was {r['overhead']:.1f} s (its profiling steps' time above static's same, "
+            f"uncompressed steps {r['profiling']:.1f} s, entropy sampling {r['entropy']:.1f} s); the most its lower "
+            f"ranks could save up to the target is {r['savable']:.1f} s ({r['savable_how']}): on this setting EDGC "
+            f"{verdict} recover its overhead before the target.")
 
 
 def _median_step(run: dict) -> float:

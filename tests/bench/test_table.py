@@ -99,3 +99,61 @@ def test_ab_script_compares_the_methods_both_folders_ran(tmp_path, load_script):
     text = doc.read_text()
     assert "| none | 1.000 | 1.250 | 1.25× | 30.00 | 30.00 |" in text
     assert "only-a" not in text and "old\n<!-- ab:end" not in text and text.endswith("rest\n")
+
+
+def write_bench(folder, results, rate_mbit=1000, fsdp=False):
+    """A finished bench's folder as `edgc bench` leaves it: results.json and one run folder per method."""
+    import json
+
+    from edgc_bench.run_folder import method_dir
+
+    for method, run_ in results.items():
+        path = method_dir(folder, method)
+        path.mkdir(parents=True)
+        records = [{"kind": "train", **r} for r in run_["train"]] + [{"kind": "eval", **r} for r in run_["eval"]]
+        path.joinpath("metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+        path.joinpath("config.json").write_text("{}")
+    settings = {"rate_mbit": rate_mbit, "fsdp": fsdp, "tp": 1, "pp": 1}
+    folder.joinpath("results.json").write_text(json.dumps(
+        {"settings": settings, "rows": [{"method": m} for m in results], "r_max": 8, "date": "today",
+         "load_start": [0.5, 0.5, 0.5]}))
+    return folder
+
+
+def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
+    from edgc_bench import repeats
+
+    warm_then_compress = lambda step: "warmup" if step <= 2 else "compress"  # noqa: E731
+    base = {"none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
+            "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
+            "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2, phases=warm_then_compress),
+            "powersgd@rmin": run([3.0, 3.0, 3.0], step_s=0.95, comm_s=0.1, compress_s=0.1)}
+    fast = dict(base, edgc=run([2.9, 2.01, 1.9], step_s=0.9, comm_s=0.1, compress_s=0.2, phases=warm_then_compress))
+    slow = dict(base, edgc=run([2.9, 2.01, 1.9], step_s=1.1, comm_s=0.1, compress_s=0.2, phases=warm_then_compress))
+    paths = [write_bench(tmp_path / "a", fast), write_bench(tmp_path / "b", slow),
+             write_bench(tmp_path / "c", slow, rate_mbit=100), write_bench(tmp_path / "h", fast, fsdp=True)]
+    text = repeats.render(paths)
+    rows = [line for line in text.splitlines() if line.startswith("| a |") or line.startswith("| b |")]
+    assert "| 1.125 | 1.250 | 0.900 | 11.0 s / 12.0 s |" in rows[0]  # 0.9 / 0.8, 1.0 / 0.8; 10 steps + 2 evaluations
+    assert "| 1.375 | 1.250 | 1.100 | 13.0 s / 12.0 s |" in rows[1]
+    assert ("1000 Mbit/s, 2 run(s): EDGC × floor 1.125–1.375 (≤ 1.15 in 1 of 2); EDGC ÷ static step 0.900–1.100; "
+            "time to target below static PowerSGD at r_max's in 1 of 2") in text
+    assert "100 Mbit/s, 1 run(s): EDGC × floor 1.375–1.375 (≤ 1.25 in 0 of 1)" in text
+    assert text.index("1000 Mbit/s, 2 run") < text.index("100 Mbit/s, 1 run")  # fastest link first
+    assert "skipped (not a DDP bench with edgc, powersgd@rmax and nosync): h" in text
+
+
+def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
+    module = load_script("bench_repeats_to_readme")
+    fast = {"none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
+            "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
+            "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2),
+            "edgc": run([2.9, 2.01, 1.9], step_s=0.9, comm_s=0.1, compress_s=0.2)}
+    bench = write_bench(tmp_path / "bench-a", fast)
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")
+    module.main([str(bench)], readme)
+    text = readme.read_text()
+    assert "| bench-a | today | 1000 Mbit/s | 0.5 | 1.125 | 1.250 | 0.900 |" in text
+    assert text.startswith("intro\n<!-- bench-repeats:start -->\n`python -m edgc_bench.repeats ")
+    assert "old" not in text and text.endswith("<!-- bench-repeats:end -->\nrest\n")

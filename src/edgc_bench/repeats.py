@@ -1,0 +1,99 @@
+"""Repeats of `edgc bench` side by side: a figure is believed over its repeats, with its range.
+
+    python -m edgc_bench.repeats runs/bench-18 runs/bench-18-r2 …
+
+One row per finished DDP bench that ran ``edgc``, ``powersgd@rmax`` and ``nosync``: the link rate,
+the load when it started, EDGC's and static PowerSGD at r_max's median step over the compute floor,
+EDGC's step over static's, both times to target, and EDGC's own cost up to the target against the
+most its lower ranks could save by then (`edgc_bench.table.recovery`). Then, per link rate, the
+range of each ratio and how many runs met each target. Benches of other kinds are skipped, named.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .run_folder import method_dir, read_run
+from .table import floor_target, recovery, rows
+
+NEEDED = ("edgc", "powersgd@rmax", "nosync")
+
+
+def measure(out: Path) -> dict | None:
+    """One bench's figures, or None when it is not a finished DDP bench with the needed methods."""
+    summary_path = out / "results.json"
+    if not summary_path.exists():
+        return None
+    summary = json.loads(summary_path.read_text())
+    s = summary["settings"]
+    methods = [r["method"] for r in summary["rows"]]
+    if s.get("fsdp") or s.get("tp", 1) > 1 or s.get("pp", 1) > 1 or not all(m in methods for m in NEEDED):
+        return None
+    results = {m: read_run(method_dir(out, m)) for m in methods}
+    by = {r["method"]: r for r in rows(results, summary["r_max"])}
+    edgc, static = by["edgc"], by["powersgd@rmax"]
+    return {"run": out.name, "date": summary["date"], "rate_mbit": s["rate_mbit"], "load": summary["load_start"][0],
+            "edgc_floor_x": edgc["step_floor_x"], "static_floor_x": static["step_floor_x"],
+            "edgc_static_x": edgc["step_s"] / static["step_s"], "ttt_edgc": edgc["time_to_target_s"],
+            "ttt_static": static["time_to_target_s"], "recovery": recovery(results)}
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
+def _rate(rate_mbit: float | None) -> str:
+    return "unlimited" if rate_mbit is None else f"{rate_mbit:g} Mbit/s"
+
+
+def table(measured: list[dict]) -> str:
+    lines = ["| run | started | link | load | EDGC × floor | static r_max × floor | EDGC ÷ static step "
+             "| time to target: EDGC / static | EDGC's own cost / most its ranks could save |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for m in measured:
+        r = m["recovery"]
+        cost = f"{r['overhead']:.1f} s / {r['savable']:.1f} s" if r else "–"
+        lines.append(f"| {m['run']} | {m['date']} | {_rate(m['rate_mbit'])} | {m['load']:.1f} "
+                     f"| {m['edgc_floor_x']:.3f} | {m['static_floor_x']:.3f} | {m['edgc_static_x']:.3f} "
+                     f"| {_seconds(m['ttt_edgc'])} / {_seconds(m['ttt_static'])} | {cost} |")
+    return "\n".join(lines) + "\n"
+
+
+def verdicts(measured: list[dict]) -> list[str]:
+    """Per link rate: the ranges, and how many runs met the bench's targets."""
+    out = []
+    for rate in sorted({m["rate_mbit"] for m in measured}, key=lambda r: -(r or float("inf"))):
+        runs = [m for m in measured if m["rate_mbit"] == rate]
+        floor_x = [m["edgc_floor_x"] for m in runs]
+        limit = floor_target(rate)
+        beat = sum(m["ttt_edgc"] is not None and (m["ttt_static"] is None or m["ttt_edgc"] < m["ttt_static"])
+                   for m in runs)
+        covered = [m["recovery"] for m in runs if m["recovery"]]
+        recovers = sum(r["overhead"] <= r["savable"] for r in covered)
+        ratio = [m["edgc_static_x"] for m in runs]
+        out.append(f"{_rate(rate)}, {len(runs)} run(s): EDGC × floor {min(floor_x):.3f}–{max(floor_x):.3f} "
+                   f"(≤ {limit:.2f} in {sum(x <= limit for x in floor_x)} of {len(runs)}); EDGC ÷ static step "
+                   f"{min(ratio):.3f}–{max(ratio):.3f}; time to target below static PowerSGD at r_max's in "
+                   f"{beat} of {len(runs)}; EDGC's own cost within what its ranks could save in {recovers} of "
+                   f"{len(covered)}.")
+    return out
+
+
+def render(paths: list[Path]) -> str:
+    measured, skipped = [], []
+    for path in paths:
+        m = measure(path)
+        (measured.append(m) if m else skipped.append(path.name))
+    if not measured:
+        raise SystemExit("no finished DDP bench with edgc, powersgd@rmax and nosync among: "
+                         + ", ".join(str(p) for p in paths))
+    parts = [f"`python -m edgc_bench.repeats {' '.join(str(p) for p in paths)}`\n", table(measured),
+             *[f"- {line}" for line in verdicts(measured)]]
+    if skipped:
+        parts.append(f"- skipped (not a DDP bench with edgc, powersgd@rmax and nosync): {', '.join(skipped)}")
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(render([Path(p) for p in sys.argv[1:]]), end="")
