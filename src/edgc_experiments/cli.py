@@ -10,8 +10,6 @@ import importlib
 import os
 import time
 
-from edgc_cli.main import CLIError
-
 from . import common
 
 # experiment name -> module (each exposes NAME, HELP, DEFAULT_STEPS, TINY_STEPS, add_arguments, run, and

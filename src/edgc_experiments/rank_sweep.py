@@ -96,7 +96,6 @@ def run(args, out, setting, log=print) -> dict:
     safe = [r["rank"] for r in results[1:] if r["delta_val_loss"] <= args.tolerance]
     r_min = min(safe) if safe else None
     faster = [r["rank"] for r in results[1:] if r["comm_s"] + r["compress_s"] < base["comp_comm_s"]]
-    r_max_time = max(faster) if faster else None
     suggestion = (f"smallest rank within {args.tolerance:g} nats of uncompressed validation loss: "
                   f"{r_min if r_min is not None else 'none of those tried'}")
     best = min(results[1:], key=lambda r: r["delta_val_loss"])

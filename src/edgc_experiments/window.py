@@ -134,7 +134,7 @@ def run(args, out, setting, log=print) -> dict:
 
     headline = "CC(windowed sampled vs full entropy) " + ", ".join(
         f"w={r['window']}: {fmt(r['cc'])}" for r in results.values()) + (
-        f"; delta-mapping mean rank " + ", ".join(f"w={r['window']}: {fmt(r['delta']['mean_rank'], '.1f')}"
+        "; delta-mapping mean rank " + ", ".join(f"w={r['window']}: {fmt(r['delta']['mean_rank'], '.1f')}"
                                                   for r in results.values()))
     plots = _plot(out, results, full_steps, full, sampled_steps, sampled, T)
     rows = []

@@ -81,7 +81,7 @@ def _setup_line(run: Run) -> str:
     if run.stats["steps"] != run.stats["planned_steps"]:
         text += f". **Stopped at step {run.stats['steps']}**"
     if run.ignored_lines:
-        text += f" (its truncated last metrics line was ignored)"
+        text += " (its truncated last metrics line was ignored)"
     return text + "."
 
 
