@@ -116,13 +116,18 @@ def profile_candidates(max_rank: int) -> list[int]:
 
 
 def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
-    """One line for people: what profiling measured, what it decided, and how to compress anyway."""
+    """One line for people: what profiling measured, what it decided, and (where it did not compress
+    fully) how to compress anyway."""
     def ms(seconds: float | None) -> str:
         return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
 
     times = ", ".join(f"r={rank}: {ms(t)}" for rank, t in verdict["compressed_s"].items())
     at_least = "≥ " if verdict.get("uncompressed_is_bound") else ""
     measured = f"uncompressed all-reduce {at_least}{ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
+    if verdict["status"] == "found":
+        how = ("by the quick test: one shadow sync at a step's end against the plain sync's wait after backward"
+               if verdict.get("uncompressed_is_bound") else "with the plain sync timed blocking")
+        return f"EDGC profiled r_max={verdict['r_max']} on this link ({measured}; {how})."
     advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
     if verdict["status"] == "off":
         return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."

@@ -359,20 +359,22 @@ class WindowController:
 
     # ------------------------------------------------------------------ saying what profiling found
     def profiling_verdict(self) -> dict | None:
-        """Why compression is off, or pinned at its lowest candidate rank, after profiling; None otherwise.
+        """What profiling found, once it is over; None while it runs, or when r_max was given.
 
-        ``{"status": "off" | "floor", "r_max": …, "uncompressed_s": …, "uncompressed_is_bound": …,
-        "compressed_s": {rank: s}}``, times in seconds per step as measured (averaged over the group). Only a *profiled* r_max
-        can be at its floor: a given r_max is the user's choice.
+        ``{"status": "off" | "floor" | "found", "r_max": …, "uncompressed_s": …, "uncompressed_is_bound": …,
+        "compressed_s": {rank: s}}``, times in seconds per step as measured (averaged over the group).
+        ``off``: no rank pays, compression is off; ``floor``: r_max is the lowest candidate rank;
+        ``found``: a higher one. Only a *profiled* r_max can be at its floor: a given r_max is the
+        user's choice.
         """
-        if self.follower or not self.table.by_rank or self.phase == PROFILE:
+        if self.follower or not self.table.by_rank or self.phase == PROFILE or self.config.r_max is not None:
             return None
         if self.phase == OFF:
             status = "off"
-        elif self.config.r_max is None and self.r_max is not None and self.r_max <= min(self._candidates):
+        elif self.r_max is not None and self.r_max <= min(self._candidates):
             status = "floor"
         else:
-            return None
+            status = "found"
         return {"status": status, "r_max": self.r_max, "uncompressed_s": self.table.uncompressed,
                 "uncompressed_is_bound": self.table.uncompressed_is_bound,
                 "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())}}

@@ -3,10 +3,10 @@
     python -m edgc_bench.repeats runs/bench-18 runs/bench-18-r2 …
 
 One row per finished DDP bench that ran ``edgc``, ``powersgd@rmax`` and ``nosync``: the link rate,
-the load when it started, EDGC's and static PowerSGD at r_max's median step over the compute floor,
+the load when it started, how EDGC settled r_max (its run's profiling record), EDGC's and static PowerSGD at r_max's median step over the compute floor,
 EDGC's step over static's, both times to target, and EDGC's own cost up to the target against the
-most its lower ranks could save by then (`edgc_bench.table.recovery`). Then, per link rate, the
-range of each ratio and how many runs met each target. Benches of other kinds are skipped, named.
+most its lower ranks could save by then (`edgc_bench.table.recovery`). Then, per link rate and way
+of profiling, the range of each ratio and how many runs met each target. Benches of other kinds are skipped, named.
 """
 from __future__ import annotations
 
@@ -34,9 +34,29 @@ def measure(out: Path) -> dict | None:
     by = {r["method"]: r for r in rows(results, summary["r_max"])}
     edgc, static = by["edgc"], by["powersgd@rmax"]
     return {"run": out.name, "date": summary["date"], "rate_mbit": s["rate_mbit"], "load": summary["load_start"][0],
+            "profiled": how_profiled(method_dir(out, "edgc")),
             "edgc_floor_x": edgc["step_floor_x"], "static_floor_x": static["step_floor_x"],
             "edgc_static_x": edgc["step_s"] / static["step_s"], "ttt_edgc": edgc["time_to_target_s"],
             "ttt_static": static["time_to_target_s"], "recovery": recovery(results)}
+
+
+def how_profiled(run_dir: Path) -> str:
+    """How EDGC's run settled r_max: from its profiling record, or for runs logged before there was
+    one, from its last checkpoint's sync-time table (one whose plain time is a bound came from the
+    quick test); "unknown" without either."""
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("kind") in ("profiled", "notice") and str(record.get("event", "")).startswith("edgc_"):
+            return "quick test" if record.get("uncompressed_is_bound") else "timed blocking"
+    checkpoints = sorted(run_dir.glob("checkpoints/step_*/edgc_rank0.pt"))
+    if checkpoints:
+        import torch
+
+        state = torch.load(checkpoints[-1], map_location="cpu", mmap=True, weights_only=True)
+        table = state["controller"]["table"]
+        if table.get("by_rank"):
+            return "quick test" if table.get("uncompressed_is_bound") else "timed blocking"
+    return "unknown"
 
 
 def _seconds(value: float | None) -> str:
@@ -48,23 +68,24 @@ def _rate(rate_mbit: float | None) -> str:
 
 
 def table(measured: list[dict]) -> str:
-    lines = ["| run | started | link | load | EDGC × floor | static r_max × floor | EDGC ÷ static step "
-             "| time to target: EDGC / static | EDGC's own cost / most its ranks could save |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| run | started | link | load | EDGC's r_max profiling | EDGC × floor | static r_max × floor "
+             "| EDGC ÷ static step | time to target: EDGC / static | EDGC's own cost / most its ranks could save |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for m in measured:
         r = m["recovery"]
         cost = f"{r['overhead']:.1f} s / {r['savable']:.1f} s" if r else "–"
-        lines.append(f"| {m['run']} | {m['date']} | {_rate(m['rate_mbit'])} | {m['load']:.1f} "
+        lines.append(f"| {m['run']} | {m['date']} | {_rate(m['rate_mbit'])} | {m['load']:.1f} | {m['profiled']} "
                      f"| {m['edgc_floor_x']:.3f} | {m['static_floor_x']:.3f} | {m['edgc_static_x']:.3f} "
                      f"| {_seconds(m['ttt_edgc'])} / {_seconds(m['ttt_static'])} | {cost} |")
     return "\n".join(lines) + "\n"
 
 
 def verdicts(measured: list[dict]) -> list[str]:
-    """Per link rate: the ranges, and how many runs met the bench's targets."""
+    """Per link rate and way of profiling r_max: the ranges, and how many runs met the bench's targets."""
     out = []
-    for rate in sorted({m["rate_mbit"] for m in measured}, key=lambda r: -(r or float("inf"))):
-        runs = [m for m in measured if m["rate_mbit"] == rate]
+    groups = sorted({(m["rate_mbit"], m["profiled"]) for m in measured}, key=lambda g: (-(g[0] or float("inf")), g[1]))
+    for rate, profiled in groups:
+        runs = [m for m in measured if (m["rate_mbit"], m["profiled"]) == (rate, profiled)]
         floor_x = [m["edgc_floor_x"] for m in runs]
         limit = floor_target(rate)
         beat = sum(m["ttt_edgc"] is not None and (m["ttt_static"] is None or m["ttt_edgc"] < m["ttt_static"])
@@ -72,7 +93,7 @@ def verdicts(measured: list[dict]) -> list[str]:
         covered = [m["recovery"] for m in runs if m["recovery"]]
         recovers = sum(r["overhead"] <= r["savable"] for r in covered)
         ratio = [m["edgc_static_x"] for m in runs]
-        out.append(f"{_rate(rate)}, {len(runs)} run(s): EDGC × floor {min(floor_x):.3f}–{max(floor_x):.3f} "
+        out.append(f"{_rate(rate)}, r_max by {profiled}, {len(runs)} run(s): EDGC × floor {min(floor_x):.3f}–{max(floor_x):.3f} "
                    f"(≤ {limit:.2f} in {sum(x <= limit for x in floor_x)} of {len(runs)}); EDGC ÷ static step "
                    f"{min(ratio):.3f}–{max(ratio):.3f}; time to target below static PowerSGD at r_max's in "
                    f"{beat} of {len(runs)}; EDGC's own cost within what its ranks could save in {recovers} of "

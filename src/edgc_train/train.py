@@ -282,9 +282,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
 
 
 def tell_profiling_verdict(compressor, step: int, metrics, log) -> bool:
-    """Once EDGC's profiling has decided: if it switched compression off (or left r_max at its floor),
-    say so on one line and log a ``"kind": "notice"`` record (summary.json and the report show it).
-    Returns True once there is nothing more to tell."""
+    """Once EDGC's profiling has decided, say what it found on one line and log it: a ``"kind":
+    "notice"`` record if it switched compression off or left r_max at its floor (summary.json and
+    the report show it), else a ``"kind": "profiled"`` one. Returns True once there is nothing more to tell."""
     from edgc.rank_control import PROFILE, describe_profiling_verdict
 
     controller = getattr(getattr(compressor, "state", None), "controller", None)
@@ -296,7 +296,8 @@ def tell_profiling_verdict(compressor, step: int, metrics, log) -> bool:
     if verdict is not None:
         message = describe_profiling_verdict(verdict)
         log(f"step {step}: {message}")
-        metrics.write({"kind": "notice", "step": step, "event": f"edgc_{verdict['status']}", "message": message,
+        kind = "profiled" if verdict["status"] == "found" else "notice"
+        metrics.write({"kind": kind, "step": step, "event": f"edgc_{verdict['status']}", "message": message,
                        **verdict})
     return True
 

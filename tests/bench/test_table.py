@@ -132,14 +132,18 @@ def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
     slow = dict(base, edgc=run([2.9, 2.01, 1.9], step_s=1.1, comm_s=0.1, compress_s=0.2, phases=warm_then_compress))
     paths = [write_bench(tmp_path / "a", fast), write_bench(tmp_path / "b", slow),
              write_bench(tmp_path / "c", slow, rate_mbit=100), write_bench(tmp_path / "h", fast, fsdp=True)]
+    with (tmp_path / "a" / "runs" / "edgc" / "metrics.jsonl").open("a") as metrics:  # as `edgc train` logs it
+        metrics.write('\n{"kind": "profiled", "step": 2, "event": "edgc_found", "uncompressed_is_bound": true}\n')
     text = repeats.render(paths)
     rows = [line for line in text.splitlines() if line.startswith("| a |") or line.startswith("| b |")]
-    assert "| 1.125 | 1.250 | 0.900 | 11.0 s / 12.0 s |" in rows[0]  # 0.9 / 0.8, 1.0 / 0.8; 10 steps + 2 evaluations
+    assert "| quick test | 1.125 | 1.250 | 0.900 | 11.0 s / 12.0 s |" in rows[0]
+    assert "| unknown | 1.375 |" in rows[1]  # 0.9 / 0.8, 1.0 / 0.8; 10 steps + 2 evaluations
     assert "| 1.375 | 1.250 | 1.100 | 13.0 s / 12.0 s |" in rows[1]
-    assert ("1000 Mbit/s, 2 run(s): EDGC × floor 1.125–1.375 (≤ 1.15 in 1 of 2); EDGC ÷ static step 0.900–1.100; "
-            "time to target below static PowerSGD at r_max's in 1 of 2") in text
-    assert "100 Mbit/s, 1 run(s): EDGC × floor 1.375–1.375 (≤ 1.25 in 0 of 1)" in text
-    assert text.index("1000 Mbit/s, 2 run") < text.index("100 Mbit/s, 1 run")  # fastest link first
+    assert ("1000 Mbit/s, r_max by quick test, 1 run(s): EDGC × floor 1.125–1.125 (≤ 1.15 in 1 of 1); "
+            "EDGC ÷ static step 0.900–0.900; time to target below static PowerSGD at r_max's in 1 of 1") in text
+    assert "1000 Mbit/s, r_max by unknown, 1 run(s): EDGC × floor 1.375–1.375 (≤ 1.15 in 0 of 1)" in text
+    assert "100 Mbit/s, r_max by unknown, 1 run(s): EDGC × floor 1.375–1.375 (≤ 1.25 in 0 of 1)" in text
+    assert text.index("1000 Mbit/s, r_max by quick") < text.index("100 Mbit/s, r_max")  # fastest link first
     assert "skipped (not a DDP bench with edgc, powersgd@rmax and nosync): h" in text
 
 
@@ -154,6 +158,6 @@ def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
     readme.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")
     module.main([str(bench)], readme)
     text = readme.read_text()
-    assert "| bench-a | today | 1000 Mbit/s | 0.5 | 1.125 | 1.250 | 0.900 |" in text
+    assert "| bench-a | today | 1000 Mbit/s | 0.5 | unknown | 1.125 | 1.250 | 0.900 |" in text
     assert text.startswith("intro\n<!-- bench-repeats:start -->\n`python -m edgc_bench.repeats ")
     assert "old" not in text and text.endswith("<!-- bench-repeats:end -->\nrest\n")

@@ -206,4 +206,12 @@ def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times()
     assert floor.profiling_verdict()["status"] == "floor"
     assert "uncompressed all-reduce ≥ 500.00 ms/step" in describe_profiling_verdict(floor.profiling_verdict())
     on, _ = run_controller(EDGCConfig(r_max=8, warmup_error_test=False), 10, lambda plan: Agreed())
-    assert on.profiling_verdict() is None
+    assert on.profiling_verdict() is None  # r_max given: nothing was profiled
+    found, _ = run_controller(EDGCConfig(profile_max_rank=64, warmup_error_test=False, total_steps=100), 12, measured)
+    assert found.profiling_verdict()["status"] == "found" and found.profiling_verdict()["r_max"] == 16
+    line = describe_profiling_verdict(found.profiling_verdict())
+    assert line.startswith("EDGC profiled r_max=16 on this link (uncompressed all-reduce 1000.00 ms/step")
+    assert "with the plain sync timed blocking" in line and "r_max=16 to compress anyway" not in line
+    quick, _ = run_controller(EDGCConfig(profile_max_rank=8, warmup_error_test=False, total_steps=100), 4, measured)
+    assert "≥ 600.00 ms/step" in describe_profiling_verdict(quick.profiling_verdict())
+    assert "by the quick test" in describe_profiling_verdict(quick.profiling_verdict())
