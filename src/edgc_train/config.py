@@ -319,14 +319,15 @@ def scaled_edgc_defaults(steps: int) -> dict[str, Any]:
       is reached at 20,000 steps.
     - ``iteration_sample_ratio``: entropy every ``clamp(window // 5, 1, 10)`` steps, so a window holds
       at least 5 samples (α = 0.1, the paper's value, once windows are ≥ 50 steps).
-    - ``profile_max_rank``: the rank-ceiling profiling (step 0, then ``profile_steps_per_rank`` = 2
-      steps per candidate rank 2, 4, 8, …) must fit inside the warm-up floor, so the largest
-      candidate is 2^j with 1 + 2j ≤ steps // 10, at least 2 and at most 128.
+    - ``profile_max_rank``: the rank-ceiling profiling (step 0, the quick test, then
+      ``profile_steps_per_rank`` = 2 steps per candidate rank …, 8, 4, 2 where the quick test
+      proves nothing) must fit inside the warm-up floor, so the largest candidate is 2^j with
+      2 + 2j ≤ steps // 10, at least 2 and at most 128.
     """
     window = min(1000, max(10, steps // 20))
     sample_every = min(10, max(1, window // 5))
     budget = steps // 10
-    j = max(1, min(7, (budget - 1) // 2))
+    j = max(1, min(7, (budget - 2) // 2))
     return {"total_steps": steps, "warmup_fraction": 0.1, "window": window,
             "iteration_sample_ratio": 1.0 / sample_every, "profile_max_rank": 2 ** j}
 

@@ -57,13 +57,15 @@ def test_config_file_json_and_toml(tmp_path):
         TrainConfig.from_dict({"stepz": 3})
 
 
-@pytest.mark.parametrize("steps", [1, 20, 200, 1000, 5000, 100_000])
+@pytest.mark.parametrize("steps", [1, 20, 50, 200, 1000, 5000, 100_000])
 def test_edgc_knobs_scale_with_run_length(steps):
     d = scaled_edgc_defaults(steps)
     sample_every = round(1 / d["iteration_sample_ratio"])
     assert 10 <= d["window"] <= 1000
     assert d["window"] // sample_every >= 5  # a window holds at least 5 entropy samples
     assert 2 <= d["profile_max_rank"] <= 128
+    if steps >= 40:  # step 0, the quick test, 2 steps per candidate rank: inside the 10 % warm-up floor
+        assert 2 + 2 * (d["profile_max_rank"].bit_length() - 1) <= steps // 10
     cfg = TrainConfig(steps=steps).edgc_config()
     assert cfg.total_steps == steps and cfg.window == d["window"]
     if steps >= 20_000:
