@@ -156,9 +156,13 @@ def test_profiling_decides_r_max_identically_on_all_ranks():
     assert results[0]["log"] == results[1]["log"]
     assert torch.equal(results[0]["params"], results[1]["params"])
     assert results[0]["log"][1][1] == "profile"
-    for result in results:  # every candidate timed; the plain sync in the first candidate's step only
-        assert set(result["table"]["by_rank"]) <= {2, 4, 8} and 2 in result["table"]["by_rank"]
-        assert result["table"]["uncompressed"] > 0
+    # On loopback which candidate pays (if any) depends on the machine's load; what may not is that
+    # both ranks hold the same agreed table and the decision it implies.
+    assert results[0]["table"] == results[1]["table"]
+    table = results[0]["table"]
+    assert table["by_rank"] and set(table["by_rank"]) <= {2, 4, 8} and table["uncompressed"] > 0
+    paying = [r for r, t in table["by_rank"].items() if t < table["uncompressed"]]
+    assert (results[0]["r_max"] is None) == (not paying)
 
 
 def test_profiling_steps_train_exactly_like_plain_ddp():
