@@ -71,7 +71,6 @@ class EDGCState(GradientReducer):
         self._raw_stamps: list[tuple] = []  # … and of the blocking plain syncs (`StepPlan.profile_raw`)
         self._deferred_shadow: list[tuple[list[str], list[torch.Tensor]]] = []
         self._plain_waits: list[tuple] = []  # the quick test's (`StepPlan.profile_bound`) waits for the plain sync
-        self._uncompressed_bound = math.nan  # … their sum, s, until the decision at the step's end
         self._measure_error = False
         self._relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self._last_entropy: float | None = None
@@ -168,8 +167,6 @@ class EDGCState(GradientReducer):
             if stamps:
                 self._profile_seconds[offset] += sum(Clock.seconds(a, b) for a, b in stamps)
                 self._profile_seconds[offset + 1] += 1
-        if plan.profile_bound:  # the host blocked this long on the plain sync after backward: it took at least that
-            self._uncompressed_bound = sum(Clock.seconds(a, b) for a, b in self._plain_waits)
         probe = host[3:5] if self._probe is not None else None
         if plan.phase == "compress" and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
             self._relative_errors.append(host[1] / host[2])
@@ -190,7 +187,8 @@ class EDGCState(GradientReducer):
             # scale, which falls during training whatever the rank structure does.
             probe_error=(probe[0] / probe[1] if probe[1] > 0 else math.inf) if probe is not None else math.nan,
             relative_error=sum(errors) / len(errors) if errors else math.nan,
-            uncompressed_bound=self._uncompressed_bound,
+            # The quick test: the host blocked this long on the plain sync after backward, so it took at least that.
+            uncompressed_bound=sum(Clock.seconds(a, b) for a, b in self._plain_waits) if plan.profile_bound else math.nan,
         )
         device = self.device or torch.device("cpu")
         agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
@@ -208,7 +206,6 @@ class EDGCState(GradientReducer):
         if plan.phase == "compress":
             self._decision = self._describe(plan, decision)
         self._profile_seconds = [0.0, 0, 0.0, 0]
-        self._uncompressed_bound = math.nan
         errors.clear()
 
     def _describe(self, plan: StepPlan, decision: Decision) -> dict:

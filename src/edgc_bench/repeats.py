@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .run_folder import method_dir, read_run
-from .table import floor_target, recovery, rows
+from .table import edgc_first, floor_target, recovery, rows
 
 NEEDED = ("edgc", "powersgd@rmax", "nosync")
 
@@ -34,29 +34,27 @@ def measure(out: Path) -> dict | None:
     by = {r["method"]: r for r in rows(results, summary["r_max"])}
     edgc, static = by["edgc"], by["powersgd@rmax"]
     return {"run": out.name, "date": summary["date"], "rate_mbit": s["rate_mbit"], "load": summary["load_start"][0],
-            "profiled": how_profiled(method_dir(out, "edgc")),
+            "profiled": how_profiled(results["edgc"], method_dir(out, "edgc")),
             "edgc_floor_x": edgc["step_floor_x"], "static_floor_x": static["step_floor_x"],
             "edgc_static_x": edgc["step_s"] / static["step_s"], "ttt_edgc": edgc["time_to_target_s"],
             "ttt_static": static["time_to_target_s"], "recovery": recovery(results)}
 
 
-def how_profiled(run_dir: Path) -> str:
+def how_profiled(run: dict, run_dir: Path) -> str:
     """How EDGC's run settled r_max: from its profiling record, or for runs logged before there was
     one, from its last checkpoint's sync-time table (one whose plain time is a bound came from the
     quick test); "unknown" without either."""
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line) if line.strip() else {}
-        if record.get("kind") in ("profiled", "notice") and str(record.get("event", "")).startswith("edgc_"):
-            return "quick test" if record.get("uncompressed_is_bound") else "timed blocking"
-    checkpoints = sorted(run_dir.glob("checkpoints/step_*/edgc_rank0.pt"))
-    if checkpoints:
-        import torch
+    table = run["profiling"]
+    if table is None:
+        checkpoints = sorted(run_dir.glob("checkpoints/step_*/edgc_rank0.pt"))
+        if checkpoints:
+            import torch
 
-        state = torch.load(checkpoints[-1], map_location="cpu", mmap=True, weights_only=True)
-        table = state["controller"]["table"]
-        if table.get("by_rank"):
-            return "quick test" if table.get("uncompressed_is_bound") else "timed blocking"
-    return "unknown"
+            table = torch.load(checkpoints[-1], map_location="cpu", mmap=True, weights_only=True)["controller"]["table"]
+            table = table if table.get("by_rank") else None
+    if table is None:
+        return "unknown"
+    return "quick test" if table.get("uncompressed_is_bound") else "timed blocking"
 
 
 def _seconds(value: float | None) -> str:
@@ -88,8 +86,7 @@ def verdicts(measured: list[dict]) -> list[str]:
         runs = [m for m in measured if (m["rate_mbit"], m["profiled"]) == (rate, profiled)]
         floor_x = [m["edgc_floor_x"] for m in runs]
         limit = floor_target(rate)
-        beat = sum(m["ttt_edgc"] is not None and (m["ttt_static"] is None or m["ttt_edgc"] < m["ttt_static"])
-                   for m in runs)
+        beat = sum(edgc_first(m["ttt_edgc"], m["ttt_static"]) for m in runs)
         covered = [m["recovery"] for m in runs if m["recovery"]]
         recovers = sum(r["overhead"] <= r["savable"] for r in covered)
         ratio = [m["edgc_static_x"] for m in runs]

@@ -13,8 +13,11 @@ def method_dir(out: Path, method: str) -> Path:
 
 
 def read_run(run_dir: Path) -> dict:
-    """One method's run: its train and eval records (rank 0's metrics.jsonl) and its config.json."""
+    """One method's run: its train and eval records (rank 0's metrics.jsonl), its config.json, and
+    EDGC's profiling record (what profiling found; None for other methods and older runs)."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     config = json.loads((run_dir / "config.json").read_text())
+    profiling = next((r for r in lines if r["kind"] in ("profiled", "notice")
+                      and str(r.get("event", "")).startswith("edgc_")), None)
     return {"train": [r for r in lines if r["kind"] == "train"], "eval": [r for r in lines if r["kind"] == "eval"],
-            "config": config}
+            "config": config, "profiling": profiling}
