@@ -104,7 +104,7 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
     args = ["--out", str(out), "--preset", s.preset, "--steps", str(s.steps), "--micro-batch", str(s.micro_batch),
             "--seq-len", str(s.seq_len), "--vocab-size", str(s.vocab_size), "--eval-every", str(s.eval_every),
             "--eval-batches", str(s.eval_batches), "--seed", str(s.seed), "--no-progress", "--no-tensorboard",
-            "--comm-trace", "--device", "cpu"]
+            "--comm-trace", "--device", "cpu", "--ckpt-every", "-1"]  # no checkpoints: GBs per bench, never read
     if s.data:
         args += ["--data", s.data]
     if s.max_chars:

@@ -162,7 +162,8 @@ def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckp
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")
     args = train_args(s, "edgc", run_dir, s.r_max)
     args[args.index("--eval-every") + 1] = str(s.steps)  # one validation, at the end (as the torchft runs)
-    args += ["--auto-resume", "--ckpt-every", str(ckpt_every)]
+    args[args.index("--ckpt-every") + 1] = str(ckpt_every)  # this run resumes from its checkpoints
+    args += ["--auto-resume"]
     env = {"OMP_NUM_THREADS": str(s.threads), "EDGC_DIST_TIMEOUT": "60", "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     processes = []

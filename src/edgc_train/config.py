@@ -150,7 +150,7 @@ class TrainConfig:
     """Validation micro-batches per rank per evaluation (always the same held-out blocks). ≥ 1."""
 
     ckpt_every: int = 0
-    """Checkpoint every N optimizer steps (and always at the end); 0 = only at the end. ≥ 0."""
+    """Checkpoint every N optimizer steps (and always at the end or on a stop); 0 = only then; −1 = never (a run that cannot be resumed: benchmarks). ≥ −1."""
 
     tensorboard: bool = True
     """Also log metrics to TensorBoard (RUN_DIR/tb) when the tensorboard package is installed."""
@@ -253,7 +253,7 @@ class TrainConfig:
         check_num("compress_ratio", 0, 1, low_open=True)
         check_int("eval_every", 0)
         check_int("eval_batches", 1)
-        check_int("ckpt_every", 0)
+        check_int("ckpt_every", -1)
         for name in ("fsdp", "tensorboard", "comm_trace", "progress", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be true or false")

@@ -256,12 +256,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 val_loss = runner.evaluate()
                 metrics.write({"kind": "eval", "step": step, "wall_s": time.perf_counter() - t_start,
                                "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700))})
-            if final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+            if cfg.ckpt_every >= 0 and (final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
                 save_checkpoint(run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer,
                                 scheduler, cfg)
         if progress is not None:
             progress.close()
-        if step < cfg.steps:
+        if step < cfg.steps and cfg.ckpt_every < 0:
+            log(f"stopped at step {step} of {cfg.steps}; no checkpoint was written (--ckpt-every -1), so it cannot resume")
+        elif step < cfg.steps:
             log(f"stopped at step {step} of {cfg.steps}; continue with: edgc train --resume {run_dir}")
         elif master:
             summary = write_summary(run_dir)

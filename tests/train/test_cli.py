@@ -49,6 +49,13 @@ def small_run(tmp_path_factory, cache_dir):
     return run
 
 
+def test_ckpt_every_minus_one_writes_no_checkpoint(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), "--steps", "2", "--ckpt-every", "-1", "--compressor", "none",
+                 "--cache-dir", str(cache_dir), *FAST]) == 0
+    assert (run / "metrics.jsonl").is_file() and not list(run.glob("checkpoints/*"))
+
+
 @pytest.mark.parametrize("args,message", [
     (["--compressor", "zip"], "compressor: must be one of none, allreduce, allreduce-blocking, nosync, powersgd, torch-powersgd, edgc"),
     (["--steps", "ten"], "--steps: expected an integer, got 'ten'"),
