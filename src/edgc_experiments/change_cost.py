@@ -1,22 +1,32 @@
 """What one rank change costs the compression, measured on the very matrices the run compresses.
 
 A rank change (`EDGCConfig.rank_change`) replaces the warm start of PowerSGD's power iteration; what
-it throws away shows as a higher compression error in the steps after it, until the power
-iteration has settled again. A second run that never changes rank would see other matrices (its
-trajectory, its error feedback), and its noise would drown the difference. So `Shadows` follows
-the run instead: for each rank of an alternation it keeps a twin of the run's compressor, at that
-rank from the first compressed step on and never resized, and each step the twin compresses the
-same M = G + e as the run (G: this step's gradient, e: the run's error feedback). It only
-measures; training never sees it.
+it throws away shows as a higher compression error in the steps after it. A second run that never
+changes rank would see other matrices (its trajectory, its error feedback), and its noise would
+drown the difference. So `Shadows` follows the run instead: for each rank of an alternation it
+keeps a twin of the run's compressor at that rank, never resized, and each step the twin
+compresses the same M = G + e as the run (G: this step's gradient, e: the run's error feedback).
+It only measures; training never sees it.
 
-The cost of a change is the run's relative error ‖M − Ĝ‖²/‖M‖² minus the shadow's at the run's
-new rank, summed over the steps from the change to the next one. Part of that excess never
-settles, which the summary shows as the mean excess of each window's last half: error feedback
-puts the residual where the run's own Q left it out, a bias a shadow (whose residual is not fed
-back) does not share; so the sums bound a change's cost from above.
-`summarise` compares two rules (warm vs truncate) per seed: mean cost per change, rises and falls
-apart, and warm − ½·truncate, whose interval below 0 means the warm rule at least halves what a
-change costs.
+Twins come in two kinds (`twin`):
+
+* ``'run'``: the twin starts where the run started (the run's first Q, same seed, cut to the
+  twin's rank or extended by the columns the run itself would append). The power iteration
+  orthonormalises P column by column, so the first r columns of a rank-R iteration are a rank-r
+  iteration of their own: the twin at the run's first rank *is* the run until the first change,
+  and every twin is the run's power iteration had its rank never changed. At a change's first
+  step the run and the twin at the new rank see the same M and differ only by what the change did
+  to Q: that first step's excess is what the change threw away.
+* ``'independent'`` (another seed): an iteration that never shared the run's Q. It measures what
+  any two distinct power iterations differ by on the run's matrices, once settled. The run's own Q
+  sees less of the run's own residual than another iteration's Q does (e = (I − PPᵀ)M and Q = MᵀP
+  give e·Q = (I − PPᵀ)MMᵀP, which vanishes as P converges), so on M = G + e an outsider captures
+  part of e that the run cannot, and scores a lower error. After a change the run's Q is another
+  iteration than its twin's, so the excess settles near this level, whichever rule made the change.
+
+The summary gives per change the first step's excess and the excess summed from the change to the
+next one (of which the settled level above is most), rises and falls apart; `summarise` compares
+two rules per seed, and new − ½·old below 0 means the new rule at least halves what a change costs.
 """
 from __future__ import annotations
 
@@ -29,23 +39,27 @@ import torch
 from edgc.comm import Communicator
 from edgc.factors import matrix_shape
 from edgc.lowrank import LowRankCompressor
+from edgc.rank_change import resize_q
 
 from .common import fmt_interval, t_interval
+
+TWINS = ("run", "independent")
 
 class Shadows:
     """Never-resized twins of the run's compressor at fixed ranks, applied to the run's own M each step.
 
     Each twin is the engine itself (`LowRankCompressor`, the run's config without error feedback) at
     one rank: one warm-started power iteration per matrix per step, on a copy of M, in a world of one.
-    Its Q starts from another seed, as a second run's would: with the run's own seed, a twin at the
-    run's first rank would be the run itself, error feedback and all, and a static run's excess
-    (the control) would be 0 by construction.
+    ``twin``: 'run' (from the run's first Q) or 'independent' (another seed; see the module docstring).
     """
 
-    def __init__(self, compressor: LowRankCompressor, ranks: list[int]):
-        self.compressor = compressor
-        # M already holds the run's e; another seed: an independent start (see above)
-        config = dataclasses.replace(compressor.config, error_feedback=False, seed=compressor.config.seed + 1)
+    def __init__(self, compressor: LowRankCompressor, ranks: list[int], twin: str = "independent"):
+        if twin not in TWINS:
+            raise ValueError(f"twin must be one of {TWINS}, got {twin!r}")
+        self.compressor, self.twin = compressor, twin
+        # M already holds the run's e; 'truncate': a twin's first Q is cut or extended as the run's would be
+        seed = compressor.config.seed + (twin == "independent")
+        config = dataclasses.replace(compressor.config, error_feedback=False, rank_change="truncate", seed=seed)
         self.twins = {r: LowRankCompressor(config) for r in sorted(set(ranks))}
         self._comm = Communicator()  # no process group: a mean over one process
         self._m: dict[str, torch.Tensor] = {}
@@ -75,6 +89,10 @@ class Shadows:
         twins = {}
         for r, twin in self.twins.items():
             names = list(self._m)
+            for name in names if self.twin == "run" else ():
+                if name not in twin.q:  # the run's first Q at its first rank: the seeded draw `resize_q` makes
+                    n = self._m[name].shape[1]
+                    twin.q[name] = resize_q(twin, name, n, rank, self._m[name].device)
             stats = twin.reduce(names, [self._m[n].clone() for n in names], r, self._comm, measure_error=True)
             twins[r] = float(stats.error_sq / stats.norm_sq) if float(stats.norm_sq) > 0 else math.nan
         self.records.append((step, rank, error / norm if norm > 0 else math.nan, twins))
@@ -89,7 +107,7 @@ def change_costs(records: list) -> dict:
 
     def close() -> None:
         if opened is not None and window:  # the first window starts from the warm-up, not from a change
-            changes.append({"step": opened[0], "rise": opened[1], "cost": sum(window)})
+            changes.append({"step": opened[0], "rise": opened[1], "cost": sum(window), "first": window[0]})
             settled.extend(window[len(window) // 2:])
 
     for step, rank, run, shadows in records:
@@ -108,17 +126,25 @@ def _interval(values: list[float]) -> dict:
 
 
 def summarise(runs: dict[str, dict], seeds: list[int]) -> dict | None:
-    """{rule: {seed: run result}} of two alternations → per-seed costs and intervals; None if the
-    runs hold no shadow records (made before this instrument)."""
+    """{rule: {seed: run result}} of two alternations → per-seed costs and intervals: summed over each
+    window ('all', 'rises', 'falls') and the first step's alone (``first``: the same three); None if
+    the runs hold no shadow records (made before this instrument)."""
     if any("shadow" not in runs[rule][str(s)] for rule in runs for s in seeds):
         return None
+
+    def per_seed(costs: dict, key: str) -> dict:
+        return {
+            "all": _interval([mean(c[key] for c in costs[str(s)]["changes"]) for s in seeds]),
+            "rises": _interval([mean(c[key] for c in costs[str(s)]["changes"] if c["rise"]) for s in seeds]),
+            "falls": _interval([mean(c[key] for c in costs[str(s)]["changes"] if not c["rise"]) for s in seeds]),
+        }
+
     per_rule = {}
     for rule, by_seed in runs.items():
         costs = {str(s): change_costs(by_seed[str(s)]["shadow"]) for s in seeds}
         per_rule[rule] = {
-            "all": _interval([mean(c["cost"] for c in costs[str(s)]["changes"]) for s in seeds]),
-            "rises": _interval([mean(c["cost"] for c in costs[str(s)]["changes"] if c["rise"]) for s in seeds]),
-            "falls": _interval([mean(c["cost"] for c in costs[str(s)]["changes"] if not c["rise"]) for s in seeds]),
+            **per_seed(costs, "cost"),
+            "first": per_seed(costs, "first"),
             "settled": _interval([costs[str(s)]["settled_excess"] for s in seeds]),
             "changes": mean(len(costs[str(s)]["changes"]) for s in seeds),
         }
@@ -134,9 +160,11 @@ def steady_excess(runs: dict, seeds: list[int], rank: int) -> dict | None:
     return _interval([mean(run - shadows[str(rank)] for _, _, run, shadows in r) for r in records])
 
 
-def halving(per_rule: dict, new: str = "warm", old: str = "truncate") -> dict:
-    """new − ½·old per seed (below 0: the new rule at least halves the cost) and the ratio of the means."""
-    new_costs, old_costs = per_rule[new]["all"]["per_seed"], per_rule[old]["all"]["per_seed"]
+def halving(per_rule: dict, new: str = "warm", old: str = "truncate", first: bool = False) -> dict:
+    """new − ½·old per seed (below 0: the new rule at least halves the cost) and the ratio of the
+    means; of the window sums, or with ``first`` of the first step after each change."""
+    pick = (lambda rule: per_rule[rule]["first"]["all"]) if first else (lambda rule: per_rule[rule]["all"])
+    new_costs, old_costs = pick(new)["per_seed"], pick(old)["per_seed"]
     result = _interval([a - 0.5 * b for a, b in zip(new_costs, old_costs)])
     result["ratio"] = mean(new_costs) / mean(old_costs) if mean(old_costs) else math.nan
     return result
@@ -150,24 +178,36 @@ def shadow_record(shadows: Shadows) -> list:
 
 def paragraph(b: int, alternations: dict[str, dict], static: dict, stats: dict, seeds: list[int]) -> str:
     """The summary's sentences on a change's cost in compression error (`pareto`'s `--rank-change-cost`):
-    ``alternations`` {rule: runs by seed} alternate b/2 ↔ 3b/2, ``static`` runs at b; adds
-    'compression-cost' to ``stats``. Empty if the runs hold no shadow records."""
+    ``alternations`` {rule: runs by seed} alternate b/2 ↔ 3b/2 with twins that follow the run,
+    ``static`` runs at b with an independent twin; adds 'compression-cost' to ``stats``. Empty if
+    the runs hold no shadow records."""
     per_rule = summarise(alternations, seeds)
     if per_rule is None:
         return ""
-    halved = halving(per_rule)
-    stats["compression-cost"] = {**per_rule, "warm-minus-half-truncate": halved}
-    rules = "; ".join(f"{rule}: rises {fmt_interval(c['rises'], '+.3f')}, falls {fmt_interval(c['falls'], '+.3f')}, "
-                      f"all {fmt_interval(c['all'], '+.3f')}" for rule, c in per_rule.items())
+    halved, halved_first = halving(per_rule), halving(per_rule, first=True)
+    stats["compression-cost"] = {**per_rule, "warm-minus-half-truncate": halved,
+                                 "first-step-warm-minus-half-truncate": halved_first}
+
+    def split(c: dict) -> str:
+        return (f"rises {fmt_interval(c['rises'], '+.3f')}, falls {fmt_interval(c['falls'], '+.3f')}, "
+                f"all {fmt_interval(c['all'], '+.3f')}")
+
+    first = "; ".join(f"{rule}: {split(c['first'])}" for rule, c in per_rule.items())
+    sums = "; ".join(f"{rule}: {split(c)}" for rule, c in per_rule.items())
     settled = ", ".join(f"{rule} {fmt_interval(c['settled'], '+.4f')}" for rule, c in per_rule.items())
     text = (f" **In compression error** (the relative error ‖M − Ĝ‖²/‖M‖² of each `alt-` run minus that of "
-            f"never-resized power iterations at {b // 2} and {b + b // 2} on the same matrices, summed over the steps "
-            f"from a change to the next, mean per change): {rules}. Warm over truncate {halved['ratio']:.2f}×; "
-            f"warm − ½·truncate {fmt_interval(halved, '+.3f')} (below 0: the warm rule halves the cost). "
+            f"its twins: power iterations at {b // 2} and {b + b // 2} that started from the run's own Q, are "
+            f"never resized and see the run's M every step, i.e. the run had it never changed rank). "
+            f"*At a change's first step*, where run and twin see the same M and differ only by what the "
+            f"change did to Q: {first}; warm over truncate {halved_first['ratio']:.2f}×, warm − ½·truncate "
+            f"{fmt_interval(halved_first, '+.4f')} (below 0: the warm rule at least halves it). "
+            f"*Summed from a change to the next* (mean per change): {sums}; warm over truncate "
+            f"{halved['ratio']:.2f}×, warm − ½·truncate {fmt_interval(halved, '+.3f')}. "
             f"The excess left in the last half of each window (per step): {settled}.")
     control = steady_excess(static, seeds, b)
     if control is not None:
         stats["compression-cost"]["static"] = control
-        text += (f" Static {b}, which never changes, sits above its own never-resized twin by "
-                 f"{fmt_interval(control, '+.4f')} per step: the part of the excess that no change causes.")
+        text += (f" A static run at {b} sits above an *independent* twin (another seed) by "
+                 f"{fmt_interval(control, '+.4f')} per step: the level two distinct power iterations settle to "
+                 f"on the run's matrices, which no change causes and every change reaches.")
     return text

@@ -17,7 +17,9 @@ warm-up, `pareto_train`):
   gains) and for its changes; fast against slow, paired by seed, leaves the changes alone: their
   difference over the difference in changes is what one change costs, under each rule. The
   alternations also carry never-resized power iterations at both ranks on their own matrices
-  (`change_cost`): what a change costs in compression error.
+  (`change_cost`; the ``alt-`` ones start from the run's own Q, so they are the run had it never
+  changed rank): what a change costs in compression error. Static rank b carries one independent
+  twin: the level two distinct power iterations settle to on the same matrices.
 * ``cold``       (``--rank-change-cost``) static PowerSGD at rank b with Q re-drawn every step: no
   warm start at all. A rank change discards at most part of the warm start for the few steps the
   power iteration needs to settle again, so what ``cold`` loses per step bounds what a change can.
@@ -150,8 +152,10 @@ def arms(budget: int, steps: int, signals: list[str], hand_set: list[str], chang
             for mode in RANK_CHANGES:
                 result[f"{prefix}-{mode}"] = {**base, "r_max": high, "adaptive": False, "rank_schedule": entries,
                                               "rank_change": mode, "shadow_ranks": (low, high)}
+                if period == 1:  # the compression cost is read off these: twins that are the never-changed run
+                    result[f"{prefix}-{mode}"]["shadow_twin"] = "run"
         result["cold"] = {**result["static"], "cold_start": True}  # an instrument field (`pareto_train`)
-        # static's excess over a never-resized twin at its own rank: the part of the alternations' excess no change causes
+        # static's excess over an independent twin at its own rank: the level any two distinct iterations settle to
         result["static"] = {**result["static"], "shadow_ranks": (budget,)}
     return result
 
@@ -176,6 +180,8 @@ def resolved_config(fields: dict) -> dict:
         config["cold_start"] = True
     if fields.get("shadow_ranks"):
         config["shadow_ranks"] = list(fields["shadow_ranks"])
+    if fields.get("shadow_twin"):
+        config["shadow_twin"] = fields["shadow_twin"]
     return config
 
 

@@ -32,7 +32,7 @@ def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     return total / tokens
 
 
-INSTRUMENT_FIELDS = ("cold_start", "shadow_ranks")  # an arm's fields that are the instrument's, not EDGCConfig's
+INSTRUMENT_FIELDS = ("cold_start", "shadow_ranks", "shadow_twin")  # an arm's fields that are the instrument's, not EDGCConfig's
 
 
 def compressor_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +56,7 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     ``config_fields`` may also hold the instrument's own ``cold_start: True``: every step starts
     the power iteration from a newly drawn Q instead of the last step's (no warm start); and
     ``shadow_ranks``: never-resized power iterations at these ranks follow the run's matrices
+    (``shadow_twin``: 'run', from the run's own first Q, or 'independent', the default)
     (`change_cost.Shadows`), and the result's ``shadow`` holds their errors beside the run's."""
     import torch
     import torch.nn.functional as F
@@ -82,7 +83,8 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     cold_start = bool(config_fields.get("cold_start", False))
     state = EDGCState(None, EDGCConfig(**compressor_fields(config_fields)), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    shadows = Shadows(state.compressor, config_fields["shadow_ranks"]) if config_fields.get("shadow_ranks") else None
+    shadows = (Shadows(state.compressor, config_fields["shadow_ranks"], config_fields.get("shadow_twin", "independent"))
+               if config_fields.get("shadow_ranks") else None)
     start, bytes_at_warmup_end, decisions = time.perf_counter(), None, 0
     for _ in range(cfg.steps):
         x, y = sampler.next_batch()

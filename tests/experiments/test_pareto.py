@@ -19,6 +19,7 @@ def test_every_arm_spends_the_budget_of_static(budget):
     assert plan["cold"] == {**static, "cold_start": True}  # static, without the warm start
     assert plan["static"]["shadow_ranks"] == (budget,)  # its own twin: the excess no change causes
     assert plan["alt-warm"]["shadow_ranks"] == (budget // 2, budget + budget // 2)  # the alternation's two ranks
+    assert plan["alt-warm"]["shadow_twin"] == "run" and "shadow_twin" not in plan["static"]  # static: independent
     for name, fields in plan.items():
         controller = WindowController(EDGCConfig(**compressor_fields(fields)))
         for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
@@ -147,6 +148,7 @@ def test_change_costs_sum_the_excess_from_each_change_to_the_next():
     # the first window begins at the warm-up, not at a change: not counted
     assert [(c["step"], c["rise"]) for c in costs["changes"]] == [(4, False), (8, True)]
     assert [c["cost"] for c in costs["changes"]] == pytest.approx([0.2, 0.64])
+    assert [c["first"] for c in costs["changes"]] == pytest.approx([0.2, 0.4])  # what the change threw away at once
     assert costs["settled_excess"] == pytest.approx((0.0 + 0.0 + 0.0 + 0.04) / 4)  # last halves of those windows
 
 
@@ -167,6 +169,9 @@ def test_halving_compares_the_new_rule_with_half_the_old_per_seed():
     assert halved["ratio"] == pytest.approx(0.1 / (0.8 / 3))
     assert halved["high"] < 0  # warm costs less than half of truncate, in every seed
     assert halving(summarise({"warm": runs(0.4, 0.2), "truncate": runs(0.1, 0.1)}, [1, 2, 3]))["low"] > 0
+    # the excess sits on each change's first step here, so the first-step measure agrees with the sums
+    assert per_rule["warm"]["first"]["rises"]["per_seed"] == pytest.approx([0.101, 0.102, 0.103])
+    assert halving(per_rule, first=True)["ratio"] == pytest.approx(halved["ratio"])
     assert summarise({"warm": {"1": {"val_loss": 5.0}}}, [1]) is None  # runs from before the instrument
 
 
@@ -188,19 +193,27 @@ def test_shadow_records_the_compressors_own_error_and_its_own_power_iteration():
     from edgc_experiments.change_cost import Shadows
 
     compressor, comm = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0)), Communicator()
-    shadows = Shadows(compressor, [2, 4])
+    shadows = Shadows(compressor, [2, 4], twin="run")
+    independent = Shadows(compressor, [2], twin="independent")
     weight, bias = torch.nn.Parameter(torch.zeros(12, 9)), torch.nn.Parameter(torch.zeros(9))
     named = [("w", weight), ("b", bias)]
     generator = torch.Generator().manual_seed(5)
     for step in range(4):
         weight.grad, bias.grad = torch.randn(12, 9, generator=generator), torch.randn(9, generator=generator)
         shadows.before_sync(named)
+        independent.before_sync(named)
         stats = compressor.reduce(["w"], [weight.grad], 2, comm, measure_error=True)
         shadows.after_sync(named, step, 2)
+        independent.after_sync(named, step, 2)
         _, rank, run, by_rank = shadows.records[-1]
         assert rank == 2 and set(by_rank) == {2, 4}
         assert run == pytest.approx(float(stats.error_sq / stats.norm_sq), rel=1e-5)  # the engine's own measure
         assert by_rank[4] < by_rank[2] < 1  # a higher rank approximates the same matrices better
+        assert by_rank[2] == pytest.approx(run, abs=1e-6)  # the twin at the run's rank is the run: no excess
+        # the first columns of a rank-4 power iteration are a rank-2 one (Q's signs aside)
+        torch.testing.assert_close(shadows.twins[4].q["w"][:, :2].abs(), shadows.twins[2].q["w"].abs())
     assert shadows.twins[2].q["w"].shape == (9, 2) and "b" not in shadows.twins[2].q  # vectors are not matrices
     assert not shadows.twins[2].error and compressor.error  # the twins keep no error feedback of their own
-    assert shadows.twins[2].config.seed != compressor.config.seed  # an independent start, as a second run's
+    assert independent.records[0][3][2] != pytest.approx(shadows.records[0][3][2], abs=1e-6)  # another start
+    with pytest.raises(ValueError, match="twin"):
+        Shadows(compressor, [2], twin="twin")
