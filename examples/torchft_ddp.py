@@ -69,15 +69,22 @@ def train() -> None:
         loss.backward()
         optimizer.step()  # commits the step, or discards it (EDGC rolls back) if the quorum failed
         if step % 6 == 0:
-            print(f"[group {group}] step {step} loss {loss.item():.4f} participants {manager.num_participants()} "
-                  f"committed {state.last_step_metrics.get('committed')}", flush=True)
+            say(f"[group {group}] step {step} loss {loss.item():.4f} participants {manager.num_participants()} "
+                f"committed {state.last_step_metrics.get('committed')}")
     m = state.last_step_metrics
-    print(f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    say(f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
     checksum = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double().sum().item()
-    print(f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
-          f"heals {state.heals} checksum {checksum.hex()}", flush=True)
+    say(f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
+        f"heals {state.heals} checksum {checksum.hex()}")
     manager.shutdown(wait=False)
+
+
+def say(line: str) -> None:
+    """One line in one write: the groups share the terminal, and print() writes the newline apart,
+    so two groups finishing together could otherwise glue their lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def launch(groups: int, kill_at: int) -> int:
