@@ -100,8 +100,9 @@ class Shadows:
 
 def change_costs(records: list) -> dict:
     """Per change of one run (records as `shadow_record` writes them): the excess of the run's error
-    over the shadow's at the new rank, summed over the steps until the next change, and the mean
-    excess of the windows' last halves (what never settles: see the module docstring)."""
+    over the twin's at the new rank, summed over the steps until the next change (``cost``) and at
+    the change's first step (``first``), and the mean excess of the windows' last halves (the level
+    it settles to: see the module docstring)."""
     changes, settled, window = [], [], []
     opened = previous = None  # opened: (step, rise) of the change that began this window; None for the first
 
@@ -152,8 +153,9 @@ def summarise(runs: dict[str, dict], seeds: list[int]) -> dict | None:
 
 
 def steady_excess(runs: dict, seeds: list[int], rank: int) -> dict | None:
-    """A run that never changes rank, against its shadow at that rank: the mean excess per step,
-    per seed (the bias no change causes); None if the runs hold no shadow at ``rank``."""
+    """A run that never changes rank, against its (independent) twin at that rank: the mean excess
+    per step, per seed (the level two distinct iterations settle to); None if the runs hold no twin
+    at ``rank``."""
     records = [runs[str(s)].get("shadow") for s in seeds]
     if not all(records) or any(str(rank) not in r[0][3] for r in records):
         return None
