@@ -56,8 +56,8 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     ``config_fields`` may also hold the instrument's own ``cold_start: True``: every step starts
     the power iteration from a newly drawn Q instead of the last step's (no warm start); and
     ``shadow_ranks``: never-resized power iterations at these ranks follow the run's matrices
-    (``shadow_twin``: 'run', from the run's own first Q, or 'independent', the default)
-    (`change_cost.Shadows`), and the result's ``shadow`` holds their errors beside the run's."""
+    (`change_cost.Shadows`; ``shadow_twin``: 'run', from the run's own first Q, or 'independent',
+    the default), and the result's ``shadow`` holds their errors beside the run's."""
     import torch
     import torch.nn.functional as F
 
