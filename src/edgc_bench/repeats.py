@@ -3,10 +3,11 @@
     python -m edgc_bench.repeats runs/bench-18 runs/bench-18-r2 …
 
 One row per finished DDP bench that ran ``edgc``, ``powersgd@rmax`` and ``nosync``: the link rate,
-the load when it started, how EDGC settled r_max (its run's profiling record), EDGC's and static PowerSGD at r_max's median step over the compute floor,
-EDGC's step over static's, both times to target, and EDGC's own cost up to the target against the
-most its lower ranks could save by then (`edgc_bench.table.recovery`). Then, per link rate and way
-of profiling, the range of each ratio and how many runs met each target. Benches of other kinds are skipped, named.
+the load when it started, how EDGC settled r_max (its run's profiling record), EDGC's and static
+PowerSGD at r_max's median step over the compute floor, EDGC's step over static's, both times to
+target, and EDGC's own cost up to the target against the most its lower ranks could save by then
+(`edgc_bench.table.recovery`). Then, per link rate and way of profiling, the range of each ratio
+and how many runs met each target. Benches of other kinds are skipped, named.
 """
 from __future__ import annotations
 

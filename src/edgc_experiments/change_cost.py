@@ -86,16 +86,20 @@ class Shadows:
             if self.compressor.compressed_rank(tuple(matrix.shape), rank):  # raw-sent matrices have no error
                 error += float((matrix - grads[name].reshape(matrix.shape).float()).square().sum())
                 norm += float(matrix.square().sum())
-        twins = {}
+        twins, names = {}, list(self._m)
         for r, twin in self.twins.items():
-            names = list(self._m)
-            for name in names if self.twin == "run" else ():
-                if name not in twin.q:  # the run's first Q at its first rank: the seeded draw `resize_q` makes
-                    n = self._m[name].shape[1]
-                    twin.q[name] = resize_q(twin, name, n, rank, self._m[name].device)
+            if self.twin == "run":
+                self._start_where_the_run_did(twin, rank)
             stats = twin.reduce(names, [self._m[n].clone() for n in names], r, self._comm, measure_error=True)
             twins[r] = float(stats.error_sq / stats.norm_sq) if float(stats.norm_sq) > 0 else math.nan
         self.records.append((step, rank, error / norm if norm > 0 else math.nan, twins))
+
+    def _start_where_the_run_did(self, twin: LowRankCompressor, rank: int) -> None:
+        """Give a matrix the twin has not seen the run's first Q: the seeded draw `resize_q` makes at the
+        run's rank (the twin's own `reduce` then cuts or extends it as the run would)."""
+        for name, matrix in self._m.items():
+            if name not in twin.q:
+                twin.q[name] = resize_q(twin, name, matrix.shape[1], rank, matrix.device)
 
 
 def change_costs(records: list) -> dict:

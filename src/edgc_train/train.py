@@ -93,7 +93,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
 
 
 def verify_replicas(module: torch.nn.Module, group) -> None:
-    """Data-parallel replicas must hold bit-identical parameters; a checkpoint refuses to save drift.
+    """Data-parallel replicas must hold bit-identical parameters: checked before every checkpoint (which
+    refuses to save drift) and at the end of every run, checkpointed or not.
 
     Sharded (FSDP) parameters are compared by their local shards: replicas of a shard hold the same."""
     digest = hashlib.sha256()
@@ -105,13 +106,12 @@ def verify_replicas(module: torch.nn.Module, group) -> None:
     dist.all_gather_object(digests, digest.hexdigest(), group=group)
     if len(set(digests)) != 1:
         raise RuntimeError(f"data-parallel replicas diverged (parameter digests {sorted(set(digests))}); "
-                           "not saving a checkpoint of inconsistent replicas")
+                           "no checkpoint of inconsistent replicas is saved")
 
 
 def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: int, runner, optimizer, scheduler,
                     cfg: TrainConfig) -> None:
-    if cfg.compressor != "nosync":  # the compute floor never syncs: its replicas drift by design
-        verify_replicas(runner.module, runner.dp_group)
+    """Every rank writes its files of ``step`` (the replicas were verified just before: `verify_replicas`)."""
     tmp = ckpt.tmp_dir_for(run_dir, step)
     if rank == 0:
         if tmp.exists():  # left by a run that crashed while saving this step: incomplete by definition
@@ -256,7 +256,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 val_loss = runner.evaluate()
                 metrics.write({"kind": "eval", "step": step, "wall_s": time.perf_counter() - t_start,
                                "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700))})
-            if cfg.ckpt_every >= 0 and (final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
+            checkpoint = cfg.ckpt_every >= 0 and (final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+            if (checkpoint or final) and cfg.compressor != "nosync":  # nosync never syncs: drift by design
+                verify_replicas(runner.module, runner.dp_group)
+            if checkpoint:
                 save_checkpoint(run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer,
                                 scheduler, cfg)
         if progress is not None:

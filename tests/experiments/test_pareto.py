@@ -17,7 +17,7 @@ def test_every_arm_spends_the_budget_of_static(budget):
     plan = arms(budget, 400, ["schedule", "gradnorm"], ["hand-3", "hand-2"], True)
     static = {k: v for k, v in plan["static"].items() if k != "shadow_ranks"}
     assert plan["cold"] == {**static, "cold_start": True}  # static, without the warm start
-    assert plan["static"]["shadow_ranks"] == (budget,)  # its own twin: the excess no change causes
+    assert plan["static"]["shadow_ranks"] == (budget,)  # an independent twin: where two iterations settle apart
     assert plan["alt-warm"]["shadow_ranks"] == (budget // 2, budget + budget // 2)  # the alternation's two ranks
     assert plan["alt-warm"]["shadow_twin"] == "run" and "shadow_twin" not in plan["static"]  # static: independent
     for name, fields in plan.items():
