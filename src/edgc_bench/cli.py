@@ -68,6 +68,9 @@ def register(subparsers) -> None:
     p.add_argument("--kill-at", type=int, default=None, help="with --torchft: the step host 1 is killed at (default steps/2)")
     p.add_argument("--ckpt-every", type=int, default=10,
                    help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=DEFAULTS.rounds,
+                   help="run the method list N times, reversed on even rounds, each round in OUT/round-K/; "
+                        "bench.md gives every round and the mean of its ratios (1–9, default %(default)s)")
     p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -122,6 +125,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
             edgc[key] = json.loads(value)
         except ValueError:
             edgc[key] = value
+    if not 1 <= args.rounds <= 9:
+        raise CLIError(f"--rounds: must be in [1, 9], got {args.rounds}")
+    if args.rounds > 1 and (args.torchft or args.link_only):
+        raise CLIError("--rounds: repeats the method comparison; drop it with --torchft or --link-only")
     if not 0 < args.compress_ratio <= 1:
         raise CLIError(f"--compress-ratio: must be in (0, 1], got {args.compress_ratio}")
     return BenchSettings(
@@ -134,7 +141,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
         run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars,
         fsdp=args.fsdp, tp=tp, pp=pp, grad_accum=grad_accum, interstage=args.interstage,
-        interstage_rank=positive("interstage-rank", args.interstage_rank))
+        interstage_rank=positive("interstage-rank", args.interstage_rank), rounds=args.rounds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
         if (out / "calibration.json").exists():
             raise CLIError(f"--out: {out}/calibration.json already exists; choose a new folder")
         return link_only(settings, out)
-    if (out / "runs").exists():
-        raise CLIError(f"--out: {out}/runs already exists; choose a new folder")
+    if (out / "runs").exists() or (out / "round-1").exists():
+        raise CLIError(f"--out: {out} already holds a bench; choose a new folder")
     from .run import run_bench
 
     command = "edgc bench" + ("".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:])

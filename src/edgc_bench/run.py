@@ -7,6 +7,12 @@ rank) differ. Then it reads every run's ``metrics.jsonl`` and writes the compari
 
 Order: ``none`` first (its final validation loss is everyone's target), then ``edgc`` (its profiled
 r_max fixes the ranks of ``powersgd@rmax``, ``powersgd@rmin`` and ``torch-powersgd``), then the rest.
+
+Rounds (``rounds`` > 1): the whole method list runs again, in reverse order on even rounds, each
+round a complete bench folder ``round-K/``; round 1's r_max fixes the static ranks of every round.
+A machine whose speed drifts over minutes (a shared VM) then slows the methods run late in one
+round and early in the next: a steady drift cancels in the mean of the rounds' ratios (an ABBA
+design), and the rounds' spread shows how much the machine moved (`edgc_bench.repeats`).
 """
 from __future__ import annotations
 
@@ -65,6 +71,7 @@ class BenchSettings:
     grad_accum: int = 1  # micro-batches per step (with --pp: the pipeline's micro-batches, ≥ pp)
     interstage: str = "off"  # activation gradients between stages: off | all | cooldown (edgc train --interstage)
     interstage_rank: int = 8  # their rank (with edgc: the upper bound of the rank that follows the entropy)
+    rounds: int = 1  # times the method list runs, reversed on even rounds (see the module docstring); 1–9
 
     @property
     def pipeline(self) -> bool:
@@ -171,47 +178,83 @@ def edgc_r_max(run: dict) -> int | None:
     return max(ranks) if ranks else None
 
 
+def round_order(methods: list[str], round_: int) -> list[str]:
+    """Round 1 (and every odd round) in the bench's order; even rounds reversed, so that each method
+    runs as far from its place in the previous round as the list allows."""
+    order = execution_order(methods)
+    return order if round_ % 2 else order[::-1]
+
+
 def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
+    """Every method (every round of them) on one emulated network; writes bench.md and results.json."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "runs").mkdir(exist_ok=True)
     started = time.time()
     load_start = os.getloadavg()
     from edgc_train.data import prepare_data
 
     prepare_data(s.data, s.vocab_size, 0.1, s.max_chars, None, log=lambda *a, **k: None)  # once, before the hosts
-    results: dict[str, dict] = {}
-    r_max = s.r_max
-    notes: list[str] = []
     with Network(s.hosts, s.rate_mbit) as net:
         layout = f" (TP{s.tp} × PP{s.pp} per host, DP{s.hosts} across)" if s.pipeline else ""
         say(f"network: {s.hosts} hosts × {s.nproc} processes{layout}, "
             f"{'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link (tbf both ends)")
         calibration = run_calibration(net, s, out)
         say(calibrate.table(calibration, s.rate_mbit))
-        for method in execution_order(list(s.methods)):
-            if method != "edgc" and ("@r" in method or method == "torch-powersgd") and r_max is None:
-                r_max = 8
-                notes.append("r_max was not profiled (EDGC not run or never compressed): static ranks use r_max = 8")
-            run_dir = method_dir(out, method)
-            argv = ["edgc_cli.main", "train", *train_args(s, method, run_dir, r_max)]
-            say(f"[{time.time() - started:6.0f} s] {method}: edgc train {shlex.join(argv[2:])}")
-            t0 = time.time()
-            codes = launch(net, s, argv, run_dir.parent / f"{run_dir.name}.log", s.run_timeout_s)
-            if any(codes) or not (run_dir / "metrics.jsonl").exists():
-                notes.append(f"{method}: failed (exit codes {codes}); see runs/{method.replace('@', '-')}.log")
-                say(f"  {method} failed: exit codes {codes}")
-                continue
-            run = read_run(run_dir)
-            run["wall_total_s"] = time.time() - t0
-            run["powersgd_rank"] = run["config"].get("powersgd_rank")
-            results[method] = run
-            if method == "edgc" and r_max is None:
-                r_max = edgc_r_max(run)
-                if r_max is None:
-                    notes.append("EDGC never compressed (profiling found no rank faster than uncompressed)")
-            say(f"  done in {time.time() - t0:.0f} s: val_loss {run['eval'][-1]['val_loss']:.4f}")
+        if s.rounds == 1:
+            return run_round(net, s, out, execution_order(list(s.methods)), s.r_max, calibration, command, say,
+                             started, load_start)
+        rounds, r_max = [], s.r_max
+        for k in range(1, s.rounds + 1):
+            order = round_order(list(s.methods), k)
+            say(f"round {k} of {s.rounds}: {', '.join(order)}")
+            summary = run_round(net, s, out / f"round-{k}", order, r_max, calibration, command, say, started)
+            r_max = summary["r_max"]  # round 1's profiled r_max: every round's static ranks are the same
+            rounds.append(summary)
+    from .repeats import rounds_markdown
+
+    summary = {"settings": s.__dict__ | {"methods": list(s.methods)}, "command": command, "r_max": r_max,
+               "rounds": [f"round-{k}" for k in range(1, s.rounds + 1)],
+               "notes": [f"round {k}: {note}" for k, r in enumerate(rounds, 1) for note in r["notes"]],
+               "elapsed_s": time.time() - started, "load_start": load_start, "load_end": os.getloadavg(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "bench.md").write_text(rounds_markdown(out, summary))
+    return summary
+
+
+def run_round(net: Network, s: BenchSettings, out: Path, order: list[str], r_max: int | None,
+              calibration: list[dict], command: str, say, bench_started: float,
+              load_start: tuple[float, float, float] | None = None) -> dict:
+    """Train every method of ``order`` once into ``out/runs``; write out's results.json, bench.md, plots."""
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    load_start = load_start or os.getloadavg()
+    results: dict[str, dict] = {}
+    notes: list[str] = []
+    for method in order:
+        if method != "edgc" and ("@r" in method or method == "torch-powersgd") and r_max is None:
+            r_max = 8
+            notes.append("r_max was not profiled (EDGC not run or never compressed): static ranks use r_max = 8")
+        run_dir = method_dir(out, method)
+        argv = ["edgc_cli.main", "train", *train_args(s, method, run_dir, r_max)]
+        say(f"[{time.time() - bench_started:6.0f} s] {method}: edgc train {shlex.join(argv[2:])}")
+        t0 = time.time()
+        codes = launch(net, s, argv, run_dir.parent / f"{run_dir.name}.log", s.run_timeout_s)
+        if any(codes) or not (run_dir / "metrics.jsonl").exists():
+            notes.append(f"{method}: failed (exit codes {codes}); see runs/{method.replace('@', '-')}.log")
+            say(f"  {method} failed: exit codes {codes}")
+            continue
+        run = read_run(run_dir)
+        run["wall_total_s"] = time.time() - t0
+        run["powersgd_rank"] = run["config"].get("powersgd_rank")
+        results[method] = run
+        if method == "edgc" and r_max is None:
+            r_max = edgc_r_max(run)
+            if r_max is None:
+                notes.append("EDGC never compressed (profiling found no rank faster than uncompressed)")
+        say(f"  done in {time.time() - t0:.0f} s: val_loss {run['eval'][-1]['val_loss']:.4f}")
     summary = {"settings": s.__dict__ | {"methods": list(s.methods)}, "command": command, "calibration": calibration,
-               "r_max": r_max, "notes": notes, "elapsed_s": time.time() - started,
+               "r_max": r_max, "notes": notes, "elapsed_s": time.time() - started, "order": order,
+               "round": out.name if s.rounds > 1 else None,
                "load_start": load_start, "load_end": os.getloadavg(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
     summary["rows"] = table.rows(results, r_max, s.pipeline)

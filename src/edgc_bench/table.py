@@ -278,6 +278,14 @@ def _median_step(run: dict) -> float:
     return statistics.median(times or [r["step_time_s"] for r in run["train"]])
 
 
+def _took(summary: dict) -> str:
+    """How long the bench took, or for one round of several: which round, in which order, how long."""
+    minutes = f"{summary['elapsed_s'] / 60:.1f} min"
+    if not summary.get("round"):
+        return f"whole bench {minutes}"
+    return f"{summary['round']} of {summary['settings']['rounds']} (order {', '.join(summary['order'])}) {minutes}"
+
+
 def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
     from .calibrate import table as calibration_table
 
@@ -300,7 +308,7 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         f"{rate} per host link (tc tbf on both ends of each veth), preset `{s['preset']}`, "
         f"{s['micro_batch']} × {s['seq_len']} tokens per rank per step, {s['steps']} steps, seed {s['seed']}; "
         f"uncompressed communication share (sync after backward) {share}; EDGC r_max = {summary['r_max']}. "
-        f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; whole bench {summary['elapsed_s'] / 60:.1f} min.\n",
+        f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; {_took(summary)}.\n",
         result_table(rows_, bool(s.get("fsdp"))),
         ("Ratios are to `none` (native HSDP: FSDP2's own replica all-reduce) in the same " if s.get("fsdp") else
          "Ratios are to `none` (DDP with no hook: its native all-reduce, overlapped with backward) in the same ")
@@ -338,8 +346,7 @@ def _pipeline_markdown(summary: dict, rate: str) -> str:
         f"{rate} per host link (tc tbf on both ends of each veth), preset `{s['preset']}`, {s['grad_accum']} "
         f"micro-batches of {s['micro_batch']} × {s['seq_len']} tokens per step, {s['steps']} steps, seed {s['seed']}; "
         f"inter-stage {s['interstage']} at rank {s['interstage_rank']}; EDGC r_max = {summary['r_max']}. "
-        f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; whole bench "
-        f"{summary['elapsed_s'] / 60:.1f} min.\n",
+        f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; {_took(summary)}.\n",
         pipeline_table(summary["rows"]),
         "Ratios are to `none` (each stage all-reduces its gradients uncompressed) in the same invocation; every "
         "method runs the same `--interstage` setting, so the methods differ only in the DP sync. Step "
@@ -395,8 +402,16 @@ def plots(results: dict[str, dict], out: Path) -> None:
 
 
 def rewrite(out: Path) -> Path:
-    """Re-render ``OUT/bench.md`` and the plots from a finished bench's results.json and run folders."""
+    """Re-render ``OUT/bench.md`` and the plots from a finished bench's results.json and run folders
+    (for a bench of several rounds: every round's, then the rounds' summary)."""
     summary = json.loads((out / "results.json").read_text())
+    if summary.get("rounds"):
+        from .repeats import rounds_markdown
+
+        for name in summary["rounds"]:
+            rewrite(out / name)
+        (out / "bench.md").write_text(rounds_markdown(out, summary))
+        return out / "bench.md"
     results = {r["method"]: read_run(method_dir(out, r["method"])) for r in summary["rows"]}
     s = summary["settings"]
     summary["rows"] = rows(results, summary["r_max"], s.get("tp", 1) > 1 or s.get("pp", 1) > 1)
