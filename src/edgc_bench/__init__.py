@@ -6,6 +6,7 @@ Modules:
     run_folder.py   the bench folder's layout (one run folder per method) and `read_run`
     table.py        the comparison table, its checks and plots, from the run folders
     repeats.py      repeated benches side by side: each ratio's range, how often each target held
+    rounds.py       `--rounds N`: the rounds (order reversed on even ones) side by side, their mean ratios
     netns.py        emulated hosts: network namespaces, a bridge, tbf rate-limited veth links
     calibrate.py    the link sweep: all-reduce time vs message size on the emulated network
     stages.py       do pipeline stages finish their sync closer together with DAC?

@@ -8,7 +8,7 @@ PowerSGD at r_max's median step over the compute floor, EDGC's step over static'
 target, and EDGC's own cost up to the target against the most its lower ranks could save by then
 (`edgc_bench.table.recovery`). Then, per link rate and way of profiling, the range of each ratio
 and how many runs met each target. Benches of other kinds are skipped, named. A bench of several
-rounds (``edgc bench --rounds N``) counts as its rounds; its own bench.md is `rounds_markdown`.
+rounds (``edgc bench --rounds N``) counts as its rounds (its own bench.md: `edgc_bench.rounds`).
 """
 from __future__ import annotations
 
@@ -111,50 +111,6 @@ def expand(paths: list[Path]) -> list[Path]:
         rounds = json.loads(summary_path.read_text()).get("rounds") if summary_path.exists() else None
         out += [path / name for name in rounds] if rounds else [path]
     return out
-
-
-def means(measured: list[dict]) -> list[str]:
-    """The rounds of one bench taken together: the mean of each ratio (in an ABBA order a steady drift
-    of the machine cancels in it), judged against the bench's targets, with the rounds' range."""
-    n, limit = len(measured), floor_target(measured[0]["rate_mbit"])
-
-    def mean(key: str, then: str = "") -> str:
-        values = [m[key] for m in measured]
-        return f"{sum(values) / n:.3f} (rounds {min(values):.3f}–{max(values):.3f}{then})"
-
-    edgc_x = sum(m["edgc_floor_x"] for m in measured) / n
-    beat = sum(edgc_first(m["ttt_edgc"], m["ttt_static"]) for m in measured)
-    both = [m for m in measured if m["ttt_edgc"] is not None and m["ttt_static"] is not None]
-    ttt = (f"; mean over the {len(both)} round(s) where both reached it: EDGC "
-           f"{sum(m['ttt_edgc'] for m in both) / len(both):.1f} s vs static "
-           f"{sum(m['ttt_static'] for m in both) / len(both):.1f} s" if both else "")
-    return [f"EDGC step × floor, mean of {n} rounds: {mean('edgc_floor_x', f'; target ≤ {limit:.2f}')}: "
-            f"{'holds' if edgc_x <= limit else 'MISSED'}",
-            f"static PowerSGD at r_max × floor, mean: {mean('static_floor_x')}",
-            f"EDGC ÷ static PowerSGD at r_max step, mean: {mean('edgc_static_x')}",
-            f"time to target: EDGC below static PowerSGD at r_max in {beat} of {n} rounds{ttt}"]
-
-
-def rounds_markdown(out: Path, summary: dict) -> str:
-    """bench.md of a bench of several rounds: the rounds side by side, their means, links to each
-    round's own table (with its calibration, notes and plots)."""
-    rounds = [out / name for name in summary["rounds"]]
-    measured = [m for m in map(measure, rounds) if m]
-    s, load = summary["settings"], (summary["load_start"][0], summary["load_end"][0])
-    parts = ["# edgc bench\n", f"Date: {summary['date']}. Command: `{summary['command']}`\n", "<!-- bench:start -->",
-             f"`{summary['command']}` — {summary['date']}, {len(rounds)} rounds of {', '.join(s['methods'])} on "
-             f"{s['hosts']} hosts, {_rate(s['rate_mbit'])} per host link, each round in the reverse order of the one "
-             f"before; load average {load[0]:.1f} at start, {load[1]:.1f} at end; whole bench "
-             f"{summary['elapsed_s'] / 60:.1f} min.\n"]
-    if measured:
-        parts += [table(measured), *[f"- {line}" for line in means(measured)]]
-    else:
-        parts.append("No round ran edgc, powersgd@rmax and nosync on plain DDP: see each round's own table.")
-    parts += ["<!-- bench:end -->\n", "Each round's own table, link calibration and plots: "
-              + ", ".join(f"[{r.name}]({r.name}/bench.md)" for r in rounds) + ".\n"]
-    if summary["notes"]:
-        parts += ["## Notes\n", *[f"- {n}" for n in summary["notes"]], ""]
-    return "\n".join(parts)
 
 
 def render(paths: list[Path]) -> str:

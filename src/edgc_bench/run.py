@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import calibrate, table
 from .netns import Network
+from .rounds import rounds_markdown
 from .run_folder import method_dir, read_run
 
 ALL_METHODS = ("none", "allreduce", "allreduce-blocking", "nosync", "fp16", "bf16", "powersgd@rmax", "powersgd@rmin",
@@ -209,8 +210,6 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
             summary = run_round(net, s, out / f"round-{k}", order, r_max, calibration, command, say, started)
             r_max = summary["r_max"]  # round 1's profiled r_max: every round's static ranks are the same
             rounds.append(summary)
-    from .repeats import rounds_markdown
-
     summary = {"settings": s.__dict__ | {"methods": list(s.methods)}, "command": command, "r_max": r_max,
                "rounds": [f"round-{k}" for k in range(1, s.rounds + 1)],
                "notes": [f"round {k}: {note}" for k, r in enumerate(rounds, 1) for note in r["notes"]],

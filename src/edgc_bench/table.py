@@ -402,16 +402,10 @@ def plots(results: dict[str, dict], out: Path) -> None:
 
 
 def rewrite(out: Path) -> Path:
-    """Re-render ``OUT/bench.md`` and the plots from a finished bench's results.json and run folders
-    (for a bench of several rounds: every round's, then the rounds' summary)."""
+    """Re-render ``OUT/bench.md`` and the plots from a finished bench's results.json and run folders."""
     summary = json.loads((out / "results.json").read_text())
     if summary.get("rounds"):
-        from .repeats import rounds_markdown
-
-        for name in summary["rounds"]:
-            rewrite(out / name)
-        (out / "bench.md").write_text(rounds_markdown(out, summary))
-        return out / "bench.md"
+        raise SystemExit(f"{out} is a bench of rounds: python -m edgc_bench.rounds {out}")
     results = {r["method"]: read_run(method_dir(out, r["method"])) for r in summary["rows"]}
     s = summary["settings"]
     summary["rows"] = rows(results, summary["r_max"], s.get("tp", 1) > 1 or s.get("pp", 1) > 1)

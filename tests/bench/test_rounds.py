@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from edgc_bench import repeats, run as bench_run, table
+from edgc_bench import repeats, rounds, run as bench_run
 
 BASE_STEP_S = {"none": 2.0, "nosync": 0.8, "powersgd@rmax": 1.0, "edgc": 0.9}  # true EDGC × floor: 1.125
 DRIFT = 0.05  # each launch runs 5 % slower than the one before
@@ -77,7 +77,7 @@ def test_rounds_reverse_the_order_and_their_mean_cancels_a_steady_drift(tmp_path
     assert "round-2 of 2 (order powersgd@rmax, nosync, edgc, none)" in round_text
     # The repeats view and the re-rendering both see the rounds.
     assert f"{tmp_path.name}/round-2" in repeats.render([tmp_path])
-    table.rewrite(tmp_path)
+    rounds.rewrite(tmp_path)
     assert (tmp_path / "bench.md").read_text() == text
 
 
