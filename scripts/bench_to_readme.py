@@ -7,7 +7,9 @@ It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:en
 <!-- bench-tp-table:start/end --> for one of `edgc bench --tp/--pp`,
 <!-- bench-torchft-table:start/end --> for one of `edgc bench --torchft`,
 <!-- bench-slow-link-table:start/end --> for a DDP bench at a rate below 1 Gbit/s, and
-<!-- bench-rmax-table:start/end --> for one at 1 Gbit/s with EDGC's r_max given by `--r-max`)
+<!-- bench-rmax-table:start/end --> for one at 1 Gbit/s with EDGC's r_max given by `--r-max`,
+<!-- bench-rounds-table:start/end --> for the rounds of `edgc bench --rounds N` at 1 Gbit/s and
+<!-- bench-slow-link-rounds-table:start/end --> for those at a lower rate)
 (adding both markers at the end of the README when they are missing), so the README's numbers are
 always the ones a real `edgc bench` produced, never typed by hand.
 """
@@ -28,6 +30,9 @@ TP_START, TP_END = "<!-- bench-tp-table:start -->", "<!-- bench-tp-table:end -->
 TORCHFT_START, TORCHFT_END = "<!-- bench-torchft-table:start -->", "<!-- bench-torchft-table:end -->"
 # `--r-max N` (EDGC skips profiling r_max on the link): beside the profiled run, not over it.
 RMAX_START, RMAX_END = "<!-- bench-rmax-table:start -->", "<!-- bench-rmax-table:end -->"
+# `--rounds N`: the rounds side by side and the mean of their ratios, beside the single runs.
+ROUNDS_START, ROUNDS_END = "<!-- bench-rounds-table:start -->", "<!-- bench-rounds-table:end -->"
+SLOW_ROUNDS_START, SLOW_ROUNDS_END = "<!-- bench-slow-link-rounds-table:start -->", "<!-- bench-slow-link-rounds-table:end -->"
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -60,6 +65,9 @@ def main(argv: list[str]) -> int:
         markers = (TORCHFT_START, TORCHFT_END)
     elif re.search(r"hosts × TP\d+ × PP\d+", table):
         markers = (TP_START, TP_END)
+    elif re.search(r"\d+ rounds of ", table.splitlines()[0]):
+        slow = rate and float(rate.group(1)) < 1000
+        markers = (SLOW_ROUNDS_START, SLOW_ROUNDS_END) if slow else (ROUNDS_START, ROUNDS_END)
     elif " as HSDP " in table:
         markers = (HSDP_START, HSDP_END)
     elif rate and float(rate.group(1)) < 1000:

@@ -106,9 +106,14 @@ def test_readme_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_scrip
     bench = tmp_path / "bench.md"
     for first_line, rows in (("`edgc bench --out a` — 1000 Mbit/s per host link", "| one |"),
                              ("`edgc bench --out b --r-max 8` — 1000 Mbit/s per host link", "| two |"),
-                             ("`edgc bench --out c --rate-mbit 100` — 100 Mbit/s per host link", "| three |")):
+                             ("`edgc bench --out c --rate-mbit 100` — 100 Mbit/s per host link", "| three |"),
+                             ("`edgc bench --out d --rounds 2` — today, 2 rounds of none, edgc on 2 hosts, "
+                              "1000 Mbit/s per host link", "| four |"),
+                             ("`edgc bench --out e --rounds 2 --rate-mbit 100` — today, 2 rounds of none, edgc on "
+                              "2 hosts, 100 Mbit/s per host link", "| five |")):
         bench.write_text(f"<!-- bench:start -->\n{first_line}\n{rows}\n<!-- bench:end -->\n")
         assert module.main([str(bench), str(readme)]) == 0
     text = readme.read_text()
-    for marker, rows in (("bench-table", "| one |"), ("bench-rmax-table", "| two |"), ("bench-slow-link-table", "| three |")):
+    for marker, rows in (("bench-table", "| one |"), ("bench-rmax-table", "| two |"), ("bench-slow-link-table", "| three |"),
+                         ("bench-rounds-table", "| four |"), ("bench-slow-link-rounds-table", "| five |")):
         assert text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].endswith(f"{rows}\n")
