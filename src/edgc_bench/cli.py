@@ -70,7 +70,8 @@ def register(subparsers) -> None:
                    help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)")
     p.add_argument("--rounds", type=int, default=DEFAULTS.rounds,
                    help="run the method list N times, reversed on even rounds, each round in OUT/round-K/; "
-                        "bench.md gives every round and the mean of its ratios (1–9, default %(default)s)")
+                        "bench.md gives every round and the mean of its ratios; an even N pairs each round with a reversed one "
+                        "(1–9, default %(default)s)")
     p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
     p.set_defaults(func=run)
 

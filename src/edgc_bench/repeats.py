@@ -66,7 +66,7 @@ def _seconds(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.1f} s"
 
 
-def _rate(rate_mbit: float | None) -> str:
+def rate_label(rate_mbit: float | None) -> str:
     return "unlimited" if rate_mbit is None else f"{rate_mbit:g} Mbit/s"
 
 
@@ -77,7 +77,7 @@ def table(measured: list[dict]) -> str:
     for m in measured:
         r = m["recovery"]
         cost = f"{r['overhead']:.1f} s / {r['savable']:.1f} s" if r else "–"
-        lines.append(f"| {m['run']} | {m['date']} | {_rate(m['rate_mbit'])} | {m['load']:.1f} | {m['profiled']} "
+        lines.append(f"| {m['run']} | {m['date']} | {rate_label(m['rate_mbit'])} | {m['load']:.1f} | {m['profiled']} "
                      f"| {m['edgc_floor_x']:.3f} | {m['static_floor_x']:.3f} | {m['edgc_static_x']:.3f} "
                      f"| {_seconds(m['ttt_edgc'])} / {_seconds(m['ttt_static'])} | {cost} |")
     return "\n".join(lines) + "\n"
@@ -95,7 +95,7 @@ def verdicts(measured: list[dict]) -> list[str]:
         covered = [m["recovery"] for m in runs if m["recovery"]]
         recovers = sum(r["overhead"] <= r["savable"] for r in covered)
         ratio = [m["edgc_static_x"] for m in runs]
-        out.append(f"{_rate(rate)}, r_max by {profiled}, {len(runs)} run(s): EDGC × floor {min(floor_x):.3f}–{max(floor_x):.3f} "
+        out.append(f"{rate_label(rate)}, r_max by {profiled}, {len(runs)} run(s): EDGC × floor {min(floor_x):.3f}–{max(floor_x):.3f} "
                    f"(≤ {limit:.2f} in {sum(x <= limit for x in floor_x)} of {len(runs)}); EDGC ÷ static step "
                    f"{min(ratio):.3f}–{max(ratio):.3f}; time to target below static PowerSGD at r_max's in "
                    f"{beat} of {len(runs)}; EDGC's own cost within what its ranks could save in {recovers} of "

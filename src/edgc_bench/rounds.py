@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import table as bench_table
-from .repeats import _rate, measure, table as side_by_side
+from .repeats import measure, rate_label, table as side_by_side
 from .table import edgc_first, floor_target
 
 
@@ -47,7 +47,7 @@ def rounds_markdown(out: Path, summary: dict) -> str:
     s, load = summary["settings"], (summary["load_start"][0], summary["load_end"][0])
     parts = ["# edgc bench\n", f"Date: {summary['date']}. Command: `{summary['command']}`\n", "<!-- bench:start -->",
              f"`{summary['command']}` — {summary['date']}, {len(rounds)} rounds of {', '.join(s['methods'])} on "
-             f"{s['hosts']} hosts, {_rate(s['rate_mbit'])} per host link, each round in the reverse order of the one "
+             f"{s['hosts']} hosts, {rate_label(s['rate_mbit'])} per host link, each round in the reverse order of the one "
              f"before; load average {load[0]:.1f} at start, {load[1]:.1f} at end; whole bench "
              f"{summary['elapsed_s'] / 60:.1f} min.\n"]
     if measured:

@@ -12,7 +12,8 @@ Rounds (``rounds`` > 1): the whole method list runs again, in reverse order on e
 round a complete bench folder ``round-K/``; round 1's r_max fixes the static ranks of every round.
 A machine whose speed drifts over minutes (a shared VM) then slows the methods run late in one
 round and early in the next: a steady drift cancels in the mean of the rounds' ratios (an ABBA
-design), and the rounds' spread shows how much the machine moved (`edgc_bench.repeats`).
+design; an even N pairs every round with a reversed one), and the rounds' spread shows how much
+the machine moved (`edgc_bench.rounds`).
 """
 from __future__ import annotations
 
