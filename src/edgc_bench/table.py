@@ -317,7 +317,10 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         "all steps (rank 0); DP comm is the time from issuing each collective to its completion, summed (it "
         "overlaps backward and other collectives, so it can exceed the step's share of waiting); "
         "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
-        "validation loss ≤ 1.01 × `none`'s final one.\n",
+        "validation loss ≤ 1.01 × `none`'s final one."
+        + ("" if summary.get("round") else " The methods run one after another, so a drift of the machine's speed "
+           "between their runs moves these ratios; `--rounds 2` or more reverses the order every other round "
+           "and judges the targets on the rounds' mean (docs/bench.md).") + "\n",
         *[f"- {line}" for line in checks(rows_, summary["r_max"], bool(s.get("fsdp")), s["rate_mbit"])],
         *(["\nWhere the wall time to the target went (sums over the steps up to the evaluation that reached it):\n",
            breakdown] if (breakdown := target_breakdown(results or {})) else []),
