@@ -8,7 +8,8 @@ PowerSGD at r_max's median step over the compute floor, EDGC's step over static'
 target, and EDGC's own cost up to the target against the most its lower ranks could save by then
 (`edgc_bench.table.recovery`). Then, per link rate and way of profiling, the range of each ratio
 and how many runs met each target. Benches of other kinds are skipped, named. A bench of several
-rounds (``edgc bench --rounds N``) counts as its rounds (its own bench.md: `edgc_bench.rounds`).
+rounds (``edgc bench --rounds N``) counts as its rounds, and is also judged as one bench on the
+mean of its rounds (`means`; its own bench.md: `edgc_bench.rounds`).
 """
 from __future__ import annotations
 
@@ -113,6 +114,28 @@ def expand(paths: list[Path]) -> list[Path]:
     return out
 
 
+def means(measured: list[dict]) -> list[str]:
+    """The rounds of one bench taken together: the mean of each ratio (in an ABBA order a steady drift
+    of the machine cancels in it), judged against the bench's targets, with the rounds' range."""
+    n, limit = len(measured), floor_target(measured[0]["rate_mbit"])
+
+    def mean(key: str, then: str = "") -> str:
+        values = [m[key] for m in measured]
+        return f"{sum(values) / n:.3f} (rounds {min(values):.3f}–{max(values):.3f}{then})"
+
+    edgc_x = sum(m["edgc_floor_x"] for m in measured) / n
+    beat = sum(edgc_first(m["ttt_edgc"], m["ttt_static"]) for m in measured)
+    both = [m for m in measured if m["ttt_edgc"] is not None and m["ttt_static"] is not None]
+    ttt = (f"; mean over the {len(both)} round(s) where both reached it: EDGC "
+           f"{sum(m['ttt_edgc'] for m in both) / len(both):.1f} s vs static "
+           f"{sum(m['ttt_static'] for m in both) / len(both):.1f} s" if both else "")
+    return [f"EDGC step × floor, mean of {n} rounds: {mean('edgc_floor_x', f'; target ≤ {limit:.2f}')}: "
+            f"{'holds' if edgc_x <= limit else 'MISSED'}",
+            f"static PowerSGD at r_max × floor, mean: {mean('static_floor_x')}",
+            f"EDGC ÷ static PowerSGD at r_max step, mean: {mean('edgc_static_x')}",
+            f"time to target: EDGC below static PowerSGD at r_max in {beat} of {n} rounds{ttt}"]
+
+
 def render(paths: list[Path]) -> str:
     measured, skipped = [], []
     for path in expand(paths):
@@ -123,6 +146,10 @@ def render(paths: list[Path]) -> str:
                          + ", ".join(str(p) for p in paths))
     parts = [f"`python -m edgc_bench.repeats {' '.join(str(p) for p in paths)}`\n", table(measured),
              *[f"- {line}" for line in verdicts(measured)]]
+    for path in paths:  # a bench of rounds is also judged as one measurement: the mean of its rounds
+        rounds = [m for m in measured if m["run"].startswith(f"{path.name}/")]
+        if rounds:
+            parts.append(f"- {path.name} as one bench: " + "; ".join(means(rounds)) + ".")
     if skipped:
         parts.append(f"- skipped (not a DDP bench with edgc, powersgd@rmax and nosync): {', '.join(skipped)}")
     return "\n".join(parts) + "\n"

@@ -13,30 +13,7 @@ import sys
 from pathlib import Path
 
 from . import table as bench_table
-from .repeats import measure, rate_label, table as side_by_side
-from .table import edgc_first, floor_target
-
-
-def means(measured: list[dict]) -> list[str]:
-    """The rounds of one bench taken together: the mean of each ratio (in an ABBA order a steady drift
-    of the machine cancels in it), judged against the bench's targets, with the rounds' range."""
-    n, limit = len(measured), floor_target(measured[0]["rate_mbit"])
-
-    def mean(key: str, then: str = "") -> str:
-        values = [m[key] for m in measured]
-        return f"{sum(values) / n:.3f} (rounds {min(values):.3f}–{max(values):.3f}{then})"
-
-    edgc_x = sum(m["edgc_floor_x"] for m in measured) / n
-    beat = sum(edgc_first(m["ttt_edgc"], m["ttt_static"]) for m in measured)
-    both = [m for m in measured if m["ttt_edgc"] is not None and m["ttt_static"] is not None]
-    ttt = (f"; mean over the {len(both)} round(s) where both reached it: EDGC "
-           f"{sum(m['ttt_edgc'] for m in both) / len(both):.1f} s vs static "
-           f"{sum(m['ttt_static'] for m in both) / len(both):.1f} s" if both else "")
-    return [f"EDGC step × floor, mean of {n} rounds: {mean('edgc_floor_x', f'; target ≤ {limit:.2f}')}: "
-            f"{'holds' if edgc_x <= limit else 'MISSED'}",
-            f"static PowerSGD at r_max × floor, mean: {mean('static_floor_x')}",
-            f"EDGC ÷ static PowerSGD at r_max step, mean: {mean('edgc_static_x')}",
-            f"time to target: EDGC below static PowerSGD at r_max in {beat} of {n} rounds{ttt}"]
+from .repeats import means, measure, rate_label, table as side_by_side
 
 
 def rounds_markdown(out: Path, summary: dict) -> str:

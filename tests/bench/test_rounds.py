@@ -76,7 +76,9 @@ def test_rounds_reverse_the_order_and_their_mean_cancels_a_steady_drift(tmp_path
     round_text = (tmp_path / "round-2" / "bench.md").read_text()
     assert "round-2 of 2 (order powersgd@rmax, nosync, edgc, none)" in round_text
     # The repeats view and the re-rendering both see the rounds.
-    assert f"{tmp_path.name}/round-2" in repeats.render([tmp_path])
+    view = repeats.render([tmp_path])
+    assert f"| {tmp_path.name}/round-2 |" in view
+    assert f"- {tmp_path.name} as one bench: EDGC step × floor, mean of 2 rounds: 1.12" in view
     rounds.rewrite(tmp_path)
     assert (tmp_path / "bench.md").read_text() == text
 
