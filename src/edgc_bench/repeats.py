@@ -29,7 +29,7 @@ def measure(out: Path) -> dict | None:
     if not summary_path.exists():
         return None
     summary = json.loads(summary_path.read_text())
-    if "rows" not in summary:  # a bench of several rounds: `expand` lists them
+    if "rows" not in summary:  # a bench of several rounds: `rounds_of` lists them
         return None
     s = summary["settings"]
     methods = [r["method"] for r in summary["rows"]]
@@ -104,14 +104,11 @@ def verdicts(measured: list[dict]) -> list[str]:
     return out
 
 
-def expand(paths: list[Path]) -> list[Path]:
-    """Each bench folder, with a bench of several rounds replaced by its rounds' folders."""
-    out = []
-    for path in paths:
-        summary_path = path / "results.json"
-        rounds = json.loads(summary_path.read_text()).get("rounds") if summary_path.exists() else None
-        out += [path / name for name in rounds] if rounds else [path]
-    return out
+def rounds_of(path: Path) -> list[Path] | None:
+    """The round folders of a bench of several rounds (``edgc bench --rounds N``), else None."""
+    summary_path = path / "results.json"
+    rounds = json.loads(summary_path.read_text()).get("rounds") if summary_path.exists() else None
+    return [path / name for name in rounds] if rounds else None
 
 
 def means(measured: list[dict]) -> list[str]:
@@ -119,37 +116,40 @@ def means(measured: list[dict]) -> list[str]:
     of the machine cancels in it), judged against the bench's targets, with the rounds' range."""
     n, limit = len(measured), floor_target(measured[0]["rate_mbit"])
 
-    def mean(key: str, then: str = "") -> str:
+    def mean(key: str) -> tuple[float, str]:
         values = [m[key] for m in measured]
-        return f"{sum(values) / n:.3f} (rounds {min(values):.3f}–{max(values):.3f}{then})"
+        return sum(values) / n, f"rounds {min(values):.3f}–{max(values):.3f}"
 
-    edgc_x = sum(m["edgc_floor_x"] for m in measured) / n
+    (edgc_x, edgc_range), (static_x, static_range), (ratio, ratio_range) = (
+        mean("edgc_floor_x"), mean("static_floor_x"), mean("edgc_static_x"))
     beat = sum(edgc_first(m["ttt_edgc"], m["ttt_static"]) for m in measured)
     both = [m for m in measured if m["ttt_edgc"] is not None and m["ttt_static"] is not None]
     ttt = (f"; mean over the {len(both)} round(s) where both reached it: EDGC "
            f"{sum(m['ttt_edgc'] for m in both) / len(both):.1f} s vs static "
            f"{sum(m['ttt_static'] for m in both) / len(both):.1f} s" if both else "")
-    return [f"EDGC step × floor, mean of {n} rounds: {mean('edgc_floor_x', f'; target ≤ {limit:.2f}')}: "
+    return [f"EDGC step × floor, mean of {n} rounds: {edgc_x:.3f} ({edgc_range}; target ≤ {limit:.2f}): "
             f"{'holds' if edgc_x <= limit else 'MISSED'}",
-            f"static PowerSGD at r_max × floor, mean: {mean('static_floor_x')}",
-            f"EDGC ÷ static PowerSGD at r_max step, mean: {mean('edgc_static_x')}",
+            f"static PowerSGD at r_max × floor, mean: {static_x:.3f} ({static_range})",
+            f"EDGC ÷ static PowerSGD at r_max step, mean: {ratio:.3f} ({ratio_range})",
             f"time to target: EDGC below static PowerSGD at r_max in {beat} of {n} rounds{ttt}"]
 
 
 def render(paths: list[Path]) -> str:
-    measured, skipped = [], []
-    for path in expand(paths):
-        m = measure(path)
-        (measured.append(m) if m else skipped.append(path.name))
+    measured, skipped, as_one = [], [], []
+    for path in paths:
+        rounds = rounds_of(path)
+        found = []
+        for folder in rounds or [path]:
+            m = measure(folder)
+            (found.append(m) if m else skipped.append(folder.name))
+        measured += found
+        if rounds and found:  # a bench of rounds is also judged as one measurement: the mean of its rounds
+            as_one.append(f"- {path.name} as one bench: " + "; ".join(means(found)) + ".")
     if not measured:
         raise SystemExit("no finished DDP bench with edgc, powersgd@rmax and nosync among: "
                          + ", ".join(str(p) for p in paths))
     parts = [f"`python -m edgc_bench.repeats {' '.join(str(p) for p in paths)}`\n", table(measured),
-             *[f"- {line}" for line in verdicts(measured)]]
-    for path in paths:  # a bench of rounds is also judged as one measurement: the mean of its rounds
-        rounds = [m for m in measured if m["run"].startswith(f"{path.name}/")]
-        if rounds:
-            parts.append(f"- {path.name} as one bench: " + "; ".join(means(rounds)) + ".")
+             *[f"- {line}" for line in verdicts(measured)], *as_one]
     if skipped:
         parts.append(f"- skipped (not a DDP bench with edgc, powersgd@rmax and nosync): {', '.join(skipped)}")
     return "\n".join(parts) + "\n"

@@ -6,6 +6,7 @@ whose step times grow with every launch, as on a shared VM drifting over minutes
 import contextlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def fake_hosts(monkeypatch):
     def launch(net, s, argv, log_path, timeout_s):
         flags = dict(zip(argv, argv[1:]))  # each flag with the value after it
         method = flags["--compressor"] + ("@" + flags["--powersgd-rank"] if "--powersgd-rank" in flags else "")
-        out = bench_run.Path(flags["--out"])
+        out = Path(flags["--out"])
         out.mkdir(parents=True)
         name = "powersgd@rmax" if method.startswith("powersgd@") else method
         step_s = BASE_STEP_S[name] * (1 + DRIFT) ** len(launched)
