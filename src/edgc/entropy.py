@@ -9,10 +9,14 @@ random generator, is identical on every run and resume, and does not depend on h
 groups tensors into buckets. Non-finite values are dropped from the sample and counted.
 
 Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal),
-they are for the report only, and the estimate uses every k-th element of the β sample, at most
-``REPORT_SAMPLE_CAP`` of them: a 1000-bin histogram of 7M elements costs ~40 ms of a step on one
-CPU core (the ``small`` bench preset), of 1M about 6 ms, and its entropy moves by far less than the
-step-to-step changes the report shows.
+they are for the report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a
+1000-bin histogram of 7M elements costs ~40 ms of a step on one CPU core (the ``small`` bench
+preset), of 1M about 6 ms, and its entropy moves by far less than the step-to-step changes the
+report shows. The thinning is applied to the stride itself (every c·k-th element of each tensor,
+c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is
+never gathered: gathering and concatenating it cost more than the histogram (~30 ms on that
+preset). On the first sampled step, before any count, each bucket's β sample is gathered and
+thinned before they are joined.
 """
 from __future__ import annotations
 
@@ -97,19 +101,32 @@ class EntropySampler:
         self._parts: list[torch.Tensor] = []
         self._nonfinite = 0
         self._elapsed = 0.0
+        self.elements_per_step: int | None = None  # gradient elements of the last complete step
+        self._elements = 0  # of this step so far
+        self._stride = self.stride  # this step's stride (the report's cap folded in)
+        self._thinned = False  # the cap is in this step's stride (else a report sample is thinned after gathering)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     def begin(self, step: int, enabled: bool = True) -> None:
+        if self._elements:
+            self.elements_per_step = self._elements
+        self._elements = 0
         self._step = step if enabled and self.due(step) else None
         self._parts, self._nonfinite, self._elapsed = [], 0, 0.0
+        self._stride = self.stride
+        self._thinned = self.cap is not None and bool(self.elements_per_step)
+        if self._thinned:
+            self._stride *= max(1, math.ceil(self.elements_per_step / self.stride / self.cap))
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
+        tensors = list(tensors)
+        self._elements += sum(t.numel() for t in tensors)  # every step: the next sample's stride needs it
         if self._step is None:
             return
         start = time.perf_counter()
-        self._parts.append(strided_copy(tensors, self.stride))  # filtered in finish(): no per-bucket read
+        self._parts.append(strided_copy(tensors, self._stride))  # filtered in finish(): no per-bucket read
         self._elapsed += time.perf_counter() - start
 
     def estimate(self, sample: torch.Tensor) -> float:
@@ -122,9 +139,11 @@ class EntropySampler:
         if self._step is None:
             return None
         start = time.perf_counter()
-        sample, self._nonfinite = drop_nonfinite(torch.cat(self._parts) if self._parts else torch.empty(0))
-        if self.cap is not None and sample.numel() > self.cap:
-            sample = sample[:: math.ceil(sample.numel() / self.cap)]
+        parts = self._parts
+        size = sum(part.numel() for part in parts)
+        if self.cap is not None and not self._thinned and size > self.cap:  # thinned before the copy into one
+            parts = [part[:: math.ceil(size / self.cap)] for part in parts]
+        sample, self._nonfinite = drop_nonfinite(torch.cat(parts) if parts else torch.empty(0))
         value = self.estimate(sample) if sample.numel() else None
         self._elapsed += time.perf_counter() - start
         self.calls += 1
@@ -156,6 +175,7 @@ class EntropySampler:
             "nonfinite_total": self.nonfinite_total,
             "calls": self.calls,
             "seconds_total": self.seconds_total,
+            "elements_per_step": self._elements or self.elements_per_step,  # (between steps: the last one's)
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -164,3 +184,6 @@ class EntropySampler:
         self.nonfinite_total = int(state["nonfinite_total"])
         self.calls = int(state["calls"])
         self.seconds_total = float(state["seconds_total"])
+        elements = state.get("elements_per_step")  # absent in checkpoints of earlier versions
+        self.elements_per_step = int(elements) if elements else None
+        self._elements = 0

@@ -101,3 +101,44 @@ def test_report_only_estimates_thin_a_large_sample_and_decision_samples_do_not()
     assert values["reads"] == pytest.approx(histogram_entropy(sample))
     assert values["fixed"] == pytest.approx(histogram_entropy(sample[::2]))  # 1.5·cap elements → every 2nd
     assert values["fixed"] != values["reads"]
+
+
+def test_report_only_samples_fold_the_cap_into_the_stride_once_the_step_size_is_known():
+    """After one step the report's thinning is part of the stride (every 2·2-th element of each
+    tensor here), so the full β sample is never gathered; the count survives a checkpoint, so a
+    resumed run samples the same elements; decision samples keep the plain β stride."""
+    from edgc.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
+
+    fixed = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5,
+                       iteration_sample_ratio=1.0)
+    reads = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5,
+                       iteration_sample_ratio=1.0, budget_signal="entropy")
+    grads = [torch.randn(2 * REPORT_SAMPLE_CAP + 1) ** 3, torch.randn(REPORT_SAMPLE_CAP - 1) ** 3]  # odd sizes
+    thinned = torch.cat([g[::4] for g in grads])  # 3·cap elements, β-sample 1.5·cap → every 2nd of it
+    after_gathering = torch.cat([g[::2] for g in grads])[::2]  # the first step's: one bucket, no count yet
+    assert not torch.equal(thinned, after_gathering)
+
+    def step(sampler, number, buckets):  # the report's samples: one per window of 20 steps
+        sampler.begin(number)
+        for bucket in buckets:
+            sampler.add(bucket)
+        return sampler.finish()
+
+    one_bucket, two_buckets = [grads], [[g] for g in grads]
+
+    sampler = EntropySampler(fixed)
+    assert step(sampler, 0, one_bucket) == pytest.approx(histogram_entropy(after_gathering))
+    assert step(sampler, 20, one_bucket) == pytest.approx(histogram_entropy(thinned))
+    assert step(EntropySampler(fixed), 0, two_buckets) == pytest.approx(histogram_entropy(thinned))  # per bucket
+    assert sampler.elements_per_step == sum(g.numel() for g in grads)
+
+    resumed = EntropySampler(fixed)
+    resumed.load_state_dict(sampler.state_dict())
+    assert step(resumed, 40, one_bucket) == pytest.approx(histogram_entropy(thinned))
+    old_checkpoint = {k: v for k, v in sampler.state_dict().items() if k != "elements_per_step"}
+    resumed.load_state_dict(old_checkpoint)  # an earlier version's: one step gathers, then thins
+    assert step(resumed, 60, one_bucket) == pytest.approx(histogram_entropy(after_gathering))
+
+    deciding = EntropySampler(reads)
+    for number in range(2):
+        assert step(deciding, number, one_bucket) == pytest.approx(histogram_entropy(torch.cat([g[::2] for g in grads])))
