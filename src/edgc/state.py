@@ -57,6 +57,8 @@ class EDGCState(GradientReducer):
             raise TypeError(f"config must be an EDGCConfig, got {type(self.config).__name__}")
         self.compressor = LowRankCompressor(self.config)
         self.sampler = EntropySampler(self.config)
+        if self.parameter_shapes:  # the step's element count until a step has counted it (report-only thinning)
+            self.sampler.elements_per_step = sum(math.prod(shape) for shape in self.parameter_shapes.values())
         self.controller = WindowController(self.config, follower=follower, always_profile=always_profile)
         # Profiling times a compressed sync beside the real one, with its own Q and no error
         # feedback, so training itself stays exactly uncompressed until warm-up ends.

@@ -142,3 +142,14 @@ def test_report_only_samples_fold_the_cap_into_the_stride_once_the_step_size_is_
     deciding = EntropySampler(reads)
     for number in range(2):
         assert step(deciding, number, one_bucket) == pytest.approx(histogram_entropy(torch.cat([g[::2] for g in grads])))
+
+
+def test_a_state_given_its_model_thins_even_its_first_report_sample():
+    """With ``model=`` the element count is known before any step, so the very first report sample
+    (step 0, before any count) is taken by the wide stride too."""
+    from edgc import EDGCState
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    state = EDGCState(None, EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8), model=model)
+    assert state.sampler.elements_per_step == sum(p.numel() for p in model.parameters())
+    assert EDGCState(None, EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8)).sampler.elements_per_step is None
