@@ -1,4 +1,6 @@
 """The bench's comparison table and its time-to-target breakdown, on synthetic runs (no network)."""
+import pytest
+
 from edgc_bench import table
 
 
@@ -161,3 +163,12 @@ def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
     assert "| bench-a | today | 1000 Mbit/s | 0.5 | unknown | 1.125 | 1.250 | 0.900 |" in text
     assert text.startswith("intro\n<!-- bench-repeats:start -->\n`python -m edgc_bench.repeats ")
     assert "old" not in text and text.endswith("<!-- bench-repeats:end -->\nrest\n")
+
+    # A second machine's runs go to their own block; the first view stays as it was.
+    readme.write_text(text + "<!-- bench-repeats-vm2:start -->\nold\n<!-- bench-repeats-vm2:end -->\n")
+    module.main([str(bench)], readme, block="bench-repeats-vm2")
+    second = readme.read_text()
+    assert second.startswith(text) and "old" not in second
+    assert second.count("| bench-a | today |") == 2
+    with pytest.raises(SystemExit, match="no <!-- missing:start -->"):
+        module.main([str(bench)], readme, block="missing")
