@@ -82,7 +82,8 @@ class EntropySampler:
     """Collects the sampled gradient of one step (possibly bucket by bucket) and records its entropy.
 
     Usage per step: ``begin(step)``; ``add(tensors)`` for each bucket; ``finish()``. On steps that
-    are not due (step % ``config.sample_period`` != 0) all three are no-ops, so the hot path pays nothing.
+    are not due (step % ``config.sample_period`` != 0) all three are no-ops but for ``add`` counting the
+    step's elements (a report sample's stride needs them), so the hot path pays nothing.
     """
 
     def __init__(self, config: EDGCConfig):
