@@ -5,7 +5,8 @@ import pytest
 
 from edgc_bench.cli import settings_from
 from edgc_bench.run import train_args
-from edgc_cli.main import CLIError, build_parser
+from edgc_cli.errors import CLIError
+from edgc_cli.main import build_parser
 
 
 def parse(*flags):

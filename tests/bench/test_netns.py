@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from edgc_bench.netns import Network, NetnsError, burst_bytes, check_prerequisites, namespaces
+from edgc_bench.netns import Network, NetnsError, check_prerequisites, namespaces
+from edgc_sim.tbf import burst_bytes
 
 try:
     check_prerequisites()

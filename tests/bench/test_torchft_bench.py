@@ -8,7 +8,7 @@ import pytest
 from edgc_bench import torchft_bench, torchft_table
 from edgc_bench.cli import torchft
 from edgc_bench.run import BenchSettings
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 
 def summary(ft_edgc_step=0.6, ft_wall=80.0, elastic_wall=120.0, loss=4.02, lost=1):
