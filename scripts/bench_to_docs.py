@@ -1,17 +1,15 @@
-"""Copy the table that `edgc bench` wrote (OUT/bench.md, between <!-- bench:start/end -->) into README.md.
+"""Copy the table that `edgc bench` wrote (OUT/bench.md, between <!-- bench:start/end -->) into the manual.
 
-    python scripts/bench_to_readme.py runs/bench/bench.md
+    python scripts/bench_to_docs.py runs/bench/bench.md [PAGE]
 
-It replaces what lies between <!-- bench-table:start --> and <!-- bench-table:end --> in README.md
-(<!-- bench-hsdp-table:start/end --> for a table of `edgc bench --fsdp`,
-<!-- bench-tp-table:start/end --> for one of `edgc bench --tp/--pp`,
-<!-- bench-torchft-table:start/end --> for one of `edgc bench --torchft`,
-<!-- bench-slow-link-table:start/end --> for a DDP bench at a rate below 1 Gbit/s, and
-<!-- bench-rmax-table:start/end --> for one at 1 Gbit/s with EDGC's r_max given by `--r-max`,
-<!-- bench-rounds-table:start/end --> for the rounds of `edgc bench --rounds N` at 1 Gbit/s and
-<!-- bench-slow-link-rounds-table:start/end --> for those at a lower rate)
-(adding both markers at the end of the README when they are missing), so the README's numbers are
-always the ones a real `edgc bench` produced, never typed by hand.
+Each kind of bench has its own block (scripts/doc_blocks.py finds the page that holds it; PAGE names
+another page, and the block is added at its end when missing): ``bench-table`` for the default DDP
+bench at 1 Gbit/s, ``bench-rmax-table`` for one with EDGC's r_max given by `--r-max`,
+``bench-slow-link-table`` for a DDP bench below 1 Gbit/s, ``bench-rounds-table`` and
+``bench-slow-link-rounds-table`` for `--rounds N` at and below 1 Gbit/s (docs/results/bench.md);
+``bench-hsdp-table`` for `edgc bench --fsdp` (docs/results/hsdp.md); ``bench-tp-table`` for
+`--tp/--pp` (docs/results/3d.md); ``bench-torchft-table`` for `--torchft` (docs/results/torchft.md).
+So the manual's numbers are always the ones a real `edgc bench` produced, never typed by hand.
 """
 from __future__ import annotations
 
@@ -19,21 +17,21 @@ import re
 import sys
 from pathlib import Path
 
-START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
-# `edgc bench --fsdp` tables go to their own place (the HSDP section), not over the DDP bench's.
-HSDP_START, HSDP_END = "<!-- bench-hsdp-table:start -->", "<!-- bench-hsdp-table:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import markers, page_of  # noqa: E402
+
+START, END = markers("bench-table")
+HSDP_START, HSDP_END = markers("bench-hsdp-table")
 # A slower link (e.g. --rate-mbit 100) is a second setting beside the default 1 Gbit/s table.
-SLOW_START, SLOW_END = "<!-- bench-slow-link-table:start -->", "<!-- bench-slow-link-table:end -->"
-# `edgc bench --tp/--pp` (one TP x PP model per host) goes beside the 3D-parallel section.
-TP_START, TP_END = "<!-- bench-tp-table:start -->", "<!-- bench-tp-table:end -->"
-# `edgc bench --torchft` (a replica group killed mid-run) goes to the fault-tolerance section.
-TORCHFT_START, TORCHFT_END = "<!-- bench-torchft-table:start -->", "<!-- bench-torchft-table:end -->"
+SLOW_START, SLOW_END = markers("bench-slow-link-table")
+TP_START, TP_END = markers("bench-tp-table")
+TORCHFT_START, TORCHFT_END = markers("bench-torchft-table")
 # `--r-max N` (EDGC skips profiling r_max on the link): beside the profiled run, not over it.
-RMAX_START, RMAX_END = "<!-- bench-rmax-table:start -->", "<!-- bench-rmax-table:end -->"
+RMAX_START, RMAX_END = markers("bench-rmax-table")
 # `--rounds N`: the rounds side by side and the mean of their ratios, beside the single runs.
-ROUNDS_START, ROUNDS_END = "<!-- bench-rounds-table:start -->", "<!-- bench-rounds-table:end -->"
-SLOW_ROUNDS_START, SLOW_ROUNDS_END = "<!-- bench-slow-link-rounds-table:start -->", "<!-- bench-slow-link-rounds-table:end -->"
-SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
+ROUNDS_START, ROUNDS_END = markers("bench-rounds-table")
+SLOW_ROUNDS_START, SLOW_ROUNDS_END = markers("bench-slow-link-rounds-table")
+SRC_START, SRC_END = markers("bench")
 
 
 def section(bench_md: str) -> str:
@@ -44,13 +42,32 @@ def section(bench_md: str) -> str:
     return body.strip() + "\n"
 
 
-def update(readme: str, table: str, start: str = START, end: str = END) -> str:
+def update(page: str, table: str, start: str = START, end: str = END) -> str:
     """`table` between the markers `start` and `end` (added at the end when missing)."""
-    if start not in readme or end not in readme:
-        readme = readme.rstrip() + f"\n\n{start}\n{end}\n"
-    head, rest = readme.split(start, 1)
+    if start not in page or end not in page:
+        page = page.rstrip() + f"\n\n{start}\n{end}\n"
+    head, rest = page.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{table}{end}{tail}"
+
+
+def block_markers(table: str) -> tuple[str, str]:
+    """The block a bench's table belongs in, read from the table's own first line."""
+    rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
+    slow = bool(rate) and float(rate.group(1)) < 1000
+    if "(one replica group each)" in table:
+        return TORCHFT_START, TORCHFT_END
+    if re.search(r"hosts × TP\d+ × PP\d+", table):
+        return TP_START, TP_END
+    if re.search(r"\d+ rounds of ", table.splitlines()[0]):
+        return (SLOW_ROUNDS_START, SLOW_ROUNDS_END) if slow else (ROUNDS_START, ROUNDS_END)
+    if " as HSDP " in table:
+        return HSDP_START, HSDP_END
+    if slow:
+        return SLOW_START, SLOW_END
+    if re.search(r"--r-max \d+", table.splitlines()[0]):
+        return RMAX_START, RMAX_END
+    return START, END
 
 
 def main(argv: list[str]) -> int:
@@ -58,26 +75,11 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     bench = Path(argv[0])
-    readme = Path(argv[1]) if len(argv) == 2 else Path(__file__).resolve().parents[1] / "README.md"
     table = section(bench.read_text())
-    rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
-    if "(one replica group each)" in table:
-        markers = (TORCHFT_START, TORCHFT_END)
-    elif re.search(r"hosts × TP\d+ × PP\d+", table):
-        markers = (TP_START, TP_END)
-    elif re.search(r"\d+ rounds of ", table.splitlines()[0]):
-        slow = rate and float(rate.group(1)) < 1000
-        markers = (SLOW_ROUNDS_START, SLOW_ROUNDS_END) if slow else (ROUNDS_START, ROUNDS_END)
-    elif " as HSDP " in table:
-        markers = (HSDP_START, HSDP_END)
-    elif rate and float(rate.group(1)) < 1000:
-        markers = (SLOW_START, SLOW_END)
-    elif re.search(r"--r-max \d+", table.splitlines()[0]):
-        markers = (RMAX_START, RMAX_END)
-    else:
-        markers = (START, END)
-    readme.write_text(update(readme.read_text(), table, *markers))
-    print(f"{readme}: bench table from {bench}")
+    start, end = block_markers(table)
+    page = Path(argv[1]) if len(argv) == 2 else page_of(start.split()[1].rsplit(":", 1)[0])
+    page.write_text(update(page.read_text(), table, start, end))
+    print(f"{page}: bench table from {bench}")
     return 0
 
 

@@ -1,17 +1,20 @@
-"""Copy `edgc experiment pareto`'s plot and table into the README (never typed by hand).
+"""Copy an `edgc experiment` run's summary (its headline and tables) into the manual (never typed by hand).
 
-    .venv/bin/python scripts/pareto_to_readme.py [RESULTS_DIR] [--block NAME]
+    .venv/bin/python scripts/experiment_to_docs.py RESULTS_DIR --block NAME [--plot FILE]
 
-RESULTS_DIR defaults to runs/experiments/pareto, NAME to ``pareto``. Copies RESULTS_DIR/pareto.png
-to docs/img/exp_NAME.png and replaces the README block between ``<!-- NAME:start -->`` and
-``<!-- NAME:end -->`` with the run's headline and paired table (a second block, e.g. ``pareto-1000``,
-holds a run of another setting).
+Replaces block NAME (scripts/doc_blocks.py finds its page: ``experiment-entropy-trend``,
+``experiment-sampling``, ``experiment-cqm``, ``experiment-rank-sweep``, ``experiment-window`` and
+``experiment-pure-dp`` in docs/reproducing.md, ``pareto`` and ``pareto-1000`` in
+docs/results/pareto.md) with RESULTS_DIR/summary.md from its headline up to its list of plots;
+``--plot FILE`` also copies RESULTS_DIR/FILE to docs/img/exp_NAME.png (pareto: ``--plot pareto.png``).
 """
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import ROOT, write  # noqa: E402
 
 
 def block(summary: str) -> str:
@@ -22,21 +25,17 @@ def block(summary: str) -> str:
     return "\n".join(lines[start:end]).strip()
 
 
-def main(results: Path, name: str = "pareto") -> None:
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if start not in text or end not in text:
-        raise SystemExit(f"pareto_to_readme: the README has no {start} … {end} block")
-    shutil.copyfile(results / "pareto.png", ROOT / "docs" / "img" / f"exp_{name}.png")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{block((results / 'summary.md').read_text())}\n{end}{tail}")
+def main(results: Path, name: str, plot: str | None = None) -> None:
+    body = block((results / "summary.md").read_text())
+    if plot:
+        shutil.copyfile(results / plot, ROOT / "docs" / "img" / f"exp_{name}.png")
+    write(name, body)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Copy a pareto run's summary into the README.")
-    parser.add_argument("results", nargs="?", type=Path, default=ROOT / "runs" / "experiments" / "pareto")
-    parser.add_argument("--block", default="pareto", help="README block name (default pareto)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="the experiment's folder (runs/experiments/NAME)")
+    parser.add_argument("--block", required=True, help="the block to fill, e.g. pareto or experiment-window")
+    parser.add_argument("--plot", help="a PNG of the folder to copy to docs/img/exp_BLOCK.png")
     args = parser.parse_args()
-    main(args.results, args.block)
+    main(args.results, args.block, args.plot)

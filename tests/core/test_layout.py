@@ -148,16 +148,15 @@ def test_process_groups_are_built_in_one_place():
     assert builders in ([], ["edgc/mesh.py"]), builders
 
 
-def test_the_readme_layout_names_every_module_under_its_package():
-    readme = (SRC.parent / "README.md").read_text()
-    layout = readme[readme.index("## Repository layout"):]
+def test_the_layout_page_names_every_module_under_its_package():
+    layout = (SRC.parent / "docs" / "layout.md").read_text()
     bullets = {b.split("`")[1]: b for b in layout.split("\n- ")[1:] if b.startswith("`src/")}
     for init in SRC.glob("*/__init__.py"):
         package = init.parent
         bullet = bullets.get(f"src/{package.name}/", "")
         missing = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
                          if p.name != "__init__.py" and f"`{p.name}`" not in bullet)
-        assert not missing, f"README's layout bullet for src/{package.name}/ does not name {missing}"
+        assert not missing, f"docs/layout.md's bullet for src/{package.name}/ does not name {missing}"
 
 
 def test_the_harness_lists_its_modules_in_import_order():
