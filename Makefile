@@ -1,10 +1,10 @@
-# Two commands on a fresh machine: `make run` and `make test`.
+# Two commands on a fresh machine: `make run` and `make test` (`make docs` builds the manual).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test clean
+.PHONY: install run test docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(BIN)/python:
 # torch is pinned and installed first so that no dependency can pull a CUDA build.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[train,dev,integrations,torchft]'
+	$(BIN)/pip install -q -e '.[train,dev,integrations,torchft,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,5 +23,10 @@ run: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
 
+# Into build/docs/ (git-ignored); tests/core/test_docs.py builds it too, with warnings as errors.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -q -W --keep-going docs build/docs
+	@echo "the manual: build/docs/index.html"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs build .pytest_cache

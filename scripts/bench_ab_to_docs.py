@@ -2,7 +2,7 @@
 and write the table into a markdown file between <!-- MARKER:start/end -->.
 
     python scripts/bench_ab_to_docs.py A B --label-a "hand-written TP" --label-b "DTensor TP" \
-        --marker bench-tp-ab [--doc README.md]
+        --marker bench-tp-ab [--doc PAGE]
 
 Only methods both folders ran are compared. Every number comes from the folders' results.json;
 nothing is typed by hand.
@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench tables)
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_to_docs import update  # noqa: E402  (the same marker replacement as the bench tables)
+from doc_blocks import page_of  # noqa: E402
 
 
 def load(folder: Path) -> dict:
@@ -58,9 +57,10 @@ def main(argv=None) -> int:
     parser.add_argument("--label-a", default="A")
     parser.add_argument("--label-b", default="B")
     parser.add_argument("--marker", required=True, help="the block's name: <!-- MARKER:start/end -->")
-    parser.add_argument("--doc", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--doc", type=Path, help="the page (default: the one that holds the block)")
     args = parser.parse_args(argv)
     a, b = load(args.a), load(args.b)
+    args.doc = args.doc or page_of(args.marker)
     body = "\n\n".join([describe(args.label_a, a), describe(args.label_b, b), table(a, b, args.label_a, args.label_b),
                         "Step times are medians over all steps (rank 0); DP MB/step is the mean over all steps."])
     marker = args.marker

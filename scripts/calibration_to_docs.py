@@ -1,4 +1,4 @@
-"""Regenerate docs/calibration.md and the README's calibration table from one `edgc bench` folder.
+"""Regenerate docs/calibration.md and the results' calibration table from one `edgc bench` folder.
 
     .venv/bin/python scripts/calibration_to_docs.py runs/bench-4 --host-profile runs/bench-4/host.json
     .venv/bin/python scripts/calibration_to_docs.py runs/bench --link-calibration runs/link/calibration.json
@@ -8,8 +8,8 @@ powersgd-rmin,torch-powersgd,edgc}` (the methods present; `none` is required), w
 from BENCH/calibration.json unless --link-calibration names another (its fixed cost per collective
 from the other runs' comm traces unless --latency sweep) and this CPU measured unless
 --host-profile is given, then writes docs/calibration.md (command, model inputs, full table, which
-errors are within the target) and replaces what lies between <!-- calibration-table:start --> and
-<!-- calibration-table:end --> in README.md with the per-method errors. No number is typed by hand.
+errors are within the target) and replaces the block ``calibration-table`` (docs/results/simulator.md)
+with the per-method errors. No number is typed by hand.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench table)
+from doc_blocks import page_of, replace  # noqa: E402
 from edgc_sim.bench_link import bench_link, find_bench_calibration  # noqa: E402
 from edgc_sim.calibrate import load_run  # noqa: E402
 from edgc_sim.calibrate_bench import LATENCY_SOURCES, NEW_STYLE, calibrate_bench  # noqa: E402
@@ -28,8 +28,8 @@ from edgc_sim.host import load_profile, measure_host  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("none", "nosync", "allreduce", "allreduce-blocking", "fp16", "bf16", "powersgd-rmax", "powersgd-rmin",
            "torch-powersgd", "edgc")
-TARGET = 0.15  # issue 6: predicted within 15% of measured
-START, END = "<!-- calibration-table:start -->", "<!-- calibration-table:end -->"
+# The simulator's accuracy target: a projection is trusted where it predicts measured runs within 15 %.
+TARGET = 0.15
 
 
 def label(row) -> str:
@@ -59,10 +59,11 @@ def verdict(rows) -> str:
     return " ".join(out)
 
 
-def readme_table(rows, link_source: str, runs_note: str) -> str:
+def results_table(rows, link_source: str, runs_note: str) -> str:
     ms = lambda s: "-" if s != s else f"{1e3 * s:.0f}"  # noqa: E731  (nan: not traced)
     pct = lambda e: "-" if e != e else f"{100 * e:+.1f} %"  # noqa: E731
-    # issue-15 folders: `none` is DDP's native all-reduce (no timer); the blocking all-reduce sets the wait
+    # In bench folders that have the blocking all-reduce, `none` is DDP's native all-reduce, which has no
+    # timer of its own, so the blocking all-reduce is the reference for the wait
     wait_ref = "allreduce-blocking" if any(r.compressor in NEW_STYLE for r in rows) else "none"
     lines = ["| run | rank | collectives / step | link measured (95% interval), ms | link predicted, ms | link error "
              "| link error, sweep latency | rank-0 comm measured (95% interval), ms | comm predicted, ms "
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
                                                "rank at once, a few seconds)")
     parser.add_argument("--latency", choices=LATENCY_SOURCES, default="traced",
                         help="fixed cost per collective: from the other runs' comm traces (default) or the sweep")
-    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--results", help="the page of the calibration-table block (default: the one that holds it)")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "calibration.md"))
     args = parser.parse_args(argv)
 
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"{bench}/calibration.json missing; pass --link-calibration")
     link_json = Path(link_json).resolve()
     if link_json.is_relative_to(Path.cwd()):
-        link_json = link_json.relative_to(Path.cwd())  # the README names it as the command did
+        link_json = link_json.relative_to(Path.cwd())  # the page names it as the command did
     runs = [load_run(d) for d in dirs]
     link = bench_link(link_json, int(runs[0].config["world_size"]))
     # all ranks of a bench share this CPU: measure it with as many processes at once
@@ -122,11 +123,11 @@ def main(argv: list[str]) -> int:
         command += f" --latency {args.latency}"
     regenerate = ".venv/bin/python scripts/calibration_to_docs.py " + " ".join(argv)
     doc = "\n".join([
-        "## Calibration of the cost model against `edgc bench`",
+        "# Calibration of the cost model against `edgc bench`",
         "",
-        f"Predicted vs measured median DP-comm and step time per method (issue 6's {TARGET:.0%} target). "
-        "The model is explained in docs/simulate.md (Calibration). This file and the README's calibration "
-        "table are generated; regenerate both with",
+        f"Predicted vs measured median DP-comm and step time per method (target: within {TARGET:.0%}). "
+        "The model is explained in [`edgc simulate`](simulate.md#calibration). This page and the calibration "
+        "table of [the simulator's results](results/simulator.md) are generated; regenerate both with",
         "",
         "```bash",
         regenerate,
@@ -152,12 +153,12 @@ def main(argv: list[str]) -> int:
         "",
     ])
     Path(args.docs).write_text(doc)
-    readme = Path(args.readme)
+    results = Path(args.results) if args.results else page_of("calibration-table")
     ref = next(r for r in runs if r.config["compressor"] == "none")
     runs_note = f"{bench}/runs, reference run started {ref.config.get('started_at', '?')}"
-    readme.write_text(update(readme.read_text(), readme_table(rows, link.source, runs_note), START, END))
+    results.write_text(replace(results.read_text(), "calibration-table", results_table(rows, link.source, runs_note)))
     print(doc)
-    print(f"written: {args.docs}, {readme} (calibration table)")
+    print(f"written: {args.docs}, {results} (calibration table)")
     return 0
 
 

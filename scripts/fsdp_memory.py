@@ -6,7 +6,8 @@ Each variant runs in fresh processes (2 replicas × 2 shards) on the GPT-2 harne
 tokens. Per rank it reports: the peak resident set size (``ru_maxrss``: the whole process, torch
 included, so only the difference between the variants means something), the gradient shard
 (this rank's ``p.grad`` local tensors), the optimizer state and EDGC's error feedback and Q factors.
-Prints a Markdown table.
+Prints a Markdown table; with ``--doc docs/guides/fsdp.md`` also writes it between
+``<!-- fsdp-memory:start -->`` and ``<!-- fsdp-memory:end -->`` there.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core"))
 from distributed_harness import run_distributed  # noqa: E402
+
+START, END = "<!-- fsdp-memory:start -->", "<!-- fsdp-memory:end -->"
 
 
 def nbytes(tensors) -> int:
@@ -82,22 +85,44 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--doc", type=Path, help="also write the table into this page's fsdp-memory block "
+                        "(docs/guides/fsdp.md)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = {v: run_distributed(worker, 4, v, args.preset, args.steps, args.vocab, args.seq_len, args.batch,
                                   timeout=600) for v in ("native", "edgc")}
-    mib = 2**20
-    print(f"GPT-2 {args.preset}, vocab {args.vocab}, 2 replicas × 2 shards, {args.steps} steps, "
-          f"batch {args.batch}×{args.seq_len} per rank (CPU, gloo)\n")
-    print("| rank | peak RSS native HSDP (MiB) | peak RSS HSDP + EDGC (MiB) | difference (MiB) | "
-          "gradient shard (MiB) | EF (MiB) | EF / gradient shard | Q (MiB) | optimizer state (MiB) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for rank, (n, e) in enumerate(zip(results["native"], results["edgc"])):
-        print(f"| {rank} | {n['peak_rss'] / mib:.1f} | {e['peak_rss'] / mib:.1f} | "
-              f"{(e['peak_rss'] - n['peak_rss']) / mib:+.1f} | {e['grad_shard'] / mib:.2f} | {e['ef'] / mib:.2f} | "
-              f"{e['ef'] / e['grad_shard']:.3f} | {e['q'] / mib:.3f} | {e['optimizer'] / mib:.2f} |")
+    text = render(results, args)
+    print(text)
+    if args.doc:
+        args.doc.write_text(replace_block(args.doc.read_text(), text))
     assert all(e["phase"] == "compress" for e in results["edgc"])
 
+
+def render(results: dict, args) -> str:
+    """The table and the sentence under it, from the measurements alone."""
+    mib = 2**20
+    lines = [f"`PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/fsdp_memory.py --preset {args.preset} --steps {args.steps}`: "
+             f"GPT-2 {args.preset}, vocab {args.vocab}, 2 replicas × 2 shards, {args.steps} steps, "
+             f"batch {args.batch}×{args.seq_len} per rank (CPU, gloo)", "",
+             "| rank | peak RSS native HSDP (MiB) | peak RSS HSDP + EDGC (MiB) | difference (MiB) | "
+             "gradient shard (MiB) | EF (MiB) | EF / gradient shard | Q (MiB) | optimizer state (MiB) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for rank, (n, e) in enumerate(zip(results["native"], results["edgc"])):
+        lines.append(f"| {rank} | {n['peak_rss'] / mib:.1f} | {e['peak_rss'] / mib:.1f} | "
+                     f"{(e['peak_rss'] - n['peak_rss']) / mib:+.1f} | {e['grad_shard'] / mib:.2f} | {e['ef'] / mib:.2f} | "
+                     f"{e['ef'] / e['grad_shard']:.3f} | {e['q'] / mib:.3f} | {e['optimizer'] / mib:.2f} |")
+    ratios = [e["ef"] / e["grad_shard"] for e in results["edgc"]]
+    extra = [(e["peak_rss"] - n["peak_rss"]) / mib for n, e in zip(results["native"], results["edgc"])]
+    lines += ["", f"EF per rank is {min(ratios):.3f}–{max(ratios):.3f}× this rank's gradient shard; the extra peak "
+              f"is {min(extra):+.1f} to {max(extra):+.1f} MiB."]
+    return "\n".join(lines)
+
+
+def replace_block(doc: str, text: str) -> str:
+    if START not in doc or END not in doc:
+        raise SystemExit(f"fsdp_memory: the page has no {START} … {END} block")
+    head, rest = doc.split(START, 1)
+    return f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}"
 
 if __name__ == "__main__":
     main()

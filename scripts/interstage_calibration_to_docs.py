@@ -1,4 +1,4 @@
-"""Regenerate the inter-stage calibration section of docs/simulate.md and the README's TP × PP lines
+"""Regenerate the inter-stage calibration section of docs/simulate.md and the TP × PP results
 from one `edgc bench --tp T --pp P` folder.
 
     .venv/bin/python scripts/interstage_calibration_to_docs.py runs/bench-tp --host-profile runs/bench-tp/host.json
@@ -7,8 +7,8 @@ It runs the same calibration as `edgc simulate --calibrate BENCH --host-profile 
 (edgc_sim.calibrate_pipeline; this CPU and its local gloo link are measured when no profile is
 given), then replaces what lies between <!-- interstage-calibration:start/end --> in
 docs/simulate.md (command, model inputs, the table, the errors) and between
-<!-- interstage-calibration-line:start/end --> in README.md (one sentence), and copies the bench's
-own table (BENCH/bench.md) between <!-- bench-tp-table:start/end --> in README.md. No number is
+<!-- interstage-calibration-line:start/end --> in docs/results/3d.md (one sentence), and copies the
+bench's own table (BENCH/bench.md) between <!-- bench-tp-table:start/end --> there. No number is
 typed by hand.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_readme import section, update  # noqa: E402  (the same marker replacement as the bench table)
+from bench_to_docs import section, update  # noqa: E402  (the same marker replacement as the bench table)
 from edgc_sim.calibrate import load_run  # noqa: E402
 from edgc_sim.calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration  # noqa: E402
 from edgc_sim.cli import expand_bench_dirs  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("bench", help="an `edgc bench --tp/--pp` output folder")
     parser.add_argument("--host-profile", help="edgc simulate --measure-host --save-profile JSON (default: measure)")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "simulate.md"))
-    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--results", default=str(ROOT / "docs" / "results" / "3d.md"))
     args = parser.parse_args(argv)
     bench = Path(args.bench)
     runs = [load_run(d) for d in expand_bench_dirs([str(bench)])]
@@ -84,12 +84,12 @@ def main(argv=None) -> int:
            f"{format_pipeline_calibration(rows, link, device)}\n\nIn short: {text}.\n")
     docs = Path(args.docs)
     docs.write_text(update(docs.read_text(), doc, *DOC_MARKERS))
-    readme = Path(args.readme)
-    line = (f"Simulator vs this bench (`{command}`, [docs/simulate.md](docs/simulate.md#calibrating-the-inter-stage-"
+    results = Path(args.results)
+    line = (f"Simulator vs this bench (`{command}`, [`edgc simulate`](../simulate.md#calibrating-the-inter-stage-"
             f"model)): {text}.\n")
-    content = update(readme.read_text(), section((bench / "bench.md").read_text()), *TABLE_MARKERS)
-    readme.write_text(update(content, line, *LINE_MARKERS))
-    print(f"{docs}, {readme}: inter-stage calibration of {bench}")
+    content = update(results.read_text(), section((bench / "bench.md").read_text()), *TABLE_MARKERS)
+    results.write_text(update(content, line, *LINE_MARKERS))
+    print(f"{docs}, {results}: inter-stage calibration of {bench}")
     return 0
 
 

@@ -13,14 +13,14 @@ nearest rank of the grid. ``need`` ∈ [0, 1] says how much the current moment i
 "early", critical regime in which a higher rank pays. The fixed ``schedule`` signal sets need =
 the fraction of compressed steps still to come: with front_load = 2 the rank then falls from 2B
 through B to about B/2 (B = 4: 8, 6, 4, 2 over 40, 80, 80, 160 steps of 360), the staircase
-that won issue 23's prototype. With need ≡ 1 the target would decay to r_min; with need = 0 the
+that beat static PowerSGD at equal bytes in a first prototype. With need ≡ 1 the target would decay to r_min; with need = 0 the
 budget is spent evenly. Whatever ``need`` does, the budget is kept: every window re-plans the
 remainder, so a rounding or an early surge is paid back later, and the last window spends what
 is left (up to the grid's rounding).
 
-Why early: the prototype of issue 23 (tiny GPT-2, 3 seeds) found that at equal bytes a
-decreasing schedule beats static PowerSGD and an increasing one loses (README, "Reproducing
-the paper"); the paper's premise (entropy falls, so a lower rank suffices later) and
+Why early: a first prototype (tiny GPT-2, 3 seeds) found that at equal bytes a
+decreasing schedule beats static PowerSGD and an increasing one loses (docs/results/pareto.md);
+the paper's premise (entropy falls, so a lower rank suffices later) and
 Accordion's critical regime say the same.
 
 ``need`` comes from one of the ``SIGNALS``: a fixed schedule (need ≡ 1), or the normalised,

@@ -98,7 +98,7 @@ class EDGCConfig:
     seed: int = 714
     """Seed of the generator that draws the initial Q factors (identical on every rank). ≥ 0."""
 
-    # --- noise-robust rank decisions (issue 18) ---
+    # --- noise-robust rank decisions: the noise gate on the entropy trend ---
     entropy_significance: float = 3.0
     """k of the noise gate: the rank moves only if the entropy shift exceeds k standard errors of the window means; 0 = no gate (the paper's rule, every window). ≥ 0."""
 
@@ -108,7 +108,7 @@ class EDGCConfig:
     error_band: tuple[float, float] = (0.05, 0.15)
     """'error-band' mapping: keep the window mean of ‖M−Ĝ‖²/‖M‖² (relative, unitless) in [low, high]; 0 ≤ low < high ≤ 1."""
 
-    # --- the byte budget (issue 23) ---
+    # --- the byte budget: a mean rank, spent early ---
     rank_budget: float | None = None
     """Byte budget as the mean rank over the compressed steps, spent early by the budget controller (needs total_steps); None = the paper's rank rules (rank_mapping). r_min ≤ budget ≤ r_max."""
 

@@ -67,7 +67,8 @@ def confirmed_shift(samples: Sequence[float], per_window: int, k: float) -> floa
 def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> float:
     """The authors' linear map (paper §2.5) of the normalised windowed entropy change.
 
-    ρ = |Δ latest two windows| / |Δ first two windows of training|; target = r_min + (r_max − r_min)·ρ.
+    ρ = ‖Δ latest two windows‖ / ‖Δ first two windows of training‖ (absolute changes of the window means);
+    target = r_min + (r_max − r_min)·ρ.
     Fast-moving entropy (unstable regime) keeps the rank near r_max; a stable entropy lets it
     decay to r_min. With fewer than two windows of history the target is r_max.
     """

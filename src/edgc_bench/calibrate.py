@@ -77,7 +77,7 @@ def worker(sizes_mb: list[float]) -> None:
 
 def rows(results: list[dict], world: int, rate_mbit: float | None) -> list[dict]:
     """The worker's lines plus the bound bytes / rate and the tbf burst the links were given."""
-    from .netns import burst_bytes
+    from edgc_sim.tbf import burst_bytes
 
     out = []
     for r in results:

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 from .netns import NetnsError, check_prerequisites
 from .run import ALL_METHODS, FSDP_METHODS, PIPELINE_METHODS, BenchSettings, check_methods

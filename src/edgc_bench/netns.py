@@ -27,6 +27,8 @@ import signal
 import subprocess
 import time
 
+from edgc_sim.tbf import burst_bytes
+
 SUBNET = "10.213.0"
 HOST_IF = "eth0"
 
@@ -42,11 +44,6 @@ def check_prerequisites() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise NetnsError(f"network emulation needs {' and '.join(missing)} (package iproute2), not found on PATH")
-
-
-def burst_bytes(rate_mbit: float) -> int:
-    """tbf bucket: ~2 ms at the rate, at least 32 KiB (256 KiB at 1 Gbit/s, as env.md measured)."""
-    return max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
 
 
 def namespaces() -> list[str]:

@@ -136,7 +136,7 @@ def pipeline_table(rows_: list[dict]) -> str:
 def floor_target(rate_mbit: float | None, fsdp: bool = False) -> float:
     """EDGC's step over the compute floor that the bench asks for: ≤ 1.15× on links of 1 Gbit/s and
     faster (unlimited too), where the factors can hide behind backward; ≤ 1.25× on slower links,
-    where part of them cannot (issue 23). The HSDP bench keeps ≤ 1.25× at any rate."""
+    where part of them cannot. The HSDP bench keeps ≤ 1.25× at any rate."""
     return 1.25 if fsdp or (rate_mbit is not None and rate_mbit < 1000) else 1.15
 
 

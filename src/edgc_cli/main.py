@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from edgc_cli.errors import CLIError
+
 # sub-command name -> module that registers it
 TOOLS = {
     "train": "edgc_train.cli",
@@ -26,10 +28,6 @@ TOOLS = {
     "simulate": "edgc_sim.cli",
     "experiment": "edgc_experiments.cli",
 }
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit code 2, no traceback."""
 
 
 # How long another torchrun worker waits for rank 0 to report the same user error (see print_error).
@@ -92,9 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m edgc_cli.main` runs this file as the module __main__, a second copy beside the
-    # edgc_cli.main the tools import: their CLIError would not be this copy's and would end in a
-    # traceback. Run the one the tools share.
-    from edgc_cli.main import main as shared_main
-
-    sys.exit(shared_main())
+    sys.exit(main())

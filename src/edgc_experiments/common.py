@@ -7,6 +7,7 @@ measures gradients is reused from ``edgc`` (entropy estimators, the CQM curves, 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 DEFAULT_ROOT = Path("runs/experiments")
 LAYER_TYPES = ("attention", "mlp", "embedding")
@@ -231,10 +232,12 @@ def edgc_train(setting: Setting, run_dir: Path, nproc: int, extra: Sequence[str]
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
             raise CLIError(f"edgc train into {run_dir} failed (exit {done.returncode}): {' | '.join(tail)}")
     else:
-        from edgc_cli.main import build_parser
+        from edgc_train import cli as train_cli
 
         log("  $ edgc " + " ".join(args) + "   (in this process)")
-        parsed = build_parser(only="train").parse_args(args)
+        parser = argparse.ArgumentParser(prog="edgc")
+        train_cli.register(parser.add_subparsers(dest="command"))
+        parsed = parser.parse_args(args)
         code = parsed.func(parsed)
         if code:
             raise CLIError(f"edgc train into {run_dir} failed (exit {code})")

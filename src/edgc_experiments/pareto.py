@@ -1,6 +1,6 @@
 """`edgc experiment pareto` — at the same bytes, does a rank that moves beat the best fixed rank?
 
-The instrument of issue 23. For each budget b (a mean rank over the compressed steps: the factor
+Does a moving rank beat static PowerSGD at the same bytes? For each budget b (a mean rank over the compressed steps: the factor
 bytes per step are linear in it) and each seed, one-process runs that share everything but the
 rank schedule of their compressed steps (same data order, initialisation and uncompressed
 warm-up, `pareto_train`):
@@ -8,7 +8,7 @@ warm-up, `pareto_train`):
 * ``static``     static PowerSGD at rank b: the reference every other arm is paired with;
 * ``budget-S``   the budget controller (`edgc.budget`, r_max = 2b) with signal S:
                  ``schedule`` (fixed front-loaded, the baseline), ``gradnorm``, ``entropy``, ``error``;
-* ``hand-3``     hand-set 2b, b, b/2 for 2/9, 3/9, 4/9 of the compressed steps (issue 23's best);
+* ``hand-3``     hand-set 2b, b, b/2 for 2/9, 3/9, 4/9 of the compressed steps (the best schedule of a first prototype);
 * ``hand-2``     hand-set 2b for 1/3, then b/2;
 * ``alt-warm`` / ``alt-truncate`` (``--rank-change-cost``, at the middle budget): the rank
   alternates between b/2 and 3b/2 every window, with the warm-start-preserving rank change or with

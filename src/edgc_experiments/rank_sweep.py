@@ -117,7 +117,7 @@ def run(args, out, setting, log=print) -> dict:
         markdown_table(["rank", "MB sent / step", "bytes vs none", "comm ms / step", "comm vs none",
                         "compress ms / step", "step ms", "val loss", "Δ val loss"], rows),
         "",
-        "How to read it for EDGC's bounds (paper §2.7, seed note \"sweep ranks … to set r_max/r_min\"):",
+        "How to read it for EDGC's bounds (paper §2.7: sweep ranks to set r_max/r_min):",
         f"- r_min: the {suggestion}. Best Δ val loss: rank {best['rank']} ({best['delta_val_loss']:+.4f}).",
         "- r_max: the paper profiles it as the largest rank whose compressed sync is still faster than the "
         "uncompressed one. Here (loopback) compressed comm + compression is below the uncompressed all-reduce "

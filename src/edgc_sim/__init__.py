@@ -18,6 +18,7 @@ Modules:
     schedule.py            EDGC's stage-0 rank over a whole run, from an entropy series
     methods.py             the compared methods as per-stage rank schedules
     report.py              text table and time-breakdown plot of simulated runs
+    tbf.py                 the emulated links' token-bucket burst (shared with edgc_bench.netns)
     host.py                quick measurements of this machine (FLOP/s, local link)
     calibrate.py           the fit against `edgc train` runs: predicted vs measured step and comm
     bench_link.py          the bench's link fitted from its calibration sweep (`BenchLink`)

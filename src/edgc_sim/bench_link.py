@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .tbf import burst_bytes
+
 
 SMALL_WIRE = 64 * 1024  # bytes on the wire per host up to which an all-reduce is latency alone
 LARGE_WIRE = 4 * 2 ** 20  # ... and from which bytes / beta dominates
@@ -70,15 +72,13 @@ def fit_bench_link(world: int, sizes_bytes: Sequence[float], seconds: Sequence[f
 
 
 def _burst(rows: list, world: int) -> float:
-    """The tbf burst of a calibration's links: recorded (newer files), else netns.burst_bytes of the
+    """The tbf burst of a calibration's links: recorded (newer files), else `edgc_sim.tbf.burst_bytes` of the
     rate implied by a row's bytes / rate bound (ideal_s = f S 8 / R), else 0 (unlimited)."""
     if rows[0].get("burst_bytes") is not None:
         return float(rows[0]["burst_bytes"])
     row = rows[-1]
     if not row.get("ideal_s"):
         return 0.0
-    from edgc_bench.netns import burst_bytes
-
     wire = 2 * (world - 1) / world * float(row["mb"]) * 2 ** 20
     return float(burst_bytes(wire * 8 / float(row["ideal_s"]) / 1e6))
 

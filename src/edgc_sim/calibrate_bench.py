@@ -25,7 +25,7 @@ Model of one measured step (the same formulas for every method, nothing fitted p
   step  = compute_ref + compress + comm            (step_time_s = compute + compress + comm)
   compute_ref = the reference run's median compute_time_s (same model, data, batch for all)
 
-Bench folders from issue 15 on (they have a `nosync`, `allreduce` or `allreduce-blocking` run):
+Bench folders of the current layout (they have a `nosync`, `allreduce` or `allreduce-blocking` run):
   `none` is DDP's native all-reduce (no hook: no comm/compress timer, no comm trace; its step
   time is what is compared), `nosync` the compute floor (no collectives), `allreduce` our hook
   uncompressed (the old `none`'s collectives), `allreduce-blocking` one packed all-reduce after

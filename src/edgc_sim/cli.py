@@ -70,7 +70,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from edgc_cli.main import CLIError
+    from edgc_cli.errors import CLIError
 
     try:
         if args.measure_host:

@@ -8,7 +8,7 @@ cost model needs the collectives and their sizes, not only the step's total byte
   order), packed greedily until a bucket holds at least its cap; the first bucket's cap is 1 MiB
   with DDP's default 25 MiB cap (torch ``_DEFAULT_FIRST_BUCKET_BYTES``), the cap itself when one is
   given. ``torch-powersgd`` runs with ``bucket_cap_mb=500`` (edgc_train.compressors), one bucket.
-* per bucket, ``none`` (DDP's native all-reduce; in bench folders before issue 15 our blocking
+* per bucket, ``none`` (DDP's native all-reduce; in older bench folders, without a `nosync` run, our blocking
   hook), ``allreduce`` (our non-blocking hook), fp16/bf16, random-k: one all-reduce; top-k, QSGD:
   one all-gather; ``allreduce-blocking``: one all-reduce of all gradients packed, after backward;
   ``nosync``: none at all;

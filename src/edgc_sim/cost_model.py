@@ -266,7 +266,7 @@ def engine_orthogonalize_time(rows: int, cols: int, flops_per_s: float, mem_byte
 def optimus_powersgd_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
                           mem_bytes_per_s: float, launch_s: float, bytes_per_value: int) -> float:
     """Compress + decompress of the paper's reducer (Optimus-CC's megatron/mpu/reducers.py, which
-    EDGC reuses; paper.md §2.3), what the paper-scale projections model: the three matmuls at the
+    EDGC reuses; the paper, §2.3), what the paper-scale projections model: the three matmuls at the
     matmul rate, orthogonalising P only (with a warm-started Q that reducer skips Q) by its
     TorchScript Gram-Schmidt, and the elementwise error-feedback passes (M = G + e: 3 accesses,
     e = M - G_hat: 3, write-back of G_hat: 1)."""

@@ -1,4 +1,4 @@
-"""EDGC's rank ceiling (paper.md §2.7) and DAC per-stage alignment (§2.9) on the cost model.
+"""EDGC's rank ceiling (the paper, §2.7) and DAC per-stage alignment (§2.9) on the cost model.
 
 The alignment rule itself is the library's (`edgc.alignment.align_stage_ranks`): the simulator
 only turns its analytic sync-time function into the tables that rule reads.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-RANK_GRANULARITY = 4  # aligned ranks and r_max are multiples of 4 (paper.md §2.7, §2.9)
+RANK_GRANULARITY = 4  # aligned ranks and r_max are multiples of 4 (the paper, §2.7, §2.9)
 
 SyncTime = Callable[[int, Optional[int]], float]  # (stage, rank or None) -> predicted seconds
 

@@ -131,7 +131,7 @@ LINKS = {
         # PCIe 5.0 x16: 32 GT/s x 16 x 128b/130b = 63 GB/s per direction (PCI-SIG spec).
         LinkSpec("pcie5", 63 * GB, 0.8, 10e-6, "PCIe 5.0 spec x16 63 GB/s; eff/alpha assumed"),
         # Ethernet line rates (IEEE 802.3). TCP sockets (NCCL socket transport): assumed efficiency 0.9
-        # (env.md measured 91-95% of a shaped rate) and alpha 30 us (kernel TCP step, assumed).
+        # (a shaped link carries 91-95% of its nominal rate, measured on this project's machines) and alpha 30 us (kernel TCP step, assumed).
         LinkSpec("eth10g", 10e9 / 8, 0.9, 30e-6, "IEEE 802.3 10GBASE; eff/alpha assumed (TCP)"),
         LinkSpec("eth25g", 25e9 / 8, 0.9, 30e-6, "IEEE 802.3 25GBASE; eff/alpha assumed (TCP)"),
         # RDMA (RoCE / InfiniBand) through NCCL's IB transport: assumed efficiency 0.9, alpha 5 us.
@@ -160,7 +160,7 @@ DEVICES = {
 }
 
 # --- clusters ------------------------------------------------------------------------------------
-# The paper (paper.md §3.1) gives only GPU counts and 4 GPUs/node; the interconnect was not recovered.
+# The paper (the paper, §3.1) gives only GPU counts and 4 GPUs/node; the interconnect was not recovered.
 # The inter-node links below are assumptions typical of each generation; `--inter-link` changes them.
 CLUSTERS = {
     c.name: c

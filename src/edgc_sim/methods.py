@@ -17,7 +17,7 @@ METHOD_LABELS = {"none": "uncompressed", "powersgd": "PowerSGD (static)",
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Knobs of the baselines (paper.md §3.4) and of EDGC."""
+    """Knobs of the baselines (the paper, §3.4) and of EDGC."""
 
     rank: int = 32  #: static PowerSGD rank, all stages (--grad_comp_rank default in the EDGC code), >= 1
     optimus_rank: int = 128  #: Optimus-CC DP rank (its GPT-2.5B script), >= 1

@@ -1,4 +1,4 @@
-"""Model shapes, parallel layouts and the paper's training presets (paper.md §3.2)."""
+"""Model shapes, parallel layouts and the paper's training presets (the paper, §3.2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,17 +93,17 @@ class Preset:
             raise ValueError(f"layers ({self.model.layers}) must be divisible by pp ({self.parallel.pp})")
 
 
-# The released launch scripts pass no --fp16/--bf16 (paper.md §3.3), so the runs were fp32 Megatron;
+# The released launch scripts pass no --fp16/--bf16 (the paper, §3.3), so the runs were fp32 Megatron;
 # the NGC 24.05 container they name turns fp32 matmuls into TF32 on tensor cores where the GPU has
 # them (H100, not V100). Gradients, P/Q and activations are then fp32 (4 bytes).
 PRESETS = {
     p.name: p
     for p in (
         Preset("gpt2-345m", ModelSpec(24, 1024, 16), ParallelSpec(2, 4, 2, 4, 64), 230_000, "v100x16",
-               "fp32", 4, "paper.md §3.2, EDGC 345M_GPT2_230K.sh"),
+               "fp32", 4, "the paper, §3.2, EDGC 345M_GPT2_230K.sh"),
         Preset("gpt2-2.5b", ModelSpec(52, 1920, 24), ParallelSpec(4, 4, 2, 4, 64), 230_000, "v100x32",
-               "fp32", 4, "paper.md §3.2, EDGC 2.5B_GPT2_230k.sh"),
+               "fp32", 4, "the paper, §3.2, EDGC 2.5B_GPT2_230k.sh"),
         Preset("gpt2-12.1b", ModelSpec(76, 3584, 28), ParallelSpec(4, 4, 4, 4, 128), 230_000, "h100x64",
-               "tf32", 4, "paper.md §3.2, EDGC 12.1B_GPT2_230k.sh"),
+               "tf32", 4, "the paper, §3.2, EDGC 12.1B_GPT2_230k.sh"),
     )
 }

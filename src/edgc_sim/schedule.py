@@ -1,4 +1,4 @@
-"""EDGC's stage-0 rank over a whole run: per window, from an entropy series (paper.md §2.5, the
+"""EDGC's stage-0 rank over a whole run: per window, from an entropy series (the paper, §2.5, the
 "delta" mapping the released code runs) or replayed from a measured run's metrics.jsonl."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Window:
 
 @dataclass(frozen=True)
 class DeltaMapping:
-    """Knobs of the entropy-change -> rank mapping (defaults from paper.md §2.12)."""
+    """Knobs of the entropy-change -> rank mapping (defaults from the paper, §2.12)."""
 
     window: int = 1000  #: w, iterations per rank decision (>= 1)
     alpha: float = 0.1  #: ISR: entropy sampled every int(1/alpha) iterations, (0, 1]

@@ -22,7 +22,7 @@ class StageParams:
 
 def layer_matrices(hidden: int, tp: int) -> list:
     """One block's weight shards: QKV and FC1 are column-parallel, attention-out and FC2 row-parallel
-    (paper.md §3.2 worked example: 1440x1920, 1920x480, 1920x1920, 1920x1920 at h=1920, TP=4)."""
+    (the paper, §3.2 worked example: 1440x1920, 1920x480, 1920x1920, 1920x1920 at h=1920, TP=4)."""
     h = hidden
     return [(3 * h // tp, h), (h, h // tp), (4 * h // tp, h), (h, 4 * h // tp)]
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 from .config import TrainConfig, field_help, load_config_file
 

@@ -30,7 +30,7 @@ communication and compression times (see ``Compressor.step_metrics``).
 
 Why ``torch-powersgd`` forces ``bucket_cap_mb=500``: its P and Q all-reduces are issued from future
 callbacks, so with several buckets in flight the ranks can issue them in different orders, and gloo
-(which matches collectives by issue order) aborts with a "collective mismatch" (env.md §2). One
+(which matches collectives by issue order) aborts with a "collective mismatch". One
 bucket means one chain of collectives per step, which is safe on every backend.
 """
 from __future__ import annotations

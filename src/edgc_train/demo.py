@@ -25,7 +25,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 DEFAULT_OUT = Path("runs/demo")
 DEFAULT_STEPS = 120

@@ -14,7 +14,7 @@ One optimizer step:
    per micro-batch slot (`edgc.interstage`; this changes the model's gradient, lazily: what a
    step does not send is added to the same slot's gradient next step);
 2. each stage synchronises its gradients over its DP group with its compressor
-   (``state.synchronize``, no DDP — DDP inside pipeline stages is unreliable, env.md §3);
+   (``state.synchronize``, no DDP — DDP around a stage breaks under GPipe: its bucket rebuild asserts);
 3. the tied embedding: the DP-averaged gradients of stage 0's ``wte`` and stage P−1's
    ``lm_head`` are summed over the embedding group (uncompressed), so both copies get the
    true gradient and stay identical;

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 
 def register(subparsers) -> None:

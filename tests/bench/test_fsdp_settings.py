@@ -5,7 +5,8 @@ import pytest
 
 from edgc_bench.cli import settings_from
 from edgc_bench.run import train_args
-from edgc_cli.main import CLIError, build_parser
+from edgc_cli.errors import CLIError
+from edgc_cli.main import build_parser
 
 
 def parse(*flags):
@@ -27,12 +28,12 @@ def test_fsdp_refuses_methods_the_fsdp_hook_cannot_run():
         parse("--fsdp", "--methods", "none,topk")
 
 
-def test_readme_sync_puts_an_hsdp_table_in_its_own_place(tmp_path, load_script):
-    module = load_script("bench_to_readme")
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
+def test_docs_sync_puts_an_hsdp_table_in_its_own_place(tmp_path, load_script):
+    module = load_script("bench_to_docs")
+    page = tmp_path / "page.md"
+    page.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
     bench = tmp_path / "bench.md"
     bench.write_text("<!-- bench:start -->\n2 hosts × 2 process(es) as HSDP (…)\n<!-- bench:end -->\n")
-    assert module.main([str(bench), str(readme)]) == 0
-    text = readme.read_text()
+    assert module.main([str(bench), str(page)]) == 0
+    text = page.read_text()
     assert "ddp" in text and "<!-- bench-hsdp-table:start -->\n2 hosts × 2 process(es) as HSDP (…)\n" in text

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from edgc_bench.netns import Network, NetnsError, burst_bytes, check_prerequisites, namespaces
+from edgc_bench.netns import Network, NetnsError, check_prerequisites, namespaces
+from edgc_sim.tbf import burst_bytes
 
 try:
     check_prerequisites()
@@ -86,23 +87,23 @@ def test_not_root_is_a_clear_error(monkeypatch):
     assert main(["bench", "--steps", "2"]) == 2
 
 
-def test_readme_sync_copies_the_bench_section(tmp_path, load_script):
-    module = load_script("bench_to_readme")
+def test_docs_sync_copies_the_bench_section(tmp_path, load_script):
+    module = load_script("bench_to_docs")
     bench = tmp_path / "bench.md"
     bench.write_text("# x\n<!-- bench:start -->\n| a |\n<!-- bench:end -->\nrest\n")
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n")
-    assert module.main([str(bench), str(readme)]) == 0
-    assert readme.read_text() == "intro\n\n<!-- bench-table:start -->\n| a |\n<!-- bench-table:end -->\n"
+    page = tmp_path / "page.md"
+    page.write_text("intro\n")
+    assert module.main([str(bench), str(page)]) == 0
+    assert page.read_text() == "intro\n\n<!-- bench-table:start -->\n| a |\n<!-- bench-table:end -->\n"
     bench.write_text("<!-- bench:start -->\n| b |\n<!-- bench:end -->\n")
-    module.main([str(bench), str(readme)])
-    assert "| b |" in readme.read_text() and "| a |" not in readme.read_text()
+    module.main([str(bench), str(page)])
+    assert "| b |" in page.read_text() and "| a |" not in page.read_text()
 
 
-def test_readme_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_script):
-    module = load_script("bench_to_readme")
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n")
+def test_docs_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_script):
+    module = load_script("bench_to_docs")
+    page = tmp_path / "page.md"
+    page.write_text("intro\n")
     bench = tmp_path / "bench.md"
     for first_line, rows in (("`edgc bench --out a` — 1000 Mbit/s per host link", "| one |"),
                              ("`edgc bench --out b --r-max 8` — 1000 Mbit/s per host link", "| two |"),
@@ -112,8 +113,8 @@ def test_readme_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_scrip
                              ("`edgc bench --out e --rounds 2 --rate-mbit 100` — today, 2 rounds of none, edgc on "
                               "2 hosts, 100 Mbit/s per host link", "| five |")):
         bench.write_text(f"<!-- bench:start -->\n{first_line}\n{rows}\n<!-- bench:end -->\n")
-        assert module.main([str(bench), str(readme)]) == 0
-    text = readme.read_text()
+        assert module.main([str(bench), str(page)]) == 0
+    text = page.read_text()
     for marker, rows in (("bench-table", "| one |"), ("bench-rmax-table", "| two |"), ("bench-slow-link-table", "| three |"),
                          ("bench-rounds-table", "| four |"), ("bench-slow-link-rounds-table", "| five |")):
         assert text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].endswith(f"{rows}\n")

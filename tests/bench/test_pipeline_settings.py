@@ -6,7 +6,8 @@ import pytest
 from edgc_bench.cli import check_training, settings_from
 from edgc_bench.run import train_args
 from edgc_bench.table import pipeline_table, rows
-from edgc_cli.main import CLIError, build_parser
+from edgc_cli.errors import CLIError
+from edgc_cli.main import build_parser
 
 
 def parse(*flags):

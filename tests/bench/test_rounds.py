@@ -100,7 +100,7 @@ def test_bad_rounds_get_one_line(flags, message):
     import argparse
 
     from edgc_bench import cli
-    from edgc_cli.main import CLIError
+    from edgc_cli.errors import CLIError
 
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())

@@ -150,25 +150,25 @@ def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
 
 
 def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
-    module = load_script("bench_repeats_to_readme")
+    module = load_script("bench_repeats_to_docs")
     fast = {"none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
             "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
             "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2),
             "edgc": run([2.9, 2.01, 1.9], step_s=0.9, comm_s=0.1, compress_s=0.2)}
     bench = write_bench(tmp_path / "bench-a", fast)
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")
-    module.main([str(bench)], readme)
-    text = readme.read_text()
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")
+    module.main([str(bench)], page)
+    text = page.read_text()
     assert "| bench-a | today | 1000 Mbit/s | 0.5 | unknown | 1.125 | 1.250 | 0.900 |" in text
     assert text.startswith("intro\n<!-- bench-repeats:start -->\n`python -m edgc_bench.repeats ")
     assert "old" not in text and text.endswith("<!-- bench-repeats:end -->\nrest\n")
 
     # A second machine's runs go to their own block; the first view stays as it was.
-    readme.write_text(text + "<!-- bench-repeats-vm2:start -->\nold\n<!-- bench-repeats-vm2:end -->\n")
-    module.main([str(bench)], readme, block="bench-repeats-vm2")
-    second = readme.read_text()
+    page.write_text(text + "<!-- bench-repeats-vm2:start -->\nold\n<!-- bench-repeats-vm2:end -->\n")
+    module.main([str(bench)], page, block="bench-repeats-vm2")
+    second = page.read_text()
     assert second.startswith(text) and "old" not in second
     assert second.count("| bench-a | today |") == 2
     with pytest.raises(SystemExit, match="no <!-- missing:start -->"):
-        module.main([str(bench)], readme, block="missing")
+        module.main([str(bench)], page, block="missing")

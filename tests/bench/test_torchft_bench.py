@@ -1,4 +1,4 @@
-"""`edgc bench --torchft` without a network: its table and checks on synthetic runs, the README
+"""`edgc bench --torchft` without a network: its table and checks on synthetic runs, the results page
 routing of its table, the measures taken from the workers' step logs, and its flag checks."""
 import argparse
 import json
@@ -8,7 +8,7 @@ import pytest
 from edgc_bench import torchft_bench, torchft_table
 from edgc_bench.cli import torchft
 from edgc_bench.run import BenchSettings
-from edgc_cli.main import CLIError
+from edgc_cli.errors import CLIError
 
 
 def summary(ft_edgc_step=0.6, ft_wall=80.0, elastic_wall=120.0, loss=4.02, lost=1):
@@ -35,13 +35,13 @@ def test_checks_pass_and_fail_on_their_thresholds():
     assert "0.70" in failed[0] and "+2.50%" in failed[-1]
 
 
-def test_the_table_goes_to_the_torchft_section_of_the_readme(load_script):
+def test_the_table_goes_to_the_torchft_results_page(load_script):
     bench_md = torchft_table.markdown(summary())
-    script = load_script("bench_to_readme")
-    readme = "# x\n\n<!-- bench-torchft-table:start -->\nold\n<!-- bench-torchft-table:end -->\n\n<!-- bench-table:start -->\n"
+    script = load_script("bench_to_docs")
+    page = "# x\n\n<!-- bench-torchft-table:start -->\nold\n<!-- bench-torchft-table:end -->\n\n<!-- bench-table:start -->\n"
     table = script.section(bench_md)
     assert "(one replica group each)" in table and "| torchft + EDGC | 0.600 s | 80.0 s | 1 | 8.0 s | 4.0200 | yes |" in table
-    updated = script.update(readme, table, script.TORCHFT_START, script.TORCHFT_END)
+    updated = script.update(page, table, script.TORCHFT_START, script.TORCHFT_END)
     assert "old" not in updated and updated.count("torchft + EDGC |") == 1
 
 

@@ -68,13 +68,3 @@ def test_dict_round_trip_and_unknown_field():
 def test_static_rejects_conflicting_overrides():
     with pytest.raises(ValueError, match=r"EDGCConfig\.static.*r_max"):
         EDGCConfig.static(rank=8, r_max=16)
-
-
-def test_the_readme_config_table_is_the_generated_one():
-    from pathlib import Path
-
-    from edgc.config import config_table_markdown
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("<!-- config-table:start -->\n", 1)[1].split("\n<!-- config-table:end -->", 1)[0]
-    assert block == config_table_markdown(), "README config table is stale: run scripts/update_readme.py"

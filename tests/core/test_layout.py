@@ -21,10 +21,15 @@ def imports_of(name: str, path: Path) -> set[str]:
     """The src modules ``name`` imports anywhere in its body (function-level imports included).
 
     ``from pkg import x`` counts as importing the module ``pkg.x`` when that is a module, else
-    ``pkg``; the implicit import of a module's parent packages does not count."""
+    ``pkg``; the implicit import of a module's parent packages does not count. A call of
+    ``import_module`` (``importlib.import_module``) with a literal name counts as an import of it,
+    and so does every literal module name in a dict or tuple handed to it by name (the command's
+    table of tools), so a cycle cannot hide behind importlib."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    dynamic_names = literal_module_names(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name in MODULES}
         elif isinstance(node, ast.ImportFrom):
@@ -38,8 +43,16 @@ def imports_of(name: str, path: Path) -> set[str]:
                     found.add(f"{source}.{alias.name}")
                 elif source in MODULES:
                     found.add(source)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+            found |= {arg.value for arg in node.args if isinstance(arg, ast.Constant) and arg.value in MODULES}
+            found |= dynamic_names
     found.discard(name)
     return found
+
+
+def literal_module_names(tree: ast.AST) -> set[str]:
+    """Every string constant of a module that names a src module (candidates for import_module)."""
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in MODULES}
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -77,6 +90,32 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+# The layers, from the bottom; a module may import its own layer or one below, never one above.
+# `edgc_cli.errors` sits beneath the tools that raise its error, `edgc_cli.main` above all of them.
+LAYERS = ["edgc", "edgc_cli.errors", "edgc_train", "edgc_sim", "edgc_bench", "edgc_experiments", "edgc_cli.main"]
+
+
+def layer(module: str) -> int:
+    """The index in LAYERS of the longest entry that is ``module`` or a package containing it."""
+    matches = [i for i, prefix in enumerate(LAYERS) if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module}: in no layer of LAYERS"
+    return max(matches, key=lambda i: len(LAYERS[i]))
+
+
+def test_no_import_runs_up_the_layers():
+    upward = sorted((name, dep) for name, path in MODULES.items() for dep in imports_of(name, path)
+                    if layer(dep) > layer(name))
+    assert upward == [], upward
+
+
+def test_an_import_module_call_with_a_literal_name_is_an_import(tmp_path, monkeypatch):
+    path = tmp_path / "m.py"
+    path.write_text("import importlib\nTOOLS = {'a': 'edgc_train.cli'}\n"
+                    "def f(name):\n    importlib.import_module(name)\n    return importlib.import_module('edgc.state')\n")
+    assert imports_of("edgc_probe", path) == {"edgc_train.cli", "edgc.state"}
+    assert layer("edgc_cli.main") > layer("edgc_experiments.cli") > layer("edgc_cli.errors") > layer("edgc.state")
+
+
 def test_the_cycle_finder_finds_a_circle_through_a_third_module():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
@@ -109,16 +148,15 @@ def test_process_groups_are_built_in_one_place():
     assert builders in ([], ["edgc/mesh.py"]), builders
 
 
-def test_the_readme_layout_names_every_module_under_its_package():
-    readme = (SRC.parent / "README.md").read_text()
-    layout = readme[readme.index("## Repository layout"):]
+def test_the_layout_page_names_every_module_under_its_package():
+    layout = (SRC.parent / "docs" / "layout.md").read_text()
     bullets = {b.split("`")[1]: b for b in layout.split("\n- ")[1:] if b.startswith("`src/")}
     for init in SRC.glob("*/__init__.py"):
         package = init.parent
         bullet = bullets.get(f"src/{package.name}/", "")
         missing = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
                          if p.name != "__init__.py" and f"`{p.name}`" not in bullet)
-        assert not missing, f"README's layout bullet for src/{package.name}/ does not name {missing}"
+        assert not missing, f"docs/layout.md's bullet for src/{package.name}/ does not name {missing}"
 
 
 def test_the_harness_lists_its_modules_in_import_order():

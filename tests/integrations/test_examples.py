@@ -21,6 +21,7 @@ TORCHRUN4 = [*TORCHRUN[:-3], "4", *TORCHRUN[-2:]]  # 2 replicas × 2 shards
 EXAMPLES = {
     "ddp_plain": (TORCHRUN, 20),
     "hf_transformers": (TORCHRUN, 16),
+    "hf_trainer": (TORCHRUN, 16),
     "accelerate_example": (TORCHRUN, 12),
     "lightning_trainer": ([sys.executable], 12),  # Lightning starts the second process itself
     "fsdp2_hsdp": (TORCHRUN4, 12),

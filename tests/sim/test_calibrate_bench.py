@@ -264,23 +264,23 @@ def test_cli_calibrate_bench(tmp_path, capsys):
     assert "nominal 920 Mbit/s" in capsys.readouterr().out
 
 
-def test_docs_script_regenerates_docs_and_readme(tmp_path, capsys, load_script):
+def test_docs_script_regenerates_docs_and_the_results_page(tmp_path, capsys, load_script):
     module = load_script("calibration_to_docs")
     bench = write_bench(tmp_path)
     (bench / "runs" / "powersgd").rename(bench / "runs" / "powersgd-rmax")
     profile = tmp_path / "host.json"
     profile.write_text(json.dumps({"device": DEVICE.__dict__, "link": None}))
-    readme, docs = tmp_path / "README.md", tmp_path / "calibration.md"
-    readme.write_text("# x\n\n<!-- calibration-table:start -->\nold\n<!-- calibration-table:end -->\n\ntail\n")
-    args = [str(bench), "--host-profile", str(profile), "--readme", str(readme), "--docs", str(docs)]
+    page, docs = tmp_path / "page.md", tmp_path / "calibration.md"
+    page.write_text("# x\n\n<!-- calibration-table:start -->\nold\n<!-- calibration-table:end -->\n\ntail\n")
+    args = [str(bench), "--host-profile", str(profile), "--results", str(page), "--docs", str(docs)]
     assert module.main(args) == 0
-    text = readme.read_text()
+    text = page.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| powersgd-rmax | 4 | 3 (pattern) |"))
     assert "old" not in text and text.endswith("tail\n") and "| +0.0 % |" in row
     assert "rank-0 comm time (with peer wait) within 15%: none, fp16, powersgd-rmax r=4; outside: none." in text
     assert "link time" not in text  # no run was traced
     assert "scripts/calibration_to_docs.py " + " ".join(args) in docs.read_text()
-    assert module.main(args) == 0 and readme.read_text() == text  # idempotent
+    assert module.main(args) == 0 and page.read_text() == text  # idempotent
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_more_steps():

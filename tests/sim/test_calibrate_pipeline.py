@@ -90,22 +90,22 @@ def test_cli_calibrate_reads_a_tp_pp_bench_folder(tmp_path, capsys):
     assert "| none | cooldown | -/4 | 10 |" in out and "| yes |" in out
 
 
-def test_docs_script_fills_the_doc_section_and_the_readme(tmp_path, load_script):
+def test_docs_script_fills_the_doc_section_and_the_results_page(tmp_path, load_script):
     bench, _ = write_bench(tmp_path)
     (bench / "bench.md").write_text("# edgc bench\n\n<!-- bench:start -->\n`edgc bench --tp 2 --pp 2` — 2 hosts × TP2 × "
                                     "PP2 …\n\n| method | … |\n<!-- bench:end -->\n")
     profile = tmp_path / "host.json"
     save_profile(profile, DEVICE, LINK)
-    docs, readme = tmp_path / "simulate.md", tmp_path / "README.md"
+    docs, page = tmp_path / "simulate.md", tmp_path / "page.md"
     docs.write_text("intro\n<!-- interstage-calibration:start -->\nSTALE\n<!-- interstage-calibration:end -->\nafter\n")
-    readme.write_text("top\n<!-- bench-tp-table:start -->\nSTALE\n<!-- bench-tp-table:end -->\n")
+    page.write_text("top\n<!-- bench-tp-table:start -->\nSTALE\n<!-- bench-tp-table:end -->\n")
     module = load_script("interstage_calibration_to_docs")
-    assert module.main([str(bench), "--host-profile", str(profile), "--docs", str(docs), "--readme", str(readme)]) == 0
+    assert module.main([str(bench), "--host-profile", str(profile), "--docs", str(docs), "--results", str(page)]) == 0
     doc = docs.read_text()
     assert "STALE" not in doc and doc.startswith("intro\n") and doc.endswith("after\n")
     assert "on the bench of `edgc bench --tp 2 --pp 2`" in doc and "| none | cooldown | -/4 |" in doc
     assert "predicted inter-stage bytes equal the measured ones in every group (2 groups of steps over 1 runs)" in doc
     assert re.search(r"inter-stage time error [+-]0\.0%( … [+-]0\.0%)?, payload transfer [+-]0\.0%", doc)
-    text = readme.read_text()
+    text = page.read_text()
     assert "2 hosts × TP2 × PP2" in text and "STALE" not in text
     assert "<!-- interstage-calibration-line:start -->\nSimulator vs this bench" in text

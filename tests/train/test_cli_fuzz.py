@@ -7,7 +7,8 @@ import dataclasses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgc_cli.main import CLIError, build_parser
+from edgc_cli.errors import CLIError
+from edgc_cli.main import build_parser
 from edgc_train.cli import resolve
 from edgc_train.config import TrainConfig
 

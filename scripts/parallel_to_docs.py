@@ -1,9 +1,9 @@
-"""Run `edgc train` in 3D (TP × PP × DP) with and without compression and write the numbers into README.md.
+"""Run `edgc train` in 3D (TP × PP × DP) with and without compression and write the numbers into the manual.
 
-    PYTHONPATH=src .venv/bin/python scripts/parallel_to_readme.py [--runs runs/3d] [--reuse]
+    PYTHONPATH=src .venv/bin/python scripts/parallel_to_docs.py [--runs runs/3d] [--reuse]
 
 Both runs use the same command apart from the compressor flags; the table between the
-``parallel-table`` markers is rendered from their metrics.jsonl only (nothing typed by hand).
+``parallel-table`` markers (docs/results/3d.md) is rendered from their metrics.jsonl only (nothing typed by hand).
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-START, END = "<!-- parallel-table:start -->", "<!-- parallel-table:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import ROOT, write  # noqa: E402
+
 BASE = ["--preset", "tiny", "--tp", "2", "--pp", "2", "--nproc", "8", "--steps", "100", "--eval-every", "0",
         "--max-chars", "200000", "--vocab-size", "512", "--seq-len", "64", "--micro-batch", "4",
         "--grad-accum", "4", "--eval-batches", "8", "--no-progress", "--no-tensorboard"]
@@ -105,10 +106,7 @@ def main() -> int:
         results[name] = summarise(out)
     text = render(results)
     print(text)
-    readme = ROOT / "README.md"
-    head, rest = readme.read_text().split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    print(f"written: {write('parallel-table', text)}")
     return 0
 
 

@@ -1,0 +1,21 @@
+"""Sphinx configuration of the edgc manual (`make docs`; the test `tests/core/test_docs.py` builds it
+with warnings as errors)."""
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+# The source tree first, so that autodoc documents this checkout even when another one is installed.
+sys.path[:0] = [str(DOCS.parent / "src"), str(DOCS / "_ext")]
+
+project = "edgc"
+copyright = "the edgc authors"
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.mathjax", "edgc_docs"]
+source_suffix = {".md": "markdown"}
+exclude_patterns = ["_build", "img", "_ext"]
+myst_enable_extensions = ["dollarmath", "deflist"]
+# GitHub's anchors, so `page.md#a-heading` links work on the site as on GitHub.
+myst_heading_anchors = 3
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+html_theme = "furo"
+html_title = "edgc"

@@ -1,0 +1,41 @@
+"""Copy an `edgc experiment` run's summary (its headline and tables) into the manual (never typed by hand).
+
+    .venv/bin/python scripts/experiment_to_docs.py RESULTS_DIR --block NAME [--plot FILE]
+
+Replaces block NAME (scripts/doc_blocks.py finds its page: ``experiment-entropy-trend``,
+``experiment-sampling``, ``experiment-cqm``, ``experiment-rank-sweep``, ``experiment-window`` and
+``experiment-pure-dp`` in docs/reproducing.md, ``pareto`` and ``pareto-1000`` in
+docs/results/pareto.md) with RESULTS_DIR/summary.md from its headline up to its list of plots;
+``--plot FILE`` also copies RESULTS_DIR/FILE to docs/img/exp_NAME.png (pareto: ``--plot pareto.png``).
+"""
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import ROOT, write  # noqa: E402
+
+
+def block(summary: str) -> str:
+    """summary.md from its headline up to (not including) the plot list."""
+    lines = summary.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("**Headline"))
+    end = next((i for i, line in enumerate(lines) if line.startswith(("Plot:", "Plots:"))), len(lines))
+    return "\n".join(lines[start:end]).strip()
+
+
+def main(results: Path, name: str, plot: str | None = None) -> None:
+    body = block((results / "summary.md").read_text())
+    if plot:
+        shutil.copyfile(results / plot, ROOT / "docs" / "img" / f"exp_{name}.png")
+    write(name, body)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="the experiment's folder (runs/experiments/NAME)")
+    parser.add_argument("--block", required=True, help="the block to fill, e.g. pareto or experiment-window")
+    parser.add_argument("--plot", help="a PNG of the folder to copy to docs/img/exp_BLOCK.png")
+    args = parser.parse_args()
+    main(args.results, args.block, args.plot)

@@ -1,0 +1,31 @@
+"""Copy the table `python -m edgc_bench.stages` wrote (OUT/stages.md) into the manual.
+
+    .venv/bin/python scripts/stages_to_docs.py OUT --block stages-pp2     # PP2 × DP2
+    .venv/bin/python scripts/stages_to_docs.py OUT --block stages-3d      # TP2 × PP2 × DP2
+
+Replaces the block (docs/results/3d.md) with OUT/stages.md's table and the spread line under it;
+nothing is typed by hand.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import write  # noqa: E402
+
+
+def table(stages_md: str) -> str:
+    """The run's table and the lines after it (the spread of finish times)."""
+    lines = stages_md.strip().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if first is None:
+        raise SystemExit("stages.md has no table (was it written by python -m edgc_bench.stages?)")
+    return "\n".join(lines[first:])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="the --out folder of python -m edgc_bench.stages")
+    parser.add_argument("--block", required=True, help="stages-pp2 or stages-3d")
+    args = parser.parse_args()
+    print(f"written: {write(args.block, table((args.out / 'stages.md').read_text()))}")
