@@ -213,6 +213,13 @@ def exact_topk_indices(magnitude: torch.Tensor, k: int, sample: int = 100_000) -
     return candidates[magnitude[candidates].topk(k, sorted=False).indices]
 
 
+def seeded_generator(device: torch.device | str, *seed_parts: object) -> torch.Generator:
+    """A generator on ``device`` seeded by ``seed_parts`` (the same seed in every process)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(stable_seed(*seed_parts))
+    return generator
+
+
 def first_of_runs(ordered: torch.Tensor) -> torch.Tensor:
     """For each position of a sorted vector, the position where its run of equal values begins."""
     positions = torch.arange(ordered.numel(), device=ordered.device)
@@ -272,8 +279,7 @@ class RandomKState(_ErrorFeedbackReducer):
 
     def indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """This call's k draws from range(n), sorted (so that repeats sit side by side), on ``device``."""
-        generator = torch.Generator(device=device)
-        generator.manual_seed(stable_seed(self.seed, "randomk", self.step, self._call))
+        generator = seeded_generator(device, self.seed, "randomk", self.step, self._call)
         return torch.randint(0, n, (_keep(n, self.ratio),), generator=generator, device=device).sort().values
 
     def _reduce(self, names, grads, flat) -> None:
@@ -319,12 +325,6 @@ class QSGDState(_ErrorFeedbackReducer):
         self.chunk = chunk
         self.seed = int(seed)
 
-    def noise_generator(self, device: torch.device | str) -> torch.Generator:
-        """The rounding noise's generator for this call: this rank's own, on ``device``."""
-        generator = torch.Generator(device=device)
-        generator.manual_seed(stable_seed(self.seed, "qsgd", self.comm.rank, self.step, self._call))
-        return generator
-
     def quantize(self, x: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 levels of shape x, fp32 scale per chunk); dequantize(...) ≈ x, unbiased over the
         noise drawn from ``generator`` (on x's device)."""
@@ -350,7 +350,8 @@ class QSGDState(_ErrorFeedbackReducer):
     def _reduce(self, names, grads, flat) -> None:
         corrected = self._corrected(names, grads)
         n = corrected.numel()
-        levels, scale = self.quantize(corrected, self.noise_generator(corrected.device))
+        noise = seeded_generator(corrected.device, self.seed, "qsgd", self.comm.rank, self.step, self._call)
+        levels, scale = self.quantize(corrected, noise)
         message = torch.cat([levels, scale.view(torch.int8)])
         sent_local = self.dequantize(levels, scale).to(corrected.dtype)
         average = torch.zeros_like(corrected)
