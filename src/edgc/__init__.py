@@ -26,6 +26,7 @@ Modules:
     comm.py         collectives over one process group (or a mesh dimension)
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
     timing.py       device-timeline timestamps, the library's only device→host reads
+    finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`
     integrations/   glue for training stacks (Lightning)
 """

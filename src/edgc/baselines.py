@@ -9,7 +9,8 @@ state           what one call (a DDP bucket, or all gradients on the plain-loop 
 `RandomKState`  k entries at indices drawn from a generator seeded by (seed, step, call):       4·k
                 the same indices on every rank, so the values go in one all-reduce; EF
 `QSGDState`     G + e stochastically rounded to int8 (levels −127…127) with one fp32 scale     N + 4·⌈N/c⌉
-                (max-abs) per chunk of c elements, one all-gather of int8; EF
+                (max-abs) per chunk of c elements, one all-gather of int8; the rounding
+                noise is this rank's own, seeded by (seed, rank, step, call); EF
 ==============  =============================================================================  ==============
 
 N = elements in the call, ratio = ``ratio``, c = ``chunk``. "Bytes per rank" is what this rank puts
@@ -27,6 +28,11 @@ nearest (deterministic, relative error ≤ 2⁻¹¹ for fp16, 2⁻⁸ for bf16).
 
 Collectives are blocking and issued in a fixed order by `Communicator` (see comm.py), never from
 future callbacks, so any number of DDP buckets is safe under gloo.
+
+Fit for a GPU: random numbers are drawn on the gradients' device, from generators seeded per call
+(a resumed run draws the same ones, with no generator state to save); errors stay device values,
+read once at the end of the step; and every rank turns the gathered messages into the average in
+the same order of additions, whatever runs in parallel on the device, so replicas stay identical.
 """
 from __future__ import annotations
 
@@ -131,16 +137,16 @@ class _ErrorFeedbackReducer(GradientReducer):
             flat.copy_(average.to(flat.dtype))  # grads are views into DDP's bucket buffer
         else:
             _unpack(average, grads, flat)
+        residual = corrected - sent_local
         if self.error_feedback:
-            residual = corrected - sent_local
             offset = 0
             for name, g in zip(names, grads):
                 self.error[name] = residual[offset : offset + g.numel()].view(g.shape).clone()
                 offset += g.numel()
         n = corrected.numel()
-        error_sq = float((corrected - sent_local).square().sum())
+        # Device values, read once at the end of the step (`GradientReducer._close_step`).
         self._add_stats(ReduceStats(n, elements_sent, n * grads[0].element_size(), bytes_sent,
-                                    error_sq=error_sq, norm_sq=float(corrected.square().sum()),
+                                    error_sq=torch.dot(residual, residual), norm_sq=torch.dot(corrected, corrected),
                                     ranks={name: 0 for name in names}))
         self._call += 1
 
@@ -192,10 +198,11 @@ def exact_topk_indices(magnitude: torch.Tensor, k: int, sample: int = 100_000) -
     ``torch.topk`` with k ~ 1% of 10⁷ entries takes seconds on one CPU thread. A threshold from a
     strided sample (about 2k expected survivors) keeps a small candidate set that contains every
     entry ≥ the threshold; when it holds at least k entries, the k largest of it are the k largest
-    overall. Otherwise (rare) the full ``topk`` runs.
+    overall. Otherwise (rare) the full ``topk`` runs. On other devices ``topk`` runs at once: the
+    candidate set's size is known only on the device, and reading it would synchronise the host.
     """
     n = magnitude.numel()
-    if n <= 4 * sample or 4 * k > n:
+    if magnitude.device.type != "cpu" or n <= 4 * sample or 4 * k > n:
         return magnitude.topk(k, sorted=False).indices
     probe = magnitude[:: n // sample]
     survivors = max(1, min(probe.numel(), math.ceil(2 * k / n * probe.numel())))
@@ -204,6 +211,21 @@ def exact_topk_indices(magnitude: torch.Tensor, k: int, sample: int = 100_000) -
     if candidates.numel() < k:
         return magnitude.topk(k, sorted=False).indices
     return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+
+
+def seeded_generator(device: torch.device | str, *seed_parts: object) -> torch.Generator:
+    """A generator on ``device`` seeded by ``seed_parts`` (the same seed in every process)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(stable_seed(*seed_parts))
+    return generator
+
+
+def first_of_runs(ordered: torch.Tensor) -> torch.Tensor:
+    """For each position of a sorted vector, the position where its run of equal values begins."""
+    positions = torch.arange(ordered.numel(), device=ordered.device)
+    begins = torch.ones_like(ordered, dtype=torch.bool)
+    begins[1:] = ordered[1:] != ordered[:-1]
+    return torch.where(begins, positions, 0).cummax(0).values
 
 
 class TopKState(_ErrorFeedbackReducer):
@@ -228,8 +250,11 @@ class TopKState(_ErrorFeedbackReducer):
         sent_local = torch.zeros_like(corrected)
         sent_local[indices] = values
         average = torch.zeros_like(corrected)
+        # One rank's k indices are distinct, so no two additions of one part meet on an element, and
+        # parts are added one after the other in rank order: each element's sum has one order on
+        # every rank and device (atomic or not), and replicas stay bit-identical.
         for part in self.comm.all_gather(message):
-            average.index_add_(0, part[k:].view(torch.int32).long(), part[:k].to(average.dtype))
+            average.index_add_(0, part[k:].view(torch.int32), part[:k].to(average.dtype))
         average.div_(self.comm.world_size)
         self._finish(names, grads, flat, corrected, sent_local, average, 2 * k, message.numel() * 4)
 
@@ -237,9 +262,10 @@ class TopKState(_ErrorFeedbackReducer):
 class RandomKState(_ErrorFeedbackReducer):
     """k entries at shared random indices (same on every rank, no index traffic), one all-reduce.
 
-    Indices are k draws with replacement from a generator seeded by (seed, step, call), so a
-    resumed run draws the same ones. ``rescale`` (default: on without error feedback) divides the
-    kept values by P(an index is drawn) = 1 − (1 − 1/N)^k, which makes the result unbiased.
+    Indices are k draws with replacement from a generator on the gradients' device seeded by
+    (seed, step, call), so a resumed run draws the same ones. ``rescale`` (default: on without
+    error feedback) divides the kept values by P(an index is drawn) = 1 − (1 − 1/N)^k, which
+    makes the result unbiased.
     """
 
     method = "randomk"
@@ -251,20 +277,25 @@ class RandomKState(_ErrorFeedbackReducer):
         self.rescale = (not error_feedback) if rescale is None else bool(rescale)
         self.seed = int(seed)
 
-    def indices(self, n: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(stable_seed(self.seed, "randomk", self.step, self._call))
-        return torch.randint(0, n, (_keep(n, self.ratio),), generator=generator)
+    def indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This call's k draws from range(n), sorted (so that repeats sit side by side), on ``device``."""
+        generator = seeded_generator(device, self.seed, "randomk", self.step, self._call)
+        return torch.randint(0, n, (_keep(n, self.ratio),), generator=generator, device=device).sort().values
 
     def _reduce(self, names, grads, flat) -> None:
         corrected = self._corrected(names, grads)
         n = corrected.numel()
-        indices = self.indices(n).to(corrected.device)
+        indices = self.indices(n, corrected.device)
         k = indices.numel()
         values = corrected[indices]
         sent_local = torch.zeros_like(corrected)
-        sent_local[indices] = values
+        sent_local[indices] = values  # a repeated index writes the same value
         message = values.float()
         self.comm.mean_(message)
+        # The all-reduce may add a repeated index's copies in different orders (they sit at
+        # different places of the message), so they can differ in the last bit; which copy a
+        # parallel scatter writes last is then a race. Every copy takes its run's first value.
+        message = message[first_of_runs(indices)]
         scale = 1.0 / (1.0 - (1.0 - 1.0 / n) ** k) if self.rescale else 1.0
         average = torch.zeros_like(corrected)
         average[indices] = message.to(average.dtype) * scale
@@ -278,7 +309,9 @@ class QSGDState(_ErrorFeedbackReducer):
     """8-bit stochastic quantisation (QSGD with max-abs scaling per chunk), one all-gather; error feedback.
 
     Per chunk of ``chunk`` elements: scale = max|x| / 127, q = ⌊|x|/scale + u⌋·sign(x) with
-    u ~ U[0, 1) (so E[q·scale] = x), sent as int8 followed by the chunk scales as bytes.
+    u ~ U[0, 1) (so E[q·scale] = x), sent as int8 followed by the chunk scales as bytes. The noise u
+    is drawn on the gradients' device from a generator seeded by (seed, rank, step, call):
+    independent between ranks, and the same again in a resumed run.
     """
 
     method = "qsgd8"
@@ -291,11 +324,10 @@ class QSGDState(_ErrorFeedbackReducer):
             raise ValueError(f"chunk: must be an integer ≥ 1, got {chunk!r}")
         self.chunk = chunk
         self.seed = int(seed)
-        self.generator = torch.Generator()  # rounding noise: independent between ranks
-        self.generator.manual_seed(stable_seed(self.seed, "qsgd", self.comm.rank))
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 levels of shape x, fp32 scale per chunk); dequantize(...) ≈ x, unbiased."""
+    def quantize(self, x: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 levels of shape x, fp32 scale per chunk); dequantize(...) ≈ x, unbiased over the
+        noise drawn from ``generator`` (on x's device)."""
         n = x.numel()
         chunks = math.ceil(n / self.chunk)
         padded = torch.zeros(chunks * self.chunk, dtype=torch.float32, device=x.device)
@@ -304,7 +336,7 @@ class QSGDState(_ErrorFeedbackReducer):
         scale = blocks.abs().amax(dim=1) / self.LEVELS
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         level = blocks.abs().div_(safe.unsqueeze(1))
-        noise = torch.rand(level.shape, generator=self.generator).to(x.device)
+        noise = torch.rand(level.shape, generator=generator, device=x.device)
         level.add_(noise).floor_().clamp_(max=self.LEVELS).mul_(blocks.sign())
         return level.view(-1)[:n].to(torch.int8), scale
 
@@ -318,7 +350,8 @@ class QSGDState(_ErrorFeedbackReducer):
     def _reduce(self, names, grads, flat) -> None:
         corrected = self._corrected(names, grads)
         n = corrected.numel()
-        levels, scale = self.quantize(corrected)
+        noise = seeded_generator(corrected.device, self.seed, "qsgd", self.comm.rank, self.step, self._call)
+        levels, scale = self.quantize(corrected, noise)
         message = torch.cat([levels, scale.view(torch.int8)])
         sent_local = self.dequantize(levels, scale).to(corrected.dtype)
         average = torch.zeros_like(corrected)
@@ -328,9 +361,4 @@ class QSGDState(_ErrorFeedbackReducer):
         self._finish(names, grads, flat, corrected, sent_local, average, message.numel(), message.numel())
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if "generator" in state:
-            self.generator.set_state(state["generator"])
+        return {**super().state_dict(), "seed": self.seed}  # (no generator: the noise is seeded per call)

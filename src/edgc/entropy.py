@@ -27,8 +27,28 @@ from typing import Iterable
 import torch
 
 from .config import EDGCConfig
+from .finite import all_finite
 
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
+
+
+def histogram_counts(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """Counts (int64) of finite fp32 ``values`` in ``bins`` equal bins over their own [min, max].
+
+    The same counts as ``torch.histc(values, bins, min, max)`` on CPU: bin ⌊(x − min)·bins/(max − min)⌋
+    in fp32 arithmetic, the top edge in the last bin, a constant sample all in the first. Built from
+    arithmetic and an integer index-add, so it is deterministic and reads nothing to the host on
+    every device: ``histc`` on CUDA refuses ``torch.use_deterministic_algorithms(True)`` and needs
+    the range as host numbers, and ``bincount`` on CUDA reads its size to the host.
+    """
+    low, high = torch.aminmax(values)
+    span = high - low
+    span = torch.where(span > 0, span, torch.ones_like(span))  # a constant sample: every element in bin 0
+    # A range past ~10³⁵ overflows this fp32 product (in histc too, where it is undefined): such
+    # elements land in an end bin, never outside.
+    index = (values - low).mul_(bins).div_(span).to(torch.int32).clamp_(0, bins - 1)
+    one = torch.ones((), dtype=torch.int64, device=values.device)
+    return torch.zeros(bins, dtype=torch.int64, device=values.device).index_add_(0, index, one.expand(index.shape))
 
 
 def histogram_entropy(sample: torch.Tensor, bins: int = 1000) -> float:
@@ -36,16 +56,13 @@ def histogram_entropy(sample: torch.Tensor, bins: int = 1000) -> float:
 
     Because the bin edges adapt to the range, this is scale-invariant: it measures how
     concentrated the values are relative to their spread. A constant sample has entropy 0.
+    One host read: the result.
     """
     x = sample.detach().reshape(-1).float()
     if x.numel() == 0:
         return float("nan")
-    low, high = torch.aminmax(x)
-    if not bool(high > low):
-        return 0.0
-    counts = torch.histc(x, bins=bins, min=float(low), max=float(high))
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
+    p = histogram_counts(x, bins) / x.numel()
+    return float(-torch.xlogy(p, p).sum()) + 0.0  # xlogy(0, 0) = 0: empty bins add nothing; + 0.0: no −0.0
 
 
 def gaussian_entropy(sample: torch.Tensor) -> float:
@@ -67,7 +84,7 @@ def strided_copy(tensors: Iterable[torch.Tensor], stride: int) -> torch.Tensor:
 
 def drop_nonfinite(sample: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The finite elements of ``sample`` and how many were not (reads the device: step end only)."""
-    if sample.numel() == 0 or bool(torch.isfinite(sample.sum())):  # the usual case: one reduction
+    if sample.numel() == 0 or bool(all_finite(sample)):  # the usual case: one reduction
         return sample, 0
     finite = torch.isfinite(sample)
     return sample[finite], int(sample.numel() - int(finite.sum()))

@@ -36,6 +36,7 @@ from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from .config import EDGCConfig
 from .factors import compressed_rank, matrix_shape, orthogonalize_, stable_seed
+from .finite import all_finite
 from .timing import to_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -202,10 +203,10 @@ class LowRankCompressor:
 
         # Raw tensors plus one flag element: is anything non-finite anywhere in the group?
         # A NaN/Inf anywhere in M makes its P non-finite, so checking P's sum is enough.
-        local_bad = ~torch.isfinite(p_flat.sum())
+        local_bad = ~all_finite(p_flat)
         raw_flat = torch.cat([grads[i].reshape(-1) for i in raw] + [local_bad.to(grad_dtype).reshape(1)])
         if raw:
-            raw_flat[-1] = (local_bad | ~torch.isfinite(raw_flat.sum())).to(grad_dtype)
+            raw_flat[-1] = (local_bad | ~all_finite(raw_flat)).to(grad_dtype)
         raw_sent = comm.mean_async(raw_flat)
         stats.elements_sent = raw_flat.numel()
         stats.bytes_sent = raw_flat.numel() * raw_flat.element_size()
@@ -249,7 +250,7 @@ class LowRankCompressor:
             for _, _, q_t, _, _, m, n in batches:
                 q_t.div_(_half_wire_shift(m))
         # An fp16 wire can overflow; the averages are identical on every rank, so is the verdict.
-        bad = bad | ~torch.isfinite(p_flat.sum()) | ~torch.isfinite(q_flat.sum())
+        bad = bad | ~all_finite(p_flat) | ~all_finite(q_flat)
         stats.nonfinite = bad
         # ---- Ĝ = P·Qᵀ into the gradients, e = M − Ĝ. On a non-finite step Ĝ is NaN everywhere, so
         # every rank's optimizer (or GradScaler) skips it; Q keeps its old value.

@@ -9,7 +9,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed_harness import run_distributed
 from edgc import CastState, QSGDState, RandomKState, TopKState, edgc_hook
-from models import TinyTransformer, batch, flat_parameters, loss_fn
+from models import TinyTransformer, flat_parameters
+from test_ddp import train
 
 
 def grads_of(seed: int = 0, shapes=((64, 32), (32,), (16, 8, 4))):
@@ -122,7 +123,8 @@ def test_randomk_rescaled_is_unbiased():
 def test_qsgd_bytes_levels_and_unbiased():
     x = torch.randn(3000, generator=torch.Generator().manual_seed(2))
     state = QSGDState(chunk=1024, error_feedback=False)
-    levels, scale = state.quantize(x)
+    noise = torch.Generator().manual_seed(3)
+    levels, scale = state.quantize(x, noise)
     assert levels.dtype == torch.int8 and levels.shape == x.shape and scale.shape == (3,)
     assert levels.abs().max() <= 127
     # one quantisation step at most
@@ -135,7 +137,7 @@ def test_qsgd_bytes_levels_and_unbiased():
     draws = 2000
     acc = torch.zeros_like(x)
     for _ in range(draws):
-        acc += state.dequantize(*state.quantize(x))
+        acc += state.dequantize(*state.quantize(x, noise))
     # rounding noise has variance ≤ step²/4 per element
     assert ((acc / draws - x).abs() <= 5 * step / (2 * math.sqrt(draws)) + 1e-6).all()
 
@@ -213,31 +215,81 @@ def test_two_processes_agree_and_conserve(kind):
 
 
 def _ddp_worker(rank, world_size, kind):
+    """Six steps through DDP's hook with several buckets, counting the host reads of every step:
+    Python-level reads of a tensor value inside the hook, and the library's own `to_host`."""
+    import edgc.timing
+    from test_overlap import CountHostReads
+
     torch.manual_seed(0)
     model = TinyTransformer()
     ddp = DDP(model, bucket_cap_mb=0.25)  # several buckets
     state = {"topk": lambda: TopKState(ratio=0.05, model=ddp), "randomk": lambda: RandomKState(ratio=0.05, model=ddp),
              "qsgd8": lambda: QSGDState(model=ddp), "fp16": lambda: CastState(dtype="float16", model=ddp)}[kind]()
-    ddp.register_comm_hook(state, edgc_hook)
+    reads, buckets = [], []  # per step
+    original_to_host = edgc.timing.to_host
+
+    def to_host(tensor):
+        reads[-1]["to_host"] += 1
+        return original_to_host(tensor)
+
+    def counting_hook(s, bucket):
+        with CountHostReads() as mode:
+            future = edgc_hook(s, bucket)
+        reads[-1]["in_hook"] += mode.reads
+        buckets[-1] += 1
+        return future
+
+    ddp.register_comm_hook(state, counting_hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    losses = []
-    for step in range(6):
-        tokens, targets = batch(rank, step)
-        loss = loss_fn(ddp, tokens, targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"params": flat_parameters(model), "step": state.step, "sd": set(state.state_dict().get("error", {}))}
+    edgc.timing.to_host = to_host
+    try:
+        for step in range(6):
+            reads.append({"in_hook": 0, "to_host": 0})
+            train(rank, ddp, state, optimizer, buckets, step, step + 1)  # appends this step's bucket count
+    finally:  # the process runs later tests (distributed_harness)
+        edgc.timing.to_host = original_to_host
+    return {"params": flat_parameters(model), "step": state.step, "sd": set(state.state_dict().get("error", {})),
+            "reads": reads, "buckets": buckets, "relative_error": state.last_step_metrics["relative_error"]}
 
 
 @pytest.mark.parametrize("kind", ["topk", "randomk", "qsgd8", "fp16"])
-def test_ddp_replicas_stay_identical(kind):
+def test_ddp_replicas_stay_identical_and_each_step_reads_the_host_once(kind):
     a, b = run_distributed(_ddp_worker, 2, kind)
     assert torch.equal(a["params"], b["params"])
     assert a["step"] == 6
     if kind != "fp16":
         assert a["sd"] == {name for name, _ in TinyTransformer().named_parameters()}
+        assert 0 < a["relative_error"] < 1  # the errors are still measured (read at the step's end)
+    for result in (a, b):
+        assert min(result["buckets"][1:]) >= 2  # (DDP rebuilds its buckets after the first step)
+        # However many buckets: the step's one packed read (tolist in edgc.timing.to_host) and no other.
+        assert result["reads"] == [{"in_hook": 1, "to_host": 1}] * 6, result["reads"]
+
+
+def test_first_of_runs_points_each_repeat_at_its_first_copy():
+    from edgc.baselines import first_of_runs
+
+    assert first_of_runs(torch.tensor([1, 1, 2, 5, 5, 5, 9])).tolist() == [0, 0, 2, 3, 3, 3, 6]
+    assert first_of_runs(torch.tensor([4])).tolist() == [0]
+
+
+def test_randomk_repeated_indices_send_one_value_each():
+    x = torch.randn(50, generator=torch.Generator().manual_seed(6))
+    state = RandomKState(ratio=1.0, error_feedback=False, rescale=False)  # 50 draws of 50: repeats
+    indices = state.indices(50)
+    assert indices.unique().numel() < indices.numel()
+    out = reduce(state, [x.clone()])[0]
+    kept = torch.zeros(50, dtype=torch.bool)
+    kept[indices] = True
+    assert torch.equal(out[kept], x[kept]) and not out[~kept].any()
+
+
+def test_topk_on_an_accelerator_skips_the_candidate_count():
+    """The CPU shortcut counts its candidates (``nonzero``): a host synchronisation on a GPU. A meta
+    tensor, which has no values to count, stands in for one."""
+    from edgc.baselines import exact_topk_indices
+
+    assert exact_topk_indices(torch.empty(2_000_000, device="meta"), 1000).shape == (1000,)
 
 
 def test_fast_topk_selects_exactly_the_topk():

@@ -31,6 +31,60 @@ def test_histogram_entropy_is_scale_invariant_and_zero_for_constants():
     assert histogram_entropy(torch.full((100,), 0.5)) == 0.0
 
 
+def histc_samples():
+    """Finite samples whose values sit on bin edges (multiples of 0.1, a linspace), at the range's
+    ends (two values), or anywhere (normal, tiny, fp16 at GradScaler scale)."""
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(20_000, generator=generator),
+            torch.randint(-50, 50, (5000,), generator=generator).float() * 0.1,
+            torch.linspace(-1.0, 1.0, 3001),
+            torch.tensor([-2.0, 3.0]),
+            torch.randn(4000, generator=generator) * 1e-30,
+            (torch.randn(4000, generator=generator) * 8192).half().float()]
+
+
+@pytest.mark.parametrize("bins", [2, 7, 10, 1000])
+def test_histogram_counts_are_those_of_histc_on_cpu(bins):
+    from edgc.entropy import histogram_counts
+
+    for sample in histc_samples():
+        low, high = torch.aminmax(sample)
+        expected = torch.histc(sample, bins=bins, min=float(low), max=float(high))
+        counts = histogram_counts(sample, bins)
+        assert counts.dtype == torch.int64 and torch.equal(counts, expected.long())
+        # The entropy from them: the same up to the order of the fp32 sum.
+        p = expected[expected > 0] / expected.sum()
+        assert histogram_entropy(sample, bins) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-6, abs=1e-7)
+    constant = histogram_counts(torch.full((100,), 0.5), bins)
+    assert constant[0] == 100 and constant.sum() == 100
+
+
+def test_histogram_entropy_is_deterministic_and_reads_the_host_once():
+    """histc on CUDA raises under deterministic algorithms; a range read to the host syncs a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for sample in histc_samples() + [torch.full((100,), 0.5)]:
+            with Ops() as ops:
+                value = histogram_entropy(sample, 1000)
+            assert math.isfinite(value) and value >= 0.0
+            assert ops.names.count("_local_scalar_dense.default") == 1, ops.names  # the result, read once
+            assert not {"histc.default", "bincount.default", "nonzero.default"} & set(ops.names), ops.names
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def test_sampler_samples_every_kth_step_and_element_and_counts_nonfinite():
     sampler = EntropySampler(EDGCConfig(iteration_sample_ratio=0.5, gradient_sample_ratio=0.25, entropy_bins=10))
     grad = torch.arange(16.0)

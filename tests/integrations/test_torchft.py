@@ -156,6 +156,58 @@ def test_a_failed_collective_stops_the_steps_collectives():
     assert not comm.collective_failed
 
 
+class _LoneManager:
+    """A replica alone in its quorum (no collective is issued): what `TorchFTEDGCState` asks of a manager."""
+
+    _use_async_quorum = False
+    _quorum_future = None
+
+    def __init__(self):
+        self.errors = []
+
+    def register_state_dict_fn(self, key, load, save):
+        pass
+
+    def should_commit(self, timeout=None):
+        return not self.errors
+
+    def report_error(self, error):
+        self.errors.append(error)
+
+    def errored(self):
+        return self.errors[-1] if self.errors else None
+
+
+@pytest.mark.parametrize("path", ["ddp", "loop"])
+@pytest.mark.parametrize("poison", [False, True])
+def test_fp16_average_at_gradscaler_scale_is_discarded_only_when_not_finite(path, poison):
+    """fp16 gradients carrying a GradScaler's 2¹⁶ scale: each of them finite (2¹⁰), their fp16 sum
+    not. The plain (warm-up) average must not be reported as non-finite for that; an Inf must be."""
+    from edgc import EDGCConfig
+    from edgc.integrations.torchft import DistributedDataParallel, TorchFTEDGCState
+
+    manager = _LoneManager()
+    model = torch.nn.Linear(64, 64).half()
+    config = EDGCConfig(r_max=4, total_steps=100)  # warm-up: the plain average
+    inputs = torch.ones(1, 64, dtype=torch.float16)
+    if poison:
+        inputs[0, 0] = float("inf")
+    if path == "ddp":
+        ddp = DistributedDataParallel(manager, model, config)
+        state = ddp.edgc_state
+        (ddp(inputs).float().sum() * 1024).backward()
+    else:
+        state = TorchFTEDGCState(manager, config, model=model)
+        (model(inputs).float().sum() * 1024).backward()
+        state.synchronize(model.named_parameters())
+    assert not torch.isfinite(model.bias.grad.sum(dtype=torch.float16))  # the sum a flag must not trust
+    assert state.last_step_metrics["phase"] == "warmup"
+    assert state.last_step_metrics["nonfinite"] == poison
+    assert len(manager.errors) == poison
+    assert manager.should_commit() != poison
+    assert state.steps_discarded == poison
+
+
 # ---------------------------------------------------------------------------- the example
 def test_example_kills_a_group_which_heals_and_ends_identical():
     import re

@@ -49,6 +49,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 
 from ..comm import Communicator
 from ..config import EDGCConfig
+from ..finite import all_finite
 from ..lowrank import ReduceStats
 from ..rank_control import PROFILE
 from ..reducer import edgc_hook
@@ -173,8 +174,8 @@ class TorchFTEDGCState(EDGCState):
     def _average_raw(self, names, grads, flat):
         """Plain average, plus its non-finite flag (identical on every replica: it is of the average)."""
         stats: ReduceStats = yield from super()._average_raw(names, grads, flat)
-        total = flat.sum() if flat is not None else torch.stack([g.sum() for g in grads]).sum()
-        stats.nonfinite = ~torch.isfinite(total)
+        flags = [all_finite(flat)] if flat is not None else [all_finite(g) for g in grads]
+        stats.nonfinite = ~torch.stack(flags).all()
         return stats
 
     def _after_values(self, host: list[float]) -> None:

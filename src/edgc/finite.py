@@ -1,0 +1,21 @@
+"""Finiteness flags that cannot overflow: is every element of a tensor finite, on the device.
+
+A NaN or ±Inf anywhere makes a sum NaN or infinite, so one reduction answers, provided the sum
+itself cannot overflow. In the values' own dtype it can: fp16 gradients under a GradScaler carry
+its 2¹⁶ scale, and their sum passes fp16's largest number (65,504) while every element is finite,
+which would flag, NaN and skip a sound step. Summed in float64, 16- and 32-bit values cannot
+overflow: 2⁴⁰ elements of fp32's largest magnitude (3.4·10³⁸) add up to 4·10⁵⁰, far below
+float64's 1.8·10³⁰⁸. float64 values are tested element by element instead.
+
+The flag stays a device tensor (no host read): callers read it once, at the end of the step.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def all_finite(values: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on ``values``' device: True when no element is NaN or ±Inf."""
+    if values.dtype == torch.float64:
+        return torch.isfinite(values).all()
+    return torch.isfinite(values.sum(dtype=torch.float64))
