@@ -1,4 +1,33 @@
-"""One optimizer step of a pipeline stage: our own 1F1B / GPipe schedule (`PipelineStep`)."""
+"""One optimizer step of a pipeline stage: our own 1F1B / GPipe schedule (`PipelineStep`).
+
+Point-to-point contract (`PipelineStep._communicate`). Every message goes through
+``dist.batch_isend_irecv`` on the pipeline's group (``grid.pp_group``), posted as Megatron's
+non-interleaved 1F1B posts them: what a stage sends and receives at one point of its schedule is
+ONE batch, a lone message a batch of one. NCCL runs a group's batched traffic on one stream per
+rank, in posting order, and a message larger than its buffer completes only when both ends run;
+stage s's [send activation i, receive gradient j] and stage s+1's [send gradient j, receive
+activation i] are each one batch, so neither stage's send waits behind a receive of its own that
+the other stage only serves after its send. The points:
+
+- warm-up (P − s − 1 forwards; all of them under GPipe): [receive activation], forward,
+  [send activation];
+- before the steady state: [receive activation];
+- steady state, per micro-batch: forward, [send activation + receive gradient], backward,
+  [send gradient + receive the next activation] (the last one: [send gradient]);
+- cool-down: [receive gradient], backward, [send gradient];
+- evaluation, per micro-batch: [receive activation], forward, [send activation].
+
+A stage without that neighbour leaves its part out (the first stage receives no activation
+and sends no gradient, the last the reverse). A compressed gradient (``--interstage``) is a
+header and a payload (`edgc.interstage`'s wire contract): the sender posts both in its batch;
+the receiver posts the header's receive in its batch, reads it (the one host read per
+micro-batch; none in mode ``off``, whose raw gradients have a known size) and receives the
+payload in a batch of its own. A batch that receives is waited on at once (its sends with it:
+on NCCL it is one work) and its buffers may then be read; a batch that only sends is waited
+on at the step's end, and its tensors are kept until then. Before the first step every stage
+posts one batch with both neighbours (`_connect_neighbours`): NCCL creates the group's
+communicator on the group's first batched call, which every rank of the group must join.
+"""
 from __future__ import annotations
 
 import collections
@@ -81,32 +110,7 @@ class PipelineStep:
     low-rank factors (`edgc.interstage`) and each micro-batch backward can be timed exactly
     (`BackwardTimer`).
 
-    Point-to-point contract. Every message goes through ``dist.batch_isend_irecv`` on the
-    pipeline's group (``grid.pp_group``), posted as Megatron's non-interleaved 1F1B posts them:
-    what a stage sends and receives at one point of its schedule is ONE batch, a lone message a
-    batch of one. NCCL runs a group's batched traffic on one stream per rank, in posting order,
-    and a message larger than its buffer completes only when both ends run; stage s's [send
-    activation i, receive gradient j] and stage s+1's [send gradient j, receive activation i] are
-    each one batch, so neither stage's send waits behind a receive of its own that the other
-    stage only serves after its send. The points:
-
-    - warm-up (P − s − 1 forwards; all of them under GPipe): [receive activation], forward,
-      [send activation];
-    - before the steady state: [receive activation];
-    - steady state, per micro-batch: forward, [send activation + receive gradient], backward,
-      [send gradient + receive the next activation] (the last one: [send gradient]);
-    - cool-down: [receive gradient], backward, [send gradient].
-
-    A stage without that neighbour leaves its part out (the first stage receives no activation
-    and sends no gradient, the last the reverse). A compressed gradient (``--interstage``) is a
-    header and a payload (`edgc.interstage`'s wire contract): the sender posts both in its batch;
-    the receiver posts the header's receive in its batch, reads it (the one host read per
-    micro-batch; none in mode ``off``, whose raw gradients have a known size) and receives the
-    payload in a batch of its own. A batch that receives is waited on at once (its sends with it:
-    on NCCL it is one work) and its buffers may then be read; a batch that only sends is waited
-    on at the step's end, and its tensors are kept until then. Before the first step every stage
-    posts one batch with both neighbours (`_connect_neighbours`): NCCL creates the group's
-    communicator on the group's first batched call, which every rank of the group must join.
+    Its point-to-point traffic follows the contract in the module docstring.
     """
 
     def __init__(self, cfg, grid: Grid, module: GPT2Stage, device: torch.device):
