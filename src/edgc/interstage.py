@@ -19,10 +19,30 @@ step is the closest thing to "the same gradient later" a pipeline has.
 When (m + n)·r ≥ m·n the factors would not be smaller and G is sent raw (and the slot's residual
 is flushed into it). Rank 0 (or None) means "send raw".
 
-Wire contract (`send_gradient` / `recv_gradient`, point-to-point, any backend with isend/irecv):
-one int64 header [r, m, n] then, for r > 0, one fp32 buffer holding P then Q, ((m + n)·r values),
-and for r = 0 the raw gradient (m·n values). `wire_bytes(m, n, r, element_size)` is that size.
-The payload is fp32 (fp64 for fp64 gradients); the receiver passes the same dtype to `recv_gradient`.
+Wire contract (`send_gradient_ops` / `IncomingGradient`, and `send_gradient` / `recv_gradient`
+that post them on their own). Every message goes through `dist.batch_isend_irecv`, never a lone
+``isend``/``recv``: NCCL runs all of a group's batched point-to-point traffic on one stream, so a
+stage that sends one thing and receives another at the same point of its schedule must post both
+in one batch, or two stages that each send first wait for each other. One packet is two messages
+from sender to receiver, in this order:
+
+1. an int64 header [r, m, n] (`HEADER_BYTES`);
+2. one payload buffer: for r > 0, P then Q ((m + n)·r values), for r = 0 the raw gradient (m·n
+   values); fp32 (fp64 for fp64 gradients: the receiver passes the same dtype).
+
+`wire_bytes(m, n, r, element_size)` is that size. The sender posts both sends in ONE batch, with
+whatever else it posts at that point of its schedule, and keeps the buffers (the ops hold them)
+until that batch's works are done. The receiver puts the header's receive in the batch it posts at
+its matching point; once that batch has been waited on, it reads the header with one host read
+(the payload's size depends on r), then receives the payload in a batch of its own. So the
+sender's batch completes only after the receiver has read the header; that cannot deadlock, as
+the header goes first and the receiver's first batch needs nothing else from the sender. The
+rank is the sender's decision (EDGC's follows stage 0's entropy), so the header stays: every
+packet describes itself and is checked against the shape the receiver expects.
+
+With NCCL, a group's first batched point-to-point call creates the group's communicator, and
+every rank of the group must take part in it: begin with one batch on every rank of the group
+(as `edgc_train.schedule.PipelineStep` does with its neighbours) or a collective on it.
 
 Rank policy (`interstage_rank`): with EDGC the inter-stage rank follows the pipeline's
 entropy-driven rank r_0 (stage 0's, as `edgc.pipeline.StageAligner` shares it at every window
@@ -42,7 +62,7 @@ import torch.distributed as dist
 
 from .factors import orthogonalize_, stable_seed
 from .mesh import as_process_group
-from .timing import to_device
+from .timing import to_device, to_host
 
 HEADER = 3  # int64 values: rank, rows, columns
 HEADER_BYTES = HEADER * 8
@@ -169,34 +189,59 @@ def decompress(packet: Packet) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- the send/recv contract
-def send_gradient(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
-    """Non-blocking send of one packet; returns the works (wait on them before reusing buffers).
-    ``group``: a process group or a 1-D mesh (``dst`` is a global rank either way)."""
+def send_gradient_ops(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
+    """The sends of one packet, header then payload, for the caller to post in one batch (with
+    what else it sends or receives at that point). The ops hold the buffers: keep them until the
+    batch's works are done. ``group``: a process group or a 1-D mesh (``dst`` is a global rank)."""
     group = as_process_group(group)
     n = packet.shape[-1]
     m = math.prod(packet.shape) // n
     header = to_device(torch.tensor([packet.rank, m, n], dtype=torch.int64), packet.payload.device)
-    works = [dist.isend(header, dst, group=group, tag=tag), dist.isend(packet.payload, dst, group=group, tag=tag)]
-    return [(w, header, packet.payload) for w in works]  # keep the buffers alive with their work
+    return [dist.P2POp(dist.isend, header, dst, group, tag), dist.P2POp(dist.isend, packet.payload, dst, group, tag)]
+
+
+def send_gradient(packet: Packet, dst: int, group=None, tag: int = 0) -> list:
+    """Non-blocking send of one packet as a batch of its own; returns (work, ops) pairs: wait on
+    the works before the buffers are reused (the ops keep them alive)."""
+    ops = send_gradient_ops(packet, dst, group, tag)
+    return [(work, ops) for work in dist.batch_isend_irecv(ops)]
+
+
+class IncomingGradient:
+    """The receiving side of one packet, in two steps (see the wire contract above).
+
+    ``op`` receives the header: post it in the batch of the receiver's point of the schedule.
+    After that batch has been waited on, `finish` reads the header, receives the payload in a
+    batch of its own and returns the decompressed gradient."""
+
+    def __init__(self, shape, src: int, dtype: torch.dtype = torch.float32, device=None, group=None,
+                 tag: int = 0):
+        self.shape, self.src, self.dtype, self.device, self.tag = torch.Size(shape), src, dtype, device, tag
+        self.group = as_process_group(group)
+        self.header = torch.empty(HEADER, dtype=torch.int64, device=device)
+        self.op = dist.P2POp(dist.irecv, self.header, src, self.group, tag)
+
+    def finish(self, mark: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """``mark`` (a timing hook, e.g. a clock stamp) is called once the header has been read
+        and once the payload has arrived: the span between the two is the payload's transfer."""
+        rank, m, n = to_host(self.header)  # the packet's one host read
+        if mark is not None:
+            mark()
+        if m * n != math.prod(self.shape):
+            raise RuntimeError(f"interstage: got a {m}×{n} gradient for an activation of shape {tuple(self.shape)}")
+        payload = torch.empty((m + n) * rank if rank else m * n, dtype=self.dtype, device=self.device)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, payload, self.src, self.group, self.tag)]):
+            work.wait()
+        if mark is not None:
+            mark()
+        return decompress(Packet(rank, self.shape, payload)).to(self.dtype)
 
 
 def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float32, device=None,
                   group=None, tag: int = 0, mark: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Blocking receive of one packet sent by `send_gradient`; returns the decompressed gradient.
-
-    ``mark`` (a timing hook, e.g. a clock stamp) is called once the header has arrived and once the
-    payload has: the sender issues both right after compressing, so the span between the two calls
-    is the payload's transfer, and what precedes the first is waiting for the sender."""
-    group = as_process_group(group)
-    header = torch.empty(HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group, tag=tag)
-    if mark is not None:
-        mark()
-    rank, m, n = (int(v) for v in header)
-    if m * n != math.prod(shape):
-        raise RuntimeError(f"interstage: got a {m}×{n} gradient for an activation of shape {tuple(shape)}")
-    payload = torch.empty((m + n) * rank if rank else m * n, dtype=dtype, device=device)
-    dist.recv(payload, src, group=group, tag=tag)
-    if mark is not None:
-        mark()
-    return decompress(Packet(rank, torch.Size(shape), payload)).to(dtype)
+    The header's receive is a batch of its own here; ``mark`` as in `IncomingGradient.finish`."""
+    incoming = IncomingGradient(shape, src, dtype, device, group, tag)
+    for work in dist.batch_isend_irecv([incoming.op]):
+        work.wait()
+    return incoming.finish(mark)

@@ -10,7 +10,7 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     train.py        the training loop: runner → optimizer → resume → steps, logs, evals, checkpoints
     fsdp.py         `--fsdp`: FSDP2 as HSDP, EDGC on the replica all-reduce
     pipeline.py     `--pp/--tp`: this rank's stage, trained by the pipeline schedule
-    schedule.py     one optimizer step of a stage: 1F1B / GPipe over isend/irecv
+    schedule.py     one optimizer step of a stage: 1F1B / GPipe over batched point-to-point
     stage_sync.py   a stage's gradient sync over its DP group, and the per-stage metrics
     stage.py        one pipeline stage of GPT-2, and the loss
     tensor_parallel.py  `--tp`: torch's DTensor plan (ColwiseParallel / RowwiseParallel) for a block

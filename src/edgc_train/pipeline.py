@@ -8,7 +8,7 @@ tied word embedding. With ``--tp T`` each stage's blocks are sharded over ``mesh
 (`tensor_parallel`).
 
 One optimizer step:
-1. our own pipeline schedule (1F1B or GPipe, ``isend``/``irecv``, see `PipelineStep`) runs
+1. our own pipeline schedule (1F1B or GPipe, ``batch_isend_irecv``, see `PipelineStep`) runs
    ``grad_accum`` micro-batches forward and backward; activations travel raw, activation
    gradients raw or, with ``--interstage all|cooldown``, as low-rank factors with error feedback
    per micro-batch slot (`edgc.interstage`; this changes the model's gradient, lazily: what a

@@ -1,13 +1,44 @@
-"""One optimizer step of a pipeline stage: our own 1F1B / GPipe schedule (`PipelineStep`)."""
+"""One optimizer step of a pipeline stage: our own 1F1B / GPipe schedule (`PipelineStep`).
+
+Point-to-point contract (`PipelineStep._communicate`). Every message goes through
+``dist.batch_isend_irecv`` on the pipeline's group (``grid.pp_group``), posted as Megatron's
+non-interleaved 1F1B posts them: what a stage sends and receives at one point of its schedule is
+ONE batch, a lone message a batch of one. NCCL runs a group's batched traffic on one stream per
+rank, in posting order, and a message larger than its buffer completes only when both ends run;
+stage s's [send activation i, receive gradient j] and stage s+1's [send gradient j, receive
+activation i] are each one batch, so neither stage's send waits behind a receive of its own that
+the other stage only serves after its send. The points:
+
+- warm-up (P − s − 1 forwards; all of them under GPipe): [receive activation], forward,
+  [send activation];
+- before the steady state: [receive activation];
+- steady state, per micro-batch: forward, [send activation + receive gradient], backward,
+  [send gradient + receive the next activation] (the last one: [send gradient]);
+- cool-down: [receive gradient], backward, [send gradient];
+- evaluation, per micro-batch: [receive activation], forward, [send activation].
+
+A stage without that neighbour leaves its part out (the first stage receives no activation
+and sends no gradient, the last the reverse). A compressed gradient (``--interstage``) is a
+header and a payload (`edgc.interstage`'s wire contract): the sender posts both in its batch;
+the receiver posts the header's receive in its batch, reads it (the one host read per
+micro-batch; none in mode ``off``, whose raw gradients have a known size) and receives the
+payload in a batch of its own. A batch that receives is waited on at once (its sends with it:
+on NCCL it is one work) and its buffers may then be read; a batch that only sends is waited
+on at the step's end, and its tensors are kept until then. Before the first step every stage
+posts one batch with both neighbours (`_connect_neighbours`): NCCL creates the group's
+communicator on the group's first batched call, which every rank of the group must join.
+"""
 from __future__ import annotations
 
+import collections
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from edgc.interstage import compresses, interstage_rank, recv_gradient, send_gradient
+from edgc.interstage import IncomingGradient, compresses, interstage_rank, send_gradient_ops
 from edgc.timing import Clock
 
 from .mesh import Grid
@@ -57,16 +88,29 @@ class BackwardTimer:
 
 
 SPANS = ("interstage", "interstage_wire", "interstage_compress", "forward")  # PipelineStep._spans, logged as <key>_s
+ACTIVATION, GRADIENT = 0, 1  # message tags (gloo matches on them; NCCL matches by order)
+
+
+def wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+@dataclass
+class RawGradient:
+    """The receive of an uncompressed activation gradient (mode off): its size is known, no header."""
+
+    op: dist.P2POp
 
 
 class PipelineStep:
     """Everything one rank does per optimizer step in PP × DP training.
 
-    The schedule is our own (1F1B or GPipe with ``isend``/``irecv``), so that the activation
-    gradients can travel as low-rank factors (`edgc.interstage`) and each micro-batch backward
-    can be timed exactly (`BackwardTimer`). Sends never block (their works are waited on at the
-    step's end) and receives do, so the only waits are the data dependencies of the schedule.
-    Tags: 0 activations (forward), 1 activation gradients (backward).
+    The schedule is our own (1F1B or GPipe), so that the activation gradients can travel as
+    low-rank factors (`edgc.interstage`) and each micro-batch backward can be timed exactly
+    (`BackwardTimer`).
+
+    Its point-to-point traffic follows the contract in the module docstring.
     """
 
     def __init__(self, cfg, grid: Grid, module: GPT2Stage, device: torch.device):
@@ -77,16 +121,18 @@ class PipelineStep:
         self.timer = BackwardTimer(device)
         self.activation_shape = (cfg.micro_batch, cfg.seq_len, module_width(module))
         self.interstage_rank: int | None = None  # the rank of this step's compressed gradients
-        self._sends: list = []
+        self._in_flight: list = []  # (works, ops) of this step's send-only batches: the ops keep the buffers
         self._bytes = [0, 0]  # activation-gradient bytes sent, raw, this step
         # Stamps of this step's spans, turned into seconds once at its end (no host sync per
         # micro-batch on CUDA): "interstage" = each activation-gradient exchange (sender: compress
-        # and issue the send; receiver: blocked in the receive, which includes waiting for the
-        # next stage's backward, and decompress), "forward" = each micro-batch's forward compute; with
-        # --interstage on, also the parts "interstage_wire" (receiver: the payload's transfer, from its
-        # header's arrival) and "interstage_compress" (sender: compress; receiver: decompress).
+        # and post the batch carrying the gradient; receiver: post the batch that receives it, with
+        # what that batch sends, wait, which includes the next stage's backward, and decompress),
+        # "forward" = each micro-batch's forward compute; with --interstage on, also the parts
+        # "interstage_wire" (receiver: the payload's transfer, from its header's read) and
+        # "interstage_compress" (sender: compress; receiver: decompress).
         self.clock = Clock(device)
         self._spans: dict[str, list] = {key: [] for key in SPANS}
+        self._connect_neighbours()
 
     # ------------------------------------------------------------------ point to point
     def _prev(self) -> int:
@@ -95,49 +141,97 @@ class PipelineStep:
     def _next(self) -> int:
         return self.grid.global_rank(self.grid.stage + 1, self.grid.replica)
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
-        dist.recv(buffer, src, tag=tag)
-        return buffer
+    def _op(self, op, tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
+        return dist.P2POp(op, tensor, peer, self.grid.pp_group, tag)
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        self._sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+    def _wait_in_flight(self) -> None:
+        for works, _ in self._in_flight:
+            wait_all(works)
+        self._in_flight = []
 
-    def _wait_sends(self) -> None:
-        for entry in self._sends:
-            entry[0].wait()
-        self._sends = []
+    def _connect_neighbours(self) -> None:
+        """Every stage exchanges one value with each neighbour in one batch, so that the pipeline
+        group's first batched call has all of its ranks (NCCL initialises the communicator there)."""
+        token = torch.zeros(1, device=self.device)
+        ops = []
+        if not self.grid.first:
+            ops += [self._op(dist.isend, token, self._prev(), GRADIENT),
+                    self._op(dist.irecv, torch.empty_like(token), self._prev(), ACTIVATION)]
+        if not self.grid.last:
+            ops += [self._op(dist.isend, token, self._next(), ACTIVATION),
+                    self._op(dist.irecv, torch.empty_like(token), self._next(), GRADIENT)]
+        if ops:
+            wait_all(dist.batch_isend_irecv(ops))
+
+    def _communicate(self, *, activation: torch.Tensor | None = None, gradient: tuple | None = None,
+                     receive_activation: bool = False, receive_gradient: bool = False) -> tuple:
+        """One point of the schedule, posted as one batch: sends ``activation`` to the next stage,
+        ``gradient`` = (micro-batch index, gradient) to the previous one, and receives what is
+        asked for; returns (activation, gradient) received, None where not asked or no neighbour."""
+        ops: list[dist.P2POp] = []
+        if activation is not None and not self.grid.last:
+            ops.append(self._op(dist.isend, activation.detach().contiguous(), self._next(), ACTIVATION))
+        sent_from = None
+        if gradient is not None and not self.grid.first:
+            sent_from = self.clock.stamp()
+            ops += self._gradient_sends(*gradient)
+        received = None
+        if receive_activation and not self.grid.first:
+            received = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
+            ops.append(self._op(dist.irecv, received, self._prev(), ACTIVATION))
+        incoming = received_from = None
+        if receive_gradient and not self.grid.last:
+            received_from = self.clock.stamp()
+            incoming = self._gradient_receive()
+            ops.append(incoming.op)
+        if not ops:
+            return None, None
+        works = dist.batch_isend_irecv(ops)
+        if sent_from is not None:  # the sender's exchange ends once its batch is posted
+            self._spans["interstage"].append((sent_from, self.clock.stamp()))
+        if received is None and incoming is None:
+            # Sends only: waited on at the step's end, and only then (a second wait on a finished
+            # gloo work waits for a message that never comes); the ops keep their tensors alive.
+            self._in_flight.append((works, ops))
+            return None, None
+        wait_all(works)
+        grad = None if incoming is None else self._finish_gradient(incoming, received_from)
+        return received, grad
 
     def _compresses(self, index: int) -> bool:
         """Whether micro-batch ``index``'s activation gradient goes out compressed."""
         return compresses(self.mode, index, self.micro, self.grid.stages)
 
-    def _send_gradient(self, index: int, grad: torch.Tensor) -> None:
-        start = self.clock.stamp()
+    def _gradient_sends(self, index: int, grad: torch.Tensor) -> list[dist.P2POp]:
+        """The ops that send micro-batch ``index``'s activation gradient to the previous stage."""
         raw = grad.numel() * grad.element_size()
         if self.compressor.interstage is None:
-            self._send(grad, self._prev(), tag=1)
             self._bytes[0] += raw
             self._bytes[1] += raw
-        else:
-            rank = self.interstage_rank if self._compresses(index) else None
-            packet = self.compressor.interstage.compress(index, grad, rank)
-            self._spans["interstage_compress"].append((start, self.clock.stamp()))
-            self._sends.extend(send_gradient(packet, self._prev(), tag=1))
-            self._bytes[0] += packet.nbytes
-            self._bytes[1] += raw
-        self._spans["interstage"].append((start, self.clock.stamp()))
-
-    def _recv_gradient(self) -> torch.Tensor:
+            return [self._op(dist.isend, grad.detach().contiguous(), self._prev(), GRADIENT)]
         start = self.clock.stamp()
+        rank = self.interstage_rank if self._compresses(index) else None
+        packet = self.compressor.interstage.compress(index, grad, rank)
+        self._spans["interstage_compress"].append((start, self.clock.stamp()))
+        self._bytes[0] += packet.nbytes
+        self._bytes[1] += raw
+        return send_gradient_ops(packet, self._prev(), self.grid.pp_group, tag=GRADIENT)
+
+    def _gradient_receive(self) -> RawGradient | IncomingGradient:
+        """What receives the next stage's activation gradient (its ``op`` goes into the batch)."""
         if self.mode == "off":
-            grad = self._recv(self._next(), tag=1)
+            buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
+            return RawGradient(self._op(dist.irecv, buffer, self._next(), GRADIENT))
+        return IncomingGradient(self.activation_shape, self._next(), device=self.device, group=self.grid.pp_group,
+                                tag=GRADIENT)
+
+    def _finish_gradient(self, incoming: RawGradient | IncomingGradient, start) -> torch.Tensor:
+        """The received gradient, once its batch was waited on; records the receiver's spans."""
+        if isinstance(incoming, RawGradient):
             self._spans["interstage"].append((start, self.clock.stamp()))
-            return grad
-        marks: list = []  # header arrived, payload arrived
-        grad = recv_gradient(self.activation_shape, self._next(), device=self.device, tag=1,
-                             mark=lambda: marks.append(self.clock.stamp()))
+            return incoming.op.tensor
+        marks: list = []  # header read, payload arrived
+        grad = incoming.finish(mark=lambda: marks.append(self.clock.stamp()))
         end = self.clock.stamp()
         self._spans["interstage_wire"].append((marks[0], marks[1]))
         self._spans["interstage_compress"].append((marks[1], end))
@@ -155,13 +249,14 @@ class PipelineStep:
             return interstage_rank(compressor.entropy_rank(), cfg.interstage_min_rank, cfg.interstage_rank)
         return cfg.interstage_rank
 
-    def _forward(self, index: int, x: torch.Tensor | None, y: torch.Tensor | None, losses: list, train: bool):
+    def _forward(self, index: int, inputs: torch.Tensor | None, x: torch.Tensor | None, y: torch.Tensor | None,
+                 losses: list, train: bool) -> tuple:
+        """Micro-batch ``index``'s forward on ``inputs`` (the received activation; on the first
+        stage its slice of ``x``); returns (inputs, output), output being the scaled loss on the last."""
         if self.grid.first:
             inputs = x[index * self.cfg.micro_batch:(index + 1) * self.cfg.micro_batch]
-        else:
-            inputs = self._recv(self._prev(), tag=0)
-            if train:
-                inputs.requires_grad_(True)
+        elif train:
+            inputs.requires_grad_(True)
         start = self.clock.stamp() if train else None
         output = self.module(inputs)
         if self.grid.last:
@@ -171,33 +266,37 @@ class PipelineStep:
             output = loss / self.micro  # gradients are the mean over micro-batches
         if train:
             self._spans["forward"].append((start, self.clock.stamp()))
-        if not self.grid.last:
-            self._send(output, self._next(), tag=0)
         return inputs, output
 
-    def _backward(self, index: int, inputs: torch.Tensor, output: torch.Tensor) -> None:
-        grad = None if self.grid.last else self._recv_gradient()
+    def _backward(self, inputs: torch.Tensor, output: torch.Tensor, grad: torch.Tensor | None):
+        """Backward of one micro-batch; returns the gradient of its inputs (None on the first stage)."""
         self.timer.start()
         torch.autograd.backward(output, grad)
         self.timer.stop()
-        if not self.grid.first:
-            self._send_gradient(index, inputs.grad)
+        return None if self.grid.first else inputs.grad
 
     def _run_train(self, x, y) -> list[torch.Tensor]:
+        """1F1B (GPipe: every forward first), communicating as the class docstring lists."""
         losses: list[torch.Tensor] = []
         micro, stages, stage = self.micro, self.grid.stages, self.grid.stage
         warmup = micro if self.cfg.pp_schedule == "gpipe" else min(stages - stage - 1, micro)
-        saved: dict[int, tuple] = {}
-        backward_next = 0
-        for index in range(micro):
-            saved[index] = self._forward(index, x, y, losses, train=True)
-            if index >= warmup:
-                self._backward(backward_next, *saved.pop(backward_next))
-                backward_next += 1
-        while backward_next < micro:
-            self._backward(backward_next, *saved.pop(backward_next))
-            backward_next += 1
-        self._wait_sends()
+        saved: collections.deque = collections.deque()  # (inputs, output) awaiting their backward
+        for index in range(warmup):
+            inputs, _ = self._communicate(receive_activation=True)
+            inputs, output = self._forward(index, inputs, x, y, losses, train=True)
+            saved.append((inputs, output))
+            self._communicate(activation=output)
+        inputs = self._communicate(receive_activation=True)[0] if warmup < micro else None
+        for index in range(warmup, micro):
+            inputs, output = self._forward(index, inputs, x, y, losses, train=True)
+            saved.append((inputs, output))
+            _, grad = self._communicate(activation=output, receive_gradient=True)
+            input_grad = self._backward(*saved.popleft(), grad)  # micro-batch index − warmup's
+            inputs, _ = self._communicate(gradient=(index - warmup, input_grad), receive_activation=index < micro - 1)
+        for index in range(micro - warmup, micro):
+            _, grad = self._communicate(receive_gradient=True)
+            self._communicate(gradient=(index, self._backward(*saved.popleft(), grad)))
+        self._wait_in_flight()
         return losses
 
     @staticmethod
@@ -234,8 +333,9 @@ class PipelineStep:
         try:
             losses: list[torch.Tensor] = []
             for index in range(self.micro):
-                self._forward(index, x, y, losses, train=False)
-            self._wait_sends()
+                inputs, _ = self._communicate(receive_activation=True)
+                self._communicate(activation=self._forward(index, inputs, x, y, losses, train=False)[1])
+            self._wait_in_flight()
             return self._mean(losses)
         finally:
             self.module.train()

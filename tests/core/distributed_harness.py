@@ -17,6 +17,7 @@ EDGC_TEST_FRESH_PROCESSES=1 in the environment (to rule the pool out when a test
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -209,3 +210,46 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_d
         raise
     pool.busy, pool.last_used = False, time.monotonic()
     return results
+
+
+@contextlib.contextmanager
+def only_batched_point_to_point(log: list | None = None):
+    """Inside: ``dist.isend``, ``irecv``, ``send`` and ``recv`` raise unless ``dist.batch_isend_irecv``
+    calls them (it posts its ops through ``isend``/``irecv``), so all point-to-point traffic must
+    go through batches. ``log`` gets one entry per batch: [("send" | "recv", peer's global rank,
+    element count), …] in posting order. Patched in torch.distributed and in distributed_c10d
+    (``P2POp`` checks its op against the latter's names); put back on exit."""
+    c10d = dist.distributed_c10d
+    names = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
+    originals = {name: getattr(c10d, name) for name in names}
+    in_batch: list[bool] = []
+
+    def guarded(name):
+        def call(*args, **kwargs):
+            if not in_batch:
+                raise AssertionError(f"dist.{name} called outside dist.batch_isend_irecv")
+            return originals[name](*args, **kwargs)
+        call.__name__ = name
+        return call
+
+    patched = {name: guarded(name) for name in names[:4]}
+
+    def batch_isend_irecv(ops):
+        if log is not None:
+            log.append([("send" if op.op is patched["isend"] else "recv", op.peer, op.tensor.numel()) for op in ops])
+        in_batch.append(True)
+        try:
+            return originals["batch_isend_irecv"](ops)
+        finally:
+            in_batch.pop()
+
+    patched["batch_isend_irecv"] = batch_isend_irecv
+    for name, function in patched.items():
+        setattr(c10d, name, function)
+        setattr(dist, name, function)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(c10d, name, function)
+            setattr(dist, name, function)
