@@ -19,6 +19,83 @@ BUDGET_SIGNALS = ("schedule", "gradnorm", "entropy", "error")  # edgc.budget.SIG
 RANK_CHANGES = ("warm", "truncate")
 
 
+class _Check:
+    """Field checks of a config dataclass; each failure is one line naming the class and the field."""
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    def fail(self, name: str, requirement: str) -> None:
+        raise ValueError(f"{type(self.config).__name__}.{name} {requirement}, got {getattr(self.config, name)!r}")
+
+    def integer(self, name: str, low: int) -> None:
+        value = getattr(self.config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            self.fail(name, f"must be an integer ≥ {low}")
+
+    def _finite(self, name: str) -> bool:
+        value = getattr(self.config, name)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def ratio(self, name: str, low_open: bool) -> None:
+        value = getattr(self.config, name)
+        if not self._finite(name) or not (0 < value <= 1 if low_open else 0 <= value <= 1):
+            self.fail(name, "must be in (0, 1]" if low_open else "must be in [0, 1]")
+
+    def number(self, name: str, allow_zero: bool) -> None:
+        value = getattr(self.config, name)
+        if not self._finite(name) or value < 0 or (value == 0 and not allow_zero):
+            self.fail(name, "must be a finite number ≥ 0" if allow_zero else "must be a finite number > 0")
+
+    def boolean(self, name: str) -> None:
+        if not isinstance(getattr(self.config, name), bool):
+            self.fail(name, "must be True or False")
+
+    def choice(self, name: str, choices: tuple) -> None:
+        if getattr(self.config, name) not in choices:
+            self.fail(name, f"must be one of {choices}")
+
+
+def _check_engine_fields(check: _Check) -> None:
+    """The checks of `LowRankConfig`'s fields, which `EDGCConfig` carries too."""
+    check.number("min_compression_rate", allow_zero=True)
+    check.number("orthogonalization_epsilon", allow_zero=True)
+    check.boolean("error_feedback")
+    check.choice("error_feedback_dtype", ERROR_FEEDBACK_DTYPES)
+    check.choice("communication_dtype", COMM_DTYPES)
+    check.integer("seed", 0)
+    check.choice("rank_change", RANK_CHANGES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowRankConfig:
+    """The PowerSGD engine's own settings (`edgc.lowrank.LowRankCompressor`); `EDGCConfig.engine` derives them."""
+
+    min_compression_rate: float = 2.0
+    """A matrix m×n is compressed only if (m+n)·r·rate < m·n; others go raw. ≥ 0 (0 = compress all)."""
+
+    error_feedback: bool = True
+    """Keep each matrix's compression residual and add it to its next gradient."""
+
+    error_feedback_dtype: str = "float32"
+    """dtype of error feedback for bf16/fp16 gradients: 'float32' (exact) or 'gradient' (half the memory)."""
+
+    communication_dtype: str | None = None
+    """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
+
+    orthogonalization_epsilon: float = 1e-8
+    """Shift of each Gram matrix in the orthonormalisation of P, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+
+    seed: int = 714
+    """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
+
+    rank_change: str = "warm"
+    """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first columns, random new ones)."""
+
+    def __post_init__(self) -> None:
+        _check_engine_fields(_Check(self))
+
+
 @dataclass(kw_only=True)
 class EDGCConfig:
     """Configuration of the EDGC compressor (one instance per data-parallel group)."""
@@ -84,7 +161,7 @@ class EDGCConfig:
     """dtype of error feedback for bf16/fp16 gradients: 'float32' (exact) or 'gradient' (half the memory)."""
 
     orthogonalization_epsilon: float = 1e-8
-    """Added to column norms in Gram–Schmidt so all-zero columns stay finite. ≥ 0."""
+    """Shift of each Gram matrix in the orthonormalisation of P, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
 
     profile_max_rank: int = 128
     """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
@@ -96,7 +173,7 @@ class EDGCConfig:
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
 
     seed: int = 714
-    """Seed of the generator that draws the initial Q factors (identical on every rank). ≥ 0."""
+    """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
 
     # --- noise-robust rank decisions: the noise gate on the entropy trend ---
     entropy_significance: float = 3.0
@@ -124,77 +201,50 @@ class EDGCConfig:
     rank_change: str = "warm"
     """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first columns, random new ones)."""
 
+    fusion_mb: float | None = None
+    """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None = 256 on accelerators, 0 (each bucket its own job) on CPU. ≥ 0."""
+
     def __post_init__(self) -> None:
-        def fail(name: str, requirement: str) -> None:
-            raise ValueError(f"EDGCConfig.{name} {requirement}, got {getattr(self, name)!r}")
-
-        def check_int(name: str, low: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                fail(name, f"must be an integer ≥ {low}")
-
-        def check_ratio(name: str, low_open: bool) -> None:
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            ok = ok and (0 < value <= 1 if low_open else 0 <= value <= 1)
-            if not ok:
-                fail(name, "must be in (0, 1]" if low_open else "must be in [0, 1]")
-
-        def check_positive_float(name: str, allow_zero: bool) -> None:
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value < 0 or (value == 0 and not allow_zero):
-                fail(name, "must be a finite number ≥ 0" if allow_zero else "must be a finite number > 0")
-
+        check = _Check(self)
         for name in ("r_max", "r_min", "total_steps"):
             if getattr(self, name) is not None:
-                check_int(name, 1)
+                check.integer(name, 1)
         for name in ("rank_step", "rank_granularity", "window", "cqm_mc_samples", "profile_steps_per_rank"):
-            check_int(name, 1)
-        check_int("entropy_bins", 2)
-        check_int("profile_max_rank", 2)
-        check_int("min_warmup_steps", 0)
-        check_int("seed", 0)
-        check_ratio("iteration_sample_ratio", low_open=True)
-        check_ratio("gradient_sample_ratio", low_open=True)
-        check_ratio("warmup_fraction", low_open=False)
-        check_ratio("max_warmup_fraction", low_open=False)
-        check_positive_float("entropy_significance", allow_zero=True)
+            check.integer(name, 1)
+        check.integer("entropy_bins", 2)
+        check.integer("profile_max_rank", 2)
+        check.integer("min_warmup_steps", 0)
+        check.ratio("iteration_sample_ratio", low_open=True)
+        check.ratio("gradient_sample_ratio", low_open=True)
+        check.ratio("warmup_fraction", low_open=False)
+        check.ratio("max_warmup_fraction", low_open=False)
+        check.number("entropy_significance", allow_zero=True)
         band = self.error_band
         if (not isinstance(band, (tuple, list)) or len(band) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band)
                 or not 0 <= band[0] < band[1] <= 1):
-            fail("error_band", "must be (low, high) with 0 ≤ low < high ≤ 1")
+            check.fail("error_band", "must be (low, high) with 0 ≤ low < high ≤ 1")
         self.error_band = (float(band[0]), float(band[1]))
-        check_positive_float("cqm_exponent", allow_zero=False)
-        check_positive_float("min_compression_rate", allow_zero=True)
-        check_positive_float("orthogonalization_epsilon", allow_zero=True)
-        for name in ("adaptive", "warmup_error_test", "error_feedback"):
-            if not isinstance(getattr(self, name), bool):
-                fail(name, "must be True or False")
-        if self.rank_mapping not in RANK_MAPPINGS:
-            fail("rank_mapping", f"must be one of {RANK_MAPPINGS}")
-        if self.entropy_estimator not in ENTROPY_ESTIMATORS:
-            fail("entropy_estimator", f"must be one of {ENTROPY_ESTIMATORS}")
-        if self.error_feedback_dtype not in ERROR_FEEDBACK_DTYPES:
-            fail("error_feedback_dtype", f"must be one of {ERROR_FEEDBACK_DTYPES}")
-        if self.communication_dtype not in COMM_DTYPES:
-            fail("communication_dtype", f"must be one of {COMM_DTYPES}")
-        if self.budget_signal not in BUDGET_SIGNALS:
-            fail("budget_signal", f"must be one of {BUDGET_SIGNALS}")
-        if self.rank_change not in RANK_CHANGES:
-            fail("rank_change", f"must be one of {RANK_CHANGES}")
-        check_positive_float("front_load", allow_zero=False)
+        check.number("cqm_exponent", allow_zero=False)
+        if self.fusion_mb is not None:
+            check.number("fusion_mb", allow_zero=True)
+        _check_engine_fields(check)
+        for name in ("adaptive", "warmup_error_test"):
+            check.boolean(name)
+        check.choice("rank_mapping", RANK_MAPPINGS)
+        check.choice("entropy_estimator", ENTROPY_ESTIMATORS)
+        check.choice("budget_signal", BUDGET_SIGNALS)
+        check.number("front_load", allow_zero=False)
         if self.front_load < 1:
-            fail("front_load", "must be ≥ 1 (1 = spend the budget evenly)")
+            check.fail("front_load", "must be ≥ 1 (1 = spend the budget evenly)")
         if self.rank_budget is not None:
-            check_positive_float("rank_budget", allow_zero=False)
+            check.number("rank_budget", allow_zero=False)
             if self.total_steps is None:
-                fail("rank_budget", "needs total_steps (the budget is a mean over the run's compressed steps)")
+                check.fail("rank_budget", "needs total_steps (the budget is a mean over the run's compressed steps)")
             if self.rank_budget < 1 or (self.r_max is not None and self.rank_budget > self.r_max):
-                fail("rank_budget", f"must be in [max(1, r_min), r_max = {self.r_max}]")
+                check.fail("rank_budget", f"must be in [max(1, r_min), r_max = {self.r_max}]")
             if self.r_min is not None and self.rank_budget < self.r_min:
-                fail("rank_budget", f"must be ≥ r_min = {self.r_min}")
+                check.fail("rank_budget", f"must be ≥ r_min = {self.r_min}")
         if self.rank_schedule is not None:
             entries = self.rank_schedule
             ok = isinstance(entries, (tuple, list)) and len(entries) > 0 and all(
@@ -203,15 +253,15 @@ class EDGCConfig:
             ok = ok and all(step >= 0 and rank >= 1 for step, rank in entries)
             ok = ok and all(a[0] < b[0] for a, b in zip(entries, entries[1:]))
             if not ok:
-                fail("rank_schedule", "must be ((step, rank), …) with increasing steps ≥ 0 and ranks ≥ 1")
+                check.fail("rank_schedule", "must be ((step, rank), …) with increasing steps ≥ 0 and ranks ≥ 1")
             self.rank_schedule = tuple((int(a), int(b)) for a, b in entries)
             if self.r_max is not None and max(r for _, r in self.rank_schedule) > self.r_max:
-                fail("rank_schedule", f"ranks must be ≤ r_max = {self.r_max}")
+                check.fail("rank_schedule", f"ranks must be ≤ r_max = {self.r_max}")
         if self.r_min is not None:
             if self.r_max is None:
-                fail("r_min", "needs r_max to be set (with a profiled r_max, r_min = r_max // 4)")
+                check.fail("r_min", "needs r_max to be set (with a profiled r_max, r_min = r_max // 4)")
             if self.r_min > self.r_max:
-                fail("r_min", f"must be ≤ r_max = {self.r_max}")
+                check.fail("r_min", f"must be ≤ r_max = {self.r_max}")
 
     # ------------------------------------------------------------------ helpers
     @classmethod
@@ -222,6 +272,11 @@ class EDGCConfig:
             raise ValueError(f"EDGCConfig.static: {fixed} are set by the rank argument; pass rank= only")
         overrides.setdefault("warmup_error_test", False)
         return cls(r_max=rank, r_min=rank, adaptive=False, **overrides)
+
+    @property
+    def engine(self) -> LowRankConfig:
+        """The PowerSGD engine's settings, taken from this config's fields of the same names."""
+        return LowRankConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LowRankConfig)})
 
     @property
     def sample_every(self) -> int:
@@ -283,21 +338,23 @@ class EDGCConfig:
         return cls(**values)
 
 
-def field_docs() -> list[tuple[str, Any, str]]:
-    """(name, default, one-line doc) for every config field, read from the source docstrings."""
+def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
+    """(name, default, one-line doc) for every field of ``config_class`` (default `EDGCConfig`), read
+    from the source docstrings."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(EDGCConfig))
+    config_class = config_class or EDGCConfig
+    tree = ast.parse(inspect.getsource(config_class))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
-    return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(EDGCConfig)]
+    return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(config_class)]
 
 
-__all__ = ["EDGCConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS",
+__all__ = ["EDGCConfig", "LowRankConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS",
            "BUDGET_SIGNALS", "RANK_CHANGES"]
 
 

@@ -8,8 +8,13 @@ in-place orthonormalisation of a batch of factors.
 from __future__ import annotations
 
 import zlib
+from typing import Protocol, Sequence
 
 import torch
+
+# Added to every shift so that an all-zero batch (a layer that got no gradient) still has a
+# positive-definite Gram matrix; far below any float32 value that matters.
+_SHIFT_FLOOR = 1e-300
 
 
 def stable_seed(*parts: object) -> int:
@@ -17,23 +22,74 @@ def stable_seed(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
 
 
-def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
-    """Orthonormalise the columns of each matrix in a (batch, k, r) tensor, in place.
+def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
+    """Orthonormalise the rows of each matrix of a (batch, r, k) tensor in place (r ≤ k).
 
-    QR for r > 2; Gram–Schmidt otherwise (cheaper for 1–2 columns). Both keep all-zero
-    columns finite (the epsilon guards the Gram–Schmidt division).
+    Shifted Cholesky QR, one pass in float64, one batched call for the whole batch (no
+    per-matrix library call, no host synchronisation): G = X·Xᵀ + s·I = L·Lᵀ, X ← L⁻¹·X.
+    In float64 one pass leaves the rows orthonormal far below float32's precision for condition
+    numbers up to about 1e4 (a Householder QR in float32 is no better), at a fraction of its
+    kernel launches. The shift s = epsilon·trace(G)/r keeps every Gram matrix positive definite,
+    so a rank-deficient batch gets no NaN: its directions with less energy than s shrink towards
+    zero, and an all-zero row stays zero (`restart_zero_rows` restarts those where it matters).
     """
-    rank = matrices.shape[-1]
-    if rank > 2:
-        matrices.copy_(torch.linalg.qr(matrices).Q)
-        return matrices
-    for i in range(rank):
-        column = matrices[..., i : i + 1]
-        column.div_(column.norm(dim=-2, keepdim=True) + epsilon)
-        if i + 1 < rank:
-            rest = matrices[..., i + 1 :]
-            rest.sub_(column * (column * rest).sum(dim=-2, keepdim=True))
+    x = rows.to(torch.float64)
+    lower = _shifted_cholesky(x @ x.transpose(-1, -2), epsilon)
+    rows.copy_(torch.linalg.solve_triangular(lower, x, upper=False))
+    return rows
+
+
+class _Block(Protocol):
+    rank: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+
+def orthonormalize_blocks_(flat: torch.Tensor, blocks: Sequence[_Block], epsilon: float = 1e-8) -> torch.Tensor:
+    """`orthonormalize_rows_` for several (count, rank, side) blocks of one flat buffer at once: one
+    cast, and one Cholesky factorisation for all the Gram matrices of one rank (their sides differ,
+    their r × r Gram matrices do not), so the library calls do not grow with the number of blocks."""
+    x = flat.to(torch.float64)
+    solved = torch.empty_like(x)
+    by_rank: dict[int, list[_Block]] = {}
+    for block in blocks:
+        by_rank.setdefault(block.rank, []).append(block)
+    for same_rank in by_rank.values():
+        views = [block.view(x) for block in same_rank]
+        grams = [v @ v.transpose(-1, -2) for v in views]
+        lower = _shifted_cholesky(torch.cat(grams) if len(grams) > 1 else grams[0], epsilon)
+        for block, view, factor in zip(same_rank, views, lower.split([v.shape[0] for v in views])):
+            torch.linalg.solve_triangular(factor, view, upper=False, out=block.view(solved))
+    flat.copy_(solved)
+    return flat
+
+
+def _shifted_cholesky(gram: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """L with L·Lᵀ = G + s·I, s = epsilon·mean(diag G), at least a floor so that an all-zero G
+    (a layer without gradient) still factorises."""
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    diagonal.add_(diagonal.mean(-1, keepdim=True).clamp_(min=_SHIFT_FLOOR / max(epsilon, _SHIFT_FLOOR)), alpha=epsilon)
+    lower, _ = torch.linalg.cholesky_ex(gram)
+    return lower
+
+
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
+    """Orthonormalise the columns of each matrix in a (batch, k, r) tensor, in place
+    (`orthonormalize_rows_` on the transposed view)."""
+    orthonormalize_rows_(matrices.transpose(-1, -2), epsilon)
     return matrices
+
+
+def restart_zero_rows(rows: torch.Tensor, replacement: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = ``rows`` (batch, r, k) with every all-zero row replaced by the matching row of
+    ``replacement`` (identical on every process), selected on the device.
+
+    Why: a layer without gradient for a step gives Q = Mᵀ·P = 0, and a zero row of Q stays zero for
+    ever (P = M·Q and Q = Mᵀ·P keep it zero; the orthonormalisation keeps it zero too). The
+    replacement restarts the power iteration in that direction.
+    """
+    zero = torch.linalg.vector_norm(rows, dim=-1, keepdim=True) == 0
+    return torch.where(zero, replacement, rows, out=out)
 
 
 def matrix_shape(tensor: torch.Tensor) -> tuple[int, int] | None:

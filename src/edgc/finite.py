@@ -19,3 +19,18 @@ def all_finite(values: torch.Tensor) -> torch.Tensor:
     if values.dtype == torch.float64:
         return torch.isfinite(values).all()
     return torch.isfinite(values.sum(dtype=torch.float64))
+
+
+def nan_unless_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 1-element float32 tensor: 0 when every element of every tensor is finite, NaN otherwise.
+
+    A flag that survives an average over ranks (one rank's NaN keeps the mean NaN, zeros keep it
+    zero) and that poisons whatever it is added to, so a non-finite step needs no branch: adding it
+    to the decompressed factors makes every averaged gradient NaN on every rank."""
+    device = tensors[0].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for values in tensors:
+        if values.numel():
+            total = total + (values.sum(dtype=torch.float64) if values.dtype != torch.float64
+                             else torch.where(torch.isfinite(values).all(), 0.0, float("nan")))
+    return (total * 0).float().reshape(1)

@@ -1,42 +1,50 @@
-"""The PowerSGD engine: rank-r compression with error feedback and warm-started Q.
+"""The PowerSGD engine: rank-r compression with error feedback and warm-started Q, batched by shape.
 
-For every gradient with ≥ 2 dimensions, viewed as M (m × n) = (shape[0], rest):
+For every gradient with ≥ 2 dimensions, viewed as M (m × n) = (shape[0], rest) and worked on as
+A = M or Mᵀ so that A is (long × short) (`edgc.layout`):
 
     M ← G + e                      error feedback (e = what earlier steps failed to send)
-    P ← M · orth(Q)                Q warm-started from the previous step
+    P ← A · Q                      Q warm-started from the previous step, rows at unit norm
     all-reduce-mean(P); P ← orth(P)
-    Q ← Mᵀ · P
+    Q ← Aᵀ · P
     all-reduce-mean(Q)
     Ĝ ← P · Qᵀ                     the averaged, decompressed gradient (identical on all ranks)
     e ← M − Ĝ                      the local residual, kept for the next step
 
 so that Ĝ + mean(e) = mean(M) exactly: nothing is lost, only delayed. Matrices where
 (m + n)·r·min_compression_rate ≥ m·n (biases, LayerNorm, tiny matrices) gain nothing and are
-sent raw in one buffer. Same-shape matrices are batched (bmm), and all P's (and all Q's) of a
-call live in one contiguous buffer, so a call issues exactly three all-reduces: raw, P, Q.
+sent raw in one buffer.
 
-Rank changes keep error feedback (the residual is still what was not sent) and, by default, the
-warm start of the power iteration: `edgc.rank_change`.
+Batched by shape. A call's matrices of one (m, n, rank) are one batch in every product, its P's
+(and Q's) share one flat buffer, and the orthonormalisation is one batched Cholesky QR per
+(rank, long side) (`edgc.layout.CallLayout`, `edgc.factors.orthonormalize_rows_`). A call issues
+three all-reduces (raw + a non-finite flag, P, Q), and its kernel count grows with its shapes, not
+its matrices. A call's layout, its error-feedback arena and its Q buffer are kept from step to step
+(`_CallState`), so a steady step copies no Q and allocates no error feedback.
 
-Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64).
+The engine owns its state: Q and error feedback per parameter name (``q``, ``error``; read them,
+change them through the methods), `snapshot`/`restore` of the shared part (Q), `commit`/`rollback`
+of an uncommitted step (``begin_step(uncommitted=True)``: the residual goes to a spare arena so that
+M survives; rollback makes M the error feedback again, so the step's gradient is sent next time),
+`end_step` after a non-finite step, `change_rank`, `drop_error`, and `state_dict`.
 
-Uncommitted steps (``keep_uncommitted``, used by fault-tolerant training): the residual is written
-into a second buffer instead of over M, so that M survives the step; `commit` keeps the residual,
-`rollback` makes M itself the error feedback again (the step's gradient is sent next time).
+Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64); error
+feedback in the gradient's dtype with ``error_feedback_dtype='gradient'``.
 """
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
-from .config import EDGCConfig
-from .factors import compressed_rank, matrix_shape, orthogonalize_, stable_seed
-from .finite import all_finite
+from .config import EDGCConfig, LowRankConfig
+from .engine_state import CallState, EngineState
+from .finite import nan_unless_finite
+from .factors import compressed_rank, matrix_shape, orthonormalize_blocks_, orthonormalize_rows_, stable_seed
+from .layout import CallLayout
 from .timing import to_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -58,21 +66,26 @@ class ReduceStats:
     norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured)
     nonfinite: bool | torch.Tensor = False  # the group saw a NaN/Inf: the averaged gradients are NaN
     ranks: dict[str, int] = field(default_factory=dict)  # per parameter; 0 = sent raw
-    # For the end of a non-finite step: error-feedback tensors this call updated (to clean of
-    # NaN/Inf) and the Q factors it resized for a new rank (to put back as they were).
-    touched_error: list[torch.Tensor] = field(default_factory=list)
-    resized_q: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out = a·b, computed in the dtype of the bigger operand (a half-precision gradient or error
-    buffer is never copied whole; only small factors are cast)."""
+def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a·b (batched), computed in the dtype of the bigger operand: a half-precision gradient
+    or error buffer is never copied whole, only small factors are cast."""
     big = max((out, a, b), key=torch.Tensor.numel).dtype
     a, b = a.to(big), b.to(big)
     if out.dtype == big:
-        torch.mm(a, b, out=out)
+        torch.bmm(a, b, out=out)
     else:
-        out.copy_(torch.mm(a, b))  # a small factor
+        out.copy_(torch.bmm(a, b))  # a small factor
+
+
+def _squared_norm(arena: torch.Tensor, layout: CallLayout) -> torch.Tensor:
+    """‖M‖² over the arena as a float64 device scalar; a half-precision arena group by group in
+    float32 (a half-precision dot loses the digits the error formula subtracts)."""
+    if arena.dtype in (torch.float32, torch.float64):
+        return torch.dot(arena, arena).to(torch.float64)
+    blocks = [group.error_view(arena).reshape(-1).float() for group in layout.groups]
+    return torch.stack([torch.dot(b, b) for b in blocks]).sum().to(torch.float64)
 
 
 def _half_wire_shift(size: int) -> float:
@@ -81,53 +94,32 @@ def _half_wire_shift(size: int) -> float:
     return 2.0 ** -math.ceil(math.log2(max(1.0, math.sqrt(size))))
 
 
-class LowRankCompressor:
-    """PowerSGD state (Q factors, error feedback) keyed by parameter name."""
+class LowRankCompressor(EngineState):
+    """PowerSGD state (Q factors, error feedback) keyed by parameter name; see the module docstring."""
 
-    def __init__(self, config: EDGCConfig):
-        self.config = config
-        self.q: dict[str, torch.Tensor] = {}  # name → (n, r) fp32, identical on every rank
-        self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
-        self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
-        self._reseed: dict[tuple[str, int], torch.Tensor] = {}  # replacement columns for all-zero Q columns
-        # Uncommitted steps (see the module docstring): M of this step, error feedback moved into a
-        # raw-sent gradient this step, and spare residual buffers (reused, so no allocation per step).
-        self.keep_uncommitted = False
-        self._step_m: dict[str, torch.Tensor] = {}
-        self._step_popped: dict[str, torch.Tensor] = {}
-        self._spare: dict[str, torch.Tensor] = {}
+    def __init__(self, config: LowRankConfig | EDGCConfig):
+        """``config``: the engine's own settings, or an `EDGCConfig` whose `EDGCConfig.engine` they are."""
+        if isinstance(config, EDGCConfig):
+            config = config.engine
+        if not isinstance(config, LowRankConfig):
+            raise TypeError(f"LowRankCompressor takes a LowRankConfig (or an EDGCConfig), got {type(config).__name__}")
+        super().__init__(config)
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
-    def resize_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
+    def resize_q(self, name: str, short: int, rank: int, device: torch.device) -> torch.Tensor:
         """This parameter's warm-start Q with exactly ``rank`` columns (`edgc.rank_change.resize_q`)."""
-        return rank_change.resize_q(self, name, n, rank, device)
+        return rank_change.resize_q(self, name, short, rank, device)
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
         one blocking all-reduce when some Q grows under the 'warm' rule; (elements, bytes) it sent."""
-        return rank_change.change_rank(self, rank, comm)
-
-    def _reseed_columns(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
-        """Fixed columns (same on every rank) that replace Q columns that collapsed to zero.
-
-        A layer without gradient for a step has M = 0, so its new Q is 0; Gram–Schmidt keeps a
-        zero column zero, and P = M·Q = 0 forever after. Replacing such columns (selected on
-        the device, no host read) lets the power iteration start again.
-        """
-        key = (name, rank)
-        columns = self._reseed.get(key)
-        if columns is None or columns.shape[0] != n or columns.device != device:
-            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "reseed", rank))
-            columns = self._reseed[key] = to_device(torch.randn(n, rank, generator=generator), device)
-        return columns
-
-    def _error_dtype(self, grad_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
-        if self.config.error_feedback_dtype == "gradient":
-            return grad_dtype
-        return compute_dtype
+        before = dict(self.q)
+        sent = rank_change.change_rank(self, rank, comm)
+        self._note_resized({name: q for name, q in before.items() if self.q.get(name) is not q})
+        return sent
 
     def reduce(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
                *, measure_error: bool = True) -> ReduceStats:
@@ -138,209 +130,116 @@ class LowRankCompressor:
                      *, measure_error: bool = False) -> Job:
         """The compressed average of ``grads`` as a job (`edgc.comm`): three collectives, two yields.
 
-        Forms M = G + e inside the error-feedback buffer and Pᵀ = orth(Q)ᵀ·Mᵀ, issues the raw
-        tensors (+ a non-finite flag) and P, yields; computes Qᵀ = orth(P)ᵀ·M and issues it,
-        yields; writes Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. Factors are kept transposed
-        (r × m, r × n): on CPU these products stream M row by row and run 2–4× faster than
-        M·Q and Mᵀ·P. Memory beyond the persistent error feedback and Q: the P and Q buffers.
-        No host read of a device value: a non-finite step is handled by device-side selects, and
-        the caller calls `clear_nonfinite_error` when it learns of one. Returns `ReduceStats`.
+        Forms M = G + e in the error-feedback arena and Pᵀ = Qᵀ·Aᵀ, issues the raw tensors (+ a
+        non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·A and issues it,
+        yields; writes Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. No host read of a device value:
+        a non-finite step is handled by device-side selects, and the caller calls `end_step` when
+        it learns of one. Returns `ReduceStats`.
         """
         config = self.config
-        stats = ReduceStats()
-        grad_dtype = grads[0].dtype
-        wire_dtype = DTYPES[config.communication_dtype] if config.communication_dtype else grad_dtype
-        half_wire = wire_dtype == torch.float16 and comm.world_size > 1
-        device = grads[0].device
-        compute_dtype = torch.float64 if grad_dtype == torch.float64 else torch.float32
-        error_dtype = self._error_dtype(grad_dtype, compute_dtype)
-
-        groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-        raw: list[int] = []
-        for i, (name, grad) in enumerate(zip(names, grads)):
-            shape = matrix_shape(grad)
-            if shape is not None:
-                self.shapes[name] = shape
-            r = self.compressed_rank(shape, rank)
-            stats.ranks[name] = r
-            stats.elements_raw += grad.numel()
-            if r:
-                groups[(*matrix_shape(grad), r)].append(i)  # type: ignore[misc]
-            else:
-                raw.append(i)
-                pending = self.error.pop(names[i], None)  # was compressed at an earlier rank
-                if pending is not None:
-                    grad.add_(pending.view_as(grad).to(grad.dtype))
-                    if self.keep_uncommitted:
-                        self._step_popped[names[i]] = pending
+        call = self._call_state(names, grads, rank)
+        layout = call.layout
+        grad_dtype, device = grads[0].dtype, grads[0].device
+        compute = torch.float64 if grad_dtype == torch.float64 else torch.float32
+        wire = DTYPES[config.communication_dtype] if config.communication_dtype else grad_dtype
+        half_wire = wire == torch.float16 and comm.world_size > 1
+        stats = ReduceStats(ranks=dict(layout.ranks))
+        stats.elements_raw = sum(g.numel() for g in grads)
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
+        self._flush_into_raw(layout, grads)
 
-        # ---- M = G + e in place, Pᵀ = orth(Q)ᵀ·Mᵀ; every Pᵀ (and Qᵀ) of the call in one buffer.
-        p_sizes = [len(ix) * m * r for (m, n, r), ix in groups.items()]
-        q_sizes = [len(ix) * n * r for (m, n, r), ix in groups.items()]
-        p_flat = torch.empty(sum(p_sizes), device=device, dtype=compute_dtype)
-        q_flat = torch.empty(sum(q_sizes), device=device, dtype=compute_dtype)
-        batches = []
-        for ((m, n, r), indices), p_view, q_view in zip(groups.items(), p_flat.split(p_sizes), q_flat.split(q_sizes)):
-            b = len(indices)
-            p_t, q_t = p_view.view(b, r, m), q_view.view(b, r, n)
-            old_q = []
-            for k, i in enumerate(indices):
-                stored = self.q.get(names[i])
-                if stored is not None and stored.shape != (n, r):
-                    stats.resized_q[names[i]] = stored
-                old_q.append(self.resize_q(names[i], n, r, device).to(compute_dtype))
-                q_t[k].copy_(old_q[k].T)
-            if r <= 2:  # Gram–Schmidt keeps a zero column zero; QR (r > 2) recovers by itself
-                reseed = torch.stack([self._reseed_columns(names[i], n, r, device).T for i in indices]).to(compute_dtype)
-                q_t.copy_(torch.where(q_t.abs().sum(dim=2, keepdim=True) == 0, reseed, q_t))
-            orthogonalize_(q_t.transpose(1, 2), config.orthogonalization_epsilon)
-            matrices = [self._error_plus_gradient(names[i], grads[i].view(m, n), error_dtype, stats)
-                        for i in indices]
-            for k, matrix in enumerate(matrices):
-                _mm_into(p_t[k], q_t[k], matrix.T)
-            batches.append((indices, p_t, q_t, old_q, matrices, m, n))
+        # ---- M = G + e in the arena, Pᵀ = Qᵀ·Aᵀ (one batched product per shape group).
+        arena, gathered = self._form_m(call, grads, compute)
+        q_stored, q_in = self._warm_start(call, device, compute)
+        p_flat = torch.empty(layout.p_numel, device=device, dtype=compute)
+        q_flat = torch.empty(layout.q_numel, device=device, dtype=compute)
+        for group in layout.groups:
+            matrix = group.oriented(group.error_view(arena))
+            _bmm_into(group.p_view(p_flat), group.q_view(q_in), matrix.transpose(1, 2))
+            if half_wire:  # P is orthonormalised after the sum: its scale is free
+                group.p_view(p_flat).mul_(_half_wire_shift(group.short))
 
-        # Raw tensors plus one flag element: is anything non-finite anywhere in the group?
-        # A NaN/Inf anywhere in M makes its P non-finite, so checking P's sum is enough.
-        local_bad = ~all_finite(p_flat)
-        raw_flat = torch.cat([grads[i].reshape(-1) for i in raw] + [local_bad.to(grad_dtype).reshape(1)])
-        if raw:
-            raw_flat[-1] = (local_bad | ~all_finite(raw_flat)).to(grad_dtype)
+        # Raw tensors plus one flag element, 0 or NaN: NaN when anything is non-finite here
+        # (`edgc.finite`: sums that finite half-precision values cannot overflow). It stays NaN
+        # through the average, so every rank learns of a NaN/Inf anywhere in the group. A NaN/Inf
+        # anywhere in M makes its P non-finite, so P stands for the compressed part.
+        raw_flat = torch.cat([grads[i].reshape(-1) for i in layout.raw] + [grads[0].new_zeros(1)])
+        raw_flat[-1:].copy_(nan_unless_finite(p_flat, raw_flat[:-1]))
         raw_sent = comm.mean_async(raw_flat)
         stats.elements_sent = raw_flat.numel()
         stats.bytes_sent = raw_flat.numel() * raw_flat.element_size()
-        if batches:
-            if half_wire:
-                for _, p_t, _, _, _, m, n in batches:
-                    p_t.mul_(_half_wire_shift(n))  # P is orthonormalised after the sum: its scale is free
-            p_sent = comm.mean_async(p_flat, wire_dtype)
-            self._count_sent(stats, p_flat, wire_dtype)
-        yield ISSUES_MORE if batches else FINISHES
+        if layout.groups:
+            p_sent = comm.mean_async(p_flat, wire)
+            self._count_sent(stats, p_flat, wire)
+        yield ISSUES_MORE if layout.groups else FINISHES
 
         raw_sent.wait()
-        offset = 0
-        for i in raw:
-            grads[i].view(-1).copy_(raw_flat[offset : offset + grads[i].numel()])
-            offset += grads[i].numel()
-        bad = raw_flat[-1] != 0  # identical on every rank: it is an average
-        stats.nonfinite = bad
-        if not batches:
+        if layout.raw:
+            torch._foreach_copy_([grads[i].view(-1) for i in layout.raw],
+                                 list(raw_flat[:-1].split([grads[i].numel() for i in layout.raw])))
+        poison = raw_flat[-1:].float()  # identical on every rank: it is an average
+        stats.nonfinite = poison.isnan().reshape(())
+        if not layout.groups:
             return stats
         p_sent.wait()
 
-        # ---- Qᵀ = orth(P)ᵀ·M.
-        for _, p_t, q_t, _, matrices, m, n in batches:
-            orthogonalize_(p_t.transpose(1, 2), config.orthogonalization_epsilon)
-            for k, matrix in enumerate(matrices):
-                _mm_into(q_t[k], p_t[k], matrix)
+        # ---- orth(P), Qᵀ = Pᵀ·A.
+        orthonormalize_blocks_(p_flat, layout.p_blocks, config.orthogonalization_epsilon)
+        for group in layout.groups:
+            _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.oriented(group.error_view(arena)))
         if measure_error:
             local_q = q_flat.clone()
-            stats.norm_sq = sum(torch.dot(x.reshape(-1), x.reshape(-1)).to(torch.float64)
-                                for batch in batches for x in batch[4])
+            stats.norm_sq = _squared_norm(arena, layout)
         if half_wire:
-            for _, _, q_t, _, _, m, n in batches:
-                q_t.mul_(_half_wire_shift(m))
-        q_sent = comm.mean_async(q_flat, wire_dtype)
-        self._count_sent(stats, q_flat, wire_dtype)
+            for group in layout.groups:
+                group.q_view(q_flat).mul_(_half_wire_shift(group.long))
+        q_sent = comm.mean_async(q_flat, wire)
+        self._count_sent(stats, q_flat, wire)
         yield FINISHES
 
         q_sent.wait()
         if half_wire:
-            for _, _, q_t, _, _, m, n in batches:
-                q_t.div_(_half_wire_shift(m))
+            for group in layout.groups:
+                group.q_view(q_flat).div_(_half_wire_shift(group.long))
         # An fp16 wire can overflow; the averages are identical on every rank, so is the verdict.
-        bad = bad | ~all_finite(p_flat) | ~all_finite(q_flat)
+        poison = poison + nan_unless_finite(q_flat)
+        bad = poison.isnan().reshape(())
         stats.nonfinite = bad
-        # ---- Ĝ = P·Qᵀ into the gradients, e = M − Ĝ. On a non-finite step Ĝ is NaN everywhere, so
-        # every rank's optimizer (or GradScaler) skips it; Q keeps its old value.
-        p_to_grad = p_flat + torch.where(bad, float("nan"), 0.0).to(compute_dtype)
-        offset = 0
-        for indices, p_t, q_t, old_q, matrices, m, n in batches:
-            p_grad = p_to_grad[offset : offset + p_t.numel()].view_as(p_t)
-            offset += p_t.numel()
-            # A half-precision Ĝ is computed from factors moved to the same scale by a power of
-            # two (exact), since Q's entries can exceed fp16 although Ĝ's do not.
-            shift = _half_wire_shift(m) if grad_dtype == torch.float16 else 1.0
-            for k, i in enumerate(indices):
-                gradient = grads[i].view(m, n)
-                if shift == 1.0:
-                    _mm_into(gradient, p_grad[k].T, q_t[k])
-                else:
-                    _mm_into(gradient, p_grad[k].T / shift, q_t[k] * shift)
-                if config.error_feedback and self.keep_uncommitted:
-                    self._keep_residual(names[i], matrices[k], gradient, stats)
-                elif config.error_feedback:
-                    matrices[k].sub_(gradient)
-                self.q[names[i]] = torch.where(bad, old_q[k], q_t[k].T)
+        self._decompress(call, grads, arena, gathered, p_flat + poison.to(p_flat.dtype), q_flat)
+        self._keep_q(call, torch.where(bad, q_stored, q_flat))
         if measure_error:
-            # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
+            # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Aᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
             cross = torch.dot(local_q, q_flat).to(torch.float64)
             square = torch.dot(q_flat, q_flat).to(torch.float64)
             stats.error_sq = (stats.norm_sq - 2 * cross + square).clamp(min=0)
         return stats
 
-    def _error_plus_gradient(self, name: str, gradient: torch.Tensor, error_dtype: torch.dtype,
-                             stats: ReduceStats) -> torch.Tensor:
-        """M = G + e, formed inside this parameter's error-feedback buffer (M = G without EF)."""
-        if not self.config.error_feedback:
-            return gradient if gradient.dtype in (torch.float32, torch.float64) else gradient.to(error_dtype)
-        m, n = gradient.shape
-        error = self.error.get(name)
-        if error is not None and error.numel() == m * n:
-            # A loaded checkpoint or a changed error_feedback_dtype: same values, this layout.
-            error = error.reshape(m, n).to(error_dtype)
-            matrix = error.add_(gradient)
-        else:
-            matrix = gradient.to(error_dtype, copy=True)
-        self.error[name] = matrix
-        if self.keep_uncommitted:
-            self._step_m[name] = matrix  # the residual goes to a spare buffer (`_keep_residual`)
-        else:
-            stats.touched_error.append(matrix)
-        return matrix
-
-    def _keep_residual(self, name: str, matrix: torch.Tensor, decompressed: torch.Tensor, stats: ReduceStats) -> None:
-        """e = M − Ĝ into a spare buffer, M left intact (same arithmetic as ``M.sub_(Ĝ)``)."""
-        residual = self._spare.pop(name, None)
-        if residual is None or residual.shape != matrix.shape or residual.dtype != matrix.dtype:
-            residual = torch.empty_like(matrix)
-        torch.sub(matrix, decompressed, out=residual)
-        self.error[name] = residual
-        stats.touched_error.append(residual)  # a non-finite step clears the residual, never M
-
-    def commit(self) -> None:
-        """The step is applied: its residuals stay the error feedback; M's buffers become spares."""
-        for name, matrix in self._step_m.items():
-            if self.error.get(name) is not matrix:  # (a step cut short left M as the error feedback)
-                self._spare[name] = matrix
-        self._step_m, self._step_popped = {}, {}
-
-    def rollback(self) -> None:
-        """The step is discarded: error feedback becomes M = G + e of the step again (so nothing of
-        the step's gradient is lost), error feedback moved into raw-sent gradients comes back.
-
-        An M that holds a NaN/Inf (this replica's gradient was not finite) cannot be kept: it is
-        zeroed, as a non-finite step's residual is (see `clear_nonfinite_error`)."""
-        for name, matrix in self._step_m.items():
-            residual = self.error.get(name)
-            if residual is not None and residual is not matrix:
-                self._spare[name] = residual
-            matrix.masked_fill_(~torch.isfinite(matrix).all(), 0.0)
-            self.error[name] = matrix
-        self.error.update(self._step_popped)
-        self._step_m, self._step_popped = {}, {}
-
-    def clear_nonfinite_error(self, stats: ReduceStats) -> None:
-        """After a non-finite step (known on the host at its end): clear the error feedback of the
-        step's compressed matrices, and give Q factors resized for a new rank their old shape back.
-
-        Why clear: M = G + e was formed in place before the group knew of the NaN/Inf, so e no
-        longer holds the old residual alone; and with a GradScaler such a step halves the loss
-        scale, so a kept residual would come back at twice its size. Q is kept as it was."""
-        for error in stats.touched_error:
-            error.zero_()
-        self.q.update(stats.resized_q)
+    def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor,
+                    gathered: torch.Tensor, p_flat: torch.Tensor, q_flat: torch.Tensor) -> None:
+        """Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. ``p_flat`` carries the step's poison: on a
+        non-finite step Ĝ is NaN everywhere, so every rank's optimizer (or GradScaler) skips it."""
+        grad_dtype = grads[0].dtype
+        half = grad_dtype == torch.float16
+        if not half:
+            p_flat, q_flat = p_flat.to(grad_dtype), q_flat.to(grad_dtype)
+        targets, sources = [], []
+        for group in call.layout.groups:
+            p_t, q_t = group.p_view(p_flat), group.q_view(q_flat)
+            if half:
+                # Factors moved to the same scale by a power of two (exact) before the cast: Q's
+                # entries can exceed fp16 although Ĝ's do not.
+                shift = _half_wire_shift(group.long)
+                p_t, q_t = (p_t / shift).to(grad_dtype), (q_t * shift).to(grad_dtype)
+            approximation = group.error_view(gathered)  # the gradients were gathered into M already
+            if group.flipped:
+                torch.bmm(q_t.transpose(1, 2), p_t, out=approximation)
+            else:
+                torch.bmm(p_t.transpose(1, 2), q_t, out=approximation)
+            targets += [grads[i].view(group.m, group.n) for i in group.indices]
+            sources += list(approximation.unbind(0))
+        torch._foreach_copy_(targets, sources)
+        if self.config.error_feedback:
+            self._keep_residual(call, arena, gathered)
 
     @staticmethod
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:
@@ -364,28 +263,9 @@ class LowRankCompressor:
             r = min(rank, m, n)
             matrix = grad.detach().view(m, n).float()
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "probe"))
-            q = orthogonalize_(to_device(torch.randn(1, n, r, generator=generator), grad.device))[0]
-            p = orthogonalize_((matrix @ q).unsqueeze(0))[0]
-            error = (matrix - p @ (matrix.T @ p).T).square().sum().double()
+            q = to_device(torch.randn(1, n, r, generator=generator), grad.device).transpose(1, 2)
+            p = orthonormalize_rows_(torch.bmm(q, matrix.T.unsqueeze(0)))[0]  # Pᵀ (r × m) of P = orth(M·Q)
+            error = (matrix - p.T @ (p @ matrix)).square().sum().double()
             norm = matrix.square().sum().double()
             total += torch.stack([torch.where(torch.isfinite(error), error, float("inf")), norm])
         return total
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict:
-        return {
-            "q": {name: q.detach().cpu().clone() for name, q in self.q.items()},
-            "error": {name: e.detach().cpu().clone() for name, e in self.error.items()},
-            "shapes": {name: list(shape) for name, shape in self.shapes.items()},  # for change_rank after a resume
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.q = dict(state["q"])
-        self.error = dict(state["error"])
-        self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
-        self._step_m, self._step_popped, self._spare = {}, {}, {}
-
-    def to(self, device: torch.device) -> None:
-        self.q = {name: q.to(device) for name, q in self.q.items()}
-        self.error = {name: e.to(device) for name, e in self.error.items()}
-        self._spare = {}

@@ -4,10 +4,11 @@ Rank changes keep error feedback (the residual is still what was not sent) and, 
 ``rank_change='warm'`` (`change_rank`, called before the first step at the new rank), keep the
 warm start of the power iteration: a falling rank keeps the directions of Q that carry the most
 energy (Q rotated to the eigenvectors of QᵀQ; since P is orthonormal, P·Qᵀ = (P·V)(Q·V)ᵀ and
-Q·V's column norms are the singular values of the last step's approximation), and a rising rank
-adds directions where the residuals are largest (one power iteration eᵀ·e·Ω, averaged over the
-group by one all-reduce so every replica appends the same columns), orthogonal to the kept
-ones. ``'truncate'`` (`resize_q` alone) keeps the first r columns and appends columns drawn from a
+Q·V's column norms are the singular values of the last step's approximation; one batched
+eigendecomposition for all of them), and a rising rank adds directions where the residuals are
+largest (one power iteration Aᵀ·A·Ω on the residual, in the engine's orientation A = e or eᵀ with
+Q on the short side, averaged over the group by one all-reduce so every replica appends the same
+columns), orthogonal to the kept ones. ``'truncate'`` (`resize_q` alone) keeps the first r columns and appends columns drawn from a
 generator seeded by (seed, parameter name, old rank, new rank): no communication, but the new
 directions are random and the kept ones are whichever came first.
 
@@ -30,7 +31,7 @@ class Factors(Protocol):
     """What a rank change reads and writes of the engine (`edgc.lowrank.LowRankCompressor`)."""
 
     config: EDGCConfig
-    q: dict[str, torch.Tensor]  # name → (n, r) warm-start Q, identical on every rank
+    q: dict[str, torch.Tensor]  # name → (short, r) warm-start Q, identical on every rank
     error: dict[str, torch.Tensor]  # name → this rank's residual
     shapes: dict[str, tuple[int, int]]  # name → (m, n)
 
@@ -38,7 +39,8 @@ class Factors(Protocol):
 
 
 def resize_q(compressor: Factors, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
-    """This parameter's warm-start Q with exactly ``rank`` columns (see the module docstring)."""
+    """This parameter's warm-start Q (``n`` = its short side) with exactly ``rank`` columns (see the
+    module docstring)."""
     q = compressor.q.get(name)
     if q is not None and q.shape[0] != n:
         q = None  # the parameter changed shape: start over
@@ -71,18 +73,27 @@ def change_rank(compressor: Factors, rank: int, comm: Communicator) -> tuple[int
         if shape is None or target == 0 or q.shape[1] == target:
             continue
         (shrink if target < q.shape[1] else grow).append((name, target))
-    with host_reads_allowed():  # only on a fall (at most once per window): eigh checks its result on the host
-        for name, target in shrink:
-            compressor.q[name] = principal_columns(compressor.q[name], target)
+    if shrink:
+        with host_reads_allowed():  # only on a fall (at most once per window): eigh checks its result on the host
+            kept = principal_columns([compressor.q[name] for name, _ in shrink], [target for _, target in shrink])
+        compressor.q.update({name: q for (name, _), q in zip(shrink, kept)})
     return grow_along_residual(compressor, grow, comm) if grow else (0, 0)
 
 
-def principal_columns(q: torch.Tensor, rank: int) -> torch.Tensor:
-    """Q·V[:, :rank] for the eigenvectors V of QᵀQ, largest eigenvalue first."""
-    gram = (q.T @ q).double()
-    _, vectors = torch.linalg.eigh(gram)  # ascending
-    top = vectors.flip(-1)[:, :rank].to(q.dtype)
-    return q @ top
+def principal_columns(qs: list[torch.Tensor], ranks: list[int]) -> list[torch.Tensor]:
+    """Q·V[:, :rank] for each Q, V the eigenvectors of QᵀQ, largest eigenvalue first: the Gram
+    matrices of every Q with the same number of columns in one batched eigendecomposition (one
+    library call and one host check per column count, not one per matrix)."""
+    kept: list[torch.Tensor | None] = [None] * len(qs)
+    by_columns: dict[int, list[int]] = {}
+    for i, q in enumerate(qs):
+        by_columns.setdefault(q.shape[1], []).append(i)
+    for indices in by_columns.values():
+        grams = torch.stack([(qs[i].T @ qs[i]).double() for i in indices])
+        _, vectors = torch.linalg.eigh(grams)  # ascending
+        for i, v in zip(indices, vectors.flip(-1).unbind(0)):
+            kept[i] = qs[i] @ v[:, : ranks[i]].to(qs[i].dtype)
+    return kept  # type: ignore[return-value]
 
 
 def grow_along_residual(compressor: Factors, grow: list[tuple[str, int]],
@@ -93,11 +104,12 @@ def grow_along_residual(compressor: Factors, grow: list[tuple[str, int]],
         q, (m, n) = compressor.q[name], compressor.shapes[name]
         extra = target - q.shape[1]
         generator = torch.Generator().manual_seed(stable_seed(compressor.config.seed, name, q.shape[1], target))
-        omega = to_device(torch.randn(n, extra, generator=generator), q.device).to(q.dtype)
+        omega = to_device(torch.randn(min(m, n), extra, generator=generator), q.device).to(q.dtype)
         residual = compressor.error.get(name)
         if residual is not None and residual.numel() == m * n:
             e = residual.reshape(m, n).to(q.dtype)
-            omega = e.T @ (e @ omega)  # one power iteration on eᵀe
+            a = e if m >= n else e.T  # the engine's orientation: Q on the short side
+            omega = a.T @ (a @ omega)  # one power iteration on AᵀA
         blocks.append(omega)
     flat = torch.cat([b.reshape(-1) for b in blocks])
     sent = flat.numel() if compressor.config.error_feedback else 0  # counted like every other call (world of 1 too)

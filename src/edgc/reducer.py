@@ -265,8 +265,6 @@ class GradientReducer:
             setattr(total, key, getattr(total, key) + getattr(stats, key))
         total.nonfinite = total.nonfinite | stats.nonfinite
         total.ranks.update(stats.ranks)
-        total.touched_error.extend(stats.touched_error)
-        total.resized_q.update(stats.resized_q)
 
     def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
         """Plain averaged all-reduce, as a job: of DDP's bucket buffer directly, or of one packed copy."""

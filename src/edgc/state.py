@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -55,15 +56,14 @@ class EDGCState(GradientReducer):
         self.config = config if config is not None else EDGCConfig()
         if not isinstance(self.config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(self.config).__name__}")
-        self.compressor = LowRankCompressor(self.config)
+        self.compressor = LowRankCompressor(self.config.engine)
         self.sampler = EntropySampler(self.config)
         if self.parameter_shapes:  # the step's element count until a step has counted it (report-only thinning)
             self.sampler.elements_per_step = sum(math.prod(shape) for shape in self.parameter_shapes.values())
         self.controller = WindowController(self.config, follower=follower, always_profile=always_profile)
         # Profiling times a compressed sync beside the real one, with its own Q and no error
         # feedback, so training itself stays exactly uncompressed until warm-up ends.
-        self._profiler = LowRankCompressor(EDGCConfig(**{**self.config.to_dict(), "error_feedback": False,
-                                                         "r_max": None, "r_min": None}))
+        self._profiler = self._new_profiler()
         self._shapes: dict[str, tuple[int, int]] = {}
         self._plan = StepPlan(0, self.controller.phase, None)
         # Since the last decision: [compressed s, steps that timed it, uncompressed s, steps that timed it].
@@ -78,23 +78,24 @@ class EDGCState(GradientReducer):
         self._last_entropy: float | None = None
         self._decision: dict | None = None  # the rank decision taken at the end of the last step, for people
 
+    def _new_profiler(self) -> LowRankCompressor:
+        return LowRankCompressor(replace(self.config.engine, error_feedback=False))
+
     # ------------------------------------------------------------------ per step
     def _begin_step(self) -> None:
         super()._begin_step()
-        self.compressor.keep_uncommitted = self.defer_commit
+        self.compressor.begin_step(uncommitted=self.defer_commit)
         self._plan = self.controller.plan(self.step)
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
         self.sampler.begin(self.step, enabled=sampled)
         if self._plan.rank is not None:
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
-            # before any bucket, on every rank alike (`LowRankCompressor.change_rank`).
-            before = dict(self.compressor.q)
+            # before any bucket, on every rank alike (`LowRankCompressor.change_rank`). A non-finite
+            # step puts the old Q back (`end_step`), and the next step redoes the change.
             elements, nbytes = self.compressor.change_rank(self._plan.rank, self.comm)
             self._stats.elements_sent += elements
             self._stats.bytes_sent += nbytes
-            # A non-finite step puts these back (`clear_nonfinite_error`), and the next step redoes the change.
-            self._stats.resized_q.update({name: q for name, q in before.items() if self.compressor.q[name] is not q})
         # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
         self._measure_error = self.sampler.due(self.step)
         self._probe: torch.Tensor | None = None  # (error², ‖M‖²) on the device, summed over buckets
@@ -161,8 +162,7 @@ class EDGCState(GradientReducer):
         return values
 
     def _after_values(self, host: list[float]) -> None:
-        if host and host[0]:
-            self.compressor.clear_nonfinite_error(self._stats)
+        self.compressor.end_step(bool(host and host[0]))
         self._last_entropy = self.sampler.finish()
         plan = self._plan
         for offset, stamps in ((0, self._profile_stamps), (2, self._raw_stamps)):
@@ -176,8 +176,7 @@ class EDGCState(GradientReducer):
         if plan.decision:
             self._decide(plan, probe)
             if self.controller.phase != PROFILE:
-                self._profiler.q.clear()  # profiling is over: its shadow Q factors are garbage
-                self._profiler.error.clear()
+                self._profiler = self._new_profiler()  # profiling is over: its shadow Q factors are garbage
 
     def _decide(self, plan: StepPlan, probe: list[float] | None) -> None:
         compressed, compressed_steps, uncompressed, uncompressed_steps = self._profile_seconds
@@ -258,8 +257,8 @@ class EDGCState(GradientReducer):
             **super()._snapshot(),
             "controller": copy.deepcopy(self.controller.state_dict()),
             "sampler": copy.deepcopy(self.sampler.state_dict()),
-            "q": dict(self.compressor.q),  # Q factors are replaced each step, never written in place
-            "profiler_q": dict(self._profiler.q),
+            "q": self.compressor.snapshot(),
+            "profiler_q": self._profiler.snapshot(),
             "profile_seconds": list(self._profile_seconds),
             "relative_errors": list(self._relative_errors),
         }
@@ -268,8 +267,8 @@ class EDGCState(GradientReducer):
         super()._restore(snapshot)
         self.controller.load_state_dict(snapshot["controller"])
         self.sampler.load_state_dict(snapshot["sampler"])
-        self.compressor.q = snapshot["q"]
-        self._profiler.q = snapshot["profiler_q"]
+        self.compressor.restore(snapshot["q"])
+        self._profiler.restore(snapshot["profiler_q"])
         self._profile_seconds = snapshot["profile_seconds"]
         self._relative_errors = snapshot["relative_errors"]
         self.compressor.rollback()
@@ -296,12 +295,7 @@ class EDGCState(GradientReducer):
     def shared_state_dict(self) -> dict:
         """`state_dict()` without this rank's error feedback: the part every replica holds identically
         (step, Q, rank schedule, controller, entropy series), what a healing replica takes from a peer."""
-        error, self.compressor.error = self.compressor.error, {}
-        try:
-            state = self.state_dict()
-        finally:
-            self.compressor.error = error
-        return {**state, "shared": True}
+        return {**self.state_dict(), "compressor": self.compressor.state_dict(include_error=False), "shared": True}
 
     def load_shared_state_dict(self, state: dict) -> None:
         """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart)."""
@@ -331,7 +325,7 @@ class EDGCState(GradientReducer):
                 "error feedback is reset (step, rank schedule, entropy history and Q factors are kept)",
                 stacklevel=2,
             )
-            self.compressor.error.clear()
+            self.compressor.drop_error()
         if self.device is not None:
             self.compressor.to(self.device)
 
@@ -359,7 +353,9 @@ class EDGCState(GradientReducer):
                 if shape is None:
                     raise ValueError(f"EDGC state has {kind} for parameter {name!r}, which the model does not have")
                 rows, cols = shape[0], math.prod(shape[1:])
-                expected = (rows, cols) if kind == "error" else (cols,)
-                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
+                # Q sits on the matrix's short side (an older state kept it on the columns: a warm
+                # start that no longer fits is drawn anew, see edgc.rank_change.resize_q).
+                expected = [(rows, cols)] if kind == "error" else [(min(rows, cols),), (cols,)]
+                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected[0])]) not in expected:
                     got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                    raise ValueError(f"EDGC state {kind} of {name!r} has shape {got}, the parameter needs {expected}")
+                    raise ValueError(f"EDGC state {kind} of {name!r} has shape {got}, the parameter needs {expected[0]}")

@@ -85,6 +85,7 @@ def test_non_finite_gradient_gives_nan_averages_keeps_q_and_clears_error_feedbac
     grads = make_grads(3)
     grads["mlp.weight"][5, 5] = float("inf")
     poisoned = {n: g.clone() for n, g in grads.items()}
+    compressor.begin_step()
     stats = compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
     assert bool(stats.nonfinite)
     for name, rank in stats.ranks.items():
@@ -92,13 +93,13 @@ def test_non_finite_gradient_gives_nan_averages_keeps_q_and_clears_error_feedbac
             assert torch.isnan(grads[name]).all(), name
         else:  # raw: the average of one rank is the gradient itself
             torch.testing.assert_close(grads[name], poisoned[name], rtol=0, atol=0)
-    compressor.clear_nonfinite_error(stats)  # what EDGCState does at the end of such a step
+    compressor.end_step(nonfinite=True)  # what EDGCState does at the end of such a step
     after = compressor.state_dict()
     for kind in before:
         assert after[kind].keys() == before[kind].keys()
         for name, tensor in before[kind].items():
             # Q is kept; the residual of the step's compressed matrices is cleared (see
-            # clear_nonfinite_error for why)
+            # LowRankCompressor.end_step for why)
             expected = torch.zeros_like(tensor) if kind == "error" else tensor
             assert torch.equal(after[kind][name], expected), (kind, name)
 

@@ -1,0 +1,289 @@
+"""What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
+
+Per parameter name: the warm-start Q (short × r, identical on every rank) and this rank's error
+feedback e (m × n). Per call layout (`CallState`): the *arena* whose (m, n) views are the error
+feedback of the call's compressed matrices (M = G + e is formed in place, one batched add per
+shape group), the flat Qᵀ buffer of the last step (the next step reads it as is: no copy, no
+allocation), and the rows that restart a Q row that collapsed to zero.
+
+``q`` and ``error`` are plain dicts the engine keeps pointing into those buffers; anything that
+replaces an entry (a checkpoint, a rank change) breaks the match, and the next call of that layout
+rebuilds its buffers from the dicts. So the dicts are always the truth, and the buffers a cache.
+
+A step's changes (`begin_step` … `end_step` / `commit` / `rollback`): after a non-finite step the
+error feedback it touched is cleared (M = G + e was formed in place before anyone knew of the
+NaN/Inf, and with a GradScaler the kept residual would come back at twice its size) and Q factors
+resized for a new rank get their old shape back. With ``uncommitted=True`` the residual goes to a
+second arena so that M survives: `commit` keeps the residual, `rollback` makes M the error
+feedback again (zeroing the matrices whose M is not finite).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import rank_change
+from .config import LowRankConfig
+from .factors import matrix_shape, orthonormalize_blocks_, restart_zero_rows, stable_seed
+from .layout import CallLayout
+from .timing import to_device
+
+
+@dataclass
+class CallState:
+    """The buffers kept for one call layout (see the module docstring)."""
+
+    layout: CallLayout
+    shapes: tuple  # the tensor shapes the layout was planned for
+    arena: torch.Tensor | None = None  # error feedback of the compressed matrices (M during a step)
+    error_views: list[torch.Tensor] = field(default_factory=list)  # (m, n) views of arena, layout order
+    spare: torch.Tensor | None = None  # uncommitted steps: the arena the residual goes to
+    q_flat: torch.Tensor | None = None  # the last step's Qᵀ buffer
+    q_views: list[torch.Tensor] = field(default_factory=list)  # (short, r) views of q_flat, layout order
+    replacement: torch.Tensor | None = None  # rows that restart zero rows of Q, laid out like q_flat
+
+    def views(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        return [block for group in self.layout.groups for block in group.error_view(arena).unbind(0)]
+
+
+def _still_kept(buffer: torch.Tensor | None, views: list[torch.Tensor], store: dict[str, torch.Tensor],
+                names: list[str], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a call's buffer still holds what ``store`` says: every name maps to its view in it."""
+    return (buffer is not None and buffer.dtype == dtype and buffer.device == device and len(views) == len(names)
+            and all(store.get(name) is view for name, view in zip(names, views)))
+
+
+class EngineState:
+    """The engine's state and its step protocol; `edgc.lowrank.LowRankCompressor` computes on it."""
+
+    def __init__(self, config: LowRankConfig):
+        self.config = config
+        self.q: dict[str, torch.Tensor] = {}  # name → (short, r), identical on every rank
+        self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
+        self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
+        self.keep_uncommitted = False
+        self._calls: dict[tuple, CallState] = {}
+        self._tracking = False  # between begin_step and the step's resolution
+        self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
+        self._resized: dict[str, torch.Tensor] = {}  # Q factors as they were before this step resized them
+        self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
+        self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
+
+    # ------------------------------------------------------------------ the step protocol
+    def begin_step(self, *, uncommitted: bool = False) -> None:
+        """Track what the coming step changes, for `end_step`, `commit` and `rollback`."""
+        self.keep_uncommitted = uncommitted
+        self._tracking = True
+        self._touched, self._resized, self._step_arenas, self._step_popped = [], {}, [], {}
+
+    def end_step(self, nonfinite: bool) -> None:
+        """The step's non-finite flag is known (on the host, at its end): after a non-finite step clear
+        the error feedback it touched and give resized Q factors their old shape back. Q is kept."""
+        if nonfinite:
+            for arena in self._touched:
+                arena.zero_()
+            self.q.update(self._resized)
+        self._touched, self._resized = [], {}
+        if not self.keep_uncommitted:
+            self._tracking = False
+
+    def commit(self) -> None:
+        """The uncommitted step is applied: its residuals stay the error feedback; its M arenas become spares."""
+        for call, m_arena in self._step_arenas:
+            call.spare = m_arena
+        self._step_arenas, self._step_popped, self._tracking = [], {}, False
+
+    def rollback(self) -> None:
+        """The uncommitted step is discarded: the error feedback becomes M = G + e of the step again, so
+        nothing of its gradient is lost, and error feedback moved into raw-sent gradients comes back.
+        An M that holds a NaN/Inf (this replica's gradient was not finite) cannot be kept: that
+        matrix is zeroed, as a non-finite step's residual is."""
+        for call, m_arena in self._step_arenas:
+            for group in call.layout.groups:
+                block = group.error_view(m_arena)
+                finite = torch.isfinite(block).flatten(1).all(1)
+                block.masked_fill_(~finite.view(-1, 1, 1), 0.0)
+            call.spare = call.arena
+            self._use_arena(call, m_arena)
+        self.error.update(self._step_popped)
+        self._step_arenas, self._step_popped, self._tracking = [], {}, False
+
+    def snapshot(self) -> dict:
+        """The shared state (Q) as it is now, cheaply: Q buffers are replaced every step, never
+        written in place, so references suffice (`restore`)."""
+        return {"q": dict(self.q), "calls": {key: (c.q_flat, c.q_views) for key, c in self._calls.items()}}
+
+    def restore(self, snapshot: dict) -> None:
+        self.q = dict(snapshot["q"])
+        for key, (q_flat, q_views) in snapshot["calls"].items():
+            if key in self._calls:
+                self._calls[key].q_flat, self._calls[key].q_views = q_flat, q_views
+
+    def drop_error(self) -> None:
+        """Forget every residual (they are per rank: a new world size cannot split or merge them)."""
+        self.error.clear()
+        for call in self._calls.values():
+            call.arena, call.spare, call.error_views = None, None, []
+
+    def _note_resized(self, previous: dict[str, torch.Tensor]) -> None:
+        if self._tracking:
+            for name, q in previous.items():
+                self._resized.setdefault(name, q)
+
+    # ------------------------------------------------------------------ per-call buffers
+    def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
+        key = (tuple(names), rank)
+        shapes = tuple(tuple(g.shape) for g in grads)
+        call = self._calls.get(key)
+        if call is None or call.shapes != shapes:
+            # A new layout for these names (a rank change, DDP's bucket rebuild): drop the old ones'
+            # buffers, whose values live on in the dicts until this call's rebuild copies them.
+            overlap = set(names)
+            for other in [k for k in self._calls if overlap.intersection(k[0])]:
+                del self._calls[other]
+            call = self._calls[key] = CallState(CallLayout.plan(names, grads, rank, self.config.min_compression_rate),
+                                                shapes)
+            for name, grad in zip(names, grads):
+                if (shape := matrix_shape(grad)) is not None:
+                    self.shapes[name] = shape
+        return call
+
+    def _flush_into_raw(self, layout: CallLayout, grads: list[torch.Tensor]) -> None:
+        """A matrix sent raw now (after a rank change) takes its pending residual with it."""
+        for i in layout.raw:
+            pending = self.error.pop(layout.names[i], None)
+            if pending is not None:
+                grads[i].add_(pending.view_as(grads[i]).to(grads[i].dtype))
+                if self.keep_uncommitted:
+                    self._step_popped[layout.names[i]] = pending
+
+    def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype):
+        """M = G + e of every compressed matrix, in the arena; returns the arena and the call's
+        compressed gradients gathered in the arena's layout (reused for Ĝ). One gather and one add
+        for the whole call, whatever its shapes."""
+        layout = call.layout
+        ordered = [grads[i].reshape(-1) for group in layout.groups for i in group.indices]
+        gathered = torch.cat(ordered) if ordered else grads[0].new_empty(0)
+        if not self.config.error_feedback:
+            return gathered.to(compute), gathered
+        error_dtype = grads[0].dtype if self.config.error_feedback_dtype == "gradient" else compute
+        if not self._arena_intact(call, error_dtype, grads[0].device):
+            self._rebuild_arena(call, error_dtype, grads[0].device)
+        arena = call.arena
+        arena.add_(gathered)
+        if self._tracking and not self.keep_uncommitted:
+            self._touched.append(arena)
+        return arena, gathered
+
+    def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
+        return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
+
+    def _rebuild_arena(self, call: CallState, dtype: torch.dtype, device: torch.device) -> None:
+        """The arena from the error dict (a first step, a checkpoint, a rank change): zeros where a
+        matrix has no residual yet."""
+        arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
+        for name, view in zip(call.layout.compressed_names, call.views(arena)):
+            old = self.error.get(name)
+            if old is not None and old.numel() == view.numel():
+                view.copy_(old.reshape(view.shape))
+        call.spare = None
+        self._use_arena(call, arena)
+
+    def _use_arena(self, call: CallState, arena: torch.Tensor) -> None:
+        call.arena = arena
+        call.error_views = call.views(arena)
+        self.error.update(zip(call.layout.compressed_names, call.error_views))
+
+    def _keep_residual(self, call: CallState, arena: torch.Tensor, approximation: torch.Tensor) -> None:
+        """e = M − Ĝ for the whole call: over M in place, or (uncommitted) into the spare arena, M
+        left intact for a rollback."""
+        if not self.keep_uncommitted:
+            arena.sub_(approximation)
+            return
+        residual = call.spare
+        if residual is None or residual.shape != arena.shape or residual.dtype != arena.dtype:
+            residual = torch.empty_like(arena)
+        torch.sub(arena, approximation, out=residual)
+        call.spare = None
+        self._step_arenas.append((call, arena))
+        self._touched.append(residual)  # a non-finite step clears the residual, never M
+        self._use_arena(call, residual)
+
+    # ------------------------------------------------------------------ Q
+    def _warm_start(self, call: CallState, device: torch.device, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stored Qᵀ, Qᵀ with rows orthonormalised and collapsed rows restarted) of the call's
+        matrices, laid out as its Q buffer.
+
+        Orthonormal rather than merely scaled: P = A·Q then has A's condition number, not A's times
+        Q's (Q = Aᵀ·P carries the singular values, so its own condition number grows with their
+        spread, and float32 would lose P's weak directions)."""
+        source = call.q_flat if self._q_intact(call, compute, device) else self._gather_q(call, device, compute)
+        if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
+            call.replacement = self._replacement_rows(call, device, compute)
+        q_in = torch.empty_like(source)
+        for block in call.layout.q_blocks:
+            restart_zero_rows(block.view(source), block.view(call.replacement), out=block.view(q_in))
+        orthonormalize_blocks_(q_in, call.layout.q_blocks, self.config.orthogonalization_epsilon)
+        return source, q_in
+
+    def _q_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
+        return _still_kept(call.q_flat, call.q_views, self.q, call.layout.compressed_names, dtype, device)
+
+    def _gather_q(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(call.layout.q_numel, device=device, dtype=compute)
+        for group in call.layout.groups:
+            stored = [self.q.get(name) for name in group.names]
+            self._note_resized({n: q for n, q in zip(group.names, stored) if q is not None and q.shape[1] != group.rank})
+            columns = [rank_change.resize_q(self, name, group.short, group.rank, device).to(compute).T
+                       for name in group.names]
+            group.q_view(buffer).copy_(torch.stack(columns))
+        return buffer
+
+    def _replacement_rows(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
+        rows = torch.empty(call.layout.q_numel, dtype=torch.float64)
+        for group in call.layout.groups:
+            drawn = []
+            for name in group.names:
+                generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "reseed", group.rank))
+                row = torch.randn(group.rank, group.short, generator=generator, dtype=torch.float64)
+                drawn.append(row / row.norm(dim=1, keepdim=True))
+            group.q_view(rows).copy_(torch.stack(drawn))
+        return to_device(rows.to(compute), device)
+
+    def _keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:
+        call.q_flat = q_flat
+        call.q_views = [q.T for group in call.layout.groups for q in group.q_view(q_flat).unbind(0)]
+        self.q.update(zip(call.layout.compressed_names, call.q_views))
+
+    def state_bytes(self) -> int:
+        """Device bytes the engine keeps between steps: error feedback, Q, restart rows (and the spare
+        arena of uncommitted steps)."""
+        buffers = {id(t): t for c in self._calls.values() for t in (c.arena, c.spare, c.q_flat, c.replacement)
+                   if t is not None}
+        kept = {id(t.untyped_storage()) for t in buffers.values()}
+        loose = [t for t in (*self.q.values(), *self.error.values()) if id(t.untyped_storage()) not in kept]
+        return sum(t.numel() * t.element_size() for t in (*buffers.values(), *loose))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self, *, include_error: bool = True) -> dict:
+        """Q, error feedback (unless ``include_error`` is False: the part every replica shares) and the
+        matrix shapes (for a rank change after a resume), on the CPU."""
+        return {
+            "q": {name: q.detach().cpu().clone() for name, q in self.q.items()},
+            "error": {name: e.detach().cpu().clone() for name, e in self.error.items()} if include_error else {},
+            "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.q = dict(state["q"])
+        self.error = dict(state["error"])
+        self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
+        self._calls.clear()
+        self.begin_step()
+        self._tracking = False
+
+    def to(self, device: torch.device) -> None:
+        self.q = {name: q.to(device) for name, q in self.q.items()}
+        self.error = {name: e.to(device) for name, e in self.error.items()}
+        self._calls.clear()
