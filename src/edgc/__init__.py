@@ -9,6 +9,8 @@ Modules:
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
+    layout.py       how one call's tensors are grouped by shape and laid out in flat buffers
+    engine_state.py what the engine keeps between steps; commit, rollback, snapshot of a step
     rank_change.py  how each warm-start Q follows a rank change (keep the energy, add the residual's)
     factors.py      shapes, cross-process seeds and orthonormalisation of low-rank factors
     entropy.py      GDS, the gradient data sampler: cheap gradient-entropy estimates
