@@ -8,6 +8,7 @@ Modules:
     config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
+    jobs.py         how bucket jobs run: fixed order, buckets fused into batches, a side stream
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
     layout.py       how one call's tensors are grouped by shape and laid out in flat buffers
     engine_state.py what the engine keeps between steps; commit, rollback, snapshot of a step

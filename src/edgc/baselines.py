@@ -87,7 +87,7 @@ class CastState(GradientReducer):
         self._add_stats(ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(),
                                     ranks={name: 0 for name in names}))
 
-    def _step_metrics(self) -> dict:
+    def _step_metrics(self, closed) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:
@@ -150,7 +150,7 @@ class _ErrorFeedbackReducer(GradientReducer):
                                     ranks={name: 0 for name in names}))
         self._call += 1
 
-    def _step_metrics(self) -> dict:
+    def _step_metrics(self, closed) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:

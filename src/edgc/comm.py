@@ -70,32 +70,34 @@ class Communicator:
         self.clock = Clock()
         self._records: list[list] = []  # [issue stamp, wait stamp, completion time] per collective
         self._waits: list[tuple] = []  # (start, end) stamps of every wait that found work unfinished
-        self.durations: list[float] = []  # seconds per collective of the last finished step
+        self.durations: list[float | None] = []  # seconds per collective of the last step ended by reset()
         self.wait_seconds = 0.0  # of the last finished step: time the caller was blocked in wait()
 
-    def use_device(self, device: torch.device) -> None:
-        self.clock = Clock(device)
+    def use_device(self, device: torch.device, clock: Clock | None = None) -> None:
+        """Stamp collectives on ``device``'s timeline, with ``clock`` if given (shared with the reducer,
+        which decides which steps are timed)."""
+        self.clock = clock if clock is not None else Clock(device)
 
     @property
     def collectives(self) -> int:
         """Collectives issued since the last reset() (each has a fixed latency cost)."""
         return len(self._records)
 
-    def reset(self) -> list[float]:
-        """End a step: the durations (s) of its collectives in issue order. Call after every wait."""
-        durations = []
-        for start, end, completed, _ in self._records:
-            if end is None:
-                raise RuntimeError("Communicator.reset() before every issued collective was waited for")
-            seconds = Clock.seconds(start, end)
-            if completed is not None:  # CPU: the work may have finished long before anyone waited
-                seconds = min(seconds, max(0.0, completed - start))
-            durations.append(seconds)
-        self._records = []
-        self.durations = durations
-        self.wait_seconds = sum(Clock.seconds(start, end) for start, end in self._waits)
-        self._waits = []
-        return durations
+    def take_step(self) -> "StepCollectives":
+        """End a step without reading any clock: its collectives' stamps, for `StepCollectives` to turn
+        into seconds once the step is over. Call after every wait."""
+        if any(record[3] is not None for record in self._records):
+            raise RuntimeError("Communicator: a step ended before every issued collective was waited for")
+        step = StepCollectives(self._records, self._waits)
+        self._records, self._waits = [], []
+        return step
+
+    def reset(self) -> list[float | None]:
+        """End a step now: the durations (s) of its collectives in issue order (None where untimed)."""
+        step = self.take_step()
+        self.durations = step.durations()
+        self.wait_seconds = step.wait_seconds() or 0.0
+        return self.durations
 
     def forget_since(self, count: int, waits: int) -> None:
         """Drop the collectives issued after the first ``count``, and the waits after the first
@@ -190,6 +192,30 @@ class Communicator:
         if not self.issues:
             return tensor
         return self._issue(tensor, lambda: self._broadcast_work(tensor)).wait()
+
+
+class StepCollectives:
+    """The collectives of one finished step: [issue stamp, wait stamp, completion time, work] each,
+    and the waits that found work unfinished; seconds are computed when asked (`edgc.timing.Clock`)."""
+
+    def __init__(self, records: list[list], waits: list[tuple]):
+        self.records, self.waits = records, waits
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def durations(self) -> list[float | None]:
+        durations = []
+        for start, end, completed, _ in self.records:
+            seconds = Clock.seconds(start, end)
+            if seconds is not None and completed is not None:  # CPU: the work may have finished before anyone waited
+                seconds = min(seconds, max(0.0, completed - start))
+            durations.append(seconds)
+        return durations
+
+    def wait_seconds(self) -> float | None:
+        """How long the caller was blocked on the network (None on an untimed step)."""
+        return Clock.total(self.waits)
 
 
 # ---------------------------------------------------------------------------- exit

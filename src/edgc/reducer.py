@@ -22,18 +22,32 @@ once, at its end (`edgc.timing`).
 from __future__ import annotations
 
 import math
-import types
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import FINISHES, ISSUES_MORE, Communicator, run_job
+from .comm import FINISHES, Communicator, StepCollectives
+from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
-from . import timing
-from .timing import Clock
+from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy
+
+
+@dataclass
+class ClosedStep:
+    """A step whose last bucket is averaged, until it is settled (`GradientReducer.settle`)."""
+
+    step: int
+    values: HostCopy | None  # its device values, on their way to the host
+    stats: ReduceStats
+    busy: list[tuple]  # (start, end) stamps of the jobs' time, on their stream
+    collectives: StepCollectives
+    local_done: bool = False
+    shared_done: bool = False
+    extra: dict = field(default_factory=dict)  # what a subclass keeps of the step for its settling
 
 
 def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
@@ -56,9 +70,10 @@ class GradientReducer:
         self.last_step_metrics: dict = {}
         self.totals = {"elements_raw": 0, "elements_sent": 0, "bytes_raw": 0, "bytes_sent": 0}
         self._in_step = False
-        self._busy: list[tuple] = []  # (start, end) stamps of the host's time inside the hook
         self._stats = ReduceStats()
-        self._in_flight: list[list] = []  # [job, future, bucket buffer] of buckets not yet averaged
+        self._jobs = JobQueue(self._add_stats)
+        self._closed: ClosedStep | None = None  # the last step, until it is settled
+        self._metrics: dict = {}
         self.device: torch.device | None = None
         self.clock = Clock()
         # Uncommitted steps: with ``defer_commit`` every step stays pending after its sync until
@@ -90,30 +105,31 @@ class GradientReducer:
         if not self._in_step:
             self._begin_step()
         self.comm.poll()
-        self._resume_in_flight()
+        self._jobs.resume()
         buffer = bucket.buffer()
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None)
-        self._start(self.names_for(bucket.parameters()), bucket.gradients(), buffer, future)
+        self._submit(self.names_for(bucket.parameters()), bucket.gradients(), buffer, future)
         if bucket.is_last():
-            self._finish_in_flight()
+            self._jobs.drain(self._reduce)
             self._end_step()
         return future
 
     def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool) -> None:
         """Integration path (FSDP2 hooks, custom buckets): average ``tensors`` in place as one bucket.
 
-        Blocking: the tensors hold the group's average when this returns. Buckets of one optimizer
-        step are passed in the same order on every rank; ``last=True`` closes the step (metrics,
-        decisions, step counter). ``names`` key the compressor state (error feedback, Q) and must
-        be the same on every rank and every step for the same tensor.
+        Blocking: the tensors hold the group's average when this returns (on the caller's stream).
+        Buckets of one optimizer step are passed in the same order on every rank; ``last=True``
+        closes the step (its metrics and decisions are settled when the next one begins). ``names``
+        key the compressor state (error feedback, Q) and must be the same on every rank and every
+        step for the same tensor.
         """
         if not self._in_step:
             self._begin_step()
-        self._start(list(names), list(tensors), None, None)
-        self._finish_in_flight()
+        self._submit(list(names), list(tensors), None, None)
+        self._jobs.drain(self._reduce)
         if last:
             self._end_step()
 
@@ -122,8 +138,9 @@ class GradientReducer:
 
         Accepts ``model.parameters()`` or ``model.named_parameters()``. A parameter without a
         gradient counts as a zero gradient, as in DDP, so every rank sends the same tensors.
-        Blocking (the Megatron-style sync after backward: nothing left to overlap with). A DTensor
-        parameter (tensor parallelism) is averaged shard by shard: this rank's local shard.
+        Blocking (the Megatron-style sync after backward: nothing left to overlap with), and the
+        step is settled (`settle`) before it returns. A DTensor parameter (tensor parallelism) is
+        averaged shard by shard: this rank's local shard.
         """
         entries = list(parameters)
         if entries and isinstance(entries[0], tuple):
@@ -137,62 +154,37 @@ class GradientReducer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._begin_step()
-        self._start([n for n, _ in params_with_grad], [local_tensor(p.grad) for _, p in params_with_grad], None, None)
-        self._finish_in_flight()
+        self._submit([n for n, _ in params_with_grad], [local_tensor(p.grad) for _, p in params_with_grad], None, None)
+        self._jobs.drain(self._reduce)
         self._end_step()
+        self.settle()
 
-    # ------------------------------------------------------------------ jobs in flight
-    def _start(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
-               future: torch.futures.Future | None) -> None:
+    # ------------------------------------------------------------------ jobs
+    def _submit(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
+                future: torch.futures.Future | None) -> None:
         if not grads:
             if future is not None:
                 future.set_result(flat)
             return
         if self.device is None:
-            self.device = grads[0].device
-            self.comm.use_device(self.device)
-            self.clock = Clock(self.device)
-            self._on_device(self.device)
-        begin = self.clock.stamp()
-        job = self._reduce(names, grads, flat)
-        entry = [job if isinstance(job, types.GeneratorType) else None, future, flat, FINISHES]
-        self._advance(entry)
-        self._busy.append((begin, self.clock.stamp()))
+            self._use_device(grads[0].device)
+        self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes())
 
-    def _advance(self, entry: list) -> None:
-        """Resume one job to its next yield; completes its Future when it returns."""
-        job, future, flat, _ = entry
-        if job is not None:
-            try:
-                entry[3] = next(job)  # ISSUES_MORE or FINISHES
-                if entry not in self._in_flight:
-                    self._in_flight.append(entry)
-                return
-            except StopIteration as done:
-                if done.value is not None:
-                    self._add_stats(done.value)
-        if entry in self._in_flight:
-            self._in_flight.remove(entry)
-        if future is not None:
-            future.set_result(flat)
+    def _use_device(self, device: torch.device) -> None:
+        self.device = device
+        self.clock = Clock(device)
+        self.clock.enabled = self._timed()
+        self.comm.use_device(device, self.clock)
+        self._jobs.use_device(device, self.clock)
+        self._on_device(device)
 
-    def _resume_in_flight(self, finishing: bool = False) -> None:
-        """Jobs in flight move on by one stage, oldest first (a fixed, rank-independent order).
+    def _fusion_bytes(self) -> float:
+        """Gradient bytes of consecutive buckets that one job syncs (`edgc.jobs`); 0: each bucket its own."""
+        return 0
 
-        Only jobs with collectives still to issue are resumed between buckets; one that only has
-        to wait and finish is left for the drain (``finishing``), so backward never waits for a
-        transfer that nothing needs yet."""
-        due = [entry for entry in self._in_flight if finishing or entry[3] == ISSUES_MORE]
-        if not due:
-            return
-        begin = self.clock.stamp()
-        for entry in due:
-            self._advance(entry)
-        self._busy.append((begin, self.clock.stamp()))
-
-    def _finish_in_flight(self) -> None:
-        while self._in_flight:
-            self._resume_in_flight(finishing=True)
+    def _timed(self) -> bool:
+        """Whether this step takes device timestamps (`edgc.timing.DEVICE_TIMING_EVERY`)."""
+        return not self.clock.cuda or self.step % DEVICE_TIMING_EVERY == 0
 
     # ------------------------------------------------------------------ step bookkeeping
     def _on_device(self, device: torch.device) -> None:
@@ -202,61 +194,98 @@ class GradientReducer:
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
+        self.settle()  # the step before: its values, metrics and decisions (their collectives count here)
         if self._pending is not None:
             raise RuntimeError(f"{type(self).__name__}: step {self._pending['step']} was neither committed nor "
                                "rolled back; with defer_commit call commit_step() or rollback_step() after each step")
         if self.defer_commit:
             self._pending = self._snapshot()
         self._in_step = True
-        self._busy = []
         self._stats = ReduceStats()
-        self._in_flight = []
+        self._jobs.clear()
+        self.clock.enabled = self._timed()
 
     def _device_values(self) -> list[torch.Tensor]:
-        """0-dim device tensors this step needs on the host; read together at its end."""
+        """0-dim device tensors this step needs on the host; read together when it is settled."""
         stats = self._stats
         return [torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
                 for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
 
     def _end_step(self) -> None:
-        with timing.host_reads_allowed():  # the step's one synchronisation point (edgc.timing)
-            self._close_step()
-
-    def _close_step(self) -> None:
-        stats = self._stats
+        """Close the step (its last bucket is averaged) without reading anything: its device values
+        travel to the host behind an event (`edgc.timing.HostCopy`) and are read when it is settled."""
         values = self._device_values()
-        host = timing.to_host(torch.stack(values)) if values and self.device is not None else []
+        copy = None
+        if values and self.device is not None:
+            with self._jobs.side_stream():
+                copy = HostCopy(torch.stack(values))
+        self._closed = ClosedStep(self.step, copy, self._stats, self._jobs.take_busy(), self.comm.take_step())
+        self.step += 1
+        self._in_step = False
+
+    def settle(self) -> None:
+        """Settle the last closed step: read its device values (waiting for that step's work alone), build
+        its metrics, and take what the group must take together (EDGC's rank decision, which issues
+        collectives). Called at the start of the next step and by integrations at their step
+        boundary (torchft's commit, `synchronize`, `state_dict`): points every rank reaches in the
+        same order. Reading `last_step_metrics` settles only the local part."""
+        self._settle_local()
+        closed = self._closed
+        if closed is not None and not closed.shared_done:
+            closed.shared_done = True
+            self._after_group(closed)
+
+    def _settle_local(self) -> None:
+        closed = self._closed
+        if closed is None or closed.local_done:
+            return
+        closed.local_done = True
+        stats = closed.stats
+        host = closed.values.values() if closed.values is not None else []
         nonfinite, error_sq, norm_sq = (host + [0.0, 0.0, 0.0])[:3]
-        self._after_values(host)
-        durations = self.comm.reset()
-        comm_seconds = sum(durations)
-        busy = sum(Clock.seconds(start, end) for start, end in self._busy)
+        self._after_values(host, closed)
+        durations = closed.collectives.durations()
+        timed = all(d is not None for d in durations)
+        waited = closed.collectives.wait_seconds()
+        busy = Clock.total(closed.busy)
         for key in self.totals:
             self.totals[key] += getattr(stats, key)
-        self.last_step_metrics = {
-            "step": self.step,
+        self._metrics = {
+            "step": closed.step,
             "elements_raw": stats.elements_raw,
             "elements_sent": stats.elements_sent,
             "bytes_raw": stats.bytes_raw,
             "bytes_sent": stats.bytes_sent,
-            "comm_time_s": comm_seconds,
-            "comm_wait_s": self.comm.wait_seconds,
+            "timed": timed and busy is not None,  # False: an untimed step on an accelerator (edgc.timing)
+            "comm_time_s": sum(durations) if timed else None,  # type: ignore[arg-type]
+            "comm_wait_s": waited,
             "collectives": len(durations),
-            "collective_s": durations,
-            "compress_time_s": max(0.0, busy - self.comm.wait_seconds),
+            "collective_s": durations if timed else None,
+            "compress_time_s": max(0.0, busy - (waited or 0.0)) if busy is not None else None,
             "relative_error": math.sqrt(error_sq / norm_sq) if norm_sq > 0 else None,
             "nonfinite": bool(nonfinite),
             "ranks": dict(stats.ranks),
-            **self._step_metrics(),
+            **self._step_metrics(closed),
         }
-        self.step += 1
-        self._in_step = False
 
-    def _after_values(self, host: list[float]) -> None:
+    @property
+    def last_step_metrics(self) -> dict:
+        """Metrics of the last closed step (settled locally on first read: no collective)."""
+        self._settle_local()
+        return self._metrics
+
+    @last_step_metrics.setter
+    def last_step_metrics(self, metrics: dict) -> None:
+        self._metrics = metrics
+
+    def _after_values(self, host: list[float], closed: "ClosedStep") -> None:
         """Subclass hook: the step's device values are on the host (``host[:3]``: non-finite,
-        ‖M−Ĝ‖², ‖M‖²; then whatever `_device_values` added)."""
+        ‖M−Ĝ‖², ‖M‖²; then whatever `_device_values` added). Local: no collective here."""
 
-    def _step_metrics(self) -> dict:
+    def _after_group(self, closed: "ClosedStep") -> None:
+        """Subclass hook: what the group settles together (collectives, in the same order on every rank)."""
+
+    def _step_metrics(self, closed: "ClosedStep") -> dict:
         return {"phase": "off", "rank": None, "entropy": None}
 
     def _add_stats(self, stats: ReduceStats) -> None:
@@ -292,6 +321,7 @@ class GradientReducer:
 
     def commit_step(self) -> None:
         """The pending step is applied (the optimizer stepped): keep its state. No-op when none is pending."""
+        self.settle()
         if self._pending is None:
             return
         self._pending = None
@@ -303,6 +333,7 @@ class GradientReducer:
         synced — same step number and shared state — except that what the step tried to send is
         kept for the next one where the method has error feedback. Bytes sent stay counted: they
         were sent. No-op when none is pending."""
+        self.settle()  # its values first (a non-finite step's cleanup), then undo its shared state
         snapshot, self._pending = self._pending, None
         if snapshot is None:
             return
@@ -321,9 +352,13 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
+        """Settles the last step first (`settle`: call it on every rank at the same point, as
+        checkpoints are taken), so that a resumed run starts where this one would go on."""
+        self.settle()
         return {"step": self.step, "totals": dict(self.totals), "world_size": self.comm.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        self._closed = None
         self.step = int(state["step"])
         self.totals = {key: int(value) for key, value in state["totals"].items()}
 

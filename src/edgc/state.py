@@ -30,6 +30,9 @@ from .reducer import GradientReducer
 from .timing import Clock
 
 STATE_FORMAT = "edgc-state/1"
+# Compressed steps on an accelerator gather DDP buckets into jobs of this many MB (EDGCConfig.fusion_mb):
+# a job's kernel launches are a fixed count plus a few per shape (edgc.jobs).
+DEFAULT_ACCELERATOR_FUSION_MB = 256
 
 
 def profile_seconds(saved: list) -> list:
@@ -76,7 +79,8 @@ class EDGCState(GradientReducer):
         self._measure_error = False
         self._relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self._last_entropy: float | None = None
-        self._decision: dict | None = None  # the rank decision taken at the end of the last step, for people
+        self._decision: dict | None = None  # the last rank decision taken, as a record for people
+        self._settled_probe: list[float] | None = None  # the closed step's warm-up probe, for its decision
 
     def _new_profiler(self) -> LowRankCompressor:
         return LowRankCompressor(replace(self.config.engine, error_feedback=False))
@@ -86,6 +90,7 @@ class EDGCState(GradientReducer):
         super()._begin_step()
         self.compressor.begin_step(uncommitted=self.defer_commit)
         self._plan = self.controller.plan(self.step)
+        self.clock.enabled = self._timed()
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
         self.sampler.begin(self.step, enabled=sampled)
@@ -103,6 +108,20 @@ class EDGCState(GradientReducer):
 
     def _on_device(self, device: torch.device) -> None:
         self.compressor.to(device)
+
+    def _timed(self) -> bool:
+        """Profiling steps are always timed: r_max comes from their times."""
+        plan = getattr(self, "_plan", None)
+        return super()._timed() or (plan is not None and (plan.phase == PROFILE or plan.profile_rank is not None))
+
+    def _fusion_bytes(self) -> float:
+        """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.jobs`)."""
+        if self._plan.rank is None or self._plan.profile_rank is not None:
+            return 0  # uncompressed: each bucket all-reduced in place, as DDP would
+        megabytes = self.config.fusion_mb
+        if megabytes is None:
+            megabytes = 0 if self.device is None or self.device.type == "cpu" else DEFAULT_ACCELERATOR_FUSION_MB
+        return megabytes * 2 ** 20
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._plan
@@ -149,10 +168,9 @@ class EDGCState(GradientReducer):
         if self._plan.profile_bound:  # before the shadow sync adds its own waits
             self._plain_waits = self.comm.wait_stamps()
         if deferred:  # every plain sync of the step has completed
-            begin = self.clock.stamp()
-            for names, grads in deferred:
-                self._time_shadow_sync(names, grads, self._plan)
-            self._busy.append((begin, self.clock.stamp()))  # profiling's cost shows as compress time
+            with self._jobs.working():  # profiling's cost shows as compress time
+                for names, grads in deferred:
+                    self._time_shadow_sync(names, grads, self._plan)
         super()._end_step()
 
     def _device_values(self) -> list[torch.Tensor]:
@@ -161,20 +179,23 @@ class EDGCState(GradientReducer):
             values.extend(self._probe.unbind())
         return values
 
-    def _after_values(self, host: list[float]) -> None:
+    def _after_values(self, host: list[float], closed) -> None:
         self.compressor.end_step(bool(host and host[0]))
         self._last_entropy = self.sampler.finish()
         plan = self._plan
         for offset, stamps in ((0, self._profile_stamps), (2, self._raw_stamps)):
-            if stamps:
-                self._profile_seconds[offset] += sum(Clock.seconds(a, b) for a, b in stamps)
+            seconds = Clock.total(stamps) if stamps else None
+            if seconds is not None:
+                self._profile_seconds[offset] += seconds
                 self._profile_seconds[offset + 1] += 1
-        probe = host[3:5] if self._probe is not None else None
+        self._settled_probe = host[3:5] if self._probe is not None else None
         if plan.phase == "compress" and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
             self._relative_errors.append(host[1] / host[2])
-        self._decision = None
-        if plan.decision:
-            self._decide(plan, probe)
+
+    def _after_group(self, closed) -> None:
+        """The rank decision of a decision step (collectives: taken where every rank settles alike)."""
+        if self._plan.decision:
+            self._decide(self._plan, self._settled_probe)
             if self.controller.phase != PROFILE:
                 self._profiler = self._new_profiler()  # profiling is over: its shadow Q factors are garbage
 
@@ -189,7 +210,7 @@ class EDGCState(GradientReducer):
             probe_error=(probe[0] / probe[1] if probe[1] > 0 else math.inf) if probe is not None else math.nan,
             relative_error=sum(errors) / len(errors) if errors else math.nan,
             # The quick test: the host blocked this long on the plain sync after backward, so it took at least that.
-            uncompressed_bound=sum(Clock.seconds(a, b) for a, b in self._plain_waits) if plan.profile_bound else math.nan,
+            uncompressed_bound=(Clock.total(self._plain_waits) or 0.0) if plan.profile_bound else math.nan,
         )
         device = self.device or torch.device("cpu")
         agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
@@ -230,12 +251,13 @@ class EDGCState(GradientReducer):
 
     @property
     def last_decision(self) -> dict | None:
-        """The rank decision taken at the end of the last step (None if that step took none)."""
+        """The last rank decision taken, as a record (its ``step`` is the first step it applies to)."""
         return self._decision
 
-    def _step_metrics(self) -> dict:
+    def _step_metrics(self, closed) -> dict:
         plan = self._plan
-        budget = self.controller.budget_state(self.step + 1)
+        budget = self.controller.budget_state(closed.step + 1)
+        decision = self._decision if self._decision is not None and self._decision["step"] == closed.step else None
         return {
             "phase": plan.phase,
             "rank": plan.rank,
@@ -245,7 +267,7 @@ class EDGCState(GradientReducer):
             "r_min": self.controller.r_min,
             "rank_budget": budget["budget"] if budget else None,
             "mean_rank": budget["mean_rank"] if budget else None,
-            "decision": self._decision,
+            "decision": decision,  # taken before this step began: it set this step's rank
         }
 
     # ------------------------------------------------------------------ uncommitted steps

@@ -1,9 +1,10 @@
 """Device-timeline timestamps and the library's only device→host reads.
 
 Hot-path code never synchronises the device: it takes ``Clock.stamp()`` (a CUDA event recorded on
-the current stream, or ``perf_counter`` on CPU) and keeps device tensors. Once per optimizer step
-the reducer turns stamps into seconds and reads its packed device values with ``to_host``; that
-is the step's single host synchronisation. Tests count calls of ``synchronize`` and ``to_host``
+the current stream on timed steps, or ``perf_counter`` on CPU) and keeps device tensors. At the end
+of a step the reducer sends its packed device values to the host behind an event (`HostCopy`) and
+reads them when the step is settled: at the start of the next step, or when its metrics are read
+after the optimizer step. That is the step's single host read, and it waits for no later work. Tests count calls of ``synchronize`` and ``to_host``
 (and of ``Tensor.item``/``__bool__``/…) to hold the hot path to this rule.
 
 The places allowed to synchronise run inside ``host_reads_allowed()``: the end of a step and a
@@ -61,13 +62,25 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return tensor.to(device)
 
 
+# On an accelerator a timestamp is a recorded event: cheap, but not free per bucket of every step.
+# Device timestamps are taken on every DEVICE_TIMING_EVERY-th step and on the steps that need them
+# (r_max profiling); `perf_counter` on CPU costs nothing, so there every step is timed.
+DEVICE_TIMING_EVERY = 100
+
+
 class Clock:
-    """Timestamps on ``device``'s timeline; ``seconds`` may only be called at the end of a step."""
+    """Timestamps on ``device``'s timeline; ``seconds`` may only be called once the step is over.
+
+    With ``enabled`` False (an untimed step on an accelerator) a stamp is None and so is any span
+    that has one: the step's time figures are then missing, not zero."""
 
     def __init__(self, device: torch.device | None = None):
         self.cuda = device is not None and device.type == "cuda"
+        self.enabled = True
 
-    def stamp(self) -> Stamp:
+    def stamp(self) -> Stamp | None:
+        if not self.enabled:
+            return None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -75,9 +88,43 @@ class Clock:
         return time.perf_counter()
 
     @staticmethod
-    def seconds(start: Stamp, end: Stamp) -> float:
-        """Elapsed seconds between two stamps (for events: after the end event has completed)."""
+    def seconds(start: Stamp | None, end: Stamp | None) -> float | None:
+        """Elapsed seconds between two stamps (for events: after the end event has completed), or
+        None for an untimed span."""
+        if start is None or end is None:
+            return None
         if isinstance(start, float):
             return max(0.0, end - start)  # type: ignore[operator]
-        end.synchronize()  # type: ignore[union-attr]
+        with host_reads_allowed():
+            end.synchronize()  # type: ignore[union-attr]
         return start.elapsed_time(end) / 1000.0  # type: ignore[union-attr]
+
+    @staticmethod
+    def total(spans: list[tuple]) -> float | None:
+        """Seconds summed over (start, end) spans; None if any is untimed."""
+        seconds = [Clock.seconds(start, end) for start, end in spans]
+        return None if any(s is None for s in seconds) else sum(seconds)  # type: ignore[arg-type]
+
+
+class HostCopy:
+    """A device tensor on its way to the host: copied into pinned memory without waiting, behind an
+    event; `values` waits for that copy alone (not for work queued after it) and reads it.
+
+    This is how a step's device values reach the host one step late, or after the optimizer step,
+    so the read never stalls the GPU."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def values(self) -> list:
+        if self._event is not None:
+            with host_reads_allowed():
+                self._event.synchronize()
+        return to_host(self._host)

@@ -39,8 +39,8 @@ def inf_worker(rank, world_size, poison_step, steps):
         else:
             skipped.append(step)
         if step == poison_step:
+            snapshots["metrics"] = dict(state.last_step_metrics)  # reading them settles the step's values
             snapshots["after"] = state.compressor.state_dict()
-            snapshots["metrics"] = dict(state.last_step_metrics)
     return {"rank": rank, "params": flat_parameters(model), "skipped": skipped, "snapshots": snapshots,
             "history": state.sampler.history, "phase": state.last_step_metrics["phase"]}
 
@@ -56,7 +56,7 @@ def test_inf_on_one_rank_reaches_every_optimizer_keeps_q_and_clears_residuals():
             assert before[kind].keys() == after[kind].keys()
             for name in before[kind]:
                 # Q is kept bit for bit; the residual is cleared on every rank (a GradScaler would
-                # halve its scale after such a step; see LowRankCompressor.clear_nonfinite_error).
+                # halve its scale after such a step; see EngineState.end_step).
                 expected = torch.zeros_like(before[kind][name]) if kind == "error" else before[kind][name]
                 assert torch.equal(expected, after[kind][name]), (kind, name)
         assert all(math.isfinite(value) for _, value in result["history"])

@@ -48,7 +48,7 @@ def test_small_buckets_keep_replicas_identical_and_every_rank_on_the_same_ranks(
         assert other["schedule"] == reference["schedule"]
 
 
-def overlap_worker(rank, world_size, steps):
+def overlap_worker(rank, world_size, steps, read_metrics=True):
     static = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2,
                   window=1000, min_compression_rate=1.0)
     model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.05)
@@ -72,7 +72,7 @@ def overlap_worker(rank, world_size, steps):
     def watching_hook(s, bucket):
         with CountHostReads() as mode:
             future = edgc_hook(s, bucket)
-        reads[-1] += mode.reads
+        reads[-1].append(mode.reads)
         done_at_return[-1].append(future.done())
         return future
 
@@ -80,10 +80,16 @@ def overlap_worker(rank, world_size, steps):
     try:
         for step in range(steps):
             done_at_return.append([])
-            reads.append(0)
+            reads.append([])
             counted["to_host"] = counted["synchronize"] = 0
             calls.append(0)
-            train(rank, ddp, state, optimizer, calls, step, step + 1)
+            if read_metrics:
+                train(rank, ddp, state, optimizer, calls, step, step + 1)
+            else:
+                tokens, targets = batch(rank, step)
+                optimizer.zero_grad()
+                loss_fn(ddp, tokens, targets).backward()
+                optimizer.step()
             syncs.append((counted["to_host"], counted["synchronize"]))
     finally:  # the process runs later tests (distributed_harness)
         edgc.timing.to_host, edgc.timing.synchronize = original_to_host, original_sync
@@ -98,11 +104,24 @@ def test_hook_returns_before_the_bucket_is_averaged_and_reads_the_host_once_per_
         assert len(compressing) >= 10
         assert not all(compressing[:-1]), "every non-last bucket was complete at return: the hook blocked"
         assert compressing[-1], "the last bucket must drain every job before backward ends"
-        # Per step, however many buckets: one packed device read at the end of the step (tolist
-        # inside edgc.timing.to_host), no device synchronise, and no other read of a tensor value.
+        # Per step, however many buckets: one packed device read (tolist inside edgc.timing.to_host),
+        # no device synchronise, and no other read of a tensor value. The loop reads the step's
+        # metrics after the optimizer step, so the read happens there: never inside backward.
         for step in range(3, 6):
-            assert result["reads"][step] == 1, result["reads"]
             assert result["syncs"][step] == (1, 0), result["syncs"]
+            assert sum(result["reads"][step]) == 0, result["reads"]
+    assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+def test_a_loop_that_reads_no_metrics_reads_each_step_once_one_step_late():
+    """Without a metrics read the step's values are read when the next step begins (its first hook):
+    one read per step, of the step before, whose device work is done (nothing waits for the new step)."""
+    results = run_distributed(overlap_worker, 2, 6, False)
+    for result in results:
+        for step in range(3, 6):
+            assert result["syncs"][step] == (1, 0), result["syncs"]
+            first, *rest = result["reads"][step]
+            assert first == 1 and sum(rest) == 0, result["reads"]
     assert torch.equal(results[0]["params"], results[1]["params"])
 
 

@@ -178,8 +178,8 @@ class TorchFTEDGCState(EDGCState):
         stats.nonfinite = ~torch.stack(flags).all()
         return stats
 
-    def _after_values(self, host: list[float]) -> None:
-        super()._after_values(host)
+    def _after_values(self, host: list[float], closed) -> None:
+        super()._after_values(host, closed)
         if host and host[0]:
             self.manager.report_error(RuntimeError(
                 f"EDGC: non-finite gradient average at step {self.step}; the step is discarded on every replica"))
@@ -206,6 +206,10 @@ def _commit_with(manager: Manager, state: TorchFTEDGCState) -> None:
 
     def should_commit(timeout: timedelta | None = None) -> bool:
         try:
+            # The step settles before the verdict: a non-finite average is reported to the manager
+            # (so no replica commits it), and a rank decision is taken now, while every replica of the
+            # quorum is at this point, so the shared state a healing replica receives has it.
+            state.settle()
             committed = decide(timeout)
         except BaseException:
             state.finish_step(False)
