@@ -4,20 +4,16 @@ Contract of ``_reduce(names, grads, flat)``: replace each tensor in ``grads`` in
 process group's average *as this method communicates it* (exact for plain all-reduce, an
 approximation for a compressor). ``flat`` is DDP's bucket buffer that ``grads`` are views
 into, or None. It either does so before returning (blocking), or returns a *job* (`edgc.comm`):
-a generator that issues collectives, yields, and on resumption waits for them and goes on.
-
-The DDP hook never blocks backward on a job. Each hook call first resumes, oldest first, every
-job in flight that still has collectives to issue (a job says so with what it yields), then
-starts the new bucket's job up to its first yield, and returns a Future; the last bucket of the
-step resumes all jobs to their end before it returns, so DDP finds every Future complete. Which job is resumed when depends only on the bucket sequence,
-so every rank issues the same collectives in the same order, with DDP's default buckets or many
-tiny ones. Communication of bucket k runs while autograd computes the gradients of bucket k+1.
+a generator that issues collectives, yields, and on resumption waits for them and goes on. How
+jobs run — a fixed order on every rank, buckets fused into batches, a side stream — is
+`edgc.jobs`; the DDP hook never blocks backward on a job.
 
 Everything else — step counting, parameter names, the plain training-loop path, timing and
-per-step metrics, uncommitted steps — lives here once. A step is one optimizer step: DDP calls the hook once per
-bucket and ``bucket.is_last()`` closes the step, so ``no_sync`` gradient accumulation does not
-advance the counter. Device values of a step (non-finite flags, errors, timestamps) are read
-once, at its end (`edgc.timing`).
+per-step metrics, uncommitted steps — lives here once. A step is one optimizer step: DDP calls
+the hook once per bucket and ``bucket.is_last()`` closes the step, so ``no_sync`` gradient
+accumulation does not advance the counter. A closed step's device values (non-finite flags,
+errors) reach the host behind an event and are read when the step is *settled* (`settle`): when
+its metrics are read, or when the next step begins (`edgc.timing`).
 """
 from __future__ import annotations
 
@@ -33,7 +29,7 @@ from .comm import FINISHES, Communicator, StepCollectives
 from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
-from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy
+from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, host_reads_allowed
 
 
 @dataclass
@@ -233,13 +229,18 @@ class GradientReducer:
         closed = self._closed
         if closed is not None and not closed.shared_done:
             closed.shared_done = True
-            self._after_group(closed)
+            with host_reads_allowed():  # a decision reads the agreed values (once per window at most)
+                self._after_group(closed)
 
     def _settle_local(self) -> None:
         closed = self._closed
         if closed is None or closed.local_done:
             return
         closed.local_done = True
+        with host_reads_allowed():  # the step's one read (edgc.timing)
+            self._build_metrics(closed)
+
+    def _build_metrics(self, closed: "ClosedStep") -> None:
         stats = closed.stats
         host = closed.values.values() if closed.values is not None else []
         nonfinite, error_sq, norm_sq = (host + [0.0, 0.0, 0.0])[:3]
@@ -368,8 +369,10 @@ class GradientReducer:
         refuses to step, with one line naming state_dict()/load_state_dict() and model=."""
         from .detached import DetachedCommunicator
 
+        self._settle_local()  # its metrics and totals travel; the device values do not
         state = dict(self.__dict__)
         state["comm"] = DetachedCommunicator(type(self).__name__, self.comm.rank, self.comm.world_size)
+        state["_jobs"], state["_closed"] = None, None  # streams and events stay with this process
         state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
         return state
     # ------------------------------------------------------------------ pickling: end

@@ -96,9 +96,11 @@ class EDGCState(GradientReducer):
         self.sampler.begin(self.step, enabled=sampled)
         if self._plan.rank is not None:
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
-            # before any bucket, on every rank alike (`LowRankCompressor.change_rank`). A non-finite
-            # step puts the old Q back (`end_step`), and the next step redoes the change.
-            elements, nbytes = self.compressor.change_rank(self._plan.rank, self.comm)
+            # before any bucket, on every rank alike (`LowRankCompressor.change_rank`), on the jobs'
+            # stream that owns Q. A non-finite step puts the old Q back (`end_step`), and the next
+            # step redoes the change.
+            with self._jobs.side_stream(after_compute=True):
+                elements, nbytes = self.compressor.change_rank(self._plan.rank, self.comm)
             self._stats.elements_sent += elements
             self._stats.bytes_sent += nbytes
         # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
