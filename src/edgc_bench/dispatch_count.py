@@ -23,7 +23,7 @@ values, so any host read of one raises, except the step's one read (`edgc.timing
 is counted and answered with zeros. Collectives go to `CountingCommunicator`, which records each
 one and completes it at once, so the engine runs exactly as it does in a process group (world size
 1 by default, as on the one-GPU bench), and no bytes move. The buckets are DDP's, reproduced by
-`ddp_buckets`, and each is passed to the hook's state as DDP would pass it (`FakeGradBucket`).
+`ddp_buckets`, and each is passed to the hook's state as DDP would pass it (`GradBucketStandIn`).
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .gpu_support import counted_host_reads
 
 aten = torch.ops.aten
 
@@ -142,7 +144,7 @@ def counting_communicator(world_size: int = 1):
     return CountingCommunicator()
 
 
-class FakeGradBucket:
+class GradBucketStandIn:
     """What the hook reads of DDP's ``GradBucket``: a flat buffer and views of it, one per parameter."""
 
     def __init__(self, index: int, parameters: list[torch.Tensor], dtype: torch.dtype, last: bool):
@@ -167,7 +169,7 @@ class FakeGradBucket:
         return self._index
 
 
-class _NamedParameters:
+class NamedParameters:
     """Stands for the model: `EDGCState` only asks it for ``named_parameters()``."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]]):
@@ -206,26 +208,9 @@ class StepCount:
                 "top_ops": dict(ranked[:top]), **self.extra}
 
 
-class _HostReadsAnsweredWithZeros:
-    """Within it, `edgc.timing.to_host` (the library's one host read) is counted and returns zeros:
-    a fake tensor has no values to read."""
-
-    def __enter__(self):
-        import edgc.timing
-
-        self.reads, self._real = 0, edgc.timing.to_host
-
-        def zeros(tensor: torch.Tensor) -> list:
-            self.reads += 1
-            return [0.0] * tensor.numel()
-
-        edgc.timing.to_host = zeros
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import edgc.timing
-
-        edgc.timing.to_host = self._real
+def _zeros(tensor: torch.Tensor) -> list:
+    """The step's host read answered without reading: a fake tensor has no values."""
+    return [0.0] * tensor.numel()
 
 
 def _static_config(rank: int):
@@ -247,11 +232,11 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
 
     names, shapes = [name for name, _ in named_shapes], [tuple(shape) for _, shape in named_shapes]
     layout = ddp_buckets(shapes, ready_order(names) if order is None else order, dtype, bucket_cap_mb)
-    with _HostReadsAnsweredWithZeros() as host, FakeTensorMode():
+    with counted_host_reads(_zeros) as host, FakeTensorMode():
         parameters = [torch.empty(shape, dtype=dtype) for shape in shapes]
-        state = EDGCState(None, config or _static_config(rank), model=_NamedParameters(list(zip(names, parameters))))
+        state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
         state.comm = communicator = counting_communicator(world_size)
-        buckets = [FakeGradBucket(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
+        buckets = [GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
                    for k, indices in enumerate(layout)]
 
         def step() -> None:
@@ -282,7 +267,7 @@ def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, 
 
     from edgc import EDGCConfig, LowRankCompressor
 
-    with _HostReadsAnsweredWithZeros() as host, FakeTensorMode() if fake else contextlib.nullcontext():
+    with counted_host_reads(_zeros) as host, FakeTensorMode() if fake else contextlib.nullcontext():
         compressor = LowRankCompressor(EDGCConfig(r_max=rank))
         communicator = counting_communicator()
         names = [f"matrix{k}" for k in range(matrices)]
