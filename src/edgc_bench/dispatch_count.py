@@ -295,7 +295,7 @@ def count_report(sizes: Iterable[str] = ("medium", "large", "xl"), bucket_caps: 
                  *, rank: int = 32, dtype: torch.dtype = torch.bfloat16, group_sizes: Iterable[int] = (1, 2, 8),
                  progress: Callable[[str], None] = lambda line: None) -> dict:
     """What ``python -m edgc_bench.gpu --count-only`` writes to count.json: the hook's step per
-    model and bucket size, and one engine call on 1, 2, 8 matrices of the last model's MLP shape."""
+    model and bucket size, and one engine call on 1, 2, 8 matrices of the widest model's MLP shape."""
     from .gpt2_layout import GPT2_SIZES
 
     sizes = list(sizes)
@@ -306,9 +306,9 @@ def count_report(sizes: Iterable[str] = ("medium", "large", "xl"), bucket_caps: 
             rows.append({"model": size, "bucket_cap_mb": 25 if cap is None else cap, "ddp_default": cap is None,
                          **count.summary()})
             progress(f"count {size} bucket {rows[-1]['bucket_cap_mb']} MB: {count.dispatches} dispatches")
-    width = GPT2_SIZES[sizes[-1]][1]
-    shape = (width, 4 * width)
-    engine = [{"model": sizes[-1], "shape": list(shape), **count_engine_call(shape, k, rank=rank, dtype=dtype).summary()}
+    widest = max(sizes, key=lambda size: GPT2_SIZES[size][1])
+    shape = (GPT2_SIZES[widest][1], 4 * GPT2_SIZES[widest][1])
+    engine = [{"model": widest, "shape": list(shape), **count_engine_call(shape, k, rank=rank, dtype=dtype).summary()}
               for k in group_sizes]
     return {"rank": rank, "dtype": str(dtype).removeprefix("torch."), "world_size": 1, "torch": torch.__version__,
             "rule": "ATen dispatches that launch device work: views, in-place view ops, allocation-only ops "

@@ -132,23 +132,6 @@ def peak_memory(device: torch.device, reset: bool = False) -> int | None:
     return torch.cuda.max_memory_allocated(device)
 
 
-@contextlib.contextmanager
-def process_group(backend: str) -> Iterator[None]:
-    """A process group of one in this process (the GPU's NCCL, or gloo), ended as `edgc.comm` says:
-    a barrier kept referenced until exit, then ``destroy_process_group``."""
-    import edgc
-
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=GROUP_TIMEOUT)
-    try:
-        yield
-    finally:
-        edgc.barrier_before_exit()
-        dist.destroy_process_group()
-
-
 def _spawned(rank: int, fn, world_size: int, backend: str, port: int, folder: str, args: tuple) -> None:
     """One process of `spawn_group`: a group, ``fn``, its result pickled, and the exit `edgc.comm` asks for."""
     import edgc
