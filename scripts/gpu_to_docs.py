@@ -25,7 +25,7 @@ from edgc_bench import gpu_trace  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 GIB = 2 ** 30
-GOAL_RATIO, GOAL_SHARE = 0.5, 0.05  # EDGC ≤ 0.5× powerSGD_hook, ≤ 5 % of backward (issue 25)
+GOAL_RATIO, GOAL_SHARE = 0.5, 0.05  # the GPU goals: EDGC ≤ 0.5× powerSGD_hook, ≤ 5 % of backward
 DASH = "–"
 
 
@@ -123,7 +123,7 @@ def describe(run: dict, role: str) -> str:
 
 
 def goals(run: dict) -> list[str]:
-    """The issue's goals at the goal rank on the largest model, met or missed by how much."""
+    """The GPU goals at the goal rank on the largest model, met or missed by how much."""
     model, rank = largest(run), goal_rank(run)
     if model is None:
         return ["- Goals: no engine figures in this run."]
