@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-from .gpu_engine import Budget
-
 # Seconds per part on an H100, so that the whole run stays near 6 minutes (the first run's engine
 # part, 2 ranks and 3 sizes, took 184 s). The engine part stops where its budget ends; the
 # count runs beside the others on the CPU.
