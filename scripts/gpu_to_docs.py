@@ -1,160 +1,349 @@
-"""Copy the figures of a GPU run (`python -m edgc_bench.gpu --out DIR`) into docs/gpu.md and the README.
+"""Copy the figures of GPU runs (`python -m edgc_bench.gpu --out DIR`) into docs/gpu.md and the README.
 
-    python scripts/gpu_to_docs.py DIR
+    python scripts/gpu_to_docs.py RUN [--before BEFORE]
 
-Reads DIR/env.json, engine.json, overlap.json, device.json and trace_gloo.json.gz; writes the block
-between ``<!-- gpu:start -->`` and ``<!-- gpu:end -->`` in docs/gpu.md and in README.md (a shorter
-one there), and docs/img/gpu_overlap.png: the profiled step's CUDA work per stream, so that the
-collectives' copies (gloo's streams) can be seen running beside backward (the compute stream).
-Nothing is typed: every figure comes from the files.
+RUN and BEFORE are folders of a run's files: env.json, engine.json, overlap.json, device.json and,
+where the run wrote them, count.json and trace_nccl.json.gz / trace_gloo.json.gz. With --before,
+every figure the two runs share is shown as before → after. Writes the block between
+``<!-- gpu:start -->`` and ``<!-- gpu:end -->`` in docs/gpu.md and a shorter one in README.md, and
+docs/img/gpu_overlap.png from RUN's trace (the NCCL run's, with its injected delay, else gloo's)
+when RUN has one. The first run's small files are kept in docs/gpu/before/, so
+``python scripts/gpu_to_docs.py docs/gpu/before`` rebuilds the docs from a clean clone (the
+picture then stays as it is). Nothing is typed: every figure comes from the files.
 """
 from __future__ import annotations
 
-import gzip
+import argparse
 import json
-import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench tables)
+from edgc_bench import gpu_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 GIB = 2 ** 30
+GOAL_RATIO, GOAL_SHARE = 0.5, 0.05  # the GPU goals: EDGC ≤ 0.5× powerSGD_hook, ≤ 5 % of backward
+DASH = "–"
 
 
-def stream_intervals(trace: dict) -> dict[str, list[tuple[float, float]]]:
-    """(start, end) µs of every CUDA kernel and copy of the trace, per stream."""
-    lanes: dict[str, list[tuple[float, float]]] = {}
-    for event in trace.get("traceEvents", []):
-        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            lanes.setdefault(f"stream {event.get('tid')}", []).append((event["ts"], event["ts"] + event.get("dur", 0)))
-    return {name: sorted(spans) for name, spans in lanes.items()}
+# ---------------------------------------------------------------------------- reading
+def _json(folder: Path, name: str):
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
+def load_run(folder: Path) -> dict:
+    """A run's files; engine.json in one shape (the first run wrote a list of training-step rows)."""
+    engine = _json(folder, "engine") or {}
+    if isinstance(engine, list):
+        engine = {"steps": [dict(row, bucket_cap_mb=25, ddp_default=True) for row in engine]}
+    engine = {"settings": {}, "steps": [], "hook_alone": [], "skipped": [], "errors": [], **engine}
+    traces = [folder / f"trace_{key}.json.gz" for key in ("nccl", "gloo")]
+    return {"folder": folder, "env": _json(folder, "env") or {}, "engine": engine, "overlap": _json(folder, "overlap") or {},
+            "device": _json(folder, "device"), "count": _json(folder, "count"),
+            "trace": next((path for path in traces if path.exists()), None)}
 
 
-def overlap_share(lanes: dict[str, list[tuple[float, float]]]) -> tuple[str, float]:
-    """The busiest stream (compute) and the share of the other streams' busy time spent while it was busy."""
-    compute = max(lanes, key=lambda name: sum(b - a for a, b in lanes[name]))
-    busy = _union(lanes[compute])
-    others = _union([span for name, spans in lanes.items() if name != compute for span in spans])
-    total = sum(b - a for a, b in others)
-    covered = 0.0
-    for a, b in others:
-        for c, d in busy:
-            covered += max(0.0, min(b, d) - max(a, c))
-    return compute, covered / total if total else float("nan")
+def goal_rank(run: dict) -> int:
+    return run["engine"]["settings"].get("goal_rank", 32)
 
 
-def plot_overlap(lanes: dict, compute: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    origin = min(a for spans in lanes.values() for a, _ in spans)
-    names = [compute] + sorted(name for name in lanes if name != compute)
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * len(names)))
-    for row, name in enumerate(names):
-        spans = [((a - origin) / 1e3, (b - a) / 1e3) for a, b in lanes[name]]
-        ax.broken_barh(spans, (row - 0.4, 0.8), color="tab:blue" if name == compute else "tab:orange")
-    ax.set_yticks(range(len(names)), [f"{n} (compute)" if n == compute else f"{n} (collective copies)" for n in names])
-    ax.set_xlabel("ms since the step's first CUDA activity (rank 0)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+SIZES = ("tiny", "small", "medium", "large", "xl")
 
 
-def engine_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | rank | powerSGD_hook s/step | EDGC s/step | EDGC ÷ powerSGD | EDGC ÷ backward | "
-             "EDGC engine alone s | kernels (powerSGD / EDGC) | memory beyond the gradients GiB (powerSGD / EDGC) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    hooks = {(r["model"], r["method"], r["rank"]): r for r in rows}
-    for (model, method, rank), ours in hooks.items():
-        theirs = hooks.get((model, "powersgd", rank))
-        if method != "edgc" or theirs is None:
+def by_size(key: tuple) -> tuple:
+    """Sort key of rows keyed by (model, …): GPT-2's sizes in order, then the rest of the key."""
+    return (SIZES.index(key[0]) if key[0] in SIZES else len(SIZES), *key[1:])
+
+
+def largest(run: dict) -> str | None:
+    models = {(row["model"],) for row in run["engine"]["steps"] + run["engine"]["hook_alone"]}
+    return max(models, key=by_size)[0] if models else None
+
+
+def step_row(run: dict, model: str, method: str, rank: int, cap=25) -> dict | None:
+    return next((r for r in run["engine"]["steps"] if (r["model"], r["method"], r.get("rank"), r["bucket_cap_mb"])
+                 == (model, method, rank if method != "none" else 0, cap)), None)
+
+
+def alone_row(run: dict, model: str, method: str, dtype: str, rank: int, cap=25) -> dict | None:
+    return next((r for r in run["engine"]["hook_alone"] if (r["model"], r["method"], r["grad_dtype"], r["rank"],
+                                                               r["bucket_cap_mb"]) == (model, method, dtype, rank, cap)), None)
+
+
+def count_row(run: dict | None, model: str, cap) -> dict | None:
+    if run is None or not run["count"] or "hook" not in run["count"]:
+        return None
+    return next((r for r in run["count"]["hook"] if (r["model"], r["bucket_cap_mb"]) == (model, cap)), None)
+
+
+# ---------------------------------------------------------------------------- formatting
+def fmt(value, spec: str = ".3g", scale: float = 1.0) -> str:
+    return DASH if value is None else format(value * scale if scale != 1 else value, spec)
+
+
+def cell(run: dict, before: dict | None, find, key: str, spec: str = ".3g", scale: float = 1.0) -> str:
+    """``find(run)[key]``, as ``before → after`` where there is a before run."""
+    after = fmt(get(find(run), key), spec, scale)
+    return after if before is None else f"{fmt(get(find(before), key), spec, scale)} → {after}"
+
+
+def get(row: dict | None, key: str, default=None):
+    return default if row is None else row.get(key, default)
+
+
+def ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def verdict(value, goal: float, unit: str, spec: str) -> str:
+    if value is None:
+        return "not measured"
+    if value <= goal:
+        return f"met: {format(value, spec)}{unit} (goal ≤ {format(goal, spec)}{unit})"
+    return f"missed: {format(value, spec)}{unit}, {value / goal:.1f}× the goal of ≤ {format(goal, spec)}{unit}"
+
+
+# ---------------------------------------------------------------------------- sections
+def shown(folder: Path) -> str:
+    """A run folder as the docs name it: relative to the repository when inside it."""
+    try:
+        return str(folder.resolve().relative_to(REPO))
+    except ValueError:
+        return str(folder)
+
+
+def describe(run: dict, role: str) -> str:
+    env = run["env"]
+    return (f"- {role}: `{shown(run['folder'])}`: {env.get('device', '?')} ({env.get('nvidia_smi', 'no nvidia-smi')}), torch "
+            f"{env.get('torch', '?')}, CUDA {env.get('cuda', DASH)}, NCCL {env.get('nccl', DASH)}, {env.get('date', '?')}.")
+
+
+def goals(run: dict) -> list[str]:
+    """The GPU goals at the goal rank on the largest model, met or missed by how much."""
+    model, rank = largest(run), goal_rank(run)
+    if model is None:
+        return ["- Goals: no engine figures in this run."]
+    lines = []
+    for dtype in ("bfloat16", "float32"):
+        ours, theirs = alone_row(run, model, "edgc", dtype, rank), alone_row(run, model, "powersgd", dtype, rank)
+        if ours and theirs:
+            lines.append(f"- EDGC ÷ powerSGD_hook, each hook alone on {dtype} gradients, GPT-2 {model} rank {rank}: "
+                         + verdict(ratio(ours["seconds"], theirs["seconds"]), GOAL_RATIO, "×", ".2f") + ".")
+    ours, theirs = step_row(run, model, "edgc", rank), step_row(run, model, "powersgd", rank)
+    if ours and theirs:
+        lines.append(f"- EDGC ÷ powerSGD_hook, the hook's share of a bf16 training step, GPT-2 {model} rank {rank}: "
+                     + verdict(ratio(ours["hook_s"], theirs["hook_s"]), GOAL_RATIO, "×", ".2f") + ".")
+    if ours:
+        lines.append(f"- EDGC's added step time ÷ backward, GPT-2 {model} rank {rank}: "
+                     + verdict(ours["hook_over_backward"] * 100, GOAL_SHARE * 100, " %", ".3g") + ".")
+    alone = alone_row(run, model, "edgc", "bfloat16", rank)
+    if alone and alone.get("plain_backward_s"):
+        lines.append(f"- EDGC's hook alone ÷ backward (all of its work, none hidden), GPT-2 {model} rank {rank}: "
+                     + verdict(alone["seconds"] / alone["plain_backward_s"] * 100, GOAL_SHARE * 100, " %", ".3g") + ".")
+    return lines
+
+
+def markdown_table(titles: list[str], align: str, rows: list[list[str]]) -> list[str]:
+    """A table's lines; ``align`` has one letter per column: l(eft) or r(ight)."""
+    rule = "|" + "".join(" --- |" if side == "l" else " ---: |" for side in align)
+    return ["| " + " | ".join(titles) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def step_table(run: dict, before: dict | None) -> list[str]:
+    """The hooks' share of a training step (DDP, bf16, DDP's default buckets) as RUN measured it,
+    before → after where BEFORE measured the same."""
+    keys = sorted({(r["model"], r["method"], r["rank"]) for r in run["engine"]["steps"]
+                   if r["method"] != "none" and r["bucket_cap_mb"] == 25}, key=by_size)
+    rows = []
+    for model, method, rank in keys:
+        hooked, plain = (lambda r: step_row(r, model, method, rank)), (lambda r: step_row(r, model, "none", 0))
+        rows.append([model, method, str(rank), cell(run, before, plain, "step_s"), cell(run, before, hooked, "step_s"),
+                     cell(run, before, hooked, "hook_s"), cell(run, before, hooked, "hook_over_backward", ".0%"),
+                     cell(run, before, hooked, "hook_kernels", "d"), cell(run, before, hooked, "extra_peak_bytes", ".2f", 1 / GIB)])
+    return markdown_table(["model", "hook", "rank", "plain step s", "hooked step s", "hook s", "hook ÷ backward",
+                           "hook kernels", "memory beyond the gradients GiB"], "llrrrrrrr", rows)
+
+
+def alone_table(run: dict) -> list[str]:
+    """Each hook alone at DDP's default buckets: EDGC against powerSGD_hook on bf16 and fp32 gradients."""
+    keys = sorted({(r["model"], r["rank"]) for r in run["engine"]["hook_alone"] if r["bucket_cap_mb"] == 25}, key=by_size)
+    rows = []
+    for model, rank in keys:
+        found = {(m, d): alone_row(run, model, m, d, rank) for m in ("edgc", "powersgd") for d in ("bfloat16", "float32")}
+        seconds = {key: get(row, "seconds") for key, row in found.items()}
+        ours, theirs = found["edgc", "bfloat16"], found["powersgd", "bfloat16"]
+        predicted = get(count_row(run, model, 25), "dispatches") if rank == goal_rank(run) else None
+        rows.append([model, str(rank), *(value for dtype in ("bfloat16", "float32") for value in (
+                         fmt(seconds["edgc", dtype], ".4f"), fmt(seconds["powersgd", dtype], ".4f"),
+                         fmt(ratio(seconds["edgc", dtype], seconds["powersgd", dtype]), ".2f"))),
+                     fmt(ratio(get(ours, "seconds"), get(ours, "plain_backward_s")), ".0%"),
+                     f"{fmt(get(ours, 'kernels'), 'd')} / {fmt(get(theirs, 'kernels'), 'd')}", fmt(predicted, "d"),
+                     f"{fmt(get(ours, 'state_bytes'), '.2f', 1 / GIB)} / {fmt(get(theirs, 'state_bytes'), '.2f', 1 / GIB)}"])
+    return markdown_table(["model", "rank", "EDGC bf16 s", "powerSGD bf16 s", "ratio", "EDGC fp32 s", "powerSGD fp32 s",
+                           "ratio", "EDGC bf16 ÷ backward", "kernels EDGC / powerSGD (bf16)", "dispatches predicted",
+                           "state GiB EDGC / powerSGD (bf16)"], "l" + "r" * 11, rows)
+
+
+def bucket_table(run: dict) -> list[str]:
+    """EDGC at the goal rank per DDP bucket size: the hook alone, its kernels, the predicted dispatches."""
+    rank = goal_rank(run)
+    keys = sorted({(r["model"], r["bucket_cap_mb"]) for r in run["engine"]["hook_alone"]
+                   if r["method"] == "edgc" and r["rank"] == rank}, key=by_size)
+    rows = []
+    for model, cap in keys:
+        bf16, fp32 = alone_row(run, model, "edgc", "bfloat16", rank, cap), alone_row(run, model, "edgc", "float32", rank, cap)
+        rows.append([model, f"{fmt(cap, 'g')}{' (default)' if cap == 25 else ''}", fmt(get(bf16, "buckets"), "d"),
+                     fmt(get(bf16, "seconds"), ".4f"), fmt(get(fp32, "seconds"), ".4f"), fmt(get(bf16, "kernels"), "d"),
+                     fmt(get(count_row(run, model, cap), "dispatches"), "d"),
+                     fmt(get(step_row(run, model, "edgc", rank, cap), "hook_s"), ".4f")])
+    return markdown_table(["model", "bucket MB", "buckets", "EDGC alone bf16 s", "fp32 s", "kernels (bf16)",
+                           "dispatches predicted", "hook's share of a step s"], "lrrrrrrr", rows)
+
+
+def count_table(count: dict) -> list[str]:
+    """The CPU's dispatch count of one compressed step through the DDP hook (count.json)."""
+    rows = [[row["model"], f"{fmt(row['bucket_cap_mb'], 'g')}{' (default)' if row['ddp_default'] else ''}",
+             str(row["dispatches"]), str(row["linalg"]), f"{row['compressed']} of {row['matrices']}", str(row["buckets"]),
+             str(row["collectives"]), str(row["host_reads"]),
+             ", ".join(f"{name} {n}" for name, n in list(row["top_ops"].items())[:5])] for row in count["hook"]]
+    same = ", ".join(f"{row['matrices']} → {row['dispatches']}" for row in count["engine_same_shape"])
+    shape = "×".join(map(str, count["engine_same_shape"][0]["shape"])) if count["engine_same_shape"] else DASH
+    return markdown_table(["model", "bucket MB", "dispatches", "linalg", "matrices compressed", "buckets", "collectives",
+                           "host reads", "most dispatched"], "lrrrrrrrl", rows) + [
+        "", f"One engine call on one bucket of same-shape {shape} matrices (matrices → dispatches): {same}. "
+            f"Rank {count['rank']}, {count['dtype']} gradients, torch {count['torch']}; counted: {count['rule']}."]
+
+
+def overlap_lines(run: dict, before: dict | None) -> list[str]:
+    lines = []
+    for key, result in run["overlap"].items():
+        if "error" in result:
+            lines.append(f"- {key}: failed: `{result['error'].strip().splitlines()[-1]}`")
             continue
-        lines.append(f"| {model} | {rank} | {theirs['hook_s']:.4f} | {ours['hook_s']:.4f} | "
-                     f"{ours['hook_s'] / theirs['hook_s']:.2f} | {ours['hook_over_backward']:.1%} | "
-                     f"{ours.get('engine_alone_s', float('nan')):.4f} | {theirs['hook_kernels']} / {ours['hook_kernels']} | "
-                     f"{theirs['extra_peak_bytes'] / GIB:.2f} / {ours['extra_peak_bytes'] / GIB:.2f} |")
+        reads = sorted(set(result["host_reads_per_step"][result.get("settle_steps", 2):]))
+        prior = get((before or {}).get("overlap", {}).get(key), "replicas_identical")
+        replicas = "" if result["world_size"] == 1 else (
+            f" replicas identical: {result['replicas_identical']}{f' (before: {prior})' if before and prior is not None else ''};")
+        lines.append(f"- {result['backend']}, {result['world_size']} process(es), GPT-2 {result['model']}, EDGC rank "
+                     f"{result['rank']}:{replicas} host reads per step after the first {result.get('settle_steps', 2)}: "
+                     f"{reads}; {result['collectives_last_step']} collectives per step.")
+        if "backward_wait_s" in result:
+            injected, waited = result["injected_s_per_step"], result["backward_wait_s"]
+            lines.append(f"  - With {result['delay_ms']:g} ms injected per all-reduce ({injected * 1e3:.3g} ms per step), "
+                         f"every gradient was computed {waited * 1e3:.3g} ms later than without "
+                         f"({fmt(ratio(waited, injected), '.0%')} of the injected delay): step "
+                         f"{result['plain']['step_s'] * 1e3:.4g} → {result['delayed']['step_s'] * 1e3:.4g} ms.")
     return lines
 
 
-def device_table(device: dict) -> list[str]:
-    measured, preset = device["measured"], device["preset"]
+def trace_lines(run: dict) -> list[str]:
+    if run["trace"] is None:
+        return []
+    found = gpu_trace.summary(gpu_trace.read_trace(run["trace"]))
+    if not found["streams"]:
+        return [f"- `{run['trace'].name}` holds no device activity."]
+    return [f"- In the profiled step (`{run['trace'].name}`), device work spans {found['span_s'] * 1e3:.4g} ms on "
+            f"{found['streams']} streams; backward's stream is busy {found['compute_busy_s'] * 1e3:.4g} ms and idle "
+            f"{found['compute_idle_s'] * 1e3:.4g} ms between its first and last kernel; collectives "
+            f"{found['collective_busy_s'] * 1e3:.3g} ms, injected delay {found['delay_busy_s'] * 1e3:.3g} ms, copies "
+            f"{found['copy_busy_s'] * 1e3:.3g} ms."]
+
+
+def device_table(run: dict, before: dict | None) -> list[str]:
+    """`edgc_sim`'s host profile measured on the GPU against the simulator's h100 preset."""
+    measured, preset = run["device"]["measured"], run["device"]["preset"]
+    prior = (before or {}).get("device") or {}
     tera = 1e12
-    rows = [("bf16 matmul TFLOP/s", measured["matmul_flops"]["bf16"] / tera,
-             preset["matmul_flops"].get("fp16", 0) * preset["mfu"] / tera),
-            ("tf32 matmul TFLOP/s", measured["matmul_flops"]["tf32"] / tera,
-             preset["matmul_flops"].get("tf32", 0) * preset["mfu"] / tera),
-            ("fp32 matmul TFLOP/s", measured["matmul_flops"]["fp32"] / tera,
-             preset["matmul_flops"].get("fp32", 0) * preset["mfu"] / tera),
-            ("memory GB/s (read + write)", measured["mem_bytes_per_s"] / 1e9, preset["mem_bytes_per_s"] / 1e9),
-            ("per-op cost µs (tiny eager op)", measured["launch_s"] * 1e6, preset["launch_s"] * 1e6),
-            ("skinny GEMM read GB/s", measured["skinny_read_bytes_per_s"] / 1e9, preset["skinny_read_bytes_per_s"] / 1e9),
-            ("skinny GEMM write GB/s", measured["skinny_write_bytes_per_s"] / 1e9, preset["skinny_write_bytes_per_s"] / 1e9)]
-    lines = ["| quantity | measured | `edgc simulate` preset `h100` (× mfu) |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {value:.3g} | {value_preset:.3g} |" if value_preset else f"| {name} | {value:.3g} | not modelled |"
-              for name, value, value_preset in rows]
+    rows = [(f"{name} matmul TFLOP/s", lambda m, n=name: m["matmul_flops"][n] / tera,
+             preset["matmul_flops"].get(key, 0) * preset["mfu"] / tera)
+            for name, key in (("bf16", "fp16"), ("tf32", "tf32"), ("fp32", "fp32"))]
+    rows += [("memory GB/s (read + write)", lambda m: m["mem_bytes_per_s"] / 1e9, preset["mem_bytes_per_s"] / 1e9),
+             ("per-op cost µs (tiny eager op)", lambda m: m["launch_s"] * 1e6, preset["launch_s"] * 1e6),
+             ("skinny GEMM read GB/s", lambda m: m["skinny_read_bytes_per_s"] / 1e9, preset["skinny_read_bytes_per_s"] / 1e9),
+             ("skinny GEMM write GB/s", lambda m: m["skinny_write_bytes_per_s"] / 1e9, preset["skinny_write_bytes_per_s"] / 1e9),
+             ("QR (1 × 6400 × 32) ms", lambda m: m.get("qr_s", 0) * 1e3, 0)]
+    table = []
+    for name, value, expected in rows:
+        now = value(measured)
+        shown_value = f"{value(prior['measured']):.3g} → {now:.3g}" if prior else f"{now:.3g}"
+        table.append([name, shown_value, f"{expected:.3g}" if expected else "not modelled", fmt(ratio(now, expected), ".2f")])
+    return markdown_table(["quantity", "measured", "`edgc simulate` preset `h100` (× mfu)", "measured ÷ preset"], "lrrr", table)
+
+
+def problems(run: dict) -> list[str]:
+    """Parts that failed and measurements skipped or failed in RUN (every one, so none is hidden)."""
+    lines = [f"- part {name} failed: `{result['error'].strip().splitlines()[-1]}`" for name in ("env", "engine", "overlap",
+             "device", "count") if isinstance(result := run.get(name), dict) and "error" in result]
+    engine = run["engine"]
+    lines += [f"- engine {json.dumps({k: v for k, v in e.items() if k != 'error'})} failed: "
+              f"`{e['error'].strip().splitlines()[-1]}`" for e in engine["errors"]]
+    if engine["skipped"]:
+        lines.append(f"- engine: {len(engine['skipped'])} measurements skipped when its time budget ran out: "
+                     + "; ".join(json.dumps(e) for e in engine["skipped"][:6]) + ("; …" if len(engine["skipped"]) > 6 else ""))
     return lines
 
 
-def build(folder: Path, image: Path) -> tuple[list[str], list[str]]:
-    env = json.loads((folder / "env.json").read_text())
-    engine = json.loads((folder / "engine.json").read_text())
-    runs = json.loads((folder / "overlap.json").read_text())
-    device = json.loads((folder / "device.json").read_text())
-    with gzip.open(folder / "trace_gloo.json.gz") as handle:
-        lanes = stream_intervals(json.load(handle))
-    compute, share = overlap_share(lanes)
-    plot_overlap(lanes, compute, image)
-    head = (f"`python -m edgc_bench.gpu --out {folder.name}` on {env['device']} ({env['nvidia_smi']}), torch "
-            f"{env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, {env['date']}.")
-    checks = []
-    for backend, run in runs.items():
-        reads = sorted(set(run["host_reads_per_step"][2:]))
-        checks.append(f"- {backend}, {run['world_size']} process(es), GPT-2 {run['model']}: phase {run['phase']} at rank "
-                      f"{run['rank']}, replicas identical: {run['replicas_identical']}, host reads per step after "
-                      f"the first two: {reads}.")
-    overlap_line = (f"- In the profiled gloo step, {share:.0%} of the collectives' CUDA copy time runs while the compute "
-                    f"stream is busy (docs/img/gpu_overlap.png).")
-    docs = [head, "", *checks, overlap_line, "", "![overlap](img/gpu_overlap.png)", "",
-            "Engine time per step (hooked step − plain step, DDP on NCCL with one process, bf16 gradients):", "",
-            *engine_table(engine), "", "The simulator's host profile measured on this GPU:", "", *device_table(device)]
-    xl = [r for r in engine if r["model"] == "xl" and r["rank"] == 32 and r["method"] in ("edgc", "powersgd")]
-    readme = [head, "", *checks, overlap_line]
-    if len(xl) == 2:
-        ours, theirs = (r for r in sorted(xl, key=lambda r: r["method"] != "edgc"))
-        readme.append(f"- GPT-2 XL at rank 32: EDGC {ours['hook_s']:.4f} s per step, {ours['hook_s'] / theirs['hook_s']:.2f}× "
-                      f"powerSGD_hook, {ours['hook_over_backward']:.1%} of backward (goals ≤ 0.5× and ≤ 5 %).")
-    readme.append("\nEvery figure, the trace and the simulator comparison: [docs/gpu.md](docs/gpu.md).")
+# ---------------------------------------------------------------------------- the blocks
+def picture(run: dict, image: Path) -> list[str]:
+    """Draws ``image`` from RUN's trace; the line that shows it (and says where it came from)."""
+    if run["trace"] is None or not gpu_trace.device_spans(trace := gpu_trace.read_trace(run["trace"])):
+        return [f"![device work per stream](img/{image.name})", "",
+                f"(`{shown(run['folder'])}` has no trace of device work: the picture above is kept from an earlier run.)"]
+    overlap = run["overlap"].get(run["trace"].name.removeprefix("trace_").removesuffix(".json.gz"), {})
+    title = (f"{run['env'].get('device', '?')}: one compressed step, {overlap.get('backend', '?')}, "
+             f"{overlap.get('world_size', '?')} process(es), GPT-2 {overlap.get('model', '?')}, "
+             f"{overlap.get('delay_ms', 0):g} ms injected per all-reduce")
+    gpu_trace.plot(trace, image, title)
+    return [f"![device work per stream](img/{image.name})", "",
+            f"Device work per CUDA stream in the profiled step of `{shown(run['trace'])}`."]
+
+
+def build(run: dict, before: dict | None, image: Path) -> tuple[list[str], list[str]]:
+    heads = [describe(run, "This run" if before else "The run")] + ([describe(before, "Before")] if before else [])
+    model, rank = largest(run), goal_rank(run)
+    docs = [*heads, "", f"**Goals** (GPT-2 {model}, rank {rank}):", "", *goals(run)]
+    if before:
+        docs += ["", "Before:", "", *goals(before)]
+    docs += ["", "**The hooks in a training step** (DDP on NCCL, one process, bf16, DDP's default buckets; the hook's share "
+             "is the hooked step minus the plain one):", "", *step_table(run, before)]
+    if run["engine"]["hook_alone"]:
+        docs += ["", "**Each hook alone** (one backward's gradients in DDP's default buckets, restored before every call; "
+                 "ratio = EDGC ÷ powerSGD_hook; kernels from the profiler, dispatches from the CPU count):", "",
+                 *alone_table(run), "", f"**DDP's bucket size** (EDGC at rank {rank}):", "", *bucket_table(run)]
+    if run["count"] and "hook" in run["count"]:
+        docs += ["", "**Dispatches of one compressed step, counted on the CPU** (`python -m edgc_bench.gpu --count-only`):",
+                 "", *count_table(run["count"])]
+    docs += ["", "**Overlap and host reads:**", "", *overlap_lines(run, before), *trace_lines(run), "", *picture(run, image)]
+    if run["device"] and "measured" in run["device"]:
+        docs += ["", "**The simulator's host profile on this GPU:**", "", *device_table(run, before)]
+    if trouble := problems(run):
+        docs += ["", "**What failed or was skipped in this run:**", "", *trouble]
+    readme = [*heads, *goals(run)]
+    xl = [row for row in (run["count"] or {}).get("hook", []) if row["model"] == model]
+    if xl:
+        readme.append(f"- Dispatches of one compressed step of GPT-2 {model} (CPU count): "
+                      + ", ".join(f"{row['dispatches']} at {row['bucket_cap_mb']:g} MB buckets" for row in xl) + ".")
+    for key, result in run["overlap"].items():
+        for line in overlap_lines({"overlap": {key: result}}, None):
+            if "injected" in line:
+                readme.append(f"- Overlap, the {key} run: w{line.removeprefix('  - W')}")
+    readme.append("\nEvery figure, the trace's picture and the simulator comparison: [docs/gpu.md](docs/gpu.md).")
     return docs, readme
 
 
-def replace_block(path: Path, lines: list[str]) -> None:
-    text = path.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{path}: markers {START} … {END} not found")
-    block = "\n".join([START, *lines, END])
-    path.write_text(re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S))
-
-
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-        return 2
-    docs, readme = build(Path(argv[0]), REPO / "docs" / "img" / "gpu_overlap.png")
-    replace_block(REPO / "docs" / "gpu.md", docs)
-    replace_block(REPO / "README.md", readme)
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("run", type=Path, help="the run's folder")
+    parser.add_argument("--before", type=Path, help="an earlier run's folder, shown beside it")
+    args = parser.parse_args(argv)
+    run, before = load_run(args.run), load_run(args.before) if args.before else None
+    docs, readme = build(run, before, REPO / "docs" / "img" / "gpu_overlap.png")
+    for path, lines in ((REPO / "docs" / "gpu.md", docs), (REPO / "README.md", readme)):
+        path.write_text(update(path.read_text(), "\n".join(lines) + "\n", START, END))
     return 0
 
 

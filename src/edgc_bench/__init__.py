@@ -13,5 +13,11 @@ Modules:
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
     torchft_train.py one replica group's worker of that bench (torchft DDP, torchft + EDGC, plain DDP)
     torchft_table.py its bench.md: the table and the acceptance checks
-    gpu.py          `python -m edgc_bench.gpu`: the CUDA path measured on one GPU (docs/gpu.md)
+    gpu.py          `python -m edgc_bench.gpu`: the CUDA path measured on one GPU (docs/gpu.md), its parts:
+    gpu_engine.py   EDGC's hook against powerSGD_hook at GPT-2 sizes: in a step, and each hook alone
+    gpu_overlap.py  does backward wait for the collectives? (a delay injected into NCCL's all-reduces)
+    gpu_support.py  the model, device timing, kernel counts and process groups the parts share
+    gpu_trace.py    a profiled step's device work per stream, and its picture
+    dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU
+    gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
 """

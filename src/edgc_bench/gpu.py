@@ -1,302 +1,197 @@
 """`python -m edgc_bench.gpu --out DIR`: the CUDA path measured on one GPU (docs/gpu.md).
 
-One command, one GPU, every figure written as a file under DIR (scripts/gpu_to_docs.py copies them
-into the README and docs/gpu.md):
+One command, one GPU; every figure is a file under DIR, which scripts/gpu_to_docs.py copies into
+docs/gpu.md and the README:
 - ``env.json``      device, driver, torch, CUDA and NCCL versions;
-- ``engine.json``   GPT-2 medium/large/XL (HF, bf16), DDP on NCCL with one process: step time with no
-                    hook, PyTorch's ``powerSGD_hook`` and EDGC at the same static rank; the hooks' time
-                    (hooked step − plain step), backward time, CUDA kernels per step, memory beyond
-                    the gradients; and our engine alone on the same gradients;
-- ``overlap.json`` + ``trace_gloo.json.gz`` 2 processes on the one GPU over gloo with CUDA tensors
-                    (NCCL cannot put two ranks on one GPU): replicas bit-identical, host reads per step,
-                    and a profiler trace (CUDA activities) of one compressed step of rank 0; the same
-                    for NCCL with one process, whose collectives move no bytes;
-- ``device.json``   the host profile of `edgc_sim` measured on the GPU, beside the simulator's preset.
+- ``device.json``   `edgc_sim`'s host profile measured on the GPU, beside the simulator's h100 preset;
+- ``count.json``    the dispatches of one compressed step predicted on the CPU (`edgc_bench.dispatch_count`;
+                    computed in a background process while the GPU parts run);
+- ``overlap.json``, ``trace_gloo.json.gz``, ``trace_nccl.json.gz``  does backward wait for the
+                    collectives? (`edgc_bench.gpu_overlap`);
+- ``engine.json``   EDGC's hook against ``powerSGD_hook`` at GPT-2 sizes (`edgc_bench.gpu_engine`).
+
+Each part runs in its own ``try``, so one failure keeps the others' files; each has a time budget,
+printed with the time it took (the engine part stops where its budget ends). The exit status is 1
+if any part failed. ``--count-only`` writes count.json alone (CPU, no GPU needed). ``--smoke`` runs
+every part's logic on the CPU with a tiny GPT-2 and gloo (the suite does, so the bench cannot rot).
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import platform
-import socket
-import statistics
 import subprocess
+import sys
 import time
-from datetime import timedelta
+import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-GPT2_SIZES = {"small": (12, 768, 12), "medium": (24, 1024, 16), "large": (36, 1280, 20), "xl": (48, 1600, 25)}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Seconds per part on an H100, so that the whole run stays near 6 minutes (the first run's engine
+# part, 2 ranks and 3 sizes, took 184 s). The engine part stops where its budget ends; the
+# count runs beside the others on the CPU.
+BUDGETS = {"env": 10, "device": 40, "count": 240, "overlap": 120, "engine": 240}
+PARTS = ("env", "device", "count", "overlap", "engine")
 
 
-def environment() -> dict:
+def environment(cuda: bool) -> dict:
+    found = {"torch": torch.__version__, "python": platform.python_version(),
+             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if not cuda:
+        return {"device": "cpu (smoke run)", **found}
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     props = torch.cuda.get_device_properties(0)
-    return {"device": torch.cuda.get_device_name(0), "nvidia_smi": smi, "torch": torch.__version__,
+    return {"device": torch.cuda.get_device_name(0), "nvidia_smi": smi, "driver": smi.split(", ")[1] if smi else None,
             "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "multiprocessors": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1),
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "multiprocessors": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1), **found}
 
 
-def gpt2(size: str, device: torch.device, dtype=torch.bfloat16):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    layers, width, heads = GPT2_SIZES[size]
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=1024, vocab_size=50257,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    with torch.device(device):
-        model = GPT2LMHeadModel(config)
-    return model.to(dtype)
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-# ---------------------------------------------------------------------------- engine speed
-def _wrap(model, method: str, rank: int, device):
-    """DDP with no hook, PyTorch's powerSGD_hook or EDGC at a static rank (same bucket size)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    from edgc import EDGCConfig, EDGCState, edgc_hook
-
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    state = None
-    if method == "powersgd":
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    elif method.startswith("edgc"):
-        extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
-        state = EDGCState(None, EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, **extra), model=ddp)
-        ddp.register_comm_hook(state, edgc_hook)
-    return ddp, state
-
-
-def _steps(ddp, tokens, count: int) -> list[tuple[float, float]]:
-    """(step, backward) seconds of ``count`` forward+backward steps, timed by CUDA events."""
-    marks = []
-    for _ in range(count):
-        start, forward_done, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        start.record()
-        loss = ddp(input_ids=tokens, labels=tokens).loss
-        forward_done.record()
-        loss.backward()
-        end.record()
-        ddp.module.zero_grad(set_to_none=False)
-        marks.append((start, forward_done, end))
-    torch.cuda.synchronize()
-    return [(s.elapsed_time(e) / 1e3, f.elapsed_time(e) / 1e3) for s, f, e in marks]
-
-
-def _kernels(ddp, tokens) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _steps(ddp, tokens, 1)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def _engine_alone(model, rank: int, repeats: int = 5) -> float:
-    """Our engine on the model's current gradients, no DDP around it: seconds per call (median)."""
-    from edgc import EDGCConfig, LowRankCompressor
-    from edgc.comm import Communicator
-
-    named = [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
-    compressor = LowRankCompressor(EDGCConfig(r_max=rank, min_compression_rate=2.0))
-    times = []
-    for _ in range(repeats + 2):
-        grads = [g.clone() for _, g in named]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        compressor.reduce([n for n, _ in named], grads, rank, Communicator(None), measure_error=False)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return _median(times[2:])
-
-
-def engine_speed(sizes: list[str], ranks: list[int], micro_batch: int, seq_len: int, timed: int,
-                 device: torch.device = torch.device("cuda", 0)) -> list[dict]:
-    rows = []
-    for size in sizes:
-        torch.manual_seed(0)
-        model = gpt2(size, device)
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        tokens = torch.randint(0, 50257, (micro_batch, seq_len), device=device)
-        plan = [("none", 0)] + [(m, r) for r in ranks for m in ("powersgd", "edgc")]
-        if 32 in ranks:
-            plan.append(("edgc-bf16-ef", 32))
-        baseline = None
-        for method, rank in plan:
-            ddp, state = _wrap(model, method, rank, device)
-            _steps(ddp, tokens, 4)  # warm-up: DDP's bucket rebuild, both hooks' uncompressed start, Q creation
-            torch.cuda.synchronize()
-            resident = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            times = _steps(ddp, tokens, timed)
-            peak = torch.cuda.max_memory_allocated()
-            row = {"model": size, "params": sum(p.numel() for p in model.parameters()), "method": method,
-                   "rank": rank, "step_s": _median([t for t, _ in times]), "backward_s": _median([b for _, b in times]),
-                   "step_s_all": [t for t, _ in times], "kernels": _kernels(ddp, tokens),
-                   "resident_bytes": resident, "peak_bytes": peak, "grad_bytes": grad_bytes,
-                   "micro_batch": micro_batch, "seq_len": seq_len}
-            if state is not None and hasattr(state, "last_step_metrics"):
-                row["phase"], row["edgc_rank"] = state.last_step_metrics["phase"], state.last_step_metrics["rank"]
-            if method == "none":
-                baseline = row
-            else:
-                row["hook_s"] = row["step_s"] - baseline["step_s"]
-                row["hook_kernels"] = row["kernels"] - baseline["kernels"]
-                row["extra_resident_bytes"] = row["resident_bytes"] - baseline["resident_bytes"]
-                row["extra_peak_bytes"] = row["peak_bytes"] - baseline["peak_bytes"]
-                row["hook_over_backward"] = row["hook_s"] / baseline["backward_s"]
-            if method == "edgc":
-                row["engine_alone_s"] = _engine_alone(model, rank)
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
-            del ddp, state
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        del model
-        torch.cuda.empty_cache()
-    return rows
-
-
-# ---------------------------------------------------------------------------- NCCL, gloo and the trace
-def _overlap_worker(rank: int, world: int, backend: str, port: int, out: str, steps: int, size: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    import edgc.timing
-    from edgc import EDGCConfig, EDGCState, edgc_hook
-
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    torch.manual_seed(0)
-    model = gpt2(size, device)
-    ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
-    state = EDGCState(None, EDGCConfig.static(16, total_steps=10_000, warmup_fraction=0.0), model=ddp)
-    ddp.register_comm_hook(state, edgc_hook)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
-    reads, counter, real = [], [0], edgc.timing.to_host
-
-    def counting(tensor):
-        counter[0] += 1
-        return real(tensor)
-
-    edgc.timing.to_host = counting
-    generator = torch.Generator().manual_seed(rank)
-    trace = None
-    for step in range(steps):
-        tokens = torch.randint(0, 50257, (4, 1024), generator=generator).pin_memory().to(device, non_blocking=True)
-        counter[0] = 0
-        profiling = step == steps - 1 and rank == 0
-        context = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiling else None
-        if context is not None:
-            context.__enter__()
-        loss = ddp(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        if context is not None:
-            torch.cuda.synchronize()
-            context.__exit__(None, None, None)
-            trace = context
-        reads.append(counter[0])
-    metrics = state.last_step_metrics
-    params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-    checksum = [float(params.double().sum()), float(params.double().square().sum())]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, checksum)
-    if rank == 0:
-        path = Path(out) / f"trace_{backend}.json"
-        trace.export_chrome_trace(str(path))
-        with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
-            dst.write(src.read())
-        path.unlink()
-        result = {"backend": backend, "world_size": world, "model": size, "steps": steps,
-                  "host_reads_per_step": reads, "phase": metrics["phase"], "rank": metrics["rank"],
-                  "collectives_last_step": metrics["collectives"], "bytes_sent": metrics["bytes_sent"],
-                  "bytes_raw": metrics["bytes_raw"], "checksums": gathered,
-                  "replicas_identical": all(c == gathered[0] for c in gathered)}
-        (Path(out) / f"overlap_{backend}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def overlap(out: Path, steps: int, size: str) -> dict:
-    import torch.multiprocessing as mp
-
-    results = {}
-    for backend, world in (("gloo", 2), ("nccl", 1)):
-        mp.spawn(_overlap_worker, args=(world, backend, _free_port(), str(out), steps, size), nprocs=world, join=True)
-        path = out / f"overlap_{backend}.json"
-        results[backend] = json.loads(path.read_text())
-        path.unlink()
-    return results
-
-
-# ---------------------------------------------------------------------------- device profile
 def device_profile() -> dict:
     """The simulator's host measurements, taken on the GPU, beside its h100 preset."""
     from edgc_sim.hardware import DEVICES
     from edgc_sim.host import measure_cuda
 
-    measured = measure_cuda()
+    if not torch.cuda.is_available():
+        raise RuntimeError("the device profile needs a CUDA GPU")
     preset = DEVICES["h100"]
-    return {"measured": measured, "preset": {"name": preset.name, "matmul_flops": preset.matmul_flops, "mfu": preset.mfu,
-                                             "mem_bytes_per_s": preset.mem_bytes_per_s, "launch_s": preset.launch_s,
-                                             "skinny_read_bytes_per_s": preset.skinny_read_bytes_per_s,
-                                             "skinny_write_bytes_per_s": preset.skinny_write_bytes_per_s,
-                                             "qr_flops_per_s": preset.qr_flops_per_s}}
+    fields = ("name", "matmul_flops", "mfu", "mem_bytes_per_s", "launch_s", "skinny_read_bytes_per_s",
+              "skinny_write_bytes_per_s", "qr_flops_per_s")
+    measured = measure_cuda()
+    torch.cuda.empty_cache()
+    return {"measured": measured, "preset": {name: getattr(preset, name) for name in fields}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def count(args) -> dict:
+    from .dispatch_count import count_report
+
+    return count_report(args.sizes, args.bucket_caps, rank=args.goal_rank, progress=lambda line: print(line, flush=True))
+
+
+class CountInBackground:
+    """count.json from ``--count-only`` in a process of its own (CPU only), while the GPU parts run."""
+
+    def __init__(self, args):
+        command = [sys.executable, "-m", "edgc_bench.gpu", "--count-only", "--out", str(args.out),
+                   "--sizes", ",".join(args.sizes), "--bucket-cap-mb", args.bucket_cap_mb, "--goal-rank", str(args.goal_rank)]
+        self.process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+
+    def result(self, timeout: float) -> None:
+        try:
+            status = self.process.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise RuntimeError(f"the dispatch count did not finish within its budget ({timeout:.0f} s left)") from None
+        if status:
+            raise RuntimeError(f"the dispatch count exited with status {status}")
+
+
+def run_part(name: str, out: Path, measure, budget: float, failures: list) -> None:
+    """``measure()`` into ``out/<name>.json``; if it raises, its error goes there too, beside what
+    the part wrote so far (the engine part writes as it goes). ``measure`` may return None when the
+    part writes its file itself."""
+    started = time.perf_counter()
+    print(f"== part {name}: budget {budget:.0f} s", flush=True)
+    path = out / f"{name}.json"
+    try:
+        result = measure()
+    except Exception:
+        result = json.loads(path.read_text()) if path.exists() else {}
+        result = {**(result if isinstance(result, dict) else {"partial": result}), "error": traceback.format_exc(limit=12)}
+        failures.append(name)
+        print(result["error"], flush=True)
+    if result is not None:
+        path.write_text(json.dumps(result, indent=1, default=str))
+    took = time.perf_counter() - started
+    print(f"== part {name}: {took:.0f} s of {budget:.0f} s{' (over budget)' if took > budget else ''}", flush=True)
+
+
+def engine_settings(args) -> dict:
+    return {"cuda": not args.smoke, "sizes": args.sizes, "ranks": args.ranks, "goal_rank": args.goal_rank,
+            "bucket_caps": args.bucket_caps, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+            "timed": args.timed_steps}
+
+
+def overlap_settings(args) -> dict:
+    return {"cuda": not args.smoke, "size": args.overlap_size, "rank": args.overlap_rank, "steps": args.overlap_steps,
+            "micro_batch": args.micro_batch, "seq_len": min(args.seq_len, 1024)}
+
+
+# A smoke run's first bucket size holds the tiny model in one bucket: on gloo, powerSGD_hook's
+# callbacks wait for collectives on gloo's two worker threads, so two buckets in flight deadlock.
+SMOKE = {"sizes": "tiny", "ranks": "4", "goal_rank": 4, "bucket_cap_mb": "100,0.25", "micro_batch": 2,
+         "seq_len": 32, "timed_steps": 2, "overlap_size": "tiny", "overlap_rank": 4, "overlap_steps": 2, "delay_ms": 1.0,
+         "parts": "env,count,overlap,engine"}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m edgc_bench.gpu", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for the JSON files and the trace")
-    parser.add_argument("--sizes", default="medium,large,xl", help="GPT-2 sizes for the engine figures")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON files and the traces")
+    parser.add_argument("--smoke", action="store_true", help="on the CPU: tiny GPT-2, gloo, a few steps")
+    parser.add_argument("--count-only", action="store_true", help="count.json only (CPU)")
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--sizes", default="medium,large,xl", help="GPT-2 sizes (run largest first)")
     parser.add_argument("--ranks", default="4,8,16,32,64")
+    parser.add_argument("--goal-rank", type=int, default=32, help="rank of the goals, the kernel counts and the bucket sizes")
+    parser.add_argument("--bucket-cap-mb", default="default,100,200",
+                        help="DDP bucket sizes; 'default' is DDP's own (25 MB, a first bucket of 1 MB)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--timed-steps", type=int, default=8)
-    parser.add_argument("--overlap-size", default="small", help="GPT-2 size of the NCCL/gloo runs and the trace")
-    parser.add_argument("--parts", default="env,device,overlap,engine")
+    parser.add_argument("--timed-steps", type=int, default=5)
+    parser.add_argument("--overlap-size", default="small", help="GPT-2 size of the overlap runs")
+    parser.add_argument("--overlap-rank", type=int, default=16)
+    parser.add_argument("--overlap-steps", type=int, default=4, help="timed steps without and with the delay")
+    parser.add_argument("--delay-ms", type=float, default=2.0, help="injected delay per all-reduce in the NCCL run")
+    smoke = "--smoke" in (argv if argv is not None else sys.argv[1:])
+    if smoke:
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    parts = args.parts.split(",")
-    started = time.perf_counter()
+    if not smoke and not args.count_only and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --smoke, or --count-only)")
+    from .gpt2_layout import GPT2_SIZES
+
+    args.sizes = sorted(args.sizes.split(","), key=lambda size: -GPT2_SIZES[size][1])
+    args.ranks = [int(r) for r in args.ranks.split(",")]
+    args.bucket_caps = [None if cap == "default" else float(cap) for cap in args.bucket_cap_mb.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None, runner=None) -> int:
+    """``runner(fn, world_size, backend, *args, timeout=seconds)`` runs a distributed part (default:
+    `spawn_group`, new processes; the suite passes its process pool)."""
+    from .gpu_engine import engine
+    from .gpu_overlap import overlap
+    from .gpu_support import spawn_group
+
+    args, failures, started = parse(argv), [], time.perf_counter()
+    runner = runner or spawn_group
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = ["count"] if args.count_only else args.parts.split(",")
     if "env" in parts:
-        (out / "env.json").write_text(json.dumps(environment(), indent=1))
-    if "device" in parts:
-        (out / "device.json").write_text(json.dumps(device_profile(), indent=1))
+        run_part("env", args.out, lambda: environment(not args.smoke), BUDGETS["env"], failures)
+    if "device" in parts:  # before the count starts beside it: this part times the host's issue rate
+        run_part("device", args.out, device_profile, BUDGETS["device"], failures)
+    background, count_started = None, time.perf_counter()
+    if "count" in parts and not (args.smoke or args.count_only):
+        background = CountInBackground(args)
+    elif "count" in parts:
+        run_part("count", args.out, lambda: count(args), BUDGETS["count"], failures)
     if "overlap" in parts:
-        (out / "overlap.json").write_text(json.dumps(overlap(out, 6, args.overlap_size), indent=1))
+        settings = overlap_settings(args)
+        run_part("overlap", args.out, lambda: overlap(args.out, settings, args.delay_ms, runner, BUDGETS["overlap"] / 2),
+                 BUDGETS["overlap"], failures)
     if "engine" in parts:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("nccl", rank=0, world_size=1)
-        rows = engine_speed(args.sizes.split(","), [int(r) for r in args.ranks.split(",")], args.micro_batch,
-                            args.seq_len, args.timed_steps)
-        (out / "engine.json").write_text(json.dumps(rows, indent=1))
-        dist.destroy_process_group()
-    print(f"edgc_bench.gpu: done in {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
-    return 0
+        backend, partial, budget = "gloo" if args.smoke else "nccl", str(args.out / "engine.json"), BUDGETS["engine"]
+        run_part("engine", args.out, lambda: runner(engine, 1, backend, engine_settings(args), budget, partial,
+                                                    timeout=budget + 90)[0], budget + 90, failures)
+    if background is not None:
+        left = BUDGETS["count"] - (time.perf_counter() - count_started)
+        run_part("count", args.out, lambda: background.result(left), max(left, 0), failures)
+    print(f"edgc_bench.gpu: {time.perf_counter() - started:.0f} s; files in {args.out}"
+          f"{'; failed: ' + ', '.join(failures) if failures else ''}", flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,317 @@
+"""Kernel-launching ATen dispatches of one compressed EDGC step, counted on the CPU.
+
+    python -m edgc_bench.gpu --count-only --out DIR        # writes DIR/count.json
+
+What is counted: every ATen operator that reaches the Python dispatch key while the step runs
+(after autograd and composite-implicit decomposition, so ``torch.matmul`` counts as the ``mm`` or
+``bmm`` it becomes), except those that launch no kernel on a GPU:
+- views (``OpOverload.is_view``: ``view``, ``t``, ``transpose``, ``split``, ``detach``, …) and
+  in-place view ops (``torch.Tag.inplace_view``: ``t_``, ``as_strided_``, …);
+- ``METADATA_ONLY``: allocation without initialisation (``empty``, ``empty_strided``,
+  ``empty_like``, ``new_empty``, ``new_empty_strided``, ``resize_``), ``_unsafe_view`` (a view
+  whose schema does not say so), ``set_`` and the ``sym_*`` size queries;
+- the ``prim`` namespace (``prim.device``, ``prim.layout``): metadata queries, which a fake tensor
+  answers through the dispatcher where a real one answers in C++.
+Everything else counts once per dispatch. A dispatch is not a kernel: a ``_foreach_*`` op launches
+one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or
+MAGMA kernels and a workspace allocation, a GEMM sometimes two (split-K). The profiler on a GPU
+counts the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
+
+How: the tensors are fake (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes and
+strides with no storage), so GPT-2 XL's 1.5 billion gradients cost nothing. A fake tensor has no
+values, so any host read of one raises, except the step's one read (`edgc.timing.to_host`), which
+is counted and answered with zeros. Collectives go to `CountingCommunicator`, which records each
+one and completes it at once, so the engine runs exactly as it does in a process group (world size
+1 by default, as on the one-GPU bench), and no bytes move. The buckets are DDP's, reproduced by
+`ddp_buckets`, and each is passed to the hook's state as DDP would pass it (`GradBucketStandIn`).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .gpu_support import counted_host_reads
+
+aten = torch.ops.aten
+
+METADATA_ONLY = frozenset({
+    aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.resize_,
+    aten._unsafe_view, aten.set_, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
+})
+
+
+def launches_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether a dispatch of ``func`` launches device work (the rule of the module docstring)."""
+    if func.namespace == "prim" or func.is_view or torch.Tag.inplace_view in func.tags:
+        return False
+    return func.overloadpacket not in METADATA_ONLY
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts the kernel-launching dispatches made while it is active, per operator name."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if launches_kernel(func):
+            self.by_op[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+
+# ---------------------------------------------------------------------------- DDP's buckets
+def ready_order(names: list[str]) -> list[int]:
+    """Indices of the parameters in the order their gradients become ready in GPT-2's backward,
+    which is the order DDP's rebuilt buckets hold them in (it records that order in the first
+    iteration). Reverse registration order, except that a LayerNorm's weight is ready before its
+    bias (its backward node accumulates them in that order, where a Conv1D's ``addmm`` gives the
+    bias first). Checked against DDP around ``GPT2LMHeadModel`` and, in the suite, around
+    `edgc_bench.gpt2_layout.GPT2Layout` (tests/bench/test_dispatch_count.py)."""
+    order = list(reversed(range(len(names))))
+    for k in range(len(order) - 1):
+        bias, weight = names[order[k]], names[order[k + 1]]
+        if bias.endswith(".bias") and weight == bias[: -len("bias")] + "weight" and _is_layer_norm(bias):
+            order[k], order[k + 1] = order[k + 1], order[k]
+    return order
+
+
+def _is_layer_norm(name: str) -> bool:
+    return name.split(".")[-2].startswith("ln_")
+
+
+def ddp_buckets(shapes: list[tuple[int, ...]], order: list[int], dtype: torch.dtype,
+                bucket_cap_mb: float | None) -> list[list[int]]:
+    """Parameter indices of each of DDP's buckets after its rebuild, in the order the hook sees them.
+
+    Reproduces ``Reducer::rebuild_buckets``: the gradients in ready ``order`` go through
+    ``dist._compute_bucket_assignment_by_size`` with the limits [first bucket, bucket cap]. The
+    first bucket is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) only with DDP's default
+    ``bucket_cap_mb=None`` (25 MiB); an explicit ``bucket_cap_mb`` caps every bucket, the first too.
+    """
+    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    tensors = [torch.empty(shapes[i], dtype=dtype, device="meta") for i in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap], [], order)
+    return [list(bucket) for bucket in buckets]
+
+
+# ---------------------------------------------------------------------------- a step without a group
+class _CompletedWork:
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def counting_communicator(world_size: int = 1):
+    """A `Communicator` that issues every collective as in a process group of ``world_size`` but
+    only records it ((kind, elements, dtype) in ``.issued``) and completes it at once."""
+    from edgc.comm import Communicator
+
+    class CountingCommunicator(Communicator):
+        def __init__(self):
+            super().__init__(None)
+            self.world_size, self.issued = world_size, []
+
+        @property
+        def issues(self) -> bool:
+            return True
+
+        def _all_reduce_work(self, tensor, op):
+            self.issued.append(("all_reduce", tensor.numel(), str(tensor.dtype)))
+            return _CompletedWork()
+
+        def _broadcast_work(self, tensor):
+            self.issued.append(("broadcast", tensor.numel(), str(tensor.dtype)))
+            return _CompletedWork()
+
+        def _all_gather_work(self, out, tensor):
+            self.issued.append(("all_gather", tensor.numel(), str(tensor.dtype)))
+            return _CompletedWork()
+
+    return CountingCommunicator()
+
+
+class GradBucketStandIn:
+    """What the hook reads of DDP's ``GradBucket``: a flat buffer and views of it, one per parameter."""
+
+    def __init__(self, index: int, parameters: list[torch.Tensor], dtype: torch.dtype, last: bool):
+        self._index, self._parameters, self._last = index, parameters, last
+        self._buffer = torch.zeros(sum(p.numel() for p in parameters), dtype=dtype, device=parameters[0].device)
+        sizes = [p.numel() for p in parameters]
+        self._gradients = [flat.view(p.shape) for flat, p in zip(self._buffer.split(sizes), parameters)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def index(self) -> int:
+        return self._index
+
+
+class NamedParameters:
+    """Stands for the model: `EDGCState` only asks it for ``named_parameters()``."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        self._named = named
+
+    def named_parameters(self):
+        return iter(self._named)
+
+
+# ---------------------------------------------------------------------------- counting
+@dataclass
+class StepCount:
+    """One counted step (or engine call)."""
+
+    dispatches: int
+    by_op: dict[str, int]
+    collectives: int
+    host_reads: int
+    buckets: int = 1
+    matrices: int = 0  # gradients of ≥ 2 dimensions
+    compressed: int = 0  # of those, sent as low-rank factors
+    phase: str | None = None
+    rank: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def linalg(self) -> int:
+        """Dispatches of ``linalg_*`` operators (QR, Cholesky, triangular solves, eigh)."""
+        return sum(count for name, count in self.by_op.items() if name.startswith(("linalg_", "_linalg_")))
+
+    def summary(self, top: int = 15) -> dict:
+        ranked = sorted(self.by_op.items(), key=lambda item: (-item[1], item[0]))
+        return {"dispatches": self.dispatches, "linalg": self.linalg, "matrices": self.matrices,
+                "compressed": self.compressed, "buckets": self.buckets, "collectives": self.collectives,
+                "host_reads": self.host_reads, "phase": self.phase, "rank": self.rank,
+                "top_ops": dict(ranked[:top]), **self.extra}
+
+
+def _zeros(tensor: torch.Tensor) -> list:
+    """The step's host read answered without reading: a fake tensor has no values."""
+    return [0.0] * tensor.numel()
+
+
+def _static_config(rank: int):
+    from edgc import EDGCConfig
+
+    return EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0)
+
+
+def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_cap_mb: float | None = None,
+                    rank: int = 32, dtype: torch.dtype = torch.bfloat16, world_size: int = 1, config=None,
+                    order: list[int] | None = None, settle_steps: int = 1) -> StepCount:
+    """Dispatches of one compressed step through the DDP hook: every bucket of DDP's layout passed
+    to `EDGCState.reduce_bucket` in DDP's order, after the warm-up and ``settle_steps`` compressed
+    steps (the first one creates Q and the error feedback). ``order``: the gradients' ready order
+    (default `ready_order`, GPT-2's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc import EDGCState
+
+    names, shapes = [name for name, _ in named_shapes], [tuple(shape) for _, shape in named_shapes]
+    layout = ddp_buckets(shapes, ready_order(names) if order is None else order, dtype, bucket_cap_mb)
+    with counted_host_reads(_zeros) as host, FakeTensorMode():
+        parameters = [torch.empty(shape, dtype=dtype) for shape in shapes]
+        state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
+        state.comm = communicator = counting_communicator(world_size)
+        buckets = [GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
+                   for k, indices in enumerate(layout)]
+
+        def step() -> None:
+            for bucket in buckets:
+                state.reduce_bucket(bucket)
+
+        compressed = 0
+        while compressed < settle_steps:
+            step()
+            compressed += state.last_step_metrics["phase"] == "compress"
+            if state.step > 100:
+                raise RuntimeError("the warm-up did not end within 100 steps: pass a static config")
+        host.reads, communicator.issued = 0, []
+        with DispatchCounter() as counter:
+            step()
+    metrics = state.last_step_metrics
+    return StepCount(counter.total, dict(counter.by_op), len(communicator.issued), host.reads, buckets=len(layout),
+                     matrices=sum(len(shape) >= 2 for shape in shapes),
+                     compressed=sum(1 for r in metrics.get("ranks", {}).values() if r),
+                     phase=metrics["phase"], rank=metrics["rank"])
+
+
+def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, dtype: torch.dtype = torch.bfloat16,
+                      settle_calls: int = 1, fake: bool = True) -> StepCount:
+    """Dispatches of one `LowRankCompressor.reduce` call on ``matrices`` gradients of one shape
+    (one bucket holding them), after ``settle_calls`` calls; on real CPU tensors with ``fake=False``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc import EDGCConfig, LowRankCompressor
+
+    with counted_host_reads(_zeros) as host, FakeTensorMode() if fake else contextlib.nullcontext():
+        compressor = LowRankCompressor(EDGCConfig(r_max=rank))
+        communicator = counting_communicator()
+        names = [f"matrix{k}" for k in range(matrices)]
+        grads = [torch.zeros(shape, dtype=dtype) for _ in names]
+        for _ in range(settle_calls):
+            compressor.reduce(names, grads, rank, communicator, measure_error=False)
+        communicator.issued = []
+        with DispatchCounter() as counter:
+            stats = compressor.reduce(names, grads, rank, communicator, measure_error=False)
+    return StepCount(counter.total, dict(counter.by_op), len(communicator.issued), host.reads, matrices=matrices,
+                     compressed=sum(1 for r in stats.ranks.values() if r), rank=rank)
+
+
+# ---------------------------------------------------------------------------- GPT-2
+def count_gpt2_step(size: str, bucket_cap_mb: float | None = None, *, rank: int = 32,
+                    dtype: torch.dtype = torch.bfloat16) -> StepCount:
+    """`count_hook_step` on GPT-2 ``size``'s parameters (Hugging Face's layout; ``None``: DDP's
+    default buckets). E.g. ``count_gpt2_step("xl").dispatches``: a compressed step at rank 32, bf16."""
+    from .gpt2_layout import gpt2_parameters
+
+    return count_hook_step(gpt2_parameters(size), bucket_cap_mb=bucket_cap_mb, rank=rank, dtype=dtype)
+
+
+def count_report(sizes: Iterable[str] = ("medium", "large", "xl"), bucket_caps: Iterable[float | None] = (None, 100, 200),
+                 *, rank: int = 32, dtype: torch.dtype = torch.bfloat16, group_sizes: Iterable[int] = (1, 2, 8),
+                 progress: Callable[[str], None] = lambda line: None) -> dict:
+    """What ``python -m edgc_bench.gpu --count-only`` writes to count.json: the hook's step per
+    model and bucket size, and one engine call on 1, 2, 8 matrices of the widest model's MLP shape."""
+    from .gpt2_layout import GPT2_SIZES
+
+    sizes = list(sizes)
+    rows = []
+    for size in sizes:
+        for cap in bucket_caps:
+            count = count_gpt2_step(size, cap, rank=rank, dtype=dtype)
+            rows.append({"model": size, "bucket_cap_mb": 25 if cap is None else cap, "ddp_default": cap is None,
+                         **count.summary()})
+            progress(f"count {size} bucket {rows[-1]['bucket_cap_mb']} MB: {count.dispatches} dispatches")
+    widest = max(sizes, key=lambda size: GPT2_SIZES[size][1])
+    shape = (GPT2_SIZES[widest][1], 4 * GPT2_SIZES[widest][1])
+    engine = [{"model": widest, "shape": list(shape), **count_engine_call(shape, k, rank=rank, dtype=dtype).summary()}
+              for k in group_sizes]
+    return {"rank": rank, "dtype": str(dtype).removeprefix("torch."), "world_size": 1, "torch": torch.__version__,
+            "rule": "ATen dispatches that launch device work: views, in-place view ops, allocation-only ops "
+                    "(empty*, new_empty*, resize_), _unsafe_view, set_, sym_* and prim ops excluded "
+                    "(edgc_bench.dispatch_count)",
+            "hook": rows, "engine_same_shape": engine}

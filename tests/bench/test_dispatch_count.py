@@ -1,0 +1,87 @@
+"""edgc_bench.dispatch_count: the kernel-launching dispatches of a compressed step, counted on the CPU."""
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distributed_harness
+
+from distributed_harness import run_distributed  # noqa: E402
+
+from edgc_bench.dispatch_count import (DispatchCounter, count_engine_call, count_hook_step, ddp_buckets,  # noqa: E402
+                                       ready_order)
+from edgc_bench.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
+
+
+def test_views_metadata_and_allocations_are_not_counted():
+    x = torch.ones(4, 4)
+    with DispatchCounter() as counter:
+        y = torch.empty(4, 4)  # allocation only
+        torch.empty_like(y)
+        y.zero_()  # 1
+        z = x.view(16).view(4, 4).t()  # views
+        z.t_()  # an in-place view op
+        torch.mm(x, z)  # 1
+        y.add_(x.detach())  # 1 (detach is a view)
+        x.reshape(2, 8).clone()  # 1: a contiguous reshape is a view, the clone is not
+    assert counter.by_op == {"zero_": 1, "mm": 1, "add_": 1, "clone": 1}
+    assert counter.total == 4
+
+
+def test_fake_tensors_count_what_real_tensors_do():
+    fake = count_engine_call((48, 80), 2, rank=4)
+    real = count_engine_call((48, 80), 2, rank=4, fake=False)
+    assert fake.by_op == real.by_op and fake.dispatches == real.dispatches > 0
+    assert fake.compressed == real.compressed == 2
+
+
+def test_the_counted_step_is_a_steady_compressed_step():
+    named = gpt2_parameters("tiny")
+    once, twice = (count_hook_step(named, bucket_cap_mb=0.25, rank=8, settle_steps=n) for n in (1, 2))
+    assert once.phase == "compress" and once.rank == 8
+    assert once.by_op == twice.by_op
+    assert once.host_reads == 1
+    assert once.matrices == sum(len(shape) >= 2 for _, shape in named) == once.compressed
+
+
+def ddp_layout_worker(rank, world_size, caps):
+    """Per cap and dtype: the parameters of each bucket DDP hands to the hook in a compressed step
+    (GPT2Layout, EDGC at rank 8), and the collectives that step issued."""
+    from edgc import EDGCConfig, EDGCState, edgc_hook
+
+    seen = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for cap in caps:
+            torch.manual_seed(0)
+            model = GPT2Layout("tiny").to(dtype)
+            index = {id(p): i for i, p in enumerate(model.parameters())}
+            ddp = DDP(model, bucket_cap_mb=cap)
+            state = EDGCState(None, EDGCConfig.static(8, total_steps=1000, warmup_fraction=0.0), model=ddp)
+            buckets = []
+
+            def recording_hook(state, bucket):
+                buckets.append([index[id(p)] for p in bucket.parameters()])
+                return edgc_hook(state, bucket)
+
+            ddp.register_comm_hook(state, recording_hook)
+            tokens = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(1))
+            for _ in range(4):  # the warm-up's 2 steps (DDP rebuilds its buckets), Q's creation, a steady step
+                buckets.clear()
+                ddp(input_ids=tokens, labels=tokens).loss.backward()
+            seen[str(dtype), cap] = (buckets, state.last_step_metrics["phase"], state.last_step_metrics["collectives"])
+    return seen
+
+
+def test_buckets_and_collectives_are_those_of_ddp():
+    named = gpt2_parameters("tiny")
+    names, shapes = [n for n, _ in named], [s for _, s in named]
+    seen, = run_distributed(ddp_layout_worker, 1, (None, 0.25))
+    for (dtype, cap), (buckets, phase, _) in seen.items():
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        assert buckets == ddp_buckets(shapes, ready_order(names), dtype, cap), (dtype, cap)
+        assert phase == "compress"
+    assert len(seen[str(torch.float32), None][0]) == 2  # DDP's default: a first bucket of 1 MiB, then 25 MiB
+    assert len(seen[str(torch.float32), 0.25][0]) > 4
+    counted = count_hook_step(named, bucket_cap_mb=0.25, rank=8, dtype=torch.float32)
+    assert counted.collectives == seen[str(torch.float32), 0.25][2]  # what a step in a process group issues
