@@ -5,7 +5,7 @@
 RUN and BEFORE are folders of a run's files: env.json, engine.json, overlap.json, device.json and,
 where the run wrote them, count.json and trace_nccl.json.gz / trace_gloo.json.gz. With --before,
 every figure the two runs share is shown as before → after. Writes the block between
-``<!-- gpu:start -->`` and ``<!-- gpu:end -->`` in docs/gpu.md and a shorter one in README.md, and
+``<!-- gpu-figures:start -->`` … ``end`` in docs/gpu.md and the shorter ``gpu`` block in README.md, and
 docs/img/gpu_overlap.png from RUN's trace (the NCCL run's, with its injected delay, else gloo's)
 when RUN has one. The first run's small files are kept in docs/gpu/before/, so
 ``python scripts/gpu_to_docs.py docs/gpu/before`` rebuilds the docs from a clean clone (the
@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_readme import update  # noqa: E402  (the same marker replacement as the bench tables)
+from doc_blocks import write  # noqa: E402  (finds the page that holds a block and replaces it)
 from edgc_bench import gpu_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
+FIGURES, SUMMARY = "gpu-figures", "gpu"  # the blocks of docs/gpu.md and of the README
 GIB = 2 ** 30
 GOAL_RATIO, GOAL_SHARE = 0.5, 0.05  # the GPU goals: EDGC ≤ 0.5× powerSGD_hook, ≤ 5 % of backward
 DASH = "–"
@@ -342,8 +342,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run, before = load_run(args.run), load_run(args.before) if args.before else None
     docs, readme = build(run, before, REPO / "docs" / "img" / "gpu_overlap.png")
-    for path, lines in ((REPO / "docs" / "gpu.md", docs), (REPO / "README.md", readme)):
-        path.write_text(update(path.read_text(), "\n".join(lines) + "\n", START, END))
+    for block, lines in ((FIGURES, docs), (SUMMARY, readme)):
+        write(block, "\n".join(lines))
     return 0
 
 
