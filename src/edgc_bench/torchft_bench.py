@@ -20,8 +20,11 @@ Per run: median step time (the survivor's committed steps with every group in th
 0's for the others), total wall
 time (launch to exit), steps lost (steps whose work was thrown away: uncommitted steps of the
 survivors, or the steps since the last checkpoint plus the one in flight), heal time (kill → the
-killed worker's next training step), final validation loss, and whether the replicas ended
-bit-identical (torchft runs).
+killed worker's next training step), final validation loss, and for the torchft runs whether the
+replicas ended bit-identical and who took part in which step (`participation`).
+
+The torchft runs' quorum settings are `QuorumSettings.for_groups(hosts, tolerated_failures)`: no
+tolerated failure in the failure-free runs, one in those with a kill.
 """
 from __future__ import annotations
 
