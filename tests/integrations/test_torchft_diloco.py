@@ -72,3 +72,21 @@ def test_streaming_fragments_with_overlapped_syncs_lose_nothing_to_a_failed_sync
     assert run["results"][0]["heals"] == 1  # behind its peers after the discarded step: healed from one
     measured = participation([run["steps"][r] for r in range(3)], 16)
     assert measured["per_step"] == [3] * 16 and measured["fraction"] == [15 / 16, 1.0, 1.0], measured
+
+
+def test_example_runs_two_groups_that_compress_and_end_identical():
+    """examples/torchft_diloco.py --launch 2 (a lighthouse and two torchrun groups; no kill here: the
+    restart costs another torchrun start-up, and the harness above covers kills)."""
+    import re
+    import sys
+
+    from .conftest import run_script, summaries
+
+    proc = run_script([sys.executable, "examples/torchft_diloco.py", "--launch", "2"], STEPS="6")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    found = summaries(output)
+    assert sorted(found) == [0, 1] and found[0] == found[1], output[-4000:]
+    assert found[0]["step"] == 5 and found[0]["phase"] == "compress" and 0 < found[0]["sent"] < found[0]["raw"] / 4
+    groups = dict(re.findall(r"\[group (\d)\] committed 6 discarded 0 heals \d+ checksum (\S+)", output))
+    assert sorted(groups) == ["0", "1"] and groups["0"] == groups["1"], output[-4000:]
