@@ -39,7 +39,8 @@ from .config import EDGCConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .factors import orthogonalize_
 from .lowrank import LowRankCompressor
-from .rank_control import WindowController, delta_target, limit_rank
+from .rank_control import WindowController
+from .rank_rules import delta_target, limit_rank
 from .rank_model import ErrorModel, error_curve_mc, error_curve_mp
 from .reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook
 from .state import EDGCState

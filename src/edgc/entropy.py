@@ -117,7 +117,6 @@ class EntropySampler:
         self.last_seconds = 0.0
         self._step: int | None = None
         self._parts: list[torch.Tensor] = []
-        self._nonfinite = 0
         self._elapsed = 0.0
         self.elements_per_step: int | None = None  # gradient elements of the last complete step
         self._elements = 0  # of this step so far
@@ -132,7 +131,7 @@ class EntropySampler:
             self.elements_per_step = self._elements
         self._elements = 0
         self._step = step if enabled and self.due(step) else None
-        self._parts, self._nonfinite, self._elapsed = [], 0, 0.0
+        self._parts, self._elapsed = [], 0.0
         self._stride = self.stride
         self._thinned = self.cap is not None and bool(self.elements_per_step)
         if self._thinned:
@@ -161,13 +160,13 @@ class EntropySampler:
         size = sum(part.numel() for part in parts)
         if self.cap is not None and not self._thinned and size > self.cap:  # thinned before the copy into one
             parts = [part[:: math.ceil(size / self.cap)] for part in parts]
-        sample, self._nonfinite = drop_nonfinite(torch.cat(parts) if parts else torch.empty(0))
+        sample, nonfinite = drop_nonfinite(torch.cat(parts) if parts else torch.empty(0))
         value = self.estimate(sample) if sample.numel() else None
         self._elapsed += time.perf_counter() - start
         self.calls += 1
         self.last_seconds = self._elapsed
         self.seconds_total += self._elapsed
-        self.nonfinite_total += self._nonfinite
+        self.nonfinite_total += nonfinite
         if sample.numel():
             rms = float(sample.square().mean().sqrt())
             if rms > 0 and math.isfinite(rms):
@@ -178,10 +177,6 @@ class EntropySampler:
             value = None
         self._step, self._parts = None, []
         return value
-
-    @property
-    def last_nonfinite(self) -> int:
-        return self._nonfinite
 
     def values(self) -> list[float]:
         return [value for _, value in self.history]

@@ -61,8 +61,6 @@ class Decision:
         return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
                    integer(values[4]), real(values[5]), real(values[6]), real(values[7]))
 
-    SIZE = 8
-
 
 @dataclass
 class Agreed:
@@ -77,5 +75,3 @@ class Agreed:
     def encode(self) -> list[float]:
         return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error,
                 self.uncompressed_bound]
-
-    SIZE = 5

@@ -53,10 +53,10 @@ from typing import Sequence
 
 from . import budget as budgeting
 from .config import EDGCConfig
-from .plans import COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, Decision, StepPlan  # noqa: F401 (re-exported)
-from .profiling import SyncTimeTable, describe_profiling_verdict, profile_candidates  # noqa: F401 (re-exported)
+from .plans import COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, Decision, StepPlan
+from .profiling import SyncTimeTable, profile_candidates
 from .rank_model import ErrorModel, cqm_target_rank
-from .rank_rules import confirmed_shift, delta_target, entropy_shift, limit_rank, window_means  # noqa: F401 (re-exported)
+from .rank_rules import confirmed_shift, delta_target, limit_rank, window_means
 
 
 class WindowController:

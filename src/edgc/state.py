@@ -25,7 +25,8 @@ from .config import EDGCConfig
 from .entropy import EntropySampler
 from .factors import matrix_shape
 from .lowrank import LowRankCompressor
-from .rank_control import OFF, PROFILE, Agreed, Decision, StepPlan, WindowController
+from .plans import OFF, PROFILE, Agreed, Decision, StepPlan
+from .rank_control import WindowController
 from .reducer import GradientReducer
 from .timing import Clock
 

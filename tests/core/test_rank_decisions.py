@@ -11,7 +11,9 @@ import torch
 
 from edgc import EDGCConfig
 from edgc.entropy import gaussian_entropy
-from edgc.rank_control import COMPRESS, Agreed, WindowController, entropy_shift
+from edgc.plans import COMPRESS, Agreed
+from edgc.rank_control import WindowController
+from edgc.rank_rules import entropy_shift
 
 from distributed_harness import run_distributed
 
