@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from .rank_rules import delta_ratio
+
 SIGNALS = ("schedule", "gradnorm", "entropy", "error")
 
 
@@ -95,7 +97,8 @@ def window_stats(samples: Sequence[tuple[int, float]], window: int) -> list[tupl
 
 def trend_need(windows: Sequence[tuple[float, float, int]], k: float) -> float:
     """How fast the series still moves, in [0, 1]: |Δ of the last two full windows| / |Δ of the first
-    two|, where a change counts only if it exceeds ``k`` standard errors (when those are known).
+    two| (the ``delta`` map's ratio, `edgc.rank_rules.delta_ratio`), where a change counts only if it
+    exceeds ``k`` standard errors (when those are known).
 
     0 with fewer than three windows of data (no trend and no reference yet)."""
     full = [w for w in windows if w[2] > 0]
@@ -107,7 +110,4 @@ def trend_need(windows: Sequence[tuple[float, float, int]], k: float) -> float:
         noise = k * math.sqrt(a[1] + b[1]) if math.isfinite(a[1]) and math.isfinite(b[1]) else 0.0
         return delta if delta > noise else 0.0
 
-    first, latest = change(full[0], full[1]), change(full[-2], full[-1])
-    if first == 0.0:
-        return 1.0 if latest > 0.0 else 0.0
-    return min(1.0, latest / first)
+    return delta_ratio(change(full[-2], full[-1]), change(full[0], full[1]))

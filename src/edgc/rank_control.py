@@ -56,7 +56,7 @@ from .config import EDGCConfig
 from .plans import COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, Decision, StepPlan
 from .profiling import SyncTimeTable, profile_candidates
 from .rank_model import ErrorModel, cqm_target_rank
-from .rank_rules import confirmed_shift, delta_target, limit_rank, window_means
+from .rank_rules import confirmed_shift, delta_rank, delta_target, limit_rank, reference_change, window_means
 
 
 class WindowController:
@@ -297,10 +297,7 @@ class WindowController:
             target: float = cqm_target_rank(self._error_model, shapes, self.rank, h_ref, h_new,
                                             config.cqm_exponent, self.r_min, self.r_max)
         else:
-            first = entropies[:per_window], entropies[per_window : 2 * per_window]
-            change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window) if len(entropies) >= 2 * per_window else 0.0
-            ratio = 1.0 if change_ref == 0 else min(abs(h_new - h_ref) / change_ref, 1.0)
-            target = round(self.r_min + (self.r_max - self.r_min) * ratio)
+            target = delta_rank(abs(h_new - h_ref), reference_change(entropies, per_window), self.r_min, self.r_max)
         return limit_rank(target, self.rank, self.r_min, self.r_max, config.rank_step, config.rank_granularity)
 
     def band_rank(self, relative_error: float) -> int:

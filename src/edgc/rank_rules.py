@@ -64,22 +64,45 @@ def confirmed_shift(samples: Sequence[float], per_window: int, k: float) -> floa
     return latest
 
 
-def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> float:
+def delta_ratio(change_now: float, change_ref: float) -> float:
+    """ρ of the paper's ``delta`` map (§2.5): the latest change of the window means over the reference
+    change, Δ_now / Δ_ref, clipped to [0, 1] (both changes are absolute values).
+
+    Where Δ_ref = 0 (the reference windows have equal means) the ratio takes its limit: a series that
+    moves now but did not move then moves faster than the reference, ρ = 1 (the rank stays high
+    while the entropy is unstable); one that moves neither then nor now is stable, ρ = 0 (the rank
+    may decay). Δ_now = 0 (the latest two windows have equal means) is ρ = 0 whatever Δ_ref.
+    """
+    if change_now == 0:
+        return 0.0
+    if change_ref == 0:
+        return 1.0
+    return min(change_now / change_ref, 1.0)
+
+
+def delta_rank(change_now: float, change_ref: float, r_min: float, r_max: float) -> int:
+    """The ``delta`` map's target rank, round(r_min + (r_max − r_min)·ρ) with ρ = `delta_ratio`
+    (before the granularity and the step limit)."""
+    return round(r_min + (r_max - r_min) * delta_ratio(change_now, change_ref))
+
+
+def reference_change(entropies: Sequence[float], per_window: int) -> float:
+    """Δ_ref: |change of the mean| between the first two windows of the series (0 before there are two)."""
+    if per_window < 1 or len(entropies) < 2 * per_window:
+        return 0.0
+    first, second = entropies[:per_window], entropies[per_window : 2 * per_window]
+    return abs(sum(second) / per_window - sum(first) / per_window)
+
+
+def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max: int) -> int:
     """The authors' linear map (paper §2.5) of the normalised windowed entropy change.
 
-    ρ = ‖Δ latest two windows‖ / ‖Δ first two windows of training‖ (absolute changes of the window means);
-    target = r_min + (r_max − r_min)·ρ.
-    Fast-moving entropy (unstable regime) keeps the rank near r_max; a stable entropy lets it
-    decay to r_min. With fewer than two windows of history the target is r_max.
+    ρ = ‖Δ latest two windows‖ / ‖Δ first two windows of training‖ (changes of the window means,
+    `delta_ratio`); target = r_min + (r_max − r_min)·ρ, rounded. Fast-moving entropy (unstable
+    regime) keeps the rank near r_max; a stable entropy lets it decay to r_min. With fewer than two
+    windows of history the target is r_max.
     """
     means = window_means(entropies, per_window)
     if means is None:
-        return float(r_max)
-    change_now = abs(means[1] - means[0])
-    first = entropies[:per_window], entropies[per_window : 2 * per_window]
-    change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window)
-    if change_ref == 0:
-        ratio = 0.0 if change_now == 0 else 1.0
-    else:
-        ratio = min(change_now / change_ref, 1.0)
-    return round(r_min + (r_max - r_min) * ratio)
+        return r_max
+    return delta_rank(abs(means[1] - means[0]), reference_change(entropies, per_window), r_min, r_max)
