@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from .config import EDGCConfig
+from .plans import Agreed, ControllerView, StepPlan
 from .rank_rules import delta_ratio
 
 SIGNALS = ("schedule", "gradnorm", "entropy", "error")
@@ -111,3 +113,65 @@ def trend_need(windows: Sequence[tuple[float, float, int]], k: float) -> float:
         return delta if delta > noise else 0.0
 
     return delta_ratio(change(full[-2], full[-1]), change(full[0], full[1]))
+
+
+class BudgetRule:
+    """The byte budget's rank rule (``EDGCConfig.rank_budget`` set): r_min = 1, and every window
+    boundary, the first one included, re-plans the rest of the run from the signal's ``need``."""
+
+    def __init__(self, config: EDGCConfig):
+        self.config = config
+
+    def default_r_min(self, r_max: int) -> int:
+        return 1  # a budget bounds the bytes itself; its plan may go down to rank 1 late in the run
+
+    def first_rank(self, controller: ControllerView, step: int) -> int:
+        """The first compressed window's rank: early by definition (need = 1)."""
+        return self.plan(controller, [(step, controller.r_max)], step, need=1.0)[0]
+
+    def may_decide(self, step: int) -> bool:
+        return step + 1 < (self.config.total_steps or 0)  # nothing left to spend after the last planned step
+
+    def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> dict | None:
+        """The budget, the compressed steps planned and done, and the mean rank so far (None before
+        compression starts, or once profiling turned it off)."""
+        if not schedule or schedule[0][1] == 0:
+            return None
+        spent, done = spent_rank_steps(schedule, step)
+        total = max(1, (self.config.total_steps or step) - schedule[0][0])
+        return {"budget": self.config.rank_budget, "total": total, "done": done, "spent": spent,
+                "mean_rank": spent / done if done else None}
+
+    def plan(self, controller: ControllerView, schedule: Sequence[tuple[int, int]], next_step: int,
+             need: float) -> tuple[int, float]:
+        """The rank (on the grid) and the unrounded target for the window starting at ``next_step``."""
+        r_min, r_max = controller.r_min, controller.r_max
+        assert r_min is not None and r_max is not None
+        state = self.budget_state(schedule, next_step)
+        assert state is not None
+        budget = min(max(self.config.rank_budget, r_min), r_max)  # a profiled r_max may sit below it
+        target = budget_target(budget=budget, total=state["total"], done=state["done"], spent=state["spent"],
+                               window=self.config.window, need=need, front_load=self.config.front_load,
+                               r_min=r_min, r_max=r_max)
+        return nearest_rank(target, rank_grid(r_min, r_max, self.config.rank_granularity)), target
+
+    def need(self, signals: dict[str, Sequence[tuple[int, float]]], progress: float) -> float:
+        """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate).
+        ``progress``: the fraction of the compressed steps done."""
+        if self.config.budget_signal == "schedule":
+            return 1.0 - progress
+        windows = window_stats(signals.get(self.config.budget_signal, []), self.config.window)
+        return trend_need(windows, self.config.entropy_significance)
+
+    def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
+                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
+                signals: dict) -> tuple[int, float, float]:
+        """(rank, need, target) for the window after ``plan.step``."""
+        errors = list(controller.error_windows)  # the error signal's series, as apply() will record it
+        if math.isfinite(agreed.relative_error):
+            errors.append((plan.step, agreed.relative_error))
+        state = self.budget_state(controller.schedule, plan.step + 1)
+        progress = state["done"] / state["total"] if state else 0.0
+        need = self.need({**signals, "error": errors}, progress)
+        rank, target = self.plan(controller, controller.schedule, plan.step + 1, need)
+        return rank, need, target

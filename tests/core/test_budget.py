@@ -26,7 +26,7 @@ def run_controller(config: EDGCConfig, needs=None, steps=None):
         plan = controller.plan(step)
         if plan.decision:
             if needs is not None:
-                controller.budget_need = lambda signals, next_step, k=decision_index: needs[k % len(needs)]
+                controller.rule.need = lambda signals, progress, k=decision_index: needs[k % len(needs)]
                 decision_index += 1
             controller.apply(plan, Agreed(), controller.propose(plan, Agreed(), [], [], signals={}))
     return controller.schedule

@@ -36,7 +36,7 @@ def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
     controller = WindowController(config)
     controller.rank = previous
     entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
-    rank = controller.next_rank(entropies, [(32, 64), (32, 64)])
+    rank = controller.rule.next_rank(controller, entropies, [(32, 64), (32, 64)])
     assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
     # A drop of 0.0625 nats can leave g⁻¹ inside the current rank's step (hypothesis found one);
     # from 0.1 nats on, g(r₀)·e^{2·ΔH} always passes the next lower rank of a 32 × 64 matrix.
@@ -70,7 +70,7 @@ def test_the_gated_controller_reads_the_same_delta_map_when_the_first_windows_ar
     controller = WindowController(config)
     controller.rank = 16
     entropies = [5.0] * 10 + [4.0] * 5 + [3.0] * 5
-    assert controller.next_rank(entropies, []) == 32  # ρ = 1: as if by delta_target's limit
+    assert controller.rule.next_rank(controller, entropies, []) == 32  # ρ = 1: as if by delta_target's limit
 
 
 def test_limit_rank_rounds_to_granularity_and_clamps():
