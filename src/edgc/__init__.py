@@ -19,6 +19,7 @@ Modules:
     rank_control.py DAC's window controller: when to compress and at which rank
     plans.py        what a step is planned to do and what a rank decision carries
     budget.py       the byte budget: a mean rank spent early, re-planned every window
+    signals.py      the budget signals (schedule, gradnorm, entropy, error): names, series, need
     rank_rules.py   the paper's rank mappings and the noise gate on the entropy trend
     profiling.py    sync-time tables {rank → seconds}, the r_max rule
     alignment.py    DAC stage alignment: per-stage ranks so all stages finish their sync together

@@ -23,10 +23,9 @@ decreasing schedule beats static PowerSGD and an increasing one loses (docs/resu
 the paper's premise (entropy falls, so a lower rank suffices later) and
 Accordion's critical regime say the same.
 
-``need`` comes from one of the ``SIGNALS``: a fixed schedule (need ≡ 1), or the normalised,
-noise-gated trend of a per-window series (entropy, log gradient norm, relative compression
-error): |latest window mean − the one before| over |the first such change of the run|, counted
-only when it exceeds ``k`` standard errors of the two window means.
+``need`` comes from the budget signal the config names (`edgc.signals`): a fixed schedule, or the
+normalised, noise-gated trend of a per-window series (entropy, log gradient norm, relative
+compression error). `BudgetRule` is the controller's rank rule with a budget.
 """
 from __future__ import annotations
 
@@ -35,10 +34,7 @@ from typing import Sequence
 
 from .config import EDGCConfig
 from .plans import Agreed, ControllerView, StepPlan
-from .rank_rules import delta_ratio
-
-SIGNALS = ("schedule", "gradnorm", "entropy", "error")
-
+from .signals import get_signal
 
 def rank_grid(r_min: int, r_max: int, granularity: int) -> list[int]:
     """The ranks the budget controller may choose: r_min, r_max and the multiples of the granularity between."""
@@ -74,45 +70,6 @@ def budget_target(*, budget: float, total: int, done: int, spent: float, window:
 def nearest_rank(target: float, grid: Sequence[int]) -> int:
     """The grid rank nearest to ``target`` (the lower one on a tie: a tie spends less)."""
     return min(grid, key=lambda r: (abs(r - target), r))
-
-
-def window_stats(samples: Sequence[tuple[int, float]], window: int) -> list[tuple[float, float, int]]:
-    """(mean, squared standard error, count) of the samples in each window [k·w, (k+1)·w), for every
-    window up to the last one that has samples; empty windows are (nan, nan, 0)."""
-    if not samples:
-        return []
-    count = max(step for step, _ in samples) // window + 1
-    buckets: list[list[float]] = [[] for _ in range(count)]
-    for step, value in samples:
-        buckets[step // window].append(value)
-    stats = []
-    for values in buckets:
-        n = len(values)
-        if n == 0:
-            stats.append((math.nan, math.nan, 0))
-            continue
-        mean = sum(values) / n
-        sem2 = sum((v - mean) ** 2 for v in values) / (n - 1) / n if n > 1 else math.nan
-        stats.append((mean, sem2, n))
-    return stats
-
-
-def trend_need(windows: Sequence[tuple[float, float, int]], k: float) -> float:
-    """How fast the series still moves, in [0, 1]: |Δ of the last two full windows| / |Δ of the first
-    two| (the ``delta`` map's ratio, `edgc.rank_rules.delta_ratio`), where a change counts only if it
-    exceeds ``k`` standard errors (when those are known).
-
-    0 with fewer than three windows of data (no trend and no reference yet)."""
-    full = [w for w in windows if w[2] > 0]
-    if len(full) < 3:
-        return 0.0
-
-    def change(a, b) -> float:
-        delta = abs(b[0] - a[0])
-        noise = k * math.sqrt(a[1] + b[1]) if math.isfinite(a[1]) and math.isfinite(b[1]) else 0.0
-        return delta if delta > noise else 0.0
-
-    return delta_ratio(change(full[-2], full[-1]), change(full[0], full[1]))
 
 
 class BudgetRule:
@@ -157,11 +114,9 @@ class BudgetRule:
 
     def need(self, signals: dict[str, Sequence[tuple[int, float]]], progress: float) -> float:
         """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate).
-        ``progress``: the fraction of the compressed steps done."""
-        if self.config.budget_signal == "schedule":
-            return 1.0 - progress
-        windows = window_stats(signals.get(self.config.budget_signal, []), self.config.window)
-        return trend_need(windows, self.config.entropy_significance)
+        ``signals``: every series by name; ``progress``: the fraction of the compressed steps done."""
+        return get_signal(self.config.budget_signal).need(signals, progress=progress, window=self.config.window,
+                                                          significance=self.config.entropy_significance)
 
     def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
                 shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,

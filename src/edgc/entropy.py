@@ -28,6 +28,7 @@ import torch
 
 from .config import EDGCConfig
 from .finite import all_finite
+from .signals import SIGNALS
 
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
 
@@ -110,7 +111,7 @@ class EntropySampler:
         self.estimator = config.resolved_entropy_estimator
         self.cap = None if config.decisions_read_samples else REPORT_SAMPLE_CAP  # see the module docstring
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
-        self.norm_history: list[tuple[int, float]] = []  # (step, ln of the sample's RMS): the gradnorm signal
+        self.series: dict[str, list[tuple[int, float]]] = {}  # each budget signal's own measure: (step, value)
         self.nonfinite_total = 0
         self.calls = 0
         self.seconds_total = 0.0  # measured cost of sampling + estimation, all calls
@@ -168,9 +169,7 @@ class EntropySampler:
         self.seconds_total += self._elapsed
         self.nonfinite_total += nonfinite
         if sample.numel():
-            rms = float(sample.square().mean().sqrt())
-            if rms > 0 and math.isfinite(rms):
-                self.norm_history.append((self._step, math.log(rms)))
+            self._measure_signals(sample)
         if value is not None and math.isfinite(value):
             self.history.append((self._step, value))
         else:
@@ -178,13 +177,24 @@ class EntropySampler:
         self._step, self._parts = None, []
         return value
 
+    def _measure_signals(self, sample: torch.Tensor) -> None:
+        """Every registered budget signal's own value of this step's sample (`edgc.signals`)."""
+        for signal in SIGNALS.values():
+            value = signal.measure(sample)
+            if value is not None and math.isfinite(value):
+                self.series.setdefault(signal.name, []).append((self._step, value))
+
+    def signal_series(self) -> dict[str, list[tuple[int, float]]]:
+        """The series a budget signal can read by name: the entropy and each signal's own measure."""
+        return {"entropy": self.history, **self.series}
+
     def values(self) -> list[float]:
         return [value for _, value in self.history]
 
     def state_dict(self) -> dict:
         return {
             "history": list(self.history),
-            "norm_history": list(self.norm_history),
+            "series": {name: list(values) for name, values in self.series.items()},
             "nonfinite_total": self.nonfinite_total,
             "calls": self.calls,
             "seconds_total": self.seconds_total,
@@ -193,7 +203,9 @@ class EntropySampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.history = [(int(s), float(v)) for s, v in state["history"]]
-        self.norm_history = [(int(s), float(v)) for s, v in state.get("norm_history", [])]
+        # A checkpoint from before the signals' registry holds the gradient norm's series alone.
+        series = state.get("series", {"gradnorm": state.get("norm_history", [])})
+        self.series = {name: [(int(s), float(v)) for s, v in values] for name, values in series.items() if values}
         self.nonfinite_total = int(state["nonfinite_total"])
         self.calls = int(state["calls"])
         self.seconds_total = float(state["seconds_total"])

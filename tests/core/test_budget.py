@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 
 from distributed_harness import run_distributed
 from edgc import EDGCConfig, LowRankCompressor
-from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps, trend_need, window_stats
+from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
 from edgc.comm import Communicator
 from edgc.plans import Agreed
 from edgc.rank_control import WindowController
+from edgc.signals import trend_need, window_stats
 from test_ddp import resume_worker, training_worker
 
 # ---------------------------------------------------------------------------- pure planning
