@@ -29,6 +29,7 @@ Modules:
     mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, tp) every group comes from
     comm.py         collectives over one process group (or a mesh dimension)
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
+    sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)
     timing.py       device-timeline timestamps, the library's only device→host reads
     finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`

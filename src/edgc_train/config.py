@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8", "optimus-cc")
+# The harness's own ways to sync (DDP's native all-reduce, our hook uncompressed or after backward,
+# no sync, our engine, PyTorch's PowerSGD hook); the rest come from the library's registry.
+OWN_COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc")
 FSDP_COMPRESSORS = ("none", "allreduce", "powersgd", "edgc")  # none: native HSDP; the others via the hook
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -102,7 +104,7 @@ class TrainConfig:
 
     # ---- gradient compression
     compressor: str = "edgc"
-    """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward), nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8, optimus-cc (--pp only)."""
+    """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward), nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8 (or another sync method registered in edgc.sync_methods), optimus-cc (--pp only)."""
 
     powersgd_rank: int = 8
     """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""
@@ -222,7 +224,8 @@ class TrainConfig:
         check_num("beta2", 0, 1, high_open=True)
         check_num("grad_clip", 0, math.inf, high_open=True)
         check_int("seed", 0, 2**32 - 1)
-        check_choice("compressor", COMPRESSORS)
+        if self.compressor not in (*OWN_COMPRESSORS, "optimus-cc"):
+            check_choice("compressor", compressor_names())  # (the registry imports torch: only here)
         check_int("pp", 1)
         check_int("tp", 1)
         if self.tp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
@@ -309,6 +312,13 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+def compressor_names() -> tuple[str, ...]:
+    """Every ``--compressor``: the harness's own, the library's registered sync methods, optimus-cc."""
+    from edgc.sync_methods import sync_method_names
+
+    return (*OWN_COMPRESSORS, *sync_method_names(), "optimus-cc")
 
 
 def scaled_edgc_defaults(steps: int) -> dict[str, Any]:
