@@ -290,7 +290,7 @@ def build(name: str, ddp_model, config) -> Compressor:
     if name in ("none", "nosync", "allreduce-blocking"):
         return Uncompressed(name, ddp_model)
     if name in ("allreduce", "powersgd", "edgc"):
-        return EngineCompressor(name, ddp_model, config.edgc_config() if name != "allreduce" else None)
+        return EngineCompressor(name, ddp_model, config.edgc_config)
     if name == "torch-powersgd":
         # Same uncompressed warm-up as our engine's default: ⌊0.1 · steps⌋ (at least 2, see above).
         start = math.floor(scaled_edgc_defaults(config.steps)["warmup_fraction"] * config.steps)

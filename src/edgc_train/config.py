@@ -4,8 +4,10 @@ Sources, later ones winning: the defaults below, a JSON or TOML file (``--config
 the field names), then command-line flags (``--micro-batch 4`` sets ``micro_batch``). Each field's
 docstring is its ``--help`` line: meaning, unit and allowed range.
 
-EDGC knobs that depend on the run length are filled in by ``edgc_config()`` unless given explicitly
-(``--edgc key=value`` / an ``"edgc": {...}`` table in the file), see ``scaled_edgc_defaults``.
+EDGC knobs that depend on the run length are filled in unless given explicitly (``--edgc key=value``
+/ an ``"edgc": {...}`` table in the file), see ``scaled_edgc_defaults``; the resulting `EDGCConfig`
+is resolved once, when the TrainConfig is built (``edgc_config``). A TrainConfig is frozen: a changed
+run is a new one (``dataclasses.replace``), which resolves its own.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """Everything that defines a training run (the run folder's ``config.json`` is this, resolved)."""
 
@@ -272,10 +274,10 @@ class TrainConfig:
             fail("tp", f"must divide the model's {shape['n_head']} heads and width {shape['n_embd']}")
         if self.pp > shape["n_layer"]:
             fail("pp", f"must be ≤ the model's {shape['n_layer']} transformer blocks (one stage needs one)")
-        if self.uses_edgc_config:
-            self.edgc_config()  # raises ValueError naming the bad EDGC field
-        elif self.edgc:
+        if self.edgc and not self.uses_edgc_config:
             fail("edgc", f"EDGC fields only apply to compressors edgc, powersgd and optimus-cc, not {self.compressor}")
+        # Raises ValueError naming the bad EDGC field.
+        object.__setattr__(self, "_edgc_config", self._resolve_edgc_config() if self.uses_edgc_config else None)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -288,8 +290,14 @@ class TrainConfig:
         """LR warm-up length: the field, or 5% of the run (at least 1 step)."""
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
 
+    @property
     def edgc_config(self):
-        """The EDGCConfig for compressors ``edgc`` / ``powersgd``: run-length defaults, then the user's fields."""
+        """The EDGCConfig of compressors ``edgc``, ``powersgd`` and ``optimus-cc`` (None for the others),
+        resolved when this config was built."""
+        return self._edgc_config
+
+    def _resolve_edgc_config(self):
+        """Run-length defaults, then the user's fields (the static compressors: their rank instead)."""
         from edgc.config import EDGCConfig
 
         values = scaled_edgc_defaults(self.steps)
