@@ -68,11 +68,14 @@ from .step_model import (OTHER_SHARE, compress_model, median_interval, payload_g
                          wire_parts, wire_time)
 
 REFERENCE = "none"
-COMPUTE_FLOOR = "nosync"  # issue-15 bench folders: the compute reference
-BLOCKING_REFERENCE = "allreduce-blocking"  # issue-15 bench folders: the peer-wait reference
-NEW_STYLE = ("nosync", "allreduce", "allreduce-blocking")  # a folder with any of these is issue-15 style
-OVERLAPPED = ("allreduce", "powersgd", "edgc")  # through our non-blocking hook (issue-15 folders)
-NATIVE = ("none",)  # DDP's own all-reduce in issue-15 folders: asynchronous, no timer, no trace
+# Today's bench folders (since our hook stopped blocking) run nosync, allreduce and allreduce-blocking
+# beside the rest, and their none is DDP's native all-reduce; older folders have none of the three,
+# and their none is our blocking hook.
+COMPUTE_FLOOR = "nosync"  # today's folders: the compute reference
+BLOCKING_REFERENCE = "allreduce-blocking"  # today's folders: the peer-wait reference
+NEW_STYLE = ("nosync", "allreduce", "allreduce-blocking")  # a folder with any of these is of today's bench
+OVERLAPPED = ("allreduce", "powersgd", "edgc")  # through our non-blocking hook (today's folders)
+NATIVE = ("none",)  # DDP's own all-reduce in today's folders: asynchronous, no timer, no trace
 @dataclass(frozen=True)
 class BenchRow:
     """Predicted vs measured medians for one (run, rank) group of a bench run."""
@@ -179,7 +182,7 @@ class RunGroup:
     count: Optional[float]
     transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
     link_s: list  #: traced link time of each of its steps (empty without traces)
-    overlapped: bool = False  #: issued without blocking (issue-15 hook): traced durations include queueing
+    overlapped: bool = False  #: issued without blocking (our hook in today's folders): traced durations include queueing
 
     @property
     def name(self) -> str:
@@ -230,8 +233,8 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     if new_style and ref is None:
         ref = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None)
     if ref is None:
-        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in an issue-15 "
-                         f"folder {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait")
+        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in a folder of "
+                         f"today's bench {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait")
     groups = []
     for run in runs:
         compressor, world = _compressor(run), int(run.config["world_size"])
