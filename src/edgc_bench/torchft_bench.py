@@ -20,8 +20,11 @@ Per run: median step time (the survivor's committed steps with every group in th
 0's for the others), total wall
 time (launch to exit), steps lost (steps whose work was thrown away: uncommitted steps of the
 survivors, or the steps since the last checkpoint plus the one in flight), heal time (kill → the
-killed worker's next training step), final validation loss, and whether the replicas ended
-bit-identical (torchft runs).
+killed worker's next training step), final validation loss, and for the torchft runs whether the
+replicas ended bit-identical and who took part in which step (`participation`).
+
+The torchft runs' quorum settings are `QuorumSettings.for_groups(hosts, tolerated_failures)`: no
+tolerated failure in the failure-free runs, one in those with a kill.
 """
 from __future__ import annotations
 
@@ -33,12 +36,16 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+
+from edgc.integrations.torchft_quorum import QuorumSettings
 
 from .netns import Network, _kill_group
 from .run import PORT, BenchSettings, launch, train_args
 
 LIGHTHOUSE_PORT, GROUP_PORT = 29510, 29600
+WORKER_TIMEOUT_S = 60  # a collective or manager call of a torchft worker (its quorum settings scale with it)
 RUNS = ("ddp-edgc", "torchft-nofail", "torchft-edgc-nofail", "torchft", "torchft-edgc", "elastic-edgc")
 
 
@@ -111,8 +118,10 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
     run_dir.mkdir(parents=True)
     log = open(run_dir / "torchrun.log", "w")
     lighthouse_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    lighthouse = net.popen(0, [lighthouse_bin, "--min_replicas", "1", "--join_timeout_ms", "1000",
-                               "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+    # The failure-free passes let no quorum lack a group; those with a kill go on without one dead group.
+    tolerated_failures = 0 if kill_at is None else 1
+    quorum = QuorumSettings.for_groups(s.hosts, tolerated_failures, timedelta(seconds=WORKER_TIMEOUT_S))
+    lighthouse = net.popen(0, [lighthouse_bin, *quorum.lighthouse_args(), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
                            stdout=log, stderr=subprocess.STDOUT)
     time.sleep(0.5)
     env = {"OMP_NUM_THREADS": str(s.threads), "PYTHONUNBUFFERED": "1",
@@ -123,6 +132,7 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1", "--max-restarts=1",
                 f"--master_addr={net.addr(host)}", f"--master_port={GROUP_PORT}", "-m", "edgc_bench.torchft_train",
                 "--mode", "torchft", "--compressor", compressor, "--group", str(host), "--advertise", net.addr(host),
+                "--timeout", str(WORKER_TIMEOUT_S), "--tolerated-failures", str(tolerated_failures),
                 *worker_args(s, run_dir)]
         processes.append(net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT))
     victim = run_dir / "group1.jsonl"
@@ -138,8 +148,10 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
     wall = time.time() - t0
     _kill_group(lighthouse)
     log.close()
-    return {"codes": codes, "wall_s": wall, "killed": kill_t is not None,
-            **measure_torchft(run_dir, s.hosts, s.steps, kill_t)}
+    measures = measure_torchft(run_dir, s.hosts, s.steps, kill_t)
+    (run_dir / "participation.json").write_text(json.dumps(
+        {**measures["participation"], "identical": measures["identical"], "quorum": quorum.lighthouse_args()}, indent=1))
+    return {"codes": codes, "wall_s": wall, "killed": kill_t is not None, **measures}
 
 
 def measure_torchft(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict:
@@ -154,7 +166,29 @@ def measure_torchft(run_dir: Path, hosts: int, steps: int, kill_t: float | None)
     lost = max(0, max(sum(r["kind"] == "step" for r in g) for g in groups) - steps)
     return {"step_s": statistics.median(full) if full else None, "steps_lost": lost,
             "heal_s": restarted[0]["t"] - kill_t if restarted else None, "val_loss": finals[0].get("val_loss"),
-            "identical": len({f.get("checksum") for f in finals}) == 1 and "checksum" in finals[0]}
+            "identical": len({f.get("checksum") for f in finals}) == 1 and "checksum" in finals[0],
+            "participation": participation(groups, steps)}
+
+
+def participation(groups: list[list[dict]], steps: int) -> dict:
+    """Who took part in which step, from each group's ``step`` lines.
+
+    A step's quorum is the largest that committed it (groups left behind may commit the same step
+    later, in a quorum of their own); a group took part in the step if it committed it as one of
+    that quorum's participants. ``per_step``: the size of each step's quorum (0: never committed);
+    ``fraction``: per group, the share of the run's steps it took part in; ``heals``: per group,
+    the times it received the state from a peer (the initial weight sync at step 0 excluded);
+    ``alone``: the steps some group committed in a quorum of one."""
+    commits = [[r for r in records if r["kind"] == "step" and r["committed"] and r.get("participating", True)
+                and r["step"] < steps] for records in groups]
+    quorum: dict[int, int] = {}
+    for r in (r for records in commits for r in records):
+        quorum[r["step"]] = max(quorum.get(r["step"], 0), r["participants"])
+    took_part = [{r["step"] for r in records if r["participants"] == quorum[r["step"]]} for records in commits]
+    return {"per_step": [quorum.get(step, 0) for step in range(steps)],
+            "fraction": [len(group) / steps for group in took_part],
+            "heals": [sum(r["kind"] == "step" and r.get("healed", False) for r in records) for records in groups],
+            "alone": sorted({r["step"] for records in commits for r in records if r["participants"] == 1})}
 
 
 def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckpt_every: int) -> dict:
@@ -206,7 +240,7 @@ def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckp
 def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, ckpt_every: int, say=print) -> dict:
     from edgc_train.data import prepare_data
 
-    from .torchft_table import markdown
+    from .torchft_table import markdown, participation_table, replica_warnings
 
     out.mkdir(parents=True, exist_ok=True)
     prepare_data(s.data, s.vocab_size, 0.1, s.max_chars, None, log=lambda *a, **k: None)  # once, before the hosts
@@ -227,6 +261,9 @@ def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, c
             result["load"] = os.getloadavg()[0]  # other work on the machine slows a run: shown beside it
             results[name] = result
             say(f"  {json.dumps(result)}")
+            if "participation" in result:
+                shown = {"settings": {}, "results": {name: result}}
+                say("\n".join(["", participation_table(shown), *replica_warnings(shown), ""]))
     summary = {"settings": s.__dict__ | {"methods": list(RUNS)}, "command": command, "kill_at": kill_at,
                "ckpt_every": ckpt_every, "results": results, "elapsed_s": time.time() - started,
                "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}

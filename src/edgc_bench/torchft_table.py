@@ -29,6 +29,53 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def run_length(values: list[int]) -> str:
+    """``[3, 3, 2, 3]`` as ``3 ×2, 2, 3``: the quorum of every step, short."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return ", ".join(f"{value} ×{count}" if count > 1 else str(value) for value, count in runs)
+
+
+def participation_table(summary: dict) -> str:
+    lines = ["| run | quorum per step (groups × steps) | took part, per group | heals from a peer, per group "
+             "| steps in a quorum of one |", "|---|---|---|---|---:|"]
+    for name, r in summary["results"].items():
+        p = r.get("participation")
+        if p:
+            lines.append(f"| {LABELS.get(name, name)} | {run_length(p['per_step'])} "
+                         f"| {' · '.join(f'{f:.0%}' for f in p['fraction'])} | {' · '.join(map(str, p['heals']))} "
+                         f"| {len(p['alone'])} |")
+    return "\n".join(lines)
+
+
+def replica_warnings(summary: dict) -> list[str]:
+    """One loud line per torchft run whose groups ended with different parameters."""
+    out = []
+    for name, r in summary["results"].items():
+        if r.get("identical") is False:
+            alone = (r.get("participation") or {}).get("alone")
+            out.append(f"**⚠ REPLICAS DIFFER: {LABELS.get(name, name)} ended with different parameters on its "
+                       f"groups{f'; steps in a quorum of one: {alone}' if alone else ''}.**")
+    return out
+
+
+def participation_checks(summary: dict) -> list[str]:
+    """Every group in (nearly) every step of a failure-free run, and identical replicas at its end."""
+    out = []
+    for name in ("torchft-nofail", "torchft-edgc-nofail"):
+        r = summary["results"].get(name, {})
+        if r.get("participation"):
+            lowest = min(r["participation"]["fraction"])
+            ok = lowest >= 0.95 and r.get("identical") is True
+            out.append(f"- {'✓' if ok else '✗'} {LABELS[name]}: every group took part in ≥ 95 % of the steps "
+                       f"(lowest {lowest:.0%}), replicas bit-identical at the end ({'yes' if r.get('identical') else 'NO'})")
+    return out
+
+
 def checks(summary: dict) -> list[str]:
     """What torchft + EDGC must show, each check with its numbers and ✓/✗: a step no slower than EDGC on
     plain DDP and well below torchft's uncompressed one, at most the failed step lost to a kill, a
@@ -61,8 +108,8 @@ def checks(summary: dict) -> list[str]:
         change = ft_edgc["val_loss"] / reference["val_loss"] - 1
         check(abs(change) <= 0.01, f"final val loss torchft + EDGC (with the kill) vs failure-free: {change:+.2%} (within 1 %)")
     if ft_edgc.get("identical") is not None:
-        check(ft_edgc["identical"], "torchft + EDGC replicas bit-identical at the end (parameter checksums)")
-    return out
+        check(ft_edgc["identical"], "torchft + EDGC replicas bit-identical at the end (parameter digests)")
+    return out + participation_checks(summary)
 
 
 def markdown(summary: dict) -> str:
@@ -72,5 +119,8 @@ def markdown(summary: dict) -> str:
                f"micro-batch {s['micro_batch']} × {s['seq_len']} tokens; host 1's worker SIGKILLed at step "
                f"{summary['kill_at']}; elastic run checkpoints every {summary['ckpt_every']} steps; "
                f"{summary['date']}, load {summary['load'][0]:.1f}")
+    warnings = replica_warnings(summary)
     return "\n".join(["# edgc bench --torchft", "", SRC_START, f"`{summary['command']}`: {setting}", "",
-                      table(summary), "", *checks(summary), SRC_END, ""])
+                      *(warnings + [""] if warnings else []), table(summary), "",
+                      "Participation (a group takes part in a step it commits as one of the quorum's participants):",
+                      "", participation_table(summary), "", *checks(summary), SRC_END, ""])

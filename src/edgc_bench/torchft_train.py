@@ -7,13 +7,19 @@ validation blocks), with the gradient sync of one of:
 * ``--mode torchft --compressor edgc``: `edgc.integrations.torchft.DistributedDataParallel`;
 * ``--mode ddp --compressor edgc``: EDGC on plain torch DDP (torchrun's process group), no torchft.
 
+The quorum settings are `QuorumSettings.for_groups(--replicas, --tolerated-failures, --timeout)`,
+the lighthouse's too (torchft_bench.py).
+
 Each process writes ``<out>/group<G>.jsonl``: a ``start`` line (pid, restart count), one line per
-optimizer step (wall time, step time, committed or not, participants, EDGC phase and rank) and a
-``final`` line (validation loss over edgc train's validation blocks for ``--replicas`` ranks).
+optimizer step (wall time, step time, the step it was (after a heal), committed or not, the
+quorum's participants, whether this group was one of them, whether it healed from a peer during
+the step, EDGC phase and rank) and a ``final`` line (validation loss over edgc train's validation
+blocks for ``--replicas`` ranks, a digest of the parameters' bytes).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -51,6 +57,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=None)
     p.add_argument("--edgc", default="{}", help="EDGCConfig fields as JSON")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for a collective or manager call")
+    p.add_argument("--tolerated-failures", type=int, default=0,
+                   help="dead replica groups the others go on without (QuorumSettings.for_groups)")
     return p.parse_args(argv)
 
 
@@ -67,6 +75,47 @@ def validation_loss(model, data, cfg: TrainConfig, replicas: int) -> float:
                 tokens += y.numel()
     model.train()
     return loss_sum / tokens
+
+
+def torchft_sync(args: argparse.Namespace, module, optimizer, edgc_config: EDGCConfig, group: int, heals: list):
+    """(model, EDGC state or None, manager) of one torchft replica group; ``heals`` gets the step of
+    every state received from a peer (torchft calls ``load_state_dict`` only to heal)."""
+    from torchft import Manager, ProcessGroupGloo
+
+    from edgc.integrations.torchft_quorum import QuorumSettings
+
+    quorum = QuorumSettings.for_groups(args.replicas, args.tolerated_failures, timedelta(seconds=args.timeout))
+    holder = {"optim": optimizer}
+
+    def load(state: dict) -> None:
+        module.load_state_dict(state["model"])
+        holder["optim"].load_state_dict(state["optim"])
+        heals.append(manager.current_step())
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=quorum.timeout), load_state_dict=load,
+        state_dict=lambda: {"model": module.state_dict(), "optim": holder["optim"].state_dict()},
+        replica_id=f"group{group}", hostname=args.advertise or socket.gethostname(),
+        use_async_quorum=args.compressor == "none",  # torchft's default; EDGC needs the quorum first
+        **quorum.manager_kwargs())
+    if args.compressor == "edgc":
+        from edgc.integrations.torchft import DistributedDataParallel
+
+        model = DistributedDataParallel(manager, module, edgc_config)
+        return model, model.edgc_state, manager
+    from torchft.ddp import DistributedDataParallel as TorchFTDDP
+
+    return TorchFTDDP(manager, module), None, manager
+
+
+def wait_for_every_group(manager, replicas: int, timeout_s: float) -> None:
+    """Start with every group in the quorum: one that started first would train alone for a step
+    or two, and runs that should be alike would differ from their first steps on."""
+    deadline = time.time() + timeout_s
+    manager.start_quorum()
+    while manager.num_participants() < replicas and time.time() < deadline:
+        time.sleep(0.2)
+        manager.start_quorum()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,48 +137,39 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(cfg.seed)
     module = build_model(model_shape(cfg.preset, data.vocab_size, cfg.seq_len))
     optimizer = make_optimizer(module, cfg, torch.device("cpu"))
-    schedule = lr_lambda(cfg)
     edgc_config = EDGCConfig(total_steps=args.steps, **json.loads(args.edgc))
-    manager = None
+    manager, heals = None, []
     if args.mode == "ddp":
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         model = torch.nn.parallel.DistributedDataParallel(module)
         state = EDGCState(None, edgc_config, model=model)
         model.register_comm_hook(state, edgc_hook)
-        step_of = lambda: state.step  # noqa: E731
     else:
-        from torchft import Manager, ProcessGroupGloo
+        model, state, manager = torchft_sync(args, module, optimizer, edgc_config, group, heals)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            wait_for_every_group(manager, args.replicas, 3 * args.timeout)
+    train(model, module, optimizer, state, manager, data, cfg, group, args.replicas, heals, write)
+    write(kind="final", t=time.time(), val_loss=validation_loss(module, data, cfg, args.replicas),
+          checksum=parameter_digest(module), heals=getattr(state, "heals", None),
+          discarded=getattr(state, "steps_discarded", None))
+    if manager is not None:
+        manager.shutdown(wait=False)
+    else:
+        from edgc import barrier_before_exit
 
-        holder = {"optim": optimizer}
-        manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)), min_replica_size=1,
-            load_state_dict=lambda s: (module.load_state_dict(s["model"]), holder["optim"].load_state_dict(s["optim"])),
-            state_dict=lambda: {"model": module.state_dict(), "optim": holder["optim"].state_dict()},
-            replica_id=f"group{group}", hostname=args.advertise or socket.gethostname(),
-            use_async_quorum=args.compressor == "none",  # torchft's default; EDGC needs the quorum first
-            timeout=timedelta(seconds=args.timeout), quorum_timeout=timedelta(seconds=3 * args.timeout))
-        if args.compressor == "edgc":
-            from edgc.integrations.torchft import DistributedDataParallel
+        barrier_before_exit()
+        dist.destroy_process_group()
 
-            model = DistributedDataParallel(manager, module, edgc_config)
-            state = model.edgc_state
-        else:
-            from torchft.ddp import DistributedDataParallel as TorchFTDDP
 
-            model, state = TorchFTDDP(manager, module), None
-        step_of = manager.current_step
-    if manager is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        # Start with every group in the quorum: one that started first would train alone for a step
-        # or two, and runs that should be alike would differ from their first steps on.
-        deadline = time.time() + 3 * args.timeout
-        manager.start_quorum()
-        while manager.num_participants() < args.replicas and time.time() < deadline:
-            time.sleep(0.2)
-            manager.start_quorum()
-    sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, group, args.replicas, cfg.seed)
+def train(model, module, optimizer, state, manager, data, cfg: TrainConfig, group: int, replicas: int,
+          heals: list, write) -> None:
+    """The optimizer steps of one group, one ``step`` line each, until the run's last step is committed."""
+    schedule = lr_lambda(cfg)
+    step_of = manager.current_step if manager is not None else lambda: state.step
+    sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, group, replicas, cfg.seed)
     attempts = 0
-    while step_of() < args.steps:
-        start = time.perf_counter()
+    while step_of() < cfg.steps:
+        start, heals_before = time.perf_counter(), len(heals)
         if manager is not None:
             manager.start_quorum()  # (and, for a restarted group, the heal)
         optimizer.zero_grad()
@@ -143,27 +183,27 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
         committed = manager.should_commit() if manager is not None else True
+        # The step this attempt was: a group that healed during it (async quorum) knows it only now.
+        step = manager.current_step() - committed if manager is not None else step
         if committed:
-            # The step being applied: a group that healed this step (async quorum) knows it only now.
-            applied = manager.current_step() - 1 if manager is not None else step
             for param_group in optimizer.param_groups:
-                param_group["lr"] = cfg.lr * schedule(applied)
+                param_group["lr"] = cfg.lr * schedule(step)
             optimizer.step()
         attempts += not committed
         metrics = state.last_step_metrics if state is not None else {}
         write(kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, committed=committed,
               loss=loss.item(), participants=manager.num_participants() if manager else None,
+              participating=manager.participating_rank() is not None if manager else True,
+              healed=any(h > 0 for h in heals[heals_before:]),  # at step 0: the initial weight sync
               phase=metrics.get("phase"), rank=metrics.get("rank"), bytes_sent=metrics.get("bytes_sent"))
-    checksum = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double().sum().item()
-    write(kind="final", t=time.time(), val_loss=validation_loss(module, data, cfg, args.replicas),
-          checksum=checksum.hex(), heals=getattr(state, "heals", None), discarded=getattr(state, "steps_discarded", None))
-    if manager is not None:
-        manager.shutdown(wait=False)
-    else:
-        from edgc import barrier_before_exit
 
-        barrier_before_exit()
-        dist.destroy_process_group()
+
+def parameter_digest(module: torch.nn.Module) -> str:
+    """Equal exactly when the parameters are bit-identical."""
+    digest = hashlib.sha256()
+    for parameter in module.parameters():
+        digest.update(parameter.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

@@ -114,3 +114,33 @@ def test_matrix_that_turns_raw_after_a_rank_change_flushes_its_residual():
     stats = compressor.reduce(list(grads), list(grads.values()), 16, Communicator())  # (16+36)·16 ≥ 16·36 → raw
     assert stats.ranks["conv.weight"] == 0 and "conv.weight" not in compressor.error
     torch.testing.assert_close(grads["conv.weight"], expected, rtol=0, atol=1e-12)
+
+
+def test_a_rank_fall_is_one_batched_eigendecomposition_not_one_per_matrix():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountEigh(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func.overloadpacket.__name__.startswith("_linalg_eigh")
+            return func(*args, **(kwargs or {}))
+
+    compressor = LowRankCompressor(EDGCConfig(r_max=8, min_compression_rate=1.0))
+    generator = torch.Generator().manual_seed(0)
+    names = [f"w{k}" for k in range(6)]
+    shapes = [(48, 32), (48, 32), (32, 48), (64, 24), (64, 24), (40, 40)]
+    compressor.reduce(names, [torch.randn(s, generator=generator) for s in shapes], 8, Communicator())
+    before = {name: q.clone() for name, q in compressor.q.items()}
+    with CountEigh() as counted:
+        compressor.change_rank(4, Communicator())
+    assert counted.calls == 1
+    for name in names:
+        q, kept = before[name], compressor.q[name]
+        assert kept.shape == (q.shape[0], 4)
+        # The kept columns span the top directions of the old Q: the projection of Q onto them
+        # keeps at least the energy of any 4 of its own columns.
+        projection = kept @ torch.linalg.pinv(kept) @ q
+        assert projection.norm() >= q[:, :4].norm() * 0.999

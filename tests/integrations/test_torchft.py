@@ -13,7 +13,9 @@ pytest.importorskip("torchft")
 
 from edgc.integrations.torchft import ManagedCommunicator  # noqa: E402
 
-from .torchft_harness import Faults, run_replicas  # noqa: E402
+from edgc_bench.torchft_bench import participation  # noqa: E402
+
+from .torchft_harness import TIMEOUT, Faults, run_replicas  # noqa: E402
 
 STEPS = 30
 pytestmark = pytest.mark.timeout(300)
@@ -24,7 +26,15 @@ def failure_free():
     run = run_replicas(STEPS)
     assert "discarded" not in run and run["kills"] == 0
     check_identical(run)
+    check_every_group_in_every_step(run)
     return run
+
+
+def check_every_group_in_every_step(run):
+    """edgc bench's participation measure on the run's step lines: no group missed a step or healed."""
+    measured = participation([run["steps"][replica] for replica in range(3)], STEPS)
+    assert measured["per_step"] == [3] * STEPS, measured
+    assert measured["fraction"] == [1.0] * 3 and measured["heals"] == [0] * 3 and not measured["alone"], measured
 
 
 def check_identical(run):
@@ -57,6 +67,20 @@ def test_failure_free_run_compresses_and_learns(failure_free):
     first = failure_free["results"][0]
     assert first["loss"] < 0.5 * 4.16  # from log(64) towards the 1.3-nat floor of the toy language
     assert {rank for _, _, phase, rank in failure_free["log"][0] if phase == "compress"} - {None}
+
+
+@pytest.mark.parametrize("tolerated_failures", [0, 1], ids=["failure-free-pass", "kill-pass"])
+def test_a_late_group_stays_in_every_quorum(tolerated_failures):
+    """No failure, but group 2 is one TIMEOUT late for step 6's quorum (a slow step, or a heal over a
+    slow link): with the bench's quorum settings of either pass the others wait for it, so every
+    group takes part in every step and the replicas end bit-identical. With a short join timeout
+    and min_replicas 1 they went on without it; it fell behind, healed, was late again, and could
+    end alone."""
+    assert TIMEOUT.total_seconds() > 1  # later than the old 1 s join timeout
+    run = run_replicas(STEPS, Faults(stall={(2, 5)}), tolerated_failures=tolerated_failures)
+    assert "discarded" not in run and run["kills"] == 0
+    check_every_group_in_every_step(run)
+    check_identical(run)
 
 
 def test_killed_group_restarts_and_heals(failure_free):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -29,6 +29,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel
+from edgc.integrations.torchft_quorum import QuorumSettings
 from models import TinyTransformer
 
 VOCAB, SEQ, NOISE = 64, 16, 0.2
@@ -36,14 +37,15 @@ CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warm
               iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, min_compression_rate=1.0,
               entropy_estimator="gaussian", entropy_significance=0.0)
 TIMEOUT = timedelta(seconds=5)  # process group and manager calls
-QUORUM_TIMEOUT = timedelta(seconds=120)  # > TIMEOUT: a peer may sit out one timeout after a failure; a
-# restarted group on a starved 2-core machine once needed more than 60 s to join (suite at load 10+)
-# How long the lighthouse waits for a live (heartbeating) group that has not asked for the quorum yet.
-# Longer than a group can be held in a collective: after a kill, a survivor can wait out a whole
-# TIMEOUT on a gloo receive from the other survivor, which dropped the collective when it saw the dead
-# peer's connection close (gloo tells no one; torch's gloo abort() closes no connection). A quorum
-# formed without it lets the others finish and leave: alone, it never reaches min_replicas (a hang).
-JOIN_TIMEOUT = 3 * TIMEOUT
+
+
+def quorum_settings(replicas: int, tolerated_failures: int) -> QuorumSettings:
+    """`edgc bench --torchft`'s quorum settings at this harness's TIMEOUT. Only the quorum timeout
+    is longer (it decides no membership): a restarted group on a starved 2-core machine once
+    needed more than 60 s to join (suite at load 10+)."""
+    settings = QuorumSettings.for_groups(replicas, tolerated_failures, TIMEOUT)
+    return replace(settings, quorum_timeout=max(settings.quorum_timeout, timedelta(seconds=120)))
+
 _MODEL_LOCK = threading.Lock()  # replicas share the process's RNG: build models one at a time
 
 
@@ -105,29 +107,31 @@ class FailingProcessGroup(ProcessGroupGloo):
         raise RuntimeError("injected all-reduce failure")
 
 
-def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict,
+def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict, quorum: QuorumSettings,
                   start: threading.Barrier | None = None) -> dict:
     """One attempt of one group. ``start``: passed once its manager is up (and heartbeating), so that
     the lighthouse knows every group before the first quorum and waits for all of them (a group
     that starts late would otherwise join by healing a few steps in: another run than the reference)."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    pg = FailingProcessGroup(timeout=TIMEOUT)
+    pg = FailingProcessGroup(timeout=quorum.timeout)
     holder: dict = {}
+    heals: list[int] = []  # the step of each state received from a peer (torchft loads one only to heal)
 
     def load(state: dict) -> None:
         holder["model"].load_state_dict(state["model"])
         holder["optimizer"].load_state_dict(state["optimizer"])
+        heals.append(manager.current_step())
 
     def save() -> dict:
         return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
 
-    manager = Manager(pg=pg, min_replica_size=2, load_state_dict=load, state_dict=save, replica_id=str(replica),
+    manager = Manager(pg=pg, load_state_dict=load, state_dict=save, replica_id=str(replica),
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, use_async_quorum=False, timeout=TIMEOUT,
-                      quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT)
+                      lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
+                      **quorum.manager_kwargs())
     try:
         if start is not None:
-            start.wait(timeout=QUORUM_TIMEOUT.total_seconds())
+            start.wait(timeout=quorum.quorum_timeout.total_seconds())
         with _MODEL_LOCK:
             torch.manual_seed(0)
             module = TinyTransformer(vocab=VOCAB, width=64, layers=1, heads=2, seq_len=SEQ).double()
@@ -147,7 +151,9 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
         log = report.setdefault("log", {}).setdefault(replica, [])  # (attempt, step, phase, rank) committed
         attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
         attempt[0] += 1
+        step_lines = report.setdefault("steps", {}).setdefault(replica, [])  # as edgc bench's step lines
         while manager.current_step() < steps:
+            heals_before = len(heals)
             optimizer.zero_grad()  # starts the quorum; a restarted replica heals here
             step = manager.current_step()
             pg.die_next = faults.take("kill", replica, step)
@@ -166,6 +172,10 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             time.sleep(max(0.0, stall_until - time.monotonic()))
             optimizer.step()  # should_commit: commits or rolls back the EDGC step
             metrics = state.last_step_metrics
+            step_lines.append({"kind": "step", "step": step, "committed": metrics.get("committed") is not False,
+                               "participants": manager.num_participants(),
+                               "participating": manager.participating_rank() is not None,
+                               "healed": any(h > 0 for h in heals[heals_before:])})  # at 0: the initial sync
             if metrics.get("committed") is False:
                 report.setdefault("discarded", []).append((replica, step))
                 check_conserved(state, metrics, error_before, gradients)
@@ -195,18 +205,21 @@ def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -
             raise AssertionError(f"error feedback of {name} not conserved through the discarded step")
 
 
-def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3) -> dict:
-    """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``)."""
+def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3,
+                 tolerated_failures: int = 1) -> dict:
+    """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``).
+    The quorum settings are the bench's: those of its kill pass, or with ``tolerated_failures=0``
+    those of its failure-free passes."""
     faults = faults or Faults()
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=1000,
-                                  join_timeout_ms=int(JOIN_TIMEOUT.total_seconds() * 1000))
+    quorum = quorum_settings(replicas, tolerated_failures)
+    lighthouse = LighthouseServer(bind="[::]:0", **quorum.lighthouse_kwargs())
     report: dict = {"kills": 0}
     start = threading.Barrier(replicas)  # first attempts only: a restarted group joins a running quorum
 
     def runner(replica: int) -> dict:
         for attempt in range(attempts):
             try:
-                return train_replica(replica, lighthouse.address(), steps, faults, report,
+                return train_replica(replica, lighthouse.address(), steps, faults, report, quorum,
                                      start if attempt == 0 else None)
             except InjectedKill:
                 report["kills"] += 1

@@ -3,6 +3,7 @@
 Modules:
     lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook
     torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages
+    torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
 """
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
     from torchft import Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
-    from edgc.integrations.torchft import DistributedDataParallel
+    from edgc.integrations.torchft import DistributedDataParallel, QuorumSettings
 
-    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=2, use_async_quorum=False,
-                      load_state_dict=..., state_dict=...)
+    quorum = QuorumSettings.for_groups(groups, tolerated_failures=1)  # and the lighthouse: quorum.lighthouse_args()
+    manager = Manager(pg=ProcessGroupGloo(), use_async_quorum=False, load_state_dict=..., state_dict=...,
+                      **quorum.manager_kwargs())
     model = DistributedDataParallel(manager, model, EDGCConfig(total_steps=10_000))  # the one call
     optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters()))
     # loop: optimizer.zero_grad(); loss.backward(); optimizer.step()   — as with torchft's own DDP
@@ -54,6 +55,7 @@ from ..lowrank import ReduceStats
 from ..rank_control import PROFILE
 from ..reducer import edgc_hook
 from ..state import EDGCState
+from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
 
 try:
     from torchft.manager import Manager
