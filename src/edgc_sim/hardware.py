@@ -56,11 +56,13 @@ class DeviceSpec:
     launch_s: float  #: per-kernel launch + framework dispatch overhead, seconds (>= 0)
     source: str = ""  #: where the numbers come from
     alloc_bytes_per_s: float = 0.0  #: first touch of freshly allocated memory (page faults, zeroing), bytes/s; 0 = free
-    # Measured on a host (edgc_sim.host); 0 = not measured (the GPU presets): see cost_model.SkinnyRates
-    skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs
-    skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs
-    qr_flops_per_s: float = 0.0  #: torch.linalg.qr of a skinny k x r factor, 4 k r^2 FLOPs per QR
-    hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T)
+    # How the device runs our engine (edgc_sim.host measures them); 0 = not measured: see engine_model.EngineRates
+    skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs, bytes/s
+    skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs, bytes/s
+    orth_flops_per_s: float = 0.0  #: our engine's batched shifted-Cholesky QR, 3 r^2 k FLOPs per r x k factor; 0 = the matmul rate
+    hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T), FLOP/s
+    accelerator: bool = False  #: a GPU (our engine gathers M and G_hat per job and fuses buckets into jobs); False: a CPU
+    skinny_flops_per_s: float = 0.0  #: the float32 matmul rate the skinny rates were separated at; 0 = matmul_flops["fp32"]
 
     def __post_init__(self):
         _fraction(self, "mfu")
@@ -71,17 +73,19 @@ class DeviceSpec:
             raise ValueError(f"launch_s must be >= 0, got {self.launch_s!r}")
         if self.alloc_bytes_per_s < 0:
             raise ValueError(f"alloc_bytes_per_s must be >= 0 (0 = free), got {self.alloc_bytes_per_s!r}")
-        for name in ("skinny_read_bytes_per_s", "skinny_write_bytes_per_s", "qr_flops_per_s", "hook_gemm_flops_per_s"):
+        for name in ("skinny_read_bytes_per_s", "skinny_write_bytes_per_s", "orth_flops_per_s", "hook_gemm_flops_per_s",
+                     "skinny_flops_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = not measured), got {getattr(self, name)!r}")
 
     def skinny_rates(self):
-        """cost_model.SkinnyRates of this device, None where they were not measured."""
-        from .cost_model import SkinnyRates
+        """engine_model.EngineRates of this device, None where its skinny GEMM rates were not measured."""
+        from .engine_model import EngineRates
 
         if not (self.skinny_read_bytes_per_s and self.skinny_write_bytes_per_s):
             return None
-        return SkinnyRates(self.skinny_read_bytes_per_s, self.skinny_write_bytes_per_s, self.qr_flops_per_s)
+        return EngineRates(self.skinny_read_bytes_per_s, self.skinny_write_bytes_per_s, self.orth_flops_per_s,
+                           self.accelerator, self.skinny_flops_per_s or self.matmul_flops.get("fp32", 0.0))
 
     def alloc_s(self, nbytes: float) -> float:
         """Extra time of writing `nbytes` into memory allocated just before (0 when not measured)."""
@@ -151,11 +155,11 @@ DEVICES = {
     for dev in (
         # V100 SXM2 datasheet: FP32 15.7 TFLOP/s, FP16 tensor 125 TFLOP/s, HBM2 900 GB/s. No TF32.
         DeviceSpec("v100", {"fp32": 15.7 * TERA, "fp16": 125 * TERA}, 0.4, 900 * GB, 5e-6,
-                   "NVIDIA V100 SXM2 datasheet; mfu/launch assumed"),
+                   "NVIDIA V100 SXM2 datasheet; mfu/launch assumed", accelerator=True),
         # H100 SXM5 datasheet (dense, i.e. half the 'with sparsity' figures): FP32 67 TFLOP/s,
         # TF32 tensor 494.7 TFLOP/s, FP16/BF16 tensor 989 TFLOP/s, HBM3 3.35 TB/s.
         DeviceSpec("h100", {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "fp16": 989 * TERA}, 0.4, 3350 * GB,
-                   5e-6, "NVIDIA H100 SXM5 datasheet (dense); mfu/launch assumed"),
+                   5e-6, "NVIDIA H100 SXM5 datasheet (dense); mfu/launch assumed", accelerator=True),
     )
 }
 
