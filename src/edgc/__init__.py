@@ -35,7 +35,7 @@ Modules:
 """
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .comm import barrier_before_exit
-from .config import EDGCConfig, field_docs
+from .config import EDGCConfig, LowRankConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .factors import orthogonalize_
 from .lowrank import LowRankCompressor
@@ -45,7 +45,7 @@ from .reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook
 from .state import EDGCState
 
 __all__ = [
-    "EDGCConfig", "EDGCState", "edgc_hook", "AllReduceState", "allreduce_hook", "GradientReducer",
+    "EDGCConfig", "LowRankConfig", "EDGCState", "edgc_hook", "AllReduceState", "allreduce_hook", "GradientReducer",
     "LowRankCompressor", "EntropySampler", "WindowController", "ErrorModel",
     "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
     "delta_target", "limit_rank", "orthogonalize_", "field_docs",
