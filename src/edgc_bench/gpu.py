@@ -60,7 +60,7 @@ def device_profile() -> dict:
         raise RuntimeError("the device profile needs a CUDA GPU")
     preset = DEVICES["h100"]
     fields = ("name", "matmul_flops", "mfu", "mem_bytes_per_s", "launch_s", "skinny_read_bytes_per_s",
-              "skinny_write_bytes_per_s", "qr_flops_per_s")
+              "skinny_write_bytes_per_s", "skinny_flops_per_s", "orth_flops_per_s")
     measured = measure_cuda()
     torch.cuda.empty_cache()
     return {"measured": measured, "preset": {name: getattr(preset, name) for name in fields}}
