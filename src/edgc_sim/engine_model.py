@@ -4,8 +4,8 @@ The engine (`edgc.lowrank.LowRankCompressor.reduce_steps`, `edgc.layout`, `edgc.
 `edgc.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
 least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product is one batched GEMM
-per group; P and Q are orthonormalised by a shifted Cholesky QR in float64, with one
-factorisation per rank for all *blocks* (P blocks: groups of one (rank, long side); Q blocks: one
+per group; P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (two passes), with
+one factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank, long side); Q blocks: one
 (rank, short side)). So a job's launches are a fixed number plus a few per group and per block, and
 its bytes are those of the matrices: the two product forms read M, the decompression writes Ĝ, and
 the error feedback is formed and updated in elementwise passes. On an accelerator M and Ĝ are
@@ -58,9 +58,10 @@ ORTH_CAST_BYTES = 24
 HALF_WIRE_BYTES = 8 + 6 + 6
 HALF_DECOMPRESS_BYTES = 6
 
-# Dispatches of the orthonormalisation: the float64 cast and the copy back per call; per rank the
-# diagonal's mean, its clamp_, the shift's add_ and one cholesky_ex (and a cat of the Gram matrices
-# when the rank has several blocks); per block its Gram bmm and its triangular solve.
+# Dispatches of the orthonormalisation: the float64 cast and the copy back per call; per pass and
+# rank the diagonal's mean, its clamp_, the shift's add_ and one cholesky_ex (and a cat of the Gram
+# matrices when the rank has several blocks); per pass and block its Gram bmm and its triangular solve.
+ORTH_PASSES = 2
 ORTH_OPS_PER_CALL = 2
 ORTH_OPS_PER_RANK = 4
 ORTH_OPS_PER_BLOCK = 2
@@ -87,7 +88,7 @@ class EngineRates(NamedTuple):
 
     read_bytes_per_s: float  #: M streamed by a product form (Pᵀ = Qᵀ Aᵀ, Qᵀ = Pᵀ A) beyond its FLOPs
     write_bytes_per_s: float  #: Ĝ = P Qᵀ written by the decompression form beyond its FLOPs
-    orth_flops_per_s: float = 0.0  #: Gram + triangular solve of the Cholesky QR, 3 r² k FLOPs per factor; 0 = the matmul rate
+    orth_flops_per_s: float = 0.0  #: Gram + triangular solve of the CholeskyQR2, 2 × 3 r² k FLOPs per factor; 0 = the matmul rate
     accelerator: bool = False  #: gathered copies and fused jobs (a GPU) rather than per-matrix copies and a job per bucket (a CPU)
     gemm_flops_per_s: float = 0.0  #: the float32 matmul rate the byte rates were separated at; 0 = the caller's rate
 
@@ -126,8 +127,8 @@ def _blocks(groups: set, side) -> dict:
 
 def orth_launches(blocks: dict) -> int:
     """Dispatches of one `orthonormalize_blocks_` call over blocks {rank: how many} (see ORTH_OPS_*)."""
-    return ORTH_OPS_PER_CALL + sum(ORTH_OPS_PER_RANK + (count > 1) + ORTH_OPS_PER_BLOCK * count
-                                   for count in blocks.values())
+    return ORTH_OPS_PER_CALL + ORTH_PASSES * sum(ORTH_OPS_PER_RANK + (count > 1) + ORTH_OPS_PER_BLOCK * count
+                                                 for count in blocks.values())
 
 
 def job_launches(job: JobLayout, *, gathered: bool, half_gradients: bool = False, world_size: int = 2,
@@ -192,9 +193,9 @@ def step_launches(jobs: Sequence[Sequence[tuple]], rank: int, *, gathered: bool,
 
 
 def orth_flops(rank: int, side: int) -> float:
-    """FLOPs of orthonormalising one r x k factor by the shifted Cholesky QR: the Gram matrix X·Xᵀ
-    (2 r² k) and the triangular solve L⁻¹·X (r² k); the r x r Cholesky (r³/3) is left out."""
-    return 3 * rank * rank * side
+    """FLOPs of orthonormalising one r x k factor by the shifted CholeskyQR2: per pass the Gram matrix
+    X·Xᵀ (2 r² k) and the triangular solve L⁻¹·X (r² k); the r x r Cholesky (r³/3) is left out."""
+    return ORTH_PASSES * 3 * rank * rank * side
 
 
 class EngineCost(NamedTuple):

@@ -113,13 +113,13 @@ def job_seconds(shapes, rank, rates=RATES, bytes_per_value=4, **kwargs) -> float
 def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
     """One m x n fp32 matrix on a CPU: two product GEMMs reading M and the decompression writing Ĝ
     (bytes at the skinny rates + FLOPs), 6 elementwise passes, the factors' elementwise bytes, the
-    Cholesky QR of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
+    CholeskyQR2 of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
     m, n, r = 2048, 512, 8
     values = m * n
     gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * values * r / FLOPS
     passes = 6 * values * 4 / MEM
     factors = r * (m * (em.P_FACTOR_BYTES + em.ORTH_CAST_BYTES) + n * (em.Q_FACTOR_BYTES + em.ORTH_CAST_BYTES)) / MEM
-    orth = 3 * r * r * (m + n) / 2e9
+    orth = 2 * 3 * r * r * (m + n) / 2e9  # two Cholesky passes, a Gram product and a solve each
     launches = em.step_launches([[(m, n)]], r, gathered=False, world_size=2)
     assert job_cost([(m, n)], r) == pytest.approx((launches * LAUNCH, gemms + passes + factors + orth))
     assert job_seconds([(m, n)], r) == pytest.approx(gemms + passes + factors + orth + launches * LAUNCH)
@@ -177,8 +177,9 @@ def test_same_shapes_share_their_launches_and_new_shapes_add_some():
     assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, gathered=False) - 1) * LAUNCH)
     gathered = lambda shapes: em.step_launches([shapes], r, gathered=True)  # noqa: E731
     assert gathered([(512, 2048)] * 8) == gathered([(512, 2048)])
-    assert gathered([(512, 2048), (512, 1536)]) - gathered([(512, 2048)]) == 3 + 3  # 3 products, a P block
-    assert gathered([(512, 2048), (1536, 512)]) - gathered([(512, 2048)]) == 3 + 3  # a flipped shape likewise
+    # 3 products, and a P block: per Cholesky pass its Gram product, its solve and a cat of the Gram matrices
+    assert gathered([(512, 2048), (512, 1536)]) - gathered([(512, 2048)]) == 3 + 2 * 3
+    assert gathered([(512, 2048), (1536, 512)]) - gathered([(512, 2048)]) == 3 + 2 * 3  # a flipped shape likewise
     assert gathered([(512, 2048), (2048, 512)]) - gathered([(512, 2048)]) == 3  # same long and short sides
 
 
