@@ -84,8 +84,8 @@ class LowRankConfig:
     communication_dtype: str | None = None
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
 
-    orthogonalization_epsilon: float = 1e-8
-    """Shift of each Gram matrix in the orthonormalisation of P, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+    orthogonalization_epsilon: float = 1e-12
+    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
 
     seed: int = 714
     """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
@@ -161,8 +161,8 @@ class EDGCConfig:
     error_feedback_dtype: str = "float32"
     """dtype of error feedback for bf16/fp16 gradients: 'float32' (exact) or 'gradient' (half the memory)."""
 
-    orthogonalization_epsilon: float = 1e-8
-    """Shift of each Gram matrix in the orthonormalisation of P, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+    orthogonalization_epsilon: float = 1e-12
+    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
 
     profile_max_rank: int = 128
     """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
