@@ -2,8 +2,8 @@
 
 A lighthouse, then one ``torchrun`` per replica group (here 2 groups of one process, one machine):
 
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 1000 &
-    export TORCHFT_LIGHTHOUSE=http://localhost:29510 OMP_NUM_THREADS=1
+    torchft_lighthouse --min_replicas 2 --join_timeout_ms 90000 --heartbeat_timeout_ms 1000 --quorum_tick_ms 100 &
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510 OMP_NUM_THREADS=1 REPLICA_GROUPS=2
     REPLICA_GROUP_ID=0 torchrun --nproc_per_node 1 --master_port 29600 --max-restarts 1 examples/torchft_ddp.py &
     REPLICA_GROUP_ID=1 torchrun --nproc_per_node 1 --master_port 29601 --max-restarts 1 examples/torchft_ddp.py
 
@@ -32,19 +32,28 @@ from torchft.optim import OptimizerWrapper
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel  # EDGC: instead of torchft.DistributedDataParallel
+from edgc.integrations.torchft_quorum import QuorumSettings
 
 STEPS = int(os.environ.get("STEPS", 24))
+
+
+def quorum(groups: int) -> QuorumSettings:
+    """Every live group in every step (`QuorumSettings`' docstring says why): a short demo would end
+    before a killed group is back, so the others wait for it rather than go on without it. The
+    flags in this module's docstring are ``quorum(2).lighthouse_args()``."""
+    return QuorumSettings.for_groups(groups, tolerated_failures=0, timeout=timedelta(seconds=30))
 
 
 def train() -> None:
     group = int(os.environ["REPLICA_GROUP_ID"])
     holder = {}
+    settings = quorum(int(os.environ.get("REPLICA_GROUPS", 2)))
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
+        pg=ProcessGroupGloo(timeout=settings.timeout),
         load_state_dict=lambda s: (holder["model"].load_state_dict(s["model"]), holder["optim"].load_state_dict(s["optim"])),
         state_dict=lambda: {"model": holder["model"].state_dict(), "optim": holder["optim"].state_dict()},
         replica_id=f"group{group}", use_async_quorum=False,  # EDGC: a healing group loads the rank before its sync
-        timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=60))
+        **settings.manager_kwargs())
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
     # EDGC: short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
@@ -91,10 +100,9 @@ def launch(groups: int, kill_at: int) -> int:
     """A lighthouse in this process and one torchrun per group; their exit status (0 = all fine)."""
     from torchft._torchft import LighthouseServer
 
-    # min_replicas=groups: a short demo would end before the killed group is back, so the others
-    # wait for it in their next quorum (with min_replicas=1 they would go on without it).
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
-    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1", "KILL_AT": str(kill_at)}
+    lighthouse = LighthouseServer(bind="[::]:0", **quorum(groups).lighthouse_kwargs())
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1", "KILL_AT": str(kill_at),
+           "REPLICA_GROUPS": str(groups)}
     procs = []
     for group in range(groups):
         with socket.socket() as s:  # a free port for the group's store

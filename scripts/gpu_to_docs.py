@@ -264,12 +264,21 @@ def device_table(run: dict, before: dict | None) -> list[str]:
     rows += [("memory GB/s (read + write)", lambda m: m["mem_bytes_per_s"] / 1e9, preset["mem_bytes_per_s"] / 1e9),
              ("per-op cost µs (tiny eager op)", lambda m: m["launch_s"] * 1e6, preset["launch_s"] * 1e6),
              ("skinny GEMM read GB/s", lambda m: m["skinny_read_bytes_per_s"] / 1e9, preset["skinny_read_bytes_per_s"] / 1e9),
-             ("skinny GEMM write GB/s", lambda m: m["skinny_write_bytes_per_s"] / 1e9, preset["skinny_write_bytes_per_s"] / 1e9),
-             ("QR (1 × 6400 × 32) ms", lambda m: m.get("qr_s", 0) * 1e3, 0)]
+             ("skinny GEMM write GB/s", lambda m: m["skinny_write_bytes_per_s"] / 1e9, preset["skinny_write_bytes_per_s"] / 1e9)]
+    # what the engine orthonormalised by when the run measured it: torch.linalg.qr before the engine
+    # was batched, then its Cholesky QR of one P block (edgc_sim.host.measure_cuda)
+    if "qr_s" in measured:
+        rows.append(("QR (1 × 6400 × 32) ms", lambda m: m["qr_s"] * 1e3, 0))
+    if "orth_s" in measured:
+        block = " × ".join(map(str, measured["orth_block"]))
+        rows.append((f"orthonormalisation ({block}) ms", lambda m: m["orth_s"] * 1e3, 0))
     table = []
     for name, value, expected in rows:
         now = value(measured)
-        shown_value = f"{value(prior['measured']):.3g} → {now:.3g}" if prior else f"{now:.3g}"
+        try:
+            shown_value = f"{value(prior['measured']):.3g} → {now:.3g}" if prior else f"{now:.3g}"
+        except KeyError:  # the run before did not measure this
+            shown_value = f"{now:.3g}"
         table.append([name, shown_value, f"{expected:.3g}" if expected else "not modelled", fmt(ratio(now, expected), ".2f")])
     return markdown_table(["quantity", "measured", "`edgc simulate` preset `h100` (× mfu)", "measured ÷ preset"], "lrrr", table)
 
@@ -302,7 +311,9 @@ def picture(run: dict, image: Path) -> list[str]:
             f"Device work per CUDA stream in the profiled step of `{shown(run['trace'])}`."]
 
 
-def build(run: dict, before: dict | None, image: Path) -> tuple[list[str], list[str]]:
+def build(run: dict, before: dict | None, image: Path, current_count: dict | None = None) -> tuple[list[str], list[str]]:
+    """docs/gpu.md's block and the README's. ``current_count``: this checkout's dispatch count
+    (docs/gpu/count), which the README states instead of the run's when given."""
     heads = [describe(run, "This run" if before else "The run")] + ([describe(before, "Before")] if before else [])
     model, rank = largest(run), goal_rank(run)
     docs = [*heads, "", f"**Goals** (GPT-2 {model}, rank {rank}):", "", *goals(run)]
@@ -323,10 +334,15 @@ def build(run: dict, before: dict | None, image: Path) -> tuple[list[str], list[
     if trouble := problems(run):
         docs += ["", "**What failed or was skipped in this run:**", "", *trouble]
     readme = [*heads, *goals(run)]
-    xl = [row for row in (run["count"] or {}).get("hook", []) if row["model"] == model]
+    if current_count:
+        count, whose = current_count, "CPU count, this checkout's engine"
+    else:
+        count, whose = run["count"] or {}, "CPU count"
+    xl = [row for row in count.get("hook", []) if row["model"] == model]
     if xl:
-        readme.append(f"- Dispatches of one compressed step of GPT-2 {model} (CPU count): "
-                      + ", ".join(f"{row['dispatches']} at {row['bucket_cap_mb']:g} MB buckets" for row in xl) + ".")
+        readme.append(f"- Dispatches of one compressed step of GPT-2 {model} ({whose}): "
+                      + ", ".join(f"{row['dispatches']} at {row['bucket_cap_mb']:g} MB buckets" for row in xl)
+                      + "; [the recommended bucket size](docs/gpu.md#this-checkouts-engine).")
     for key, result in run["overlap"].items():
         for line in overlap_lines({"overlap": {key: result}}, None):
             if "injected" in line:
@@ -341,7 +357,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--before", type=Path, help="an earlier run's folder, shown beside it")
     args = parser.parse_args(argv)
     run, before = load_run(args.run), load_run(args.before) if args.before else None
-    docs, readme = build(run, before, REPO / "docs" / "img" / "gpu_overlap.png")
+    docs, readme = build(run, before, REPO / "docs" / "img" / "gpu_overlap.png",
+                         _json(REPO / "docs" / "gpu" / "count", "count"))
     for block, lines in ((FIGURES, docs), (SUMMARY, readme)):
         write(block, "\n".join(lines))
     return 0

@@ -19,6 +19,7 @@ Modules:
     rank_control.py DAC's window controller: when to compress and at which rank
     plans.py        what a step is planned to do and what a rank decision carries
     budget.py       the byte budget: a mean rank spent early, re-planned every window
+    signals.py      the budget signals (schedule, gradnorm, entropy, error): names, series, need
     rank_rules.py   the paper's rank mappings and the noise gate on the entropy trend
     profiling.py    sync-time tables {rank → seconds}, the r_max rule
     alignment.py    DAC stage alignment: per-stage ranks so all stages finish their sync together
@@ -28,6 +29,7 @@ Modules:
     mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, tp) every group comes from
     comm.py         collectives over one process group (or a mesh dimension)
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
+    sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)
     timing.py       device-timeline timestamps, the library's only device→host reads
     finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`
@@ -35,17 +37,18 @@ Modules:
 """
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .comm import barrier_before_exit
-from .config import EDGCConfig, field_docs
+from .config import EDGCConfig, LowRankConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .factors import orthogonalize_
 from .lowrank import LowRankCompressor
-from .rank_control import WindowController, delta_target, limit_rank
+from .rank_control import WindowController
+from .rank_rules import delta_target, limit_rank
 from .rank_model import ErrorModel, error_curve_mc, error_curve_mp
 from .reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook
 from .state import EDGCState
 
 __all__ = [
-    "EDGCConfig", "EDGCState", "edgc_hook", "AllReduceState", "allreduce_hook", "GradientReducer",
+    "EDGCConfig", "LowRankConfig", "EDGCState", "edgc_hook", "AllReduceState", "allreduce_hook", "GradientReducer",
     "LowRankCompressor", "EntropySampler", "WindowController", "ErrorModel",
     "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
     "delta_target", "limit_rank", "orthogonalize_", "field_docs",

@@ -66,6 +66,8 @@ def _unpack(packed: torch.Tensor, grads: list[torch.Tensor], flat: torch.Tensor 
 class CastState(GradientReducer):
     """Averaged all-reduce of the gradients cast to fp16 or bf16 (no error feedback)."""
 
+    method = "cast"
+
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, dtype: str | torch.dtype = "float16",
                  model: nn.Module | None = None):
         super().__init__(process_group, model=model)
@@ -91,10 +93,10 @@ class CastState(GradientReducer):
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:
-        return {"format": BASELINE_FORMAT, "method": "cast", **super().state_dict()}
+        return {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        _check_format(state, "cast")
+        _check_format(state, self.method)
         super().load_state_dict(state)
 
 

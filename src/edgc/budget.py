@@ -23,18 +23,18 @@ decreasing schedule beats static PowerSGD and an increasing one loses (docs/resu
 the paper's premise (entropy falls, so a lower rank suffices later) and
 Accordion's critical regime say the same.
 
-``need`` comes from one of the ``SIGNALS``: a fixed schedule (need ≡ 1), or the normalised,
-noise-gated trend of a per-window series (entropy, log gradient norm, relative compression
-error): |latest window mean − the one before| over |the first such change of the run|, counted
-only when it exceeds ``k`` standard errors of the two window means.
+``need`` comes from the budget signal the config names (`edgc.signals`): a fixed schedule, or the
+normalised, noise-gated trend of a per-window series (entropy, log gradient norm, relative
+compression error). `BudgetRule` is the controller's rank rule with a budget.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-SIGNALS = ("schedule", "gradnorm", "entropy", "error")
-
+from .config import EDGCConfig
+from .plans import Agreed, ControllerView, StepPlan
+from .signals import get_signal
 
 def rank_grid(r_min: int, r_max: int, granularity: int) -> list[int]:
     """The ranks the budget controller may choose: r_min, r_max and the multiples of the granularity between."""
@@ -72,42 +72,61 @@ def nearest_rank(target: float, grid: Sequence[int]) -> int:
     return min(grid, key=lambda r: (abs(r - target), r))
 
 
-def window_stats(samples: Sequence[tuple[int, float]], window: int) -> list[tuple[float, float, int]]:
-    """(mean, squared standard error, count) of the samples in each window [k·w, (k+1)·w), for every
-    window up to the last one that has samples; empty windows are (nan, nan, 0)."""
-    if not samples:
-        return []
-    count = max(step for step, _ in samples) // window + 1
-    buckets: list[list[float]] = [[] for _ in range(count)]
-    for step, value in samples:
-        buckets[step // window].append(value)
-    stats = []
-    for values in buckets:
-        n = len(values)
-        if n == 0:
-            stats.append((math.nan, math.nan, 0))
-            continue
-        mean = sum(values) / n
-        sem2 = sum((v - mean) ** 2 for v in values) / (n - 1) / n if n > 1 else math.nan
-        stats.append((mean, sem2, n))
-    return stats
+class BudgetRule:
+    """The byte budget's rank rule (``EDGCConfig.rank_budget`` set): r_min = 1, and every window
+    boundary, the first one included, re-plans the rest of the run from the signal's ``need``."""
 
+    def __init__(self, config: EDGCConfig):
+        self.config = config
 
-def trend_need(windows: Sequence[tuple[float, float, int]], k: float) -> float:
-    """How fast the series still moves, in [0, 1]: |Δ of the last two full windows| / |Δ of the first
-    two|, where a change counts only if it exceeds ``k`` standard errors (when those are known).
+    def default_r_min(self, r_max: int) -> int:
+        return 1  # a budget bounds the bytes itself; its plan may go down to rank 1 late in the run
 
-    0 with fewer than three windows of data (no trend and no reference yet)."""
-    full = [w for w in windows if w[2] > 0]
-    if len(full) < 3:
-        return 0.0
+    def first_rank(self, controller: ControllerView, step: int) -> int:
+        """The first compressed window's rank: early by definition (need = 1)."""
+        return self.plan(controller, [(step, controller.r_max)], step, need=1.0)[0]
 
-    def change(a, b) -> float:
-        delta = abs(b[0] - a[0])
-        noise = k * math.sqrt(a[1] + b[1]) if math.isfinite(a[1]) and math.isfinite(b[1]) else 0.0
-        return delta if delta > noise else 0.0
+    def may_decide(self, step: int) -> bool:
+        return step + 1 < (self.config.total_steps or 0)  # nothing left to spend after the last planned step
 
-    first, latest = change(full[0], full[1]), change(full[-2], full[-1])
-    if first == 0.0:
-        return 1.0 if latest > 0.0 else 0.0
-    return min(1.0, latest / first)
+    def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> dict | None:
+        """The budget, the compressed steps planned and done, and the mean rank so far (None before
+        compression starts, or once profiling turned it off)."""
+        if not schedule or schedule[0][1] == 0:
+            return None
+        spent, done = spent_rank_steps(schedule, step)
+        total = max(1, (self.config.total_steps or step) - schedule[0][0])
+        return {"budget": self.config.rank_budget, "total": total, "done": done, "spent": spent,
+                "mean_rank": spent / done if done else None}
+
+    def plan(self, controller: ControllerView, schedule: Sequence[tuple[int, int]], next_step: int,
+             need: float) -> tuple[int, float]:
+        """The rank (on the grid) and the unrounded target for the window starting at ``next_step``."""
+        r_min, r_max = controller.r_min, controller.r_max
+        assert r_min is not None and r_max is not None
+        state = self.budget_state(schedule, next_step)
+        assert state is not None
+        budget = min(max(self.config.rank_budget, r_min), r_max)  # a profiled r_max may sit below it
+        target = budget_target(budget=budget, total=state["total"], done=state["done"], spent=state["spent"],
+                               window=self.config.window, need=need, front_load=self.config.front_load,
+                               r_min=r_min, r_max=r_max)
+        return nearest_rank(target, rank_grid(r_min, r_max, self.config.rank_granularity)), target
+
+    def need(self, signals: dict[str, Sequence[tuple[int, float]]], progress: float) -> float:
+        """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate).
+        ``signals``: every series by name; ``progress``: the fraction of the compressed steps done."""
+        return get_signal(self.config.budget_signal).need(signals, progress=progress, window=self.config.window,
+                                                          significance=self.config.entropy_significance)
+
+    def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
+                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
+                signals: dict) -> tuple[int, float, float]:
+        """(rank, need, target) for the window after ``plan.step``."""
+        errors = list(controller.error_windows)  # the error signal's series, as apply() will record it
+        if math.isfinite(agreed.relative_error):
+            errors.append((plan.step, agreed.relative_error))
+        state = self.budget_state(controller.schedule, plan.step + 1)
+        progress = state["done"] / state["total"] if state else 0.0
+        need = self.need({**signals, "error": errors}, progress)
+        rank, target = self.plan(controller, controller.schedule, plan.step + 1, need)
+        return rank, need, target

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from .mesh import as_process_group
 from .timing import Clock
-from .timing import synchronize as synchronize  # re-exported: older imports use edgc.comm.synchronize
 
 
 class Pending:

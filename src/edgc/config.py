@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .signals import get_signal, signal_names
+
 RANK_MAPPINGS = ("delta", "cqm", "error-band")
 ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
 ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
-BUDGET_SIGNALS = ("schedule", "gradnorm", "entropy", "error")  # edgc.budget.SIGNALS
 RANK_CHANGES = ("warm", "truncate")
 
 
@@ -83,8 +84,8 @@ class LowRankConfig:
     communication_dtype: str | None = None
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
 
-    orthogonalization_epsilon: float = 1e-8
-    """Shift of each Gram matrix in the orthonormalisation of P, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+    orthogonalization_epsilon: float = 1e-12
+    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
 
     seed: int = 714
     """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
@@ -160,8 +161,8 @@ class EDGCConfig:
     error_feedback_dtype: str = "float32"
     """dtype of error feedback for bf16/fp16 gradients: 'float32' (exact) or 'gradient' (half the memory)."""
 
-    orthogonalization_epsilon: float = 1e-8
-    """Shift of each Gram matrix in the orthonormalisation of P, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+    orthogonalization_epsilon: float = 1e-12
+    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
 
     profile_max_rank: int = 128
     """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
@@ -190,7 +191,7 @@ class EDGCConfig:
     """Byte budget as the mean rank over the compressed steps, spent early by the budget controller (needs total_steps); None = the paper's rank rules (rank_mapping). r_min ≤ budget ≤ r_max."""
 
     budget_signal: str = "schedule"
-    """What tells the budget controller the early regime lasts: 'schedule' (fixed front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
+    """What tells the budget controller the early regime lasts, a signal registered in edgc.signals: 'schedule' (fixed front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
 
     front_load: float = 2.0
     """Budget controller: rank = even spending rate × (1 + (front_load − 1)·need), need ∈ [0, 1] from the signal. ≥ 1 (1 = spend evenly)."""
@@ -233,7 +234,7 @@ class EDGCConfig:
             check.boolean(name)
         check.choice("rank_mapping", RANK_MAPPINGS)
         check.choice("entropy_estimator", ENTROPY_ESTIMATORS)
-        check.choice("budget_signal", BUDGET_SIGNALS)
+        check.choice("budget_signal", signal_names())
         check.number("front_load", allow_zero=False)
         if self.front_load < 1:
             check.fail("front_load", "must be ≥ 1 (1 = spend the budget evenly)")
@@ -287,10 +288,10 @@ class EDGCConfig:
     def decisions_read_samples(self) -> bool:
         """Whether rank decisions read the sampled series (entropy, gradient norm, compression error).
 
-        Not with a hand-set ``rank_schedule`` nor with the budget's fixed ``schedule`` signal."""
+        Not with a hand-set ``rank_schedule`` nor with a budget signal that reads none (the fixed ``schedule``)."""
         if not self.adaptive or self.rank_schedule is not None:
             return False
-        return self.rank_budget is None or self.budget_signal != "schedule"
+        return self.rank_budget is None or get_signal(self.budget_signal).reads_samples
 
     @property
     def sample_period(self) -> int:
@@ -355,7 +356,7 @@ def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
 
 
 __all__ = ["EDGCConfig", "LowRankConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS",
-           "BUDGET_SIGNALS", "RANK_CHANGES"]
+           "RANK_CHANGES"]
 
 
 def config_table_markdown() -> str:

@@ -63,6 +63,7 @@ class EngineState:
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.keep_uncommitted = False
+        self.force_batched_copies = False
         self._calls: dict[tuple, CallState] = {}
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
@@ -159,22 +160,35 @@ class EngineState:
                     self._step_popped[layout.names[i]] = pending
 
     def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype):
-        """M = G + e of every compressed matrix, in the arena; returns the arena and the call's
-        compressed gradients gathered in the arena's layout (reused for Ĝ). One gather and one add
-        for the whole call, whatever its shapes."""
+        """M = G + e of every compressed matrix, in the arena. Returns the arena and, on an accelerator,
+        the call's compressed gradients gathered in the arena's layout (reused for Ĝ): one gather and
+        one add for the whole call, whatever its shapes. On CPU, where a kernel call costs nothing
+        but a pass over memory does, each matrix is added in place instead (gathered is None)."""
         layout = call.layout
-        ordered = [grads[i].reshape(-1) for group in layout.groups for i in group.indices]
-        gathered = torch.cat(ordered) if ordered else grads[0].new_empty(0)
+        ordered = [grads[i].view(group.m, group.n) for group in layout.groups for i in group.indices]
         if not self.config.error_feedback:
+            gathered = torch.cat([g.reshape(-1) for g in ordered]) if ordered else grads[0].new_empty(0)
             return gathered.to(compute), gathered
         error_dtype = grads[0].dtype if self.config.error_feedback_dtype == "gradient" else compute
         if not self._arena_intact(call, error_dtype, grads[0].device):
             self._rebuild_arena(call, error_dtype, grads[0].device)
         arena = call.arena
-        arena.add_(gathered)
+        if self.per_matrix_copies(grads[0].device):
+            if ordered:
+                torch._foreach_add_(call.error_views, ordered)
+            gathered = None
+        else:
+            gathered = torch.cat([g.reshape(-1) for g in ordered]) if ordered else grads[0].new_empty(0)
+            arena.add_(gathered)
         if self._tracking and not self.keep_uncommitted:
             self._touched.append(arena)
         return arena, gathered
+
+    def per_matrix_copies(self, device: torch.device) -> bool:
+        """Whether M and Ĝ move matrix by matrix (CPU) rather than gathered into one buffer per call
+        (accelerators, where the kernel count matters more than one extra pass over memory).
+        ``force_batched_copies`` makes every device take the accelerator's path (a dispatch count)."""
+        return device.type == "cpu" and not self.force_batched_copies
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
         return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
@@ -195,16 +209,25 @@ class EngineState:
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
-    def _keep_residual(self, call: CallState, arena: torch.Tensor, approximation: torch.Tensor) -> None:
+    def _keep_residual(self, call: CallState, arena: torch.Tensor, approximation: torch.Tensor | list[torch.Tensor]) -> None:
         """e = M − Ĝ for the whole call: over M in place, or (uncommitted) into the spare arena, M
-        left intact for a rollback."""
+        left intact for a rollback. ``approximation``: Ĝ in the arena's layout, or (per-matrix
+        copies) the list of gradients that now hold Ĝ, in layout order."""
+        per_matrix = isinstance(approximation, list)
         if not self.keep_uncommitted:
-            arena.sub_(approximation)
+            if per_matrix and approximation:
+                torch._foreach_sub_(call.error_views, approximation)
+            elif not per_matrix:
+                arena.sub_(approximation)
             return
         residual = call.spare
         if residual is None or residual.shape != arena.shape or residual.dtype != arena.dtype:
             residual = torch.empty_like(arena)
-        torch.sub(arena, approximation, out=residual)
+        if per_matrix:
+            for m, g, out in zip(call.error_views, approximation, call.views(residual)):
+                torch.sub(m, g, out=out)
+        else:
+            torch.sub(arena, approximation, out=residual)
         call.spare = None
         self._step_arenas.append((call, arena))
         self._touched.append(residual)  # a non-finite step clears the residual, never M

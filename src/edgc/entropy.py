@@ -28,6 +28,7 @@ import torch
 
 from .config import EDGCConfig
 from .finite import all_finite
+from .signals import SIGNALS
 
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
 
@@ -110,14 +111,13 @@ class EntropySampler:
         self.estimator = config.resolved_entropy_estimator
         self.cap = None if config.decisions_read_samples else REPORT_SAMPLE_CAP  # see the module docstring
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
-        self.norm_history: list[tuple[int, float]] = []  # (step, ln of the sample's RMS): the gradnorm signal
+        self.series: dict[str, list[tuple[int, float]]] = {}  # each budget signal's own measure: (step, value)
         self.nonfinite_total = 0
         self.calls = 0
         self.seconds_total = 0.0  # measured cost of sampling + estimation, all calls
         self.last_seconds = 0.0
         self._step: int | None = None
         self._parts: list[torch.Tensor] = []
-        self._nonfinite = 0
         self._elapsed = 0.0
         self.elements_per_step: int | None = None  # gradient elements of the last complete step
         self._elements = 0  # of this step so far
@@ -132,7 +132,7 @@ class EntropySampler:
             self.elements_per_step = self._elements
         self._elements = 0
         self._step = step if enabled and self.due(step) else None
-        self._parts, self._nonfinite, self._elapsed = [], 0, 0.0
+        self._parts, self._elapsed = [], 0.0
         self._stride = self.stride
         self._thinned = self.cap is not None and bool(self.elements_per_step)
         if self._thinned:
@@ -161,17 +161,15 @@ class EntropySampler:
         size = sum(part.numel() for part in parts)
         if self.cap is not None and not self._thinned and size > self.cap:  # thinned before the copy into one
             parts = [part[:: math.ceil(size / self.cap)] for part in parts]
-        sample, self._nonfinite = drop_nonfinite(torch.cat(parts) if parts else torch.empty(0))
+        sample, nonfinite = drop_nonfinite(torch.cat(parts) if parts else torch.empty(0))
         value = self.estimate(sample) if sample.numel() else None
         self._elapsed += time.perf_counter() - start
         self.calls += 1
         self.last_seconds = self._elapsed
         self.seconds_total += self._elapsed
-        self.nonfinite_total += self._nonfinite
+        self.nonfinite_total += nonfinite
         if sample.numel():
-            rms = float(sample.square().mean().sqrt())
-            if rms > 0 and math.isfinite(rms):
-                self.norm_history.append((self._step, math.log(rms)))
+            self._measure_signals(sample)
         if value is not None and math.isfinite(value):
             self.history.append((self._step, value))
         else:
@@ -179,9 +177,16 @@ class EntropySampler:
         self._step, self._parts = None, []
         return value
 
-    @property
-    def last_nonfinite(self) -> int:
-        return self._nonfinite
+    def _measure_signals(self, sample: torch.Tensor) -> None:
+        """Every registered budget signal's own value of this step's sample (`edgc.signals`)."""
+        for signal in SIGNALS.values():
+            value = signal.measure(sample)
+            if value is not None and math.isfinite(value):
+                self.series.setdefault(signal.name, []).append((self._step, value))
+
+    def signal_series(self) -> dict[str, list[tuple[int, float]]]:
+        """The series a budget signal can read by name: the entropy and each signal's own measure."""
+        return {"entropy": self.history, **self.series}
 
     def values(self) -> list[float]:
         return [value for _, value in self.history]
@@ -189,7 +194,7 @@ class EntropySampler:
     def state_dict(self) -> dict:
         return {
             "history": list(self.history),
-            "norm_history": list(self.norm_history),
+            "series": {name: list(values) for name, values in self.series.items()},
             "nonfinite_total": self.nonfinite_total,
             "calls": self.calls,
             "seconds_total": self.seconds_total,
@@ -198,7 +203,9 @@ class EntropySampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.history = [(int(s), float(v)) for s, v in state["history"]]
-        self.norm_history = [(int(s), float(v)) for s, v in state.get("norm_history", [])]
+        # A checkpoint from before the signals' registry holds the gradient norm's series alone.
+        series = state.get("series", {"gradnorm": state.get("norm_history", [])})
+        self.series = {name: [(int(s), float(v)) for s, v in values] for name, values in series.items() if values}
         self.nonfinite_total = int(state["nonfinite_total"])
         self.calls = int(state["calls"])
         self.seconds_total = float(state["seconds_total"])

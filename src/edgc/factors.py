@@ -22,20 +22,25 @@ def stable_seed(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
 
 
-def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
+def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-12) -> torch.Tensor:
     """Orthonormalise the rows of each matrix of a (batch, r, k) tensor in place (r ≤ k).
 
-    Shifted Cholesky QR, one pass in float64, one batched call for the whole batch (no
-    per-matrix library call, no host synchronisation): G = X·Xᵀ + s·I = L·Lᵀ, X ← L⁻¹·X.
-    In float64 one pass leaves the rows orthonormal far below float32's precision for condition
-    numbers up to about 1e4 (a Householder QR in float32 is no better), at a fraction of its
-    kernel launches. The shift s = epsilon·trace(G)/r keeps every Gram matrix positive definite,
-    so a rank-deficient batch gets no NaN: its directions with less energy than s shrink towards
-    zero, and an all-zero row stays zero (`restart_zero_rows` restarts those where it matters).
+    Shifted CholeskyQR2 in float64, one batched call per step for the whole batch (no per-matrix
+    library call, no host synchronisation): twice G = X·Xᵀ + s·I = L·Lᵀ, X ← L⁻¹·X. One pass
+    leaves XXᵀ off the identity by about u·κ(X)² plus the shift's share, so a factor whose weak
+    directions sit 1e3 below its strongest would come out 1e-3 off orthonormal, and those
+    directions would shrink step after step; the second pass starts from κ ≈ 1 and restores them.
+    `edgc_bench.orthonormalization` measures it: rows orthonormal to about 3e-8 for condition
+    numbers up to float32's limit, as a float64 Householder QR and better than a float32 one, at
+    a handful of kernels instead of a geqrf + orgqr per matrix. The shift s = epsilon·mean(diag G)
+    keeps every Gram matrix positive definite: a rank-deficient batch gets no NaN, and an all-zero
+    row stays zero (`restart_zero_rows` restarts those where it matters).
     """
     x = rows.to(torch.float64)
-    lower = _shifted_cholesky(x @ x.transpose(-1, -2), epsilon)
-    rows.copy_(torch.linalg.solve_triangular(lower, x, upper=False))
+    for _ in range(2):
+        lower = _shifted_cholesky(x @ x.transpose(-1, -2), epsilon)
+        x = torch.linalg.solve_triangular(lower, x, upper=False)
+    rows.copy_(x)
     return rows
 
 
@@ -45,22 +50,25 @@ class _Block(Protocol):
     def view(self, flat: torch.Tensor) -> torch.Tensor: ...
 
 
-def orthonormalize_blocks_(flat: torch.Tensor, blocks: Sequence[_Block], epsilon: float = 1e-8) -> torch.Tensor:
+def orthonormalize_blocks_(flat: torch.Tensor, blocks: Sequence[_Block], epsilon: float = 1e-12) -> torch.Tensor:
     """`orthonormalize_rows_` for several (count, rank, side) blocks of one flat buffer at once: one
-    cast, and one Cholesky factorisation for all the Gram matrices of one rank (their sides differ,
-    their r × r Gram matrices do not), so the library calls do not grow with the number of blocks."""
-    x = flat.to(torch.float64)
-    solved = torch.empty_like(x)
+    cast, and per pass one Cholesky factorisation for all the Gram matrices of one rank (their
+    sides differ, their r × r Gram matrices do not), so the library calls do not grow with the
+    number of blocks."""
     by_rank: dict[int, list[_Block]] = {}
     for block in blocks:
         by_rank.setdefault(block.rank, []).append(block)
-    for same_rank in by_rank.values():
-        views = [block.view(x) for block in same_rank]
-        grams = [v @ v.transpose(-1, -2) for v in views]
-        lower = _shifted_cholesky(torch.cat(grams) if len(grams) > 1 else grams[0], epsilon)
-        for block, view, factor in zip(same_rank, views, lower.split([v.shape[0] for v in views])):
-            torch.linalg.solve_triangular(factor, view, upper=False, out=block.view(solved))
-    flat.copy_(solved)
+    x = flat.to(torch.float64)
+    solved = torch.empty_like(x)
+    for _ in range(2):
+        for same_rank in by_rank.values():
+            views = [block.view(x) for block in same_rank]
+            grams = [v @ v.transpose(-1, -2) for v in views]
+            lower = _shifted_cholesky(torch.cat(grams) if len(grams) > 1 else grams[0], epsilon)
+            for block, view, factor in zip(same_rank, views, lower.split([v.shape[0] for v in views])):
+                torch.linalg.solve_triangular(factor, view, upper=False, out=block.view(solved))
+        x, solved = solved, x
+    flat.copy_(x)
     return flat
 
 
@@ -73,7 +81,7 @@ def _shifted_cholesky(gram: torch.Tensor, epsilon: float) -> torch.Tensor:
     return lower
 
 
-def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-12) -> torch.Tensor:
     """Orthonormalise the columns of each matrix in a (batch, k, r) tensor, in place
     (`orthonormalize_rows_` on the transposed view)."""
     orthonormalize_rows_(matrices.transpose(-1, -2), epsilon)

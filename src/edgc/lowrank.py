@@ -215,7 +215,7 @@ class LowRankCompressor(EngineState):
         return stats
 
     def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor,
-                    gathered: torch.Tensor, p_flat: torch.Tensor, q_flat: torch.Tensor) -> None:
+                    gathered: torch.Tensor | None, p_flat: torch.Tensor, q_flat: torch.Tensor) -> None:
         """Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. ``p_flat`` carries the step's poison: on a
         non-finite step Ĝ is NaN everywhere, so every rank's optimizer (or GradScaler) skips it."""
         grad_dtype = grads[0].dtype
@@ -230,16 +230,20 @@ class LowRankCompressor(EngineState):
                 # entries can exceed fp16 although Ĝ's do not.
                 shift = _half_wire_shift(group.long)
                 p_t, q_t = (p_t / shift).to(grad_dtype), (q_t * shift).to(grad_dtype)
-            approximation = group.error_view(gathered)  # the gradients were gathered into M already
-            if group.flipped:
-                torch.bmm(q_t.transpose(1, 2), p_t, out=approximation)
-            else:
-                torch.bmm(p_t.transpose(1, 2), q_t, out=approximation)
-            targets += [grads[i].view(group.m, group.n) for i in group.indices]
-            sources += list(approximation.unbind(0))
-        torch._foreach_copy_(targets, sources)
+            left, right = (q_t.transpose(1, 2), p_t) if group.flipped else (p_t.transpose(1, 2), q_t)
+            outputs = [grads[i].view(group.m, group.n) for i in group.indices]
+            targets += outputs
+            if gathered is None:  # per-matrix copies: Ĝ straight into each gradient
+                for a, b, out in zip(left.unbind(0), right.unbind(0), outputs):
+                    torch.mm(a, b, out=out)
+            else:  # into the gathered buffer (the gradients were gathered into M already), copied back below
+                approximation = group.error_view(gathered)
+                torch.bmm(left, right, out=approximation)
+                sources += list(approximation.unbind(0))
+        if sources:
+            torch._foreach_copy_(targets, sources)
         if self.config.error_feedback:
-            self._keep_residual(call, arena, gathered)
+            self._keep_residual(call, arena, targets if gathered is None else gathered)
 
     @staticmethod
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:

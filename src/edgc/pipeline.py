@@ -30,8 +30,8 @@ import torch.distributed as dist
 from .alignment import StageRank, StageTiming, align_stage_ranks
 from .comm import Communicator
 from .mesh import as_process_group
+from .plans import COMPRESS, PHASES
 from .profiling import SyncTimeTable, profile_candidates
-from .rank_control import COMPRESS, PHASES
 from .state import EDGCState
 
 

@@ -2,13 +2,14 @@
 
 `StepPlan` is identical on every rank (it depends only on agreed state); `Agreed` holds the
 measurements averaged over the group at a decision point; `Decision` is group rank 0's proposal,
-broadcast as a float64 vector so that every rank applies the same one.
+broadcast as a float64 vector so that every rank applies the same one; `ControllerView` is what a
+rank rule reads of the controller.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 PROFILE, WARMUP, COMPRESS, OFF = "profile", "warmup", "compress", "off"
 PHASES = (PROFILE, WARMUP, COMPRESS, OFF)
@@ -61,8 +62,6 @@ class Decision:
         return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
                    integer(values[4]), real(values[5]), real(values[6]), real(values[7]))
 
-    SIZE = 8
-
 
 @dataclass
 class Agreed:
@@ -78,4 +77,12 @@ class Agreed:
         return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error,
                 self.uncompressed_bound]
 
-    SIZE = 5
+
+class ControllerView(Protocol):
+    """What a rank rule (`edgc.rank_control.RankRule`) reads of its controller."""
+
+    rank: int | None  # the rank in force; None = uncompressed
+    r_min: int | None
+    r_max: int | None
+    schedule: list[tuple[int, int]]  # (first step, rank) each time the rank changed; 0 = off
+    error_windows: list[tuple[int, float]]  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed

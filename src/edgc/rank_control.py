@@ -37,10 +37,11 @@ The noise gate (what makes a decision follow the entropy trend, not its sampling
 
 * ``off``      – profiling found no rank faster than uncompressed: compression never pays.
 
-Who picks the rank while compressing, in order: a hand-set ``rank_schedule`` (no decisions; the
-rank follows the step), the byte budget (``rank_budget``: `edgc.budget` plans the rest of the
-run at every window boundary, from the chosen ``budget_signal``), else the paper's rules
-(`edgc.rank_rules`, the ``paper`` mode) with the ``rank_mapping``.
+Who picks the rank while compressing: a hand-set ``rank_schedule`` (no decisions; the rank
+follows the step), else the controller's rank rule (`RankRule`), chosen once from the config: the
+byte budget (``rank_budget`` set: `edgc.budget.BudgetRule` plans the rest of the run at every window
+boundary, from the chosen ``budget_signal``) or the paper's rules (`edgc.rank_rules.PaperRules`,
+the ``paper`` mode) with the ``rank_mapping``.
 
 The controller only plans steps and turns *agreed* inputs into decisions. The state object
 (`edgc.state`) measures, agrees (all-reduce), lets group rank 0 ``propose`` and broadcasts the
@@ -49,14 +50,41 @@ proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Protocol, Sequence
 
-from . import budget as budgeting
+from .budget import BudgetRule
 from .config import EDGCConfig
-from .plans import COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, Decision, StepPlan  # noqa: F401 (re-exported)
-from .profiling import SyncTimeTable, describe_profiling_verdict, profile_candidates  # noqa: F401 (re-exported)
-from .rank_model import ErrorModel, cqm_target_rank
-from .rank_rules import confirmed_shift, delta_target, entropy_shift, limit_rank, window_means  # noqa: F401 (re-exported)
+from .plans import (COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, ControllerView, Decision,
+                    StepPlan)
+from .profiling import SyncTimeTable, profile_candidates
+from .rank_rules import PaperRules
+
+
+class RankRule(Protocol):
+    """Who picks the rank while compressing (without a hand-set schedule), chosen once per controller:
+    `edgc.budget.BudgetRule` with a byte budget, `edgc.rank_rules.PaperRules` without one."""
+
+    def default_r_min(self, r_max: int) -> int:
+        """r_min when the config leaves it open."""
+
+    def first_rank(self, controller: ControllerView, step: int) -> int:
+        """The rank of the first compressed window, which starts at ``step``."""
+
+    def may_decide(self, step: int) -> bool:
+        """Whether the window boundary at the end of ``step`` decides (given the controller's own rules)."""
+
+    def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> dict | None:
+        """The byte budget and what has been spent of it by ``step``; None without a budget."""
+
+    def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
+                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
+                signals: dict) -> tuple[int, float | None, float | None]:
+        """(rank, need, target) for the next window, from the agreed measurements and the series."""
+
+
+def rank_rule(config: EDGCConfig) -> RankRule:
+    """The rank rule ``config`` asks for: the byte budget when it sets one, else the paper's rules."""
+    return BudgetRule(config) if config.rank_budget is not None else PaperRules(config)
 
 
 class WindowController:
@@ -64,6 +92,7 @@ class WindowController:
         """``follower``: the rank is set from outside with `follow` (pipeline stages after the first);
         ``always_profile``: measure the sync-time table even when r_max is given (stage alignment needs it)."""
         self.config = config
+        self.rule = rank_rule(config)
         self.follower = follower
         self.r_max = config.r_max
         self.r_min = config.r_min if config.r_min is not None else self._default_r_min(config.r_max)
@@ -75,7 +104,6 @@ class WindowController:
         self.warmup_start = None if profile else 0
         self.error_at_start: float | None = None
         self.error_test_step: int | None = None
-        self._error_model: ErrorModel | None = None
         self._candidates = profile_candidates(config.profile_max_rank)
         # The order candidates are timed in. From the top down, the first rank faster than the
         # plain sync ends profiling, so where compression pays (a slow link, where each profiling
@@ -85,42 +113,11 @@ class WindowController:
         self.error_windows: list[tuple[int, float]] = []  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed
 
     def _default_r_min(self, r_max: int | None) -> int | None:
-        if r_max is None:
-            return None
-        # A budget bounds the bytes itself; its plan may go down to rank 1 late in the run.
-        return 1 if self.config.rank_budget is not None else max(1, r_max // 4)
+        return None if r_max is None else self.rule.default_r_min(r_max)
 
-    # ------------------------------------------------------------------ the byte budget
     def budget_state(self, step: int) -> dict | None:
-        """Budget mode: the budget, the compressed steps planned and done, and the mean rank so far."""
-        if self.config.rank_budget is None or not self.schedule or self.schedule[0][1] == 0:
-            return None
-        spent, done = budgeting.spent_rank_steps(self.schedule, step)
-        total = max(1, (self.config.total_steps or step) - self.schedule[0][0])
-        return {"budget": self.config.rank_budget, "total": total, "done": done, "spent": spent,
-                "mean_rank": spent / done if done else None}
-
-    def _budget_decision(self, next_step: int, need: float) -> tuple[int, float]:
-        """The rank (on the grid) and the unrounded target for the window starting at ``next_step``."""
-        assert self.r_min is not None and self.r_max is not None
-        state = self.budget_state(next_step)
-        assert state is not None
-        budget = min(max(self.config.rank_budget, self.r_min), self.r_max)  # a profiled r_max may sit below it
-        target = budgeting.budget_target(budget=budget, total=state["total"], done=state["done"],
-                                         spent=state["spent"], window=self.config.window, need=need,
-                                         front_load=self.config.front_load, r_min=self.r_min, r_max=self.r_max)
-        grid = budgeting.rank_grid(self.r_min, self.r_max, self.config.rank_granularity)
-        return budgeting.nearest_rank(target, grid), target
-
-    def budget_need(self, signals: dict[str, Sequence[tuple[int, float]]], next_step: int) -> float:
-        """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate)."""
-        name = self.config.budget_signal
-        if name == "schedule":
-            state = self.budget_state(next_step)
-            return 1.0 - state["done"] / state["total"] if state else 1.0
-        series = signals.get(name, [])
-        windows = budgeting.window_stats(series, self.config.window)
-        return budgeting.trend_need(windows, self.config.entropy_significance)
+        """With a byte budget: the budget, the compressed steps planned and done, and the mean rank so far."""
+        return self.rule.budget_state(self.schedule, step)
 
     def _scheduled_rank(self, step: int) -> int | None:
         """The hand-set rank in force at ``step`` (None before its first entry)."""
@@ -146,10 +143,8 @@ class WindowController:
             return self._plan_follower(step)
         if self.phase == WARMUP and self._warmup_over(step):
             self.phase = COMPRESS
-            self.schedule.append((step, self.r_max))
-            if self.config.rank_budget is not None:  # the first window is early by definition
-                self.schedule[-1] = (step, self._budget_decision(step, need=1.0)[0])
-            self.rank = self.schedule[-1][1]
+            self.rank = self.rule.first_rank(self, step)
+            self.schedule.append((step, self.rank))
         if self.phase == COMPRESS and self.config.rank_schedule is not None:
             scheduled = self._scheduled_rank(step)
             if scheduled is not None and scheduled != self.rank:
@@ -167,9 +162,7 @@ class WindowController:
             return StepPlan(step, WARMUP, None, probe_rank=probe, decision=probe is not None)
         if self.phase == COMPRESS:
             decide = (self.config.adaptive and self.config.rank_schedule is None and self._window_end(step)
-                      and step > self.schedule[-1][0])
-            if self.config.rank_budget is not None:  # nothing left to spend after the last planned step
-                decide = decide and step + 1 < (self.config.total_steps or 0)
+                      and step > self.schedule[-1][0] and self.rule.may_decide(step))
             return StepPlan(step, COMPRESS, self.rank, decision=decide)
         return StepPlan(step, OFF, None)
 
@@ -256,76 +249,10 @@ class WindowController:
                     decision.error_at_start = agreed.probe_error
             elif agreed.probe_error <= self.error_at_start:
                 decision.error_test_step = plan.step + 1
-        elif plan.phase == COMPRESS and self.config.rank_budget is not None:
-            errors = list(self.error_windows)  # the error signal's series, as apply() will record it
-            if math.isfinite(agreed.relative_error):
-                errors.append((plan.step, agreed.relative_error))
-            decision.need = self.budget_need({**(signals or {}), "error": errors}, plan.step + 1)
-            decision.rank, decision.target = self._budget_decision(plan.step + 1, decision.need)
         elif plan.phase == COMPRESS:
-            if self.config.rank_mapping == "error-band":
-                decision.rank = self.band_rank(agreed.relative_error)
-            else:
-                decision.rank = self.next_rank(entropies, shapes, sample_steps)
+            decision.rank, decision.need, decision.target = self.rule.propose(
+                self, plan, agreed, entropies, shapes, sample_steps, signals or {})
         return decision
-
-    def next_rank(self, entropies: Sequence[float], shapes: list[tuple[int, int]],
-                  sample_steps: Sequence[int] | None = None) -> int:
-        """The rank for the next window: unchanged unless the noise gate accepts an entropy shift."""
-        config = self.config
-        assert self.rank is not None and self.r_min is not None and self.r_max is not None
-        per_window = max(1, config.window // config.sample_every)
-        if config.entropy_significance == 0:
-            # Gate off: the paper's rule, a new target every window from the last two window means.
-            means = window_means(entropies, per_window)
-            if means is None:
-                return self.rank
-            h_ref, h_new = means
-            if config.rank_mapping != "cqm":
-                target = delta_target(entropies, per_window, self.r_min, self.r_max)
-                return limit_rank(target, self.rank, self.r_min, self.r_max, config.rank_step, config.rank_granularity)
-        else:
-            since = self._samples_since_change(entropies, sample_steps)
-            shift = confirmed_shift(since, per_window, config.entropy_significance)
-            if shift is None:
-                return self.rank
-            reference, latest = since[:-per_window], since[-per_window:]
-            h_ref, h_new = sum(reference) / len(reference), sum(latest) / len(latest)
-        if config.rank_mapping == "cqm":
-            if self._error_model is None:
-                self._error_model = ErrorModel(samples=config.cqm_mc_samples, seed=config.seed)
-            target: float = cqm_target_rank(self._error_model, shapes, self.rank, h_ref, h_new,
-                                            config.cqm_exponent, self.r_min, self.r_max)
-        else:
-            first = entropies[:per_window], entropies[per_window : 2 * per_window]
-            change_ref = abs(sum(first[1]) / per_window - sum(first[0]) / per_window) if len(entropies) >= 2 * per_window else 0.0
-            ratio = 1.0 if change_ref == 0 else min(abs(h_new - h_ref) / change_ref, 1.0)
-            target = round(self.r_min + (self.r_max - self.r_min) * ratio)
-        return limit_rank(target, self.rank, self.r_min, self.r_max, config.rank_step, config.rank_granularity)
-
-    def band_rank(self, relative_error: float) -> int:
-        """'error-band' mapping: one ``rank_step`` up when the window's mean ‖M−Ĝ‖²/‖M‖² is above the
-        band, one down when below, unchanged inside it or when unmeasured (the band is the hysteresis)."""
-        assert self.rank is not None and self.r_min is not None and self.r_max is not None
-        low, high = self.config.error_band
-        target = self.rank
-        if math.isfinite(relative_error) and relative_error > high:
-            target = self.rank + self.config.rank_step
-        elif math.isfinite(relative_error) and relative_error < low:
-            target = self.rank - self.config.rank_step
-        if target == self.rank:
-            return self.rank
-        granularity = self.config.rank_granularity
-        if target > self.rank:  # round up, so a move up is never swallowed by the granularity
-            target = -(-target // granularity) * granularity
-        return limit_rank(target, self.rank, self.r_min, self.r_max, self.config.rank_step, granularity)
-
-    def _samples_since_change(self, entropies: Sequence[float], sample_steps: Sequence[int] | None) -> list[float]:
-        """The entropy samples taken since the rank last changed (compression start counts as a change)."""
-        if sample_steps is None or not self.schedule:
-            return list(entropies)
-        since = self.schedule[-1][0]
-        return [value for step, value in zip(sample_steps, entropies) if step >= since]
 
     @staticmethod
     def _record_profile(table: SyncTimeTable, plan: StepPlan, agreed: Agreed) -> None:

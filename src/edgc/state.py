@@ -25,7 +25,8 @@ from .config import EDGCConfig
 from .entropy import EntropySampler
 from .factors import matrix_shape
 from .lowrank import LowRankCompressor
-from .rank_control import OFF, PROFILE, Agreed, Decision, StepPlan, WindowController
+from .plans import OFF, PROFILE, Agreed, Decision, StepPlan
+from .rank_control import WindowController
 from .reducer import GradientReducer
 from .timing import Clock
 
@@ -221,7 +222,7 @@ class EDGCState(GradientReducer):
             history = self.sampler.history
             proposal = self.controller.propose(plan, agreed, [v for _, v in history], shapes,
                                                sample_steps=[s for s, _ in history],
-                                               signals={"entropy": history, "gradnorm": self.sampler.norm_history})
+                                               signals=self.sampler.signal_series())
         else:
             proposal = self.controller.current()
         vector = self.comm.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))

@@ -20,4 +20,5 @@ Modules:
     gpu_trace.py    a profiled step's device work per stream, and its picture
     dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
+    orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 from edgc_cli.errors import CLIError
 
 from .netns import NetnsError, check_prerequisites
-from .run import ALL_METHODS, FSDP_METHODS, PIPELINE_METHODS, BenchSettings, check_methods
+from .run import FSDP_METHODS, PIPELINE_METHODS, BenchSettings, all_methods, check_methods
 
 DEFAULTS = BenchSettings()
 
@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--rate", "--rate-mbit", dest="rate", default=f"{DEFAULTS.rate_mbit:g}",
                    help="link rate per host in Mbit/s, or 'none' for unlimited (default %(default)s)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated: " + ", ".join(ALL_METHODS) + ", powersgd@N, or 'all' (default: "
+                   help="comma-separated: " + ", ".join(all_methods()) + ", powersgd@N, or 'all' (default: "
                         + ",".join(DEFAULTS.methods) + "; with --fsdp: " + ",".join(FSDP_METHODS) + ")")
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
     p.add_argument("--preset", default=DEFAULTS.preset, help="model preset of edgc train (default %(default)s)")
@@ -111,7 +111,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     try:
         default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
         chosen = args.methods if args.methods is not None else ",".join(default)
-        names = ",".join(ALL_METHODS) if chosen.strip() == "all" else chosen
+        names = ",".join(all_methods()) if chosen.strip() == "all" else chosen
         methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
     except ValueError as exc:
         raise CLIError(f"--methods: {exc}") from None

@@ -219,6 +219,19 @@ def _static_config(rank: int):
     return EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0)
 
 
+def as_on_an_accelerator(state) -> None:
+    """Make a state on fake CPU tensors take the path it takes on a GPU: buckets fused into jobs of
+    the accelerator default (unless its config sets ``fusion_mb``) and M and Ĝ gathered per call
+    rather than moved matrix by matrix (`edgc.engine_state.EngineState.per_matrix_copies`)."""
+    from dataclasses import replace
+
+    from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
+
+    if state.config.fusion_mb is None:
+        state.config = replace(state.config, fusion_mb=DEFAULT_ACCELERATOR_FUSION_MB)
+    state.compressor.force_batched_copies = True
+
+
 def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_cap_mb: float | None = None,
                     rank: int = 32, dtype: torch.dtype = torch.bfloat16, world_size: int = 1, config=None,
                     order: list[int] | None = None, settle_steps: int = 1) -> StepCount:
@@ -235,6 +248,7 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
     with counted_host_reads(_zeros) as host, FakeTensorMode():
         parameters = [torch.empty(shape, dtype=dtype) for shape in shapes]
         state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
+        as_on_an_accelerator(state)
         state.comm = communicator = counting_communicator(world_size)
         buckets = [GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
                    for k, indices in enumerate(layout)]
@@ -252,7 +266,7 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
         host.reads, communicator.issued = 0, []
         with DispatchCounter() as counter:
             step()
-    metrics = state.last_step_metrics
+        metrics = state.last_step_metrics  # settles the step: its one host read (answered by _zeros)
     return StepCount(counter.total, dict(counter.by_op), len(communicator.issued), host.reads, buckets=len(layout),
                      matrices=sum(len(shape) >= 2 for shape in shapes),
                      compressed=sum(1 for r in metrics.get("ranks", {}).values() if r),
@@ -260,18 +274,23 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
 
 
 def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, dtype: torch.dtype = torch.bfloat16,
-                      settle_calls: int = 1, fake: bool = True) -> StepCount:
+                      settle_calls: int = 1, fake: bool = True, other_shape: tuple[int, int] | None = None) -> StepCount:
     """Dispatches of one `LowRankCompressor.reduce` call on ``matrices`` gradients of one shape
-    (one bucket holding them), after ``settle_calls`` calls; on real CPU tensors with ``fake=False``."""
+    (one bucket holding them; plus one of ``other_shape``), after ``settle_calls`` calls, on the
+    GPU's path; on real CPU tensors with ``fake=False``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc import EDGCConfig, LowRankCompressor
 
     with counted_host_reads(_zeros) as host, FakeTensorMode() if fake else contextlib.nullcontext():
         compressor = LowRankCompressor(EDGCConfig(r_max=rank))
+        compressor.force_batched_copies = True  # the GPU's path
         communicator = counting_communicator()
         names = [f"matrix{k}" for k in range(matrices)]
         grads = [torch.zeros(shape, dtype=dtype) for _ in names]
+        if other_shape is not None:
+            names.append("other")
+            grads.append(torch.zeros(other_shape, dtype=dtype))
         for _ in range(settle_calls):
             compressor.reduce(names, grads, rank, communicator, measure_error=False)
         communicator.issued = []

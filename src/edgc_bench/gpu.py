@@ -8,7 +8,9 @@ docs/gpu.md and the README:
                     computed in a background process while the GPU parts run);
 - ``overlap.json``, ``trace_gloo.json.gz``, ``trace_nccl.json.gz``  does backward wait for the
                     collectives? (`edgc_bench.gpu_overlap`);
-- ``engine.json``   EDGC's hook against ``powerSGD_hook`` at GPT-2 sizes (`edgc_bench.gpu_engine`).
+- ``engine.json``   EDGC's hook against ``powerSGD_hook`` at GPT-2 sizes (`edgc_bench.gpu_engine`);
+- ``orth.json``     the engine's orthonormalisation against batched Householder QR: accuracy and
+                    time on the device (`edgc_bench.orthonormalization`).
 
 Each part runs in its own ``try``, so one failure keeps the others' files; each has a time budget,
 printed with the time it took (the engine part stops where its budget ends). The exit status is 1
@@ -32,8 +34,8 @@ import torch
 # Seconds per part on an H100, so that the whole run stays near 6 minutes (the first run's engine
 # part, 2 ranks and 3 sizes, took 184 s). The engine part stops where its budget ends; the
 # count runs beside the others on the CPU.
-BUDGETS = {"env": 10, "device": 40, "count": 240, "overlap": 120, "engine": 240}
-PARTS = ("env", "device", "count", "overlap", "engine")
+BUDGETS = {"env": 10, "device": 40, "count": 240, "overlap": 100, "engine": 220, "orth": 30}
+PARTS = ("env", "device", "count", "overlap", "engine", "orth")
 
 
 def environment(cuda: bool) -> dict:
@@ -58,7 +60,7 @@ def device_profile() -> dict:
         raise RuntimeError("the device profile needs a CUDA GPU")
     preset = DEVICES["h100"]
     fields = ("name", "matmul_flops", "mfu", "mem_bytes_per_s", "launch_s", "skinny_read_bytes_per_s",
-              "skinny_write_bytes_per_s", "qr_flops_per_s")
+              "skinny_write_bytes_per_s", "skinny_flops_per_s", "orth_flops_per_s")
     measured = measure_cuda()
     torch.cuda.empty_cache()
     return {"measured": measured, "preset": {name: getattr(preset, name) for name in fields}}
@@ -108,6 +110,14 @@ def run_part(name: str, out: Path, measure, budget: float, failures: list) -> No
     print(f"== part {name}: {took:.0f} s of {budget:.0f} s{' (over budget)' if took > budget else ''}", flush=True)
 
 
+def orthonormalization(smoke: bool) -> dict:
+    from .orthonormalization import compare
+
+    if smoke:
+        return {"device": "cpu (smoke run)", "rows": compare(torch.device("cpu"), shapes=((2, 4, 64),), repeats=1)}
+    return {"device": torch.cuda.get_device_name(0), "rows": compare(torch.device("cuda"))}
+
+
 def engine_settings(args) -> dict:
     return {"cuda": not args.smoke, "sizes": args.sizes, "ranks": args.ranks, "goal_rank": args.goal_rank,
             "bucket_caps": args.bucket_caps, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
@@ -123,7 +133,7 @@ def overlap_settings(args) -> dict:
 # callbacks wait for collectives on gloo's two worker threads, so two buckets in flight deadlock.
 SMOKE = {"sizes": "tiny", "ranks": "4", "goal_rank": 4, "bucket_cap_mb": "100,0.25", "micro_batch": 2,
          "seq_len": 32, "timed_steps": 2, "overlap_size": "tiny", "overlap_rank": 4, "overlap_steps": 2, "delay_ms": 1.0,
-         "parts": "env,count,overlap,engine"}
+         "parts": "env,count,overlap,engine,orth"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -186,6 +196,8 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         backend, partial, budget = "gloo" if args.smoke else "nccl", str(args.out / "engine.json"), BUDGETS["engine"]
         run_part("engine", args.out, lambda: runner(engine, 1, backend, engine_settings(args), budget, partial,
                                                     timeout=budget + 90)[0], budget + 90, failures)
+    if "orth" in parts:
+        run_part("orth", args.out, lambda: orthonormalization(args.smoke), BUDGETS["orth"], failures)
     if background is not None:
         left = BUDGETS["count"] - (time.perf_counter() - count_started)
         run_part("count", args.out, lambda: background.result(left), max(left, 0), failures)

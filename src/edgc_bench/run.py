@@ -26,13 +26,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgc.sync_methods import sync_method, sync_method_names
+
 from . import calibrate, table
 from .netns import Network
 from .rounds import rounds_markdown
 from .run_folder import method_dir, read_run
 
-ALL_METHODS = ("none", "allreduce", "allreduce-blocking", "nosync", "fp16", "bf16", "powersgd@rmax", "powersgd@rmin",
-               "torch-powersgd", "topk", "randomk", "qsgd8", "edgc")
 # The default comparison: what users run (DDP's native all-reduce, PyTorch's PowerSGD hook), the
 # compute floor, our uncompressed hook path, the paper's sync-after-backward, static ranks and EDGC.
 # The other baselines run with --methods all.
@@ -86,6 +86,13 @@ FSDP_METHODS = ("none", "edgc")  # with --fsdp: native HSDP vs EDGC on the repli
 PIPELINE_METHODS = ("none", "powersgd@rmax", "edgc")
 
 
+def all_methods() -> tuple[str, ...]:
+    """Every method token but powersgd@N: the harness's own syncs, static PowerSGD at r_max and
+    r_max / 4, the library's registered sync methods (`edgc.sync_methods`), EDGC."""
+    return ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd@rmax", "powersgd@rmin", "torch-powersgd",
+            *sync_method_names(), "edgc")
+
+
 def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False) -> list[str]:
     """Validated method tokens; raises ValueError with one line."""
     out = []
@@ -96,9 +103,9 @@ def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False
         if pipeline and base not in ("none", "powersgd", "edgc"):
             raise ValueError(f"method {m!r} is not available with --tp/--pp (a pipeline stage's sync); "
                              "choose from none, edgc, powersgd@…")
-        ok = m in ALL_METHODS or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
+        ok = m in all_methods() or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
         if not ok:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} or powersgd@N")
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(all_methods())} or powersgd@N")
         if m not in out:
             out.append(m)
     return out
@@ -129,7 +136,7 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
     if base == "powersgd" or base == "torch-powersgd":
         r = r_max if rank in ("rmax", "") else max(1, r_max // 4) if rank == "rmin" else int(rank)
         args += ["--powersgd-rank", str(r)]
-    if base in ("topk", "randomk"):
+    if (method := sync_method(base)) is not None and "ratio" in method.settings:
         args += ["--compress-ratio", str(s.compress_ratio)]
     if base == "edgc":
         edgc = dict(s.edgc)

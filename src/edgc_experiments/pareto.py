@@ -38,6 +38,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from statistics import mean
 
+from edgc.signals import signal_names
+
 from . import change_cost, common
 from .common import fmt, fmt_interval, markdown_table, t_interval
 from .pareto_train import compressor_fields, train_run
@@ -47,7 +49,6 @@ HELP = "budget controller vs static PowerSGD at the same bytes: paired Δ val lo
 DEFAULT_STEPS = 400
 TINY_STEPS = 30
 BUDGETS = (2, 4, 8)
-SIGNALS = ("schedule", "gradnorm", "entropy", "error")
 HAND_SET = ("hand-3", "hand-2")
 RANK_CHANGES = ("warm", "truncate")
 DERIVED = ("warm-vs-truncate", "per-change-", "per-step-", "compression-cost")  # entries of the paired stats that are not arms
@@ -58,8 +59,8 @@ def add_arguments(p) -> None:
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), metavar="B,B,...",
                    help="mean ranks to compare at (default 2,4,8)")
     p.add_argument("--seeds", type=int, default=5, metavar="N", help="seeds per arm (default 5)")
-    p.add_argument("--signals", default=",".join(SIGNALS), metavar="S,S,...",
-                   help=f"budget controller signals to run (default {','.join(SIGNALS)})")
+    p.add_argument("--signals", default=",".join(signal_names()), metavar="S,S,...",
+                   help=f"budget controller signals to run (default {','.join(signal_names())})")
     p.add_argument("--hand-set", default=",".join(HAND_SET), metavar="H,H,...",
                    help=f"hand-set schedules to run, '' for none (default {','.join(HAND_SET)})")
     p.add_argument("--rank-change-cost", action="store_true",
@@ -89,7 +90,7 @@ def validate(args, setting) -> None:
     budgets = parse_list(args.budgets, "--budgets", int)
     if any(b < 2 for b in budgets):
         raise common.CLIError(f"--budgets: each must be ≥ 2 (the hand-set schedules go down to b/2), got {args.budgets}")
-    parse_list(args.signals, "--signals", str, SIGNALS)
+    parse_list(args.signals, "--signals", str, signal_names())
     if args.hand_set:
         parse_list(args.hand_set, "--hand-set", str, HAND_SET)
     if not 2 <= args.seeds <= 10:
@@ -250,7 +251,7 @@ def _run_one(job):
 
 def run(args, out, setting, log=print) -> dict:
     budgets = parse_list(args.budgets, "--budgets", int)
-    signals = parse_list(args.signals, "--signals", str, SIGNALS)
+    signals = parse_list(args.signals, "--signals", str, signal_names())
     seeds = [setting.seed + k for k in range(args.seeds)]
     middle = budgets[len(budgets) // 2]
     hand_set = parse_list(args.hand_set, "--hand-set", str, HAND_SET) if args.hand_set else []

@@ -20,7 +20,8 @@ import numpy as np
 
 from edgc.config import EDGCConfig
 from edgc.entropy import gaussian_entropy, histogram_entropy, strided_sample
-from edgc.rank_control import COMPRESS, Agreed, WindowController
+from edgc.plans import COMPRESS, Agreed
+from edgc.rank_control import WindowController
 
 from . import common
 from .common import fmt, markdown_table

@@ -10,6 +10,7 @@ Modules:
     presets.py             model shapes, parallel layouts, the paper's training presets
     hardware.py            links, devices and clusters, each number with its source
     cost_model.py          FLOPs, alpha-beta collectives, the 1F1B timeline, PowerSGD cost
+    engine_model.py        our engine's jobs, kernel launches and compress time (host and device)
     shapes.py              the gradient tensors one pipeline stage's DP buffer holds
     collectives.py         the collectives one training step of each method issues
     iteration.py           one training iteration: 1F1B compute + per-stage DP sync

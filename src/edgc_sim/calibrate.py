@@ -128,7 +128,7 @@ def host_model(config: dict, device: DeviceSpec, link: LinkSpec) -> IterationMod
     """IterationModel of a pure-DP run of `config` on this host."""
     world, micro, accum = (int(config[k]) for k in ("world_size", "micro_batch", "grad_accum"))
     preset = Preset(f"run:{config.get('preset', '?')}", harness_model(config),
-                    ParallelSpec(1, 1, world, micro, micro * world * accum), 1, "host", "fp32", 4)
+                    ParallelSpec(1, 1, world, micro, micro * world * accum), 1, "host", "fp32", 4, reducer="edgc")
     cluster = ClusterSpec("host", device, 1, world, link, link, 1, "this machine (measured)")
     return IterationModel(preset, cluster)
 

@@ -45,8 +45,10 @@ Bench folders of the current layout (they have a `nosync`, `allreduce` or `allre
     link included) + wait. So at least the last bucket's collectives are exposed; the others
     hide behind backward when the link keeps up. Older folders (every hook blocking): the sum.
   compress: PowerSGD FLOP/memory model (cost_model.powersgd_compute_time) with the host profile;
-            fp16/bf16 casts: 12 bytes moved per value (4 read + 2 written, then back) / memory
-            bandwidth; none: 0; top-k / random-k / QSGD: not modelled, the measured median is used.
+            a registered sync method (`edgc.sync_methods`): the bytes its compression moves per
+            value / memory bandwidth (fp16/bf16 casts: 12, 4 read + 2 written, then back), or, where
+            its entry gives none (top-k / random-k / QSGD), not modelled: the measured median is used;
+            none: 0.
 torch-powersgd times its compression inside comm_time_s, so its comm adds the compress model, its
 own (cost_model.torch_powersgd_hook_time: more passes over the whole bucket, two fresh allocations).
 """
@@ -62,15 +64,18 @@ from . import collectives
 from .bench_link import BenchLink
 from .calibrate import COMM_INCLUDES_COMPRESS, SKIP_FRACTION, MeasuredRun, harness_model
 from .hardware import DeviceSpec
-from .step_model import (ALL_GATHER_METHODS, OTHER_SHARE, compress_model, median_interval, payload_groups,
-                         step_payloads, step_timeline, wire_parts, wire_time)
+from .step_model import (OTHER_SHARE, compress_model, median_interval, payload_groups, step_payloads, step_timeline,
+                         wire_parts, wire_time)
 
 REFERENCE = "none"
-COMPUTE_FLOOR = "nosync"  # issue-15 bench folders: the compute reference
-BLOCKING_REFERENCE = "allreduce-blocking"  # issue-15 bench folders: the peer-wait reference
-NEW_STYLE = ("nosync", "allreduce", "allreduce-blocking")  # a folder with any of these is issue-15 style
-OVERLAPPED = ("allreduce", "powersgd", "edgc")  # through our non-blocking hook (issue-15 folders)
-NATIVE = ("none",)  # DDP's own all-reduce in issue-15 folders: asynchronous, no timer, no trace
+# Today's bench folders (since our hook stopped blocking) run nosync, allreduce and allreduce-blocking
+# beside the rest, and their none is DDP's native all-reduce; older folders have none of the three,
+# and their none is our blocking hook.
+COMPUTE_FLOOR = "nosync"  # today's folders: the compute reference
+BLOCKING_REFERENCE = "allreduce-blocking"  # today's folders: the peer-wait reference
+NEW_STYLE = ("nosync", "allreduce", "allreduce-blocking")  # a folder with any of these is of today's bench
+OVERLAPPED = ("allreduce", "powersgd", "edgc")  # through our non-blocking hook (today's folders)
+NATIVE = ("none",)  # DDP's own all-reduce in today's folders: asynchronous, no timer, no trace
 @dataclass(frozen=True)
 class BenchRow:
     """Predicted vs measured medians for one (run, rank) group of a bench run."""
@@ -177,7 +182,7 @@ class RunGroup:
     count: Optional[float]
     transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
     link_s: list  #: traced link time of each of its steps (empty without traces)
-    overlapped: bool = False  #: issued without blocking (issue-15 hook): traced durations include queueing
+    overlapped: bool = False  #: issued without blocking (our hook in today's folders): traced durations include queueing
 
     @property
     def name(self) -> str:
@@ -196,7 +201,7 @@ class RunGroup:
         minus its bytes is the fixed cost of its collectives."""
         compressor = _compressor(self.run)
         return (bool(self.link_s) and self.collectives > 0 and not self.overlapped
-                and compressor not in COMM_INCLUDES_COMPRESS + ALL_GATHER_METHODS
+                and compressor not in COMM_INCLUDES_COMPRESS and not collectives.issues_all_gather(compressor)
                 and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s)
 
     def alpha_s(self) -> float:
@@ -228,15 +233,15 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     if new_style and ref is None:
         ref = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None)
     if ref is None:
-        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in an issue-15 "
-                         f"folder {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait")
+        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in a folder of "
+                         f"today's bench {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait")
     groups = []
     for run in runs:
         compressor, world = _compressor(run), int(run.config["world_size"])
         for rank, recs in _step_groups(run):
             payloads = step_payloads(compressor, rank, run.config,
                                      statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs))
-            transfer = sum(link.bytes_s(world, p, compressor in ALL_GATHER_METHODS) for p in payloads)
+            transfer = sum(link.bytes_s(world, p, collectives.issues_all_gather(compressor)) for p in payloads)
             on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
             count = _measured_count(recs)
             if new_style and compressor in (REFERENCE, COMPUTE_FLOOR):
@@ -286,7 +291,7 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             comm_pred = latency_s + transfer + wait + in_comm
             step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
         else:
-            all_gather = compressor in ALL_GATHER_METHODS
+            all_gather = collectives.issues_all_gather(compressor)
             pattern = payload_groups(compressor, g.rank, g.run.config, med("bytes_sent"))
             durations = [[group_link.collective_s(world, p, all_gather) for p in grp] for grp in pattern]
             extra = max(0.0, g.collectives - sum(len(d) for d in durations)) * group_link.latency_s(world, all_gather)

@@ -65,7 +65,7 @@ def format_bench_calibration(rows: Sequence[BenchRow], link: BenchLink, device: 
                  "x reference compute + compress pred). step pred = reference compute + compress pred + comm pred; "
                  "(hook) / (native): overlapped with backward, from the step timeline (calibrate.step_timeline: "
                  "our non-blocking hook, DDP's native all-reduce), comm pred = the sum of each collective's issue "
-                 "to completion + wait pred. In issue-15 folders the reference compute is nosync's step, the "
+                 "to completion + wait pred. In folders with a nosync run (today's bench) the reference compute is nosync's step, the "
                  "peer wait allreduce-blocking's; none (DDP native) and nosync have no comm timer (-).")
     sources = {}
     for r in rows:

@@ -9,8 +9,9 @@ cost model needs the collectives and their sizes, not only the step's total byte
   with DDP's default 25 MiB cap (torch ``_DEFAULT_FIRST_BUCKET_BYTES``), the cap itself when one is
   given. ``torch-powersgd`` runs with ``bucket_cap_mb=500`` (edgc_train.compressors), one bucket.
 * per bucket, ``none`` (DDP's native all-reduce; in older bench folders, without a `nosync` run, our blocking
-  hook), ``allreduce`` (our non-blocking hook), fp16/bf16, random-k: one all-reduce; top-k, QSGD:
-  one all-gather; ``allreduce-blocking``: one all-reduce of all gradients packed, after backward;
+  hook), ``allreduce`` (our non-blocking hook) and the registered sync methods (`edgc.sync_methods`):
+  one collective, the all-gather or all-reduce the method's entry names (top-k and QSGD gather,
+  fp16/bf16 and random-k all-reduce); ``allreduce-blocking``: one all-reduce of all gradients packed, after backward;
   ``nosync``: none at all;
   ``powersgd`` / ``edgc`` (our engine, edgc/lowrank.py) and ``torch-powersgd`` (PyTorch's hook)
   once compressing: three all-reduces, the raw (uncompressed) tensors, the packed Ps, the packed Qs
@@ -26,6 +27,7 @@ import math
 from typing import Optional, Sequence
 
 from edgc.factors import compressed_rank as engine_rank
+from edgc.sync_methods import ALL_GATHER, sync_method
 
 from .presets import ModelSpec
 
@@ -34,9 +36,15 @@ DDP_BUCKET_CAP_MIB = 25  # DistributedDataParallel's default bucket_cap_mb
 DDP_FIRST_BUCKET_MIB = 1  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (default cap only)
 BUCKET_CAP_MIB = {"torch-powersgd": 500}  # edgc_train.compressors.ddp_kwargs
 LOW_RANK = ("powersgd", "edgc", "torch-powersgd")
-ALL_GATHER = ("topk", "qsgd8")
 NO_SYNC = ("nosync",)  # the compute floor: no collectives
 ONE_PACKED = ("allreduce-blocking",)  # one all-reduce of every gradient, after backward
+
+
+def issues_all_gather(compressor: str) -> bool:
+    """Whether each call of ``compressor`` is an all-gather (every rank receives every other rank's
+    message) rather than an all-reduce: what its entry in the library's registry says."""
+    method = sync_method(compressor)
+    return method is not None and method.collective == ALL_GATHER
 
 
 def gpt2_gradient_shapes(model: ModelSpec) -> list:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
+from .engine_model import EngineRates, engine_compute_time, engine_jobs
+
 
 class AlphaBeta(NamedTuple):
     """One ring step: latency alpha (s) plus bytes / bytes_per_s."""
@@ -213,56 +215,6 @@ def orthogonalize_time(rows: int, cols: int, mem_bytes_per_s: float, launch_s: f
     return cols * GS_KERNELS_PER_COLUMN * launch_s + 3 * touched * bytes_per_value / mem_bytes_per_s
 
 
-# Our engine (edgc/lowrank.py, `reduce_steps`), per compressed matrix M (m x n) at rank r:
-#   GEMMs: P^T = orth(Q)^T M^T and Q^T = orth(P)^T M (the two product forms, each reads M once),
-#          G_hat = P Q^T written into the gradient (the decompression form, writes m n once);
-#   orthogonalisation: Q (n x r) before the P product and P (m x r) after its all-reduce;
-#          torch.linalg.qr for r > 2, Gram-Schmidt for r <= 2 (ENGINE_GS_KERNELS_PER_COLUMN);
-#   elementwise: M = G + e in place in the error-feedback buffer (read G, read e, write: 3 accesses)
-#          and e -= G_hat (3): ENGINE_ELEMENTWISE_PASSES; the relative error, measured only every
-#          round(1/alpha) steps, reads M once more then (MEASURE_ERROR_PASSES, off by default: the
-#          medians a calibration compares are over unmeasured steps);
-#   dispatch: ENGINE_OPS_PER_MATRIX host-side ops per matrix (Q copy, the three products with their
-#          casts, add_, sub_, the Q select) and ENGINE_OPS_PER_GROUP per same-shape group (buffers,
-#          reseed select, stack), each at the per-op launch cost.
-ENGINE_GEMMS = 3  # two products + the decompression
-ENGINE_ELEMENTWISE_PASSES = 6  # M = G + e (3 accesses) and e -= G_hat (3); G_hat's write is the GEMM's
-MEASURE_ERROR_PASSES = 1  # ||M||^2 when the relative error is measured
-ENGINE_GS_KERNELS_PER_COLUMN = 7  # norm, add eps, div_; then mul, sum, mul, sub_ for the later columns
-QR_OPS = 4  # linalg.qr, .Q, copy_ back, the transposed view's bookkeeping
-ENGINE_OPS_PER_MATRIX = 12
-ENGINE_OPS_PER_GROUP = 10
-
-
-class SkinnyRates(NamedTuple):
-    """How fast this device runs the engine's skinny GEMMs and small QRs (edgc_sim.host measures
-    them). A GEMM of an m x n matrix at rank r costs m n bytes / (read or write rate) + 2 m n r /
-    flops: the additive bytes + FLOP form fits the measured CPU times from r = 2 to 16 (a max of
-    the two does not: the kernels neither stream at copy bandwidth nor compute at the square rate)."""
-
-    read_bytes_per_s: float  #: M streamed by a product form (P^T = Q^T M^T, Q^T = P^T M) beyond its FLOPs
-    write_bytes_per_s: float  #: G_hat = P Q^T written by the decompression form beyond its FLOPs
-    qr_flops_per_s: float = 0.0  #: torch.linalg.qr of a k x r at 4 k r^2 FLOPs; 0 = at the matmul rate
-
-
-def engine_gemm_time(m: int, n: int, r: int, flops_per_s: float, bytes_per_s: float,
-                     bytes_per_value: int) -> float:
-    """One skinny GEMM touching the m x n matrix once: bytes term + FLOP term."""
-    return m * n * bytes_per_value / bytes_per_s + 2 * m * n * r / flops_per_s
-
-
-def engine_orthogonalize_time(rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
-                              launch_s: float, bytes_per_value: int, qr_flops_per_s: float = 0.0) -> float:
-    """`edgc.factors.orthogonalize_` of one rows x cols factor: QR for r > 2 (4 rows r^2 FLOPs at the
-    measured QR rate; at the matmul rate `flops_per_s` where none was measured), Gram-Schmidt with
-    the engine's kernel count per column for r <= 2."""
-    if cols > 2:
-        return (QR_OPS * launch_s + 4 * rows * cols * cols / (qr_flops_per_s or flops_per_s)
-                + 2 * rows * cols * bytes_per_value / mem_bytes_per_s)
-    touched = rows * (cols * (cols - 1) / 2 + cols)
-    return cols * ENGINE_GS_KERNELS_PER_COLUMN * launch_s + 3 * touched * bytes_per_value / mem_bytes_per_s
-
-
 def optimus_powersgd_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
                           mem_bytes_per_s: float, launch_s: float, bytes_per_value: int) -> float:
     """Compress + decompress of the paper's reducer (Optimus-CC's megatron/mpu/reducers.py, which
@@ -279,28 +231,18 @@ def optimus_powersgd_time(shapes: Sequence[tuple], rank: int, flops_per_s: float
 
 def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
                           mem_bytes_per_s: float, launch_s: float, bytes_per_value: int,
-                          skinny: Optional[SkinnyRates] = None, measure_error: bool = False) -> float:
-    """Compress + decompress time of one step.
+                          engine: Optional[EngineRates] = None, measure_error: bool = False) -> float:
+    """Compress + decompress time of one step over the gradient tensors `shapes` (definition order).
 
-    With `skinny` (a measured host: edgc_sim.host), our engine (see the comment above for the
-    count): 3 skinny GEMMs per matrix (bytes at the skinny read/write rates, FLOPs at
-    `flops_per_s`), orthogonalising Q and P, 6 elementwise passes (+1 when the error is measured)
-    at the memory bandwidth, and per-op dispatch. Without (the GPU presets, which project the
-    paper's system): the paper's reducer, `optimus_powersgd_time`."""
-    if skinny is None:
+    With `engine` (how the device runs our engine: `DeviceSpec.skinny_rates`), our engine
+    (`edgc_sim.engine_model`): the tensors in DDP's buckets, fused into jobs on an accelerator; per
+    job its launches, per compressed matrix its GEMMs, passes and orthonormalisation. Without: the
+    paper's reducer, `optimus_powersgd_time`."""
+    if engine is None:
         return optimus_powersgd_time(shapes, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value)
-    passes = ENGINE_ELEMENTWISE_PASSES + (MEASURE_ERROR_PASSES if measure_error else 0)
-    total = 0.0
-    for m, n in shapes:
-        r = effective_rank(m, n, rank)
-        total += (2 * engine_gemm_time(m, n, r, flops_per_s, skinny.read_bytes_per_s, bytes_per_value)
-                  + engine_gemm_time(m, n, r, flops_per_s, skinny.write_bytes_per_s, bytes_per_value)
-                  + sum(engine_orthogonalize_time(k, r, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value,
-                                                  skinny.qr_flops_per_s) for k in (m, n))
-                  + passes * m * n * bytes_per_value / mem_bytes_per_s
-                  + ENGINE_OPS_PER_MATRIX * launch_s)
-    groups = len({(m, n, effective_rank(m, n, rank)) for m, n in shapes})
-    return total + groups * ENGINE_OPS_PER_GROUP * launch_s
+    jobs = engine_jobs(shapes, bytes_per_value, engine.accelerator)
+    return engine_compute_time(jobs, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value, engine,
+                               measure_error=measure_error)
 
 
 def torch_powersgd_hook_time(shapes: Sequence[tuple], bucket_values: int, rank: int, flops_per_s: float,

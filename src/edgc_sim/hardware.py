@@ -56,11 +56,13 @@ class DeviceSpec:
     launch_s: float  #: per-kernel launch + framework dispatch overhead, seconds (>= 0)
     source: str = ""  #: where the numbers come from
     alloc_bytes_per_s: float = 0.0  #: first touch of freshly allocated memory (page faults, zeroing), bytes/s; 0 = free
-    # Measured on a host (edgc_sim.host); 0 = not measured (the GPU presets): see cost_model.SkinnyRates
-    skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs
-    skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs
-    qr_flops_per_s: float = 0.0  #: torch.linalg.qr of a skinny k x r factor, 4 k r^2 FLOPs per QR
-    hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T)
+    # How the device runs our engine (edgc_sim.host measures them); 0 = not measured: see engine_model.EngineRates
+    skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs, bytes/s
+    skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs, bytes/s
+    orth_flops_per_s: float = 0.0  #: our engine's batched shifted-Cholesky QR, 3 r^2 k FLOPs per r x k factor; 0 = the matmul rate
+    hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T), FLOP/s
+    accelerator: bool = False  #: a GPU (our engine gathers M and G_hat per job and fuses buckets into jobs); False: a CPU
+    skinny_flops_per_s: float = 0.0  #: the float32 matmul rate the skinny rates were separated at; 0 = matmul_flops["fp32"]
 
     def __post_init__(self):
         _fraction(self, "mfu")
@@ -71,17 +73,19 @@ class DeviceSpec:
             raise ValueError(f"launch_s must be >= 0, got {self.launch_s!r}")
         if self.alloc_bytes_per_s < 0:
             raise ValueError(f"alloc_bytes_per_s must be >= 0 (0 = free), got {self.alloc_bytes_per_s!r}")
-        for name in ("skinny_read_bytes_per_s", "skinny_write_bytes_per_s", "qr_flops_per_s", "hook_gemm_flops_per_s"):
+        for name in ("skinny_read_bytes_per_s", "skinny_write_bytes_per_s", "orth_flops_per_s", "hook_gemm_flops_per_s",
+                     "skinny_flops_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = not measured), got {getattr(self, name)!r}")
 
     def skinny_rates(self):
-        """cost_model.SkinnyRates of this device, None where they were not measured."""
-        from .cost_model import SkinnyRates
+        """engine_model.EngineRates of this device, None where its skinny GEMM rates were not measured."""
+        from .engine_model import EngineRates
 
         if not (self.skinny_read_bytes_per_s and self.skinny_write_bytes_per_s):
             return None
-        return SkinnyRates(self.skinny_read_bytes_per_s, self.skinny_write_bytes_per_s, self.qr_flops_per_s)
+        return EngineRates(self.skinny_read_bytes_per_s, self.skinny_write_bytes_per_s, self.orth_flops_per_s,
+                           self.accelerator, self.skinny_flops_per_s or self.matmul_flops.get("fp32", 0.0))
 
     def alloc_s(self, nbytes: float) -> float:
         """Extra time of writing `nbytes` into memory allocated just before (0 when not measured)."""
@@ -144,18 +148,37 @@ LINKS = {
 # --- devices -------------------------------------------------------------------------------------
 # mfu 0.4 is assumed for all GPUs: Megatron-LM reaches 44-52% of peak on A100 for 1.7B-1T GPT models
 # (Narayanan et al., SC'21, Table 1); the paper's stage shards are small (hidden/TP <= 896 columns),
-# so a little less. launch_s 5 us assumed: a CUDA kernel launch costs ~3-7 us and the reducer's
-# Gram-Schmidt loop is TorchScript, so little Python dispatch is added.
+# so a little less. matmul_flops stay datasheet peaks (what the field means; mfu is the achieved
+# share in training): an isolated 8192^3 GEMM on an H100 reaches 78% (bf16), 81% (tf32) and 76% (fp32)
+# of them (docs/gpu/before/device.json), an upper bound on what training GEMMs reach.
 DEVICES = {
     dev.name: dev
     for dev in (
         # V100 SXM2 datasheet: FP32 15.7 TFLOP/s, FP16 tensor 125 TFLOP/s, HBM2 900 GB/s. No TF32.
+        # launch_s 5 us assumed: a CUDA kernel launch costs ~3-7 us.
         DeviceSpec("v100", {"fp32": 15.7 * TERA, "fp16": 125 * TERA}, 0.4, 900 * GB, 5e-6,
-                   "NVIDIA V100 SXM2 datasheet; mfu/launch assumed"),
+                   "NVIDIA V100 SXM2 datasheet; mfu/launch assumed", accelerator=True),
         # H100 SXM5 datasheet (dense, i.e. half the 'with sparsity' figures): FP32 67 TFLOP/s,
-        # TF32 tensor 494.7 TFLOP/s, FP16/BF16 tensor 989 TFLOP/s, HBM3 3.35 TB/s.
-        DeviceSpec("h100", {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "fp16": 989 * TERA}, 0.4, 3350 * GB,
-                   5e-6, "NVIDIA H100 SXM5 datasheet (dense); mfu/launch assumed"),
+        # TF32 tensor 494.7 TFLOP/s, FP16/BF16 tensor 989 TFLOP/s. Measured on one H100 by
+        # edgc_sim.host.measure_cuda (docs/gpu/before/device.json), where it is the model's quantity:
+        # - mem_bytes_per_s: a 1 GB copy's bytes read + written per second, 2.92 TB/s (the datasheet's
+        #   3.35 TB/s is the HBM3 peak; the model charges every read and write of an elementwise pass);
+        # - launch_s: a tiny eager op issued from Python, 10.2 us (launch + dispatch: what each of our
+        #   engine's eager ops costs; an upper bound for the paper reducer's TorchScript Gram-Schmidt,
+        #   which skips Python's share of the dispatch);
+        # - skinny_read/write_bytes_per_s: the engine's rank-32 product and decompression GEMMs on
+        #   fp32 1600 x 6400 matrices beyond their FLOPs, 1.25 and 1.88 TB/s, separated at the measured
+        #   fp32 matmul rate, 50.7 TFLOP/s (skinny_flops_per_s: the engine's GEMMs run in fp32, so the
+        #   model charges their FLOPs at it, whatever the training precision);
+        # - orth_flops_per_s: not measured (that run timed torch.linalg.qr, which the engine no longer
+        #   runs): 0, the matmul rate. At GPT-2 XL's shapes a 256 MB job's two orthonormalisations are
+        #   ~0.3 GFLOP, tens of us even in float64, against ~24 launches of 10 us: the launches carry
+        #   most of their cost.
+        DeviceSpec("h100", {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "fp16": 989 * TERA}, 0.4, 2.92 * TERA,
+                   10.2e-6, "NVIDIA H100 SXM5 datasheet (dense) matmul peaks, mfu assumed; memory, per-op cost "
+                   "and skinny GEMM rates measured on an H100 (docs/gpu/before/device.json); "
+                   "orthonormalisation rate not measured", skinny_read_bytes_per_s=1.25 * TERA,
+                   skinny_write_bytes_per_s=1.88 * TERA, skinny_flops_per_s=50.7 * TERA, accelerator=True),
     )
 }
 

@@ -54,10 +54,10 @@ def _host_numbers(threads: int, matmul_n: int, copy_mb: int, barrier=None) -> di
         reps = 2000
         sync()
         launch = _best_time(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps
-        skinny = _skinny_numbers(flops, sync)
+        nbytes = src.numel() * 4
+        skinny = _skinny_numbers(flops, 2 * nbytes / copy_s, launch, sync)
     finally:
         torch.set_num_threads(old_threads)
-    nbytes = src.numel() * 4
     return {"flops": flops, "mem": 2 * nbytes / copy_s, "alloc": nbytes / fresh_s if fresh_s > 0 else 0.0,
             "launch": launch, **skinny}
 
@@ -70,10 +70,10 @@ SKINNY_RANK = 8
 SKINNY_MB = 64
 
 
-def _skinny_numbers(flops: float, sync=lambda: None) -> dict:
-    """Rates of our engine's three GEMM forms and its QR, and of PyTorch's hook's GEMM forms, on
-    cold matrices (cost_model.SkinnyRates): each product form's time minus its FLOPs at the square
-    rate gives the rate M is streamed at; the same for the decompression's write."""
+def _skinny_numbers(flops: float, mem: float, launch: float, sync=lambda: None) -> dict:
+    """Rates of our engine's three GEMM forms and its orthonormalisation, and of PyTorch's hook's GEMM
+    forms, on cold matrices (engine_model.EngineRates): each product form's time minus its FLOPs at the
+    square rate gives the rate M is streamed at; the same for the decompression's write."""
     import torch
 
     m, n = SKINNY_SHAPE
@@ -95,11 +95,30 @@ def _skinny_numbers(flops: float, sync=lambda: None) -> dict:
     sync()
     t_hook = per(lambda: (torch.bmm(mats, q_b), torch.bmm(mats.transpose(1, 2), p_b),
                           torch.bmm(p_b, q_b.transpose(1, 2), out=mats)))
-    factor = torch.randn(1, n, r)
     sync()
-    t_qr = _best_time(lambda: torch.linalg.qr(factor), 5)
+    orth = _orth_numbers(count, r, max(m, n), mem, launch, lambda fn: _best_time(fn, 5))
     return {"skinny_read": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write": stream(t_g),
-            "qr_flops": 4 * n * r * r / t_qr, "hook_gemm_flops": 3 * gemm_flops / t_hook}
+            "orth_flops": orth["orth_flops_per_s"], "hook_gemm_flops": 3 * gemm_flops / t_hook}
+
+
+def _orth_numbers(count: int, rank: int, side: int, mem: float, launch: float, timer, device=None) -> dict:
+    """The engine's orthonormalisation (`edgc.factors.orthonormalize_blocks_`) of one (count, rank,
+    side) block of a float32 buffer, as the engine runs it on P: seconds, and the rate of its Gram
+    products and triangular solves (engine_model.orth_flops) once its launches and its float64
+    casts (at the copy bandwidth ``mem``) are taken out."""
+    import torch
+
+    from edgc.factors import orthonormalize_blocks_
+    from edgc.layout import Block
+
+    from .engine_model import ORTH_CAST_BYTES, orth_flops, orth_launches
+
+    flat = torch.randn(count * rank * side, device=device)
+    block = Block(0, count, rank, side)
+    seconds = timer(lambda: orthonormalize_blocks_(flat, [block]))
+    rest = seconds - orth_launches({rank: 1}) * launch - count * rank * side * ORTH_CAST_BYTES / mem
+    return {"orth_s": seconds, "orth_flops_per_s": count * orth_flops(rank, side) / max(rest, 0.1 * seconds),
+            "orth_block": [count, rank, side]}
 
 
 def _host_worker(args) -> dict:
@@ -126,15 +145,17 @@ def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64, proce
     m, n = SKINNY_SHAPE
     return DeviceSpec("host", {"fp32": mean["flops"]}, 1.0, mean["mem"], mean["launch"],
                       f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_, "
-                      f"rank-{SKINNY_RANK} GEMMs over {SKINNY_MB} MB of {m}x{n}; {threads} thread(s){together}",
-                      mean["alloc"], mean["skinny_read"], mean["skinny_write"], mean["qr_flops"],
+                      f"rank-{SKINNY_RANK} GEMMs over {SKINNY_MB} MB of {m}x{n} and their P block's "
+                      f"orthonormalisation; {threads} thread(s){together}",
+                      mean["alloc"], mean["skinny_read"], mean["skinny_write"], mean["orth_flops"],
                       mean["hook_gemm_flops"])
 
 
 def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600, 6400), rank: int = 32) -> dict:
     """The same quantities on the current CUDA device (`edgc_bench.gpu`), timed by CUDA events: matmul
     FLOP/s per precision, copy bandwidth (bytes read + written), the per-op cost of a tiny eager op
-    (launch + dispatch), and the engine's skinny-GEMM and QR rates on a GPT-2 XL MLP matrix."""
+    (launch + dispatch), and the engine's skinny-GEMM and orthonormalisation rates on GPT-2 XL MLP
+    matrices."""
     import torch
 
     def timed(fn, repeats: int = 10) -> float:
@@ -175,14 +196,14 @@ def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600
     t_g = per(lambda: [torch.mm(p_t.T, q_t, out=mats[k]) for k in range(count)])
     gemm_flops, nbytes = 2 * m * n * rank, 4 * m * n
     stream = lambda t: nbytes / max(t - gemm_flops / flops["fp32"], 0.1 * t)  # noqa: E731
-    factor = torch.randn(1, n, rank, device=device)
-    t_qr = timed(lambda: torch.linalg.qr(factor))
+    orth = _orth_numbers(count, rank, max(m, n), mem, launch, timed, device)  # P's block of those matrices
     return {"matmul_flops": flops, "mem_bytes_per_s": mem, "launch_s": launch,
             "skinny_read_bytes_per_s": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write_bytes_per_s": stream(t_g),
-            "qr_flops_per_s": 4 * n * rank * rank / t_qr, "qr_s": t_qr,
-            "skinny_shape": [m, n], "skinny_rank": rank, "skinny_gemm_s": {"p": t_p, "q": t_q, "decompress": t_g},
+            **orth, "skinny_shape": [m, n], "skinny_rank": rank,
+            "skinny_gemm_s": {"p": t_p, "q": t_q, "decompress": t_g},
             "source": f"torch {matmul_n}^3 matmuls, {copy_mb} MB copy, 2000 tiny add_, rank-{rank} GEMMs on "
-                      f"{count} fp32 {m}x{n} matrices; CUDA events, median"}
+                      f"{count} fp32 {m}x{n} matrices, the orthonormalisation of their ({count}, {rank}, {max(m, n)}) "
+                      "P block; CUDA events, median"}
 
 
 def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:
@@ -248,7 +269,10 @@ def save_profile(path: str | Path, device: DeviceSpec, link: LinkSpec | None) ->
 
 
 def load_profile(path: str | Path) -> tuple:
-    """(DeviceSpec, LinkSpec or None) from a file written by save_profile."""
+    """(DeviceSpec, LinkSpec or None) from a file written by save_profile. A profile saved before the
+    engine orthonormalised by Cholesky QR holds ``qr_flops_per_s``, the rate of torch.linalg.qr, which
+    the engine no longer runs: it is dropped, and the orthonormalisation rate is unmeasured (0)."""
     data = json.loads(Path(path).read_text())
     link = LinkSpec(**data["link"]) if data.get("link") else None
-    return DeviceSpec(**data["device"]), link
+    device = {key: value for key, value in data["device"].items() if key != "qr_flops_per_s"}
+    return DeviceSpec(**device), link

@@ -68,9 +68,9 @@ def transfer_s(nbytes: float, link: cm.AlphaBeta) -> float:
 
 
 def compress_s(rank: Optional[int], rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
-               launch_s: float, element_size: int = 4, skinny: Optional[cm.SkinnyRates] = None) -> float:
+               launch_s: float, element_size: int = 4, engine: Optional[cm.EngineRates] = None) -> float:
     """Compress + decompress of one gradient sent at `rank` (0 for raw and None: nothing)."""
     if not rank:
         return 0.0
     return cm.powersgd_compute_time([(rows, cols)], rank, flops_per_s, mem_bytes_per_s, launch_s, element_size,
-                                    skinny)
+                                    engine)

@@ -70,6 +70,8 @@ class IterationModel:
         self.P, self.D, self.T, self.m = par.pp, par.dp, par.tp, par.micro_batches
         self.bytes = preset.bytes_per_value
         self.flops_per_s = cluster.device.flops_per_s(preset.precision)
+        # our engine's rates where the run used it (None: the paper's reducer, see cost_model)
+        self.engine = cluster.device.skinny_rates() if preset.reducer == "edgc" else None
         self.stages = [stage_params(model, par.tp, par.pp, p) for p in range(par.pp)]
         self._links()
         self._compute()
@@ -138,7 +140,7 @@ class IterationModel:
         self.p2p_bwd = [[raw if not r else transfer_s(gradient_bytes(r, rows, cols, self.bytes), link)
                          for r in self.gradient_ranks] for raw, link in zip(self.p2p, links)]
         extra = [compress_s(r, rows, cols, self.flops_per_s, dev.mem_bytes_per_s, dev.launch_s, self.bytes,
-                            dev.skinny_rates()) for r in self.gradient_ranks]
+                            self.engine) for r in self.gradient_ranks]
         self.interstage_compress_s = sum(extra)  # per sending stage and iteration
         self.t_bwd_per_micro = [[t + (e if p > 0 else 0.0) for e in extra] for p, t in enumerate(self.t_bwd)]
         # per TP rank of one replica, as `edgc train` logs interstage_bytes_sent / _raw
@@ -163,7 +165,7 @@ class IterationModel:
         dev = self.cluster.device
         p_vals, q_vals = cm.powersgd_values(st.matrices, rank)
         compute = cm.powersgd_compute_time(st.matrices, rank, self.flops_per_s, dev.mem_bytes_per_s,
-                                           dev.launch_s, self.bytes, dev.skinny_rates())
+                                           dev.launch_s, self.bytes, self.engine)
         # the raw 1-D tensors are all-reduced alongside the P all-reduce, sharing its bandwidth
         comm = (self.allreduce(span, (p_vals + st.vector_values) * self.bytes)
                 + self.allreduce(span, q_vals * self.bytes))

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GPT2_VOCAB = 50257  # GPT-2 BPE vocabulary (gpt2-vocab.json)
+# The paper's runs compress with Optimus-CC's reducer (cost_model.optimus_powersgd_time); `edgc train`
+# runs with this library's engine (edgc_sim.engine_model), priced with the device's engine rates.
+REDUCERS = ("paper", "edgc")
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,11 @@ class Preset:
     precision: str = "fp32"  #: matmul precision key into DeviceSpec.matmul_flops
     bytes_per_value: int = 4  #: bytes of an activation / gradient / P,Q value (4 = fp32)
     source: str = ""  #: where the numbers come from
+    reducer: str = "paper"  #: whose PowerSGD the DP sync runs: "paper" (Optimus-CC's reducer) or "edgc" (our engine)
 
     def __post_init__(self):
+        if self.reducer not in REDUCERS:
+            raise ValueError(f"reducer must be one of {REDUCERS}, got {self.reducer!r}")
         if self.iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {self.iterations!r}")
         if self.bytes_per_value not in (2, 4):

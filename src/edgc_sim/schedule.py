@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from edgc.rank_rules import delta_rank
+
 
 @dataclass(frozen=True)
 class Window:
@@ -63,16 +65,16 @@ def map_entropy_change_to_rank(entropy: Sequence[float], samples_per_window: int
                                r_prev: int, step: int = 4) -> int:
     """One window's stage-0 rank (the released code's `map_entropy_change_to_rank`): the entropy
     change between the last two windows, relative to the change between the first two, sets a target
-    in [r_max/4, r_max]; the rank moves toward it by at most `step`."""
+    in [r_max/4, r_max] (the controller's map, `edgc.rank_rules.delta_rank`); the rank moves toward
+    it by at most `step`."""
     n = samples_per_window
     if len(entropy) < 2 * n:
         return r_max
     e = np.asarray(entropy, dtype=float)
     cur = abs(e[-n:].mean() - e[-2 * n:-n].mean())
     ref = abs(e[:n].mean() - e[n:2 * n].mean())
-    rho = cur / ref if ref > 0 else 0.0
     r_min = r_max / 4
-    target = min(max(round(r_min + (r_max - r_min) * rho), r_min), r_max)
+    target = min(max(delta_rank(cur, ref, r_min, r_max), r_min), r_max)
     target = 2 * math.floor(target / 2)
     return int(r_prev + max(-step, min(step, target - r_prev)))
 

@@ -9,17 +9,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from edgc.sync_methods import sync_method
+
 from . import collectives
 from . import cost_model as cm
 from .bench_link import BenchLink
 from .calibrate import harness_model, host_model
 from .hardware import DeviceSpec, LinkSpec
 
-
-ALL_GATHER_METHODS = collectives.ALL_GATHER
-CAST_METHODS = ("fp16", "bf16")
 POWERSGD_METHODS = collectives.LOW_RANK
-UNMODELLED_COMPRESS = ("topk", "randomk", "qsgd8")
 FORWARD_SHARE = 0.3  # of compute: backward costs about twice the forward's FLOPs (assumed)
 OTHER_SHARE = 0.1  # of compute after the sync: optimizer step, zero_grad, bookkeeping (assumed)
 
@@ -154,7 +152,7 @@ def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: Ben
     default len(payloads)) x the fixed cost, and each payload's bytes beyond the burst / beta. The
     collectives a measured count has beyond the payloads (EDGC's decision all-reduce and broadcast,
     a few bytes) cost the latency alone."""
-    all_gather = compressor in ALL_GATHER_METHODS
+    all_gather = collectives.issues_all_gather(compressor)
     n = len(payloads) if count is None else count
     return n * link.latency_s(world, all_gather), sum(link.bytes_s(world, p, all_gather) for p in payloads)
 
@@ -176,12 +174,12 @@ def compress_model(compressor: str, rank: Optional[int], config: dict, device: D
                                                device.hook_gemm_flops_per_s or None)
         return cm.powersgd_compute_time(stage.matrices, r, device.flops_per_s("fp32"), device.mem_bytes_per_s,
                                         device.launch_s, 4, device.skinny_rates())
-    if compressor in CAST_METHODS:
+    if (method := sync_method(compressor)) is not None:  # a registered sync method: its memory traffic, if known
+        if method.compress_bytes_per_value is None:
+            return None
         values = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].values
-        return 12 * values / device.mem_bytes_per_s
+        return method.compress_bytes_per_value * values / device.mem_bytes_per_s
     if compressor in collectives.ONE_PACKED:  # torch.cat into a fresh buffer, copied back after the all-reduce
         nbytes = 4 * host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0].values
         return 4 * nbytes / device.mem_bytes_per_s + device.alloc_s(nbytes)
-    if compressor in UNMODELLED_COMPRESS:
-        return None
     return 0.0

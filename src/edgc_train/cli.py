@@ -156,7 +156,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             raise CLIError(f"--resume: {latest / 'trainer.json'} does not match config.json ({', '.join(diff)})")
         saved_edgc = json.loads((run_dir / "config.json").read_text()).get("edgc")
-        now_edgc = cfg.edgc_config().to_dict() if cfg.uses_edgc_config else None
+        now_edgc = cfg.edgc_config.to_dict() if cfg.edgc_config is not None else None
         if saved_edgc != now_edgc:  # e.g. the run-length scaling rules changed since the run started
             diff = sorted(k for k in set(saved_edgc or {}) | set(now_edgc or {})
                           if (saved_edgc or {}).get(k) != (now_edgc or {}).get(k))

@@ -21,8 +21,9 @@ name                what runs in DDP's gradient synchronisation
 ``qsgd8``           ``edgc.QSGDState``: 8-bit stochastic quantisation (chunked max-abs), all-gather, EF
 ==================  ==========================================================================
 
-The baselines (``fp16`` … ``qsgd8``) compress from the first step (no warm-up) and run through the
-same ``edgc_hook`` as EDGC (their collectives are blocking inside it), with the same metrics.
+The baselines (``fp16`` … ``qsgd8``, and any other sync method registered in `edgc.sync_methods`)
+compress from the first step (no warm-up) and run through the same ``edgc_hook`` as EDGC (their
+collectives are blocking inside it), with the same metrics.
 
 Every handle reports, after each optimizer step, the fields of a ``metrics.jsonl`` train line that
 come from the synchronisation: phase, rank, ranks, entropy, elements/bytes sent vs raw, and the
@@ -41,27 +42,14 @@ from typing import Any
 
 import torch
 
+from edgc.sync_methods import sync_method
+
 from .config import scaled_edgc_defaults
 
 TORCH_POWERSGD_COLLECTIVES = 3  # per bucket once compressing (powerSGD_hook: uncompressed, P, Q)
 METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
                "bytes_raw", "compress_time_s", "comm_time_s", "comm_wait_s", "collectives", "collective_s",
                "relative_error", "entropy_time_s", "rank_budget", "mean_rank", "decision")
-
-
-def _baselines() -> dict:
-    import edgc
-
-    return {
-        "fp16": lambda ddp, cfg: edgc.CastState(dtype="float16", model=ddp),
-        "bf16": lambda ddp, cfg: edgc.CastState(dtype="bfloat16", model=ddp),
-        "topk": lambda ddp, cfg: edgc.TopKState(ratio=cfg.compress_ratio, model=ddp),
-        "randomk": lambda ddp, cfg: edgc.RandomKState(ratio=cfg.compress_ratio, seed=cfg.seed, model=ddp),
-        "qsgd8": lambda ddp, cfg: edgc.QSGDState(seed=cfg.seed, model=ddp),
-    }
-
-
-BASELINES = _baselines()
 
 
 def ddp_kwargs(name: str) -> dict[str, Any]:
@@ -137,7 +125,8 @@ class Uncompressed(Compressor):
 
 
 class EngineCompressor(Compressor):
-    """``allreduce``, ``powersgd``, ``edgc`` and the baselines: our states report per-step metrics."""
+    """``allreduce``, ``powersgd``, ``edgc`` and the registered sync methods: our states report per-step
+    metrics. ``config``: the EDGCConfig of ``powersgd`` / ``edgc``, the TrainConfig of a sync method."""
 
     def __init__(self, name: str, ddp_model, config):
         import edgc
@@ -145,8 +134,8 @@ class EngineCompressor(Compressor):
         self.name = name
         if name == "allreduce":
             self.state = edgc.AllReduceState(process_group=None, model=ddp_model)
-        elif name in BASELINES:
-            self.state = BASELINES[name](ddp_model, config)
+        elif (method := sync_method(name)) is not None:
+            self.state = method.build(model=ddp_model, ratio=config.compress_ratio, seed=config.seed)
         else:
             self.state = edgc.EDGCState(process_group=None, config=config, model=ddp_model)
         ddp_model.register_comm_hook(self.state, edgc.allreduce_hook if name == "allreduce" else edgc.edgc_hook)
@@ -296,12 +285,12 @@ class TorchPowerSGD(Compressor):
 
 def build(name: str, ddp_model, config) -> Compressor:
     """Register compressor ``name`` on ``ddp_model``; ``config`` is the TrainConfig."""
-    if name in BASELINES:
+    if sync_method(name) is not None:
         return EngineCompressor(name, ddp_model, config)
     if name in ("none", "nosync", "allreduce-blocking"):
         return Uncompressed(name, ddp_model)
     if name in ("allreduce", "powersgd", "edgc"):
-        return EngineCompressor(name, ddp_model, config.edgc_config() if name != "allreduce" else None)
+        return EngineCompressor(name, ddp_model, config.edgc_config)
     if name == "torch-powersgd":
         # Same uncompressed warm-up as our engine's default: ⌊0.1 · steps⌋ (at least 2, see above).
         start = math.floor(scaled_edgc_defaults(config.steps)["warmup_fraction"] * config.steps)

@@ -4,8 +4,10 @@ Sources, later ones winning: the defaults below, a JSON or TOML file (``--config
 the field names), then command-line flags (``--micro-batch 4`` sets ``micro_batch``). Each field's
 docstring is its ``--help`` line: meaning, unit and allowed range.
 
-EDGC knobs that depend on the run length are filled in by ``edgc_config()`` unless given explicitly
-(``--edgc key=value`` / an ``"edgc": {...}`` table in the file), see ``scaled_edgc_defaults``.
+EDGC knobs that depend on the run length are filled in unless given explicitly (``--edgc key=value``
+/ an ``"edgc": {...}`` table in the file), see ``scaled_edgc_defaults``; the resulting `EDGCConfig`
+is resolved once, when the TrainConfig is built (``edgc_config``). A TrainConfig is frozen: a changed
+run is a new one (``dataclasses.replace``), which resolves its own.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc", "fp16", "bf16", "topk", "randomk", "qsgd8", "optimus-cc")
+# The harness's own ways to sync (DDP's native all-reduce, our hook uncompressed or after backward,
+# no sync, our engine, PyTorch's PowerSGD hook); the rest come from the library's registry.
+OWN_COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc")
 FSDP_COMPRESSORS = ("none", "allreduce", "powersgd", "edgc")  # none: native HSDP; the others via the hook
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -27,7 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """Everything that defines a training run (the run folder's ``config.json`` is this, resolved)."""
 
@@ -102,7 +106,7 @@ class TrainConfig:
 
     # ---- gradient compression
     compressor: str = "edgc"
-    """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward), nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8, optimus-cc (--pp only)."""
+    """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward), nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8 (or another sync method registered in edgc.sync_methods), optimus-cc (--pp only)."""
 
     powersgd_rank: int = 8
     """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""
@@ -222,7 +226,8 @@ class TrainConfig:
         check_num("beta2", 0, 1, high_open=True)
         check_num("grad_clip", 0, math.inf, high_open=True)
         check_int("seed", 0, 2**32 - 1)
-        check_choice("compressor", COMPRESSORS)
+        if self.compressor not in (*OWN_COMPRESSORS, "optimus-cc"):
+            check_choice("compressor", compressor_names())  # (the registry imports torch: only here)
         check_int("pp", 1)
         check_int("tp", 1)
         if self.tp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
@@ -269,10 +274,10 @@ class TrainConfig:
             fail("tp", f"must divide the model's {shape['n_head']} heads and width {shape['n_embd']}")
         if self.pp > shape["n_layer"]:
             fail("pp", f"must be ≤ the model's {shape['n_layer']} transformer blocks (one stage needs one)")
-        if self.uses_edgc_config:
-            self.edgc_config()  # raises ValueError naming the bad EDGC field
-        elif self.edgc:
+        if self.edgc and not self.uses_edgc_config:
             fail("edgc", f"EDGC fields only apply to compressors edgc, powersgd and optimus-cc, not {self.compressor}")
+        # Raises ValueError naming the bad EDGC field.
+        object.__setattr__(self, "_edgc_config", self._resolve_edgc_config() if self.uses_edgc_config else None)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -285,8 +290,14 @@ class TrainConfig:
         """LR warm-up length: the field, or 5% of the run (at least 1 step)."""
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
 
+    @property
     def edgc_config(self):
-        """The EDGCConfig for compressors ``edgc`` / ``powersgd``: run-length defaults, then the user's fields."""
+        """The EDGCConfig of compressors ``edgc``, ``powersgd`` and ``optimus-cc`` (None for the others),
+        resolved when this config was built."""
+        return self._edgc_config
+
+    def _resolve_edgc_config(self):
+        """Run-length defaults, then the user's fields (the static compressors: their rank instead)."""
         from edgc.config import EDGCConfig
 
         values = scaled_edgc_defaults(self.steps)
@@ -309,6 +320,13 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+def compressor_names() -> tuple[str, ...]:
+    """Every ``--compressor``: the harness's own, the library's registered sync methods, optimus-cc."""
+    from edgc.sync_methods import sync_method_names
+
+    return (*OWN_COMPRESSORS, *sync_method_names(), "optimus-cc")
 
 
 def scaled_edgc_defaults(steps: int) -> dict[str, Any]:

@@ -104,8 +104,7 @@ class FSDPRunner(DataParallelRunner):
         if native:
             self.compressor = NativeHSDP(self.module)
         else:
-            edgc_config = cfg.edgc_config() if cfg.compressor != "allreduce" else None
-            self.compressor = FSDPCompressor(cfg.compressor, self.module, edgc_config, self.mesh["dp_replicate"])
+            self.compressor = FSDPCompressor(cfg.compressor, self.module, cfg.edgc_config, self.mesh["dp_replicate"])
         shard_index = self.mesh["dp_shard"].get_local_rank()
         self.shard = f"_shard{shard_index}"
         self.saves_shard = self.mesh["dp_replicate"].get_local_rank() == 0

@@ -93,9 +93,8 @@ def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int,
                      tokens_per_step: int) -> None:
     """``config.json``: the resolved TrainConfig plus what the run derived (contract for `edgc report`)."""
     resolved = cfg.to_dict()
-    edgc_cfg = cfg.edgc_config() if cfg.uses_edgc_config else None
     resolved.update({
-        "edgc": edgc_cfg.to_dict() if edgc_cfg is not None else None,  # the EDGCConfig actually used
+        "edgc": cfg.edgc_config.to_dict() if cfg.edgc_config is not None else None,  # the EDGCConfig actually used
         "edgc_overrides": cfg.edgc,  # what the user set; `--resume` rebuilds the config from this
         "format": RUN_FORMAT, "n_params": n_params, "world_size": world, "model": shape,
         "vocab_size_actual": data.vocab_size, "warmup_steps_resolved": cfg.resolved_warmup_steps,

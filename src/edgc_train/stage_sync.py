@@ -35,12 +35,12 @@ class StageCompressor(Compressor):
         if not compress:
             self.state: edgc.GradientReducer = edgc.AllReduceState(mesh["dp_replicate"], model=module)
         elif name == "edgc":
-            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config(), model=module,
+            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config, model=module,
                                         follower=grid.stage > 0, always_profile=grid.stages > 1)
             self.aligner = StageAligner(self.state, grid.stage, grid.stages, mesh["pp"],
                                         tp_group=mesh["tp"] if grid.tp > 1 else None)
         else:  # one static rank: on every stage (powersgd) or on the first k (optimus-cc)
-            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config(), model=module)  # static for these two
+            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config, model=module)  # static for these two
 
     def synchronize(self, backward_times: list[float]) -> float:
         start = time.perf_counter()

@@ -290,7 +290,8 @@ def tell_profiling_verdict(compressor, step: int, metrics, log) -> bool:
     """Once EDGC's profiling has decided, say what it found on one line and log it: a ``"kind":
     "notice"`` record if it switched compression off or left r_max at its floor (summary.json and
     the report show it), else a ``"kind": "profiled"`` one. Returns True once there is nothing more to tell."""
-    from edgc.rank_control import PROFILE, describe_profiling_verdict
+    from edgc.plans import PROFILE
+    from edgc.profiling import describe_profiling_verdict
 
     controller = getattr(getattr(compressor, "state", None), "controller", None)
     if controller is None:

@@ -1,4 +1,5 @@
 """edgc_bench.dispatch_count: the kernel-launching dispatches of a compressed step, counted on the CPU."""
+import json
 import sys
 from pathlib import Path
 
@@ -9,9 +10,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 
 from distributed_harness import run_distributed  # noqa: E402
 
-from edgc_bench.dispatch_count import (DispatchCounter, count_engine_call, count_hook_step, ddp_buckets,  # noqa: E402
-                                       ready_order)
+from edgc import EDGCConfig  # noqa: E402
+from edgc_bench.dispatch_count import (DispatchCounter, count_engine_call, count_gpt2_step, count_hook_step,  # noqa: E402
+                                       ddp_buckets, ready_order)
 from edgc_bench.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = json.loads((ROOT / "docs" / "gpu" / "count" / "count.json").read_text())
 
 
 def test_views_metadata_and_allocations_are_not_counted():
@@ -83,5 +88,34 @@ def test_buckets_and_collectives_are_those_of_ddp():
         assert phase == "compress"
     assert len(seen[str(torch.float32), None][0]) == 2  # DDP's default: a first bucket of 1 MiB, then 25 MiB
     assert len(seen[str(torch.float32), 0.25][0]) > 4
-    counted = count_hook_step(named, bucket_cap_mb=0.25, rank=8, dtype=torch.float32)
-    assert counted.collectives == seen[str(torch.float32), 0.25][2]  # what a step in a process group issues
+    # what a step in a process group issues (the CPU's setting: each bucket its own job)
+    config = EDGCConfig.static(8, total_steps=100_000, warmup_fraction=0.0, fusion_mb=0)
+    counted = count_hook_step(named, bucket_cap_mb=0.25, rank=8, dtype=torch.float32, config=config)
+    assert counted.collectives == seen[str(torch.float32), 0.25][2]
+
+
+def test_gpt2_xl_steps_launch_few_kernels_at_ddps_buckets_and_fewer_at_200_mb():
+    """The GPU path (buckets fused into 256 MB jobs, M and Ĝ gathered per job), counted at GPT-2 XL's
+    shapes, rank 32, bf16. Before the engine was batched by shape: 6,049 and 2,968."""
+    default, large = count_gpt2_step("xl"), count_gpt2_step("xl", 200)
+    assert default.dispatches <= 2000 and large.dispatches <= 1000, (default.dispatches, large.dispatches)
+    # The docs state these figures from docs/gpu/count/count.json: it must be this engine's count
+    # (python -m edgc_bench.gpu --count-only --out docs/gpu/count; python scripts/dispatch_count_to_docs.py).
+    committed = {(row["model"], float(row["bucket_cap_mb"])): row["dispatches"] for row in COMMITTED["hook"]}
+    assert (committed["xl", 25.0], committed["xl", 200.0]) == (default.dispatches, large.dispatches)
+    assert default.compressed == large.compressed == 194  # every matrix compressed
+    assert default.by_op.get("linalg_qr", 0) == 0  # no per-matrix library call
+    assert default.linalg < default.matrices and large.linalg < large.matrices
+
+
+def test_the_gpu_page_shows_the_committed_count(load_script):
+    script = load_script("dispatch_count_to_docs")
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    assert script.block(COMMITTED, json.loads(script.BEFORE.read_text())) in page
+
+
+def test_an_engine_call_grows_with_its_shapes_not_its_matrices():
+    one, two, eight = (count_engine_call((1600, 6400), k).dispatches for k in (1, 2, 8))
+    assert one == two == eight, (one, two, eight)
+    mixed = count_engine_call((1600, 6400), 2, other_shape=(1600, 4800))
+    assert mixed.dispatches > one  # a second shape adds its products

@@ -22,8 +22,11 @@ def in_the_pool(fn, world_size, backend, *args, timeout):
 def test_the_smoke_run_writes_every_part(tmp_path):
     assert gpu.main(["--smoke", "--out", str(tmp_path)], runner=in_the_pool) == 0
     files = {path.name for path in tmp_path.iterdir()}
-    assert files == {"env.json", "count.json", "overlap.json", "engine.json", "trace_gloo.json.gz", "trace_nccl.json.gz"}
-    read = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("count", "overlap", "engine")}
+    assert files == {"env.json", "count.json", "overlap.json", "engine.json", "orth.json", "trace_gloo.json.gz",
+                     "trace_nccl.json.gz"}
+    read = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("count", "overlap", "engine", "orth")}
+    engine_rows = [row for row in read["orth"]["rows"] if row["method"] == "cholesky2-fp64"]
+    assert engine_rows and all(row["finite"] and row["orthogonality"] < 1e-6 for row in engine_rows)
 
     assert [(row["bucket_cap_mb"], row["ddp_default"]) for row in read["count"]["hook"]] == [(100, False), (0.25, False)]
     assert [row["matrices"] for row in read["count"]["engine_same_shape"]] == [1, 2, 8]

@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from distributed_harness import run_distributed
 from edgc import EDGCConfig, LowRankCompressor
-from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps, trend_need, window_stats
+from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
 from edgc.comm import Communicator
-from edgc.rank_control import Agreed, WindowController
+from edgc.plans import Agreed
+from edgc.rank_control import WindowController
+from edgc.signals import trend_need, window_stats
 from test_ddp import resume_worker, training_worker
 
 # ---------------------------------------------------------------------------- pure planning
@@ -25,7 +27,7 @@ def run_controller(config: EDGCConfig, needs=None, steps=None):
         plan = controller.plan(step)
         if plan.decision:
             if needs is not None:
-                controller.budget_need = lambda signals, next_step, k=decision_index: needs[k % len(needs)]
+                controller.rule.need = lambda signals, progress, k=decision_index: needs[k % len(needs)]
                 decision_index += 1
             controller.apply(plan, Agreed(), controller.propose(plan, Agreed(), [], [], signals={}))
     return controller.schedule

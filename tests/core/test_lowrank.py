@@ -1,6 +1,10 @@
+import math
+
+import pytest
 import torch
 
 from edgc import EDGCConfig, LowRankCompressor, orthogonalize_
+from edgc.factors import orthonormalize_blocks_, orthonormalize_rows_
 from edgc.comm import Communicator
 
 
@@ -53,6 +57,37 @@ def test_orthogonalize_handles_all_zero_columns():
         orthonormal = orthogonalize_(torch.randn(2, 10, rank))
         torch.testing.assert_close(orthonormal.transpose(1, 2) @ orthonormal, torch.eye(rank).expand(2, -1, -1),
                                    atol=1e-5, rtol=0)
+
+
+def ill_conditioned_rows(batch: int, rank: int, side: int, condition: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(batch, rank, rank, generator=generator, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(batch, side, rank, generator=generator, dtype=torch.float64))
+    singular = torch.logspace(0, -math.log10(condition), rank, dtype=torch.float64)
+    return ((u * singular) @ v.transpose(-1, -2)).float()
+
+
+@pytest.mark.parametrize("condition", [1e3, 1e5, 1e7])
+def test_weak_directions_come_out_orthonormal_not_shrunk(condition):
+    """A factor whose weakest direction is far below its strongest (a gradient's top-r spectrum)
+    still comes out orthonormal: a shrunk direction would shrink again every step and be lost."""
+    rows = ill_conditioned_rows(4, 8, 200, condition)
+    out = orthonormalize_rows_(rows.clone())
+    torch.testing.assert_close(out @ out.transpose(-1, -2), torch.eye(8).expand(4, -1, -1), atol=1e-6, rtol=0)
+    flat = torch.cat([rows.flatten(), rows[:2].flatten()])
+    blocks = [FlatBlock(0, 4, 8, 200), FlatBlock(rows.numel(), 2, 8, 200)]
+    orthonormalize_blocks_(flat, blocks)
+    for block in blocks:
+        view = block.view(flat)
+        torch.testing.assert_close(view @ view.transpose(-1, -2), torch.eye(8).expand(len(view), -1, -1), atol=1e-6, rtol=0)
+
+
+class FlatBlock:
+    def __init__(self, offset: int, count: int, rank: int, side: int):
+        self.offset, self.count, self.rank, self.side = offset, count, rank, side
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset:self.offset + self.count * self.rank * self.side].view(self.count, self.rank, self.side)
 
 
 def test_q_resize_truncates_or_extends_identically_everywhere():
@@ -114,3 +149,33 @@ def test_matrix_that_turns_raw_after_a_rank_change_flushes_its_residual():
     stats = compressor.reduce(list(grads), list(grads.values()), 16, Communicator())  # (16+36)·16 ≥ 16·36 → raw
     assert stats.ranks["conv.weight"] == 0 and "conv.weight" not in compressor.error
     torch.testing.assert_close(grads["conv.weight"], expected, rtol=0, atol=1e-12)
+
+
+def test_a_rank_fall_is_one_batched_eigendecomposition_not_one_per_matrix():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountEigh(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func.overloadpacket.__name__.startswith("_linalg_eigh")
+            return func(*args, **(kwargs or {}))
+
+    compressor = LowRankCompressor(EDGCConfig(r_max=8, min_compression_rate=1.0))
+    generator = torch.Generator().manual_seed(0)
+    names = [f"w{k}" for k in range(6)]
+    shapes = [(48, 32), (48, 32), (32, 48), (64, 24), (64, 24), (40, 40)]
+    compressor.reduce(names, [torch.randn(s, generator=generator) for s in shapes], 8, Communicator())
+    before = {name: q.clone() for name, q in compressor.q.items()}
+    with CountEigh() as counted:
+        compressor.change_rank(4, Communicator())
+    assert counted.calls == 1
+    for name in names:
+        q, kept = before[name], compressor.q[name]
+        assert kept.shape == (q.shape[0], 4)
+        # The kept columns span the top directions of the old Q: the projection of Q onto them
+        # keeps at least the energy of any 4 of its own columns.
+        projection = kept @ torch.linalg.pinv(kept) @ q
+        assert projection.norm() >= q[:, :4].norm() * 0.999

@@ -141,7 +141,7 @@ def test_a_layer_without_gradient_recovers_at_low_rank():
 
 
 def test_profiling_frees_its_q_factors_when_it_ends():
-    from edgc.rank_control import PROFILE
+    from edgc.plans import PROFILE
 
     config = EDGCConfig(r_max=None, profile_max_rank=4, profile_steps_per_rank=1, window=2,
                         warmup_error_test=False, min_compression_rate=1.0)

@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgc import EDGCConfig, WindowController, delta_target, limit_rank
+from edgc.plans import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision
 from edgc.profiling import SyncTimeTable, profile_candidates
-from edgc.rank_control import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision
+from edgc.rank_rules import delta_ratio
 
 
 @settings(max_examples=200, deadline=None)
@@ -35,7 +36,7 @@ def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
     controller = WindowController(config)
     controller.rank = previous
     entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
-    rank = controller.next_rank(entropies, [(32, 64), (32, 64)])
+    rank = controller.rule.next_rank(controller, entropies, [(32, 64), (32, 64)])
     assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
     # A drop of 0.0625 nats can leave g⁻¹ inside the current rank's step (hypothesis found one);
     # from 0.1 nats on, g(r₀)·e^{2·ΔH} always passes the next lower rank of a 32 × 64 matrix.
@@ -50,6 +51,26 @@ def test_delta_mapping_follows_the_authors_formula():
     assert delta_target(entropies[:3], 2, 8, 32) == 32  # < 2 windows: stay at r_max
     stable = [3.0, 3.0, 2.0, 2.0, 1.5, 1.5, 1.5, 1.5]
     assert delta_target(stable, 2, 8, 32) == 8
+
+
+def test_the_delta_map_takes_the_limit_of_its_ratio_where_two_windows_have_equal_means():
+    assert delta_ratio(0.5, 2.0) == 0.25 and delta_ratio(3.0, 2.0) == 1.0  # Δ_now / Δ_ref, clipped to 1
+    assert delta_ratio(1.0, 0.0) == 1.0  # moving now, flat at first: faster than the reference
+    assert delta_ratio(0.0, 0.0) == 0.0  # flat then and now: stable
+    assert delta_ratio(0.0, 2.0) == 0.0  # the latest two windows have equal means: stable
+    flat_then_falling = [5.0, 5.0, 5.0, 5.0, 4.0, 4.0]  # windows of 2: means 5, 5, 4
+    flat = [5.0] * 6
+    assert delta_target(flat_then_falling, 2, r_min=8, r_max=32) == 32
+    assert delta_target(flat, 2, r_min=8, r_max=32) == 8
+
+
+def test_the_gated_controller_reads_the_same_delta_map_when_the_first_windows_are_equal():
+    # Windows of 5 samples: two equal windows (Δ_ref = 0), then two falls the noise gate confirms.
+    config = EDGCConfig(r_max=32, r_min=8, rank_step=32, window=10, iteration_sample_ratio=0.5)
+    controller = WindowController(config)
+    controller.rank = 16
+    entropies = [5.0] * 10 + [4.0] * 5 + [3.0] * 5
+    assert controller.rule.next_rank(controller, entropies, []) == 32  # ρ = 1: as if by delta_target's limit
 
 
 def test_limit_rank_rounds_to_granularity_and_clamps():
@@ -190,7 +211,7 @@ def test_controller_state_round_trip():
 
 
 def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times():
-    from edgc.rank_control import describe_profiling_verdict
+    from edgc.profiling import describe_profiling_verdict
 
     config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1)
     controller, _ = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))

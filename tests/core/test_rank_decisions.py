@@ -11,7 +11,9 @@ import torch
 
 from edgc import EDGCConfig
 from edgc.entropy import gaussian_entropy
-from edgc.rank_control import COMPRESS, Agreed, WindowController, entropy_shift
+from edgc.plans import COMPRESS, Agreed
+from edgc.rank_control import WindowController
+from edgc.rank_rules import entropy_shift
 
 from distributed_harness import run_distributed
 
@@ -99,7 +101,7 @@ def test_error_band_mapping_moves_one_step_towards_the_band_and_rests_inside_it(
     assert set(ranks) == {32}
     controller = WindowController(cfg)
     controller.phase, controller.rank, controller.r_min = COMPRESS, 8, 8
-    assert controller.band_rank(0.5) == 12 and controller.band_rank(math.nan) == 8
+    assert controller.rule.band_rank(controller, 0.5) == 12 and controller.rule.band_rank(controller, math.nan) == 8
 
 
 def test_warmup_ends_at_its_ceiling_when_the_error_test_never_passes():

@@ -6,7 +6,8 @@ import pytest
 
 from edgc import EDGCConfig
 from edgc.budget import spent_rank_steps
-from edgc.rank_control import Agreed, WindowController
+from edgc.plans import Agreed
+from edgc.rank_control import WindowController
 from edgc_cli.main import main
 from edgc_experiments.pareto import arms, paired
 from edgc_experiments.pareto_train import compressor_fields

@@ -245,7 +245,7 @@ def test_demo_train_arguments_are_valid(tmp_path):
         cfg, run_dir, resume, _ = resolve(args, world_size=2)
         assert cfg.compressor == compressor and run_dir == tmp_path / "d" / compressor and not resume
         if compressor == "edgc":
-            e = cfg.edgc_config()
+            e = cfg.edgc_config
             assert (e.r_max, e.r_min, e.window, e.rank_budget, e.budget_signal) == (16, 4, 10, 8.0, "schedule")
             assert e.total_steps == demo.DEFAULT_STEPS  # the budget is a mean over the run: the harness sets its length
     assert not (tmp_path / "d").exists()

@@ -1,4 +1,5 @@
 """Calibration plumbing on a synthetic run folder, host measurement helpers, and the CLI."""
+import dataclasses
 import json
 import time
 
@@ -75,6 +76,11 @@ def test_measure_host_and_profile_roundtrip(tmp_path):
     assert dev.alloc_bytes_per_s >= 0 and dev.alloc_s(1e6) >= 0
     save_profile(tmp_path / "p.json", dev, LINK)
     assert load_profile(tmp_path / "p.json") == (dev, LINK)
+    # a profile saved when the engine ran torch.linalg.qr: its QR rate is not the engine's any more
+    old = json.loads((tmp_path / "p.json").read_text())
+    old["device"]["qr_flops_per_s"] = old["device"].pop("orth_flops_per_s")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_profile(tmp_path / "old.json") == (dataclasses.replace(dev, orth_flops_per_s=0.0), LINK)
     # two processes at once, as a bench's two ranks share the CPU
     both = measure_host(threads=1, matmul_n=128, copy_mb=4, processes=2)
     assert both.mem_bytes_per_s > 1e8 and "2 processes at once" in both.source

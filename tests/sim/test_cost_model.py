@@ -94,32 +94,11 @@ def test_torch_hook_cost_counted_from_its_source():
     assert slow == pytest.approx(torch_hook + 3 * matmuls)
 
 
-def test_engine_compress_time_counts_the_engines_gemms_passes_and_orthogonalisations():
-    """Pins cost_model.powersgd_compute_time to edgc.lowrank.reduce_steps: per matrix 3 skinny GEMMs
-    (2 products reading M, the decompression writing m n), Q and P orthogonalised (QR for r > 2,
-    Gram-Schmidt for r <= 2), 6 elementwise passes (M = G + e, e -= G_hat), +1 when the error is
-    measured, and per-matrix / per-group dispatch."""
+def test_paper_reducer_closed_form():
+    """Without our engine's rates (the paper's presets): the paper's reducer, FLOP-bound matmuls,
+    Gram-Schmidt of P only, 7 passes."""
     flops, mem, launch, bpv = 4e10, 2e10, 1e-5, 4
-    rates = cm.SkinnyRates(8e9, 4e9, 1e10)
     m, n = 512, 2048
-    for r in (2, 8):
-        one = cm.powersgd_compute_time([(m, n)], r, flops, mem, launch, bpv, rates)
-        gemms = 2 * (m * n * bpv / 8e9 + 2 * m * n * r / flops) + (m * n * bpv / 4e9 + 2 * m * n * r / flops)
-        if r > 2:  # linalg.qr of Q (n x r) and of P (m x r)
-            orth = sum(cm.QR_OPS * launch + 4 * k * r * r / 1e10 + 2 * k * r * bpv / mem for k in (m, n))
-        else:
-            orth = sum(r * cm.ENGINE_GS_KERNELS_PER_COLUMN * launch + 3 * k * (r * (r - 1) / 2 + r) * bpv / mem
-                       for k in (m, n))
-        passes = 6 * m * n * bpv / mem
-        dispatch = (cm.ENGINE_OPS_PER_MATRIX + cm.ENGINE_OPS_PER_GROUP) * launch
-        assert one == pytest.approx(gemms + orth + passes + dispatch)
-        measured = cm.powersgd_compute_time([(m, n)], r, flops, mem, launch, bpv, rates, measure_error=True)
-        assert measured == pytest.approx(one + m * n * bpv / mem)
-        # same-shape matrices share one group's dispatch (the engine batches them)
-        two = cm.powersgd_compute_time([(m, n)] * 2, r, flops, mem, launch, bpv, rates)
-        assert two == pytest.approx(2 * one - cm.ENGINE_OPS_PER_GROUP * launch)
-    # no measured rates (the GPU presets project the paper's system): the paper's reducer, FLOP-bound
-    # matmuls, Gram-Schmidt of P only, 7 passes
     for r in (2, 8):
         plain = cm.powersgd_compute_time([(m, n)], r, flops, mem, launch, bpv)
         assert plain == pytest.approx(6 * m * n * r / flops + cm.orthogonalize_time(m, r, mem, launch, bpv)
@@ -158,28 +137,44 @@ def test_gpt2_layer_flops_match_torch_counter():
 
 
 def test_engine_compress_model_matches_a_measured_single_process_reduce():
-    """The refitted model against LowRankCompressor.reduce itself (one process, no collectives), with
-    this host's measured rates: within a loose factor (2 shared cores: both sides are noisy). The
-    square-matmul-only model this replaced was 2-8x below the engine on this CPU."""
+    """The model against LowRankCompressor.reduce itself (one process, no collectives: one job of
+    eight matrices), with this host's measured rates, within 3x at ranks 2, 8 and 32.
+
+    Both sides are timed on 2 shared cores: an attempt measures the host and right after it the
+    engine (best of 5 each, so a disturbed call does not count), and an attempt that other users
+    disturbed anyway is repeated. The model must hold at every rank in one of three attempts; a model
+    off by more than 3x fails all three."""
     from edgc.comm import Communicator
     from edgc.config import EDGCConfig
     from edgc.lowrank import LowRankCompressor
+    from edgc_sim.engine_model import engine_compute_time
     from edgc_sim.host import measure_host
 
     torch.set_num_threads(1)
     shapes = [(512, 2048), (2048, 512), (512, 1536), (512, 512)] * 2
     grads0 = [torch.randn(*s) for s in shapes]
     names = [f"w{i}" for i in range(len(shapes))]
-    device = measure_host()
-    for rank in (2, 8):
-        compressor = LowRankCompressor(EDGCConfig())
-        best = float("inf")
-        for _ in range(5):
-            grads = [g.clone() for g in grads0]
-            t = time.perf_counter()
-            compressor.reduce(names, grads, rank, Communicator(), measure_error=False)
-            best = min(best, time.perf_counter() - t)
-        model = cm.powersgd_compute_time(shapes, rank, device.flops_per_s("fp32"), device.mem_bytes_per_s,
-                                         device.launch_s, 4, device.skinny_rates())
-        print(f"rank {rank}: model {model * 1e3:.1f} ms, measured {best * 1e3:.1f} ms")
-        assert best / 3 < model < 3 * best, (rank, model, best)
+
+    def attempt() -> dict:
+        device = measure_host()
+        ratios = {}
+        for rank in (2, 8, 32):
+            compressor = LowRankCompressor(EDGCConfig())
+            best = float("inf")
+            for _ in range(5):
+                grads = [g.clone() for g in grads0]
+                t = time.perf_counter()
+                compressor.reduce(names, grads, rank, Communicator(), measure_error=False)
+                best = min(best, time.perf_counter() - t)
+            model = engine_compute_time([shapes], rank, device.flops_per_s("fp32"), device.mem_bytes_per_s,
+                                        device.launch_s, 4, device.skinny_rates(), world_size=1)
+            print(f"rank {rank}: model {model * 1e3:.1f} ms, measured {best * 1e3:.1f} ms")
+            ratios[rank] = model / best
+        return ratios
+
+    attempts = []
+    for _ in range(3):
+        attempts.append(attempt())
+        if all(1 / 3 < ratio < 3 for ratio in attempts[-1].values()):
+            return
+    pytest.fail(f"model / measured outside (1/3, 3) in every attempt: {attempts}")

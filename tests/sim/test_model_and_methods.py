@@ -1,6 +1,7 @@
 """Stage shapes, the composed iteration, DAC and the rank schedules."""
 import pytest
 
+from edgc.rank_rules import delta_target
 from edgc_sim.dac import align_stage_ranks, profile_r_max
 from edgc_sim.hardware import CLUSTERS, LinkSpec, cluster_with_inter_link
 from edgc_sim.iteration import BREAKDOWN_KEYS, IterationModel
@@ -89,6 +90,15 @@ def test_map_entropy_change_keeps_rank_while_entropy_moves():
     moving = [10.0 - 0.1 * i for i in range(5 * n)]  # constant slope: rho = 1 -> target r_max
     assert map_entropy_change_to_rank(moving, n, 64, r_prev=64) == 64
     assert map_entropy_change_to_rank(moving[:n], n, 64, r_prev=48) == 64  # too little history
+
+
+def test_the_simulated_schedule_reads_the_controllers_delta_map_where_windows_have_equal_means():
+    flat_then_falling = [5.0, 5.0, 5.0, 5.0, 4.0, 4.0]  # windows of 2: means 5, 5, 4 (Δ_ref = 0)
+    assert delta_target(flat_then_falling, 2, 8, 32) == 32
+    assert map_entropy_change_to_rank(flat_then_falling, 2, 32, r_prev=32) == 32  # moving: keeps r_max
+    flat = [5.0] * 6
+    assert delta_target(flat, 2, 8, 32) == 8
+    assert map_entropy_change_to_rank(flat, 2, 32, r_prev=32) == 28  # stable: one step of 4 towards r_max / 4
 
 
 def test_schedule_from_metrics_scales_to_simulated_r_max():

@@ -39,7 +39,11 @@ def cut_back(run_dir: Path, copy: Path, latest_step: int) -> Path:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The run's metric records; a last line still being written (no newline yet) is left out, so a
+    test may poll the file of a running run."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -41,15 +41,15 @@ def test_edgc_fields_rejected_for_other_compressors():
         TrainConfig(compressor="none", edgc={"r_max": 8})
     with pytest.raises(ValueError, match="r_max cannot be set for compressor powersgd"):
         TrainConfig(compressor="powersgd", edgc={"r_max": 8})
-    assert TrainConfig(compressor="powersgd", edgc={"window": 9}).edgc_config().window == 9
+    assert TrainConfig(compressor="powersgd", edgc={"window": 9}).edgc_config.window == 9
 
 
 def test_config_file_json_and_toml(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"steps": 7, "edgc": {"r_max": 4}}))
     (tmp_path / "c.toml").write_text('steps = 9\ncompressor = "powersgd"\n')
-    assert TrainConfig.from_dict(load_config_file(tmp_path / "c.json")).edgc_config().r_max == 4
+    assert TrainConfig.from_dict(load_config_file(tmp_path / "c.json")).edgc_config.r_max == 4
     cfg = TrainConfig.from_dict(load_config_file(tmp_path / "c.toml"))
-    assert cfg.steps == 9 and cfg.edgc_config().adaptive is False and cfg.edgc_config().r_max == 8
+    assert cfg.steps == 9 and cfg.edgc_config.adaptive is False and cfg.edgc_config.r_max == 8
     (tmp_path / "bad.json").write_text("{steps: 1")
     with pytest.raises(ValueError, match="not valid"):
         load_config_file(tmp_path / "bad.json")
@@ -66,14 +66,14 @@ def test_edgc_knobs_scale_with_run_length(steps):
     assert 2 <= d["profile_max_rank"] <= 128
     if steps >= 40:  # step 0, the quick test, 2 steps per candidate rank: inside the 10 % warm-up floor
         assert 2 + 2 * (d["profile_max_rank"].bit_length() - 1) <= steps // 10
-    cfg = TrainConfig(steps=steps).edgc_config()
+    cfg = TrainConfig(steps=steps).edgc_config
     assert cfg.total_steps == steps and cfg.window == d["window"]
     if steps >= 20_000:
         assert d["window"] == 1000 and sample_every == 10  # the paper's values
 
 
 def test_user_edgc_fields_win_over_scaled_defaults():
-    cfg = TrainConfig(steps=200, edgc={"window": 33, "r_max": 12}).edgc_config()
+    cfg = TrainConfig(steps=200, edgc={"window": 33, "r_max": 12}).edgc_config
     assert cfg.window == 33 and cfg.r_max == 12
 
 

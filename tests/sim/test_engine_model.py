@@ -1,0 +1,210 @@
+"""The model of our engine (edgc_sim.engine_model) against the engine's own dispatches and closed forms."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgc_bench.dispatch_count import DispatchCounter, _zeros, counting_communicator
+from edgc_bench.gpt2_layout import GPT2_SIZES, gpt2_parameters
+from edgc_bench.gpu_support import counted_host_reads
+from edgc_sim import cost_model as cm
+from edgc_sim import engine_model as em
+from edgc_sim.collectives import gpt2_gradient_shapes
+from edgc_sim.presets import ModelSpec
+
+COUNT = json.loads((Path(__file__).resolve().parents[2] / "docs" / "gpu" / "count" / "count.json").read_text())
+
+
+def counted_reduce(shapes, rank, *, dtype=torch.float32, gathered=True, world_size=2, measure_error=False) -> int:
+    """Dispatches of one steady `LowRankCompressor.reduce` call on fake tensors of these shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc import EDGCConfig, LowRankCompressor
+
+    with counted_host_reads(_zeros), FakeTensorMode():
+        compressor = LowRankCompressor(EDGCConfig(r_max=rank))
+        compressor.force_batched_copies = gathered
+        comm = counting_communicator(world_size)
+        names = [f"t{k}" for k in range(len(shapes))]
+        grads = [torch.zeros(shape, dtype=dtype) for shape in shapes]
+        compressor.reduce(names, grads, rank, comm, measure_error=measure_error)
+        with DispatchCounter() as counter:
+            compressor.reduce(names, grads, rank, comm, measure_error=measure_error)
+    return counter.total
+
+
+JOBS = {
+    "one matrix": [(1600, 6400)],
+    "a wide and a tall matrix, one block each": [(1600, 6400), (6400, 1600), (1600,)],
+    "three long sides, two short ones": [(512, 2048), (512, 1536), (256, 512), (2048, 512), (512,), (64, 4, 4)],
+    "same shapes, many matrices": [(256, 1024)] * 6 + [(1024,)] * 3,
+    "nothing worth compressing": [(4, 512), (512,), (2, 3)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+@pytest.mark.parametrize("gathered,dtype,world_size,measure_error", [
+    (True, torch.bfloat16, 1, False),  # the GPU bench's setting (docs/gpu/count)
+    (True, torch.float32, 2, True),
+    (False, torch.float32, 2, False),  # a CPU run in a process group
+    (False, torch.bfloat16, 2, True),
+])
+def test_job_launches_are_the_engines_dispatches(name, gathered, dtype, world_size, measure_error):
+    shapes, rank = JOBS[name], 32
+    counted = counted_reduce(shapes, rank, dtype=dtype, gathered=gathered, world_size=world_size,
+                             measure_error=measure_error)
+    modelled = em.job_launches(em.JobLayout.plan(shapes, rank), gathered=gathered,
+                               half_gradients=dtype == torch.bfloat16, world_size=world_size,
+                               measure_error=measure_error)
+    assert modelled == counted
+
+
+def gpt2_model(size: str) -> ModelSpec:
+    layers, width, heads, vocab, context = GPT2_SIZES[size]
+    return ModelSpec(layers, width, heads, context, vocab, vocab_pad=1, positions=context)
+
+
+@pytest.mark.parametrize("row", COUNT["hook"], ids=lambda row: f"{row['model']}-{row['bucket_cap_mb']}MB")
+def test_step_launches_are_the_committed_gpt2_dispatch_counts(row):
+    """The model's launches of a compressed GPT-2 step on the GPU's path (DDP's buckets fused into jobs
+    of the library's fusion size, M and Ĝ gathered) equal the dispatches `edgc_bench.dispatch_count`
+    counted for docs/gpu/count/count.json (kept current by tests/bench/test_dispatch_count.py):
+    every job's, one per job and two per step for the hook around them."""
+    model = gpt2_model(row["model"])
+    shapes = gpt2_gradient_shapes(model)
+    assert shapes == [tuple(shape) for _, shape in gpt2_parameters(row["model"])]
+    jobs = em.engine_jobs(shapes, 2, accelerator=True, bucket_cap_mib=None if row["ddp_default"] else row["bucket_cap_mb"])
+    assert len(jobs) == row["collectives"] // 3  # every job compresses: raw, P and Q
+    launches = em.step_launches(jobs, COUNT["rank"], gathered=True, half_gradients=True, world_size=COUNT["world_size"])
+    assert launches == row["dispatches"]
+
+
+def test_engine_call_launches_are_the_committed_counts():
+    for row in COUNT["engine_same_shape"]:
+        job = em.JobLayout.plan([tuple(row["shape"])] * row["matrices"], COUNT["rank"])
+        assert em.job_launches(job, gathered=True, half_gradients=True, world_size=1) == row["dispatches"]
+
+
+def test_jobs_are_ddps_buckets_on_a_cpu_and_fused_on_an_accelerator():
+    shapes = gpt2_gradient_shapes(gpt2_model("medium"))
+    buckets = em.engine_jobs(shapes, 4, accelerator=False)
+    fused = em.engine_jobs(shapes, 4, accelerator=True)
+    assert len(buckets) > 10 and 1 < len(fused) < len(buckets)
+    assert sorted(map(tuple, sum(fused, []))) == sorted(map(tuple, sum(buckets, []))) == sorted(shapes)
+    for job in fused[:-1]:  # every job but the step's last holds the fusion size
+        assert sum(math.prod(shape) for shape in job) * 4 >= 256 * 2 ** 20
+    assert em.engine_jobs(shapes, 4, accelerator=True, fusion_mb=0) == buckets
+
+
+RATES = em.EngineRates(8e9, 4e9, 2e9)
+FLOPS, MEM, LAUNCH = 4e10, 2e10, 1e-5
+
+
+def job_cost(shapes, rank, rates=RATES, bytes_per_value=4, **kwargs) -> em.EngineCost:
+    return em.engine_step_cost([shapes], rank, FLOPS, MEM, LAUNCH, bytes_per_value, rates, **kwargs)
+
+
+def job_seconds(shapes, rank, rates=RATES, bytes_per_value=4, **kwargs) -> float:
+    return em.engine_compute_time([shapes], rank, FLOPS, MEM, LAUNCH, bytes_per_value, rates, **kwargs)
+
+
+def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
+    """One m x n fp32 matrix on a CPU: two product GEMMs reading M and the decompression writing Ĝ
+    (bytes at the skinny rates + FLOPs), 6 elementwise passes, the factors' elementwise bytes, the
+    CholeskyQR2 of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
+    m, n, r = 2048, 512, 8
+    values = m * n
+    gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * values * r / FLOPS
+    passes = 6 * values * 4 / MEM
+    factors = r * (m * (em.P_FACTOR_BYTES + em.ORTH_CAST_BYTES) + n * (em.Q_FACTOR_BYTES + em.ORTH_CAST_BYTES)) / MEM
+    orth = 2 * 3 * r * r * (m + n) / 2e9  # two Cholesky passes, a Gram product and a solve each
+    launches = em.step_launches([[(m, n)]], r, gathered=False, world_size=2)
+    assert job_cost([(m, n)], r) == pytest.approx((launches * LAUNCH, gemms + passes + factors + orth))
+    assert job_seconds([(m, n)], r) == pytest.approx(gemms + passes + factors + orth + launches * LAUNCH)
+    # no measured orthonormalisation rate: its FLOPs at the matmul rate
+    unmeasured = job_seconds([(m, n)], r, em.EngineRates(8e9, 4e9))
+    assert unmeasured == pytest.approx(gemms + passes + factors + orth * 2e9 / FLOPS + launches * LAUNCH)
+    # a measured error reads M once more and adds its launches
+    measured = job_seconds([(m, n)], r, measure_error=True)
+    assert measured == pytest.approx(job_seconds([(m, n)], r) + values * 4 / MEM + em.MEASURE_ERROR_OPS * LAUNCH)
+
+
+def test_gemm_flops_run_at_the_float32_rate_the_byte_rates_were_measured_at():
+    """The products always run in float32 (the arena): their FLOPs at the rates' own matmul rate,
+    not the caller's (the training precision); half-precision gradients get Ĝ's product in their
+    dtype, at the caller's rate."""
+    m, n, r = 2048, 512, 8
+    flops = 2 * m * n * r
+    fp32_rate = RATES._replace(gemm_flops_per_s=FLOPS / 4)
+    device = job_cost([(m, n)], r, fp32_rate).device_s - job_cost([(m, n)], r).device_s
+    # the three products' FLOPs; the orthonormalisation keeps its own measured rate
+    assert device == pytest.approx(3 * flops * (4 / FLOPS - 1 / FLOPS))
+    half = job_cost([(m, n)], r, fp32_rate, 2).device_s - job_cost([(m, n)], r, bytes_per_value=2).device_s
+    assert half == pytest.approx(2 * flops * (4 / FLOPS - 1 / FLOPS))
+
+
+def test_an_accelerator_gathers_m_and_g_hat_in_four_more_passes_and_fewer_launches():
+    shapes, r = [(1024, 4096)] * 4, 16
+    cpu, gpu = job_cost(shapes, r), job_cost(shapes, r, RATES._replace(accelerator=True))
+    values = 4 * 1024 * 4096
+    # fp32: 10 passes instead of 6; Ĝ per group (one bmm, one _foreach_copy_, one add more) not per matrix
+    launches = em.step_launches([shapes], r, gathered=True) - em.step_launches([shapes], r, gathered=False)
+    assert launches == 1 + 1 - (4 - 1)  # cat and _foreach_copy_ more; three fewer Ĝ products
+    assert gpu.device_s - cpu.device_s == pytest.approx(4 * values * 4 / MEM)
+    assert gpu.host_s - cpu.host_s == pytest.approx(launches * LAUNCH)
+
+
+def test_an_accelerator_hides_the_smaller_of_host_and_device_time():
+    """A CPU issues and runs every op in turn: host + device. An accelerator's host issues ahead of
+    its side stream: the larger of the two, whichever it is."""
+    shapes, r = [(1024, 4096)] * 4, 16
+    for launch in (1e-7, 1e-2):  # device-bound, then launch-bound
+        cost = em.engine_step_cost([shapes], r, FLOPS, MEM, launch, 4, RATES._replace(accelerator=True))
+        assert (cost.host_s > cost.device_s) == (launch > 1e-3)
+        overlapped = em.engine_compute_time([shapes], r, FLOPS, MEM, launch, 4, RATES._replace(accelerator=True))
+        assert overlapped == pytest.approx(max(cost))
+        assert em.engine_compute_time([shapes], r, FLOPS, MEM, launch, 4, RATES) == pytest.approx(
+            sum(em.engine_step_cost([shapes], r, FLOPS, MEM, launch, 4, RATES)))
+
+
+def test_same_shapes_share_their_launches_and_new_shapes_add_some():
+    r = 8
+    one, two = job_seconds([(512, 2048)], r), job_seconds([(512, 2048)] * 2, r)
+    per_matrix = em.step_launches([[(512, 2048)] * 2], r, gathered=False) - em.step_launches([[(512, 2048)]], r, gathered=False)
+    assert per_matrix == 1  # the CPU's Ĝ is a product per matrix; everything else is per group or per job
+    assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, gathered=False) - 1) * LAUNCH)
+    gathered = lambda shapes: em.step_launches([shapes], r, gathered=True)  # noqa: E731
+    assert gathered([(512, 2048)] * 8) == gathered([(512, 2048)])
+    # 3 products, and a P block: per Cholesky pass its Gram product, its solve and a cat of the Gram matrices
+    assert gathered([(512, 2048), (512, 1536)]) - gathered([(512, 2048)]) == 3 + 2 * 3
+    assert gathered([(512, 2048), (1536, 512)]) - gathered([(512, 2048)]) == 3 + 2 * 3  # a flipped shape likewise
+    assert gathered([(512, 2048), (2048, 512)]) - gathered([(512, 2048)]) == 3  # same long and short sides
+
+
+def test_half_precision_gradients_halve_the_gradient_accesses_not_the_arena():
+    m, n, r = 1024, 4096, 16
+    rates = RATES._replace(accelerator=True)
+    full, half = job_cost([(m, n)], r, rates), job_cost([(m, n)], r, rates, bytes_per_value=2)
+    # 6 gradient accesses and the decompression's write at 2 bytes; the arena (4 arena accesses, the
+    # product forms' reads) stays fp32; the factors' casts and launches come on top
+    saved = m * n * 2 * (6 / MEM + 1 / 4e9)
+    extra_launches = (em.step_launches([[(m, n)]], r, gathered=True, half_gradients=True)
+                      - em.step_launches([[(m, n)]], r, gathered=True))
+    casts = r * (m + n) * (em.HALF_WIRE_BYTES + em.HALF_DECOMPRESS_BYTES) / MEM
+    assert extra_launches == 7  # P and Q: div, cast, copy back for div_; the flag's cast; P and Q cast back
+    assert half.device_s == pytest.approx(full.device_s - saved + casts)
+    assert half.host_s == pytest.approx(full.host_s + extra_launches * LAUNCH)
+
+
+def test_the_step_model_prices_our_engine_only_with_its_rates():
+    shapes, r = [(1920, 1920)] * 4 + [(1440, 1920)] * 2, 32
+    paper = cm.powersgd_compute_time(shapes, r, 1e13, 9e11, 5e-6, 4)
+    assert paper == pytest.approx(cm.optimus_powersgd_time(shapes, r, 1e13, 9e11, 5e-6, 4))
+    ours = cm.powersgd_compute_time(shapes, r, 1e13, 9e11, 5e-6, 4, RATES)
+    jobs = em.engine_jobs(shapes, 4, accelerator=False)
+    assert ours == pytest.approx(em.engine_compute_time(jobs, r, 1e13, 9e11, 5e-6, 4, RATES))
+    # a matrix that gains nothing at this rank is sent raw: no GEMMs
+    assert cm.powersgd_compute_time([(64, 64)], 64, 1e13, 9e11, 5e-6, 4, RATES) < \
+        cm.powersgd_compute_time([(64, 64)], 8, 1e13, 9e11, 5e-6, 4, RATES)
