@@ -5,6 +5,8 @@ Modules:
     cli.py          `edgc experiment` flags and the experiment registry
     common.py       output folders, the single-process training run, shared plotting
     cqm.py          how conservative is the Marchenko–Pastur error model?
+    diloco.py       DiLoCo at the same bytes: sync often at a low rank or rarely at a high one? (paired seeds)
+    diloco_train.py the two-process DiLoCo (or per-step EDGC) runs of the diloco instrument
     entropy_trend.py does gradient entropy fall and stabilise?
     pareto.py       at the same bytes, does a moving rank beat static PowerSGD? (paired seeds)
     pareto_train.py one in-process training run of the pareto instrument

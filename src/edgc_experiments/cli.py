@@ -22,6 +22,7 @@ EXPERIMENTS = {
     "cqm": "edgc_experiments.cqm",
     "pure-dp": "edgc_experiments.pure_dp",
     "pareto": "edgc_experiments.pareto",
+    "diloco": "edgc_experiments.diloco",
 }
 
 

@@ -130,11 +130,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                       lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
                       **quorum.manager_kwargs())
     try:
-        if start is not None:
-            start.wait(timeout=quorum.quorum_timeout.total_seconds())
-        with _MODEL_LOCK:
-            torch.manual_seed(0)
-            module = TinyTransformer(vocab=VOCAB, width=64, layers=1, heads=2, seq_len=SEQ).double()
+        module = initial_model(start, quorum)
         model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
         optimizer = OptimizerWrapper(manager, torch.optim.Adam(module.parameters(), lr=3e-3))
         holder.update(model=module, optimizer=optimizer)
@@ -192,6 +188,15 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
         pg.shutdown()
 
 
+def initial_model(start: threading.Barrier | None, quorum: QuorumSettings) -> TinyTransformer:
+    """After ``start`` (a first attempt's barrier), the model every replica starts from (float64)."""
+    if start is not None:
+        start.wait(timeout=quorum.quorum_timeout.total_seconds())
+    with _MODEL_LOCK:
+        torch.manual_seed(0)
+        return TinyTransformer(vocab=VOCAB, width=64, layers=1, heads=2, seq_len=SEQ).double()
+
+
 def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -> None:
     """After a discarded step: e = e_before + G, bit for bit, for every compressed matrix."""
     for name, rank in metrics["ranks"].items():
@@ -210,6 +215,12 @@ def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, at
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``).
     The quorum settings are the bench's: those of its kill pass, or with ``tolerated_failures=0``
     those of its failure-free passes."""
+    return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures)
+
+
+def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int) -> dict:
+    """``train(replica, lighthouse, steps, faults, report, quorum, start)`` on one thread per group,
+    around one lighthouse; a group whose attempt raises `InjectedKill` starts again."""
     faults = faults or Faults()
     quorum = quorum_settings(replicas, tolerated_failures)
     lighthouse = LighthouseServer(bind="[::]:0", **quorum.lighthouse_kwargs())
@@ -219,8 +230,8 @@ def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, at
     def runner(replica: int) -> dict:
         for attempt in range(attempts):
             try:
-                return train_replica(replica, lighthouse.address(), steps, faults, report, quorum,
-                                     start if attempt == 0 else None)
+                return train(replica, lighthouse.address(), steps, faults, report, quorum,
+                             start if attempt == 0 else None)
             except InjectedKill:
                 report["kills"] += 1
         raise RuntimeError(f"replica {replica} ran out of attempts")

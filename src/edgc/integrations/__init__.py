@@ -2,7 +2,8 @@
 
 Modules:
     lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook
-    torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages
+    diloco.py       DiLoCo / Streaming DiLoCo whose outer sync is EDGC's (plain process group)
+    torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages; DiLoCo
     torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
 """
 from __future__ import annotations

@@ -11,6 +11,9 @@
     optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters()))
     # loop: optimizer.zero_grad(); loss.backward(); optimizer.step()   — as with torchft's own DDP
 
+Over links too slow for a sync every step: `DiLoCo` (torchft's DiLoCo and Streaming DiLoCo, whose
+outer sync of pseudo-gradients is EDGC's; `edgc.integrations.diloco` has the algorithm).
+
 What the one call sets up (`TorchFTEDGCState`):
 
 * **Every collective through the manager.** Raw tensors, P, Q, the agreement and the decision
@@ -55,6 +58,8 @@ from ..lowrank import ReduceStats
 from ..rank_control import PROFILE
 from ..reducer import edgc_hook
 from ..state import EDGCState
+from .diloco import DiLoCo as _DiLoCo
+from .diloco import PowerIterations
 from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
 
 try:
@@ -234,3 +239,58 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **kwargs)
         self.edgc_state = TorchFTEDGCState(manager, config, model=module)
         self.register_comm_hook(self.edgc_state, edgc_hook)
+
+
+class TorchFTOuterStepState(PowerIterations, TorchFTEDGCState):
+    """The `TorchFTEDGCState` of `DiLoCo`: its steps are outer steps."""
+
+
+class DiLoCo(_DiLoCo):
+    """torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, streaming fragments included) whose outer sync is
+    EDGC's compressed all-reduce, through the manager (`edgc.integrations.diloco` has the algorithm).
+
+        with DiLoCo(manager, [model], inner_optimizer, outer_optimizer, sync_every=50, config=config):
+            ...  # the inner loop: backward, inner_optimizer.step(), zero_grad()
+
+    The quorum starts when a fragment's sync does (as in torchft's DiLoCo); the manager's
+    ``should_commit()`` decides each outer step. Committed, the outer optimizer steps θ_global;
+    not committed, nothing of the replica's pseudo-gradient is lost (the engine makes M the error
+    feedback again, Q and the controller roll back, what was sent raw is carried into the next Δ)
+    and the parameters go back to θ_global. A healing replica receives the shared state: per
+    fragment θ_global and the outer optimizer, and EDGC's step, Q, rank schedule and controller
+    (``state_key``). Needs ``Manager(use_async_quorum=False)``, as torchft's DiLoCo does.
+    """
+
+    def __init__(self, manager: Manager, model_fragments, inner_optimizer, outer_optimizer, sync_every: int,
+                 config: EDGCConfig | None = None, *, backup_device=None, pin_memory: bool = True,
+                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, power_iterations: int = 1,
+                 state_key: str = "edgc_diloco"):
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError("DiLoCo needs Manager(use_async_quorum=False): a healing replica must load the "
+                             "shared state before the outer sync")
+        self.manager, self._state_key = manager, state_key
+        super().__init__(None, model_fragments, inner_optimizer, outer_optimizer, sync_every, config,
+                         backup_device=backup_device, pin_memory=pin_memory, fragment_sync_delay=fragment_sync_delay,
+                         fragment_update_alpha=fragment_update_alpha, power_iterations=power_iterations)
+        for fragment in self._fragments:
+            manager.register_state_dict_fn(f"{state_key}_fragment_{fragment.index}", fragment.load_state_dict,
+                                           fragment.state_dict)
+
+    def _new_state(self, process_group, config: EDGCConfig, model: nn.Module) -> TorchFTOuterStepState:
+        return TorchFTOuterStepState(self.manager, config, model=model, state_key=self._state_key)
+
+    def _start_outer_step(self) -> None:
+        self.manager.start_quorum()  # a healing replica receives θ_global, the outer optimizer and EDGC's state here
+
+    def _outer_index(self) -> int:
+        return self.manager.current_step()
+
+    def _should_commit(self) -> bool:
+        return self.manager.should_commit()  # commits or rolls back EDGC's step (`_commit_with`)
+
+    def _step_pre_hook(self, *args) -> None:
+        self.manager.disallow_state_dict_read()  # a peer's heal must not read parameters mid-step
+
+    def _step_post_hook(self, *args) -> None:
+        self.manager.allow_state_dict_read()
+        self.inner_step_done()
