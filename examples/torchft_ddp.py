@@ -20,8 +20,6 @@ prints ``[rank G] edgc: ...`` and a checksum of its parameters: equal checksums 
 import argparse
 import os
 import signal
-import socket
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -32,7 +30,7 @@ from torchft.optim import OptimizerWrapper
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel  # EDGC: instead of torchft.DistributedDataParallel
-from edgc.integrations.torchft_quorum import QuorumSettings
+from edgc.integrations.torchft_quorum import QuorumSettings, launch_local_groups
 
 STEPS = int(os.environ.get("STEPS", 24))
 
@@ -98,27 +96,8 @@ def say(line: str) -> None:
 
 def launch(groups: int, kill_at: int) -> int:
     """A lighthouse in this process and one torchrun per group; their exit status (0 = all fine)."""
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", **quorum(groups).lighthouse_kwargs())
-    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1", "KILL_AT": str(kill_at),
-           "REPLICA_GROUPS": str(groups)}
-    procs = []
-    for group in range(groups):
-        with socket.socket() as s:  # a free port for the group's store
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
-                "--master_addr", "127.0.0.1", "--master_port", str(port), __file__]
-        env_group = {**env, "REPLICA_GROUP_ID": str(group), "KILL_AT": str(kill_at if group == 1 else -1)}
-        procs.append(subprocess.Popen(argv, env=env_group))
-    try:
-        return max(p.wait(timeout=600) for p in procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
+    return launch_local_groups(__file__, groups, quorum(groups),
+                               lambda group: {"KILL_AT": str(kill_at if group == 1 else -1)})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Each group takes SYNC_EVERY inner steps alone; then the groups average their pse
 Nesterov SGD steps θ_global. A lighthouse, then one ``torchrun`` per replica group:
 
     torchft_lighthouse --min_replicas 2 --join_timeout_ms 90000 --heartbeat_timeout_ms 1000 &
-    export TORCHFT_LIGHTHOUSE=http://localhost:29510 OMP_NUM_THREADS=1 GROUPS=2
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510 OMP_NUM_THREADS=1 REPLICA_GROUPS=2
     REPLICA_GROUP_ID=0 torchrun --nproc_per_node 1 --master_port 29600 examples/torchft_diloco.py &
     REPLICA_GROUP_ID=1 torchrun --nproc_per_node 1 --master_port 29601 examples/torchft_diloco.py
 
@@ -24,8 +24,6 @@ each group's pseudo-gradient goes back into its error feedback.) Each group prin
 import argparse
 import os
 import signal
-import socket
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -35,6 +33,7 @@ from torchft import Manager, ProcessGroupGloo
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DiLoCo, QuorumSettings  # EDGC: instead of torchft.local_sgd.DiLoCo
+from edgc.integrations.torchft_quorum import launch_local_groups
 
 OUTER_STEPS = int(os.environ.get("STEPS", 12))
 SYNC_EVERY = 8  # inner steps per outer step (DiLoCo's H; hundreds in a real run)
@@ -43,7 +42,7 @@ SYNC_EVERY = 8  # inner steps per outer step (DiLoCo's H; hundreds in a real run
 def quorum() -> QuorumSettings:
     """Every group in every quorum: a short demo would end before a killed group is back, so the
     others wait for it (a long run would tolerate failures and go on without it)."""
-    return QuorumSettings.for_groups(int(os.environ.get("GROUPS", 2)), 0, timedelta(seconds=30))
+    return QuorumSettings.for_groups(int(os.environ.get("REPLICA_GROUPS", 2)), 0, timedelta(seconds=30))
 
 
 def train() -> None:
@@ -101,28 +100,9 @@ def say(line: str) -> None:
 
 def launch(groups: int, kill_at: int) -> int:
     """A lighthouse in this process and one torchrun per group; their exit status (0 = all fine)."""
-    from torchft._torchft import LighthouseServer
-
-    env = {**os.environ, "GROUPS": str(groups), "OMP_NUM_THREADS": "1"}
-    os.environ["GROUPS"] = env["GROUPS"]
-    lighthouse = LighthouseServer(bind="[::]:0", **quorum().lighthouse_kwargs())
-    env["TORCHFT_LIGHTHOUSE"] = lighthouse.address()
-    procs = []
-    for group in range(groups):
-        with socket.socket() as s:  # a free port for the group's store
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
-                "--master_addr", "127.0.0.1", "--master_port", str(port), __file__]
-        procs.append(subprocess.Popen(argv, env={**env, "REPLICA_GROUP_ID": str(group),
-                                                 "KILL_AT": str(kill_at if group == 1 else -1)}))
-    try:
-        return max(p.wait(timeout=600) for p in procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
+    os.environ["REPLICA_GROUPS"] = str(groups)  # quorum() reads it
+    return launch_local_groups(__file__, groups, quorum(),
+                               lambda group: {"KILL_AT": str(kill_at if group == 1 else -1)})
 
 
 if __name__ == "__main__":

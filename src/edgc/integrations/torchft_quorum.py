@@ -40,8 +40,13 @@ So, per group count and number of failures the run is meant to survive:
 """
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -81,3 +86,32 @@ class QuorumSettings:
 
 def _ms(duration: timedelta) -> int:
     return int(duration.total_seconds() * 1000)
+
+
+def launch_local_groups(script: str, groups: int, settings: QuorumSettings,
+                        group_env: Callable[[int], dict[str, str]] = lambda group: {},
+                        timeout_s: float = 600) -> int:
+    """Run ``script`` as ``groups`` replica groups on this machine: a lighthouse in this process
+    with ``settings``, one ``torchrun`` (one process, one restart) per group with
+    ``REPLICA_GROUP_ID``, ``REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set, plus ``group_env(group)``.
+    Returns the worst exit status (0 = every group finished); kills what is left on the way out."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", **settings.lighthouse_kwargs())
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1",
+           "REPLICA_GROUPS": str(groups)}
+    procs = []
+    try:
+        for group in range(groups):
+            with socket.socket() as s:  # a free port for the group's store
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
+                    "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+            procs.append(subprocess.Popen(argv, env={**env, "REPLICA_GROUP_ID": str(group), **group_env(group)}))
+        return max(p.wait(timeout=timeout_s) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
