@@ -20,7 +20,8 @@ as a layer without gradient or a collapsed power iteration gives). Per method an
 - ``residual``: max over the batch of ‖X − XYᵀY‖_F / ‖X‖_F, how much of X the rows miss (what a
   PowerSGD approximation loses; 0 for an exact basis);
 - ``finite``: whether every output is finite (a NaN here poisons the step);
-- ``seconds``: median per call (device events on a GPU), and ``dispatches`` per call (the
+- ``seconds``: median per call over the repeats (device events on a GPU) and ``seconds_range``,
+  their min and max; ``dispatches`` per call (the
   kernel-launching ATen dispatches of `edgc_bench.dispatch_count`; a ``linalg_*`` dispatch is
   several kernels on a GPU).
 """
@@ -124,7 +125,7 @@ def cost(method: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, rep
         seconds.append(timer.seconds(start, timer.mark()))
     with DispatchCounter() as counter:
         method(rows)
-    return {"seconds": median(seconds), "dispatches": counter.total}
+    return {"seconds": median(seconds), "seconds_range": [min(seconds), max(seconds)], "dispatches": counter.total}
 
 
 def compare(device: torch.device, shapes=SHAPES, conditions=CONDITIONS, repeats: int = 5) -> list[dict]:
@@ -144,15 +145,16 @@ def compare(device: torch.device, shapes=SHAPES, conditions=CONDITIONS, repeats:
 def table(rows: list[dict]) -> str:
     """A Markdown table: one line per (shape, method), orthogonality and residual per input."""
     inputs = list(dict.fromkeys(row["input"] for row in rows))
-    head = "| shape | method | ms per call | dispatches | " + " | ".join(f"{i}: ‖YYᵀ−I‖ / miss" for i in inputs) + " |"
+    head = "| shape | method | ms per call, median (min–max) | dispatches | " + " | ".join(f"{i}: ‖YYᵀ−I‖ / miss" for i in inputs) + " |"
     lines = [head, "|" + "---|" * (4 + len(inputs))]
     keys = dict.fromkeys((tuple(row["shape"]), row["method"]) for row in rows)
     for shape, method in keys:
         mine = {row["input"]: row for row in rows if tuple(row["shape"]) == shape and row["method"] == method}
         first = next(iter(mine.values()))
+        low, high = first["seconds_range"]
         cells = [f"{r['orthogonality']:.1e} / {r['residual']:.1e}" if r["finite"] else "NaN"
                  for r in (mine[i] for i in inputs)]
-        lines.append(f"| {'×'.join(map(str, shape))} | {method} | {first['seconds'] * 1e3:.2f} | "
+        lines.append(f"| {'×'.join(map(str, shape))} | {method} | {first['seconds'] * 1e3:.1f} ({low * 1e3:.1f}–{high * 1e3:.1f}) | "
                      f"{first['dispatches']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
