@@ -30,9 +30,9 @@ def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-12) -> torch.Te
     leaves XXᵀ off the identity by about u·κ(X)² plus the shift's share, so a factor whose weak
     directions sit 1e3 below its strongest would come out 1e-3 off orthonormal, and those
     directions would shrink step after step; the second pass starts from κ ≈ 1 and restores them.
-    `edgc_bench.orthonormalization` measures it: rows orthonormal to about 3e-8 for condition
-    numbers up to float32's limit, as a float64 Householder QR and better than a float32 one, at
-    a handful of kernels instead of a geqrf + orgqr per matrix. The shift s = epsilon·mean(diag G)
+    `edgc_bench.orthonormalization` measures it against batched Householder QR (its table is in
+    docs/concepts/engine.md): as orthonormal as a float64 Householder QR up to float32's condition
+    numbers, at a handful of batched kernels instead of a geqrf + orgqr per matrix. The shift s = epsilon·mean(diag G)
     keeps every Gram matrix positive definite: a rank-deficient batch gets no NaN, and an all-zero
     row stays zero (`restart_zero_rows` restarts those where it matters).
     """
