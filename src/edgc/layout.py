@@ -5,12 +5,11 @@ matrices too small to gain) and *shape groups*: the matrices of one (m, n, rank)
 (`edgc.lowrank`) computes each group as one batch, so its kernel count grows with the number of
 shapes in a call, not with the number of matrices.
 
-Orientation. A matrix M (m × n) is worked on as A = M when m ≥ n and as A = Mᵀ otherwise, so A
-is (long × short). P = A·Q (long × r) is transient; Q (short × r) persists between steps (warm
-start), so keeping it on the short side keeps the engine's persistent state small. P's long sides
-are few in a transformer (GPT-2's block matrices have three: d, 3d, 4d), so few batched
-orthonormalisations cover a bucket, and Q's short side is nearly always the width: one block.
-Ĝ = P·Qᵀ is written back in M's orientation either way.
+Orientation. A matrix M (m × n) is worked on as A = M, as PowerSGD and torch's hook do: P = M·Q
+(m × r), Q (n × r) persists between steps (warm start). Below, "long" is m and "short" is n (the
+names stay from an orientation that put Q on the shorter side to keep it small: in paired 60-step
+runs it learned worse, +0.35 % and +1.0 % validation loss for static rank 8 on two seeds and
++0.9 % for EDGC, against this orientation's runs, which match the per-matrix engine's).
 
 Buffers. Factors are kept transposed, Pᵀ (r × long) and Qᵀ (r × short). All Pᵀ of a call live in
 one flat buffer (one all-reduce), ordered by (r, long) so that every run of groups with the same
@@ -49,15 +48,15 @@ class ShapeGroup:
     @property
     def flipped(self) -> bool:
         """A = Mᵀ: M is wide, and P goes on its long side, n."""
-        return self.m < self.n
+        return False
 
     @property
     def long(self) -> int:
-        return max(self.m, self.n)
+        return self.m
 
     @property
     def short(self) -> int:
-        return min(self.m, self.n)
+        return self.n
 
     @property
     def p_numel(self) -> int:
