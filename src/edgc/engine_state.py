@@ -1,6 +1,6 @@
 """What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
 
-Per parameter name: the warm-start Q (short × r, identical on every rank) and this rank's error
+Per parameter name: the warm-start Q (n × r, identical on every rank) and this rank's error
 feedback e (m × n). Per call layout (`CallState`): the *arena* whose (m, n) views are the error
 feedback of the call's compressed matrices (M = G + e is formed in place, one batched add per
 shape group), the flat Qᵀ buffer of the last step (the next step reads it as is: no copy, no
@@ -40,8 +40,8 @@ class CallState:
     error_views: list[torch.Tensor] = field(default_factory=list)  # (m, n) views of arena, layout order
     spare: torch.Tensor | None = None  # uncommitted steps: the arena the residual goes to
     q_flat: torch.Tensor | None = None  # the last step's Qᵀ buffer
-    q_views: list[torch.Tensor] = field(default_factory=list)  # (short, r) views of q_flat, layout order
-    replacement: torch.Tensor | None = None  # rows that restart zero rows of Q, laid out like q_flat
+    q_views: list[torch.Tensor] = field(default_factory=list)  # (n, r) views of q_flat, layout order
+    replacement: torch.Tensor | None = None  # rows that restart zero rows of Q: (r, n) per Q block
 
     def views(self, arena: torch.Tensor) -> list[torch.Tensor]:
         return [block for group in self.layout.groups for block in group.error_view(arena).unbind(0)]
@@ -59,7 +59,7 @@ class EngineState:
 
     def __init__(self, config: LowRankConfig):
         self.config = config
-        self.q: dict[str, torch.Tensor] = {}  # name → (short, r), identical on every rank
+        self.q: dict[str, torch.Tensor] = {}  # name → (n, r), identical on every rank
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.keep_uncommitted = False
@@ -238,15 +238,18 @@ class EngineState:
         """(stored Qᵀ, Qᵀ with rows orthonormalised and collapsed rows restarted) of the call's
         matrices, laid out as its Q buffer.
 
-        Orthonormal rather than merely scaled: P = A·Q then has A's condition number, not A's times
-        Q's (Q = Aᵀ·P carries the singular values, so its own condition number grows with their
+        Orthonormal rather than merely scaled: P = M·Q then has M's condition number, not M's times
+        Q's (Q = Mᵀ·P carries the singular values, so its own condition number grows with their
         spread, and float32 would lose P's weak directions)."""
         source = call.q_flat if self._q_intact(call, compute, device) else self._gather_q(call, device, compute)
         if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
             call.replacement = self._replacement_rows(call, device, compute)
         q_in = torch.empty_like(source)
+        offset = 0
         for block in call.layout.q_blocks:
-            restart_zero_rows(block.view(source), block.view(call.replacement), out=block.view(q_in))
+            rows = call.replacement[offset : offset + block.rank * block.side].view(1, block.rank, block.side)
+            offset += block.rank * block.side
+            restart_zero_rows(block.view(source), rows, out=block.view(q_in))
         orthonormalize_blocks_(q_in, call.layout.q_blocks, self.config.orthogonalization_epsilon)
         return source, q_in
 
@@ -258,20 +261,20 @@ class EngineState:
         for group in call.layout.groups:
             stored = [self.q.get(name) for name in group.names]
             self._note_resized({n: q for n, q in zip(group.names, stored) if q is not None and q.shape[1] != group.rank})
-            columns = [rank_change.resize_q(self, name, group.short, group.rank, device).to(compute).T
+            columns = [rank_change.resize_q(self, name, group.n, group.rank, device).to(compute).T
                        for name in group.names]
             group.q_view(buffer).copy_(torch.stack(columns))
         return buffer
 
     def _replacement_rows(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
-        rows = torch.empty(call.layout.q_numel, dtype=torch.float64)
-        for group in call.layout.groups:
-            drawn = []
-            for name in group.names:
-                generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "reseed", group.rank))
-                row = torch.randn(group.rank, group.short, generator=generator, dtype=torch.float64)
-                drawn.append(row / row.norm(dim=1, keepdim=True))
-            group.q_view(rows).copy_(torch.stack(drawn))
+        """Unit rows, one (r, n) set per Q block, shared by its matrices: a restarted direction only has
+        to be non-zero and the same on every process, so it need not cost a second Q of memory."""
+        drawn = []
+        for block in call.layout.q_blocks:
+            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, "reseed", block.rank, block.side))
+            rows = torch.randn(block.rank, block.side, generator=generator, dtype=torch.float64)
+            drawn.append((rows / rows.norm(dim=1, keepdim=True)).reshape(-1))
+        rows = torch.cat(drawn) if drawn else torch.empty(0, dtype=torch.float64)
         return to_device(rows.to(compute), device)
 
     def _keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:

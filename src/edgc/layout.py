@@ -5,16 +5,16 @@ matrices too small to gain) and *shape groups*: the matrices of one (m, n, rank)
 (`edgc.lowrank`) computes each group as one batch, so its kernel count grows with the number of
 shapes in a call, not with the number of matrices.
 
-Orientation. A matrix M (m × n) is worked on as A = M, as PowerSGD and torch's hook do: P = M·Q
-(m × r), Q (n × r) persists between steps (warm start). Below, "long" is m and "short" is n (the
-names stay from an orientation that put Q on the shorter side to keep it small: in paired 60-step
-runs it learned worse, +0.35 % and +1.0 % validation loss for static rank 8 on two seeds and
-+0.9 % for EDGC, against this orientation's runs, which match the per-matrix engine's).
+Orientation. A matrix M (m × n) is worked on as it is, as PowerSGD and torch's hook do: P = M·Q
+(m × r) is orthonormalised, Q (n × r) persists between steps (warm start). Working on Mᵀ instead
+when M is wide would keep the persistent Q on the shorter side (less state), but the power
+iteration then tracks the other singular subspace, and in paired runs that learned measurably worse
+(docs/concepts/engine.md, "Orientation").
 
-Buffers. Factors are kept transposed, Pᵀ (r × long) and Qᵀ (r × short). All Pᵀ of a call live in
-one flat buffer (one all-reduce), ordered by (r, long) so that every run of groups with the same
-(r, long) is one contiguous (B, r, long) block: one orthonormalisation per block. All Qᵀ live in
-another, ordered by (r, short): one normalisation per block. The error feedback of the call's
+Buffers. Factors are kept transposed, Pᵀ (r × m) and Qᵀ (r × n). All Pᵀ of a call live in one
+flat buffer (one all-reduce), ordered by (r, m) so that every run of groups with the same (r, m)
+is one contiguous (B, r, m) block: one orthonormalisation per block. All Qᵀ live in another,
+ordered by (r, n): one normalisation per block. The error feedback of the call's
 compressed matrices lives in one flat arena, each group a contiguous (b, m, n) block.
 
 Everything here is pure bookkeeping on shapes: testable without tensors or a process group.
@@ -46,45 +46,28 @@ class ShapeGroup:
         return len(self.indices)
 
     @property
-    def flipped(self) -> bool:
-        """A = Mᵀ: M is wide, and P goes on its long side, n."""
-        return False
-
-    @property
-    def long(self) -> int:
-        return self.m
-
-    @property
-    def short(self) -> int:
-        return self.n
-
-    @property
     def p_numel(self) -> int:
-        return self.count * self.rank * self.long
+        return self.count * self.rank * self.m
 
     @property
     def q_numel(self) -> int:
-        return self.count * self.rank * self.short
+        return self.count * self.rank * self.n
 
     @property
     def numel(self) -> int:
         return self.count * self.m * self.n
 
     def p_view(self, p_flat: torch.Tensor) -> torch.Tensor:
-        """This group's Pᵀ, (b, r, long)."""
-        return p_flat[self.p_offset : self.p_offset + self.p_numel].view(self.count, self.rank, self.long)
+        """This group's Pᵀ, (b, r, m)."""
+        return p_flat[self.p_offset : self.p_offset + self.p_numel].view(self.count, self.rank, self.m)
 
     def q_view(self, q_flat: torch.Tensor) -> torch.Tensor:
-        """This group's Qᵀ, (b, r, short)."""
-        return q_flat[self.q_offset : self.q_offset + self.q_numel].view(self.count, self.rank, self.short)
+        """This group's Qᵀ, (b, r, n)."""
+        return q_flat[self.q_offset : self.q_offset + self.q_numel].view(self.count, self.rank, self.n)
 
     def error_view(self, arena: torch.Tensor) -> torch.Tensor:
-        """This group's error-feedback block in M's orientation, (b, m, n)."""
+        """This group's error-feedback block, (b, m, n)."""
         return arena[self.error_offset : self.error_offset + self.numel].view(self.count, self.m, self.n)
-
-    def oriented(self, block: torch.Tensor) -> torch.Tensor:
-        """A (b, long, short) for a (b, m, n) block: the block itself, or its transposed view."""
-        return block.transpose(1, 2) if self.flipped else block
 
 
 @dataclass
@@ -141,8 +124,8 @@ class CallLayout:
             group.error_offset = offset
             offset += group.numel
         self.error_numel = offset
-        self.p_blocks, self.p_numel = _pack(self.groups, "p_offset", lambda g: (g.rank, g.long), lambda g: g.p_numel)
-        self.q_blocks, self.q_numel = _pack(self.groups, "q_offset", lambda g: (g.rank, g.short), lambda g: g.q_numel)
+        self.p_blocks, self.p_numel = _pack(self.groups, "p_offset", lambda g: (g.rank, g.m), lambda g: g.p_numel)
+        self.q_blocks, self.q_numel = _pack(self.groups, "q_offset", lambda g: (g.rank, g.n), lambda g: g.q_numel)
 
     @property
     def compressed_names(self) -> list[str]:

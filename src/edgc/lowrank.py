@@ -1,12 +1,12 @@
 """The PowerSGD engine: rank-r compression with error feedback and warm-started Q, batched by shape.
 
-For every gradient with ≥ 2 dimensions, viewed as M (m × n) = (shape[0], rest) and worked on as
-A = M or Mᵀ so that A is (long × short) (`edgc.layout`):
+For every gradient with ≥ 2 dimensions, viewed as M (m × n) = (shape[0], rest)
+as torch's hook views it:
 
     M ← G + e                      error feedback (e = what earlier steps failed to send)
-    P ← A · Q                      Q warm-started from the previous step, rows at unit norm
+    P ← M · Q                      Q warm-started from the previous step, rows at unit norm
     all-reduce-mean(P); P ← orth(P)
-    Q ← Aᵀ · P
+    Q ← Mᵀ · P
     all-reduce-mean(Q)
     Ĝ ← P · Qᵀ                     the averaged, decompressed gradient (identical on all ranks)
     e ← M − Ĝ                      the local residual, kept for the next step
@@ -17,7 +17,7 @@ sent raw in one buffer.
 
 Batched by shape. A call's matrices of one (m, n, rank) are one batch in every product, its P's
 (and Q's) share one flat buffer, and the orthonormalisation is one batched Cholesky QR per
-(rank, long side) (`edgc.layout.CallLayout`, `edgc.factors.orthonormalize_rows_`). A call issues
+(rank, m) (`edgc.layout.CallLayout`, `edgc.factors.orthonormalize_rows_`). A call issues
 three all-reduces (raw + a non-finite flag, P, Q), and its kernel count grows with its shapes, not
 its matrices. A call's layout, its error-feedback arena and its Q buffer are kept from step to step
 (`_CallState`), so a steady step copies no Q and allocates no error feedback.
@@ -109,9 +109,9 @@ class LowRankCompressor(EngineState):
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
-    def resize_q(self, name: str, short: int, rank: int, device: torch.device) -> torch.Tensor:
+    def resize_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
         """This parameter's warm-start Q with exactly ``rank`` columns (`edgc.rank_change.resize_q`)."""
-        return rank_change.resize_q(self, name, short, rank, device)
+        return rank_change.resize_q(self, name, n, rank, device)
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
@@ -130,8 +130,8 @@ class LowRankCompressor(EngineState):
                      *, measure_error: bool = False) -> Job:
         """The compressed average of ``grads`` as a job (`edgc.comm`): three collectives, two yields.
 
-        Forms M = G + e in the error-feedback arena and Pᵀ = Qᵀ·Aᵀ, issues the raw tensors (+ a
-        non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·A and issues it,
+        Forms M = G + e in the error-feedback arena and Pᵀ = Qᵀ·Mᵀ, issues the raw tensors (+ a
+        non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·M and issues it,
         yields; writes Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. No host read of a device value:
         a non-finite step is handled by device-side selects, and the caller calls `end_step` when
         it learns of one. Returns `ReduceStats`.
@@ -148,16 +148,15 @@ class LowRankCompressor(EngineState):
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
         self._flush_into_raw(layout, grads)
 
-        # ---- M = G + e in the arena, Pᵀ = Qᵀ·Aᵀ (one batched product per shape group).
+        # ---- M = G + e in the arena, Pᵀ = Qᵀ·Mᵀ (one batched product per shape group).
         arena, gathered = self._form_m(call, grads, compute)
         q_stored, q_in = self._warm_start(call, device, compute)
         p_flat = torch.empty(layout.p_numel, device=device, dtype=compute)
         q_flat = torch.empty(layout.q_numel, device=device, dtype=compute)
         for group in layout.groups:
-            matrix = group.oriented(group.error_view(arena))
-            _bmm_into(group.p_view(p_flat), group.q_view(q_in), matrix.transpose(1, 2))
+            _bmm_into(group.p_view(p_flat), group.q_view(q_in), group.error_view(arena).transpose(1, 2))
             if half_wire:  # P is orthonormalised after the sum: its scale is free
-                group.p_view(p_flat).mul_(_half_wire_shift(group.short))
+                group.p_view(p_flat).mul_(_half_wire_shift(group.n))
 
         # Raw tensors plus one flag element, 0 or NaN: NaN when anything is non-finite here
         # (`edgc.finite`: sums that finite half-precision values cannot overflow). It stays NaN
@@ -183,16 +182,16 @@ class LowRankCompressor(EngineState):
             return stats
         p_sent.wait()
 
-        # ---- orth(P), Qᵀ = Pᵀ·A.
+        # ---- orth(P), Qᵀ = Pᵀ·M.
         orthonormalize_blocks_(p_flat, layout.p_blocks, config.orthogonalization_epsilon)
         for group in layout.groups:
-            _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.oriented(group.error_view(arena)))
+            _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(arena))
         if measure_error:
             local_q = q_flat.clone()
             stats.norm_sq = _squared_norm(arena, layout)
         if half_wire:
             for group in layout.groups:
-                group.q_view(q_flat).mul_(_half_wire_shift(group.long))
+                group.q_view(q_flat).mul_(_half_wire_shift(group.m))
         q_sent = comm.mean_async(q_flat, wire)
         self._count_sent(stats, q_flat, wire)
         yield FINISHES
@@ -200,7 +199,7 @@ class LowRankCompressor(EngineState):
         q_sent.wait()
         if half_wire:
             for group in layout.groups:
-                group.q_view(q_flat).div_(_half_wire_shift(group.long))
+                group.q_view(q_flat).div_(_half_wire_shift(group.m))
         # An fp16 wire can overflow; the averages are identical on every rank, so is the verdict.
         poison = poison + nan_unless_finite(q_flat)
         bad = poison.isnan().reshape(())
@@ -208,7 +207,7 @@ class LowRankCompressor(EngineState):
         self._decompress(call, grads, arena, gathered, p_flat + poison.to(p_flat.dtype), q_flat)
         self._keep_q(call, torch.where(bad, q_stored, q_flat))
         if measure_error:
-            # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Aᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
+            # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
             cross = torch.dot(local_q, q_flat).to(torch.float64)
             square = torch.dot(q_flat, q_flat).to(torch.float64)
             stats.error_sq = (stats.norm_sq - 2 * cross + square).clamp(min=0)
@@ -228,9 +227,9 @@ class LowRankCompressor(EngineState):
             if half:
                 # Factors moved to the same scale by a power of two (exact) before the cast: Q's
                 # entries can exceed fp16 although Ĝ's do not.
-                shift = _half_wire_shift(group.long)
+                shift = _half_wire_shift(group.m)
                 p_t, q_t = (p_t / shift).to(grad_dtype), (q_t * shift).to(grad_dtype)
-            left, right = (q_t.transpose(1, 2), p_t) if group.flipped else (p_t.transpose(1, 2), q_t)
+            left, right = p_t.transpose(1, 2), q_t
             outputs = [grads[i].view(group.m, group.n) for i in group.indices]
             targets += outputs
             if gathered is None:  # per-matrix copies: Ĝ straight into each gradient

@@ -6,8 +6,8 @@ warm start of the power iteration: a falling rank keeps the directions of Q that
 energy (Q rotated to the eigenvectors of QᵀQ; since P is orthonormal, P·Qᵀ = (P·V)(Q·V)ᵀ and
 Q·V's column norms are the singular values of the last step's approximation; one batched
 eigendecomposition for all of them), and a rising rank adds directions where the residuals are
-largest (one power iteration Aᵀ·A·Ω on the residual, in the engine's orientation A = e or eᵀ with
-Q on the short side, averaged over the group by one all-reduce so every replica appends the same
+largest (one power iteration eᵀ·e·Ω on the residual e (m × n), Q being on the n side,
+averaged over the group by one all-reduce so every replica appends the same
 columns), orthogonal to the kept ones. ``'truncate'`` (`resize_q` alone) keeps the first r columns and appends columns drawn from a
 generator seeded by (seed, parameter name, old rank, new rank): no communication, but the new
 directions are random and the kept ones are whichever came first.
@@ -31,7 +31,7 @@ class Factors(Protocol):
     """What a rank change reads and writes of the engine (`edgc.lowrank.LowRankCompressor`)."""
 
     config: EDGCConfig
-    q: dict[str, torch.Tensor]  # name → (short, r) warm-start Q, identical on every rank
+    q: dict[str, torch.Tensor]  # name → (n, r) warm-start Q, identical on every rank
     error: dict[str, torch.Tensor]  # name → this rank's residual
     shapes: dict[str, tuple[int, int]]  # name → (m, n)
 
@@ -39,7 +39,7 @@ class Factors(Protocol):
 
 
 def resize_q(compressor: Factors, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
-    """This parameter's warm-start Q (``n`` = its short side) with exactly ``rank`` columns (see the
+    """This parameter's warm-start Q (``n`` = its column count) with exactly ``rank`` columns (see the
     module docstring)."""
     q = compressor.q.get(name)
     if q is not None and q.shape[0] != n:
@@ -104,12 +104,11 @@ def grow_along_residual(compressor: Factors, grow: list[tuple[str, int]],
         q, (m, n) = compressor.q[name], compressor.shapes[name]
         extra = target - q.shape[1]
         generator = torch.Generator().manual_seed(stable_seed(compressor.config.seed, name, q.shape[1], target))
-        omega = to_device(torch.randn(min(m, n), extra, generator=generator), q.device).to(q.dtype)
+        omega = to_device(torch.randn(n, extra, generator=generator), q.device).to(q.dtype)
         residual = compressor.error.get(name)
         if residual is not None and residual.numel() == m * n:
             e = residual.reshape(m, n).to(q.dtype)
-            a = e if m >= n else e.T  # the engine's orientation: Q on the short side
-            omega = a.T @ (a @ omega)  # one power iteration on AᵀA
+            omega = e.T @ (e @ omega)  # one power iteration on eᵀe
         blocks.append(omega)
     flat = torch.cat([b.reshape(-1) for b in blocks])
     sent = flat.numel() if compressor.config.error_feedback else 0  # counted like every other call (world of 1 too)

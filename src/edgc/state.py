@@ -378,9 +378,9 @@ class EDGCState(GradientReducer):
                 if shape is None:
                     raise ValueError(f"EDGC state has {kind} for parameter {name!r}, which the model does not have")
                 rows, cols = shape[0], math.prod(shape[1:])
-                # Q sits on the matrix's short side (an older state kept it on the columns: a warm
-                # start that no longer fits is drawn anew, see edgc.rank_change.resize_q).
-                expected = [(rows, cols)] if kind == "error" else [(min(rows, cols),), (cols,)]
+                # Q sits on the columns; a state saved with Q on the shorter side is accepted too:
+                # a warm start that no longer fits is drawn anew (edgc.rank_change.resize_q).
+                expected = [(rows, cols)] if kind == "error" else [(cols,), (min(rows, cols),)]
                 if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected[0])]) not in expected:
                     got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                     raise ValueError(f"EDGC state {kind} of {name!r} has shape {got}, the parameter needs {expected[0]}")

@@ -41,7 +41,7 @@ from .dispatch_count import DispatchCounter
 from .gpu_support import DeviceTimer, median
 
 CONDITIONS = (1e1, 1e3, 1e5, 1e7)
-# GPT-2 XL's two matrix shapes at rank 32: the short side is 1600; the attention and MLP groups.
+# Rank-32 blocks on GPT-2 XL's width, 1600 (the side of most of its P blocks), of 48 and 96 matrices.
 SHAPES = ((48, 32, 1600), (96, 32, 1600))
 # Energy below this share of the largest row's marks a row as empty (the rank-deficient input).
 EMPTY_ROW = 1e-6

@@ -5,8 +5,8 @@ The engine (`edgc.lowrank.LowRankCompressor.reduce_steps`, `edgc.layout`, `edgc.
 least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product is one batched GEMM
 per group; P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (two passes), with
-one factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank, long side); Q blocks: one
-(rank, short side)). So a job's launches are a fixed number plus a few per group and per block, and
+one factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank, m); Q blocks: one
+(rank, n), for matrices m × n). So a job's launches are a fixed number plus a few per group and per block, and
 its bytes are those of the matrices: the two product forms read M, the decompression writes Ĝ, and
 the error feedback is formed and updated in elementwise passes. On an accelerator M and Ĝ are
 gathered per job (one `cat`, one add, one `_foreach_copy_`: 4 more passes over the compressed
@@ -100,8 +100,8 @@ class JobLayout:
     matrices: tuple  #: (m, n, rank) of every compressed matrix
     raw_values: int  #: values of the tensors sent raw (vectors, matrices too small to gain)
     groups: int  #: shape groups: distinct (m, n, rank)
-    p_blocks: dict  #: rank -> P blocks of that rank (distinct long sides)
-    q_blocks: dict  #: rank -> Q blocks of that rank (distinct short sides)
+    p_blocks: dict  #: rank -> P blocks of that rank (distinct m)
+    q_blocks: dict  #: rank -> Q blocks of that rank (distinct n)
 
     @classmethod
     def plan(cls, shapes: Sequence[tuple], rank: int, min_compression_rate: float = 2.0) -> "JobLayout":
@@ -115,7 +115,7 @@ class JobLayout:
             else:
                 raw += values
         groups = set(matrices)
-        return cls(tuple(matrices), raw, len(groups), _blocks(groups, max), _blocks(groups, min))
+        return cls(tuple(matrices), raw, len(groups), _blocks(groups, lambda m, n: m), _blocks(groups, lambda m, n: n))
 
 
 def _blocks(groups: set, side) -> dict:
@@ -229,13 +229,13 @@ def job_cost(job: JobLayout, flops_per_s: float, mem_bytes_per_s: float, launch_
     factor_bytes = (HALF_WIRE_BYTES + HALF_DECOMPRESS_BYTES) if half else 0
     seconds = 0.0
     for m, n, r in job.matrices:
-        values, long, short = m * n, max(m, n), min(m, n)
+        values = m * n
         seconds += (2 * (values * COMPUTE_BYTES / rates.read_bytes_per_s + 2 * values * r / gemm_rate)
                     + values * bytes_per_value / rates.write_bytes_per_s + 2 * values * r / decompress_rate)
         seconds += values * (grad_accesses * bytes_per_value + arena_accesses * COMPUTE_BYTES) / mem_bytes_per_s
-        seconds += r * (long * (P_FACTOR_BYTES + ORTH_CAST_BYTES + factor_bytes)
-                        + short * (Q_FACTOR_BYTES + ORTH_CAST_BYTES + factor_bytes)) / mem_bytes_per_s
-        seconds += (orth_flops(r, long) + orth_flops(r, short)) / orth_rate
+        seconds += r * (m * (P_FACTOR_BYTES + ORTH_CAST_BYTES + factor_bytes)
+                        + n * (Q_FACTOR_BYTES + ORTH_CAST_BYTES + factor_bytes)) / mem_bytes_per_s
+        seconds += (orth_flops(r, m) + orth_flops(r, n)) / orth_rate
     launches = job_launches(job, gathered=rates.accelerator, half_gradients=half, world_size=world_size,
                             measure_error=measure_error)
     return EngineCost((launches + REDUCER_OPS_PER_JOB) * launch_s, seconds)

@@ -96,7 +96,7 @@ def _skinny_numbers(flops: float, mem: float, launch: float, sync=lambda: None) 
     t_hook = per(lambda: (torch.bmm(mats, q_b), torch.bmm(mats.transpose(1, 2), p_b),
                           torch.bmm(p_b, q_b.transpose(1, 2), out=mats)))
     sync()
-    orth = _orth_numbers(count, r, max(m, n), mem, launch, lambda fn: _best_time(fn, 5))
+    orth = _orth_numbers(count, r, m, mem, launch, lambda fn: _best_time(fn, 5))
     return {"skinny_read": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write": stream(t_g),
             "orth_flops": orth["orth_flops_per_s"], "hook_gemm_flops": 3 * gemm_flops / t_hook}
 
@@ -196,13 +196,13 @@ def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600
     t_g = per(lambda: [torch.mm(p_t.T, q_t, out=mats[k]) for k in range(count)])
     gemm_flops, nbytes = 2 * m * n * rank, 4 * m * n
     stream = lambda t: nbytes / max(t - gemm_flops / flops["fp32"], 0.1 * t)  # noqa: E731
-    orth = _orth_numbers(count, rank, max(m, n), mem, launch, timed, device)  # P's block of those matrices
+    orth = _orth_numbers(count, rank, m, mem, launch, timed, device)  # P's block of those matrices
     return {"matmul_flops": flops, "mem_bytes_per_s": mem, "launch_s": launch,
             "skinny_read_bytes_per_s": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write_bytes_per_s": stream(t_g),
             **orth, "skinny_shape": [m, n], "skinny_rank": rank,
             "skinny_gemm_s": {"p": t_p, "q": t_q, "decompress": t_g},
             "source": f"torch {matmul_n}^3 matmuls, {copy_mb} MB copy, 2000 tiny add_, rank-{rank} GEMMs on "
-                      f"{count} fp32 {m}x{n} matrices, the orthonormalisation of their ({count}, {rank}, {max(m, n)}) "
+                      f"{count} fp32 {m}x{n} matrices, the orthonormalisation of their ({count}, {rank}, {m}) "
                       "P block; CUDA events, median"}
 
 

@@ -134,17 +134,18 @@ def test_a_falling_rank_keeps_the_highest_energy_directions():
 
 
 def growing_worker(rank, world_size, mode):
-    """Rank 2 for three steps, then 4: per process, the residual directions and EF conservation."""
+    """Rank 2 for three steps, then 4: per process, the residual directions and EF conservation.
+    On a wide matrix (the falling-rank test has a tall one): Q sits on its longer side."""
     compressor = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0, rank_change=mode))
     comm = Communicator()
     records = []
-    residual = torch.zeros(40, 30, dtype=torch.float64)
+    residual = torch.zeros(30, 40, dtype=torch.float64)
     for step in range(5):
         rank = 2 if step < 3 else 4
         if step == 3:
             compressor.change_rank(rank, comm)
         # Gradients with a fixed rank-4 structure plus per-process noise.
-        grad = low_rank_matrix(40, 30, [5.0, 4.0, 3.0, 2.0], seed=7) + 0.01 * low_rank_matrix(40, 30, [1.0] * 8, seed=rank + 10 * step)
+        grad = low_rank_matrix(30, 40, [5.0, 4.0, 3.0, 2.0], seed=7) + 0.01 * low_rank_matrix(30, 40, [1.0] * 8, seed=rank + 10 * step)
         before = grad + residual
         compressor.reduce(["w"], [grad], rank, comm)
         residual = compressor.error["w"].clone()

@@ -38,6 +38,49 @@ def test_error_feedback_conserves_the_gradient_single_process():
         assert 0 < stats.error_sq < stats.norm_sq
 
 
+def _powersgd_step(matrix: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One matrix's step of PowerSGD as torch's hook computes it: P = M·Q, orth(P), Q = Mᵀ·P."""
+    p = torch.linalg.qr(matrix @ q).Q
+    q = matrix.T @ p
+    return p @ q.T, q
+
+
+def test_batched_engine_computes_per_matrix_powersgd_on_tall_and_wide_matrices():
+    # The engine batches, fuses and orthonormalises differently, but what it sends must be
+    # PowerSGD's Ĝ = P·Pᵀ·M with Q warm-started on M's columns, whichever side of M is longer:
+    # working on Mᵀ for wide matrices gives a different approximation, and learned worse.
+    shapes = {"tall.weight": (48, 32), "wide.weight": (24, 80), "conv.weight": (16, 4, 3, 3)}
+    rank = 4
+    compressor = LowRankCompressor(EDGCConfig(r_max=rank))
+    generator = torch.Generator().manual_seed(3)
+    q = {name: torch.randn(math.prod(shape[1:]), rank, generator=generator, dtype=torch.float64)
+         for name, shape in shapes.items()}
+    compressor.q.update({name: value.clone() for name, value in q.items()})
+    error = {name: torch.zeros(shape[0], math.prod(shape[1:]), dtype=torch.float64) for name, shape in shapes.items()}
+    for step in range(4):
+        grads = {name: torch.randn(*shape, generator=generator, dtype=torch.float64) for name, shape in shapes.items()}
+        expected = {}
+        for name, grad in grads.items():
+            matrix = grad.reshape(error[name].shape) + error[name]
+            expected[name], q[name] = _powersgd_step(matrix, q[name])
+            error[name] = matrix - expected[name]
+        compressor.reduce(list(grads), list(grads.values()), rank, Communicator())
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad.reshape(expected[name].shape), expected[name], rtol=0, atol=1e-9)
+            torch.testing.assert_close(compressor.error[name].reshape(error[name].shape), error[name], rtol=0, atol=1e-9)
+
+
+def test_a_step_without_gradient_does_not_stall_the_power_iteration():
+    # A zero gradient leaves Q = Mᵀ·P = 0, and a zero Q would stay zero for ever; its rows restart.
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, error_feedback=False))
+    low_rank = torch.randn(24, 2, dtype=torch.float64) @ torch.randn(2, 80, dtype=torch.float64)
+    for grad, expected in ((torch.zeros(24, 80, dtype=torch.float64), torch.zeros(24, 80, dtype=torch.float64)),
+                           (low_rank.clone(), low_rank)):
+        compressor.reduce(["w"], [grad], 4, Communicator())
+        torch.testing.assert_close(grad, expected, rtol=0, atol=1e-9)  # rank 2 ≤ 4: one step is exact
+    assert compressor.q["w"].norm() > 0
+
+
 def test_rank_at_least_min_dimension_is_lossless():
     compressor = LowRankCompressor(EDGCConfig(r_max=64, min_compression_rate=0.0, error_feedback=False))
     grads = make_grads(7, dtype=torch.float32)

@@ -187,14 +187,20 @@ def test_a_non_finite_raw_bias_on_one_rank_sets_the_step_flag_whatever_the_bucke
 
 
 def test_persistent_compressor_memory_is_at_most_1_05_times_the_gradients():
-    model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    # Error feedback (the compressed matrices), Q (n × r each) and one set of restart rows per
+    # (r, n): nothing else survives a step. Q is r/m of its matrix: rank 8 on these 256-wide
+    # matrices is the share rank 32 has on GPT-2's.
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 256), torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     gradient_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     compressor = LowRankCompressor(EDGCConfig(r_max=8))
     named = list(model.named_parameters())
     compressor.reduce([n for n, _ in named], [p.grad for _, p in named], 8, Communicator())
+    matrices = [p.shape for _, p in named if p.dim() == 2]
+    values = sum(m * n + n * 8 for m, n in matrices) + sum(n * 8 for n in {n for _, n in matrices})
     persistent = compressor.state_bytes()
+    assert persistent == 4 * values
     assert persistent <= 1.05 * gradient_bytes, persistent / gradient_bytes
 
 

@@ -177,10 +177,13 @@ def test_same_shapes_share_their_launches_and_new_shapes_add_some():
     assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, gathered=False) - 1) * LAUNCH)
     gathered = lambda shapes: em.step_launches([shapes], r, gathered=True)  # noqa: E731
     assert gathered([(512, 2048)] * 8) == gathered([(512, 2048)])
-    # 3 products, and a P block: per Cholesky pass its Gram product, its solve and a cat of the Gram matrices
-    assert gathered([(512, 2048), (512, 1536)]) - gathered([(512, 2048)]) == 3 + 2 * 3
-    assert gathered([(512, 2048), (1536, 512)]) - gathered([(512, 2048)]) == 3 + 2 * 3  # a flipped shape likewise
-    assert gathered([(512, 2048), (2048, 512)]) - gathered([(512, 2048)]) == 3  # same long and short sides
+    # A new shape group costs 3 products; a new side m opens a P block, a new side n a Q block. A
+    # block costs, per Cholesky pass, its Gram product, its solve and a cat of the Gram matrices; a Q
+    # block also the restart of collapsed rows (3).
+    base = gathered([(512, 2048)])
+    assert gathered([(1536, 2048)] + [(512, 2048)]) - base == 3 + 2 * 3  # new m: a P block
+    assert gathered([(512, 2048), (512, 1536)]) - base == 3 + 2 * 3 + 3  # new n: a Q block
+    assert gathered([(512, 2048), (2048, 512)]) - base == 3 + 2 * 3 + 2 * 3 + 3  # its transpose: both
 
 
 def test_half_precision_gradients_halve_the_gradient_accesses_not_the_arena():
