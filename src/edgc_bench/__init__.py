@@ -13,6 +13,10 @@ Modules:
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
     torchft_train.py one replica group's worker of that bench (torchft DDP, torchft + EDGC, plain DDP)
     torchft_table.py its bench.md: the table and the acceptance checks
+    diloco_bench.py `edgc bench --diloco`: DDP, DDP + EDGC, DiLoCo, DiLoCo + EDGC, Streaming DiLoCo per link
+    diloco_cli.py   its flags and their checks
+    diloco_train.py one replica group's worker of that bench (torchft DDP / DiLoCo, with or without EDGC)
+    diloco_table.py its bench.md: measures from the workers' logs, the tables, the acceptance checks
     gpu.py          `python -m edgc_bench.gpu`: the CUDA path measured on one GPU (docs/gpu.md), its parts:
     gpu_engine.py   EDGC's hook against powerSGD_hook at GPT-2 sizes: in a step, and each hook alone
     gpu_overlap.py  does backward wait for the collectives? (a delay injected into NCCL's all-reduces)

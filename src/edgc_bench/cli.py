@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgc_cli.errors import CLIError
 
+from .diloco_cli import DILOCO_DEFAULTS, add_diloco_flags, diloco_options, edgc_items
 from .netns import NetnsError, check_prerequisites
 from .run import FSDP_METHODS, PIPELINE_METHODS, BenchSettings, all_methods, check_methods
 
@@ -22,21 +23,25 @@ def register(subparsers) -> None:
                     "train the same model with every selected method one after the other, and write a markdown "
                     "table (bench.md), results.json and plots into --out. See docs/bench.md.")
     p.add_argument("--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist")
-    p.add_argument("--hosts", type=int, default=DEFAULTS.hosts, help="emulated hosts (default %(default)s)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help=f"emulated hosts (default {DEFAULTS.hosts}; {DILOCO_DEFAULTS['hosts']} with --diloco)")
     p.add_argument("--nproc", type=int, default=None,
                    help=f"processes per host (default {DEFAULTS.nproc}; 2 with --fsdp: the shard degree)")
-    p.add_argument("--rate", "--rate-mbit", dest="rate", default=f"{DEFAULTS.rate_mbit:g}",
-                   help="link rate per host in Mbit/s, or 'none' for unlimited (default %(default)s)")
+    p.add_argument("--rate", "--rate-mbit", dest="rate", default=None,
+                   help=f"link rate per host in Mbit/s, or 'none' for unlimited (default {DEFAULTS.rate_mbit:g}; "
+                        "--diloco takes --rates)")
     p.add_argument("--methods", default=None,
                    help="comma-separated: " + ", ".join(all_methods()) + ", powersgd@N, or 'all' (default: "
                         + ",".join(DEFAULTS.methods) + "; with --fsdp: " + ",".join(FSDP_METHODS) + ")")
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
-    p.add_argument("--preset", default=DEFAULTS.preset, help="model preset of edgc train (default %(default)s)")
+    p.add_argument("--preset", default=None,
+                   help=f"model preset of edgc train (default {DEFAULTS.preset}; {DILOCO_DEFAULTS['preset']} with --diloco)")
     p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step (default %(default)s)")
     p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens per sequence (default %(default)s)")
     p.add_argument("--vocab-size", type=int, default=DEFAULTS.vocab_size, help="BPE vocabulary (default %(default)s)")
     p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="validation every N steps (default %(default)s)")
-    p.add_argument("--eval-batches", type=int, default=DEFAULTS.eval_batches, help="validation micro-batches per rank (default %(default)s)")
+    p.add_argument("--eval-batches", type=int, default=None, help="validation micro-batches per rank (default "
+                   f"{DEFAULTS.eval_batches}; {DILOCO_DEFAULTS['eval_batches']} with --diloco)")
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of every run (default %(default)s)")
     p.add_argument("--threads", type=int, default=DEFAULTS.threads, help="OMP threads per process (default %(default)s)")
     p.add_argument("--r-max", type=int, default=None, help="fix EDGC's r_max instead of profiling it on the link")
@@ -65,13 +70,15 @@ def register(subparsers) -> None:
     p.add_argument("--torchft", action="store_true",
                    help="fault tolerance: kill one replica group mid-run and compare torchft DDP, torchft + EDGC, EDGC "
                         "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)")
-    p.add_argument("--kill-at", type=int, default=None, help="with --torchft: the step host 1 is killed at (default steps/2)")
+    p.add_argument("--kill-at", type=int, default=None, help="with --torchft: the step host 1 is killed at (default "
+                   "steps/2); with --diloco: the outer step it is killed in (default outer steps/4)")
     p.add_argument("--ckpt-every", type=int, default=10,
                    help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=DEFAULTS.rounds,
+    p.add_argument("--rounds", type=int, default=None,
                    help="run the method list N times, reversed on even rounds, each round in OUT/round-K/; "
                         "bench.md gives every round and the mean of its ratios; an even N pairs each round with a reversed one "
-                        "(1–9, default %(default)s)")
+                        f"(1–9, default {DEFAULTS.rounds}; {DILOCO_DEFAULTS['rounds']} with --diloco)")
+    add_diloco_flags(p)
     p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -82,15 +89,20 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
             raise CLIError(f"--{name}: must be ≥ 1, got {value}")
         return value
 
-    if str(args.rate).lower() in ("none", "unlimited"):
+    defaults = DILOCO_DEFAULTS if getattr(args, "diloco", False) else {}
+    for name in ("hosts", "preset", "eval_batches", "rounds"):
+        if getattr(args, name) is None:
+            setattr(args, name, defaults.get(name, getattr(DEFAULTS, name)))
+    rate_text = args.rate if args.rate is not None else f"{DEFAULTS.rate_mbit:g}"
+    if str(rate_text).lower() in ("none", "unlimited"):
         rate = None
     else:
         try:
-            rate = float(args.rate)
+            rate = float(rate_text)
         except ValueError:
-            raise CLIError(f"--rate: expected Mbit/s or 'none', got {args.rate!r}") from None
+            raise CLIError(f"--rate: expected Mbit/s or 'none', got {rate_text!r}") from None
         if rate <= 0:
-            raise CLIError(f"--rate: must be > 0, got {args.rate}")
+            raise CLIError(f"--rate: must be > 0, got {rate_text}")
     tp, pp = positive("tp", args.tp), positive("pp", args.pp)
     pipeline = tp > 1 or pp > 1
     if pipeline and args.fsdp:
@@ -117,18 +129,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         raise CLIError(f"--methods: {exc}") from None
     if not methods:
         raise CLIError("--methods: empty")
-    edgc = dict(DEFAULTS.edgc)
-    for item in args.edgc:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
-        try:
-            edgc[key] = json.loads(value)
-        except ValueError:
-            edgc[key] = value
+    edgc = {**DEFAULTS.edgc, **edgc_items(args.edgc)}
     if not 1 <= args.rounds <= 9:
         raise CLIError(f"--rounds: must be in [1, 9], got {args.rounds}")
-    if args.rounds > 1 and (args.torchft or args.link_only):
+    if args.rounds > 1 and (args.torchft or args.link_only) and not getattr(args, "diloco", False):
         raise CLIError("--rounds: repeats the method comparison; drop it with --torchft or --link-only")
     if not 0 < args.compress_ratio <= 1:
         raise CLIError(f"--compress-ratio: must be in (0, 1], got {args.compress_ratio}")
@@ -147,7 +151,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if args.hosts > 250:
+    if settings.hosts > 250:
         raise CLIError("--hosts: at most 250")
     check_training(settings)
     try:
@@ -155,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     except NetnsError as exc:
         raise CLIError(str(exc)) from None
     out = Path(args.out)
+    if args.diloco:
+        return diloco(settings, args, out)
     if args.torchft:
         return torchft(settings, args, out)
     if args.link_only:
@@ -185,17 +191,48 @@ def torchft(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int
         raise CLIError(f"--ckpt-every: must be in [1, steps - 1], got {args.ckpt_every}")
     if (out / "runs").exists():
         raise CLIError(f"--out: {out}/runs already exists; choose a new folder")
+    require_torchft("--torchft")
+    from .torchft_bench import run_torchft_bench
+
+    run_torchft_bench(settings, out, command_line("--torchft"), kill_at, args.ckpt_every)
+    print((out / "bench.md").read_text())
+    return 0
+
+
+def diloco(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
+    """`edgc bench --diloco` (diloco_bench.py): every link's rounds and the kill pass."""
+    if args.torchft or args.link_only or settings.fsdp or settings.pipeline:
+        raise CLIError("--diloco: runs plain data parallelism, one replica group per host; drop "
+                       "--torchft/--link-only/--fsdp/--tp/--pp")
+    if args.rate is not None:
+        raise CLIError("--rate: --diloco runs at every rate of --rates instead")
+    if args.methods is not None:
+        raise CLIError("--methods: --diloco runs its own five methods")
+    if settings.hosts < 3:
+        raise CLIError(f"--hosts: --diloco needs ≥ 3 (the kill pass leaves a quorum of two), got {settings.hosts}")
+    opts = diloco_options(settings, args)
+    if (out / "results.json").exists():
+        raise CLIError(f"--out: {out} already holds a bench; choose a new folder")
+    require_torchft("--diloco")
+    from .diloco_bench import run_diloco_bench
+
+    run_diloco_bench(settings, opts, out, command_line("--diloco"))
+    print((out / "bench.md").read_text())
+    return 0
+
+
+def require_torchft(flag: str) -> None:
     try:
         import torchft  # noqa: F401
     except ImportError:
-        raise CLIError("--torchft: torchft is not installed (pip install 'edgc[torchft]')") from None
-    from .torchft_bench import run_torchft_bench
+        raise CLIError(f"{flag}: torchft is not installed (pip install 'edgc[torchft]')") from None
 
-    command = "edgc bench" + "".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:]) \
-        if "bench" in sys.argv else "edgc bench --torchft"
-    run_torchft_bench(settings, out, command, kill_at, args.ckpt_every)
-    print((out / "bench.md").read_text())
-    return 0
+
+def command_line(mode: str) -> str:
+    """This invocation as `edgc bench …` (for the tables), or the mode alone when not run from the CLI."""
+    if "bench" not in sys.argv:
+        return f"edgc bench {mode}"
+    return "edgc bench" + "".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:])
 
 
 def check_training(settings: BenchSettings) -> None:

@@ -114,27 +114,43 @@ def run_ddp(net: Network, s: BenchSettings, run_dir: Path) -> dict:
             "steps_lost": 0, "heal_s": None, "val_loss": final.get("val_loss"), "identical": None}
 
 
-def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, kill_at: int | None) -> dict:
-    run_dir.mkdir(parents=True)
-    log = open(run_dir / "torchrun.log", "w")
+def start_lighthouse(net: Network, s: BenchSettings, tolerated_failures: int, log) -> tuple:
+    """torchft's lighthouse on host 0 with `QuorumSettings.for_groups`: (its process, the settings,
+    the workers' environment)."""
     lighthouse_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    # The failure-free passes let no quorum lack a group; those with a kill go on without one dead group.
-    tolerated_failures = 0 if kill_at is None else 1
     quorum = QuorumSettings.for_groups(s.hosts, tolerated_failures, timedelta(seconds=WORKER_TIMEOUT_S))
     lighthouse = net.popen(0, [lighthouse_bin, *quorum.lighthouse_args(), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
                            stdout=log, stderr=subprocess.STDOUT)
     time.sleep(0.5)
     env = {"OMP_NUM_THREADS": str(s.threads), "PYTHONUNBUFFERED": "1",
            "TORCHFT_LIGHTHOUSE": f"http://{net.addr(0)}:{LIGHTHOUSE_PORT}"}
-    t0 = time.time()
+    return lighthouse, quorum, env
+
+
+def start_workers(net: Network, s: BenchSettings, env: dict, tolerated_failures: int, log, module: str,
+                  *args: str) -> list:
+    """One torchrun per host (one worker, one restart) running ``python -m module``, replica group =
+    host, with the group's flags (``--group``, ``--advertise``, ``--timeout``, ``--tolerated-failures``)
+    and ``args``; ``env`` from `start_lighthouse`."""
     processes = []
     for host in range(s.hosts):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1", "--max-restarts=1",
-                f"--master_addr={net.addr(host)}", f"--master_port={GROUP_PORT}", "-m", "edgc_bench.torchft_train",
-                "--mode", "torchft", "--compressor", compressor, "--group", str(host), "--advertise", net.addr(host),
-                "--timeout", str(WORKER_TIMEOUT_S), "--tolerated-failures", str(tolerated_failures),
-                *worker_args(s, run_dir)]
+                f"--master_addr={net.addr(host)}", f"--master_port={GROUP_PORT}", "-m", module, "--group", str(host),
+                "--advertise", net.addr(host), "--timeout", str(WORKER_TIMEOUT_S),
+                "--tolerated-failures", str(tolerated_failures), *args]
         processes.append(net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT))
+    return processes
+
+
+def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, kill_at: int | None) -> dict:
+    run_dir.mkdir(parents=True)
+    log = open(run_dir / "torchrun.log", "w")
+    # The failure-free passes let no quorum lack a group; those with a kill go on without one dead group.
+    tolerated_failures = 0 if kill_at is None else 1
+    lighthouse, quorum, env = start_lighthouse(net, s, tolerated_failures, log)
+    t0 = time.time()
+    processes = start_workers(net, s, env, tolerated_failures, log, "edgc_bench.torchft_train", "--mode", "torchft",
+                              "--compressor", compressor, *worker_args(s, run_dir))
     victim = run_dir / "group1.jsonl"
     kill_t = None
     while kill_at is not None and kill_t is None and any(p.poll() is None for p in processes):

@@ -40,10 +40,18 @@ from edgc_train.train import lr_lambda, make_optimizer, seed_everything
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
     p.add_argument("--mode", choices=("torchft", "ddp"), required=True)
     p.add_argument("--compressor", choices=("none", "edgc"), required=True)
-    p.add_argument("--group", type=int, default=0, help="replica group (torchft) = data shard")
+    add_worker_flags(p)
+    return p.parse_args(argv)
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of both bench workers (this one and diloco_train.py): the log folder, the replica
+    group, edgc train's training settings and the torchft timeouts."""
+    p.add_argument("--out", required=True)
+    p.add_argument("--group", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", 0)),
+                   help="replica group (torchft) = data shard (default: $REPLICA_GROUP_ID, as launch_local_groups sets)")
     p.add_argument("--replicas", type=int, default=2, help="replica groups of the run (data shards, validation)")
     p.add_argument("--advertise", default=None, help="address peers reach this host at (torchft servers)")
     p.add_argument("--preset", default="tiny")
@@ -59,7 +67,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for a collective or manager call")
     p.add_argument("--tolerated-failures", type=int, default=0,
                    help="dead replica groups the others go on without (QuorumSettings.for_groups)")
-    return p.parse_args(argv)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """edgc train's configuration of a worker's flags (no compressor: the worker syncs itself)."""
+    return TrainConfig(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                       vocab_size=args.vocab_size, eval_batches=args.eval_batches, seed=args.seed,
+                       compressor="none", data=args.data, max_chars=args.max_chars)
 
 
 def validation_loss(model, data, cfg: TrainConfig, replicas: int) -> float:
@@ -77,27 +91,35 @@ def validation_loss(model, data, cfg: TrainConfig, replicas: int) -> float:
     return loss_sum / tokens
 
 
-def torchft_sync(args: argparse.Namespace, module, optimizer, edgc_config: EDGCConfig, group: int, heals: list):
-    """(model, EDGC state or None, manager) of one torchft replica group; ``heals`` gets the step of
-    every state received from a peer (torchft calls ``load_state_dict`` only to heal)."""
+def replica_manager(args: argparse.Namespace, group: int, module, optimizer, heals: list, use_async_quorum: bool,
+                    init_sync: bool = True):
+    """torchft's Manager of one replica group, with `QuorumSettings.for_groups` of the flags: a heal
+    loads the model and ``optimizer`` from a peer and appends the step to ``heals`` (torchft calls
+    ``load_state_dict`` only to heal). ``init_sync``: torchft's heal of every group from one at
+    step 0 (needless where all build the same model)."""
     from torchft import Manager, ProcessGroupGloo
 
     from edgc.integrations.torchft_quorum import QuorumSettings
 
     quorum = QuorumSettings.for_groups(args.replicas, args.tolerated_failures, timedelta(seconds=args.timeout))
-    holder = {"optim": optimizer}
 
     def load(state: dict) -> None:
         module.load_state_dict(state["model"])
-        holder["optim"].load_state_dict(state["optim"])
+        optimizer.load_state_dict(state["optim"])
         heals.append(manager.current_step())
 
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=quorum.timeout), load_state_dict=load,
-        state_dict=lambda: {"model": module.state_dict(), "optim": holder["optim"].state_dict()},
-        replica_id=f"group{group}", hostname=args.advertise or socket.gethostname(),
-        use_async_quorum=args.compressor == "none",  # torchft's default; EDGC needs the quorum first
-        **quorum.manager_kwargs())
+    manager = Manager(pg=ProcessGroupGloo(timeout=quorum.timeout), load_state_dict=load,
+                      state_dict=lambda: {"model": module.state_dict(), "optim": optimizer.state_dict()},
+                      replica_id=f"group{group}", hostname=args.advertise or socket.gethostname(),
+                      use_async_quorum=use_async_quorum, init_sync=init_sync, **quorum.manager_kwargs())
+    return manager
+
+
+def torchft_sync(args: argparse.Namespace, module, optimizer, edgc_config: EDGCConfig, group: int, heals: list,
+                 init_sync: bool = True):
+    """(model, EDGC state or None, manager) of one torchft replica group (`replica_manager`)."""
+    # torchft's default async quorum without EDGC; EDGC needs the quorum first
+    manager = replica_manager(args, group, module, optimizer, heals, args.compressor == "none", init_sync)
     if args.compressor == "edgc":
         from edgc.integrations.torchft import DistributedDataParallel
 
@@ -130,9 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         log.write(json.dumps(record) + "\n")
 
     write(kind="start", pid=os.getpid(), t=time.time(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    cfg = TrainConfig(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                      vocab_size=args.vocab_size, eval_batches=args.eval_batches, seed=args.seed,
-                      compressor="none", data=args.data, max_chars=args.max_chars)
+    cfg = train_config(args)
     data = prepare_data(args.data, args.vocab_size, 0.1, args.max_chars, None, log=lambda *a, **k: None)
     seed_everything(cfg.seed)
     module = build_model(model_shape(cfg.preset, data.vocab_size, cfg.seq_len))
@@ -172,30 +192,49 @@ def train(model, module, optimizer, state, manager, data, cfg: TrainConfig, grou
         start, heals_before = time.perf_counter(), len(heals)
         if manager is not None:
             manager.start_quorum()  # (and, for a restarted group, the heal)
-        optimizer.zero_grad()
-        step = step_of()
-        # A fresh batch on every attempt, as from a data loader (a discarded step's gradient is kept).
-        epoch, batch = divmod(step + attempts, sampler.batches_per_epoch)
-        sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "batch": batch})
-        x, y = (torch.from_numpy(a) for a in sampler.next_batch())
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
-        committed = manager.should_commit() if manager is not None else True
-        # The step this attempt was: a group that healed during it (async quorum) knows it only now.
-        step = manager.current_step() - committed if manager is not None else step
-        if committed:
-            for param_group in optimizer.param_groups:
-                param_group["lr"] = cfg.lr * schedule(step)
-            optimizer.step()
+        step, committed, loss = sync_step(model, module, optimizer, manager, sampler, cfg, schedule, step_of(), attempts)
         attempts += not committed
         metrics = state.last_step_metrics if state is not None else {}
         write(kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, committed=committed,
-              loss=loss.item(), participants=manager.num_participants() if manager else None,
+              loss=loss, participants=manager.num_participants() if manager else None,
               participating=manager.participating_rank() is not None if manager else True,
               healed=any(h > 0 for h in heals[heals_before:]),  # at step 0: the initial weight sync
               phase=metrics.get("phase"), rank=metrics.get("rank"), bytes_sent=metrics.get("bytes_sent"))
+
+
+def sync_step(model, module, optimizer, manager, sampler: BlockSampler, cfg: TrainConfig, schedule, step: int,
+              attempts: int) -> tuple[int, bool, float]:
+    """One optimizer step of a group at ``step`` (after ``manager.start_quorum()``): forward, backward
+    and clipping on a fresh batch for every attempt, as from a data loader (a discarded step's gradient
+    is kept); the optimizer steps if the manager (None: plain DDP) commits. (The step this attempt
+    was, committed, the training loss.)"""
+    optimizer.zero_grad()
+    x, y = batch(sampler, step + attempts)
+    loss = forward_backward(model, module, x, y, cfg)
+    committed = manager.should_commit() if manager is not None else True
+    # The step this attempt was: a group that healed during it (async quorum) knows it only now.
+    step = manager.current_step() - committed if manager is not None else step
+    if committed:
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = cfg.lr * schedule(step)
+        optimizer.step()
+    return step, committed, loss
+
+
+def batch(sampler: BlockSampler, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's ``index``-th batch of the run (across epochs)."""
+    epoch, position = divmod(index, sampler.batches_per_epoch)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "batch": position})
+    return tuple(torch.from_numpy(a) for a in sampler.next_batch())
+
+
+def forward_backward(model, module, x, y, cfg: TrainConfig) -> float:
+    """The training loss of ``model`` on (x, y), its gradients in ``module``, clipped as edgc train's."""
+    loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+    return loss.item()
 
 
 def parameter_digest(module: torch.nn.Module) -> str:

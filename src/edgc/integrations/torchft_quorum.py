@@ -46,7 +46,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,11 @@ def _ms(duration: timedelta) -> int:
 
 def launch_local_groups(script: str, groups: int, settings: QuorumSettings,
                         group_env: Callable[[int], dict[str, str]] = lambda group: {},
-                        timeout_s: float = 600) -> int:
+                        timeout_s: float = 600, args: Sequence[str] = (), module: bool = False) -> int:
     """Run ``script`` as ``groups`` replica groups on this machine: a lighthouse in this process
     with ``settings``, one ``torchrun`` (one process, one restart) per group with
     ``REPLICA_GROUP_ID``, ``REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set, plus ``group_env(group)``.
+    ``args`` follow the script; with ``module``, ``script`` names a module, run as ``python -m script``.
     Returns the worst exit status (0 = every group finished); kills what is left on the way out."""
     from torchft._torchft import LighthouseServer
 
@@ -107,7 +108,8 @@ def launch_local_groups(script: str, groups: int, settings: QuorumSettings,
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
-                    "--master_addr", "127.0.0.1", "--master_port", str(port), script]
+                    "--master_addr", "127.0.0.1", "--master_port", str(port), *(["--module"] if module else []),
+                    script, *args]
             procs.append(subprocess.Popen(argv, env={**env, "REPLICA_GROUP_ID": str(group), **group_env(group)}))
         return max(p.wait(timeout=timeout_s) for p in procs)
     finally:

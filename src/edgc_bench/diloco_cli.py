@@ -1,0 +1,69 @@
+"""The flags of `edgc bench --diloco` and their checks (cli.py calls, diloco_bench.py runs it)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from edgc_cli.errors import CLIError
+
+# --diloco's own defaults for flags the other modes share: three groups (a kill leaves two), the tiny
+# preset (60 steps of three groups are about a minute of compute on two cores, so five methods at
+# two links, twice, fit in about 45 minutes), two rounds. One sequence per step would halve the
+# compute, but DiLoCo + EDGC then ended 1.0–1.4 % above uncompressed DiLoCo (0.7 % at two).
+DILOCO_DEFAULTS = {"hosts": 3, "preset": "tiny", "eval_batches": 2, "rounds": 2}
+
+
+def add_diloco_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--diloco", action="store_true",
+                   help="DDP, DDP + EDGC, DiLoCo (torchft's), DiLoCo + EDGC and Streaming DiLoCo at each of --rates, "
+                        "one torchft replica group per host, then a kill pass (docs/bench.md)")
+    p.add_argument("--rates", default="100,20",
+                   help="with --diloco: comma-separated link rates in Mbit/s, one network each, the slow one last "
+                        "(default %(default)s)")
+    p.add_argument("--sync-every", type=int, default=10, help="with --diloco: DiLoCo's inner steps per outer step H "
+                   "(default %(default)s)")
+    p.add_argument("--fragments", type=int, default=2,
+                   help="with --diloco: Streaming DiLoCo's model fragments (default %(default)s)")
+    p.add_argument("--time-budget", type=float, default=150.0,
+                   help="with --diloco: seconds of training per run; a run still going then stops at its next sync "
+                        "(default %(default)s)")
+
+
+def edgc_items(items: list[str]) -> dict:
+    """``--edgc KEY=VALUE`` items as EDGCConfig fields (values as JSON where they parse)."""
+    fields = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
+        try:
+            fields[key] = json.loads(value)
+        except ValueError:
+            fields[key] = value
+    return fields
+
+
+def diloco_options(settings, args: argparse.Namespace):
+    """DilocoOptions from the flags, each bad value one line."""
+    from .diloco_bench import DilocoOptions
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        raise CLIError(f"--rates: expected Mbit/s values separated by commas, got {args.rates!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise CLIError(f"--rates: every rate must be > 0, got {args.rates!r}")
+    h, f = args.sync_every, args.fragments
+    if h < 2 or settings.steps % h:
+        raise CLIError(f"--sync-every: must be ≥ 2 and divide --steps = {settings.steps}, got {h}")
+    if f < 2 or h % f:
+        raise CLIError(f"--fragments: must be ≥ 2 and divide --sync-every = {h}, got {f}")
+    outer = settings.steps // h
+    # early: the killed group's restart and heal take several outer steps of a run this short
+    kill_at = args.kill_at if args.kill_at is not None else max(1, outer // 4)
+    if not 1 <= kill_at <= outer - 2:
+        raise CLIError(f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}], got {kill_at}")
+    if args.time_budget <= 0:
+        raise CLIError(f"--time-budget: must be > 0, got {args.time_budget:g}")
+    return DilocoOptions(rates=rates, sync_every=h, fragments=f, eval_every=settings.eval_every, kill_at=kill_at,
+                         time_budget_s=args.time_budget, edgc=tuple(edgc_items(args.edgc).items()))
