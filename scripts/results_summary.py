@@ -146,7 +146,8 @@ def diloco_cells(row: dict, reference: dict, loss_column: str) -> list[str]:
 
 
 def diloco_summary(root: Path = ROOT) -> str:
-    """The slow-links guide's block: per link, DDP + EDGC, torchft's DiLoCo and DiLoCo + EDGC."""
+    """The slow-links guide's block: per link, DDP + EDGC, torchft's DiLoCo, DiLoCo + EDGC and the
+    streaming variant the bench ran there."""
     head, links, kill = diloco_links(root)
     hosts, preset, steps = check(head, r"(\d+) hosts"), check(head, r"preset (\w+)"), check(head, r"(\d+) inner steps")
     h, rounds = check(head, r"DiLoCo H = (\d+)"), check(head, r"(\d+) round\(s\) per link")
@@ -166,7 +167,8 @@ def diloco_summary(root: Path = ROOT) -> str:
         targets.append(f"{check(text, r'Target validation loss ([0-9.]+)')} / "
                        f"{check(text, r'a later target ([0-9.]+)')} at {link['rate']} Mbit/s")
         loss_column = next(c for c in rows[DILOCO] if c.startswith("val loss after"))
-        for method in (DDP_EDGC, DILOCO, DILOCO_EDGC):
+        streaming = [name for name in rows if name.startswith("Streaming")]  # whichever the bench picked
+        for method in (DDP_EDGC, DILOCO, DILOCO_EDGC, *streaming):
             cells = [f"{link['rate']} Mbit/s", method, *diloco_cells(rows[method], rows[DILOCO], loss_column)]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *wrap(f"Targets (target / later target): {'; '.join(targets)}.")]
