@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from edgc import AllReduceState, EDGCConfig, EDGCState, barrier_before_exit  # EDGC
-from edgc.mesh import init_parallel_mesh, local_tensor  # EDGC
+from edgc.mesh import group_across, init_parallel_mesh, local_tensor  # EDGC
 
 STEPS = int(os.environ.get("STEPS", 16))
 TP = 2
@@ -143,7 +143,8 @@ def main():
     named = list(model.named_parameters())
     sharded = [(n, p) for n, p in named if isinstance(p, DTensor) and p.placements[0].is_shard()]
     replicated = [(n, p) for n, p in named if (n, p) not in sharded]
-    state = EDGCState(mesh["dp_replicate"], CONFIG, model=model)  # EDGC: each shard over its replicas
+    # EDGC: each shard over its replicas; all shards take the same decisions (phase, rank)
+    state = EDGCState(mesh["dp_replicate"], CONFIG, model=model, decision_group=group_across(mesh, ("dp_replicate", "tp")))
     raw = AllReduceState(mesh["dp_replicate"], model=model)  # EDGC: norms, positions: small, raw
     for step in range(1, STEPS + 1):
         x, y = batch(step, replica)
@@ -155,7 +156,8 @@ def main():
         optimizer.step()
         mean = loss.detach().reshape(1)
         dist.all_reduce(mean, group=mesh.get_group("dp_replicate"))
-        print(f"[rank {rank}] step {step} loss {mean.item() / replicas:.7f} phase {state.last_step_metrics['phase']}")
+        m = state.last_step_metrics
+        print(f"[rank {rank}] step {step} loss {mean.item() / replicas:.7f} phase {m['phase']} rank {m['rank']}")
     digest = hashlib.sha256(b"".join(local_tensor(p).detach().numpy().tobytes() for _, p in named)).hexdigest()
     print(f"[rank {rank}] parameters {digest[:16]}")  # replicas of one TP shard: identical
     m = state.last_step_metrics  # EDGC: what the last sync did (this rank's shards)

@@ -5,6 +5,7 @@
     fully_shard(model, mesh=mesh["dp_shard"])                      # FSDP2 on the shard dimension
     state = EDGCState(mesh["dp_replicate"], EDGCConfig(...))       # EDGC over the replicas
     aligner = StageAligner(state, stage, stages, mesh["pp"], tp_group=mesh["tp"])
+    # with TP, the stage's TP shards decide alike: EDGCState(..., decision_group=group_across(mesh, ("dp_replicate", "tp")))
 
 Dimensions ``MESH_DIMS`` = (dp_replicate, pp, dp_shard, tp), as torchtitan names them; any may be 1.
 The order is the rank layout, outermost first: TP ranks are consecutive, then the FSDP shards, then
@@ -14,11 +15,13 @@ puts pp outermost, with pipelines across hosts; here the slow link is the replic
 
 Wherever the library takes a process group it also takes a 1-D mesh (a dimension such as
 ``mesh["dp_replicate"]``), resolved by `as_process_group`. The mesh has no dimension for the tied
-embedding of a pipeline (stage 0 and stage P−1 of one pipeline): `pipeline_ends_group` builds it,
-the one place in the code that calls ``new_group``.
+embedding of a pipeline (stage 0 and stage P−1 of one pipeline), nor for several dimensions at
+once (a stage's DP × TP ranks, who take EDGC's decisions together): `pipeline_ends_group` and
+`group_across` build those, the only places in the code that call ``new_group``.
 """
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,7 +29,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MESH_DIMS", "init_parallel_mesh", "as_process_group", "pipeline_ends_group", "local_tensor"]
+__all__ = ["MESH_DIMS", "init_parallel_mesh", "as_process_group", "pipeline_ends_group", "group_across",
+           "local_tensor"]
 
 MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "tp")
 
@@ -91,6 +95,22 @@ def pipeline_ends_group(mesh: DeviceMesh, dim: str = "pp", timeout: timedelta | 
     for pair in pairs:  # every rank creates every group, in the same order
         group = dist.new_group(pair, timeout=timeout)
         if rank in pair:
+            mine = group
+    return mine
+
+
+def group_across(mesh: DeviceMesh, dims: tuple[str, ...], timeout: timedelta | None = None):
+    """The group of the ranks that share this rank's coordinates in every dimension but ``dims``:
+    e.g. ``("dp_replicate", "tp")``, a pipeline stage's DP replicas of all its TP shards. Collective
+    over all ranks (each creates every such group, in the same order)."""
+    axes = [mesh.mesh_dim_names.index(dim) for dim in dims]
+    others = [axis for axis in range(mesh.ndim) if axis not in axes]
+    size = math.prod(mesh.size(axis) for axis in axes)
+    rows = mesh.mesh.permute(*others, *axes).reshape(-1, size).tolist()
+    rank, mine = dist.get_rank(), None
+    for row in rows:
+        group = dist.new_group(row, timeout=timeout)
+        if rank in row:
             mine = group
     return mine
 

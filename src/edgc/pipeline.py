@@ -15,7 +15,10 @@ sync-time table, its r_min/r_max and its mean micro-batch backward time t_b; eac
 applies `edgc.alignment.align_stage_ranks` to the same numbers, the replicas of a stage (and,
 with tensor parallelism, its TP ranks: ``tp_group``) agree on the maximum (least compression),
 and the followers adopt the result from the next step. With ``tp_group``, stage 0's TP ranks
-also adopt the maximum of their entropy-driven ranks at each boundary, before the exchange.
+also adopt the maximum of their entropy-driven ranks at each boundary, before the exchange. A
+stage whose TP shards should also profile, warm up and change rank at the same steps builds its
+state with ``EDGCState(..., decision_group=group_across(mesh, ("dp_replicate", "tp")))``, as
+`edgc train --tp` does; the maxima over ``tp_group`` then change nothing.
 Followers start compressing at the first window boundary after stage 0 does.
 
 Boundaries depend only on the step number, so every rank joins every collective.

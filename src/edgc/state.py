@@ -6,7 +6,8 @@
 Per optimizer step it (1) samples the local gradient for the entropy series (GDS) on due
 steps, (2) runs the warm-up error probe or the r_max profiling when planned, (3) syncs
 gradients uncompressed or with PowerSGD at the controller's rank, and (4) at decision points
-agrees measurements over the group, lets group rank 0 decide and broadcasts the decision.
+agrees measurements over the group (or a wider ``decision_group``), lets its rank 0 decide and
+broadcasts the decision.
 Decision points depend only on the step number, so every rank takes part in every broadcast.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import run_job
+from .comm import Communicator, run_job
 from .config import EDGCConfig
 from .entropy import EntropySampler
 from .factors import matrix_shape
@@ -54,9 +55,17 @@ class EDGCState(GradientReducer):
         model: nn.Module | None = None,
         follower: bool = False,
         always_profile: bool = False,
+        decision_group: dist.ProcessGroup | None = None,
     ):
-        """``follower`` and ``always_profile`` are for pipeline stages (see `edgc.pipeline.StageAligner`)."""
+        """``follower`` and ``always_profile`` are for pipeline stages (see `edgc.pipeline.StageAligner`).
+        ``decision_group``: the ranks that must decide alike, where they are more than
+        ``process_group``'s: with tensor parallelism, a stage's DP replicas of all its TP shards
+        (`edgc.mesh.group_across`), so that every shard profiles, warms up and compresses at the
+        same step and rank. Measurements are averaged and its rank 0's proposal is broadcast over
+        it; gradients still go over ``process_group`` alone."""
         super().__init__(process_group, model=model)
+        # Decisions are agreed over the process group unless a wider group must agree too.
+        self._wider_decisions = None if decision_group is None else Communicator(decision_group)
         self.config = config if config is not None else EDGCConfig()
         if not isinstance(self.config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(self.config).__name__}")
@@ -215,9 +224,9 @@ class EDGCState(GradientReducer):
             # The quick test: the host blocked this long on the plain sync after backward, so it took at least that.
             uncompressed_bound=(Clock.total(self._plain_waits) or 0.0) if plan.profile_bound else math.nan,
         )
-        device = self.device or torch.device("cpu")
-        agreed = Agreed(*self.comm.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
-        if self.comm.rank == 0:
+        device, decisions = self.device or torch.device("cpu"), self._wider_decisions or self.comm
+        agreed = Agreed(*decisions.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
+        if decisions.rank == 0:
             shapes = [s for s in self._shapes.values() if self.compressor.compressed_rank(s, self.controller.r_max or 1)]
             history = self.sampler.history
             proposal = self.controller.propose(plan, agreed, [v for _, v in history], shapes,
@@ -225,7 +234,9 @@ class EDGCState(GradientReducer):
                                                signals=self.sampler.signal_series())
         else:
             proposal = self.controller.current()
-        vector = self.comm.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
+        vector = decisions.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
+        if decisions is not self.comm:
+            decisions.reset()  # its two collectives are no gradient traffic: not the step's to report
         decision = Decision.decode(vector.tolist())
         self.controller.apply(plan, agreed, decision)
         if plan.phase == "compress":
@@ -300,6 +311,15 @@ class EDGCState(GradientReducer):
 
     def _commit(self) -> None:
         self.compressor.commit()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        if self._wider_decisions is not None:  # a process group stays with this process, as `comm` does
+            from .detached import DetachedCommunicator
+
+            wider = self._wider_decisions
+            state["_wider_decisions"] = DetachedCommunicator(type(self).__name__, wider.rank, wider.world_size)
+        return state
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

@@ -2,8 +2,9 @@
 
 `edgc.mesh.init_parallel_mesh` builds the mesh (dp_replicate, pp, dp_shard = 1, tp); every group
 comes from it: a stage's data-parallel group is ``mesh["dp_replicate"]``, a pipeline ``mesh["pp"]``,
-a stage's tensor-parallel ranks ``mesh["tp"]``, and the tied embedding's stage 0 and stage P−1
-`edgc.mesh.pipeline_ends_group`. Global rank = (replica·P + stage)·T + tp_rank: a pipeline with
+a stage's tensor-parallel ranks ``mesh["tp"]``, the tied embedding's stage 0 and stage P−1
+`edgc.mesh.pipeline_ends_group`, and a stage's DP × TP ranks, who take EDGC's decisions together,
+`edgc.mesh.group_across`. Global rank = (replica·P + stage)·T + tp_rank: a pipeline with
 its TP ranks is P·T consecutive ranks (one host under ``torchrun --nproc_per_node P·T``), and each
 stage's DP group spans the hosts, which is where gradient compression pays.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from edgc.mesh import init_parallel_mesh, pipeline_ends_group
+from edgc.mesh import group_across, init_parallel_mesh, pipeline_ends_group
 
 from .rendezvous import dist_timeout
 
@@ -32,6 +33,7 @@ class Grid:
     tp: int  # tensor-parallel degree T
     tp_rank: int
     embedding_group: Any  # None unless this rank holds a tied-embedding copy (first or last stage)
+    stage_group: Any = None  # with tp > 1: this stage's DP replicas of all its TP shards, who decide EDGC alike
 
     @property
     def dp_group(self):
@@ -64,4 +66,5 @@ def make_grid(device_type: str, stages: int, tp: int = 1) -> Grid:
     mesh = init_parallel_mesh(device_type, pp=stages, tp=tp, timeout=timeout)
     replica, stage, _, tp_rank = mesh.get_coordinate()
     return Grid(mesh, dist.get_rank(), dist.get_world_size(), stages, mesh.size(0), stage, replica, tp, tp_rank,
-                pipeline_ends_group(mesh, "pp", timeout))
+                pipeline_ends_group(mesh, "pp", timeout),
+                group_across(mesh, ("dp_replicate", "tp"), timeout) if tp > 1 else None)

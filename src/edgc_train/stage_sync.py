@@ -35,19 +35,22 @@ class StageCompressor(Compressor):
         if not compress:
             self.state: edgc.GradientReducer = edgc.AllReduceState(mesh["dp_replicate"], model=module)
         elif name == "edgc":
+            # With TP, every shard's DP group decides as one: phases and ranks are the stage's.
             self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config, model=module,
-                                        follower=grid.stage > 0, always_profile=grid.stages > 1)
+                                        follower=grid.stage > 0, always_profile=grid.stages > 1,
+                                        decision_group=grid.stage_group)
             self.aligner = StageAligner(self.state, grid.stage, grid.stages, mesh["pp"],
                                         tp_group=mesh["tp"] if grid.tp > 1 else None)
         else:  # one static rank: on every stage (powersgd) or on the first k (optimus-cc)
-            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config, model=module)  # static for these two
+            self.state = edgc.EDGCState(mesh["dp_replicate"], cfg.edgc_config, model=module,  # static for these two
+                                        decision_group=grid.stage_group)
 
     def synchronize(self, backward_times: list[float]) -> float:
         start = time.perf_counter()
         if self.grid.tp > 1:
             # The compressor gets this rank's TP shards; replicated parameters (LayerNorms,
             # row-parallel biases, embeddings, LM head) are averaged raw, so the TP ranks' copies
-            # stay identical whatever rank each TP rank's DP group chose.
+            # stay identical bit for bit (compressed, they would differ by each shard's factors).
             named = list(self.module.named_parameters())
             self.state.synchronize([(n, p) for n, p in named if is_sharded(p)])
             self.replicated_bytes = self._mean_raw([p for _, p in named if not is_sharded(p)])

@@ -64,3 +64,39 @@ def test_one_mesh_builds_every_group_and_the_library_takes_its_dimensions():
     # stage 0 and stage 3 of the one pipeline share a group; stages 1 and 2 are in none
     assert [r.get("ends_sum") for r in results] == [3.0, None, None, 3.0]
 
+
+
+def _shard_decisions(rank: int, world: int, agree_over_stage: bool) -> dict:
+    """TP 2 × DP 2 with two shards that see different gradients: TP shard 0's a fixed matrix, whose
+    warm-up error test passes at its second check, TP shard 1's zeros, whose test never can."""
+    import edgc
+    from edgc.mesh import group_across, init_parallel_mesh
+
+    mesh = init_parallel_mesh("cpu", tp=2)
+    stage = group_across(mesh, ("dp_replicate", "tp"))  # here: all four ranks
+    sizes = {"stage": dist.get_world_size(stage), "dp_tp": dist.get_world_size(group_across(mesh, ("dp_replicate",)))}
+    config = edgc.EDGCConfig(r_max=4, r_min=4, window=2, total_steps=20, warmup_fraction=0.1, max_warmup_fraction=0.5,
+                             min_warmup_steps=2, warmup_error_test=True, adaptive=False)
+    state = edgc.EDGCState(mesh["dp_replicate"], config, decision_group=stage if agree_over_stage else None)
+    tp_rank = mesh.get_coordinate()[3]
+    weight = nn.Parameter(torch.zeros(32, 16))
+    torch.manual_seed(0)
+    fixed = torch.randn(32, 16)
+    phases = []
+    for _ in range(12):
+        weight.grad = fixed.clone() if tp_rank == 0 else torch.zeros(32, 16)
+        state.synchronize([("w", weight)])
+        phases.append((state.last_step_metrics["phase"], state.last_step_metrics["rank"]))
+    return {"tp_rank": tp_rank, "phases": phases, "sizes": sizes}
+
+
+def test_a_decision_group_makes_every_tp_shard_take_the_same_phases_and_ranks():
+    apart = run_distributed(_shard_decisions, 4, False)
+    together = run_distributed(_shard_decisions, 4, True)
+    assert together[0]["sizes"] == {"stage": 4, "dp_tp": 2}
+    # each shard's DP group alone: its replicas agree, the shards do not (shard 0 compresses first)
+    assert apart[0]["phases"] == apart[2]["phases"] and apart[1]["phases"] == apart[3]["phases"]
+    assert apart[0]["phases"] != apart[1]["phases"]
+    assert any(phase == "compress" for phase, _ in apart[0]["phases"])
+    # over the stage's DP × TP group: one decision for all four ranks
+    assert all(r["phases"] == together[0]["phases"] for r in together)

@@ -5,7 +5,8 @@ training in one process (the example's `single_process_losses`, run here):
 - while gradients are sent uncompressed, every step's loss equals the single process's to 1e-5 —
   TP's sharded arithmetic and the DP average of local shards are the full model's;
 - once EDGC compresses, the run leaves that trajectory (compression acts) and still learns;
-- every rank agrees on the loss, and the replicas of each TP shard hold identical parameters.
+- every rank agrees on the loss, the phase and the rank (the TP shards decide together: `decision_group`),
+  and the replicas of each TP shard hold identical parameters.
 """
 import importlib.util
 import re
@@ -17,7 +18,7 @@ from distributed_harness import free_port
 
 from .conftest import REPO, run_script, summaries
 
-STEP = re.compile(r"\[rank (\d+)\] step (\d+) loss ([0-9.]+) phase (\w+)")
+STEP = re.compile(r"\[rank (\d+)\] step (\d+) loss ([0-9.]+) phase (\w+) rank (\w+)")
 DIGEST = re.compile(r"\[rank (\d+)\] parameters (\w+)")
 
 
@@ -35,8 +36,8 @@ def test_llama_tp2_dp2_matches_the_single_process_until_edgc_compresses():
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     steps: dict[int, dict] = {}  # step -> {rank: (loss, phase)}
-    for rank, step, loss, phase in STEP.findall(output):
-        steps.setdefault(int(step), {})[int(rank)] = (float(loss), phase)
+    for rank, step, loss, phase, compression_rank in STEP.findall(output):
+        steps.setdefault(int(step), {})[int(rank)] = (float(loss), phase, compression_rank)
     example = load_example()
     assert sorted(steps) == list(range(1, example.STEPS + 1))
     assert all(len(set(by_rank.values())) == 1 and len(by_rank) == 4 for by_rank in steps.values())
