@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -265,13 +264,22 @@ def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: in
 
 # ------------------------------------------------------------------------- entry point
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run this command under ``python -m torch.distributed.run --standalone --nproc_per_node N``."""
-    env = dict(os.environ)
+    """Run this command under torchrun (``--standalone --nproc_per_node N``), as ``python -m
+    torch.distributed.run`` would, but as the agent of this process: a second interpreter would
+    import torch once more before any worker starts. Returns torchrun's exit status (1 when a
+    worker failed, after its failure summary)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run as run_agent
+
     # torchrun would set 1 thread per process and warn; split the cores instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "edgc_cli.main", "train", *argv]
-    return subprocess.call(cmd, env=env)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    agent_args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "edgc_cli.main", "train", *argv])
+    try:
+        run_agent(agent_args)
+    except ChildFailedError as failure:
+        print(failure.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
