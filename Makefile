@@ -20,8 +20,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/edgc demo
 
+# Two workers, whole files each (module fixtures run once); the multi-process tests size themselves
+# for two cores, and much of a process test is one core importing torch while the other idles.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # Into build/docs/ (git-ignored); tests/core/test_docs.py builds it too, with warnings as errors.
 docs: $(STAMP)

@@ -20,3 +20,42 @@ def load_script():
         spec.loader.exec_module(module)
         return module
     return load
+
+
+# Heaviest folders first. `make test` runs two pytest-xdist workers, each taking whole files in
+# collection order (--dist loadfile): a long file started last would leave the other worker idle
+# for its length. The order of the tests within a file is kept.
+FOLDERS_BY_WEIGHT = ("train", "integrations", "experiments", "report", "bench", "core", "sim", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    def folder_rank(item) -> int:
+        parts = Path(str(item.fspath)).parts
+        folder = parts[parts.index("tests") + 1] if "tests" in parts else ""
+        return FOLDERS_BY_WEIGHT.index(folder) if folder in FOLDERS_BY_WEIGHT else len(FOLDERS_BY_WEIGHT)
+
+    items.sort(key=folder_rank)
+
+
+# Files whose tests share a session fixture's training run: one xdist scope each, so that one
+# worker runs the shared run once (under plain --dist loadfile each worker would run it again).
+SHARED_RUN_SCOPES = {
+    "tests/train/test_fault_tolerance.py": "tests/train/test_torchrun.py",  # reference_run
+    "tests/train/test_tensor_parallel.py": "tests/train/test_pipeline.py",  # solo_run
+}
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # without pytest-xdist the suite runs in one process
+    LoadFileScheduling = None
+
+if LoadFileScheduling is not None:
+    class SharedRunScheduling(LoadFileScheduling):
+        """--dist loadfile, with the files of `SHARED_RUN_SCOPES` joined."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_RUN_SCOPES.get(scope, scope)
+
+    def pytest_xdist_make_scheduler(config, log):
+        return SharedRunScheduling(config, log) if config.getoption("dist") == "loadfile" else None
