@@ -183,7 +183,8 @@ TORCHRUN_CASES = ("bad option", "bad value", "too-small data", "corrupt checkpoi
 
 
 def test_every_user_error_is_one_line_exit_2_and_changes_nothing_in_every_launch_form(tmp_path, small_run):
-    """The console script, `python -m edgc_cli.main`, and every worker of `torchrun -m edgc_cli.main`.
+    """The console script and every worker of `torchrun -m edgc_cli.main` (`python -m edgc_cli.main`
+    runs the same ``main`` as the console script: test_python_m_form_gives_the_same_one_line_error).
 
     torchrun itself then reports its failed workers (its own traceback, exit 1), which no worker can
     change; so under torchrun the workers' logs are checked: rank 0 exits 2 and prints the one line,
@@ -194,12 +195,10 @@ def test_every_user_error_is_one_line_exit_2_and_changes_nothing_in_every_launch
     work.mkdir()
     cases = _user_error_cases(work, small_run)
     before = _tree_digest(work)
-    forms = {"console script": [os.path.join(os.path.dirname(sys.executable), "edgc")],
-             "python -m": [sys.executable, "-m", "edgc_cli.main"]}
-    for form_name, form in forms.items():
-        for name, (proc, _, stderr, _) in _launch_all(form, cases, work).items():
-            assert proc.returncode == 2, (form_name, name, stderr)
-            _assert_one_line(stderr, cases[name][1], (form_name, name))
+    console_script = [os.path.join(os.path.dirname(sys.executable), "edgc")]
+    for name, (proc, _, stderr, _) in _launch_all(console_script, cases, work).items():
+        assert proc.returncode == 2, (name, stderr)
+        _assert_one_line(stderr, cases[name][1], ("console script", name))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "--redirects", "3", "-m", "edgc_cli.main"]
     subset = {name: cases[name] for name in TORCHRUN_CASES}

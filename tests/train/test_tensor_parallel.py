@@ -1,7 +1,7 @@
 """`edgc train --tp`: tensor parallelism through DTensor, alone and in TP × PP × DP.
 
 Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step):
-  tp3d   `--tp 2 --pp 2 --nproc 8` (TP2 × PP2 × DP2), compression off, 6 steps, evaluated at 3 and 6;
+  tp3d   `--tp 2 --pp 2 --nproc 8` (TP2 × PP2 × DP2), GPipe, compression off, 6 steps, evaluated at 3 and 6;
          solo  the same data in 1 process (the one test_pipeline compares with)
   a / b  `--tp 2 --pp 2 --nproc 8` with EDGC and --interstage all, 8 steps, checkpoints at 4 and 8; b = a cut
          back to step 4 and `--resume`d (TP × DP without pipeline stages, with EDGC: tests/integrations/
@@ -17,7 +17,7 @@ from .test_pipeline import EDGC_DAC, SMALL, UNCOMPRESSED
 
 
 def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
-    parallel, _ = run_parallel_and_solo(tmp_path, ["--nproc", "8", "--tp", "2", "--pp", "2"],
+    parallel, _ = run_parallel_and_solo(tmp_path, ["--nproc", "8", "--tp", "2", "--pp", "2", "--pp-schedule", "gpipe"],
                                         [*UNCOMPRESSED, "--cache-dir", str(cache_dir)], solo_run)
     assert sorted(train_losses(parallel)) == list(range(1, 7))
 
