@@ -18,11 +18,13 @@ from doc_blocks import ROOT, write  # noqa: E402
 
 
 def block(summary: str) -> str:
-    """summary.md from its headline up to (not including) the plot list."""
+    """summary.md from its headline up to (not including) the plot list, then its command line (what
+    reproduces it, and how long it took)."""
     lines = summary.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("**Headline"))
     end = next((i for i, line in enumerate(lines) if line.startswith(("Plot:", "Plots:"))), len(lines))
-    return "\n".join(lines[start:end]).strip()
+    command = [line for line in lines[end:] if line.startswith("Command:")]
+    return "\n\n".join(["\n".join(lines[start:end]).strip(), *command])
 
 
 def main(results: Path, name: str, plot: str | None = None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import time
 
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.command_line = "edgc " + shlex.join(argv)  # as typed: what a summary says reproduces it
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

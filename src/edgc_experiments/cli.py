@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     result = module.run(args, out, setting, log=lambda m: print(m, flush=True))
     seconds = time.perf_counter() - start
     with open(out / "summary.md", "a") as f:
-        f.write(f"\nCommand: `edgc experiment {module.NAME}{' --tiny' if args.tiny else ''}` "
-                f"({seconds / 60:.1f} min on this machine).\n")
+        command = getattr(args, "command_line", f"edgc experiment {module.NAME}")
+        f.write(f"\nCommand: `{command}` ({seconds / 60:.1f} min on this machine).\n")
     print(f"\n{module.NAME}: {result['headline']}")
     print(f"summary: {out / 'summary.md'}  ({seconds / 60:.1f} min)")
     return 0
