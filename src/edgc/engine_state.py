@@ -63,7 +63,7 @@ class EngineState:
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.keep_uncommitted = False
-        self.force_batched_copies = False
+        self.force_accelerator_kernels = False
         self._calls: dict[tuple, CallState] = {}
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
@@ -173,7 +173,7 @@ class EngineState:
         if not self._arena_intact(call, error_dtype, grads[0].device):
             self._rebuild_arena(call, error_dtype, grads[0].device)
         arena = call.arena
-        if self.per_matrix_copies(grads[0].device):
+        if self.cpu_kernels(grads[0].device):
             if ordered:
                 torch._foreach_add_(call.error_views, ordered)
             gathered = None
@@ -184,11 +184,14 @@ class EngineState:
             self._touched.append(arena)
         return arena, gathered
 
-    def per_matrix_copies(self, device: torch.device) -> bool:
-        """Whether M and Ĝ move matrix by matrix (CPU) rather than gathered into one buffer per call
-        (accelerators, where the kernel count matters more than one extra pass over memory).
-        ``force_batched_copies`` makes every device take the accelerator's path (a dispatch count)."""
-        return device.type == "cpu" and not self.force_batched_copies
+    def cpu_kernels(self, device: torch.device) -> bool:
+        """Whether this call takes the CPU's kernels: M and Ĝ moved matrix by matrix, and factors
+        orthonormalised by LAPACK's Householder QR block by block (`edgc.factors`), rather than the
+        accelerator's gathered buffers and batched CholeskyQR2, whose point is fewer kernel launches
+        at the price of passes over memory and float64 work, which is all a CPU pays.
+        ``force_accelerator_kernels`` makes every device take the accelerator's path (a dispatch
+        count, a test of that path on CPU)."""
+        return device.type == "cpu" and not self.force_accelerator_kernels
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
         return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
@@ -250,7 +253,8 @@ class EngineState:
             rows = call.replacement[offset : offset + block.rank * block.side].view(1, block.rank, block.side)
             offset += block.rank * block.side
             restart_zero_rows(block.view(source), rows, out=block.view(q_in))
-        orthonormalize_blocks_(q_in, call.layout.q_blocks, self.config.orthogonalization_epsilon)
+        orthonormalize_blocks_(q_in, call.layout.q_blocks, self.config.orthogonalization_epsilon,
+                               householder=self.cpu_kernels(device))
         return source, q_in
 
     def _q_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:

@@ -16,8 +16,9 @@ so that Ĝ + mean(e) = mean(M) exactly: nothing is lost, only delayed. Matrices 
 sent raw in one buffer.
 
 Batched by shape. A call's matrices of one (m, n, rank) are one batch in every product, its P's
-(and Q's) share one flat buffer, and the orthonormalisation is one batched Cholesky QR per
-(rank, m) (`edgc.layout.CallLayout`, `edgc.factors.orthonormalize_rows_`). A call issues
+(and Q's) share one flat buffer, and the orthonormalisation is one batched Cholesky QR per rank
+on an accelerator, a Householder QR per block on a CPU (`edgc.layout.CallLayout`,
+`edgc.factors.orthonormalize_blocks_`, `EngineState.cpu_kernels`). A call issues
 three all-reduces (raw + a non-finite flag, P, Q), and its kernel count grows with its shapes, not
 its matrices. A call's layout, its error-feedback arena and its Q buffer are kept from step to step
 (`_CallState`), so a steady step copies no Q and allocates no error feedback.
@@ -73,10 +74,13 @@ def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     or error buffer is never copied whole, only small factors are cast."""
     big = max((out, a, b), key=torch.Tensor.numel).dtype
     a, b = a.to(big), b.to(big)
+    if a.shape[0] == 1:  # one op either way; a CPU's mm (BLAS) runs skinny shapes faster than its bmm
+        out, a, b = out[0], a[0], b[0]
+    product = torch.mm if a.dim() == 2 else torch.bmm
     if out.dtype == big:
-        torch.bmm(a, b, out=out)
+        product(a, b, out=out)
     else:
-        out.copy_(torch.bmm(a, b))  # a small factor
+        out.copy_(product(a, b))  # a small factor
 
 
 def _squared_norm(arena: torch.Tensor, layout: CallLayout) -> torch.Tensor:
@@ -183,7 +187,8 @@ class LowRankCompressor(EngineState):
         p_sent.wait()
 
         # ---- orth(P), Qᵀ = Pᵀ·M.
-        orthonormalize_blocks_(p_flat, layout.p_blocks, config.orthogonalization_epsilon)
+        orthonormalize_blocks_(p_flat, layout.p_blocks, config.orthogonalization_epsilon,
+                               householder=self.cpu_kernels(device))
         for group in layout.groups:
             _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(arena))
         if measure_error:

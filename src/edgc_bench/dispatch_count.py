@@ -222,14 +222,14 @@ def _static_config(rank: int):
 def as_on_an_accelerator(state) -> None:
     """Make a state on fake CPU tensors take the path it takes on a GPU: buckets fused into jobs of
     the accelerator default (unless its config sets ``fusion_mb``) and M and Ĝ gathered per call
-    rather than moved matrix by matrix (`edgc.engine_state.EngineState.per_matrix_copies`)."""
+    rather than moved matrix by matrix (`edgc.engine_state.EngineState.cpu_kernels`)."""
     from dataclasses import replace
 
     from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
 
     if state.config.fusion_mb is None:
         state.config = replace(state.config, fusion_mb=DEFAULT_ACCELERATOR_FUSION_MB)
-    state.compressor.force_batched_copies = True
+    state.compressor.force_accelerator_kernels = True
 
 
 def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_cap_mb: float | None = None,
@@ -284,7 +284,7 @@ def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, 
 
     with counted_host_reads(_zeros) as host, FakeTensorMode() if fake else contextlib.nullcontext():
         compressor = LowRankCompressor(EDGCConfig(r_max=rank))
-        compressor.force_batched_copies = True  # the GPU's path
+        compressor.force_accelerator_kernels = True  # the GPU's path
         communicator = counting_communicator()
         names = [f"matrix{k}" for k in range(matrices)]
         grads = [torch.zeros(shape, dtype=dtype) for _ in names]

@@ -6,11 +6,12 @@ PowerSGD orthonormalises P (or Q) before it goes on: an error there is an error 
 gradient. Four ways to orthonormalise the rows of a (count, r, k) batch, each one batched call
 per batch (no per-matrix library call):
 
-- ``cholesky2-fp64``: what the engine runs (`edgc.factors.orthonormalize_rows_`): shifted
-  CholeskyQR2, two passes in float64;
+- ``cholesky2-fp64``: what the engine runs on an accelerator (`edgc.factors.orthonormalize_rows_`):
+  shifted CholeskyQR2, two passes in float64;
 - ``cholesky-fp64``: one such pass (what the engine ran before; its weak directions shrink);
 - ``cholesky2-fp32``: CholeskyQR2, two unshifted passes in float32 (the textbook batched choice);
-- ``householder-fp32`` / ``householder-fp64``: ``torch.linalg.qr`` on the batch (geqrf + orgqr).
+- ``householder-fp32`` / ``householder-fp64``: ``torch.linalg.qr`` on the batch (geqrf + orgqr);
+  float32 is what the engine runs on a CPU.
 
 The inputs are seeded float32 batches X = U·diag(s)·Vᵀ with singular values log-spaced from 1 to
 1/κ, for several condition numbers κ, plus a rank-deficient batch (a zero row and a repeated one,

@@ -4,9 +4,9 @@ The engine (`edgc.lowrank.LowRankCompressor.reduce_steps`, `edgc.layout`, `edgc.
 `edgc.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
 least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product is one batched GEMM
-per group; P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (two passes), with
-one factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank, m); Q blocks: one
-(rank, n), for matrices m × n). So a job's launches are a fixed number plus a few per group and per block, and
+per group; on an accelerator P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (two
+passes), with one factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank,
+m); Q blocks: one (rank, n), for matrices m × n), on a CPU by one Householder QR per block. So a job's launches are a fixed number plus a few per group and per block, and
 its bytes are those of the matrices: the two product forms read M, the decompression writes Ĝ, and
 the error feedback is formed and updated in elementwise passes. On an accelerator M and Ĝ are
 gathered per job (one `cat`, one add, one `_foreach_copy_`: 4 more passes over the compressed
@@ -48,10 +48,12 @@ MEASURE_ERROR_ACCESSES = 1  # ‖M‖² when the relative error is measured: one
 #   P: the non-finite flag's sum, P + poison (read, write).
 Q_FACTOR_BYTES = 4 + 12 + 4 + 12
 P_FACTOR_BYTES = 4 + 8
-# The orthonormalisation (edgc.factors.orthonormalize_blocks_) casts the whole flat buffer to float64
-# (read 4, write 8) and copies the result back (read 8, write 4); its Gram products and triangular
-# solves run at the measured orthonormalisation rate.
+# The orthonormalisation (edgc.factors.orthonormalize_blocks_) on an accelerator casts the whole flat
+# buffer to float64 (read 4, write 8) and copies the result back (read 8, write 4); on a CPU LAPACK
+# copies each block in (read 4, write 4) and the result back (read 4, write 4). Its FLOPs
+# (`orth_flops`) run at the measured orthonormalisation rate.
 ORTH_CAST_BYTES = 24
+HOUSEHOLDER_COPY_BYTES = 16
 # Half-precision gradients: the factors go out on the gradient's dtype (div, cast, copy back after
 # the all-reduce: read 4 + write 4, read 4 + write 2, read 2 + write 4) and are cast for the
 # decompression (read 4, write 2).
@@ -65,6 +67,7 @@ ORTH_PASSES = 2
 ORTH_OPS_PER_CALL = 2
 ORTH_OPS_PER_RANK = 4
 ORTH_OPS_PER_BLOCK = 2
+HOUSEHOLDER_OPS_PER_BLOCK = 2  # the CPU's: linalg_qr, the copy back
 RESTART_OPS_PER_Q_BLOCK = 3  # vector_norm, eq, where (edgc.factors.restart_zero_rows)
 # edgc.finite.nan_unless_finite: zeros, then per non-empty tensor a float64 sum and an add, then the
 # mul by 0 and the cast to float32.
@@ -88,7 +91,7 @@ class EngineRates(NamedTuple):
 
     read_bytes_per_s: float  #: M streamed by a product form (Pᵀ = Qᵀ Aᵀ, Qᵀ = Pᵀ A) beyond its FLOPs
     write_bytes_per_s: float  #: Ĝ = P Qᵀ written by the decompression form beyond its FLOPs
-    orth_flops_per_s: float = 0.0  #: Gram + triangular solve of the CholeskyQR2, 2 × 3 r² k FLOPs per factor; 0 = the matmul rate
+    orth_flops_per_s: float = 0.0  #: the orthonormalisation's FLOPs (`orth_flops`, the device's method) per second; 0 = the matmul rate
     accelerator: bool = False  #: gathered copies and fused jobs (a GPU) rather than per-matrix copies and a job per bucket (a CPU)
     gemm_flops_per_s: float = 0.0  #: the float32 matmul rate the byte rates were separated at; 0 = the caller's rate
 
@@ -125,8 +128,11 @@ def _blocks(groups: set, side) -> dict:
     return {r: len(s) for r, s in sides.items()}
 
 
-def orth_launches(blocks: dict) -> int:
-    """Dispatches of one `orthonormalize_blocks_` call over blocks {rank: how many} (see ORTH_OPS_*)."""
+def orth_launches(blocks: dict, *, householder: bool = False) -> int:
+    """Dispatches of one `orthonormalize_blocks_` call over blocks {rank: how many} (see ORTH_OPS_*;
+    ``householder``: the CPU's path)."""
+    if householder:
+        return HOUSEHOLDER_OPS_PER_BLOCK * sum(blocks.values())
     return ORTH_OPS_PER_CALL + ORTH_PASSES * sum(ORTH_OPS_PER_RANK + (count > 1) + ORTH_OPS_PER_BLOCK * count
                                                  for count in blocks.values())
 
@@ -143,7 +149,7 @@ def job_launches(job: JobLayout, *, gathered: bool, half_gradients: bool = False
         ops += 2 if gathered else 1
     elif gathered:
         ops += 1  # the add_ of an empty gather
-    ops += sum(RESTART_OPS_PER_Q_BLOCK * count for count in job.q_blocks.values()) + orth_launches(job.q_blocks)
+    ops += sum(RESTART_OPS_PER_Q_BLOCK * count for count in job.q_blocks.values()) + orth_launches(job.q_blocks, householder=not gathered)
     ops += job.groups  # Pᵀ = Qᵀ·Aᵀ, one bmm per group
     ops += 2 + FLAG_OPS + FLAG_OPS_PER_TENSOR * (bool(job.matrices) + raw) + 1  # raw message + flag
     ops += divides  # the raw message's mean
@@ -153,7 +159,7 @@ def job_launches(job: JobLayout, *, gathered: bool, half_gradients: bool = False
         return ops  # no compressed matrix: the job ends after the raw message
     wire_ops = 3 if half_gradients else int(divides)  # P's and Q's mean: div, cast, copy back; or div_
     ops += 2 * wire_ops
-    ops += orth_launches(job.p_blocks) + job.groups  # orth(P), Qᵀ = Pᵀ·A per group
+    ops += orth_launches(job.p_blocks, householder=not gathered) + job.groups  # orth(P), Qᵀ = Pᵀ·A per group
     ops += FLAG_OPS + FLAG_OPS_PER_TENSOR + 1 + 1 + 1  # Q's flag, poison + flag, isnan, P + poison
     ops += 2 * half_gradients  # P and Q cast to the gradient's dtype
     if gathered:  # Ĝ per group into the gathered copy, one _foreach_copy_, arena.sub_
@@ -192,9 +198,12 @@ def step_launches(jobs: Sequence[Sequence[tuple]], rank: int, *, gathered: bool,
         for job in jobs)
 
 
-def orth_flops(rank: int, side: int) -> float:
-    """FLOPs of orthonormalising one r x k factor by the shifted CholeskyQR2: per pass the Gram matrix
-    X·Xᵀ (2 r² k) and the triangular solve L⁻¹·X (r² k); the r x r Cholesky (r³/3) is left out."""
+def orth_flops(rank: int, side: int, *, householder: bool = False) -> float:
+    """FLOPs of orthonormalising one r x k factor: by the shifted CholeskyQR2, per pass the Gram matrix
+    X·Xᵀ (2 r² k) and the triangular solve L⁻¹·X (r² k), the r x r Cholesky (r³/3) left out; by
+    Householder (``householder``, a CPU's), geqrf and orgqr, 2 r² k each less O(r³)."""
+    if householder:
+        return 4 * rank * rank * side
     return ORTH_PASSES * 3 * rank * rank * side
 
 
@@ -227,15 +236,17 @@ def job_cost(job: JobLayout, flops_per_s: float, mem_bytes_per_s: float, launch_
     decompress_rate = flops_per_s if half else gemm_rate
     orth_rate = rates.orth_flops_per_s or gemm_rate
     factor_bytes = (HALF_WIRE_BYTES + HALF_DECOMPRESS_BYTES) if half else 0
+    householder = not rates.accelerator
+    cast_bytes = HOUSEHOLDER_COPY_BYTES if householder else ORTH_CAST_BYTES
     seconds = 0.0
     for m, n, r in job.matrices:
         values = m * n
         seconds += (2 * (values * COMPUTE_BYTES / rates.read_bytes_per_s + 2 * values * r / gemm_rate)
                     + values * bytes_per_value / rates.write_bytes_per_s + 2 * values * r / decompress_rate)
         seconds += values * (grad_accesses * bytes_per_value + arena_accesses * COMPUTE_BYTES) / mem_bytes_per_s
-        seconds += r * (m * (P_FACTOR_BYTES + ORTH_CAST_BYTES + factor_bytes)
-                        + n * (Q_FACTOR_BYTES + ORTH_CAST_BYTES + factor_bytes)) / mem_bytes_per_s
-        seconds += (orth_flops(r, m) + orth_flops(r, n)) / orth_rate
+        seconds += r * (m * (P_FACTOR_BYTES + cast_bytes + factor_bytes)
+                        + n * (Q_FACTOR_BYTES + cast_bytes + factor_bytes)) / mem_bytes_per_s
+        seconds += (orth_flops(r, m, householder=householder) + orth_flops(r, n, householder=householder)) / orth_rate
     launches = job_launches(job, gathered=rates.accelerator, half_gradients=half, world_size=world_size,
                             measure_error=measure_error)
     return EngineCost((launches + REDUCER_OPS_PER_JOB) * launch_s, seconds)

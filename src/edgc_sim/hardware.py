@@ -59,7 +59,7 @@ class DeviceSpec:
     # How the device runs our engine (edgc_sim.host measures them); 0 = not measured: see engine_model.EngineRates
     skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs, bytes/s
     skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs, bytes/s
-    orth_flops_per_s: float = 0.0  #: our engine's batched shifted-Cholesky QR, 3 r^2 k FLOPs per r x k factor; 0 = the matmul rate
+    orth_flops_per_s: float = 0.0  #: our engine's orthonormalisation (engine_model.orth_flops: CholeskyQR2 on an accelerator, Householder on a CPU) per second; 0 = the matmul rate
     hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T), FLOP/s
     accelerator: bool = False  #: a GPU (our engine gathers M and G_hat per job and fuses buckets into jobs); False: a CPU
     skinny_flops_per_s: float = 0.0  #: the float32 matmul rate the skinny rates were separated at; 0 = matmul_flops["fp32"]

@@ -103,22 +103,25 @@ def _skinny_numbers(flops: float, mem: float, launch: float, sync=lambda: None) 
 
 def _orth_numbers(count: int, rank: int, side: int, mem: float, launch: float, timer, device=None) -> dict:
     """The engine's orthonormalisation (`edgc.factors.orthonormalize_blocks_`) of one (count, rank,
-    side) block of a float32 buffer, as the engine runs it on P: seconds, and the rate of its Gram
-    products and triangular solves (engine_model.orth_flops) once its launches and its float64
-    casts (at the copy bandwidth ``mem``) are taken out."""
+    side) block of a float32 buffer, as the engine runs it on P on this device (Householder on a
+    CPU, CholeskyQR2 on an accelerator): seconds, and the rate of its FLOPs
+    (engine_model.orth_flops) once its launches and its copies (at the copy bandwidth ``mem``) are
+    taken out."""
     import torch
 
     from edgc.factors import orthonormalize_blocks_
     from edgc.layout import Block
 
-    from .engine_model import ORTH_CAST_BYTES, orth_flops, orth_launches
+    from .engine_model import HOUSEHOLDER_COPY_BYTES, ORTH_CAST_BYTES, orth_flops, orth_launches
 
     flat = torch.randn(count * rank * side, device=device)
+    householder = flat.device.type == "cpu"
     block = Block(0, count, rank, side)
-    seconds = timer(lambda: orthonormalize_blocks_(flat, [block]))
-    rest = seconds - orth_launches({rank: 1}) * launch - count * rank * side * ORTH_CAST_BYTES / mem
-    return {"orth_s": seconds, "orth_flops_per_s": count * orth_flops(rank, side) / max(rest, 0.1 * seconds),
-            "orth_block": [count, rank, side]}
+    seconds = timer(lambda: orthonormalize_blocks_(flat, [block], householder=householder))
+    copies = HOUSEHOLDER_COPY_BYTES if householder else ORTH_CAST_BYTES
+    rest = seconds - orth_launches({rank: 1}, householder=householder) * launch - count * rank * side * copies / mem
+    flops = count * orth_flops(rank, side, householder=householder)
+    return {"orth_s": seconds, "orth_flops_per_s": flops / max(rest, 0.1 * seconds), "orth_block": [count, rank, side]}
 
 
 def _host_worker(args) -> dict:

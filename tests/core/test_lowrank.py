@@ -110,8 +110,9 @@ def ill_conditioned_rows(batch: int, rank: int, side: int, condition: float) -> 
     return ((u * singular) @ v.transpose(-1, -2)).float()
 
 
+@pytest.mark.parametrize("householder", [False, True], ids=["cholesky-qr2", "householder"])
 @pytest.mark.parametrize("condition", [1e3, 1e5, 1e7])
-def test_weak_directions_come_out_orthonormal_not_shrunk(condition):
+def test_weak_directions_come_out_orthonormal_not_shrunk(condition, householder):
     """A factor whose weakest direction is far below its strongest (a gradient's top-r spectrum)
     still comes out orthonormal: a shrunk direction would shrink again every step and be lost."""
     rows = ill_conditioned_rows(4, 8, 200, condition)
@@ -119,10 +120,29 @@ def test_weak_directions_come_out_orthonormal_not_shrunk(condition):
     torch.testing.assert_close(out @ out.transpose(-1, -2), torch.eye(8).expand(4, -1, -1), atol=1e-6, rtol=0)
     flat = torch.cat([rows.flatten(), rows[:2].flatten()])
     blocks = [FlatBlock(0, 4, 8, 200), FlatBlock(rows.numel(), 2, 8, 200)]
-    orthonormalize_blocks_(flat, blocks)
+    orthonormalize_blocks_(flat, blocks, householder=householder)
     for block in blocks:
         view = block.view(flat)
         torch.testing.assert_close(view @ view.transpose(-1, -2), torch.eye(8).expand(len(view), -1, -1), atol=1e-6, rtol=0)
+
+
+def test_the_accelerators_kernels_give_the_cpus_averages_and_error_feedback():
+    """The engine's two paths (gathered copies and batched CholeskyQR2 on an accelerator; per-matrix
+    copies and Householder per block on a CPU) compute the same PowerSGD step: P's column signs may
+    differ, P·Qᵀ may not. Checked over steps, so warm-started Q and error feedback carry it."""
+    cpu, accelerator = LowRankCompressor(EDGCConfig(r_max=4)), LowRankCompressor(EDGCConfig(r_max=4))
+    accelerator.force_accelerator_kernels = True
+    for step in range(4):
+        grads = make_grads(step, dtype=torch.float32)
+        names = list(grads)
+        on_cpu, on_accelerator = [g.clone() for g in grads.values()], [g.clone() for g in grads.values()]
+        cpu.reduce(names, on_cpu, 4, Communicator())
+        accelerator.reduce(names, on_accelerator, 4, Communicator())
+        for name, a, b in zip(names, on_cpu, on_accelerator):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+        assert cpu.error.keys() == accelerator.error.keys()
+        for name in cpu.error:
+            torch.testing.assert_close(cpu.error[name], accelerator.error[name], rtol=1e-4, atol=1e-5)
 
 
 class FlatBlock:

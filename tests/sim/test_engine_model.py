@@ -25,7 +25,7 @@ def counted_reduce(shapes, rank, *, dtype=torch.float32, gathered=True, world_si
 
     with counted_host_reads(_zeros), FakeTensorMode():
         compressor = LowRankCompressor(EDGCConfig(r_max=rank))
-        compressor.force_batched_copies = gathered
+        compressor.force_accelerator_kernels = gathered
         comm = counting_communicator(world_size)
         names = [f"t{k}" for k in range(len(shapes))]
         grads = [torch.zeros(shape, dtype=dtype) for shape in shapes]
@@ -113,13 +113,14 @@ def job_seconds(shapes, rank, rates=RATES, bytes_per_value=4, **kwargs) -> float
 def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
     """One m x n fp32 matrix on a CPU: two product GEMMs reading M and the decompression writing Ĝ
     (bytes at the skinny rates + FLOPs), 6 elementwise passes, the factors' elementwise bytes, the
-    CholeskyQR2 of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
+    Householder QR of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
     m, n, r = 2048, 512, 8
     values = m * n
     gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * values * r / FLOPS
     passes = 6 * values * 4 / MEM
-    factors = r * (m * (em.P_FACTOR_BYTES + em.ORTH_CAST_BYTES) + n * (em.Q_FACTOR_BYTES + em.ORTH_CAST_BYTES)) / MEM
-    orth = 2 * 3 * r * r * (m + n) / 2e9  # two Cholesky passes, a Gram product and a solve each
+    factors = r * (m * (em.P_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES)
+                   + n * (em.Q_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES)) / MEM
+    orth = 4 * r * r * (m + n) / 2e9  # Householder: geqrf and orgqr, 2 r² k FLOPs each
     launches = em.step_launches([[(m, n)]], r, gathered=False, world_size=2)
     assert job_cost([(m, n)], r) == pytest.approx((launches * LAUNCH, gemms + passes + factors + orth))
     assert job_seconds([(m, n)], r) == pytest.approx(gemms + passes + factors + orth + launches * LAUNCH)
@@ -145,14 +146,22 @@ def test_gemm_flops_run_at_the_float32_rate_the_byte_rates_were_measured_at():
     assert half == pytest.approx(2 * flops * (4 / FLOPS - 1 / FLOPS))
 
 
-def test_an_accelerator_gathers_m_and_g_hat_in_four_more_passes_and_fewer_launches():
+def test_an_accelerator_gathers_m_and_g_hat_in_four_more_passes_and_batches_its_orthonormalisation():
+    """The accelerator's path against the CPU's on four same-shape matrices: M and Ĝ gathered (four
+    more passes, a cat and a _foreach_copy_ more, one Ĝ product instead of four), and P and Q each
+    orthonormalised by one CholeskyQR2 (float64 casts, 6 r² k FLOPs, 14 launches) instead of a
+    Householder QR per block (LAPACK's copies, 4 r² k FLOPs, 2 launches)."""
     shapes, r = [(1024, 4096)] * 4, 16
+    m, n = shapes[0]
     cpu, gpu = job_cost(shapes, r), job_cost(shapes, r, RATES._replace(accelerator=True))
-    values = 4 * 1024 * 4096
-    # fp32: 10 passes instead of 6; Ĝ per group (one bmm, one _foreach_copy_, one add more) not per matrix
+    values = 4 * m * n
+    cholesky_launches = em.orth_launches({r: 1})
+    assert cholesky_launches == 2 + 2 * (4 + 2) and em.orth_launches({r: 1}, householder=True) == 2
     launches = em.step_launches([shapes], r, gathered=True) - em.step_launches([shapes], r, gathered=False)
-    assert launches == 1 + 1 - (4 - 1)  # cat and _foreach_copy_ more; three fewer Ĝ products
-    assert gpu.device_s - cpu.device_s == pytest.approx(4 * values * 4 / MEM)
+    assert launches == 1 + 1 - (4 - 1) + 2 * (cholesky_launches - 2)
+    orth_bytes = 4 * r * (m + n) * (em.ORTH_CAST_BYTES - em.HOUSEHOLDER_COPY_BYTES) / MEM  # 4 matrices' factors
+    orth_flops = 4 * (6 - 4) * r * r * (m + n) / RATES.orth_flops_per_s
+    assert gpu.device_s - cpu.device_s == pytest.approx(4 * values * 4 / MEM + orth_bytes + orth_flops)
     assert gpu.host_s - cpu.host_s == pytest.approx(launches * LAUNCH)
 
 
