@@ -1,4 +1,4 @@
-"""The noise gate of the window controller on synthetic gradient streams (issue 18).
+"""The noise gate of the window controller on synthetic gradient streams.
 
 Each stream draws a fresh Gaussian "gradient" every sampled step; its scale sets the entropy level
 (½·ln(2πeσ²)), the draw supplies the sample-to-sample noise. The controller runs exactly as in

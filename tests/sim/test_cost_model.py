@@ -59,7 +59,7 @@ def test_1f1b_respects_dependencies_and_order():
 
 
 def test_powersgd_bytes_vs_raw():
-    # paper.md §3.2 worked example: a 1920x1920 shard at r=32 sends 122,880 values instead of 3,686,400
+    # the paper's worked example (§3.2): a 1920x1920 shard at r=32 sends 122,880 values instead of 3,686,400
     p, q = cm.powersgd_values([(1920, 1920)], 32)
     assert p + q == 32 * (1920 + 1920) == 122_880
     assert 1920 * 1920 / (p + q) == pytest.approx(30)
