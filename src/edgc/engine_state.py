@@ -54,6 +54,11 @@ def _still_kept(buffer: torch.Tensor | None, views: list[torch.Tensor], store: d
             and all(store.get(name) is view for name, view in zip(names, views)))
 
 
+def takes_cpu_kernels(device: torch.device) -> bool:
+    """Whether the engine runs the CPU's kernels on this device (see `EngineState.cpu_kernels`)."""
+    return device.type == "cpu"
+
+
 class EngineState:
     """The engine's state and its step protocol; `edgc.lowrank.LowRankCompressor` computes on it."""
 
@@ -191,7 +196,7 @@ class EngineState:
         at the price of passes over memory and float64 work, which is all a CPU pays.
         ``force_accelerator_kernels`` makes every device take the accelerator's path (a dispatch
         count, a test of that path on CPU)."""
-        return device.type == "cpu" and not self.force_accelerator_kernels
+        return takes_cpu_kernels(device) and not self.force_accelerator_kernels
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
         return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)

@@ -58,8 +58,8 @@ def orthonormalize_blocks_(flat: torch.Tensor, blocks: Sequence[_Block], epsilon
     number of blocks.
 
     ``householder``: LAPACK's Householder QR per block, in the buffer's dtype, instead (what the
-    engine runs on a CPU). There a library call costs no launch, and float32 Householder takes a
-    third of the time of the two float64 Cholesky passes (`edgc_bench.orthonormalization`), rows
+    engine runs on a CPU). There a library call costs no launch, and float32 Householder is faster
+    than the two float64 Cholesky passes (`edgc_bench.orthonormalization` times both), rows
     orthonormal to float32's precision at any condition number; rank-deficient rows come out as an
     orthonormal completion rather than zero rows.
     """

@@ -74,13 +74,10 @@ def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     or error buffer is never copied whole, only small factors are cast."""
     big = max((out, a, b), key=torch.Tensor.numel).dtype
     a, b = a.to(big), b.to(big)
-    if a.shape[0] == 1:  # one op either way; a CPU's mm (BLAS) runs skinny shapes faster than its bmm
-        out, a, b = out[0], a[0], b[0]
-    product = torch.mm if a.dim() == 2 else torch.bmm
     if out.dtype == big:
-        product(a, b, out=out)
+        torch.bmm(a, b, out=out)
     else:
-        out.copy_(product(a, b))  # a small factor
+        out.copy_(torch.bmm(a, b))  # a small factor
 
 
 def _squared_norm(arena: torch.Tensor, layout: CallLayout) -> torch.Tensor:
