@@ -43,6 +43,7 @@ class StageRank:
     rank: int | None  # None = uncompressed
     budget: float  # seconds the stage may spend on sync
     predicted: float  # predicted sync time at that rank (or uncompressed), seconds
+    at_floor: bool = False  # even r_min does not fit the budget: the stage syncs at r_min, over budget
 
 
 def align_stage_ranks(stage0_rank: int, stages: list[StageTiming], granularity: int = 4) -> list[StageRank]:
@@ -62,5 +63,5 @@ def align_stage_ranks(stage0_rank: int, stages: list[StageTiming], granularity: 
         # the epsilon keeps 23.999… (float noise on an exact fit) from rounding down to 20
         rank = int(math.floor(fitting / granularity + 1e-9) * granularity)
         rank = min(max(rank, stage.r_min), stage.r_max)
-        plans.append(StageRank(rank, budget, stage.table.rank_to_time(rank)))
+        plans.append(StageRank(rank, budget, stage.table.rank_to_time(rank), at_floor=fitting < stage.r_min))
     return plans

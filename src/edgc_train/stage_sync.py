@@ -100,7 +100,7 @@ class StageCompressor(Compressor):
             self.interstage.load_state_dict(sd["interstage"], device=next(self.module.parameters()).device)
 
 
-STAGE_FIELDS = ("rank", "sync_s", "backward_end", "sync_end", "t_b_s", "predicted_s", "budget_s",
+STAGE_FIELDS = ("rank", "sync_s", "backward_end", "sync_end", "t_b_s", "predicted_s", "budget_s", "at_rank_floor",
                 "bytes_sent", "bytes_raw", "elements_sent", "elements_raw", "interstage_rank",
                 "interstage_bytes_sent", "interstage_bytes_raw", "interstage_s", "interstage_wire_s",
                 "interstage_compress_s", "forward_s", "backward_s", "pipeline_s")
@@ -114,6 +114,7 @@ def stage_metrics(step, timing: dict) -> list[dict]:
     mine = [m.get("rank"), timing["sync_s"], timing["backward_end"], timing["sync_end"],
             compressor.aligner.last_backward_time if compressor.aligner else None,
             plan[grid.stage].predicted if plan else None, plan[grid.stage].budget if plan else None,
+            plan[grid.stage].at_floor if plan else None,
             (m.get("bytes_sent") or 0) + compressor.replicated_bytes, (m.get("bytes_raw") or 0) + compressor.replicated_bytes,
             m.get("elements_sent"), m.get("elements_raw"),
             step.interstage_rank, timing["interstage_bytes_sent"], timing["interstage_bytes_raw"],
@@ -143,6 +144,8 @@ def stage_metrics(step, timing: dict) -> list[dict]:
             "t_b_s": None if math.isnan(values["t_b_s"]) else values["t_b_s"],
             "predicted_s": None if math.isnan(values["predicted_s"]) else values["predicted_s"],
             "budget_s": None if math.isnan(values["budget_s"]) else values["budget_s"],
+            # the aligned rank is the stage's r_min and still over budget (a slow link for this stage)
+            "at_rank_floor": values["at_rank_floor"] == 1.0,
             # the activation gradients this stage sent to stage s − 1 (0 on stage 0); rank None = raw
             "interstage_rank": None if math.isnan(values["interstage_rank"]) else int(values["interstage_rank"]),
             **{k: int(values[k]) if not math.isnan(values[k]) else 0

@@ -2,8 +2,10 @@
 
 Runs (tiny preset, 2 pipeline micro-batches per step):
   pp   `--pp 2 --nproc 4` (PP2 × DP2), 1F1B, compression off, 6 steps;   solo  the same data in 1 process, no pipeline
-  a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints at 6 and 12
-  b    a copy of a cut back to its step-6 checkpoint, then `--resume`d
+  a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints every window (4, 8, 12)
+  b    a copy of a cut back to its step-8 checkpoint, then `--resume`d. At a window boundary: a later
+       stage's rank comes from timings measured in its window (DAC), so a resume inside a window
+       would re-measure part of it and could rightly choose differently
   (a and b send their activation gradients compressed: --interstage all, rank following the DP rank)
   is   `--pp 2 --nproc 2` with static PowerSGD and --interstage all / cooldown
 """
@@ -35,7 +37,7 @@ def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cach
 def dac_runs(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("pp_runs")
     a, b = root / "a", root / "b"
-    proc = run_edgc("train", "--out", str(a), "--nproc", "4", "--pp", "2", "--steps", "12", "--ckpt-every", "6",
+    proc = run_edgc("train", "--out", str(a), "--nproc", "4", "--pp", "2", "--steps", "12", "--ckpt-every", "4",
                     "--eval-every", "0", "--cache-dir", str(cache_dir), *EDGC_DAC, *SMALL, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cut_back(a, b, 12)
@@ -57,15 +59,17 @@ def test_pp2_dp2_stages_agree_and_stage0_rank_adapts(dac_runs):
     assert compressing and len({r["rank"] for r in compressing}) >= 2
     assert all(r["bytes_sent"] == sum(s["bytes_sent"] for s in r["stages"]) for r in train)
     aligned = [s for r in compressing for s in r["stages"] if s["predicted_s"] is not None]
-    assert aligned and all(s["budget_s"] >= s["predicted_s"] - 1e-9 for s in aligned if s["stage"] > 0)
+    # a later stage fits its budget, unless even its smallest rank cannot (then it syncs at r_min)
+    assert aligned and all(s["budget_s"] >= s["predicted_s"] - 1e-9 or s["at_rank_floor"]
+                           for s in aligned if s["stage"] > 0)
     # checkpoints are only written after the replicas' parameter digests matched
-    assert (a / "checkpoints" / "step_000006" / "model_stage1.pt").is_file()
+    assert (a / "checkpoints" / "step_000008" / "model_stage1.pt").is_file()
 
 
 def test_pp2_dp2_resume_is_exact(dac_runs):
     a, b = dac_runs
     losses_a, losses_b = train_losses(a), train_losses(b)
-    assert [losses_b[s] for s in range(7, 13)] == [losses_a[s] for s in range(7, 13)]
+    assert [losses_b[s] for s in range(9, 13)] == [losses_a[s] for s in range(9, 13)]
 
 
 def test_report_plots_the_stages(dac_runs, tmp_path):
