@@ -17,7 +17,9 @@ def test_the_engine_is_as_orthonormal_as_float64_householder_where_one_pass_is_n
         ours, householder = quality["cholesky2-fp64", case], quality["householder-fp64", case]
         assert ours["finite"] and ours["orthogonality"] < max(10 * householder["orthogonality"], 1e-7), case
     assert quality["cholesky-fp64", "kappa=100000"]["orthogonality"] > 1e-2  # why the engine makes two passes
-    assert not quality["cholesky2-fp32", "kappa=100000"]["finite"]  # why in float64
+    # Why in float64: float32 CholeskyQR2 squares κ = 1e5 past float32's precision, and whether that
+    # ends in a NaN or in a finite but skewed basis depends on the CPU's BLAS; the engine's passes
+    # are finite and as orthonormal as Householder on that input on any CPU (the loop above).
     assert {row["method"] for row in rows} == set(METHODS)
 
 

@@ -8,7 +8,8 @@ the last bit. Faults are planned per (replica, step): a kill at the start of the
 all-reduce (the collective runs, then this replica's call raises, as a local
 error would; torchft 0.2's FakeProcessGroupWrapper's error never reaches its manager), a NaN gradient,
 a stall (the step lasts one TIMEOUT, as for a survivor left waiting on a peer that dropped the
-collective). Every uncommitted step is checked on the spot: the replica's error feedback must be exactly its error feedback before the
+collective; it waits at the step's end, after its commit, so that its peers wait for it in the next
+quorum, never inside a collective, whose timeout is TIMEOUT too). Every uncommitted step is checked on the spot: the replica's error feedback must be exactly its error feedback before the
 step plus the step's gradient (or zero when that gradient was not finite).
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Faults:
     kill: set = field(default_factory=set)  # (replica, step): the group dies in the step's first collective
     failed_allreduce: set = field(default_factory=set)
     nan: set = field(default_factory=set)
-    stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT (a survivor's worst case)
+    stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT, late for the next quorum
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, kind: str, replica: int, step: int) -> bool:
@@ -165,8 +166,10 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             loss.backward()
             if pg.dead:  # the group died in its first collective of the step, its peers in the middle of it
                 raise InjectedKill(f"replica {replica} killed at step {step}")
-            time.sleep(max(0.0, stall_until - time.monotonic()))
             optimizer.step()  # should_commit: commits or rolls back the EDGC step
+            # After the commit: a stall before it would keep the peers in the step's last collectives
+            # (EDGC's decision at a window's end) for as long as their timeout, a race lost under load.
+            time.sleep(max(0.0, stall_until - time.monotonic()))
             metrics = state.last_step_metrics
             step_lines.append({"kind": "step", "step": step, "committed": metrics.get("committed") is not False,
                                "participants": manager.num_participants(),
