@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import events
 from .comm import FINISHES, Communicator, StepCollectives
+from .guards import UsageGuard, check_gradients
 from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
@@ -55,10 +57,14 @@ def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
 
 
 class GradientReducer:
-    """Base of every comm-hook state; see the module docstring for the ``_reduce`` contract."""
+    """Base of every comm-hook state; see the module docstring for the ``_reduce`` contract.
+    ``process_group``: the group it averages over (None: the default one; a 1-D DeviceMesh works too).
+    ``model``: the module whose parameters it syncs (the DDP model or the module it wraps): it names
+    them, so that `state_dict` is keyed by name whatever the DDP bucket layout (`edgc.guards`)."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, model: nn.Module | None = None):
         self.comm = Communicator(process_group)
+        self._guard = UsageGuard(model)  # the group, the model, one state per DDP model (edgc.guards)
         self.step = 0  # optimizer steps completed
         parameters = named_parameters(model)
         self._names = {id(p): name for name, p in parameters}
@@ -83,15 +89,8 @@ class GradientReducer:
         names = []
         for p in params:
             name = self._names.get(id(p))
-            if name is None:  # no model given: name by first appearance (stable for one layout)
-                name = self._names[id(p)] = f"param{len(self._names)}"
-                if not getattr(self, "_warned_unnamed", False):  # once: the same holds for every such name
-                    import warnings
-
-                    self._warned_unnamed = True
-                    warnings.warn(f"{type(self).__name__}: a parameter without a name (no model= given, or not "
-                                  f"in it) is called {name} by bucket order, so state_dict() loads only into a "
-                                  "run with the same DDP bucket layout; pass model=ddp_model", stacklevel=2)
+            if name is None:  # no model given: named by first appearance (`UsageGuard.unnamed`)
+                name = self._names[id(p)] = self._guard.unnamed(type(self).__name__, len(self._names))
             names.append(name)
         return names
 
@@ -107,7 +106,9 @@ class GradientReducer:
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None)
-        self._submit(self.names_for(bucket.parameters()), bucket.gradients(), buffer, future)
+        names = self.names_for(bucket.parameters())
+        self._guard.ddp_bucket(type(self).__name__, names, bucket.is_last())
+        self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._jobs.drain(self._reduce)
             self._end_step()
@@ -146,6 +147,7 @@ class GradientReducer:
             params = entries
             names = self.names_for(params)
         params_with_grad = [(n, p) for n, p in zip(names, params) if p.requires_grad]
+        check_gradients(type(self).__name__, [p for _, p in params_with_grad])
         for _, p in params_with_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -187,6 +189,7 @@ class GradientReducer:
         """Called once with the gradients' device (move loaded state there)."""
 
     def _begin_step(self) -> None:
+        self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
@@ -329,17 +332,18 @@ class GradientReducer:
         self._commit()
         self.last_step_metrics["committed"] = True
 
-    def rollback_step(self) -> None:
+    def rollback_step(self, reason: str = "the optimizer did not step") -> None:
         """The pending step is discarded (the optimizer did not step): the state is as if it had not
         synced — same step number and shared state — except that what the step tried to send is
         kept for the next one where the method has error feedback. Bytes sent stay counted: they
-        were sent. No-op when none is pending."""
+        were sent. No-op when none is pending. ``reason``: for its record (`edgc.events`)."""
         self.settle()  # its values first (a non-finite step's cleanup), then undo its shared state
         snapshot, self._pending = self._pending, None
         if snapshot is None:
             return
         self._restore(snapshot)
         self.last_step_metrics["committed"] = False
+        events.discarded(self, snapshot["step"], reason)
 
     def _snapshot(self) -> dict:
         """What `rollback_step` restores; subclasses add their state (cheaply: no gradient-sized copy)."""
@@ -355,10 +359,12 @@ class GradientReducer:
     def state_dict(self) -> dict:
         """Settles the last step first (`settle`: call it on every rank at the same point, as
         checkpoints are taken), so that a resumed run starts where this one would go on."""
+        self._guard.bind(self)  # a default group created after the state (edgc.guards)
         self.settle()
         return {"step": self.step, "totals": dict(self.totals), "world_size": self.comm.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        self._guard.bind(self)
         self._closed = None
         self.step = int(state["step"])
         self.totals = {key: int(value) for key, value in state["totals"].items()}
@@ -379,7 +385,8 @@ class GradientReducer:
 
 
 class AllReduceState(GradientReducer):
-    """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics."""
+    """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics
+    (``process_group``, ``model``: as `GradientReducer`'s)."""
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         return self._average_raw(names, grads, flat)
