@@ -39,6 +39,15 @@ from .state import EDGCState
 
 
 class StageAligner:
+    """Aligns the ranks of one pipeline stage with the others' at every window boundary (see the
+    module docstring): call `record_backward_time` per micro-batch and `after_sync` per step.
+
+    ``state``: this stage's `EDGCState` (``follower=True`` after stage 0, ``always_profile=True``);
+    ``stage``, ``n_stages``: this stage's index and the stage count; ``pipeline_group``: the group of
+    this DP index's stages (None: the default group); ``granularity``: stage ranks are multiples of
+    it; ``tp_group``: with tensor parallelism, the TP ranks of this stage (they agree on the maximum).
+    """
+
     def __init__(self, state: EDGCState, stage: int, n_stages: int,
                  pipeline_group=None, granularity: int = 4, tp_group=None):
         if stage > 0 and not state.controller.follower:

@@ -132,3 +132,14 @@ def test_replicas_whose_q_differs_raise_at_the_window_end_naming_it_on_every_ran
     for error in errors:
         assert "diverged at step 5" in error and "Q checksum differs" in error, error
     assert errors[0].split("this rank")[0] == errors[1].split("this rank")[0]  # same field, same range
+
+
+def test_a_state_used_without_any_process_group_warns_once():
+    module = mlp()
+    state = EDGCState(None, EDGCConfig.static(4, **STATIC), model=module)
+    with pytest.warns(UserWarning, match="averages over this process alone") as caught:
+        for step in range(3):
+            module.zero_grad()
+            module(torch.randn(8, 16)).square().mean().backward()
+            state.synchronize(module.named_parameters())
+    assert sum("process alone" in str(warning.message) for warning in caught) == 1

@@ -137,8 +137,11 @@ class DiLoCo:
                  pin_memory: bool = True, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
                  power_iterations: int = 1):
         """``process_group``: the replicas' group (None: the default one; without an initialised one, a
-        world of one). The rest as ``torchft.local_sgd.DiLoCo``, plus ``config`` (steps = outer steps)
-        and ``power_iterations`` (1 or 2)."""
+        world of one). The rest as ``torchft.local_sgd.DiLoCo``: ``model_fragments`` (one module, or
+        Streaming DiLoCo's fragments), ``inner_optimizer``, ``outer_optimizer`` (one, or one per fragment),
+        ``sync_every`` (inner steps per outer step), ``backup_device`` and ``pin_memory`` (where θ_global
+        is kept), ``fragment_sync_delay`` and ``fragment_update_alpha`` (Streaming DiLoCo's τ and α);
+        plus ``config`` (steps = outer steps) and ``power_iterations`` (1 or 2)."""
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
         config = config if config is not None else EDGCConfig()
