@@ -102,16 +102,17 @@ class UsageGuard:
                           "pass model=ddp_model", stacklevel=3)
         return name
 
-    def ddp_bucket(self, state_name: str, names: list[str], last: bool) -> None:
-        """A DDP bucket of ``names``; ``last`` ends the step. Refuses parameters the first step did not sync."""
+    def ddp_bucket(self, state_name: str, names: list[str], last: bool) -> list[str]:
+        """A DDP bucket of ``names`` (returned); ``last`` ends the step. Refuses parameters the first
+        step did not sync."""
         if self.ddp_names is None:
             self._first_step_names.extend(names)
             if last:
                 self.ddp_names, self._first_step_names = frozenset(self._first_step_names), []
-            return
-        if any(name not in self.ddp_names for name in names):
+        elif any(name not in self.ddp_names for name in names):
             raise RuntimeError(f"{state_name}: a DDP bucket holds parameters its first step did not sync: one "
                                "state serves one DDP model (register a state of its own on each model)")
+        return names
 
 
 def check_gradients(state_name: str, params: list[torch.Tensor]) -> None:

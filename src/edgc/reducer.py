@@ -57,10 +57,9 @@ def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
 
 
 class GradientReducer:
-    """Base of every comm-hook state; see the module docstring for the ``_reduce`` contract.
-    ``process_group``: the group it averages over (None: the default one; a 1-D DeviceMesh works too).
-    ``model``: the module whose parameters it syncs (the DDP model or the module it wraps): it names
-    them, so that `state_dict` is keyed by name whatever the DDP bucket layout (`edgc.guards`)."""
+    """Base of every comm-hook state (the module docstring has the ``_reduce`` contract). ``process_group``:
+    the group it averages over (None: the default one; a 1-D DeviceMesh too). ``model``: the module whose
+    parameters it syncs (the DDP model or the module it wraps): it names them (`edgc.guards`)."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, model: nn.Module | None = None):
         self.comm = Communicator(process_group)
@@ -106,8 +105,7 @@ class GradientReducer:
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None)
-        names = self.names_for(bucket.parameters())
-        self._guard.ddp_bucket(type(self).__name__, names, bucket.is_last())
+        names = self._guard.ddp_bucket(type(self).__name__, self.names_for(bucket.parameters()), bucket.is_last())
         self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._jobs.drain(self._reduce)
