@@ -22,7 +22,8 @@ Modules:
     gpu_overlap.py  does backward wait for the collectives? (a delay injected into NCCL's all-reduces)
     gpu_support.py  the model, device timing, kernel counts and process groups the parts share
     gpu_trace.py    a profiled step's device work per stream, and its picture
-    dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU
+    dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes
+    live_memory.py  the memory a step keeps alive beyond the gradients, counted on the CPU by its storages
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
 """

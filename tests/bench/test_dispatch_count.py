@@ -34,6 +34,35 @@ def test_views_metadata_and_allocations_are_not_counted():
     assert counter.total == 4
 
 
+def test_bytes_are_each_input_read_and_each_output_written_once():
+    x, y = torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16)
+    with DispatchCounter() as counter:
+        x.add_(y)  # reads x (64 B) and y (32 B), writes x (64 B)
+        torch.mm(x, x)  # reads two operands, writes a new 64 B
+        x.copy_(y)  # reads y, overwrites x without reading it
+        torch._foreach_add_([x, x], [y, y])  # mixed dtypes: PyTorch's per-tensor path, two kernels
+    assert counter.bytes_by_op == {"add_": 160, "mm": 192, "copy_": 96, "_foreach_add_": 320}
+    assert counter.by_op["_foreach_add_"] == 2 and counter.total_bytes == 768
+
+
+def test_live_storages_count_what_is_allocated_under_them_while_it_lives():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc_bench.live_memory import LiveStorages
+
+    with FakeTensorMode():
+        before = torch.empty(1000)  # allocated before: never counted
+        with LiveStorages() as live:
+            kept = torch.empty(100)  # 400 B
+            temporary = before * 2  # 4,000 B, freed below
+            before.view(10, 100).add_(1)  # a view and an in-place op: nothing new
+            del temporary
+            assert live.live_bytes() == 400
+            live.reset_peak()
+            torch.cat([kept, kept])  # 800 B alive for a moment
+    assert kept.numel() == 100 and live.peak_bytes == 1200
+
+
 def test_fake_tensors_count_what_real_tensors_do():
     fake = count_engine_call((48, 80), 2, rank=4)
     real = count_engine_call((48, 80), 2, rank=4, fake=False)
