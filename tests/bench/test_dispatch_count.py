@@ -143,8 +143,13 @@ def test_the_gpu_page_shows_the_committed_count(load_script):
     assert script.block(COMMITTED, json.loads(script.BEFORE.read_text())) in page
 
 
-def test_an_engine_call_grows_with_its_shapes_not_its_matrices():
+def test_an_engine_call_grows_with_its_shapes_and_by_two_kernels_per_matrix():
+    """Everything batches by shape except what touches the gradients, which lie in DDP's buckets:
+    M = G + e (bf16 G, fp32 e: PyTorch's _foreach_add_ runs it tensor by tensor) and Ĝ's product."""
     one, two, eight = (count_engine_call((1600, 6400), k).dispatches for k in (1, 2, 8))
-    assert one == two == eight, (one, two, eight)
+    assert two - one == 2 and eight - one == 2 * 7, (one, two, eight)
+    same_dtype = [count_engine_call((1600, 6400), k, dtype=torch.float32).by_op for k in (1, 8)]
+    assert same_dtype[1]["_foreach_add_"] == same_dtype[0]["_foreach_add_"] == 1  # one multi-tensor kernel
+    assert same_dtype[1]["mm"] - same_dtype[0]["mm"] == 7
     mixed = count_engine_call((1600, 6400), 2, other_shape=(1600, 4800))
     assert mixed.dispatches > one  # a second shape adds its products
