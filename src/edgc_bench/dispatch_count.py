@@ -13,7 +13,7 @@ What is counted: every ATen operator that reaches the Python dispatch key while 
 - the ``prim`` namespace (``prim.device``, ``prim.layout``): metadata queries, which a fake tensor
   answers through the dispatcher where a real one answers in C++.
 Everything else counts once per dispatch, except a ``_foreach_*`` op on lists of mixed dtypes,
-which PyTorch runs tensor by tensor (`kernels_per_dispatch`): once per tensor. A dispatch is not a
+which PyTorch runs tensor by tensor (`edgc_bench.op_traffic.kernels_per_dispatch`): once per tensor. A dispatch is not a
 kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or
 MAGMA kernels and a workspace allocation, a GEMM sometimes two (split-K). The profiler on a GPU
 counts the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .gpu_support import counted_host_reads
 from .live_memory import LiveStorages
+from .op_traffic import kernels_per_dispatch, op_traffic
 
 aten = torch.ops.aten
 
@@ -56,62 +57,9 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
     return func.overloadpacket not in METADATA_ONLY
 
 
-def kernels_per_dispatch(func: torch._ops.OpOverload, args: tuple) -> int:
-    """1, except for a ``_foreach_*`` op on lists of mixed dtypes: CUDA's multi-tensor kernels need one
-    dtype across the lists (``_foreach_copy_``: one per list), so PyTorch runs such a call tensor by
-    tensor (``foreach_tensor_*_slow_``), one kernel per tensor (ATen's ForeachUtils.h)."""
-    if not func.overloadpacket.__name__.startswith("_foreach_"):
-        return 1
-    lists = [arg for arg in args if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor)]
-    if not lists:
-        return 1
-    if func.overloadpacket is aten._foreach_copy_:
-        mixed = any(len({t.dtype for t in tensors}) > 1 for tensors in lists)
-    else:
-        mixed = len({t.dtype for tensors in lists for t in tensors}) > 1
-    return len(lists[0]) if mixed else 1
-
-
-# Ops that overwrite a mutable argument without reading it (their destination counts as written only).
-OVERWRITES = frozenset({aten.copy_, aten._foreach_copy_, aten.zero_, aten._foreach_zero_, aten.fill_})
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def op_traffic(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tuple[int, int]:
-    """(bytes read, bytes written) of one dispatch, as a kernel that touches every element once would
-    move them: each input tensor read once (a GEMM's operands included; a broadcast input at its own
-    size), each output written once. A mutable argument (``add_``'s self) is read and written, an
-    ``out=`` argument only written, as is the destination of `OVERWRITES`; new outputs are written."""
-    read = written = 0
-    for position, argument in enumerate(func._schema.arguments):
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        size = _nbytes(value)
-        if argument.is_out:
-            written += size
-        elif argument.alias_info is not None and argument.alias_info.is_write:
-            written += size
-            read += 0 if func.overloadpacket in OVERWRITES else size
-        else:
-            read += size
-    if not any(r.alias_info is not None for r in func._schema.returns):
-        written += _nbytes(out)
-    return read, written
-
-
 class DispatchCounter(TorchDispatchMode):
     """Counts the kernel-launching dispatches made while it is active, per operator name, and the
-    bytes each of them reads and writes (`op_traffic`)."""
+    bytes each of them reads and writes (`edgc_bench.op_traffic.op_traffic`)."""
 
     def __init__(self):
         super().__init__()
@@ -305,9 +253,10 @@ def _static_config(rank: int):
 
 
 def as_on_an_accelerator(state) -> None:
-    """Make a state on fake CPU tensors take the path it takes on a GPU: buckets fused into jobs of
-    the accelerator default (unless its config sets ``fusion_mb``) and M and Ĝ gathered per call
-    rather than moved matrix by matrix (`edgc.engine_state.EngineState.cpu_kernels`)."""
+    """Make a state on fake CPU tensors take the path it takes on a GPU with fast float64: buckets
+    fused into jobs of the accelerator default (unless its config sets ``fusion_mb``) and factors
+    orthonormalised by the batched float64 CholeskyQR2 rather than LAPACK's Householder QR
+    (`edgc.engine_state.EngineState.orthonormalization`)."""
     from dataclasses import replace
 
     from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB

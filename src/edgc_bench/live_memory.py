@@ -20,15 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+from .op_traffic import tensors_in
 
 
 class LiveStorages(TorchDispatchMode):
@@ -41,9 +33,9 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in((args, kwargs))}
         out = func(*args, **kwargs)
-        for tensor in _tensors(out):
+        for tensor in tensors_in(out):
             storage = tensor.untyped_storage()
             reference = StorageWeakRef(storage)
             known = self._storages.get(reference.cdata)

@@ -13,10 +13,12 @@ from distributed_harness import run_distributed  # noqa: E402
 from edgc import EDGCConfig  # noqa: E402
 from edgc_bench.dispatch_count import (DispatchCounter, count_engine_call, count_gpt2_step, count_hook_step,  # noqa: E402
                                        ddp_buckets, ready_order)
+from edgc_bench.engine_cost import matrix_byte_floors  # noqa: E402
 from edgc_bench.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = json.loads((ROOT / "docs" / "gpu" / "count" / "count.json").read_text())
+COST = json.loads((ROOT / "docs" / "engine" / "cost.json").read_text())
 
 
 def test_views_metadata_and_allocations_are_not_counted():
@@ -135,6 +137,23 @@ def test_gpt2_xl_steps_launch_few_kernels_at_ddps_buckets_and_fewer_at_200_mb():
     assert default.compressed == large.compressed == 194  # every matrix compressed
     assert default.by_op.get("linalg_qr", 0) == 0  # no per-matrix library call
     assert default.linalg < default.matrices and large.linalg < large.matrices
+    # The same step's bytes and memory per compressed element (docs/concepts/engine.md states them from
+    # docs/engine/cost.json: python -m edgc_bench.engine_cost --out docs/engine/cost.json).
+    per_element = default.per_compressed_element
+    assert (COST["dispatches"], COST["bytes"], COST["memory"]["float32"]) == (
+        default.dispatches, round(per_element(default.bytes), 3), round(per_element(default.peak_state_bytes), 3))
+    # no gathered copy of the gradients: beyond them, the fp32 error feedback (4 B) and at most 10 %
+    assert per_element(default.peak_state_bytes) <= 1.1 * 4
+    # the passes over M, G, e and Ĝ (the rank-independent bytes) at PyTorch's floor
+    half_rank = count_gpt2_step("xl", rank=16)
+    matrix_bytes = 2 * per_element(half_rank.bytes) - per_element(default.bytes)
+    assert matrix_bytes <= matrix_byte_floors(2, 4)["stock"] + 0.01 and round(matrix_bytes, 2) == COST["matrix_bytes"]
+
+
+def test_the_engine_page_shows_the_committed_cost(load_script):
+    script = load_script("engine_cost_to_docs")
+    page = (ROOT / "docs" / "concepts" / "engine.md").read_text()
+    assert script.block(COST, json.loads(script.BEFORE.read_text())) in page
 
 
 def test_the_gpu_page_shows_the_committed_count(load_script):
