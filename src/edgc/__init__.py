@@ -31,6 +31,7 @@ Modules:
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
     sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)
     timing.py       device-timeline timestamps, the library's only device→host reads
+    streams.py      streams and stream-ordered memory, device-agnostic (torch.cpu's stand-ins off CUDA)
     finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`
     integrations/   glue for training stacks (Lightning)

@@ -21,7 +21,8 @@ issued and waited for on that stream (NCCL makes the stream that waits wait; tor
 issue and wait on one stream), and each Future's completion is recorded there: DDP's stream waits
 for that event before it reads the bucket, and backward's own kernels never queue behind a
 compression or a collective. The drain ends with the compute stream waiting for the side stream,
-so a blocking caller reads finished tensors. On CPU there are no streams; all of this is a no-op.
+so a blocking caller reads finished tensors. Off CUDA the streams are `torch.cpu`'s stand-ins
+(`edgc.streams`): every wait is a no-op, and a checker can still see the order on the CPU.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from . import streams
 from .comm import FINISHES, ISSUES_MORE
 from .timing import Clock
 
@@ -54,10 +56,11 @@ class JobQueue:
         self.in_flight: list[_Entry] = []
         self._gathered: list[tuple] = []  # (names, grads, bucket buffer, Future) not started yet
         self._gathered_bytes = 0
-        self.stream: torch.cuda.Stream | None = None
+        self.device: torch.device | None = None
+        self.stream: streams.Stream | None = None  # the side stream, once the device is known
 
     def use_device(self, device: torch.device, clock: Clock) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device, self.stream = device, streams.new_stream(device)
         self.clock = clock
 
     def take_busy(self) -> list[tuple]:
@@ -72,8 +75,8 @@ class JobQueue:
             yield
             return
         if after_compute:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(streams.current_stream(self.device))
+        with streams.using(self.stream):
             yield
 
     @contextlib.contextmanager
@@ -125,7 +128,7 @@ class JobQueue:
         while self.in_flight:
             self.resume(finishing=True)
         if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            streams.current_stream(self.device).wait_stream(self.stream)
 
     def clear(self) -> None:
         self.in_flight, self._gathered, self._gathered_bytes, self._busy = [], [], 0, []

@@ -23,6 +23,8 @@ Modules:
     gpu_support.py  the model, device timing, kernel counts and process groups the parts share
     gpu_trace.py    a profiled step's device work per stream, and its picture
     dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU
+    stream_check.py the CUDA path's stream races and host synchronisations, checked on the CPU
+    stream_check_patches.py what that checker replaces while it runs (torch.cpu's streams, ...)
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
 """
