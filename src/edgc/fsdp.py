@@ -41,6 +41,7 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from . import streams
 from .mesh import init_parallel_mesh
 from .reducer import GradientReducer
 
@@ -133,6 +134,12 @@ class FSDPCommHook:
                 offset += padded
             self._open_step()
             self.state.reduce_tensors(names, views, last=False)
+            # A reduce buffer in another dtype than the parameters is freed by FSDP2 as soon as this
+            # returns (it casts it), back to its reduce-scatter stream, which has waited neither for
+            # this stream (the all-reduce one, that casts it) nor for the jobs' stream that wrote the
+            # average: the next group's reduce-scatter could reuse the memory before they are done.
+            # This stream has waited for the jobs' (`reduce_tensors` drains them).
+            streams.record_stream(reduce_output, streams.current_stream(reduce_output.device))
 
         return hook
 

@@ -29,7 +29,7 @@ from .comm import FINISHES, Communicator, StepCollectives
 from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
-from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, host_reads_allowed
+from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
 
 
 @dataclass
@@ -202,19 +202,19 @@ class GradientReducer:
         self.clock.enabled = self._timed()
 
     def _device_values(self) -> list[torch.Tensor]:
-        """0-dim device tensors this step needs on the host; read together when it is settled."""
+        """0-dim float64 device tensors this step needs on the host, made on the jobs' stream (called
+        there: the step's statistics were computed there); read together when it is settled."""
         stats = self._stats
-        return [torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
-                for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
+        return [device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
 
     def _end_step(self) -> None:
         """Close the step (its last bucket is averaged) without reading anything: its device values
         travel to the host behind an event (`edgc.timing.HostCopy`) and are read when it is settled."""
-        values = self._device_values()
         copy = None
-        if values and self.device is not None:
+        if self.device is not None:
             with self._jobs.side_stream():
-                copy = HostCopy(torch.stack(values))
+                values = self._device_values()
+                copy = HostCopy(torch.stack(values)) if values else None
         self._closed = ClosedStep(self.step, copy, self._stats, self._jobs.take_busy(), self.comm.take_step())
         self.step += 1
         self._in_step = False

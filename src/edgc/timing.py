@@ -72,6 +72,14 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)  # what the copy is, wherever one is made
 
 
+def device_scalar(value: float | bool | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim float64 tensor on ``device``, made on the current stream: a cast of a device
+    value, or a fill for a Python number (a copy from host memory would make the host wait)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
 # On an accelerator a timestamp is a recorded event: cheap, but not free per bucket of every step.
 # Device timestamps are taken on every DEVICE_TIMING_EVERY-th step and on the steps that need them
 # (r_max profiling); `perf_counter` on CPU costs nothing, so there every step is timed.
