@@ -3,11 +3,14 @@
 A *job* (`edgc.comm`) syncs one or more buckets: it issues collectives, yields, and on resumption
 waits for them and goes on; it yields ISSUES_MORE while it has collectives left to issue.
 
-Order. Jobs start in bucket order. At each hook call the jobs in flight that still have
-collectives to issue are resumed once, oldest first; a job that only has to wait and finish is
-left for the drain at the step's last bucket, so backward never waits for a transfer that nothing
-needs yet. Which job runs when depends only on the bucket sequence and on what the jobs yield,
-so every rank issues the same collectives in the same order, whatever the bucket sizes.
+Order. Jobs start in bucket order. At each hook call the bucket's job starts first, then the jobs
+that were in flight before it and still have collectives to issue are resumed once, oldest first:
+so on the one side stream the new job's gather and first product are queued before an older job
+waits for its collective, and run while that collective is on the wire. A job that only has to
+wait and finish is left for the drain at the step's last bucket, so backward never waits for a
+transfer that nothing needs yet. Which job runs when depends only on the bucket sequence and on
+what the jobs yield, so every rank issues the same collectives in the same order, whatever the
+bucket sizes.
 
 Fusion. Consecutive buckets are gathered until they hold at least ``fusion_bytes`` (or the
 step's last bucket arrives), and one job syncs them all; their Futures complete together. A
@@ -89,11 +92,14 @@ class JobQueue:
 
     def submit(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
                future: torch.futures.Future | None, start: Start, fusion_bytes: float) -> None:
-        """A bucket to sync: its job starts now, or once the gathered buckets reach ``fusion_bytes``."""
+        """A bucket to sync: its job starts now, or once the gathered buckets reach ``fusion_bytes``;
+        then the jobs in flight before it that have collectives to issue are resumed (see Order)."""
+        due = self._due()
         self._gathered.append((names, grads, flat, future))
         self._gathered_bytes += sum(g.numel() * g.element_size() for g in grads)
         if self._gathered_bytes >= fusion_bytes:
             self.flush(start)
+        self._resume(due)
 
     def flush(self, start: Start) -> None:
         """Start one job for every bucket gathered so far."""
@@ -115,7 +121,12 @@ class JobQueue:
     def resume(self, *, finishing: bool = False) -> bool:
         """Resume, oldest first, the jobs in flight that have collectives to issue (all of them when
         ``finishing``); whether any was resumed."""
-        due = [entry for entry in self.in_flight if finishing or entry.status == ISSUES_MORE]
+        return self._resume(self._due(finishing=finishing))
+
+    def _due(self, *, finishing: bool = False) -> list[_Entry]:
+        return [entry for entry in self.in_flight if finishing or entry.status == ISSUES_MORE]
+
+    def _resume(self, due: list[_Entry]) -> bool:
         if due:
             with self.working():
                 for entry in due:

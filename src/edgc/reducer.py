@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import streams
 from .comm import FINISHES, Communicator, StepCollectives
 from .jobs import JobQueue
 from .lowrank import ReduceStats
@@ -101,7 +102,6 @@ class GradientReducer:
         if not self._in_step:
             self._begin_step()
         self.comm.poll()
-        self._jobs.resume()
         buffer = bucket.buffer()
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
@@ -113,19 +113,26 @@ class GradientReducer:
             self._end_step()
         return future
 
-    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool) -> None:
-        """Integration path (FSDP2 hooks, custom buckets): average ``tensors`` in place as one bucket.
+    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool,
+                       blocking: bool = True) -> None:
+        """Integration path (FSDP2 hooks, custom buckets, DiLoCo): average ``tensors`` in place as one bucket.
 
-        Blocking: the tensors hold the group's average when this returns (on the caller's stream).
+        ``blocking``: the tensors hold the group's average when this returns (on the caller's stream);
+        else their job starts and goes on at later calls (the next buckets), and they
+        hold it once a blocking call or ``last=True`` returns; nothing may touch them until then.
         Buckets of one optimizer step are passed in the same order on every rank; ``last=True``
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
-        key the compressor state (error feedback, Q) and must be the same on every rank and every
-        step for the same tensor.
+        key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
         """
         if not self._in_step:
             self._begin_step()
         self._submit(list(names), list(tensors), None, None)
-        self._jobs.drain(self._reduce)
+        if blocking or last:
+            self._jobs.drain(self._reduce)
+        else:
+            self._jobs.flush(self._reduce)
+            for tensor in tensors:
+                streams.record_stream(tensor, self._jobs.stream)
         if last:
             self._end_step()
 
@@ -365,16 +372,10 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ pickling: begin
     def __getstate__(self) -> dict:
-        """Pickle the data but not the ties to this run (see `edgc.detached`): the unpickled state
-        refuses to step, with one line naming state_dict()/load_state_dict() and model=."""
-        from .detached import DetachedCommunicator
+        """Pickle the data but not the ties to this run (`edgc.detached.detached_state`)."""
+        from .detached import detached_state
 
-        self._settle_local()  # its metrics and totals travel; the device values do not
-        state = dict(self.__dict__)
-        state["comm"] = DetachedCommunicator(type(self).__name__, self.comm.rank, self.comm.world_size)
-        state["_jobs"], state["_closed"] = None, None  # streams and events stay with this process
-        state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
-        return state
+        return detached_state(self)
     # ------------------------------------------------------------------ pickling: end
 
 

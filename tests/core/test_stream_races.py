@@ -9,6 +9,7 @@ steps).
 """
 import io
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -70,9 +71,9 @@ def test_ddp_hook_steps_are_ordered_and_never_wait_for_the_device():
     assert result["syncs_per_step"] == [0] * 12, result["report"]
 
 
-def fsdp_worker(rank, world_size, steps):
+def fsdp_worker(rank, world_size, steps, reduce_dtype):
     mesh = hsdp_mesh(1)
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)  # fp32 parameters, bf16 reduce buffers
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)  # fp32 parameters
     model, state, optimizer = fsdp_build(mesh, False, COMPRESS, mp_policy=policy)
     accelerator_kernels(state)
 
@@ -92,12 +93,14 @@ def fsdp_worker(rank, world_size, steps):
     return checked(run)
 
 
-def test_fsdp_bf16_reduce_buffer_outlives_its_use():
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float32])
+def test_fsdp_reduce_buffer_outlives_its_use(reduce_dtype):
     """FSDP2 frees its bf16 reduce-scatter output after the hook; the block goes back to the
     reduce-scatter stream, which has not waited for the all-reduce stream the hook ran on (nor for
     the jobs' stream): without ``record_stream`` the next group's reduce-scatter may reuse it while
-    Ĝ is still being written into it."""
-    result, = run_distributed(fsdp_worker, 1, 8, timeout=600)
+    Ĝ is still being written into it. In fp32 the jobs go on after the hook (`edgc.fsdp`), and
+    the step's close orders the optimizer after them."""
+    result, = run_distributed(fsdp_worker, 1, 8, reduce_dtype, timeout=600)
     assert "compress" in result["phases"], result["phases"]
     assert result["races"] == [], result["report"]
     assert result["syncs_per_step"] == [0] * 8, result["report"]
