@@ -118,7 +118,7 @@ class GradientReducer:
         """Integration path (FSDP2 hooks, custom buckets, DiLoCo): average ``tensors`` in place as one bucket.
 
         ``blocking``: the tensors hold the group's average when this returns (on the caller's stream);
-        else their job starts and goes on at later calls (the next buckets), and they
+        else their job starts and goes on at later calls (`progress`, the next buckets), and they
         hold it once a blocking call or ``last=True`` returns; nothing may touch them until then.
         Buckets of one optimizer step are passed in the same order on every rank; ``last=True``
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
@@ -135,6 +135,12 @@ class GradientReducer:
                 streams.record_stream(tensor, self._jobs.stream)
         if last:
             self._end_step()
+
+    def progress(self) -> None:
+        """Issue what the jobs in flight can issue now (waiting for their earlier collectives): for a
+        caller of non-blocking `reduce_tensors` between its buckets (DiLoCo's inner steps)."""
+        self.comm.poll()
+        self._jobs.resume()
 
     def synchronize(self, parameters: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Plain-loop path: average ``p.grad`` of all parameters over the group, after backward.

@@ -5,9 +5,10 @@ every step under the checker must show no two unordered accesses on different st
 freed while another stream may use it, and no host synchronisation from the library outside
 `edgc.timing.host_reads_allowed`. Each test covers a path where a defect was found: the step's
 end (its device values), FSDP2's bf16 reduce buffer, a resume and a heal (state loaded between
-steps).
+steps), DiLoCo's delayed fragment sync (issued from a worker thread, with blocking copies).
 """
 import io
+import threading
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from distributed_harness import run_distributed
+from edgc import EDGCConfig
 from edgc.fsdp import hsdp_mesh
+from edgc.integrations.diloco import DiLoCo
 from edgc_bench.stream_check import StreamChecker
-from models import batch, loss_fn
+from models import TinyTransformer, batch, loss_fn
 from test_ddp import ADAPTIVE, build
 from test_fsdp import COMPRESS, VOCAB
 from test_fsdp import batch as fsdp_batch
@@ -141,3 +144,51 @@ def test_state_loaded_between_steps_stays_alive_until_the_jobs_stream_is_done_wi
     assert result["races"] == [], result["report"]
     assert result["syncs_per_step"] == [0] * 4, result["report"]
 
+
+def diloco_worker(rank, world_size, outer_steps):
+    """Streaming DiLoCo, two fragments, each sync started 2 inner steps before its outer step."""
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2)
+    ends = nn.ModuleDict({"embed": model.embed, "head": model.head})
+    ends.register_parameter("position", model.position)
+    inner = torch.optim.Adam(model.parameters(), lr=3e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
+    config = EDGCConfig(total_steps=outer_steps, r_max=4, rank_budget=2, window=2, warmup_fraction=0.0,
+                        min_warmup_steps=0, warmup_error_test=False, min_compression_rate=1.0)
+    diloco = DiLoCo(None, [ends, model.blocks], inner, outer, sync_every=8, config=config, fragment_sync_delay=2)
+    accelerator_kernels(diloco.state)
+    issued = []  # (inner step, thread) of every collective
+    original_issue = diloco.state.comm._issue
+
+    def issue(*args, **kwargs):
+        issued.append((diloco._local_step, threading.get_ident()))
+        return original_issue(*args, **kwargs)
+
+    diloco.state.comm._issue = issue
+
+    def run(checker):
+        syncs = []
+        with diloco:
+            for step in range(outer_steps * 4):
+                before = len(checker.host_syncs)
+                loss_fn(model, *batch(0, step, vocab=64)).backward()
+                inner.step()
+                inner.zero_grad()
+                syncs.append(len(checker.host_syncs) - before)
+        return {"syncs_per_step": syncs, "phases": [diloco.last_outer_step["phase"]]}
+
+    result = checked(run)
+    return {**result, "issue_steps": sorted({step for step, _ in issued}),
+            "other_threads": sum(thread != threading.get_ident() for _, thread in issued)}
+
+
+def test_diloco_delayed_sync_is_issued_from_the_training_thread_and_overlaps_inner_steps():
+    """Every collective from the training thread (a worker thread drove a second communicator's
+    order against the inner steps'), spread over the inner steps between a sync's start and its
+    outer step, with no race and no host synchronisation in any inner step."""
+    result, = run_distributed(diloco_worker, 1, 4, timeout=600)
+    assert result["phases"] == ["compress"], result["phases"]
+    assert result["other_threads"] == 0
+    assert result["issue_steps"] == [2, 3], result["issue_steps"]  # started at step 2, its Q at step 3
+    assert result["races"] == [], result["report"]
+    assert result["syncs_per_step"] == [0] * 16, result["report"]
