@@ -3,7 +3,7 @@
 HSDP shards parameters inside a host and replicates them across hosts; the all-reduce between
 replicas crosses the slow network, and that is the one EDGC compresses:
 
-    mesh = hsdp_mesh(shard_size)                        # 2-D ("dp_replicate", "dp_shard") DeviceMesh
+    mesh = hsdp_mesh(shard_size, model)                 # 2-D ("dp_replicate", "dp_shard"), on the model's device
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp_shard"])          # shard over the host only: FSDP, not native HSDP
     fully_shard(model, mesh=mesh["dp_shard"])
@@ -54,16 +54,17 @@ from .reducer import GradientReducer
 __all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout"]
 
 
-def hsdp_mesh(shard_size: int, device_type: str = "cpu") -> DeviceMesh:
+def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
     """The 2-D ``("dp_replicate", "dp_shard")`` part of the run's mesh (`edgc.mesh.init_parallel_mesh`
-    with pp = tp = 1): consecutive ranks share a host.
+    with pp = tp = 1): consecutive ranks share a host. ``device``: the model to shard (or its device),
+    whose device the mesh takes (`edgc.mesh.mesh_device_type`; by default the process group's).
 
     Shard with ``mesh["dp_shard"]``; the EDGC state takes ``mesh["dp_replicate"]``.
     """
     world = dist.get_world_size()
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"shard size {shard_size} must divide the world size {world}")
-    return init_parallel_mesh(device_type, dp_shard=shard_size)["dp_replicate", "dp_shard"]
+    return init_parallel_mesh(device, dp_shard=shard_size)["dp_replicate", "dp_shard"]
 
 
 def _param_group(module: FSDPModule):
