@@ -30,6 +30,7 @@ from torchft.process_group import ProcessGroupGloo
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel
 from edgc.integrations.torchft_quorum import QuorumSettings
+from edgc_bench.stream_check import StreamChecker
 from models import TinyTransformer
 
 VOCAB, SEQ, NOISE = 64, 16, 0.2
@@ -129,6 +130,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
                       **quorum.manager_kwargs())
+    checker = None
     try:
         module = initial_model(start, quorum)
         model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
@@ -144,6 +146,9 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             return reduce(names, grads, flat)
 
         state._reduce = recording_reduce
+        checker = StreamChecker() if replica in report["checked"] else None  # its steps and heals, checked
+        if checker is not None:
+            checker.__enter__()
         log = report.setdefault("log", {}).setdefault(replica, [])  # (attempt, step, phase, rank) committed
         attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
         attempt[0] += 1
@@ -177,6 +182,10 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                 check_conserved(state, metrics, error_before, gradients)
             else:
                 log.append((attempt[0], step, metrics["phase"], metrics["rank"]))
+        if checker is not None:  # the steps and heals only: what follows reads results on the host
+            checker.__exit__(None, None, None)
+            report.setdefault("checker", {})[replica] = (checker.races, [str(s) for s in checker.host_syncs])
+            checker = None
         module.eval()
         with torch.no_grad():
             final_loss = loss_of(module, *batch(99, 0, size=64)).item()
@@ -184,6 +193,8 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                 "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
                 "discarded": state.steps_discarded, "phase": metrics["phase"]}
     finally:
+        if checker is not None:  # an attempt that ended in an error
+            checker.__exit__(None, None, None)
         manager.shutdown(wait=False)
         pg.shutdown()
 
@@ -211,20 +222,22 @@ def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -
 
 
 def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3,
-                 tolerated_failures: int = 1) -> dict:
+                 tolerated_failures: int = 1, checked: tuple = ()) -> dict:
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``).
     The quorum settings are the bench's: those of its kill pass, or with ``tolerated_failures=0``
-    those of its failure-free passes."""
-    return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures)
+    those of its failure-free passes. The groups in ``checked`` run their steps under the CPU
+    stream checker (`edgc_bench.stream_check`): its findings in ``["checker"][group]``."""
+    return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures, checked)
 
 
-def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int) -> dict:
+def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int,
+               checked: tuple = ()) -> dict:
     """``train(replica, lighthouse, steps, faults, report, quorum, start)`` on one thread per group,
     around one lighthouse; a group whose attempt raises `InjectedKill` starts again."""
     faults = faults or Faults()
     quorum = quorum_settings(replicas, tolerated_failures)
     lighthouse = LighthouseServer(bind="[::]:0", **quorum.lighthouse_kwargs())
-    report: dict = {"kills": 0}
+    report: dict = {"kills": 0, "checked": set(checked)}
     start = threading.Barrier(replicas)  # first attempts only: a restarted group joins a running quorum
 
     def runner(replica: int) -> dict:
