@@ -13,6 +13,7 @@ step plus the step's gradient (or zero when that gradient was not finite).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -117,20 +118,8 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
     pg = FailingProcessGroup(timeout=quorum.timeout)
     holder: dict = {}
     heals: list[int] = []  # the step of each state received from a peer (torchft loads one only to heal)
-
-    def load(state: dict) -> None:
-        holder["model"].load_state_dict(state["model"])
-        holder["optimizer"].load_state_dict(state["optimizer"])
-        heals.append(manager.current_step())
-
-    def save() -> dict:
-        return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
-
-    manager = Manager(pg=pg, load_state_dict=load, state_dict=save, replica_id=str(replica),
-                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
-                      **quorum.manager_kwargs())
-    checker = None
+    manager = replica_manager(replica, pg, store, lighthouse, quorum, holder, heals)
+    checking = contextlib.ExitStack()
     try:
         module = initial_model(start, quorum)
         model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
@@ -146,9 +135,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             return reduce(names, grads, flat)
 
         state._reduce = recording_reduce
-        checker = StreamChecker() if replica in report["checked"] else None  # its steps and heals, checked
-        if checker is not None:
-            checker.__enter__()
+        checking.enter_context(stream_checked(replica, report))  # its steps and heals, when asked
         log = report.setdefault("log", {}).setdefault(replica, [])  # (attempt, step, phase, rank) committed
         attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
         attempt[0] += 1
@@ -182,10 +169,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                 check_conserved(state, metrics, error_before, gradients)
             else:
                 log.append((attempt[0], step, metrics["phase"], metrics["rank"]))
-        if checker is not None:  # the steps and heals only: what follows reads results on the host
-            checker.__exit__(None, None, None)
-            report.setdefault("checker", {})[replica] = (checker.races, [str(s) for s in checker.host_syncs])
-            checker = None
+        checking.close()  # what follows reads results on the host
         module.eval()
         with torch.no_grad():
             final_loss = loss_of(module, *batch(99, 0, size=64)).item()
@@ -193,10 +177,40 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                 "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
                 "discarded": state.steps_discarded, "phase": metrics["phase"]}
     finally:
-        if checker is not None:  # an attempt that ended in an error
-            checker.__exit__(None, None, None)
+        checking.close()
         manager.shutdown(wait=False)
         pg.shutdown()
+
+
+def replica_manager(replica: int, pg, store, lighthouse: str, quorum: QuorumSettings, holder: dict,
+                    heals: list[int]) -> Manager:
+    """The group's manager; a peer's model and optimizer state go into ``holder``'s, each heal's step into ``heals``."""
+
+    def load(state: dict) -> None:
+        holder["model"].load_state_dict(state["model"])
+        holder["optimizer"].load_state_dict(state["optimizer"])
+        heals.append(manager.current_step())
+
+    def save() -> dict:
+        return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
+
+    manager = Manager(pg=pg, load_state_dict=load, state_dict=save, replica_id=str(replica),
+                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
+                      **quorum.manager_kwargs())
+    return manager
+
+
+@contextlib.contextmanager
+def stream_checked(replica: int, report: dict):
+    """The body under the CPU stream checker if ``replica`` is one of ``report["checked"]``, its
+    findings then in ``report["checker"][replica]``."""
+    if replica not in report["checked"]:
+        yield
+        return
+    with StreamChecker() as checker:
+        yield
+    report.setdefault("checker", {})[replica] = (checker.races, [str(sync) for sync in checker.host_syncs])
 
 
 def initial_model(start: threading.Barrier | None, quorum: QuorumSettings) -> TinyTransformer:
