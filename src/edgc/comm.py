@@ -166,7 +166,7 @@ class Communicator:
             if self.world_size > 1:
                 tensor.div_(self.world_size)
             return self.all_reduce_async(tensor)
-        on_wire = tensor.div(self.world_size).to(wire_dtype)
+        on_wire = torch.div(tensor, self.world_size, out=torch.empty_like(tensor, dtype=wire_dtype))  # one pass
         return self._issue(tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM),
                            after=lambda: tensor.copy_(on_wire))
 
