@@ -34,6 +34,7 @@ Modules:
     events.py       what EDGC decides, said through Python's logging (logger "edgc", group rank 0)
     fingerprint.py  once per window, the ranks compare what must be identical on all; raise where not
     guards.py       how a state is used: a group created after it, DDP's group and model, synchronize()
+    streams.py      streams and stream-ordered memory, device-agnostic (torch.cpu's stand-ins off CUDA)
     finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`
     integrations/   glue for training stacks (Lightning)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import rank_change
+from . import rank_change, streams
 from .config import LowRankConfig
 from .factors import (matrix_shape, orthonormalization_for, orthonormalize_blocks_, restart_dead_entries_,
                       stable_seed)
@@ -306,7 +306,15 @@ class EngineState:
         self.begin_step()
         self._tracking = False
 
-    def to(self, device: torch.device) -> None:
-        self.q = {name: q.to(device) for name, q in self.q.items()}
-        self.error = {name: e.to(device) for name, e in self.error.items()}
+    def to(self, device: torch.device, stream: streams.Stream | None = None) -> None:
+        """Q and error feedback onto ``device`` without a host wait, kept alive for ``stream`` (the jobs'
+        stream, which reads and replaces them: `edgc.streams.record_stream`)."""
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            moved = to_device(tensor, device)
+            if stream is not None:
+                streams.record_stream(moved, stream)
+            return moved
+
+        self.q = {name: move(q) for name, q in self.q.items()}
+        self.error = {name: move(e) for name, e in self.error.items()}
         self._calls.clear()

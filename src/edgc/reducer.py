@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import events
+from . import events, streams
 from .comm import FINISHES, Communicator, StepCollectives
 from .guards import UsageGuard, check_gradients
 from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
-from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, host_reads_allowed
+from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
 
 
 @dataclass
@@ -99,7 +99,6 @@ class GradientReducer:
         if not self._in_step:
             self._begin_step()
         self.comm.poll()
-        self._jobs.resume()
         buffer = bucket.buffer()
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
@@ -112,21 +111,34 @@ class GradientReducer:
             self._end_step()
         return future
 
-    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool) -> None:
-        """Integration path (FSDP2 hooks, custom buckets): average ``tensors`` in place as one bucket.
+    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool,
+                       blocking: bool = True) -> None:
+        """Integration path (FSDP2 hooks, custom buckets, DiLoCo): average ``tensors`` in place as one bucket.
 
-        Blocking: the tensors hold the group's average when this returns (on the caller's stream).
+        ``blocking``: the tensors hold the group's average when this returns (on the caller's stream);
+        else their job starts and goes on at later calls (`progress`, the next buckets), and they
+        hold it once a blocking call or ``last=True`` returns; nothing may touch them until then.
         Buckets of one optimizer step are passed in the same order on every rank; ``last=True``
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
-        key the compressor state (error feedback, Q) and must be the same on every rank and every
-        step for the same tensor.
+        key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
         """
         if not self._in_step:
             self._begin_step()
         self._submit(list(names), list(tensors), None, None)
-        self._jobs.drain(self._reduce)
+        if blocking or last:
+            self._jobs.drain(self._reduce)
+        else:
+            self._jobs.flush(self._reduce)
+            for tensor in tensors:
+                streams.record_stream(tensor, self._jobs.stream)
         if last:
             self._end_step()
+
+    def progress(self) -> None:
+        """Issue what the jobs in flight can issue now (waiting for their earlier collectives): for a
+        caller of non-blocking `reduce_tensors` between its buckets (DiLoCo's inner steps)."""
+        self.comm.poll()
+        self._jobs.resume()
 
     def synchronize(self, parameters: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Plain-loop path: average ``p.grad`` of all parameters over the group, after backward.
@@ -203,19 +215,19 @@ class GradientReducer:
         self.clock.enabled = self._timed()
 
     def _device_values(self) -> list[torch.Tensor]:
-        """0-dim device tensors this step needs on the host; read together when it is settled."""
+        """0-dim float64 device tensors this step needs on the host, made on the jobs' stream (called
+        there: the step's statistics were computed there); read together when it is settled."""
         stats = self._stats
-        return [torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
-                for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
+        return [device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
 
     def _end_step(self) -> None:
         """Close the step (its last bucket is averaged) without reading anything: its device values
         travel to the host behind an event (`edgc.timing.HostCopy`) and are read when it is settled."""
-        values = self._device_values()
         copy = None
-        if values and self.device is not None:
+        if self.device is not None:
             with self._jobs.side_stream():
-                copy = HostCopy(torch.stack(values))
+                values = self._device_values()
+                copy = HostCopy(torch.stack(values)) if values else None
         self._closed = ClosedStep(self.step, copy, self._stats, self._jobs.take_busy(), self.comm.take_step())
         self.step += 1
         self._in_step = False
@@ -369,16 +381,10 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ pickling: begin
     def __getstate__(self) -> dict:
-        """Pickle the data but not the ties to this run (see `edgc.detached`): the unpickled state
-        refuses to step, with one line naming state_dict()/load_state_dict() and model=."""
-        from .detached import DetachedCommunicator
+        """Pickle the data but not the ties to this run (`edgc.detached.detached_state`)."""
+        from .detached import detached_state
 
-        self._settle_local()  # its metrics and totals travel; the device values do not
-        state = dict(self.__dict__)
-        state["comm"] = DetachedCommunicator(type(self).__name__, self.comm.rank, self.comm.world_size)
-        state["_jobs"], state["_closed"] = None, None  # streams and events stay with this process
-        state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
-        return state
+        return detached_state(self)
     # ------------------------------------------------------------------ pickling: end
 
 

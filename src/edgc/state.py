@@ -131,7 +131,8 @@ class EDGCState(GradientReducer):
         self._profile_stamps, self._raw_stamps, self._deferred_shadow, self._plain_waits = [], [], [], []
 
     def _on_device(self, device: torch.device) -> None:
-        self.compressor.to(device)
+        for compressor in (self.compressor, self._profiler):
+            compressor.to(device, self._jobs.stream)
 
     def _timed(self) -> bool:
         """Profiling steps are always timed: r_max comes from their times."""
@@ -371,7 +372,7 @@ class EDGCState(GradientReducer):
             )
             self.compressor.drop_error()
         if self.device is not None:
-            self.compressor.to(self.device)
+            self._on_device(self.device)
 
     def _check_loadable(self, state: dict) -> None:
         """Validate everything first, so a bad checkpoint cannot leave the state half-loaded."""

@@ -82,9 +82,10 @@ FLAG_OPS_PER_TENSOR = 2
 MEASURE_ERROR_OPS = 11
 # The hook around the engine (edgc.reducer): per job the step's non-finite flag is or-ed with the
 # job's; per step the flag is cast to float64 and stacked with the error sums for the step's one
-# host read.
+# host read, sums that are filled on the device when the step did not measure them (Python zeros).
 REDUCER_OPS_PER_JOB = 1
 REDUCER_OPS_PER_STEP = 2
+UNMEASURED_ERROR_FILLS = 2
 
 
 class EngineRates(NamedTuple):
@@ -200,7 +201,7 @@ def engine_jobs(shapes: Sequence[tuple], bytes_per_value: int, accelerator: bool
 def step_launches(jobs: Sequence[Sequence[tuple]], rank: int, *, accelerator: bool, half_gradients: bool = False,
                   world_size: int = 2, measure_error: bool = False, min_compression_rate: float = 2.0) -> int:
     """Dispatches of one compressed step through the DDP hook: every job's, and the reducer's own."""
-    return REDUCER_OPS_PER_STEP + sum(
+    return REDUCER_OPS_PER_STEP + (0 if measure_error else UNMEASURED_ERROR_FILLS) + sum(
         REDUCER_OPS_PER_JOB + job_launches(JobLayout.plan(job, rank, min_compression_rate), accelerator=accelerator,
                                            half_gradients=half_gradients, world_size=world_size,
                                            measure_error=measure_error)
@@ -269,7 +270,8 @@ def engine_step_cost(jobs: Sequence[Sequence[tuple]], rank: int, flops_per_s: fl
     """Host and device time of one step whose jobs hold these tensor shapes (`engine_jobs`)."""
     costs = [job_cost(JobLayout.plan(job, rank, min_compression_rate), flops_per_s, mem_bytes_per_s, launch_s,
                       bytes_per_value, rates, world_size=world_size, measure_error=measure_error) for job in jobs]
-    return EngineCost(REDUCER_OPS_PER_STEP * launch_s + sum(c.host_s for c in costs), sum(c.device_s for c in costs))
+    step_ops = REDUCER_OPS_PER_STEP + (0 if measure_error else UNMEASURED_ERROR_FILLS)
+    return EngineCost(step_ops * launch_s + sum(c.host_s for c in costs), sum(c.device_s for c in costs))
 
 
 def engine_compute_time(jobs: Sequence[Sequence[tuple]], rank: int, flops_per_s: float, mem_bytes_per_s: float,
