@@ -7,8 +7,11 @@ floor 10 % of the planned steps, PowerSGD seed 714.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from dataclasses import dataclass
+import operator
+import types
+from dataclasses import dataclass, field
 from typing import Any
 
 from .signals import get_signal, signal_names
@@ -22,13 +25,15 @@ RANK_CHANGES = ("warm", "truncate")
 
 
 class _Check:
-    """Field checks of a config dataclass; each failure is one line naming the class and the field."""
+    """Field checks of a config dataclass; each failure is one line naming the class (``owner``, by
+    default the config's own) and the field."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, owner: str | None = None):
         self.config = config
+        self.owner = owner or type(config).__name__
 
     def fail(self, name: str, requirement: str) -> None:
-        raise ValueError(f"{type(self.config).__name__}.{name} {requirement}, got {getattr(self.config, name)!r}")
+        raise ValueError(f"{self.owner}.{name} {requirement}, got {getattr(self.config, name)!r}")
 
     def integer(self, name: str, low: int) -> None:
         value = getattr(self.config, name)
@@ -59,7 +64,7 @@ class _Check:
 
 
 def _check_engine_fields(check: _Check) -> None:
-    """The checks of `LowRankConfig`'s fields, which `EDGCConfig` carries too."""
+    """The checks of `LowRankConfig`'s fields (given flat to `EDGCConfig` too: `EDGCConfig.engine`)."""
     check.number("min_compression_rate", allow_zero=True)
     check.number("orthogonalization_epsilon", allow_zero=True)
     check.choice("orthonormalization", ORTHONORMALIZATION_CHOICES)
@@ -72,7 +77,7 @@ def _check_engine_fields(check: _Check) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LowRankConfig:
-    """The PowerSGD engine's own settings (`edgc.lowrank.LowRankCompressor`); `EDGCConfig.engine` derives them."""
+    """The PowerSGD engine's own settings (`edgc.lowrank.LowRankCompressor`), nested in `EDGCConfig.engine`."""
 
     min_compression_rate: float = 2.0
     """A matrix m×n is compressed only if (m+n)·r·rate < m·n; others go raw. ≥ 0 (0 = compress all)."""
@@ -157,32 +162,11 @@ class EDGCConfig:
     min_warmup_steps: int = 2
     """Absolute floor of uncompressed steps (lets DDP rebuild its buckets first). ≥ 0."""
 
-    min_compression_rate: float = 2.0
-    """A matrix m×n is compressed only if (m+n)·r·rate < m·n; others go raw. ≥ 0 (0 = compress all)."""
-
-    error_feedback: bool = True
-    """Keep the local compression residual and add it to the next step's gradient."""
-
-    error_feedback_dtype: str = "float32"
-    """dtype of error feedback for bf16/fp16 gradients: 'float32' (exact) or 'gradient' (half the memory)."""
-
-    orthogonalization_epsilon: float = 1e-12
-    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
-
-    orthonormalization: str = "auto"
-    """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast float64, float32 four-pass CholeskyQR elsewhere), or one of 'householder', 'cholesky2-fp64', 'cholesky4-fp32'."""
-
     profile_max_rank: int = 128
     """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
 
     profile_steps_per_rank: int = 2
     """Timed steps per candidate rank when profiling, after a one-step quick test that may settle it (the first candidate's also time the plain sync, blocking). ≥ 1."""
-
-    communication_dtype: str | None = None
-    """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
-
-    seed: int = 714
-    """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
 
     # --- noise-robust rank decisions: the noise gate on the entropy trend ---
     entropy_significance: float = 3.0
@@ -207,14 +191,16 @@ class EDGCConfig:
     rank_schedule: tuple[tuple[int, int], ...] | None = None
     """Hand-set ranks: ((step, rank), …), the rank in force from each optimizer step on once compressing; overrides every controller. 1 ≤ rank ≤ r_max."""
 
-    rank_change: str = "warm"
-    """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first columns, random new ones)."""
-
     fusion_mb: float | None = None
     """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None = 256 on accelerators, 0 (each bucket its own job) on CPU. ≥ 0."""
 
+    engine: LowRankConfig = field(default_factory=LowRankConfig)
+    """The PowerSGD engine's settings (a `LowRankConfig`, the table's last rows). Its fields are also given and read flat: EDGCConfig(error_feedback=False), --edgc error_feedback=false, config.error_feedback."""
+
     def __post_init__(self) -> None:
         check = _Check(self)
+        if not isinstance(self.engine, LowRankConfig):
+            check.fail("engine", "must be a LowRankConfig (or give its fields flat: EDGCConfig(seed=1))")
         for name in ("r_max", "r_min", "total_steps"):
             if getattr(self, name) is not None:
                 check.integer(name, 1)
@@ -237,7 +223,6 @@ class EDGCConfig:
         check.number("cqm_exponent", allow_zero=False)
         if self.fusion_mb is not None:
             check.number("fusion_mb", allow_zero=True)
-        _check_engine_fields(check)
         for name in ("adaptive", "warmup_error_test"):
             check.boolean(name)
         check.choice("rank_mapping", RANK_MAPPINGS)
@@ -281,11 +266,6 @@ class EDGCConfig:
             raise ValueError(f"EDGCConfig.static: {fixed} are set by the rank argument; pass rank= only")
         overrides.setdefault("warmup_error_test", False)
         return cls(r_max=rank, r_min=rank, adaptive=False, **overrides)
-
-    @property
-    def engine(self) -> LowRankConfig:
-        """The PowerSGD engine's settings, taken from this config's fields of the same names."""
-        return LowRankConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LowRankConfig)})
 
     @property
     def sample_every(self) -> int:
@@ -332,19 +312,55 @@ class EDGCConfig:
         return "gaussian" if self.rank_mapping == "cqm" else "histogram"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON values (tuples as lists), so a dict survives config.json unchanged."""
+        """Flat plain JSON values (the engine's fields beside the others, tuples as lists), so a dict
+        survives config.json unchanged and reads as the keywords a user gives."""
         def plain(value: Any) -> Any:
             return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
-        return {k: plain(v) for k, v in dataclasses.asdict(self).items()}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        return {k: plain(v) for k, v in {**values, **dataclasses.asdict(self.engine)}.items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        """The config of a `to_dict` (flat; an ``engine`` table of `LowRankConfig` fields is read too)."""
+        known = {f.name for f in dataclasses.fields(cls)} | set(ENGINE_FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"EDGCConfig: unknown field(s) {unknown}")
+        values = dict(values)
+        if isinstance(values.get("engine"), dict):
+            values.update(values.pop("engine"))
         return cls(**values)
+
+
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(LowRankConfig))
+
+
+def _engine_fields_flat(config_class: type) -> type:
+    """Let ``config_class`` (`EDGCConfig`) take and show its ``engine``'s fields flat: its constructor
+    moves them into ``engine`` (a bad value names ``EDGCConfig.<field>``), and a read-only property
+    per field reads them from there. Each field is defined once, in `LowRankConfig`."""
+    dataclass_init = config_class.__init__
+
+    @functools.wraps(dataclass_init)
+    def __init__(self, **values: Any) -> None:
+        flat = {name: values.pop(name) for name in ENGINE_FIELDS if name in values}
+        if flat:
+            engine = values.get("engine", LowRankConfig())
+            if isinstance(engine, LowRankConfig):
+                merged = {**dataclasses.asdict(engine), **flat}
+                _check_engine_fields(_Check(types.SimpleNamespace(**merged), owner=config_class.__name__))
+                values["engine"] = LowRankConfig(**merged)
+        dataclass_init(self, **values)
+
+    config_class.__init__ = __init__
+    for name in ENGINE_FIELDS:
+        setattr(config_class, name, property(operator.attrgetter(f"engine.{name}"),
+                                             doc=f"``engine.{name}`` (`LowRankConfig.{name}`)."))
+    return config_class
+
+
+_engine_fields_flat(EDGCConfig)
 
 
 def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
@@ -360,16 +376,22 @@ def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
-    return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(config_class)]
+
+    def default(f: dataclasses.Field) -> Any:
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+    return [(f.name, default(f), docs.get(f.name, "")) for f in dataclasses.fields(config_class)]
 
 
 __all__ = ["EDGCConfig", "LowRankConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS",
-           "RANK_CHANGES"]
+           "RANK_CHANGES", "ENGINE_FIELDS"]
 
 
 def config_table_markdown() -> str:
-    """The README's table of every EDGCConfig field, generated from the dataclass itself."""
+    """The manual's table of every EDGCConfig field, generated from the dataclasses themselves: the
+    engine's fields last, under the flat names a user gives them."""
     rows = ["| field | default | meaning, unit, valid range |", "| --- | --- | --- |"]
-    for name, default, doc in field_docs():
-        rows.append(f"| `{name}` | `{default!r}` | {doc.replace('|', '∣')} |")
+    for name, default, doc in field_docs(EDGCConfig) + field_docs(LowRankConfig):
+        shown = "LowRankConfig()" if name == "engine" else repr(default)
+        rows.append(f"| `{name}` | `{shown}` | {doc.replace('|', '∣')} |")
     return "\n".join(rows)
