@@ -20,6 +20,7 @@ Modules:
     plans.py        what a step is planned to do and what a rank decision carries
     budget.py       the byte budget: a mean rank spent early, re-planned every window
     signals.py      the budget signals (schedule, gradnorm, entropy, error): names, series, need
+    registry.py     registries by name (signals, rank mappings, sync methods): one entry per name
     rank_rules.py   the paper's rank mappings and the noise gate on the entropy trend
     profiling.py    sync-time tables {rank → seconds}, the r_max rule
     alignment.py    DAC stage alignment: per-stage ranks so all stages finish their sync together
@@ -47,10 +48,12 @@ from .factors import orthogonalize_
 from .fingerprint import ReplicasDiverged
 from .lowrank import LowRankCompressor
 from .rank_control import WindowController
-from .rank_rules import delta_target, limit_rank
+from .rank_rules import delta_target, limit_rank, register_rank_mapping
 from .rank_model import ErrorModel, error_curve_mc, error_curve_mp
 from .reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook
+from .signals import register_signal
 from .state import EDGCState
+from .sync_methods import register_sync_method
 
 __all__ = [
     "EDGCConfig", "LowRankConfig", "EDGCState", "edgc_hook", "AllReduceState", "allreduce_hook", "GradientReducer",
@@ -58,5 +61,6 @@ __all__ = [
     "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
     "delta_target", "limit_rank", "orthogonalize_", "field_docs",
     "CastState", "TopKState", "RandomKState", "QSGDState", "barrier_before_exit", "ReplicasDiverged",
+    "register_signal", "register_rank_mapping", "register_sync_method",
 ]
 __version__ = "0.1.0"

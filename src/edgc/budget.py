@@ -78,6 +78,7 @@ class BudgetRule:
 
     def __init__(self, config: EDGCConfig):
         self.config = config
+        self.signal = get_signal(config.budget_signal)
 
     def default_r_min(self, r_max: int) -> int:
         return 1  # a budget bounds the bytes itself; its plan may go down to rank 1 late in the run
@@ -115,8 +116,8 @@ class BudgetRule:
     def need(self, signals: dict[str, Sequence[tuple[int, float]]], progress: float) -> float:
         """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate).
         ``signals``: every series by name; ``progress``: the fraction of the compressed steps done."""
-        return get_signal(self.config.budget_signal).need(signals, progress=progress, window=self.config.window,
-                                                          significance=self.config.entropy_significance)
+        return self.signal.need(signals, progress=progress, window=self.config.window,
+                                significance=self.config.entropy_significance)
 
     def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
                 shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,

@@ -14,9 +14,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from .rank_rules import rank_mapping, rank_mapping_names
 from .signals import get_signal, signal_names
 
-RANK_MAPPINGS = ("delta", "cqm", "error-band")
 ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
 ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
@@ -130,7 +130,7 @@ class EDGCConfig:
     """False = static PowerSGD at r_max after warm-up (no entropy sampling, no rank changes)."""
 
     rank_mapping: str = "delta"
-    """Rank mapping: 'delta' (authors' linear map of the entropy change), 'cqm', or 'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
+    """Rank mapping, one registered in edgc.rank_rules: 'delta' (authors' linear map of the entropy change), 'cqm', or 'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
 
     cqm_exponent: float = 2.0
     """c in g(r1) = e^{c(H0−H1)} g(r0): 2 for squared Frobenius error, 1 for the plain norm. > 0."""
@@ -225,7 +225,7 @@ class EDGCConfig:
             check.number("fusion_mb", allow_zero=True)
         for name in ("adaptive", "warmup_error_test"):
             check.boolean(name)
-        check.choice("rank_mapping", RANK_MAPPINGS)
+        check.choice("rank_mapping", rank_mapping_names())
         check.choice("entropy_estimator", ENTROPY_ESTIMATORS)
         check.choice("budget_signal", signal_names())
         check.number("front_load", allow_zero=False)
@@ -305,11 +305,11 @@ class EDGCConfig:
 
     @property
     def resolved_entropy_estimator(self) -> str:
-        """The estimator in use: 'auto' is 'gaussian' for the cqm mapping (whose error model reads entropy
-        differences as log-scale changes, paper §2.5) and 'histogram' otherwise."""
+        """The estimator in use: 'auto' is the rank mapping's (`edgc.rank_rules.RankMapping.entropy_estimator`:
+        'gaussian' for cqm, whose error model reads entropy differences as log-scale changes, paper §2.5)."""
         if self.entropy_estimator != "auto":
             return self.entropy_estimator
-        return "gaussian" if self.rank_mapping == "cqm" else "histogram"
+        return rank_mapping(self.rank_mapping).entropy_estimator
 
     def to_dict(self) -> dict[str, Any]:
         """Flat plain JSON values (the engine's fields beside the others, tuples as lists), so a dict
@@ -383,8 +383,8 @@ def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
     return [(f.name, default(f), docs.get(f.name, "")) for f in dataclasses.fields(config_class)]
 
 
-__all__ = ["EDGCConfig", "LowRankConfig", "field_docs", "config_table_markdown", "RANK_MAPPINGS", "ENTROPY_ESTIMATORS",
-           "RANK_CHANGES", "ENGINE_FIELDS"]
+__all__ = ["EDGCConfig", "LowRankConfig", "field_docs", "config_table_markdown", "ENTROPY_ESTIMATORS", "RANK_CHANGES",
+           "ENGINE_FIELDS"]
 
 
 def config_table_markdown() -> str:

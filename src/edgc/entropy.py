@@ -28,7 +28,7 @@ import torch
 
 from .config import EDGCConfig
 from .finite import all_finite
-from .signals import SIGNALS
+from .signals import get_signal
 
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
 
@@ -112,7 +112,9 @@ class EntropySampler:
         self.estimator = config.resolved_entropy_estimator
         self.cap = None if config.decisions_read_samples else REPORT_SAMPLE_CAP  # see the module docstring
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
-        self.series: dict[str, list[tuple[int, float]]] = {}  # each budget signal's own measure: (step, value)
+        # The budget signal's own measure, where the config follows one (`edgc.signals`): (step, value)
+        self.signals = (get_signal(config.budget_signal),) if config.rank_budget is not None else ()
+        self.series: dict[str, list[tuple[int, float]]] = {}
         self.nonfinite_total = 0
         self.calls = 0
         self.seconds_total = 0.0  # measured cost of sampling + estimation, all calls
@@ -179,8 +181,8 @@ class EntropySampler:
         return value
 
     def _measure_signals(self, sample: torch.Tensor) -> None:
-        """Every registered budget signal's own value of this step's sample (`edgc.signals`)."""
-        for signal in SIGNALS.values():
+        """The followed budget signal's own value of this step's sample (`edgc.signals`)."""
+        for signal in self.signals:
             value = signal.measure(sample)
             if value is not None and math.isfinite(value):
                 self.series.setdefault(signal.name, []).append((self._step, value))

@@ -3,6 +3,8 @@
 Pure functions of an entropy series, and `PaperRules`, the rank rule that applies them: the one
 `edgc.rank_control.WindowController` follows at window boundaries when no byte budget is set
 (``EDGCConfig.rank_budget = None``, the ``paper`` mode; `edgc.budget.BudgetRule` is the other).
+What a boundary maps to the next rank is a `RankMapping`, registered by name (``delta``, ``cqm``,
+``error-band``; `register_rank_mapping` adds one) and named by ``EDGCConfig.rank_mapping``.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Sequence
 
 from .plans import Agreed, ControllerView, StepPlan
 from .rank_model import ErrorModel, cqm_target_rank
+from .registry import Registry
 
 
 def limit_rank(target: float, previous: int, r_min: int, r_max: int, step_limit: int, granularity: int) -> int:
@@ -115,10 +118,12 @@ def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max:
 class PaperRules:
     """The paper's rank rule: r_min = r_max // 4, compression starts at r_max, and each window
     boundary maps the entropy trend (or, with ``error-band``, the compression error) to a new rank
-    through ``rank_mapping``, at most ``rank_step`` away (`edgc.rank_control`'s docstring)."""
+    through the registered ``rank_mapping`` (`RankMapping`), at most ``rank_step`` away
+    (`edgc.rank_control`'s docstring)."""
 
     def __init__(self, config):
         self.config = config  # the EDGCConfig
+        self.mapping = rank_mapping(config.rank_mapping)
         self._error_model: ErrorModel | None = None  # the cqm mapping's g(r; m, n), built on first use
 
     def default_r_min(self, r_max: int) -> int:
@@ -137,58 +142,139 @@ class PaperRules:
                 shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
                 signals: dict) -> tuple[int, None, None]:
         """(rank, need, target) for the next window; the paper's rules have no need and no target."""
-        if self.config.rank_mapping == "error-band":
-            return self.band_rank(controller, agreed.relative_error), None, None
-        return self.next_rank(controller, entropies, shapes, sample_steps), None, None
+        return self.mapping.next_rank(self, controller, agreed, entropies, shapes, sample_steps), None, None
 
     def next_rank(self, controller: ControllerView, entropies: Sequence[float], shapes: list[tuple[int, int]],
                   sample_steps: Sequence[int] | None = None) -> int:
-        """The rank for the next window: unchanged unless the noise gate accepts an entropy shift."""
-        config, rank, r_min, r_max = self.config, controller.rank, controller.r_min, controller.r_max
-        assert rank is not None and r_min is not None and r_max is not None
-        per_window = max(1, config.window // config.sample_every)
-        if config.entropy_significance == 0:
-            # Gate off: the paper's rule, a new target every window from the last two window means.
-            means = window_means(entropies, per_window)
-            if means is None:
-                return rank
-            h_ref, h_new = means
-            if config.rank_mapping != "cqm":
-                target = delta_target(entropies, per_window, r_min, r_max)
-                return limit_rank(target, rank, r_min, r_max, config.rank_step, config.rank_granularity)
-        else:
-            since = samples_since(entropies, sample_steps, controller.schedule[-1][0] if controller.schedule else None)
-            shift = confirmed_shift(since, per_window, config.entropy_significance)
-            if shift is None:
-                return rank
-            reference, latest = since[:-per_window], since[-per_window:]
-            h_ref, h_new = sum(reference) / len(reference), sum(latest) / len(latest)
-        if config.rank_mapping == "cqm":
-            if self._error_model is None:
-                self._error_model = ErrorModel(samples=config.cqm_mc_samples, seed=config.seed)
-            target: float = cqm_target_rank(self._error_model, shapes, rank, h_ref, h_new,
-                                            config.cqm_exponent, r_min, r_max)
-        else:
-            target = delta_rank(abs(h_new - h_ref), reference_change(entropies, per_window), r_min, r_max)
-        return limit_rank(target, rank, r_min, r_max, config.rank_step, config.rank_granularity)
+        """The rank for the next window from the entropy series alone (no agreed error)."""
+        return self.mapping.next_rank(self, controller, Agreed(), entropies, shapes, sample_steps)
 
-    def band_rank(self, controller: ControllerView, relative_error: float) -> int:
-        """'error-band' mapping: one ``rank_step`` up when the window's mean ‖M−Ĝ‖²/‖M‖² is above the
-        band, one down when below, unchanged inside it or when unmeasured (the band is the hysteresis)."""
-        rank, r_min, r_max = controller.rank, controller.r_min, controller.r_max
-        assert rank is not None and r_min is not None and r_max is not None
-        low, high = self.config.error_band
+    @property
+    def per_window(self) -> int:
+        """Entropy samples per window."""
+        return max(1, self.config.window // self.config.sample_every)
+
+    def entropy_levels(self, controller: ControllerView, entropies: Sequence[float],
+                       sample_steps: Sequence[int] | None) -> tuple[float, float] | None:
+        """(H before, H now) of an entropy move the rule acts on, or None (the rank stays). Gate off
+        (``entropy_significance`` 0): the paper's rule, the last two window means, every window.
+        Gate on: the reference since the last rank change against the latest window, when the noise
+        gate confirms the shift."""
+        per_window = self.per_window
+        if self.config.entropy_significance == 0:
+            return window_means(entropies, per_window)
+        since = samples_since(entropies, sample_steps, controller.schedule[-1][0] if controller.schedule else None)
+        if confirmed_shift(since, per_window, self.config.entropy_significance) is None:
+            return None
+        reference, latest = since[:-per_window], since[-per_window:]
+        return sum(reference) / len(reference), sum(latest) / len(latest)
+
+    def error_model(self) -> ErrorModel:
+        """The cqm mapping's error model g(r; m, n), of this config's draws and seed."""
+        if self._error_model is None:
+            self._error_model = ErrorModel(samples=self.config.cqm_mc_samples, seed=self.config.seed)
+        return self._error_model
+
+    def limit(self, target: float, controller: ControllerView) -> int:
+        """``target`` on the rank grid, at most ``rank_step`` from the rank in force (`limit_rank`)."""
+        return limit_rank(target, controller.rank, controller.r_min, controller.r_max,  # type: ignore[arg-type]
+                          self.config.rank_step, self.config.rank_granularity)
+
+
+# ---------------------------------------------------------------------------- rank mappings
+class RankMapping:
+    """What the paper's rule maps a window to (``EDGCConfig.rank_mapping`` names one registered
+    here): by default an entropy move that `PaperRules.entropy_levels` accepts, through `target`.
+    ``entropy_estimator`` is what ``entropy_estimator='auto'`` means under it. A new mapping is one
+    class and one `register_rank_mapping`."""
+
+    name: str = ""
+    entropy_estimator: str = "histogram"
+
+    def next_rank(self, rules: PaperRules, controller: ControllerView, agreed: Agreed, entropies: Sequence[float],
+                  shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None) -> int:
+        """The rank for the next window: unchanged unless the entropy moved (see the class docstring)."""
+        assert controller.rank is not None and controller.r_min is not None and controller.r_max is not None
+        levels = rules.entropy_levels(controller, entropies, sample_steps)
+        if levels is None:
+            return controller.rank
+        return rules.limit(self.target(rules, controller, *levels, entropies=entropies, shapes=shapes), controller)
+
+    def target(self, rules: PaperRules, controller: ControllerView, before: float, now: float, *,
+               entropies: Sequence[float], shapes: list[tuple[int, int]]) -> float:
+        """The unrounded rank for an entropy move from ``before`` to ``now`` (nats)."""
+        raise NotImplementedError
+
+
+class DeltaMapping(RankMapping):
+    """The authors' linear map of the entropy change (`delta_rank`)."""
+
+    name = "delta"
+
+    def target(self, rules, controller, before, now, *, entropies, shapes) -> float:
+        change_ref = reference_change(entropies, rules.per_window)
+        return delta_rank(abs(now - before), change_ref, controller.r_min, controller.r_max)  # type: ignore[arg-type]
+
+
+class CQMMapping(RankMapping):
+    """CQM: the rank whose truncation error follows the entropy move (`edgc.rank_model.cqm_target_rank`)."""
+
+    name = "cqm"
+    entropy_estimator = "gaussian"  # its error model reads entropy differences as log-scale changes (paper §2.5)
+
+    def target(self, rules, controller, before, now, *, entropies, shapes) -> float:
+        config = rules.config
+        return cqm_target_rank(rules.error_model(), shapes, controller.rank, before, now, config.cqm_exponent,
+                               controller.r_min, controller.r_max)  # type: ignore[arg-type]
+
+
+class ErrorBandMapping(RankMapping):
+    """Keeps the window's mean ‖M−Ĝ‖²/‖M‖² in ``EDGCConfig.error_band``: one ``rank_step`` up above the
+    band, one down below it, unchanged inside it or when unmeasured (the band is the hysteresis)."""
+
+    name = "error-band"
+
+    def next_rank(self, rules, controller, agreed, entropies, shapes, sample_steps) -> int:
+        return self.rank_for_error(rules, controller, agreed.relative_error)
+
+    def rank_for_error(self, rules: PaperRules, controller: ControllerView, error: float) -> int:
+        """The next rank where the window's mean relative error was ``error`` (NaN: unmeasured)."""
+        config, rank = rules.config, controller.rank
+        assert rank is not None
+        low, high = config.error_band
         target = rank
-        if math.isfinite(relative_error) and relative_error > high:
-            target = rank + self.config.rank_step
-        elif math.isfinite(relative_error) and relative_error < low:
-            target = rank - self.config.rank_step
+        if math.isfinite(error) and error > high:
+            target = rank + config.rank_step
+        elif math.isfinite(error) and error < low:
+            target = rank - config.rank_step
         if target == rank:
             return rank
-        granularity = self.config.rank_granularity
         if target > rank:  # round up, so a move up is never swallowed by the granularity
-            target = -(-target // granularity) * granularity
-        return limit_rank(target, rank, r_min, r_max, self.config.rank_step, granularity)
+            target = -(-target // config.rank_granularity) * config.rank_granularity
+        return rules.limit(target, controller)
+
+
+RANK_MAPPINGS: Registry[RankMapping] = Registry("rank mapping")
+
+
+def register_rank_mapping(mapping: RankMapping) -> RankMapping:
+    """Make ``mapping`` available as ``EDGCConfig.rank_mapping = mapping.name``."""
+    if not isinstance(mapping, RankMapping):
+        raise ValueError(f"a rank mapping is a RankMapping, got {mapping!r}")
+    return RANK_MAPPINGS.add(mapping.name, mapping)
+
+
+def rank_mapping_names() -> tuple[str, ...]:
+    """The registered mappings' names, in registration order."""
+    return RANK_MAPPINGS.names()
+
+
+def rank_mapping(name: str) -> RankMapping:
+    return RANK_MAPPINGS.find(name)
+
+
+for _mapping in (DeltaMapping(), CQMMapping(), ErrorBandMapping()):
+    register_rank_mapping(_mapping)
 
 
 def samples_since(entropies: Sequence[float], sample_steps: Sequence[int] | None, since: int | None) -> list[float]:

@@ -11,8 +11,8 @@ of its two window means.
 Where the series come from, all (step, value) pairs handed to `BudgetSignal.need` by name:
 
 * a signal's own ``measure``: a value of each sampled step's GDS sample (every k-th finite element
-  of this rank's gradient, fp32), which `edgc.entropy.EntropySampler` takes for every registered
-  signal and keeps with its checkpoint (``gradnorm``);
+  of this rank's gradient, fp32), which `edgc.entropy.EntropySampler` takes for the signal its
+  config follows (none without a budget) and keeps with its checkpoint (``gradnorm``);
 * ``entropy``: the GDS entropy of each sampled step (the series the paper's rules read too);
 * ``error``: the controller's window means of ‖M−Ĝ‖²/‖M‖², this decision's included;
 * none: ``schedule``'s need is the fraction of the compressed steps still to come.
@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .rank_rules import delta_ratio
+from .registry import Registry
 
 Series = Sequence[tuple[int, float]]  # (step, value), in step order
 
@@ -124,28 +125,23 @@ class ErrorSignal(BudgetSignal):
     name = "error"
 
 
-SIGNALS: dict[str, BudgetSignal] = {}
+SIGNALS: Registry[BudgetSignal] = Registry("budget signal")
 
 
 def register_signal(signal: BudgetSignal) -> BudgetSignal:
     """Make ``signal`` available as ``EDGCConfig.budget_signal = signal.name`` (and to the experiments)."""
-    if not isinstance(signal, BudgetSignal) or not signal.name:
-        raise ValueError(f"a budget signal is a named BudgetSignal, got {signal!r}")
-    if signal.name in SIGNALS:
-        raise ValueError(f"budget signal {signal.name!r} is already registered")
-    SIGNALS[signal.name] = signal
-    return signal
+    if not isinstance(signal, BudgetSignal):
+        raise ValueError(f"a budget signal is a BudgetSignal, got {signal!r}")
+    return SIGNALS.add(signal.name, signal)
 
 
 def signal_names() -> tuple[str, ...]:
     """The registered signals' names, in registration order."""
-    return tuple(SIGNALS)
+    return SIGNALS.names()
 
 
 def get_signal(name: str) -> BudgetSignal:
-    if name not in SIGNALS:
-        raise ValueError(f"unknown budget signal {name!r}; registered: {', '.join(SIGNALS)}")
-    return SIGNALS[name]
+    return SIGNALS.find(name)
 
 
 for _signal in (ScheduleSignal(), GradNormSignal(), EntropySignal(), ErrorSignal()):

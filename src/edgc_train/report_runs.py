@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgc.rank_rules import RANK_MAPPINGS
+
 SKIP_STEPS = 3  # steps excluded from the medians (one-off start-up costs)
 
 
@@ -176,7 +178,8 @@ def estimator_name(edgc: dict) -> str:
     """The entropy estimator a run used ('auto' resolves as EDGCConfig does)."""
     name = edgc.get("entropy_estimator", "histogram")
     if name == "auto":
-        return "gaussian" if edgc.get("rank_mapping") == "cqm" else "histogram"
+        mapping = RANK_MAPPINGS.get(edgc.get("rank_mapping", "delta"))  # one this process registered
+        return mapping.entropy_estimator if mapping is not None else "histogram"
     return name
 
 

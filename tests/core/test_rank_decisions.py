@@ -101,7 +101,8 @@ def test_error_band_mapping_moves_one_step_towards_the_band_and_rests_inside_it(
     assert set(ranks) == {32}
     controller = WindowController(cfg)
     controller.phase, controller.rank, controller.r_min = COMPRESS, 8, 8
-    assert controller.rule.band_rank(controller, 0.5) == 12 and controller.rule.band_rank(controller, math.nan) == 8
+    band, rules = controller.rule.mapping, controller.rule
+    assert band.rank_for_error(rules, controller, 0.5) == 12 and band.rank_for_error(rules, controller, math.nan) == 8
 
 
 def test_warmup_ends_at_its_ceiling_when_the_error_test_never_passes():
