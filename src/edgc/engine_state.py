@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import rank_change, streams
+from . import streams
 from .config import LowRankConfig
-from .factors import (matrix_shape, orthonormalization_for, orthonormalize_blocks_, restart_dead_entries_,
-                      stable_seed)
+from .factors import matrix_shape, orthonormalize_blocks_, restart_dead_entries_, stable_seed
 from .layout import CallLayout
 from .timing import to_device
 
@@ -56,7 +55,9 @@ def _still_kept(buffer: torch.Tensor | None, views: list[torch.Tensor], store: d
 
 
 class EngineState:
-    """The engine's state and its step protocol; `edgc.lowrank.LowRankCompressor` computes on it."""
+    """The engine's state and its step protocol (see the module docstring); the
+    `edgc.lowrank.LowRankCompressor` that holds it (``compressor.state``) computes on it.
+    ``config``: the engine's `LowRankConfig`."""
 
     def __init__(self, config: LowRankConfig):
         self.config = config
@@ -64,7 +65,6 @@ class EngineState:
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.keep_uncommitted = False
-        self.force_accelerator_kernels = False
         self._calls: dict[tuple, CallState] = {}
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
@@ -128,13 +128,13 @@ class EngineState:
         for call in self._calls.values():
             call.arena, call.spare, call.error_views = None, None, []
 
-    def _note_resized(self, previous: dict[str, torch.Tensor]) -> None:
+    def note_resized(self, previous: dict[str, torch.Tensor]) -> None:
         if self._tracking:
             for name, q in previous.items():
                 self._resized.setdefault(name, q)
 
     # ------------------------------------------------------------------ per-call buffers
-    def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
+    def call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
         key = (tuple(names), rank)
         shapes = tuple(tuple(g.shape) for g in grads)
         call = self._calls.get(key)
@@ -151,7 +151,7 @@ class EngineState:
                     self.shapes[name] = shape
         return call
 
-    def _flush_into_raw(self, layout: CallLayout, grads: list[torch.Tensor]) -> None:
+    def flush_into_raw(self, layout: CallLayout, grads: list[torch.Tensor]) -> None:
         """A matrix sent raw now (after a rank change) takes its pending residual with it."""
         for i in layout.raw:
             pending = self.error.pop(layout.names[i], None)
@@ -160,7 +160,7 @@ class EngineState:
                 if self.keep_uncommitted:
                     self._step_popped[layout.names[i]] = pending
 
-    def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype) -> torch.Tensor:
+    def form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype) -> torch.Tensor:
         """M = G + e of every compressed matrix, in the arena, added from each gradient where it lies:
         no gathered copy of the gradients, so a pass reads G once and e once and writes M once (one
         ``_foreach_add_``: one multi-tensor kernel where G and e share a dtype, one kernel per matrix
@@ -182,17 +182,6 @@ class EngineState:
             self._touched.append(call.arena)
         return call.arena
 
-    def orthonormalization(self, device: torch.device) -> str:
-        """The method that orthonormalises this engine's factors on ``device`` (`edgc.factors`):
-        ``LowRankConfig.orthonormalization`` where it names one, else the device's
-        (`edgc.factors.orthonormalization_for`). ``force_accelerator_kernels`` makes a CPU take a
-        fast-float64 GPU's (a dispatch count, a test of that path on the CPU)."""
-        if self.config.orthonormalization != "auto":
-            return self.config.orthonormalization
-        if self.force_accelerator_kernels and device.type == "cpu":
-            return "cholesky2-fp64"
-        return orthonormalization_for(device)
-
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
         return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
 
@@ -212,7 +201,7 @@ class EngineState:
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
-    def _keep_residual(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def keep_residual(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
         writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
         in the arena's dtype. Over M in place, or (uncommitted) into the spare arena, M left intact
@@ -232,7 +221,8 @@ class EngineState:
         self._use_arena(call, residual)
 
     # ------------------------------------------------------------------ Q
-    def _warm_start(self, call: CallState, device: torch.device, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def warm_start(self, call: CallState, device: torch.device, compute: torch.dtype,
+                   method: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(stored Qᵀ, Qᵀ with rows orthonormalised and dead rows restarted) of the call's matrices,
         laid out as its Q buffer.
 
@@ -246,7 +236,7 @@ class EngineState:
         if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
             call.replacement = self._replacement_rows(call, device, compute)
         q_in = orthonormalize_blocks_(source, call.layout.q_blocks, self.config.orthogonalization_epsilon,
-                                      method=self.orthonormalization(device), out=torch.empty_like(source))
+                                      method=method, out=torch.empty_like(source))
         restart_dead_entries_(q_in, call.layout.q_blocks, call.replacement)
         return source, q_in
 
@@ -257,11 +247,29 @@ class EngineState:
         buffer = torch.empty(call.layout.q_numel, device=device, dtype=compute)
         for group in call.layout.groups:
             stored = [self.q.get(name) for name in group.names]
-            self._note_resized({n: q for n, q in zip(group.names, stored) if q is not None and q.shape[1] != group.rank})
-            columns = [rank_change.resize_q(self, name, group.n, group.rank, device).to(compute).T
+            self.note_resized({n: q for n, q in zip(group.names, stored) if q is not None and q.shape[1] != group.rank})
+            columns = [self.resized_q(name, group.n, group.rank, device).to(compute).T
                        for name in group.names]
             group.q_view(buffer).copy_(torch.stack(columns))
         return buffer
+
+    def resized_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
+        """This parameter's warm-start Q (``n`` = its column count) with exactly ``rank`` columns: the
+        first ``rank`` of the stored ones, or those followed by columns drawn from a generator seeded
+        by (seed, name, old rank, new rank); a seeded draw where none is stored (`edgc.rank_change`)."""
+        q = self.q.get(name)
+        if q is not None and q.shape[0] != n:
+            q = None  # the parameter changed shape: start over
+        if q is None:
+            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name))
+            q = to_device(torch.randn(n, rank, generator=generator), device)
+        elif q.shape[1] > rank:
+            q = q[:, :rank]
+        elif q.shape[1] < rank:
+            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, q.shape[1], rank))
+            extra = to_device(torch.randn(n, rank - q.shape[1], generator=generator), device)
+            q = torch.cat([q, extra], dim=1)
+        return q
 
     def _replacement_rows(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
         """Unit rows, one (r, n) set per Q block, shared by its matrices: a restarted direction only has
@@ -274,7 +282,7 @@ class EngineState:
         rows = torch.cat(drawn) if drawn else torch.empty(0, dtype=torch.float64)
         return to_device(rows.to(compute), device)
 
-    def _keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:
+    def keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:
         call.q_flat = q_flat
         call.q_views = [q.T for group in call.layout.groups for q in group.q_view(q_flat).unbind(0)]
         self.q.update(zip(call.layout.compressed_names, call.q_views))

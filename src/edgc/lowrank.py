@@ -21,18 +21,20 @@ Batched by shape. A call's matrices of one (m, n, rank) are one batch in the pro
 M (P, Q and the residual, on the error-feedback arena), its P's (and Q's) share one flat buffer,
 and the orthonormalisation is one batched Cholesky QR per rank on an accelerator, a Householder
 QR per block on a CPU (`edgc.layout.CallLayout`, `edgc.factors.orthonormalize_blocks_`,
-`EngineState.orthonormalization`). What touches the gradients goes matrix by matrix, where they
+`LowRankCompressor.orthonormalization`). What touches the gradients goes matrix by matrix, where they
 lie: M = G + e reads each gradient once, Ĝ is written straight into it, and no copy of the
 gradients is made (bytes and memory: `edgc_bench.dispatch_count`). A call issues three
 all-reduces (raw + a non-finite flag, P, Q). A call's layout, its error-feedback arena and its Q
-buffer are kept from step to step (`_CallState`), so a steady step copies no Q and allocates no
-error feedback.
+buffer are kept from step to step (`edgc.engine_state.CallState`), so a steady step copies no Q and
+allocates no error feedback. A call is a job of three stretches between its two yields: form M and
+P and send P (`_send_p`), take the raw average and send Q (`_send_q`), then decompress and keep
+(`_finish`); with ``power_iterations = 2`` the compressed matrices go through a second call.
 
-The engine owns its state: Q and error feedback per parameter name (``q``, ``error``; read them,
-change them through the methods), `snapshot`/`restore` of the shared part (Q), `commit`/`rollback`
-of an uncommitted step (``begin_step(uncommitted=True)``: the residual goes to a spare arena so that
-M survives; rollback makes M the error feedback again, so the step's gradient is sent next time),
-`end_step` after a non-finite step, `change_rank`, `drop_error`, and `state_dict`.
+The compressor holds its state (``compressor.state``, an `edgc.engine_state.EngineState`): Q and error
+feedback per parameter name (``q``, ``error``, read here too), `snapshot`/`restore` of the shared
+part (Q), `commit`/`rollback` of an uncommitted step (``begin_step(uncommitted=True)``: the residual
+goes to a spare arena so that M survives; rollback makes M the error feedback again, so the step's
+gradient is sent next time), `end_step` after a non-finite step, `drop_error`, and `state_dict`.
 
 Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64); error
 feedback in the gradient's dtype with ``error_feedback_dtype='gradient'``.
@@ -45,11 +47,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rank_change
-from .comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
+from .comm import FINISHES, ISSUES_MORE, Communicator, Job, Pending, run_job
 from .config import EDGCConfig, LowRankConfig
 from .engine_state import CallState, EngineState
+from .factors import (compressed_rank, matrix_shape, orthonormalization_for, orthonormalize_blocks_,
+                      orthonormalize_rows_, stable_seed)
 from .finite import nan_unless_finite
-from .factors import compressed_rank, matrix_shape, orthonormalize_blocks_, orthonormalize_rows_, stable_seed
 from .layout import CallLayout
 from .timing import to_device
 
@@ -100,32 +103,87 @@ def _half_wire_shift(size: int) -> float:
     return 2.0 ** -math.ceil(math.log2(max(1.0, math.sqrt(size))))
 
 
-class LowRankCompressor(EngineState):
-    """PowerSGD state (Q factors, error feedback) keyed by parameter name; see the module docstring."""
+@dataclass
+class _Call:
+    """What one call carries from one stretch of its job to the next (see `LowRankCompressor.reduce_steps`)."""
+
+    kept: CallState
+    grads: list[torch.Tensor]
+    compute: torch.dtype  # of M, P and Q: float64 for float64 gradients, else float32
+    wire: torch.dtype  # of P and Q on the wire
+    half_wire: bool  # an fp16 wire between ranks: factors scaled by a power of two (`_half_wire_shift`)
+    measure_error: bool
+    stats: ReduceStats
+    arena: torch.Tensor | None = None  # M, in the error-feedback arena
+    q_stored: torch.Tensor | None = None  # the warm start as stored (kept again after a non-finite step)
+    p_flat: torch.Tensor | None = None
+    q_flat: torch.Tensor | None = None
+    raw_flat: torch.Tensor | None = None  # the raw tensors and the non-finite flag, averaged
+    poison: torch.Tensor | None = None  # 0 or NaN: NaN when the group saw a NaN/Inf
+    local_q: torch.Tensor | None = None  # Q = Mᵀ·P before the average (the error measurement)
+
+    @property
+    def layout(self) -> CallLayout:
+        return self.kept.layout
+
+
+class LowRankCompressor:
+    """PowerSGD compression of named gradients with error feedback and warm-started Q; see the module
+    docstring. ``config``: the engine's `LowRankConfig` (or an `EDGCConfig`, whose ``engine`` it is).
+
+    ``state``: what it keeps between steps (`edgc.engine_state.EngineState`); ``power_iterations``:
+    1, or 2 for a second power iteration on the compressed matrices (DiLoCo's outer sync);
+    ``force_accelerator_kernels``: a CPU runs a fast-float64 GPU's orthonormalisation (a dispatch
+    count, a test of that path)."""
 
     def __init__(self, config: LowRankConfig | EDGCConfig):
-        """``config``: the engine's own settings, or an `EDGCConfig` whose `EDGCConfig.engine` they are."""
         if isinstance(config, EDGCConfig):
             config = config.engine
         if not isinstance(config, LowRankConfig):
             raise TypeError(f"LowRankCompressor takes a LowRankConfig (or an EDGCConfig), got {type(config).__name__}")
-        super().__init__(config)
+        self.config = config
+        self.state = EngineState(config)
+        self.power_iterations = 1
+        self.force_accelerator_kernels = False
+
+    @property
+    def q(self) -> dict[str, torch.Tensor]:
+        """name → (n, r) warm-start Q, identical on every rank (`EngineState.q`)."""
+        return self.state.q
+
+    @property
+    def error(self) -> dict[str, torch.Tensor]:
+        """name → (m, n) error feedback of this rank (`EngineState.error`)."""
+        return self.state.error
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
-    def resize_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
-        """This parameter's warm-start Q with exactly ``rank`` columns (`edgc.rank_change.resize_q`)."""
-        return rank_change.resize_q(self, name, n, rank, device)
+    def orthonormalization(self, device: torch.device) -> str:
+        """The method that orthonormalises this engine's factors on ``device`` (`edgc.factors`):
+        ``LowRankConfig.orthonormalization`` where it names one, else the device's
+        (`edgc.factors.orthonormalization_for`; a fast-float64 GPU's with ``force_accelerator_kernels``)."""
+        if self.config.orthonormalization != "auto":
+            return self.config.orthonormalization
+        if self.force_accelerator_kernels and device.type == "cpu":
+            return "cholesky2-fp64"
+        return orthonormalization_for(device)
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
         one blocking all-reduce when some Q grows under the 'warm' rule; (elements, bytes) it sent."""
         before = dict(self.q)
-        sent = rank_change.change_rank(self, rank, comm)
-        self._note_resized({name: q for name, q in before.items() if self.q.get(name) is not q})
+        sent = rank_change.change_rank(self.state, rank, comm)
+        self.state.note_resized({name: q for name, q in before.items() if self.q.get(name) is not q})
         return sent
+
+    def state_dict(self, *, include_error: bool = True) -> dict:
+        """`EngineState.state_dict`."""
+        return self.state.state_dict(include_error=include_error)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
 
     def reduce(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
                *, measure_error: bool = True) -> ReduceStats:
@@ -134,92 +192,136 @@ class LowRankCompressor(EngineState):
 
     def reduce_steps(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
                      *, measure_error: bool = False) -> Job:
-        """The compressed average of ``grads`` as a job (`edgc.comm`): three collectives, two yields.
+        """The compressed average of ``grads`` as a job (`edgc.comm`): three collectives, two yields
+        per power iteration; returns `ReduceStats`.
 
         Forms M = G + e in the error-feedback arena and Pᵀ = Qᵀ·Mᵀ, issues the raw tensors (+ a
         non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·M and issues it,
         yields; writes Ĝ = P·Qᵀ into the gradients and e = M − P·Qᵀ. No host read of a device value:
-        a non-finite step is handled by device-side selects, and the caller calls `end_step` when
-        it learns of one. Returns `ReduceStats`.
+        a non-finite step is handled by device-side selects, and the caller calls
+        `EngineState.end_step` when it learns of one. A second power iteration repeats this on the
+        compressed matrices, whose M = Ĝ₁ + e₁ is the same M, from the Q just agreed: its P and Q
+        cost as many bytes again, and the step's error is its own.
         """
-        config = self.config
-        call = self._call_state(names, grads, rank)
-        layout = call.layout
-        grad_dtype, device = grads[0].dtype, grads[0].device
-        compute = torch.float64 if grad_dtype == torch.float64 else torch.float32
-        wire = DTYPES[config.communication_dtype] if config.communication_dtype else grad_dtype
-        half_wire = wire == torch.float16 and comm.world_size > 1
-        stats = ReduceStats(ranks=dict(layout.ranks))
+        stats = yield from self._power_iteration(names, grads, rank, comm, measure_error)
+        for _ in range(self.power_iterations - 1):
+            compressed = [i for i, name in enumerate(names) if stats.ranks.get(name)]
+            if not compressed:
+                break
+            again = yield from self._power_iteration([names[i] for i in compressed], [grads[i] for i in compressed],
+                                                     rank, comm, measure_error)
+            stats.elements_sent += again.elements_sent
+            stats.bytes_sent += again.bytes_sent
+            stats.error_sq, stats.norm_sq = again.error_sq, again.norm_sq
+            stats.nonfinite = stats.nonfinite | again.nonfinite
+        return stats
+
+    def _power_iteration(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
+                         measure_error: bool) -> Job:
+        """One call of `reduce_steps`: its three stretches between two yields."""
+        run = self._start(names, grads, rank, comm, measure_error)
+        raw_sent, p_sent = self._send_p(run, comm)
+        yield ISSUES_MORE if run.layout.groups else FINISHES
+        if not self._take_raw(run, raw_sent):
+            return run.stats
+        q_sent = self._send_q(run, p_sent, comm)
+        yield FINISHES
+        self._finish(run, q_sent)
+        return run.stats
+
+    def _start(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
+               measure_error: bool) -> _Call:
+        """The call's kept buffers and dtypes; a matrix sent raw now takes its pending residual along."""
+        kept = self.state.call_state(names, grads, rank)
+        grad_dtype = grads[0].dtype
+        wire = DTYPES[self.config.communication_dtype] if self.config.communication_dtype else grad_dtype
+        stats = ReduceStats(ranks=dict(kept.layout.ranks))
         stats.elements_raw = sum(g.numel() for g in grads)
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
-        self._flush_into_raw(layout, grads)
+        self.state.flush_into_raw(kept.layout, grads)
+        return _Call(kept, grads, torch.float64 if grad_dtype == torch.float64 else torch.float32, wire,
+                     wire == torch.float16 and comm.world_size > 1, measure_error, stats)
 
-        # ---- M = G + e in the arena, Pᵀ = Qᵀ·Mᵀ (one batched product per shape group).
-        arena = self._form_m(call, grads, compute)
-        q_stored, q_in = self._warm_start(call, device, compute) if layout.groups else (None, None)
-        p_flat = torch.empty(layout.p_numel, device=device, dtype=compute)
-        q_flat = torch.empty(layout.q_numel, device=device, dtype=compute)
+    def _send_p(self, run: _Call, comm: Communicator) -> tuple[Pending, Pending | None]:
+        """First stretch: M = G + e in the arena and Pᵀ = Qᵀ·Mᵀ (one batched product per shape group);
+        issue the raw tensors with their non-finite flag, and P."""
+        layout, grads, device = run.layout, run.grads, run.grads[0].device
+        run.arena = self.state.form_m(run.kept, grads, run.compute)
+        q_in = None
+        if layout.groups:
+            run.q_stored, q_in = self.state.warm_start(run.kept, device, run.compute, self.orthonormalization(device))
+        run.p_flat = torch.empty(layout.p_numel, device=device, dtype=run.compute)
+        run.q_flat = torch.empty(layout.q_numel, device=device, dtype=run.compute)
         for group in layout.groups:
-            _bmm_into(group.p_view(p_flat), group.q_view(q_in), group.error_view(arena).transpose(1, 2))
-            if half_wire:  # P is orthonormalised after the sum: its scale is free
-                group.p_view(p_flat).mul_(_half_wire_shift(group.n))
-
+            _bmm_into(group.p_view(run.p_flat), group.q_view(q_in), group.error_view(run.arena).transpose(1, 2))
+            if run.half_wire:  # P is orthonormalised after the sum: its scale is free
+                group.p_view(run.p_flat).mul_(_half_wire_shift(group.n))
         # Raw tensors plus one flag element, 0 or NaN: NaN when anything is non-finite here
         # (`edgc.finite`: sums that finite half-precision values cannot overflow). It stays NaN
         # through the average, so every rank learns of a NaN/Inf anywhere in the group. A NaN/Inf
         # anywhere in M makes its P non-finite, so P stands for the compressed part.
-        raw_flat = torch.cat([grads[i].reshape(-1) for i in layout.raw] + [grads[0].new_zeros(1)])
-        raw_flat[-1:].copy_(nan_unless_finite(p_flat, raw_flat[:-1]))
-        raw_sent = comm.mean_async(raw_flat)
-        stats.elements_sent = raw_flat.numel()
-        stats.bytes_sent = raw_flat.numel() * raw_flat.element_size()
-        if layout.groups:
-            p_sent = comm.mean_async(p_flat, wire)
-            self._count_sent(stats, p_flat, wire)
-        yield ISSUES_MORE if layout.groups else FINISHES
-
-        raw_sent.wait()
-        if layout.raw:
-            torch._foreach_copy_([grads[i].view(-1) for i in layout.raw],
-                                 list(raw_flat[:-1].split([grads[i].numel() for i in layout.raw])))
-        poison = raw_flat[-1:].float()  # identical on every rank: it is an average
+        run.raw_flat = torch.cat([grads[i].reshape(-1) for i in layout.raw] + [grads[0].new_zeros(1)])
+        run.raw_flat[-1:].copy_(nan_unless_finite(run.p_flat, run.raw_flat[:-1]))
+        raw_sent = comm.mean_async(run.raw_flat)
+        run.stats.elements_sent = run.raw_flat.numel()
+        run.stats.bytes_sent = run.raw_flat.numel() * run.raw_flat.element_size()
         if not layout.groups:
-            stats.nonfinite = poison.isnan().reshape(())
-            return stats
-        p_sent.wait()
+            return raw_sent, None
+        p_sent = comm.mean_async(run.p_flat, run.wire)
+        self._count_sent(run.stats, run.p_flat, run.wire)
+        return raw_sent, p_sent
 
-        # ---- orth(P), Qᵀ = Pᵀ·M. A factorisation that fails leaves its rows NaN, and so its Q: the
-        # flag below catches it, and the step is non-finite rather than wrong.
-        orthonormalize_blocks_(p_flat, layout.p_blocks, config.orthogonalization_epsilon,
-                               method=self.orthonormalization(device))
+    def _take_raw(self, run: _Call, raw_sent: Pending) -> bool:
+        """Second stretch, first part: the raw tensors' average into their gradients and the group's
+        non-finite flag; whether the call compresses anything (else it is done)."""
+        raw_sent.wait()
+        layout, raw_flat = run.layout, run.raw_flat
+        if layout.raw:
+            torch._foreach_copy_([run.grads[i].view(-1) for i in layout.raw],
+                                 list(raw_flat[:-1].split([run.grads[i].numel() for i in layout.raw])))
+        run.poison = raw_flat[-1:].float()  # identical on every rank: it is an average
+        if not layout.groups:
+            run.stats.nonfinite = run.poison.isnan().reshape(())
+        return bool(layout.groups)
+
+    def _send_q(self, run: _Call, p_sent: Pending, comm: Communicator) -> Pending:
+        """Second stretch: orth(P), Qᵀ = Pᵀ·M, issue Q. A factorisation that fails leaves its rows NaN,
+        and so its Q: the flag catches it, and the step is non-finite rather than wrong."""
+        p_sent.wait()
+        layout, p_flat, q_flat = run.layout, run.p_flat, run.q_flat
+        orthonormalize_blocks_(p_flat, layout.p_blocks, self.config.orthogonalization_epsilon,
+                               method=self.orthonormalization(p_flat.device))
         for group in layout.groups:
-            _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(arena))
-        if measure_error:
-            local_q = q_flat.clone()
-            stats.norm_sq = _squared_norm(arena, layout)
-        if half_wire:
+            _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(run.arena))
+        if run.measure_error:
+            run.local_q = q_flat.clone()
+            run.stats.norm_sq = _squared_norm(run.arena, layout)
+        if run.half_wire:
             for group in layout.groups:
                 group.q_view(q_flat).mul_(_half_wire_shift(group.m))
-        q_sent = comm.mean_async(q_flat, wire)
-        self._count_sent(stats, q_flat, wire)
-        yield FINISHES
+        q_sent = comm.mean_async(q_flat, run.wire)
+        self._count_sent(run.stats, q_flat, run.wire)
+        return q_sent
 
+    def _finish(self, run: _Call, q_sent: Pending) -> None:
+        """Third stretch: the group's verdict on finiteness (an fp16 wire can overflow; the averages are
+        identical on every rank, so is the verdict), Ĝ and e, the new Q (the stored one after a
+        non-finite step), and ‖M − Ĝ‖² where measured."""
         q_sent.wait()
-        if half_wire:
-            for group in layout.groups:
+        q_flat = run.q_flat
+        if run.half_wire:
+            for group in run.layout.groups:
                 group.q_view(q_flat).div_(_half_wire_shift(group.m))
-        # An fp16 wire can overflow; the averages are identical on every rank, so is the verdict.
-        poison = poison + nan_unless_finite(q_flat)
+        poison = run.poison + nan_unless_finite(q_flat)
         bad = poison.isnan().reshape(())
-        stats.nonfinite = bad
-        self._decompress(call, grads, arena, p_flat, q_flat, poison)
-        self._keep_q(call, torch.where(bad, q_stored, q_flat))
-        if measure_error:
+        run.stats.nonfinite = bad
+        self._decompress(run.kept, run.grads, run.arena, run.p_flat, q_flat, poison)
+        self.state.keep_q(run.kept, torch.where(bad, run.q_stored, q_flat))
+        if run.measure_error:
             # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
-            cross = torch.dot(local_q, q_flat).to(torch.float64)
+            cross = torch.dot(run.local_q, q_flat).to(torch.float64)
             square = torch.dot(q_flat, q_flat).to(torch.float64)
-            stats.error_sq = (stats.norm_sq - 2 * cross + square).clamp(min=0)
-        return stats
+            run.stats.error_sq = (run.stats.norm_sq - 2 * cross + square).clamp(min=0)
 
     def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor, p_flat: torch.Tensor,
                     q_flat: torch.Tensor, poison: torch.Tensor) -> None:
@@ -250,7 +352,7 @@ class LowRankCompressor(EngineState):
         if not half:  # one cast of each flat buffer to the arena's dtype, not one per group
             p_grad, q_grad = p_grad.to(arena.dtype), q_grad.to(arena.dtype)
             factors = [(group.p_view(p_grad), group.q_view(q_grad)) for group in call.layout.groups]
-        self._keep_residual(call, arena, [(p.to(arena.dtype), q.to(arena.dtype)) for p, q in factors])
+        self.state.keep_residual(call, arena, [(p.to(arena.dtype), q.to(arena.dtype)) for p, q in factors])
 
     @staticmethod
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:

@@ -8,76 +8,47 @@ Q·V's column norms are the singular values of the last step's approximation; on
 eigendecomposition for all of them), and a rising rank adds directions where the residuals are
 largest (one power iteration eᵀ·e·Ω on the residual e (m × n), Q being on the n side,
 averaged over the group by one all-reduce so every replica appends the same
-columns), orthogonal to the kept ones. ``'truncate'`` (`resize_q` alone) keeps the first r columns and appends columns drawn from a
-generator seeded by (seed, parameter name, old rank, new rank): no communication, but the new
-directions are random and the kept ones are whichever came first.
+columns), orthogonal to the kept ones. ``'truncate'`` (`edgc.engine_state.EngineState.resized_q`
+alone) keeps the first r columns and appends columns drawn from a generator seeded by (seed,
+parameter name, old rank, new rank): no communication, but the new directions are random and the
+kept ones are whichever came first.
 
-`change_rank` runs before the first step at the new rank, on every rank alike; `resize_q` runs
-inside a step for each matrix and covers what `change_rank` left (truncate mode, new matrices).
+`change_rank` runs before the first step at the new rank, on every rank alike, on the engine's
+`edgc.engine_state.EngineState`; ``resized_q`` runs inside a step for each matrix and covers what
+`change_rank` left (truncate mode, new matrices).
 """
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
 from .comm import Communicator
-from .config import EDGCConfig
-from .factors import orthogonalize_, stable_seed
+from .engine_state import EngineState
+from .factors import compressed_rank, orthogonalize_, stable_seed
 from .timing import host_reads_allowed, to_device
 
 
-class Factors(Protocol):
-    """What a rank change reads and writes of the engine (`edgc.lowrank.LowRankCompressor`)."""
-
-    config: EDGCConfig
-    q: dict[str, torch.Tensor]  # name → (n, r) warm-start Q, identical on every rank
-    error: dict[str, torch.Tensor]  # name → this rank's residual
-    shapes: dict[str, tuple[int, int]]  # name → (m, n)
-
-    def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int: ...
-
-
-def resize_q(compressor: Factors, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
-    """This parameter's warm-start Q (``n`` = its column count) with exactly ``rank`` columns (see the
-    module docstring)."""
-    q = compressor.q.get(name)
-    if q is not None and q.shape[0] != n:
-        q = None  # the parameter changed shape: start over
-    if q is None:
-        generator = torch.Generator().manual_seed(stable_seed(compressor.config.seed, name))
-        q = to_device(torch.randn(n, rank, generator=generator), device)
-    elif q.shape[1] > rank:
-        q = q[:, :rank]
-    elif q.shape[1] < rank:
-        generator = torch.Generator().manual_seed(stable_seed(compressor.config.seed, name, q.shape[1], rank))
-        extra = to_device(torch.randn(n, rank - q.shape[1], generator=generator), device)
-        q = torch.cat([q, extra], dim=1)
-    return q
-
-
-def change_rank(compressor: Factors, rank: int, comm: Communicator) -> tuple[int, int]:
-    """Give every stored Q the columns of ``rank`` while keeping the warm start (see the module docstring).
+def change_rank(kept: EngineState, rank: int, comm: Communicator) -> tuple[int, int]:
+    """Give every Q ``kept`` stores the columns of ``rank`` while keeping the warm start (see the module docstring).
 
     Called on every rank with the same ``rank`` at the same point (before the first step that
     uses it); issues one blocking all-reduce when some Q grows and error feedback is on, none
     otherwise. Returns (elements, bytes) that all-reduce sent ((0, 0) if none). With ``rank_change='truncate'`` it does
     nothing: `resize_q` truncates or appends random columns inside the next step.
     """
-    if compressor.config.rank_change != "warm":
+    if kept.config.rank_change != "warm":
         return 0, 0
     shrink, grow = [], []
-    for name in sorted(compressor.q):  # sorted: the same order (and buffer layout) on every rank
-        q, shape = compressor.q[name], compressor.shapes.get(name)
-        target = compressor.compressed_rank(shape, rank)
+    for name in sorted(kept.q):  # sorted: the same order (and buffer layout) on every rank
+        q, shape = kept.q[name], kept.shapes.get(name)
+        target = compressed_rank(shape, rank, kept.config.min_compression_rate)
         if shape is None or target == 0 or q.shape[1] == target:
             continue
         (shrink if target < q.shape[1] else grow).append((name, target))
     if shrink:
         with host_reads_allowed():  # only on a fall (at most once per window): eigh checks its result on the host
-            kept = principal_columns([compressor.q[name] for name, _ in shrink], [target for _, target in shrink])
-        compressor.q.update({name: q for (name, _), q in zip(shrink, kept)})
-    return grow_along_residual(compressor, grow, comm) if grow else (0, 0)
+            columns = principal_columns([kept.q[name] for name, _ in shrink], [target for _, target in shrink])
+        kept.q.update({name: q for (name, _), q in zip(shrink, columns)})
+    return grow_along_residual(kept, grow, comm) if grow else (0, 0)
 
 
 def principal_columns(qs: list[torch.Tensor], ranks: list[int]) -> list[torch.Tensor]:
@@ -96,32 +67,32 @@ def principal_columns(qs: list[torch.Tensor], ranks: list[int]) -> list[torch.Te
     return kept  # type: ignore[return-value]
 
 
-def grow_along_residual(compressor: Factors, grow: list[tuple[str, int]],
+def grow_along_residual(kept: EngineState, grow: list[tuple[str, int]],
                         comm: Communicator) -> tuple[int, int]:
     """Append, to each Q, the group's top residual directions orthogonal to its current columns."""
     blocks = []
     for name, target in grow:
-        q, (m, n) = compressor.q[name], compressor.shapes[name]
+        q, (m, n) = kept.q[name], kept.shapes[name]
         extra = target - q.shape[1]
-        generator = torch.Generator().manual_seed(stable_seed(compressor.config.seed, name, q.shape[1], target))
+        generator = torch.Generator().manual_seed(stable_seed(kept.config.seed, name, q.shape[1], target))
         omega = to_device(torch.randn(n, extra, generator=generator), q.device).to(q.dtype)
-        residual = compressor.error.get(name)
+        residual = kept.error.get(name)
         if residual is not None and residual.numel() == m * n:
             e = residual.reshape(m, n).to(q.dtype)
             omega = e.T @ (e @ omega)  # one power iteration on eᵀe
         blocks.append(omega)
     flat = torch.cat([b.reshape(-1) for b in blocks])
-    sent = flat.numel() if compressor.config.error_feedback else 0  # counted like every other call (world of 1 too)
-    if compressor.config.error_feedback:
+    sent = flat.numel() if kept.config.error_feedback else 0  # counted like every other call (world of 1 too)
+    if kept.config.error_feedback:
         comm.mean_async(flat).wait()  # the group's residual directions, identical on every rank
     offset = 0
     for (name, target), block in zip(grow, blocks):
         columns = flat[offset : offset + block.numel()].view_as(block)
         offset += block.numel()
-        q = compressor.q[name]
-        basis = orthogonalize_(q.clone().unsqueeze(0), compressor.config.orthogonalization_epsilon)[0]
+        q = kept.q[name]
+        basis = orthogonalize_(q.clone().unsqueeze(0), kept.config.orthogonalization_epsilon)[0]
         columns = columns - basis @ (basis.T @ columns)  # only what Q does not already span
-        scale = q.norm(dim=0).min().clamp(min=compressor.config.orthogonalization_epsilon)
-        columns = columns / (columns.norm(dim=0, keepdim=True) + compressor.config.orthogonalization_epsilon) * scale
-        compressor.q[name] = torch.cat([q, columns], dim=1)
+        scale = q.norm(dim=0).min().clamp(min=kept.config.orthogonalization_epsilon)
+        columns = columns / (columns.norm(dim=0, keepdim=True) + kept.config.orthogonalization_epsilon) * scale
+        kept.q[name] = torch.cat([q, columns], dim=1)
     return sent, sent * flat.element_size()

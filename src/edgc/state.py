@@ -108,7 +108,7 @@ class EDGCState(GradientReducer):
     # ------------------------------------------------------------------ per step
     def _begin_step(self) -> None:
         super()._begin_step()
-        self.compressor.begin_step(uncommitted=self.defer_commit)
+        self.compressor.state.begin_step(uncommitted=self.defer_commit)
         before = self.controller.phase, self.controller.rank  # decisions are in: taken at the settle above
         self._plan = self.controller.plan(self.step)
         events.planned(self, before, self._plan)  # the warm-up's end, a hand-set rank
@@ -132,7 +132,7 @@ class EDGCState(GradientReducer):
 
     def _on_device(self, device: torch.device) -> None:
         for compressor in (self.compressor, self._profiler):
-            compressor.to(device, self._jobs.stream)
+            compressor.state.to(device, self._jobs.stream)
 
     def _timed(self) -> bool:
         """Profiling steps are always timed: r_max comes from their times."""
@@ -205,7 +205,7 @@ class EDGCState(GradientReducer):
         return values
 
     def _after_values(self, host: list[float], closed) -> None:
-        self.compressor.end_step(bool(host and host[0]))
+        self.compressor.state.end_step(bool(host and host[0]))
         if host and host[0]:
             events.nonfinite(self, closed.step)
         self._last_entropy = self.sampler.finish()
@@ -293,8 +293,8 @@ class EDGCState(GradientReducer):
             **super()._snapshot(),
             "controller": copy.deepcopy(self.controller.state_dict()),
             "sampler": copy.deepcopy(self.sampler.state_dict()),
-            "q": self.compressor.snapshot(),
-            "profiler_q": self._profiler.snapshot(),
+            "q": self.compressor.state.snapshot(),
+            "profiler_q": self._profiler.state.snapshot(),
             "profile_seconds": list(self._profile_seconds),
             "relative_errors": list(self._relative_errors),
         }
@@ -303,14 +303,14 @@ class EDGCState(GradientReducer):
         super()._restore(snapshot)
         self.controller.load_state_dict(snapshot["controller"])
         self.sampler.load_state_dict(snapshot["sampler"])
-        self.compressor.restore(snapshot["q"])
-        self._profiler.restore(snapshot["profiler_q"])
+        self.compressor.state.restore(snapshot["q"])
+        self._profiler.state.restore(snapshot["profiler_q"])
         self._profile_seconds = snapshot["profile_seconds"]
         self._relative_errors = snapshot["relative_errors"]
-        self.compressor.rollback()
+        self.compressor.state.rollback()
 
     def _commit(self) -> None:
-        self.compressor.commit()
+        self.compressor.state.commit()
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -346,7 +346,7 @@ class EDGCState(GradientReducer):
         """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart)."""
         error = self.compressor.error
         self.load_state_dict(state)
-        self.compressor.error = error
+        self.compressor.state.error = error
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`; a malformed or mismatched state raises ValueError and changes nothing."""
@@ -370,7 +370,7 @@ class EDGCState(GradientReducer):
                 "error feedback is reset (step, rank schedule, entropy history and Q factors are kept)",
                 stacklevel=2,
             )
-            self.compressor.drop_error()
+            self.compressor.state.drop_error()
         if self.device is not None:
             self._on_device(self.device)
 

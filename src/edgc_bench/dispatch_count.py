@@ -256,7 +256,7 @@ def as_on_an_accelerator(state) -> None:
     """Make a state on fake CPU tensors take the path it takes on a GPU with fast float64: buckets
     fused into jobs of the accelerator default (unless its config sets ``fusion_mb``) and factors
     orthonormalised by the batched float64 CholeskyQR2 rather than LAPACK's Householder QR
-    (`edgc.engine_state.EngineState.orthonormalization`)."""
+    (`edgc.lowrank.LowRankCompressor.orthonormalization`)."""
     from dataclasses import replace
 
     from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB

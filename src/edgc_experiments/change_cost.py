@@ -39,7 +39,6 @@ import torch
 from edgc.comm import Communicator
 from edgc.factors import matrix_shape
 from edgc.lowrank import LowRankCompressor
-from edgc.rank_change import resize_q
 
 from .common import fmt_interval, t_interval
 
@@ -95,11 +94,11 @@ class Shadows:
         self.records.append((step, rank, error / norm if norm > 0 else math.nan, twins))
 
     def _start_where_the_run_did(self, twin: LowRankCompressor, rank: int) -> None:
-        """Give a matrix the twin has not seen the run's first Q: the seeded draw `resize_q` makes at the
+        """Give a matrix the twin has not seen the run's first Q: the seeded draw `EngineState.resized_q` makes at the
         run's rank (the twin's own `reduce` then cuts or extends it as the run would)."""
         for name, matrix in self._m.items():
             if name not in twin.q:
-                twin.q[name] = resize_q(twin, name, matrix.shape[1], rank, matrix.device)
+                twin.q[name] = twin.state.resized_q(name, matrix.shape[1], rank, matrix.device)
 
 
 def change_costs(records: list) -> dict:

@@ -155,15 +155,15 @@ class FlatBlock:
 
 def test_q_resize_truncates_or_extends_identically_everywhere():
     a, b = LowRankCompressor(EDGCConfig(seed=3)), LowRankCompressor(EDGCConfig(seed=3))
-    q8 = a.resize_q("w", 20, 8, torch.device("cpu"))
-    torch.testing.assert_close(q8, b.resize_q("w", 20, 8, torch.device("cpu")), rtol=0, atol=0)
+    q8 = a.state.resized_q("w", 20, 8, torch.device("cpu"))
+    torch.testing.assert_close(q8, b.state.resized_q("w", 20, 8, torch.device("cpu")), rtol=0, atol=0)
     a.q["w"] = q8
-    torch.testing.assert_close(a.resize_q("w", 20, 4, torch.device("cpu")), q8[:, :4], rtol=0, atol=0)
-    grown = a.resize_q("w", 20, 12, torch.device("cpu"))
+    torch.testing.assert_close(a.state.resized_q("w", 20, 4, torch.device("cpu")), q8[:, :4], rtol=0, atol=0)
+    grown = a.state.resized_q("w", 20, 12, torch.device("cpu"))
     torch.testing.assert_close(grown[:, :8], q8, rtol=0, atol=0)
     b.q["w"] = q8.clone()
-    torch.testing.assert_close(grown, b.resize_q("w", 20, 12, torch.device("cpu")), rtol=0, atol=0)
-    assert not torch.equal(LowRankCompressor(EDGCConfig(seed=4)).resize_q("w", 20, 8, torch.device("cpu")), q8)
+    torch.testing.assert_close(grown, b.state.resized_q("w", 20, 12, torch.device("cpu")), rtol=0, atol=0)
+    assert not torch.equal(LowRankCompressor(EDGCConfig(seed=4)).state.resized_q("w", 20, 8, torch.device("cpu")), q8)
 
 
 def test_half_precision_gradients_keep_fp32_state():
@@ -183,7 +183,7 @@ def test_non_finite_gradient_gives_nan_averages_keeps_q_and_clears_error_feedbac
     grads = make_grads(3)
     grads["mlp.weight"][5, 5] = float("inf")
     poisoned = {n: g.clone() for n, g in grads.items()}
-    compressor.begin_step()
+    compressor.state.begin_step()
     stats = compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
     assert bool(stats.nonfinite)
     for name, rank in stats.ranks.items():
@@ -191,7 +191,7 @@ def test_non_finite_gradient_gives_nan_averages_keeps_q_and_clears_error_feedbac
             assert torch.isnan(grads[name]).all(), name
         else:  # raw: the average of one rank is the gradient itself
             torch.testing.assert_close(grads[name], poisoned[name], rtol=0, atol=0)
-    compressor.end_step(nonfinite=True)  # what EDGCState does at the end of such a step
+    compressor.state.end_step(nonfinite=True)  # what EDGCState does at the end of such a step
     after = compressor.state_dict()
     for kind in before:
         assert after[kind].keys() == before[kind].keys()

@@ -85,14 +85,14 @@ def test_a_failed_orthonormalisation_of_p_makes_the_step_non_finite(monkeypatch)
     compressor.reduce(*_step(0), 4, Communicator())
     q_before = {name: q.clone() for name, q in compressor.q.items()}
     names, grads = _step(1)
-    compressor.begin_step()
+    compressor.state.begin_step()
     failing_on(monkeypatch, {0})  # every factorisation of the first matrix of each rank fails
     stats = compressor.reduce(names, grads, 4, Communicator())
     monkeypatch.undo()
     assert bool(stats.nonfinite)
     compressed = [grad for name, grad in zip(names, grads) if stats.ranks[name]]
     assert compressed and all(torch.isnan(grad).all() for grad in compressed)  # every optimizer skips the step
-    compressor.end_step(nonfinite=True)
+    compressor.state.end_step(nonfinite=True)
     assert all(torch.equal(compressor.q[name], q) for name, q in q_before.items())  # Q kept
     assert all((e == 0).all() for e in compressor.error.values())  # the step's residual cleared
     stats = compressor.reduce(*_step(2), 4, Communicator())

@@ -199,7 +199,7 @@ def test_persistent_compressor_memory_is_at_most_1_05_times_the_gradients():
     compressor.reduce([n for n, _ in named], [p.grad for _, p in named], 8, Communicator())
     matrices = [p.shape for _, p in named if p.dim() == 2]
     values = sum(m * n + n * 8 for m, n in matrices) + sum(n * 8 for n in {n for _, n in matrices})
-    persistent = compressor.state_bytes()
+    persistent = compressor.state.state_bytes()
     assert persistent == 4 * values
     assert persistent <= 1.05 * gradient_bytes, persistent / gradient_bytes
 

@@ -1,6 +1,6 @@
 """The CUDA path's stream order and host synchronisations, checked on the CPU (`edgc_bench.stream_check`).
 
-One process over gloo, on the accelerator's kernels (`EngineState.force_accelerator_kernels`):
+One process over gloo, on the accelerator's kernels (`LowRankCompressor.force_accelerator_kernels`):
 every step under the checker must show no two unordered accesses on different streams, no memory
 freed while another stream may use it, and no host synchronisation from the library outside
 `edgc.timing.host_reads_allowed`. Each test covers a path where a defect was found: the step's
