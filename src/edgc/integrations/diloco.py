@@ -44,7 +44,9 @@ import torch.distributed as dist
 from torch import nn, optim
 
 from ..config import EDGCConfig
+from ..outer_sync import decay_error_feedback
 from ..state import EDGCState
+from ..sync_methods import sync_method, sync_method_names
 
 STATE_FORMAT = "edgc-diloco/1"
 
@@ -135,14 +137,18 @@ class DiLoCo:
                  inner_optimizer: optim.Optimizer, outer_optimizer: optim.Optimizer | Sequence[optim.Optimizer],
                  sync_every: int, config: EDGCConfig | None = None, *, backup_device: torch.device | None = None,
                  pin_memory: bool = True, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 power_iterations: int = 1):
+                 power_iterations: int = 1, sync_method: str | None = None, error_feedback_decay: float = 1.0):
         """``process_group``: the replicas' group (None: the default one; without an initialised one, a
-        world of one). The rest as ``torchft.local_sgd.DiLoCo``, plus ``config`` (steps = outer steps)
-        and ``power_iterations`` (1 or 2)."""
+        world of one). The rest as ``torchft.local_sgd.DiLoCo``, plus ``config`` (steps = outer steps),
+        ``power_iterations`` (1 or 2), ``sync_method`` (a registered method's name, `edgc.sync_methods`,
+        instead of EDGC's PowerSGD; ``config`` then goes unused) and ``error_feedback_decay`` (the
+        error feedback is multiplied by it before every outer step's sync; 1: kept whole)."""
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
         config = config if config is not None else EDGCConfig()
         _check(fragments, outers, sync_every, fragment_sync_delay, fragment_update_alpha, power_iterations, config)
+        _check_outer_sync(sync_method, error_feedback_decay, power_iterations)
+        self._sync_method, self._decay = sync_method, error_feedback_decay
         self._sync_every = sync_every // len(fragments)  # inner steps between two fragments' outer steps
         self._delay = fragment_sync_delay
         self._alpha = fragment_update_alpha
@@ -160,6 +166,8 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ what subclasses change
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module) -> EDGCState:
+        if self._sync_method is not None:
+            return sync_method(self._sync_method).build(process_group, model=model)  # type: ignore[union-attr, return-value]
         return OuterStepState(process_group, config, model=model)
 
     def _start_outer_step(self) -> None:
@@ -215,6 +223,7 @@ class DiLoCo:
                 delta += carried.to(delta.device, delta.dtype)
             deltas.append(delta)
         fragment.deltas = deltas
+        decay_error_feedback(self.state, self._decay)
         fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit else []
         self._syncing = fragment
         sync = lambda: self.state.reduce_tensors(fragment.names, fragment.deltas, last=True)  # noqa: E731
@@ -310,3 +319,12 @@ def _check(fragments: list, outers: list, sync_every: int, delay: int, alpha: fl
     names = [id(p) for m in fragments for p in m.parameters()]
     if len(names) != len(set(names)):
         raise ValueError("DiLoCo: a parameter is in more than one fragment")
+
+
+def _check_outer_sync(method: str | None, decay: float, iterations: int) -> None:
+    if method is not None and sync_method(method) is None:
+        raise ValueError(f"DiLoCo: sync_method {method!r} is not registered (one of {', '.join(sync_method_names())})")
+    if method is not None and iterations != 1:
+        raise ValueError("DiLoCo: power_iterations applies to EDGC's PowerSGD, not to a sync_method")
+    if not 0 <= decay <= 1:
+        raise ValueError(f"DiLoCo: error_feedback_decay must be in [0, 1], got {decay!r}")
