@@ -1,4 +1,4 @@
-"""`edgc experiment diloco` — at the same bytes, should DiLoCo sync often at a low rank or rarely at a high one?
+"""`edgc experiment diloco-pairs` — at the same bytes, should DiLoCo sync often at a low rank or rarely at a high one?
 
 Two replicas (processes on gloo) train `edgc train`'s model with DiLoCo whose outer sync is EDGC's
 (`edgc.integrations.diloco`, `diloco_train`). The arms, each at every seed (same data, same
@@ -28,7 +28,7 @@ from . import common
 from .common import fmt, fmt_interval, markdown_table, t_interval
 from .diloco_train import OUTER_LR, OUTER_MOMENTUM, train_runs
 
-NAME = "diloco"
+NAME = "diloco-pairs"
 HELP = "DiLoCo with EDGC's outer sync: (H, rank) pairs at the same bytes, 1 vs 2 power iterations, paired seeds"
 DEFAULT_STEPS = 128
 TINY_STEPS = 64

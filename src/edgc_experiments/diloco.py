@@ -1,0 +1,219 @@
+"""`edgc experiment diloco` — does compressed DiLoCo hold against torchft's DiLoCo across models?
+
+Replicas (processes on gloo) train each model family of `diloco_families` (GPT-2 ``tiny`` on BPE
+tokens, a 2-layer character GRU, a causal character CNN) with each inner optimizer (AdamW, SGD with
+Nesterov momentum) at each H (inner steps per outer step), for the same inner steps. Per cell
+(family, optimizer, H) every method of ``--methods`` runs at every seed, paired with torchft's own
+DiLoCo (``torchft.local_sgd.DiLoCo``, uncompressed) at the same seed: same initialisation, same data.
+
+Methods (`METHODS`; ``+heal=P`` after a name: replica 1 healed after the middle outer step with
+error-feedback policy P, paired with the same method without the heal):
+
+* ``torchft``: torchft's DiLoCo, the reference; ``raw``: edgc's DiLoCo sending everything raw;
+* ``rank<r>``: EDGC's PowerSGD at a static rank r (``-noef``: without error feedback,
+  ``-decay<f>``: the error feedback multiplied by f before every sync);
+* ``quant8`` … ``quant2``, ``alloc3``, ``topk5``: the registered sync methods of those names (`edgc.outer_sync`),
+  with error feedback (``-noef`` / ``-decay<f>`` as above).
+
+Reported per cell: bytes against torchft's, the validation loss, the paired Δ % against torchft
+per seed with its mean and 95 % t-interval (at equal outer steps); at equal bytes, each method at
+the smallest H against torchft at the largest (whose bytes are H_max/H_min times fewer per inner
+step); and the spectrum: the share of a pseudo-gradient's energy in its top r singular values beside
+the share of one step's gradient (rank 0, the first outer step of torchft's run at the first seed).
+"""
+from __future__ import annotations
+
+import re
+from statistics import mean
+
+from . import common
+from .common import fmt_interval, markdown_table, t_interval
+from .diloco_families import FAMILIES, INNER
+from .diloco_runs import train_runs
+from .diloco_train import OUTER_LR, OUTER_MOMENTUM
+
+NAME = "diloco"
+HELP = "compressed DiLoCo against torchft's DiLoCo across model families, inner optimizers and H, paired seeds"
+DEFAULT_STEPS = 180
+TINY_STEPS = 12
+DEFAULT_METHODS = "torchft,rank8,quant3"
+SPECTRUM_RANKS = (1, 4, 16)
+TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
+
+
+def method_arm(name: str) -> dict:
+    """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
+    base, _, heal = name.partition("+heal=")
+    match = re.fullmatch(r"(torchft|raw|rank(\d+)|quant[2-8]|alloc3|topk5)(-noef|-decay([0-9.]+))?", base)
+    if match is None:
+        raise ValueError(f"unknown method {name!r}")
+    kind, rank, modifier, decay = match.groups()
+    if kind == "torchft":
+        if modifier or heal:
+            raise ValueError(f"{name!r}: torchft's DiLoCo takes no modifier")
+        return {"method": "torchft"}
+    arm: dict = {"method": "edgc", "rank": int(rank) if rank else None}
+    if not rank and kind != "raw":
+        arm["sync"] = kind
+    if modifier:
+        arm["decay"] = 0.0 if modifier == "-noef" else float(decay)
+    if heal:
+        arm["heal_policy"] = heal
+    return arm
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--models", default=",".join(FAMILIES), help=f"model families (default {','.join(FAMILIES)})")
+    p.add_argument("--inner", default=",".join(INNER), help=f"inner optimizers (default {','.join(INNER)})")
+    p.add_argument("--sync-every", default="6,30", metavar="H,...", help="inner steps per outer step (default 6,30)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"methods, torchft's first (default {DEFAULT_METHODS}; see the module docstring)")
+    p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per method (default 3)")
+    p.add_argument("--replicas", type=int, default=2, metavar="N", help="DiLoCo replicas, one process each (default 2)")
+    p.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})")
+    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
+                   help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})")
+
+
+def _split(raw: str) -> list[str]:
+    return [v.strip() for v in raw.split(",") if v.strip()]
+
+
+def validate(args, setting) -> None:
+    for flag, values, allowed in (("--models", args.models, FAMILIES), ("--inner", args.inner, INNER)):
+        bad = [v for v in _split(values) if v not in allowed]
+        if bad or not _split(values):
+            raise common.CLIError(f"{flag}: choose from {', '.join(allowed)}, got {values!r}")
+    try:
+        hs = [int(v) for v in _split(args.sync_every)]
+        methods = [method_arm(m) for m in _split(args.methods)]
+    except ValueError as exc:
+        raise common.CLIError(f"--sync-every / --methods: {exc}") from None
+    if not hs or min(hs) < 1 or any(setting.steps < 2 * h for h in hs):
+        raise common.CLIError(f"--sync-every: every H must give ≥ 2 outer steps of --steps {setting.steps}")
+    if not methods or methods[0]["method"] != "torchft":
+        raise common.CLIError("--methods: the first must be torchft (the reference every method is paired with)")
+    if not 2 <= args.seeds <= 10 or not 2 <= args.replicas <= 8:
+        raise common.CLIError("--seeds must be in 2..10 and --replicas in 2..8")
+
+
+def plan(args, steps: int) -> list[tuple[str, str, int, dict]]:
+    """(family, inner, H, {method: arm}) per cell, in the order they run."""
+    outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+    cells = []
+    for family in _split(args.models):
+        for inner in _split(args.inner):
+            for h in (int(v) for v in _split(args.sync_every)):
+                arms = {}
+                for name in _split(args.methods):
+                    arm = {**method_arm(name), "sync_every": h, "inner": inner, **outer}
+                    policy = arm.pop("heal_policy", None)
+                    if policy:
+                        arm["heal"] = (max(1, steps // h // 2), policy)
+                    arms[name] = arm
+                cells.append((family, inner, h, arms))
+    return cells
+
+
+def run(args, out, setting, log=print) -> dict:
+    seeds = [setting.seed + k for k in range(args.seeds)]
+    cells = plan(args, setting.steps)
+    (out / "runs").mkdir()
+    results: dict = {}
+    for family, inner, h, arms in cells:
+        key = f"{family}/{inner}/H{h}"
+        results[key] = {name: {} for name in arms}
+        for seed in seeds:
+            if seed == seeds[0]:
+                arms["torchft"]["spectrum"] = list(SPECTRUM_RANKS)
+            runs = train_runs(family, list(arms.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir)
+            arms["torchft"].pop("spectrum", None)
+            for name, result in zip(arms, runs):
+                results[key][name][str(seed)] = result
+                log(f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
+                    f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s")
+        common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
+    return summarise(out, setting, args, seeds, cells, results)
+
+
+def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> dict:
+    """Paired Δ % of ``arm``'s validation loss against ``reference``'s, with its bytes ratio."""
+    deltas = [100 * (cell[arm][str(s)]["val_loss"] / cell[reference][str(s)]["val_loss"] - 1) for s in seeds]
+    m, low, high = t_interval(deltas)
+    return {"deltas": deltas, "mean": m, "low": low, "high": high,
+            "val_loss": mean(cell[arm][str(s)]["val_loss"] for s in seeds),
+            "bytes_ratio": mean(cell[arm][str(s)]["bytes"] / cell[reference][str(s)]["bytes"] for s in seeds)}
+
+
+def summarise(out, setting, args, seeds, cells, results) -> dict:
+    rows, stats, equal_bytes, spectra = [], {}, [], []
+    hs = sorted({h for _, _, h, _ in cells})
+    for family, inner, h, arms in cells:
+        key = f"{family}/{inner}/H{h}"
+        cell = results[key]
+        for name in arms:
+            reference = name.partition("+heal=")[0] if "+heal=" in name else "torchft"
+            if reference not in cell:
+                reference = "torchft"
+            p = stats[(key, name)] = paired_percent(cell, name, reference, seeds)
+            versus = "" if reference == "torchft" else f" (vs {reference})"
+            rows.append([family, inner, h, name + versus, f"{p['bytes_ratio']:.3f}", f"{p['val_loss']:.4f}",
+                         "–" if name == "torchft" else " ".join(f"{d:+.2f}" for d in p["deltas"]),
+                         "–" if name == "torchft" else fmt_interval(p, "+.2f")])
+        spectrum = cell["torchft"][str(seeds[0])].get("spectrum")
+        if spectrum:
+            spectra.append([family, inner, h] + [f"{spectrum['pseudo_gradient'][str(r)]:.2f} / {spectrum['gradient'][str(r)]:.2f}"
+                                                  for r in SPECTRUM_RANKS])
+    if len(hs) > 1:
+        low, high = hs[0], hs[-1]
+        for family, inner, h, arms in cells:
+            if h != low:
+                continue
+            fast, slow = results[f"{family}/{inner}/H{low}"], results[f"{family}/{inner}/H{high}"]
+            for name in arms:
+                if name == "torchft" or "+heal=" in name:
+                    continue
+                merged = {"arm": fast[name], "torchft": slow["torchft"]}
+                p = paired_percent(merged, "arm", "torchft", seeds)
+                equal_bytes.append([family, inner, f"{name} H{low}", f"torchft H{high}", f"{p['bytes_ratio']:.2f}",
+                                    " ".join(f"{d:+.2f}" for d in p["deltas"]), fmt_interval(p, "+.2f")])
+    headline = _headline(stats, cells)
+    summary = [
+        f"# Experiment `{NAME}`: compressed DiLoCo against torchft's DiLoCo across models", "",
+        f"**Headline:** {headline}", "",
+        f"Setting: {setting.steps} inner steps of {args.replicas} replicas (one process each, its own shard of the "
+        f"data), 8 × 64 tokens per inner step, the first 1 M characters of the KJV Bible; inner learning rate "
+        f"cosine to 0, gradients clipped at 1; DiLoCo's outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
+        f"{args.outer_momentum:g}; seeds {seeds}; validation loss over 16 × 8 validation blocks after the last "
+        "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); bytes: what one "
+        "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient).", "",
+        "At equal outer steps:", "",
+        markdown_table(["model", "inner", "H", "method", "bytes vs torchft", "val loss (mean)", "Δ % per seed",
+                        "Δ % mean [95 % CI]"], rows), "",
+    ]
+    if equal_bytes:
+        summary += ["At equal or fewer bytes (the same inner steps; torchft syncing less often):", "",
+                    markdown_table(["model", "inner", "method", "against", "bytes ratio", "Δ % per seed",
+                                    "Δ % mean [95 % CI]"], equal_bytes), ""]
+    if spectra:
+        summary += ["Spectrum: share of the energy in the top r singular values, pseudo-gradient / gradient "
+                    "(energy-weighted over the matrices):", "",
+                    markdown_table(["model", "inner", "H"] + [f"r = {r}" for r in SPECTRUM_RANKS], spectra), ""]
+    (out / "summary.md").write_text("\n".join(summary) + "\n")
+    common.write_json(out / "results.json", {"setting": vars(setting), "seeds": seeds, "runs": results,
+                                            "paired": {f"{k} {n}": p for (k, n), p in stats.items()}})
+    return {"headline": headline, "paired": stats}
+
+
+def _headline(stats: dict, cells) -> str:
+    """Per method: the cells whose interval's upper end is within TOLERANCE % of torchft's loss."""
+    names = [n for n in cells[0][3] if n != "torchft" and "+heal=" not in n]
+    parts = []
+    for name in names:
+        mine = [(key, p) for (key, n), p in stats.items() if n == name]
+        held = sum(p["high"] <= TOLERANCE for _, p in mine)
+        worst_key, worst = max(mine, key=lambda kp: kp[1]["high"])
+        ratio = max(p["bytes_ratio"] for _, p in mine)
+        parts.append(f"{name} (≤ {ratio:.3f}× bytes) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
+                     f"worst {worst_key} {fmt_interval(worst, '+.2f')} %")
+    return "; ".join(parts) + "."
