@@ -12,7 +12,8 @@
     # loop: optimizer.zero_grad(); loss.backward(); optimizer.step()   — as with torchft's own DDP
 
 Over links too slow for a sync every step: `DiLoCo` (torchft's DiLoCo and Streaming DiLoCo, whose
-outer sync of pseudo-gradients is EDGC's; `edgc.integrations.diloco` has the algorithm).
+outer sync of pseudo-gradients is EDGC's, or a registered sync method's: `edgc.integrations.torchft_outer`;
+`edgc.integrations.diloco` has the algorithm).
 
 What the one call sets up (`TorchFTEDGCState`):
 
@@ -152,8 +153,20 @@ class ManagedCommunicator(Communicator):
     def _broadcast_work(self, tensor: torch.Tensor):  # pragma: no cover - broadcast() is overridden
         raise NotImplementedError
 
-    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):
-        raise NotImplementedError("torchft's manager offers no all-gather: use an all-reduce based method")
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every participant's ``tensor``, in participating-rank order. torchft's manager offers no
+        all-gather, so it is a summing all-reduce of one slot per participant, each filled by its
+        owner alone (a non-participant's tensor is zeroed by the manager): twice an all-gather's traffic."""
+        if self.world_size == 1:
+            return [tensor]
+        slots = tensor.new_zeros((self.world_size, *tensor.shape))
+        if self.rank >= 0:
+            slots[self.rank].copy_(tensor)
+        self.all_reduce(slots)
+        return list(slots.unbind(0))
+
+    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):  # pragma: no cover - all_gather is overridden
+        raise NotImplementedError
 
 
 class TorchFTEDGCState(EDGCState):
@@ -264,19 +277,24 @@ class DiLoCo(_DiLoCo):
     def __init__(self, manager: Manager, model_fragments, inner_optimizer, outer_optimizer, sync_every: int,
                  config: EDGCConfig | None = None, *, backup_device=None, pin_memory: bool = True,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, power_iterations: int = 1,
-                 state_key: str = "edgc_diloco"):
+                 sync_method: str | None = None, error_feedback_decay: float = 1.0, state_key: str = "edgc_diloco"):
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("DiLoCo needs Manager(use_async_quorum=False): a healing replica must load the "
                              "shared state before the outer sync")
         self.manager, self._state_key = manager, state_key
         super().__init__(None, model_fragments, inner_optimizer, outer_optimizer, sync_every, config,
                          backup_device=backup_device, pin_memory=pin_memory, fragment_sync_delay=fragment_sync_delay,
-                         fragment_update_alpha=fragment_update_alpha, power_iterations=power_iterations)
+                         fragment_update_alpha=fragment_update_alpha, power_iterations=power_iterations,
+                         sync_method=sync_method, error_feedback_decay=error_feedback_decay)
         for fragment in self._fragments:
             manager.register_state_dict_fn(f"{state_key}_fragment_{fragment.index}", fragment.load_state_dict,
                                            fragment.state_dict)
 
-    def _new_state(self, process_group, config: EDGCConfig, model: nn.Module) -> TorchFTOuterStepState:
+    def _new_state(self, process_group, config: EDGCConfig, model: nn.Module):
+        if self._sync_method is not None:
+            from .torchft_outer import managed_sync_state
+
+            return managed_sync_state(self._sync_method, self.manager, model, self._state_key)
         return TorchFTOuterStepState(self.manager, config, model=model, state_key=self._state_key)
 
     def _start_outer_step(self) -> None:
