@@ -34,9 +34,9 @@ from .diloco_train import OUTER_LR, OUTER_MOMENTUM
 
 NAME = "diloco"
 HELP = "compressed DiLoCo against torchft's DiLoCo across model families, inner optimizers and H, paired seeds"
-DEFAULT_STEPS = 180
+DEFAULT_STEPS = 120
 TINY_STEPS = 12
-DEFAULT_METHODS = "torchft,rank8,quant3"
+DEFAULT_METHODS = "torchft,quant3,rank8,quant3+heal=zero"
 SPECTRUM_RANKS = (1, 4, 16)
 TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 
