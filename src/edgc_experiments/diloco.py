@@ -73,6 +73,9 @@ def add_arguments(p) -> None:
     p.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})")
     p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
                    help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})")
+    p.add_argument("--reuse", default="", metavar="DIR,...",
+                   help="take a cell's runs from DIR/runs/ of earlier runs of this experiment where every method and "
+                        "seed of it is there at the same inner steps (the rest is trained)")
 
 
 def _split(raw: str) -> list[str]:
@@ -122,6 +125,11 @@ def run(args, out, setting, log=print) -> dict:
     results: dict = {}
     for family, inner, h, arms in cells:
         key = f"{family}/{inner}/H{h}"
+        results[key] = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
+        if results[key] is not None:
+            log(f"  {key}: reused")
+            common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
+            continue
         results[key] = {name: {} for name in arms}
         for seed in seeds:
             if seed == seeds[0]:
@@ -134,6 +142,22 @@ def run(args, out, setting, log=print) -> dict:
                     f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s")
         common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
     return summarise(out, setting, args, seeds, cells, results)
+
+
+def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_steps: int) -> dict | None:
+    """The runs of cell ``key`` from the first folder that has every method and seed at ``outer_steps``."""
+    import json
+    from pathlib import Path
+
+    for folder in folders:
+        path = Path(folder) / "runs" / f"{key.replace('/', '-')}.json"
+        if not path.is_file():
+            continue
+        cell = json.loads(path.read_text())
+        if all(str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps
+               for name in arms for s in seeds):
+            return {name: {str(s): cell[name][str(s)] for s in seeds} for name in arms}
+    return None
 
 
 def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> dict:

@@ -56,3 +56,16 @@ def test_energy_shares_of_a_rank_one_matrix():
 def test_bad_flags_exit_with_one_line(tmp_path, capsys, argv, message):
     assert main(["experiment", "diloco", "--steps", "60", *argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_cell_is_reused_only_with_every_method_and_seed_at_the_same_outer_steps(tmp_path):
+    from edgc_experiments.common import write_json
+    from edgc_experiments.diloco import reused
+
+    (tmp_path / "runs").mkdir()
+    run = {"val_loss": 2.0, "outer_steps": 20}
+    write_json(tmp_path / "runs" / "gru-sgd-H6.json", {"torchft": {"1": run, "2": run}, "quant3": {"1": run}})
+    arms = {"torchft": {}, "quant3": {}}
+    assert reused([str(tmp_path)], "gru/sgd/H6", {"torchft": {}}, [1, 2], 20) == {"torchft": {"1": run, "2": run}}
+    assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 20) is None  # a seed is missing
+    assert reused([str(tmp_path)], "gru/sgd/H6", {"torchft": {}}, [1, 2], 4) is None  # other outer steps
