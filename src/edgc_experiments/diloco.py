@@ -27,7 +27,7 @@ import re
 from statistics import mean
 
 from . import common
-from .common import fmt_interval, markdown_table, t_interval
+from .common import fmt, fmt_interval, markdown_table, t_interval
 from .diloco_families import FAMILIES, INNER
 from .diloco_runs import train_runs
 from .diloco_train import OUTER_LR, OUTER_MOMENTUM
@@ -164,7 +164,8 @@ def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> di
     """Paired Δ % of ``arm``'s validation loss against ``reference``'s, with its bytes ratio."""
     deltas = [100 * (cell[arm][str(s)]["val_loss"] / cell[reference][str(s)]["val_loss"] - 1) for s in seeds]
     m, low, high = t_interval(deltas)
-    return {"deltas": deltas, "mean": m, "low": low, "high": high,
+    errors = [o["relative_error"] for s in seeds for o in cell[arm][str(s)]["outer"] if o.get("relative_error") is not None]
+    return {"deltas": deltas, "mean": m, "low": low, "high": high, "relative_error": mean(errors) if errors else None,
             "val_loss": mean(cell[arm][str(s)]["val_loss"] for s in seeds),
             "bytes_ratio": mean(cell[arm][str(s)]["bytes"] / cell[reference][str(s)]["bytes"] for s in seeds)}
 
@@ -181,7 +182,8 @@ def summarise(out, setting, args, seeds, cells, results) -> dict:
                 reference = "torchft"
             p = stats[(key, name)] = paired_percent(cell, name, reference, seeds)
             versus = "" if reference == "torchft" else f" (vs {reference})"
-            rows.append([family, inner, h, name + versus, f"{p['bytes_ratio']:.3f}", f"{p['val_loss']:.4f}",
+            rows.append([family, inner, h, name + versus, f"{p['bytes_ratio']:.3f}", fmt(p["relative_error"], ".2f"),
+                         f"{p['val_loss']:.4f}",
                          "–" if name == "torchft" else " ".join(f"{d:+.2f}" for d in p["deltas"]),
                          "–" if name == "torchft" else fmt_interval(p, "+.2f")])
         spectrum = cell["torchft"][str(seeds[0])].get("spectrum")
@@ -210,10 +212,11 @@ def summarise(out, setting, args, seeds, cells, results) -> dict:
         f"cosine to 0, gradients clipped at 1; DiLoCo's outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
         f"{args.outer_momentum:g}; seeds {seeds}; validation loss over 16 × 8 validation blocks after the last "
         "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); bytes: what one "
-        "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient).", "",
+        "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient); ‖M−Ĝ‖/‖M‖: the "
+        "sync's relative error (M = Δ + e, Ĝ what it sent), mean over outer steps and seeds.", "",
         "At equal outer steps:", "",
-        markdown_table(["model", "inner", "H", "method", "bytes vs torchft", "val loss (mean)", "Δ % per seed",
-                        "Δ % mean [95 % CI]"], rows), "",
+        markdown_table(["model", "inner", "H", "method", "bytes vs torchft", "‖M−Ĝ‖/‖M‖ (mean)", "val loss (mean)",
+                        "Δ % per seed", "Δ % mean [95 % CI]"], rows), "",
     ]
     if equal_bytes:
         summary += ["At equal or fewer bytes (the same inner steps; torchft syncing less often):", "",
