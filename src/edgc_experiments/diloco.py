@@ -74,8 +74,8 @@ def add_arguments(p) -> None:
     p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
                    help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})")
     p.add_argument("--reuse", default="", metavar="DIR,...",
-                   help="take a cell's runs from DIR/runs/ of earlier runs of this experiment where every method and "
-                        "seed of it is there at the same inner steps (the rest is trained)")
+                   help="take a method's runs of a cell from DIR/runs/ of an earlier run of this experiment that "
+                        "has it at every seed and the same outer steps (the other methods are trained)")
 
 
 def _split(raw: str) -> list[str]:
@@ -126,38 +126,38 @@ def run(args, out, setting, log=print) -> dict:
     for family, inner, h, arms in cells:
         key = f"{family}/{inner}/H{h}"
         results[key] = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
-        if results[key] is not None:
-            log(f"  {key}: reused")
-            common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
-            continue
-        results[key] = {name: {} for name in arms}
-        for seed in seeds:
-            if seed == seeds[0]:
-                arms["torchft"]["spectrum"] = list(SPECTRUM_RANKS)
-            runs = train_runs(family, list(arms.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir)
-            arms["torchft"].pop("spectrum", None)
-            for name, result in zip(arms, runs):
+        todo = {name: arm for name, arm in arms.items() if name not in results[key]}
+        log(f"  {key}: reused {', '.join(results[key]) or 'none'}; training {', '.join(todo) or 'none'}")
+        results[key].update({name: {} for name in todo})
+        for seed in seeds if todo else []:
+            if seed == seeds[0] and "torchft" in todo:
+                todo["torchft"]["spectrum"] = list(SPECTRUM_RANKS)
+            runs = train_runs(family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir)
+            todo.get("torchft", {}).pop("spectrum", None)
+            for name, result in zip(todo, runs):
                 results[key][name][str(seed)] = result
                 log(f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
                     f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s")
+        results[key] = {name: results[key][name] for name in arms}
         common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
     return summarise(out, setting, args, seeds, cells, results)
 
 
-def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_steps: int) -> dict | None:
-    """The runs of cell ``key`` from the first folder that has every method and seed at ``outer_steps``."""
+def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_steps: int) -> dict:
+    """{method: runs} of cell ``key`` for each method of ``arms`` that one of ``folders`` holds at every
+    seed at ``outer_steps`` (the first such folder's; the runs are deterministic, so any is as good)."""
     import json
     from pathlib import Path
 
+    found: dict = {}
     for folder in folders:
         path = Path(folder) / "runs" / f"{key.replace('/', '-')}.json"
-        if not path.is_file():
-            continue
-        cell = json.loads(path.read_text())
-        if all(str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps
-               for name in arms for s in seeds):
-            return {name: {str(s): cell[name][str(s)] for s in seeds} for name in arms}
-    return None
+        cell = json.loads(path.read_text()) if path.is_file() else {}
+        for name in arms:
+            if name not in found and all(str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps
+                                         for s in seeds):
+                found[name] = {str(s): cell[name][str(s)] for s in seeds}
+    return found
 
 
 def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> dict:

@@ -58,7 +58,7 @@ def test_bad_flags_exit_with_one_line(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_a_cell_is_reused_only_with_every_method_and_seed_at_the_same_outer_steps(tmp_path):
+def test_a_method_is_reused_only_with_every_seed_at_the_same_outer_steps(tmp_path):
     from edgc_experiments.common import write_json
     from edgc_experiments.diloco import reused
 
@@ -66,6 +66,6 @@ def test_a_cell_is_reused_only_with_every_method_and_seed_at_the_same_outer_step
     run = {"val_loss": 2.0, "outer_steps": 20}
     write_json(tmp_path / "runs" / "gru-sgd-H6.json", {"torchft": {"1": run, "2": run}, "quant3": {"1": run}})
     arms = {"torchft": {}, "quant3": {}}
-    assert reused([str(tmp_path)], "gru/sgd/H6", {"torchft": {}}, [1, 2], 20) == {"torchft": {"1": run, "2": run}}
-    assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 20) is None  # a seed is missing
-    assert reused([str(tmp_path)], "gru/sgd/H6", {"torchft": {}}, [1, 2], 4) is None  # other outer steps
+    assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 20) == {"torchft": {"1": run, "2": run}}  # quant3 lacks a seed
+    assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 4) == {}  # other outer steps
+    assert reused([str(tmp_path / "none")], "gru/sgd/H6", arms, [1], 20) == {}
