@@ -76,6 +76,8 @@ def add_arguments(p) -> None:
     p.add_argument("--reuse", default="", metavar="DIR,...",
                    help="take a method's runs of a cell from DIR/runs/ of an earlier run of this experiment that "
                         "has it at every seed and the same outer steps (the other methods are trained)")
+    p.add_argument("--no-train", action="store_true",
+                   help="with --reuse: train nothing; a cell some method of which is missing is left out (the summary says which)")
 
 
 def _split(raw: str) -> list[str]:
@@ -123,10 +125,17 @@ def run(args, out, setting, log=print) -> dict:
     cells = plan(args, setting.steps)
     (out / "runs").mkdir()
     results: dict = {}
-    for family, inner, h, arms in cells:
+    missing = []
+    for family, inner, h, arms in list(cells):
         key = f"{family}/{inner}/H{h}"
         results[key] = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
         todo = {name: arm for name, arm in arms.items() if name not in results[key]}
+        if todo and args.no_train:
+            log(f"  {key}: left out (no runs of {', '.join(todo)})")
+            missing.append(key)
+            cells.remove((family, inner, h, arms))
+            del results[key]
+            continue
         log(f"  {key}: reused {', '.join(results[key]) or 'none'}; training {', '.join(todo) or 'none'}")
         results[key].update({name: {} for name in todo})
         for seed in seeds if todo else []:
@@ -140,7 +149,9 @@ def run(args, out, setting, log=print) -> dict:
                     f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s")
         results[key] = {name: results[key][name] for name in arms}
         common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
-    return summarise(out, setting, args, seeds, cells, results)
+    if not cells:
+        raise common.CLIError("--no-train: no cell has runs of every method in the --reuse folders")
+    return summarise(out, setting, args, seeds, cells, results, missing)
 
 
 def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_steps: int) -> dict:
@@ -170,7 +181,7 @@ def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> di
             "bytes_ratio": mean(cell[arm][str(s)]["bytes"] / cell[reference][str(s)]["bytes"] for s in seeds)}
 
 
-def summarise(out, setting, args, seeds, cells, results) -> dict:
+def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
     rows, stats, equal_bytes, spectra = [], {}, [], []
     hs = sorted({h for _, _, h, _ in cells})
     for family, inner, h, arms in cells:
@@ -193,7 +204,7 @@ def summarise(out, setting, args, seeds, cells, results) -> dict:
     if len(hs) > 1:
         low, high = hs[0], hs[-1]
         for family, inner, h, arms in cells:
-            if h != low:
+            if h != low or f"{family}/{inner}/H{high}" not in results:
                 continue
             fast, slow = results[f"{family}/{inner}/H{low}"], results[f"{family}/{inner}/H{high}"]
             for name in arms:
@@ -214,6 +225,7 @@ def summarise(out, setting, args, seeds, cells, results) -> dict:
         "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); bytes: what one "
         "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient); ‖M−Ĝ‖/‖M‖: the "
         "sync's relative error (M = Δ + e, Ĝ what it sent), mean over outer steps and seeds.", "",
+        *([f"Not run (left out with --no-train): {', '.join(missing)}.", ""] if missing else []),
         "At equal outer steps:", "",
         markdown_table(["model", "inner", "H", "method", "bytes vs torchft", "‖M−Ĝ‖/‖M‖ (mean)", "val loss (mean)",
                         "Δ % per seed", "Δ % mean [95 % CI]"], rows), "",

@@ -52,7 +52,8 @@ def test_energy_shares_of_a_rank_one_matrix():
 
 
 @pytest.mark.parametrize("argv,message", [(["--methods", "rank8,torchft"], "the first must be torchft"),
-                                          (["--models", "lstm"], "--models"), (["--methods", "torchft,quant9"], "quant9")])
+                                          (["--models", "lstm"], "--models"), (["--methods", "torchft,quant9"], "quant9"),
+                                          (["--no-train", "--reuse", "/nonexistent"], "--no-train: no cell")])
 def test_bad_flags_exit_with_one_line(tmp_path, capsys, argv, message):
     assert main(["experiment", "diloco", "--steps", "60", *argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
