@@ -12,7 +12,7 @@
     # loop: optimizer.zero_grad(); loss.backward(); optimizer.step()   — as with torchft's own DDP
 
 Over links too slow for a sync every step: `DiLoCo` (torchft's DiLoCo and Streaming DiLoCo, whose
-outer sync of pseudo-gradients is EDGC's, or a registered sync method's: `edgc.integrations.torchft_outer`;
+outer sync of pseudo-gradients is EDGC's, or a registered sync method's: `managed_sync_state`;
 `edgc.integrations.diloco` has the algorithm).
 
 What the one call sets up (`TorchFTEDGCState`):
@@ -45,6 +45,7 @@ own error feedback is kept). A restarted replica takes the series of the peer it
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -57,8 +58,9 @@ from ..config import EDGCConfig
 from ..finite import all_finite
 from ..lowrank import ReduceStats
 from ..rank_control import PROFILE
-from ..reducer import edgc_hook
+from ..reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
+from ..sync_methods import sync_method
 from .diloco import DiLoCo as _DiLoCo
 from .diloco import PowerIterations
 from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
@@ -292,8 +294,6 @@ class DiLoCo(_DiLoCo):
 
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module):
         if self._sync_method is not None:
-            from .torchft_outer import managed_sync_state
-
             return managed_sync_state(self._sync_method, self.manager, model, self._state_key)
         return TorchFTOuterStepState(self.manager, config, model=model, state_key=self._state_key)
 
@@ -312,3 +312,53 @@ class DiLoCo(_DiLoCo):
     def _step_post_hook(self, *args) -> None:
         self.manager.allow_state_dict_read()
         self.inner_step_done()
+
+
+# ---------------------------------------------------------------------------- a registered method as DiLoCo's outer sync
+# `DiLoCo(..., sync_method=NAME)`: the method's state with torchft's side added (`ManagedOuterSync`):
+# every collective through the manager (an all-gather is an all-reduce of one slot per participant);
+# the step waits for the manager's verdict (committed: the residual is kept; not: the error feedback
+# is as before and DiLoCo carries the step's Δ into the next one); heal: the shared part (the outer
+# step count) is registered with the manager, and a healed replica keeps its own error feedback,
+# none after a restart (`edgc experiment diloco` measured it against a peer's copy: alike).
+
+
+class ManagedOuterSync:
+    """Mixin before a sync method's class: its state on a torchft replica group (see the comment above)."""
+
+    def attach(self, manager, state_key: str) -> None:
+        self.comm = ManagedCommunicator(manager)  # type: ignore[assignment]
+        self.defer_commit = True
+        self.steps_discarded = 0  # outer steps whose sync ran but which the manager did not commit
+        self.heals = 0  # times the shared state came from a peer
+        manager.register_state_dict_fn(state_key, self._heal, self.shared_state_dict)
+        _commit_with(manager, self)  # type: ignore[arg-type]
+
+    def finish_step(self, committed: bool) -> None:
+        """The manager's verdict on the pending step."""
+        if not self.pending:  # type: ignore[attr-defined]
+            return
+        if committed:
+            self.commit_step()  # type: ignore[attr-defined]
+        else:
+            self.steps_discarded += 1
+            self.rollback_step()  # type: ignore[attr-defined]
+
+    def shared_state_dict(self) -> dict:
+        """What every replica holds alike: the outer step count."""
+        return {"step": self.step}  # type: ignore[attr-defined]
+
+    def _heal(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.heals += 1
+
+
+def managed_sync_state(name: str, manager, model: nn.Module, state_key: str) -> GradientReducer:
+    """The registered sync method ``name``'s state for one torchft replica group."""
+    entry = sync_method(name)
+    if entry is None:
+        raise ValueError(f"sync method {name!r} is not registered")
+    managed = type(f"Managed{entry.reducer.__name__}", (ManagedOuterSync, entry.reducer), {})
+    state = replace(entry, reducer=managed).build(None, model=model)
+    state.attach(manager, state_key)  # type: ignore[attr-defined]
+    return state
