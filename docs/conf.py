@@ -11,11 +11,14 @@ project = "edgc"
 copyright = "the edgc authors"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.mathjax", "edgc_docs"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "img", "_ext"]
+exclude_patterns = ["_build", "img", "_ext", "_static"]
 myst_enable_extensions = ["dollarmath", "deflist"]
 # GitHub's anchors, so `page.md#a-heading` links work on the site as on GitHub.
 myst_heading_anchors = 3
 autodoc_member_order = "bysource"
+autoclass_content = "both"  # a class's docstring and its __init__'s: the constructor's arguments are in either
 autodoc_typehints = "signature"
 html_theme = "furo"
+html_static_path = ["_static"]
+html_css_files = ["edgc.css"]  # wide tables scroll
 html_title = "edgc"

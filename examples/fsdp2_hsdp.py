@@ -34,7 +34,7 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), Block(128), Block(128), nn.Linear(128, 8))
-    mesh = hsdp_mesh(SHARD)  # 2-D ("dp_replicate", "dp_shard") DeviceMesh
+    mesh = hsdp_mesh(SHARD, model)  # 2-D ("dp_replicate", "dp_shard") DeviceMesh, on the model's device
     for block in (model[1], model[2]):
         fully_shard(block, mesh=mesh["dp_shard"])  # EDGC: native HSDP would pass mesh=mesh
     fully_shard(model, mesh=mesh["dp_shard"])

@@ -48,7 +48,7 @@ def block(current: dict, before: dict | None) -> str:
     best = rows(current)[("xl", cap)]
     lines += ["", f"One engine call on one bucket of same-shape {shape} matrices (matrices → dispatches): {same}.",
               f"Rank {current['rank']}, {current['dtype']} gradients, torch {current['torch']}; the GPU's path (DDP "
-              f"buckets fused into jobs of `EDGCConfig.fusion_mb`, M and Ĝ gathered per job); counted: {current['rule']}.",
+              f"buckets fused into jobs of `EDGCConfig.fusion_mb`, batched CholeskyQR2); counted: {current['rule']}.",
               "", f"**Bucket size.** Recommended: `bucket_cap_mb={cap:g}`, the fewest dispatches for GPT-2 XL "
               f"({best['dispatches']}). DDP's default buckets cost little more ({default['dispatches']}), since EDGC "
               "gathers consecutive buckets into jobs itself; which of the two is faster on a GPU, where the first "

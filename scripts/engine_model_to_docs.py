@@ -36,7 +36,7 @@ def step(model: str, bucket_cap_mb: float, fusion_mb: float | None, count: dict,
     layers, width, heads, vocab, context = GPT2_SIZES[model]
     shapes = gpt2_gradient_shapes(ModelSpec(layers, width, heads, context, vocab, vocab_pad=1, positions=context))
     jobs = em.engine_jobs(shapes, 2, accelerator=True, bucket_cap_mib=bucket_cap_mb, fusion_mb=fusion_mb)
-    launches = em.step_launches(jobs, count["rank"], gathered=True, half_gradients=True, world_size=count["world_size"])
+    launches = em.step_launches(jobs, count["rank"], accelerator=True, half_gradients=True, world_size=count["world_size"])
     cost = em.engine_step_cost(jobs, count["rank"], device.flops_per_s("fp16"), device.mem_bytes_per_s,
                                device.launch_s, 2, device.skinny_rates(), world_size=count["world_size"])
     return jobs, launches, cost

@@ -33,6 +33,10 @@ Modules:
     outer_sync.py   DiLoCo's quantised outer sync (b bits a value, error feedback), error-feedback decay and heal
     outer_alloc.py  the quantised outer sync with the bits per tensor where a byte removes the most error
     timing.py       device-timeline timestamps, the library's only device→host reads
+    events.py       what EDGC decides, said through Python's logging (logger "edgc", group rank 0)
+    fingerprint.py  once per window, the ranks compare what must be identical on all; raise where not
+    guards.py       how a state is used: a group created after it, DDP's group and model, synchronize()
+    streams.py      streams and stream-ordered memory, device-agnostic (torch.cpu's stand-ins off CUDA)
     finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`
     integrations/   glue for training stacks (Lightning)
@@ -42,6 +46,7 @@ from .comm import barrier_before_exit
 from .config import EDGCConfig, LowRankConfig, field_docs
 from .entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .factors import orthogonalize_
+from .fingerprint import ReplicasDiverged
 from .lowrank import LowRankCompressor
 from .rank_control import WindowController
 from .rank_rules import delta_target, limit_rank
@@ -54,6 +59,6 @@ __all__ = [
     "LowRankCompressor", "EntropySampler", "WindowController", "ErrorModel",
     "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
     "delta_target", "limit_rank", "orthogonalize_", "field_docs",
-    "CastState", "TopKState", "RandomKState", "QSGDState", "barrier_before_exit",
+    "CastState", "TopKState", "RandomKState", "QSGDState", "barrier_before_exit", "ReplicasDiverged",
 ]
 __version__ = "0.1.0"

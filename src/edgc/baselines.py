@@ -64,7 +64,11 @@ def _unpack(packed: torch.Tensor, grads: list[torch.Tensor], flat: torch.Tensor 
 
 
 class CastState(GradientReducer):
-    """Averaged all-reduce of the gradients cast to fp16 or bf16 (no error feedback)."""
+    """Averaged all-reduce of the gradients cast to fp16 or bf16 (no error feedback).
+
+    ``dtype``: the wire's, ``"float16"`` or ``"bfloat16"`` (or the torch dtype). ``process_group``
+    and ``model``: as `GradientReducer`'s (the group; the module whose parameters it names).
+    """
 
     method = "cast"
 
@@ -231,7 +235,11 @@ def first_of_runs(ordered: torch.Tensor) -> torch.Tensor:
 
 
 class TopKState(_ErrorFeedbackReducer):
-    """Global top-k by magnitude per call; values + int32 indices in one all-gather; error feedback."""
+    """Global top-k by magnitude per call; values + int32 indices in one all-gather; error feedback.
+
+    ``ratio``: the share of entries sent, in (0, 1]; ``error_feedback``: keep what was not sent for
+    the next step. ``process_group`` and ``model``: as `GradientReducer`'s.
+    """
 
     method = "topk"
 
@@ -267,7 +275,8 @@ class RandomKState(_ErrorFeedbackReducer):
     Indices are k draws with replacement from a generator on the gradients' device seeded by
     (seed, step, call), so a resumed run draws the same ones. ``rescale`` (default: on without
     error feedback) divides the kept values by P(an index is drawn) = 1 − (1 − 1/N)^k, which
-    makes the result unbiased.
+    makes the result unbiased. ``ratio``: the share of entries drawn, in (0, 1]; ``error_feedback``:
+    keep what was not sent; ``seed``: of the draws; ``process_group`` and ``model``: as `GradientReducer`'s.
     """
 
     method = "randomk"
@@ -312,8 +321,9 @@ class QSGDState(_ErrorFeedbackReducer):
 
     Per chunk of ``chunk`` elements: scale = max|x| / 127, q = ⌊|x|/scale + u⌋·sign(x) with
     u ~ U[0, 1) (so E[q·scale] = x), sent as int8 followed by the chunk scales as bytes. The noise u
-    is drawn on the gradients' device from a generator seeded by (seed, rank, step, call):
-    independent between ranks, and the same again in a resumed run.
+    is drawn on the gradients' device from a generator seeded by (``seed``, rank, step, call):
+    independent between ranks, and the same again in a resumed run. ``error_feedback``: keep the
+    quantisation error for the next step; ``process_group`` and ``model``: as `GradientReducer`'s.
     """
 
     method = "qsgd8"

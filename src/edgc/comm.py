@@ -63,6 +63,8 @@ class Communicator:
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self._distributed = distributed
+        # The default group, asked for before it existed: `edgc.guards` binds it at the state's first use.
+        self.awaits_default_group = process_group is None and not distributed
         self.rank = dist.get_rank(process_group) if distributed else 0
         # Global rank of the group's rank 0: the source of every decision broadcast.
         self.root = dist.get_global_rank(process_group, 0) if distributed and process_group is not None else 0
@@ -118,6 +120,12 @@ class Communicator:
         """Whether collectives are issued: a process group exists, of any size."""
         return self._distributed
 
+    @property
+    def step_failed(self) -> bool:
+        """Whether a collective of this step failed, so that results read now are not the group's
+        (never on a plain process group, where a failure raises; torchft's manager reports it instead)."""
+        return False
+
     # ------------------------------------------------------------------ asynchronous
     def _issue(self, tensor: torch.Tensor, run, after=None) -> Pending:
         if not self.issues:
@@ -166,7 +174,7 @@ class Communicator:
             if self.world_size > 1:
                 tensor.div_(self.world_size)
             return self.all_reduce_async(tensor)
-        on_wire = tensor.div(self.world_size).to(wire_dtype)
+        on_wire = torch.div(tensor, self.world_size, out=torch.empty_like(tensor, dtype=wire_dtype))  # one pass
         return self._issue(tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM),
                            after=lambda: tensor.copy_(on_wire))
 

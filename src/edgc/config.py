@@ -17,6 +17,7 @@ RANK_MAPPINGS = ("delta", "cqm", "error-band")
 ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
 ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
+ORTHONORMALIZATION_CHOICES = ("auto", "householder", "cholesky2-fp64", "cholesky4-fp32")
 RANK_CHANGES = ("warm", "truncate")
 
 
@@ -61,6 +62,7 @@ def _check_engine_fields(check: _Check) -> None:
     """The checks of `LowRankConfig`'s fields, which `EDGCConfig` carries too."""
     check.number("min_compression_rate", allow_zero=True)
     check.number("orthogonalization_epsilon", allow_zero=True)
+    check.choice("orthonormalization", ORTHONORMALIZATION_CHOICES)
     check.boolean("error_feedback")
     check.choice("error_feedback_dtype", ERROR_FEEDBACK_DTYPES)
     check.choice("communication_dtype", COMM_DTYPES)
@@ -86,6 +88,9 @@ class LowRankConfig:
 
     orthogonalization_epsilon: float = 1e-12
     """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+
+    orthonormalization: str = "auto"
+    """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast float64, float32 four-pass CholeskyQR elsewhere), or one of 'householder', 'cholesky2-fp64', 'cholesky4-fp32'."""
 
     seed: int = 714
     """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
@@ -163,6 +168,9 @@ class EDGCConfig:
 
     orthogonalization_epsilon: float = 1e-12
     """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+
+    orthonormalization: str = "auto"
+    """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast float64, float32 four-pass CholeskyQR elsewhere), or one of 'householder', 'cholesky2-fp64', 'cholesky4-fp32'."""
 
     profile_max_rank: int = 128
     """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""

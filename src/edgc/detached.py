@@ -27,3 +27,14 @@ class DetachedCommunicator:
             f"tensors are its parameters (their error feedback would be lost): save state.state_dict() instead "
             f"and restore it with load_state_dict() into a new {self.state_name}(..., model=ddp_model); "
             "this one's state_dict() still holds everything")
+
+
+def detached_state(reducer) -> dict:
+    """What a `GradientReducer` pickles: its data, with a `DetachedCommunicator` for its communicator
+    and none of its streams, events or parameter ids."""
+    reducer._settle_local()  # its metrics and totals travel; the device values do not
+    state = dict(reducer.__dict__)
+    state["comm"] = DetachedCommunicator(type(reducer).__name__, reducer.comm.rank, reducer.comm.world_size)
+    state["_jobs"], state["_closed"] = None, None  # streams and events stay with this process
+    state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
+    return state

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import rank_change
+from . import rank_change, streams
 from .config import LowRankConfig
-from .factors import matrix_shape, orthonormalize_blocks_, restart_zero_rows, stable_seed
+from .factors import (matrix_shape, orthonormalization_for, orthonormalize_blocks_, restart_dead_entries_,
+                      stable_seed)
 from .layout import CallLayout
 from .timing import to_device
 
@@ -52,11 +53,6 @@ def _still_kept(buffer: torch.Tensor | None, views: list[torch.Tensor], store: d
     """Whether a call's buffer still holds what ``store`` says: every name maps to its view in it."""
     return (buffer is not None and buffer.dtype == dtype and buffer.device == device and len(views) == len(names)
             and all(store.get(name) is view for name, view in zip(names, views)))
-
-
-def takes_cpu_kernels(device: torch.device) -> bool:
-    """Whether the engine runs the CPU's kernels on this device (see `EngineState.cpu_kernels`)."""
-    return device.type == "cpu"
 
 
 class EngineState:
@@ -164,39 +160,38 @@ class EngineState:
                 if self.keep_uncommitted:
                     self._step_popped[layout.names[i]] = pending
 
-    def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype):
-        """M = G + e of every compressed matrix, in the arena. Returns the arena and, on an accelerator,
-        the call's compressed gradients gathered in the arena's layout (reused for Ĝ): one gather and
-        one add for the whole call, whatever its shapes. On CPU, where a kernel call costs nothing
-        but a pass over memory does, each matrix is added in place instead (gathered is None)."""
+    def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype) -> torch.Tensor:
+        """M = G + e of every compressed matrix, in the arena, added from each gradient where it lies:
+        no gathered copy of the gradients, so a pass reads G once and e once and writes M once (one
+        ``_foreach_add_``: one multi-tensor kernel where G and e share a dtype, one kernel per matrix
+        where they do not). Without error feedback, M is G copied into a scratch arena of the
+        compute dtype (one ``_foreach_copy_``, which casts within its one kernel)."""
         layout = call.layout
         ordered = [grads[i].view(group.m, group.n) for group in layout.groups for i in group.indices]
         if not self.config.error_feedback:
-            gathered = torch.cat([g.reshape(-1) for g in ordered]) if ordered else grads[0].new_empty(0)
-            return gathered.to(compute), gathered
+            scratch = torch.empty(layout.error_numel, dtype=compute, device=grads[0].device)
+            if ordered:
+                torch._foreach_copy_(call.views(scratch), ordered)
+            return scratch
         error_dtype = grads[0].dtype if self.config.error_feedback_dtype == "gradient" else compute
         if not self._arena_intact(call, error_dtype, grads[0].device):
             self._rebuild_arena(call, error_dtype, grads[0].device)
-        arena = call.arena
-        if self.cpu_kernels(grads[0].device):
-            if ordered:
-                torch._foreach_add_(call.error_views, ordered)
-            gathered = None
-        else:
-            gathered = torch.cat([g.reshape(-1) for g in ordered]) if ordered else grads[0].new_empty(0)
-            arena.add_(gathered)
+        if ordered:
+            torch._foreach_add_(call.error_views, ordered)
         if self._tracking and not self.keep_uncommitted:
-            self._touched.append(arena)
-        return arena, gathered
+            self._touched.append(call.arena)
+        return call.arena
 
-    def cpu_kernels(self, device: torch.device) -> bool:
-        """Whether this call takes the CPU's kernels: M and Ĝ moved matrix by matrix, and factors
-        orthonormalised by LAPACK's Householder QR block by block (`edgc.factors`), rather than the
-        accelerator's gathered buffers and batched CholeskyQR2, whose point is fewer kernel launches
-        at the price of passes over memory and float64 work, which is all a CPU pays.
-        ``force_accelerator_kernels`` makes every device take the accelerator's path (a dispatch
-        count, a test of that path on CPU)."""
-        return takes_cpu_kernels(device) and not self.force_accelerator_kernels
+    def orthonormalization(self, device: torch.device) -> str:
+        """The method that orthonormalises this engine's factors on ``device`` (`edgc.factors`):
+        ``LowRankConfig.orthonormalization`` where it names one, else the device's
+        (`edgc.factors.orthonormalization_for`). ``force_accelerator_kernels`` makes a CPU take a
+        fast-float64 GPU's (a dispatch count, a test of that path on the CPU)."""
+        if self.config.orthonormalization != "auto":
+            return self.config.orthonormalization
+        if self.force_accelerator_kernels and device.type == "cpu":
+            return "cholesky2-fp64"
+        return orthonormalization_for(device)
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
         return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
@@ -217,25 +212,20 @@ class EngineState:
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
-    def _keep_residual(self, call: CallState, arena: torch.Tensor, approximation: torch.Tensor | list[torch.Tensor]) -> None:
-        """e = M − Ĝ for the whole call: over M in place, or (uncommitted) into the spare arena, M
-        left intact for a rollback. ``approximation``: Ĝ in the arena's layout, or (per-matrix
-        copies) the list of gradients that now hold Ĝ, in layout order."""
-        per_matrix = isinstance(approximation, list)
+    def _keep_residual(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
+        writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
+        in the arena's dtype. Over M in place, or (uncommitted) into the spare arena, M left intact
+        for a rollback."""
+        residual = arena
+        if self.keep_uncommitted:
+            residual = call.spare
+            if residual is None or residual.shape != arena.shape or residual.dtype != arena.dtype:
+                residual = torch.empty_like(arena)
+        for group, (p_t, q_t) in zip(call.layout.groups, factors):
+            torch.baddbmm(group.error_view(arena), p_t.transpose(1, 2), q_t, alpha=-1, out=group.error_view(residual))
         if not self.keep_uncommitted:
-            if per_matrix and approximation:
-                torch._foreach_sub_(call.error_views, approximation)
-            elif not per_matrix:
-                arena.sub_(approximation)
             return
-        residual = call.spare
-        if residual is None or residual.shape != arena.shape or residual.dtype != arena.dtype:
-            residual = torch.empty_like(arena)
-        if per_matrix:
-            for m, g, out in zip(call.error_views, approximation, call.views(residual)):
-                torch.sub(m, g, out=out)
-        else:
-            torch.sub(arena, approximation, out=residual)
         call.spare = None
         self._step_arenas.append((call, arena))
         self._touched.append(residual)  # a non-finite step clears the residual, never M
@@ -243,23 +233,21 @@ class EngineState:
 
     # ------------------------------------------------------------------ Q
     def _warm_start(self, call: CallState, device: torch.device, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stored Qᵀ, Qᵀ with rows orthonormalised and collapsed rows restarted) of the call's
-        matrices, laid out as its Q buffer.
+        """(stored Qᵀ, Qᵀ with rows orthonormalised and dead rows restarted) of the call's matrices,
+        laid out as its Q buffer.
 
         Orthonormal rather than merely scaled: P = M·Q then has M's condition number, not M's times
         Q's (Q = Mᵀ·P carries the singular values, so its own condition number grows with their
-        spread, and float32 would lose P's weak directions)."""
+        spread, and float32 would lose P's weak directions). A zero row (a layer without gradient,
+        a rank-deficient M: the orthonormalisation keeps it zero) or the NaN rows of a failed
+        factorisation restart from the replacement rows (`restart_dead_entries_`), so a Q that
+        cannot be orthonormalised does not stall the power iteration step after step."""
         source = call.q_flat if self._q_intact(call, compute, device) else self._gather_q(call, device, compute)
         if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
             call.replacement = self._replacement_rows(call, device, compute)
-        q_in = torch.empty_like(source)
-        offset = 0
-        for block in call.layout.q_blocks:
-            rows = call.replacement[offset : offset + block.rank * block.side].view(1, block.rank, block.side)
-            offset += block.rank * block.side
-            restart_zero_rows(block.view(source), rows, out=block.view(q_in))
-        orthonormalize_blocks_(q_in, call.layout.q_blocks, self.config.orthogonalization_epsilon,
-                               householder=self.cpu_kernels(device))
+        q_in = orthonormalize_blocks_(source, call.layout.q_blocks, self.config.orthogonalization_epsilon,
+                                      method=self.orthonormalization(device), out=torch.empty_like(source))
+        restart_dead_entries_(q_in, call.layout.q_blocks, call.replacement)
         return source, q_in
 
     def _q_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
@@ -318,7 +306,15 @@ class EngineState:
         self.begin_step()
         self._tracking = False
 
-    def to(self, device: torch.device) -> None:
-        self.q = {name: q.to(device) for name, q in self.q.items()}
-        self.error = {name: e.to(device) for name, e in self.error.items()}
+    def to(self, device: torch.device, stream: streams.Stream | None = None) -> None:
+        """Q and error feedback onto ``device`` without a host wait, kept alive for ``stream`` (the jobs'
+        stream, which reads and replaces them: `edgc.streams.record_stream`)."""
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            moved = to_device(tensor, device)
+            if stream is not None:
+                streams.record_stream(moved, stream)
+            return moved
+
+        self.q = {name: move(q) for name, q in self.q.items()}
+        self.error = {name: move(e) for name, e in self.error.items()}
         self._calls.clear()

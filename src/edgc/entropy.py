@@ -102,6 +102,7 @@ class EntropySampler:
     Usage per step: ``begin(step)``; ``add(tensors)`` for each bucket; ``finish()``. On steps that
     are not due (step % ``config.sample_period`` != 0) all three are no-ops but for ``add`` counting the
     step's elements (a report sample's stride needs them), so the hot path pays nothing.
+    ``config``: the `EDGCConfig` whose sampling fields (α, β, bins, estimator) it follows.
     """
 
     def __init__(self, config: EDGCConfig):

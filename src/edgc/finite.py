@@ -27,10 +27,11 @@ def nan_unless_finite(*tensors: torch.Tensor) -> torch.Tensor:
     A flag that survives an average over ranks (one rank's NaN keeps the mean NaN, zeros keep it
     zero) and that poisons whatever it is added to, so a non-finite step needs no branch: adding it
     to the decompressed factors makes every averaged gradient NaN on every rank."""
-    device = tensors[0].device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for values in tensors:
-        if values.numel():
-            total = total + (values.sum(dtype=torch.float64) if values.dtype != torch.float64
-                             else torch.where(torch.isfinite(values).all(), 0.0, float("nan")))
+    sums = [values.sum(dtype=torch.float64) if values.dtype != torch.float64
+            else torch.where(torch.isfinite(values).all(), 0.0, float("nan")) for values in tensors if values.numel()]
+    if not sums:
+        return torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
+    total = sums[0]
+    for value in sums[1:]:
+        total = total + value
     return (total * 0).float().reshape(1)

@@ -3,7 +3,7 @@
 HSDP shards parameters inside a host and replicates them across hosts; the all-reduce between
 replicas crosses the slow network, and that is the one EDGC compresses:
 
-    mesh = hsdp_mesh(shard_size)                        # 2-D ("dp_replicate", "dp_shard") DeviceMesh
+    mesh = hsdp_mesh(shard_size, model)                 # 2-D ("dp_replicate", "dp_shard"), on the model's device
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp_shard"])          # shard over the host only: FSDP, not native HSDP
     fully_shard(model, mesh=mesh["dp_shard"])
@@ -24,9 +24,13 @@ torch.bfloat16)`` the shards are bf16; factors and error feedback are fp32 (see 
 The model must be sharded on a 1-D mesh (the shard dimension): with a 2-D mesh FSDP runs its
 own replica all-reduce before the hook, and there would be nothing left to compress.
 
-The step closes (metrics, decisions, step counter) in an autograd callback queued by the first
-hook call of a backward, which runs after FSDP's own final callback, so after every group,
-including the root's, has been reduced. Gradient accumulation: wrap the non-final micro-batches
+A group's job is started in its hook and goes on while the next groups' backward runs, unless
+FSDP2 reads the buffer right after the hook (it casts a ``reduce_dtype`` buffer to the parameters'
+dtype, divides after the reduction, accumulates into existing gradients or offloads them: see
+`reads_buffer_after_hook`); then the hook waits for the average, on the device. The step closes
+(metrics, decisions, step counter) in an autograd callback queued by the first hook call of a
+backward, which runs after FSDP's own final callback, so after every group, including the root's,
+has been reduced: it drains the jobs still in flight, and the caller's stream waits for them. Gradient accumulation: wrap the non-final micro-batches
 in ``model.set_requires_gradient_sync(False)`` as usual; those backwards call no hook and do not
 count as steps.
 """
@@ -39,24 +43,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
+from . import streams
 from .mesh import init_parallel_mesh
 from .reducer import GradientReducer
 
 __all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout"]
 
 
-def hsdp_mesh(shard_size: int, device_type: str = "cpu") -> DeviceMesh:
+def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
     """The 2-D ``("dp_replicate", "dp_shard")`` part of the run's mesh (`edgc.mesh.init_parallel_mesh`
-    with pp = tp = 1): consecutive ranks share a host.
+    with pp = tp = 1): consecutive ranks share a host. ``device``: the model to shard (or its device),
+    whose device the mesh takes (`edgc.mesh.mesh_device_type`; by default the process group's).
 
     Shard with ``mesh["dp_shard"]``; the EDGC state takes ``mesh["dp_replicate"]``.
     """
     world = dist.get_world_size()
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"shard size {shard_size} must divide the world size {world}")
-    return init_parallel_mesh(device_type, dp_shard=shard_size)["dp_replicate", "dp_shard"]
+    return init_parallel_mesh(device, dp_shard=shard_size)["dp_replicate", "dp_shard"]
 
 
 def _param_group(module: FSDPModule):
@@ -75,6 +83,24 @@ def _param_group(module: FSDPModule):
 def shard_layout(group) -> list[tuple[nn.Parameter, torch.Size, int]]:
     """(sharded parameter, this rank's shard size, padded shard numel) per parameter, in buffer order."""
     return [(fp.sharded_param, fp.sharded_size, fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
+
+
+def reads_buffer_after_hook(group, reduce_output: torch.Tensor) -> bool:
+    """Whether FSDP2 reads the all-reduce hook's buffer as soon as the hook returns (`foreach_reduce`
+    after the hook, torch 2.13): to cast it to the parameters' dtype, to divide it after the
+    reduction, to add it to gradients already there, to copy it to the CPU, or for a
+    post-accumulate-grad hook. Otherwise it only views it as the sharded gradients."""
+    if group._orig_dtype is not None and group._orig_dtype != reduce_output.dtype:
+        return True
+    if isinstance(group.offload_policy, CPUOffloadPolicy):
+        return True
+    scatter_group = group._reduce_scatter_process_group if isinstance(group.mesh_info, FSDPMeshInfo) else None
+    _, postdivide, _, _ = _get_gradient_divide_factors(scatter_group, None, reduce_output.dtype, reduce_output.device.type,
+                                                       group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+    if postdivide not in (None, 1):
+        return True
+    return any(fp.sharded_param.grad is not None or getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
+               for fp in group.fsdp_params)
 
 
 class FSDPCommHook:
@@ -105,7 +131,7 @@ class FSDPCommHook:
                 layout.append((name, size, padded))
                 shapes[name] = tuple(size)
             self._groups.append((module, layout))
-            module.set_all_reduce_hook(self._make_hook(layout))
+            module.set_all_reduce_hook(self._make_hook(layout, group))
         if not self._groups:
             raise ValueError("the model has no parameters to reduce")
         # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
@@ -115,7 +141,7 @@ class FSDPCommHook:
         state.parameter_shapes = shapes
         self._step_open = False
 
-    def _make_hook(self, layout):
+    def _make_hook(self, layout, group):
         # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
         # not a gradient and is neither sent nor compressed.
         expected = sum(padded for _, _, padded in layout)
@@ -132,7 +158,15 @@ class FSDPCommHook:
                 names.append(name)
                 offset += padded
             self._open_step()
-            self.state.reduce_tensors(names, views, last=False)
+            # Blocking only where FSDP2 reads the buffer as soon as this returns; otherwise the job
+            # goes on while the next groups' backward runs, and the step's close drains it.
+            self.state.reduce_tensors(names, views, last=False, blocking=reads_buffer_after_hook(group, reduce_output))
+            # A reduce buffer in another dtype than the parameters is freed by FSDP2 as soon as this
+            # returns (it casts it), back to its reduce-scatter stream, which has waited neither for
+            # this stream (the all-reduce one, that casts it) nor for the jobs' stream that wrote the
+            # average: the next group's reduce-scatter could reuse the memory before they are done.
+            # This stream has waited for the jobs' (a blocking `reduce_tensors` drains them).
+            streams.record_stream(reduce_output, streams.current_stream(reduce_output.device))
 
         return hook
 

@@ -33,12 +33,14 @@ from sender to receiver, in this order:
 `wire_bytes(m, n, r, element_size)` is that size. The sender posts both sends in ONE batch, with
 whatever else it posts at that point of its schedule, and keeps the buffers (the ops hold them)
 until that batch's works are done. The receiver puts the header's receive in the batch it posts at
-its matching point; once that batch has been waited on, it reads the header with one host read
-(the payload's size depends on r), then receives the payload in a batch of its own. So the
-sender's batch completes only after the receiver has read the header; that cannot deadlock, as
-the header goes first and the receiver's first batch needs nothing else from the sender. The
-rank is the sender's decision (EDGC's follows stage 0's entropy), so the header stays: every
-packet describes itself and is checked against the shape the receiver expects.
+its matching point; once that batch has been waited on, it receives the payload in a batch of its
+own. So the sender's batch completes only after the receiver's second batch is posted; that cannot
+deadlock, as the header goes first and the receiver's first batch needs nothing else from the
+sender. The payload's size depends on r: a receiver that knows the rank the sender uses (``rank``:
+both sides follow the same agreed numbers, as `edgc_train`'s schedule does) takes the size from it
+and reads no header on the host per packet; `check_headers` then checks every packet's header
+against it with one host read, where the step may synchronise. A receiver that does not know r
+reads the header first (one host read per packet). Either way every packet describes itself.
 
 With NCCL, a group's first batched point-to-point call creates the group's communicator, and
 every rank of the group must take part in it: begin with one batch on every rank of the group
@@ -211,20 +213,29 @@ class IncomingGradient:
     """The receiving side of one packet, in two steps (see the wire contract above).
 
     ``op`` receives the header: post it in the batch of the receiver's point of the schedule.
-    After that batch has been waited on, `finish` reads the header, receives the payload in a
-    batch of its own and returns the decompressed gradient."""
+    After that batch has been waited on, `finish` receives the payload in a batch of its own and
+    returns the decompressed gradient. ``rank``: the rank the sender compresses this gradient at
+    (None: raw), when the receiver knows it; left out, `finish` reads it from the header."""
+
+    UNKNOWN = object()
 
     def __init__(self, shape, src: int, dtype: torch.dtype = torch.float32, device=None, group=None,
-                 tag: int = 0):
+                 tag: int = 0, rank: int | None | object = UNKNOWN):
         self.shape, self.src, self.dtype, self.device, self.tag = torch.Size(shape), src, dtype, device, tag
         self.group = as_process_group(group)
+        self.n = self.shape[-1]
+        self.m = math.prod(self.shape) // self.n
+        self.expected = None if rank is IncomingGradient.UNKNOWN else effective_rank(self.m, self.n, rank)
         self.header = torch.empty(HEADER, dtype=torch.int64, device=device)
         self.op = dist.P2POp(dist.irecv, self.header, src, self.group, tag)
 
     def finish(self, mark: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """``mark`` (a timing hook, e.g. a clock stamp) is called once the header has been read
-        and once the payload has arrived: the span between the two is the payload's transfer."""
-        rank, m, n = to_host(self.header)  # the packet's one host read
+        """``mark`` (a timing hook, e.g. a clock stamp) is called once the header is in and once the
+        payload has arrived: the span between the two is the payload's transfer."""
+        if self.expected is not None:
+            rank, m, n = self.expected, self.m, self.n  # the header is checked later (`check_headers`)
+        else:
+            rank, m, n = to_host(self.header)  # the packet's one host read
         if mark is not None:
             mark()
         if m * n != math.prod(self.shape):
@@ -235,6 +246,20 @@ class IncomingGradient:
         if mark is not None:
             mark()
         return decompress(Packet(rank, self.shape, payload)).to(self.dtype)
+
+
+def check_headers(incoming: list[IncomingGradient]) -> None:
+    """Every finished packet received at a known rank has the header [rank, m, n] its receiver
+    expected (one host read for all of them: call it where the step may synchronise)."""
+    known = [packet for packet in incoming if packet.expected is not None]
+    if not known:
+        return
+    values = to_host(torch.cat([packet.header for packet in known]))
+    for i, packet in enumerate(known):
+        got, wanted = tuple(values[HEADER * i:HEADER * (i + 1)]), (packet.expected, packet.m, packet.n)
+        if got != wanted:
+            raise RuntimeError(f"interstage: a packet from rank {packet.src} has header [rank, m, n] = {list(got)}, "
+                               f"its receiver expected {list(wanted)}: the two stages disagree on the rank")
 
 
 def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float32, device=None,

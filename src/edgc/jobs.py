@@ -3,11 +3,14 @@
 A *job* (`edgc.comm`) syncs one or more buckets: it issues collectives, yields, and on resumption
 waits for them and goes on; it yields ISSUES_MORE while it has collectives left to issue.
 
-Order. Jobs start in bucket order. At each hook call the jobs in flight that still have
-collectives to issue are resumed once, oldest first; a job that only has to wait and finish is
-left for the drain at the step's last bucket, so backward never waits for a transfer that nothing
-needs yet. Which job runs when depends only on the bucket sequence and on what the jobs yield,
-so every rank issues the same collectives in the same order, whatever the bucket sizes.
+Order. Jobs start in bucket order. At each hook call the bucket's job starts first, then the jobs
+that were in flight before it and still have collectives to issue are resumed once, oldest first:
+so on the one side stream the new job's gather and first product are queued before an older job
+waits for its collective, and run while that collective is on the wire. A job that only has to
+wait and finish is left for the drain at the step's last bucket, so backward never waits for a
+transfer that nothing needs yet. Which job runs when depends only on the bucket sequence and on
+what the jobs yield, so every rank issues the same collectives in the same order, whatever the
+bucket sizes.
 
 Fusion. Consecutive buckets are gathered until they hold at least ``fusion_bytes`` (or the
 step's last bucket arrives), and one job syncs them all; their Futures complete together. A
@@ -21,7 +24,8 @@ issued and waited for on that stream (NCCL makes the stream that waits wait; tor
 issue and wait on one stream), and each Future's completion is recorded there: DDP's stream waits
 for that event before it reads the bucket, and backward's own kernels never queue behind a
 compression or a collective. The drain ends with the compute stream waiting for the side stream,
-so a blocking caller reads finished tensors. On CPU there are no streams; all of this is a no-op.
+so a blocking caller reads finished tensors. Off CUDA the streams are `torch.cpu`'s stand-ins
+(`edgc.streams`): every wait is a no-op, and a checker can still see the order on the CPU.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from . import streams
 from .comm import FINISHES, ISSUES_MORE
 from .timing import Clock
 
@@ -54,10 +59,11 @@ class JobQueue:
         self.in_flight: list[_Entry] = []
         self._gathered: list[tuple] = []  # (names, grads, bucket buffer, Future) not started yet
         self._gathered_bytes = 0
-        self.stream: torch.cuda.Stream | None = None
+        self.device: torch.device | None = None
+        self.stream: streams.Stream | None = None  # the side stream, once the device is known
 
     def use_device(self, device: torch.device, clock: Clock) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device, self.stream = device, streams.new_stream(device)
         self.clock = clock
 
     def take_busy(self) -> list[tuple]:
@@ -72,8 +78,8 @@ class JobQueue:
             yield
             return
         if after_compute:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(streams.current_stream(self.device))
+        with streams.using(self.stream):
             yield
 
     @contextlib.contextmanager
@@ -86,11 +92,14 @@ class JobQueue:
 
     def submit(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
                future: torch.futures.Future | None, start: Start, fusion_bytes: float) -> None:
-        """A bucket to sync: its job starts now, or once the gathered buckets reach ``fusion_bytes``."""
+        """A bucket to sync: its job starts now, or once the gathered buckets reach ``fusion_bytes``;
+        then the jobs in flight before it that have collectives to issue are resumed (see Order)."""
+        due = self._due()
         self._gathered.append((names, grads, flat, future))
         self._gathered_bytes += sum(g.numel() * g.element_size() for g in grads)
         if self._gathered_bytes >= fusion_bytes:
             self.flush(start)
+        self._resume(due)
 
     def flush(self, start: Start) -> None:
         """Start one job for every bucket gathered so far."""
@@ -112,7 +121,12 @@ class JobQueue:
     def resume(self, *, finishing: bool = False) -> bool:
         """Resume, oldest first, the jobs in flight that have collectives to issue (all of them when
         ``finishing``); whether any was resumed."""
-        due = [entry for entry in self.in_flight if finishing or entry.status == ISSUES_MORE]
+        return self._resume(self._due(finishing=finishing))
+
+    def _due(self, *, finishing: bool = False) -> list[_Entry]:
+        return [entry for entry in self.in_flight if finishing or entry.status == ISSUES_MORE]
+
+    def _resume(self, due: list[_Entry]) -> bool:
         if due:
             with self.working():
                 for entry in due:
@@ -125,7 +139,7 @@ class JobQueue:
         while self.in_flight:
             self.resume(finishing=True)
         if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            streams.current_stream(self.device).wait_stream(self.stream)
 
     def clear(self) -> None:
         self.in_flight, self._gathered, self._gathered_bytes, self._busy = [], [], 0, []

@@ -9,19 +9,24 @@ as torch's hook views it:
     Q ← Mᵀ · P
     all-reduce-mean(Q)
     Ĝ ← P · Qᵀ                     the averaged, decompressed gradient (identical on all ranks)
-    e ← M − Ĝ                      the local residual, kept for the next step
+    e ← M − P · Qᵀ                 the local residual, kept for the next step
 
-so that Ĝ + mean(e) = mean(M) exactly: nothing is lost, only delayed. Matrices where
+so that Ĝ + mean(e) = mean(M) exactly: nothing is lost, only delayed (Ĝ as the product gives it,
+before a half-precision gradient rounds it, as an uncompressed half-precision all-reduce rounds
+its sum). Matrices where
 (m + n)·r·min_compression_rate ≥ m·n (biases, LayerNorm, tiny matrices) gain nothing and are
 sent raw in one buffer.
 
-Batched by shape. A call's matrices of one (m, n, rank) are one batch in every product, its P's
-(and Q's) share one flat buffer, and the orthonormalisation is one batched Cholesky QR per rank
-on an accelerator, a Householder QR per block on a CPU (`edgc.layout.CallLayout`,
-`edgc.factors.orthonormalize_blocks_`, `EngineState.cpu_kernels`). A call issues
-three all-reduces (raw + a non-finite flag, P, Q), and its kernel count grows with its shapes, not
-its matrices. A call's layout, its error-feedback arena and its Q buffer are kept from step to step
-(`_CallState`), so a steady step copies no Q and allocates no error feedback.
+Batched by shape. A call's matrices of one (m, n, rank) are one batch in the products that read
+M (P, Q and the residual, on the error-feedback arena), its P's (and Q's) share one flat buffer,
+and the orthonormalisation is one batched Cholesky QR per rank on an accelerator, a Householder
+QR per block on a CPU (`edgc.layout.CallLayout`, `edgc.factors.orthonormalize_blocks_`,
+`EngineState.orthonormalization`). What touches the gradients goes matrix by matrix, where they
+lie: M = G + e reads each gradient once, Ĝ is written straight into it, and no copy of the
+gradients is made (bytes and memory: `edgc_bench.dispatch_count`). A call issues three
+all-reduces (raw + a non-finite flag, P, Q). A call's layout, its error-feedback arena and its Q
+buffer are kept from step to step (`_CallState`), so a steady step copies no Q and allocates no
+error feedback.
 
 The engine owns its state: Q and error feedback per parameter name (``q``, ``error``; read them,
 change them through the methods), `snapshot`/`restore` of the shared part (Q), `commit`/`rollback`
@@ -133,7 +138,7 @@ class LowRankCompressor(EngineState):
 
         Forms M = G + e in the error-feedback arena and Pᵀ = Qᵀ·Mᵀ, issues the raw tensors (+ a
         non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·M and issues it,
-        yields; writes Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. No host read of a device value:
+        yields; writes Ĝ = P·Qᵀ into the gradients and e = M − P·Qᵀ. No host read of a device value:
         a non-finite step is handled by device-side selects, and the caller calls `end_step` when
         it learns of one. Returns `ReduceStats`.
         """
@@ -150,8 +155,8 @@ class LowRankCompressor(EngineState):
         self._flush_into_raw(layout, grads)
 
         # ---- M = G + e in the arena, Pᵀ = Qᵀ·Mᵀ (one batched product per shape group).
-        arena, gathered = self._form_m(call, grads, compute)
-        q_stored, q_in = self._warm_start(call, device, compute)
+        arena = self._form_m(call, grads, compute)
+        q_stored, q_in = self._warm_start(call, device, compute) if layout.groups else (None, None)
         p_flat = torch.empty(layout.p_numel, device=device, dtype=compute)
         q_flat = torch.empty(layout.q_numel, device=device, dtype=compute)
         for group in layout.groups:
@@ -178,14 +183,15 @@ class LowRankCompressor(EngineState):
             torch._foreach_copy_([grads[i].view(-1) for i in layout.raw],
                                  list(raw_flat[:-1].split([grads[i].numel() for i in layout.raw])))
         poison = raw_flat[-1:].float()  # identical on every rank: it is an average
-        stats.nonfinite = poison.isnan().reshape(())
         if not layout.groups:
+            stats.nonfinite = poison.isnan().reshape(())
             return stats
         p_sent.wait()
 
-        # ---- orth(P), Qᵀ = Pᵀ·M.
+        # ---- orth(P), Qᵀ = Pᵀ·M. A factorisation that fails leaves its rows NaN, and so its Q: the
+        # flag below catches it, and the step is non-finite rather than wrong.
         orthonormalize_blocks_(p_flat, layout.p_blocks, config.orthogonalization_epsilon,
-                               householder=self.cpu_kernels(device))
+                               method=self.orthonormalization(device))
         for group in layout.groups:
             _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(arena))
         if measure_error:
@@ -206,7 +212,7 @@ class LowRankCompressor(EngineState):
         poison = poison + nan_unless_finite(q_flat)
         bad = poison.isnan().reshape(())
         stats.nonfinite = bad
-        self._decompress(call, grads, arena, gathered, p_flat + poison.to(p_flat.dtype), q_flat)
+        self._decompress(call, grads, arena, p_flat, q_flat, poison)
         self._keep_q(call, torch.where(bad, q_stored, q_flat))
         if measure_error:
             # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
@@ -215,36 +221,36 @@ class LowRankCompressor(EngineState):
             stats.error_sq = (stats.norm_sq - 2 * cross + square).clamp(min=0)
         return stats
 
-    def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor,
-                    gathered: torch.Tensor | None, p_flat: torch.Tensor, q_flat: torch.Tensor) -> None:
-        """Ĝ = P·Qᵀ into the gradients and e = M − Ĝ. ``p_flat`` carries the step's poison: on a
-        non-finite step Ĝ is NaN everywhere, so every rank's optimizer (or GradScaler) skips it."""
+    def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor, p_flat: torch.Tensor,
+                    q_flat: torch.Tensor, poison: torch.Tensor) -> None:
+        """Ĝ = P·Qᵀ written straight into each gradient (one product per matrix: the gradients lie in
+        DDP's buckets, not at one stride), and e = M − P·Qᵀ from the factors Ĝ was formed from (a
+        half-precision gradient's: rounded to its dtype), so that Ĝ + e = M but for the rounding of
+        Ĝ's own values. The step's ``poison`` (0 or NaN) goes into Ĝ's P: on a non-finite step Ĝ is
+        NaN everywhere, so every rank's optimizer (or GradScaler) skips it; the residual of such a
+        step is cleared by `end_step`."""
         grad_dtype = grads[0].dtype
         half = grad_dtype == torch.float16
-        if not half:
-            p_flat, q_flat = p_flat.to(grad_dtype), q_flat.to(grad_dtype)
-        targets, sources = [], []
+        # P + poison, cast to the gradient's dtype in the same pass (fp16: after the shift below)
+        p_grad = torch.add(p_flat, poison, out=torch.empty_like(p_flat, dtype=p_flat.dtype if half else grad_dtype))
+        q_grad = q_flat if half else q_flat.to(grad_dtype)
+        factors = []
         for group in call.layout.groups:
-            p_t, q_t = group.p_view(p_flat), group.q_view(q_flat)
+            p_t, q_t = group.p_view(p_grad), group.q_view(q_grad)
             if half:
                 # Factors moved to the same scale by a power of two (exact) before the cast: Q's
                 # entries can exceed fp16 although Ĝ's do not.
                 shift = _half_wire_shift(group.m)
                 p_t, q_t = (p_t / shift).to(grad_dtype), (q_t * shift).to(grad_dtype)
-            left, right = p_t.transpose(1, 2), q_t
-            outputs = [grads[i].view(group.m, group.n) for i in group.indices]
-            targets += outputs
-            if gathered is None:  # per-matrix copies: Ĝ straight into each gradient
-                for a, b, out in zip(left.unbind(0), right.unbind(0), outputs):
-                    torch.mm(a, b, out=out)
-            else:  # into the gathered buffer (the gradients were gathered into M already), copied back below
-                approximation = group.error_view(gathered)
-                torch.bmm(left, right, out=approximation)
-                sources += list(approximation.unbind(0))
-        if sources:
-            torch._foreach_copy_(targets, sources)
-        if self.config.error_feedback:
-            self._keep_residual(call, arena, targets if gathered is None else gathered)
+            for a, b, i in zip(p_t.transpose(1, 2).unbind(0), q_t.unbind(0), group.indices):
+                torch.mm(a, b, out=grads[i].view(group.m, group.n))
+            factors.append((p_t, q_t))
+        if not self.config.error_feedback:
+            return
+        if not half:  # one cast of each flat buffer to the arena's dtype, not one per group
+            p_grad, q_grad = p_grad.to(arena.dtype), q_grad.to(arena.dtype)
+            factors = [(group.p_view(p_grad), group.q_view(q_grad)) for group in call.layout.groups]
+        self._keep_residual(call, arena, [(p.to(arena.dtype), q.to(arena.dtype)) for p, q in factors])
 
     @staticmethod
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:

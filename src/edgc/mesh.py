@@ -1,6 +1,6 @@
 """The one `DeviceMesh` of a run: every process group of a 3D-parallel job comes from it.
 
-    mesh = init_parallel_mesh("cuda", pp=2, tp=2)                 # dp_replicate = the rest of the world
+    mesh = init_parallel_mesh(model, pp=2, tp=2)                  # on the model's device; dp_replicate = the rest
     parallelize_module(block, mesh["tp"], plan)                    # DTensor tensor parallelism
     fully_shard(model, mesh=mesh["dp_shard"])                      # FSDP2 on the shard dimension
     state = EDGCState(mesh["dp_replicate"], EDGCConfig(...))       # EDGC over the replicas
@@ -21,15 +21,17 @@ once (a stage's DP × TP ranks, who take EDGC's decisions together): `pipeline_e
 """
 from __future__ import annotations
 
+import itertools
 import math
 from datetime import timedelta
 
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MESH_DIMS", "init_parallel_mesh", "as_process_group", "pipeline_ends_group", "group_across",
+__all__ = ["MESH_DIMS", "init_parallel_mesh", "mesh_device_type", "as_process_group", "pipeline_ends_group", "group_across",
            "local_tensor"]
 
 MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "tp")
@@ -51,10 +53,30 @@ def _backend_options(timeout: timedelta | None) -> dict | None:
     return {name: (backend, options) for name in MESH_DIMS}
 
 
-def init_parallel_mesh(device_type: str = "cpu", *, pp: int = 1, dp_shard: int = 1, tp: int = 1,
+def mesh_device_type(device=None) -> str:
+    """The device type of a mesh for ``device``: a model (its parameters' device), a tensor, a device or
+    its name. None: the accelerator the default process group runs collectives on (CUDA under NCCL),
+    else ``cpu``. It matters: FSDP2 moves a model to its mesh's device (a CUDA model sharded on a
+    ``cpu`` mesh goes to the CPU, where NCCL then rejects it)."""
+    if isinstance(device, nn.Module):
+        device = next(itertools.chain(device.parameters(), device.buffers()), None)
+    if isinstance(device, torch.Tensor):
+        return device.device.type
+    if device is not None:
+        return torch.device(device).type
+    if dist.is_initialized() and torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator().type
+        backend = dist.Backend.default_device_backend_map.get(accelerator)
+        if backend is not None and backend in str(dist.get_backend()):
+            return accelerator
+    return "cpu"
+
+
+def init_parallel_mesh(device=None, *, pp: int = 1, dp_shard: int = 1, tp: int = 1,
                        dp_replicate: int | None = None, timeout: timedelta | None = None) -> DeviceMesh:
     """The 4-D mesh ``MESH_DIMS`` over all ranks; ``dp_replicate`` defaults to the rest of the world.
 
+    ``device``: the model (or its device) the mesh is for (`mesh_device_type`).
     Collective: every rank calls it with the same arguments. ``timeout`` applies to every group."""
     world = dist.get_world_size()
     inner = pp * dp_shard * tp
@@ -65,7 +87,7 @@ def init_parallel_mesh(device_type: str = "cpu", *, pp: int = 1, dp_shard: int =
     if dp_replicate * inner != world:
         raise ValueError(f"mesh: dp_replicate {dp_replicate} × pp {pp} × dp_shard {dp_shard} × tp {tp} "
                          f"is not the world size {world}")
-    return init_device_mesh(device_type, (dp_replicate, pp, dp_shard, tp), mesh_dim_names=MESH_DIMS,
+    return init_device_mesh(mesh_device_type(device), (dp_replicate, pp, dp_shard, tp), mesh_dim_names=MESH_DIMS,
                             backend_override=_backend_options(timeout))
 
 

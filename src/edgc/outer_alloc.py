@@ -63,6 +63,9 @@ class AllocatedQuantState(QuantizedState):
 
     def __init__(self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True,
                  model=None):
+        """``bits``: the mean bits a value over the step (scales included, between the narrowest and the
+        widest of `CANDIDATES`); ``process_group``, ``chunk``, ``error_feedback`` and ``model`` as
+        `QuantizedState`'s."""
         super().__init__(process_group, bits=CANDIDATES[-1], chunk=chunk, error_feedback=error_feedback, model=model)
         if not CANDIDATES[0] <= bits <= CANDIDATES[-1]:
             raise ValueError(f"bits: the mean width must be in [{CANDIDATES[0]}, {CANDIDATES[-1]}], got {bits!r}")

@@ -55,6 +55,9 @@ class QuantizedState(_ErrorFeedbackReducer):
 
     def __init__(self, process_group=None, *, bits: int = 3, chunk: int = 256, error_feedback: bool = True,
                  model=None):
+        """``process_group``: the replicas' group (None: the default one); ``bits``: bits a value (2–8);
+        ``chunk``: values per scale (≥ 8); ``error_feedback``: keep what a sync did not carry for the
+        next; ``model``: names the tensors (so that checkpoints are keyed by parameter name)."""
         super().__init__(process_group, error_feedback=error_feedback, model=model)
         if not (isinstance(bits, int) and 2 <= bits <= 8):
             raise ValueError(f"bits: must be an integer in 2..8, got {bits!r}")

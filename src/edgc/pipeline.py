@@ -36,9 +36,19 @@ from .mesh import as_process_group
 from .plans import COMPRESS, PHASES
 from .profiling import SyncTimeTable, profile_candidates
 from .state import EDGCState
+from .timing import host_reads_allowed, to_device, to_host
 
 
 class StageAligner:
+    """Aligns the ranks of one pipeline stage with the others' at every window boundary (see the
+    module docstring): call `record_backward_time` per micro-batch and `after_sync` per step.
+
+    ``state``: this stage's `EDGCState` (``follower=True`` after stage 0, ``always_profile=True``);
+    ``stage``, ``n_stages``: this stage's index and the stage count; ``pipeline_group``: the group of
+    this DP index's stages (None: the default group); ``granularity``: stage ranks are multiples of
+    it; ``tp_group``: with tensor parallelism, the TP ranks of this stage (they agree on the maximum).
+    """
+
     def __init__(self, state: EDGCState, stage: int, n_stages: int,
                  pipeline_group=None, granularity: int = 4, tp_group=None):
         if stage > 0 and not state.controller.follower:
@@ -87,18 +97,29 @@ class StageAligner:
         return phase, rank, timing
 
     def after_sync(self) -> None:
-        """Call once per optimizer step, after ``state.synchronize``; aligns at window boundaries."""
+        """Call once per optimizer step, after ``state.synchronize``; aligns at window boundaries, where
+        the host reads what the stages agreed (a decision point, as EDGC's own: `host_reads_allowed`)."""
         step = self.state.step  # steps completed; the next step to run has this index
         if step % self.state.config.window != 0:
             return
+        with host_reads_allowed():
+            self._align(step)
+
+    def _device_vector(self, values: list[float]) -> torch.Tensor:
+        """``values`` as a float64 vector on the state's device (copied from pinned memory, no host wait)."""
+        return to_device(torch.tensor(values, dtype=torch.float64), self.state.device or torch.device("cpu"))
+
+    def _align(self, step: int) -> None:
         if self.stage == 0:
             self.state.controller.plan(step)  # apply a warm-up end due at `step` now, so followers see it
             if self.tp_group is not None:
                 self._agree_over_tp(step)
-        mine = torch.tensor(self._encode(), dtype=torch.float64, device=self.state.device or torch.device("cpu"))
-        rows = self.pipeline.all_gather(mine)
-        decoded = [self._decode(row.tolist()) for row in rows]
-        self.last_backward_time = float(mine[4])
+        encoded = self._encode()
+        rows = self.pipeline.all_gather(self._device_vector(encoded))
+        width = len(encoded)
+        gathered = to_host(torch.cat(rows))
+        decoded = [self._decode(gathered[i * width:(i + 1) * width]) for i in range(len(rows))]
+        self.last_backward_time = encoded[4]
         self._backward = [0.0, 0]
         leader_phase, leader_rank, _ = decoded[0]
         self.leader_rank = leader_rank if leader_phase == COMPRESS else None
@@ -113,11 +134,11 @@ class StageAligner:
         if self.stage == 0:
             return
         # Replicas of a stage agree on the least compression any of them asked for.
-        agreed = torch.tensor([math.inf if wanted is None else float(wanted)], dtype=torch.float64, device=mine.device)
+        agreed = self._device_vector([math.inf if wanted is None else float(wanted)])
         self.state.comm.all_reduce(agreed, op=dist.ReduceOp.MAX)
         if self.tp_group is not None:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
-        value = float(agreed)
+        value, = to_host(agreed)
         self.state.controller.follow(step, None if math.isinf(value) else int(value))
 
     def _agree_over_tp(self, step: int) -> None:
@@ -126,10 +147,11 @@ class StageAligner:
         maximum (each DP group already agreed), so replicas stay identical."""
         controller = self.state.controller
         mine = float(controller.rank) if controller.phase == COMPRESS and controller.rank is not None else -1.0
-        agreed = torch.tensor([mine], dtype=torch.float64, device=self.state.device or torch.device("cpu"))
+        agreed = self._device_vector([mine])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
-        if agreed.item() > 0:
-            controller.agree(step, int(agreed.item()))
+        value, = to_host(agreed)
+        if value > 0:
+            controller.agree(step, int(value))
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

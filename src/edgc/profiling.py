@@ -115,7 +115,7 @@ def profile_candidates(max_rank: int) -> list[int]:
     return ranks
 
 
-def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: str = "--edgc ") -> str:
+def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16) -> str:
     """One line for people: what profiling measured, what it decided, and (where it did not compress
     fully) how to compress anyway."""
     def ms(seconds: float | None) -> str:
@@ -128,8 +128,18 @@ def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16, flag: s
         how = ("by the quick test: one shadow sync at a step's end against the plain sync's wait after backward"
                if verdict.get("uncompressed_is_bound") else "with the plain sync timed blocking")
         return f"EDGC profiled r_max={verdict['r_max']} on this link ({measured}; {how})."
-    advice = f"the link is faster than compression here: set {flag}r_max={suggested_r_max} to compress anyway"
+    advice = (f"the link is faster than compression here: set r_max={suggested_r_max} in EDGCConfig "
+              f"(--edgc r_max={suggested_r_max} with edgc train) to compress anyway")
     if verdict["status"] == "off":
         return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."
     return (f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
             f"uncompressed ({measured}); {advice}.")
+
+
+def profile_seconds(saved: list) -> list:
+    """Profiling sums as `EDGCState` keeps them; a state saved with one step count for both
+    ([compressed s, uncompressed s, steps]) is read as such."""
+    if len(saved) == 3:
+        compressed, uncompressed, steps = saved
+        return [float(compressed), int(steps), float(uncompressed), int(steps)]
+    return [float(saved[0]), int(saved[1]), float(saved[2]), int(saved[3])]

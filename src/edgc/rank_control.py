@@ -88,9 +88,15 @@ def rank_rule(config: EDGCConfig) -> RankRule:
 
 
 class WindowController:
+    """DAC's controller of one `EDGCState` (see the module docstring): plans each step and turns agreed
+    measurements into decisions; pure logic, no collectives.
+
+    ``config``: the `EDGCConfig` (window, warm-up, r_max/r_min, rank rule); ``follower``: the rank is
+    set from outside with `follow` (pipeline stages after the first); ``always_profile``: measure the
+    sync-time table even when r_max is given (stage alignment needs it).
+    """
+
     def __init__(self, config: EDGCConfig, *, follower: bool = False, always_profile: bool = False):
-        """``follower``: the rank is set from outside with `follow` (pipeline stages after the first);
-        ``always_profile``: measure the sync-time table even when r_max is given (stage alignment needs it)."""
         self.config = config
         self.rule = rank_rule(config)
         self.follower = follower

@@ -65,7 +65,9 @@ class ErrorModel:
     """g summed over a set of matrix shapes, with per-shape curves cached.
 
     ``total(r)`` is Σ_i g(min(r, k_i); m_i, n_i) over every compressed matrix: the expected
-    squared truncation error of the whole gradient at rank r (unit variance).
+    squared truncation error of the whole gradient at rank r (unit variance). ``samples`` and
+    ``seed``: the Monte Carlo draws per small shape (`error_curve_mc`); larger shapes take the
+    Marchenko–Pastur curve (`error_curve_mp`).
     """
 
     def __init__(self, samples: int = 4, seed: int = 0):

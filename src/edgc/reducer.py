@@ -25,11 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import events, streams
 from .comm import FINISHES, Communicator, StepCollectives
+from .guards import UsageGuard, check_gradients
 from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
-from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, host_reads_allowed
+from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
 
 
 @dataclass
@@ -55,10 +57,13 @@ def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
 
 
 class GradientReducer:
-    """Base of every comm-hook state; see the module docstring for the ``_reduce`` contract."""
+    """Base of every comm-hook state (the module docstring has the ``_reduce`` contract). ``process_group``:
+    the group it averages over (None: the default one; a 1-D DeviceMesh too). ``model``: the module whose
+    parameters it syncs (the DDP model or the module it wraps): it names them (`edgc.guards`)."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, model: nn.Module | None = None):
         self.comm = Communicator(process_group)
+        self._guard = UsageGuard(model)  # the group, the model, one state per DDP model (edgc.guards)
         self.step = 0  # optimizer steps completed
         parameters = named_parameters(model)
         self._names = {id(p): name for name, p in parameters}
@@ -83,15 +88,8 @@ class GradientReducer:
         names = []
         for p in params:
             name = self._names.get(id(p))
-            if name is None:  # no model given: name by first appearance (stable for one layout)
-                name = self._names[id(p)] = f"param{len(self._names)}"
-                if not getattr(self, "_warned_unnamed", False):  # once: the same holds for every such name
-                    import warnings
-
-                    self._warned_unnamed = True
-                    warnings.warn(f"{type(self).__name__}: a parameter without a name (no model= given, or not "
-                                  f"in it) is called {name} by bucket order, so state_dict() loads only into a "
-                                  "run with the same DDP bucket layout; pass model=ddp_model", stacklevel=2)
+            if name is None:  # no model given: named by first appearance (`UsageGuard.unnamed`)
+                name = self._names[id(p)] = self._guard.unnamed(type(self).__name__, len(self._names))
             names.append(name)
         return names
 
@@ -101,33 +99,46 @@ class GradientReducer:
         if not self._in_step:
             self._begin_step()
         self.comm.poll()
-        self._jobs.resume()
         buffer = bucket.buffer()
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None)
-        self._submit(self.names_for(bucket.parameters()), bucket.gradients(), buffer, future)
+        names = self._guard.ddp_bucket(type(self).__name__, self.names_for(bucket.parameters()), bucket.is_last())
+        self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._jobs.drain(self._reduce)
             self._end_step()
         return future
 
-    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool) -> None:
-        """Integration path (FSDP2 hooks, custom buckets): average ``tensors`` in place as one bucket.
+    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool,
+                       blocking: bool = True) -> None:
+        """Integration path (FSDP2 hooks, custom buckets, DiLoCo): average ``tensors`` in place as one bucket.
 
-        Blocking: the tensors hold the group's average when this returns (on the caller's stream).
+        ``blocking``: the tensors hold the group's average when this returns (on the caller's stream);
+        else their job starts and goes on at later calls (`progress`, the next buckets), and they
+        hold it once a blocking call or ``last=True`` returns; nothing may touch them until then.
         Buckets of one optimizer step are passed in the same order on every rank; ``last=True``
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
-        key the compressor state (error feedback, Q) and must be the same on every rank and every
-        step for the same tensor.
+        key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
         """
         if not self._in_step:
             self._begin_step()
         self._submit(list(names), list(tensors), None, None)
-        self._jobs.drain(self._reduce)
+        if blocking or last:
+            self._jobs.drain(self._reduce)
+        else:
+            self._jobs.flush(self._reduce)
+            for tensor in tensors:
+                streams.record_stream(tensor, self._jobs.stream)
         if last:
             self._end_step()
+
+    def progress(self) -> None:
+        """Issue what the jobs in flight can issue now (waiting for their earlier collectives): for a
+        caller of non-blocking `reduce_tensors` between its buckets (DiLoCo's inner steps)."""
+        self.comm.poll()
+        self._jobs.resume()
 
     def synchronize(self, parameters: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Plain-loop path: average ``p.grad`` of all parameters over the group, after backward.
@@ -146,6 +157,7 @@ class GradientReducer:
             params = entries
             names = self.names_for(params)
         params_with_grad = [(n, p) for n, p in zip(names, params) if p.requires_grad]
+        check_gradients(type(self).__name__, [p for _, p in params_with_grad])
         for _, p in params_with_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -187,6 +199,7 @@ class GradientReducer:
         """Called once with the gradients' device (move loaded state there)."""
 
     def _begin_step(self) -> None:
+        self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
@@ -202,19 +215,19 @@ class GradientReducer:
         self.clock.enabled = self._timed()
 
     def _device_values(self) -> list[torch.Tensor]:
-        """0-dim device tensors this step needs on the host; read together when it is settled."""
+        """0-dim float64 device tensors this step needs on the host, made on the jobs' stream (called
+        there: the step's statistics were computed there); read together when it is settled."""
         stats = self._stats
-        return [torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
-                for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
+        return [device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
 
     def _end_step(self) -> None:
         """Close the step (its last bucket is averaged) without reading anything: its device values
         travel to the host behind an event (`edgc.timing.HostCopy`) and are read when it is settled."""
-        values = self._device_values()
         copy = None
-        if values and self.device is not None:
+        if self.device is not None:
             with self._jobs.side_stream():
-                copy = HostCopy(torch.stack(values))
+                values = self._device_values()
+                copy = HostCopy(torch.stack(values)) if values else None
         self._closed = ClosedStep(self.step, copy, self._stats, self._jobs.take_busy(), self.comm.take_step())
         self.step += 1
         self._in_step = False
@@ -329,17 +342,18 @@ class GradientReducer:
         self._commit()
         self.last_step_metrics["committed"] = True
 
-    def rollback_step(self) -> None:
+    def rollback_step(self, reason: str = "the optimizer did not step") -> None:
         """The pending step is discarded (the optimizer did not step): the state is as if it had not
         synced — same step number and shared state — except that what the step tried to send is
         kept for the next one where the method has error feedback. Bytes sent stay counted: they
-        were sent. No-op when none is pending."""
+        were sent. No-op when none is pending. ``reason``: for its record (`edgc.events`)."""
         self.settle()  # its values first (a non-finite step's cleanup), then undo its shared state
         snapshot, self._pending = self._pending, None
         if snapshot is None:
             return
         self._restore(snapshot)
         self.last_step_metrics["committed"] = False
+        events.discarded(self, snapshot["step"], reason)
 
     def _snapshot(self) -> dict:
         """What `rollback_step` restores; subclasses add their state (cheaply: no gradient-sized copy)."""
@@ -355,31 +369,28 @@ class GradientReducer:
     def state_dict(self) -> dict:
         """Settles the last step first (`settle`: call it on every rank at the same point, as
         checkpoints are taken), so that a resumed run starts where this one would go on."""
+        self._guard.bind(self)  # a default group created after the state (edgc.guards)
         self.settle()
         return {"step": self.step, "totals": dict(self.totals), "world_size": self.comm.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        self._guard.bind(self)
         self._closed = None
         self.step = int(state["step"])
         self.totals = {key: int(value) for key, value in state["totals"].items()}
 
     # ------------------------------------------------------------------ pickling: begin
     def __getstate__(self) -> dict:
-        """Pickle the data but not the ties to this run (see `edgc.detached`): the unpickled state
-        refuses to step, with one line naming state_dict()/load_state_dict() and model=."""
-        from .detached import DetachedCommunicator
+        """Pickle the data but not the ties to this run (`edgc.detached.detached_state`)."""
+        from .detached import detached_state
 
-        self._settle_local()  # its metrics and totals travel; the device values do not
-        state = dict(self.__dict__)
-        state["comm"] = DetachedCommunicator(type(self).__name__, self.comm.rank, self.comm.world_size)
-        state["_jobs"], state["_closed"] = None, None  # streams and events stay with this process
-        state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
-        return state
+        return detached_state(self)
     # ------------------------------------------------------------------ pickling: end
 
 
 class AllReduceState(GradientReducer):
-    """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics."""
+    """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics
+    (``process_group``, ``model``: as `GradientReducer`'s)."""
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         return self._average_raw(names, grads, flat)

@@ -21,12 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import events
 from .comm import Communicator, run_job
 from .config import EDGCConfig
 from .entropy import EntropySampler
 from .factors import matrix_shape
+from .fingerprint import compare_replicas
 from .lowrank import LowRankCompressor
 from .plans import OFF, PROFILE, Agreed, Decision, StepPlan
+from .profiling import profile_seconds
 from .rank_control import WindowController
 from .reducer import GradientReducer
 from .timing import Clock
@@ -37,16 +40,29 @@ STATE_FORMAT = "edgc-state/1"
 DEFAULT_ACCELERATOR_FUSION_MB = 256
 
 
-def profile_seconds(saved: list) -> list:
-    """Profiling sums as `EDGCState` keeps them; a state saved with one step count for both
-    ([compressed s, uncompressed s, steps]) is read as such."""
-    if len(saved) == 3:
-        compressed, uncompressed, steps = saved
-        return [float(compressed), int(steps), float(uncompressed), int(steps)]
-    return [float(saved[0]), int(saved[1]), float(saved[2]), int(saved[3])]
-
-
 class EDGCState(GradientReducer):
+    """The EDGC compressor of one data-parallel group: a DDP hook's state (``edgc_hook``), or called
+    directly (`synchronize`, `reduce_tensors`). Build one per model, after ``init_process_group``
+    (one built before binds the default group at its first step: `edgc.guards`).
+
+    - ``process_group``: the group whose gradients it averages; None: the default group. A 1-D
+      ``DeviceMesh`` (``mesh["dp_replicate"]``) works too. With DDP, DDP's own group.
+    - ``config``: every setting (`EDGCConfig`); None: the defaults. Give ``total_steps`` at least.
+    - ``model``: the DDP model it is registered on (or the module that model wraps, or the module
+      whose parameters `synchronize` gets). It names the parameters, so that the compressor's state
+      is keyed by name and checkpoints survive another DDP bucket layout; a parameter not in it is
+      refused. Without it, parameters are named by order of appearance (warns once).
+    - ``follower``, ``always_profile``: for pipeline stages (see `edgc.pipeline.StageAligner`).
+    - ``decision_group``: the ranks that must decide alike, where they are more than
+      ``process_group``'s: with tensor parallelism, a stage's DP replicas of all its TP shards
+      (`edgc.mesh.group_across`), so that every shard profiles, warms up and compresses at the same
+      step and rank. Measurements are averaged and its rank 0's proposal is broadcast over it;
+      gradients still go over ``process_group`` alone.
+
+    What it decides is logged (`edgc.events`) and in `last_step_metrics`; once per window the ranks
+    compare their shared state (`edgc.fingerprint`).
+    """
+
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
@@ -57,12 +73,6 @@ class EDGCState(GradientReducer):
         always_profile: bool = False,
         decision_group: dist.ProcessGroup | None = None,
     ):
-        """``follower`` and ``always_profile`` are for pipeline stages (see `edgc.pipeline.StageAligner`).
-        ``decision_group``: the ranks that must decide alike, where they are more than
-        ``process_group``'s: with tensor parallelism, a stage's DP replicas of all its TP shards
-        (`edgc.mesh.group_across`), so that every shard profiles, warms up and compresses at the
-        same step and rank. Measurements are averaged and its rank 0's proposal is broadcast over
-        it; gradients still go over ``process_group`` alone."""
         super().__init__(process_group, model=model)
         # Decisions are agreed over the process group unless a wider group must agree too.
         self._wider_decisions = None if decision_group is None else Communicator(decision_group)
@@ -99,7 +109,9 @@ class EDGCState(GradientReducer):
     def _begin_step(self) -> None:
         super()._begin_step()
         self.compressor.begin_step(uncommitted=self.defer_commit)
+        before = self.controller.phase, self.controller.rank  # decisions are in: taken at the settle above
         self._plan = self.controller.plan(self.step)
+        events.planned(self, before, self._plan)  # the warm-up's end, a hand-set rank
         self.clock.enabled = self._timed()
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and self._plan.phase != OFF
@@ -119,7 +131,8 @@ class EDGCState(GradientReducer):
         self._profile_stamps, self._raw_stamps, self._deferred_shadow, self._plain_waits = [], [], [], []
 
     def _on_device(self, device: torch.device) -> None:
-        self.compressor.to(device)
+        for compressor in (self.compressor, self._profiler):
+            compressor.to(device, self._jobs.stream)
 
     def _timed(self) -> bool:
         """Profiling steps are always timed: r_max comes from their times."""
@@ -193,6 +206,8 @@ class EDGCState(GradientReducer):
 
     def _after_values(self, host: list[float], closed) -> None:
         self.compressor.end_step(bool(host and host[0]))
+        if host and host[0]:
+            events.nonfinite(self, closed.step)
         self._last_entropy = self.sampler.finish()
         plan = self._plan
         for offset, stamps in ((0, self._profile_stamps), (2, self._raw_stamps)):
@@ -205,11 +220,15 @@ class EDGCState(GradientReducer):
             self._relative_errors.append(host[1] / host[2])
 
     def _after_group(self, closed) -> None:
-        """The rank decision of a decision step (collectives: taken where every rank settles alike)."""
+        """Where every rank settles alike (collectives): at a window's end the replicas' fingerprints
+        are compared (`edgc.fingerprint`); at a decision step the rank decision is taken."""
+        if (closed.step + 1) % self.config.window == 0:
+            compare_replicas(self, closed.step)
         if self._plan.decision:
             self._decide(self._plan, self._settled_probe)
-            if self.controller.phase != PROFILE:
+            if self._plan.phase == PROFILE and self.controller.phase != PROFILE:
                 self._profiler = self._new_profiler()  # profiling is over: its shadow Q factors are garbage
+                events.profiling_over(self, closed.step + 1)
 
     def _decide(self, plan: StepPlan, probe: list[float] | None) -> None:
         compressed, compressed_steps, uncompressed, uncompressed_steps = self._profile_seconds
@@ -240,28 +259,9 @@ class EDGCState(GradientReducer):
         decision = Decision.decode(vector.tolist())
         self.controller.apply(plan, agreed, decision)
         if plan.phase == "compress":
-            self._decision = self._describe(plan, decision)
+            self._decision = events.decision(self, plan, decision, self._last_entropy)
         self._profile_seconds = [0.0, 0, 0.0, 0]
         errors.clear()
-
-    def _describe(self, plan: StepPlan, decision: Decision) -> dict:
-        """A rank decision as a record: what was decided, from what signal, and why (for the log)."""
-        old, new = plan.rank, decision.rank
-        record = {"step": plan.step + 1, "old_rank": old, "rank": new, "need": decision.need,
-                  "target": decision.target, "signal": None, "budget": None, "mean_rank": None}
-        budget = self.controller.budget_state(plan.step + 1)
-        if budget is not None:
-            record.update(signal=self.config.budget_signal, budget=budget["budget"], mean_rank=budget["mean_rank"])
-            why = (f"budget mean rank {budget['budget']:g}, mean so far {budget['mean_rank']:.2f} over "
-                   f"{budget['done']}/{budget['total']} compressed steps; signal '{self.config.budget_signal}' "
-                   f"need {decision.need:.2f} → target {decision.target:.2f}")
-        else:
-            why = f"{self.config.rank_mapping} mapping, noise gate k = {self.config.entropy_significance:g}"
-            if self._last_entropy is not None:
-                why += f", entropy {self._last_entropy:.3f} nats"
-        verb = "keeps" if new == old else "moves"
-        record["message"] = f"step {plan.step + 1}: EDGC {verb} rank {old}" + ("" if new == old else f" → {new}") + f" ({why})"
-        return record
 
     @property
     def last_decision(self) -> dict | None:
@@ -372,7 +372,7 @@ class EDGCState(GradientReducer):
             )
             self.compressor.drop_error()
         if self.device is not None:
-            self.compressor.to(self.device)
+            self._on_device(self.device)
 
     def _check_loadable(self, state: dict) -> None:
         """Validate everything first, so a bad checkpoint cannot leave the state half-loaded."""

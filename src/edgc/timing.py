@@ -16,10 +16,13 @@ other synchronisation (tests/gpu). Host→device copies of CPU-made tensors go t
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Iterator, Union
 
 import torch
+
+from . import streams
 
 Stamp = Union[float, "torch.cuda.Event"]
 
@@ -38,18 +41,25 @@ def to_host(tensor: torch.Tensor) -> list:
         return tensor.detach().cpu().reshape(-1).tolist()
 
 
+_allowed = threading.local()  # depth of host_reads_allowed on this thread
+
+
+def host_reads_are_allowed() -> bool:
+    """Whether this thread is inside `host_reads_allowed` (a checker's question: `edgc_bench.stream_check`)."""
+    return getattr(_allowed, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def host_reads_allowed() -> Iterator[None]:
     """Mark a deliberate synchronisation point (see the module docstring); re-entrant."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    mode = torch.cuda.get_sync_debug_mode()
+    _allowed.depth = getattr(_allowed, "depth", 0) + 1
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     if mode:
         torch.cuda.set_sync_debug_mode(0)
     try:
         yield
     finally:
+        _allowed.depth -= 1
         if mode:
             torch.cuda.set_sync_debug_mode(mode)
 
@@ -59,7 +69,15 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    return tensor.to(device, non_blocking=True)  # what the copy is, wherever one is made
+
+
+def device_scalar(value: float | bool | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim float64 tensor on ``device``, made on the current stream: a cast of a device
+    value, or a fill for a Python number (a copy from host memory would make the host wait)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 # On an accelerator a timestamp is a recorded event: cheap, but not free per bucket of every step.
@@ -114,14 +132,12 @@ class HostCopy:
     so the read never stalls the GPU."""
 
     def __init__(self, tensor: torch.Tensor):
-        self._event = None
         if tensor.device.type == "cuda":
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
         else:
             self._host = tensor
+        self._event = streams.current_stream(tensor.device).record_event()  # None off CUDA
 
     def values(self) -> list:
         if self._event is not None:

@@ -12,8 +12,9 @@ What is counted: every ATen operator that reaches the Python dispatch key while 
   whose schema does not say so), ``set_`` and the ``sym_*`` size queries;
 - the ``prim`` namespace (``prim.device``, ``prim.layout``): metadata queries, which a fake tensor
   answers through the dispatcher where a real one answers in C++.
-Everything else counts once per dispatch. A dispatch is not a kernel: a ``_foreach_*`` op launches
-one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or
+Everything else counts once per dispatch, except a ``_foreach_*`` op on lists of mixed dtypes,
+which PyTorch runs tensor by tensor (`edgc_bench.op_traffic.kernels_per_dispatch`): once per tensor. A dispatch is not a
+kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or
 MAGMA kernels and a workspace allocation, a GEMM sometimes two (split-K). The profiler on a GPU
 counts the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -37,6 +39,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .gpu_support import counted_host_reads
+from .live_memory import LiveStorages
+from .op_traffic import kernels_per_dispatch, op_traffic
 
 aten = torch.ops.aten
 
@@ -54,20 +58,30 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 
 class DispatchCounter(TorchDispatchMode):
-    """Counts the kernel-launching dispatches made while it is active, per operator name."""
+    """Counts the kernel-launching dispatches made while it is active, per operator name, and the
+    bytes each of them reads and writes (`edgc_bench.op_traffic.op_traffic`)."""
 
     def __init__(self):
         super().__init__()
         self.by_op: collections.Counter[str] = collections.Counter()
+        self.bytes_by_op: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if launches_kernel(func):
-            self.by_op[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            self.by_op[name] += kernels_per_dispatch(func, args)
+            self.bytes_by_op[name] += sum(op_traffic(func, args, kwargs, out))
+        return out
 
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
 
 
 # ---------------------------------------------------------------------------- DDP's buckets
@@ -194,6 +208,16 @@ class StepCount:
     phase: str | None = None
     rank: int | None = None
     extra: dict = field(default_factory=dict)
+    bytes_by_op: dict[str, int] = field(default_factory=dict)  # read + written, per operator (`op_traffic`)
+    compressed_elements: int = 0  # elements of the compressed matrices
+    peak_state_bytes: int | None = None  # most bytes alive at once beyond the gradients (`LiveStorages`)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def per_compressed_element(self, value: int) -> float:
+        return value / max(self.compressed_elements, 1)
 
     @property
     def linalg(self) -> int:
@@ -202,10 +226,19 @@ class StepCount:
 
     def summary(self, top: int = 15) -> dict:
         ranked = sorted(self.by_op.items(), key=lambda item: (-item[1], item[0]))
+        traffic = {}
+        if self.compressed_elements:
+            traffic["bytes_per_compressed_element"] = round(self.per_compressed_element(self.bytes), 3)
+            traffic["bytes_per_compressed_element_by_op"] = {
+                name: round(self.per_compressed_element(value), 3)
+                for name, value in sorted(self.bytes_by_op.items(), key=lambda item: -item[1])
+                if self.per_compressed_element(value) >= 0.005}
+        if self.peak_state_bytes is not None:
+            traffic["memory_per_compressed_element"] = round(self.per_compressed_element(self.peak_state_bytes), 3)
         return {"dispatches": self.dispatches, "linalg": self.linalg, "matrices": self.matrices,
                 "compressed": self.compressed, "buckets": self.buckets, "collectives": self.collectives,
                 "host_reads": self.host_reads, "phase": self.phase, "rank": self.rank,
-                "top_ops": dict(ranked[:top]), **self.extra}
+                "top_ops": dict(ranked[:top]), **traffic, **self.extra}
 
 
 def _zeros(tensor: torch.Tensor) -> list:
@@ -220,9 +253,10 @@ def _static_config(rank: int):
 
 
 def as_on_an_accelerator(state) -> None:
-    """Make a state on fake CPU tensors take the path it takes on a GPU: buckets fused into jobs of
-    the accelerator default (unless its config sets ``fusion_mb``) and M and Ĝ gathered per call
-    rather than moved matrix by matrix (`edgc.engine_state.EngineState.cpu_kernels`)."""
+    """Make a state on fake CPU tensors take the path it takes on a GPU with fast float64: buckets
+    fused into jobs of the accelerator default (unless its config sets ``fusion_mb``) and factors
+    orthonormalised by the batched float64 CholeskyQR2 rather than LAPACK's Householder QR
+    (`edgc.engine_state.EngineState.orthonormalization`)."""
     from dataclasses import replace
 
     from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
@@ -234,11 +268,13 @@ def as_on_an_accelerator(state) -> None:
 
 def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_cap_mb: float | None = None,
                     rank: int = 32, dtype: torch.dtype = torch.bfloat16, world_size: int = 1, config=None,
-                    order: list[int] | None = None, settle_steps: int = 1) -> StepCount:
+                    order: list[int] | None = None, settle_steps: int = 1, accelerator: bool = True) -> StepCount:
     """Dispatches of one compressed step through the DDP hook: every bucket of DDP's layout passed
     to `EDGCState.reduce_bucket` in DDP's order, after the warm-up and ``settle_steps`` compressed
     steps (the first one creates Q and the error feedback). ``order``: the gradients' ready order
-    (default `ready_order`, GPT-2's)."""
+    (default `ready_order`, GPT-2's). Also the bytes its ops move and the most memory alive at once
+    during it beyond the gradients (the engine's state included). ``accelerator``: the GPU's path
+    (`as_on_an_accelerator`); False: the CPU's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc import EDGCState
@@ -247,30 +283,35 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
     layout = ddp_buckets(shapes, ready_order(names) if order is None else order, dtype, bucket_cap_mb)
     with counted_host_reads(_zeros) as host, FakeTensorMode():
         parameters = [torch.empty(shape, dtype=dtype) for shape in shapes]
-        state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
-        as_on_an_accelerator(state)
-        state.comm = communicator = counting_communicator(world_size)
         buckets = [GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
                    for k, indices in enumerate(layout)]
+        with LiveStorages() as live:  # everything allocated from here on: the state and its steps
+            state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
+            if accelerator:
+                as_on_an_accelerator(state)
+            state.comm = communicator = counting_communicator(world_size)
 
-        def step() -> None:
-            for bucket in buckets:
-                state.reduce_bucket(bucket)
+            def step() -> None:
+                for bucket in buckets:
+                    state.reduce_bucket(bucket)
 
-        compressed = 0
-        while compressed < settle_steps:
-            step()
-            compressed += state.last_step_metrics["phase"] == "compress"
-            if state.step > 100:
-                raise RuntimeError("the warm-up did not end within 100 steps: pass a static config")
-        host.reads, communicator.issued = 0, []
-        with DispatchCounter() as counter:
-            step()
-        metrics = state.last_step_metrics  # settles the step: its one host read (answered by _zeros)
+            compressed = 0
+            while compressed < settle_steps:
+                step()
+                compressed += state.last_step_metrics["phase"] == "compress"
+                if state.step > 100:
+                    raise RuntimeError("the warm-up did not end within 100 steps: pass a static config")
+            host.reads, communicator.issued = 0, []
+            live.reset_peak()
+            with DispatchCounter() as counter:
+                step()
+            metrics = state.last_step_metrics  # settles the step: its one host read (answered by _zeros)
+    numel = dict(zip(names, (math.prod(shape) for shape in shapes)))
+    compressed = [name for name, r in metrics.get("ranks", {}).items() if r]
     return StepCount(counter.total, dict(counter.by_op), len(communicator.issued), host.reads, buckets=len(layout),
-                     matrices=sum(len(shape) >= 2 for shape in shapes),
-                     compressed=sum(1 for r in metrics.get("ranks", {}).values() if r),
-                     phase=metrics["phase"], rank=metrics["rank"])
+                     matrices=sum(len(shape) >= 2 for shape in shapes), compressed=len(compressed),
+                     phase=metrics["phase"], rank=metrics["rank"], bytes_by_op=dict(counter.bytes_by_op),
+                     compressed_elements=sum(numel[name] for name in compressed), peak_state_bytes=live.peak_bytes)
 
 
 def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, dtype: torch.dtype = torch.bfloat16,

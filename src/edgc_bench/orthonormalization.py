@@ -3,11 +3,12 @@
     python -m edgc_bench.orthonormalization [--device cuda] [--out FILE]
 
 PowerSGD orthonormalises P (or Q) before it goes on: an error there is an error in every
-gradient. Four ways to orthonormalise the rows of a (count, r, k) batch, each one batched call
+gradient. Ways to orthonormalise the rows of a (count, r, k) batch, each one batched call
 per batch (no per-matrix library call):
 
-- ``cholesky2-fp64``: what the engine runs on an accelerator (`edgc.factors.orthonormalize_rows_`):
-  shifted CholeskyQR2, two passes in float64;
+- ``cholesky2-fp64``: what the engine runs on an accelerator with fast float64
+  (`edgc.factors.orthonormalize_rows_`): shifted CholeskyQR2, two passes in float64;
+- ``cholesky4-fp32``: what it runs on other accelerators: shifted CholeskyQR in float32, four passes;
 - ``cholesky-fp64``: one such pass (what the engine ran before; its weak directions shrink);
 - ``cholesky2-fp32``: CholeskyQR2, two unshifted passes in float32 (the textbook batched choice);
 - ``householder-fp32`` / ``householder-fp64``: ``torch.linalg.qr`` on the batch (geqrf + orgqr);
@@ -57,7 +58,11 @@ def _cholesky_pass(x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
 
 
 def cholesky2_fp64(rows: torch.Tensor) -> torch.Tensor:
-    return orthonormalize_rows_(rows.clone())
+    return orthonormalize_rows_(rows.clone(), method="cholesky2-fp64")
+
+
+def cholesky4_fp32(rows: torch.Tensor) -> torch.Tensor:
+    return orthonormalize_rows_(rows.clone(), method="cholesky4-fp32")
 
 
 def cholesky_fp64(rows: torch.Tensor) -> torch.Tensor:
@@ -77,6 +82,7 @@ def householder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 METHODS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cholesky2-fp64": cholesky2_fp64,
+    "cholesky4-fp32": cholesky4_fp32,
     "cholesky-fp64": cholesky_fp64,
     "cholesky2-fp32": cholesky2_fp32,
     "householder-fp32": householder(torch.float32),

@@ -18,7 +18,7 @@ import shlex
 import sys
 import time
 
-from edgc_cli.errors import CLIError
+from edgc_cli.errors import CLIError, missing_extra
 
 # sub-command name -> module that registers it
 TOOLS = {
@@ -75,6 +75,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run(argv)
+    except ModuleNotFoundError as exc:  # an optional dependency: one line naming the extra that brings it
+        line = missing_extra(exc)
+        if line is None:
+            raise
+        command = next((a for a in argv if not a.startswith("-")), None)
+        print_error(f"edgc {command}: error: {line}" if command in TOOLS else f"edgc: error: {line}")
+        return 2
+
+
+def run(argv: list[str]) -> int:
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in TOOLS else None)
     args, unknown = parser.parse_known_args(argv)

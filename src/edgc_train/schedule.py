@@ -20,9 +20,9 @@ the other stage only serves after its send. The points:
 A stage without that neighbour leaves its part out (the first stage receives no activation
 and sends no gradient, the last the reverse). A compressed gradient (``--interstage``) is a
 header and a payload (`edgc.interstage`'s wire contract): the sender posts both in its batch;
-the receiver posts the header's receive in its batch, reads it (the one host read per
-micro-batch; none in mode ``off``, whose raw gradients have a known size) and receives the
-payload in a batch of its own. A batch that receives is waited on at once (its sends with it:
+the receiver posts the header's receive in its batch and receives the payload in a batch of its
+own, its size known from the rank both stages agree on (no host read per micro-batch; the step's
+headers are checked once at its end). A batch that receives is waited on at once (its sends with it:
 on NCCL it is one work) and its buffers may then be read; a batch that only sends is waited
 on at the step's end, and its tensors are kept until then. Before the first step every stage
 posts one batch with both neighbours (`_connect_neighbours`): NCCL creates the group's
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.interstage import IncomingGradient, compresses, interstage_rank, send_gradient_ops
+from edgc.interstage import IncomingGradient, check_headers, compresses, interstage_rank, send_gradient_ops
 from edgc.timing import Clock
 
 from .mesh import Grid
@@ -120,15 +120,17 @@ class PipelineStep:
         self.compressor = StageCompressor(cfg.compressor, module, grid, cfg)
         self.timer = BackwardTimer(device)
         self.activation_shape = (cfg.micro_batch, cfg.seq_len, module_width(module))
-        self.interstage_rank: int | None = None  # the rank of this step's compressed gradients
+        self.interstage_rank: int | None = None  # the rank of this step's compressed gradients (sent)
+        self._received_rank: int | None = None  # … and of those it receives
         self._in_flight: list = []  # (works, ops) of this step's send-only batches: the ops keep the buffers
+        self._incoming: list[IncomingGradient] = []  # this step's compressed receives, their headers checked at its end
         self._bytes = [0, 0]  # activation-gradient bytes sent, raw, this step
         # Stamps of this step's spans, turned into seconds once at its end (no host sync per
         # micro-batch on CUDA): "interstage" = each activation-gradient exchange (sender: compress
         # and post the batch carrying the gradient; receiver: post the batch that receives it, with
         # what that batch sends, wait, which includes the next stage's backward, and decompress),
         # "forward" = each micro-batch's forward compute; with --interstage on, also the parts
-        # "interstage_wire" (receiver: the payload's transfer, from its header's read) and
+        # "interstage_wire" (receiver: the payload's transfer, from its header's arrival) and
         # "interstage_compress" (sender: compress; receiver: decompress).
         self.clock = Clock(device)
         self._spans: dict[str, list] = {key: [] for key in SPANS}
@@ -164,10 +166,11 @@ class PipelineStep:
             wait_all(dist.batch_isend_irecv(ops))
 
     def _communicate(self, *, activation: torch.Tensor | None = None, gradient: tuple | None = None,
-                     receive_activation: bool = False, receive_gradient: bool = False) -> tuple:
+                     receive_activation: bool = False, receive_gradient: int | None = None) -> tuple:
         """One point of the schedule, posted as one batch: sends ``activation`` to the next stage,
         ``gradient`` = (micro-batch index, gradient) to the previous one, and receives what is
-        asked for; returns (activation, gradient) received, None where not asked or no neighbour."""
+        asked for (``receive_gradient``: the index of the micro-batch whose gradient comes back);
+        returns (activation, gradient) received, None where not asked or no neighbour."""
         ops: list[dist.P2POp] = []
         if activation is not None and not self.grid.last:
             ops.append(self._op(dist.isend, activation.detach().contiguous(), self._next(), ACTIVATION))
@@ -180,9 +183,9 @@ class PipelineStep:
             received = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
             ops.append(self._op(dist.irecv, received, self._prev(), ACTIVATION))
         incoming = received_from = None
-        if receive_gradient and not self.grid.last:
+        if receive_gradient is not None and not self.grid.last:
             received_from = self.clock.stamp()
-            incoming = self._gradient_receive()
+            incoming = self._gradient_receive(receive_gradient)
             ops.append(incoming.op)
         if not ops:
             return None, None
@@ -217,20 +220,24 @@ class PipelineStep:
         self._bytes[1] += raw
         return send_gradient_ops(packet, self._prev(), self.grid.pp_group, tag=GRADIENT)
 
-    def _gradient_receive(self) -> RawGradient | IncomingGradient:
-        """What receives the next stage's activation gradient (its ``op`` goes into the batch)."""
+    def _gradient_receive(self, index: int) -> RawGradient | IncomingGradient:
+        """What receives micro-batch ``index``'s activation gradient from the next stage (its ``op`` goes
+        into the batch). Compressed, at the rank the sender takes from the same agreed numbers, so the
+        payload's size is known without reading its header (checked once, at the step's end)."""
         if self.mode == "off":
             buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
             return RawGradient(self._op(dist.irecv, buffer, self._next(), GRADIENT))
-        return IncomingGradient(self.activation_shape, self._next(), device=self.device, group=self.grid.pp_group,
-                                tag=GRADIENT)
+        incoming = IncomingGradient(self.activation_shape, self._next(), device=self.device, group=self.grid.pp_group,
+                                    tag=GRADIENT, rank=self._received_rank if self._compresses(index) else None)
+        self._incoming.append(incoming)
+        return incoming
 
     def _finish_gradient(self, incoming: RawGradient | IncomingGradient, start) -> torch.Tensor:
         """The received gradient, once its batch was waited on; records the receiver's spans."""
         if isinstance(incoming, RawGradient):
             self._spans["interstage"].append((start, self.clock.stamp()))
             return incoming.op.tensor
-        marks: list = []  # header read, payload arrived
+        marks: list = []  # header in, payload arrived
         grad = incoming.finish(mark=lambda: marks.append(self.clock.stamp()))
         end = self.clock.stamp()
         self._spans["interstage_wire"].append((marks[0], marks[1]))
@@ -239,9 +246,12 @@ class PipelineStep:
         return grad
 
     # ------------------------------------------------------------------ the schedule
-    def _choose_interstage_rank(self) -> int | None:
+    def _choose_interstage_rank(self, receiving: bool = False) -> int | None:
+        """The rank of this step's compressed activation gradients: those this stage sends, or with
+        ``receiving`` those it receives; from numbers every stage has alike, so sender and receiver
+        agree (None: sent raw, or nothing to send)."""
         cfg, compressor = self.cfg, self.compressor
-        if compressor.interstage is None:
+        if self.mode == "off" or (compressor.interstage is None and not receiving):
             return None
         if compressor.name == "edgc":
             # EDGC: follow the pipeline's entropy-driven rank within the inter-stage bounds; raw
@@ -290,13 +300,14 @@ class PipelineStep:
         for index in range(warmup, micro):
             inputs, output = self._forward(index, inputs, x, y, losses, train=True)
             saved.append((inputs, output))
-            _, grad = self._communicate(activation=output, receive_gradient=True)
+            _, grad = self._communicate(activation=output, receive_gradient=index - warmup)
             input_grad = self._backward(*saved.popleft(), grad)  # micro-batch index − warmup's
             inputs, _ = self._communicate(gradient=(index - warmup, input_grad), receive_activation=index < micro - 1)
         for index in range(micro - warmup, micro):
-            _, grad = self._communicate(receive_gradient=True)
+            _, grad = self._communicate(receive_gradient=index)
             self._communicate(gradient=(index, self._backward(*saved.popleft(), grad)))
         self._wait_in_flight()
+        check_headers(self._incoming)  # the step's one read of the compressed gradients' headers
         return losses
 
     @staticmethod
@@ -306,6 +317,8 @@ class PipelineStep:
     def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> tuple[float | None, dict]:
         timing = {}
         self.interstage_rank = self._choose_interstage_rank()
+        self._received_rank = self._choose_interstage_rank(receiving=True)
+        self._incoming = []
         self._bytes = [0, 0]
         self._spans = {key: [] for key in SPANS}
         if self.compressor.interstage is not None:

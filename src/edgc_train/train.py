@@ -37,7 +37,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import prepare_data
 from .rendezvous import dist_timeout, join_process_group
-from .run_folder import CommTrace, MetricsLog, write_run_config, write_summary
+from .run_folder import CommTrace, EDGCRecords, MetricsLog, write_run_config, write_summary
 from .runner import DataParallelRunner, seed_everything
 
 
@@ -157,7 +157,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
     rank, world, local_rank, device = setup_distributed(cfg)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
-    metrics = trace = None
+    metrics = trace = records = None
     try:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -193,6 +193,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             write_run_config(run_dir, cfg, n_params, world, shape, data, device, runner.tokens_per_step)
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
         trace = CommTrace(run_dir, rank, cfg.comm_trace, step if resume else None)
+        records = EDGCRecords(log, metrics)  # what EDGC decides, as the library logs it (edgc.events)
         log(f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
             f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}")
 
@@ -204,9 +205,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             from tqdm import tqdm
 
             progress = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
-            log = progress.write  # notices go on their own line above the bar, not into it
+            log = records.say = progress.write  # notices go on their own line above the bar, not into it
         t_start = time.perf_counter() - wall_offset
-        profiling_told = False
         while step < last:
             t0 = time.perf_counter()
             local_loss, extra = runner.train_step()
@@ -239,12 +239,6 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
                 **extra,
             })
             trace.write(step, sync_metrics.get("collective_s"))
-            if not profiling_told:
-                profiling_told = tell_profiling_verdict(compressor, step, metrics, log)
-            if sync_metrics.get("decision"):
-                decision = sync_metrics["decision"]
-                log(decision["message"])
-                metrics.write({"kind": "decision", **decision})
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
             if progress is not None:
@@ -276,7 +270,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         barrier_before_exit()
         return 0
     finally:
-        for log_file in (metrics, trace):
+        for log_file in (records, metrics, trace):
             if log_file is not None:
                 log_file.close()
         dist.destroy_process_group()
@@ -284,27 +278,3 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if solo:
             for key in (*SOLO_ENV, "MASTER_PORT"):
                 os.environ.pop(key, None)
-
-
-def tell_profiling_verdict(compressor, step: int, metrics, log) -> bool:
-    """Once EDGC's profiling has decided, say what it found on one line and log it: a ``"kind":
-    "notice"`` record if it switched compression off or left r_max at its floor (summary.json and
-    the report show it), else a ``"kind": "profiled"`` one. Returns True once there is nothing more to tell."""
-    from edgc.plans import PROFILE
-    from edgc.profiling import describe_profiling_verdict
-
-    controller = getattr(getattr(compressor, "state", None), "controller", None)
-    if controller is None:
-        return True
-    if controller.phase == PROFILE:
-        return False
-    verdict = controller.profiling_verdict()
-    if verdict is not None:
-        message = describe_profiling_verdict(verdict)
-        log(f"step {step}: {message}")
-        kind = "profiled" if verdict["status"] == "found" else "notice"
-        metrics.write({"kind": kind, "step": step, "event": f"edgc_{verdict['status']}", "message": message,
-                       **verdict})
-    return True
-
-

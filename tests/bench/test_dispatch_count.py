@@ -13,10 +13,12 @@ from distributed_harness import run_distributed  # noqa: E402
 from edgc import EDGCConfig  # noqa: E402
 from edgc_bench.dispatch_count import (DispatchCounter, count_engine_call, count_gpt2_step, count_hook_step,  # noqa: E402
                                        ddp_buckets, ready_order)
+from edgc_bench.engine_cost import matrix_byte_floors  # noqa: E402
 from edgc_bench.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = json.loads((ROOT / "docs" / "gpu" / "count" / "count.json").read_text())
+COST = json.loads((ROOT / "docs" / "engine" / "cost.json").read_text())
 
 
 def test_views_metadata_and_allocations_are_not_counted():
@@ -32,6 +34,35 @@ def test_views_metadata_and_allocations_are_not_counted():
         x.reshape(2, 8).clone()  # 1: a contiguous reshape is a view, the clone is not
     assert counter.by_op == {"zero_": 1, "mm": 1, "add_": 1, "clone": 1}
     assert counter.total == 4
+
+
+def test_bytes_are_each_input_read_and_each_output_written_once():
+    x, y = torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16)
+    with DispatchCounter() as counter:
+        x.add_(y)  # reads x (64 B) and y (32 B), writes x (64 B)
+        torch.mm(x, x)  # reads two operands, writes a new 64 B
+        x.copy_(y)  # reads y, overwrites x without reading it
+        torch._foreach_add_([x, x], [y, y])  # mixed dtypes: PyTorch's per-tensor path, two kernels
+    assert counter.bytes_by_op == {"add_": 160, "mm": 192, "copy_": 96, "_foreach_add_": 320}
+    assert counter.by_op["_foreach_add_"] == 2 and counter.total_bytes == 768
+
+
+def test_live_storages_count_what_is_allocated_under_them_while_it_lives():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc_bench.live_memory import LiveStorages
+
+    with FakeTensorMode():
+        before = torch.empty(1000)  # allocated before: never counted
+        with LiveStorages() as live:
+            kept = torch.empty(100)  # 400 B
+            temporary = before * 2  # 4,000 B, freed below
+            before.view(10, 100).add_(1)  # a view and an in-place op: nothing new
+            del temporary
+            assert live.live_bytes() == 400
+            live.reset_peak()
+            torch.cat([kept, kept])  # 800 B alive for a moment
+    assert kept.numel() == 100 and live.peak_bytes == 1200
 
 
 def test_fake_tensors_count_what_real_tensors_do():
@@ -106,6 +137,23 @@ def test_gpt2_xl_steps_launch_few_kernels_at_ddps_buckets_and_fewer_at_200_mb():
     assert default.compressed == large.compressed == 194  # every matrix compressed
     assert default.by_op.get("linalg_qr", 0) == 0  # no per-matrix library call
     assert default.linalg < default.matrices and large.linalg < large.matrices
+    # The same step's bytes and memory per compressed element (docs/concepts/engine.md states them from
+    # docs/engine/cost.json: python -m edgc_bench.engine_cost --out docs/engine/cost.json).
+    per_element = default.per_compressed_element
+    assert (COST["dispatches"], COST["bytes"], COST["memory"]["float32"]) == (
+        default.dispatches, round(per_element(default.bytes), 3), round(per_element(default.peak_state_bytes), 3))
+    # no gathered copy of the gradients: beyond them, the fp32 error feedback (4 B) and at most 10 %
+    assert per_element(default.peak_state_bytes) <= 1.1 * 4
+    # the passes over M, G, e and Ĝ (the rank-independent bytes) at PyTorch's floor
+    half_rank = count_gpt2_step("xl", rank=16)
+    matrix_bytes = 2 * per_element(half_rank.bytes) - per_element(default.bytes)
+    assert matrix_bytes <= matrix_byte_floors(2, 4)["stock"] + 0.01 and round(matrix_bytes, 2) == COST["matrix_bytes"]
+
+
+def test_the_engine_page_shows_the_committed_cost(load_script):
+    script = load_script("engine_cost_to_docs")
+    page = (ROOT / "docs" / "concepts" / "engine.md").read_text()
+    assert script.block(COST, json.loads(script.BEFORE.read_text())) in page
 
 
 def test_the_gpu_page_shows_the_committed_count(load_script):
@@ -114,8 +162,13 @@ def test_the_gpu_page_shows_the_committed_count(load_script):
     assert script.block(COMMITTED, json.loads(script.BEFORE.read_text())) in page
 
 
-def test_an_engine_call_grows_with_its_shapes_not_its_matrices():
+def test_an_engine_call_grows_with_its_shapes_and_by_two_kernels_per_matrix():
+    """Everything batches by shape except what touches the gradients, which lie in DDP's buckets:
+    M = G + e (bf16 G, fp32 e: PyTorch's _foreach_add_ runs it tensor by tensor) and Ĝ's product."""
     one, two, eight = (count_engine_call((1600, 6400), k).dispatches for k in (1, 2, 8))
-    assert one == two == eight, (one, two, eight)
+    assert two - one == 2 and eight - one == 2 * 7, (one, two, eight)
+    same_dtype = [count_engine_call((1600, 6400), k, dtype=torch.float32).by_op for k in (1, 8)]
+    assert same_dtype[1]["_foreach_add_"] == same_dtype[0]["_foreach_add_"] == 1  # one multi-tensor kernel
+    assert same_dtype[1]["mm"] - same_dtype[0]["mm"] == 7
     mixed = count_engine_call((1600, 6400), 2, other_shape=(1600, 4800))
     assert mixed.dispatches > one  # a second shape adds its products

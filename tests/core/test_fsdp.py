@@ -156,12 +156,12 @@ def conservation_worker(rank, world_size):
     worst = []
     original = state.reduce_tensors
 
-    def checked(names, tensors, *, last):
+    def checked(names, tensors, *, last, blocking=True):
         if not tensors or state.controller.plan(state.step).rank is None:
-            return original(names, tensors, last=last)
+            return original(names, tensors, last=last, blocking=blocking)
         before = {n: t.detach().clone() + state.compressor.error.get(n, torch.zeros_like(t)).view_as(t)
                   for n, t in zip(names, tensors)}
-        original(names, tensors, last=last)
+        original(names, tensors, last=last)  # blocking: the average is checked right here
         for name, tensor in zip(names, tensors):
             expected = before[name].clone()
             dist.all_reduce(expected, group=group)

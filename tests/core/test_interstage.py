@@ -1,6 +1,7 @@
 """edgc.interstage: compressed activation gradients between pipeline stages (Optimus-CC's CB + LEP)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from distributed_harness import only_batched_point_to_point, run_distributed
 from test_overlap import CountHostReads
@@ -56,8 +57,11 @@ def test_the_edgc_rank_follows_the_dp_rank_within_bounds():
     assert interstage_rank(6, 1, 16, scale=0.5) == 3
 
 
-def _roundtrip(rank, world, ranks):
-    from edgc.interstage import recv_gradient, send_gradient
+def _roundtrip(rank, world, ranks, known):
+    """Packets at ``ranks`` from rank 1 to rank 0; with ``known`` the receiver passes each one's rank."""
+    import torch.distributed as dist
+
+    from edgc.interstage import IncomingGradient, check_headers, send_gradient
 
     torch.manual_seed(1)
     grads = [torch.randn(2, 8, 16) for _ in ranks]
@@ -72,15 +76,33 @@ def _roundtrip(rank, world, ranks):
             return None
         marks: list = []
         with CountHostReads() as counted:
-            received = [recv_gradient((2, 8, 16), 1, tag=1, mark=lambda: marks.append(len(marks))) for _ in ranks]
+            incoming = []
+            for r in ranks:
+                packet = IncomingGradient((2, 8, 16), 1, tag=1, **({"rank": r} if known else {}))
+                for work in dist.batch_isend_irecv([packet.op]):
+                    work.wait()
+                packet.gradient = packet.finish(mark=lambda: marks.append(len(marks)))
+                incoming.append(packet)
+        reads = counted.reads
+        check_headers(incoming)
     assert len(marks) == 2 * len(ranks)  # the timing hook: once after each header, once after each payload
-    assert counted.reads == len(ranks)  # one host read per packet: its header, read at once
-    return received
+    # Without the rank, one host read per packet (its header, at once); with it, none until the
+    # headers are checked together.
+    assert reads == (0 if known else len(ranks)), reads
+    incoming[0].header[0] += 1  # a packet whose rank is not the one expected
+    try:
+        check_headers(incoming)
+        caught = not known  # nothing to check without expectations
+    except RuntimeError as error:
+        caught = "disagree on the rank" in str(error)
+    return [packet.gradient for packet in incoming], caught
 
 
-def test_point_to_point_roundtrip_over_gloo():
+@pytest.mark.parametrize("known", [False, True])
+def test_point_to_point_roundtrip_over_gloo(known):
     ranks = [4, None, 2]
-    received, _ = run_distributed(_roundtrip, 2, ranks, timeout=120)
+    (received, caught), _ = run_distributed(_roundtrip, 2, ranks, known, timeout=120)
+    assert caught
     torch.manual_seed(1)
     grads = [torch.randn(2, 8, 16) for _ in ranks]
     reference = InterStageCompressor()

@@ -100,3 +100,15 @@ def test_a_decision_group_makes_every_tp_shard_take_the_same_phases_and_ranks():
     assert any(phase == "compress" for phase, _ in apart[0]["phases"])
     # over the stage's DP × TP group: one decision for all four ranks
     assert all(r["phases"] == together[0]["phases"] for r in together)
+
+
+def test_a_mesh_takes_the_models_device_not_the_cpu():
+    """FSDP2 moves a model to its mesh's device: a CUDA model on a default "cpu" mesh went to the CPU."""
+    from edgc.mesh import mesh_device_type
+
+    model = torch.nn.Linear(2, 2)
+    assert mesh_device_type(model) == "cpu"
+    assert mesh_device_type(torch.nn.Linear(2, 2, device="meta")) == "meta"
+    assert mesh_device_type(torch.device("cuda", 1)) == mesh_device_type("cuda:0") == "cuda"
+    assert mesh_device_type(torch.empty(1, device="meta")) == "meta"
+    assert not dist.is_initialized() and mesh_device_type(None) == "cpu"  # no group to ask: the host

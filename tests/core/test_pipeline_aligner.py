@@ -1,4 +1,5 @@
 """StageAligner protocol on 2 processes = 2 pipeline stages (DP 1), no real pipeline compute."""
+import contextlib
 import math
 
 import pytest
@@ -8,13 +9,15 @@ import torch.distributed as dist
 from distributed_harness import run_distributed
 from edgc import EDGCConfig, EDGCState
 from edgc.pipeline import StageAligner
+from edgc_bench.stream_check import StreamChecker
 
 CONFIG = dict(r_max=8, r_min=2, window=4, total_steps=40, warmup_fraction=0.1, warmup_error_test=False,
               profile_max_rank=8, profile_steps_per_rank=1, iteration_sample_ratio=1.0, min_compression_rate=0.5,
               rank_mapping="cqm", entropy_estimator="gaussian", cqm_mc_samples=1)
 
 
-def aligner_worker(rank, world_size, steps, follower_backward_time):
+def aligner_worker(rank, world_size, steps, follower_backward_time, checked=False):
+    """``checked``: the steps run under the CPU stream checker, which returns what it found instead."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     pipeline = dist.new_group([0, 1])
@@ -22,13 +25,16 @@ def aligner_worker(rank, world_size, steps, follower_backward_time):
     state = EDGCState(dp_group, EDGCConfig(**CONFIG), model=model, follower=rank > 0, always_profile=True)
     aligner = StageAligner(state, rank, world_size, pipeline)
     log = []
-    for step in range(steps):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * math.exp(-0.05 * step)  # shrinking gradients: falling entropy
-        state.synchronize(model.named_parameters())
-        aligner.record_backward_time(follower_backward_time if rank else 0.001)
-        aligner.after_sync()
-        log.append((state.last_step_metrics["phase"], state.last_step_metrics["rank"]))
+    with StreamChecker() if checked else contextlib.nullcontext() as checker:
+        for step in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * math.exp(-0.05 * step)  # shrinking gradients: falling entropy
+            state.synchronize(model.named_parameters())
+            aligner.record_backward_time(follower_backward_time if rank else 0.001)
+            aligner.after_sync()
+            log.append((state.last_step_metrics["phase"], state.last_step_metrics["rank"]))
+    if checked:
+        return checker.races, [str(sync) for sync in checker.host_syncs]
     return log, state.controller.schedule, aligner.last_plan
 
 
@@ -50,3 +56,11 @@ def test_without_slack_the_follower_gets_the_leaders_time_as_budget():
     if plan[1].rank is not None:
         assert plan[1].predicted <= plan[1].budget + 1e-12 or plan[1].rank == 2  # r_min when nothing fits
     assert follower[-1] == ("compress", plan[1].rank)  # the follower runs the aligned rank
+
+
+def test_window_boundaries_read_the_host_only_where_allowed():
+    """The stages' exchange at a window boundary is a decision point: its reads of the agreed values
+    are the allowed kind (`edgc.timing.host_reads_allowed`), and its vectors reach the device
+    without a blocking copy."""
+    for races, syncs in run_distributed(aligner_worker, 2, 9, 0.0, True):
+        assert races == [] and syncs == [], (races[:3], syncs[:5])

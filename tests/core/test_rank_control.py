@@ -220,7 +220,7 @@ def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times()
     assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "uncompressed_is_bound": False,
                        "compressed_s": {2: 2.0, 4: 2.0, 8: 2.0}}
     line = describe_profiling_verdict(verdict)
-    assert "OFF" in line and "all-reduce 1000.00 ms" in line and "--edgc r_max=16" in line and "\n" not in line
+    assert "OFF" in line and "all-reduce 1000.00 ms" in line and "r_max=16 in EDGCConfig" in line and "\n" not in line
     # A single candidate proved by the quick test sits at the floor; the plain time shown is a bound.
     floor, _ = run_controller(EDGCConfig(profile_max_rank=2, warmup_error_test=False, total_steps=100), 4,
                               lambda plan: Agreed(0.2, uncompressed_bound=0.5 if plan.profile_bound else math.nan))

@@ -111,10 +111,13 @@ def check_killed(run, failure_free, kill_step):
 
 
 def test_failed_allreduces_on_one_replica(failure_free):
-    run = run_replicas(STEPS, Faults(failed_allreduce={(2, 9), (2, 14)}))
+    """Group 2 runs under the CPU stream checker: its heals load state that its jobs' stream reads."""
+    run = run_replicas(STEPS, Faults(failed_allreduce={(2, 9), (2, 14)}), checked=(2,))
     check_outcome(run, failure_free)
     assert sorted(run["discarded"]) == [(2, 9), (2, 14)]  # its peers committed: it fell behind and healed
     assert run["results"][2]["heals"] >= 3
+    races, host_syncs = run["checker"][2]
+    assert races == [] and host_syncs == [], (races[:3], host_syncs[:5])
 
 
 def test_nan_gradient_on_one_replica_is_discarded_everywhere(failure_free):

@@ -8,11 +8,13 @@ the last bit. Faults are planned per (replica, step): a kill at the start of the
 all-reduce (the collective runs, then this replica's call raises, as a local
 error would; torchft 0.2's FakeProcessGroupWrapper's error never reaches its manager), a NaN gradient,
 a stall (the step lasts one TIMEOUT, as for a survivor left waiting on a peer that dropped the
-collective). Every uncommitted step is checked on the spot: the replica's error feedback must be exactly its error feedback before the
+collective; it waits at the step's end, after its commit, so that its peers wait for it in the next
+quorum, never inside a collective, whose timeout is TIMEOUT too). Every uncommitted step is checked on the spot: the replica's error feedback must be exactly its error feedback before the
 step plus the step's gradient (or zero when that gradient was not finite).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,7 @@ from torchft.process_group import ProcessGroupGloo
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel
 from edgc.integrations.torchft_quorum import QuorumSettings
+from edgc_bench.stream_check import StreamChecker
 from models import TinyTransformer
 
 VOCAB, SEQ, NOISE = 64, 16, 0.2
@@ -76,7 +79,7 @@ class Faults:
     kill: set = field(default_factory=set)  # (replica, step): the group dies in the step's first collective
     failed_allreduce: set = field(default_factory=set)
     nan: set = field(default_factory=set)
-    stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT (a survivor's worst case)
+    stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT, late for the next quorum
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, kind: str, replica: int, step: int) -> bool:
@@ -116,19 +119,8 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
     pg = FailingProcessGroup(timeout=quorum.timeout)
     holder: dict = {}
     heals: list[int] = []  # the step of each state received from a peer (torchft loads one only to heal)
-
-    def load(state: dict) -> None:
-        holder["model"].load_state_dict(state["model"])
-        holder["optimizer"].load_state_dict(state["optimizer"])
-        heals.append(manager.current_step())
-
-    def save() -> dict:
-        return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
-
-    manager = Manager(pg=pg, load_state_dict=load, state_dict=save, replica_id=str(replica),
-                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
-                      **quorum.manager_kwargs())
+    manager = replica_manager(replica, pg, store, lighthouse, quorum, holder, heals)
+    checking = contextlib.ExitStack()
     try:
         module = initial_model(start, quorum)
         model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
@@ -144,6 +136,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             return reduce(names, grads, flat)
 
         state._reduce = recording_reduce
+        checking.enter_context(stream_checked(replica, report))  # its steps and heals, when asked
         log = report.setdefault("log", {}).setdefault(replica, [])  # (attempt, step, phase, rank) committed
         attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
         attempt[0] += 1
@@ -165,8 +158,10 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             loss.backward()
             if pg.dead:  # the group died in its first collective of the step, its peers in the middle of it
                 raise InjectedKill(f"replica {replica} killed at step {step}")
-            time.sleep(max(0.0, stall_until - time.monotonic()))
             optimizer.step()  # should_commit: commits or rolls back the EDGC step
+            # After the commit: a stall before it would keep the peers in the step's last collectives
+            # (EDGC's decision at a window's end) for as long as their timeout, a race lost under load.
+            time.sleep(max(0.0, stall_until - time.monotonic()))
             metrics = state.last_step_metrics
             step_lines.append({"kind": "step", "step": step, "committed": metrics.get("committed") is not False,
                                "participants": manager.num_participants(),
@@ -177,6 +172,7 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                 check_conserved(state, metrics, error_before, gradients)
             else:
                 log.append((attempt[0], step, metrics["phase"], metrics["rank"]))
+        checking.close()  # what follows reads results on the host
         module.eval()
         with torch.no_grad():
             final_loss = loss_of(module, *batch(99, 0, size=64)).item()
@@ -184,8 +180,40 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
                 "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
                 "discarded": state.steps_discarded, "phase": metrics["phase"]}
     finally:
+        checking.close()
         manager.shutdown(wait=False)
         pg.shutdown()
+
+
+def replica_manager(replica: int, pg, store, lighthouse: str, quorum: QuorumSettings, holder: dict,
+                    heals: list[int]) -> Manager:
+    """The group's manager; a peer's model and optimizer state go into ``holder``'s, each heal's step into ``heals``."""
+
+    def load(state: dict) -> None:
+        holder["model"].load_state_dict(state["model"])
+        holder["optimizer"].load_state_dict(state["optimizer"])
+        heals.append(manager.current_step())
+
+    def save() -> dict:
+        return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
+
+    manager = Manager(pg=pg, load_state_dict=load, state_dict=save, replica_id=str(replica),
+                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
+                      **quorum.manager_kwargs())
+    return manager
+
+
+@contextlib.contextmanager
+def stream_checked(replica: int, report: dict):
+    """The body under the CPU stream checker if ``replica`` is one of ``report["checked"]``, its
+    findings then in ``report["checker"][replica]``."""
+    if replica not in report["checked"]:
+        yield
+        return
+    with StreamChecker() as checker:
+        yield
+    report.setdefault("checker", {})[replica] = (checker.races, [str(sync) for sync in checker.host_syncs])
 
 
 def initial_model(start: threading.Barrier | None, quorum: QuorumSettings) -> TinyTransformer:
@@ -211,20 +239,22 @@ def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -
 
 
 def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3,
-                 tolerated_failures: int = 1) -> dict:
+                 tolerated_failures: int = 1, checked: tuple = ()) -> dict:
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``).
     The quorum settings are the bench's: those of its kill pass, or with ``tolerated_failures=0``
-    those of its failure-free passes."""
-    return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures)
+    those of its failure-free passes. The groups in ``checked`` run their steps under the CPU
+    stream checker (`edgc_bench.stream_check`): its findings in ``["checker"][group]``."""
+    return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures, checked)
 
 
-def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int) -> dict:
+def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int,
+               checked: tuple = ()) -> dict:
     """``train(replica, lighthouse, steps, faults, report, quorum, start)`` on one thread per group,
     around one lighthouse; a group whose attempt raises `InjectedKill` starts again."""
     faults = faults or Faults()
     quorum = quorum_settings(replicas, tolerated_failures)
     lighthouse = LighthouseServer(bind="[::]:0", **quorum.lighthouse_kwargs())
-    report: dict = {"kills": 0}
+    report: dict = {"kills": 0, "checked": set(checked)}
     start = threading.Barrier(replicas)  # first attempts only: a restarted group joins a running quorum
 
     def runner(replica: int) -> dict:

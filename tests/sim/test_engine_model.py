@@ -17,7 +17,7 @@ from edgc_sim.presets import ModelSpec
 COUNT = json.loads((Path(__file__).resolve().parents[2] / "docs" / "gpu" / "count" / "count.json").read_text())
 
 
-def counted_reduce(shapes, rank, *, dtype=torch.float32, gathered=True, world_size=2, measure_error=False) -> int:
+def counted_reduce(shapes, rank, *, dtype=torch.float32, accelerator=True, world_size=2, measure_error=False) -> int:
     """Dispatches of one steady `LowRankCompressor.reduce` call on fake tensors of these shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -25,7 +25,7 @@ def counted_reduce(shapes, rank, *, dtype=torch.float32, gathered=True, world_si
 
     with counted_host_reads(_zeros), FakeTensorMode():
         compressor = LowRankCompressor(EDGCConfig(r_max=rank))
-        compressor.force_accelerator_kernels = gathered
+        compressor.force_accelerator_kernels = accelerator
         comm = counting_communicator(world_size)
         names = [f"t{k}" for k in range(len(shapes))]
         grads = [torch.zeros(shape, dtype=dtype) for shape in shapes]
@@ -45,17 +45,17 @@ JOBS = {
 
 
 @pytest.mark.parametrize("name", sorted(JOBS))
-@pytest.mark.parametrize("gathered,dtype,world_size,measure_error", [
+@pytest.mark.parametrize("accelerator,dtype,world_size,measure_error", [
     (True, torch.bfloat16, 1, False),  # the GPU bench's setting (docs/gpu/count)
     (True, torch.float32, 2, True),
     (False, torch.float32, 2, False),  # a CPU run in a process group
     (False, torch.bfloat16, 2, True),
 ])
-def test_job_launches_are_the_engines_dispatches(name, gathered, dtype, world_size, measure_error):
+def test_job_launches_are_the_engines_dispatches(name, accelerator, dtype, world_size, measure_error):
     shapes, rank = JOBS[name], 32
-    counted = counted_reduce(shapes, rank, dtype=dtype, gathered=gathered, world_size=world_size,
+    counted = counted_reduce(shapes, rank, dtype=dtype, accelerator=accelerator, world_size=world_size,
                              measure_error=measure_error)
-    modelled = em.job_launches(em.JobLayout.plan(shapes, rank), gathered=gathered,
+    modelled = em.job_launches(em.JobLayout.plan(shapes, rank), accelerator=accelerator,
                                half_gradients=dtype == torch.bfloat16, world_size=world_size,
                                measure_error=measure_error)
     assert modelled == counted
@@ -77,14 +77,14 @@ def test_step_launches_are_the_committed_gpt2_dispatch_counts(row):
     assert shapes == [tuple(shape) for _, shape in gpt2_parameters(row["model"])]
     jobs = em.engine_jobs(shapes, 2, accelerator=True, bucket_cap_mib=None if row["ddp_default"] else row["bucket_cap_mb"])
     assert len(jobs) == row["collectives"] // 3  # every job compresses: raw, P and Q
-    launches = em.step_launches(jobs, COUNT["rank"], gathered=True, half_gradients=True, world_size=COUNT["world_size"])
+    launches = em.step_launches(jobs, COUNT["rank"], accelerator=True, half_gradients=True, world_size=COUNT["world_size"])
     assert launches == row["dispatches"]
 
 
 def test_engine_call_launches_are_the_committed_counts():
     for row in COUNT["engine_same_shape"]:
         job = em.JobLayout.plan([tuple(row["shape"])] * row["matrices"], COUNT["rank"])
-        assert em.job_launches(job, gathered=True, half_gradients=True, world_size=1) == row["dispatches"]
+        assert em.job_launches(job, accelerator=True, half_gradients=True, world_size=1) == row["dispatches"]
 
 
 def test_jobs_are_ddps_buckets_on_a_cpu_and_fused_on_an_accelerator():
@@ -112,24 +112,26 @@ def job_seconds(shapes, rank, rates=RATES, bytes_per_value=4, **kwargs) -> float
 
 def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
     """One m x n fp32 matrix on a CPU: two product GEMMs reading M and the decompression writing Ĝ
-    (bytes at the skinny rates + FLOPs), 6 elementwise passes, the factors' elementwise bytes, the
+    (bytes at the skinny rates + FLOPs), the residual's product (FLOPs), 5 elementwise passes (G
+    read, e read and M written, M read and e written), the factors' elementwise bytes, the
     Householder QR of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
     m, n, r = 2048, 512, 8
     values = m * n
-    gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * values * r / FLOPS
-    passes = 6 * values * 4 / MEM
+    gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * 2 * values * r / FLOPS
+    passes = 5 * values * 4 / MEM
     factors = r * (m * (em.P_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES)
                    + n * (em.Q_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES)) / MEM
     orth = 4 * r * r * (m + n) / 2e9  # Householder: geqrf and orgqr, 2 r² k FLOPs each
-    launches = em.step_launches([[(m, n)]], r, gathered=False, world_size=2)
+    launches = em.step_launches([[(m, n)]], r, accelerator=False, world_size=2)
     assert job_cost([(m, n)], r) == pytest.approx((launches * LAUNCH, gemms + passes + factors + orth))
     assert job_seconds([(m, n)], r) == pytest.approx(gemms + passes + factors + orth + launches * LAUNCH)
     # no measured orthonormalisation rate: its FLOPs at the matmul rate
     unmeasured = job_seconds([(m, n)], r, em.EngineRates(8e9, 4e9))
     assert unmeasured == pytest.approx(gemms + passes + factors + orth * 2e9 / FLOPS + launches * LAUNCH)
-    # a measured error reads M once more and adds its launches
+    # a measured error reads M once more and adds its launches (less the fills of unmeasured sums)
     measured = job_seconds([(m, n)], r, measure_error=True)
-    assert measured == pytest.approx(job_seconds([(m, n)], r) + values * 4 / MEM + em.MEASURE_ERROR_OPS * LAUNCH)
+    extra_launches = em.MEASURE_ERROR_OPS - em.UNMEASURED_ERROR_FILLS
+    assert measured == pytest.approx(job_seconds([(m, n)], r) + values * 4 / MEM + extra_launches * LAUNCH)
 
 
 def test_gemm_flops_run_at_the_float32_rate_the_byte_rates_were_measured_at():
@@ -140,28 +142,28 @@ def test_gemm_flops_run_at_the_float32_rate_the_byte_rates_were_measured_at():
     flops = 2 * m * n * r
     fp32_rate = RATES._replace(gemm_flops_per_s=FLOPS / 4)
     device = job_cost([(m, n)], r, fp32_rate).device_s - job_cost([(m, n)], r).device_s
-    # the three products' FLOPs; the orthonormalisation keeps its own measured rate
-    assert device == pytest.approx(3 * flops * (4 / FLOPS - 1 / FLOPS))
+    # the four products' FLOPs (P, Q, Ĝ, the residual); the orthonormalisation keeps its own measured rate
+    assert device == pytest.approx(4 * flops * (4 / FLOPS - 1 / FLOPS))
     half = job_cost([(m, n)], r, fp32_rate, 2).device_s - job_cost([(m, n)], r, bytes_per_value=2).device_s
-    assert half == pytest.approx(2 * flops * (4 / FLOPS - 1 / FLOPS))
+    assert half == pytest.approx(3 * flops * (4 / FLOPS - 1 / FLOPS))
 
 
-def test_an_accelerator_gathers_m_and_g_hat_in_four_more_passes_and_batches_its_orthonormalisation():
-    """The accelerator's path against the CPU's on four same-shape matrices: M and Ĝ gathered (four
-    more passes, a cat and a _foreach_copy_ more, one Ĝ product instead of four), and P and Q each
-    orthonormalised by one CholeskyQR2 (float64 casts, 6 r² k FLOPs, 14 launches) instead of a
+def test_an_accelerator_moves_the_cpus_bytes_and_batches_its_orthonormalisation():
+    """The accelerator's path against the CPU's on four same-shape matrices: the same passes over the
+    gradients and the arena (both move M and Ĝ matrix by matrix, where the gradients lie), and P and
+    Q each orthonormalised by one CholeskyQR2 (float64 casts, 6 r² k FLOPs, 15 launches: per pass a
+    Gram product, a shift, a factorisation and a solve, and the failure check) instead of a
     Householder QR per block (LAPACK's copies, 4 r² k FLOPs, 2 launches)."""
     shapes, r = [(1024, 4096)] * 4, 16
     m, n = shapes[0]
     cpu, gpu = job_cost(shapes, r), job_cost(shapes, r, RATES._replace(accelerator=True))
-    values = 4 * m * n
     cholesky_launches = em.orth_launches({r: 1})
-    assert cholesky_launches == 2 + 2 * (4 + 2) and em.orth_launches({r: 1}, householder=True) == 2
-    launches = em.step_launches([shapes], r, gathered=True) - em.step_launches([shapes], r, gathered=False)
-    assert launches == 1 + 1 - (4 - 1) + 2 * (cholesky_launches - 2)
+    assert cholesky_launches == 2 + (3 + 1 + 2 + 1 + 2) + 2 * 2 and em.orth_launches({r: 1}, householder=True) == 2
+    launches = em.step_launches([shapes], r, accelerator=True) - em.step_launches([shapes], r, accelerator=False)
+    assert launches == 2 * (cholesky_launches - 2)
     orth_bytes = 4 * r * (m + n) * (em.ORTH_CAST_BYTES - em.HOUSEHOLDER_COPY_BYTES) / MEM  # 4 matrices' factors
     orth_flops = 4 * (6 - 4) * r * r * (m + n) / RATES.orth_flops_per_s
-    assert gpu.device_s - cpu.device_s == pytest.approx(4 * values * 4 / MEM + orth_bytes + orth_flops)
+    assert gpu.device_s - cpu.device_s == pytest.approx(orth_bytes + orth_flops)
     assert gpu.host_s - cpu.host_s == pytest.approx(launches * LAUNCH)
 
 
@@ -181,31 +183,37 @@ def test_an_accelerator_hides_the_smaller_of_host_and_device_time():
 def test_same_shapes_share_their_launches_and_new_shapes_add_some():
     r = 8
     one, two = job_seconds([(512, 2048)], r), job_seconds([(512, 2048)] * 2, r)
-    per_matrix = em.step_launches([[(512, 2048)] * 2], r, gathered=False) - em.step_launches([[(512, 2048)]], r, gathered=False)
-    assert per_matrix == 1  # the CPU's Ĝ is a product per matrix; everything else is per group or per job
-    assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, gathered=False) - 1) * LAUNCH)
-    gathered = lambda shapes: em.step_launches([shapes], r, gathered=True)  # noqa: E731
-    assert gathered([(512, 2048)] * 8) == gathered([(512, 2048)])
-    # A new shape group costs 3 products; a new side m opens a P block, a new side n a Q block. A
-    # block costs, per Cholesky pass, its Gram product, its solve and a cat of the Gram matrices; a Q
-    # block also the restart of collapsed rows (3).
-    base = gathered([(512, 2048)])
-    assert gathered([(1536, 2048)] + [(512, 2048)]) - base == 3 + 2 * 3  # new m: a P block
-    assert gathered([(512, 2048), (512, 1536)]) - base == 3 + 2 * 3 + 3  # new n: a Q block
-    assert gathered([(512, 2048), (2048, 512)]) - base == 3 + 2 * 3 + 2 * 3 + 3  # its transpose: both
+    per_matrix = em.step_launches([[(512, 2048)] * 2], r, accelerator=False) - em.step_launches([[(512, 2048)]], r, accelerator=False)
+    assert per_matrix == 1  # Ĝ is a product per matrix; everything else is per group or per job
+    assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, accelerator=False) - 1) * LAUNCH)
+    batched = lambda shapes, half=False: em.step_launches([shapes], r, accelerator=True, half_gradients=half)  # noqa: E731
+    assert batched([(512, 2048)] * 8) == batched([(512, 2048)]) + 7  # Ĝ into each gradient
+    # bf16 gradients and fp32 error feedback: M = G + e is a kernel per matrix too (PyTorch's
+    # _foreach_add_ on mixed dtypes)
+    assert batched([(512, 2048)] * 8, True) == batched([(512, 2048)], True) + 2 * 7
+    # A new shape group costs 3 products (P, Q, the residual) and its matrix's Ĝ; a new side m opens
+    # a P block, a new side n a Q block. A block costs, per Cholesky pass, its Gram product and its
+    # solve; a Q block also the restart of its dead entries (1).
+    base = batched([(512, 2048)])
+    assert batched([(1536, 2048)] + [(512, 2048)]) - base == 3 + 1 + 2 * 2  # new m: a P block
+    assert batched([(512, 2048), (512, 1536)]) - base == 3 + 1 + 2 * 2 + 1  # new n: a Q block
+    assert batched([(512, 2048), (2048, 512)]) - base == 3 + 1 + 2 * 2 + 2 * 2 + 1  # its transpose: both
 
 
 def test_half_precision_gradients_halve_the_gradient_accesses_not_the_arena():
     m, n, r = 1024, 4096, 16
     rates = RATES._replace(accelerator=True)
     full, half = job_cost([(m, n)], r, rates), job_cost([(m, n)], r, rates, bytes_per_value=2)
-    # 6 gradient accesses and the decompression's write at 2 bytes; the arena (4 arena accesses, the
+    # the gradient's read and the decompression's write at 2 bytes; the arena (4 arena accesses, the
     # product forms' reads) stays fp32; the factors' casts and launches come on top
-    saved = m * n * 2 * (6 / MEM + 1 / 4e9)
-    extra_launches = (em.step_launches([[(m, n)]], r, gathered=True, half_gradients=True)
-                      - em.step_launches([[(m, n)]], r, gathered=True))
-    casts = r * (m + n) * (em.HALF_WIRE_BYTES + em.HALF_DECOMPRESS_BYTES) / MEM
-    assert extra_launches == 7  # P and Q: div, cast, copy back for div_; the flag's cast; P and Q cast back
+    saved = m * n * 2 * (1 / MEM + 1 / 4e9)
+    extra_launches = (em.step_launches([[(m, n)]], r, accelerator=True, half_gradients=True)
+                      - em.step_launches([[(m, n)]], r, accelerator=True))
+    casts = r * (m * (em.HALF_WIRE_BYTES + em.HALF_P_DECOMPRESS_BYTES)
+                 + n * (em.HALF_WIRE_BYTES + em.HALF_Q_DECOMPRESS_BYTES)) / MEM
+    # P and Q: div into the wire dtype and copy back, for div_; the flag's cast; Q's cast; both cast
+    # back for the residual
+    assert extra_launches == 6
     assert half.device_s == pytest.approx(full.device_s - saved + casts)
     assert half.host_s == pytest.approx(full.host_s + extra_launches * LAUNCH)
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib.util import find_spec
 
 import pytest
 
@@ -93,6 +94,18 @@ def test_empty_data_is_rejected(capsys, tmp_path):
         code, lines = edgc_train(capsys, "--out", str(tmp_path / "run"), "--data", str(data))
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("module", ["tokenizers", "bible"])
+def test_a_missing_extra_is_one_line_naming_it(capsys, tmp_path, monkeypatch, module):
+    """A core install (`pip install edgc`) lacks the harness's dependencies: the line names the extra."""
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it fails
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
+    (tmp_path / "corpus.txt").write_text("In the beginning was the word, and the word was with God.\n" * 200)
+    data = ["--data", str(tmp_path / "corpus.txt")] if module == "tokenizers" else []  # bible: the default corpus
+    code, lines = edgc_train(capsys, "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), *data)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("edgc train: error:") and "pip install 'edgc[train]'" in lines[0], lines
 
 
 def test_data_too_small_for_one_batch_is_one_line_before_any_worker_starts(capsys, tmp_path):
@@ -286,6 +299,9 @@ def test_budget_run_tells_each_decision_and_resumes_exactly(capsys, tmp_path, ca
     for d in decisions:  # printed whole, on a line of its own
         assert d["message"] in out.splitlines()
     ranks = [r["rank"] for r in records if r["kind"] == "train" and r["phase"] == "compress"]
+    [warmup] = [r for r in records if r["kind"] == "warmup_over"]  # the library's records, every kind
+    first = min(r["step"] for r in records if r["kind"] == "train" and r["phase"] == "compress")
+    assert warmup["message"] in out.splitlines() and warmup["step"] == first - 1  # a train line counts steps done
     summary = json.loads((a / "summary.json").read_text())
     assert summary["rank_budget"] == 4 and summary["mean_rank"] == pytest.approx(sum(ranks) / len(ranks))
     assert summary["rank_changes"] == len(set(ranks)) - 1 == sum(d["rank"] != d["old_rank"] for d in decisions)

@@ -29,12 +29,14 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
 
 
 def check_group(state: object) -> None:
-    """Raise if an edgc state was built before the process group it is meant to average over.
+    """Check, before training, the process group an edgc state averages over (`edgc.guards`).
 
-    A `GradientReducer` reads the world size when it is constructed; built before
-    ``init_process_group`` (easy with launchers that initialise it for you), it would
-    silently communicate nothing.
+    A `GradientReducer` built for the default group before ``init_process_group`` (easy with
+    launchers that initialise it for you) binds that group now; one given a DDP model refuses
+    another group than DDP's. Raises if the world size it holds still differs from the group's.
     """
+    if isinstance(state, GradientReducer):
+        state._guard.first_use(state)
     if isinstance(state, GradientReducer) and dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(state.comm.group)
         if state.comm.world_size != world:

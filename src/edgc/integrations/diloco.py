@@ -15,8 +15,11 @@ manager, plus an `EDGCConfig` (torchft's is `edgc.integrations.torchft.DiLoCo`).
 group and the outer optimizer (Nesterov SGD in DiLoCo) steps θ_global with the average. With
 several ``model_fragments`` (Streaming DiLoCo) the fragments take turns: one every
 ``sync_every / fragments`` inner steps, each every ``sync_every``. With ``fragment_sync_delay`` τ > 0
-a fragment's sync starts τ inner steps before its outer step and runs on a worker thread while
-they go on (the inner steps touch no collective, so the sync's collectives keep their order).
+a fragment's sync starts τ inner steps before its outer step and goes on while they run, as
+torchft's DiLoCo does it: issued from the training thread on the jobs' side stream (`edgc.jobs`),
+each inner step issues what it can (`GradientReducer.progress`), and the outer step waits for the
+rest, on the device (the compute stream waits for the side stream). Every collective is issued
+from the one thread, in program order with the inner steps' own (FSDP or TP inside a replica).
 
 What EDGC does with the pseudo-gradients: one `EDGCState` syncs every outer step through
 ``reduce_tensors``, so everything it does for gradients it does here, with outer steps as its steps:
@@ -36,17 +39,19 @@ process group every outer step commits.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn, optim
 
+from .. import streams
 from ..config import EDGCConfig
+from ..finite import all_finite
 from ..outer_sync import decay_error_feedback
 from ..state import EDGCState
 from ..sync_methods import sync_method, sync_method_names
+from ..timing import host_reads_allowed
 
 STATE_FORMAT = "edgc-diloco/1"
 # The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (0.098× the
@@ -92,7 +97,13 @@ class OuterStepState(PowerIterations, EDGCState):
 
 
 class _Fragment:
-    """One model fragment: its parameters, their global values θ_global (the backup) and its outer optimizer."""
+    """One model fragment: its parameters, their global values θ_global (the backup) and its outer optimizer.
+
+    The backup is in host memory (pinned on CUDA) unless ``backup_device`` says otherwise. Copies
+    to and from it are queued on the compute stream without a host wait (``non_blocking``: from
+    pinned memory the copy is asynchronous, from pageable memory CUDA makes it safe by waiting),
+    in stream order with everything that reads them; the host touches it only after an event that
+    follows the last of them (a checkpoint, a heal)."""
 
     def __init__(self, index: int, module: nn.Module, outer_optimizer: optim.Optimizer,
                  backup_device: torch.device | None, pin_memory: bool):
@@ -100,27 +111,43 @@ class _Fragment:
         named = list(module.named_parameters())
         self.names = [f"{index}.{name}" for name, _ in named]
         self.params = [p for _, p in named]
-        device = backup_device or torch.device("cpu")
-        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-        self.original = [torch.empty(p.shape, dtype=p.dtype, device=device, pin_memory=pin) for p in self.params]
+        if backup_device is None or torch.device(backup_device).type == "cpu":
+            pin = pin_memory and torch.cuda.is_available()
+            self.original = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
+        else:
+            self.original = [torch.empty(p.shape, dtype=p.dtype, device=backup_device) for p in self.params]
         self.deltas: list[torch.Tensor] = []  # this outer step's Δ, averaged in place by the sync
         self.kept: list[torch.Tensor] = []  # the local Δ as sent, while the step may still be discarded
-        self.in_flight: Future | None = None
+        self._last_copy = None  # an event after the last queued copy to or from the backup (None off CUDA)
         self.save()
+
+    def copied(self) -> None:
+        """Copies to or from the backup were just queued on the compute stream."""
+        if self.params:
+            self._last_copy = streams.current_stream(self.params[0].device).record_event()
+
+    def _idle(self) -> None:
+        """Wait until no queued copy reads or writes the backup (before the host does)."""
+        if self._last_copy is not None:
+            with host_reads_allowed():  # a checkpoint or a heal: not a step
+                self._last_copy.synchronize()
 
     @torch.no_grad()
     def save(self) -> None:
         """θ_global ← the parameters."""
         for backup, p in zip(self.original, self.params):
-            backup.copy_(p.detach())
+            backup.copy_(p.detach(), non_blocking=True)
+        self.copied()
 
     @torch.no_grad()
     def restore(self) -> None:
         """The parameters ← θ_global."""
         for backup, p in zip(self.original, self.params):
-            p.copy_(backup)
+            p.copy_(backup, non_blocking=True)
+        self.copied()
 
     def state_dict(self) -> dict:
+        self._idle()
         return {"original": [t.detach().cpu().clone() for t in self.original],
                 "outer_optimizer": self.outer_optimizer.state_dict()}
 
@@ -128,6 +155,7 @@ class _Fragment:
         if len(state["original"]) != len(self.original):
             raise ValueError(f"DiLoCo fragment {self.index}: the state has {len(state['original'])} parameters, "
                              f"the fragment {len(self.original)}")
+        self._idle()
         with torch.no_grad():
             for backup, saved in zip(self.original, state["original"]):
                 backup.copy_(saved)
@@ -143,11 +171,14 @@ class DiLoCo:
                  pin_memory: bool = True, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
                  power_iterations: int = 1, sync_method: str | None = None, error_feedback_decay: float = 1.0):
         """``process_group``: the replicas' group (None: the default one; without an initialised one, a
-        world of one). The rest as ``torchft.local_sgd.DiLoCo``, plus ``config`` (steps = outer steps),
-        ``power_iterations`` (1 or 2), ``sync_method`` (a registered method's name, `edgc.sync_methods`,
-        instead of EDGC's PowerSGD; ``config`` then goes unused; with neither, `DEFAULT_OUTER_SYNC`)
-        and ``error_feedback_decay`` (the error feedback is multiplied by it before every outer step's
-        sync; 1: kept whole)."""
+        world of one). The rest as ``torchft.local_sgd.DiLoCo``: ``model_fragments`` (one module, or
+        Streaming DiLoCo's fragments), ``inner_optimizer``, ``outer_optimizer`` (one, or one per fragment),
+        ``sync_every`` (inner steps per outer step), ``backup_device`` and ``pin_memory`` (where θ_global
+        is kept), ``fragment_sync_delay`` and ``fragment_update_alpha`` (Streaming DiLoCo's τ and α);
+        plus ``config`` (steps = outer steps), ``power_iterations`` (1 or 2), ``sync_method`` (a
+        registered method's name, `edgc.sync_methods`, instead of EDGC's PowerSGD; ``config`` then goes
+        unused; with neither, `DEFAULT_OUTER_SYNC`) and ``error_feedback_decay`` (the error feedback is
+        multiplied by it before every outer step's sync; 1: kept whole)."""
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
         if config is None and sync_method is None:
@@ -168,7 +199,6 @@ class DiLoCo:
         self.state.power_iterations = power_iterations
         self._fragments = [_Fragment(i, module, outer, backup_device, pin_memory)
                            for i, (module, outer) in enumerate(zip(fragments, outers))]
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="edgc-diloco") if fragment_sync_delay else None
         self.last_outer_step: dict | None = None  # what the last outer step did (see `_record`)
 
     # ------------------------------------------------------------------ what subclasses change
@@ -198,8 +228,6 @@ class DiLoCo:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
         return False
 
     def _step_pre_hook(self, *args: Any) -> None:
@@ -211,6 +239,8 @@ class DiLoCo:
     def inner_step_done(self) -> None:
         """Count one inner step; prepare and take outer steps when due (the inner optimizer's hook calls this)."""
         self._local_step += 1
+        if self._syncing is not None:
+            self.state.progress()  # the sync in flight issues its next collectives
         if self._local_step == self._sync_every - self._delay:
             self._start_outer_step()
             self._prepare(self._fragments[self._outer_index() % len(self._fragments)])
@@ -224,29 +254,24 @@ class DiLoCo:
         """Δ = θ_global − θ_local (+ what a discarded step could not keep), and start its sync."""
         deltas = []
         for name, backup, p in zip(fragment.names, fragment.original, fragment.params):
-            delta = backup.to(p.device, p.dtype) - p.detach()
+            delta = backup.to(p.device, p.dtype, non_blocking=True) - p.detach()
             carried = self._carry.pop(name, None)
             if carried is not None:
-                delta += carried.to(delta.device, delta.dtype)
+                delta += carried.to(delta.device, delta.dtype, non_blocking=True)
             deltas.append(delta)
+        fragment.copied()
         fragment.deltas = deltas
         decay_error_feedback(self.state, self._decay)
         fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit else []
         self._syncing = fragment
-        sync = lambda: self.state.reduce_tensors(fragment.names, fragment.deltas, last=True)  # noqa: E731
-        if self._executor is None:
-            sync()
-        else:
-            fragment.in_flight = self._executor.submit(sync)
+        self.state.reduce_tensors(fragment.names, fragment.deltas, last=False, blocking=False)
 
     @torch.no_grad()
     def _perform(self) -> None:
         """The outer step: wait for the sync, back to θ_global, and, if committed, the outer optimizer's step."""
         fragment, self._syncing = self._syncing, None
         assert fragment is not None, "an outer step without its sync: the inner step count went wrong"
-        if fragment.in_flight is not None:
-            in_flight, fragment.in_flight = fragment.in_flight, None
-            in_flight.result()
+        self.state.reduce_tensors([], [], last=True)  # the rest of the sync; the compute stream waits for it
         local = [p.detach().clone() for p in fragment.params] if self._alpha > 0 else []
         fragment.restore()
         committed = self._should_commit()
@@ -269,8 +294,8 @@ class DiLoCo:
         sent raw is carried into the next Δ (dropped where not finite, as M is)."""
         ranks = self.state.last_step_metrics.get("ranks", {})
         for name, sent in zip(fragment.names, fragment.kept):
-            if not ranks.get(name) and bool(torch.isfinite(sent).all()):
-                self._carry[name] = sent
+            if not ranks.get(name):
+                self._carry[name] = sent.masked_fill(~all_finite(sent), 0)  # on the device: no host read
 
     def _record(self, fragment: _Fragment, committed: bool) -> None:
         metrics = self.state.last_step_metrics

@@ -33,6 +33,15 @@ def make_strategy_class(base: type) -> type:
     """An EDGC-registering subclass of the given Lightning ``DDPStrategy`` class."""
 
     class EDGCDDPStrategy(base):  # type: ignore[misc, valid-type]
+        """Lightning's ``DDPStrategy`` that registers a comm hook on any device (see the module docstring).
+
+        Give at most one of: ``config``, the `EDGCConfig` of the `EDGCState` built in each process
+        once DDP wraps the model (the default: ``EDGCConfig()``); ``state_factory``, a function of the
+        DDP model that returns any `GradientReducer`; ``ddp_comm_hook`` with its ``ddp_comm_state``,
+        any other hook (PyTorch's own). ``ddp_comm_wrapper`` wraps the hook, as in ``DDPStrategy``.
+        Other keyword arguments go to ``DDPStrategy``. The state is `comm_state` once training starts.
+        """
+
         def __init__(
             self,
             config: EDGCConfig | None = None,

@@ -99,6 +99,7 @@ class ManagedCommunicator(Communicator):
     did not come from a collective — raised on issue, or reported by the caller — leaves the
     group sound, so the rest of the step's collectives still run on the quorum's process group,
     and peers that have not seen the error are not left waiting for this replica until a timeout.
+    ``manager``: the replica group's torchft ``Manager``.
     """
 
     def __init__(self, manager: Manager):
@@ -120,6 +121,11 @@ class ManagedCommunicator(Communicator):
         self.world_size = max(1, self.manager.num_participants())
         rank = self.manager.participating_rank()
         self.rank = -1 if rank is None else rank  # a spare never proposes a decision
+
+    @property
+    def step_failed(self) -> bool:
+        """A collective of this step failed, or the manager holds an error: the step is lost."""
+        return self.collective_failed or self.manager.errored() is not None
 
     def reset(self) -> list[float]:
         durations = super().reset()
@@ -172,7 +178,14 @@ class ManagedCommunicator(Communicator):
 
 
 class TorchFTEDGCState(EDGCState):
-    """`EDGCState` for one rank of a torchft replica group (see the module docstring)."""
+    """`EDGCState` for one rank of a torchft replica group (see the module docstring); what
+    `DistributedDataParallel` builds (``model.edgc_state``).
+
+    ``manager``: the group's torchft ``Manager`` (``use_async_quorum=False``): every collective goes
+    through it, and its ``should_commit()`` commits or rolls back each step. ``config`` and ``model``:
+    as `EDGCState`'s. ``state_key``: the key of the shared state the manager sends a healing replica.
+    ``steps_discarded``, ``heals`` and ``profile_steps_alone`` count what the faults cost.
+    """
 
     def __init__(self, manager: Manager, config: EDGCConfig | None = None, *, model: nn.Module | None = None,
                  state_key: str = STATE_KEY):
@@ -214,10 +227,10 @@ class TorchFTEDGCState(EDGCState):
             return
         if not committed:
             self.steps_discarded += 1
-            self.rollback_step()
+            self.rollback_step("torchft's manager did not commit it")
         elif self._plan.phase == PROFILE and self.comm.world_size < 2:
             self.profile_steps_alone += 1
-            self.rollback_step()
+            self.rollback_step("a profiling step in a quorum of one times no link; the model step stands")
         else:
             self.commit_step()
 
@@ -248,6 +261,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     Like ``torchft.ddp.DistributedDataParallel``: DDP's own process group is a dummy (torchft
     syncs the initial weights by healing), and buckets are never rebuilt, so a recovering replica
     has the same buckets as its peers. The EDGC state is ``model.edgc_state``.
+
+    ``manager``: the group's torchft ``Manager`` (``use_async_quorum=False``); ``module``: the model;
+    ``config``: the `EDGCConfig` of its `TorchFTEDGCState`; other keyword arguments go to DDP.
     """
 
     def __init__(self, manager: Manager, module: nn.Module, config: EDGCConfig | None = None, **kwargs):
@@ -257,7 +273,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
 
 class TorchFTOuterStepState(PowerIterations, TorchFTEDGCState):
-    """The `TorchFTEDGCState` of `DiLoCo`: its steps are outer steps."""
+    """The `TorchFTEDGCState` of `DiLoCo`: its steps are outer steps (arguments: ``manager``, ``config``,
+    ``model``, ``state_key``, as `TorchFTEDGCState`'s; `PowerIterations` adds a second power iteration)."""
 
 
 class DiLoCo(_DiLoCo):
@@ -274,6 +291,12 @@ class DiLoCo(_DiLoCo):
     and the parameters go back to θ_global. A healing replica receives the shared state: per
     fragment θ_global and the outer optimizer, and EDGC's step, Q, rank schedule and controller
     (``state_key``). Needs ``Manager(use_async_quorum=False)``, as torchft's DiLoCo does.
+
+    ``manager`` takes the place of the process group; ``model_fragments``, ``inner_optimizer``,
+    ``outer_optimizer``, ``sync_every``, ``config``, ``backup_device``, ``pin_memory``,
+    ``fragment_sync_delay``, ``fragment_update_alpha``, ``power_iterations``, ``sync_method`` and
+    ``error_feedback_decay`` are `edgc.integrations.diloco.DiLoCo`'s (a ``sync_method``'s state is
+    built by `managed_sync_state`); ``state_key`` names the outer sync's state among the manager's.
     """
 
     def __init__(self, manager: Manager, model_fragments, inner_optimizer, outer_optimizer, sync_every: int,
@@ -327,6 +350,7 @@ class ManagedOuterSync:
     """Mixin before a sync method's class: its state on a torchft replica group (see the comment above)."""
 
     def attach(self, manager, state_key: str) -> None:
+        """Route the collectives through ``manager``, wait for its verdict, register the shared state as ``state_key``."""
         self.comm = ManagedCommunicator(manager)  # type: ignore[assignment]
         self.defer_commit = True
         self.steps_discarded = 0  # outer steps whose sync ran but which the manager did not commit

@@ -54,11 +54,17 @@ class QuorumSettings:
     """The lighthouse's and the managers' quorum settings of one run (see the module docstring)."""
 
     min_replicas: int
+    """Groups a quorum needs (lighthouse) and a step needs to commit (manager): groups − tolerated failures."""
     join_timeout: timedelta
+    """How long a quorum waits for a live group that has not asked yet (3 × ``timeout``)."""
     heartbeat_timeout: timedelta
-    timeout: timedelta  # one collective or manager call
+    """A group whose last heartbeat is older is dead to the lighthouse (1 s)."""
+    timeout: timedelta
+    """One collective or manager call."""
     quorum_timeout: timedelta
+    """How long a manager waits for its quorum (4 × ``timeout``: longer than ``join_timeout``)."""
     quorum_tick: timedelta = timedelta(milliseconds=100)
+    """How often the lighthouse computes a quorum."""
 
     @classmethod
     def for_groups(cls, groups: int, tolerated_failures: int = 0,

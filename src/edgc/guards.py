@@ -1,0 +1,122 @@
+"""How a gradient-sync state is used, checked where a mistake would otherwise pass in silence.
+
+Each check fails with one line (or warns once) and changes nothing of the state:
+
+* **The process group.** A state built with ``process_group=None`` before ``init_process_group``
+  (easy when a launcher or a framework creates the group later) would average over its own
+  process alone, and the replicas would drift apart. It binds the default group at its first use
+  instead (its first step, ``state_dict()`` or ``load_state_dict()``). With no process group even
+  then, it averages over this process alone and warns once. Given a DDP model (``model=``), it
+  refuses to average over other ranks than the ones DDP's own process group holds.
+* **The parameters.** With ``model=``, every parameter it syncs must be the model's (a ``model=``
+  that is not the module DDP wraps would key the compressor's state by the wrong names). On the
+  DDP path every step syncs the parameters of the first: one state registered on two DDP models
+  is refused at the other model's first bucket.
+* **``synchronize()`` needs gradients**: called before ``backward()``, it refuses.
+
+`GradientReducer` holds one `UsageGuard` and calls it at those points.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Communicator
+
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def ddp_group_ranks(model: nn.Module | None) -> list[int] | None:
+    """The global ranks of the process group ``model`` (a DDP model, or torch.compile's wrapper of
+    one) averages over; None for any other module."""
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, nn.parallel.DistributedDataParallel) or not _distributed():
+        return None
+    try:
+        return list(dist.get_process_group_ranks(ddp.process_group))
+    except (RuntimeError, ValueError):  # a group c10d does not know (e.g. torchft's dummy): not comparable
+        return None
+
+
+def group_ranks(comm: Communicator) -> list[int]:
+    """The global ranks of the group ``comm`` averages over (None: the default group)."""
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    return list(dist.get_process_group_ranks(group))
+
+
+class UsageGuard:
+    """The checks of one state (see the module docstring); plain data, so it pickles with the state."""
+
+    def __init__(self, model: nn.Module | None):
+        self.model_given = model is not None
+        self.ddp_ranks = ddp_group_ranks(model)
+        self.checked = False  # the first-use checks ran
+        self.warned_unnamed = False
+        self.ddp_names: frozenset[str] | None = None  # the parameters of the first DDP step, once it ended
+        self._first_step_names: list[str] = []
+
+    def bind(self, state: "GradientReducer") -> None:
+        """Give a state built for the default group before it existed that group, if it exists now
+        (until its first step: a state that has stepped keeps the group it stepped with)."""
+        comm = state.comm
+        if not self.checked and type(comm) is Communicator and comm.awaits_default_group and _distributed():
+            state.comm = Communicator(None)
+
+    def first_use(self, state: "GradientReducer") -> None:
+        """At the state's first use (later calls return at once): bind a default group created after
+        the state, then check the group (warns once without any)."""
+        if self.checked:
+            return
+        self.bind(state)
+        self.checked = True
+        comm = state.comm
+        if type(comm) is not Communicator:  # torchft's manager, or an unpickled state: theirs to check
+            return
+        name = type(state).__name__
+        if not comm.issues:
+            warnings.warn(f"{name}: no process group is initialised, so it averages over this process alone and "
+                          "sends nothing (build it after dist.init_process_group to average over the group)",
+                          stacklevel=4)
+            return
+        if self.ddp_ranks is not None and group_ranks(comm) != self.ddp_ranks:
+            raise RuntimeError(f"{name} averages over global ranks {group_ranks(comm)} but its DDP model over "
+                               f"{self.ddp_ranks}: give it DDP's group (process_group=ddp_model.process_group)")
+
+    def unnamed(self, state_name: str, index: int) -> str:
+        """The name of a parameter no model names: its place in order of appearance, stable for one DDP
+        bucket layout (warns once). Refused when a model was given: the parameter is not that model's."""
+        if self.model_given:
+            raise RuntimeError(f"{state_name}: a parameter it was asked to sync is not in its model= (pass the "
+                               "DDP model it is registered on, or the module that model wraps)")
+        name = f"param{index}"
+        if not self.warned_unnamed:  # once: the same holds for every such name
+            self.warned_unnamed = True
+            warnings.warn(f"{state_name}: a parameter without a name (no model= given) is called {name} by "
+                          "bucket order, so state_dict() loads only into a run with the same DDP bucket layout; "
+                          "pass model=ddp_model", stacklevel=3)
+        return name
+
+    def ddp_bucket(self, state_name: str, names: list[str], last: bool) -> list[str]:
+        """A DDP bucket of ``names`` (returned); ``last`` ends the step. Refuses parameters the first
+        step did not sync."""
+        if self.ddp_names is None:
+            self._first_step_names.extend(names)
+            if last:
+                self.ddp_names, self._first_step_names = frozenset(self._first_step_names), []
+        elif any(name not in self.ddp_names for name in names):
+            raise RuntimeError(f"{state_name}: a DDP bucket holds parameters its first step did not sync: one "
+                               "state serves one DDP model (register a state of its own on each model)")
+        return names
+
+
+def check_gradients(state_name: str, params: list[torch.Tensor]) -> None:
+    """``synchronize()`` after ``backward()``: refuse a call where no parameter has a gradient yet."""
+    if params and all(p.grad is None for p in params):
+        raise RuntimeError(f"{state_name}.synchronize() found no gradient on any parameter: call it after "
+                           "loss.backward() (a parameter without one counts as zero only when others have one)")

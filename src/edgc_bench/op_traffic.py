@@ -1,0 +1,68 @@
+"""What one dispatched ATen op costs a GPU beyond its launch: how many kernels, how many bytes.
+
+`edgc_bench.dispatch_count.DispatchCounter` applies both to every kernel-launching dispatch. The
+bytes are those of a kernel that touches each element once: every input tensor read once (a GEMM's
+operands included), every output written once. Caches, a GEMM's re-reads of its small operand and
+a broadcast's repeats are not modelled; what is counted is what a pass over memory must move.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def kernels_per_dispatch(func: torch._ops.OpOverload, args: tuple) -> int:
+    """1, except for a ``_foreach_*`` op on lists of mixed dtypes: CUDA's multi-tensor kernels need one
+    dtype across the lists (``_foreach_copy_``: one per list), so PyTorch runs such a call tensor by
+    tensor (``foreach_tensor_*_slow_``), one kernel per tensor (ATen's ForeachUtils.h)."""
+    if not func.overloadpacket.__name__.startswith("_foreach_"):
+        return 1
+    lists = [arg for arg in args if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor)]
+    if not lists:
+        return 1
+    if func.overloadpacket is aten._foreach_copy_:
+        mixed = any(len({t.dtype for t in tensors}) > 1 for tensors in lists)
+    else:
+        mixed = len({t.dtype for tensors in lists for t in tensors}) > 1
+    return len(lists[0]) if mixed else 1
+
+
+# Ops that overwrite a mutable argument without reading it (their destination counts as written only).
+OVERWRITES = frozenset({aten.copy_, aten._foreach_copy_, aten.zero_, aten._foreach_zero_, aten.fill_})
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors of an op's argument or result: itself, or those in a (nested) list, tuple or dict."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    return []
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def op_traffic(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tuple[int, int]:
+    """(bytes read, bytes written) of one dispatch, as a kernel that touches every element once would
+    move them: each input tensor read once (a GEMM's operands included; a broadcast input at its own
+    size), each output written once. A mutable argument (``add_``'s self) is read and written, an
+    ``out=`` argument only written, as is the destination of `OVERWRITES`; new outputs are written."""
+    read = written = 0
+    for position, argument in enumerate(func._schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        size = _nbytes(value)
+        if argument.is_out:
+            written += size
+        elif argument.alias_info is not None and argument.alias_info.is_write:
+            written += size
+            read += 0 if func.overloadpacket in OVERWRITES else size
+        else:
+            read += size
+    if not any(r.alias_info is not None for r in func._schema.returns):
+        written += _nbytes(out)
+    return read, written

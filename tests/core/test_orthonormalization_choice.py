@@ -1,0 +1,135 @@
+"""How the engine orthonormalises its factors: a method per device, and a factorisation that fails.
+
+cuSOLVER (like LAPACK) leaves a finite, partial factor when a Cholesky factorisation fails, so rows
+solved against it come out finite and not orthonormal; only ``cholesky_ex``'s info tells. Here a
+failure is injected through that info, as a device would report it, on a factor that is itself
+fine: the engine must act on the info, not on what the factor looks like."""
+import pytest
+import torch
+
+import edgc.factors as factors
+from edgc import EDGCConfig, LowRankCompressor
+from edgc.comm import Communicator
+from edgc.factors import ORTHONORMALIZATIONS, orthonormalization_for, orthonormalize_blocks_
+
+from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads
+
+CHOLESKY = [method for method in ORTHONORMALIZATIONS if method != "householder"]
+
+
+def test_each_device_gets_its_method_once(monkeypatch):
+    asked = []
+
+    def capability(index):
+        asked.append(index)
+        return {0: (9, 0), 1: (8, 9)}[index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    factors._method_for.cache_clear()
+    try:
+        assert orthonormalization_for(torch.device("cpu")) == "householder"
+        assert orthonormalization_for(torch.device("cuda", 0)) == "cholesky2-fp64"  # H100: fast float64
+        assert orthonormalization_for(torch.device("cuda", 1)) == "cholesky4-fp32"  # L40S: 1/64 rate
+        assert orthonormalization_for(torch.device("cuda", 0)) == "cholesky2-fp64"
+        assert asked == [0, 1]  # decided once per device
+    finally:
+        factors._method_for.cache_clear()
+
+
+@pytest.mark.parametrize("method", CHOLESKY)
+@pytest.mark.parametrize("condition", [1e3, 1e6])
+def test_the_cholesky_methods_give_orthonormal_rows(method, condition):
+    rows = ill_conditioned_rows(4, 8, 200, condition)
+    flat = rows.flatten().clone()
+    orthonormalize_blocks_(flat, [FlatBlock(0, 4, 8, 200)], method=method)
+    out = flat.view(4, 8, 200)
+    torch.testing.assert_close(out @ out.transpose(-1, -2), torch.eye(8).expand(4, -1, -1), atol=1e-5, rtol=0)
+    # the same rows' span: each input row is in the span of the output rows
+    projected = (rows @ out.transpose(-1, -2)) @ out
+    assert ((rows - projected).norm() / rows.norm()).item() < 1e-5
+
+
+def failing_on(monkeypatch, matrices: set[int], calls: set[int] | None = None) -> list[int]:
+    """Make ``cholesky_ex`` report a failure for these batch entries (on the numbered calls only, if
+    given), leaving its factor as computed. Returns the list of calls made."""
+    real = torch.linalg.cholesky_ex
+    made = []
+
+    def cholesky_ex(gram, **kwargs):
+        lower, info = real(gram, **kwargs)
+        made.append(len(made))
+        if calls is None or made[-1] in calls:
+            info = info.clone()
+            for index in matrices:
+                info[index] = 1
+        return lower, info
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", cholesky_ex)
+    return made
+
+
+@pytest.mark.parametrize("method", CHOLESKY)
+def test_a_failed_factorisation_leaves_its_rows_nan(monkeypatch, method):
+    rows = ill_conditioned_rows(3, 4, 50, 10.0)
+    flat = rows.flatten().clone()
+    failing_on(monkeypatch, {1}, calls={0})  # the first pass of the second matrix
+    orthonormalize_blocks_(flat, [FlatBlock(0, 3, 4, 50)], method=method)
+    out = flat.view(3, 4, 50)
+    assert torch.isnan(out[1]).all()
+    for k in (0, 2):
+        torch.testing.assert_close(out[k] @ out[k].T, torch.eye(4), atol=1e-5, rtol=0)
+
+
+def test_a_failed_orthonormalisation_of_p_makes_the_step_non_finite(monkeypatch):
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, orthonormalization="cholesky2-fp64"))
+    compressor.reduce(*_step(0), 4, Communicator())
+    q_before = {name: q.clone() for name, q in compressor.q.items()}
+    names, grads = _step(1)
+    compressor.begin_step()
+    failing_on(monkeypatch, {0})  # every factorisation of the first matrix of each rank fails
+    stats = compressor.reduce(names, grads, 4, Communicator())
+    monkeypatch.undo()
+    assert bool(stats.nonfinite)
+    compressed = [grad for name, grad in zip(names, grads) if stats.ranks[name]]
+    assert compressed and all(torch.isnan(grad).all() for grad in compressed)  # every optimizer skips the step
+    compressor.end_step(nonfinite=True)
+    assert all(torch.equal(compressor.q[name], q) for name, q in q_before.items())  # Q kept
+    assert all((e == 0).all() for e in compressor.error.values())  # the step's residual cleared
+    stats = compressor.reduce(*_step(2), 4, Communicator())
+    assert not bool(stats.nonfinite)  # the next step goes on
+
+
+def test_a_failed_orthonormalisation_of_the_warm_start_restarts_it(monkeypatch):
+    """Q's warm start does not depend on the step's gradient: were its failure poison, every step
+    after it would fail the same way. Its rows restart from the seeded replacement rows instead."""
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, orthonormalization="cholesky2-fp64"))
+    compressor.reduce(*_step(0), 4, Communicator())
+    names, grads = _step(1)
+    made = failing_on(monkeypatch, {0, 1}, calls={0, 1})  # the warm start's two passes (one rank)
+    stats = compressor.reduce(names, grads, 4, Communicator())
+    assert len(made) == 4  # two passes for Q's warm start, two for P
+    assert not bool(stats.nonfinite)
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    assert all(torch.isfinite(q).all() for q in compressor.q.values())
+
+
+def _step(seed: int) -> tuple[list[str], list[torch.Tensor]]:
+    grads = make_grads(seed, dtype=torch.float32)
+    return list(grads), list(grads.values())
+
+
+@pytest.mark.parametrize("method", CHOLESKY)
+def test_every_method_gives_the_cpus_averages_and_error_feedback(method):
+    """Householder (the CPU's) against each Cholesky method over steps: P's column signs may differ,
+    P·Qᵀ and the error feedback may not."""
+    cpu = LowRankCompressor(EDGCConfig(r_max=4))
+    other = LowRankCompressor(EDGCConfig(r_max=4, orthonormalization=method))
+    for step in range(4):
+        names, grads = _step(step)
+        on_cpu, on_other = [g.clone() for g in grads], [g.clone() for g in grads]
+        cpu.reduce(names, on_cpu, 4, Communicator())
+        other.reduce(names, on_other, 4, Communicator())
+        for name, a, b in zip(names, on_cpu, on_other):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+        for name in cpu.error:
+            torch.testing.assert_close(cpu.error[name], other.error[name], rtol=1e-4, atol=1e-5)
