@@ -22,6 +22,8 @@ from typing import Any, Mapping
 from torch import nn
 
 from .baselines import CastState, QSGDState, RandomKState, TopKState
+from .outer_alloc import AllocatedQuantState
+from .outer_sync import QuantizedState
 from .reducer import GradientReducer
 
 ALL_REDUCE, ALL_GATHER = "all-reduce", "all-gather"
@@ -83,3 +85,10 @@ register_sync_method(CastState, name="bf16", options={"dtype": "bfloat16"}, comp
 register_sync_method(TopKState, collective=ALL_GATHER, settings=("ratio",))
 register_sync_method(RandomKState, settings=("ratio", "seed"))
 register_sync_method(QSGDState, collective=ALL_GATHER, settings=("seed",))
+# DiLoCo's outer sync (`edgc.outer_sync`): the pseudo-gradients quantised with error feedback.
+for _bits in (8, 4, 3, 2):
+    register_sync_method(QuantizedState, name=f"quant{_bits}", collective=ALL_GATHER, options={"bits": _bits})
+# … with the bits chosen per tensor where they remove the most error, 3 bits per value on average
+register_sync_method(AllocatedQuantState, name="alloc3", collective=ALL_GATHER, options={"bits": 3.0})
+# top-k at 5 % of the values (fp32 value + int32 index each: 0.10× the bytes), error feedback
+register_sync_method(TopKState, name="topk5", collective=ALL_GATHER, options={"ratio": 0.05})

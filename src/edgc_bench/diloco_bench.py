@@ -60,6 +60,7 @@ class DilocoOptions:
     kill_at: int | None = None  # the outer step killed in flight; None: no kill pass
     time_budget_s: float = 150.0
     edgc: tuple = ()  # extra EDGCConfig fields for both EDGC methods, as (key, value) pairs
+    outer_sync: str = "quant3"  # the DiLoCo methods' outer sync: a registered sync method, or "edgc" (PowerSGD)
 
     def unit(self, method: str) -> int:
         """Inner steps between two syncs of ``method`` (a stop falls on one, and on an eval step)."""
@@ -74,7 +75,7 @@ def worker_args(s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path) 
             "--fragments", str(o.fragments if method.startswith("streaming") else 1), "--eval-every", str(o.eval_every),
             "--preset", s.preset, "--steps", str(s.steps), "--micro-batch", str(s.micro_batch), "--seq-len",
             str(s.seq_len), "--vocab-size", str(s.vocab_size), "--eval-batches", str(s.eval_batches),
-            "--seed", str(s.seed), "--replicas", str(s.hosts), "--edgc", json.dumps(edgc)]
+            "--seed", str(s.seed), "--replicas", str(s.hosts), "--edgc", json.dumps(edgc), "--outer-sync", o.outer_sync]
     if s.data:
         args += ["--data", s.data]
     if s.max_chars:

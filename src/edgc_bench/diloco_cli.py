@@ -24,6 +24,9 @@ def add_diloco_flags(p: argparse.ArgumentParser) -> None:
                    "(default %(default)s)")
     p.add_argument("--fragments", type=int, default=2,
                    help="with --diloco: Streaming DiLoCo's model fragments (default %(default)s)")
+    p.add_argument("--outer-sync", default="quant3",
+                   help="with --diloco: the outer sync of the DiLoCo + EDGC methods, a registered sync method's name "
+                        "or edgc (PowerSGD at the bench's ranks; default %(default)s, DiLoCo's default)")
     p.add_argument("--time-budget", type=float, default=150.0,
                    help="with --diloco: seconds of training per run; a run still going then stops at its next sync "
                         "(default %(default)s)")
@@ -65,5 +68,11 @@ def diloco_options(settings, args: argparse.Namespace):
         raise CLIError(f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}], got {kill_at}")
     if args.time_budget <= 0:
         raise CLIError(f"--time-budget: must be > 0, got {args.time_budget:g}")
+    from edgc.sync_methods import sync_method, sync_method_names
+
+    if args.outer_sync != "edgc" and sync_method(args.outer_sync) is None:
+        raise CLIError(f"--outer-sync: edgc or a registered sync method ({', '.join(sync_method_names())}), "
+                       f"got {args.outer_sync!r}")
     return DilocoOptions(rates=rates, sync_every=h, fragments=f, eval_every=settings.eval_every, kill_at=kill_at,
-                         time_budget_s=args.time_budget, edgc=tuple(edgc_items(args.edgc).items()))
+                         time_budget_s=args.time_budget, edgc=tuple(edgc_items(args.edgc).items()),
+                         outer_sync=args.outer_sync)

@@ -55,6 +55,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--sync-every", type=int, default=10, help="DiLoCo: inner steps per outer step (H)")
     p.add_argument("--fragments", type=int, default=1, help="DiLoCo: model fragments (> 1: Streaming DiLoCo)")
+    p.add_argument("--outer-sync", default="quant3",
+                   help="diloco-edgc: a registered sync method's name, or edgc (PowerSGD with --edgc's fields)")
     p.add_argument("--eval-every", type=int, default=5, help="group 0 keeps the shared model every N inner steps")
     p.add_argument("--n-layer", type=int, default=None)
     p.add_argument("--n-embd", type=int, default=None)
@@ -99,6 +101,8 @@ def diloco_sync(args, module, inner, group: int, heals: list, edgc_fields: dict)
         return DiLoCo(manager, fragments, inner, outer, args.sync_every, should_quantize=False), manager
     from edgc.integrations.torchft import DiLoCo as EDGCDiLoCo
 
+    if args.outer_sync != "edgc":
+        return EDGCDiLoCo(manager, fragments, inner, outer, args.sync_every, sync_method=args.outer_sync), manager
     outer_steps = args.steps * args.fragments // args.sync_every
     config = EDGCConfig(**{"total_steps": max(1, outer_steps), **edgc_fields})
     return EDGCDiLoCo(manager, fragments, inner, outer, args.sync_every, config), manager

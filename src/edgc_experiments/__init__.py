@@ -5,8 +5,11 @@ Modules:
     cli.py          `edgc experiment` flags and the experiment registry
     common.py       output folders, the single-process training run, shared plotting
     cqm.py          how conservative is the Marchenko–Pastur error model?
-    diloco.py       DiLoCo at the same bytes: sync often at a low rank or rarely at a high one? (paired seeds)
-    diloco_train.py the two-process DiLoCo (or per-step EDGC) runs of the diloco instrument
+    diloco.py       does compressed DiLoCo hold against torchft's DiLoCo across models? (paired seeds)
+    diloco_families.py the model families of diloco: GPT-2 tiny, a char GRU, a causal char CNN
+    diloco_runs.py  the replica processes of diloco: torchft's DiLoCo or edgc's, one arm after another
+    diloco_pairs.py DiLoCo at the same bytes: sync often at a low rank or rarely at a high one? (paired seeds)
+    diloco_train.py the two-process DiLoCo (or per-step EDGC) runs of diloco-pairs
     entropy_trend.py does gradient entropy fall and stabilise?
     pareto.py       at the same bytes, does a moving rank beat static PowerSGD? (paired seeds)
     pareto_train.py one in-process training run of the pareto instrument

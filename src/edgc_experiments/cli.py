@@ -23,6 +23,7 @@ EXPERIMENTS = {
     "pure-dp": "edgc_experiments.pure_dp",
     "pareto": "edgc_experiments.pareto",
     "diloco": "edgc_experiments.diloco",
+    "diloco-pairs": "edgc_experiments.diloco_pairs",
 }
 
 

@@ -49,13 +49,19 @@ def train_runs(setting, arms: list[dict], seed: int, replicas: int = 2, timeout_
     ``outer_lr``, ``outer_momentum``, ``per_step``, ``edgc``) at ``seed``, one after the other in the
     same ``replicas`` processes (their start-up costs as much as a short run); rank 0's reports.
     ``shape``: `TrainConfig` model fields over the preset's (``n_layer``, ``n_embd``, ``n_head``)."""
+    return run_replicas(_worker, (setting, arms, seed), (shape or {},), replicas, timeout_s, f"diloco runs at seed {seed}")
+
+
+def run_replicas(worker, before: tuple, after: tuple, replicas: int, timeout_s: float, what: str):
+    """``worker(rank, replicas, port, *before, out, *after)`` in ``replicas`` spawned processes (gloo on a
+    free port); what rank 0 wrote to ``out`` (JSON). ``what`` names the runs in the error if one fails."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="edgc-diloco-") as tmp:
         out = Path(tmp) / "result.json"
         context = mp.get_context("spawn")
         port = free_port()
-        processes = [context.Process(target=_worker, args=(rank, replicas, port, setting, arms, seed, str(out), shape or {}))
+        processes = [context.Process(target=worker, args=(rank, replicas, port, *before, str(out), *after))
                      for rank in range(replicas)]
         for p in processes:
             p.start()
@@ -67,7 +73,7 @@ def train_runs(setting, arms: list[dict], seed: int, replicas: int = 2, timeout_
             p.kill()
         codes = [p.exitcode for p in processes]
         if alive or any(codes) or not out.exists():
-            raise RuntimeError(f"diloco runs at seed {seed} failed (exit codes {codes}{', timed out' if alive else ''})")
+            raise RuntimeError(f"{what} failed (exit codes {codes}{', timed out' if alive else ''})")
         return json.loads(out.read_text())
 
 

@@ -139,12 +139,13 @@ def test_the_committed_page_comes_from_a_run():
     (dict(torchft=True), "--diloco: runs plain data parallelism"),
     (dict(rate="100"), "--rate: --diloco runs at every rate of --rates"),
     (dict(time_budget=0.0), "--time-budget: must be > 0"),
+    (dict(outer_sync="int7"), "--outer-sync: edgc or a registered sync method"),
 ])
 def test_bad_flags_get_one_line(tmp_path, flags, message):
     settings = BenchSettings(hosts=flags.pop("hosts", 3), steps=60, preset="tiny")
     args = argparse.Namespace(**{"torchft": False, "link_only": False, "rate": None, "methods": None, "rates": "100,20",
                                  "sync_every": 10, "fragments": 2, "kill_at": None, "time_budget": 150.0, "edgc": [],
-                                 **flags})
+                                 "outer_sync": "quant3", **flags})
     with pytest.raises(CLIError, match=message):
         diloco(settings, args, tmp_path)
 
@@ -164,16 +165,14 @@ def test_streaming_fragments_hold_every_parameter_once():
 
 def test_three_groups_train_diloco_edgc_through_a_lighthouse_on_loopback(tmp_path):
     """The worker end to end, small: 3 groups (torchft_quorum.launch_local_groups), 4 inner steps, an
-    outer step every 2, on a tiny model."""
+    outer step every 2, on a tiny model, with DiLoCo's default outer sync (3-bit, through the manager)."""
     from edgc.integrations.torchft_quorum import QuorumSettings, launch_local_groups
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("In the beginning was the word, and the word was with the bench. " * 400)
     args = ["--out", str(tmp_path), "--method", "diloco-edgc", "--replicas", "3", "--steps", "4", "--sync-every", "2",
             "--eval-every", "2", "--preset", "tiny", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-            "--seq-len", "16", "--vocab-size", "300", "--eval-batches", "1", "--data", str(corpus),
-            "--edgc", json.dumps({"r_max": 2, "rank_budget": 2, "window": 1, "warmup_fraction": 0.0,
-                                  "min_warmup_steps": 0, "warmup_error_test": False, "min_compression_rate": 1.0})]
+            "--seq-len", "16", "--vocab-size", "300", "--eval-batches", "1", "--data", str(corpus)]
     code = launch_local_groups("edgc_bench.diloco_train", 3, QuorumSettings.for_groups(3, 0, timedelta(seconds=60)),
                                lambda group: {"PYTHONPATH": str(ROOT / "src")}, timeout_s=240, args=args, module=True)
     assert code == 0, "a group failed (its output is above)"

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from edgc_cli.main import main
-from edgc_experiments import diloco
+from edgc_experiments import diloco_pairs as diloco
 
 
 def args(**overrides) -> argparse.Namespace:
@@ -39,10 +39,10 @@ def test_paired_deltas_are_per_seed_against_the_reference():
 
 
 def test_a_small_run_writes_paired_results(tmp_path):
-    flags = ["experiment", "diloco", "--tiny", "--steps", "8", "--pairs", "2:1,4:1", "--iterations-at", "2:1",
+    flags = ["experiment", "diloco-pairs", "--tiny", "--steps", "8", "--pairs", "2:1,4:1", "--iterations-at", "2:1",
              "--seeds", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--out", str(tmp_path)]
     assert main(flags) == 0
-    out = tmp_path / "diloco"
+    out = tmp_path / "diloco-pairs"
     data = json.loads((out / "results.json").read_text())
     assert list(data["paired"]) == ["H2-r1", "H4-r1", "H2-r1-2it", "H2-r2", "H2-full", "step-r1"]
     for name, p in data["paired"].items():
@@ -65,6 +65,6 @@ def test_a_small_run_writes_paired_results(tmp_path):
     (["--outer-momentum", "1"], "--outer-momentum"),
 ])
 def test_bad_flags_fail_before_writing(tmp_path, capsys, argv, message):
-    assert main(["experiment", "diloco", "--tiny", *argv, "--out", str(tmp_path / "root")]) == 2
+    assert main(["experiment", "diloco-pairs", "--tiny", *argv, "--out", str(tmp_path / "root")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "root").exists()

@@ -18,6 +18,7 @@ from torchft.manager import Manager
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DiLoCo
+from edgc.outer_sync import error_table
 from models import TinyTransformer
 
 from .torchft_harness import FailingProcessGroup, Faults, InjectedKill, batch, initial_model, loss_of, run_groups
@@ -57,7 +58,8 @@ def train_replica(replica: int, lighthouse: str, outer_steps: int, faults: Fault
         fragments = streaming_fragments(module) if options.get("streaming") else [module]
         diloco = DiLoCo(manager, fragments, inner, outer, options.get("sync_every", SYNC_EVERY),
                         EDGCConfig(total_steps=outer_steps * len(fragments), **{**CONFIG, **options.get("edgc", {})}),
-                        fragment_sync_delay=options.get("delay", 0), power_iterations=options.get("iterations", 1))
+                        fragment_sync_delay=options.get("delay", 0), power_iterations=options.get("iterations", 1),
+                        sync_method=options.get("sync"))
         return _train(replica, manager, pg, module, inner, diloco, outer_steps * len(fragments), faults, report, heals)
     finally:
         manager.shutdown(wait=False)
@@ -100,7 +102,7 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
                 outer_step = manager.current_step()
                 pg.die_next = faults.take("kill", replica, outer_step)
                 pg.fail_next = faults.take("failed_allreduce", replica, outer_step)
-                error_before = {n: e.clone() for n, e in state.compressor.error.items()}
+                error_before = {n: e.clone() for n, e in error_table(state).items()}
                 heals_before = len(heals)
                 sent.clear()
             retries[position] = retries.get(position, -1) + 1  # a replayed outer step sees new data
@@ -126,6 +128,7 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
     return {"replica": replica, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
             "global": torch.cat([t.reshape(-1) for f in diloco._fragments for t in f.original]),
             "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
+            "bytes_ratio": state.totals["bytes_sent"] / max(1, state.totals["bytes_raw"]),
             "discarded": state.steps_discarded, "original": [f.state_dict() for f in diloco._fragments]}
 
 
@@ -149,6 +152,7 @@ def run_replicas(outer_steps: int, faults: Faults | None = None, replicas: int =
                  tolerated_failures: int = 1, **options) -> dict:
     """Train ``replicas`` groups to ``outer_steps`` committed outer steps; a killed group restarts.
     ``options``: ``streaming`` (two fragments), ``delay``, ``sync_every``, ``iterations``,
-    ``outer_lr``, ``outer_momentum``, ``edgc`` (`EDGCConfig` fields over CONFIG)."""
+    ``outer_lr``, ``outer_momentum``, ``edgc`` (`EDGCConfig` fields over CONFIG), ``sync`` (a
+    registered sync method instead of EDGC)."""
     train = functools.partial(train_replica, options=options)
     return run_groups(train, outer_steps, faults, replicas, attempts, tolerated_failures)

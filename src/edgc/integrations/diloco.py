@@ -48,10 +48,16 @@ from torch import nn, optim
 from .. import streams
 from ..config import EDGCConfig
 from ..finite import all_finite
+from ..outer_sync import decay_error_feedback
 from ..state import EDGCState
+from ..sync_methods import sync_method, sync_method_names
 from ..timing import host_reads_allowed
 
 STATE_FORMAT = "edgc-diloco/1"
+# The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (0.098× the
+# bytes). Across the model families of `edgc experiment diloco` it ended within the interval of
+# torchft's uncompressed DiLoCo where EDGC's PowerSGD at rank 8 did not (docs/guides/slow-links.md).
+DEFAULT_OUTER_SYNC = "quant3"
 
 
 class PowerIterations:
@@ -163,17 +169,24 @@ class DiLoCo:
                  inner_optimizer: optim.Optimizer, outer_optimizer: optim.Optimizer | Sequence[optim.Optimizer],
                  sync_every: int, config: EDGCConfig | None = None, *, backup_device: torch.device | None = None,
                  pin_memory: bool = True, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 power_iterations: int = 1):
+                 power_iterations: int = 1, sync_method: str | None = None, error_feedback_decay: float = 1.0):
         """``process_group``: the replicas' group (None: the default one; without an initialised one, a
         world of one). The rest as ``torchft.local_sgd.DiLoCo``: ``model_fragments`` (one module, or
         Streaming DiLoCo's fragments), ``inner_optimizer``, ``outer_optimizer`` (one, or one per fragment),
         ``sync_every`` (inner steps per outer step), ``backup_device`` and ``pin_memory`` (where θ_global
         is kept), ``fragment_sync_delay`` and ``fragment_update_alpha`` (Streaming DiLoCo's τ and α);
-        plus ``config`` (steps = outer steps) and ``power_iterations`` (1 or 2)."""
+        plus ``config`` (steps = outer steps), ``power_iterations`` (1 or 2), ``sync_method`` (a
+        registered method's name, `edgc.sync_methods`, instead of EDGC's PowerSGD; ``config`` then goes
+        unused; with neither, `DEFAULT_OUTER_SYNC`) and ``error_feedback_decay`` (the error feedback is
+        multiplied by it before every outer step's sync; 1: kept whole)."""
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
+        if config is None and sync_method is None:
+            sync_method = DEFAULT_OUTER_SYNC
         config = config if config is not None else EDGCConfig()
         _check(fragments, outers, sync_every, fragment_sync_delay, fragment_update_alpha, power_iterations, config)
+        _check_outer_sync(sync_method, error_feedback_decay, power_iterations)
+        self._sync_method, self._decay = sync_method, error_feedback_decay
         self._sync_every = sync_every // len(fragments)  # inner steps between two fragments' outer steps
         self._delay = fragment_sync_delay
         self._alpha = fragment_update_alpha
@@ -190,6 +203,8 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ what subclasses change
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module) -> EDGCState:
+        if self._sync_method is not None:
+            return sync_method(self._sync_method).build(process_group, model=model)  # type: ignore[union-attr, return-value]
         return OuterStepState(process_group, config, model=model)
 
     def _start_outer_step(self) -> None:
@@ -246,6 +261,7 @@ class DiLoCo:
             deltas.append(delta)
         fragment.copied()
         fragment.deltas = deltas
+        decay_error_feedback(self.state, self._decay)
         fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit else []
         self._syncing = fragment
         self.state.reduce_tensors(fragment.names, fragment.deltas, last=False, blocking=False)
@@ -284,7 +300,8 @@ class DiLoCo:
     def _record(self, fragment: _Fragment, committed: bool) -> None:
         metrics = self.state.last_step_metrics
         self.last_outer_step = {
-            "fragment": fragment.index, "committed": committed, "phase": metrics.get("phase"),
+            "fragment": fragment.index, "committed": committed, "method": self._sync_method or "edgc",
+            "phase": metrics.get("phase"),
             "rank": metrics.get("rank"), "bytes_sent": metrics.get("bytes_sent"), "bytes_raw": metrics.get("bytes_raw"),
             "relative_error": metrics.get("relative_error"), "nonfinite": metrics.get("nonfinite")}
 
@@ -335,3 +352,12 @@ def _check(fragments: list, outers: list, sync_every: int, delay: int, alpha: fl
     names = [id(p) for m in fragments for p in m.parameters()]
     if len(names) != len(set(names)):
         raise ValueError("DiLoCo: a parameter is in more than one fragment")
+
+
+def _check_outer_sync(method: str | None, decay: float, iterations: int) -> None:
+    if method is not None and sync_method(method) is None:
+        raise ValueError(f"DiLoCo: sync_method {method!r} is not registered (one of {', '.join(sync_method_names())})")
+    if method is not None and iterations != 1:
+        raise ValueError("DiLoCo: power_iterations applies to EDGC's PowerSGD, not to a sync_method")
+    if not 0 <= decay <= 1:
+        raise ValueError(f"DiLoCo: error_feedback_decay must be in [0, 1], got {decay!r}")

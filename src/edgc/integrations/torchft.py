@@ -12,7 +12,8 @@
     # loop: optimizer.zero_grad(); loss.backward(); optimizer.step()   — as with torchft's own DDP
 
 Over links too slow for a sync every step: `DiLoCo` (torchft's DiLoCo and Streaming DiLoCo, whose
-outer sync of pseudo-gradients is EDGC's; `edgc.integrations.diloco` has the algorithm).
+outer sync of pseudo-gradients is EDGC's, or a registered sync method's: `managed_sync_state`;
+`edgc.integrations.diloco` has the algorithm).
 
 What the one call sets up (`TorchFTEDGCState`):
 
@@ -44,6 +45,7 @@ own error feedback is kept). A restarted replica takes the series of the peer it
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -56,8 +58,9 @@ from ..config import EDGCConfig
 from ..finite import all_finite
 from ..lowrank import ReduceStats
 from ..rank_control import PROFILE
-from ..reducer import edgc_hook
+from ..reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
+from ..sync_methods import sync_method
 from .diloco import DiLoCo as _DiLoCo
 from .diloco import PowerIterations
 from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
@@ -158,8 +161,20 @@ class ManagedCommunicator(Communicator):
     def _broadcast_work(self, tensor: torch.Tensor):  # pragma: no cover - broadcast() is overridden
         raise NotImplementedError
 
-    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):
-        raise NotImplementedError("torchft's manager offers no all-gather: use an all-reduce based method")
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every participant's ``tensor``, in participating-rank order. torchft's manager offers no
+        all-gather, so it is a summing all-reduce of one slot per participant, each filled by its
+        owner alone (a non-participant's tensor is zeroed by the manager): twice an all-gather's traffic."""
+        if self.world_size == 1:
+            return [tensor]
+        slots = tensor.new_zeros((self.world_size, *tensor.shape))
+        if self.rank >= 0:
+            slots[self.rank].copy_(tensor)
+        self.all_reduce(slots)
+        return list(slots.unbind(0))
+
+    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):  # pragma: no cover - all_gather is overridden
+        raise NotImplementedError
 
 
 class TorchFTEDGCState(EDGCState):
@@ -279,26 +294,30 @@ class DiLoCo(_DiLoCo):
 
     ``manager`` takes the place of the process group; ``model_fragments``, ``inner_optimizer``,
     ``outer_optimizer``, ``sync_every``, ``config``, ``backup_device``, ``pin_memory``,
-    ``fragment_sync_delay``, ``fragment_update_alpha`` and ``power_iterations`` are
-    `edgc.integrations.diloco.DiLoCo`'s; ``state_key`` names EDGC's state among the manager's.
+    ``fragment_sync_delay``, ``fragment_update_alpha``, ``power_iterations``, ``sync_method`` and
+    ``error_feedback_decay`` are `edgc.integrations.diloco.DiLoCo`'s (a ``sync_method``'s state is
+    built by `managed_sync_state`); ``state_key`` names the outer sync's state among the manager's.
     """
 
     def __init__(self, manager: Manager, model_fragments, inner_optimizer, outer_optimizer, sync_every: int,
                  config: EDGCConfig | None = None, *, backup_device=None, pin_memory: bool = True,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, power_iterations: int = 1,
-                 state_key: str = "edgc_diloco"):
+                 sync_method: str | None = None, error_feedback_decay: float = 1.0, state_key: str = "edgc_diloco"):
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("DiLoCo needs Manager(use_async_quorum=False): a healing replica must load the "
                              "shared state before the outer sync")
         self.manager, self._state_key = manager, state_key
         super().__init__(None, model_fragments, inner_optimizer, outer_optimizer, sync_every, config,
                          backup_device=backup_device, pin_memory=pin_memory, fragment_sync_delay=fragment_sync_delay,
-                         fragment_update_alpha=fragment_update_alpha, power_iterations=power_iterations)
+                         fragment_update_alpha=fragment_update_alpha, power_iterations=power_iterations,
+                         sync_method=sync_method, error_feedback_decay=error_feedback_decay)
         for fragment in self._fragments:
             manager.register_state_dict_fn(f"{state_key}_fragment_{fragment.index}", fragment.load_state_dict,
                                            fragment.state_dict)
 
-    def _new_state(self, process_group, config: EDGCConfig, model: nn.Module) -> TorchFTOuterStepState:
+    def _new_state(self, process_group, config: EDGCConfig, model: nn.Module):
+        if self._sync_method is not None:
+            return managed_sync_state(self._sync_method, self.manager, model, self._state_key)
         return TorchFTOuterStepState(self.manager, config, model=model, state_key=self._state_key)
 
     def _start_outer_step(self) -> None:
@@ -316,3 +335,54 @@ class DiLoCo(_DiLoCo):
     def _step_post_hook(self, *args) -> None:
         self.manager.allow_state_dict_read()
         self.inner_step_done()
+
+
+# ---------------------------------------------------------------------------- a registered method as DiLoCo's outer sync
+# `DiLoCo(..., sync_method=NAME)`: the method's state with torchft's side added (`ManagedOuterSync`):
+# every collective through the manager (an all-gather is an all-reduce of one slot per participant);
+# the step waits for the manager's verdict (committed: the residual is kept; not: the error feedback
+# is as before and DiLoCo carries the step's Δ into the next one); heal: the shared part (the outer
+# step count) is registered with the manager, and a healed replica keeps its own error feedback,
+# none after a restart (`edgc experiment diloco` measured it against a peer's copy: alike).
+
+
+class ManagedOuterSync:
+    """Mixin before a sync method's class: its state on a torchft replica group (see the comment above)."""
+
+    def attach(self, manager, state_key: str) -> None:
+        """Route the collectives through ``manager``, wait for its verdict, register the shared state as ``state_key``."""
+        self.comm = ManagedCommunicator(manager)  # type: ignore[assignment]
+        self.defer_commit = True
+        self.steps_discarded = 0  # outer steps whose sync ran but which the manager did not commit
+        self.heals = 0  # times the shared state came from a peer
+        manager.register_state_dict_fn(state_key, self._heal, self.shared_state_dict)
+        _commit_with(manager, self)  # type: ignore[arg-type]
+
+    def finish_step(self, committed: bool) -> None:
+        """The manager's verdict on the pending step."""
+        if not self.pending:  # type: ignore[attr-defined]
+            return
+        if committed:
+            self.commit_step()  # type: ignore[attr-defined]
+        else:
+            self.steps_discarded += 1
+            self.rollback_step()  # type: ignore[attr-defined]
+
+    def shared_state_dict(self) -> dict:
+        """What every replica holds alike: the outer step count."""
+        return {"step": self.step}  # type: ignore[attr-defined]
+
+    def _heal(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.heals += 1
+
+
+def managed_sync_state(name: str, manager, model: nn.Module, state_key: str) -> GradientReducer:
+    """The registered sync method ``name``'s state for one torchft replica group."""
+    entry = sync_method(name)
+    if entry is None:
+        raise ValueError(f"sync method {name!r} is not registered")
+    managed = type(f"Managed{entry.reducer.__name__}", (ManagedOuterSync, entry.reducer), {})
+    state = replace(entry, reducer=managed).build(None, model=model)
+    state.attach(manager, state_key)  # type: ignore[attr-defined]
+    return state

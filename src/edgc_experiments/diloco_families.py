@@ -1,0 +1,152 @@
+"""The model families of `edgc experiment diloco`: each a next-token model on the KJV Bible, small
+enough that two shared cores train it for a few hundred steps in seconds.
+
+* ``gpt2``: `edgc train`'s GPT-2 ``tiny`` preset at 2 layers × 128 wide, on its byte-level BPE tokens;
+* ``gru``: a 2-layer character GRU (hidden 256, 0.7 M parameters), on characters;
+* ``cnn``: a causal convolutional character model (an MLP over the last 16 characters, written as a
+  width-16 convolution and two 1×1 ones), on characters.
+
+Every family gives the same interface (`Family`): a model built from the seed, this rank's training
+batches (its own shard, `edgc_train.data.BlockSampler`), ``logits = model(inputs)`` and a validation
+loss over a fixed set of validation blocks. The inner optimizers (AdamW, SGD with Nesterov momentum)
+have one learning rate per family, cosine-decayed over the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("gpt2", "gru", "cnn")
+INNER = ("adamw", "sgd")
+# Inner learning rates per (family, optimizer): AdamW at the usual rate of models this size; SGD
+# (Nesterov 0.9) at the largest of 0.1 / 0.3 / 1.0 that did not diverge in a 180-step pilot.
+INNER_LR = {("gpt2", "adamw"): 1e-3, ("gru", "adamw"): 3e-3, ("cnn", "adamw"): 2e-3,
+            ("gpt2", "sgd"): 0.3, ("gru", "sgd"): 1.0, ("cnn", "sgd"): 0.3}
+SEQ_LEN, BATCH, VAL_BATCHES = 64, 8, 16
+CHARS = 1_000_000  # the first million characters of the corpus: the same text for every family
+BPE_VOCAB = 2048
+CNN_CONTEXT = 16
+
+
+@dataclass
+class Corpus:
+    """Token ids of the training and validation text and the vocabulary size."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+
+
+def load_corpus(family: str, cache_dir: str | None = None) -> Corpus:
+    """The family's tokens of the first `CHARS` characters of the KJV: BPE (cached by `edgc train`'s
+    data preparation) for ``gpt2``, characters for the others (their own alphabet, from the text)."""
+    from edgc_train.data import load_corpus as read_text
+    from edgc_train.data import prepare_data, source_files, split_corpus
+
+    if family == "gpt2":
+        data = prepare_data(None, BPE_VOCAB, 0.05, CHARS, cache_dir, log=lambda _: None)
+        return Corpus(np.asarray(data.train), np.asarray(data.val), data.vocab_size)
+    text = read_text(source_files(None), CHARS)
+    train_text, val_text = split_corpus(text, 0.05)
+    alphabet = sorted(set(text))
+    index = {c: i for i, c in enumerate(alphabet)}
+    encode = lambda s: np.fromiter((index[c] for c in s), dtype=np.int32, count=len(s))  # noqa: E731
+    return Corpus(encode(train_text), encode(val_text), len(alphabet))
+
+
+class CharGRU(nn.Module):
+    def __init__(self, vocab: int, embed: int = 64, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.rnn = nn.GRU(embed, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+class CharCNN(nn.Module):
+    """Logits of the next character from the last `CNN_CONTEXT` ones (left-padded: causal)."""
+
+    def __init__(self, vocab: int, embed: int = 32, hidden: int = 384, context: int = CNN_CONTEXT):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab, embed)
+        self.window = nn.Conv1d(embed, hidden, context)
+        self.mix = nn.Conv1d(hidden, hidden, 1)
+        self.head = nn.Conv1d(hidden, vocab, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.pad(self.embed(tokens).transpose(1, 2), (self.context - 1, 0))
+        x = F.gelu(self.mix(F.gelu(self.window(x))))
+        return self.head(x).transpose(1, 2)
+
+
+class GPT2Logits(nn.Module):
+    """`edgc train`'s GPT-2 returning the logits alone."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        from edgc_train.model import build_model, model_shape
+
+        self.gpt = build_model(model_shape("tiny", vocab, SEQ_LEN, n_layer=2, n_embd=128, n_head=4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt(input_ids=tokens).logits
+
+
+BUILDERS: dict[str, Callable[[int], nn.Module]] = {"gpt2": GPT2Logits, "gru": CharGRU, "cnn": CharCNN}
+
+
+@dataclass
+class Family:
+    """One family's model, data and inner optimizer for one replica (see the module docstring)."""
+
+    name: str
+    corpus: Corpus
+
+    def build(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return BUILDERS[self.name](self.corpus.vocab_size)
+
+    def sampler(self, rank: int, world: int, seed: int):
+        from edgc_train.data import BlockSampler
+
+        return BlockSampler(self.corpus.train, SEQ_LEN, BATCH, rank, world, seed)
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        x, y = (torch.from_numpy(np.ascontiguousarray(a)) for a in batch)
+        return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+    def inner_optimizer(self, model: nn.Module, kind: str) -> torch.optim.Optimizer:
+        lr = INNER_LR[(self.name, kind)]
+        if kind == "adamw":
+            decay = [p for p in model.parameters() if p.dim() >= 2]
+            rest = [p for p in model.parameters() if p.dim() < 2]
+            return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                     lr=lr, betas=(0.9, 0.95))
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+
+    @torch.no_grad()
+    def validation_loss(self, model: nn.Module) -> float:
+        from edgc_train.data import val_batches
+
+        model.eval()
+        total, count = 0.0, 0
+        for x, y in val_batches(self.corpus.val, SEQ_LEN, BATCH, VAL_BATCHES, 0, 1):
+            logits = model(torch.from_numpy(x))
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), torch.from_numpy(y).flatten(), reduction="sum"))
+            count += y.size
+        model.train()
+        return total / count
+
+
+def family(name: str, cache_dir: str | None = None) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"model family {name!r}: choose from {', '.join(FAMILIES)}")
+    return Family(name, load_corpus(name, cache_dir))
