@@ -7,7 +7,11 @@
 Modules:
     config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
+    shadow.py       profiling's shadow syncs, timed beside the real one, and their times
+    decisions.py    the decision round: agree, propose, broadcast, apply over the decision group
+    checkpoint.py   what an EDGCState checkpoint holds, and the checks a loaded one passes
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
+    steps.py        one step's record (what it planned, sent and measured) and its metrics
     jobs.py         how bucket jobs run: fixed order, buckets fused into batches, a side stream
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
     layout.py       how one call's tensors are grouped by shape and laid out in flat buffers

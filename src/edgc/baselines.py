@@ -93,7 +93,7 @@ class CastState(GradientReducer):
         self._add_stats(ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(),
                                     ranks={name: 0 for name in names}))
 
-    def _step_metrics(self, closed) -> dict:
+    def _settle_step(self, record, host) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:
@@ -116,8 +116,7 @@ class _ErrorFeedbackReducer(GradientReducer):
         self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, fp32, the parameter's shape
         self._call = 0  # calls (buckets) so far in this step
 
-    def _begin_step(self) -> None:
-        super()._begin_step()
+    def _plan_step(self, record) -> None:
         self._call = 0
 
     def _on_device(self, device: torch.device) -> None:
@@ -156,7 +155,7 @@ class _ErrorFeedbackReducer(GradientReducer):
                                     ranks={name: 0 for name in names}))
         self._call += 1
 
-    def _step_metrics(self, closed) -> dict:
+    def _settle_step(self, record, host) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:

@@ -58,6 +58,13 @@ class Pending:
 
 
 class Communicator:
+    """Collectives over ``process_group`` (None: the default group; a 1-D DeviceMesh too), under the
+    module docstring's contract."""
+
+    # Whether a plain average also reports if it is finite (`GradientReducer._average_raw`): where a
+    # non-finite step must be discarded on every replica (torchft's manager), not only skipped.
+    flags_nonfinite = False
+
     def __init__(self, process_group=None):
         process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh
         distributed = dist.is_available() and dist.is_initialized()
@@ -119,6 +126,10 @@ class Communicator:
     def issues(self) -> bool:
         """Whether collectives are issued: a process group exists, of any size."""
         return self._distributed
+
+    def report_nonfinite(self, owner: str, step: int) -> None:
+        """``owner``'s step ``step`` averaged to a NaN/Inf: nothing more here (the optimizer or a
+        GradScaler skips it); torchft's manager counts it as an error, so no replica commits it."""
 
     @property
     def step_failed(self) -> bool:

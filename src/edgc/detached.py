@@ -11,6 +11,8 @@ optimizer) loadable, and this state's data recoverable.
 """
 from __future__ import annotations
 
+import dataclasses
+
 
 class DetachedCommunicator:
     """Rank and world size of the pickled state (its ``state_dict()`` records them); anything else
@@ -31,10 +33,11 @@ class DetachedCommunicator:
 
 def detached_state(reducer) -> dict:
     """What a `GradientReducer` pickles: its data, with a `DetachedCommunicator` for its communicator
-    and none of its streams, events or parameter ids."""
+    and none of its streams, events or parameter ids (its job queue and guard leave those out)."""
     reducer._settle_local()  # its metrics and totals travel; the device values do not
     state = dict(reducer.__dict__)
     state["comm"] = DetachedCommunicator(type(reducer).__name__, reducer.comm.rank, reducer.comm.world_size)
-    state["_jobs"], state["_closed"] = None, None  # streams and events stay with this process
-    state["_names"] = {}  # ids of this process's tensors: meaningless elsewhere, reusable by new ones
+    state["_current"] = None
+    if reducer._last is not None:  # its metrics and pending snapshot travel, not its events
+        state["_last"] = dataclasses.replace(reducer._last, values=None, collectives=None, busy=[])
     return state

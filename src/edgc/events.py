@@ -53,8 +53,8 @@ LOGGER.addFilter(GROUP_RANK_ZERO)
 
 
 def _deciding_rank(state: "GradientReducer") -> int:
-    wider = getattr(state, "_wider_decisions", None)  # tensor parallelism: the group that decides
-    return (wider or state.comm).rank
+    decisions = getattr(state, "decisions", None)  # an EDGCState's round: its group may be wider (`edgc.decisions`)
+    return (decisions.communicator(state.comm) if decisions is not None else state.comm).rank
 
 
 def say(state: "GradientReducer", level: int, record: dict, line: str | None = None) -> None:

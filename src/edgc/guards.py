@@ -14,7 +14,9 @@ Each check fails with one line (or warns once) and changes nothing of the state:
   is refused at the other model's first bucket.
 * **``synchronize()`` needs gradients**: called before ``backward()``, it refuses.
 
-`GradientReducer` holds one `UsageGuard` and calls it at those points.
+`GradientReducer` holds one `UsageGuard`, which also knows the model's parameters by name (the
+names key every per-parameter state, so checkpoints survive another DDP bucket layout), and calls
+it at those points.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Communicator
-
+from .mesh import local_tensor
 
 
 def _distributed() -> bool:
@@ -50,16 +52,43 @@ def group_ranks(comm: Communicator) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) pairs without DDP's ``module.`` prefix, so names survive (un)wrapping."""
+    if model is None:
+        return []
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return list(inner.named_parameters())
+
+
 class UsageGuard:
-    """The checks of one state (see the module docstring); plain data, so it pickles with the state."""
+    """What one state knows of its model, and the checks of how it is used (see the module docstring).
+    ``model``: the module whose parameters the state syncs, or None. Plain data, so it pickles with
+    the state (without the ids of this process's tensors: meaningless elsewhere, reusable by new ones)."""
 
     def __init__(self, model: nn.Module | None):
         self.model_given = model is not None
         self.ddp_ranks = ddp_group_ranks(model)
+        parameters = named_parameters(model)
+        self.names = {id(p): name for name, p in parameters}  # id(parameter) → its name
+        self.shapes = {name: tuple(local_tensor(p).shape) for name, p in parameters}  # for checking loaded state
         self.checked = False  # the first-use checks ran
         self.warned_unnamed = False
         self.ddp_names: frozenset[str] | None = None  # the parameters of the first DDP step, once it ended
         self._first_step_names: list[str] = []
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "names": {}}
+
+    def names_for(self, state_name: str, params) -> list[str]:
+        """The names of ``params``; a parameter the model does not name is named by first appearance
+        (`unnamed`)."""
+        names = []
+        for p in params:
+            name = self.names.get(id(p))
+            if name is None:
+                name = self.names[id(p)] = self.unnamed(state_name, len(self.names))
+            names.append(name)
+        return names
 
     def bind(self, state: "GradientReducer") -> None:
         """Give a state built for the default group before it existed that group, if it exists now

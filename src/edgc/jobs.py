@@ -50,7 +50,8 @@ class _Entry:
 
 
 class JobQueue:
-    """The jobs of one reducer (see the module docstring); ``on_result`` receives each job's return value."""
+    """The jobs of one reducer (see the module docstring); ``on_result`` receives each job's return value
+    (or what a blocking sync returned). It holds the reducer's device and the clock that stamps it."""
 
     def __init__(self, on_result: Callable[[Any], None]):
         self._on_result = on_result
@@ -62,9 +63,16 @@ class JobQueue:
         self.device: torch.device | None = None
         self.stream: streams.Stream | None = None  # the side stream, once the device is known
 
-    def use_device(self, device: torch.device, clock: Clock) -> None:
+    def use_device(self, device: torch.device) -> None:
+        """Run on ``device``'s side stream, stamped on its timeline."""
         self.device, self.stream = device, streams.new_stream(device)
-        self.clock = clock
+        self.clock = Clock(device)
+
+    def __getstate__(self) -> dict:
+        """Its device, without the stream, the jobs in flight or whom they report to: a pickled
+        state steps nowhere (`edgc.detached`)."""
+        return {**self.__dict__, "_on_result": None, "stream": None, "in_flight": [], "_gathered": [],
+                "_gathered_bytes": 0, "_busy": []}
 
     def take_busy(self) -> list[tuple]:
         """The (start, end) stamps of the jobs' work since the last call."""
@@ -116,6 +124,8 @@ class JobQueue:
             job = start(names, grads, flat)
             entry = _Entry(job if isinstance(job, types.GeneratorType) else None,
                            [(future, buffer) for _, _, buffer, future in gathered])
+            if entry.job is None and job is not None:  # a blocking sync's result
+                self._on_result(job)
             self._advance(entry)
 
     def resume(self, *, finishing: bool = False) -> bool:

@@ -3,22 +3,29 @@
 Contract of ``_reduce(names, grads, flat)``: replace each tensor in ``grads`` in place by the
 process group's average *as this method communicates it* (exact for plain all-reduce, an
 approximation for a compressor). ``flat`` is DDP's bucket buffer that ``grads`` are views
-into, or None. It either does so before returning (blocking), or returns a *job* (`edgc.comm`):
-a generator that issues collectives, yields, and on resumption waits for them and goes on. How
-jobs run — a fixed order on every rank, buckets fused into batches, a side stream — is
-`edgc.jobs`; the DDP hook never blocks backward on a job.
+into, or None. It either does so before returning (blocking; it returns its `ReduceStats`, or
+None after `_add_stats`), or returns a *job* (`edgc.comm`): a generator that issues collectives,
+yields, and on resumption waits for them and goes on. How jobs run — a fixed order on every rank,
+buckets fused into batches, a side stream — is `edgc.jobs`; the DDP hook never blocks backward on
+a job.
 
 Everything else — step counting, parameter names, the plain training-loop path, timing and
 per-step metrics, uncommitted steps — lives here once. A step is one optimizer step: DDP calls
 the hook once per bucket and ``bucket.is_last()`` closes the step, so ``no_sync`` gradient
-accumulation does not advance the counter. A closed step's device values (non-finite flags,
-errors) reach the host behind an event and are read when the step is *settled* (`settle`): when
-its metrics are read, or when the next step begins (`edgc.timing`).
+accumulation does not advance the counter. Each step is one `StepRecord`, from its first bucket
+until it is settled: a closed step's device values (non-finite flags, errors) reach the host
+behind an event and are read when the step is *settled* (`settle`): when its metrics are read, or
+when the next step begins (`edgc.timing`).
+
+A method says what it does with a step through these hooks, each called once per step in this
+order, each handed the step's record: `_plan_step` (the step begins), `_reduce` per bucket (with
+`_fusion_bytes`), `_close_step` (its last bucket is averaged: extra device values), `_settle_step`
+(the values are on the host: the method's metrics), `_settle_group` (what the group settles
+together, with collectives); and `_snapshot` / `_restore` / `_commit` for uncommitted steps,
+`_on_device` once.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -26,34 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 from . import events, streams
-from .comm import FINISHES, Communicator, StepCollectives
+from .comm import FINISHES, Communicator
+from .finite import all_finite
 from .guards import UsageGuard, check_gradients
 from .jobs import JobQueue
 from .lowrank import ReduceStats
 from .mesh import local_tensor
+from .steps import StepRecord, step_metrics
 from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
-
-
-@dataclass
-class ClosedStep:
-    """A step whose last bucket is averaged, until it is settled (`GradientReducer.settle`)."""
-
-    step: int
-    values: HostCopy | None  # its device values, on their way to the host
-    stats: ReduceStats
-    busy: list[tuple]  # (start, end) stamps of the jobs' time, on their stream
-    collectives: StepCollectives
-    local_done: bool = False
-    shared_done: bool = False
-    extra: dict = field(default_factory=dict)  # what a subclass keeps of the step for its settling
-
-
-def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) pairs without DDP's ``module.`` prefix, so names survive (un)wrapping."""
-    if model is None:
-        return []
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return list(inner.named_parameters())
 
 
 class GradientReducer:
@@ -63,40 +50,44 @@ class GradientReducer:
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, model: nn.Module | None = None):
         self.comm = Communicator(process_group)
-        self._guard = UsageGuard(model)  # the group, the model, one state per DDP model (edgc.guards)
         self.step = 0  # optimizer steps completed
-        parameters = named_parameters(model)
-        self._names = {id(p): name for name, p in parameters}
-        self.parameter_shapes = {name: tuple(local_tensor(p).shape) for name, p in parameters}  # for checking loaded state
-        self.last_step_metrics: dict = {}
         self.totals = {"elements_raw": 0, "elements_sent": 0, "bytes_raw": 0, "bytes_sent": 0}
-        self._in_step = False
-        self._stats = ReduceStats()
-        self._jobs = JobQueue(self._add_stats)
-        self._closed: ClosedStep | None = None  # the last step, until it is settled
-        self._metrics: dict = {}
-        self.device: torch.device | None = None
-        self.clock = Clock()
         # Uncommitted steps: with ``defer_commit`` every step stays pending after its sync until
         # `commit_step` or `rollback_step` (a fault-tolerant loop decides after the sync whether the
-        # step is applied). ``_pending`` is the snapshot of the state from before that step.
+        # step is applied); its record keeps the snapshot of the state from before it.
         self.defer_commit = False
-        self._pending: dict | None = None
+        self._guard = UsageGuard(model)  # the parameters' names, the group, one state per DDP model (edgc.guards)
+        self._jobs = JobQueue(self._add_stats)  # how bucket jobs run; the device and its clock
+        self._current: StepRecord | None = None  # the step being synced
+        self._last: StepRecord | None = None  # the last step closed, settled when the next one begins
 
-    # ------------------------------------------------------------------ names
+    # ------------------------------------------------------------------ what it knows
+    @property
+    def device(self) -> torch.device | None:
+        """The gradients' device, once a step has seen one."""
+        return self._jobs.device
+
+    @property
+    def clock(self) -> Clock:
+        """The device timeline's stamps (`edgc.timing.Clock`), shared with the communicator."""
+        return self._jobs.clock
+
+    @property
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """name → shape of every parameter of the model (this rank's shard with FSDP), to check loaded state."""
+        return self._guard.shapes
+
+    @parameter_shapes.setter
+    def parameter_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self._guard.shapes = shapes
+
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
-        names = []
-        for p in params:
-            name = self._names.get(id(p))
-            if name is None:  # no model given: named by first appearance (`UsageGuard.unnamed`)
-                name = self._names[id(p)] = self._guard.unnamed(type(self).__name__, len(self._names))
-            names.append(name)
-        return names
+        return self._guard.names_for(type(self).__name__, params)
 
     # ------------------------------------------------------------------ entry points
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP path: start averaging one bucket; the Future completes when it is averaged."""
-        if not self._in_step:
+        if self._current is None:
             self._begin_step()
         self.comm.poll()
         buffer = bucket.buffer()
@@ -122,7 +113,7 @@ class GradientReducer:
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
         key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
         """
-        if not self._in_step:
+        if self._current is None:
             self._begin_step()
         self._submit(list(names), list(tensors), None, None)
         if blocking or last:
@@ -167,7 +158,7 @@ class GradientReducer:
         self._end_step()
         self.settle()
 
-    # ------------------------------------------------------------------ jobs
+    # ------------------------------------------------------------------ one step
     def _submit(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
                 future: torch.futures.Future | None) -> None:
         if not grads:
@@ -176,27 +167,18 @@ class GradientReducer:
             return
         if self.device is None:
             self._use_device(grads[0].device)
-        self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes())
+        self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes(self._current))
 
     def _use_device(self, device: torch.device) -> None:
-        self.device = device
-        self.clock = Clock(device)
-        self.clock.enabled = self._timed()
+        self._jobs.use_device(device)
+        self.clock.enabled = self._timed(self._current)
         self.comm.use_device(device, self.clock)
-        self._jobs.use_device(device, self.clock)
         self._on_device(device)
 
-    def _fusion_bytes(self) -> float:
-        """Gradient bytes of consecutive buckets that one job syncs (`edgc.jobs`); 0: each bucket its own."""
-        return 0
-
-    def _timed(self) -> bool:
+    def _timed(self, record: StepRecord | None) -> bool:
         """Whether this step takes device timestamps (`edgc.timing.DEVICE_TIMING_EVERY`)."""
-        return not self.clock.cuda or self.step % DEVICE_TIMING_EVERY == 0
-
-    # ------------------------------------------------------------------ step bookkeeping
-    def _on_device(self, device: torch.device) -> None:
-        """Called once with the gradients' device (move loaded state there)."""
+        return (not self.clock.cuda or record is None or record.always_timed
+                or record.step % DEVICE_TIMING_EVERY == 0)
 
     def _begin_step(self) -> None:
         self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
@@ -204,33 +186,29 @@ class GradientReducer:
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
         self.settle()  # the step before: its values, metrics and decisions (their collectives count here)
-        if self._pending is not None:
-            raise RuntimeError(f"{type(self).__name__}: step {self._pending['step']} was neither committed nor "
+        if self.pending:
+            raise RuntimeError(f"{type(self).__name__}: step {self._last.step} was neither committed nor "  # type: ignore[union-attr]
                                "rolled back; with defer_commit call commit_step() or rollback_step() after each step")
-        if self.defer_commit:
-            self._pending = self._snapshot()
-        self._in_step = True
-        self._stats = ReduceStats()
+        record = self._current = StepRecord(self.step, self._snapshot() if self.defer_commit else None)
         self._jobs.clear()
-        self.clock.enabled = self._timed()
-
-    def _device_values(self) -> list[torch.Tensor]:
-        """0-dim float64 device tensors this step needs on the host, made on the jobs' stream (called
-        there: the step's statistics were computed there); read together when it is settled."""
-        stats = self._stats
-        return [device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
+        self._plan_step(record)
+        self.clock.enabled = self._timed(record)
 
     def _end_step(self) -> None:
         """Close the step (its last bucket is averaged) without reading anything: its device values
         travel to the host behind an event (`edgc.timing.HostCopy`) and are read when it is settled."""
-        copy = None
+        record = self._current
+        assert record is not None
+        extra = self._close_step(record)
         if self.device is not None:
-            with self._jobs.side_stream():
-                values = self._device_values()
-                copy = HostCopy(torch.stack(values)) if values else None
-        self._closed = ClosedStep(self.step, copy, self._stats, self._jobs.take_busy(), self.comm.take_step())
+            with self._jobs.side_stream():  # made where the step's statistics were computed
+                stats = record.stats
+                values = [device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
+                values += [value for tensor in extra for value in tensor.unbind()]
+                record.values = HostCopy(torch.stack(values))
+        record.busy, record.collectives = self._jobs.take_busy(), self.comm.take_step()
+        self._last, self._current = record, None
         self.step += 1
-        self._in_step = False
 
     def settle(self) -> None:
         """Settle the last closed step: read its device values (waiting for that step's work alone), build
@@ -239,78 +217,46 @@ class GradientReducer:
         boundary (torchft's commit, `synchronize`, `state_dict`): points every rank reaches in the
         same order. Reading `last_step_metrics` settles only the local part."""
         self._settle_local()
-        closed = self._closed
-        if closed is not None and not closed.shared_done:
-            closed.shared_done = True
+        record = self._last
+        if record is not None and not record.shared_done:
+            record.shared_done = True
             with host_reads_allowed():  # a decision reads the agreed values (once per window at most)
-                self._after_group(closed)
+                self._settle_group(record)
 
     def _settle_local(self) -> None:
-        closed = self._closed
-        if closed is None or closed.local_done:
+        record = self._last
+        if record is None or record.local_done:
             return
-        closed.local_done = True
+        record.local_done = True
         with host_reads_allowed():  # the step's one read (edgc.timing)
-            self._build_metrics(closed)
+            self._build_metrics(record)
 
-    def _build_metrics(self, closed: "ClosedStep") -> None:
-        stats = closed.stats
-        host = closed.values.values() if closed.values is not None else []
-        nonfinite, error_sq, norm_sq = (host + [0.0, 0.0, 0.0])[:3]
-        self._after_values(host, closed)
-        durations = closed.collectives.durations()
-        timed = all(d is not None for d in durations)
-        waited = closed.collectives.wait_seconds()
-        busy = Clock.total(closed.busy)
+    def _build_metrics(self, record: StepRecord) -> None:
+        host = record.values.values() if record.values is not None else []
+        method = self._settle_step(record, host)
         for key in self.totals:
-            self.totals[key] += getattr(stats, key)
-        self._metrics = {
-            "step": closed.step,
-            "elements_raw": stats.elements_raw,
-            "elements_sent": stats.elements_sent,
-            "bytes_raw": stats.bytes_raw,
-            "bytes_sent": stats.bytes_sent,
-            "timed": timed and busy is not None,  # False: an untimed step on an accelerator (edgc.timing)
-            "comm_time_s": sum(durations) if timed else None,  # type: ignore[arg-type]
-            "comm_wait_s": waited,
-            "collectives": len(durations),
-            "collective_s": durations if timed else None,
-            "compress_time_s": max(0.0, busy - (waited or 0.0)) if busy is not None else None,
-            "relative_error": math.sqrt(error_sq / norm_sq) if norm_sq > 0 else None,
-            "nonfinite": bool(nonfinite),
-            "ranks": dict(stats.ranks),
-            **self._step_metrics(closed),
-        }
+            self.totals[key] += getattr(record.stats, key)
+        record.metrics = {**step_metrics(record, host), **method}
+        if record.metrics["nonfinite"]:
+            self.comm.report_nonfinite(type(self).__name__, record.step)
 
     @property
     def last_step_metrics(self) -> dict:
         """Metrics of the last closed step (settled locally on first read: no collective)."""
         self._settle_local()
-        return self._metrics
-
-    @last_step_metrics.setter
-    def last_step_metrics(self, metrics: dict) -> None:
-        self._metrics = metrics
-
-    def _after_values(self, host: list[float], closed: "ClosedStep") -> None:
-        """Subclass hook: the step's device values are on the host (``host[:3]``: non-finite,
-        ‖M−Ĝ‖², ‖M‖²; then whatever `_device_values` added). Local: no collective here."""
-
-    def _after_group(self, closed: "ClosedStep") -> None:
-        """Subclass hook: what the group settles together (collectives, in the same order on every rank)."""
-
-    def _step_metrics(self, closed: "ClosedStep") -> dict:
-        return {"phase": "off", "rank": None, "entropy": None}
+        return self._last.metrics if self._last is not None else {}
 
     def _add_stats(self, stats: ReduceStats) -> None:
-        total = self._stats
+        total = self._current.stats  # type: ignore[union-attr]
         for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
             setattr(total, key, getattr(total, key) + getattr(stats, key))
         total.nonfinite = total.nonfinite | stats.nonfinite
         total.ranks.update(stats.ranks)
 
     def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
-        """Plain averaged all-reduce, as a job: of DDP's bucket buffer directly, or of one packed copy."""
+        """Plain averaged all-reduce, as a job: of DDP's bucket buffer directly, or of one packed copy.
+        Where the communicator asks (`Communicator.flags_nonfinite`), its stats say whether the
+        average is finite."""
         packed = flat if flat is not None else torch.cat([g.reshape(-1) for g in grads])
         sent = self.comm.mean_async(packed)
         elements = sum(g.numel() for g in grads)
@@ -322,23 +268,50 @@ class GradientReducer:
             for g in grads:
                 g.view(-1).copy_(packed[offset : offset + g.numel()])
                 offset += g.numel()
-        return ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names})
+        stats = ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names})
+        if self.comm.flags_nonfinite:  # identical on every replica: it is of the average
+            stats.nonfinite = ~torch.stack([all_finite(t) for t in ([flat] if flat is not None else grads)]).all()
+        return stats
 
-    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+    # ------------------------------------------------------------------ the method's hooks
+    def _plan_step(self, record: StepRecord) -> None:
+        """The step begins (the one before is settled): plan it (``record.plan``, ``record.always_timed``)."""
+
+    def _fusion_bytes(self, record: StepRecord | None) -> float:
+        """Gradient bytes of consecutive buckets that one job syncs (`edgc.jobs`); 0: each bucket its own."""
+        return 0
+
+    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
         raise NotImplementedError
+
+    def _close_step(self, record: StepRecord) -> list[torch.Tensor]:
+        """The step's last bucket is averaged: finish its work; return float64 device tensors whose
+        values the step needs on the host besides (non-finite, ‖M−Ĝ‖², ‖M‖²)."""
+        return []
+
+    def _settle_step(self, record: StepRecord, host: list[float]) -> dict:
+        """The step's device values are on the host (``host[:3]``: non-finite, ‖M−Ĝ‖², ‖M‖²; then
+        `_close_step`'s): the method's part of its metrics. Local: no collective here."""
+        return {"phase": "off", "rank": None, "entropy": None}
+
+    def _settle_group(self, record: StepRecord) -> None:
+        """What the group settles together (collectives, in the same order on every rank)."""
+
+    def _on_device(self, device: torch.device) -> None:
+        """Called once with the gradients' device (move loaded state there)."""
 
     # ------------------------------------------------------------------ uncommitted steps
     @property
     def pending(self) -> bool:
         """A step has synced but is neither committed nor rolled back (only with ``defer_commit``)."""
-        return self._pending is not None
+        return self._last is not None and self._last.snapshot is not None
 
     def commit_step(self) -> None:
         """The pending step is applied (the optimizer stepped): keep its state. No-op when none is pending."""
         self.settle()
-        if self._pending is None:
+        if not self.pending:
             return
-        self._pending = None
+        self._last.snapshot = None  # type: ignore[union-attr]
         self._commit()
         self.last_step_metrics["committed"] = True
 
@@ -348,9 +321,9 @@ class GradientReducer:
         kept for the next one where the method has error feedback. Bytes sent stay counted: they
         were sent. No-op when none is pending. ``reason``: for its record (`edgc.events`)."""
         self.settle()  # its values first (a non-finite step's cleanup), then undo its shared state
-        snapshot, self._pending = self._pending, None
-        if snapshot is None:
+        if not self.pending:
             return
+        snapshot, self._last.snapshot = self._last.snapshot, None  # type: ignore[union-attr]
         self._restore(snapshot)
         self.last_step_metrics["committed"] = False
         events.discarded(self, snapshot["step"], reason)
@@ -363,7 +336,7 @@ class GradientReducer:
         self.step = snapshot["step"]
 
     def _commit(self) -> None:
-        """Subclass hook: the pending step is kept."""
+        """The pending step is kept."""
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
@@ -375,17 +348,16 @@ class GradientReducer:
 
     def load_state_dict(self, state: dict) -> None:
         self._guard.bind(self)
-        self._closed = None
+        if self._last is not None:  # its values belong to the state before: never settled now
+            self._last.local_done = self._last.shared_done = True
         self.step = int(state["step"])
         self.totals = {key: int(value) for key, value in state["totals"].items()}
 
-    # ------------------------------------------------------------------ pickling: begin
     def __getstate__(self) -> dict:
         """Pickle the data but not the ties to this run (`edgc.detached.detached_state`)."""
         from .detached import detached_state
 
         return detached_state(self)
-    # ------------------------------------------------------------------ pickling: end
 
 
 class AllReduceState(GradientReducer):

@@ -60,17 +60,17 @@ class SlowLinkState(EDGCState):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        reduce = self._profiler.reduce
+        reduce = self.profiler.compressor.reduce
 
         def slow_at_rank_8(names, grads, rank, comm, **options):
             if rank == 8:
                 time.sleep(0.5)
             return reduce(names, grads, rank, comm, **options)
 
-        self._profiler.reduce = slow_at_rank_8
+        self.profiler.compressor.reduce = slow_at_rank_8
 
     def _average_raw(self, names, grads, flat):
-        if self._plan.profile_raw:
+        if self._current.plan.profile_raw:
             time.sleep(0.1)
         return super()._average_raw(names, grads, flat)
 

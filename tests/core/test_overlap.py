@@ -152,7 +152,7 @@ def test_profiling_frees_its_q_factors_when_it_ends():
         layer(torch.randn(4, 32)).sum().backward()
         state.synchronize(layer.named_parameters())
     assert state.controller.phase != PROFILE
-    assert state._profiler.q == {} and state.state_dict()["profiler"]["q"] == {}
+    assert state.profiler.compressor.q == {} and state.state_dict()["profiler"]["q"] == {}
 
 
 def raw_bias_inf_worker(rank, world_size):

@@ -31,7 +31,7 @@ DDP_BUCKET_MB = 0.25  # several buckets, so several jobs in flight at once
 
 def accelerator_kernels(state) -> None:
     state.compressor.force_accelerator_kernels = True
-    state._profiler.force_accelerator_kernels = True
+    state.profiler.compressor.force_accelerator_kernels = True
 
 
 def ddp_steps(ddp, state, optimizer, calls, start, stop, checker=None) -> dict:

@@ -127,9 +127,9 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
         final_loss = loss_of(module, *batch(99, 0, size=64)).item()
     return {"replica": replica, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
             "global": torch.cat([t.reshape(-1) for f in diloco._fragments for t in f.original]),
-            "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
+            "shared": state.managed.shared_state_dict(), "loss": final_loss, "heals": state.managed.heals,
             "bytes_ratio": state.totals["bytes_sent"] / max(1, state.totals["bytes_raw"]),
-            "discarded": state.steps_discarded, "original": [f.state_dict() for f in diloco._fragments]}
+            "discarded": state.managed.steps_discarded, "original": [f.state_dict() for f in diloco._fragments]}
 
 
 def check_conserved(diloco, error_before: dict, sent: dict) -> tuple[int, int]:

@@ -60,42 +60,6 @@ STATE_FORMAT = "edgc-diloco/1"
 DEFAULT_OUTER_SYNC = "quant3"
 
 
-class PowerIterations:
-    """Mixin for an `EDGCState`: with ``power_iterations = 2`` every compressed step runs a second power
-    iteration on its compressed matrices, warm-started from the first one's averaged Q.
-
-    The first call leaves Ĝ₁ in the tensors and e₁ = M − Ĝ₁ as the error feedback, so the second
-    call's M = Ĝ₁ + e₁ is the same M (up to rounding): it repeats P = M·Q, Q = Mᵀ·P from the Q just
-    agreed. Its P and Q cost as many bytes again; the step's error is the second call's."""
-
-    power_iterations = 1
-
-    def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
-        job = super()._reduce(names, grads, flat)  # type: ignore[misc]
-        plan = self._plan  # type: ignore[attr-defined]
-        if self.power_iterations == 1 or plan.rank is None or plan.profile_rank is not None:
-            return job
-        return self._iterate_again(job, names, grads, plan.rank)
-
-    def _iterate_again(self, job, names: list[str], grads: list[torch.Tensor], rank: int):
-        first = yield from job
-        compressed = [i for i, name in enumerate(names) if first.ranks.get(name)]
-        if not compressed:
-            return first
-        second = yield from self.compressor.reduce_steps(  # type: ignore[attr-defined]
-            [names[i] for i in compressed], [grads[i] for i in compressed], rank, self.comm,  # type: ignore[attr-defined]
-            measure_error=self._measure_error)  # type: ignore[attr-defined]
-        first.elements_sent += second.elements_sent
-        first.bytes_sent += second.bytes_sent
-        first.error_sq, first.norm_sq = second.error_sq, second.norm_sq
-        first.nonfinite = first.nonfinite | second.nonfinite
-        return first
-
-
-class OuterStepState(PowerIterations, EDGCState):
-    """The `EDGCState` of `DiLoCo` on a plain process group: its steps are outer steps."""
-
-
 class _Fragment:
     """One model fragment: its parameters, their global values θ_global (the backup) and its outer optimizer.
 
@@ -196,7 +160,8 @@ class DiLoCo:
         self._syncing: _Fragment | None = None  # the fragment whose sync was prepared and awaits its outer step
         self._carry: dict[str, torch.Tensor] = {}  # raw-sent Δ of discarded outer steps, per parameter name
         self.state = self._new_state(process_group, config, nn.ModuleList(fragments))
-        self.state.power_iterations = power_iterations
+        if power_iterations != 1:  # EDGC's engine only (`_check_outer_sync`): `LowRankCompressor.power_iterations`
+            self.state.compressor.power_iterations = power_iterations
         self._fragments = [_Fragment(i, module, outer, backup_device, pin_memory)
                            for i, (module, outer) in enumerate(zip(fragments, outers))]
         self.last_outer_step: dict | None = None  # what the last outer step did (see `_record`)
@@ -205,7 +170,7 @@ class DiLoCo:
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module) -> EDGCState:
         if self._sync_method is not None:
             return sync_method(self._sync_method).build(process_group, model=model)  # type: ignore[union-attr, return-value]
-        return OuterStepState(process_group, config, model=model)
+        return EDGCState(process_group, config, model=model)
 
     def _start_outer_step(self) -> None:
         """Called when a fragment's sync is about to start (torchft: the quorum)."""

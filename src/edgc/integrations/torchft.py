@@ -45,7 +45,6 @@ own error feedback is kept). A restarted replica takes the series of the peer it
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -55,14 +54,11 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 
 from ..comm import Communicator
 from ..config import EDGCConfig
-from ..finite import all_finite
-from ..lowrank import ReduceStats
-from ..rank_control import PROFILE
+from ..plans import PROFILE
 from ..reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
 from ..sync_methods import sync_method
 from .diloco import DiLoCo as _DiLoCo
-from .diloco import PowerIterations
 from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
 
 try:
@@ -102,6 +98,8 @@ class ManagedCommunicator(Communicator):
     ``manager``: the replica group's torchft ``Manager``.
     """
 
+    flags_nonfinite = True  # a non-finite step is reported to the manager, so every replica discards it
+
     def __init__(self, manager: Manager):
         super().__init__(None)
         self.manager = manager
@@ -135,6 +133,10 @@ class ManagedCommunicator(Communicator):
 
     def poll(self) -> None:
         """Managed works have no cheap completion query: durations run from issue to wait."""
+
+    def report_nonfinite(self, owner: str, step: int) -> None:
+        self.manager.report_error(RuntimeError(
+            f"{owner}: non-finite gradient average at step {step}; the step is discarded on every replica"))
 
     def _all_reduce_work(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
         manager = self.manager
@@ -177,14 +179,80 @@ class ManagedCommunicator(Communicator):
         raise NotImplementedError
 
 
+class ManagedSteps:
+    """torchft's side of one sync state, any `GradientReducer` (see the module docstring): its
+    collectives go through the replica group's ``manager`` (`ManagedCommunicator`, which also reports a
+    non-finite average to it), each step waits for the manager's verdict (``manager.should_commit()``
+    settles the step, then commits or rolls it back: `finish_step`), and ``shared`` (a callable returning the
+    state's shared part) is registered as ``state_key`` for a healing replica, which loads it with
+    ``load_shared``. ``uncounted``: called on a committed step, a reason to roll it back all the same
+    (EDGC: a profiling step timed in a quorum of one), or None. ``steps_discarded``, ``heals`` and
+    ``steps_uncounted`` count what the faults cost."""
+
+    def __init__(self, state: GradientReducer, manager: Manager, state_key: str, shared, load_shared,
+                 uncounted=None):
+        state.comm = ManagedCommunicator(manager)
+        state.defer_commit = True
+        self.state, self.manager = state, manager
+        self._shared, self._load_shared, self._uncounted = shared, load_shared, uncounted
+        self.steps_discarded = 0  # steps whose sync ran but which the manager did not commit
+        self.heals = 0  # times the shared state was received from a peer
+        self.steps_uncounted = 0  # committed steps rolled back all the same (``uncounted``)
+        manager.register_state_dict_fn(state_key, self._heal, shared)
+        self._wrap_should_commit()
+
+    def shared_state_dict(self) -> dict:
+        """What every replica holds alike, as a healing replica receives it."""
+        return self._shared()
+
+    def _heal(self, state: dict) -> None:
+        self._load_shared(state)
+        self.heals += 1
+
+    def finish_step(self, committed: bool) -> None:
+        """The manager's verdict on the pending step."""
+        state = self.state
+        if not state.pending:
+            return
+        if not committed:
+            self.steps_discarded += 1
+            state.rollback_step("torchft's manager did not commit it")
+        elif (reason := self._uncounted() if self._uncounted is not None else None) is not None:
+            self.steps_uncounted += 1
+            state.rollback_step(reason)
+        else:
+            state.commit_step()
+
+    def _wrap_should_commit(self) -> None:
+        """Make ``manager.should_commit()`` commit or roll back the state's pending step with its verdict."""
+        decide = self.manager.should_commit
+
+        def should_commit(timeout: timedelta | None = None) -> bool:
+            try:
+                # The step settles before the verdict: a non-finite average is reported to the manager
+                # (`ManagedCommunicator.report_nonfinite`: no replica commits it), and a rank decision
+                # is taken now, while every replica of the quorum is at this point, so the shared
+                # state a healing replica receives has it.
+                self.state.settle()
+                committed = decide(timeout)
+            except BaseException:
+                self.finish_step(False)
+                raise
+            self.finish_step(committed)
+            return committed
+
+        self.manager.should_commit = should_commit  # type: ignore[method-assign]
+
+
 class TorchFTEDGCState(EDGCState):
     """`EDGCState` for one rank of a torchft replica group (see the module docstring); what
-    `DistributedDataParallel` builds (``model.edgc_state``).
+    `DistributedDataParallel` builds (``model.edgc_state``), and `DiLoCo`'s outer sync.
 
     ``manager``: the group's torchft ``Manager`` (``use_async_quorum=False``): every collective goes
-    through it, and its ``should_commit()`` commits or rolls back each step. ``config`` and ``model``:
-    as `EDGCState`'s. ``state_key``: the key of the shared state the manager sends a healing replica.
-    ``steps_discarded``, ``heals`` and ``profile_steps_alone`` count what the faults cost.
+    through it, and its ``should_commit()`` commits or rolls back each step (`ManagedSteps`, as
+    ``managed``). ``config`` and ``model``: as `EDGCState`'s. ``state_key``: the key of the shared
+    state the manager sends a healing replica. ``steps_discarded``, ``heals`` and
+    ``profile_steps_alone`` count what the faults cost.
     """
 
     def __init__(self, manager: Manager, config: EDGCConfig | None = None, *, model: nn.Module | None = None,
@@ -193,66 +261,39 @@ class TorchFTEDGCState(EDGCState):
             raise ValueError("EDGC on torchft needs Manager(use_async_quorum=False): a healing replica must "
                              "load the quorum's rank before the step's first collective")
         super().__init__(None, config, model=model)
-        self.manager = manager
-        self.comm = ManagedCommunicator(manager)
-        self.defer_commit = True
-        self.steps_discarded = 0  # steps whose sync ran but which the manager did not commit
-        self.heals = 0  # times the shared state was received from a peer
-        self.profile_steps_alone = 0  # committed profiling steps not counted: a quorum of one times no link
-        manager.register_state_dict_fn(state_key, self._heal, self.shared_state_dict)
-        _commit_with(manager, self)
+        self.managed = ManagedSteps(self, manager, state_key, self.shared_state_dict, self.load_shared_state_dict,
+                                    self._profiled_alone)
 
-    def _heal(self, state: dict) -> None:
-        self.load_shared_state_dict(state)
-        self.heals += 1
+    def _profiled_alone(self) -> str | None:
+        """A profiling step timed in a quorum of one measured no link: the model step stands, but EDGC
+        does not count it (its state is as before), so r_max is profiled once a peer is there — and
+        never from a lone replica."""
+        if self._last is not None and self._last.plan.phase == PROFILE and self.comm.world_size < 2:
+            return "a profiling step in a quorum of one times no link; the model step stands"
+        return None
 
-    def _average_raw(self, names, grads, flat):
-        """Plain average, plus its non-finite flag (identical on every replica: it is of the average)."""
-        stats: ReduceStats = yield from super()._average_raw(names, grads, flat)
-        flags = [all_finite(flat)] if flat is not None else [all_finite(g) for g in grads]
-        stats.nonfinite = ~torch.stack(flags).all()
-        return stats
+    @property
+    def manager(self) -> Manager:
+        return self.managed.manager
 
-    def _after_values(self, host: list[float], closed) -> None:
-        super()._after_values(host, closed)
-        if host and host[0]:
-            self.manager.report_error(RuntimeError(
-                f"EDGC: non-finite gradient average at step {self.step}; the step is discarded on every replica"))
+    @property
+    def steps_discarded(self) -> int:
+        """Steps whose sync ran but which the manager did not commit."""
+        return self.managed.steps_discarded
+
+    @property
+    def heals(self) -> int:
+        """Times the shared state was received from a peer."""
+        return self.managed.heals
+
+    @property
+    def profile_steps_alone(self) -> int:
+        """Committed profiling steps not counted: a quorum of one times no link."""
+        return self.managed.steps_uncounted
 
     def finish_step(self, committed: bool) -> None:
-        """The manager's verdict on the pending step. A profiling step timed in a quorum of one
-        measured no link: the model step stands, but EDGC does not count it (its state is as
-        before), so r_max is profiled once a peer is there — and never from a lone replica."""
-        if not self.pending:
-            return
-        if not committed:
-            self.steps_discarded += 1
-            self.rollback_step("torchft's manager did not commit it")
-        elif self._plan.phase == PROFILE and self.comm.world_size < 2:
-            self.profile_steps_alone += 1
-            self.rollback_step("a profiling step in a quorum of one times no link; the model step stands")
-        else:
-            self.commit_step()
-
-
-def _commit_with(manager: Manager, state: TorchFTEDGCState) -> None:
-    """Make ``manager.should_commit()`` commit or roll back ``state``'s pending step with its verdict."""
-    decide = manager.should_commit
-
-    def should_commit(timeout: timedelta | None = None) -> bool:
-        try:
-            # The step settles before the verdict: a non-finite average is reported to the manager
-            # (so no replica commits it), and a rank decision is taken now, while every replica of the
-            # quorum is at this point, so the shared state a healing replica receives has it.
-            state.settle()
-            committed = decide(timeout)
-        except BaseException:
-            state.finish_step(False)
-            raise
-        state.finish_step(committed)
-        return committed
-
-    manager.should_commit = should_commit  # type: ignore[method-assign]
+        """The manager's verdict on the pending step (`ManagedSteps.finish_step`)."""
+        self.managed.finish_step(committed)
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -270,11 +311,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **kwargs)
         self.edgc_state = TorchFTEDGCState(manager, config, model=module)
         self.register_comm_hook(self.edgc_state, edgc_hook)
-
-
-class TorchFTOuterStepState(PowerIterations, TorchFTEDGCState):
-    """The `TorchFTEDGCState` of `DiLoCo`: its steps are outer steps (arguments: ``manager``, ``config``,
-    ``model``, ``state_key``, as `TorchFTEDGCState`'s; `PowerIterations` adds a second power iteration)."""
 
 
 class DiLoCo(_DiLoCo):
@@ -318,7 +354,7 @@ class DiLoCo(_DiLoCo):
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module):
         if self._sync_method is not None:
             return managed_sync_state(self._sync_method, self.manager, model, self._state_key)
-        return TorchFTOuterStepState(self.manager, config, model=model, state_key=self._state_key)
+        return TorchFTEDGCState(self.manager, config, model=model, state_key=self._state_key)
 
     def _start_outer_step(self) -> None:
         self.manager.start_quorum()  # a healing replica receives θ_global, the outer optimizer and EDGC's state here
@@ -327,7 +363,7 @@ class DiLoCo(_DiLoCo):
         return self.manager.current_step()
 
     def _should_commit(self) -> bool:
-        return self.manager.should_commit()  # commits or rolls back EDGC's step (`_commit_with`)
+        return self.manager.should_commit()  # commits or rolls back the outer sync's step (`ManagedSteps`)
 
     def _step_pre_hook(self, *args) -> None:
         self.manager.disallow_state_dict_read()  # a peer's heal must not read parameters mid-step
@@ -338,51 +374,21 @@ class DiLoCo(_DiLoCo):
 
 
 # ---------------------------------------------------------------------------- a registered method as DiLoCo's outer sync
-# `DiLoCo(..., sync_method=NAME)`: the method's state with torchft's side added (`ManagedOuterSync`):
-# every collective through the manager (an all-gather is an all-reduce of one slot per participant);
-# the step waits for the manager's verdict (committed: the residual is kept; not: the error feedback
-# is as before and DiLoCo carries the step's Δ into the next one); heal: the shared part (the outer
-# step count) is registered with the manager, and a healed replica keeps its own error feedback,
-# none after a restart (`edgc experiment diloco` measured it against a peer's copy: alike).
-
-
-class ManagedOuterSync:
-    """Mixin before a sync method's class: its state on a torchft replica group (see the comment above)."""
-
-    def attach(self, manager, state_key: str) -> None:
-        """Route the collectives through ``manager``, wait for its verdict, register the shared state as ``state_key``."""
-        self.comm = ManagedCommunicator(manager)  # type: ignore[assignment]
-        self.defer_commit = True
-        self.steps_discarded = 0  # outer steps whose sync ran but which the manager did not commit
-        self.heals = 0  # times the shared state came from a peer
-        manager.register_state_dict_fn(state_key, self._heal, self.shared_state_dict)
-        _commit_with(manager, self)  # type: ignore[arg-type]
-
-    def finish_step(self, committed: bool) -> None:
-        """The manager's verdict on the pending step."""
-        if not self.pending:  # type: ignore[attr-defined]
-            return
-        if committed:
-            self.commit_step()  # type: ignore[attr-defined]
-        else:
-            self.steps_discarded += 1
-            self.rollback_step()  # type: ignore[attr-defined]
-
-    def shared_state_dict(self) -> dict:
-        """What every replica holds alike: the outer step count."""
-        return {"step": self.step}  # type: ignore[attr-defined]
-
-    def _heal(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.heals += 1
-
-
-def managed_sync_state(name: str, manager, model: nn.Module, state_key: str) -> GradientReducer:
-    """The registered sync method ``name``'s state for one torchft replica group."""
+def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key: str) -> GradientReducer:
+    """The registered sync method ``name``'s state for one torchft replica group (`DiLoCo`'s
+    ``sync_method``), its torchft side as ``state.managed`` (`ManagedSteps`): every collective through
+    the manager (an all-gather is an all-reduce of one slot per participant); each step waits for the
+    manager's verdict (committed: the residual is kept; not: the error feedback is as before and
+    DiLoCo carries the step's Δ into the next one); heal: the shared part, the outer step count, is
+    registered as ``state_key``, and a healed replica keeps its own error feedback, none after a
+    restart (`edgc experiment diloco` measured it against a peer's copy: alike)."""
     entry = sync_method(name)
     if entry is None:
         raise ValueError(f"sync method {name!r} is not registered")
-    managed = type(f"Managed{entry.reducer.__name__}", (ManagedOuterSync, entry.reducer), {})
-    state = replace(entry, reducer=managed).build(None, model=model)
-    state.attach(manager, state_key)  # type: ignore[attr-defined]
+    state = entry.build(None, model=model)
+
+    def load_step(shared: dict) -> None:
+        state.step = int(shared["step"])
+
+    state.managed = ManagedSteps(state, manager, state_key, lambda: {"step": state.step}, load_step)  # type: ignore[attr-defined]
     return state

@@ -1,0 +1,61 @@
+"""One optimizer step as a `GradientReducer` keeps it: a `StepRecord`, and the metrics of a settled one.
+
+A record lives from the step's first bucket until the next step begins: what the sync method
+planned for it, what its jobs sent (`edgc.lowrank.ReduceStats`), its device values on their way to
+the host (`edgc.timing.HostCopy`), its collectives' and jobs' stamps, and once settled its metrics
+(`step_metrics`, plus the method's own). With ``defer_commit`` it also keeps the snapshot of the
+state from before it until the step is committed or rolled back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .comm import StepCollectives
+from .lowrank import ReduceStats
+from .timing import Clock, HostCopy
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step, from its first bucket until it is settled (`GradientReducer.settle`)."""
+
+    step: int
+    snapshot: dict | None = None  # with defer_commit: the state before the step, until committed or rolled back
+    plan: Any = None  # what the method planned for the step (`_plan_step`; EDGC: a `edgc.plans.StepPlan`)
+    always_timed: bool = False  # take device timestamps whatever the cadence (EDGC's profiling)
+    stats: ReduceStats = field(default_factory=ReduceStats)
+    values: HostCopy | None = None  # its device values, on their way to the host
+    busy: list[tuple] = field(default_factory=list)  # (start, end) stamps of the jobs' time, on their stream
+    collectives: StepCollectives | None = None
+    local_done: bool = False
+    shared_done: bool = False
+    metrics: dict = field(default_factory=dict)  # once settled locally
+
+
+def step_metrics(record: StepRecord, host: list[float]) -> dict:
+    """The metrics every sync method reports of a settled step; ``host``: its device values, read
+    (non-finite, ‖M−Ĝ‖², ‖M‖², …; empty before any device was seen)."""
+    stats = record.stats
+    nonfinite, error_sq, norm_sq = (host + [0.0, 0.0, 0.0])[:3]
+    durations = record.collectives.durations() if record.collectives is not None else []
+    timed = all(d is not None for d in durations)
+    waited = record.collectives.wait_seconds() if record.collectives is not None else None
+    busy = Clock.total(record.busy)
+    return {
+        "step": record.step,
+        "elements_raw": stats.elements_raw,
+        "elements_sent": stats.elements_sent,
+        "bytes_raw": stats.bytes_raw,
+        "bytes_sent": stats.bytes_sent,
+        "timed": timed and busy is not None,  # False: an untimed step on an accelerator (edgc.timing)
+        "comm_time_s": sum(durations) if timed else None,  # type: ignore[arg-type]
+        "comm_wait_s": waited,
+        "collectives": len(durations),
+        "collective_s": durations if timed else None,
+        "compress_time_s": max(0.0, busy - (waited or 0.0)) if busy is not None else None,
+        "relative_error": math.sqrt(error_sq / norm_sq) if norm_sq > 0 else None,
+        "nonfinite": bool(nonfinite),
+        "ranks": dict(stats.ranks),
+    }
