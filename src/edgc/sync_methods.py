@@ -1,21 +1,18 @@
 """The registry of sync methods: the compressors `edgc train`, `edgc bench` and `edgc simulate` know by name.
 
 Each entry is a `GradientReducer` subclass registered under its ``method`` attribute (or under a
-name of its own for a variant of one class, as the two casts), with what the tools need to know
-of it:
-
-* how the harness builds it from a run's settings: which of them its constructor takes
-  (``ratio``, the fraction of the elements it sends, ``--compress-ratio``; ``seed``) and which
-  arguments the name fixes;
-* which collective one call issues (the simulator prices an all-gather, where every rank receives
-  every other rank's message, differently from an all-reduce);
-* how many bytes of device memory its compression moves per gradient value, where the simulator's
-  step model prices it (None: not modelled, the measured time is used).
+name of its own for a variant of one class, as the two casts), with what is known of the method
+itself: the constructor arguments the name fixes, and which collective one call issues (the
+simulator prices an all-gather, where every rank receives every other rank's message, differently
+from an all-reduce). What a tool adds to it stays beside the tool: the run settings the harness
+hands a constructor that takes them (`SyncMethod.build`), the memory traffic the simulator's step
+model prices (``edgc_sim.step_model``).
 
 A new compressor is one file (its class) and one `register_sync_method` call.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -25,9 +22,9 @@ from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .outer_alloc import AllocatedQuantState
 from .outer_sync import QuantizedState
 from .reducer import GradientReducer
+from .registry import Registry
 
 ALL_REDUCE, ALL_GATHER = "all-reduce", "all-gather"
-RUN_SETTINGS = ("ratio", "seed")  # what a run can hand a method's constructor
 
 
 @dataclass(frozen=True)
@@ -37,40 +34,35 @@ class SyncMethod:
     name: str  #: the name the tools know it by (``--compressor``, a bench method)
     reducer: type[GradientReducer]  #: the class; constructed as reducer(process_group, model=…, **arguments)
     collective: str = ALL_REDUCE  #: what one call issues: ALL_REDUCE or ALL_GATHER
-    settings: tuple[str, ...] = ()  #: the run settings its constructor takes, of RUN_SETTINGS
     options: Mapping[str, Any] = field(default_factory=dict)  #: constructor arguments the name fixes
-    compress_bytes_per_value: float | None = None  #: memory moved by compress + decompress per value; None = unmodelled
 
-    def build(self, process_group=None, *, model: nn.Module | None = None, ratio: float = 0.01,
-              seed: int = 714) -> GradientReducer:
-        """The reducer for a run whose settings are ``ratio`` and ``seed`` (each passed only if it takes it)."""
-        given = {"ratio": ratio, "seed": seed}
-        return self.reducer(process_group, model=model, **self.options, **{name: given[name] for name in self.settings})
+    def takes(self, setting: str) -> bool:
+        """Whether its constructor takes the run setting ``setting`` (e.g. ``ratio``) and the name leaves it open."""
+        return setting in inspect.signature(self.reducer).parameters and setting not in self.options
+
+    def build(self, process_group=None, *, model: nn.Module | None = None, **settings: Any) -> GradientReducer:
+        """The reducer for a run: ``settings`` (a run's ``ratio``, ``seed``, …) are passed where it `takes` them."""
+        given = {name: value for name, value in settings.items() if self.takes(name)}
+        return self.reducer(process_group, model=model, **self.options, **given)
 
 
-SYNC_METHODS: dict[str, SyncMethod] = {}
+SYNC_METHODS: Registry[SyncMethod] = Registry("sync method")
 
 
 def register_sync_method(reducer: type[GradientReducer], *, name: str | None = None, collective: str = ALL_REDUCE,
-                         settings: tuple[str, ...] = (), options: Mapping[str, Any] | None = None,
-                         compress_bytes_per_value: float | None = None) -> SyncMethod:
+                         options: Mapping[str, Any] | None = None) -> SyncMethod:
     """Make ``reducer`` known to the tools under ``name`` (default: its ``method`` attribute)."""
     name = name or getattr(reducer, "method", "")
     if not (isinstance(reducer, type) and issubclass(reducer, GradientReducer)):
         raise ValueError(f"a sync method is a GradientReducer subclass, got {reducer!r}")
-    if not name or name in SYNC_METHODS:
-        raise ValueError(f"sync method name {name!r} is empty or already registered")
-    if collective not in (ALL_REDUCE, ALL_GATHER) or not set(settings) <= set(RUN_SETTINGS):
-        raise ValueError(f"sync method {name!r}: collective must be {ALL_REDUCE} or {ALL_GATHER} and settings "
-                         f"a subset of {RUN_SETTINGS}, got {collective!r} and {settings!r}")
-    entry = SyncMethod(name, reducer, collective, tuple(settings), dict(options or {}), compress_bytes_per_value)
-    SYNC_METHODS[name] = entry
-    return entry
+    if collective not in (ALL_REDUCE, ALL_GATHER):
+        raise ValueError(f"sync method {name!r}: collective must be {ALL_REDUCE} or {ALL_GATHER}, got {collective!r}")
+    return SYNC_METHODS.add(name, SyncMethod(name, reducer, collective, dict(options or {})))
 
 
 def sync_method_names() -> tuple[str, ...]:
     """The registered names, in registration order."""
-    return tuple(SYNC_METHODS)
+    return SYNC_METHODS.names()
 
 
 def sync_method(name: str) -> SyncMethod | None:
@@ -78,13 +70,11 @@ def sync_method(name: str) -> SyncMethod | None:
     return SYNC_METHODS.get(name)
 
 
-# A cast reads fp32 and writes 16 bits, and after the all-reduce reads them and writes fp32 back.
-CAST_BYTES_PER_VALUE = 4 + 2 + 2 + 4
-register_sync_method(CastState, name="fp16", options={"dtype": "float16"}, compress_bytes_per_value=CAST_BYTES_PER_VALUE)
-register_sync_method(CastState, name="bf16", options={"dtype": "bfloat16"}, compress_bytes_per_value=CAST_BYTES_PER_VALUE)
-register_sync_method(TopKState, collective=ALL_GATHER, settings=("ratio",))
-register_sync_method(RandomKState, settings=("ratio", "seed"))
-register_sync_method(QSGDState, collective=ALL_GATHER, settings=("seed",))
+register_sync_method(CastState, name="fp16", options={"dtype": "float16"})
+register_sync_method(CastState, name="bf16", options={"dtype": "bfloat16"})
+register_sync_method(TopKState, collective=ALL_GATHER)
+register_sync_method(RandomKState)
+register_sync_method(QSGDState, collective=ALL_GATHER)
 # DiLoCo's outer sync (`edgc.outer_sync`): the pseudo-gradients quantised with error feedback.
 for _bits in (8, 4, 3, 2):
     register_sync_method(QuantizedState, name=f"quant{_bits}", collective=ALL_GATHER, options={"bits": _bits})

@@ -136,7 +136,7 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
     if base == "powersgd" or base == "torch-powersgd":
         r = r_max if rank in ("rmax", "") else max(1, r_max // 4) if rank == "rmin" else int(rank)
         args += ["--powersgd-rank", str(r)]
-    if (method := sync_method(base)) is not None and "ratio" in method.settings:
+    if (method := sync_method(base)) is not None and method.takes("ratio"):
         args += ["--compress-ratio", str(s.compress_ratio)]
     if base == "edgc":
         edgc = dict(s.edgc)
