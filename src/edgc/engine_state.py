@@ -134,7 +134,30 @@ class EngineState:
                 self._resized.setdefault(name, q)
 
     # ------------------------------------------------------------------ per-call buffers
-    def call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
+    def open_call(self, names: list[str], grads: list[torch.Tensor], rank: int, compute: torch.dtype,
+                  method: str) -> tuple[CallState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A call of the engine begins: (its kept buffers, M = G + e in its arena, the stored Qᵀ, the
+        warm-started Qᵀ; both None where it compresses nothing). A matrix sent raw now (after a rank
+        change) takes its pending residual along. ``compute``: the dtype of M and the factors;
+        ``method``: the orthonormalisation's (`edgc.factors`)."""
+        call = self._call_state(names, grads, rank)
+        self._flush_into_raw(call.layout, grads)
+        arena = self._form_m(call, grads, compute)
+        q_stored = q_in = None
+        if call.layout.groups:
+            q_stored, q_in = self._warm_start(call, grads[0].device, compute, method)
+        return call, arena, q_stored, q_in
+
+    def close_call(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                   q_stored: torch.Tensor, q_flat: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        """A call ends: with error feedback, e = M − P·Qᵀ from ``factors`` (per shape group (Pᵀ, Qᵀ) in
+        the arena's dtype); the call's Q is the averaged ``q_flat``, or the stored one where the
+        group saw a NaN/Inf (``nonfinite``, a device flag: selected on the device)."""
+        if factors is not None:
+            self._keep_residual(call, arena, factors)
+        self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
+
+    def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
         key = (tuple(names), rank)
         shapes = tuple(tuple(g.shape) for g in grads)
         call = self._calls.get(key)
@@ -151,7 +174,7 @@ class EngineState:
                     self.shapes[name] = shape
         return call
 
-    def flush_into_raw(self, layout: CallLayout, grads: list[torch.Tensor]) -> None:
+    def _flush_into_raw(self, layout: CallLayout, grads: list[torch.Tensor]) -> None:
         """A matrix sent raw now (after a rank change) takes its pending residual with it."""
         for i in layout.raw:
             pending = self.error.pop(layout.names[i], None)
@@ -160,7 +183,7 @@ class EngineState:
                 if self.keep_uncommitted:
                     self._step_popped[layout.names[i]] = pending
 
-    def form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype) -> torch.Tensor:
+    def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype) -> torch.Tensor:
         """M = G + e of every compressed matrix, in the arena, added from each gradient where it lies:
         no gathered copy of the gradients, so a pass reads G once and e once and writes M once (one
         ``_foreach_add_``: one multi-tensor kernel where G and e share a dtype, one kernel per matrix
@@ -201,7 +224,7 @@ class EngineState:
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
-    def keep_residual(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _keep_residual(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
         writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
         in the arena's dtype. Over M in place, or (uncommitted) into the spare arena, M left intact
@@ -221,7 +244,7 @@ class EngineState:
         self._use_arena(call, residual)
 
     # ------------------------------------------------------------------ Q
-    def warm_start(self, call: CallState, device: torch.device, compute: torch.dtype,
+    def _warm_start(self, call: CallState, device: torch.device, compute: torch.dtype,
                    method: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(stored Qᵀ, Qᵀ with rows orthonormalised and dead rows restarted) of the call's matrices,
         laid out as its Q buffer.
@@ -282,7 +305,7 @@ class EngineState:
         rows = torch.cat(drawn) if drawn else torch.empty(0, dtype=torch.float64)
         return to_device(rows.to(compute), device)
 
-    def keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:
+    def _keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:
         call.q_flat = q_flat
         call.q_views = [q.T for group in call.layout.groups for q in group.q_view(q_flat).unbind(0)]
         self.q.update(zip(call.layout.compressed_names, call.q_views))

@@ -219,8 +219,7 @@ class LowRankCompressor:
     def _power_iteration(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
                          measure_error: bool) -> Job:
         """One call of `reduce_steps`: its three stretches between two yields."""
-        run = self._start(names, grads, rank, comm, measure_error)
-        raw_sent, p_sent = self._send_p(run, comm)
+        run, raw_sent, p_sent = self._send_p(names, grads, rank, comm, measure_error)
         yield ISSUES_MORE if run.layout.groups else FINISHES
         if not self._take_raw(run, raw_sent):
             return run.stats
@@ -229,31 +228,25 @@ class LowRankCompressor:
         self._finish(run, q_sent)
         return run.stats
 
-    def _start(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
-               measure_error: bool) -> _Call:
-        """The call's kept buffers and dtypes; a matrix sent raw now takes its pending residual along."""
-        kept = self.state.call_state(names, grads, rank)
-        grad_dtype = grads[0].dtype
+    def _send_p(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
+                measure_error: bool) -> tuple[_Call, Pending, Pending | None]:
+        """First stretch: the call's buffers, M = G + e and the warm start (`EngineState.open_call`),
+        Pᵀ = Qᵀ·Mᵀ (one batched product per shape group); issue the raw tensors with their
+        non-finite flag, and P."""
+        grad_dtype, device = grads[0].dtype, grads[0].device
+        compute = torch.float64 if grad_dtype == torch.float64 else torch.float32
         wire = DTYPES[self.config.communication_dtype] if self.config.communication_dtype else grad_dtype
-        stats = ReduceStats(ranks=dict(kept.layout.ranks))
+        kept, arena, q_stored, q_in = self.state.open_call(names, grads, rank, compute, self.orthonormalization(device))
+        layout = kept.layout
+        stats = ReduceStats(ranks=dict(layout.ranks))
         stats.elements_raw = sum(g.numel() for g in grads)
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
-        self.state.flush_into_raw(kept.layout, grads)
-        return _Call(kept, grads, torch.float64 if grad_dtype == torch.float64 else torch.float32, wire,
-                     wire == torch.float16 and comm.world_size > 1, measure_error, stats)
-
-    def _send_p(self, run: _Call, comm: Communicator) -> tuple[Pending, Pending | None]:
-        """First stretch: M = G + e in the arena and Pᵀ = Qᵀ·Mᵀ (one batched product per shape group);
-        issue the raw tensors with their non-finite flag, and P."""
-        layout, grads, device = run.layout, run.grads, run.grads[0].device
-        run.arena = self.state.form_m(run.kept, grads, run.compute)
-        q_in = None
-        if layout.groups:
-            run.q_stored, q_in = self.state.warm_start(run.kept, device, run.compute, self.orthonormalization(device))
-        run.p_flat = torch.empty(layout.p_numel, device=device, dtype=run.compute)
-        run.q_flat = torch.empty(layout.q_numel, device=device, dtype=run.compute)
+        run = _Call(kept, grads, compute, wire, wire == torch.float16 and comm.world_size > 1, measure_error, stats,
+                    arena=arena, q_stored=q_stored)
+        run.p_flat = torch.empty(layout.p_numel, device=device, dtype=compute)
+        run.q_flat = torch.empty(layout.q_numel, device=device, dtype=compute)
         for group in layout.groups:
-            _bmm_into(group.p_view(run.p_flat), group.q_view(q_in), group.error_view(run.arena).transpose(1, 2))
+            _bmm_into(group.p_view(run.p_flat), group.q_view(q_in), group.error_view(arena).transpose(1, 2))
             if run.half_wire:  # P is orthonormalised after the sum: its scale is free
                 group.p_view(run.p_flat).mul_(_half_wire_shift(group.n))
         # Raw tensors plus one flag element, 0 or NaN: NaN when anything is non-finite here
@@ -266,10 +259,10 @@ class LowRankCompressor:
         run.stats.elements_sent = run.raw_flat.numel()
         run.stats.bytes_sent = run.raw_flat.numel() * run.raw_flat.element_size()
         if not layout.groups:
-            return raw_sent, None
+            return run, raw_sent, None
         p_sent = comm.mean_async(run.p_flat, run.wire)
         self._count_sent(run.stats, run.p_flat, run.wire)
-        return raw_sent, p_sent
+        return run, raw_sent, p_sent
 
     def _take_raw(self, run: _Call, raw_sent: Pending) -> bool:
         """Second stretch, first part: the raw tensors' average into their gradients and the group's
@@ -315,8 +308,8 @@ class LowRankCompressor:
         poison = run.poison + nan_unless_finite(q_flat)
         bad = poison.isnan().reshape(())
         run.stats.nonfinite = bad
-        self._decompress(run.kept, run.grads, run.arena, run.p_flat, q_flat, poison)
-        self.state.keep_q(run.kept, torch.where(bad, run.q_stored, q_flat))
+        factors = self._decompress(run.kept, run.grads, run.arena, run.p_flat, q_flat, poison)
+        self.state.close_call(run.kept, run.arena, factors, run.q_stored, q_flat, bad)
         if run.measure_error:
             # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
             cross = torch.dot(run.local_q, q_flat).to(torch.float64)
@@ -324,13 +317,14 @@ class LowRankCompressor:
             run.stats.error_sq = (run.stats.norm_sq - 2 * cross + square).clamp(min=0)
 
     def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor, p_flat: torch.Tensor,
-                    q_flat: torch.Tensor, poison: torch.Tensor) -> None:
+                    q_flat: torch.Tensor, poison: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Ĝ = P·Qᵀ written straight into each gradient (one product per matrix: the gradients lie in
-        DDP's buckets, not at one stride), and e = M − P·Qᵀ from the factors Ĝ was formed from (a
-        half-precision gradient's: rounded to its dtype), so that Ĝ + e = M but for the rounding of
-        Ĝ's own values. The step's ``poison`` (0 or NaN) goes into Ĝ's P: on a non-finite step Ĝ is
-        NaN everywhere, so every rank's optimizer (or GradScaler) skips it; the residual of such a
-        step is cleared by `end_step`."""
+        DDP's buckets, not at one stride); returns, with error feedback, the factors Ĝ was formed from
+        (a half-precision gradient's: rounded to its dtype) in the arena's dtype, for e = M − P·Qᵀ
+        (`EngineState.close_call`), so that Ĝ + e = M but for the rounding of Ĝ's own values. The
+        step's ``poison`` (0 or NaN) goes into Ĝ's P: on a non-finite step Ĝ is NaN everywhere, so
+        every rank's optimizer (or GradScaler) skips it; the residual of such a step is cleared by
+        `EngineState.end_step`."""
         grad_dtype = grads[0].dtype
         half = grad_dtype == torch.float16
         # P + poison, cast to the gradient's dtype in the same pass (fp16: after the shift below)
@@ -348,11 +342,11 @@ class LowRankCompressor:
                 torch.mm(a, b, out=grads[i].view(group.m, group.n))
             factors.append((p_t, q_t))
         if not self.config.error_feedback:
-            return
+            return None
         if not half:  # one cast of each flat buffer to the arena's dtype, not one per group
             p_grad, q_grad = p_grad.to(arena.dtype), q_grad.to(arena.dtype)
             factors = [(group.p_view(p_grad), group.q_view(q_grad)) for group in call.layout.groups]
-        self.state.keep_residual(call, arena, [(p.to(arena.dtype), q.to(arena.dtype)) for p, q in factors])
+        return [(p.to(arena.dtype), q.to(arena.dtype)) for p, q in factors]
 
     @staticmethod
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:
