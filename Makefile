@@ -22,7 +22,10 @@ run: $(STAMP)
 
 # Two workers, whole files each (module fixtures run once); the multi-process tests size themselves
 # for two cores, and much of a process test is one core importing torch while the other idles.
+# ruff first: lint and format check of the whole tree (pyproject.toml's [tool.ruff]), seconds.
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # Into build/docs/ (git-ignored); tests/core/test_docs.py builds it too, with warnings as errors.

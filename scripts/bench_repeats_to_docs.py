@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import write  # noqa: E402
+
 from edgc_bench.repeats import render  # noqa: E402
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import page_of, replace  # noqa: E402
+
 from edgc_sim.bench_link import bench_link, find_bench_calibration  # noqa: E402
 from edgc_sim.calibrate import load_run  # noqa: E402
 from edgc_sim.calibrate_bench import LATENCY_SOURCES, NEW_STYLE, calibrate_bench  # noqa: E402

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import write  # noqa: E402
+
 from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB  # noqa: E402
 from edgc_bench.gpt2_layout import GPT2_SIZES  # noqa: E402
 from edgc_sim import engine_model as em  # noqa: E402

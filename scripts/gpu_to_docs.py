@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import write  # noqa: E402  (finds the page that holds a block and replaces it)
+
 from edgc_bench import gpu_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_to_docs import section, update  # noqa: E402  (the same marker replacement as the bench table)
+
 from edgc_sim.calibrate import load_run  # noqa: E402
 from edgc_sim.calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration  # noqa: E402
 from edgc_sim.cli import expand_bench_dirs  # noqa: E402

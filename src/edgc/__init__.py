@@ -54,8 +54,8 @@ from .factors import orthogonalize_
 from .fingerprint import ReplicasDiverged
 from .lowrank import LowRankCompressor
 from .rank_control import WindowController
-from .rank_rules import delta_target, limit_rank, register_rank_mapping
 from .rank_model import ErrorModel, error_curve_mc, error_curve_mp
+from .rank_rules import delta_target, limit_rank, register_rank_mapping
 from .reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook
 from .signals import register_signal
 from .state import EDGCState

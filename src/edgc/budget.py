@@ -30,11 +30,12 @@ compression error). `BudgetRule` is the controller's rank rule with a budget.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from .config import EDGCConfig
 from .plans import Agreed, ControllerView, StepPlan
 from .signals import get_signal
+
 
 def rank_grid(r_min: int, r_max: int, granularity: int) -> list[int]:
     """The ranks the budget controller may choose: r_min, r_max and the multiples of the granularity between."""

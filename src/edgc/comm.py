@@ -23,7 +23,8 @@ one would run on the backend's thread, possibly while the interpreter exits).
 from __future__ import annotations
 
 import time
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,7 @@ class Communicator:
         """Collectives issued since the last reset() (each has a fixed latency cost)."""
         return len(self._records)
 
-    def take_step(self) -> "StepCollectives":
+    def take_step(self) -> StepCollectives:
         """End a step without reading any clock: its collectives' stamps, for `StepCollectives` to turn
         into seconds once the step is over. Call after every wait."""
         if any(record[3] is not None for record in self._records):

@@ -259,7 +259,7 @@ class EDGCConfig:
 
     # ------------------------------------------------------------------ helpers
     @classmethod
-    def static(cls, rank: int, **overrides: Any) -> "EDGCConfig":
+    def static(cls, rank: int, **overrides: Any) -> EDGCConfig:
         """Static PowerSGD at ``rank`` after the warm-up: the non-adaptive baseline."""
         fixed = sorted({"r_max", "r_min", "adaptive"} & set(overrides))
         if fixed:
@@ -321,7 +321,7 @@ class EDGCConfig:
         return {k: plain(v) for k, v in {**values, **dataclasses.asdict(self.engine)}.items()}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
+    def from_dict(cls, values: dict[str, Any]) -> EDGCConfig:
         """The config of a `to_dict` (flat; an ``engine`` table of `LowRankConfig` fields is read too)."""
         known = {f.name for f in dataclasses.fields(cls)} | set(ENGINE_FIELDS)
         unknown = sorted(set(values) - known)

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
+from .entropy import EntropySampler
 from .factors import matrix_shape
 from .lowrank import LowRankCompressor
 from .plans import COMPRESS, Agreed, Decision, StepPlan
 from .rank_control import WindowController
-from .entropy import EntropySampler
 
 
 class DecisionRound:

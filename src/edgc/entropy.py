@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

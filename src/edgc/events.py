@@ -37,7 +37,6 @@ import logging
 from .plans import COMPRESS, WARMUP, Decision, StepPlan
 from .profiling import describe_profiling_verdict
 
-
 LOGGER = logging.getLogger("edgc")
 
 
@@ -52,18 +51,18 @@ GROUP_RANK_ZERO = GroupRankZero()
 LOGGER.addFilter(GROUP_RANK_ZERO)
 
 
-def _deciding_rank(state: "GradientReducer") -> int:
+def _deciding_rank(state: GradientReducer) -> int:
     decisions = getattr(state, "decisions", None)  # an EDGCState's round: its group may be wider (`edgc.decisions`)
     return (decisions.communicator(state.comm) if decisions is not None else state.comm).rank
 
 
-def say(state: "GradientReducer", level: int, record: dict, line: str | None = None) -> None:
+def say(state: GradientReducer, level: int, record: dict, line: str | None = None) -> None:
     """Log ``record`` (``kind``, ``step``, ``message``) as one line: ``line``, or its message."""
     if LOGGER.isEnabledFor(level):
         LOGGER.log(level, line or record["message"], extra={"edgc": record, "edgc_rank": _deciding_rank(state)})
 
 
-def profiling_over(state: "EDGCState", step: int) -> None:
+def profiling_over(state: EDGCState, step: int) -> None:
     """Profiling has decided (call once it has): r_max, or why compression is off or at its floor."""
     verdict = state.controller.profiling_verdict()
     if verdict is None:  # r_max was given, or a pipeline follower: nothing was profiled
@@ -75,7 +74,7 @@ def profiling_over(state: "EDGCState", step: int) -> None:
     say(state, logging.INFO if found else logging.WARNING, record, f"step {step}: {message}")
 
 
-def planned(state: "EDGCState", before: tuple[str, int | None], plan: StepPlan) -> None:
+def planned(state: EDGCState, before: tuple[str, int | None], plan: StepPlan) -> None:
     """The controller planned ``plan`` where its (phase, rank) were ``before``: say a warm-up's end or a
     hand-set rank change (decided ranks are said where they are decided; followers follow their leader)."""
     phase, rank = before
@@ -87,7 +86,7 @@ def planned(state: "EDGCState", before: tuple[str, int | None], plan: StepPlan) 
         rank_set(state, plan.step, rank, plan.rank)
 
 
-def warmup_over(state: "EDGCState", step: int) -> None:
+def warmup_over(state: EDGCState, step: int) -> None:
     """Step ``step`` is the first compressed one."""
     controller, config = state.controller, state.config
     if controller.error_test_step is not None:
@@ -102,13 +101,13 @@ def warmup_over(state: "EDGCState", step: int) -> None:
                               "r_min": controller.r_min, "r_max": controller.r_max, "message": message})
 
 
-def rank_set(state: "EDGCState", step: int, old: int | None, new: int) -> None:
+def rank_set(state: EDGCState, step: int, old: int | None, new: int) -> None:
     """A hand-set ``rank_schedule`` moved the rank at ``step``."""
     message = f"step {step}: EDGC rank {old} → {new} (hand-set rank_schedule)"
     say(state, logging.INFO, {"kind": "rank_set", "step": step, "old_rank": old, "rank": new, "message": message})
 
 
-def decision(state: "EDGCState", plan: StepPlan, taken: Decision, entropy: float | None) -> dict:
+def decision(state: EDGCState, plan: StepPlan, taken: Decision, entropy: float | None) -> dict:
     """A rank decision at the end of ``plan.step``, as a record for people: what was decided, from
     what signal (``entropy``: the last sample, nats), and why. Logged, and returned (`EDGCState.last_decision`)."""
     config, controller = state.config, state.controller
@@ -132,14 +131,14 @@ def decision(state: "EDGCState", plan: StepPlan, taken: Decision, entropy: float
     return record
 
 
-def nonfinite(state: "EDGCState", step: int) -> None:
+def nonfinite(state: EDGCState, step: int) -> None:
     """Step ``step``'s averaged gradient held a NaN/Inf (on some rank): the engine's fallback."""
     message = (f"step {step}: EDGC's averaged gradient is not finite (a NaN/Inf on some rank): it stays so, for "
                "the optimizer or GradScaler to skip the step; the step's error feedback is cleared, Q is kept")
     say(state, logging.WARNING, {"kind": "nonfinite", "step": step, "message": message})
 
 
-def discarded(state: "GradientReducer", step: int, reason: str) -> None:
+def discarded(state: GradientReducer, step: int, reason: str) -> None:
     """Step ``step`` was rolled back: the state is as before it (what it tried to send is kept)."""
     message = (f"step {step}: {type(state).__name__} discarded the step ({reason}): its shared state is as "
                "before it; error feedback keeps what it tried to send")

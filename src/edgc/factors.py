@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -32,7 +33,7 @@ def stable_seed(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method_for(device_type: str, index: int | None) -> str:
     if device_type == "cpu":
         return "householder"

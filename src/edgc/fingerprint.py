@@ -36,12 +36,10 @@ hand-set schedules, static PowerSGD, pipeline followers).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
 from .plans import PHASES
-
 
 FIELDS = ("step", "phase", "rank", "r_max", "r_min", "rank changes", "Q checksum")
 SPAN = 2 ** 52  # every field is an integer below it: exact in float64
@@ -61,7 +59,7 @@ def q_checksum(q: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor
     return total.remainder(SPAN)
 
 
-def shared_fields(state: "EDGCState", step: int) -> list[int]:
+def shared_fields(state: EDGCState, step: int) -> list[int]:
     """The fields before the Q checksum; -1 stands for None."""
     controller = state.controller
     values = (step, PHASES.index(controller.phase), controller.rank, controller.r_max, controller.r_min,
@@ -69,7 +67,7 @@ def shared_fields(state: "EDGCState", step: int) -> list[int]:
     return [-1 if value is None else int(value) for value in values]
 
 
-def compare_replicas(state: "EDGCState", step: int) -> None:
+def compare_replicas(state: EDGCState, step: int) -> None:
     """Compare the fingerprint over ``state``'s group (every rank calls it at the same step);
     raise `ReplicasDiverged` where it differs."""
     comm = state.comm

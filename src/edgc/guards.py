@@ -90,14 +90,14 @@ class UsageGuard:
             names.append(name)
         return names
 
-    def bind(self, state: "GradientReducer") -> None:
+    def bind(self, state: GradientReducer) -> None:
         """Give a state built for the default group before it existed that group, if it exists now
         (until its first step: a state that has stepped keeps the group it stepped with)."""
         comm = state.comm
         if not self.checked and type(comm) is Communicator and comm.awaits_default_group and _distributed():
             state.comm = Communicator(None)
 
-    def first_use(self, state: "GradientReducer") -> None:
+    def first_use(self, state: GradientReducer) -> None:
         """At the state's first use (later calls return at once): bind a default group created after
         the state, then check the group (warns once without any)."""
         if self.checked:

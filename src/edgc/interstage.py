@@ -56,8 +56,8 @@ on the DP link, which says nothing about the inter-stage link. Static compressor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -229,7 +229,7 @@ class IncomingGradient:
         self.header = torch.empty(HEADER, dtype=torch.int64, device=device)
         self.op = dist.P2POp(dist.irecv, self.header, src, self.group, tag)
 
-    def finish(self, mark: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    def finish(self, mark: Callable[[], None] | None = None) -> torch.Tensor:
         """``mark`` (a timing hook, e.g. a clock stamp) is called once the header is in and once the
         payload has arrived: the span between the two is the payload's transfer."""
         if self.expected is not None:
@@ -263,7 +263,7 @@ def check_headers(incoming: list[IncomingGradient]) -> None:
 
 
 def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float32, device=None,
-                  group=None, tag: int = 0, mark: Optional[Callable[[], None]] = None) -> torch.Tensor:
+                  group=None, tag: int = 0, mark: Callable[[], None] | None = None) -> torch.Tensor:
     """Blocking receive of one packet sent by `send_gradient`; returns the decompressed gradient.
     The header's receive is a batch of its own here; ``mark`` as in `IncomingGradient.finish`."""
     incoming = IncomingGradient(shape, src, dtype, device, group, tag)

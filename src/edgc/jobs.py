@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

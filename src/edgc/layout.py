@@ -100,7 +100,7 @@ class CallLayout:
     raw_numel: int = 0
 
     @classmethod
-    def plan(cls, names: list[str], tensors: list[torch.Tensor], rank: int, min_compression_rate: float) -> "CallLayout":
+    def plan(cls, names: list[str], tensors: list[torch.Tensor], rank: int, min_compression_rate: float) -> CallLayout:
         by_shape: dict[tuple[int, int, int], ShapeGroup] = {}
         raw, ranks = [], {}
         for i, (name, tensor) in enumerate(zip(names, tensors)):

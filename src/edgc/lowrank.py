@@ -50,8 +50,14 @@ from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, Pending, run_job
 from .config import EDGCConfig, LowRankConfig
 from .engine_state import CallState, EngineState
-from .factors import (compressed_rank, matrix_shape, orthonormalization_for, orthonormalize_blocks_,
-                      orthonormalize_rows_, stable_seed)
+from .factors import (
+    compressed_rank,
+    matrix_shape,
+    orthonormalization_for,
+    orthonormalize_blocks_,
+    orthonormalize_rows_,
+    stable_seed,
+)
 from .finite import nan_unless_finite
 from .layout import CallLayout
 from .timing import to_device

@@ -8,8 +8,9 @@ rank rule reads of the controller.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 PROFILE, WARMUP, COMPRESS, OFF = "profile", "warmup", "compress", "off"
 PHASES = (PROFILE, WARMUP, COMPRESS, OFF)
@@ -52,7 +53,7 @@ class Decision:
                 number(self.error_test_step), number(self.error_at_start), number(self.need), number(self.target)]
 
     @classmethod
-    def decode(cls, values: Sequence[float]) -> "Decision":
+    def decode(cls, values: Sequence[float]) -> Decision:
         def integer(value: float) -> int | None:
             return None if value < 0 else int(round(value))
 

@@ -86,7 +86,7 @@ def grow_along_residual(kept: EngineState, grow: list[tuple[str, int]],
     if kept.config.error_feedback:
         comm.mean_async(flat).wait()  # the group's residual directions, identical on every rank
     offset = 0
-    for (name, target), block in zip(grow, blocks):
+    for (name, _), block in zip(grow, blocks):
         columns = flat[offset : offset + block.numel()].view_as(block)
         offset += block.numel()
         q = kept.q[name]

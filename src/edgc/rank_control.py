@@ -50,12 +50,23 @@ proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from .budget import BudgetRule
 from .config import EDGCConfig
-from .plans import (COMPRESS, OFF, PHASES, PROFILE, PROFILE_START_STEP, WARMUP, Agreed, ControllerView, Decision,
-                    StepPlan)
+from .plans import (
+    COMPRESS,
+    OFF,
+    PHASES,
+    PROFILE,
+    PROFILE_START_STEP,
+    WARMUP,
+    Agreed,
+    ControllerView,
+    Decision,
+    StepPlan,
+)
 from .profiling import SyncTimeTable, profile_candidates
 from .rank_rules import PaperRules
 

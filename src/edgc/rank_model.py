@@ -16,7 +16,7 @@ r1 = g⁻¹(e^{c(H0−H1)}·g(r0)): falling entropy permits a lower rank.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

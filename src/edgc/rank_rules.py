@@ -9,7 +9,7 @@ What a boundary maps to the next rank is a `RankMapping`, registered by name (``
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from .plans import Agreed, ControllerView, StepPlan
 from .rank_model import ErrorModel, cqm_target_rank

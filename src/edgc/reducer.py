@@ -26,7 +26,8 @@ together, with collectives); and `_snapshot` / `_restore` / `_commit` for uncomm
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -15,8 +15,8 @@ collectives are not the step's traffic: they are dropped from its record.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 

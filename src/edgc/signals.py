@@ -22,7 +22,7 @@ A new signal is one class (a ``measure``, or a ``need`` of its own) and one `reg
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

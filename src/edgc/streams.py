@@ -14,7 +14,8 @@ from reuse with `record_stream` until the other stream's work queued so far is d
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

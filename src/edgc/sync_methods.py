@@ -13,8 +13,9 @@ A new compressor is one file (its class) and one `register_sync_method` call.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 

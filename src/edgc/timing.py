@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator, Union
+from collections.abc import Iterator
+from typing import Union
 
 import torch
 

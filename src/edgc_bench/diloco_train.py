@@ -41,8 +41,18 @@ from edgc_train.data import BlockSampler, prepare_data
 from edgc_train.model import build_model, model_shape
 from edgc_train.train import lr_lambda, make_optimizer, seed_everything
 
-from .torchft_train import (add_worker_flags, batch, forward_backward, parameter_digest, replica_manager, sync_step,
-                            torchft_sync, train_config, validation_loss, wait_for_every_group)
+from .torchft_train import (
+    add_worker_flags,
+    batch,
+    forward_backward,
+    parameter_digest,
+    replica_manager,
+    sync_step,
+    torchft_sync,
+    train_config,
+    validation_loss,
+    wait_for_every_group,
+)
 
 METHODS = ("ddp", "ddp-edgc", "diloco", "diloco-edgc")
 # DiLoCo's outer Nesterov SGD at lr 0.7 (Douillard et al., 2023); momentum 0.5, not their 0.9: a run of

@@ -31,8 +31,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .dispatch_count import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
-from .gpu_support import (DeviceTimer, device_activity_count, gpt2, median, memory_allocated, peak_memory,
-                          vocabulary)
+from .gpu_support import DeviceTimer, device_activity_count, gpt2, median, memory_allocated, peak_memory, vocabulary
 
 WARMUP_CALLS = 3  # both hooks: 2 uncompressed steps (DDP's bucket rebuild), then one that creates Q and the error feedback
 
@@ -85,7 +84,7 @@ def hooked_step(model, tokens, method: str, rank: int, cap: float | None, timed:
            "kernels": device_activity_count(lambda: _train_steps(ddp, tokens, 1, timer), device)}
     if state is not None and hasattr(state, "last_step_metrics"):
         row["phase"], row["edgc_rank"] = state.last_step_metrics["phase"], state.last_step_metrics["rank"]
-    del ddp, state
+    ddp = state = None  # released before the next model is hooked
     model.zero_grad(set_to_none=True)
     _release(device, collect=True)
     return row

@@ -11,9 +11,9 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist

@@ -16,7 +16,6 @@ views, in-place and ``out=`` results, which live in their inputs' storages.
 """
 from __future__ import annotations
 
-import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 

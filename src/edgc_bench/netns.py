@@ -94,7 +94,7 @@ class Network:
         self.created.append(name)
         self._ip("-n", name, "link", "set", "lo", "up")
 
-    def open(self) -> "Network":
+    def open(self) -> Network:
         check_prerequisites()
         self._closed = False
         atexit.register(self.close)

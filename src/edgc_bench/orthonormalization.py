@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from . import table as bench_table
-from .repeats import means, measure, rate_label, table as side_by_side
+from .repeats import means, measure, rate_label
+from .repeats import table as side_by_side
 
 
 def rounds_markdown(out: Path, summary: dict) -> str:

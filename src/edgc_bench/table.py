@@ -312,7 +312,7 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         result_table(rows_, bool(s.get("fsdp"))),
         ("Ratios are to `none` (native HSDP: FSDP2's own replica all-reduce) in the same " if s.get("fsdp") else
          "Ratios are to `none` (DDP with no hook: its native all-reduce, overlapped with backward) in the same ")
-        + 
+        +
         "invocation; × floor is the step time over `nosync`'s (no gradient sync at all). Times are medians over "
         "all steps (rank 0); DP comm is the time from issuing each collective to its completion, summed (it "
         "overlaps backward and other collectives, so it can exceed the step's share of waiting); "

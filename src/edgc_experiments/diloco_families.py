@@ -13,8 +13,8 @@ have one learning rate per family, cosine-decayed over the run.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

@@ -13,6 +13,7 @@ import math
 import time
 from typing import Any
 
+
 def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     """Mean next-token loss over every block of the validation split."""
     import torch

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
 
 from .tbf import burst_bytes
-
 
 SMALL_WIRE = 64 * 1024  # bytes on the wire per host up to which an all-reduce is latency alone
 LARGE_WIRE = 4 * 2 ** 20  # ... and from which bytes / beta dominates
@@ -105,7 +104,7 @@ def nominal_link(mbit: float) -> BenchLink:
     return BenchLink(0.0, mbit * 1e6 / 8, 0.0, f"nominal {mbit:g} Mbit/s, no latency, no burst")
 
 
-def find_bench_calibration(run_dirs: Sequence[str | Path]) -> Optional[Path]:
+def find_bench_calibration(run_dirs: Sequence[str | Path]) -> Path | None:
     """`<bench>/calibration.json` when every run folder is `<bench>/runs/<method>`."""
     parents = {Path(d).resolve().parent.parent for d in run_dirs}
     if len(parents) == 1:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from .hardware import ClusterSpec, DeviceSpec, LinkSpec
 from .iteration import IterationModel
 from .presets import ModelSpec, ParallelSpec, Preset
 from .schedule import read_metrics
-
 
 # `edgc train` writes the resolved GPT2Config shape under "model"; top-level keys are the user's
 # overrides (often null) and are only a fallback. The first non-null key wins.
@@ -36,7 +35,7 @@ class MeasuredRun:
     path: str  #: run folder
     config: dict  #: config.json
     records: tuple  #: "train" records of metrics.jsonl, by step
-    link_s: Optional[dict] = None  #: step -> its collectives' time on the link (link_times), None without traces
+    link_s: dict | None = None  #: step -> its collectives' time on the link (link_times), None without traces
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class CalibrationRow:
 
     run: str  #: run folder name
     compressor: str  #: config["compressor"]
-    rank: Optional[int]  #: PowerSGD rank of these steps, None = uncompressed
+    rank: int | None  #: PowerSGD rank of these steps, None = uncompressed
     steps: int  #: steps averaged (median)
     step_measured_s: float  #: median measured step time, seconds
     step_predicted_s: float  #: model's step time, seconds
@@ -80,7 +79,7 @@ def link_times(traces: Sequence[dict]) -> dict:
     return out
 
 
-def read_comm_traces(run_dir: str | Path, world: int) -> Optional[dict]:
+def read_comm_traces(run_dir: str | Path, world: int) -> dict | None:
     """link_times of a run's comm_trace/rank*.jsonl (`edgc train --comm-trace`), None unless every
     one of the `world` ranks left one."""
     files = [Path(run_dir) / "comm_trace" / f"rank{r}.jsonl" for r in range(world)]

@@ -56,16 +56,24 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
 
 from . import collectives
 from .bench_link import BenchLink
 from .calibrate import COMM_INCLUDES_COMPRESS, SKIP_FRACTION, MeasuredRun, harness_model
 from .hardware import DeviceSpec
-from .step_model import (OTHER_SHARE, compress_model, median_interval, payload_groups, step_payloads, step_timeline,
-                         wire_parts, wire_time)
+from .step_model import (
+    OTHER_SHARE,
+    compress_model,
+    median_interval,
+    payload_groups,
+    step_payloads,
+    step_timeline,
+    wire_parts,
+    wire_time,
+)
 
 REFERENCE = "none"
 # Today's bench folders (since our hook stopped blocking) run nosync, allreduce and allreduce-blocking
@@ -82,7 +90,7 @@ class BenchRow:
 
     run: str  #: run folder name (the bench's method token)
     compressor: str
-    rank: Optional[int]
+    rank: int | None
     steps: int
     bytes_sent: float  #: median payload per rank per step
     collectives: float  #: collectives per step used by the model
@@ -162,7 +170,7 @@ def _compressor(run: MeasuredRun) -> str:
     return str(run.config["compressor"])
 
 
-def _measured_count(recs: Sequence[dict]) -> Optional[float]:
+def _measured_count(recs: Sequence[dict]) -> float | None:
     counts = [float(r["collectives"]) for r in recs if r.get("collectives") is not None]
     return statistics.median(counts) if counts else None
 
@@ -176,10 +184,10 @@ class RunGroup:
     """One (run, rank) group's inputs to the prediction (calibrate_bench's first pass)."""
 
     run: MeasuredRun
-    rank: Optional[int]
+    rank: int | None
     recs: list
     payloads: list
-    count: Optional[float]
+    count: float | None
     transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
     link_s: list  #: traced link time of each of its steps (empty without traces)
     overlapped: bool = False  #: issued without blocking (our hook in today's folders): traced durations include queueing

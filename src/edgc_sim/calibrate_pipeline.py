@@ -27,9 +27,9 @@ SKIP_FRACTION of the run left out), the simulator predicts:
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from edgc.interstage import HEADER_BYTES
 
@@ -56,9 +56,9 @@ class PipelineRow:
     raw_predicted: int  #: step_bytes, raw
     interstage_measured_s: float  #: median interstage_time_s (summed over stages)
     interstage_predicted_s: float  #: timeline waits + compress, summed over stages
-    wire_measured_s: Optional[float]  #: median interstage_wire_s summed over stages; None with off (not separable)
-    wire_predicted_s: Optional[float]  #: the compressed path's payload transfers (alpha + bytes / beta each)
-    compress_measured_s: Optional[float]  #: median interstage_compress_s summed over stages (None with off)
+    wire_measured_s: float | None  #: median interstage_wire_s summed over stages; None with off (not separable)
+    wire_predicted_s: float | None  #: the compressed path's payload transfers (alpha + bytes / beta each)
+    compress_measured_s: float | None  #: median interstage_compress_s summed over stages (None with off)
     compress_predicted_s: float  #: the compress model over the compressed gradients
     pipeline_measured_s: float  #: median over steps of the longest stage's pipeline_s
     pipeline_predicted_s: float  #: the timeline's last backward end
@@ -75,11 +75,11 @@ class PipelineRow:
         return (self.interstage_predicted_s - self.interstage_measured_s) / self.interstage_measured_s
 
     @property
-    def wire_error(self) -> Optional[float]:
+    def wire_error(self) -> float | None:
         return _error(self.wire_predicted_s, self.wire_measured_s)
 
     @property
-    def compress_error(self) -> Optional[float]:
+    def compress_error(self) -> float | None:
         return _error(self.compress_predicted_s, self.compress_measured_s)
 
     @property
@@ -87,7 +87,7 @@ class PipelineRow:
         return (self.step_predicted_s - self.step_measured_s) / self.step_measured_s
 
 
-def _error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+def _error(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or not measured:
         return None
     return (predicted - measured) / measured
@@ -108,7 +108,7 @@ def _groups(run: MeasuredRun) -> list:
 
 
 def predict_schedule(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_batches: int, mode: str,
-                     ranks: Sequence[Optional[int]], rows: int, cols: int, link: cm.AlphaBeta,
+                     ranks: Sequence[int | None], rows: int, cols: int, link: cm.AlphaBeta,
                      device: DeviceSpec) -> tuple:
     """(timeline, per-stage inter-stage seconds, payload transfer seconds, compress seconds) of one step:
     t_fwd/t_bwd per stage (compute of one micro-batch), ranks[s] the rank stage s sends its gradients
@@ -145,7 +145,7 @@ def calibrate_pipeline(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Li
         for ranks, recs in _groups(run):
             med = lambda f: statistics.median(f(r) for r in recs)  # noqa: E731
 
-            def measured(key: str) -> Optional[float]:
+            def measured(key: str) -> float | None:
                 """Median over steps of the stages' sum; None where not logged (off, or older runs)."""
                 if mode == "off" or any(key not in s for r in recs for s in r["stages"]):
                     return None

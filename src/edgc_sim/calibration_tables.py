@@ -3,7 +3,7 @@ folders (`format_bench_calibration`), as `edgc simulate --calibrate` prints them
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from .bench_link import BenchLink
 from .calibrate import CalibrationRow

@@ -7,11 +7,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from edgc.interstage import MODES
+
 from .calibrate_bench import LATENCY_SOURCES
 from .hardware import CLUSTERS, LINKS, cluster_with_inter_link
 from .interstage import InterStage
 from .iteration import IterationModel
-from edgc.interstage import MODES
 from .methods import METHODS, MethodConfig, simulate_methods
 from .presets import PRESETS
 from .report import DAY, format_table, plot_breakdown, reductions

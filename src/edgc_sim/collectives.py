@@ -24,7 +24,7 @@ the fallback for runs without it and gives every collective its payload.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from edgc.factors import compressed_rank as engine_rank
 from edgc.sync_methods import ALL_GATHER, sync_method
@@ -57,7 +57,7 @@ def gpt2_gradient_shapes(model: ModelSpec) -> list:
     return shapes + [(h,), (h,)]
 
 
-def ddp_buckets(shapes: Sequence[tuple], cap_mib: Optional[float] = None, bytes_per_value: int = 4) -> list:
+def ddp_buckets(shapes: Sequence[tuple], cap_mib: float | None = None, bytes_per_value: int = 4) -> list:
     """DDP's buckets after its rebuild: lists of gradient shapes in ready order (reverse definition
     order), greedily filled until each reaches its size limit."""
     if cap_mib is None:
@@ -84,7 +84,7 @@ def compressed_rank(shape: tuple, rank: int, min_compression_rate: float = 2.0) 
     return engine_rank((shape[0], math.prod(shape) // shape[0]), rank, min_compression_rate)
 
 
-def bucket_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
+def bucket_collectives(compressor: str, model: ModelSpec, rank: int | None, bytes_per_value: int = 4,
                        min_compression_rate: float = 2.0) -> list:
     """Per DDP bucket in ready order, the payloads in bytes of the collectives it issues (rank None:
     uncompressed); ``allreduce-blocking`` is one group (its single packed all-reduce), ``nosync`` none.
@@ -129,7 +129,7 @@ def bucket_values(compressor: str, model: ModelSpec, bytes_per_value: int = 4) -
             for b in ddp_buckets(shapes, BUCKET_CAP_MIB.get(compressor), bytes_per_value)]
 
 
-def step_collectives(compressor: str, model: ModelSpec, rank: Optional[int], bytes_per_value: int = 4,
+def step_collectives(compressor: str, model: ModelSpec, rank: int | None, bytes_per_value: int = 4,
                      min_compression_rate: float = 2.0) -> list:
     """Payload in bytes of every collective one step issues, in order (`bucket_collectives` flattened)."""
     return [p for group in bucket_collectives(compressor, model, rank, bytes_per_value, min_compression_rate)

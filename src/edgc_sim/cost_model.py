@@ -5,8 +5,9 @@ lives in edgc_sim.iteration.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 from .engine_model import EngineRates, engine_compute_time, engine_jobs
 
@@ -104,7 +105,7 @@ def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list:
 
 
 def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence, micro_batches: int,
-                         p2p_s: Sequence[float] = (), p2p_bwd_s: Optional[Sequence] = None) -> Timeline:
+                         p2p_s: Sequence[float] = (), p2p_bwd_s: Sequence | None = None) -> Timeline:
     """Event simulation of one 1F1B iteration. t_fwd[p]: stage p's time of one micro-batch forward;
     t_bwd[p]: of one backward, or a sequence of one per micro-batch (a compressed gradient's compress
     time lengthens its sender's backward). p2p_s[p]: transfer time of an activation from stage p to
@@ -231,7 +232,7 @@ def optimus_powersgd_time(shapes: Sequence[tuple], rank: int, flops_per_s: float
 
 def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
                           mem_bytes_per_s: float, launch_s: float, bytes_per_value: int,
-                          engine: Optional[EngineRates] = None, measure_error: bool = False) -> float:
+                          engine: EngineRates | None = None, measure_error: bool = False) -> float:
     """Compress + decompress time of one step over the gradient tensors `shapes` (definition order).
 
     With `engine` (how the device runs our engine: `DeviceSpec.skinny_rates`), our engine
@@ -247,7 +248,7 @@ def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float
 
 def torch_powersgd_hook_time(shapes: Sequence[tuple], bucket_values: int, rank: int, flops_per_s: float,
                              mem_bytes_per_s: float, launch_s: float, alloc_s_per_byte: float,
-                             bytes_per_value: int, hook_gemm_flops_per_s: Optional[float] = None) -> float:
+                             bytes_per_value: int, hook_gemm_flops_per_s: float | None = None) -> float:
     """Compress + decompress of PyTorch's powerSGD_hook over one bucket of `bucket_values` values
     (counted from torch 2.13's source): the same three matmuls; both Q (warm start) and P
     orthogonalised; error feedback over the whole bucket, 1-D tensors included (add_ the error: 3

@@ -5,14 +5,14 @@ only turns its analytic sync-time function into the tables that rule reads.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 RANK_GRANULARITY = 4  # aligned ranks and r_max are multiples of 4 (the paper, §2.7, §2.9)
 
-SyncTime = Callable[[int, Optional[int]], float]  # (stage, rank or None) -> predicted seconds
+SyncTime = Callable[[int, int | None], float]  # (stage, rank or None) -> predicted seconds
 
 
-def profile_r_max(sync_time: Callable[[Optional[int]], float], max_rank: int = 4096) -> int:
+def profile_r_max(sync_time: Callable[[int | None], float], max_rank: int = 4096) -> int:
     """r_max as the library's start-up profiler finds it on this sync-time model; 0 when even the
     smallest candidate is slower than uncompressed (compression never pays).
 

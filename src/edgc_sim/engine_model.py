@@ -25,8 +25,9 @@ while the launches, not the bytes, are the larger share.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 from edgc.factors import compressed_rank
 from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
@@ -112,7 +113,7 @@ class JobLayout:
     q_blocks: dict  #: rank -> Q blocks of that rank (distinct n)
 
     @classmethod
-    def plan(cls, shapes: Sequence[tuple], rank: int, min_compression_rate: float = 2.0) -> "JobLayout":
+    def plan(cls, shapes: Sequence[tuple], rank: int, min_compression_rate: float = 2.0) -> JobLayout:
         matrices, raw = [], 0
         for shape in shapes:
             values = math.prod(shape)
@@ -181,7 +182,7 @@ def job_launches(job: JobLayout, *, accelerator: bool, half_gradients: bool = Fa
 
 
 def engine_jobs(shapes: Sequence[tuple], bytes_per_value: int, accelerator: bool, *,
-                bucket_cap_mib: Optional[float] = None, fusion_mb: Optional[float] = None) -> list:
+                bucket_cap_mib: float | None = None, fusion_mb: float | None = None) -> list:
     """The jobs one compressed step runs, as lists of tensor shapes: DDP's buckets of ``shapes``
     (definition order, `collectives.ddp_buckets`), each its own job on a CPU; on an accelerator
     consecutive buckets gathered until they hold ``fusion_mb`` (default the library's) or the

@@ -15,7 +15,6 @@ sender's backward: it runs right after it, before the send, on the critical path
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from edgc.interstage import MODES, compresses, effective_rank, wire_bytes
 
@@ -36,7 +35,7 @@ class InterStage:
             raise ValueError(f"interstage rank must be >= 1, got {self.rank}")
 
 
-def gradient_ranks(mode: str, rank: Optional[int], micro_batches: int, stages: int, rows: int,
+def gradient_ranks(mode: str, rank: int | None, micro_batches: int, stages: int, rows: int,
                    cols: int) -> list:
     """Per micro-batch of one boundary: the rank its gradient is sent at (0 = raw), None with ``off``."""
     if mode == "off":
@@ -45,7 +44,7 @@ def gradient_ranks(mode: str, rank: Optional[int], micro_batches: int, stages: i
             for i in range(micro_batches)]
 
 
-def gradient_bytes(rank: Optional[int], rows: int, cols: int, element_size: int = 4) -> int:
+def gradient_bytes(rank: int | None, rows: int, cols: int, element_size: int = 4) -> int:
     """Bytes of one activation gradient on the wire (rank None: the ``off`` path, no header)."""
     return rows * cols * element_size if rank is None else wire_bytes(rows, cols, rank, element_size)
 
@@ -67,8 +66,8 @@ def transfer_s(nbytes: float, link: cm.AlphaBeta) -> float:
     return link.alpha_s + nbytes / link.bytes_per_s
 
 
-def compress_s(rank: Optional[int], rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
-               launch_s: float, element_size: int = 4, engine: Optional[cm.EngineRates] = None) -> float:
+def compress_s(rank: int | None, rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
+               launch_s: float, element_size: int = 4, engine: cm.EngineRates | None = None) -> float:
     """Compress + decompress of one gradient sent at `rank` (0 for raw and None: nothing)."""
     if not rank:
         return 0.0

@@ -5,8 +5,8 @@ rank order. All GPUs of a stage that sit on one node sync at the same moment and
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from . import cost_model as cm
 from .hardware import ClusterSpec
@@ -148,14 +148,14 @@ class IterationModel:
                                            self.bytes)
 
     # -- DP sync ---------------------------------------------------------------------------------
-    def sync_cost(self, stage: int, rank: Optional[int]) -> SyncCost:
+    def sync_cost(self, stage: int, rank: int | None) -> SyncCost:
         """Gradient sync of `stage` at PowerSGD `rank` (None: plain all-reduce of the whole buffer)."""
         key = ("sync", stage, rank)  # DAC asks for the same (stage, rank) many times over a run
         if key not in self._cache:
             self._cache[key] = self._sync_cost(stage, rank)
         return self._cache[key]
 
-    def _sync_cost(self, stage: int, rank: Optional[int]) -> SyncCost:
+    def _sync_cost(self, stage: int, rank: int | None) -> SyncCost:
         st: StageParams = self.stages[stage]
         span = self.dp_span[stage]
         if self.D == 1:
@@ -178,7 +178,7 @@ class IterationModel:
         return self.allreduce(self.emb_span, self.stages[0].embedding_values * self.bytes)
 
     # -- iteration -------------------------------------------------------------------------------
-    def iteration(self, ranks: Sequence[Optional[int]]) -> IterationResult:
+    def iteration(self, ranks: Sequence[int | None]) -> IterationResult:
         ranks = tuple(ranks)
         if len(ranks) != self.P:
             raise ValueError(f"need one rank per stage ({self.P}), got {len(ranks)}")

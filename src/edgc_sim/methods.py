@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from .dac import align_stage_ranks, profile_r_max
 from .iteration import BREAKDOWN_KEYS, IterationModel, IterationResult
@@ -23,7 +23,7 @@ class MethodConfig:
     optimus_rank: int = 128  #: Optimus-CC DP rank (its GPT-2.5B script), >= 1
     optimus_stages: int = 3  #: Optimus-CC compresses the first k stages (--selective_grad_comp_way 3), >= 1
     mapping: DeltaMapping = field(default_factory=DeltaMapping)  #: EDGC window/ISR/warm-up/step
-    r_max: Optional[int] = None  #: EDGC rank ceiling; None = profile it from the model (§2.7)
+    r_max: int | None = None  #: EDGC rank ceiling; None = profile it from the model (§2.7)
 
     def __post_init__(self):
         for name in ("rank", "optimus_rank", "optimus_stages"):

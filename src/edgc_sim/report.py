@@ -1,8 +1,8 @@
 """Text table and stacked time-breakdown plot of simulated runs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .iteration import BREAKDOWN_KEYS
 from .methods import METHOD_LABELS, RunResult

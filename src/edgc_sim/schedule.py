@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -19,7 +19,7 @@ class Window:
 
     start: int  #: first iteration (>= 0)
     length: int  #: iterations in the window (>= 1)
-    rank: Optional[int]  #: stage-0 PowerSGD rank; None = uncompressed (warm-up)
+    rank: int | None  #: stage-0 PowerSGD rank; None = uncompressed (warm-up)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from edgc.sync_methods import sync_method
 
@@ -46,7 +46,7 @@ def median_interval(values: Sequence[float], level: float = 0.95, resamples: int
     return _quantile(medians, tail), _quantile(medians, 1 - tail)
 
 
-def step_payloads(compressor: str, rank: Optional[int], config: dict, nbytes: float) -> list:
+def step_payloads(compressor: str, rank: int | None, config: dict, nbytes: float) -> list:
     """Bytes of each collective of one step (collectives.step_collectives for this run's model),
     rescaled to the measured `nbytes` per step."""
     rate = float((config.get("edgc") or {}).get("min_compression_rate") or 2.0)
@@ -56,7 +56,7 @@ def step_payloads(compressor: str, rank: Optional[int], config: dict, nbytes: fl
     return collectives.scale_to(payloads, nbytes)
 
 
-def payload_groups(compressor: str, rank: Optional[int], config: dict, nbytes: float) -> list:
+def payload_groups(compressor: str, rank: int | None, config: dict, nbytes: float) -> list:
     """`step_payloads` grouped per DDP bucket (collectives.bucket_collectives), same scaling."""
     rate = float((config.get("edgc") or {}).get("min_compression_rate") or 2.0)
     if compressor == "torch-powersgd":
@@ -147,7 +147,7 @@ def step_timeline(compute_s: float, compress_s: float, durations: Sequence[Seque
 
 
 def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
-               count: Optional[float] = None) -> tuple:
+               count: float | None = None) -> tuple:
     """(latency, bytes) seconds of one step's collectives: `count` (a measured collectives per step,
     default len(payloads)) x the fixed cost, and each payload's bytes beyond the burst / beta. The
     collectives a measured count has beyond the payloads (EDGC's decision all-reduce and broadcast,
@@ -158,7 +158,7 @@ def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: Ben
 
 
 def wire_time(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
-              count: Optional[float] = None) -> float:
+              count: float | None = None) -> float:
     """Latency + bytes of one step's collectives (wire_parts)."""
     return sum(wire_parts(compressor, world, payloads, link, count))
 
@@ -169,7 +169,7 @@ def wire_time(compressor: str, world: int, payloads: Sequence[float], link: Benc
 COMPRESS_BYTES_PER_VALUE: dict[str, float] = {"fp16": 4 + 2 + 2 + 4, "bf16": 4 + 2 + 2 + 4}
 
 
-def compress_model(compressor: str, rank: Optional[int], config: dict, device: DeviceSpec) -> Optional[float]:
+def compress_model(compressor: str, rank: int | None, config: dict, device: DeviceSpec) -> float | None:
     """Modelled compress + decompress seconds of one step, None where not modelled."""
     if compressor in POWERSGD_METHODS:
         r = rank if rank is not None else int(config.get("powersgd_rank") or 8)

@@ -269,7 +269,8 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     import torch once more before any worker starts. Returns torchrun's exit status (1 when a
     worker failed, after its failure summary)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run as run_agent
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as run_agent
 
     # torchrun would set 1 thread per process and warn; split the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

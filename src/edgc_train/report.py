@@ -26,8 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from .report_plots import plot_all
-from .report_runs import (SKIP_STEPS, ReportError, Run, baseline, fmt, fmt_duration, fmt_mb, fmt_ms, fmt_ratio,
-                          format_schedule, load_runs, ratio)
+from .report_runs import (
+    SKIP_STEPS,
+    ReportError,
+    Run,
+    baseline,
+    fmt,
+    fmt_duration,
+    fmt_mb,
+    fmt_ms,
+    fmt_ratio,
+    format_schedule,
+    load_runs,
+    ratio,
+)
 
 
 # ------------------------------------------------------------------------------------------ markdown

@@ -7,7 +7,8 @@ import math
 import statistics
 from pathlib import Path
 
-from .report_runs import Run, fmt_ms, steady, estimator_name
+from .report_runs import Run, estimator_name, fmt_ms, steady
+
 
 # ------------------------------------------------------------------------------------------ plots
 def _smooth_window(n: int) -> int:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from edgc.mesh import local_tensor
 

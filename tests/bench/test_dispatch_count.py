@@ -11,8 +11,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 from distributed_harness import run_distributed  # noqa: E402
 
 from edgc import EDGCConfig  # noqa: E402
-from edgc_bench.dispatch_count import (DispatchCounter, count_engine_call, count_gpt2_step, count_hook_step,  # noqa: E402
-                                       ddp_buckets, ready_order)
+from edgc_bench.dispatch_count import (  # noqa: E402
+    DispatchCounter,
+    count_engine_call,
+    count_gpt2_step,
+    count_hook_step,
+    ddp_buckets,
+    ready_order,
+)
 from edgc_bench.engine_cost import matrix_byte_floors  # noqa: E402
 from edgc_bench.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
 

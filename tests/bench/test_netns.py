@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from edgc_bench.netns import Network, NetnsError, check_prerequisites, namespaces
+from edgc_bench.netns import NetnsError, Network, check_prerequisites, namespaces
 from edgc_sim.tbf import burst_bytes
 
 try:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from edgc_bench import repeats, rounds, run as bench_run
+from edgc_bench import repeats, rounds
+from edgc_bench import run as bench_run
 
 BASE_STEP_S = {"none": 2.0, "nosync": 0.8, "powersgd@rmax": 1.0, "edgc": 0.9}  # true EDGC × floor: 1.125
 DRIFT = 0.05  # each launch runs 5 % slower than the one before

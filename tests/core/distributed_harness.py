@@ -64,7 +64,7 @@ def _entry(fn, rank, world_size, port, results, args, backend="gloo"):
         results.put((rank, True, _result(fn, rank, world_size, args)))
     except BaseException:  # report, then exit non-zero
         results.put((rank, False, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         # Flush the result before tearing down: after a peer died, gloo may abort the process.
         results.close()

@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
+from distributed_harness import run_distributed
+from models import TinyTransformer, flat_parameters
+from test_ddp import train
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import run_distributed
 from edgc import CastState, QSGDState, RandomKState, TopKState, edgc_hook
-from models import TinyTransformer, flat_parameters
-from test_ddp import train
 
 
 def grads_of(seed: int = 0, shapes=((64, 32), (32,), (16, 8, 4))):
@@ -217,8 +217,9 @@ def test_two_processes_agree_and_conserve(kind):
 def _ddp_worker(rank, world_size, kind):
     """Six steps through DDP's hook with several buckets, counting the host reads of every step:
     Python-level reads of a tensor value inside the hook, and the library's own `to_host`."""
-    import edgc.timing
     from test_overlap import CountHostReads
+
+    import edgc.timing
 
     torch.manual_seed(0)
     model = TinyTransformer()

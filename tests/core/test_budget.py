@@ -3,17 +3,17 @@ import math
 
 import pytest
 import torch
+from distributed_harness import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ddp import resume_worker, training_worker
 
-from distributed_harness import run_distributed
 from edgc import EDGCConfig, LowRankCompressor
 from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
 from edgc.comm import Communicator
 from edgc.plans import Agreed
 from edgc.rank_control import WindowController
 from edgc.signals import trend_need, window_stats
-from test_ddp import resume_worker, training_worker
 
 # ---------------------------------------------------------------------------- pure planning
 

@@ -4,12 +4,12 @@ import time
 
 import pytest
 import torch
+from distributed_harness import run_distributed
+from models import TinyTransformer, batch, flat_parameters, loss_fn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import run_distributed
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
 from edgc.comm import Communicator
-from models import TinyTransformer, batch, flat_parameters, loss_fn
 
 # The CQM mapping on the Gaussian entropy moves the rank within a few windows on this toy run,
 # so the tests see rank changes; every rank's entropy differs (different data), the decision not.

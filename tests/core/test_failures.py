@@ -8,13 +8,13 @@ import warnings
 
 import pytest
 import torch
+from distributed_harness import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from distributed_harness import run_distributed
-from edgc import EDGCConfig, EDGCState, edgc_hook
 from models import TinyTransformer, batch, flat_parameters, loss_fn
 from test_ddp import ADAPTIVE, build, train
+
+from edgc import EDGCConfig, EDGCState, edgc_hook
 
 # ---------------------------------------------------------------------------- non-finite gradients
 

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from distributed_harness import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import run_distributed
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.finite import all_finite
 

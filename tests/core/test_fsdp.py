@@ -8,10 +8,10 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_harness import run_distributed
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from distributed_harness import run_distributed
 from edgc import AllReduceState, EDGCConfig, EDGCState
 from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
 
@@ -122,7 +122,7 @@ def training_worker(rank, world_size):
     out["native_warmup"] = local_shards(native)
     out["edgc_warmup"] = local_shards(edgc)
     out["warmup_phases"] = [phase for *_, phase, _ in log_edgc]
-    out["warmup_losses"] = ([l for l, *_ in log], [l for l, *_ in log_edgc])
+    out["warmup_losses"] = ([loss for loss, *_ in log], [loss for loss, *_ in log_edgc])
     # 2. compression, uninterrupted, with a checkpoint after step 7
     model, state, opt = build(mesh, False, COMPRESS)
     log = []

@@ -9,13 +9,13 @@ window's end, naming the field.
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_harness import GROUP_TIMEOUT, free_port, run_distributed
+from models import flat_parameters
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import GROUP_TIMEOUT, free_port, run_distributed
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.fingerprint import ReplicasDiverged
-from models import flat_parameters
 
 STATIC = dict(min_warmup_steps=2, window=3)  # compressing from step 2, a window's end every 3 steps
 
@@ -138,7 +138,7 @@ def test_a_state_used_without_any_process_group_warns_once():
     module = mlp()
     state = EDGCState(None, EDGCConfig.static(4, **STATIC), model=module)
     with pytest.warns(UserWarning, match="averages over this process alone") as caught:
-        for step in range(3):
+        for _ in range(3):
             module.zero_grad()
             module(torch.randn(8, 16)).square().mean().backward()
             state.synchronize(module.named_parameters())

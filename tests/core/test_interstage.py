@@ -6,14 +6,13 @@ import torch
 from distributed_harness import only_batched_point_to_point, run_distributed
 from test_overlap import CountHostReads
 
-from edgc.interstage import (HEADER_BYTES, InterStageCompressor, decompress, effective_rank, interstage_rank,
-                             wire_bytes)
+from edgc.interstage import HEADER_BYTES, InterStageCompressor, decompress, effective_rank, interstage_rank, wire_bytes
 
 
 def test_error_feedback_conserves_the_stage_gradient_in_float64():
     torch.manual_seed(0)
     compressor = InterStageCompressor(seed=3)
-    for step in range(4):
+    for _ in range(4):
         for slot in range(3):
             grad = torch.randn(2, 16, 12, dtype=torch.float64)
             old = compressor.residuals.get(slot, torch.zeros(32, 12, dtype=torch.float64)).clone()

@@ -6,17 +6,17 @@ import types
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
 from distributed_harness import run_distributed
-from edgc import EDGCConfig, EDGCState
-from edgc.fsdp import hsdp_mesh
 from models import batch, loss_fn
 from test_ddp import build
 from test_fsdp import COMPRESS, VOCAB
 from test_fsdp import batch as fsdp_batch
 from test_fsdp import build as fsdp_build
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from edgc import EDGCConfig, EDGCState
+from edgc.fsdp import hsdp_mesh
 
 STATIC = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000,
               min_compression_rate=1.0)

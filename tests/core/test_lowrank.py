@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from edgc import EDGCConfig, LowRankCompressor, orthogonalize_
-from edgc.factors import orthonormalize_blocks_, orthonormalize_rows_
 from edgc.comm import Communicator
+from edgc.factors import orthonormalize_blocks_, orthonormalize_rows_
 
 
 def make_grads(seed, dtype=torch.float64):
@@ -57,7 +57,7 @@ def test_batched_engine_computes_per_matrix_powersgd_on_tall_and_wide_matrices()
          for name, shape in shapes.items()}
     compressor.q.update({name: value.clone() for name, value in q.items()})
     error = {name: torch.zeros(shape[0], math.prod(shape[1:]), dtype=torch.float64) for name, shape in shapes.items()}
-    for step in range(4):
+    for _ in range(4):
         grads = {name: torch.randn(*shape, generator=generator, dtype=torch.float64) for name, shape in shapes.items()}
         expected = {}
         for name, grad in grads.items():

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from distributed_harness import run_distributed
+from torch import nn
 
 
 def _mesh_checks(rank: int, world: int) -> dict:

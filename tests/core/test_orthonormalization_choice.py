@@ -6,13 +6,12 @@ failure is injected through that info, as a device would report it, on a factor 
 fine: the engine must act on the info, not on what the factor looks like."""
 import pytest
 import torch
+from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads
 
 import edgc.factors as factors
 from edgc import EDGCConfig, LowRankCompressor
 from edgc.comm import Communicator
 from edgc.factors import ORTHONORMALIZATIONS, orthonormalization_for, orthonormalize_blocks_
-
-from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads
 
 CHOLESKY = [method for method in ORTHONORMALIZATIONS if method != "householder"]
 

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
-
 from distributed_harness import run_distributed
-from edgc.outer_sync import (QuantizedState, decay_error_feedback, error_table, heal_error_feedback, levels, pack,
-                             unpack)
-from edgc.sync_methods import sync_method
 from test_baselines import grads_of, reduce
+
+from edgc.outer_sync import QuantizedState, decay_error_feedback, error_table, heal_error_feedback, levels, pack, unpack
+from edgc.sync_methods import sync_method
 
 
 @pytest.mark.parametrize("bits", range(2, 9))

@@ -2,14 +2,14 @@
 hook returns, at most one host read per step, and the engine defects found in review."""
 import pytest
 import torch
+from distributed_harness import run_distributed
+from models import batch, flat_parameters, loss_fn
+from test_ddp import ADAPTIVE, build, train
 from torch.overrides import TorchFunctionMode
 
 import edgc.timing
-from distributed_harness import run_distributed
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
 from edgc.comm import Communicator
-from models import batch, flat_parameters, loss_fn
-from test_ddp import ADAPTIVE, build, train
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed_harness import run_distributed
+
 from edgc import EDGCConfig, EDGCState
 from edgc.pipeline import StageAligner
 from edgc_bench.stream_check import StreamChecker

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from distributed_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,14 +8,13 @@ import math
 
 import pytest
 import torch
+from distributed_harness import run_distributed
 
 from edgc import EDGCConfig
 from edgc.entropy import gaussian_entropy
 from edgc.plans import COMPRESS, Agreed
 from edgc.rank_control import WindowController
 from edgc.rank_rules import entropy_shift
-
-from distributed_harness import run_distributed
 
 SHAPES = [(256, 256), (256, 1024), (1024, 256)]
 

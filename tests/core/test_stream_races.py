@@ -12,19 +12,19 @@ import threading
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
 from distributed_harness import run_distributed
-from edgc import EDGCConfig
-from edgc.fsdp import hsdp_mesh
-from edgc.integrations.diloco import DiLoCo
-from edgc_bench.stream_check import StreamChecker
 from models import TinyTransformer, batch, loss_fn
 from test_ddp import ADAPTIVE, build
 from test_fsdp import COMPRESS, VOCAB
 from test_fsdp import batch as fsdp_batch
 from test_fsdp import build as fsdp_build
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from edgc import EDGCConfig
+from edgc.fsdp import hsdp_mesh
+from edgc.integrations.diloco import DiLoCo
+from edgc_bench.stream_check import StreamChecker
 
 DDP_BUCKET_MB = 0.25  # several buckets, so several jobs in flight at once
 

@@ -3,10 +3,10 @@ import copy
 
 import pytest
 import torch
-
-from edgc import EDGCConfig, EDGCState
 from models import TinyTransformer, batch, loss_fn
 from test_ddp import ADAPTIVE
+
+from edgc import EDGCConfig, EDGCState
 
 
 def make(defer: bool):

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-
-import pytest
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "core"))  # distributed_harness, models

@@ -14,12 +14,12 @@ import threading
 
 import torch
 import torch.distributed as dist
+from models import TinyTransformer
 from torchft.manager import Manager
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DiLoCo
 from edgc.outer_sync import error_table
-from models import TinyTransformer
 
 from .torchft_harness import FailingProcessGroup, Faults, InjectedKill, batch, initial_model, loss_of, run_groups
 

@@ -8,12 +8,12 @@ bit-identical.
 """
 import pytest
 import torch
+from models import TinyTransformer, batch, flat_parameters, loss_fn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig
 from edgc.integrations import register_edgc
-from models import TinyTransformer, batch, flat_parameters, loss_fn
 
 STEPS = 8
 CONFIG = dict(r_max=4, window=3, total_steps=STEPS, warmup_error_test=False, iteration_sample_ratio=1.0)

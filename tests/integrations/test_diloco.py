@@ -11,10 +11,10 @@ import io
 
 import pytest
 import torch
+from models import TinyTransformer, batch, flat_parameters, loss_fn
 
 from edgc import EDGCConfig
 from edgc.integrations.diloco import DiLoCo
-from models import TinyTransformer, batch, flat_parameters, loss_fn
 
 SYNC_EVERY = 4
 OUTER_STEPS = 8

@@ -2,9 +2,9 @@
 the replicas stay bit-identical, the bytes are the method's, a discarded outer step loses nothing."""
 import pytest
 import torch
+from models import TinyTransformer, batch, flat_parameters, loss_fn
 
 from edgc.integrations.diloco import DiLoCo
-from models import TinyTransformer, batch, flat_parameters, loss_fn
 
 SYNC_EVERY, OUTER_STEPS = 4, 6
 pytestmark = pytest.mark.timeout(240)

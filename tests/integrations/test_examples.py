@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from distributed_harness import free_port
 
 from .conftest import REPO, run_script, summaries

@@ -13,7 +13,6 @@ import re
 import sys
 
 import pytest
-
 from distributed_harness import free_port
 
 from .conftest import REPO, run_script, summaries

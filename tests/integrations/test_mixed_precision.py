@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
+from distributed_harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_harness import run_distributed
 from edgc import EDGCConfig
 from edgc.integrations import register_edgc
 

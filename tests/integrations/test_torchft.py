@@ -12,7 +12,6 @@ import torch
 pytest.importorskip("torchft")
 
 from edgc.integrations.torchft import ManagedCommunicator  # noqa: E402
-
 from edgc_bench.torchft_bench import participation  # noqa: E402
 
 from .torchft_harness import TIMEOUT, Faults, run_replicas  # noqa: E402

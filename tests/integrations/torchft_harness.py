@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from models import TinyTransformer
 from torch import nn
 from torchft._torchft import LighthouseServer
 from torchft.manager import Manager
@@ -33,7 +34,6 @@ from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel
 from edgc.integrations.torchft_quorum import QuorumSettings
 from edgc_bench.stream_check import StreamChecker
-from models import TinyTransformer
 
 VOCAB, SEQ, NOISE = 64, 16, 0.2
 CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warmup_error_test=False,

@@ -102,7 +102,7 @@ def test_report_two_runs(two_runs, capsys):
     md = check_report(out, ["none (DDP all-reduce)", "edgc"])
     edgc_row = next(line for line in md.splitlines() if line.startswith("| edgc |"))
     cells = [c.strip() for c in edgc_row.strip("|").split("|")]
-    header = [c.strip() for c in md.splitlines()[[l.startswith("|") for l in md.splitlines()].index(True)].strip("|").split("|")]
+    header = [c.strip() for c in md.splitlines()[[line.startswith("|") for line in md.splitlines()].index(True)].strip("|").split("|")]
     ratio = float(cells[header.index("bytes/step vs uncompressed")].rstrip("×"))
     assert 0.05 < ratio < 0.4  # 6 raw steps of 40, the rest at rank/200 of the raw size
     assert "medians over steps 4–end" in md

@@ -11,10 +11,10 @@ from edgc_sim.bench_link import BenchLink, bench_link, find_bench_calibration, f
 from edgc_sim.calibrate import link_times, load_run
 from edgc_sim.calibrate_bench import calibrate_bench
 from edgc_sim.calibration_tables import format_bench_calibration
-from edgc_sim.step_model import compress_model, step_payloads, wire_parts, wire_time
 from edgc_sim.collectives import ddp_buckets, gpt2_gradient_shapes, step_collectives
 from edgc_sim.hardware import DeviceSpec
 from edgc_sim.presets import ModelSpec
+from edgc_sim.step_model import compress_model, step_payloads, wire_parts, wire_time
 
 DEVICE = DeviceSpec("host", {"fp32": 50e9}, 1.0, 10e9, 5e-6)
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64, "vocab_size": 256}
@@ -331,9 +331,9 @@ def test_step_timeline_overlaps_all_but_the_tail():
 def write_bench15(tmp_path):
     """An issue-15 bench folder (none = DDP native, nosync, allreduce, allreduce-blocking, powersgd)
     whose step times follow the model exactly."""
-    from edgc_sim.step_model import OTHER_SHARE, payload_groups, step_timeline
-    from edgc_sim.collectives import bucket_values
     from edgc_sim.calibrate import harness_model
+    from edgc_sim.collectives import bucket_values
+    from edgc_sim.step_model import OTHER_SHARE, payload_groups, step_timeline
 
     bench = tmp_path / "bench15"
     (bench / "runs").mkdir(parents=True)

@@ -4,12 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_engine_model import COUNT, gpt2_model
 
 from edgc_sim import engine_model as em
 from edgc_sim.collectives import gpt2_gradient_shapes
 from edgc_sim.hardware import DEVICES
-
-from test_engine_model import COUNT, gpt2_model
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gpu"
 H100 = DEVICES["h100"]

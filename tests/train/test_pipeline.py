@@ -11,7 +11,6 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
 """
 from __future__ import annotations
 
-
 import pytest
 
 from .conftest import FAST, cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses

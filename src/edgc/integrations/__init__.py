@@ -9,7 +9,7 @@ Modules:
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn

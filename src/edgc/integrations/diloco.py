@@ -39,7 +39,8 @@ process group every outer step commits.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -184,7 +185,7 @@ class DiLoCo:
         return True
 
     # ------------------------------------------------------------------ the inner loop's hooks
-    def __enter__(self) -> "DiLoCo":
+    def __enter__(self) -> DiLoCo:
         self._hooks.append(self._inner.register_step_pre_hook(self._step_pre_hook))
         self._hooks.append(self._inner.register_step_post_hook(self._step_post_hook))
         return self

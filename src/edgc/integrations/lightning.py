@@ -21,7 +21,8 @@ Works with ``pytorch_lightning`` or the unified ``lightning`` package (whichever
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..config import EDGCConfig
 from ..reducer import GradientReducer, edgc_hook

@@ -74,7 +74,7 @@ class _Watched:
     """A work whose wait never raises (a failure is the manager's to report) and tells the
     communicator when it failed."""
 
-    def __init__(self, work, communicator: "ManagedCommunicator"):
+    def __init__(self, work, communicator: ManagedCommunicator):
         self._work, self._communicator = work, communicator
 
     def wait(self) -> bool:

@@ -44,9 +44,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class QuorumSettings:
 
     @classmethod
     def for_groups(cls, groups: int, tolerated_failures: int = 0,
-                   timeout: timedelta = timedelta(seconds=60)) -> "QuorumSettings":
+                   timeout: timedelta = timedelta(seconds=60)) -> QuorumSettings:
         """Settings for ``groups`` replica groups that go on without up to ``tolerated_failures`` dead ones."""
         if groups < 1 or not 0 <= tolerated_failures < groups:
             raise ValueError(f"need groups ≥ 1 and 0 ≤ tolerated_failures < groups, got {groups}, {tolerated_failures}")
