@@ -1,5 +1,6 @@
 """Sphinx configuration of the edgc manual (`make docs`; the test `tests/core/test_docs.py` builds it
 with warnings as errors)."""
+
 import sys
 from pathlib import Path
 

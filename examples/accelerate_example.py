@@ -7,6 +7,7 @@ on CPU. Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` accepts on
 hooks, so the EDGC change is one ``register_edgc`` line after ``prepare``. Gradient accumulation
 (``accelerator.accumulate``, which uses DDP's ``no_sync``) counts optimizer steps, not micro-batches.
 """
+
 import os
 
 import torch
@@ -40,8 +41,10 @@ def main():
         if accelerator.is_main_process and i % 8 == 0:
             print(f"micro-batch {i} loss {loss.item():.4f}")
     m = state.last_step_metrics
-    print(f"[rank {accelerator.process_index}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    print(
+        f"[rank {accelerator.process_index}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     barrier_before_exit()  # EDGC: not optional on gloo, also under Accelerate (see its docstring)
     accelerator.end_training()
 

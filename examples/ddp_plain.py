@@ -4,6 +4,7 @@
 
 ``examples/ddp_plain.diff`` is the whole change against the vanilla script.
 """
+
 import os
 
 import torch
@@ -36,8 +37,10 @@ def main():
         if rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f}")
     m = state.last_step_metrics  # EDGC: what the hook did on the last step
-    print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    print(
+        f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 

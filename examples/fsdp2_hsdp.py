@@ -5,6 +5,7 @@
 Native HSDP would be ``fully_shard(module, mesh=mesh)`` on the 2-D mesh. With EDGC, shard on the
 mesh's "dp_shard" dimension only and let EDGC do the replica all-reduce (the lines marked ``# EDGC``).
 """
+
 import os
 
 import torch
@@ -53,8 +54,10 @@ def main():
         if rank == 0 and step % 4 == 0:
             print(f"step {step} loss {loss.item():.4f}")
     m = state.last_step_metrics  # EDGC: what the hook did on the last step (this rank's shards)
-    print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    print(
+        f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 

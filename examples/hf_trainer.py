@@ -7,6 +7,7 @@ The ``Trainer`` wraps the model in DDP (through Accelerate) inside ``train()``; 
 EDGC change is the callback. The model is built from a GPT2Config (nothing is downloaded); the data
 is a random token walk (each token the previous one plus 1 or 2, modulo 16), so the loss falls.
 """
+
 import os
 import tempfile
 
@@ -43,17 +44,28 @@ class Walks(torch.utils.data.Dataset):
 def main():
     steps = int(os.environ.get("STEPS", 16))
     model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=2))
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="edgc-hf-trainer-"), max_steps=steps, per_device_train_batch_size=8,
-                             use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
-                             logging_steps=4, learning_rate=3e-3)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="edgc-hf-trainer-"),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=4,
+        learning_rate=3e-3,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Walks())
     # short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
     callback = EDGCCallback(trainer, EDGCConfig(r_max=8, window=4, total_steps=steps, warmup_error_test=False))
     trainer.add_callback(callback)
     trainer.train()
     m = callback.state.last_step_metrics
-    print(f"[rank {trainer.args.process_index}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes", flush=True)
+    print(
+        f"[rank {trainer.args.process_index}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes",
+        flush=True,
+    )
     barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
 
 

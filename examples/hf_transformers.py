@@ -6,6 +6,7 @@ The model is built from a GPT2Config (nothing is downloaded); the data is a rand
 walk (each token is the previous one plus 1 or 2, modulo 16), so the loss falls quickly.
 The EDGC change is the one ``register_edgc`` line.
 """
+
 import os
 
 import torch
@@ -31,8 +32,9 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     model = DDP(GPT2LMHeadModel(config))
     # short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
     state = register_edgc(model, EDGCConfig(r_max=8, window=4, total_steps=STEPS, warmup_error_test=False))
@@ -47,8 +49,10 @@ def main():
         if rank == 0 and step % 4 == 0:
             print(f"step {step} loss {loss.item():.4f}")
     m = state.last_step_metrics
-    print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    print(
+        f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 

@@ -6,6 +6,7 @@ Lightning starts the second process itself (``devices=2``). Its own
 ``DDPStrategy(ddp_comm_hook=...)`` registers the hook only on CUDA and silently trains
 uncompressed elsewhere; ``EDGCDDPStrategy`` registers it on every device.
 """
+
 import os
 
 import pytorch_lightning as pl
@@ -39,14 +40,25 @@ def main():
     x = torch.randn(STEPS * 16 * 2, 64)
     data = DataLoader(TensorDataset(x, x[:, :8].argmax(dim=1)), batch_size=16)
     # short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
-    strategy = EDGCDDPStrategy(EDGCConfig(r_max=8, window=4, total_steps=STEPS, warmup_error_test=False),
-                               process_group_backend="gloo")
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = EDGCDDPStrategy(
+        EDGCConfig(r_max=8, window=4, total_steps=STEPS, warmup_error_test=False), process_group_backend="gloo"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Classifier(), data)
     m = strategy.comm_state.last_step_metrics
-    print(f"[rank {trainer.global_rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    print(
+        f"[rank {trainer.global_rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     barrier_before_exit()  # EDGC: not optional on gloo, also under Lightning (see its docstring)
 
 

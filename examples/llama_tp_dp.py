@@ -11,6 +11,7 @@ parameters (the norms, the positions) raw. Every rank prints ``step S loss L``, 
 the replicas, and the same loss for the same data in one process (`single_process_losses`) matches it
 to ~1e-5 while EDGC's warm-up sends gradients uncompressed (tests/integrations/test_llama_tp_dp.py).
 """
+
 import hashlib
 import os
 
@@ -89,14 +90,28 @@ class Llama(nn.Module):
 
 def shard(model: Llama, tp_mesh) -> Llama:
     """torchtitan's Llama plan (without sequence parallelism)."""
-    parallelize_module(model, tp_mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                                        "output": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()})
+        parallelize_module(
+            layer,
+            tp_mesh,
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            },
+        )
     return model
 
 
@@ -144,7 +159,9 @@ def main():
     sharded = [(n, p) for n, p in named if isinstance(p, DTensor) and p.placements[0].is_shard()]
     replicated = [(n, p) for n, p in named if (n, p) not in sharded]
     # EDGC: each shard over its replicas; all shards take the same decisions (phase, rank)
-    state = EDGCState(mesh["dp_replicate"], CONFIG, model=model, decision_group=group_across(mesh, ("dp_replicate", "tp")))
+    state = EDGCState(
+        mesh["dp_replicate"], CONFIG, model=model, decision_group=group_across(mesh, ("dp_replicate", "tp"))
+    )
     raw = AllReduceState(mesh["dp_replicate"], model=model)  # EDGC: norms, positions: small, raw
     for step in range(1, STEPS + 1):
         x, y = batch(step, replica)
@@ -161,8 +178,10 @@ def main():
     digest = hashlib.sha256(b"".join(local_tensor(p).detach().numpy().tobytes() for _, p in named)).hexdigest()
     print(f"[rank {rank}] parameters {digest[:16]}")  # replicas of one TP shard: identical
     m = state.last_step_metrics  # EDGC: what the last sync did (this rank's shards)
-    print(f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-          f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    print(
+        f"[rank {rank}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     barrier_before_exit()  # EDGC: not optional on gloo (see its docstring)
     dist.destroy_process_group()
 

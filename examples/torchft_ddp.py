@@ -17,6 +17,7 @@ gradient), and the restarted group heals from it — model, optimizer and EDGC's
 (step, Q, rank schedule) — and compresses again from its first step. Each group
 prints ``[rank G] edgc: ...`` and a checksum of its parameters: equal checksums = identical replicas.
 """
+
 import argparse
 import os
 import signal
@@ -48,10 +49,15 @@ def train() -> None:
     settings = quorum(int(os.environ.get("REPLICA_GROUPS", 2)))
     manager = Manager(
         pg=ProcessGroupGloo(timeout=settings.timeout),
-        load_state_dict=lambda s: (holder["model"].load_state_dict(s["model"]), holder["optim"].load_state_dict(s["optim"])),
+        load_state_dict=lambda s: (
+            holder["model"].load_state_dict(s["model"]),
+            holder["optim"].load_state_dict(s["optim"]),
+        ),
         state_dict=lambda: {"model": holder["model"].state_dict(), "optim": holder["optim"].state_dict()},
-        replica_id=f"group{group}", use_async_quorum=False,  # EDGC: a healing group loads the rank before its sync
-        **settings.manager_kwargs())
+        replica_id=f"group{group}",
+        use_async_quorum=False,  # EDGC: a healing group loads the rank before its sync
+        **settings.manager_kwargs(),
+    )
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
     # EDGC: short-demo settings; a real run keeps the defaults (window=1000, r_max profiled)
@@ -76,14 +82,20 @@ def train() -> None:
         loss.backward()
         optimizer.step()  # commits the step, or discards it (EDGC rolls back) if the quorum failed
         if step % 6 == 0:
-            say(f"[group {group}] step {step} loss {loss.item():.4f} participants {manager.num_participants()} "
-                f"committed {state.last_step_metrics.get('committed')}")
+            say(
+                f"[group {group}] step {step} loss {loss.item():.4f} participants {manager.num_participants()} "
+                f"committed {state.last_step_metrics.get('committed')}"
+            )
     m = state.last_step_metrics
-    say(f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    say(
+        f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     checksum = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double().sum().item()
-    say(f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
-        f"heals {state.heals} checksum {checksum.hex()}")
+    say(
+        f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
+        f"heals {state.heals} checksum {checksum.hex()}"
+    )
     manager.shutdown(wait=False)
 
 
@@ -96,8 +108,9 @@ def say(line: str) -> None:
 
 def launch(groups: int, kill_at: int) -> int:
     """A lighthouse in this process and one torchrun per group; their exit status (0 = all fine)."""
-    return launch_local_groups(__file__, groups, quorum(groups),
-                               lambda group: {"KILL_AT": str(kill_at if group == 1 else -1)})
+    return launch_local_groups(
+        __file__, groups, quorum(groups), lambda group: {"KILL_AT": str(kill_at if group == 1 else -1)}
+    )
 
 
 if __name__ == "__main__":

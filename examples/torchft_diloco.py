@@ -21,6 +21,7 @@ schedule) — and both go on compressing. (An outer sync that fails once started
 each group's pseudo-gradient goes back into its error feedback.) Each group prints
 ``[rank G] edgc: ...`` and a checksum of θ_global: equal checksums = identical replicas.
 """
+
 import argparse
 import os
 import signal
@@ -49,18 +50,31 @@ def train() -> None:
     group = int(os.environ["REPLICA_GROUP_ID"])
     holder = {}
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), replica_id=f"group{group}", use_async_quorum=False,
-        load_state_dict=lambda s: (holder["model"].load_state_dict(s["model"]), holder["inner"].load_state_dict(s["inner"])),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        replica_id=f"group{group}",
+        use_async_quorum=False,
+        load_state_dict=lambda s: (
+            holder["model"].load_state_dict(s["model"]),
+            holder["inner"].load_state_dict(s["inner"]),
+        ),
         state_dict=lambda: {"model": holder["model"].state_dict(), "inner": holder["inner"].state_dict()},
-        **quorum().manager_kwargs())
+        **quorum().manager_kwargs(),
+    )
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
     inner = torch.optim.AdamW(module.parameters(), lr=3e-3)
     outer = torch.optim.SGD(module.parameters(), lr=0.7, momentum=0.5, nesterov=True)
     holder.update(model=module, inner=inner)
     # EDGC: every EDGC step is an outer step; the byte budget (a mean rank of 4) is spent over them
-    config = EDGCConfig(r_max=8, rank_budget=4, window=3, total_steps=OUTER_STEPS, warmup_fraction=0.0,
-                        min_warmup_steps=0, warmup_error_test=False)
+    config = EDGCConfig(
+        r_max=8,
+        rank_budget=4,
+        window=3,
+        total_steps=OUTER_STEPS,
+        warmup_fraction=0.0,
+        min_warmup_steps=0,
+        warmup_error_test=False,
+    )
     diloco = DiLoCo(manager, [module], inner, outer, sync_every=SYNC_EVERY, config=config)
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     kill_at = -1 if restarted else int(os.environ.get("KILL_AT", -1))
@@ -80,15 +94,21 @@ def train() -> None:
             inner.zero_grad()
             outer_step = diloco.last_outer_step
             if diloco._local_step == 0 and outer_step is not None:
-                say(f"[group {group}] outer step {manager.current_step()} loss {loss.item():.4f} "
+                say(
+                    f"[group {group}] outer step {manager.current_step()} loss {loss.item():.4f} "
                     f"participants {manager.num_participants()} committed {outer_step['committed']} "
-                    f"rank {outer_step['rank']}")
+                    f"rank {outer_step['rank']}"
+                )
     m, state = diloco.state.last_step_metrics, diloco.state
-    say(f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
-        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes")
+    say(
+        f"[rank {group}] edgc: step {m['step']} phase {m['phase']} rank {m['rank']} "
+        f"sent {m['bytes_sent']} of {m['bytes_raw']} bytes"
+    )
     checksum = torch.cat([t.reshape(-1) for t in diloco.state_dict()["fragments"][0]["original"]]).double().sum()
-    say(f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
-        f"heals {state.heals} checksum {checksum.item().hex()}")
+    say(
+        f"[group {group}] committed {manager.current_step()} discarded {state.steps_discarded} "
+        f"heals {state.heals} checksum {checksum.item().hex()}"
+    )
     manager.shutdown(wait=False)
 
 
@@ -101,8 +121,9 @@ def say(line: str) -> None:
 def launch(groups: int, kill_at: int) -> int:
     """A lighthouse in this process and one torchrun per group; their exit status (0 = all fine)."""
     os.environ["REPLICA_GROUPS"] = str(groups)  # quorum() reads it
-    return launch_local_groups(__file__, groups, quorum(),
-                               lambda group: {"KILL_AT": str(kill_at if group == 1 else -1)})
+    return launch_local_groups(
+        __file__, groups, quorum(), lambda group: {"KILL_AT": str(kill_at if group == 1 else -1)}
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ and write the table into a markdown file between <!-- MARKER:start/end -->.
 Only methods both folders ran are compared. Every number comes from the folders' results.json;
 nothing is typed by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,22 +30,28 @@ def load(folder: Path) -> dict:
 
 def describe(label: str, data: dict) -> str:
     loads = data.get("load_start") or [float("nan")], data.get("load_end") or [float("nan")]
-    return (f"**{label}**: `{data['command']}` — {data['date']}, load average {loads[0][0]:.1f} at start, "
-            f"{loads[1][0]:.1f} at end")
+    return (
+        f"**{label}**: `{data['command']}` — {data['date']}, load average {loads[0][0]:.1f} at start, "
+        f"{loads[1][0]:.1f} at end"
+    )
 
 
 def table(a: dict, b: dict, label_a: str, label_b: str) -> str:
     rows_b = {row["method"]: row for row in b["rows"]}
-    lines = [f"| method | step s, {label_a} | step s, {label_b} | {label_b} ÷ {label_a} | DP MB/step, {label_a} "
-             f"| DP MB/step, {label_b} | final val loss, {label_a} | final val loss, {label_b} |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"| method | step s, {label_a} | step s, {label_b} | {label_b} ÷ {label_a} | DP MB/step, {label_a} "
+        f"| DP MB/step, {label_b} | final val loss, {label_a} | final val loss, {label_b} |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for row in a["rows"]:
         other = rows_b.get(row["method"])
         if other is None:
             continue
-        lines.append(f"| {row['method']} | {row['step_s']:.3f} | {other['step_s']:.3f} | "
-                     f"{other['step_s'] / row['step_s']:.2f}× | {row['bytes_per_step'] / 1e6:.2f} | "
-                     f"{other['bytes_per_step'] / 1e6:.2f} | {row['val_loss']:.4f} | {other['val_loss']:.4f} |")
+        lines.append(
+            f"| {row['method']} | {row['step_s']:.3f} | {other['step_s']:.3f} | "
+            f"{other['step_s'] / row['step_s']:.2f}× | {row['bytes_per_step'] / 1e6:.2f} | "
+            f"{other['bytes_per_step'] / 1e6:.2f} | {row['val_loss']:.4f} | {other['val_loss']:.4f} |"
+        )
     if len(lines) == 2:
         raise SystemExit("the two folders have no method in common")
     return "\n".join(lines)
@@ -61,8 +68,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     a, b = load(args.a), load(args.b)
     args.doc = args.doc or page_of(args.marker)
-    body = "\n\n".join([describe(args.label_a, a), describe(args.label_b, b), table(a, b, args.label_a, args.label_b),
-                        "Step times are medians over all steps (rank 0); DP MB/step is the mean over all steps."])
+    body = "\n\n".join(
+        [
+            describe(args.label_a, a),
+            describe(args.label_b, b),
+            table(a, b, args.label_a, args.label_b),
+            "Step times are medians over all steps (rank 0); DP MB/step is the mean over all steps.",
+        ]
+    )
     marker = args.marker
     args.doc.write_text(update(args.doc.read_text(), body + "\n", f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"))
     print(f"{args.doc}: {marker} from {args.a} and {args.b}")

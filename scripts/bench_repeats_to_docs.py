@@ -7,6 +7,7 @@ Replaces block ``bench-repeats`` (or ``--block NAME``: runs on another machine g
 own, since their ratios are not draws of the same machine's noise; docs/results/bench.md holds both)
 with ``python -m edgc_bench.repeats RUN…``'s output.
 """
+
 import argparse
 import sys
 from pathlib import Path

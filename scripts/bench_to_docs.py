@@ -12,6 +12,7 @@ bench at 1 Gbit/s, ``bench-rmax-table`` for one with EDGC's r_max given by `--r-
 ``bench-diloco-table`` for `--diloco` (docs/results/diloco.md).
 So the manual's numbers are always the ones a real `edgc bench` produced, never typed by hand.
 """
+
 from __future__ import annotations
 
 import re

@@ -1,7 +1,8 @@
 """Copy what `edgc demo` printed (its RUN_DIR/headline.txt) into docs/report.md.
 
-    .venv/bin/edgc demo --out runs/demo-docs && .venv/bin/python scripts/demo_to_docs.py runs/demo-docs
+.venv/bin/edgc demo --out runs/demo-docs && .venv/bin/python scripts/demo_to_docs.py runs/demo-docs
 """
+
 import sys
 from pathlib import Path
 

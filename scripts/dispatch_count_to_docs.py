@@ -8,6 +8,7 @@ run measured, counted on the CPU afterwards) and writes the ``dispatch-counts`` 
 tests/bench/test_dispatch_count.py checks that the committed count is this engine's, so a change to the
 engine without a new count fails CI. Nothing is typed: every figure comes from the two files.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,25 +35,34 @@ def recommended_cap(count: dict, model: str = "xl") -> float:
 
 def block(current: dict, before: dict | None) -> str:
     now, then = rows(current), rows(before) if before else {}
-    lines = ["| model | DDP bucket MB | dispatches, this engine | first GPU run's engine | linalg calls | "
-             "collectives | host reads |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| model | DDP bucket MB | dispatches, this engine | first GPU run's engine | linalg calls | "
+        "collectives | host reads |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for (model, cap), row in sorted(now.items(), key=lambda item: (SIZES.index(item[0][0]), item[0][1])):
         old = then.get((model, cap), {}).get("dispatches", "–")
         label = f"{cap:g}{' (DDP default)' if row['ddp_default'] else ''}"
-        lines.append(f"| {model} | {label} | {row['dispatches']} | {old} | {row['linalg']} | {row['collectives']} | "
-                     f"{row['host_reads']} |")
+        lines.append(
+            f"| {model} | {label} | {row['dispatches']} | {old} | {row['linalg']} | {row['collectives']} | "
+            f"{row['host_reads']} |"
+        )
     same = ", ".join(f"{row['matrices']} → {row['dispatches']}" for row in current["engine_same_shape"])
     shape = "×".join(map(str, current["engine_same_shape"][0]["shape"]))
     cap = recommended_cap(current)
     default = next(row for row in current["hook"] if row["model"] == "xl" and row["ddp_default"])
     best = rows(current)[("xl", cap)]
-    lines += ["", f"One engine call on one bucket of same-shape {shape} matrices (matrices → dispatches): {same}.",
-              f"Rank {current['rank']}, {current['dtype']} gradients, torch {current['torch']}; the GPU's path (DDP "
-              f"buckets fused into jobs of `EDGCConfig.fusion_mb`, batched CholeskyQR2); counted: {current['rule']}.",
-              "", f"**Bucket size.** Recommended: `bucket_cap_mb={cap:g}`, the fewest dispatches for GPT-2 XL "
-              f"({best['dispatches']}). DDP's default buckets cost little more ({default['dispatches']}), since EDGC "
-              "gathers consecutive buckets into jobs itself; which of the two is faster on a GPU, where the first "
-              "job starts later with larger buckets, is for the next GPU run to measure."]
+    lines += [
+        "",
+        f"One engine call on one bucket of same-shape {shape} matrices (matrices → dispatches): {same}.",
+        f"Rank {current['rank']}, {current['dtype']} gradients, torch {current['torch']}; the GPU's path (DDP "
+        f"buckets fused into jobs of `EDGCConfig.fusion_mb`, batched CholeskyQR2); counted: {current['rule']}.",
+        "",
+        f"**Bucket size.** Recommended: `bucket_cap_mb={cap:g}`, the fewest dispatches for GPT-2 XL "
+        f"({best['dispatches']}). DDP's default buckets cost little more ({default['dispatches']}), since EDGC "
+        "gathers consecutive buckets into jobs itself; which of the two is faster on a GPU, where the first "
+        "job starts later with larger buckets, is for the next GPU run to measure.",
+    ]
     return "\n".join(lines)
 
 

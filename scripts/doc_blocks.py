@@ -4,6 +4,7 @@ A block is the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``. E
 exactly one page under docs/ (or in README.md), so a script names the block it fills and this
 module finds the page; moving a block to another page needs no change to the script.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +19,11 @@ def markers(name: str) -> tuple[str, str]:
 def page_of(name: str, root: Path = ROOT) -> Path:
     """The one page (docs/**/*.md or README.md) that holds block ``name``."""
     start, _ = markers(name)
-    pages = [p for p in sorted((root / "docs").rglob("*.md")) + [root / "README.md"]
-             if p.is_file() and start in p.read_text()]
+    pages = [
+        p
+        for p in sorted((root / "docs").rglob("*.md")) + [root / "README.md"]
+        if p.is_file() and start in p.read_text()
+    ]
     if len(pages) != 1:
         raise SystemExit(f"block {name!r}: expected in exactly one page, found in {[str(p) for p in pages] or 'none'}")
     return pages[0]

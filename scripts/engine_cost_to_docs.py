@@ -11,6 +11,7 @@ floors, and the memory beyond the gradients. tests/bench/test_dispatch_count.py 
 cost.json is this engine's and that the page shows it. Nothing is typed: every figure comes from
 the two files.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,14 @@ def block(now: dict, before: dict) -> str:
     ops = list(dict.fromkeys([*now["bytes_by_op"], *before["bytes_by_op"]]))
     lines = ["| op | bytes per compressed element, before | now |", "| --- | ---: | ---: |"]
     for op in ops:
-        cells = [f"{figures['bytes_by_op'][op]:.2f}" if op in figures["bytes_by_op"] else "–" for figures in (before, now)]
+        cells = [
+            f"{figures['bytes_by_op'][op]:.2f}" if op in figures["bytes_by_op"] else "–" for figures in (before, now)
+        ]
         lines.append(f"| `{op}` | {cells[0]} | {cells[1]} |")
     lines.append(f"| **all ops** | **{before['bytes']:.2f}** | **{now['bytes']:.2f}** |")
-    lines.append(f"| passes over M, G, e, Ĝ (rank-independent part) | {before['matrix_bytes']:.2f} | {now['matrix_bytes']:.2f} |")
+    lines.append(
+        f"| passes over M, G, e, Ĝ (rank-independent part) | {before['matrix_bytes']:.2f} | {now['matrix_bytes']:.2f} |"
+    )
     floors, half = now["floors"], now["floors_gradient_error_feedback"]
     memory, memory_before = now["memory"], before["memory"]
     lines += [
@@ -47,7 +52,8 @@ def block(now: dict, before: dict) -> str:
         f"into the error feedback, two products reading M, Ĝ written into the gradients, e = M − P·Qᵀ reading M "
         f"and writing e) and {floors['fused']} B with fused kernels (M formed inside the first product, Ĝ and e "
         f"written by one kernel). The factors, their casts and their orthonormalisation add "
-        f"{now['bytes'] - now['matrix_bytes']:.1f} B. With error feedback in bf16: {now['bytes_gradient_error_feedback']:.1f} B "
+        f"{now['bytes'] - now['matrix_bytes']:.1f} B. With error feedback in bf16: "
+        f"{now['bytes_gradient_error_feedback']:.1f} B "
         f"in all (floors {half['stock']} and {half['fused']} B).",
         f"- **Memory beyond the gradients** (the most alive at once during the step, the error feedback and Q "
         f"included): {memory['float32']:.2f} B per compressed element with float32 error feedback (before: "

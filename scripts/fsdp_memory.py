@@ -9,6 +9,7 @@ included, so only the difference between the variants means something), the grad
 Prints a Markdown table; with ``--doc docs/guides/fsdp.md`` also writes it between
 ``<!-- fsdp-memory:start -->`` and ``<!-- fsdp-memory:end -->`` there.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,10 @@ def worker(rank, world, variant, preset, steps, vocab, seq_len, batch):
     fully_shard(model, mesh=shard_mesh)
     state = None
     if variant == "edgc":
-        state = EDGCState(mesh["dp_replicate"],
-                          EDGCConfig(r_max=8, total_steps=steps, warmup_fraction=0.1, warmup_error_test=False,
-                                     window=4))
+        state = EDGCState(
+            mesh["dp_replicate"],
+            EDGCConfig(r_max=8, total_steps=steps, warmup_fraction=0.1, warmup_error_test=False, window=4),
+        )
         register_fsdp_comm_hook(model, state)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
@@ -85,12 +87,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--doc", type=Path, help="also write the table into this page's fsdp-memory block "
-                        "(docs/guides/fsdp.md)")
+    parser.add_argument(
+        "--doc", type=Path, help="also write the table into this page's fsdp-memory block (docs/guides/fsdp.md)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    results = {v: run_distributed(worker, 4, v, args.preset, args.steps, args.vocab, args.seq_len, args.batch,
-                                  timeout=600) for v in ("native", "edgc")}
+    results = {
+        v: run_distributed(worker, 4, v, args.preset, args.steps, args.vocab, args.seq_len, args.batch, timeout=600)
+        for v in ("native", "edgc")
+    }
     text = render(results, args)
     print(text)
     if args.doc:
@@ -101,20 +106,29 @@ def main() -> None:
 def render(results: dict, args) -> str:
     """The table and the sentence under it, from the measurements alone."""
     mib = 2**20
-    lines = [f"`PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/fsdp_memory.py --preset {args.preset} --steps {args.steps}`: "
-             f"GPT-2 {args.preset}, vocab {args.vocab}, 2 replicas × 2 shards, {args.steps} steps, "
-             f"batch {args.batch}×{args.seq_len} per rank (CPU, gloo)", "",
-             "| rank | peak RSS native HSDP (MiB) | peak RSS HSDP + EDGC (MiB) | difference (MiB) | "
-             "gradient shard (MiB) | EF (MiB) | EF / gradient shard | Q (MiB) | optimizer state (MiB) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"`PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/fsdp_memory.py --preset {args.preset} --steps "
+        f"{args.steps}`: "
+        f"GPT-2 {args.preset}, vocab {args.vocab}, 2 replicas × 2 shards, {args.steps} steps, "
+        f"batch {args.batch}×{args.seq_len} per rank (CPU, gloo)",
+        "",
+        "| rank | peak RSS native HSDP (MiB) | peak RSS HSDP + EDGC (MiB) | difference (MiB) | "
+        "gradient shard (MiB) | EF (MiB) | EF / gradient shard | Q (MiB) | optimizer state (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for rank, (n, e) in enumerate(zip(results["native"], results["edgc"])):
-        lines.append(f"| {rank} | {n['peak_rss'] / mib:.1f} | {e['peak_rss'] / mib:.1f} | "
-                     f"{(e['peak_rss'] - n['peak_rss']) / mib:+.1f} | {e['grad_shard'] / mib:.2f} | {e['ef'] / mib:.2f} | "
-                     f"{e['ef'] / e['grad_shard']:.3f} | {e['q'] / mib:.3f} | {e['optimizer'] / mib:.2f} |")
+        lines.append(
+            f"| {rank} | {n['peak_rss'] / mib:.1f} | {e['peak_rss'] / mib:.1f} | "
+            f"{(e['peak_rss'] - n['peak_rss']) / mib:+.1f} | {e['grad_shard'] / mib:.2f} | {e['ef'] / mib:.2f} | "
+            f"{e['ef'] / e['grad_shard']:.3f} | {e['q'] / mib:.3f} | {e['optimizer'] / mib:.2f} |"
+        )
     ratios = [e["ef"] / e["grad_shard"] for e in results["edgc"]]
     extra = [(e["peak_rss"] - n["peak_rss"]) / mib for n, e in zip(results["native"], results["edgc"])]
-    lines += ["", f"EF per rank is {min(ratios):.3f}–{max(ratios):.3f}× this rank's gradient shard; the extra peak "
-              f"is {min(extra):+.1f} to {max(extra):+.1f} MiB."]
+    lines += [
+        "",
+        f"EF per rank is {min(ratios):.3f}–{max(ratios):.3f}× this rank's gradient shard; the extra peak "
+        f"is {min(extra):+.1f} to {max(extra):+.1f} MiB.",
+    ]
     return "\n".join(lines)
 
 
@@ -123,6 +137,7 @@ def replace_block(doc: str, text: str) -> str:
         raise SystemExit(f"fsdp_memory: the page has no {START} … {END} block")
     head, rest = doc.split(START, 1)
     return f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}"
+
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ docs/simulate.md (command, model inputs, the table, the errors) and between
 bench's own table (BENCH/bench.md) between <!-- bench-tp-table:start/end --> there. No number is
 typed by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,23 +40,29 @@ def span(values) -> str:
 def summary(rows) -> str:
     """The generated verdict: bytes exact or not, and the ranges of the time errors."""
     exact = [r for r in rows if r.bytes_exact]
-    bytes_part = ("predicted inter-stage bytes equal the measured ones in every group"
-                  if len(exact) == len(rows) else
-                  f"predicted inter-stage bytes differ from the measured ones in {len(rows) - len(exact)} of "
-                  f"{len(rows)} groups")
+    bytes_part = (
+        "predicted inter-stage bytes equal the measured ones in every group"
+        if len(exact) == len(rows)
+        else f"predicted inter-stage bytes differ from the measured ones in {len(rows) - len(exact)} of "
+        f"{len(rows)} groups"
+    )
     parts = [f"inter-stage time error {span([r.interstage_error for r in rows])}"]
-    for name, errors in (("payload transfer", [r.wire_error for r in rows]),
-                         # only where something was compressed: the model prices a raw gradient's copy at 0
-                         ("compress + decompress", [r.compress_error for r in rows if any(r.ranks)])):
+    for name, errors in (
+        ("payload transfer", [r.wire_error for r in rows]),
+        # only where something was compressed: the model prices a raw gradient's copy at 0
+        ("compress + decompress", [r.compress_error for r in rows if any(r.ranks)]),
+    ):
         known = [e for e in errors if e is not None]
         if known:
             parts.append(f"{name} {span(known)}")
     share = [(r.wire_predicted_s or 0) + r.compress_predicted_s for r in rows]
     share = [x / r.interstage_predicted_s for x, r in zip(share, rows) if r.interstage_predicted_s]
-    return (f"{bytes_part} ({len(rows)} groups of steps over {len({r.run for r in rows})} runs); "
-            f"{', '.join(parts)}; step time error {span([r.step_error for r in rows])}; the payload transfers "
-            f"and compress + decompress are {span(share).replace('+', '')} of the predicted inter-stage time, "
-            f"the rest is waiting for the next stage's backward")
+    return (
+        f"{bytes_part} ({len(rows)} groups of steps over {len({r.run for r in rows})} runs); "
+        f"{', '.join(parts)}; step time error {span([r.step_error for r in rows])}; the payload transfers "
+        f"and compress + decompress are {span(share).replace('+', '')} of the predicted inter-stage time, "
+        f"the rest is waiting for the next stage's backward"
+    )
 
 
 def main(argv=None) -> int:
@@ -78,16 +85,21 @@ def main(argv=None) -> int:
     if link is None:
         raise SystemExit(f"{args.host_profile}: the profile has no link (measure it with --measure-host)")
     rows = calibrate_pipeline(runs, device, link)
-    command = (f"edgc simulate --calibrate {bench}" + (f" --host-profile {args.host_profile}" if args.host_profile
-                                                        else ""))
+    command = f"edgc simulate --calibrate {bench}" + (
+        f" --host-profile {args.host_profile}" if args.host_profile else ""
+    )
     text = summary(rows)
-    doc = (f"`{command}` on the bench of `{section((bench / 'bench.md').read_text()).split('`')[1]}`:\n\n"
-           f"{format_pipeline_calibration(rows, link, device)}\n\nIn short: {text}.\n")
+    doc = (
+        f"`{command}` on the bench of `{section((bench / 'bench.md').read_text()).split('`')[1]}`:\n\n"
+        f"{format_pipeline_calibration(rows, link, device)}\n\nIn short: {text}.\n"
+    )
     docs = Path(args.docs)
     docs.write_text(update(docs.read_text(), doc, *DOC_MARKERS))
     results = Path(args.results)
-    line = (f"Simulator vs this bench (`{command}`, [`edgc simulate`](../simulate.md#calibrating-the-inter-stage-"
-            f"model)): {text}.\n")
+    line = (
+        f"Simulator vs this bench (`{command}`, [`edgc simulate`](../simulate.md#calibrating-the-inter-stage-"
+        f"model)): {text}.\n"
+    )
     content = update(results.read_text(), section((bench / "bench.md").read_text()), *TABLE_MARKERS)
     results.write_text(update(content, line, *LINE_MARKERS))
     print(f"{docs}, {results}: inter-stage calibration of {bench}")

@@ -6,6 +6,7 @@
 Reads the rows that `edgc_bench.orthonormalization` wrote (default: the committed CPU run; a GPU
 run's orth.json works too) and writes the ``orthonormalization`` block. Nothing is typed.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,12 @@ def block(measured: dict) -> str:
     from edgc_bench.orthonormalization import table
 
     threads = f", {measured['threads']} thread(s)" if "threads" in measured else ""
-    return (f"Measured on {measured['device']}{threads}, torch {measured.get('torch', '?')}; each cell is "
-            "‖YYᵀ − I‖ (orthogonality) / ‖X − XYᵀY‖ ÷ ‖X‖ (what the rows miss), the worst matrix of the batch; "
-            "\"NaN\" means the method produced non-finite rows. Time and dispatches per call are on the κ = 10 "
-            "input.\n\n" + table(measured["rows"]))
+    return (
+        f"Measured on {measured['device']}{threads}, torch {measured.get('torch', '?')}; each cell is "
+        "‖YYᵀ − I‖ (orthogonality) / ‖X − XYᵀY‖ ÷ ‖X‖ (what the rows miss), the worst matrix of the batch; "
+        '"NaN" means the method produced non-finite rows. Time and dispatches per call are on the κ = 10 '
+        "input.\n\n" + table(measured["rows"])
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ headline; `tests/core/test_readme.py` checks that the README holds what this ren
 guide's ``diloco-bench`` block: `edgc bench --diloco`'s time to target, bytes and loss at each link
 and its kill pass (docs/results/diloco.md has the whole run).
 """
+
 from __future__ import annotations
 
 import re
@@ -32,7 +33,7 @@ def table_rows(text: str, first_header: str) -> list[dict[str, str]]:
     start = next(i for i, line in enumerate(lines) if line.strip("| ").startswith(first_header))
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) != len(header):
             break
@@ -52,27 +53,35 @@ def bench_row(name: str, setting: str, reference: str, page: str, root: Path) ->
     edgc = rows["edgc"]
     loss = re.search(r"EDGC final validation loss ([-+][\d.]+%) vs", text).group(1)  # the bench's own check
     preset = re.search(r"preset `(\w+)`", text).group(1)
-    return (f"| {setting}, GPT-2 `{preset}` | {ratio(edgc['step s (× none)'])} of {reference} | "
-            f"{ratio(edgc['MB sent/step'])} | {loss} | [{page}](docs/results/{page}.md) |")
+    return (
+        f"| {setting}, GPT-2 `{preset}` | {ratio(edgc['step s (× none)'])} of {reference} | "
+        f"{ratio(edgc['MB sent/step'])} | {loss} | [{page}](docs/results/{page}.md) |"
+    )
 
 
 def render(root: Path = ROOT) -> str:
-    rows = ["| setting (2 emulated hosts unless stated) | EDGC step time | bytes sent | val loss | measured in |",
-            "| --- | ---: | ---: | ---: | --- |",
-            bench_row("bench-table", "DDP, 1 Gbit/s links", "native DDP", "bench", root),
-            bench_row("bench-slow-link-table", "DDP, 100 Mbit/s links", "native DDP", "bench", root),
-            bench_row("bench-hsdp-table", "HSDP 2 × 2, 1 Gbit/s", "native HSDP", "hsdp", root)]
+    rows = [
+        "| setting (2 emulated hosts unless stated) | EDGC step time | bytes sent | val loss | measured in |",
+        "| --- | ---: | ---: | ---: | --- |",
+        bench_row("bench-table", "DDP, 1 Gbit/s links", "native DDP", "bench", root),
+        bench_row("bench-slow-link-table", "DDP, 100 Mbit/s links", "native DDP", "bench", root),
+        bench_row("bench-hsdp-table", "HSDP 2 × 2, 1 Gbit/s", "native HSDP", "hsdp", root),
+    ]
     text = block("bench-torchft-table", root)
     torchft = {r["run"]: r for r in table_rows(text, "run")}
     ours, theirs = torchft["torchft + EDGC"], torchft["torchft DDP (plain all-reduce)"]
     step = re.search(r"step time torchft \+ EDGC / torchft DDP = ([\d.]+)", text).group(1)  # failure-free runs
-    rows.append(f"| torchft, a replica group killed mid-run | {step}× of torchft's DDP | – | {ours['steps lost']} step "
-                f"lost (torchft's DDP: {theirs['steps lost']}) | [torchft](docs/results/torchft.md) |")
+    rows.append(
+        f"| torchft, a replica group killed mid-run | {step}× of torchft's DDP | – | {ours['steps lost']} step "
+        f"lost (torchft's DDP: {theirs['steps lost']}) | [torchft](docs/results/torchft.md) |"
+    )
     rows.append(diloco_row(root))
     text = block("pareto", root)
     arm = next(r for r in table_rows(text, "budget") if r["budget"] == "4" and r["arm"] == "budget-schedule")
-    rows.append(f"| byte budget vs static PowerSGD at the same bytes (mean rank 4, 5 seeds, GPT-2 `tiny`) | – | "
-                f"{arm['bytes vs static']}× of static | {arm['Δ mean [95 % CI]']} nats | [pareto](docs/results/pareto.md) |")
+    rows.append(
+        f"| byte budget vs static PowerSGD at the same bytes (mean rank 4, 5 seeds, GPT-2 `tiny`) | – | "
+        f"{arm['bytes vs static']}× of static | {arm['Δ mean [95 % CI]']} nats | [pareto](docs/results/pareto.md) |"
+    )
     return "\n".join(rows)
 
 
@@ -109,8 +118,10 @@ def diloco_row(root: Path = ROOT) -> str:
     payload = check(slow, r"DiLoCo \+ EDGC / DiLoCo = ([\d.]+)")
     hosts, preset = check(head, r"(\d+) hosts"), check(head, r"preset (\w+)")
     h = check(head, r"DiLoCo H = (\d+)")
-    return (f"| DiLoCo (H = {h}), {hosts} hosts at {links[-1]['rate']} Mbit/s, GPT-2 `{preset}` | time to target "
-            f"{1 / sooner:.2f}× of torchft's DiLoCo | {payload}× | {loss} | [diloco](docs/results/diloco.md) |")
+    return (
+        f"| DiLoCo (H = {h}), {hosts} hosts at {links[-1]['rate']} Mbit/s, GPT-2 `{preset}` | time to target "
+        f"{1 / sooner:.2f}× of torchft's DiLoCo | {payload}× | {loss} | [diloco](docs/results/diloco.md) |"
+    )
 
 
 def seconds(cell: str) -> float | None:
@@ -137,12 +148,18 @@ def diloco_cells(row: dict, reference: dict, loss_column: str) -> list[str]:
     times = [f"{seconds(row[c]):.1f} s" if seconds(row[c]) is not None else row[c] for c in TIMES]
     if row is reference:
         return [*times, "–", row["payload per sync"], row[loss_column]]
-    speedups = [f"{seconds(reference[c]) / seconds(row[c]):.2f}×" if seconds(row[c]) and seconds(reference[c]) else "–"
-                for c in TIMES]
+    speedups = [
+        f"{seconds(reference[c]) / seconds(row[c]):.2f}×" if seconds(row[c]) and seconds(reference[c]) else "–"
+        for c in TIMES
+    ]
     payload = number(row["payload per sync"]) / number(reference["payload per sync"])
     loss = 100 * (number(row[loss_column]) / number(reference[loss_column]) - 1)
-    return [*times, " / ".join(speedups), f"{row['payload per sync']} ({payload:.3f}×)",
-            f"{row[loss_column]} ({loss:+.2f}%)"]
+    return [
+        *times,
+        " / ".join(speedups),
+        f"{row['payload per sync']} ({payload:.3f}×)",
+        f"{row[loss_column]} ({loss:+.2f}%)",
+    ]
 
 
 def diloco_summary(root: Path = ROOT) -> str:
@@ -151,21 +168,28 @@ def diloco_summary(root: Path = ROOT) -> str:
     head, links, kill = diloco_links(root)
     hosts, preset, steps = check(head, r"(\d+) hosts"), check(head, r"preset (\w+)"), check(head, r"(\d+) inner steps")
     h, rounds = check(head, r"DiLoCo H = (\d+)"), check(head, r"(\d+) round\(s\) per link")
-    intro = (f"From `edgc bench --diloco` ({hosts} hosts, GPT-2 `{preset}`, {steps} inner steps, DiLoCo H = {h}, "
-             f"{rounds} rounds per link: their mean), copied by `scripts/results_summary.py` from [the DiLoCo "
-             "results page](../results/diloco.md), which has every method, the ranges over the rounds and the "
-             "settings. A link's target is the highest of its runs' lowest validation losses, the later target "
-             "the same over the runs that took every step; the speed-ups are at the target / the later target, "
-             "the bytes and the loss in brackets against torchft's DiLoCo:")
-    lines = [*wrap(intro), "",
-             f"| link | method | time to target | to later target | sooner than torchft's DiLoCo | payload per sync "
-             f"| val loss after {steps} inner steps |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    intro = (
+        f"From `edgc bench --diloco` ({hosts} hosts, GPT-2 `{preset}`, {steps} inner steps, DiLoCo H = {h}, "
+        f"{rounds} rounds per link: their mean), copied by `scripts/results_summary.py` from [the DiLoCo "
+        "results page](../results/diloco.md), which has every method, the ranges over the rounds and the "
+        "settings. A link's target is the highest of its runs' lowest validation losses, the later target "
+        "the same over the runs that took every step; the speed-ups are at the target / the later target, "
+        "the bytes and the loss in brackets against torchft's DiLoCo:"
+    )
+    lines = [
+        *wrap(intro),
+        "",
+        f"| link | method | time to target | to later target | sooner than torchft's DiLoCo | payload per sync "
+        f"| val loss after {steps} inner steps |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     targets = []
     for link in links:
         rows, text = link["rows"], link["text"]
-        targets.append(f"{check(text, r'Target validation loss ([0-9.]+)')} / "
-                       f"{check(text, r'a later target ([0-9.]+)')} at {link['rate']} Mbit/s")
+        targets.append(
+            f"{check(text, r'Target validation loss ([0-9.]+)')} / "
+            f"{check(text, r'a later target ([0-9.]+)')} at {link['rate']} Mbit/s"
+        )
         loss_column = next(c for c in rows[DILOCO] if c.startswith("val loss after"))
         streaming = [name for name in rows if name.startswith("Streaming")]  # whichever the bench picked
         for method in (DDP_EDGC, DILOCO, DILOCO_EDGC, *streaming):
@@ -176,11 +200,16 @@ def diloco_summary(root: Path = ROOT) -> str:
         k = table_rows(kill, "outer steps discarded")[0]
         cell = {c.split(" (")[0]: v for c, v in k.items()}
         stall = cell["survivors' stall"]
-        lines += ["", *wrap(f"Kill pass at {check(kill, r'Kill pass at ([0-9.]+ Mbit/s)')} (DiLoCo + EDGC, host 1's "
-                            f"worker killed in an outer step): outer steps discarded {cell['outer steps discarded']}, "
-                            f"the survivors went on after {stall}, the killed group was back after "
-                            f"{cell['killed group back']}, validation loss {cell['val loss vs failure-free']} against "
-                            "the failure-free runs.")]
+        lines += [
+            "",
+            *wrap(
+                f"Kill pass at {check(kill, r'Kill pass at ([0-9.]+ Mbit/s)')} (DiLoCo + EDGC, host 1's "
+                f"worker killed in an outer step): outer steps discarded {cell['outer steps discarded']}, "
+                f"the survivors went on after {stall}, the killed group was back after "
+                f"{cell['killed group back']}, validation loss {cell['val loss vs failure-free']} against "
+                "the failure-free runs."
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -197,8 +226,11 @@ def main(argv: list[str]) -> int:
             if "--check" not in argv:
                 page.write_text(updated)
     if "--check" in argv and stale:
-        print(f"{', '.join(str(p.relative_to(ROOT)) for p in stale)}: a results summary is stale; "
-              "run scripts/results_summary.py", file=sys.stderr)
+        print(
+            f"{', '.join(str(p.relative_to(ROOT)) for p in stale)}: a results summary is stale; "
+            "run scripts/results_summary.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

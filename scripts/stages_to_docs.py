@@ -6,6 +6,7 @@
 Replaces the block (docs/results/3d.md) with OUT/stages.md's table and the spread line under it;
 nothing is typed by hand.
 """
+
 import argparse
 import sys
 from pathlib import Path

@@ -14,11 +14,13 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 @pytest.fixture
 def load_script():
     """Import ``scripts/<name>.py`` (the scripts are not a package) and return the module."""
+
     def load(name: str):
         spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
+
     return load
 
 
@@ -50,6 +52,7 @@ except ImportError:  # without pytest-xdist the suite runs in one process
     LoadFileScheduling = None
 
 if LoadFileScheduling is not None:
+
     class SharedRunScheduling(LoadFileScheduling):
         """--dist loadfile, with the files of `SHARED_RUN_SCOPES` joined."""
 

@@ -4,6 +4,7 @@
 docstrings `EDGCConfig` validates against); ``{edgc-config} train`` every `TrainConfig` field from
 `edgc_train.config.field_help`, the text of `edgc train --help`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,11 @@ class ConfigTable(SphinxDirective):
         if self.arguments[0] not in tables:
             raise self.error(f"edgc-config: unknown table {self.arguments[0]!r} (one of {sorted(tables)})")
         container = nodes.container()
-        self.state.nested_parse(StringList(tables[self.arguments[0]]().splitlines(), source=self.get_source_info()[0]),
-                                self.content_offset, container)
+        self.state.nested_parse(
+            StringList(tables[self.arguments[0]]().splitlines(), source=self.get_source_info()[0]),
+            self.content_offset,
+            container,
+        )
         return container.children
 
 

@@ -46,6 +46,7 @@ Modules:
     detached.py     what an unpickled state holds in place of its `Communicator`
     integrations/   glue for training stacks (Lightning)
 """
+
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .comm import barrier_before_exit
 from .config import EDGCConfig, LowRankConfig, field_docs
@@ -62,11 +63,33 @@ from .state import EDGCState
 from .sync_methods import register_sync_method
 
 __all__ = [
-    "EDGCConfig", "LowRankConfig", "EDGCState", "edgc_hook", "AllReduceState", "allreduce_hook", "GradientReducer",
-    "LowRankCompressor", "EntropySampler", "WindowController", "ErrorModel",
-    "histogram_entropy", "gaussian_entropy", "error_curve_mc", "error_curve_mp",
-    "delta_target", "limit_rank", "orthogonalize_", "field_docs",
-    "CastState", "TopKState", "RandomKState", "QSGDState", "barrier_before_exit", "ReplicasDiverged",
-    "register_signal", "register_rank_mapping", "register_sync_method",
+    "EDGCConfig",
+    "LowRankConfig",
+    "EDGCState",
+    "edgc_hook",
+    "AllReduceState",
+    "allreduce_hook",
+    "GradientReducer",
+    "LowRankCompressor",
+    "EntropySampler",
+    "WindowController",
+    "ErrorModel",
+    "histogram_entropy",
+    "gaussian_entropy",
+    "error_curve_mc",
+    "error_curve_mp",
+    "delta_target",
+    "limit_rank",
+    "orthogonalize_",
+    "field_docs",
+    "CastState",
+    "TopKState",
+    "RandomKState",
+    "QSGDState",
+    "barrier_before_exit",
+    "ReplicasDiverged",
+    "register_signal",
+    "register_rank_mapping",
+    "register_sync_method",
 ]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ may then spend up to the budget B_p = T_0 + p·t_b(p):
 The rule is a pure function of the agreed timing tables; the training loop agrees the result
 over each stage's data-parallel replicas (maximum) before using it.
 """
+
 from __future__ import annotations
 
 import math

@@ -34,6 +34,7 @@ Fit for a GPU: random numbers are drawn on the gradients' device, from generator
 read once at the end of the step; and every rank turns the gathered messages into the average in
 the same order of additions, whatever runs in parallel on the device, so replicas stay identical.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,13 @@ class CastState(GradientReducer):
 
     method = "cast"
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, dtype: str | torch.dtype = "float16",
-                 model: nn.Module | None = None):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        dtype: str | torch.dtype = "float16",
+        model: nn.Module | None = None,
+    ):
         super().__init__(process_group, model=model)
         if isinstance(dtype, str):
             if dtype not in CAST_DTYPES:
@@ -90,8 +96,9 @@ class CastState(GradientReducer):
         packed.copy_(on_wire)
         _unpack(packed, grads, flat)
         n = packed.numel()
-        self._add_stats(ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(),
-                                    ranks={name: 0 for name in names}))
+        self._add_stats(
+            ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(), ranks={name: 0 for name in names})
+        )
 
     def _settle_step(self, record, host) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
@@ -109,8 +116,13 @@ class _ErrorFeedbackReducer(GradientReducer):
 
     method = ""
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, error_feedback: bool = True,
-                 model: nn.Module | None = None):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        error_feedback: bool = True,
+        model: nn.Module | None = None,
+    ):
         super().__init__(process_group, model=model)
         self.error_feedback = bool(error_feedback)
         self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, fp32, the parameter's shape
@@ -134,9 +146,17 @@ class _ErrorFeedbackReducer(GradientReducer):
             parts.append(part)
         return torch.cat(parts)
 
-    def _finish(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
-                corrected: torch.Tensor, sent_local: torch.Tensor, average: torch.Tensor,
-                elements_sent: int, bytes_sent: int) -> None:
+    def _finish(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        flat: torch.Tensor | None,
+        corrected: torch.Tensor,
+        sent_local: torch.Tensor,
+        average: torch.Tensor,
+        elements_sent: int,
+        bytes_sent: int,
+    ) -> None:
         """Write ``average`` into the gradients; e ← corrected − sent_local; record the metrics."""
         if flat is not None:
             flat.copy_(average.to(flat.dtype))  # grads are views into DDP's bucket buffer
@@ -150,17 +170,29 @@ class _ErrorFeedbackReducer(GradientReducer):
                 offset += g.numel()
         n = corrected.numel()
         # Device values, read once at the end of the step (`GradientReducer._close_step`).
-        self._add_stats(ReduceStats(n, elements_sent, n * grads[0].element_size(), bytes_sent,
-                                    error_sq=torch.dot(residual, residual), norm_sq=torch.dot(corrected, corrected),
-                                    ranks={name: 0 for name in names}))
+        self._add_stats(
+            ReduceStats(
+                n,
+                elements_sent,
+                n * grads[0].element_size(),
+                bytes_sent,
+                error_sq=torch.dot(residual, residual),
+                norm_sq=torch.dot(corrected, corrected),
+                ranks={name: 0 for name in names},
+            )
+        )
         self._call += 1
 
     def _settle_step(self, record, host) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:
-        return {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict(),
-                "error": {name: e.detach().cpu().clone() for name, e in self.error.items()}}
+        return {
+            "format": BASELINE_FORMAT,
+            "method": self.method,
+            **super().state_dict(),
+            "error": {name: e.detach().cpu().clone() for name, e in self.error.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         _check_format(state, self.method)
@@ -172,8 +204,10 @@ class _ErrorFeedbackReducer(GradientReducer):
             if self.parameter_shapes and shape is None:
                 raise ValueError(f"{self.method} state has error feedback for {name!r}, which the model does not have")
             if shape is not None and tuple(tensor.shape) != shape:
-                raise ValueError(f"{self.method} state error of {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the parameter needs {shape}")
+                raise ValueError(
+                    f"{self.method} state error of {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the parameter needs {shape}"
+                )
         super().load_state_dict(state)
         self.error = dict(error)
         if int(state["world_size"]) != self.comm.world_size:
@@ -280,8 +314,16 @@ class RandomKState(_ErrorFeedbackReducer):
 
     method = "randomk"
 
-    def __init__(self, process_group=None, *, ratio: float = 0.01, error_feedback: bool = True,
-                 rescale: bool | None = None, seed: int = 714, model=None):
+    def __init__(
+        self,
+        process_group=None,
+        *,
+        ratio: float = 0.01,
+        error_feedback: bool = True,
+        rescale: bool | None = None,
+        seed: int = 714,
+        model=None,
+    ):
         super().__init__(process_group, error_feedback=error_feedback, model=model)
         self.ratio = _check_ratio(ratio)
         self.rescale = (not error_feedback) if rescale is None else bool(rescale)
@@ -328,8 +370,9 @@ class QSGDState(_ErrorFeedbackReducer):
     method = "qsgd8"
     LEVELS = 127
 
-    def __init__(self, process_group=None, *, chunk: int = 1024, error_feedback: bool = True, seed: int = 714,
-                 model=None):
+    def __init__(
+        self, process_group=None, *, chunk: int = 1024, error_feedback: bool = True, seed: int = 714, model=None
+    ):
         super().__init__(process_group, error_feedback=error_feedback, model=model)
         if not (isinstance(chunk, int) and chunk >= 1):
             raise ValueError(f"chunk: must be an integer ≥ 1, got {chunk!r}")

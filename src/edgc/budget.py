@@ -13,7 +13,8 @@ nearest rank of the grid. ``need`` ∈ [0, 1] says how much the current moment i
 "early", critical regime in which a higher rank pays. The fixed ``schedule`` signal sets need =
 the fraction of compressed steps still to come: with front_load = 2 the rank then falls from 2B
 through B to about B/2 (B = 4: 8, 6, 4, 2 over 40, 80, 80, 160 steps of 360), the staircase
-that beat static PowerSGD at equal bytes in a first prototype. With need ≡ 1 the target would decay to r_min; with need = 0 the
+that beat static PowerSGD at equal bytes in a first prototype. With need ≡ 1 the target would decay to r_min; with need
+= 0 the
 budget is spent evenly. Whatever ``need`` does, the budget is kept: every window re-plans the
 remainder, so a rounding or an early surge is paid back later, and the last window spends what
 is left (up to the grid's rounding).
@@ -27,6 +28,7 @@ Accordion's critical regime say the same.
 normalised, noise-gated trend of a per-window series (entropy, log gradient norm, relative
 compression error). `BudgetRule` is the controller's rank rule with a budget.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +56,18 @@ def spent_rank_steps(schedule: Sequence[tuple[int, int]], step: int) -> tuple[in
     return spent, steps
 
 
-def budget_target(*, budget: float, total: int, done: int, spent: float, window: int, need: float,
-                  front_load: float, r_min: int, r_max: int) -> float:
+def budget_target(
+    *,
+    budget: float,
+    total: int,
+    done: int,
+    spent: float,
+    window: int,
+    need: float,
+    front_load: float,
+    r_min: int,
+    r_max: int,
+) -> float:
     """The rank the next window should run at (before rounding to the grid); see the module docstring."""
     left = max(1, total - done)
     remaining = budget * total - spent
@@ -98,31 +110,53 @@ class BudgetRule:
             return None
         spent, done = spent_rank_steps(schedule, step)
         total = max(1, (self.config.total_steps or step) - schedule[0][0])
-        return {"budget": self.config.rank_budget, "total": total, "done": done, "spent": spent,
-                "mean_rank": spent / done if done else None}
+        return {
+            "budget": self.config.rank_budget,
+            "total": total,
+            "done": done,
+            "spent": spent,
+            "mean_rank": spent / done if done else None,
+        }
 
-    def plan(self, controller: ControllerView, schedule: Sequence[tuple[int, int]], next_step: int,
-             need: float) -> tuple[int, float]:
+    def plan(
+        self, controller: ControllerView, schedule: Sequence[tuple[int, int]], next_step: int, need: float
+    ) -> tuple[int, float]:
         """The rank (on the grid) and the unrounded target for the window starting at ``next_step``."""
         r_min, r_max = controller.r_min, controller.r_max
         assert r_min is not None and r_max is not None
         state = self.budget_state(schedule, next_step)
         assert state is not None
         budget = min(max(self.config.rank_budget, r_min), r_max)  # a profiled r_max may sit below it
-        target = budget_target(budget=budget, total=state["total"], done=state["done"], spent=state["spent"],
-                               window=self.config.window, need=need, front_load=self.config.front_load,
-                               r_min=r_min, r_max=r_max)
+        target = budget_target(
+            budget=budget,
+            total=state["total"],
+            done=state["done"],
+            spent=state["spent"],
+            window=self.config.window,
+            need=need,
+            front_load=self.config.front_load,
+            r_min=r_min,
+            r_max=r_max,
+        )
         return nearest_rank(target, rank_grid(r_min, r_max, self.config.rank_granularity)), target
 
     def need(self, signals: dict[str, Sequence[tuple[int, float]]], progress: float) -> float:
         """The chosen signal's verdict in [0, 1]: 1 = still the early regime (spend above the even rate).
         ``signals``: every series by name; ``progress``: the fraction of the compressed steps done."""
-        return self.signal.need(signals, progress=progress, window=self.config.window,
-                                significance=self.config.entropy_significance)
+        return self.signal.need(
+            signals, progress=progress, window=self.config.window, significance=self.config.entropy_significance
+        )
 
-    def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
-                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
-                signals: dict) -> tuple[int, float, float]:
+    def propose(
+        self,
+        controller: ControllerView,
+        plan: StepPlan,
+        agreed: Agreed,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+        sample_steps: Sequence[int] | None,
+        signals: dict,
+    ) -> tuple[int, float, float]:
         """(rank, need, target) for the window after ``plan.step``."""
         errors = list(controller.error_windows)  # the error signal's series, as apply() will record it
         if math.isfinite(agreed.relative_error):

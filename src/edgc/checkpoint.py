@@ -6,6 +6,7 @@
 engine's) and ``profile_seconds``, ``relative_errors``. `check_loadable` validates all of it first,
 so that a bad checkpoint raises ValueError and leaves the state as it was.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,17 @@ from .profiling import profile_seconds
 from .rank_control import WindowController
 
 STATE_FORMAT = "edgc-state/1"
-REQUIRED = ("step", "totals", "world_size", "config", "controller", "sampler", "compressor", "profiler",
-            "profile_seconds")
+REQUIRED = (
+    "step",
+    "totals",
+    "world_size",
+    "config",
+    "controller",
+    "sampler",
+    "compressor",
+    "profiler",
+    "profile_seconds",
+)
 
 
 def check_loadable(state: dict, config: EDGCConfig, follower: bool, parameter_shapes: dict) -> None:

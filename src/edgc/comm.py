@@ -20,6 +20,7 @@ seconds at ``reset()`` (the end of a step). On CPU the completion time is the ea
 return of ``wait`` and the first ``poll()`` that saw the work complete (no completion callback:
 one would run on the backend's thread, possibly while the interpreter exits).
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,9 @@ from .timing import Clock
 class Pending:
     """One issued collective; ``wait()`` returns its tensor once the result may be read."""
 
-    def __init__(self, tensor: torch.Tensor, work, record: list | None, clock: Clock, after=None,
-                 waits: list | None = None):
+    def __init__(
+        self, tensor: torch.Tensor, work, record: list | None, clock: Clock, after=None, waits: list | None = None
+    ):
         self.tensor, self._work, self._record, self._clock, self._after = tensor, work, record, clock, after
         self._waits = waits
 
@@ -187,8 +189,9 @@ class Communicator:
                 tensor.div_(self.world_size)
             return self.all_reduce_async(tensor)
         on_wire = torch.div(tensor, self.world_size, out=torch.empty_like(tensor, dtype=wire_dtype))  # one pass
-        return self._issue(tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM),
-                           after=lambda: tensor.copy_(on_wire))
+        return self._issue(
+            tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM), after=lambda: tensor.copy_(on_wire)
+        )
 
     # ------------------------------------------------------------------ blocking
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -4,6 +4,7 @@ Defaults follow the paper's released code (see ``docs`` / README table): α = 0.
 1000 histogram bins, window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up
 floor 10 % of the planned steps, PowerSGD seed 714.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,16 +93,19 @@ class LowRankConfig:
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
 
     orthogonalization_epsilon: float = 1e-12
-    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient factors stay finite. ≥ 0."""
+    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient
+    factors stay finite. ≥ 0."""
 
     orthonormalization: str = "auto"
-    """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast float64, float32 four-pass CholeskyQR elsewhere), or one of 'householder', 'cholesky2-fp64', 'cholesky4-fp32'."""
+    """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast
+    float64, float32 four-pass CholeskyQR elsewhere), or one of 'householder', 'cholesky2-fp64', 'cholesky4-fp32'."""
 
     seed: int = 714
     """Seed of the initial Q factors and of restarted Q rows (identical on every rank). ≥ 0."""
 
     rank_change: str = "warm"
-    """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first columns, random new ones)."""
+    """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first
+    columns, random new ones)."""
 
     def __post_init__(self) -> None:
         _check_engine_fields(_Check(self))
@@ -130,7 +134,8 @@ class EDGCConfig:
     """False = static PowerSGD at r_max after warm-up (no entropy sampling, no rank changes)."""
 
     rank_mapping: str = "delta"
-    """Rank mapping, one registered in edgc.rank_rules: 'delta' (authors' linear map of the entropy change), 'cqm', or 'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
+    """Rank mapping, one registered in edgc.rank_rules: 'delta' (authors' linear map of the entropy change), 'cqm', or
+    'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
 
     cqm_exponent: float = 2.0
     """c in g(r1) = e^{c(H0−H1)} g(r0): 2 for squared Frobenius error, 1 for the plain norm. > 0."""
@@ -139,7 +144,8 @@ class EDGCConfig:
     """Monte-Carlo draws per matrix shape when estimating g(r; m, n) for the 'cqm' mapping. ≥ 1."""
 
     iteration_sample_ratio: float = 0.1
-    """α (ISR): entropy is estimated every round(1/α) optimizer steps (once per window when no decision reads it). In (0, 1]."""
+    """α (ISR): entropy is estimated every round(1/α) optimizer steps (once per window when no decision reads it). In
+    (0, 1]."""
 
     gradient_sample_ratio: float = 0.25
     """β (GSR): fraction of gradient elements used (every round(1/β)-th element of each tensor). In (0, 1]."""
@@ -148,7 +154,8 @@ class EDGCConfig:
     """Histogram bins over the sample's [min, max] for the entropy estimate. ≥ 2."""
 
     entropy_estimator: str = "auto"
-    """'histogram' (plug-in Shannon entropy, nats), 'gaussian' (½·ln(2πeσ²)) or 'auto' (gaussian for cqm, else histogram)."""
+    """'histogram' (plug-in Shannon entropy, nats), 'gaussian' (½·ln(2πeσ²)) or 'auto' (gaussian for cqm, else
+    histogram)."""
 
     total_steps: int | None = None
     """Planned optimizer steps T of the run, for the warm-up floor; None = no fraction-based floor. ≥ 1."""
@@ -163,39 +170,49 @@ class EDGCConfig:
     """Absolute floor of uncompressed steps (lets DDP rebuild its buckets first). ≥ 0."""
 
     profile_max_rank: int = 128
-    """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2). ≥ 2."""
+    """Highest rank profiled for r_max: tried first, then halved down to 2 until one pays (pipeline stages: up from 2).
+    ≥ 2."""
 
     profile_steps_per_rank: int = 2
-    """Timed steps per candidate rank when profiling, after a one-step quick test that may settle it (the first candidate's also time the plain sync, blocking). ≥ 1."""
+    """Timed steps per candidate rank when profiling, after a one-step quick test that may settle it (the first
+    candidate's also time the plain sync, blocking). ≥ 1."""
 
     # --- noise-robust rank decisions: the noise gate on the entropy trend ---
     entropy_significance: float = 3.0
-    """k of the noise gate: the rank moves only if the entropy shift exceeds k standard errors of the window means; 0 = no gate (the paper's rule, every window). ≥ 0."""
+    """k of the noise gate: the rank moves only if the entropy shift exceeds k standard errors of the window means; 0 =
+    no gate (the paper's rule, every window). ≥ 0."""
 
     max_warmup_fraction: float = 0.3
     """The warm-up ends by ⌊this·T⌋ steps even if the error test has not passed (needs total_steps). In [0, 1]."""
 
     error_band: tuple[float, float] = (0.05, 0.15)
-    """'error-band' mapping: keep the window mean of ‖M−Ĝ‖²/‖M‖² (relative, unitless) in [low, high]; 0 ≤ low < high ≤ 1."""
+    """'error-band' mapping: keep the window mean of ‖M−Ĝ‖²/‖M‖² (relative, unitless) in [low, high]; 0 ≤ low < high ≤
+    1."""
 
     # --- the byte budget: a mean rank, spent early ---
     rank_budget: float | None = None
-    """Byte budget as the mean rank over the compressed steps, spent early by the budget controller (needs total_steps); None = the paper's rank rules (rank_mapping). r_min ≤ budget ≤ r_max."""
+    """Byte budget as the mean rank over the compressed steps, spent early by the budget controller (needs total_steps);
+    None = the paper's rank rules (rank_mapping). r_min ≤ budget ≤ r_max."""
 
     budget_signal: str = "schedule"
-    """What tells the budget controller the early regime lasts, a signal registered in edgc.signals: 'schedule' (fixed front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
+    """What tells the budget controller the early regime lasts, a signal registered in edgc.signals: 'schedule' (fixed
+    front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
 
     front_load: float = 2.0
-    """Budget controller: rank = even spending rate × (1 + (front_load − 1)·need), need ∈ [0, 1] from the signal. ≥ 1 (1 = spend evenly)."""
+    """Budget controller: rank = even spending rate × (1 + (front_load − 1)·need), need ∈ [0, 1] from the signal. ≥ 1 (1
+    = spend evenly)."""
 
     rank_schedule: tuple[tuple[int, int], ...] | None = None
-    """Hand-set ranks: ((step, rank), …), the rank in force from each optimizer step on once compressing; overrides every controller. 1 ≤ rank ≤ r_max."""
+    """Hand-set ranks: ((step, rank), …), the rank in force from each optimizer step on once compressing; overrides
+    every controller. 1 ≤ rank ≤ r_max."""
 
     fusion_mb: float | None = None
-    """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None = 256 on accelerators, 0 (each bucket its own job) on CPU. ≥ 0."""
+    """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None =
+    256 on accelerators, 0 (each bucket its own job) on CPU. ≥ 0."""
 
     engine: LowRankConfig = field(default_factory=LowRankConfig)
-    """The PowerSGD engine's settings (a `LowRankConfig`, the table's last rows). Its fields are also given and read flat: EDGCConfig(error_feedback=False), --edgc error_feedback=false, config.error_feedback."""
+    """The PowerSGD engine's settings (a `LowRankConfig`, the table's last rows). Its fields are also given and read
+    flat: EDGCConfig(error_feedback=False), --edgc error_feedback=false, config.error_feedback."""
 
     def __post_init__(self) -> None:
         check = _Check(self)
@@ -215,9 +232,12 @@ class EDGCConfig:
         check.ratio("max_warmup_fraction", low_open=False)
         check.number("entropy_significance", allow_zero=True)
         band = self.error_band
-        if (not isinstance(band, (tuple, list)) or len(band) != 2
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band)
-                or not 0 <= band[0] < band[1] <= 1):
+        if (
+            not isinstance(band, (tuple, list))
+            or len(band) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band)
+            or not 0 <= band[0] < band[1] <= 1
+        ):
             check.fail("error_band", "must be (low, high) with 0 ≤ low < high ≤ 1")
         self.error_band = (float(band[0]), float(band[1]))
         check.number("cqm_exponent", allow_zero=False)
@@ -241,9 +261,16 @@ class EDGCConfig:
                 check.fail("rank_budget", f"must be ≥ r_min = {self.r_min}")
         if self.rank_schedule is not None:
             entries = self.rank_schedule
-            ok = isinstance(entries, (tuple, list)) and len(entries) > 0 and all(
-                isinstance(e, (tuple, list)) and len(e) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in e) for e in entries)
+            ok = (
+                isinstance(entries, (tuple, list))
+                and len(entries) > 0
+                and all(
+                    isinstance(e, (tuple, list))
+                    and len(e) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+                    for e in entries
+                )
+            )
             ok = ok and all(step >= 0 and rank >= 1 for step, rank in entries)
             ok = ok and all(a[0] < b[0] for a, b in zip(entries, entries[1:]))
             if not ok:
@@ -314,6 +341,7 @@ class EDGCConfig:
     def to_dict(self) -> dict[str, Any]:
         """Flat plain JSON values (the engine's fields beside the others, tuples as lists), so a dict
         survives config.json unchanged and reads as the keywords a user gives."""
+
         def plain(value: Any) -> Any:
             return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
@@ -355,8 +383,11 @@ def _engine_fields_flat(config_class: type) -> type:
 
     config_class.__init__ = __init__
     for name in ENGINE_FIELDS:
-        setattr(config_class, name, property(operator.attrgetter(f"engine.{name}"),
-                                             doc=f"``engine.{name}`` (`LowRankConfig.{name}`)."))
+        setattr(
+            config_class,
+            name,
+            property(operator.attrgetter(f"engine.{name}"), doc=f"``engine.{name}`` (`LowRankConfig.{name}`)."),
+        )
     return config_class
 
 
@@ -375,16 +406,25 @@ def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]  # one line
 
     def default(f: dataclasses.Field) -> Any:
-        return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return f.default
 
     return [(f.name, default(f), docs.get(f.name, "")) for f in dataclasses.fields(config_class)]
 
 
-__all__ = ["EDGCConfig", "LowRankConfig", "field_docs", "config_table_markdown", "ENTROPY_ESTIMATORS", "RANK_CHANGES",
-           "ENGINE_FIELDS"]
+__all__ = [
+    "EDGCConfig",
+    "LowRankConfig",
+    "field_docs",
+    "config_table_markdown",
+    "ENTROPY_ESTIMATORS",
+    "RANK_CHANGES",
+    "ENGINE_FIELDS",
+]
 
 
 def config_table_markdown() -> str:

@@ -12,6 +12,7 @@ more ranks must decide alike (tensor parallelism: a stage's DP replicas of all i
 of the step, the relative errors measured since the last decision, and the matrices' shapes (the
 cqm mapping's error model needs them).
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,9 @@ class DecisionRound:
     def begin_step(self) -> None:
         self.probe = None
 
-    def note_bucket(self, names: list[str], grads: list[torch.Tensor], probe_rank: int | None,
-                    compressor: LowRankCompressor) -> None:
+    def note_bucket(
+        self, names: list[str], grads: list[torch.Tensor], probe_rank: int | None, compressor: LowRankCompressor
+    ) -> None:
         """A bucket's matrix shapes; with ``probe_rank``, its warm-up probe (`LowRankCompressor.probe_error`)."""
         for name, grad in zip(names, grads):
             if name not in self.shapes and (shape := matrix_shape(grad)) is not None:
@@ -92,8 +94,16 @@ class DecisionRound:
             uncompressed_bound=profiled[2],
         )
 
-    def run(self, plan: StepPlan, local: Agreed, controller: WindowController, sampler: EntropySampler,
-            compressor: LowRankCompressor, comm: Communicator, device: torch.device) -> Decision:
+    def run(
+        self,
+        plan: StepPlan,
+        local: Agreed,
+        controller: WindowController,
+        sampler: EntropySampler,
+        compressor: LowRankCompressor,
+        comm: Communicator,
+        device: torch.device,
+    ) -> Decision:
         """Agree ``local`` over the decision group, let its rank 0 propose, broadcast, and apply the
         decision to ``controller`` (every rank alike); returns it. Two blocking collectives."""
         decisions = self.communicator(comm)
@@ -101,8 +111,14 @@ class DecisionRound:
         if decisions.rank == 0:
             shapes = [s for s in self.shapes.values() if compressor.compressed_rank(s, controller.r_max or 1)]
             history = sampler.history
-            proposal = controller.propose(plan, agreed, [v for _, v in history], shapes,
-                                          sample_steps=[s for s, _ in history], signals=sampler.signal_series())
+            proposal = controller.propose(
+                plan,
+                agreed,
+                [v for _, v in history],
+                shapes,
+                sample_steps=[s for s, _ in history],
+                signals=sampler.signal_series(),
+            )
         else:
             proposal = controller.current()
         vector = decisions.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))

@@ -9,6 +9,7 @@ supported way: ``state_dict()``, then ``load_state_dict()`` into a state built w
 Refusing at the step rather than in ``torch.load`` keeps the rest of a checkpoint (model,
 optimizer) loadable, and this state's data recoverable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,8 @@ class DetachedCommunicator:
             f"this {self.state_name} was restored from a pickle, which cannot carry its process group or which "
             f"tensors are its parameters (their error feedback would be lost): save state.state_dict() instead "
             f"and restore it with load_state_dict() into a new {self.state_name}(..., model=ddp_model); "
-            "this one's state_dict() still holds everything")
+            "this one's state_dict() still holds everything"
+        )
 
 
 def detached_state(reducer) -> dict:

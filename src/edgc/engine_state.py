@@ -17,6 +17,7 @@ resized for a new rank get their old shape back. With ``uncommitted=True`` the r
 second arena so that M survives: `commit` keeps the residual, `rollback` makes M the error
 feedback again (zeroing the matrices whose M is not finite).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,11 +48,22 @@ class CallState:
         return [block for group in self.layout.groups for block in group.error_view(arena).unbind(0)]
 
 
-def _still_kept(buffer: torch.Tensor | None, views: list[torch.Tensor], store: dict[str, torch.Tensor],
-                names: list[str], dtype: torch.dtype, device: torch.device) -> bool:
+def _still_kept(
+    buffer: torch.Tensor | None,
+    views: list[torch.Tensor],
+    store: dict[str, torch.Tensor],
+    names: list[str],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> bool:
     """Whether a call's buffer still holds what ``store`` says: every name maps to its view in it."""
-    return (buffer is not None and buffer.dtype == dtype and buffer.device == device and len(views) == len(names)
-            and all(store.get(name) is view for name, view in zip(names, views)))
+    return (
+        buffer is not None
+        and buffer.dtype == dtype
+        and buffer.device == device
+        and len(views) == len(names)
+        and all(store.get(name) is view for name, view in zip(names, views))
+    )
 
 
 class EngineState:
@@ -134,8 +146,9 @@ class EngineState:
                 self._resized.setdefault(name, q)
 
     # ------------------------------------------------------------------ per-call buffers
-    def open_call(self, names: list[str], grads: list[torch.Tensor], rank: int, compute: torch.dtype,
-                  method: str) -> tuple[CallState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def open_call(
+        self, names: list[str], grads: list[torch.Tensor], rank: int, compute: torch.dtype, method: str
+    ) -> tuple[CallState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A call of the engine begins: (its kept buffers, M = G + e in its arena, the stored Qᵀ, the
         warm-started Qᵀ; both None where it compresses nothing). A matrix sent raw now (after a rank
         change) takes its pending residual along. ``compute``: the dtype of M and the factors;
@@ -148,8 +161,15 @@ class EngineState:
             q_stored, q_in = self._warm_start(call, grads[0].device, compute, method)
         return call, arena, q_stored, q_in
 
-    def close_call(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                   q_stored: torch.Tensor, q_flat: torch.Tensor, nonfinite: torch.Tensor) -> None:
+    def close_call(
+        self,
+        call: CallState,
+        arena: torch.Tensor,
+        factors: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        q_stored: torch.Tensor,
+        q_flat: torch.Tensor,
+        nonfinite: torch.Tensor,
+    ) -> None:
         """A call ends: with error feedback, e = M − P·Qᵀ from ``factors`` (per shape group (Pᵀ, Qᵀ) in
         the arena's dtype); the call's Q is the averaged ``q_flat``, or the stored one where the
         group saw a NaN/Inf (``nonfinite``, a device flag: selected on the device)."""
@@ -167,8 +187,9 @@ class EngineState:
             overlap = set(names)
             for other in [k for k in self._calls if overlap.intersection(k[0])]:
                 del self._calls[other]
-            call = self._calls[key] = CallState(CallLayout.plan(names, grads, rank, self.config.min_compression_rate),
-                                                shapes)
+            call = self._calls[key] = CallState(
+                CallLayout.plan(names, grads, rank, self.config.min_compression_rate), shapes
+            )
             for name, grad in zip(names, grads):
                 if (shape := matrix_shape(grad)) is not None:
                     self.shapes[name] = shape
@@ -224,7 +245,9 @@ class EngineState:
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
-    def _keep_residual(self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _keep_residual(
+        self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
         writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
         in the arena's dtype. Over M in place, or (uncommitted) into the spare arena, M left intact
@@ -244,8 +267,9 @@ class EngineState:
         self._use_arena(call, residual)
 
     # ------------------------------------------------------------------ Q
-    def _warm_start(self, call: CallState, device: torch.device, compute: torch.dtype,
-                   method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _warm_start(
+        self, call: CallState, device: torch.device, compute: torch.dtype, method: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(stored Qᵀ, Qᵀ with rows orthonormalised and dead rows restarted) of the call's matrices,
         laid out as its Q buffer.
 
@@ -258,8 +282,13 @@ class EngineState:
         source = call.q_flat if self._q_intact(call, compute, device) else self._gather_q(call, device, compute)
         if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
             call.replacement = self._replacement_rows(call, device, compute)
-        q_in = orthonormalize_blocks_(source, call.layout.q_blocks, self.config.orthogonalization_epsilon,
-                                      method=method, out=torch.empty_like(source))
+        q_in = orthonormalize_blocks_(
+            source,
+            call.layout.q_blocks,
+            self.config.orthogonalization_epsilon,
+            method=method,
+            out=torch.empty_like(source),
+        )
         restart_dead_entries_(q_in, call.layout.q_blocks, call.replacement)
         return source, q_in
 
@@ -271,8 +300,7 @@ class EngineState:
         for group in call.layout.groups:
             stored = [self.q.get(name) for name in group.names]
             self.note_resized({n: q for n, q in zip(group.names, stored) if q is not None and q.shape[1] != group.rank})
-            columns = [self.resized_q(name, group.n, group.rank, device).to(compute).T
-                       for name in group.names]
+            columns = [self.resized_q(name, group.n, group.rank, device).to(compute).T for name in group.names]
             group.q_view(buffer).copy_(torch.stack(columns))
         return buffer
 
@@ -313,8 +341,9 @@ class EngineState:
     def state_bytes(self) -> int:
         """Device bytes the engine keeps between steps: error feedback, Q, restart rows (and the spare
         arena of uncommitted steps)."""
-        buffers = {id(t): t for c in self._calls.values() for t in (c.arena, c.spare, c.q_flat, c.replacement)
-                   if t is not None}
+        buffers = {
+            id(t): t for c in self._calls.values() for t in (c.arena, c.spare, c.q_flat, c.replacement) if t is not None
+        }
         kept = {id(t.untyped_storage()) for t in buffers.values()}
         loose = [t for t in (*self.q.values(), *self.error.values()) if id(t.untyped_storage()) not in kept]
         return sum(t.numel() * t.element_size() for t in (*buffers.values(), *loose))
@@ -340,6 +369,7 @@ class EngineState:
     def to(self, device: torch.device, stream: streams.Stream | None = None) -> None:
         """Q and error feedback onto ``device`` without a host wait, kept alive for ``stream`` (the jobs'
         stream, which reads and replaces them: `edgc.streams.record_stream`)."""
+
         def move(tensor: torch.Tensor) -> torch.Tensor:
             moved = to_device(tensor, device)
             if stream is not None:

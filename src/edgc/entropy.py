@@ -18,6 +18,7 @@ never gathered: gathering and concatenating it cost more than the histogram (~30
 preset). On the first sampled step, before any count, each bucket's β sample is gathered and
 thinned before they are joined.
 """
+
 from __future__ import annotations
 
 import math

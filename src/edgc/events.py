@@ -30,6 +30,7 @@ stage's rank 0 speaks for its stage). To hear every rank,
 ``logging.getLogger("edgc").removeFilter(edgc.events.GROUP_RANK_ZERO)``; ``record.edgc_rank`` is
 the rank in the group that decides.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,8 +70,13 @@ def profiling_over(state: EDGCState, step: int) -> None:
         return
     message = describe_profiling_verdict(verdict)
     found = verdict["status"] == "found"
-    record = {"kind": "profiled" if found else "notice", "step": step, "event": f"edgc_{verdict['status']}",
-              "message": message, **verdict}
+    record = {
+        "kind": "profiled" if found else "notice",
+        "step": step,
+        "event": f"edgc_{verdict['status']}",
+        "message": message,
+        **verdict,
+    }
     say(state, logging.INFO if found else logging.WARNING, record, f"step {step}: {message}")
 
 
@@ -95,10 +101,22 @@ def warmup_over(state: EDGCState, step: int) -> None:
         why = f"the error test did not pass within its ceiling of {config.warmup_ceiling()} steps"
     else:
         why = f"after its floor of {config.warmup_floor()} uncompressed steps"
-    message = (f"step {step}: EDGC warm-up is over ({why}): compressing at rank {controller.rank} "
-               f"(r_min {controller.r_min}, r_max {controller.r_max})")
-    say(state, logging.INFO, {"kind": "warmup_over", "step": step, "rank": controller.rank,
-                              "r_min": controller.r_min, "r_max": controller.r_max, "message": message})
+    message = (
+        f"step {step}: EDGC warm-up is over ({why}): compressing at rank {controller.rank} "
+        f"(r_min {controller.r_min}, r_max {controller.r_max})"
+    )
+    say(
+        state,
+        logging.INFO,
+        {
+            "kind": "warmup_over",
+            "step": step,
+            "rank": controller.rank,
+            "r_min": controller.r_min,
+            "r_max": controller.r_max,
+            "message": message,
+        },
+    )
 
 
 def rank_set(state: EDGCState, step: int, old: int | None, new: int) -> None:
@@ -112,14 +130,25 @@ def decision(state: EDGCState, plan: StepPlan, taken: Decision, entropy: float |
     what signal (``entropy``: the last sample, nats), and why. Logged, and returned (`EDGCState.last_decision`)."""
     config, controller = state.config, state.controller
     old, new = plan.rank, taken.rank
-    record = {"kind": "decision", "step": plan.step + 1, "old_rank": old, "rank": new, "need": taken.need,
-              "target": taken.target, "signal": None, "budget": None, "mean_rank": None}
+    record = {
+        "kind": "decision",
+        "step": plan.step + 1,
+        "old_rank": old,
+        "rank": new,
+        "need": taken.need,
+        "target": taken.target,
+        "signal": None,
+        "budget": None,
+        "mean_rank": None,
+    }
     budget = controller.budget_state(plan.step + 1)
     if budget is not None:
         record.update(signal=config.budget_signal, budget=budget["budget"], mean_rank=budget["mean_rank"])
-        why = (f"budget mean rank {budget['budget']:g}, mean so far {budget['mean_rank']:.2f} over "
-               f"{budget['done']}/{budget['total']} compressed steps; signal '{config.budget_signal}' "
-               f"need {taken.need:.2f} → target {taken.target:.2f}")
+        why = (
+            f"budget mean rank {budget['budget']:g}, mean so far {budget['mean_rank']:.2f} over "
+            f"{budget['done']}/{budget['total']} compressed steps; signal '{config.budget_signal}' "
+            f"need {taken.need:.2f} → target {taken.target:.2f}"
+        )
     else:
         why = f"{config.rank_mapping} mapping, noise gate k = {config.entropy_significance:g}"
         if entropy is not None:
@@ -133,13 +162,17 @@ def decision(state: EDGCState, plan: StepPlan, taken: Decision, entropy: float |
 
 def nonfinite(state: EDGCState, step: int) -> None:
     """Step ``step``'s averaged gradient held a NaN/Inf (on some rank): the engine's fallback."""
-    message = (f"step {step}: EDGC's averaged gradient is not finite (a NaN/Inf on some rank): it stays so, for "
-               "the optimizer or GradScaler to skip the step; the step's error feedback is cleared, Q is kept")
+    message = (
+        f"step {step}: EDGC's averaged gradient is not finite (a NaN/Inf on some rank): it stays so, for "
+        "the optimizer or GradScaler to skip the step; the step's error feedback is cleared, Q is kept"
+    )
     say(state, logging.WARNING, {"kind": "nonfinite", "step": step, "message": message})
 
 
 def discarded(state: GradientReducer, step: int, reason: str) -> None:
     """Step ``step`` was rolled back: the state is as before it (what it tried to send is kept)."""
-    message = (f"step {step}: {type(state).__name__} discarded the step ({reason}): its shared state is as "
-               "before it; error feedback keeps what it tried to send")
+    message = (
+        f"step {step}: {type(state).__name__} discarded the step ({reason}): its shared state is as "
+        "before it; error feedback keeps what it tried to send"
+    )
     say(state, logging.INFO, {"kind": "discarded", "step": step, "reason": reason, "message": message})

@@ -5,6 +5,7 @@ inter-stage compressor (`edgc.interstage`) share: how a gradient is viewed as a 
 rank a matrix of that shape is worth compressing, seeds that agree across processes, and the
 in-place orthonormalisation of a batch of factors.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,6 +28,7 @@ FAST_FLOAT64_CAPABILITIES = frozenset({(8, 0), (9, 0), (10, 0)})
 # batch (a layer that got no gradient) still has a positive-definite Gram matrix: far below any value
 # that matters in that dtype, far above its smallest normal number.
 _CHOLESKY = {"cholesky2-fp64": (torch.float64, 1e-300), "cholesky4-fp32": (torch.float32, 1e-30)}
+
 
 def stable_seed(*parts: object) -> int:
     """A seed from names and numbers that is the same in every process (unlike ``hash``)."""
@@ -94,8 +96,14 @@ class _Block(Protocol):
     def view(self, flat: torch.Tensor) -> torch.Tensor: ...
 
 
-def orthonormalize_blocks_(flat: torch.Tensor, blocks: Sequence[_Block], epsilon: float = 1e-12, *,
-                           method: str = "cholesky2-fp64", out: torch.Tensor | None = None) -> torch.Tensor:
+def orthonormalize_blocks_(
+    flat: torch.Tensor,
+    blocks: Sequence[_Block],
+    epsilon: float = 1e-12,
+    *,
+    method: str = "cholesky2-fp64",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`orthonormalize_rows_` for several (count, rank, side) blocks of one flat buffer at once: one
     cast, and per pass one Cholesky factorisation for all the Gram matrices of one rank (their
     sides differ, their r × r Gram matrices do not), so the library calls do not grow with the

@@ -34,6 +34,7 @@ not ride on the rank decision's all-reduce and broadcast: those average and send
 whereas a comparison needs a maximum, and a decision is not taken at every window (warm-up,
 hand-set schedules, static PowerSGD, pipeline followers).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from .plans import PHASES
 
 FIELDS = ("step", "phase", "rank", "r_max", "r_min", "rank changes", "Q checksum")
-SPAN = 2 ** 52  # every field is an integer below it: exact in float64
+SPAN = 2**52  # every field is an integer below it: exact in float64
 _AS_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # by element size
 
 
@@ -62,8 +63,14 @@ def q_checksum(q: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor
 def shared_fields(state: EDGCState, step: int) -> list[int]:
     """The fields before the Q checksum; -1 stands for None."""
     controller = state.controller
-    values = (step, PHASES.index(controller.phase), controller.rank, controller.r_max, controller.r_min,
-              len(controller.schedule))
+    values = (
+        step,
+        PHASES.index(controller.phase),
+        controller.rank,
+        controller.r_max,
+        controller.r_min,
+        len(controller.schedule),
+    )
     return [-1 if value is None else int(value) for value in values]
 
 
@@ -74,8 +81,12 @@ def compare_replicas(state: EDGCState, step: int) -> None:
     if not comm.issues or comm.world_size < 2:
         return
     device = state.device or torch.device("cpu")
-    mine = torch.cat([torch.tensor(shared_fields(state, step), dtype=torch.float64, device=device),
-                      q_checksum(state.compressor.q, device).to(torch.float64).reshape(1)])
+    mine = torch.cat(
+        [
+            torch.tensor(shared_fields(state, step), dtype=torch.float64, device=device),
+            q_checksum(state.compressor.q, device).to(torch.float64).reshape(1),
+        ]
+    )
     both = torch.cat([mine + 2, SPAN - mine])
     issued_before = comm.mark()
     comm.all_reduce(both, op=dist.ReduceOp.MAX)
@@ -90,4 +101,5 @@ def compare_replicas(state: EDGCState, step: int) -> None:
             raise ReplicasDiverged(
                 f"EDGC replicas diverged at step {step}: {field} differs across the group (from {lowest:.0f} to "
                 f"{highest:.0f}, this rank {own:.0f}; -1 = none), checked in {FIELDS}: a rank resumed from "
-                "another checkpoint, a state on another group, or a bug (please report it)")
+                "another checkpoint, a state on another group, or a bug (please report it)"
+            )

@@ -9,6 +9,7 @@ float64's 1.8·10³⁰⁸. float64 values are tested element by element instead.
 
 The flag stays a device tensor (no host read): callers read it once, at the end of the step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,13 @@ def nan_unless_finite(*tensors: torch.Tensor) -> torch.Tensor:
     A flag that survives an average over ranks (one rank's NaN keeps the mean NaN, zeros keep it
     zero) and that poisons whatever it is added to, so a non-finite step needs no branch: adding it
     to the decompressed factors makes every averaged gradient NaN on every rank."""
-    sums = [values.sum(dtype=torch.float64) if values.dtype != torch.float64
-            else torch.where(torch.isfinite(values).all(), 0.0, float("nan")) for values in tensors if values.numel()]
+    sums = [
+        values.sum(dtype=torch.float64)
+        if values.dtype != torch.float64
+        else torch.where(torch.isfinite(values).all(), 0.0, float("nan"))
+        for values in tensors
+        if values.numel()
+    ]
     if not sums:
         return torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
     total = sums[0]

@@ -30,10 +30,12 @@ dtype, divides after the reduction, accumulates into existing gradients or offlo
 `reads_buffer_after_hook`); then the hook waits for the average, on the device. The step closes
 (metrics, decisions, step counter) in an autograd callback queued by the first hook call of a
 backward, which runs after FSDP's own final callback, so after every group, including the root's,
-has been reduced: it drains the jobs still in flight, and the caller's stream waits for them. Gradient accumulation: wrap the non-final micro-batches
+has been reduced: it drains the jobs still in flight, and the caller's stream waits for them. Gradient accumulation:
+wrap the non-final micro-batches
 in ``model.set_requires_gradient_sync(False)`` as usual; those backwards call no hook and do not
 count as steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,8 +77,10 @@ def _param_group(module: FSDPModule):
     """
     groups = module._get_fsdp_state()._fsdp_param_groups
     if len(groups) > 1:
-        raise ValueError("EDGC for FSDP supports one parameter group per fully_shard call "
-                         "(no per-parameter meshes from shard_placement_fn)")
+        raise ValueError(
+            "EDGC for FSDP supports one parameter group per fully_shard call "
+            "(no per-parameter meshes from shard_placement_fn)"
+        )
     return groups[0] if groups else None
 
 
@@ -95,12 +99,20 @@ def reads_buffer_after_hook(group, reduce_output: torch.Tensor) -> bool:
     if isinstance(group.offload_policy, CPUOffloadPolicy):
         return True
     scatter_group = group._reduce_scatter_process_group if isinstance(group.mesh_info, FSDPMeshInfo) else None
-    _, postdivide, _, _ = _get_gradient_divide_factors(scatter_group, None, reduce_output.dtype, reduce_output.device.type,
-                                                       group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+    _, postdivide, _, _ = _get_gradient_divide_factors(
+        scatter_group,
+        None,
+        reduce_output.dtype,
+        reduce_output.device.type,
+        group.gradient_divide_factor,
+        group.force_sum_reduction_for_comms,
+    )
     if postdivide not in (None, 1):
         return True
-    return any(fp.sharded_param.grad is not None or getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
-               for fp in group.fsdp_params)
+    return any(
+        fp.sharded_param.grad is not None or getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
+        for fp in group.fsdp_params
+    )
 
 
 class FSDPCommHook:
@@ -121,8 +133,10 @@ class FSDPCommHook:
             if group is None or not group.fsdp_params:
                 continue
             if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
-                raise ValueError("shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
-                                 "all-reduces over the replicas itself before any hook runs")
+                raise ValueError(
+                    "shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
+                    "all-reduces over the replicas itself before any hook runs"
+                )
             layout = []
             for param, size, padded in shard_layout(group):
                 if not param.requires_grad:
@@ -148,8 +162,10 @@ class FSDPCommHook:
 
         def hook(reduce_output: torch.Tensor) -> None:
             if reduce_output.numel() != expected:
-                raise RuntimeError(f"FSDP reduce-scatter output has {reduce_output.numel()} elements, the layout "
-                                   f"{expected}: parameters without requires_grad changed since registering?")
+                raise RuntimeError(
+                    f"FSDP reduce-scatter output has {reduce_output.numel()} elements, the layout "
+                    f"{expected}: parameters without requires_grad changed since registering?"
+                )
             names, views, offset = [], [], 0
             for name, size, padded in layout:
                 numel = math.prod(size)

@@ -18,6 +18,7 @@ Each check fails with one line (or warns once) and changes nothing of the state:
 names key every per-parameter state, so checkpoints survive another DDP bucket layout), and calls
 it at those points.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -109,26 +110,35 @@ class UsageGuard:
             return
         name = type(state).__name__
         if not comm.issues:
-            warnings.warn(f"{name}: no process group is initialised, so it averages over this process alone and "
-                          "sends nothing (build it after dist.init_process_group to average over the group)",
-                          stacklevel=4)
+            warnings.warn(
+                f"{name}: no process group is initialised, so it averages over this process alone and "
+                "sends nothing (build it after dist.init_process_group to average over the group)",
+                stacklevel=4,
+            )
             return
         if self.ddp_ranks is not None and group_ranks(comm) != self.ddp_ranks:
-            raise RuntimeError(f"{name} averages over global ranks {group_ranks(comm)} but its DDP model over "
-                               f"{self.ddp_ranks}: give it DDP's group (process_group=ddp_model.process_group)")
+            raise RuntimeError(
+                f"{name} averages over global ranks {group_ranks(comm)} but its DDP model over "
+                f"{self.ddp_ranks}: give it DDP's group (process_group=ddp_model.process_group)"
+            )
 
     def unnamed(self, state_name: str, index: int) -> str:
         """The name of a parameter no model names: its place in order of appearance, stable for one DDP
         bucket layout (warns once). Refused when a model was given: the parameter is not that model's."""
         if self.model_given:
-            raise RuntimeError(f"{state_name}: a parameter it was asked to sync is not in its model= (pass the "
-                               "DDP model it is registered on, or the module that model wraps)")
+            raise RuntimeError(
+                f"{state_name}: a parameter it was asked to sync is not in its model= (pass the "
+                "DDP model it is registered on, or the module that model wraps)"
+            )
         name = f"param{index}"
         if not self.warned_unnamed:  # once: the same holds for every such name
             self.warned_unnamed = True
-            warnings.warn(f"{state_name}: a parameter without a name (no model= given) is called {name} by "
-                          "bucket order, so state_dict() loads only into a run with the same DDP bucket layout; "
-                          "pass model=ddp_model", stacklevel=3)
+            warnings.warn(
+                f"{state_name}: a parameter without a name (no model= given) is called {name} by "
+                "bucket order, so state_dict() loads only into a run with the same DDP bucket layout; "
+                "pass model=ddp_model",
+                stacklevel=3,
+            )
         return name
 
     def ddp_bucket(self, state_name: str, names: list[str], last: bool) -> list[str]:
@@ -139,13 +149,17 @@ class UsageGuard:
             if last:
                 self.ddp_names, self._first_step_names = frozenset(self._first_step_names), []
         elif any(name not in self.ddp_names for name in names):
-            raise RuntimeError(f"{state_name}: a DDP bucket holds parameters its first step did not sync: one "
-                               "state serves one DDP model (register a state of its own on each model)")
+            raise RuntimeError(
+                f"{state_name}: a DDP bucket holds parameters its first step did not sync: one "
+                "state serves one DDP model (register a state of its own on each model)"
+            )
         return names
 
 
 def check_gradients(state_name: str, params: list[torch.Tensor]) -> None:
     """``synchronize()`` after ``backward()``: refuse a call where no parameter has a gradient yet."""
     if params and all(p.grad is None for p in params):
-        raise RuntimeError(f"{state_name}.synchronize() found no gradient on any parameter: call it after "
-                           "loss.backward() (a parameter without one counts as zero only when others have one)")
+        raise RuntimeError(
+            f"{state_name}.synchronize() found no gradient on any parameter: call it after "
+            "loss.backward() (a parameter without one counts as zero only when others have one)"
+        )

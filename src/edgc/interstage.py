@@ -53,6 +53,7 @@ compressing (EDGC's warm-up), inter-stage traffic is raw too. It does not follow
 stage's own DAC-aligned DP rank: DAC may leave a stage's DP sync raw because that stage has slack
 on the DP link, which says nothing about the inter-stage link. Static compressors use r_max.
 """
+
 from __future__ import annotations
 
 import math
@@ -171,8 +172,10 @@ class InterStageCompressor:
         return out
 
     def state_dict(self) -> dict:
-        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()},
-                "qs": {k: v.cpu() for k, v in self.qs.items()}}
+        return {
+            "residuals": {k: v.cpu() for k, v in self.residuals.items()},
+            "qs": {k: v.cpu() for k, v in self.qs.items()},
+        }
 
     def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
         self.residuals = {int(k): v.to(device) if device else v for k, v in state["residuals"].items()}
@@ -186,7 +189,7 @@ def decompress(packet: Packet) -> torch.Tensor:
     if packet.rank == 0:
         return packet.payload.reshape(packet.shape)
     p = packet.payload[: m * packet.rank].reshape(m, packet.rank)
-    q = packet.payload[m * packet.rank:].reshape(n, packet.rank)
+    q = packet.payload[m * packet.rank :].reshape(n, packet.rank)
     return (p @ q.t()).reshape(packet.shape)
 
 
@@ -219,8 +222,16 @@ class IncomingGradient:
 
     UNKNOWN = object()
 
-    def __init__(self, shape, src: int, dtype: torch.dtype = torch.float32, device=None, group=None,
-                 tag: int = 0, rank: int | None | object = UNKNOWN):
+    def __init__(
+        self,
+        shape,
+        src: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        group=None,
+        tag: int = 0,
+        rank: int | None | object = UNKNOWN,
+    ):
         self.shape, self.src, self.dtype, self.device, self.tag = torch.Size(shape), src, dtype, device, tag
         self.group = as_process_group(group)
         self.n = self.shape[-1]
@@ -256,14 +267,23 @@ def check_headers(incoming: list[IncomingGradient]) -> None:
         return
     values = to_host(torch.cat([packet.header for packet in known]))
     for i, packet in enumerate(known):
-        got, wanted = tuple(values[HEADER * i:HEADER * (i + 1)]), (packet.expected, packet.m, packet.n)
+        got, wanted = tuple(values[HEADER * i : HEADER * (i + 1)]), (packet.expected, packet.m, packet.n)
         if got != wanted:
-            raise RuntimeError(f"interstage: a packet from rank {packet.src} has header [rank, m, n] = {list(got)}, "
-                               f"its receiver expected {list(wanted)}: the two stages disagree on the rank")
+            raise RuntimeError(
+                f"interstage: a packet from rank {packet.src} has header [rank, m, n] = {list(got)}, "
+                f"its receiver expected {list(wanted)}: the two stages disagree on the rank"
+            )
 
 
-def recv_gradient(shape: torch.Size, src: int, dtype: torch.dtype = torch.float32, device=None,
-                  group=None, tag: int = 0, mark: Callable[[], None] | None = None) -> torch.Tensor:
+def recv_gradient(
+    shape: torch.Size,
+    src: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    group=None,
+    tag: int = 0,
+    mark: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Blocking receive of one packet sent by `send_gradient`; returns the decompressed gradient.
     The header's receive is a batch of its own here; ``mark`` as in `IncomingGradient.finish`."""
     incoming = IncomingGradient(shape, src, dtype, device, group, tag)

@@ -27,6 +27,7 @@ compression or a collective. The drain ends with the compute stream waiting for 
 so a blocking caller reads finished tensors. Off CUDA the streams are `torch.cpu`'s stand-ins
 (`edgc.streams`): every wait is a no-op, and a checker can still see the order on the CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,8 +73,15 @@ class JobQueue:
     def __getstate__(self) -> dict:
         """Its device, without the stream, the jobs in flight or whom they report to: a pickled
         state steps nowhere (`edgc.detached`)."""
-        return {**self.__dict__, "_on_result": None, "stream": None, "in_flight": [], "_gathered": [],
-                "_gathered_bytes": 0, "_busy": []}
+        return {
+            **self.__dict__,
+            "_on_result": None,
+            "stream": None,
+            "in_flight": [],
+            "_gathered": [],
+            "_gathered_bytes": 0,
+            "_busy": [],
+        }
 
     def take_busy(self) -> list[tuple]:
         """The (start, end) stamps of the jobs' work since the last call."""
@@ -99,8 +107,15 @@ class JobQueue:
             yield
             self._busy.append((start, self.clock.stamp()))
 
-    def submit(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
-               future: torch.futures.Future | None, start: Start, fusion_bytes: float) -> None:
+    def submit(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        flat: torch.Tensor | None,
+        future: torch.futures.Future | None,
+        start: Start,
+        fusion_bytes: float,
+    ) -> None:
         """A bucket to sync: its job starts now, or once the gathered buckets reach ``fusion_bytes``;
         then the jobs in flight before it that have collectives to issue are resumed (see Order)."""
         due = self._due()
@@ -123,8 +138,10 @@ class JobQueue:
             flat = None
         with self.working(after_compute=True):
             job = start(names, grads, flat)
-            entry = _Entry(job if isinstance(job, types.GeneratorType) else None,
-                           [(future, buffer) for _, _, buffer, future in gathered])
+            entry = _Entry(
+                job if isinstance(job, types.GeneratorType) else None,
+                [(future, buffer) for _, _, buffer, future in gathered],
+            )
             if entry.job is None and job is not None:  # a blocking sync's result
                 self._on_result(job)
             self._advance(entry)

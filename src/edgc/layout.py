@@ -19,6 +19,7 @@ compressed matrices lives in one flat arena, each group a contiguous (b, m, n) b
 
 Everything here is pure bookkeeping on shapes: testable without tensors or a process group.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -80,7 +81,9 @@ class Block:
     side: int
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.offset : self.offset + self.count * self.rank * self.side].view(self.count, self.rank, self.side)
+        return flat[self.offset : self.offset + self.count * self.rank * self.side].view(
+            self.count, self.rank, self.side
+        )
 
 
 @dataclass

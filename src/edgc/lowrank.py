@@ -39,6 +39,7 @@ gradient is sent next time), `end_step` after a non-finite step, `drop_error`, a
 Factors and error feedback are fp32 for fp32/bf16/fp16 gradients (fp64 ones stay fp64); error
 feedback in the gradient's dtype with ``error_feedback_dtype='gradient'``.
 """
+
 from __future__ import annotations
 
 import math
@@ -191,13 +192,15 @@ class LowRankCompressor:
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
 
-    def reduce(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
-               *, measure_error: bool = True) -> ReduceStats:
+    def reduce(
+        self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, *, measure_error: bool = True
+    ) -> ReduceStats:
         """Blocking form of `reduce_steps`: replace ``grads`` in place with their compressed average."""
         return run_job(self.reduce_steps(names, grads, rank, comm, measure_error=measure_error))
 
-    def reduce_steps(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
-                     *, measure_error: bool = False) -> Job:
+    def reduce_steps(
+        self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, *, measure_error: bool = False
+    ) -> Job:
         """The compressed average of ``grads`` as a job (`edgc.comm`): three collectives, two yields
         per power iteration; returns `ReduceStats`.
 
@@ -214,16 +217,18 @@ class LowRankCompressor:
             compressed = [i for i, name in enumerate(names) if stats.ranks.get(name)]
             if not compressed:
                 break
-            again = yield from self._power_iteration([names[i] for i in compressed], [grads[i] for i in compressed],
-                                                     rank, comm, measure_error)
+            again = yield from self._power_iteration(
+                [names[i] for i in compressed], [grads[i] for i in compressed], rank, comm, measure_error
+            )
             stats.elements_sent += again.elements_sent
             stats.bytes_sent += again.bytes_sent
             stats.error_sq, stats.norm_sq = again.error_sq, again.norm_sq
             stats.nonfinite = stats.nonfinite | again.nonfinite
         return stats
 
-    def _power_iteration(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
-                         measure_error: bool) -> Job:
+    def _power_iteration(
+        self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, measure_error: bool
+    ) -> Job:
         """One call of `reduce_steps`: its three stretches between two yields."""
         run, raw_sent, p_sent = self._send_p(names, grads, rank, comm, measure_error)
         yield ISSUES_MORE if run.layout.groups else FINISHES
@@ -234,8 +239,9 @@ class LowRankCompressor:
         self._finish(run, q_sent)
         return run.stats
 
-    def _send_p(self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator,
-                measure_error: bool) -> tuple[_Call, Pending, Pending | None]:
+    def _send_p(
+        self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, measure_error: bool
+    ) -> tuple[_Call, Pending, Pending | None]:
         """First stretch: the call's buffers, M = G + e and the warm start (`EngineState.open_call`),
         Pᵀ = Qᵀ·Mᵀ (one batched product per shape group); issue the raw tensors with their
         non-finite flag, and P."""
@@ -247,8 +253,17 @@ class LowRankCompressor:
         stats = ReduceStats(ranks=dict(layout.ranks))
         stats.elements_raw = sum(g.numel() for g in grads)
         stats.bytes_raw = stats.elements_raw * grads[0].element_size()
-        run = _Call(kept, grads, compute, wire, wire == torch.float16 and comm.world_size > 1, measure_error, stats,
-                    arena=arena, q_stored=q_stored)
+        run = _Call(
+            kept,
+            grads,
+            compute,
+            wire,
+            wire == torch.float16 and comm.world_size > 1,
+            measure_error,
+            stats,
+            arena=arena,
+            q_stored=q_stored,
+        )
         run.p_flat = torch.empty(layout.p_numel, device=device, dtype=compute)
         run.q_flat = torch.empty(layout.q_numel, device=device, dtype=compute)
         for group in layout.groups:
@@ -276,8 +291,10 @@ class LowRankCompressor:
         raw_sent.wait()
         layout, raw_flat = run.layout, run.raw_flat
         if layout.raw:
-            torch._foreach_copy_([run.grads[i].view(-1) for i in layout.raw],
-                                 list(raw_flat[:-1].split([run.grads[i].numel() for i in layout.raw])))
+            torch._foreach_copy_(
+                [run.grads[i].view(-1) for i in layout.raw],
+                list(raw_flat[:-1].split([run.grads[i].numel() for i in layout.raw])),
+            )
         run.poison = raw_flat[-1:].float()  # identical on every rank: it is an average
         if not layout.groups:
             run.stats.nonfinite = run.poison.isnan().reshape(())
@@ -288,8 +305,12 @@ class LowRankCompressor:
         and so its Q: the flag catches it, and the step is non-finite rather than wrong."""
         p_sent.wait()
         layout, p_flat, q_flat = run.layout, run.p_flat, run.q_flat
-        orthonormalize_blocks_(p_flat, layout.p_blocks, self.config.orthogonalization_epsilon,
-                               method=self.orthonormalization(p_flat.device))
+        orthonormalize_blocks_(
+            p_flat,
+            layout.p_blocks,
+            self.config.orthogonalization_epsilon,
+            method=self.orthonormalization(p_flat.device),
+        )
         for group in layout.groups:
             _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(run.arena))
         if run.measure_error:
@@ -322,8 +343,15 @@ class LowRankCompressor:
             square = torch.dot(q_flat, q_flat).to(torch.float64)
             run.stats.error_sq = (run.stats.norm_sq - 2 * cross + square).clamp(min=0)
 
-    def _decompress(self, call: CallState, grads: list[torch.Tensor], arena: torch.Tensor, p_flat: torch.Tensor,
-                    q_flat: torch.Tensor, poison: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _decompress(
+        self,
+        call: CallState,
+        grads: list[torch.Tensor],
+        arena: torch.Tensor,
+        p_flat: torch.Tensor,
+        q_flat: torch.Tensor,
+        poison: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Ĝ = P·Qᵀ written straight into each gradient (one product per matrix: the gradients lie in
         DDP's buckets, not at one stride); returns, with error feedback, the factors Ĝ was formed from
         (a half-precision gradient's: rounded to its dtype) in the arena's dtype, for e = M − P·Qᵀ

@@ -5,7 +5,8 @@
     fully_shard(model, mesh=mesh["dp_shard"])                      # FSDP2 on the shard dimension
     state = EDGCState(mesh["dp_replicate"], EDGCConfig(...))       # EDGC over the replicas
     aligner = StageAligner(state, stage, stages, mesh["pp"], tp_group=mesh["tp"])
-    # with TP, the stage's TP shards decide alike: EDGCState(..., decision_group=group_across(mesh, ("dp_replicate", "tp")))
+    # with TP, the stage's TP shards decide alike: EDGCState(..., decision_group=group_across(mesh, ("dp_replicate",
+    # "tp")))
 
 Dimensions ``MESH_DIMS`` = (dp_replicate, pp, dp_shard, tp), as torchtitan names them; any may be 1.
 The order is the rank layout, outermost first: TP ranks are consecutive, then the FSDP shards, then
@@ -19,6 +20,7 @@ embedding of a pipeline (stage 0 and stage P−1 of one pipeline), nor for sever
 once (a stage's DP × TP ranks, who take EDGC's decisions together): `pipeline_ends_group` and
 `group_across` build those, the only places in the code that call ``new_group``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,8 +33,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MESH_DIMS", "init_parallel_mesh", "mesh_device_type", "as_process_group", "pipeline_ends_group", "group_across",
-           "local_tensor"]
+__all__ = [
+    "MESH_DIMS",
+    "init_parallel_mesh",
+    "mesh_device_type",
+    "as_process_group",
+    "pipeline_ends_group",
+    "group_across",
+    "local_tensor",
+]
 
 MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "tp")
 
@@ -72,8 +81,15 @@ def mesh_device_type(device=None) -> str:
     return "cpu"
 
 
-def init_parallel_mesh(device=None, *, pp: int = 1, dp_shard: int = 1, tp: int = 1,
-                       dp_replicate: int | None = None, timeout: timedelta | None = None) -> DeviceMesh:
+def init_parallel_mesh(
+    device=None,
+    *,
+    pp: int = 1,
+    dp_shard: int = 1,
+    tp: int = 1,
+    dp_replicate: int | None = None,
+    timeout: timedelta | None = None,
+) -> DeviceMesh:
     """The 4-D mesh ``MESH_DIMS`` over all ranks; ``dp_replicate`` defaults to the rest of the world.
 
     ``device``: the model (or its device) the mesh is for (`mesh_device_type`).
@@ -85,10 +101,15 @@ def init_parallel_mesh(device=None, *, pp: int = 1, dp_shard: int = 1, tp: int =
     if dp_replicate is None:
         dp_replicate = world // inner
     if dp_replicate * inner != world:
-        raise ValueError(f"mesh: dp_replicate {dp_replicate} × pp {pp} × dp_shard {dp_shard} × tp {tp} "
-                         f"is not the world size {world}")
-    return init_device_mesh(mesh_device_type(device), (dp_replicate, pp, dp_shard, tp), mesh_dim_names=MESH_DIMS,
-                            backend_override=_backend_options(timeout))
+        raise ValueError(
+            f"mesh: dp_replicate {dp_replicate} × pp {pp} × dp_shard {dp_shard} × tp {tp} is not the world size {world}"
+        )
+    return init_device_mesh(
+        mesh_device_type(device),
+        (dp_replicate, pp, dp_shard, tp),
+        mesh_dim_names=MESH_DIMS,
+        backend_override=_backend_options(timeout),
+    )
 
 
 def as_process_group(group):
@@ -96,8 +117,10 @@ def as_process_group(group):
     group), or a 1-D `DeviceMesh`, e.g. ``mesh["dp_replicate"]``."""
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"a {group.ndim}-D mesh ({group.mesh_dim_names}) is not one group: pass one "
-                             "dimension, e.g. mesh['dp_replicate']")
+            raise ValueError(
+                f"a {group.ndim}-D mesh ({group.mesh_dim_names}) is not one group: pass one "
+                "dimension, e.g. mesh['dp_replicate']"
+            )
         return group.get_group()
     return group
 

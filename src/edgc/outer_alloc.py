@@ -13,6 +13,7 @@ Costs beside `edgc.outer_sync.QuantizedState` at the same mean width: one all-re
 tensors × candidates values, a quantisation per candidate per tensor, and one host read of the
 table per outer step (fine for an outer step that comes every tens of inner steps).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -25,11 +26,17 @@ from .outer_sync import QuantizedState, pack, unpack
 CANDIDATES = (2, 3, 4, 6, 8)
 
 
-def allocate(errors: list[list[float]], sizes: list[int], chunk: int, budget_bytes: float,
-             candidates: tuple[int, ...] = CANDIDATES) -> list[int]:
+def allocate(
+    errors: list[list[float]],
+    sizes: list[int],
+    chunk: int,
+    budget_bytes: float,
+    candidates: tuple[int, ...] = CANDIDATES,
+) -> list[int]:
     """Bits per tensor: start at ``candidates[0]``, widen where the error falls most per byte within the budget.
 
     ``errors[t][c]``: tensor t's squared error at ``candidates[c]``; ``sizes[t]``: its values."""
+
     def cost(t: int, c: int) -> int:
         return math.ceil(sizes[t] / 8) * candidates[c] + 4 * math.ceil(sizes[t] / chunk)
 
@@ -61,8 +68,9 @@ class AllocatedQuantState(QuantizedState):
 
     method = "allocated"
 
-    def __init__(self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True,
-                 model=None):
+    def __init__(
+        self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True, model=None
+    ):
         """``bits``: the mean bits a value over the step (scales included, between the narrowest and the
         widest of `CANDIDATES`); ``process_group``, ``chunk``, ``error_feedback`` and ``model`` as
         `QuantizedState`'s."""
@@ -73,8 +81,12 @@ class AllocatedQuantState(QuantizedState):
         self.last_bits: dict[str, int] = {}  # the last step's choice, by parameter name
 
     def _choose(self, names: list[str], parts: list[torch.Tensor]) -> list[int]:
-        errors = torch.stack([torch.stack([(part - self.dequantize(*self.quantize(part, b), b)).square().sum()
-                                           for b in CANDIDATES]) for part in parts]).double()
+        errors = torch.stack(
+            [
+                torch.stack([(part - self.dequantize(*self.quantize(part, b), b)).square().sum() for b in CANDIDATES])
+                for part in parts
+            ]
+        ).double()
         table = self.comm.mean_(errors).tolist()  # identical on every rank: the same choice everywhere
         sizes = [p.numel() for p in parts]
         budget = sum(math.ceil(n / 8) * self.mean_bits + 4 * math.ceil(n / self.chunk) for n in sizes)
@@ -95,16 +107,24 @@ class AllocatedQuantState(QuantizedState):
         for received in self.comm.all_gather(message):
             average.add_(self._decode(received, parts, widths).to(average.dtype))
         average.div_(self.comm.world_size)
-        self._finish(names, grads, flat, corrected, torch.cat(sent_local).to(corrected.dtype), average,
-                     message.numel(), message.numel())
+        self._finish(
+            names,
+            grads,
+            flat,
+            corrected,
+            torch.cat(sent_local).to(corrected.dtype),
+            average,
+            message.numel(),
+            message.numel(),
+        )
 
     def _decode(self, message: torch.Tensor, parts: list[torch.Tensor], widths: list[int]) -> torch.Tensor:
         values, offset = [], 0
         for part, bits in zip(parts, widths):
             n = part.numel()
             packed_bytes, scale_bytes = math.ceil(n / 8) * bits, 4 * math.ceil(n / self.chunk)
-            codes = unpack(message[offset: offset + packed_bytes], bits, n)
-            scale = message[offset + packed_bytes: offset + packed_bytes + scale_bytes].clone().view(torch.float32)
+            codes = unpack(message[offset : offset + packed_bytes], bits, n)
+            scale = message[offset + packed_bytes : offset + packed_bytes + scale_bytes].clone().view(torch.float32)
             offset += packed_bytes + scale_bytes
             values.append(self.dequantize(codes, scale, bits))
         return torch.cat(values)

@@ -12,6 +12,7 @@ Rounding to nearest is biased per value but the error feedback carries the remai
 `edgc.baselines.TopKState`); stochastic rounding (`edgc.baselines.QSGDState`) would add noise the
 error feedback then also carries.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,12 +50,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 class QuantizedState(_ErrorFeedbackReducer):
-    """``bits``-bit quantisation with a scale per ``chunk`` values, all-gathered; error feedback (see the module docstring)."""
+    """``bits``-bit quantisation with a scale per ``chunk`` values, all-gathered; error feedback (see the module "
+    "docstring)."""
 
     method = "quantized"
 
-    def __init__(self, process_group=None, *, bits: int = 3, chunk: int = 256, error_feedback: bool = True,
-                 model=None):
+    def __init__(self, process_group=None, *, bits: int = 3, chunk: int = 256, error_feedback: bool = True, model=None):
         """``process_group``: the replicas' group (None: the default one); ``bits``: bits a value (2–8);
         ``chunk``: values per scale (≥ 8); ``error_feedback``: keep what a sync did not carry for the
         next; ``model``: names the tensors (so that checkpoints are keyed by parameter name)."""
@@ -95,7 +96,7 @@ class QuantizedState(_ErrorFeedbackReducer):
         sent_local = self.dequantize(codes, scale).to(corrected.dtype)
         average = torch.zeros_like(corrected)
         for part in self.comm.all_gather(message):
-            their_scale = part[packed.numel():].clone().view(torch.float32)
+            their_scale = part[packed.numel() :].clone().view(torch.float32)
             average.add_(self.dequantize(unpack(part[: packed.numel()], wire, n), their_scale).to(average.dtype))
         average.div_(self.comm.world_size)
         self._finish(names, grads, flat, corrected, sent_local, average, message.numel(), message.numel())

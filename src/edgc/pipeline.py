@@ -23,6 +23,7 @@ Followers start compressing at the first window boundary after stage 0 does.
 
 Boundaries depend only on the step number, so every rank joins every collective.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ class StageAligner:
     it; ``tp_group``: with tensor parallelism, the TP ranks of this stage (they agree on the maximum).
     """
 
-    def __init__(self, state: EDGCState, stage: int, n_stages: int,
-                 pipeline_group=None, granularity: int = 4, tp_group=None):
+    def __init__(
+        self, state: EDGCState, stage: int, n_stages: int, pipeline_group=None, granularity: int = 4, tp_group=None
+    ):
         if stage > 0 and not state.controller.follower:
             raise ValueError("stages after the first need EDGCState(..., follower=True)")
         if stage == 0 and state.controller.follower:
@@ -81,9 +83,15 @@ class StageAligner:
         def number(value: float | None) -> float:
             return math.nan if value is None else float(value)
 
-        return [float(PHASES.index(controller.phase)), number(controller.rank), number(controller.r_min),
-                number(controller.r_max), t_b, number(table.uncompressed),
-                *[number(table.by_rank.get(rank)) for rank in self._candidates]]
+        return [
+            float(PHASES.index(controller.phase)),
+            number(controller.rank),
+            number(controller.r_min),
+            number(controller.r_max),
+            t_b,
+            number(table.uncompressed),
+            *[number(table.by_rank.get(rank)) for rank in self._candidates],
+        ]
 
     def _decode(self, row: list[float]) -> tuple[str, int | None, StageTiming | None]:
         phase = PHASES[int(row[0])]
@@ -92,8 +100,9 @@ class StageAligner:
         by_rank = {r: t for r, t in zip(self._candidates, row[6:]) if not math.isnan(t)}
         if not by_rank or math.isnan(r_max) or math.isnan(uncompressed):
             return phase, rank, None  # this stage has no table (yet): cannot be aligned
-        timing = StageTiming(SyncTimeTable(uncompressed, by_rank), 0.0 if math.isnan(t_b) else t_b,
-                             int(r_min), int(r_max))
+        timing = StageTiming(
+            SyncTimeTable(uncompressed, by_rank), 0.0 if math.isnan(t_b) else t_b, int(r_min), int(r_max)
+        )
         return phase, rank, timing
 
     def after_sync(self) -> None:
@@ -118,7 +127,7 @@ class StageAligner:
         rows = self.pipeline.all_gather(self._device_vector(encoded))
         width = len(encoded)
         gathered = to_host(torch.cat(rows))
-        decoded = [self._decode(gathered[i * width:(i + 1) * width]) for i in range(len(rows))]
+        decoded = [self._decode(gathered[i * width : (i + 1) * width]) for i in range(len(rows))]
         self.last_backward_time = encoded[4]
         self._backward = [0.0, 0]
         leader_phase, leader_rank, _ = decoded[0]
@@ -138,7 +147,7 @@ class StageAligner:
         self.state.comm.all_reduce(agreed, op=dist.ReduceOp.MAX)
         if self.tp_group is not None:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
-        value, = to_host(agreed)
+        (value,) = to_host(agreed)
         self.state.controller.follow(step, None if math.isinf(value) else int(value))
 
     def _agree_over_tp(self, step: int) -> None:
@@ -149,7 +158,7 @@ class StageAligner:
         mine = float(controller.rank) if controller.phase == COMPRESS and controller.rank is not None else -1.0
         agreed = self._device_vector([mine])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.tp_group)
-        value, = to_host(agreed)
+        (value,) = to_host(agreed)
         if value > 0:
             controller.agree(step, int(value))
 

@@ -5,6 +5,7 @@ measurements averaged over the group at a decision point; `Decision` is group ra
 broadcast as a float64 vector so that every rank applies the same one; `ControllerView` is what a
 rank rule reads of the controller.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,16 @@ class Decision:
         def number(value: float | None) -> float:
             return -1.0 if value is None else float(value)
 
-        return [float(PHASES.index(self.phase)), number(self.r_max), number(self.r_min), number(self.rank),
-                number(self.error_test_step), number(self.error_at_start), number(self.need), number(self.target)]
+        return [
+            float(PHASES.index(self.phase)),
+            number(self.r_max),
+            number(self.r_min),
+            number(self.rank),
+            number(self.error_test_step),
+            number(self.error_at_start),
+            number(self.need),
+            number(self.target),
+        ]
 
     @classmethod
     def decode(cls, values: Sequence[float]) -> Decision:
@@ -60,8 +69,16 @@ class Decision:
         def real(value: float) -> float | None:
             return None if value < 0 else float(value)
 
-        return cls(PHASES[int(round(values[0]))], integer(values[1]), integer(values[2]), integer(values[3]),
-                   integer(values[4]), real(values[5]), real(values[6]), real(values[7]))
+        return cls(
+            PHASES[int(round(values[0]))],
+            integer(values[1]),
+            integer(values[2]),
+            integer(values[3]),
+            integer(values[4]),
+            real(values[5]),
+            real(values[6]),
+            real(values[7]),
+        )
 
 
 @dataclass
@@ -75,8 +92,13 @@ class Agreed:
     uncompressed_bound: float = math.nan  # plain all-reduce, a lower bound: its wait after backward, s/step
 
     def encode(self) -> list[float]:
-        return [self.profile_time, self.uncompressed_time, self.probe_error, self.relative_error,
-                self.uncompressed_bound]
+        return [
+            self.profile_time,
+            self.uncompressed_time,
+            self.probe_error,
+            self.relative_error,
+            self.uncompressed_bound,
+        ]
 
 
 class ControllerView(Protocol):

@@ -8,6 +8,7 @@ take (`rank_to_time`), and which rank fits in a time budget (`time_to_rank`). r_
 largest rank still faster than uncompressed. The stage-alignment rule of pipeline training uses
 the same table.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -63,8 +64,9 @@ class SyncTimeTable:
         ranks, times = self._monotone_points()
         if not ranks:
             raise ValueError("SyncTimeTable has no compressed measurements")
-        rising = [(ranks[i], times[i], ranks[i + 1], times[i + 1]) for i in range(len(ranks) - 1)
-                  if times[i + 1] > times[i]]
+        rising = [
+            (ranks[i], times[i], ranks[i + 1], times[i + 1]) for i in range(len(ranks) - 1) if times[i + 1] > times[i]
+        ]
         if not rising:  # every measured rank takes the same time
             return ranks[-1] if seconds >= times[0] else 0.0
         if seconds < times[0]:  # below the cheapest measurement: extend the first rising segment
@@ -97,8 +99,11 @@ class SyncTimeTable:
         return rank
 
     def state_dict(self) -> dict:
-        return {"uncompressed": self.uncompressed, "by_rank": dict(self.by_rank),
-                "uncompressed_is_bound": self.uncompressed_is_bound}
+        return {
+            "uncompressed": self.uncompressed,
+            "by_rank": dict(self.by_rank),
+            "uncompressed_is_bound": self.uncompressed_is_bound,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.uncompressed = state["uncompressed"]
@@ -118,6 +123,7 @@ def profile_candidates(max_rank: int) -> list[int]:
 def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16) -> str:
     """One line for people: what profiling measured, what it decided, and (where it did not compress
     fully) how to compress anyway."""
+
     def ms(seconds: float | None) -> str:
         return "?" if seconds is None else f"{1000 * seconds:.2f} ms"
 
@@ -125,15 +131,22 @@ def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16) -> str:
     at_least = "≥ " if verdict.get("uncompressed_is_bound") else ""
     measured = f"uncompressed all-reduce {at_least}{ms(verdict['uncompressed_s'])}/step vs compressed sync {times}"
     if verdict["status"] == "found":
-        how = ("by the quick test: one shadow sync at a step's end against the plain sync's wait after backward"
-               if verdict.get("uncompressed_is_bound") else "with the plain sync timed blocking")
+        how = (
+            "by the quick test: one shadow sync at a step's end against the plain sync's wait after backward"
+            if verdict.get("uncompressed_is_bound")
+            else "with the plain sync timed blocking"
+        )
         return f"EDGC profiled r_max={verdict['r_max']} on this link ({measured}; {how})."
-    advice = (f"the link is faster than compression here: set r_max={suggested_r_max} in EDGCConfig "
-              f"(--edgc r_max={suggested_r_max} with edgc train) to compress anyway")
+    advice = (
+        f"the link is faster than compression here: set r_max={suggested_r_max} in EDGCConfig "
+        f"(--edgc r_max={suggested_r_max} with edgc train) to compress anyway"
+    )
     if verdict["status"] == "off":
         return f"EDGC compression is OFF: profiling found no rank faster than uncompressed ({measured}); {advice}."
-    return (f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
-            f"uncompressed ({measured}); {advice}.")
+    return (
+        f"EDGC compresses only at its floor r_max={verdict['r_max']}: no higher rank was faster than "
+        f"uncompressed ({measured}); {advice}."
+    )
 
 
 def profile_seconds(saved: list) -> list:

@@ -17,6 +17,7 @@ kept ones are whichever came first.
 `edgc.engine_state.EngineState`; ``resized_q`` runs inside a step for each matrix and covers what
 `change_rank` left (truncate mode, new matrices).
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,7 @@ def principal_columns(qs: list[torch.Tensor], ranks: list[int]) -> list[torch.Te
     return kept  # type: ignore[return-value]
 
 
-def grow_along_residual(kept: EngineState, grow: list[tuple[str, int]],
-                        comm: Communicator) -> tuple[int, int]:
+def grow_along_residual(kept: EngineState, grow: list[tuple[str, int]], comm: Communicator) -> tuple[int, int]:
     """Append, to each Q, the group's top residual directions orthogonal to its current columns."""
     blocks = []
     for name, target in grow:

@@ -47,6 +47,7 @@ The controller only plans steps and turns *agreed* inputs into decisions. The st
 (`edgc.state`) measures, agrees (all-reduce), lets group rank 0 ``propose`` and broadcasts the
 proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
 """
+
 from __future__ import annotations
 
 import math
@@ -87,9 +88,16 @@ class RankRule(Protocol):
     def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> dict | None:
         """The byte budget and what has been spent of it by ``step``; None without a budget."""
 
-    def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
-                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
-                signals: dict) -> tuple[int, float | None, float | None]:
+    def propose(
+        self,
+        controller: ControllerView,
+        plan: StepPlan,
+        agreed: Agreed,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+        sample_steps: Sequence[int] | None,
+        signals: dict,
+    ) -> tuple[int, float | None, float | None]:
         """(rank, need, target) for the next window, from the agreed measurements and the series."""
 
 
@@ -178,8 +186,13 @@ class WindowController:
                     probe = self.r_min
             return StepPlan(step, WARMUP, None, probe_rank=probe, decision=probe is not None)
         if self.phase == COMPRESS:
-            decide = (self.config.adaptive and self.config.rank_schedule is None and self._window_end(step)
-                      and step > self.schedule[-1][0] and self.rule.may_decide(step))
+            decide = (
+                self.config.adaptive
+                and self.config.rank_schedule is None
+                and self._window_end(step)
+                and step > self.schedule[-1][0]
+                and self.rule.may_decide(step)
+            )
             return StepPlan(step, COMPRESS, self.rank, decision=decide)
         return StepPlan(step, OFF, None)
 
@@ -215,8 +228,9 @@ class WindowController:
             # against the plain sync's wait after backward (a lower bound), nothing blocking. If it
             # pays even so, r_max is found at the cost of one shadow sync; else the full timing below.
             if offset == 0:
-                return StepPlan(step, PROFILE, None, profile_rank=self._profile_order[0], profile_bound=True,
-                                decision=True)
+                return StepPlan(
+                    step, PROFILE, None, profile_rank=self._profile_order[0], profile_bound=True, decision=True
+                )
             offset -= 1
         # The paper spends a whole uncompressed "transition" step per candidate rank. Here one-off
         # costs (cold code paths, first allocations) fall on the run's first shadow call only (the
@@ -227,17 +241,29 @@ class WindowController:
         block = self.config.profile_steps_per_rank
         index, position = divmod(offset, block)
         candidate = self._profile_order[min(index, len(self._profile_order) - 1)]
-        return StepPlan(step, PROFILE, None, profile_rank=candidate,
-                        profile_warm=offset == 0 and not self._top_down,
-                        profile_raw=index == 0, decision=position == block - 1)
+        return StepPlan(
+            step,
+            PROFILE,
+            None,
+            profile_rank=candidate,
+            profile_warm=offset == 0 and not self._top_down,
+            profile_raw=index == 0,
+            decision=position == block - 1,
+        )
 
     # ------------------------------------------------------------------ deciding
     def current(self) -> Decision:
         return Decision(self.phase, self.r_max, self.r_min, self.rank, self.error_test_step, self.error_at_start)
 
-    def propose(self, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
-                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None = None,
-                signals: dict[str, Sequence[tuple[int, float]]] | None = None) -> Decision:
+    def propose(
+        self,
+        plan: StepPlan,
+        agreed: Agreed,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+        sample_steps: Sequence[int] | None = None,
+        signals: dict[str, Sequence[tuple[int, float]]] | None = None,
+    ) -> Decision:
         """Group rank 0's decision at a decision point. Reads state, changes nothing.
 
         ``sample_steps``: the step of each entropy sample; None = every sample counts as taken since
@@ -249,8 +275,11 @@ class WindowController:
             self._record_profile(table, plan, agreed)
             last = plan.profile_rank == self._profile_order[-1] and not plan.profile_bound
             uncompressed = table.uncompressed if table.uncompressed is not None else math.nan
-            found = (agreed.profile_time <= uncompressed if self._top_down  # the largest rank that pays
-                     else agreed.profile_time > uncompressed)  # going up: the first rank that does not
+            found = (
+                agreed.profile_time <= uncompressed
+                if self._top_down  # the largest rank that pays
+                else agreed.profile_time > uncompressed
+            )  # going up: the first rank that does not
             if found or last:
                 measured = table.rank_ceiling()
                 decision.r_max = self.config.r_max if self.config.r_max is not None else measured
@@ -268,7 +297,8 @@ class WindowController:
                 decision.error_test_step = plan.step + 1
         elif plan.phase == COMPRESS:
             decision.rank, decision.need, decision.target = self.rule.propose(
-                self, plan, agreed, entropies, shapes, sample_steps, signals or {})
+                self, plan, agreed, entropies, shapes, sample_steps, signals or {}
+            )
         return decision
 
     @staticmethod
@@ -319,17 +349,26 @@ class WindowController:
             status = "floor"
         else:
             status = "found"
-        return {"status": status, "r_max": self.r_max, "uncompressed_s": self.table.uncompressed,
-                "uncompressed_is_bound": self.table.uncompressed_is_bound,
-                "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())}}
+        return {
+            "status": status,
+            "r_max": self.r_max,
+            "uncompressed_s": self.table.uncompressed,
+            "uncompressed_is_bound": self.table.uncompressed_is_bound,
+            "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())},
+        }
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         return {
             "follower": self.follower,
-            "phase": self.phase, "r_max": self.r_max, "r_min": self.r_min, "rank": self.rank,
-            "schedule": list(self.schedule), "table": self.table.state_dict(),
-            "warmup_start": self.warmup_start, "error_at_start": self.error_at_start,
+            "phase": self.phase,
+            "r_max": self.r_max,
+            "r_min": self.r_min,
+            "rank": self.rank,
+            "schedule": list(self.schedule),
+            "table": self.table.state_dict(),
+            "warmup_start": self.warmup_start,
+            "error_at_start": self.error_at_start,
             "error_test_step": self.error_test_step,
             "error_windows": list(self.error_windows),
         }

@@ -13,6 +13,7 @@ differential entropy is h = ½·ln(2πeσ²). Holding the error fixed while the 
 from H0 to H1 gives g(r1) = e^{c(H0−H1)}·g(r0) (c = 2 for the squared norm), so
 r1 = g⁻¹(e^{c(H0−H1)}·g(r0)): falling entropy permits a lower rank.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Pure functions of an entropy series, and `PaperRules`, the rank rule that applie
 What a boundary maps to the next rank is a `RankMapping`, registered by name (``delta``, ``cqm``,
 ``error-band``; `register_rank_mapping` adds one) and named by ``EDGCConfig.rank_mapping``.
 """
+
 from __future__ import annotations
 
 import math
@@ -138,14 +139,26 @@ class PaperRules:
     def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> None:
         return None  # no budget to report
 
-    def propose(self, controller: ControllerView, plan: StepPlan, agreed: Agreed, entropies: Sequence[float],
-                shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None,
-                signals: dict) -> tuple[int, None, None]:
+    def propose(
+        self,
+        controller: ControllerView,
+        plan: StepPlan,
+        agreed: Agreed,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+        sample_steps: Sequence[int] | None,
+        signals: dict,
+    ) -> tuple[int, None, None]:
         """(rank, need, target) for the next window; the paper's rules have no need and no target."""
         return self.mapping.next_rank(self, controller, agreed, entropies, shapes, sample_steps), None, None
 
-    def next_rank(self, controller: ControllerView, entropies: Sequence[float], shapes: list[tuple[int, int]],
-                  sample_steps: Sequence[int] | None = None) -> int:
+    def next_rank(
+        self,
+        controller: ControllerView,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+        sample_steps: Sequence[int] | None = None,
+    ) -> int:
         """The rank for the next window from the entropy series alone (no agreed error)."""
         return self.mapping.next_rank(self, controller, Agreed(), entropies, shapes, sample_steps)
 
@@ -154,8 +167,9 @@ class PaperRules:
         """Entropy samples per window."""
         return max(1, self.config.window // self.config.sample_every)
 
-    def entropy_levels(self, controller: ControllerView, entropies: Sequence[float],
-                       sample_steps: Sequence[int] | None) -> tuple[float, float] | None:
+    def entropy_levels(
+        self, controller: ControllerView, entropies: Sequence[float], sample_steps: Sequence[int] | None
+    ) -> tuple[float, float] | None:
         """(H before, H now) of an entropy move the rule acts on, or None (the rank stays). Gate off
         (``entropy_significance`` 0): the paper's rule, the last two window means, every window.
         Gate on: the reference since the last rank change against the latest window, when the noise
@@ -177,8 +191,14 @@ class PaperRules:
 
     def limit(self, target: float, controller: ControllerView) -> int:
         """``target`` on the rank grid, at most ``rank_step`` from the rank in force (`limit_rank`)."""
-        return limit_rank(target, controller.rank, controller.r_min, controller.r_max,  # type: ignore[arg-type]
-                          self.config.rank_step, self.config.rank_granularity)
+        return limit_rank(
+            target,
+            controller.rank,
+            controller.r_min,
+            controller.r_max,  # type: ignore[arg-type]
+            self.config.rank_step,
+            self.config.rank_granularity,
+        )
 
 
 # ---------------------------------------------------------------------------- rank mappings
@@ -191,8 +211,15 @@ class RankMapping:
     name: str = ""
     entropy_estimator: str = "histogram"
 
-    def next_rank(self, rules: PaperRules, controller: ControllerView, agreed: Agreed, entropies: Sequence[float],
-                  shapes: list[tuple[int, int]], sample_steps: Sequence[int] | None) -> int:
+    def next_rank(
+        self,
+        rules: PaperRules,
+        controller: ControllerView,
+        agreed: Agreed,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+        sample_steps: Sequence[int] | None,
+    ) -> int:
         """The rank for the next window: unchanged unless the entropy moved (see the class docstring)."""
         assert controller.rank is not None and controller.r_min is not None and controller.r_max is not None
         levels = rules.entropy_levels(controller, entropies, sample_steps)
@@ -200,8 +227,16 @@ class RankMapping:
             return controller.rank
         return rules.limit(self.target(rules, controller, *levels, entropies=entropies, shapes=shapes), controller)
 
-    def target(self, rules: PaperRules, controller: ControllerView, before: float, now: float, *,
-               entropies: Sequence[float], shapes: list[tuple[int, int]]) -> float:
+    def target(
+        self,
+        rules: PaperRules,
+        controller: ControllerView,
+        before: float,
+        now: float,
+        *,
+        entropies: Sequence[float],
+        shapes: list[tuple[int, int]],
+    ) -> float:
         """The unrounded rank for an entropy move from ``before`` to ``now`` (nats)."""
         raise NotImplementedError
 
@@ -224,8 +259,16 @@ class CQMMapping(RankMapping):
 
     def target(self, rules, controller, before, now, *, entropies, shapes) -> float:
         config = rules.config
-        return cqm_target_rank(rules.error_model(), shapes, controller.rank, before, now, config.cqm_exponent,
-                               controller.r_min, controller.r_max)  # type: ignore[arg-type]
+        return cqm_target_rank(
+            rules.error_model(),
+            shapes,
+            controller.rank,
+            before,
+            now,
+            config.cqm_exponent,
+            controller.r_min,
+            controller.r_max,
+        )  # type: ignore[arg-type]
 
 
 class ErrorBandMapping(RankMapping):

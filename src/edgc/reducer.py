@@ -24,6 +24,7 @@ order, each handed the step's record: `_plan_step` (the step begins), `_reduce` 
 together, with collectives); and `_snapshot` / `_restore` / `_commit` for uncommitted steps,
 `_on_device` once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -95,7 +96,8 @@ class GradientReducer:
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-            devices=[buffer.device] if buffer.device.type == "cuda" else None)
+            devices=[buffer.device] if buffer.device.type == "cuda" else None
+        )
         names = self._guard.ddp_bucket(type(self).__name__, self.names_for(bucket.parameters()), bucket.is_last())
         self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
@@ -103,8 +105,9 @@ class GradientReducer:
             self._end_step()
         return future
 
-    def reduce_tensors(self, names: list[str], tensors: list[torch.Tensor], *, last: bool,
-                       blocking: bool = True) -> None:
+    def reduce_tensors(
+        self, names: list[str], tensors: list[torch.Tensor], *, last: bool, blocking: bool = True
+    ) -> None:
         """Integration path (FSDP2 hooks, custom buckets, DiLoCo): average ``tensors`` in place as one bucket.
 
         ``blocking``: the tensors hold the group's average when this returns (on the caller's stream);
@@ -160,8 +163,13 @@ class GradientReducer:
         self.settle()
 
     # ------------------------------------------------------------------ one step
-    def _submit(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None,
-                future: torch.futures.Future | None) -> None:
+    def _submit(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        flat: torch.Tensor | None,
+        future: torch.futures.Future | None,
+    ) -> None:
         if not grads:
             if future is not None:
                 future.set_result(flat)
@@ -178,8 +186,7 @@ class GradientReducer:
 
     def _timed(self, record: StepRecord | None) -> bool:
         """Whether this step takes device timestamps (`edgc.timing.DEVICE_TIMING_EVERY`)."""
-        return (not self.clock.cuda or record is None or record.always_timed
-                or record.step % DEVICE_TIMING_EVERY == 0)
+        return not self.clock.cuda or record is None or record.always_timed or record.step % DEVICE_TIMING_EVERY == 0
 
     def _begin_step(self) -> None:
         self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
@@ -188,8 +195,10 @@ class GradientReducer:
         self.comm.reset()
         self.settle()  # the step before: its values, metrics and decisions (their collectives count here)
         if self.pending:
-            raise RuntimeError(f"{type(self).__name__}: step {self._last.step} was neither committed nor "  # type: ignore[union-attr]
-                               "rolled back; with defer_commit call commit_step() or rollback_step() after each step")
+            raise RuntimeError(
+                f"{type(self).__name__}: step {self._last.step} was neither committed nor "  # type: ignore[union-attr]
+                "rolled back; with defer_commit call commit_step() or rollback_step() after each step"
+            )
         record = self._current = StepRecord(self.step, self._snapshot() if self.defer_commit else None)
         self._jobs.clear()
         self._plan_step(record)
@@ -204,7 +213,9 @@ class GradientReducer:
         if self.device is not None:
             with self._jobs.side_stream():  # made where the step's statistics were computed
                 stats = record.stats
-                values = [device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)]
+                values = [
+                    device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)
+                ]
                 values += [value for tensor in extra for value in tensor.unbind()]
                 record.values = HostCopy(torch.stack(values))
         record.busy, record.collectives = self._jobs.take_busy(), self.comm.take_step()
@@ -380,7 +391,10 @@ def edgc_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futures.
 
 # DDP's register_comm_hook compares the annotations with the classes themselves, and this
 # module's annotations are strings (postponed evaluation): give the hook the evaluated ones.
-edgc_hook.__annotations__ = {"state": GradientReducer, "bucket": dist.GradBucket,
-                             "return": torch.futures.Future[torch.Tensor]}
+edgc_hook.__annotations__ = {
+    "state": GradientReducer,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 allreduce_hook = edgc_hook  # the same hook; the name reads better with AllReduceState

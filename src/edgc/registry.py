@@ -5,6 +5,7 @@ for one it does not hold fails with one line that lists what it holds. Registeri
 (a plug-in registers at import), but a state takes what its config names when it is built, so a
 registration never changes a state that exists.
 """
+
 from __future__ import annotations
 
 from typing import Generic, TypeVar

@@ -12,6 +12,7 @@ collectives are not the step's traffic: they are dropped from its record.
 `ShadowProfiler` holds the shadow engine and the times summed since the last decision, which
 `mean_times` turns into the seconds per step a decision agrees on.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,14 +41,23 @@ class ShadowProfiler:
         self.seconds = [0.0, 0, 0.0, 0]
         self._shadow_stamps: list[tuple] = []  # this step's (start, end) of the timed shadow syncs
         self._raw_stamps: list[tuple] = []  # … and of the blocking plain syncs (`StepPlan.profile_raw`)
-        self._deferred: list[tuple[list[str], list[torch.Tensor]]] = []  # buckets whose shadow sync waits for the step's end
+        self._deferred: list[
+            tuple[list[str], list[torch.Tensor]]
+        ] = []  # buckets whose shadow sync waits for the step's end
         self._plain_waits: list[tuple] = []  # the quick test's waits for the plain sync
 
     def begin_step(self) -> None:
         self._shadow_stamps, self._raw_stamps, self._deferred, self._plain_waits = [], [], [], []
 
-    def bucket(self, names: list[str], grads: list[torch.Tensor], plan: StepPlan, comm: Communicator, clock: Clock,
-               average: Callable[[], Job]) -> Job | ReduceStats:
+    def bucket(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        plan: StepPlan,
+        comm: Communicator,
+        clock: Clock,
+        average: Callable[[], Job],
+    ) -> Job | ReduceStats:
         """A profiling bucket, averaged plainly by the job ``average()``: overlapped, its shadow sync
         left for the step's end; or (``plan.profile_raw``) blocking after a timed shadow sync, timed."""
         if not plan.profile_raw:
@@ -70,8 +80,9 @@ class ShadowProfiler:
                 for names, grads in deferred:
                     self._time_shadow_sync(names, grads, plan, comm, clock)
 
-    def _time_shadow_sync(self, names: list[str], grads: list[torch.Tensor], plan: StepPlan, comm: Communicator,
-                          clock: Clock) -> None:
+    def _time_shadow_sync(
+        self, names: list[str], grads: list[torch.Tensor], plan: StepPlan, comm: Communicator, clock: Clock
+    ) -> None:
         """One blocking compressed sync of copies of ``grads`` at ``plan.profile_rank``, timed, not counted."""
         issued_before = comm.mark()
         for _ in range(2 if plan.profile_warm else 1):  # only the last call's time counts
@@ -95,8 +106,11 @@ class ShadowProfiler:
         NaN where unmeasured: this rank's part of `edgc.plans.Agreed`."""
         compressed, compressed_steps, uncompressed, uncompressed_steps = self.seconds
         bound = (Clock.total(self._plain_waits) or 0.0) if plan.profile_bound else math.nan
-        return (compressed / compressed_steps if compressed_steps else math.nan,
-                uncompressed / uncompressed_steps if uncompressed_steps else math.nan, bound)
+        return (
+            compressed / compressed_steps if compressed_steps else math.nan,
+            uncompressed / uncompressed_steps if uncompressed_steps else math.nan,
+            bound,
+        )
 
     def decided(self) -> None:
         """A decision read the sums: start again."""

@@ -19,6 +19,7 @@ Where the series come from, all (step, value) pairs handed to `BudgetSignal.need
 
 A new signal is one class (a ``measure``, or a ``need`` of its own) and one `register_signal`.
 """
+
 from __future__ import annotations
 
 import math

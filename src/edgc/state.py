@@ -16,6 +16,7 @@ compressor syncs (`edgc.lowrank.LowRankCompressor`, which holds its state), the 
 shadow syncs (`edgc.shadow`), and the decision round agrees and decides (`edgc.decisions`). The
 step itself is one `edgc.reducer.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -125,20 +126,22 @@ class EDGCState(GradientReducer):
         megabytes = self.config.fusion_mb
         if megabytes is None:
             megabytes = 0 if self.device is None or self.device.type == "cpu" else DEFAULT_ACCELERATOR_FUSION_MB
-        return megabytes * 2 ** 20
+        return megabytes * 2**20
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._current.plan  # type: ignore[union-attr]
         self.sampler.add(grads)  # a no-op unless this step is sampled
         self.decisions.note_bucket(names, grads, plan.probe_rank, self.compressor)
         if plan.profile_rank is not None:
-            return self.profiler.bucket(names, grads, plan, self.comm, self.clock,
-                                        lambda: self._average_raw(names, grads, flat))
+            return self.profiler.bucket(
+                names, grads, plan, self.comm, self.clock, lambda: self._average_raw(names, grads, flat)
+            )
         if plan.rank is None:
             return self._average_raw(names, grads, flat)
         # ‖M − Ĝ‖/‖M‖ costs a pass over M: measured on the GDS cadence only (every round(1/α) steps).
-        return self.compressor.reduce_steps(names, grads, plan.rank, self.comm,
-                                            measure_error=self.sampler.due(plan.step))
+        return self.compressor.reduce_steps(
+            names, grads, plan.rank, self.comm, measure_error=self.sampler.due(plan.step)
+        )
 
     def _close_step(self, record: StepRecord) -> list[torch.Tensor]:
         self.profiler.close_step(record.plan, self.comm, self._jobs, self.clock)
@@ -176,8 +179,9 @@ class EDGCState(GradientReducer):
         if not plan.decision:
             return
         local = self.decisions.measured(self.profiler.mean_times(plan))
-        decision = self.decisions.run(plan, local, self.controller, self.sampler, self.compressor, self.comm,
-                                      self.device or torch.device("cpu"))
+        decision = self.decisions.run(
+            plan, local, self.controller, self.sampler, self.compressor, self.comm, self.device or torch.device("cpu")
+        )
         self.profiler.decided()
         if plan.phase == COMPRESS:
             self.decisions.last = events.decision(self, plan, decision, record.metrics.get("entropy"))

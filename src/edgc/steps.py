@@ -6,6 +6,7 @@ the host (`edgc.timing.HostCopy`), its collectives' and jobs' stamps, and once s
 (`step_metrics`, plus the method's own). With ``defer_commit`` it also keeps the snapshot of the
 state from before it until the step is committed or rolled back.
 """
+
 from __future__ import annotations
 
 import math

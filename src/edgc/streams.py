@@ -11,6 +11,7 @@ Use a stream's own ``wait_stream(other)``, ``record_event()`` (an event, or None
 ``wait_event(event)``; the rest is here. Memory made on one stream and used on another is kept
 from reuse with `record_stream` until the other stream's work queued so far is done.
 """
+
 from __future__ import annotations
 
 import contextlib

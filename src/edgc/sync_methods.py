@@ -10,6 +10,7 @@ model prices (``edgc_sim.step_model``).
 
 A new compressor is one file (its class) and one `register_sync_method` call.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -50,8 +51,13 @@ class SyncMethod:
 SYNC_METHODS: Registry[SyncMethod] = Registry("sync method")
 
 
-def register_sync_method(reducer: type[GradientReducer], *, name: str | None = None, collective: str = ALL_REDUCE,
-                         options: Mapping[str, Any] | None = None) -> SyncMethod:
+def register_sync_method(
+    reducer: type[GradientReducer],
+    *,
+    name: str | None = None,
+    collective: str = ALL_REDUCE,
+    options: Mapping[str, Any] | None = None,
+) -> SyncMethod:
     """Make ``reducer`` known to the tools under ``name`` (default: its ``method`` attribute)."""
     name = name or getattr(reducer, "method", "")
     if not (isinstance(reducer, type) and issubclass(reducer, GradientReducer)):

@@ -4,7 +4,8 @@ Hot-path code never synchronises the device: it takes ``Clock.stamp()`` (a CUDA 
 the current stream on timed steps, or ``perf_counter`` on CPU) and keeps device tensors. At the end
 of a step the reducer sends its packed device values to the host behind an event (`HostCopy`) and
 reads them when the step is settled: at the start of the next step, or when its metrics are read
-after the optimizer step. That is the step's single host read, and it waits for no later work. Tests count calls of ``synchronize`` and ``to_host``
+after the optimizer step. That is the step's single host read, and it waits for no later work. Tests count calls of
+``synchronize`` and ``to_host``
 (and of ``Tensor.item``/``__bool__``/…) to hold the hot path to this rule.
 
 The places allowed to synchronise run inside ``host_reads_allowed()``: the end of a step and a
@@ -13,6 +14,7 @@ rank change (at most once per decision window). On CUDA that lifts
 other synchronisation (tests/gpu). Host→device copies of CPU-made tensors go through ``to_device``
 (pinned, non-blocking): a plain ``.to("cuda")`` from pageable memory synchronises.
 """
+
 from __future__ import annotations
 
 import contextlib

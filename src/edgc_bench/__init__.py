@@ -25,7 +25,8 @@ Modules:
     dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes
     op_traffic.py   what one dispatched op costs a GPU: its kernels and the bytes it reads and writes
     live_memory.py  the memory a step keeps alive beyond the gradients, counted on the CPU by its storages
-    engine_cost.py  a GPT-2 step's bytes and memory per compressed element, beside their floors (docs/concepts/engine.md)
+    engine_cost.py  a GPT-2 step's bytes and memory per compressed element, beside their floors
+    (docs/concepts/engine.md)
     stream_check.py the CUDA path's stream races and host synchronisations, checked on the CPU
     stream_check_patches.py what that checker replaces while it runs (torch.cpu's streams, ...)
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)

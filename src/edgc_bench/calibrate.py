@@ -18,6 +18,7 @@ The expectation: an all-reduce of S bytes over W hosts moves 2·(W−1)/W·S byt
 every host (ring: reduce-scatter then all-gather; for W = 2, gloo's halving-doubling sends the same
 amount), so on links of R bit/s it cannot take less than 2·(W−1)/W·S·8 / R seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,10 @@ def worker(sizes_mb: list[float]) -> None:
             # for nobody (the same estimator as the training traces, edgc_sim.calibrate.link_times).
             times = torch.stack(Communicator().all_gather(mine)).min(dim=0).values.tolist()
             if dist.get_rank() == 0:
-                print(json.dumps({"mb": mb, "seconds": statistics.median(times), "mean_s": statistics.fmean(times)}),
-                      flush=True)
+                print(
+                    json.dumps({"mb": mb, "seconds": statistics.median(times), "mean_s": statistics.fmean(times)}),
+                    flush=True,
+                )
     finally:
         dist.destroy_process_group()
 
@@ -83,22 +86,33 @@ def rows(results: list[dict], world: int, rate_mbit: float | None) -> list[dict]
     for r in results:
         size = r["mb"] * 2**20
         ideal = ideal_seconds(size, world, rate_mbit) if rate_mbit else None
-        out.append({**r, "ideal_s": ideal, "ratio": r["seconds"] / ideal if ideal else None,
-                    "effective_mbit": 2 * (world - 1) / world * size * 8 / r["seconds"] / 1e6,
-                    "rate_mbit": rate_mbit, "burst_bytes": burst_bytes(rate_mbit) if rate_mbit else 0})
+        out.append(
+            {
+                **r,
+                "ideal_s": ideal,
+                "ratio": r["seconds"] / ideal if ideal else None,
+                "effective_mbit": 2 * (world - 1) / world * size * 8 / r["seconds"] / 1e6,
+                "rate_mbit": rate_mbit,
+                "burst_bytes": burst_bytes(rate_mbit) if rate_mbit else 0,
+            }
+        )
     return out
 
 
 def table(calibration: list[dict], rate_mbit: float | None) -> str:
-    head = ("| all-reduce size | measured (median) | mean | bytes / rate | measured ÷ ideal | effective rate per host |\n"
-            "| ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    head = (
+        "| all-reduce size | measured (median) | mean | bytes / rate | measured ÷ ideal | effective rate per host |\n"
+        "| ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
     lines = []
     for r in calibration:
         ideal = f"{r['ideal_s'] * 1e3:.2f} ms" if r["ideal_s"] else "–"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "–"
         mean = f"{r['mean_s'] * 1e3:.2f} ms" if r.get("mean_s") is not None else "–"
-        lines.append(f"| {size_label(r['mb'])} | {r['seconds'] * 1e3:.2f} ms | {mean} | {ideal} | {ratio} | "
-                     f"{r['effective_mbit']:.0f} Mbit/s |")
+        lines.append(
+            f"| {size_label(r['mb'])} | {r['seconds'] * 1e3:.2f} ms | {mean} | {ideal} | {ratio} | "
+            f"{r['effective_mbit']:.0f} Mbit/s |"
+        )
     return head + "\n".join(lines) + "\n"
 
 

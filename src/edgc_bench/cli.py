@@ -1,4 +1,5 @@
 """`edgc bench` flags -> BenchSettings -> run_bench (see run.py and docs/bench.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,68 +19,162 @@ DEFAULTS = BenchSettings()
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="compare every compressor on emulated hosts with rate-limited links (needs root)",
+        "bench",
+        help="compare every compressor on emulated hosts with rate-limited links (needs root)",
         description="Create one network namespace per host (veth links through a bridge, tc tbf on both ends), "
-                    "train the same model with every selected method one after the other, and write a markdown "
-                    "table (bench.md), results.json and plots into --out. See docs/bench.md.")
-    p.add_argument("--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist")
-    p.add_argument("--hosts", type=int, default=None,
-                   help=f"emulated hosts (default {DEFAULTS.hosts}; {DILOCO_DEFAULTS['hosts']} with --diloco)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help=f"processes per host (default {DEFAULTS.nproc}; 2 with --fsdp: the shard degree)")
-    p.add_argument("--rate", "--rate-mbit", dest="rate", default=None,
-                   help=f"link rate per host in Mbit/s, or 'none' for unlimited (default {DEFAULTS.rate_mbit:g}; "
-                        "--diloco takes --rates)")
-    p.add_argument("--methods", default=None,
-                   help="comma-separated: " + ", ".join(all_methods()) + ", powersgd@N, or 'all' (default: "
-                        + ",".join(DEFAULTS.methods) + "; with --fsdp: " + ",".join(FSDP_METHODS) + ")")
+        "train the same model with every selected method one after the other, and write a markdown "
+        "table (bench.md), results.json and plots into --out. See docs/bench.md.",
+    )
+    p.add_argument(
+        "--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist"
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help=f"emulated hosts (default {DEFAULTS.hosts}; {DILOCO_DEFAULTS['hosts']} with --diloco)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help=f"processes per host (default {DEFAULTS.nproc}; 2 with --fsdp: the shard degree)",
+    )
+    p.add_argument(
+        "--rate",
+        "--rate-mbit",
+        dest="rate",
+        default=None,
+        help=f"link rate per host in Mbit/s, or 'none' for unlimited (default {DEFAULTS.rate_mbit:g}; "
+        "--diloco takes --rates)",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated: "
+        + ", ".join(all_methods())
+        + ", powersgd@N, or 'all' (default: "
+        + ",".join(DEFAULTS.methods)
+        + "; with --fsdp: "
+        + ",".join(FSDP_METHODS)
+        + ")",
+    )
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
-    p.add_argument("--preset", default=None,
-                   help=f"model preset of edgc train (default {DEFAULTS.preset}; {DILOCO_DEFAULTS['preset']} with --diloco)")
-    p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step (default %(default)s)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help=f"model preset of edgc train (default {DEFAULTS.preset}; {DILOCO_DEFAULTS['preset']} with --diloco)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=DEFAULTS.micro_batch,
+        help="sequences per rank per step (default %(default)s)",
+    )
     p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens per sequence (default %(default)s)")
     p.add_argument("--vocab-size", type=int, default=DEFAULTS.vocab_size, help="BPE vocabulary (default %(default)s)")
-    p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="validation every N steps (default %(default)s)")
-    p.add_argument("--eval-batches", type=int, default=None, help="validation micro-batches per rank (default "
-                   f"{DEFAULTS.eval_batches}; {DILOCO_DEFAULTS['eval_batches']} with --diloco)")
+    p.add_argument(
+        "--eval-every", type=int, default=DEFAULTS.eval_every, help="validation every N steps (default %(default)s)"
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        help="validation micro-batches per rank (default "
+        f"{DEFAULTS.eval_batches}; {DILOCO_DEFAULTS['eval_batches']} with --diloco)",
+    )
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of every run (default %(default)s)")
-    p.add_argument("--threads", type=int, default=DEFAULTS.threads, help="OMP threads per process (default %(default)s)")
+    p.add_argument(
+        "--threads", type=int, default=DEFAULTS.threads, help="OMP threads per process (default %(default)s)"
+    )
     p.add_argument("--r-max", type=int, default=None, help="fix EDGC's r_max instead of profiling it on the link")
-    p.add_argument("--compress-ratio", type=float, default=DEFAULTS.compress_ratio, help="topk/randomk fraction (default %(default)s)")
-    p.add_argument("--edgc", action="append", default=[], metavar="KEY=VALUE", help="EDGCConfig field for edgc (repeatable; adds to / overrides the bench's "
-                        + " ".join(f"{k}={json.dumps(v)}" for k, v in DEFAULTS.edgc.items()) + ")")
+    p.add_argument(
+        "--compress-ratio",
+        type=float,
+        default=DEFAULTS.compress_ratio,
+        help="topk/randomk fraction (default %(default)s)",
+    )
+    p.add_argument(
+        "--edgc",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="EDGCConfig field for edgc (repeatable; adds to / overrides the bench's "
+        + " ".join(f"{k}={json.dumps(v)}" for k, v in DEFAULTS.edgc.items())
+        + ")",
+    )
     p.add_argument("--data", default=None, help="training text (default: edgc train's default corpus)")
     p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
-    p.add_argument("--fsdp", action="store_true",
-                   help="HSDP: the processes of a host shard the model with FSDP2, hosts are replicas, and the "
-                        "methods compress the replica all-reduce (methods: none, edgc, powersgd@…; default none,edgc)")
-    p.add_argument("--tp", type=int, default=DEFAULTS.tp,
-                   help="tensor-parallel degree inside each host (default %(default)s); with --tp/--pp each host "
-                        "runs one whole TP × PP model (--nproc = tp × pp) and DP crosses the link "
-                        "(methods: none, edgc, powersgd@…; default " + ",".join(PIPELINE_METHODS) + ")")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="HSDP: the processes of a host shard the model with FSDP2, hosts are replicas, and the "
+        "methods compress the replica all-reduce (methods: none, edgc, powersgd@…; default none,edgc)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=DEFAULTS.tp,
+        help="tensor-parallel degree inside each host (default %(default)s); with --tp/--pp each host "
+        "runs one whole TP × PP model (--nproc = tp × pp) and DP crosses the link "
+        "(methods: none, edgc, powersgd@…; default " + ",".join(PIPELINE_METHODS) + ")",
+    )
     p.add_argument("--pp", type=int, default=DEFAULTS.pp, help="pipeline stages inside each host (default %(default)s)")
-    p.add_argument("--grad-accum", type=int, default=None,
-                   help="micro-batches per step (default 4 with --pp > 1, else 1; with --pp: ≥ pp)")
-    p.add_argument("--interstage", default=DEFAULTS.interstage, choices=("off", "all", "cooldown"),
-                   help="with --pp: compress the activation gradients between stages (default %(default)s)")
-    p.add_argument("--interstage-rank", type=int, default=DEFAULTS.interstage_rank,
-                   help="with --interstage: their rank (edgc: its upper bound) (default %(default)s)")
-    p.add_argument("--link-only", action="store_true",
-                   help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
-                        "--out/calibration.json, train nothing")
-    p.add_argument("--torchft", action="store_true",
-                   help="fault tolerance: kill one replica group mid-run and compare torchft DDP, torchft + EDGC, EDGC "
-                        "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)")
-    p.add_argument("--kill-at", type=int, default=None, help="with --torchft: the step host 1 is killed at (default "
-                   "steps/2); with --diloco: the outer step it is killed in (default outer steps/4)")
-    p.add_argument("--ckpt-every", type=int, default=10,
-                   help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="run the method list N times, reversed on even rounds, each round in OUT/round-K/; "
-                        "bench.md gives every round and the mean of its ratios; an even N pairs each round with a reversed one "
-                        f"(1–9, default {DEFAULTS.rounds}; {DILOCO_DEFAULTS['rounds']} with --diloco)")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help="micro-batches per step (default 4 with --pp > 1, else 1; with --pp: ≥ pp)",
+    )
+    p.add_argument(
+        "--interstage",
+        default=DEFAULTS.interstage,
+        choices=("off", "all", "cooldown"),
+        help="with --pp: compress the activation gradients between stages (default %(default)s)",
+    )
+    p.add_argument(
+        "--interstage-rank",
+        type=int,
+        default=DEFAULTS.interstage_rank,
+        help="with --interstage: their rank (edgc: its upper bound) (default %(default)s)",
+    )
+    p.add_argument(
+        "--link-only",
+        action="store_true",
+        help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
+        "--out/calibration.json, train nothing",
+    )
+    p.add_argument(
+        "--torchft",
+        action="store_true",
+        help="fault tolerance: kill one replica group mid-run and compare torchft DDP, torchft + EDGC, EDGC "
+        "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)",
+    )
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="with --torchft: the step host 1 is killed at (default "
+        "steps/2); with --diloco: the outer step it is killed in (default outer steps/4)",
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=10,
+        help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="run the method list N times, reversed on even rounds, each round in OUT/round-K/; "
+        "bench.md gives every round and the mean of its ratios; an even N pairs each round with a reversed one "
+        f"(1–9, default {DEFAULTS.rounds}; {DILOCO_DEFAULTS['rounds']} with --diloco)",
+    )
     add_diloco_flags(p)
-    p.add_argument("--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)")
+    p.add_argument(
+        "--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)"
+    )
     p.set_defaults(func=run)
 
 
@@ -111,15 +206,20 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         raise CLIError("--interstage: compresses pipeline traffic and needs --pp > 1")
     nproc = args.nproc if args.nproc is not None else tp * pp if pipeline else 2 if args.fsdp else DEFAULTS.nproc
     if pipeline and nproc != tp * pp:
-        raise CLIError(f"--nproc: with --tp/--pp each host runs one whole model, so it must be tp × pp = {tp * pp}, "
-                       f"got {nproc}")
+        raise CLIError(
+            f"--nproc: with --tp/--pp each host runs one whole model, so it must be tp × pp = {tp * pp}, got {nproc}"
+        )
     grad_accum = positive("grad-accum", args.grad_accum if args.grad_accum is not None else 4 if pp > 1 else 1)
     if pp > 1 and grad_accum < pp:
-        raise CLIError(f"--grad-accum: is the number of pipeline micro-batches and must be ≥ pp = {pp}, got {grad_accum}")
+        raise CLIError(
+            f"--grad-accum: is the number of pipeline micro-batches and must be ≥ pp = {pp}, got {grad_accum}"
+        )
     eval_batches = positive("eval-batches", args.eval_batches)
     if pipeline and eval_batches % grad_accum:
-        raise CLIError(f"--eval-batches: must be a multiple of --grad-accum = {grad_accum} with --tp/--pp "
-                       f"(whole pipeline steps), got {eval_batches}")
+        raise CLIError(
+            f"--eval-batches: must be a multiple of --grad-accum = {grad_accum} with --tp/--pp "
+            f"(whole pipeline steps), got {eval_batches}"
+        )
     try:
         default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
         chosen = args.methods if args.methods is not None else ",".join(default)
@@ -137,16 +237,33 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     if not 0 < args.compress_ratio <= 1:
         raise CLIError(f"--compress-ratio: must be in (0, 1], got {args.compress_ratio}")
     return BenchSettings(
-        hosts=positive("hosts", args.hosts), rate_mbit=rate,
+        hosts=positive("hosts", args.hosts),
+        rate_mbit=rate,
         nproc=positive("nproc", nproc),
-        methods=tuple(methods), preset=args.preset, steps=positive("steps", args.steps),
-        micro_batch=positive("micro-batch", args.micro_batch), seq_len=positive("seq-len", args.seq_len),
-        vocab_size=args.vocab_size, eval_every=positive("eval-every", args.eval_every),
-        eval_batches=eval_batches, seed=args.seed,
-        threads=positive("threads", args.threads), r_max=args.r_max, compress_ratio=args.compress_ratio, edgc=edgc,
-        run_timeout_s=positive("run-timeout", args.run_timeout), data=args.data, max_chars=args.max_chars,
-        fsdp=args.fsdp, tp=tp, pp=pp, grad_accum=grad_accum, interstage=args.interstage,
-        interstage_rank=positive("interstage-rank", args.interstage_rank), rounds=args.rounds)
+        methods=tuple(methods),
+        preset=args.preset,
+        steps=positive("steps", args.steps),
+        micro_batch=positive("micro-batch", args.micro_batch),
+        seq_len=positive("seq-len", args.seq_len),
+        vocab_size=args.vocab_size,
+        eval_every=positive("eval-every", args.eval_every),
+        eval_batches=eval_batches,
+        seed=args.seed,
+        threads=positive("threads", args.threads),
+        r_max=args.r_max,
+        compress_ratio=args.compress_ratio,
+        edgc=edgc,
+        run_timeout_s=positive("run-timeout", args.run_timeout),
+        data=args.data,
+        max_chars=args.max_chars,
+        fsdp=args.fsdp,
+        tp=tp,
+        pp=pp,
+        grad_accum=grad_accum,
+        interstage=args.interstage,
+        interstage_rank=positive("interstage-rank", args.interstage_rank),
+        rounds=args.rounds,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,8 +288,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--out: {out} already holds a bench; choose a new folder")
     from .run import run_bench
 
-    command = "edgc bench" + ("".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:])
-                              if "bench" in sys.argv else "")
+    command = "edgc bench" + (
+        "".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1 :]) if "bench" in sys.argv else ""
+    )
     summary = run_bench(settings, out, command)
     print((out / "bench.md").read_text())
     return 1 if summary["notes"] and any("failed" in n for n in summary["notes"]) else 0
@@ -202,8 +320,10 @@ def torchft(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int
 def diloco(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
     """`edgc bench --diloco` (diloco_bench.py): every link's rounds and the kill pass."""
     if args.torchft or args.link_only or settings.fsdp or settings.pipeline:
-        raise CLIError("--diloco: runs plain data parallelism, one replica group per host; drop "
-                       "--torchft/--link-only/--fsdp/--tp/--pp")
+        raise CLIError(
+            "--diloco: runs plain data parallelism, one replica group per host; drop "
+            "--torchft/--link-only/--fsdp/--tp/--pp"
+        )
     if args.rate is not None:
         raise CLIError("--rate: --diloco runs at every rate of --rates instead")
     if args.methods is not None:
@@ -232,7 +352,7 @@ def command_line(mode: str) -> str:
     """This invocation as `edgc bench …` (for the tables), or the mode alone when not run from the CLI."""
     if "bench" not in sys.argv:
         return f"edgc bench {mode}"
-    return "edgc bench" + "".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:])
+    return "edgc bench" + "".join(" " + shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1 :])
 
 
 def check_training(settings: BenchSettings) -> None:
@@ -240,10 +360,20 @@ def check_training(settings: BenchSettings) -> None:
     from edgc_train.config import TrainConfig
 
     try:
-        TrainConfig(preset=settings.preset, seq_len=settings.seq_len, micro_batch=settings.micro_batch,
-                    steps=settings.steps, vocab_size=settings.vocab_size, compressor="none", tp=settings.tp,
-                    pp=settings.pp, grad_accum=settings.grad_accum, eval_batches=settings.eval_batches,
-                    interstage=settings.interstage, interstage_rank=settings.interstage_rank)
+        TrainConfig(
+            preset=settings.preset,
+            seq_len=settings.seq_len,
+            micro_batch=settings.micro_batch,
+            steps=settings.steps,
+            vocab_size=settings.vocab_size,
+            compressor="none",
+            tp=settings.tp,
+            pp=settings.pp,
+            grad_accum=settings.grad_accum,
+            eval_batches=settings.eval_batches,
+            interstage=settings.interstage,
+            interstage_rank=settings.interstage_rank,
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 

@@ -23,6 +23,7 @@ Per run (diloco_table.py reads the logs): group 0's validation loss on its train
 few inner steps, bytes per sync (what one replica put into the all-reduce, and what left its
 network interface), participation per sync, the digest of every group's shared model at the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,14 @@ METHODS = ("ddp", "ddp-edgc", "diloco", "diloco-edgc", "streaming")
 # room: spent early (ranks 16 → 2, mean 8; or 32 → 2, mean 16) the last outer steps at rank 2 cost
 # 1.7 % (1.1 %) of validation loss against uncompressed DiLoCo, a constant 16 cost 0.7 % (pilots at the
 # default two sequences per step). No warm-up: an uncompressed outer step is a whole model.
-EDGC_DILOCO = {"r_max": 16, "rank_budget": 16, "window": 2, "warmup_fraction": 0.0, "min_warmup_steps": 0,
-               "warmup_error_test": False}
+EDGC_DILOCO = {
+    "r_max": 16,
+    "rank_budget": 16,
+    "window": 2,
+    "warmup_fraction": 0.0,
+    "min_warmup_steps": 0,
+    "warmup_error_test": False,
+}
 # DDP + EDGC: the same ranks; the 2 uncompressed steps DDP needs to rebuild its buckets and no
 # fraction-based warm-up (10 % of a short run would be 6 more uncompressed steps).
 EDGC_DDP = {"r_max": 16, "rank_budget": 16, "window": 6, "warmup_fraction": 0.0, "warmup_error_test": False}
@@ -64,18 +71,49 @@ class DilocoOptions:
 
     def unit(self, method: str) -> int:
         """Inner steps between two syncs of ``method`` (a stop falls on one, and on an eval step)."""
-        sync = 1 if method.startswith("ddp") else self.sync_every // (self.fragments if method.startswith("streaming") else 1)
+        sync = (
+            1
+            if method.startswith("ddp")
+            else self.sync_every // (self.fragments if method.startswith("streaming") else 1)
+        )
         return math.lcm(sync, self.eval_every)
 
 
 def worker_args(s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path) -> list[str]:
     base = method.removeprefix("streaming-")
     edgc = {**(EDGC_DDP if base == "ddp-edgc" else EDGC_DILOCO), **dict(o.edgc)}
-    args = ["--out", str(run_dir), "--method", base, "--sync-every", str(o.sync_every),
-            "--fragments", str(o.fragments if method.startswith("streaming") else 1), "--eval-every", str(o.eval_every),
-            "--preset", s.preset, "--steps", str(s.steps), "--micro-batch", str(s.micro_batch), "--seq-len",
-            str(s.seq_len), "--vocab-size", str(s.vocab_size), "--eval-batches", str(s.eval_batches),
-            "--seed", str(s.seed), "--replicas", str(s.hosts), "--edgc", json.dumps(edgc), "--outer-sync", o.outer_sync]
+    args = [
+        "--out",
+        str(run_dir),
+        "--method",
+        base,
+        "--sync-every",
+        str(o.sync_every),
+        "--fragments",
+        str(o.fragments if method.startswith("streaming") else 1),
+        "--eval-every",
+        str(o.eval_every),
+        "--preset",
+        s.preset,
+        "--steps",
+        str(s.steps),
+        "--micro-batch",
+        str(s.micro_batch),
+        "--seq-len",
+        str(s.seq_len),
+        "--vocab-size",
+        str(s.vocab_size),
+        "--eval-batches",
+        str(s.eval_batches),
+        "--seed",
+        str(s.seed),
+        "--replicas",
+        str(s.hosts),
+        "--edgc",
+        json.dumps(edgc),
+        "--outer-sync",
+        o.outer_sync,
+    ]
     if s.data:
         args += ["--data", s.data]
     if s.max_chars:
@@ -87,21 +125,28 @@ def tx_bytes(net: Network) -> list[int]:
     """Bytes each host's interface has sent so far."""
     counts = []
     for host in range(net.hosts):
-        done = subprocess.run(["ip", "netns", "exec", net.ns(host), "cat", f"/sys/class/net/{net.ifname}/statistics/tx_bytes"],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["ip", "netns", "exec", net.ns(host), "cat", f"/sys/class/net/{net.ifname}/statistics/tx_bytes"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         counts.append(int(done.stdout.strip() or 0))
     return counts
 
 
-def run_method(net: Network, s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path,
-               kill_at: int | None = None) -> dict:
+def run_method(
+    net: Network, s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path, kill_at: int | None = None
+) -> dict:
     """One run of ``method`` on the network; with ``kill_at``, host 1's worker dies in that outer step."""
     run_dir.mkdir(parents=True)
     log = open(run_dir / "torchrun.log", "w")
     tolerated = 0 if kill_at is None else 1
     lighthouse, _, env = start_lighthouse(net, s, tolerated, log)
     sent_before, t0 = tx_bytes(net), time.time()
-    processes = start_workers(net, s, env, tolerated, log, "edgc_bench.diloco_train", *worker_args(s, o, method, run_dir))
+    processes = start_workers(
+        net, s, env, tolerated, log, "edgc_bench.diloco_train", *worker_args(s, o, method, run_dir)
+    )
     events = watch(processes, run_dir, s, o, method, kill_at)
     codes = net.wait_all(processes)
     wall = time.time() - t0
@@ -119,8 +164,12 @@ def watch(processes, run_dir: Path, s: BenchSettings, o: DilocoOptions, method: 
         steps = [r for r in first if r["kind"] == "step"]
         if stop_at is None and steps and steps[-1]["t"] - steps[0]["t"] + steps[0]["step_s"] > o.time_budget_s:
             unit = o.unit(method)
-            latest = max(r["step"] for g in range(s.hosts) for r in read_lines(run_dir / f"group{g}.jsonl")
-                         if r["kind"] == "step")
+            latest = max(
+                r["step"]
+                for g in range(s.hosts)
+                for r in read_lines(run_dir / f"group{g}.jsonl")
+                if r["kind"] == "step"
+            )
             # a step no group has begun yet (groups are at most one sync apart), on a sync and an eval step
             stop_at = -(-(latest + 4) // unit) * unit
             if stop_at < s.steps:
@@ -175,8 +224,11 @@ def run_link(net: Network, s: BenchSettings, o: DilocoOptions, out: Path, say) -
 
 def summary_line(r: dict) -> str:
     loss = r.get("final_loss")
-    return (f"exit {r['codes']}, wall {r['wall_s']:.0f} s, clock {r.get('clock_s') or 0:.0f} s, steps {r.get('steps_done')}, "
-            f"final val loss {'–' if loss is None else f'{loss:.4f}'}, identical {r.get('identical')}")
+    return (
+        f"exit {r['codes']}, wall {r['wall_s']:.0f} s, clock {r.get('clock_s') or 0:.0f} s, steps "
+        f"{r.get('steps_done')}, "
+        f"final val loss {'–' if loss is None else f'{loss:.4f}'}, identical {r.get('identical')}"
+    )
 
 
 def run_diloco_bench(s: BenchSettings, o: DilocoOptions, out: Path, command: str, say=print) -> dict:
@@ -200,9 +252,15 @@ def run_diloco_bench(s: BenchSettings, o: DilocoOptions, out: Path, command: str
                 kill.update(measure(run_dir, s.hosts, s.steps, kill["kill_t"]), load=os.getloadavg()[0])
                 say("    " + summary_line(kill))
         links.append({"rate_mbit": rate, "results": results, "kill": kill})
-    summary = {"settings": s.__dict__ | {"methods": list(METHODS)}, "options": o.__dict__, "command": command,
-               "links": links, "elapsed_s": time.time() - started, "load": os.getloadavg(),
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
+    summary = {
+        "settings": s.__dict__ | {"methods": list(METHODS)},
+        "options": o.__dict__,
+        "command": command,
+        "links": links,
+        "elapsed_s": time.time() - started,
+        "load": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "bench.md").write_text(markdown(summary))
     return summary

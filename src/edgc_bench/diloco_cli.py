@@ -1,4 +1,5 @@
 """The flags of `edgc bench --diloco` and their checks (cli.py calls, diloco_bench.py runs it)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,22 +15,43 @@ DILOCO_DEFAULTS = {"hosts": 3, "preset": "tiny", "eval_batches": 2, "rounds": 2}
 
 
 def add_diloco_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--diloco", action="store_true",
-                   help="DDP, DDP + EDGC, DiLoCo (torchft's), DiLoCo + EDGC and Streaming DiLoCo at each of --rates, "
-                        "one torchft replica group per host, then a kill pass (docs/bench.md)")
-    p.add_argument("--rates", default="100,20",
-                   help="with --diloco: comma-separated link rates in Mbit/s, one network each, the slow one last "
-                        "(default %(default)s)")
-    p.add_argument("--sync-every", type=int, default=10, help="with --diloco: DiLoCo's inner steps per outer step H "
-                   "(default %(default)s)")
-    p.add_argument("--fragments", type=int, default=2,
-                   help="with --diloco: Streaming DiLoCo's model fragments (default %(default)s)")
-    p.add_argument("--outer-sync", default="quant3",
-                   help="with --diloco: the outer sync of the DiLoCo + EDGC methods, a registered sync method's name "
-                        "or edgc (PowerSGD at the bench's ranks; default %(default)s, DiLoCo's default)")
-    p.add_argument("--time-budget", type=float, default=150.0,
-                   help="with --diloco: seconds of training per run; a run still going then stops at its next sync "
-                        "(default %(default)s)")
+    p.add_argument(
+        "--diloco",
+        action="store_true",
+        help="DDP, DDP + EDGC, DiLoCo (torchft's), DiLoCo + EDGC and Streaming DiLoCo at each of --rates, "
+        "one torchft replica group per host, then a kill pass (docs/bench.md)",
+    )
+    p.add_argument(
+        "--rates",
+        default="100,20",
+        help="with --diloco: comma-separated link rates in Mbit/s, one network each, the slow one last "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=10,
+        help="with --diloco: DiLoCo's inner steps per outer step H (default %(default)s)",
+    )
+    p.add_argument(
+        "--fragments",
+        type=int,
+        default=2,
+        help="with --diloco: Streaming DiLoCo's model fragments (default %(default)s)",
+    )
+    p.add_argument(
+        "--outer-sync",
+        default="quant3",
+        help="with --diloco: the outer sync of the DiLoCo + EDGC methods, a registered sync method's name "
+        "or edgc (PowerSGD at the bench's ranks; default %(default)s, DiLoCo's default)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=150.0,
+        help="with --diloco: seconds of training per run; a run still going then stops at its next sync "
+        "(default %(default)s)",
+    )
 
 
 def edgc_items(items: list[str]) -> dict:
@@ -65,14 +87,25 @@ def diloco_options(settings, args: argparse.Namespace):
     # early: the killed group's restart and heal take several outer steps of a run this short
     kill_at = args.kill_at if args.kill_at is not None else max(1, outer // 4)
     if not 1 <= kill_at <= outer - 2:
-        raise CLIError(f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}], got {kill_at}")
+        raise CLIError(
+            f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}], got {kill_at}"
+        )
     if args.time_budget <= 0:
         raise CLIError(f"--time-budget: must be > 0, got {args.time_budget:g}")
     from edgc.sync_methods import sync_method, sync_method_names
 
     if args.outer_sync != "edgc" and sync_method(args.outer_sync) is None:
-        raise CLIError(f"--outer-sync: edgc or a registered sync method ({', '.join(sync_method_names())}), "
-                       f"got {args.outer_sync!r}")
-    return DilocoOptions(rates=rates, sync_every=h, fragments=f, eval_every=settings.eval_every, kill_at=kill_at,
-                         time_budget_s=args.time_budget, edgc=tuple(edgc_items(args.edgc).items()),
-                         outer_sync=args.outer_sync)
+        raise CLIError(
+            f"--outer-sync: edgc or a registered sync method ({', '.join(sync_method_names())}), "
+            f"got {args.outer_sync!r}"
+        )
+    return DilocoOptions(
+        rates=rates,
+        sync_every=h,
+        fragments=f,
+        eval_every=settings.eval_every,
+        kill_at=kill_at,
+        time_budget_s=args.time_budget,
+        edgc=tuple(edgc_items(args.edgc).items()),
+        outer_sync=args.outer_sync,
+    )

@@ -7,6 +7,7 @@ run reaches it; a run's time is group 0's training clock (launch, data and evalu
 its first validation point at or below it. Loss at equal tokens: the validation loss after the
 run's ``--steps`` inner steps (every method sees the same tokens per inner step).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,14 @@ from pathlib import Path
 
 from .torchft_bench import participation, read_lines
 
-LABELS = {"ddp": "DDP (torchft, uncompressed, every step)", "ddp-edgc": "DDP + EDGC (torchft, every step)",
-          "diloco": "DiLoCo (torchft's, uncompressed)", "diloco-edgc": "DiLoCo + EDGC",
-          "streaming-diloco": "Streaming DiLoCo (torchft's, uncompressed)", "streaming-diloco-edgc": "Streaming DiLoCo + EDGC"}
+LABELS = {
+    "ddp": "DDP (torchft, uncompressed, every step)",
+    "ddp-edgc": "DDP + EDGC (torchft, every step)",
+    "diloco": "DiLoCo (torchft's, uncompressed)",
+    "diloco-edgc": "DiLoCo + EDGC",
+    "streaming-diloco": "Streaming DiLoCo (torchft's, uncompressed)",
+    "streaming-diloco-edgc": "Streaming DiLoCo + EDGC",
+}
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -31,25 +37,43 @@ def measure(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict
     syncs = [[r for r in g if r["kind"] == "step" and r.get("sync")] for g in groups]
     done = finals[0][-1]["steps"] if finals[0] else None
     outer_steps = max((r["outer"] + 1 for g in syncs for r in g if r["committed"]), default=0)
-    as_steps = [[{"kind": "step", "step": r["outer"], "committed": r["committed"], "participants": r["participants"],
-                  "participating": r["participating"], "healed": r["healed"]} for r in g] for g in syncs]
+    as_steps = [
+        [
+            {
+                "kind": "step",
+                "step": r["outer"],
+                "committed": r["committed"],
+                "participants": r["participants"],
+                "participating": r["participating"],
+                "healed": r["healed"],
+            }
+            for r in g
+        ]
+        for g in syncs
+    ]
     inner = [r["step_s"] for r in groups[0] if r["kind"] == "step" and not r.get("sync")]
     full = [r["step_s"] for r in syncs[0] if r["committed"] and r["participants"] == hosts]
     payload = [r["bytes"] for r in syncs[0] if r["committed"] and r.get("bytes") is not None]
     after = [[r for r in g if kill_t and r["t"] > kill_t and r["committed"]] for g in syncs]
     outers = [r["outer"] for r in syncs[0] if r["committed"]]
-    return {"evals": evals, "final_loss": evals[-1][2] if evals else None, "clock_s": evals[-1][1] if evals else None,
-            "steps_done": done, "outer_steps": outer_steps,
-            "identical": all(finals) and len({f[-1]["checksum"] for f in finals}) == 1,
-            "participation": participation(as_steps, outer_steps) if outer_steps else
-            {"per_step": [], "fraction": [0.0] * hosts, "heals": [0] * hosts, "alone": []},
-            "payload_bytes": statistics.fmean(payload) if payload else None,
-            "floor_s": statistics.median(inner) if inner else None,
-            "sync_step_s": statistics.median(full) if full else None,
-            "discarded": sum(not r["committed"] for r in syncs[0]),
-            "rolled_back": any(b <= a for a, b in zip(outers, outers[1:])),  # a committed outer step repeated
-            "stall_s": after[0][0]["t"] - kill_t if after[0] else None,  # survivors: to their next committed outer step
-            "heal_s": after[1][0]["t"] - kill_t if after[1] else None}  # the killed group: to its first one
+    return {
+        "evals": evals,
+        "final_loss": evals[-1][2] if evals else None,
+        "clock_s": evals[-1][1] if evals else None,
+        "steps_done": done,
+        "outer_steps": outer_steps,
+        "identical": all(finals) and len({f[-1]["checksum"] for f in finals}) == 1,
+        "participation": participation(as_steps, outer_steps)
+        if outer_steps
+        else {"per_step": [], "fraction": [0.0] * hosts, "heals": [0] * hosts, "alone": []},
+        "payload_bytes": statistics.fmean(payload) if payload else None,
+        "floor_s": statistics.median(inner) if inner else None,
+        "sync_step_s": statistics.median(full) if full else None,
+        "discarded": sum(not r["committed"] for r in syncs[0]),
+        "rolled_back": any(b <= a for a, b in zip(outers, outers[1:])),  # a committed outer step repeated
+        "stall_s": after[0][0]["t"] - kill_t if after[0] else None,  # survivors: to their next committed outer step
+        "heal_s": after[1][0]["t"] - kill_t if after[1] else None,
+    }  # the killed group: to its first one
 
 
 def final_loss(r: dict) -> float:
@@ -63,8 +87,11 @@ def time_to(r: dict, target: float) -> float | None:
 def target_of(results: list[dict], finished_only: bool = False, steps: int | None = None) -> tuple[float, str]:
     """The highest of the runs' lowest losses (every run reaches it), and which run set it; with
     ``finished_only``, of the runs that took all ``steps`` (not stopped by the time budget)."""
-    lowest = [(min(loss for _, _, loss in r["evals"]), f"{r['method']} round {r['round']}")
-              for r in results if r.get("evals") and (not finished_only or r.get("steps_done") == steps)]
+    lowest = [
+        (min(loss for _, _, loss in r["evals"]), f"{r['method']} round {r['round']}")
+        for r in results
+        if r.get("evals") and (not finished_only or r.get("steps_done") == steps)
+    ]
     return max(lowest) if lowest else (float("nan"), "–")
 
 
@@ -92,13 +119,16 @@ def wire_per_sync(r: dict) -> float | None:
 def link_table(link: dict, steps: int) -> list[str]:
     target, setter = target_of(link["results"])
     late, late_setter = target_of(link["results"], True, steps)
-    lines = [f"Target validation loss {target:.4f}: the highest of the runs' lowest, set by {setter}; a later "
-             f"target {late:.4f}: the same over the runs that took all {steps} steps, set by {late_setter}. "
-             "Mean [range] over the rounds.", "",
-             f"| method | time to target | time to later target | val loss after {steps} inner steps | syncs "
-             "| payload per sync "
-             "| sent per sync (wire) | step: sync / inner | participation (lowest group) | replicas identical |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    lines = [
+        f"Target validation loss {target:.4f}: the highest of the runs' lowest, set by {setter}; a later "
+        f"target {late:.4f}: the same over the runs that took all {steps} steps, set by {late_setter}. "
+        "Mean [range] over the rounds.",
+        "",
+        f"| method | time to target | time to later target | val loss after {steps} inner steps | syncs "
+        "| payload per sync "
+        "| sent per sync (wire) | step: sync / inner | participation (lowest group) | replicas identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
     for method, runs in by_method(link["results"]).items():
         losses = [r["final_loss"] for r in runs if r.get("steps_done") == steps]
         stopped = [r for r in runs if r.get("steps_done") != steps]
@@ -110,11 +140,13 @@ def link_table(link: dict, steps: int) -> list[str]:
         lowest = min((min(r["participation"]["fraction"], default=0) for r in runs), default=0)
         identical = sum(bool(r.get("identical")) for r in runs)
         lines.append(
-            f"| {LABELS.get(method, method)} | {_range(times, 1, ' s')} | {later} | {loss} | {_range([r['outer_steps'] for r in runs], 0)} "
+            f"| {LABELS.get(method, method)} | {_range(times, 1, ' s')} | {later} | {loss} | "
+            f"{_range([r['outer_steps'] for r in runs], 0)} "
             f"| {_range([(r['payload_bytes'] or 0) / 1e6 for r in runs], 3, ' MB')} "
             f"| {_range([(wire_per_sync(r) or 0) / 1e6 for r in runs], 3, ' MB')} "
             f"| {_range([r['sync_step_s'] for r in runs], 2, ' s')} / {_range([r['floor_s'] for r in runs], 2, ' s')} "
-            f"| {lowest:.0%} | {'yes' if identical == len(runs) else 'NO'} ({identical}/{len(runs)}) |")
+            f"| {lowest:.0%} | {'yes' if identical == len(runs) else 'NO'} ({identical}/{len(runs)}) |"
+        )
     return lines
 
 
@@ -159,9 +191,14 @@ def participation_checks(link: dict) -> list[str]:
     for method, runs in by_method(link["results"]).items():
         lowest = min(min(r["participation"]["fraction"], default=0) for r in runs)
         identical = all(r.get("identical") for r in runs)
-        out.append(check(lowest >= 0.95 and identical, f"{LABELS.get(method, method)}: every group in ≥ 95 % of the "
-                         f"syncs (lowest {lowest:.0%}), replicas bit-identical at the end (shared-model digests: "
-                         f"{'equal' if identical else 'DIFFER'}) in every round"))
+        out.append(
+            check(
+                lowest >= 0.95 and identical,
+                f"{LABELS.get(method, method)}: every group in ≥ 95 % of the "
+                f"syncs (lowest {lowest:.0%}), replicas bit-identical at the end (shared-model digests: "
+                f"{'equal' if identical else 'DIFFER'}) in every round",
+            )
+        )
     return out
 
 
@@ -178,20 +215,34 @@ def slow_link_checks(link: dict) -> list[str]:
     floor = floor_of(results)
     step = mean_of(runs.get("ddp-edgc", []), lambda r: r["sync_step_s"])
     if floor and step:
-        out.append(check(step >= 2 * floor, f"slow link: DDP + EDGC's step {step:.2f} s = {step / floor:.1f} × the "
-                         f"compute floor {floor:.2f} s (≥ 2 ×)"))
+        out.append(
+            check(
+                step >= 2 * floor,
+                f"slow link: DDP + EDGC's step {step:.2f} s = {step / floor:.1f} × the "
+                f"compute floor {floor:.2f} s (≥ 2 ×)",
+            )
+        )
     times = {m: mean_of(rs, lambda r: time_to(r, target)) for m, rs in runs.items()}
     mine = times.get("diloco-edgc")
     others = {m: t for m, t in times.items() if m != "diloco-edgc"}
     if mine is not None and others:
         runner_up = min(others, key=lambda m: others[m] if others[m] is not None else float("inf"))
         rival = others[runner_up]
-        out.append(check(rival is None or mine < rival, f"DiLoCo + EDGC reaches the target first: {mine:.1f} s, next "
-                         f"{LABELS.get(runner_up, runner_up)} {_value(rival, '.1f', ' s')}"))
+        out.append(
+            check(
+                rival is None or mine < rival,
+                f"DiLoCo + EDGC reaches the target first: {mine:.1f} s, next "
+                f"{LABELS.get(runner_up, runner_up)} {_value(rival, '.1f', ' s')}",
+            )
+        )
     plain = times.get("diloco")
     if mine and plain:
-        out.append(check(plain / mine >= 2, f"DiLoCo + EDGC vs uncompressed DiLoCo (same H): target "
-                         f"{plain / mine:.2f} × sooner (≥ 2 ×)"))
+        out.append(
+            check(
+                plain / mine >= 2,
+                f"DiLoCo + EDGC vs uncompressed DiLoCo (same H): target {plain / mine:.2f} × sooner (≥ 2 ×)",
+            )
+        )
     late, _ = target_of(results, True, link_steps(results))
     mine, plain = (mean_of(runs.get(m, []), lambda r: time_to(r, late)) for m in ("diloco-edgc", "diloco"))
     if mine and plain:
@@ -199,12 +250,19 @@ def slow_link_checks(link: dict) -> list[str]:
     losses = [mean_of(runs.get(m, []), lambda r: r["final_loss"]) for m in ("diloco-edgc", "diloco")]
     if all(losses):
         change = losses[0] / losses[1] - 1
-        out.append(check(abs(change) <= 0.01, f"loss at equal tokens, DiLoCo + EDGC vs DiLoCo: {change:+.2%} (within 1 %)"))
+        out.append(
+            check(abs(change) <= 0.01, f"loss at equal tokens, DiLoCo + EDGC vs DiLoCo: {change:+.2%} (within 1 %)")
+        )
     payloads = [mean_of(runs.get(m, []), lambda r: r["payload_bytes"]) for m in ("diloco-edgc", "diloco")]
     if all(payloads):
         ratio = payloads[0] / payloads[1]
-        out.append(check(ratio <= 0.1, f"pseudo-gradient bytes per outer step, DiLoCo + EDGC / DiLoCo = {ratio:.3f} "
-                         f"= 1/{1 / ratio:.1f} (≤ 1/10)"))
+        out.append(
+            check(
+                ratio <= 0.1,
+                f"pseudo-gradient bytes per outer step, DiLoCo + EDGC / DiLoCo = {ratio:.3f} "
+                f"= 1/{1 / ratio:.1f} (≤ 1/10)",
+            )
+        )
     return out
 
 
@@ -217,42 +275,65 @@ def kill_lines(link: dict) -> list[str]:
     change = kill["final_loss"] / loss - 1 if kill.get("final_loss") and loss else None
     extra = kill["clock_s"] - clock if kill.get("clock_s") and clock else None
     fractions = " · ".join(f"{f:.0%}" for f in kill["participation"]["fraction"])
-    lines = [f"Kill pass at {link['rate_mbit']:g} Mbit/s: DiLoCo + EDGC, host 1's worker SIGKILLed in an outer step; "
-             "torchrun restarts it and it heals from a peer (reference: the failure-free DiLoCo + EDGC runs above).", "",
-             "| outer steps discarded (group 0) | survivors' stall (kill → their next committed outer step) "
-             "| killed group back (kill → its first committed outer step) | training clock vs failure-free "
-             "| val loss vs failure-free | participation per group | replicas identical |",
-             "|---:|---:|---:|---:|---:|---|:---:|",
-             f"| {kill['discarded']} | {_value(kill['stall_s'], '.1f', ' s')} | {_value(kill['heal_s'], '.1f', ' s')} "
-             f"| {_value(extra, '+.1f', ' s')} | {_value(change, '+.2%')} "
-             f"| {fractions} | {'yes' if kill.get('identical') else 'NO'} |", ""]
-    lines.append(check(kill["discarded"] <= 1 and not kill["rolled_back"] and kill.get("kill_t") is not None,
-                       f"the kill cost at most the outer step in flight ({kill['discarded']} discarded) plus the heal, "
-                       f"no outer step rolled back{'' if kill.get('kill_t') else ' (NO KILL HAPPENED)'}"))
+    lines = [
+        f"Kill pass at {link['rate_mbit']:g} Mbit/s: DiLoCo + EDGC, host 1's worker SIGKILLed in an outer step; "
+        "torchrun restarts it and it heals from a peer (reference: the failure-free DiLoCo + EDGC runs above).",
+        "",
+        "| outer steps discarded (group 0) | survivors' stall (kill → their next committed outer step) "
+        "| killed group back (kill → its first committed outer step) | training clock vs failure-free "
+        "| val loss vs failure-free | participation per group | replicas identical |",
+        "|---:|---:|---:|---:|---:|---|:---:|",
+        f"| {kill['discarded']} | {_value(kill['stall_s'], '.1f', ' s')} | {_value(kill['heal_s'], '.1f', ' s')} "
+        f"| {_value(extra, '+.1f', ' s')} | {_value(change, '+.2%')} "
+        f"| {fractions} | {'yes' if kill.get('identical') else 'NO'} |",
+        "",
+    ]
+    lines.append(
+        check(
+            kill["discarded"] <= 1 and not kill["rolled_back"] and kill.get("kill_t") is not None,
+            f"the kill cost at most the outer step in flight ({kill['discarded']} discarded) plus the heal, "
+            f"no outer step rolled back{'' if kill.get('kill_t') else ' (NO KILL HAPPENED)'}",
+        )
+    )
     if change is not None:
-        lines.append(check(abs(change) <= 0.01, f"final val loss with the kill vs failure-free: {change:+.2%} (within 1 %)"))
+        lines.append(
+            check(abs(change) <= 0.01, f"final val loss with the kill vs failure-free: {change:+.2%} (within 1 %)")
+        )
     return lines
 
 
 def markdown(summary: dict) -> str:
     s, o = summary["settings"], summary["options"]
-    streaming = f"Streaming DiLoCo with {o['fragments']} fragments (one syncs every {o['sync_every'] // o['fragments']})"
-    head = (f"`{summary['command']}`: {s['hosts']} hosts, one torchft replica group per host, preset {s['preset']}, "
-            f"{s['steps']} inner steps of micro-batch {s['micro_batch']} × {s['seq_len']} tokens per group, DiLoCo "
-            f"H = {o['sync_every']}, {streaming}; {s['rounds']} round(s) per link, even rounds in reverse order; "
-            f"time budget {o['time_budget_s']:g} s of training per run; {summary['date']}, whole bench "
-            f"{summary['elapsed_s'] / 60:.0f} min, load {summary['load'][0]:.1f} at the end")
+    streaming = (
+        f"Streaming DiLoCo with {o['fragments']} fragments (one syncs every {o['sync_every'] // o['fragments']})"
+    )
+    head = (
+        f"`{summary['command']}`: {s['hosts']} hosts, one torchft replica group per host, preset {s['preset']}, "
+        f"{s['steps']} inner steps of micro-batch {s['micro_batch']} × {s['seq_len']} tokens per group, DiLoCo "
+        f"H = {o['sync_every']}, {streaming}; {s['rounds']} round(s) per link, even rounds in reverse order; "
+        f"time budget {o['time_budget_s']:g} s of training per run; {summary['date']}, whole bench "
+        f"{summary['elapsed_s'] / 60:.0f} min, load {summary['load'][0]:.1f} at the end"
+    )
     parts = ["# edgc bench --diloco", "", SRC_START, head, ""]
     for link in summary["links"]:
         floor = floor_of(link["results"])
         factor = gpu_factor(s, floor)
-        gpu = f"; an H100 computes this step ≈ {factor:,.0f} × faster, so this link is ≈ " \
-              f"{link['rate_mbit'] * factor / 1000:,.0f} Gbit/s beside an H100" if factor else ""
+        gpu = (
+            f"; an H100 computes this step ≈ {factor:,.0f} × faster, so this link is ≈ "
+            f"{link['rate_mbit'] * factor / 1000:,.0f} Gbit/s beside an H100"
+            if factor
+            else ""
+        )
         loads = [r["load"] for r in link["results"] if r.get("load") is not None]
         load = f"; load average {min(loads):.1f}–{max(loads):.1f} at its runs' ends" if loads else ""
-        parts += [f"**{link['rate_mbit']:g} Mbit/s per host link** (compute floor {floor or 0:.2f} s per inner step"
-                  f"{gpu}{load})", "",
-                  *link_table(link, s["steps"]), "", *participation_checks(link)]
+        parts += [
+            f"**{link['rate_mbit']:g} Mbit/s per host link** (compute floor {floor or 0:.2f} s per inner step"
+            f"{gpu}{load})",
+            "",
+            *link_table(link, s["steps"]),
+            "",
+            *participation_checks(link),
+        ]
         if link is summary["links"][-1]:
             parts += slow_link_checks(link)
         parts += ["", *kill_lines(link)]

@@ -25,6 +25,7 @@ after the run, writes one ``eval`` line per copy (validation loss at that step a
 The bench stops a run that overruns its time budget by writing ``<out>/stop.json`` (``{"steps": S}``,
 S a step every group reaches later, at a sync): each group reads it before every inner step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--sync-every", type=int, default=10, help="DiLoCo: inner steps per outer step (H)")
     p.add_argument("--fragments", type=int, default=1, help="DiLoCo: model fragments (> 1: Streaming DiLoCo)")
-    p.add_argument("--outer-sync", default="quant3",
-                   help="diloco-edgc: a registered sync method's name, or edgc (PowerSGD with --edgc's fields)")
+    p.add_argument(
+        "--outer-sync",
+        default="quant3",
+        help="diloco-edgc: a registered sync method's name, or edgc (PowerSGD with --edgc's fields)",
+    )
     p.add_argument("--eval-every", type=int, default=5, help="group 0 keeps the shared model every N inner steps")
     p.add_argument("--n-layer", type=int, default=None)
     p.add_argument("--n-embd", type=int, default=None)
@@ -99,8 +103,15 @@ def fragments_of(module: torch.nn.Module, count: int) -> list[torch.nn.Module]:
 
 def diloco_sync(args, module, inner, group: int, heals: list, edgc_fields: dict):
     """(DiLoCo, manager) of one replica group: torchft's or EDGC's, on a synchronous-quorum Manager."""
-    manager = replica_manager(args, group, module, inner, heals, use_async_quorum=False,  # both need the quorum first
-                              init_sync=False)
+    manager = replica_manager(
+        args,
+        group,
+        module,
+        inner,
+        heals,
+        use_async_quorum=False,  # both need the quorum first
+        init_sync=False,
+    )
     fragments = fragments_of(module, args.fragments) if args.fragments > 1 else [module]
     # one outer optimizer per fragment: torchft's steps every parameter that has a gradient, and at a
     # fragment's outer step the others still hold the inner step's gradients
@@ -168,15 +179,26 @@ def train_ddp(model, module, optimizer, state, manager, sampler, cfg, rec: Recor
     while manager.current_step() < rec.cap(cfg.steps):
         start, heals_before = time.perf_counter(), len(heals)
         manager.start_quorum()
-        step, committed, loss = sync_step(model, module, optimizer, manager, sampler, cfg, schedule,
-                                          manager.current_step(), attempts)
+        step, committed, loss = sync_step(
+            model, module, optimizer, manager, sampler, cfg, schedule, manager.current_step(), attempts
+        )
         attempts += not committed
         metrics = state.last_step_metrics if state is not None else {}
-        rec.write(kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, loss=loss, sync=True,
-                  outer=step, committed=committed, participants=manager.num_participants(),
-                  participating=manager.participating_rank() is not None,
-                  healed=any(h > 0 for h in heals[heals_before:]),
-                  bytes=metrics.get("bytes_sent", raw if state is None else None), rank=metrics.get("rank"))
+        rec.write(
+            kind="step",
+            step=step,
+            t=time.time(),
+            step_s=time.perf_counter() - start,
+            loss=loss,
+            sync=True,
+            outer=step,
+            committed=committed,
+            participants=manager.num_participants(),
+            participating=manager.participating_rank() is not None,
+            healed=any(h > 0 for h in heals[heals_before:]),
+            bytes=metrics.get("bytes_sent", raw if state is None else None),
+            rank=metrics.get("rank"),
+        )
         if committed:
             rec.keep(step + 1, shared_model(module, None))
 
@@ -233,10 +255,17 @@ def inner_step(diloco, manager, module, inner, data, cfg, rec: Recorder, heals: 
         committed = len(verdicts) > asked and verdicts[-1]
         outer = manager.current_step() - committed  # after a heal: the step the others were at
         step = outer * unit + unit - 1
-        record = dict(outer=outer, committed=committed, participants=manager.num_participants(),
-                      participating=manager.participating_rank() is not None,
-                      healed=any(h > 0 for h in heals[heals_before:]), **payload(diloco, outer % len(diloco._fragments)))
-    rec.write(kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, loss=loss, sync=syncs, **record)
+        record = dict(
+            outer=outer,
+            committed=committed,
+            participants=manager.num_participants(),
+            participating=manager.participating_rank() is not None,
+            healed=any(h > 0 for h in heals[heals_before:]),
+            **payload(diloco, outer % len(diloco._fragments)),
+        )
+    rec.write(
+        kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, loss=loss, sync=syncs, **record
+    )
     if committed:
         rec.keep(step + 1, shared_model(module, diloco))
     return unit if syncs and not committed else 0
@@ -287,15 +316,18 @@ def main(argv: list[str] | None = None) -> None:
     shared = shared_model(module, diloco)
     done = manager.current_step() * (diloco._sync_every if diloco is not None else 1)
     rec.keep(done, shared, last=True)
-    write(kind="final", t=time.time(), steps=done, checksum=tensors_digest(shared),
-          heals=len([h for h in heals if h > 0]))
+    write(
+        kind="final", t=time.time(), steps=done, checksum=tensors_digest(shared), heals=len([h for h in heals if h > 0])
+    )
     manager.shutdown(wait=False)
     evaluate(module, rec, data, cfg, args.replicas, write)
 
 
 def tensors_digest(tensors: list[torch.Tensor]) -> str:
     holder = torch.nn.Module()
-    holder.values = torch.nn.ParameterList([torch.nn.Parameter(t.detach().clone(), requires_grad=False) for t in tensors])
+    holder.values = torch.nn.ParameterList(
+        [torch.nn.Parameter(t.detach().clone(), requires_grad=False) for t in tensors]
+    )
     return parameter_digest(holder)
 
 

@@ -14,7 +14,8 @@ What is counted: every ATen operator that reaches the Python dispatch key while 
   answers through the dispatcher where a real one answers in C++.
 Everything else counts once per dispatch, except a ``_foreach_*`` op on lists of mixed dtypes,
 which PyTorch runs tensor by tensor (`edgc_bench.op_traffic.kernels_per_dispatch`): once per tensor. A dispatch is not a
-kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or
+kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh)
+several cuSOLVER or
 MAGMA kernels and a workspace allocation, a GEMM sometimes two (split-K). The profiler on a GPU
 counts the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
 
@@ -26,6 +27,7 @@ one and completes it at once, so the engine runs exactly as it does in a process
 1 by default, as on the one-GPU bench), and no bytes move. The buckets are DDP's, reproduced by
 `ddp_buckets`, and each is passed to the hook's state as DDP would pass it (`GradBucketStandIn`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,10 +46,22 @@ from .op_traffic import kernels_per_dispatch, op_traffic
 
 aten = torch.ops.aten
 
-METADATA_ONLY = frozenset({
-    aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.resize_,
-    aten._unsafe_view, aten.set_, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
-})
+METADATA_ONLY = frozenset(
+    {
+        aten.empty,
+        aten.empty_strided,
+        aten.empty_like,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.resize_,
+        aten._unsafe_view,
+        aten.set_,
+        aten.sym_size,
+        aten.sym_stride,
+        aten.sym_numel,
+        aten.sym_storage_offset,
+    }
+)
 
 
 def launches_kernel(func: torch._ops.OpOverload) -> bool:
@@ -104,8 +118,9 @@ def _is_layer_norm(name: str) -> bool:
     return name.split(".")[-2].startswith("ln_")
 
 
-def ddp_buckets(shapes: list[tuple[int, ...]], order: list[int], dtype: torch.dtype,
-                bucket_cap_mb: float | None) -> list[list[int]]:
+def ddp_buckets(
+    shapes: list[tuple[int, ...]], order: list[int], dtype: torch.dtype, bucket_cap_mb: float | None
+) -> list[list[int]]:
     """Parameter indices of each of DDP's buckets after its rebuild, in the order the hook sees them.
 
     Reproduces ``Reducer::rebuild_buckets``: the gradients in ready ``order`` go through
@@ -232,13 +247,24 @@ class StepCount:
             traffic["bytes_per_compressed_element_by_op"] = {
                 name: round(self.per_compressed_element(value), 3)
                 for name, value in sorted(self.bytes_by_op.items(), key=lambda item: -item[1])
-                if self.per_compressed_element(value) >= 0.005}
+                if self.per_compressed_element(value) >= 0.005
+            }
         if self.peak_state_bytes is not None:
             traffic["memory_per_compressed_element"] = round(self.per_compressed_element(self.peak_state_bytes), 3)
-        return {"dispatches": self.dispatches, "linalg": self.linalg, "matrices": self.matrices,
-                "compressed": self.compressed, "buckets": self.buckets, "collectives": self.collectives,
-                "host_reads": self.host_reads, "phase": self.phase, "rank": self.rank,
-                "top_ops": dict(ranked[:top]), **traffic, **self.extra}
+        return {
+            "dispatches": self.dispatches,
+            "linalg": self.linalg,
+            "matrices": self.matrices,
+            "compressed": self.compressed,
+            "buckets": self.buckets,
+            "collectives": self.collectives,
+            "host_reads": self.host_reads,
+            "phase": self.phase,
+            "rank": self.rank,
+            "top_ops": dict(ranked[:top]),
+            **traffic,
+            **self.extra,
+        }
 
 
 def _zeros(tensor: torch.Tensor) -> list:
@@ -266,9 +292,18 @@ def as_on_an_accelerator(state) -> None:
     state.compressor.force_accelerator_kernels = True
 
 
-def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_cap_mb: float | None = None,
-                    rank: int = 32, dtype: torch.dtype = torch.bfloat16, world_size: int = 1, config=None,
-                    order: list[int] | None = None, settle_steps: int = 1, accelerator: bool = True) -> StepCount:
+def count_hook_step(
+    named_shapes: list[tuple[str, tuple[int, ...]]],
+    *,
+    bucket_cap_mb: float | None = None,
+    rank: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    world_size: int = 1,
+    config=None,
+    order: list[int] | None = None,
+    settle_steps: int = 1,
+    accelerator: bool = True,
+) -> StepCount:
     """Dispatches of one compressed step through the DDP hook: every bucket of DDP's layout passed
     to `EDGCState.reduce_bucket` in DDP's order, after the warm-up and ``settle_steps`` compressed
     steps (the first one creates Q and the error feedback). ``order``: the gradients' ready order
@@ -283,8 +318,10 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
     layout = ddp_buckets(shapes, ready_order(names) if order is None else order, dtype, bucket_cap_mb)
     with counted_host_reads(_zeros) as host, FakeTensorMode():
         parameters = [torch.empty(shape, dtype=dtype) for shape in shapes]
-        buckets = [GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
-                   for k, indices in enumerate(layout)]
+        buckets = [
+            GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
+            for k, indices in enumerate(layout)
+        ]
         with LiveStorages() as live:  # everything allocated from here on: the state and its steps
             state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
             if accelerator:
@@ -308,14 +345,32 @@ def count_hook_step(named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_c
             metrics = state.last_step_metrics  # settles the step: its one host read (answered by _zeros)
     numel = dict(zip(names, (math.prod(shape) for shape in shapes)))
     compressed = [name for name, r in metrics.get("ranks", {}).items() if r]
-    return StepCount(counter.total, dict(counter.by_op), len(communicator.issued), host.reads, buckets=len(layout),
-                     matrices=sum(len(shape) >= 2 for shape in shapes), compressed=len(compressed),
-                     phase=metrics["phase"], rank=metrics["rank"], bytes_by_op=dict(counter.bytes_by_op),
-                     compressed_elements=sum(numel[name] for name in compressed), peak_state_bytes=live.peak_bytes)
+    return StepCount(
+        counter.total,
+        dict(counter.by_op),
+        len(communicator.issued),
+        host.reads,
+        buckets=len(layout),
+        matrices=sum(len(shape) >= 2 for shape in shapes),
+        compressed=len(compressed),
+        phase=metrics["phase"],
+        rank=metrics["rank"],
+        bytes_by_op=dict(counter.bytes_by_op),
+        compressed_elements=sum(numel[name] for name in compressed),
+        peak_state_bytes=live.peak_bytes,
+    )
 
 
-def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, dtype: torch.dtype = torch.bfloat16,
-                      settle_calls: int = 1, fake: bool = True, other_shape: tuple[int, int] | None = None) -> StepCount:
+def count_engine_call(
+    shape: tuple[int, int],
+    matrices: int,
+    *,
+    rank: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    settle_calls: int = 1,
+    fake: bool = True,
+    other_shape: tuple[int, int] | None = None,
+) -> StepCount:
     """Dispatches of one `LowRankCompressor.reduce` call on ``matrices`` gradients of one shape
     (one bucket holding them; plus one of ``other_shape``), after ``settle_calls`` calls, on the
     GPU's path; on real CPU tensors with ``fake=False``."""
@@ -337,13 +392,21 @@ def count_engine_call(shape: tuple[int, int], matrices: int, *, rank: int = 32, 
         communicator.issued = []
         with DispatchCounter() as counter:
             stats = compressor.reduce(names, grads, rank, communicator, measure_error=False)
-    return StepCount(counter.total, dict(counter.by_op), len(communicator.issued), host.reads, matrices=matrices,
-                     compressed=sum(1 for r in stats.ranks.values() if r), rank=rank)
+    return StepCount(
+        counter.total,
+        dict(counter.by_op),
+        len(communicator.issued),
+        host.reads,
+        matrices=matrices,
+        compressed=sum(1 for r in stats.ranks.values() if r),
+        rank=rank,
+    )
 
 
 # ---------------------------------------------------------------------------- GPT-2
-def count_gpt2_step(size: str, bucket_cap_mb: float | None = None, *, rank: int = 32,
-                    dtype: torch.dtype = torch.bfloat16) -> StepCount:
+def count_gpt2_step(
+    size: str, bucket_cap_mb: float | None = None, *, rank: int = 32, dtype: torch.dtype = torch.bfloat16
+) -> StepCount:
     """`count_hook_step` on GPT-2 ``size``'s parameters (Hugging Face's layout; ``None``: DDP's
     default buckets). E.g. ``count_gpt2_step("xl").dispatches``: a compressed step at rank 32, bf16."""
     from .gpt2_layout import gpt2_parameters
@@ -351,9 +414,15 @@ def count_gpt2_step(size: str, bucket_cap_mb: float | None = None, *, rank: int 
     return count_hook_step(gpt2_parameters(size), bucket_cap_mb=bucket_cap_mb, rank=rank, dtype=dtype)
 
 
-def count_report(sizes: Iterable[str] = ("medium", "large", "xl"), bucket_caps: Iterable[float | None] = (None, 100, 200),
-                 *, rank: int = 32, dtype: torch.dtype = torch.bfloat16, group_sizes: Iterable[int] = (1, 2, 8),
-                 progress: Callable[[str], None] = lambda line: None) -> dict:
+def count_report(
+    sizes: Iterable[str] = ("medium", "large", "xl"),
+    bucket_caps: Iterable[float | None] = (None, 100, 200),
+    *,
+    rank: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    group_sizes: Iterable[int] = (1, 2, 8),
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict:
     """What ``python -m edgc_bench.gpu --count-only`` writes to count.json: the hook's step per
     model and bucket size, and one engine call on 1, 2, 8 matrices of the widest model's MLP shape."""
     from .gpt2_layout import GPT2_SIZES
@@ -363,15 +432,29 @@ def count_report(sizes: Iterable[str] = ("medium", "large", "xl"), bucket_caps: 
     for size in sizes:
         for cap in bucket_caps:
             count = count_gpt2_step(size, cap, rank=rank, dtype=dtype)
-            rows.append({"model": size, "bucket_cap_mb": 25 if cap is None else cap, "ddp_default": cap is None,
-                         **count.summary()})
+            rows.append(
+                {
+                    "model": size,
+                    "bucket_cap_mb": 25 if cap is None else cap,
+                    "ddp_default": cap is None,
+                    **count.summary(),
+                }
+            )
             progress(f"count {size} bucket {rows[-1]['bucket_cap_mb']} MB: {count.dispatches} dispatches")
     widest = max(sizes, key=lambda size: GPT2_SIZES[size][1])
     shape = (GPT2_SIZES[widest][1], 4 * GPT2_SIZES[widest][1])
-    engine = [{"model": widest, "shape": list(shape), **count_engine_call(shape, k, rank=rank, dtype=dtype).summary()}
-              for k in group_sizes]
-    return {"rank": rank, "dtype": str(dtype).removeprefix("torch."), "world_size": 1, "torch": torch.__version__,
-            "rule": "ATen dispatches that launch device work: views, in-place view ops, allocation-only ops "
-                    "(empty*, new_empty*, resize_), _unsafe_view, set_, sym_* and prim ops excluded "
-                    "(edgc_bench.dispatch_count)",
-            "hook": rows, "engine_same_shape": engine}
+    engine = [
+        {"model": widest, "shape": list(shape), **count_engine_call(shape, k, rank=rank, dtype=dtype).summary()}
+        for k in group_sizes
+    ]
+    return {
+        "rank": rank,
+        "dtype": str(dtype).removeprefix("torch."),
+        "world_size": 1,
+        "torch": torch.__version__,
+        "rule": "ATen dispatches that launch device work: views, in-place view ops, allocation-only ops "
+        "(empty*, new_empty*, resize_), _unsafe_view, set_, sym_* and prim ops excluded "
+        "(edgc_bench.dispatch_count)",
+        "hook": rows,
+        "engine_same_shape": engine,
+    }

@@ -16,6 +16,7 @@ path (`edgc_bench.dispatch_count.count_hook_step`, fake tensors: nothing is allo
   engine's state included, with float32 error feedback and with error feedback in the gradient's
   dtype (``error_feedback_dtype='gradient'``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,16 +60,25 @@ def measure(model: str = "xl", rank: int = 32) -> dict:
     matrix = 2 * full.per_compressed_element(half.bytes) - full.per_compressed_element(full.bytes)
     gradient_dtype = step(model, rank, "gradient")
     return {
-        "model": model, "rank": rank, "dtype": "bfloat16", "bucket_cap_mb": 25, "torch": torch.__version__,
-        "compressed_elements": full.compressed_elements, "dispatches": full.dispatches,
+        "model": model,
+        "rank": rank,
+        "dtype": "bfloat16",
+        "bucket_cap_mb": 25,
+        "torch": torch.__version__,
+        "compressed_elements": full.compressed_elements,
+        "dispatches": full.dispatches,
         "bytes": per_element(full, full.bytes),
-        "bytes_by_op": {name: per_element(full, value) for name, value in
-                        sorted(full.bytes_by_op.items(), key=lambda item: -item[1])
-                        if per_element(full, value) >= 0.005},
+        "bytes_by_op": {
+            name: per_element(full, value)
+            for name, value in sorted(full.bytes_by_op.items(), key=lambda item: -item[1])
+            if per_element(full, value) >= 0.005
+        },
         "matrix_bytes": round(matrix, 2),
         "floors": matrix_byte_floors(GRADIENT_BYTES, 4),
-        "memory": {"float32": per_element(full, full.peak_state_bytes),
-                   "gradient": per_element(gradient_dtype, gradient_dtype.peak_state_bytes)},
+        "memory": {
+            "float32": per_element(full, full.peak_state_bytes),
+            "gradient": per_element(gradient_dtype, gradient_dtype.peak_state_bytes),
+        },
         "bytes_gradient_error_feedback": per_element(gradient_dtype, gradient_dtype.bytes),
         "floors_gradient_error_feedback": matrix_byte_floors(GRADIENT_BYTES, GRADIENT_BYTES),
     }

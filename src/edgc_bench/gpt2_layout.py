@@ -8,6 +8,7 @@ So DDP forms the same buckets around both (tests/bench/test_dispatch_count.py). 
 it costs nothing, even at XL's 1.5 billion parameters (`gpt2_parameters`). It has no dropout, and
 its attention is plain matmul attention, so its backward is deterministic on a CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,13 @@ import torch
 from torch import nn
 
 # (layers, width, heads, vocabulary, context) of OpenAI's GPT-2 sizes, and a tiny one for smoke runs.
-GPT2_SIZES = {"tiny": (2, 128, 4, 1024, 64), "small": (12, 768, 12, 50257, 1024), "medium": (24, 1024, 16, 50257, 1024),
-              "large": (36, 1280, 20, 50257, 1024), "xl": (48, 1600, 25, 50257, 1024)}
+GPT2_SIZES = {
+    "tiny": (2, 128, 4, 1024, 64),
+    "small": (12, 768, 12, 50257, 1024),
+    "medium": (24, 1024, 16, 50257, 1024),
+    "large": (36, 1280, 20, 50257, 1024),
+    "xl": (48, 1600, 25, 50257, 1024),
+}
 
 
 class Conv1D(nn.Module):

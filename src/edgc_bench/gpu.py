@@ -17,6 +17,7 @@ printed with the time it took (the engine part stops where its budget ends). The
 if any part failed. ``--count-only`` writes count.json alone (CPU, no GPU needed). ``--smoke`` runs
 every part's logic on the CPU with a tiny GPT-2 and gloo (the suite does, so the bench cannot rot).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,29 @@ PARTS = ("env", "device", "count", "overlap", "engine", "orth")
 
 
 def environment(cuda: bool) -> dict:
-    found = {"torch": torch.__version__, "python": platform.python_version(),
-             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    found = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     if not cuda:
         return {"device": "cpu (smoke run)", **found}
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     props = torch.cuda.get_device_properties(0)
-    return {"device": torch.cuda.get_device_name(0), "nvidia_smi": smi, "driver": smi.split(", ")[1] if smi else None,
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "multiprocessors": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1), **found}
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "nvidia_smi": smi,
+        "driver": smi.split(", ")[1] if smi else None,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "multiprocessors": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        **found,
+    }
 
 
 def device_profile() -> dict:
@@ -59,8 +73,17 @@ def device_profile() -> dict:
     if not torch.cuda.is_available():
         raise RuntimeError("the device profile needs a CUDA GPU")
     preset = DEVICES["h100"]
-    fields = ("name", "matmul_flops", "mfu", "mem_bytes_per_s", "launch_s", "skinny_read_bytes_per_s",
-              "skinny_write_bytes_per_s", "skinny_flops_per_s", "orth_flops_per_s")
+    fields = (
+        "name",
+        "matmul_flops",
+        "mfu",
+        "mem_bytes_per_s",
+        "launch_s",
+        "skinny_read_bytes_per_s",
+        "skinny_write_bytes_per_s",
+        "skinny_flops_per_s",
+        "orth_flops_per_s",
+    )
     measured = measure_cuda()
     torch.cuda.empty_cache()
     return {"measured": measured, "preset": {name: getattr(preset, name) for name in fields}}
@@ -69,15 +92,29 @@ def device_profile() -> dict:
 def count(args) -> dict:
     from .dispatch_count import count_report
 
-    return count_report(args.sizes, args.bucket_caps, rank=args.goal_rank, progress=lambda line: print(line, flush=True))
+    return count_report(
+        args.sizes, args.bucket_caps, rank=args.goal_rank, progress=lambda line: print(line, flush=True)
+    )
 
 
 class CountInBackground:
     """count.json from ``--count-only`` in a process of its own (CPU only), while the GPU parts run."""
 
     def __init__(self, args):
-        command = [sys.executable, "-m", "edgc_bench.gpu", "--count-only", "--out", str(args.out),
-                   "--sizes", ",".join(args.sizes), "--bucket-cap-mb", args.bucket_cap_mb, "--goal-rank", str(args.goal_rank)]
+        command = [
+            sys.executable,
+            "-m",
+            "edgc_bench.gpu",
+            "--count-only",
+            "--out",
+            str(args.out),
+            "--sizes",
+            ",".join(args.sizes),
+            "--bucket-cap-mb",
+            args.bucket_cap_mb,
+            "--goal-rank",
+            str(args.goal_rank),
+        ]
         self.process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
     def result(self, timeout: float) -> None:
@@ -101,7 +138,10 @@ def run_part(name: str, out: Path, measure, budget: float, failures: list) -> No
         result = measure()
     except Exception:
         result = json.loads(path.read_text()) if path.exists() else {}
-        result = {**(result if isinstance(result, dict) else {"partial": result}), "error": traceback.format_exc(limit=12)}
+        result = {
+            **(result if isinstance(result, dict) else {"partial": result}),
+            "error": traceback.format_exc(limit=12),
+        }
         failures.append(name)
         print(result["error"], flush=True)
     if result is not None:
@@ -119,21 +159,45 @@ def orthonormalization(smoke: bool) -> dict:
 
 
 def engine_settings(args) -> dict:
-    return {"cuda": not args.smoke, "sizes": args.sizes, "ranks": args.ranks, "goal_rank": args.goal_rank,
-            "bucket_caps": args.bucket_caps, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-            "timed": args.timed_steps}
+    return {
+        "cuda": not args.smoke,
+        "sizes": args.sizes,
+        "ranks": args.ranks,
+        "goal_rank": args.goal_rank,
+        "bucket_caps": args.bucket_caps,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "timed": args.timed_steps,
+    }
 
 
 def overlap_settings(args) -> dict:
-    return {"cuda": not args.smoke, "size": args.overlap_size, "rank": args.overlap_rank, "steps": args.overlap_steps,
-            "micro_batch": args.micro_batch, "seq_len": min(args.seq_len, 1024)}
+    return {
+        "cuda": not args.smoke,
+        "size": args.overlap_size,
+        "rank": args.overlap_rank,
+        "steps": args.overlap_steps,
+        "micro_batch": args.micro_batch,
+        "seq_len": min(args.seq_len, 1024),
+    }
 
 
 # A smoke run's first bucket size holds the tiny model in one bucket: on gloo, powerSGD_hook's
 # callbacks wait for collectives on gloo's two worker threads, so two buckets in flight deadlock.
-SMOKE = {"sizes": "tiny", "ranks": "4", "goal_rank": 4, "bucket_cap_mb": "100,0.25", "micro_batch": 2,
-         "seq_len": 32, "timed_steps": 2, "overlap_size": "tiny", "overlap_rank": 4, "overlap_steps": 2, "delay_ms": 1.0,
-         "parts": "env,count,overlap,engine,orth"}
+SMOKE = {
+    "sizes": "tiny",
+    "ranks": "4",
+    "goal_rank": 4,
+    "bucket_cap_mb": "100,0.25",
+    "micro_batch": 2,
+    "seq_len": 32,
+    "timed_steps": 2,
+    "overlap_size": "tiny",
+    "overlap_rank": 4,
+    "overlap_steps": 2,
+    "delay_ms": 1.0,
+    "parts": "env,count,overlap,engine,orth",
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -144,9 +208,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--sizes", default="medium,large,xl", help="GPT-2 sizes (run largest first)")
     parser.add_argument("--ranks", default="4,8,16,32,64")
-    parser.add_argument("--goal-rank", type=int, default=32, help="rank of the goals, the kernel counts and the bucket sizes")
-    parser.add_argument("--bucket-cap-mb", default="default,100,200",
-                        help="DDP bucket sizes; 'default' is DDP's own (25 MB, a first bucket of 1 MB)")
+    parser.add_argument(
+        "--goal-rank", type=int, default=32, help="rank of the goals, the kernel counts and the bucket sizes"
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        default="default,100,200",
+        help="DDP bucket sizes; 'default' is DDP's own (25 MB, a first bucket of 1 MB)",
+    )
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--timed-steps", type=int, default=5)
@@ -190,19 +259,32 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         run_part("count", args.out, lambda: count(args), BUDGETS["count"], failures)
     if "overlap" in parts:
         settings = overlap_settings(args)
-        run_part("overlap", args.out, lambda: overlap(args.out, settings, args.delay_ms, runner, BUDGETS["overlap"] / 2),
-                 BUDGETS["overlap"], failures)
+        run_part(
+            "overlap",
+            args.out,
+            lambda: overlap(args.out, settings, args.delay_ms, runner, BUDGETS["overlap"] / 2),
+            BUDGETS["overlap"],
+            failures,
+        )
     if "engine" in parts:
         backend, partial, budget = "gloo" if args.smoke else "nccl", str(args.out / "engine.json"), BUDGETS["engine"]
-        run_part("engine", args.out, lambda: runner(engine, 1, backend, engine_settings(args), budget, partial,
-                                                    timeout=budget + 90)[0], budget + 90, failures)
+        run_part(
+            "engine",
+            args.out,
+            lambda: runner(engine, 1, backend, engine_settings(args), budget, partial, timeout=budget + 90)[0],
+            budget + 90,
+            failures,
+        )
     if "orth" in parts:
         run_part("orth", args.out, lambda: orthonormalization(args.smoke), BUDGETS["orth"], failures)
     if background is not None:
         left = BUDGETS["count"] - (time.perf_counter() - count_started)
         run_part("count", args.out, lambda: background.result(left), max(left, 0), failures)
-    print(f"edgc_bench.gpu: {time.perf_counter() - started:.0f} s; files in {args.out}"
-          f"{'; failed: ' + ', '.join(failures) if failures else ''}", flush=True)
+    print(
+        f"edgc_bench.gpu: {time.perf_counter() - started:.0f} s; files in {args.out}"
+        f"{'; failed: ' + ', '.join(failures) if failures else ''}",
+        flush=True,
+    )
     return 1 if failures else 0
 
 

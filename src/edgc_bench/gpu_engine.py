@@ -16,6 +16,7 @@ time budget ends, recording what it skipped. ``powerSGD_hook`` runs on NCCL here
 smoke run) its callbacks wait for collectives on gloo's two worker threads, so two buckets in
 flight deadlock: smoke runs give it one bucket.
 """
+
 from __future__ import annotations
 
 import gc
@@ -28,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .dispatch_count import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
 from .gpu_support import DeviceTimer, device_activity_count, gpt2, median, memory_allocated, peak_memory, vocabulary
 
-WARMUP_CALLS = 3  # both hooks: 2 uncompressed steps (DDP's bucket rebuild), then one that creates Q and the error feedback
+# both hooks: 2 uncompressed steps (DDP's bucket rebuild), then one that creates Q and the error feedback
+WARMUP_CALLS = 3
 
 
 def _cap_label(cap: float | None) -> dict:
@@ -41,7 +43,9 @@ def _hook_state(method: str, rank: int, named: list | None, model=None):
     if method == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2), psgd.powerSGD_hook
+        return psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
+        ), psgd.powerSGD_hook
     from edgc import EDGCConfig, EDGCState, edgc_hook
 
     extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
@@ -67,8 +71,12 @@ def _train_steps(ddp, tokens, count: int, timer: DeviceTimer) -> list[tuple[floa
 
 def hooked_step(model, tokens, method: str, rank: int, cap: float | None, timed: int, device) -> dict:
     """A DDP training step with ``method``'s hook ("none": DDP's own all-reduce)."""
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap,
-              gradient_as_bucket_view=True)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cap,
+        gradient_as_bucket_view=True,
+    )
     state = None
     if method != "none":
         state, hook = _hook_state(method, rank, None, model=ddp)
@@ -78,10 +86,17 @@ def hooked_step(model, tokens, method: str, rank: int, cap: float | None, timed:
     resident = memory_allocated(device)
     peak_memory(device, reset=True)
     times = _train_steps(ddp, tokens, timed, timer)
-    row = {"method": method, "rank": rank if method != "none" else 0, **_cap_label(cap),
-           "step_s": median([t for t, _ in times]), "backward_s": median([b for _, b in times]),
-           "step_s_all": [t for t, _ in times], "resident_bytes": resident, "peak_bytes": peak_memory(device),
-           "kernels": device_activity_count(lambda: _train_steps(ddp, tokens, 1, timer), device)}
+    row = {
+        "method": method,
+        "rank": rank if method != "none" else 0,
+        **_cap_label(cap),
+        "step_s": median([t for t, _ in times]),
+        "backward_s": median([b for _, b in times]),
+        "step_s_all": [t for t, _ in times],
+        "resident_bytes": resident,
+        "peak_bytes": peak_memory(device),
+        "kernels": device_activity_count(lambda: _train_steps(ddp, tokens, 1, timer), device),
+    }
     if state is not None and hasattr(state, "last_step_metrics"):
         row["phase"], row["edgc_rank"] = state.last_step_metrics["phase"], state.last_step_metrics["rank"]
     ddp = state = None  # released before the next model is hooked
@@ -92,13 +107,20 @@ def hooked_step(model, tokens, method: str, rank: int, cap: float | None, timed:
 
 def against_plain(row: dict, plain: dict) -> dict:
     """The hook's share of a step: hooked − plain at the same bucket size."""
+
     def minus(key):
         return None if row[key] is None or plain[key] is None else row[key] - plain[key]
 
     hook_s = row["step_s"] - plain["step_s"]
-    return dict(row, hook_s=hook_s, hook_over_backward=hook_s / plain["backward_s"], hook_kernels=minus("kernels"),
-                extra_resident_bytes=minus("resident_bytes"), extra_peak_bytes=minus("peak_bytes"),
-                plain_backward_s=plain["backward_s"])
+    return dict(
+        row,
+        hook_s=hook_s,
+        hook_over_backward=hook_s / plain["backward_s"],
+        hook_kernels=minus("kernels"),
+        extra_resident_bytes=minus("resident_bytes"),
+        extra_peak_bytes=minus("peak_bytes"),
+        plain_backward_s=plain["backward_s"],
+    )
 
 
 # ---------------------------------------------------------------------------- a hook on its own
@@ -110,8 +132,15 @@ def saved_gradients(model, tokens) -> list[tuple[str, torch.Tensor]]:
     return saved
 
 
-def hook_alone(saved: list[tuple[str, torch.Tensor]], method: str, grad_dtype: torch.dtype, rank: int,
-               cap: float | None, timed: int, count_kernels: bool) -> dict:
+def hook_alone(
+    saved: list[tuple[str, torch.Tensor]],
+    method: str,
+    grad_dtype: torch.dtype,
+    rank: int,
+    cap: float | None,
+    timed: int,
+    count_kernels: bool,
+) -> dict:
     """Seconds per step of ``method``'s hook over every bucket (its Futures waited for), on the
     saved gradients as ``grad_dtype``, restored before each call; kernels of one call, memory."""
     names = [name for name, _ in saved]
@@ -119,8 +148,10 @@ def hook_alone(saved: list[tuple[str, torch.Tensor]], method: str, grad_dtype: t
     layout = ddp_buckets([tuple(g.shape) for _, g in saved], ready_order(names), grad_dtype, cap)
     tokens = [g for _, g in saved]  # stand for the parameters: the hooks key their state by identity
     base = memory_allocated(device)
-    buckets = [GradBucketStandIn(k, [tokens[i] for i in indices], grad_dtype, last=k == len(layout) - 1)
-               for k, indices in enumerate(layout)]
+    buckets = [
+        GradBucketStandIn(k, [tokens[i] for i in indices], grad_dtype, last=k == len(layout) - 1)
+        for k, indices in enumerate(layout)
+    ]
     sources = [[tokens[i] for i in indices] for indices in layout]
     gradient_bytes = sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
     state, hook = _hook_state(method, rank, list(zip(names, tokens)))
@@ -151,10 +182,18 @@ def hook_alone(saved: list[tuple[str, torch.Tensor]], method: str, grad_dtype: t
     peak = peak_memory(device)
     restore()
     kernels = device_activity_count(call, device) if count_kernels else None
-    return {"method": method, "grad_dtype": str(grad_dtype).removeprefix("torch."), "rank": rank, **_cap_label(cap),
-            "buckets": len(layout), "seconds": median(seconds), "seconds_all": seconds, "kernels": kernels,
-            "state_bytes": None if base is None else resident - base - gradient_bytes,
-            "peak_extra_bytes": None if base is None else peak - base - gradient_bytes}
+    return {
+        "method": method,
+        "grad_dtype": str(grad_dtype).removeprefix("torch."),
+        "rank": rank,
+        **_cap_label(cap),
+        "buckets": len(layout),
+        "seconds": median(seconds),
+        "seconds_all": seconds,
+        "kernels": kernels,
+        "state_bytes": None if base is None else resident - base - gradient_bytes,
+        "peak_extra_bytes": None if base is None else peak - base - gradient_bytes,
+    }
 
 
 def _release(device, collect: bool = False) -> None:
@@ -201,15 +240,23 @@ def _attempt(result: dict, budget: Budget, what: dict, measure: Callable[[], dic
 def _step_rows(result, budget, size, model, tokens, settings, device) -> None:
     caps, rank, largest = settings["bucket_caps"], settings["goal_rank"], size == settings["sizes"][0]
     for cap in caps if largest else caps[:1]:
-        what = {"model": size, "params": sum(p.numel() for p in model.parameters()),
-                "micro_batch": settings["micro_batch"], "seq_len": settings["seq_len"]}
-        plain = _attempt(result, budget, what, lambda: hooked_step(model, tokens, "none", 0, cap, settings["timed"], device))
+        what = {
+            "model": size,
+            "params": sum(p.numel() for p in model.parameters()),
+            "micro_batch": settings["micro_batch"],
+            "seq_len": settings["seq_len"],
+        }
+        plain = _attempt(
+            result, budget, what, lambda: hooked_step(model, tokens, "none", 0, cap, settings["timed"], device)
+        )
         if plain is None:
             continue
         result["steps"].append(plain)
         methods = ["edgc"] + (["powersgd", "edgc-bf16-ef"] if largest and cap == caps[0] else [])
         for method in methods:
-            row = _attempt(result, budget, what, lambda: hooked_step(model, tokens, method, rank, cap, settings["timed"], device))
+            row = _attempt(
+                result, budget, what, lambda: hooked_step(model, tokens, method, rank, cap, settings["timed"], device)
+            )
             if row is not None:
                 result["steps"].append(against_plain(row, plain))
 
@@ -219,7 +266,12 @@ def _alone_jobs(settings: dict, goal_rank_only: bool) -> list[tuple]:
     every hook at the goal rank, EDGC at the other bucket sizes; or every hook at the other ranks."""
     caps, goal = settings["bucket_caps"], settings["goal_rank"]
     if not goal_rank_only:
-        return [(method, dtype, rank, caps[0], False) for rank in settings["ranks"] if rank != goal for method, dtype in HOOKS]
+        return [
+            (method, dtype, rank, caps[0], False)
+            for rank in settings["ranks"]
+            if rank != goal
+            for method, dtype in HOOKS
+        ]
     jobs = [(method, dtype, goal, caps[0], True) for method, dtype in HOOKS]
     jobs.append(("edgc-bf16-ef", torch.bfloat16, goal, caps[0], True))
     return jobs + [("edgc", dtype, goal, cap, True) for cap in caps[1:] for dtype in (torch.bfloat16, torch.float32)]
@@ -227,11 +279,19 @@ def _alone_jobs(settings: dict, goal_rank_only: bool) -> list[tuple]:
 
 def _alone_rows(result, budget, size, saved, settings, jobs) -> None:
     first_cap = _cap_label(settings["bucket_caps"][0])["bucket_cap_mb"]
-    backward = [r["backward_s"] for r in result["steps"]
-                if r["model"] == size and r["method"] == "none" and r["bucket_cap_mb"] == first_cap]
+    backward = [
+        r["backward_s"]
+        for r in result["steps"]
+        if r["model"] == size and r["method"] == "none" and r["bucket_cap_mb"] == first_cap
+    ]
     for method, dtype, rank, cap, kernels in jobs:
-        what = {"model": size, "method": method, "grad_dtype": str(dtype).removeprefix("torch."), "rank": rank,
-                **_cap_label(cap)}
+        what = {
+            "model": size,
+            "method": method,
+            "grad_dtype": str(dtype).removeprefix("torch."),
+            "rank": rank,
+            **_cap_label(cap),
+        }
         timed = settings["timed"] if kernels else min(3, settings["timed"])
         row = _attempt(result, budget, what, lambda: hook_alone(saved, method, dtype, rank, cap, timed, kernels))
         if row is not None:

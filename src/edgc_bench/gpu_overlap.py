@@ -12,6 +12,7 @@ Two runs of GPT-2 (``--overlap-size``, EDGC at a static rank, DDP, fused AdamW):
 
 In a smoke run (no GPU) both runs use gloo and the delay is a host sleep.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -120,8 +121,9 @@ def overlap_run(rank: int, world_size: int, settings: dict, delay_s: float, trac
     marks, reads, delayed = {"plain": [], "delayed": []}, [], []
     with counted_host_reads() as host:
         for phase in plan:
-            tokens = torch.randint(0, vocabulary(settings["size"]), (settings["micro_batch"], settings["seq_len"]),
-                                   generator=generator).to(device)
+            tokens = torch.randint(
+                0, vocabulary(settings["size"]), (settings["micro_batch"], settings["seq_len"]), generator=generator
+            ).to(device)
             ready.clear()
             host.reads, delayed_so_far = 0, delay.delayed
             profiling = phase == "profiled" and rank == 0
@@ -139,14 +141,22 @@ def overlap_run(rank: int, world_size: int, settings: dict, delay_s: float, trac
                 marks[phase].append((start, ready[0], end))
             if phase == "delayed":
                 delayed.append(delay.delayed - delayed_so_far)
-    timing = {phase: {"gradients_ready_s": median([timer.seconds(a, b) for a, b, _ in stamps]),
-                      "step_s": median([timer.seconds(a, c) for a, _, c in stamps])}
-              for phase, stamps in marks.items() if stamps}
+    timing = {
+        phase: {
+            "gradients_ready_s": median([timer.seconds(a, b) for a, b, _ in stamps]),
+            "step_s": median([timer.seconds(a, c) for a, _, c in stamps]),
+        }
+        for phase, stamps in marks.items()
+        if stamps
+    }
     result = dict(_summary(world_size, settings, model, state, reads), delay_ms=delay_s * 1e3, **timing)
     if delayed:
         per_step = sum(delayed) / len(delayed)
-        result.update(delayed_collectives_per_step=per_step, injected_s_per_step=per_step * delay_s,
-                      backward_wait_s=timing["delayed"]["gradients_ready_s"] - timing["plain"]["gradients_ready_s"])
+        result.update(
+            delayed_collectives_per_step=per_step,
+            injected_s_per_step=per_step * delay_s,
+            backward_wait_s=timing["delayed"]["gradients_ready_s"] - timing["plain"]["gradients_ready_s"],
+        )
     return result
 
 
@@ -154,10 +164,20 @@ def _summary(world_size: int, settings: dict, model, state, reads: list[int]) ->
     """What every run reports: the state's last step, host reads per step, a checksum of the replica."""
     params = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     metrics = state.last_step_metrics
-    return {"backend": dist.get_backend(), "world_size": world_size, "model": settings["size"], "rank": metrics["rank"],
-            "phase": metrics["phase"], "steps": len(reads), "settle_steps": SETTLE_STEPS, "host_reads_per_step": reads,
-            "collectives_last_step": metrics["collectives"], "bytes_sent": metrics["bytes_sent"],
-            "bytes_raw": metrics["bytes_raw"], "checksum": [float(params.sum()), float(params.square().sum())]}
+    return {
+        "backend": dist.get_backend(),
+        "world_size": world_size,
+        "model": settings["size"],
+        "rank": metrics["rank"],
+        "phase": metrics["phase"],
+        "steps": len(reads),
+        "settle_steps": SETTLE_STEPS,
+        "host_reads_per_step": reads,
+        "collectives_last_step": metrics["collectives"],
+        "bytes_sent": metrics["bytes_sent"],
+        "bytes_raw": metrics["bytes_raw"],
+        "checksum": [float(params.sum()), float(params.square().sum())],
+    }
 
 
 def overlap(out: Path, settings: dict, delay_ms: float, runner=spawn_group, timeout: float = 120) -> dict:

@@ -3,6 +3,7 @@
 Everything here runs unchanged on a CPU (gloo, ``perf_counter``, no kernel count), which is how
 `python -m edgc_bench.gpu --smoke` and the suite exercise the bench without a GPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,16 @@ def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     layers, width, heads, vocab, context = GPT2_SIZES[size]
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=context, vocab_size=vocab,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=heads,
+        n_positions=context,
+        vocab_size=vocab,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     with torch.device(device):
         model = GPT2LMHeadModel(config)
     return model.to(dtype)
@@ -138,8 +147,9 @@ def _spawned(rank: int, fn, world_size: int, backend: str, port: int, folder: st
 
     if torch.cuda.is_available():
         torch.cuda.set_device(0)  # one GPU: every rank shares it
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+    )
     result = fn(rank, world_size, *args)
     (Path(folder) / f"{rank}.pickle").write_bytes(pickle.dumps(result))
     edgc.barrier_before_exit()  # a bare barrier + destroy can abort gloo's threads at exit
@@ -153,8 +163,9 @@ def spawn_group(fn, world_size: int, backend: str, *args, timeout: float) -> lis
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        context = mp.spawn(_spawned, args=(fn, world_size, backend, free_port(), folder, args), nprocs=world_size,
-                           join=False)
+        context = mp.spawn(
+            _spawned, args=(fn, world_size, backend, free_port(), folder, args), nprocs=world_size, join=False
+        )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=5):
             if time.monotonic() > deadline:

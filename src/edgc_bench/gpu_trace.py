@@ -6,6 +6,7 @@ collective (NCCL's kernels), the injected delay (``torch.cuda._sleep``'s spin ke
 compute is backward's; `compute_idle_s` is how long it sat idle between its first and last kernel,
 which grows by the injected delay wherever backward waits for a collective.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -37,7 +38,9 @@ def device_spans(trace: dict) -> dict[int, list[tuple[float, float, str]]]:
         if event.get("ph") == "X" and event.get("cat") in DEVICE_CATEGORIES:
             stream = event.get("args", {}).get("stream", event.get("tid"))
             start = float(event["ts"])
-            streams.setdefault(stream, []).append((start, start + float(event.get("dur", 0)), kind(event["name"], event["cat"])))
+            streams.setdefault(stream, []).append(
+                (start, start + float(event.get("dur", 0)), kind(event["name"], event["cat"]))
+            )
     return {stream: sorted(spans) for stream, spans in streams.items()}
 
 
@@ -60,8 +63,12 @@ def lanes(streams: dict[int, list]) -> list[tuple[str, list]]:
         role = "collectives" if "collective" in kinds else "injected delay" if "delay" in kinds else "side stream"
         drawn.append((f"stream {stream}: {role}", streams[stream]))
     if copies:
-        drawn.append((f"{len([s for s in streams if {w for _, _, w in streams[s]} == {'copy'}])} copy-only streams",
-                      sorted(copies)))
+        drawn.append(
+            (
+                f"{len([s for s in streams if {w for _, _, w in streams[s]} == {'copy'}])} copy-only streams",
+                sorted(copies),
+            )
+        )
     return drawn
 
 
@@ -81,9 +88,12 @@ def summary(trace: dict) -> dict:
     if not streams:
         return {"streams": 0}
     every = [span for spans in streams.values() for span in spans]
-    return {"streams": len(streams), "span_s": (max(e for _, e, _ in every) - min(s for s, _, _ in every)) / 1e6,
-            "compute_idle_s": compute_idle_s(streams),
-            **{f"{what}_busy_s": sum(busy_s(spans, what) for spans in streams.values()) for what in COLOURS}}
+    return {
+        "streams": len(streams),
+        "span_s": (max(e for _, e, _ in every) - min(s for s, _, _ in every)) / 1e6,
+        "compute_idle_s": compute_idle_s(streams),
+        **{f"{what}_busy_s": sum(busy_s(spans, what) for spans in streams.values()) for what in COLOURS},
+    }
 
 
 def plot(trace: dict, path: Path, title: str) -> None:
@@ -106,8 +116,12 @@ def plot(trace: dict, path: Path, title: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first device activity")
     ax.set_title(title, fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="center left",
-              bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,6 +14,7 @@ summed: what a caching allocator would have to hold at that point, rounding and 
 aside. Storages made before the mode was entered (parameters, gradients) are never counted, nor are
 views, in-place and ``out=`` results, which live in their inputs' storages.
 """
+
 from __future__ import annotations
 
 from torch.multiprocessing.reductions import StorageWeakRef

@@ -18,6 +18,7 @@ exception, Ctrl-C = KeyboardInterrupt), SIGTERM/SIGHUP (turned into SystemExit w
 exists) and ``atexit`` as a last resort. It first kills the process groups started by ``popen``, then
 deletes the namespaces (deleting a namespace deletes its veth ends and qdiscs).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -83,8 +84,25 @@ class Network:
             raise NetnsError(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
 
     def _tc(self, ns: str, dev: str) -> None:
-        cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-               "rate", f"{self.rate_mbit}mbit", "burst", str(burst_bytes(self.rate_mbit)), "latency", "50ms"]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate_mbit}mbit",
+            "burst",
+            str(burst_bytes(self.rate_mbit)),
+            "latency",
+            "50ms",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise NetnsError(f"`{' '.join(cmd)}` failed: {result.stderr.strip()}")
@@ -123,8 +141,9 @@ class Network:
     __enter__ = open
 
     # ------------------------------------------------------------------ processes
-    def command(self, host: int, argv: list[str], env: dict[str, str] | None = None,
-                timeout_s: float | None = None) -> list[str]:
+    def command(
+        self, host: int, argv: list[str], env: dict[str, str] | None = None, timeout_s: float | None = None
+    ) -> list[str]:
         """argv run inside host ``host``'s namespace (with GLOO_SOCKET_IFNAME and ``env``), under timeout."""
         variables = {"GLOO_SOCKET_IFNAME": HOST_IF, **(env or {})}
         cmd = ["ip", "netns", "exec", self.ns(host), "env", *[f"{k}={v}" for k, v in variables.items()], *argv]
@@ -132,8 +151,9 @@ class Network:
             cmd = ["timeout", "--kill-after=10", str(int(timeout_s)), *cmd]
         return cmd
 
-    def popen(self, host: int, argv: list[str], env: dict[str, str] | None = None, timeout_s: float | None = None,
-              **kwargs) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: list[str], env: dict[str, str] | None = None, timeout_s: float | None = None, **kwargs
+    ) -> subprocess.Popen:
         """Start argv in host ``host``'s namespace, in its own process group (killed on close)."""
         process = subprocess.Popen(self.command(host, argv, env, timeout_s), start_new_session=True, **kwargs)
         self.processes.append(process)

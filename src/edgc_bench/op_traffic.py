@@ -5,6 +5,7 @@ bytes are those of a kernel that touches each element once: every input tensor r
 operands included), every output written once. Caches, a GEMM's re-reads of its small operand and
 a broadcast's repeats are not modelled; what is counted is what a pass over memory must move.
 """
+
 from __future__ import annotations
 
 import torch

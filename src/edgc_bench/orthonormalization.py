@@ -27,6 +27,7 @@ as a layer without gradient or a collapsed power iteration gives). Per method an
   kernel-launching ATen dispatches of `edgc_bench.dispatch_count`; a ``linalg_*`` dispatch is
   several kernels on a GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,6 +78,7 @@ def householder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     def orthonormalize(rows: torch.Tensor) -> torch.Tensor:
         q, _ = torch.linalg.qr(rows.to(dtype).transpose(-1, -2))
         return q.transpose(-1, -2).to(rows.dtype)
+
     return orthonormalize
 
 
@@ -90,7 +92,9 @@ METHODS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def conditioned(count: int, rank: int, side: int, condition: float, device: torch.device, seed: int = 0) -> torch.Tensor:
+def conditioned(
+    count: int, rank: int, side: int, condition: float, device: torch.device, seed: int = 0
+) -> torch.Tensor:
     """A float32 (count, rank, side) batch whose matrices have condition number ``condition``."""
     generator = torch.Generator().manual_seed(seed)
     u, _ = torch.linalg.qr(torch.randn(count, rank, rank, generator=generator, dtype=torch.float64))
@@ -144,41 +148,65 @@ def compare(device: torch.device, shapes=SHAPES, conditions=CONDITIONS, repeats:
         for name, method in METHODS.items():
             measured = cost(method, inputs[f"kappa={conditions[0]:g}"], repeats)
             for label, batch in inputs.items():
-                rows.append({"shape": [count, rank, side], "input": label, "method": name,
-                             **quality(batch, method(batch)), **measured})
+                rows.append(
+                    {
+                        "shape": [count, rank, side],
+                        "input": label,
+                        "method": name,
+                        **quality(batch, method(batch)),
+                        **measured,
+                    }
+                )
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """A Markdown table: one line per (shape, method), orthogonality and residual per input."""
     inputs = list(dict.fromkeys(row["input"] for row in rows))
-    head = "| shape | method | ms per call, median (min–max) | dispatches | " + " | ".join(f"{i}: ‖YYᵀ−I‖ / miss" for i in inputs) + " |"
+    head = (
+        "| shape | method | ms per call, median (min–max) | dispatches | "
+        + " | ".join(f"{i}: ‖YYᵀ−I‖ / miss" for i in inputs)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (4 + len(inputs))]
     keys = dict.fromkeys((tuple(row["shape"]), row["method"]) for row in rows)
     for shape, method in keys:
         mine = {row["input"]: row for row in rows if tuple(row["shape"]) == shape and row["method"] == method}
         first = next(iter(mine.values()))
         low, high = first["seconds_range"]
-        cells = [f"{r['orthogonality']:.1e} / {r['residual']:.1e}" if r["finite"] else "NaN"
-                 for r in (mine[i] for i in inputs)]
-        lines.append(f"| {'×'.join(map(str, shape))} | {method} | {first['seconds'] * 1e3:.1f} ({low * 1e3:.1f}–{high * 1e3:.1f}) | "
-                     f"{first['dispatches']} | " + " | ".join(cells) + " |")
+        cells = [
+            f"{r['orthogonality']:.1e} / {r['residual']:.1e}" if r["finite"] else "NaN"
+            for r in (mine[i] for i in inputs)
+        ]
+        lines.append(
+            f"| {'×'.join(map(str, shape))} | {method} | {first['seconds'] * 1e3:.1f} "
+            f"({low * 1e3:.1f}–{high * 1e3:.1f}) | "
+            f"{first['dispatches']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m edgc_bench.orthonormalization", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m edgc_bench.orthonormalization", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's); 1 times a busy machine more steadily")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads (default: torch's); 1 times a busy machine more steadily"
+    )
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = compare(device, repeats=args.repeats)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -11,6 +11,7 @@ and how many runs met each target. Benches of other kinds are skipped, named. A 
 rounds (``edgc bench --rounds N``) counts as its rounds, and is also judged as one bench on the
 mean of its rounds (`means`; its own bench.md: `edgc_bench.rounds`).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,11 +40,19 @@ def measure(out: Path) -> dict | None:
     by = {r["method"]: r for r in rows(results, summary["r_max"])}
     edgc, static = by["edgc"], by["powersgd@rmax"]
     name = f"{out.parent.name}/{out.name}" if summary.get("round") else out.name
-    return {"run": name, "date": summary["date"], "rate_mbit": s["rate_mbit"], "load": summary["load_start"][0],
-            "profiled": how_profiled(results["edgc"], method_dir(out, "edgc")),
-            "edgc_floor_x": edgc["step_floor_x"], "static_floor_x": static["step_floor_x"],
-            "edgc_static_x": edgc["step_s"] / static["step_s"], "ttt_edgc": edgc["time_to_target_s"],
-            "ttt_static": static["time_to_target_s"], "recovery": recovery(results)}
+    return {
+        "run": name,
+        "date": summary["date"],
+        "rate_mbit": s["rate_mbit"],
+        "load": summary["load_start"][0],
+        "profiled": how_profiled(results["edgc"], method_dir(out, "edgc")),
+        "edgc_floor_x": edgc["step_floor_x"],
+        "static_floor_x": static["step_floor_x"],
+        "edgc_static_x": edgc["step_s"] / static["step_s"],
+        "ttt_edgc": edgc["time_to_target_s"],
+        "ttt_static": static["time_to_target_s"],
+        "recovery": recovery(results),
+    }
 
 
 def how_profiled(run: dict, run_dir: Path) -> str:
@@ -72,15 +81,19 @@ def rate_label(rate_mbit: float | None) -> str:
 
 
 def table(measured: list[dict]) -> str:
-    lines = ["| run | started | link | load | EDGC's r_max profiling | EDGC × floor | static r_max × floor "
-             "| EDGC ÷ static step | time to target: EDGC / static | EDGC's own cost / most its ranks could save |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| run | started | link | load | EDGC's r_max profiling | EDGC × floor | static r_max × floor "
+        "| EDGC ÷ static step | time to target: EDGC / static | EDGC's own cost / most its ranks could save |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for m in measured:
         r = m["recovery"]
         cost = f"{r['overhead']:.1f} s / {r['savable']:.1f} s" if r else "–"
-        lines.append(f"| {m['run']} | {m['date']} | {rate_label(m['rate_mbit'])} | {m['load']:.1f} | {m['profiled']} "
-                     f"| {m['edgc_floor_x']:.3f} | {m['static_floor_x']:.3f} | {m['edgc_static_x']:.3f} "
-                     f"| {_seconds(m['ttt_edgc'])} / {_seconds(m['ttt_static'])} | {cost} |")
+        lines.append(
+            f"| {m['run']} | {m['date']} | {rate_label(m['rate_mbit'])} | {m['load']:.1f} | {m['profiled']} "
+            f"| {m['edgc_floor_x']:.3f} | {m['static_floor_x']:.3f} | {m['edgc_static_x']:.3f} "
+            f"| {_seconds(m['ttt_edgc'])} / {_seconds(m['ttt_static'])} | {cost} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -96,11 +109,14 @@ def verdicts(measured: list[dict]) -> list[str]:
         covered = [m["recovery"] for m in runs if m["recovery"]]
         recovers = sum(r["overhead"] <= r["savable"] for r in covered)
         ratio = [m["edgc_static_x"] for m in runs]
-        out.append(f"{rate_label(rate)}, r_max by {profiled}, {len(runs)} run(s): EDGC × floor {min(floor_x):.3f}–{max(floor_x):.3f} "
-                   f"(≤ {limit:.2f} in {sum(x <= limit for x in floor_x)} of {len(runs)}); EDGC ÷ static step "
-                   f"{min(ratio):.3f}–{max(ratio):.3f}; time to target below static PowerSGD at r_max's in "
-                   f"{beat} of {len(runs)}; EDGC's own cost within what its ranks could save in {recovers} of "
-                   f"{len(covered)}.")
+        out.append(
+            f"{rate_label(rate)}, r_max by {profiled}, {len(runs)} run(s): EDGC × floor "
+            f"{min(floor_x):.3f}–{max(floor_x):.3f} "
+            f"(≤ {limit:.2f} in {sum(x <= limit for x in floor_x)} of {len(runs)}); EDGC ÷ static step "
+            f"{min(ratio):.3f}–{max(ratio):.3f}; time to target below static PowerSGD at r_max's in "
+            f"{beat} of {len(runs)}; EDGC's own cost within what its ranks could save in {recovers} of "
+            f"{len(covered)}."
+        )
     return out
 
 
@@ -121,17 +137,26 @@ def means(measured: list[dict]) -> list[str]:
         return sum(values) / n, f"rounds {min(values):.3f}–{max(values):.3f}"
 
     (edgc_x, edgc_range), (static_x, static_range), (ratio, ratio_range) = (
-        mean("edgc_floor_x"), mean("static_floor_x"), mean("edgc_static_x"))
+        mean("edgc_floor_x"),
+        mean("static_floor_x"),
+        mean("edgc_static_x"),
+    )
     beat = sum(edgc_first(m["ttt_edgc"], m["ttt_static"]) for m in measured)
     both = [m for m in measured if m["ttt_edgc"] is not None and m["ttt_static"] is not None]
-    ttt = (f"; mean over the {len(both)} round(s) where both reached it: EDGC "
-           f"{sum(m['ttt_edgc'] for m in both) / len(both):.1f} s vs static "
-           f"{sum(m['ttt_static'] for m in both) / len(both):.1f} s" if both else "")
-    return [f"EDGC step × floor, mean of {n} rounds: {edgc_x:.3f} ({edgc_range}; target ≤ {limit:.2f}): "
-            f"{'holds' if edgc_x <= limit else 'MISSED'}",
-            f"static PowerSGD at r_max × floor, mean: {static_x:.3f} ({static_range})",
-            f"EDGC ÷ static PowerSGD at r_max step, mean: {ratio:.3f} ({ratio_range})",
-            f"time to target: EDGC below static PowerSGD at r_max in {beat} of {n} rounds{ttt}"]
+    ttt = (
+        f"; mean over the {len(both)} round(s) where both reached it: EDGC "
+        f"{sum(m['ttt_edgc'] for m in both) / len(both):.1f} s vs static "
+        f"{sum(m['ttt_static'] for m in both) / len(both):.1f} s"
+        if both
+        else ""
+    )
+    return [
+        f"EDGC step × floor, mean of {n} rounds: {edgc_x:.3f} ({edgc_range}; target ≤ {limit:.2f}): "
+        f"{'holds' if edgc_x <= limit else 'MISSED'}",
+        f"static PowerSGD at r_max × floor, mean: {static_x:.3f} ({static_range})",
+        f"EDGC ÷ static PowerSGD at r_max step, mean: {ratio:.3f} ({ratio_range})",
+        f"time to target: EDGC below static PowerSGD at r_max in {beat} of {n} rounds{ttt}",
+    ]
 
 
 def render(paths: list[Path]) -> str:
@@ -146,10 +171,15 @@ def render(paths: list[Path]) -> str:
         if rounds and found:  # a bench of rounds is also judged as one measurement: the mean of its rounds
             as_one.append(f"- {path.name} as one bench: " + "; ".join(means(found)) + ".")
     if not measured:
-        raise SystemExit("no finished DDP bench with edgc, powersgd@rmax and nosync among: "
-                         + ", ".join(str(p) for p in paths))
-    parts = [f"`python -m edgc_bench.repeats {' '.join(str(p) for p in paths)}`\n", table(measured),
-             *[f"- {line}" for line in verdicts(measured)], *as_one]
+        raise SystemExit(
+            "no finished DDP bench with edgc, powersgd@rmax and nosync among: " + ", ".join(str(p) for p in paths)
+        )
+    parts = [
+        f"`python -m edgc_bench.repeats {' '.join(str(p) for p in paths)}`\n",
+        table(measured),
+        *[f"- {line}" for line in verdicts(measured)],
+        *as_one,
+    ]
     if skipped:
         parts.append(f"- skipped (not a DDP bench with edgc, powersgd@rmax and nosync): {', '.join(skipped)}")
     return "\n".join(parts) + "\n"

@@ -6,6 +6,7 @@ Each round is a complete bench folder ``OUT/round-K/`` (run.py); the method orde
 rounds, so a steady drift of the machine's speed raises one round's ratios as much as it lowers the
 next's and cancels in their mean, against which the bench's targets are judged here.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,25 @@ def rounds_markdown(out: Path, summary: dict) -> str:
     rounds = [out / name for name in summary["rounds"]]
     measured = [m for m in map(measure, rounds) if m]
     s, load = summary["settings"], (summary["load_start"][0], summary["load_end"][0])
-    parts = ["# edgc bench\n", f"Date: {summary['date']}. Command: `{summary['command']}`\n", "<!-- bench:start -->",
-             f"`{summary['command']}` — {summary['date']}, {len(rounds)} rounds of {', '.join(s['methods'])} on "
-             f"{s['hosts']} hosts, {rate_label(s['rate_mbit'])} per host link, each round in the reverse order of the one "
-             f"before; load average {load[0]:.1f} at start, {load[1]:.1f} at end; whole bench "
-             f"{summary['elapsed_s'] / 60:.1f} min.\n"]
+    parts = [
+        "# edgc bench\n",
+        f"Date: {summary['date']}. Command: `{summary['command']}`\n",
+        "<!-- bench:start -->",
+        f"`{summary['command']}` — {summary['date']}, {len(rounds)} rounds of {', '.join(s['methods'])} on "
+        f"{s['hosts']} hosts, {rate_label(s['rate_mbit'])} per host link, each round in the reverse order of the one "
+        f"before; load average {load[0]:.1f} at start, {load[1]:.1f} at end; whole bench "
+        f"{summary['elapsed_s'] / 60:.1f} min.\n",
+    ]
     if measured:
         parts += [side_by_side(measured), *[f"- {line}" for line in means(measured)]]
     else:
         parts.append("No round ran edgc, powersgd@rmax and nosync on plain DDP: see each round's own table.")
-    parts += ["<!-- bench:end -->\n", "Each round's own table, link calibration and plots: "
-              + ", ".join(f"[{r.name}]({r.name}/bench.md)" for r in rounds) + ".\n"]
+    parts += [
+        "<!-- bench:end -->\n",
+        "Each round's own table, link calibration and plots: "
+        + ", ".join(f"[{r.name}]({r.name}/bench.md)" for r in rounds)
+        + ".\n",
+    ]
     if summary["notes"]:
         parts += ["## Notes\n", *[f"- {n}" for n in summary["notes"]], ""]
     return "\n".join(parts)

@@ -15,6 +15,7 @@ round and early in the next: a steady drift cancels in the mean of the rounds' r
 design; an even N pairs every round with a reversed one), and the rounds' spread shows how much
 the machine moved (`edgc_bench.rounds`).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,16 @@ from .run_folder import method_dir, read_run
 # The default comparison: what users run (DDP's native all-reduce, PyTorch's PowerSGD hook), the
 # compute floor, our uncompressed hook path, the paper's sync-after-backward, static ranks and EDGC.
 # The other baselines run with --methods all.
-DEFAULT_METHODS = ("none", "nosync", "allreduce", "allreduce-blocking", "torch-powersgd", "powersgd@rmax",
-                   "powersgd@rmin", "edgc")
+DEFAULT_METHODS = (
+    "none",
+    "nosync",
+    "allreduce",
+    "allreduce-blocking",
+    "torch-powersgd",
+    "powersgd@rmax",
+    "powersgd@rmin",
+    "edgc",
+)
 PORT = 29500
 
 
@@ -61,8 +70,9 @@ class BenchSettings:
     # EDGC knobs for a short bench run (docs/bench.md): profile ranks 2, 4, 8 on the link, one timed
     # step each (steps 1–3, inside the 6-step warm-up floor; the scaled default would stop at rank 4),
     # and no warm-up error test (it never passed in 20 steps).
-    edgc: dict = field(default_factory=lambda: {"profile_max_rank": 8, "profile_steps_per_rank": 1,
-                                                "warmup_error_test": False})
+    edgc: dict = field(
+        default_factory=lambda: {"profile_max_rank": 8, "profile_steps_per_rank": 1, "warmup_error_test": False}
+    )
     calibration_mb: tuple[float, ...] = calibrate.SIZES_MB
     run_timeout_s: int = 900
     data: str | None = None
@@ -89,8 +99,17 @@ PIPELINE_METHODS = ("none", "powersgd@rmax", "edgc")
 def all_methods() -> tuple[str, ...]:
     """Every method token but powersgd@N: the harness's own syncs, static PowerSGD at r_max and
     r_max / 4, the library's registered sync methods (`edgc.sync_methods`), EDGC."""
-    return ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd@rmax", "powersgd@rmin", "torch-powersgd",
-            *sync_method_names(), "edgc")
+    return (
+        "none",
+        "allreduce",
+        "allreduce-blocking",
+        "nosync",
+        "powersgd@rmax",
+        "powersgd@rmin",
+        "torch-powersgd",
+        *sync_method_names(),
+        "edgc",
+    )
 
 
 def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False) -> list[str]:
@@ -99,11 +118,17 @@ def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False
     for m in methods:
         base, _, rank = m.partition("@")
         if fsdp and base not in (*FSDP_METHODS, "allreduce", "powersgd"):
-            raise ValueError(f"method {m!r} is not available with --fsdp; choose from none, allreduce, edgc, powersgd@…")
+            raise ValueError(
+                f"method {m!r} is not available with --fsdp; choose from none, allreduce, edgc, powersgd@…"
+            )
         if pipeline and base not in ("none", "powersgd", "edgc"):
-            raise ValueError(f"method {m!r} is not available with --tp/--pp (a pipeline stage's sync); "
-                             "choose from none, edgc, powersgd@…")
-        ok = m in all_methods() or (base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0))
+            raise ValueError(
+                f"method {m!r} is not available with --tp/--pp (a pipeline stage's sync); "
+                "choose from none, edgc, powersgd@…"
+            )
+        ok = m in all_methods() or (
+            base == "powersgd" and (rank in ("rmax", "rmin") or rank.isdigit() and int(rank) > 0)
+        )
         if not ok:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(all_methods())} or powersgd@N")
         if m not in out:
@@ -117,10 +142,33 @@ def execution_order(methods: list[str]) -> list[str]:
 
 
 def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> list[str]:
-    args = ["--out", str(out), "--preset", s.preset, "--steps", str(s.steps), "--micro-batch", str(s.micro_batch),
-            "--seq-len", str(s.seq_len), "--vocab-size", str(s.vocab_size), "--eval-every", str(s.eval_every),
-            "--eval-batches", str(s.eval_batches), "--seed", str(s.seed), "--no-progress", "--no-tensorboard",
-            "--comm-trace", "--device", "cpu", "--ckpt-every", "-1"]  # no checkpoints: GBs per bench, never read
+    args = [
+        "--out",
+        str(out),
+        "--preset",
+        s.preset,
+        "--steps",
+        str(s.steps),
+        "--micro-batch",
+        str(s.micro_batch),
+        "--seq-len",
+        str(s.seq_len),
+        "--vocab-size",
+        str(s.vocab_size),
+        "--eval-every",
+        str(s.eval_every),
+        "--eval-batches",
+        str(s.eval_batches),
+        "--seed",
+        str(s.seed),
+        "--no-progress",
+        "--no-tensorboard",
+        "--comm-trace",
+        "--device",
+        "cpu",
+        "--ckpt-every",
+        "-1",
+    ]  # no checkpoints: GBs per bench, never read
     if s.data:
         args += ["--data", s.data]
     if s.max_chars:
@@ -153,9 +201,18 @@ def launch(net: Network, s: BenchSettings, module_argv: list[str], log_path: Pat
     processes = []
     with open(log_path, "w") as log:
         for host in range(s.hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={s.hosts}", f"--node_rank={host}",
-                    f"--nproc_per_node={s.nproc}", f"--master_addr={net.addr(0)}", f"--master_port={PORT}",
-                    "-m", *module_argv]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={s.hosts}",
+                f"--node_rank={host}",
+                f"--nproc_per_node={s.nproc}",
+                f"--master_addr={net.addr(0)}",
+                f"--master_port={PORT}",
+                "-m",
+                *module_argv,
+            ]
             processes.append(net.popen(host, argv, env=env, timeout_s=timeout_s, stdout=log, stderr=subprocess.STDOUT))
             if host == 0:
                 time.sleep(0.5)  # host 0 opens the store first
@@ -167,10 +224,16 @@ def run_calibration(net: Network, s: BenchSettings, out: Path) -> list[dict]:
     sizes = [str(mb) for mb in s.calibration_mb]
     processes = []
     for host in range(s.hosts):
-        processes.append(net.popen(host, [sys.executable, "-m", "edgc_bench.calibrate", *sizes],
-                                   env={**env, "RANK": str(host)}, timeout_s=300,
-                                   stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL))
+        processes.append(
+            net.popen(
+                host,
+                [sys.executable, "-m", "edgc_bench.calibrate", *sizes],
+                env={**env, "RANK": str(host)},
+                timeout_s=300,
+                stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     codes = net.wait_all(processes)
     text = processes[0].stdout.read().decode()  # type: ignore[union-attr]
     if any(codes):
@@ -204,13 +267,16 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
     prepare_data(s.data, s.vocab_size, 0.1, s.max_chars, None, log=lambda *a, **k: None)  # once, before the hosts
     with Network(s.hosts, s.rate_mbit) as net:
         layout = f" (TP{s.tp} × PP{s.pp} per host, DP{s.hosts} across)" if s.pipeline else ""
-        say(f"network: {s.hosts} hosts × {s.nproc} processes{layout}, "
-            f"{'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link (tbf both ends)")
+        say(
+            f"network: {s.hosts} hosts × {s.nproc} processes{layout}, "
+            f"{'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link (tbf both ends)"
+        )
         calibration = run_calibration(net, s, out)
         say(calibrate.table(calibration, s.rate_mbit))
         if s.rounds == 1:
-            return run_round(net, s, out, execution_order(list(s.methods)), s.r_max, calibration, command, say,
-                             started, load_start)
+            return run_round(
+                net, s, out, execution_order(list(s.methods)), s.r_max, calibration, command, say, started, load_start
+            )
         rounds, r_max = [], s.r_max
         for k in range(1, s.rounds + 1):
             order = round_order(list(s.methods), k)
@@ -218,19 +284,34 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
             summary = run_round(net, s, out / f"round-{k}", order, r_max, calibration, command, say, started)
             r_max = summary["r_max"]  # round 1's profiled r_max: every round's static ranks are the same
             rounds.append(summary)
-    summary = {"settings": s.__dict__ | {"methods": list(s.methods)}, "command": command, "r_max": r_max,
-               "rounds": [f"round-{k}" for k in range(1, s.rounds + 1)],
-               "notes": [f"round {k}: {note}" for k, r in enumerate(rounds, 1) for note in r["notes"]],
-               "elapsed_s": time.time() - started, "load_start": load_start, "load_end": os.getloadavg(),
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
+    summary = {
+        "settings": s.__dict__ | {"methods": list(s.methods)},
+        "command": command,
+        "r_max": r_max,
+        "rounds": [f"round-{k}" for k in range(1, s.rounds + 1)],
+        "notes": [f"round {k}: {note}" for k, r in enumerate(rounds, 1) for note in r["notes"]],
+        "elapsed_s": time.time() - started,
+        "load_start": load_start,
+        "load_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "bench.md").write_text(rounds_markdown(out, summary))
     return summary
 
 
-def run_round(net: Network, s: BenchSettings, out: Path, order: list[str], r_max: int | None,
-              calibration: list[dict], command: str, say, bench_started: float,
-              load_start: tuple[float, float, float] | None = None) -> dict:
+def run_round(
+    net: Network,
+    s: BenchSettings,
+    out: Path,
+    order: list[str],
+    r_max: int | None,
+    calibration: list[dict],
+    command: str,
+    say,
+    bench_started: float,
+    load_start: tuple[float, float, float] | None = None,
+) -> dict:
     """Train every method of ``order`` once into ``out/runs``; write out's results.json, bench.md, plots."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -259,11 +340,19 @@ def run_round(net: Network, s: BenchSettings, out: Path, order: list[str], r_max
             if r_max is None:
                 notes.append("EDGC never compressed (profiling found no rank faster than uncompressed)")
         say(f"  done in {time.time() - t0:.0f} s: val_loss {run['eval'][-1]['val_loss']:.4f}")
-    summary = {"settings": s.__dict__ | {"methods": list(s.methods)}, "command": command, "calibration": calibration,
-               "r_max": r_max, "notes": notes, "elapsed_s": time.time() - started, "order": order,
-               "round": out.name if s.rounds > 1 else None,
-               "load_start": load_start, "load_end": os.getloadavg(),
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
+    summary = {
+        "settings": s.__dict__ | {"methods": list(s.methods)},
+        "command": command,
+        "calibration": calibration,
+        "r_max": r_max,
+        "notes": notes,
+        "elapsed_s": time.time() - started,
+        "order": order,
+        "round": out.name if s.rounds > 1 else None,
+        "load_start": load_start,
+        "load_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+    }
     summary["rows"] = table.rows(results, r_max, s.pipeline)
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "bench.md").write_text(table.markdown(summary, results))

@@ -18,6 +18,7 @@ Per step, the spread is the time between the first and the last stage finishing 
 (`sync_finish_s` in metrics.jsonl); the table reports its median over the compressed steps and
 the ratio dac / uniform measured in this one invocation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,13 @@ def summarise(run_dir: Path) -> dict:
     return {
         "spread_s": statistics.median(spread(r) for r in compressed),
         "step_s": statistics.median(r["step_time_s"] for r in compressed),
-        "stage_ranks": [sorted({str(r["stages"][s]["rank"]) for r in compressed}) for s in range(len(compressed[0]["stages"]))],
-        "stage_sync_s": [statistics.median(r["stages"][s]["sync_time_s"] for r in compressed)
-                         for s in range(len(compressed[0]["stages"]))],
+        "stage_ranks": [
+            sorted({str(r["stages"][s]["rank"]) for r in compressed}) for s in range(len(compressed[0]["stages"]))
+        ],
+        "stage_sync_s": [
+            statistics.median(r["stages"][s]["sync_time_s"] for r in compressed)
+            for s in range(len(compressed[0]["stages"]))
+        ],
         "stage0_ranks": [r["stages"][0]["rank"] for r in compressed],
         "steps": len(compressed),
         "dp_mb": statistics.median(r["bytes_sent"] for r in compressed) / 1e6,
@@ -70,32 +75,64 @@ def main(argv: list[str] | None = None) -> int:
     check_prerequisites()
     out.mkdir(parents=True)
     settings = BenchSettings(hosts=2, nproc=2 * args.tp, rate_mbit=args.rate_mbit)
-    common = ["--pp", "2", "--tp", str(args.tp), "--interstage", args.interstage, "--grad-accum", "4", "--preset", args.preset, "--steps", str(args.steps),
-              "--micro-batch", "4", "--seq-len", "128", "--eval-every", "0", "--eval-batches", "4",
-              "--no-progress", "--no-tensorboard"]
+    common = [
+        "--pp",
+        "2",
+        "--tp",
+        str(args.tp),
+        "--interstage",
+        args.interstage,
+        "--grad-accum",
+        "4",
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "--micro-batch",
+        "4",
+        "--seq-len",
+        "128",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "4",
+        "--no-progress",
+        "--no-tensorboard",
+    ]
     edgc = {"window": 5, "profile_max_rank": 64, "profile_steps_per_rank": 1, "warmup_error_test": False}
     results = {}
     with Network(2, args.rate_mbit) as net:
+
         def train(name: str, extra: list[str]) -> dict:
-            codes = launch(net, settings, ["edgc_cli.main", "train", "--out", str(out / name), *common, *extra],
-                           out / f"{name}.log", timeout_s=1200)
+            codes = launch(
+                net,
+                settings,
+                ["edgc_cli.main", "train", "--out", str(out / name), *common, *extra],
+                out / f"{name}.log",
+                timeout_s=1200,
+            )
             if any(codes):
                 raise RuntimeError(f"{name}: edgc train failed (exit codes {codes}); see {out / (name + '.log')}")
             return summarise(out / name)
 
-        results["dac"] = train("dac", ["--compressor", "edgc",
-                                       *[a for k, v in edgc.items() for a in ("--edgc", f"{k}={json.dumps(v)}")]])
+        results["dac"] = train(
+            "dac", ["--compressor", "edgc", *[a for k, v in edgc.items() for a in ("--edgc", f"{k}={json.dumps(v)}")]]
+        )
         stage0_rank = statistics.mode(results["dac"]["stage0_ranks"])
         results["uniform"] = train("uniform", ["--compressor", "powersgd", "--powersgd-rank", str(stage0_rank)])
     ratio = results["dac"]["spread_s"] / results["uniform"]["spread_s"]
-    table = ["| run | stage ranks | median sync time per stage (ms) | median finish spread (ms) | median step (s) "
-             "| DP MB/step | inter-stage MB/step (raw) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    table = [
+        "| run | stage ranks | median sync time per stage (ms) | median finish spread (ms) | median step (s) "
+        "| DP MB/step | inter-stage MB/step (raw) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name in ("uniform", "dac"):
         r = results[name]
-        table.append(f"| {name} | {' / '.join(','.join(ranks) for ranks in r['stage_ranks'])} | "
-                     f"{' / '.join(f'{t * 1000:.0f}' for t in r['stage_sync_s'])} | {r['spread_s'] * 1000:.1f} | "
-                     f"{r['step_s']:.2f} | {r['dp_mb']:.2f} | {r['interstage_mb']:.3f} ({r['interstage_raw_mb']:.3f}) |")
+        table.append(
+            f"| {name} | {' / '.join(','.join(ranks) for ranks in r['stage_ranks'])} | "
+            f"{' / '.join(f'{t * 1000:.0f}' for t in r['stage_sync_s'])} | {r['spread_s'] * 1000:.1f} | "
+            f"{r['step_s']:.2f} | {r['dp_mb']:.2f} | {r['interstage_mb']:.3f} ({r['interstage_raw_mb']:.3f}) |"
+        )
     text = "\n".join(table) + f"\n\nspread dac / uniform: {ratio:.2f}× ({args.rate_mbit:g} Mbit/s per host, "
     text += f"{'TP' + str(args.tp) + ' × ' if args.tp > 1 else ''}PP2 × DP2, inter-stage {args.interstage})\n"
     (out / "stages.md").write_text(text)

@@ -37,6 +37,7 @@ device↔host ``copy_`` or ``.to(device)``, and ``torch.tensor``/``torch.as_tens
 with a ``device=`` (a copy from pageable memory). Inside ``host_reads_allowed`` they are not
 counted, but they still order the streams as the wait would.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,11 +61,26 @@ aten = torch.ops.aten
 COMPUTE = sanitizer.DEFAULT_STREAM_ID
 EDGC_DIR = os.path.dirname(edgc.__file__) + os.sep
 # Frames that are the checker's own or torch's dispatch machinery, never where an access comes from.
-CHECKER_FILES = (os.path.splitext(__file__)[0], os.path.dirname(torch.__file__) + os.sep + "utils" + os.sep,
-                 os.path.join(os.path.dirname(torch.__file__), "_ops.py"), os.path.splitext(sanitizer.__file__)[0])
+CHECKER_FILES = (
+    os.path.splitext(__file__)[0],
+    os.path.dirname(torch.__file__) + os.sep + "utils" + os.sep,
+    os.path.join(os.path.dirname(torch.__file__), "_ops.py"),
+    os.path.splitext(sanitizer.__file__)[0],
+)
 # Operators whose output size depends on values: on CUDA the host waits for the stream.
-VALUE_SIZED = frozenset({aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
-                         aten.unique_consecutive, aten.equal, aten.bincount, aten.is_nonzero})
+VALUE_SIZED = frozenset(
+    {
+        aten._local_scalar_dense,
+        aten.nonzero,
+        aten.masked_select,
+        aten._unique2,
+        aten.unique_dim,
+        aten.unique_consecutive,
+        aten.equal,
+        aten.bincount,
+        aten.is_nonzero,
+    }
+)
 BOOL_INDEXED = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 
 
@@ -97,7 +113,8 @@ def library_frame(stack: traceback.StackSummary | None = None, library: str = ED
     frames = stack if stack is not None else traceback.extract_stack()
     for frame in reversed(frames):
         if frame.filename.startswith(library):
-            return f"{os.path.relpath(frame.filename, os.path.dirname(library.rstrip(os.sep)))}:{frame.lineno} ({frame.name})"
+            where = os.path.relpath(frame.filename, os.path.dirname(library.rstrip(os.sep)))
+            return f"{where}:{frame.lineno} ({frame.name})"
     return None
 
 
@@ -137,12 +154,20 @@ class StreamChecker(TorchDispatchMode):
         where = library_frame(stack, self.library)
         if where is None:
             outside = [f for f in stack if not f.filename.startswith(CHECKER_FILES)]
-            where = f"{os.path.basename(outside[-1].filename)}:{outside[-1].lineno} ({outside[-1].name})" if outside else "?"
+            where = (
+                f"{os.path.basename(outside[-1].filename)}:{outside[-1].lineno} ({outside[-1].name})"
+                if outside
+                else "?"
+            )
         return where
 
     def report(self) -> str:
-        lines = [f"{len(self.races)} stream race(s):", *self.races[:5],
-                 f"{len(self.host_syncs)} host synchronisation(s):", *map(str, self.host_syncs[:10])]
+        lines = [
+            f"{len(self.races)} stream race(s):",
+            *self.races[:5],
+            f"{len(self.host_syncs)} host synchronisation(s):",
+            *map(str, self.host_syncs[:10]),
+        ]
         return "\n".join(lines)
 
     def on_this_thread(self) -> bool:
@@ -234,13 +259,15 @@ class StreamChecker(TorchDispatchMode):
             return
         holders = {info.stream, *info.recorded}
         for access in [a for a in (accessed.write, *accessed.reads) if a is not None]:
-            if access.stream in holders or any(self.syncs.is_ordered_after(h, access.seq_num, access.stream)
-                                               for h in holders):
+            if access.stream in holders or any(
+                self.syncs.is_ordered_after(h, access.seq_num, access.stream) for h in holders
+            ):
                 continue
             self.races.append(
                 f"memory allocated on {self._labels[info.stream]} was freed while {self._labels[access.stream]} "
                 f"may still be {access.type} it ({access.operator.name}, at {self._where(access.stack_trace)}); "
-                f"no record_stream on {self._labels[access.stream]} and no wait for it")
+                f"no record_stream on {self._labels[access.stream]} and no wait for it"
+            )
 
     # ------------------------------------------------------------------ kernels
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -270,9 +297,14 @@ class StreamChecker(TorchDispatchMode):
         touched = handler.dataptrs_read | handler.dataptrs_written
         if not touched:
             return
-        errors = self.events._handle_kernel_launch(stream, handler.dataptrs_read - handler.dataptrs_written,
-                                                   handler.dataptrs_written, handler.outputs, func._schema,
-                                                   handler.tensor_aliases)
+        errors = self.events._handle_kernel_launch(
+            stream,
+            handler.dataptrs_read - handler.dataptrs_written,
+            handler.dataptrs_written,
+            handler.outputs,
+            func._schema,
+            handler.tensor_aliases,
+        )
         for key in touched:
             info = self._storages.get(key)
             if info is not None and stream != info.stream:
@@ -282,23 +314,28 @@ class StreamChecker(TorchDispatchMode):
 
     def _describe(self, error: sanitizer.UnsynchronizedAccessError) -> str:
         now, before = error.current_access, error.previous_access
-        return (f"{now.operator.name} on {self._labels[now.stream]} ({self._where(now.stack_trace)}) "
-                f"{now.type} memory that {before.operator.name} on {self._labels[before.stream]} "
-                f"({self._where(before.stack_trace)}) was {before.type}, with no wait between them")
+        return (
+            f"{now.operator.name} on {self._labels[now.stream]} ({self._where(now.stack_trace)}) "
+            f"{now.type} memory that {before.operator.name} on {self._labels[before.stream]} "
+            f"({self._where(before.stack_trace)}) was {before.type}, with no wait between them"
+        )
 
     # ------------------------------------------------------------------ host synchronisations
     def _host_syncs_of(self, func, args, kwargs) -> None:
         packet = func.overloadpacket
         if packet in VALUE_SIZED:
             self.host_sync(packet.__name__, args[0])
-        elif packet in BOOL_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                            for i in pytree.tree_leaves(args[1])):
+        elif packet in BOOL_INDEXED and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in pytree.tree_leaves(args[1])
+        ):
             self.host_sync(f"{packet.__name__} with a boolean mask", args[0])
         elif packet is aten.copy_ and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
             destination, source = self.is_device(args[0]), self.is_device(args[1])
             if destination != source:
-                self.host_sync("blocking copy_ " + ("host → device" if destination else "device → host"),
-                               args[1] if source else args[0])
+                self.host_sync(
+                    "blocking copy_ " + ("host → device" if destination else "device → host"),
+                    args[1] if source else args[0],
+                )
 
     def host_sync(self, kind: str, tensor: torch.Tensor | None = None) -> None:
         """The host waits for the current stream, after a copy or read of ``tensor`` on it."""

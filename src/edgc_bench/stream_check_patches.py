@@ -7,6 +7,7 @@ see say what they do: factories called with ``device=`` make device tensors, ``.
 host tensor copies, ``.cpu()``/``tolist``/``numpy`` of a device tensor and blocking copies of host
 data are host synchronisations. Calls from other threads go through unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,6 +81,7 @@ class Patches:
         def init(stream, *args, **kwargs):
             original(stream, *args, **kwargs)
             self.checker.stream_id(stream, _caller_label())
+
         return init
 
     def _id(self, stream) -> int:
@@ -89,6 +91,7 @@ class Patches:
         def wait_stream(stream, other):
             if self.checker.on_this_thread():
                 self.checker.wait(self._id(stream), self.checker.state_of(self._id(other)))
+
         return wait_stream
 
     def _record_event(self, original):
@@ -96,6 +99,7 @@ class Patches:
             event = torch.cpu.Event()
             event.record(stream)
             return event
+
         return record_event
 
     def _wait_event(self, original):
@@ -103,12 +107,14 @@ class Patches:
             recorded = getattr(event, "_checker_state", None)
             if recorded is not None and self.checker.on_this_thread():
                 self.checker.wait(self._id(stream), recorded)
+
         return wait_event
 
     def _event_record(self, original):
         def record(event, stream=None):
             if self.checker.on_this_thread():
                 event._checker_state = self.checker.state_of(self._id(stream))
+
         return record
 
     def _event_wait(self, original):
@@ -116,6 +122,7 @@ class Patches:
             recorded = getattr(event, "_checker_state", None)
             if recorded is not None and self.checker.on_this_thread():
                 self.checker.wait(self._id(stream), recorded)
+
         return wait
 
     def _event_synchronize(self, original):
@@ -124,11 +131,13 @@ class Patches:
             if recorded is not None and self.checker.on_this_thread():
                 self.checker.host_waits(recorded)
                 self.checker.note_host_sync("Event.synchronize")
+
         return synchronize
 
     def _current_stream(self, original):
         def current_stream(device=None):
             return getattr(self._local, "stream", None) or torch.cpu._default_cpu_stream
+
         return current_stream
 
     def _context_enter(self, original):
@@ -136,12 +145,14 @@ class Patches:
             if context.stream is not None:
                 context.prev_stream = torch.cpu.current_stream()
                 self._local.stream = context.stream
+
         return enter
 
     def _context_exit(self, original):
         def exit_(context, *exc):
             if context.stream is not None:
                 self._local.stream = context.prev_stream
+
         return exit_
 
     def _work_wait(self, original):
@@ -150,6 +161,7 @@ class Patches:
             if self.checker.on_this_thread():  # NCCL: the current stream waits for the collective
                 self.checker.wait(self.checker.current(), self.checker.state_of(self.checker.collectives))
             return result
+
         return wait
 
     # ------------------------------------------------------------------ tensors made and moved
@@ -168,6 +180,7 @@ class Patches:
             if kwargs.get("device") is not None and isinstance(result, torch.Tensor) and self.checker.on_this_thread():
                 self._made_on_device(result, f"torch.{original.__name__}")
             return result
+
         return factory
 
     def _from_data(self, original):
@@ -183,9 +196,13 @@ class Patches:
             else:
                 checker.host_sync(f"torch.{original.__name__} of a host tensor with device=")
             result = original(data, *args, **kwargs)
-            if isinstance(data, torch.Tensor) and result.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():
+            if (
+                isinstance(data, torch.Tensor)
+                and result.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+            ):
                 result = result.clone()
             return self._made_on_device(result, f"torch.{original.__name__}")
+
         return from_data
 
     def _to(self, original):
@@ -202,6 +219,7 @@ class Patches:
             if result.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
                 result = result.clone()  # a host-to-device copy makes a new tensor
             return self._made_on_device(result, "host-to-device copy")
+
         return to
 
     def _cpu(self, original):
@@ -213,6 +231,7 @@ class Patches:
             result = original(tensor, *args, **kwargs).clone()  # the host's own copy
             checker.mark(result, False)
             return result
+
         return cpu
 
     def _read(self, kind: str, original):
@@ -220,4 +239,5 @@ class Patches:
             if self.checker.on_this_thread() and self.checker.is_device(tensor):
                 self.checker.host_sync(kind, tensor)
             return original(tensor, *args, **kwargs)
+
         return read

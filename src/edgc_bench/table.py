@@ -9,6 +9,7 @@ step time, compress/decompress time and tokens/s; the mean bytes this rank sent 
 steps included); the final validation loss and perplexity; and the wall time (as logged by the run,
 evaluations included) of the first evaluation whose loss is ≤ ``none``'s final validation loss × 1.01.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,26 +92,36 @@ def _num(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if value is not None else "–"
 
 
-LABELS = {"none": "none (DDP native all-reduce)", "nosync": "nosync (compute floor)",
-          "allreduce": "allreduce (our hook, uncompressed)",
-          "allreduce-blocking": "allreduce-blocking (paper: sync after backward)"}
+LABELS = {
+    "none": "none (DDP native all-reduce)",
+    "nosync": "nosync (compute floor)",
+    "allreduce": "allreduce (our hook, uncompressed)",
+    "allreduce-blocking": "allreduce-blocking (paper: sync after backward)",
+}
 
 
 def result_table(rows_: list[dict], fsdp: bool = False) -> str:
     labels = {**LABELS, "none": "none (native HSDP)"} if fsdp else LABELS
-    head = ("| method | rank | DP comm s/step | step s (× none) | × floor | comm share | tokens/s | MB sent/step "
-            "| compress s/step | final val loss | val ppl | time to target |\n"
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    head = (
+        "| method | rank | DP comm s/step | step s (× none) | × floor | comm share | tokens/s | MB sent/step "
+        "| compress s/step | final val loss | val ppl | time to target |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
     lines = []
     for r in rows_:
-        target = (f"{r['time_to_target_s']:.0f} s{_x(r['time_to_target_s_x'])}" if r["time_to_target_s"] is not None
-                  else "not reached")
+        target = (
+            f"{r['time_to_target_s']:.0f} s{_x(r['time_to_target_s_x'])}"
+            if r["time_to_target_s"] is not None
+            else "not reached"
+        )
         lines.append(
             f"| {labels.get(r['method'], r['method'])} | {r['rank']} | {_num(r['comm_s'])}{_x(r['comm_s_x'])} "
             f"| {r['step_s']:.3f}{_x(r['step_s_x'])} | {_num(r['step_floor_x'], 2)} "
-            f"| {_num(r['comm_share'] and 100 * r['comm_share'], 0)}% | {r['tokens_per_s']:.0f}{_x(r['tokens_per_s_x'])} "
+            f"| {_num(r['comm_share'] and 100 * r['comm_share'], 0)}% | "
+            f"{r['tokens_per_s']:.0f}{_x(r['tokens_per_s_x'])} "
             f"| {r['bytes_per_step'] / 1e6:.2f}{_x(r['bytes_per_step_x'])} | {_num(r['compress_s'])} "
-            f"| {r['val_loss']:.4f}{_x(r['val_loss_x'])} | {r['val_ppl']:.1f} | {target} |")
+            f"| {r['val_loss']:.4f}{_x(r['val_loss_x'])} | {r['val_ppl']:.1f} | {target} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -119,17 +130,21 @@ PIPELINE_LABELS = {"none": "none (our all-reduce per stage, uncompressed)"}
 
 def pipeline_table(rows_: list[dict]) -> str:
     """--tp/--pp: per method the step, the DP bytes over the link and the inter-stage traffic inside a host."""
-    head = ("| method | rank | step s (× none) | DP MB sent/step | inter-stage MB/step sent (raw) | × raw "
-            "| inter-stage s/step | inter-stage share of step |\n"
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    head = (
+        "| method | rank | step s (× none) | DP MB sent/step | inter-stage MB/step sent (raw) | × raw "
+        "| inter-stage s/step | inter-stage share of step |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
     lines = []
     for r in rows_:
         sent, raw, seconds = r.get("interstage_sent_per_step"), r.get("interstage_raw_per_step"), r.get("interstage_s")
         lines.append(
             f"| {PIPELINE_LABELS.get(r['method'], r['method'])} | {r['rank']} | {r['step_s']:.3f}{_x(r['step_s_x'])} "
             f"| {r['bytes_per_step'] / 1e6:.2f}{_x(r['bytes_per_step_x'])} "
-            f"| {_num(sent and sent / 1e6)} ({_num(raw and raw / 1e6)}) | {_num(sent / raw if sent and raw else None, 2)} "
-            f"| {_num(seconds)} | {_num(seconds and 100 * seconds / r['step_s'], 0)}% |")
+            f"| {_num(sent and sent / 1e6)} ({_num(raw and raw / 1e6)}) | "
+            f"{_num(sent / raw if sent and raw else None, 2)} "
+            f"| {_num(seconds)} | {_num(seconds and 100 * seconds / r['step_s'], 0)}% |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -153,36 +168,48 @@ def checks(rows_: list[dict], r_max: int | None, fsdp: bool = False, rate_mbit: 
 
     def bound(label: str, value: float | None, limit: float, unit: str) -> None:
         if value is not None:
-            out.append(f"{label} {value:.2f}× {unit} (target ≤ {limit:.2f}×): {'holds' if value <= limit else 'MISSED'}")
+            out.append(
+                f"{label} {value:.2f}× {unit} (target ≤ {limit:.2f}×): {'holds' if value <= limit else 'MISSED'}"
+            )
 
     if ours and n:
-        out.append(f"our uncompressed hook step time {ours['step_s_x']:.2f}× native DDP (target within 5%): "
-                   f"{'holds' if abs(ours['step_s_x'] - 1) <= 0.05 else 'MISSED'}")
+        out.append(
+            f"our uncompressed hook step time {ours['step_s_x']:.2f}× native DDP (target within 5%): "
+            f"{'holds' if abs(ours['step_s_x'] - 1) <= 0.05 else 'MISSED'}"
+        )
     reference = "native HSDP" if fsdp else "native DDP"
     if e and n:
         bound("EDGC step time", e["step_s_x"], 0.75 if fsdp else 0.70, reference)
         diff = e["val_loss"] / n["val_loss"] - 1
-        out.append(f"EDGC final validation loss {100 * diff:+.2f}% vs {reference} (target within ±1%): "
-                   f"{'holds' if abs(diff) <= 0.01 else 'MISSED'}")
+        out.append(
+            f"EDGC final validation loss {100 * diff:+.2f}% vs {reference} (target within ±1%): "
+            f"{'holds' if abs(diff) <= 0.01 else 'MISSED'}"
+        )
     if e:
         bound("EDGC step time", e["step_floor_x"], floor_target(rate_mbit, fsdp), "the compute floor")
     if by.get("powersgd@rmax") and n:
         bound(f"static PowerSGD at r_max = {r_max} step time", by["powersgd@rmax"]["step_s_x"], 0.70, "native DDP")
     torch_psgd, ours_static = by.get("torch-powersgd"), by.get("powersgd@rmax")
     if torch_psgd and ours_static:
-        out.append(f"static PowerSGD at r_max = {r_max}: ours {ours_static['step_s']:.3f} s vs PyTorch's powerSGD_hook "
-                   f"{torch_psgd['step_s']:.3f} s per step ({ours_static['step_s'] / torch_psgd['step_s']:.2f}×)")
+        out.append(
+            f"static PowerSGD at r_max = {r_max}: ours {ours_static['step_s']:.3f} s vs PyTorch's powerSGD_hook "
+            f"{torch_psgd['step_s']:.3f} s per step ({ours_static['step_s'] / torch_psgd['step_s']:.2f}×)"
+        )
     hi, lo = by.get("powersgd@rmax"), by.get("powersgd@rmin")
     if e and hi:
         te, th = e["time_to_target_s"], hi["time_to_target_s"]
         verdict = "holds" if edgc_first(te, th) else "MISSED"
         fmt = lambda t: f"{t:.0f} s" if t is not None else "not reached"  # noqa: E731
-        out.append(f"time to target: EDGC {fmt(te)} vs static PowerSGD at r_max = {r_max} {fmt(th)} "
-                   f"(target: EDGC less): {verdict}")
+        out.append(
+            f"time to target: EDGC {fmt(te)} vs static PowerSGD at r_max = {r_max} {fmt(th)} "
+            f"(target: EDGC less): {verdict}"
+        )
     if e and lo:
         better = e["val_loss"] < lo["val_loss"]
-        out.append(f"final validation loss: EDGC {e['val_loss']:.4f} vs static PowerSGD at r_min = "
-                   f"{max(1, (r_max or 4) // 4)} {lo['val_loss']:.4f}: EDGC is {'lower' if better else 'NOT lower'}")
+        out.append(
+            f"final validation loss: EDGC {e['val_loss']:.4f} vs static PowerSGD at r_min = "
+            f"{max(1, (r_max or 4) // 4)} {lo['val_loss']:.4f}: EDGC is {'lower' if better else 'NOT lower'}"
+        )
     return out
 
 
@@ -193,9 +220,11 @@ def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc
     compress time of its profile steps (the shadow compressed syncs); its entropy cost is GDS.
     """
     target = _target(results)
-    head = ("| method | reached at step | wall to target | compute | compress/decompress | of which entropy "
-            "| of which profiling | DP comm | evaluation, other |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    head = (
+        "| method | reached at step | wall to target | compute | compress/decompress | of which entropy "
+        "| of which profiling | DP comm | evaluation, other |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
     lines = []
     for method in methods:
         run = results.get(method)
@@ -206,10 +235,12 @@ def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc
         other = hit["wall_s"] - _total(steps, "step_time_s")
         logged = any("entropy_time_s" in r for r in steps)  # runs before it was logged: unknown
         entropy = f"{_total(steps, 'entropy_time_s'):.1f} s" if logged else "–"
-        lines.append(f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {_total(steps, 'compute_time_s'):.1f} s "
-                     f"| {_total(steps, 'compress_time_s'):.1f} s | {entropy} "
-                     f"| {_total(steps, 'compress_time_s', 'profile'):.1f} s "
-                     f"| {_total(steps, 'comm_time_s'):.1f} s | {other:.1f} s |")
+        lines.append(
+            f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {_total(steps, 'compute_time_s'):.1f} s "
+            f"| {_total(steps, 'compress_time_s'):.1f} s | {entropy} "
+            f"| {_total(steps, 'compress_time_s', 'profile'):.1f} s "
+            f"| {_total(steps, 'comm_time_s'):.1f} s | {other:.1f} s |"
+        )
     return head + "\n".join(lines) + "\n" if lines else ""
 
 
@@ -245,18 +276,37 @@ def recovery(results: dict[str, dict]) -> dict | None:
     bounds = []
     if results.get("powersgd@rmin"):
         per_step = _median_step(static) - _median_step(results["powersgd@rmin"])
-        bounds.append((len(compressed) * max(0.0, per_step), f"static PowerSGD at r_min's median step instead of "
-                                                             f"r_max's, over static's {len(compressed)} compressed steps"))
+        bounds.append(
+            (
+                len(compressed) * max(0.0, per_step),
+                f"static PowerSGD at r_min's median step instead of "
+                f"r_max's, over static's {len(compressed)} compressed steps",
+            )
+        )
     if results.get("nosync"):
         floor = statistics.median(r["step_time_s"] for r in results["nosync"]["train"])
-        bounds.append((sum(max(0.0, r["step_time_s"] - floor) for r in compressed),
-                       "static's compressed steps brought down to the compute floor"))
+        bounds.append(
+            (
+                sum(max(0.0, r["step_time_s"] - floor) for r in compressed),
+                "static's compressed steps brought down to the compute floor",
+            )
+        )
     else:
-        bounds.append((_total(compressed, "comm_time_s"), "static PowerSGD's whole DP comm time in its compressed steps"))
+        bounds.append(
+            (_total(compressed, "comm_time_s"), "static PowerSGD's whole DP comm time in its compressed steps")
+        )
     savable, how = min(bounds)
-    return {"step_edgc": hit_e["step"], "step_static": hit_s["step"], "wall_edgc": hit_e["wall_s"],
-            "wall_static": hit_s["wall_s"], "profiling": profiling, "entropy": entropy,
-            "overhead": profiling + entropy, "savable": savable, "savable_how": how}
+    return {
+        "step_edgc": hit_e["step"],
+        "step_static": hit_s["step"],
+        "wall_edgc": hit_e["wall_s"],
+        "wall_static": hit_s["wall_s"],
+        "profiling": profiling,
+        "entropy": entropy,
+        "overhead": profiling + entropy,
+        "savable": savable,
+        "savable_how": how,
+    }
 
 
 def recoverable_bound(results: dict[str, dict]) -> str | None:
@@ -265,11 +315,13 @@ def recoverable_bound(results: dict[str, dict]) -> str | None:
     if r is None:
         return None
     verdict = "cannot" if r["overhead"] > r["savable"] else "can"
-    return (f"EDGC reached the target at step {r['step_edgc']}, static PowerSGD at r_max at step {r['step_static']}. "
-            f"EDGC's own cost up to then was {r['overhead']:.1f} s (its profiling steps' time above static's same, "
-            f"uncompressed steps {r['profiling']:.1f} s, entropy sampling {r['entropy']:.1f} s); the most its lower "
-            f"ranks could save up to the target is {r['savable']:.1f} s ({r['savable_how']}): on this setting EDGC "
-            f"{verdict} recover its overhead before the target.")
+    return (
+        f"EDGC reached the target at step {r['step_edgc']}, static PowerSGD at r_max at step {r['step_static']}. "
+        f"EDGC's own cost up to then was {r['overhead']:.1f} s (its profiling steps' time above static's same, "
+        f"uncompressed steps {r['profiling']:.1f} s, entropy sampling {r['entropy']:.1f} s); the most its lower "
+        f"ranks could save up to the target is {r['savable']:.1f} s ({r['savable_how']}): on this setting EDGC "
+        f"{verdict} recover its overhead before the target."
+    )
 
 
 def _median_step(run: dict) -> float:
@@ -299,31 +351,51 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
     pipeline = s.get("tp", 1) > 1 or s.get("pp", 1) > 1
     if pipeline:
         return _pipeline_markdown(summary, rate)
+    hsdp = (
+        " as HSDP (FSDP2 shards inside a host, hosts are replicas; none = native HSDP: FSDP2 on the 2-D mesh, "
+        "its own replica all-reduce)"
+        if s.get("fsdp")
+        else ""
+    )
     parts = [
         "# edgc bench\n",
         f"Date: {summary['date']}. Command: `{summary['command']}`\n",
         "<!-- bench:start -->",
         f"`{summary['command']}` — {summary['date']}, {s['hosts']} hosts × {s['nproc']} process(es)"
-        f"{' as HSDP (FSDP2 shards inside a host, hosts are replicas; none = native HSDP: FSDP2 on the 2-D mesh, its own replica all-reduce)' if s.get('fsdp') else ''}, "
+        f"{hsdp}, "
         f"{rate} per host link (tc tbf on both ends of each veth), preset `{s['preset']}`, "
         f"{s['micro_batch']} × {s['seq_len']} tokens per rank per step, {s['steps']} steps, seed {s['seed']}; "
         f"uncompressed communication share (sync after backward) {share}; EDGC r_max = {summary['r_max']}. "
         f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; {_took(summary)}.\n",
         result_table(rows_, bool(s.get("fsdp"))),
-        ("Ratios are to `none` (native HSDP: FSDP2's own replica all-reduce) in the same " if s.get("fsdp") else
-         "Ratios are to `none` (DDP with no hook: its native all-reduce, overlapped with backward) in the same ")
-        +
-        "invocation; × floor is the step time over `nosync`'s (no gradient sync at all). Times are medians over "
+        (
+            "Ratios are to `none` (native HSDP: FSDP2's own replica all-reduce) in the same "
+            if s.get("fsdp")
+            else "Ratios are to `none` (DDP with no hook: its native all-reduce, overlapped with backward) in the same "
+        )
+        + "invocation; × floor is the step time over `nosync`'s (no gradient sync at all). Times are medians over "
         "all steps (rank 0); DP comm is the time from issuing each collective to its completion, summed (it "
         "overlaps backward and other collectives, so it can exceed the step's share of waiting); "
         "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
         "validation loss ≤ 1.01 × `none`'s final one."
-        + ("" if summary.get("round") else " The methods run one after another, so a drift of the machine's speed "
-           "between their runs moves these ratios; `--rounds 2` or more reverses the order every other round "
-           "and judges the targets on the rounds' mean (docs/bench.md).") + "\n",
+        + (
+            ""
+            if summary.get("round")
+            else " The methods run one after another, so a drift of the machine's speed "
+            "between their runs moves these ratios; `--rounds 2` or more reverses the order every other round "
+            "and judges the targets on the rounds' mean (docs/bench.md)."
+        )
+        + "\n",
         *[f"- {line}" for line in checks(rows_, summary["r_max"], bool(s.get("fsdp")), s["rate_mbit"])],
-        *(["\nWhere the wall time to the target went (sums over the steps up to the evaluation that reached it):\n",
-           breakdown] if (breakdown := target_breakdown(results or {})) else []),
+        *(
+            [
+                "\nWhere the wall time to the target went (sums over the steps up to the evaluation that reached "
+                "it):\n",
+                breakdown,
+            ]
+            if (breakdown := target_breakdown(results or {}))
+            else []
+        ),
         *([bound, ""] if (bound := recoverable_bound(results or {})) else []),
         "<!-- bench:end -->\n",
         "## Link calibration (gloo all-reduce between the hosts)\n",

@@ -26,6 +26,7 @@ replicas ended bit-identical and who took part in which step (`participation`).
 The torchft runs' quorum settings are `QuorumSettings.for_groups(hosts, tolerated_failures)`: no
 tolerated failure in the failure-free runs, one in those with a kill.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,28 @@ RUNS = ("ddp-edgc", "torchft-nofail", "torchft-edgc-nofail", "torchft", "torchft
 
 
 def worker_args(s: BenchSettings, run_dir: Path) -> list[str]:
-    args = ["--out", str(run_dir), "--preset", s.preset, "--steps", str(s.steps), "--micro-batch", str(s.micro_batch),
-            "--seq-len", str(s.seq_len), "--vocab-size", str(s.vocab_size), "--eval-batches", str(s.eval_batches),
-            "--seed", str(s.seed), "--replicas", str(s.hosts), "--edgc", json.dumps(edgc_fields(s))]
+    args = [
+        "--out",
+        str(run_dir),
+        "--preset",
+        s.preset,
+        "--steps",
+        str(s.steps),
+        "--micro-batch",
+        str(s.micro_batch),
+        "--seq-len",
+        str(s.seq_len),
+        "--vocab-size",
+        str(s.vocab_size),
+        "--eval-batches",
+        str(s.eval_batches),
+        "--seed",
+        str(s.seed),
+        "--replicas",
+        str(s.hosts),
+        "--edgc",
+        json.dumps(edgc_fields(s)),
+    ]
     if s.data:
         args += ["--data", s.data]
     if s.max_chars:
@@ -104,14 +124,26 @@ def cmdline(pid: int) -> str:
 def run_ddp(net: Network, s: BenchSettings, run_dir: Path) -> dict:
     run_dir.mkdir(parents=True)
     t0 = time.time()
-    codes = launch(net, s, ["edgc_bench.torchft_train", "--mode", "ddp", "--compressor", "edgc", *worker_args(s, run_dir)],
-                   run_dir / "torchrun.log", s.run_timeout_s)
+    codes = launch(
+        net,
+        s,
+        ["edgc_bench.torchft_train", "--mode", "ddp", "--compressor", "edgc", *worker_args(s, run_dir)],
+        run_dir / "torchrun.log",
+        s.run_timeout_s,
+    )
     wall = time.time() - t0
     lines = read_lines(run_dir / "group0.jsonl")
     steps = [r for r in lines if r["kind"] == "step"]
     final = next((r for r in lines if r["kind"] == "final"), {})
-    return {"codes": codes, "wall_s": wall, "step_s": statistics.median(r["step_s"] for r in steps) if steps else None,
-            "steps_lost": 0, "heal_s": None, "val_loss": final.get("val_loss"), "identical": None}
+    return {
+        "codes": codes,
+        "wall_s": wall,
+        "step_s": statistics.median(r["step_s"] for r in steps) if steps else None,
+        "steps_lost": 0,
+        "heal_s": None,
+        "val_loss": final.get("val_loss"),
+        "identical": None,
+    }
 
 
 def start_lighthouse(net: Network, s: BenchSettings, tolerated_failures: int, log) -> tuple:
@@ -119,26 +151,53 @@ def start_lighthouse(net: Network, s: BenchSettings, tolerated_failures: int, lo
     the workers' environment)."""
     lighthouse_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
     quorum = QuorumSettings.for_groups(s.hosts, tolerated_failures, timedelta(seconds=WORKER_TIMEOUT_S))
-    lighthouse = net.popen(0, [lighthouse_bin, *quorum.lighthouse_args(), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
-                           stdout=log, stderr=subprocess.STDOUT)
+    lighthouse = net.popen(
+        0,
+        [lighthouse_bin, *quorum.lighthouse_args(), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     time.sleep(0.5)
-    env = {"OMP_NUM_THREADS": str(s.threads), "PYTHONUNBUFFERED": "1",
-           "TORCHFT_LIGHTHOUSE": f"http://{net.addr(0)}:{LIGHTHOUSE_PORT}"}
+    env = {
+        "OMP_NUM_THREADS": str(s.threads),
+        "PYTHONUNBUFFERED": "1",
+        "TORCHFT_LIGHTHOUSE": f"http://{net.addr(0)}:{LIGHTHOUSE_PORT}",
+    }
     return lighthouse, quorum, env
 
 
-def start_workers(net: Network, s: BenchSettings, env: dict, tolerated_failures: int, log, module: str,
-                  *args: str) -> list:
+def start_workers(
+    net: Network, s: BenchSettings, env: dict, tolerated_failures: int, log, module: str, *args: str
+) -> list:
     """One torchrun per host (one worker, one restart) running ``python -m module``, replica group =
     host, with the group's flags (``--group``, ``--advertise``, ``--timeout``, ``--tolerated-failures``)
     and ``args``; ``env`` from `start_lighthouse`."""
     processes = []
     for host in range(s.hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1", "--max-restarts=1",
-                f"--master_addr={net.addr(host)}", f"--master_port={GROUP_PORT}", "-m", module, "--group", str(host),
-                "--advertise", net.addr(host), "--timeout", str(WORKER_TIMEOUT_S),
-                "--tolerated-failures", str(tolerated_failures), *args]
-        processes.append(net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT))
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc_per_node=1",
+            "--max-restarts=1",
+            f"--master_addr={net.addr(host)}",
+            f"--master_port={GROUP_PORT}",
+            "-m",
+            module,
+            "--group",
+            str(host),
+            "--advertise",
+            net.addr(host),
+            "--timeout",
+            str(WORKER_TIMEOUT_S),
+            "--tolerated-failures",
+            str(tolerated_failures),
+            *args,
+        ]
+        processes.append(
+            net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT)
+        )
     return processes
 
 
@@ -149,8 +208,19 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
     tolerated_failures = 0 if kill_at is None else 1
     lighthouse, quorum, env = start_lighthouse(net, s, tolerated_failures, log)
     t0 = time.time()
-    processes = start_workers(net, s, env, tolerated_failures, log, "edgc_bench.torchft_train", "--mode", "torchft",
-                              "--compressor", compressor, *worker_args(s, run_dir))
+    processes = start_workers(
+        net,
+        s,
+        env,
+        tolerated_failures,
+        log,
+        "edgc_bench.torchft_train",
+        "--mode",
+        "torchft",
+        "--compressor",
+        compressor,
+        *worker_args(s, run_dir),
+    )
     victim = run_dir / "group1.jsonl"
     kill_t = None
     while kill_at is not None and kill_t is None and any(p.poll() is None for p in processes):
@@ -165,8 +235,12 @@ def run_torchft(net: Network, s: BenchSettings, compressor: str, run_dir: Path, 
     _kill_group(lighthouse)
     log.close()
     measures = measure_torchft(run_dir, s.hosts, s.steps, kill_t)
-    (run_dir / "participation.json").write_text(json.dumps(
-        {**measures["participation"], "identical": measures["identical"], "quorum": quorum.lighthouse_args()}, indent=1))
+    (run_dir / "participation.json").write_text(
+        json.dumps(
+            {**measures["participation"], "identical": measures["identical"], "quorum": quorum.lighthouse_args()},
+            indent=1,
+        )
+    )
     return {"codes": codes, "wall_s": wall, "killed": kill_t is not None, **measures}
 
 
@@ -180,10 +254,14 @@ def measure_torchft(run_dir: Path, hosts: int, steps: int, kill_t: float | None)
     # Steps lost: optimizer steps a group executed beyond the run's length (uncommitted ones, and
     # those redone because nobody held the state any more), for the group that executed the most.
     lost = max(0, max(sum(r["kind"] == "step" for r in g) for g in groups) - steps)
-    return {"step_s": statistics.median(full) if full else None, "steps_lost": lost,
-            "heal_s": restarted[0]["t"] - kill_t if restarted else None, "val_loss": finals[0].get("val_loss"),
-            "identical": len({f.get("checksum") for f in finals}) == 1 and "checksum" in finals[0],
-            "participation": participation(groups, steps)}
+    return {
+        "step_s": statistics.median(full) if full else None,
+        "steps_lost": lost,
+        "heal_s": restarted[0]["t"] - kill_t if restarted else None,
+        "val_loss": finals[0].get("val_loss"),
+        "identical": len({f.get("checksum") for f in finals}) == 1 and "checksum" in finals[0],
+        "participation": participation(groups, steps),
+    }
 
 
 def participation(groups: list[list[dict]], steps: int) -> dict:
@@ -195,16 +273,24 @@ def participation(groups: list[list[dict]], steps: int) -> dict:
     ``fraction``: per group, the share of the run's steps it took part in; ``heals``: per group,
     the times it received the state from a peer (the initial weight sync at step 0 excluded);
     ``alone``: the steps some group committed in a quorum of one."""
-    commits = [[r for r in records if r["kind"] == "step" and r["committed"] and r.get("participating", True)
-                and r["step"] < steps] for records in groups]
+    commits = [
+        [
+            r
+            for r in records
+            if r["kind"] == "step" and r["committed"] and r.get("participating", True) and r["step"] < steps
+        ]
+        for records in groups
+    ]
     quorum: dict[int, int] = {}
     for r in (r for records in commits for r in records):
         quorum[r["step"]] = max(quorum.get(r["step"], 0), r["participants"])
     took_part = [{r["step"] for r in records if r["participants"] == quorum[r["step"]]} for records in commits]
-    return {"per_step": [quorum.get(step, 0) for step in range(steps)],
-            "fraction": [len(group) / steps for group in took_part],
-            "heals": [sum(r["kind"] == "step" and r.get("healed", False) for r in records) for records in groups],
-            "alone": sorted({r["step"] for records in commits for r in records if r["participants"] == 1})}
+    return {
+        "per_step": [quorum.get(step, 0) for step in range(steps)],
+        "fraction": [len(group) / steps for group in took_part],
+        "heals": [sum(r["kind"] == "step" and r.get("healed", False) for r in records) for records in groups],
+        "alone": sorted({r["step"] for records in commits for r in records if r["participants"] == 1}),
+    }
 
 
 def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckpt_every: int) -> dict:
@@ -218,12 +304,27 @@ def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckp
     t0 = time.time()
     processes = []
     for host in range(s.hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={s.hosts}", "--nproc_per_node=1",
-                "--max-restarts=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={net.addr(0)}:{PORT}", "--rdzv_id=bench",
-                # A namespace's hostname is the machine's: name the host by its namespace address.
-                f"--rdzv_conf=is_host={str(host == 0).lower()}", f"--local_addr={net.addr(host)}",
-                "-m", "edgc_cli.main", "train", *args]
-        processes.append(net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT))
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={s.hosts}",
+            "--nproc_per_node=1",
+            "--max-restarts=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={net.addr(0)}:{PORT}",
+            "--rdzv_id=bench",
+            # A namespace's hostname is the machine's: name the host by its namespace address.
+            f"--rdzv_conf=is_host={str(host == 0).lower()}",
+            f"--local_addr={net.addr(host)}",
+            "-m",
+            "edgc_cli.main",
+            "train",
+            *args,
+        ]
+        processes.append(
+            net.popen(host, argv, env=env, timeout_s=s.run_timeout_s, stdout=log, stderr=subprocess.STDOUT)
+        )
         if host == 0:
             time.sleep(0.5)
     metrics = run_dir / "metrics.jsonl"
@@ -232,8 +333,11 @@ def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckp
         texts = metrics.read_text().splitlines() if metrics.exists() else []
         train = [json.loads(t) for t in texts if '"kind": "train"' in t]
         if kill_t is None and train and train[-1]["step"] >= kill_at:
-            workers = [p for p in descendants(processes[1].pid) if "edgc_cli.main train" in cmdline(p)
-                       and "torch.distributed.run" not in cmdline(p)]
+            workers = [
+                p
+                for p in descendants(processes[1].pid)
+                if "edgc_cli.main train" in cmdline(p) and "torch.distributed.run" not in cmdline(p)
+            ]
             if workers:
                 seen_step, before = train[-1]["step"], set(texts)
                 os.kill(workers[-1], signal.SIGKILL)
@@ -248,9 +352,16 @@ def run_elastic(net: Network, s: BenchSettings, run_dir: Path, kill_at: int, ckp
     lines = read_lines(metrics)
     train = [r for r in lines if r["kind"] == "train"]
     evals = [r for r in lines if r["kind"] == "eval"]
-    return {"codes": codes, "wall_s": wall, "step_s": statistics.median(r["step_time_s"] for r in train) if train else None,
-            "steps_lost": seen_step + 1 - resumed if back_t else None, "heal_s": back_t - kill_t if back_t else None,
-            "val_loss": evals[-1]["val_loss"] if evals else None, "killed": kill_t is not None, "identical": None}
+    return {
+        "codes": codes,
+        "wall_s": wall,
+        "step_s": statistics.median(r["step_time_s"] for r in train) if train else None,
+        "steps_lost": seen_step + 1 - resumed if back_t else None,
+        "heal_s": back_t - kill_t if back_t else None,
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "killed": kill_t is not None,
+        "identical": None,
+    }
 
 
 def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, ckpt_every: int, say=print) -> dict:
@@ -263,7 +374,10 @@ def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, c
     started = time.time()
     results: dict[str, dict] = {}
     with Network(s.hosts, s.rate_mbit) as net:
-        say(f"network: {s.hosts} hosts, {'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link")
+        say(
+            f"network: {s.hosts} hosts, {'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host "
+            "link"
+        )
         for name in RUNS:
             run_dir = out / "runs" / name
             say(f"[{time.time() - started:6.0f} s] {name}")
@@ -272,17 +386,29 @@ def run_torchft_bench(s: BenchSettings, out: Path, command: str, kill_at: int, c
             elif name == "elastic-edgc":
                 result = run_elastic(net, s, run_dir, kill_at, ckpt_every)
             else:
-                result = run_torchft(net, s, "edgc" if name.startswith("torchft-edgc") else "none", run_dir,
-                                     None if name.endswith("nofail") else kill_at)
+                result = run_torchft(
+                    net,
+                    s,
+                    "edgc" if name.startswith("torchft-edgc") else "none",
+                    run_dir,
+                    None if name.endswith("nofail") else kill_at,
+                )
             result["load"] = os.getloadavg()[0]  # other work on the machine slows a run: shown beside it
             results[name] = result
             say(f"  {json.dumps(result)}")
             if "participation" in result:
                 shown = {"settings": {}, "results": {name: result}}
                 say("\n".join(["", participation_table(shown), *replica_warnings(shown), ""]))
-    summary = {"settings": s.__dict__ | {"methods": list(RUNS)}, "command": command, "kill_at": kill_at,
-               "ckpt_every": ckpt_every, "results": results, "elapsed_s": time.time() - started,
-               "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))}
+    summary = {
+        "settings": s.__dict__ | {"methods": list(RUNS)},
+        "command": command,
+        "kill_at": kill_at,
+        "ckpt_every": ckpt_every,
+        "results": results,
+        "elapsed_s": time.time() - started,
+        "load": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "bench.md").write_text(markdown(summary))
     return summary

@@ -1,4 +1,5 @@
 """bench.md of `edgc bench --torchft` (see torchft_bench.py): the table and the acceptance checks."""
+
 from __future__ import annotations
 
 LABELS = {
@@ -19,13 +20,18 @@ def _fmt(value, digits: int = 3, suffix: str = "") -> str:
 
 def table(summary: dict) -> str:
     results = summary["results"]
-    lines = ["| run | step time (median) | total wall | steps lost | heal (kill → training again) "
-             "| final val loss | replicas identical | load (1 min) |", "|---|---:|---:|---:|---:|---:|:---:|---:|"]
+    lines = [
+        "| run | step time (median) | total wall | steps lost | heal (kill → training again) "
+        "| final val loss | replicas identical | load (1 min) |",
+        "|---|---:|---:|---:|---:|---:|:---:|---:|",
+    ]
     for name, r in results.items():
         identical = "–" if r.get("identical") is None else "yes" if r["identical"] else "no"
-        lines.append(f"| {LABELS.get(name, name)} | {_fmt(r['step_s'], 3, ' s')} | {_fmt(r['wall_s'], 1, ' s')} "
-                     f"| {'–' if r['steps_lost'] is None else r['steps_lost']} | {_fmt(r['heal_s'], 1, ' s')} "
-                     f"| {_fmt(r['val_loss'], 4)} | {identical} | {_fmt(r.get('load'), 1)} |")
+        lines.append(
+            f"| {LABELS.get(name, name)} | {_fmt(r['step_s'], 3, ' s')} | {_fmt(r['wall_s'], 1, ' s')} "
+            f"| {'–' if r['steps_lost'] is None else r['steps_lost']} | {_fmt(r['heal_s'], 1, ' s')} "
+            f"| {_fmt(r['val_loss'], 4)} | {identical} | {_fmt(r.get('load'), 1)} |"
+        )
     return "\n".join(lines)
 
 
@@ -41,14 +47,19 @@ def run_length(values: list[int]) -> str:
 
 
 def participation_table(summary: dict) -> str:
-    lines = ["| run | quorum per step (groups × steps) | took part, per group | heals from a peer, per group "
-             "| steps in a quorum of one |", "|---|---|---|---|---:|"]
+    lines = [
+        "| run | quorum per step (groups × steps) | took part, per group | heals from a peer, per group "
+        "| steps in a quorum of one |",
+        "|---|---|---|---|---:|",
+    ]
     for name, r in summary["results"].items():
         p = r.get("participation")
         if p:
-            lines.append(f"| {LABELS.get(name, name)} | {run_length(p['per_step'])} "
-                         f"| {' · '.join(f'{f:.0%}' for f in p['fraction'])} | {' · '.join(map(str, p['heals']))} "
-                         f"| {len(p['alone'])} |")
+            lines.append(
+                f"| {LABELS.get(name, name)} | {run_length(p['per_step'])} "
+                f"| {' · '.join(f'{f:.0%}' for f in p['fraction'])} | {' · '.join(map(str, p['heals']))} "
+                f"| {len(p['alone'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -58,8 +69,10 @@ def replica_warnings(summary: dict) -> list[str]:
     for name, r in summary["results"].items():
         if r.get("identical") is False:
             alone = (r.get("participation") or {}).get("alone")
-            out.append(f"**⚠ REPLICAS DIFFER: {LABELS.get(name, name)} ended with different parameters on its "
-                       f"groups{f'; steps in a quorum of one: {alone}' if alone else ''}.**")
+            out.append(
+                f"**⚠ REPLICAS DIFFER: {LABELS.get(name, name)} ended with different parameters on its "
+                f"groups{f'; steps in a quorum of one: {alone}' if alone else ''}.**"
+            )
     return out
 
 
@@ -71,8 +84,10 @@ def participation_checks(summary: dict) -> list[str]:
         if r.get("participation"):
             lowest = min(r["participation"]["fraction"])
             ok = lowest >= 0.95 and r.get("identical") is True
-            out.append(f"- {'✓' if ok else '✗'} {LABELS[name]}: every group took part in ≥ 95 % of the steps "
-                       f"(lowest {lowest:.0%}), replicas bit-identical at the end ({'yes' if r.get('identical') else 'NO'})")
+            out.append(
+                f"- {'✓' if ok else '✗'} {LABELS[name]}: every group took part in ≥ 95 % of the steps "
+                f"(lowest {lowest:.0%}), replicas bit-identical at the end ({'yes' if r.get('identical') else 'NO'})"
+            )
     return out
 
 
@@ -98,15 +113,23 @@ def checks(summary: dict) -> list[str]:
     if ft_edgc.get("steps_lost") is not None and "torchft-edgc-nofail" in r:
         check(r["torchft-edgc-nofail"].get("steps_lost") == 0, "torchft + EDGC without a failure lost no step")
     if ft_edgc.get("steps_lost") is not None:
-        check(ft_edgc["steps_lost"] <= 1, f"torchft + EDGC lost {ft_edgc['steps_lost']} step(s) to the kill "
-              f"(≤ 1: the failed step) and healed in {_fmt(ft_edgc.get('heal_s'), 1, ' s')}, no checkpoint rollback")
+        check(
+            ft_edgc["steps_lost"] <= 1,
+            f"torchft + EDGC lost {ft_edgc['steps_lost']} step(s) to the kill "
+            f"(≤ 1: the failed step) and healed in {_fmt(ft_edgc.get('heal_s'), 1, ' s')}, no checkpoint rollback",
+        )
     if ft_edgc.get("wall_s") and elastic.get("wall_s"):
-        check(ft_edgc["wall_s"] < elastic["wall_s"],
-              f"total wall time torchft + EDGC {ft_edgc['wall_s']:.1f} s < elastic restart {elastic['wall_s']:.1f} s")
+        check(
+            ft_edgc["wall_s"] < elastic["wall_s"],
+            f"total wall time torchft + EDGC {ft_edgc['wall_s']:.1f} s < elastic restart {elastic['wall_s']:.1f} s",
+        )
     reference = r.get("torchft-edgc-nofail") or ddp
     if ft_edgc.get("val_loss") and reference.get("val_loss"):
         change = ft_edgc["val_loss"] / reference["val_loss"] - 1
-        check(abs(change) <= 0.01, f"final val loss torchft + EDGC (with the kill) vs failure-free: {change:+.2%} (within 1 %)")
+        check(
+            abs(change) <= 0.01,
+            f"final val loss torchft + EDGC (with the kill) vs failure-free: {change:+.2%} (within 1 %)",
+        )
     if ft_edgc.get("identical") is not None:
         check(ft_edgc["identical"], "torchft + EDGC replicas bit-identical at the end (parameter digests)")
     return out + participation_checks(summary)
@@ -115,12 +138,29 @@ def checks(summary: dict) -> list[str]:
 def markdown(summary: dict) -> str:
     s = summary["settings"]
     rate = "unlimited" if s["rate_mbit"] is None else f"{s['rate_mbit']:g} Mbit/s"
-    setting = (f"{s['hosts']} hosts (one replica group each) at {rate}, preset {s['preset']}, {s['steps']} steps, "
-               f"micro-batch {s['micro_batch']} × {s['seq_len']} tokens; host 1's worker SIGKILLed at step "
-               f"{summary['kill_at']}; elastic run checkpoints every {summary['ckpt_every']} steps; "
-               f"{summary['date']}, load {summary['load'][0]:.1f}")
+    setting = (
+        f"{s['hosts']} hosts (one replica group each) at {rate}, preset {s['preset']}, {s['steps']} steps, "
+        f"micro-batch {s['micro_batch']} × {s['seq_len']} tokens; host 1's worker SIGKILLed at step "
+        f"{summary['kill_at']}; elastic run checkpoints every {summary['ckpt_every']} steps; "
+        f"{summary['date']}, load {summary['load'][0]:.1f}"
+    )
     warnings = replica_warnings(summary)
-    return "\n".join(["# edgc bench --torchft", "", SRC_START, f"`{summary['command']}`: {setting}", "",
-                      *(warnings + [""] if warnings else []), table(summary), "",
-                      "Participation (a group takes part in a step it commits as one of the quorum's participants):",
-                      "", participation_table(summary), "", *checks(summary), SRC_END, ""])
+    return "\n".join(
+        [
+            "# edgc bench --torchft",
+            "",
+            SRC_START,
+            f"`{summary['command']}`: {setting}",
+            "",
+            *(warnings + [""] if warnings else []),
+            table(summary),
+            "",
+            "Participation (a group takes part in a step it commits as one of the quorum's participants):",
+            "",
+            participation_table(summary),
+            "",
+            *checks(summary),
+            SRC_END,
+            "",
+        ]
+    )

@@ -16,6 +16,7 @@ quorum's participants, whether this group was one of them, whether it healed fro
 the step, EDGC phase and rank) and a ``final`` line (validation loss over edgc train's validation
 blocks for ``--replicas`` ranks, a digest of the parameters' bytes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     """The flags of both bench workers (this one and diloco_train.py): the log folder, the replica
     group, edgc train's training settings and the torchft timeouts."""
     p.add_argument("--out", required=True)
-    p.add_argument("--group", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", 0)),
-                   help="replica group (torchft) = data shard (default: $REPLICA_GROUP_ID, as launch_local_groups sets)")
+    p.add_argument(
+        "--group",
+        type=int,
+        default=int(os.environ.get("REPLICA_GROUP_ID", 0)),
+        help="replica group (torchft) = data shard (default: $REPLICA_GROUP_ID, as launch_local_groups sets)",
+    )
     p.add_argument("--replicas", type=int, default=2, help="replica groups of the run (data shards, validation)")
     p.add_argument("--advertise", default=None, help="address peers reach this host at (torchft servers)")
     p.add_argument("--preset", default="tiny")
@@ -65,15 +70,28 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chars", type=int, default=None)
     p.add_argument("--edgc", default="{}", help="EDGCConfig fields as JSON")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for a collective or manager call")
-    p.add_argument("--tolerated-failures", type=int, default=0,
-                   help="dead replica groups the others go on without (QuorumSettings.for_groups)")
+    p.add_argument(
+        "--tolerated-failures",
+        type=int,
+        default=0,
+        help="dead replica groups the others go on without (QuorumSettings.for_groups)",
+    )
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """edgc train's configuration of a worker's flags (no compressor: the worker syncs itself)."""
-    return TrainConfig(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                       vocab_size=args.vocab_size, eval_batches=args.eval_batches, seed=args.seed,
-                       compressor="none", data=args.data, max_chars=args.max_chars)
+    return TrainConfig(
+        preset=args.preset,
+        steps=args.steps,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        eval_batches=args.eval_batches,
+        seed=args.seed,
+        compressor="none",
+        data=args.data,
+        max_chars=args.max_chars,
+    )
 
 
 def validation_loss(model, data, cfg: TrainConfig, replicas: int) -> float:
@@ -91,8 +109,9 @@ def validation_loss(model, data, cfg: TrainConfig, replicas: int) -> float:
     return loss_sum / tokens
 
 
-def replica_manager(args: argparse.Namespace, group: int, module, optimizer, heals: list, use_async_quorum: bool,
-                    init_sync: bool = True):
+def replica_manager(
+    args: argparse.Namespace, group: int, module, optimizer, heals: list, use_async_quorum: bool, init_sync: bool = True
+):
     """torchft's Manager of one replica group, with `QuorumSettings.for_groups` of the flags: a heal
     loads the model and ``optimizer`` from a peer and appends the step to ``heals`` (torchft calls
     ``load_state_dict`` only to heal). ``init_sync``: torchft's heal of every group from one at
@@ -108,15 +127,28 @@ def replica_manager(args: argparse.Namespace, group: int, module, optimizer, hea
         optimizer.load_state_dict(state["optim"])
         heals.append(manager.current_step())
 
-    manager = Manager(pg=ProcessGroupGloo(timeout=quorum.timeout), load_state_dict=load,
-                      state_dict=lambda: {"model": module.state_dict(), "optim": optimizer.state_dict()},
-                      replica_id=f"group{group}", hostname=args.advertise or socket.gethostname(),
-                      use_async_quorum=use_async_quorum, init_sync=init_sync, **quorum.manager_kwargs())
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=quorum.timeout),
+        load_state_dict=load,
+        state_dict=lambda: {"model": module.state_dict(), "optim": optimizer.state_dict()},
+        replica_id=f"group{group}",
+        hostname=args.advertise or socket.gethostname(),
+        use_async_quorum=use_async_quorum,
+        init_sync=init_sync,
+        **quorum.manager_kwargs(),
+    )
     return manager
 
 
-def torchft_sync(args: argparse.Namespace, module, optimizer, edgc_config: EDGCConfig, group: int, heals: list,
-                 init_sync: bool = True):
+def torchft_sync(
+    args: argparse.Namespace,
+    module,
+    optimizer,
+    edgc_config: EDGCConfig,
+    group: int,
+    heals: list,
+    init_sync: bool = True,
+):
     """(model, EDGC state or None, manager) of one torchft replica group (`replica_manager`)."""
     # torchft's default async quorum without EDGC; EDGC needs the quorum first
     manager = replica_manager(args, group, module, optimizer, heals, args.compressor == "none", init_sync)
@@ -169,9 +201,14 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             wait_for_every_group(manager, args.replicas, 3 * args.timeout)
     train(model, module, optimizer, state, manager, data, cfg, group, args.replicas, heals, write)
-    write(kind="final", t=time.time(), val_loss=validation_loss(module, data, cfg, args.replicas),
-          checksum=parameter_digest(module), heals=getattr(state, "heals", None),
-          discarded=getattr(state, "steps_discarded", None))
+    write(
+        kind="final",
+        t=time.time(),
+        val_loss=validation_loss(module, data, cfg, args.replicas),
+        checksum=parameter_digest(module),
+        heals=getattr(state, "heals", None),
+        discarded=getattr(state, "steps_discarded", None),
+    )
     if manager is not None:
         manager.shutdown(wait=False)
     else:
@@ -181,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def train(model, module, optimizer, state, manager, data, cfg: TrainConfig, group: int, replicas: int,
-          heals: list, write) -> None:
+def train(
+    model, module, optimizer, state, manager, data, cfg: TrainConfig, group: int, replicas: int, heals: list, write
+) -> None:
     """The optimizer steps of one group, one ``step`` line each, until the run's last step is committed."""
     schedule = lr_lambda(cfg)
     step_of = manager.current_step if manager is not None else lambda: state.step
@@ -192,18 +230,30 @@ def train(model, module, optimizer, state, manager, data, cfg: TrainConfig, grou
         start, heals_before = time.perf_counter(), len(heals)
         if manager is not None:
             manager.start_quorum()  # (and, for a restarted group, the heal)
-        step, committed, loss = sync_step(model, module, optimizer, manager, sampler, cfg, schedule, step_of(), attempts)
+        step, committed, loss = sync_step(
+            model, module, optimizer, manager, sampler, cfg, schedule, step_of(), attempts
+        )
         attempts += not committed
         metrics = state.last_step_metrics if state is not None else {}
-        write(kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, committed=committed,
-              loss=loss, participants=manager.num_participants() if manager else None,
-              participating=manager.participating_rank() is not None if manager else True,
-              healed=any(h > 0 for h in heals[heals_before:]),  # at step 0: the initial weight sync
-              phase=metrics.get("phase"), rank=metrics.get("rank"), bytes_sent=metrics.get("bytes_sent"))
+        write(
+            kind="step",
+            step=step,
+            t=time.time(),
+            step_s=time.perf_counter() - start,
+            committed=committed,
+            loss=loss,
+            participants=manager.num_participants() if manager else None,
+            participating=manager.participating_rank() is not None if manager else True,
+            healed=any(h > 0 for h in heals[heals_before:]),  # at step 0: the initial weight sync
+            phase=metrics.get("phase"),
+            rank=metrics.get("rank"),
+            bytes_sent=metrics.get("bytes_sent"),
+        )
 
 
-def sync_step(model, module, optimizer, manager, sampler: BlockSampler, cfg: TrainConfig, schedule, step: int,
-              attempts: int) -> tuple[int, bool, float]:
+def sync_step(
+    model, module, optimizer, manager, sampler: BlockSampler, cfg: TrainConfig, schedule, step: int, attempts: int
+) -> tuple[int, bool, float]:
     """One optimizer step of a group at ``step`` (after ``manager.start_quorum()``): forward, backward
     and clipping on a fresh batch for every attempt, as from a data loader (a discarded step's gradient
     is kept); the optimizer steps if the manager (None: plain DDP) commits. (The step this attempt

@@ -1,6 +1,7 @@
 """`CLIError`, the one user error every tool raises, and `missing_extra`, the line for an optional
 dependency that is not installed: beneath the tools, so that they need not import the command
 (`edgc_cli.main`), which imports every tool."""
+
 from __future__ import annotations
 
 import re
@@ -31,6 +32,8 @@ def missing_extra(error: ModuleNotFoundError) -> str | None:
         name = re.match(r"[A-Za-z0-9_.-]+", requirement)
         extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", requirement)
         if name and extra and _normalised(name.group(0)) == wanted:
-            return (f"this needs {name.group(0)}, which is not installed: it comes with edgc's "
-                    f"'{extra.group(1)}' extra (pip install 'edgc[{extra.group(1)}]')")
+            return (
+                f"this needs {name.group(0)}, which is not installed: it comes with edgc's "
+                f"'{extra.group(1)}' extra (pip install 'edgc[{extra.group(1)}]')"
+            )
     return None

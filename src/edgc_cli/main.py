@@ -9,6 +9,7 @@ A user error (a bad flag, a `CLIError` from a tool) is one line on stderr, ``edg
 ...``, and exit code 2, whatever the entry point: the `edgc` script, ``python -m edgc_cli.main``, or
 each process of ``torchrun ... -m edgc_cli.main``, where rank 0 prints it (see print_error).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -28,6 +28,7 @@ The summary gives per change the first step's excess and the excess summed from 
 next one (of which the settled level above is most), rises and falls apart; `summarise` compares
 two rules per seed, and new − ½·old below 0 means the new rule at least halves what a change costs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,7 @@ from edgc.lowrank import LowRankCompressor
 from .common import fmt_interval, t_interval
 
 TWINS = ("run", "independent")
+
 
 class Shadows:
     """Never-resized twins of the run's compressor at fixed ranks, applied to the run's own M each step.
@@ -112,7 +114,7 @@ def change_costs(records: list) -> dict:
     def close() -> None:
         if opened is not None and window:  # the first window starts from the warm-up, not from a change
             changes.append({"step": opened[0], "rise": opened[1], "cost": sum(window), "first": window[0]})
-            settled.extend(window[len(window) // 2:])
+            settled.extend(window[len(window) // 2 :])
 
     for step, rank, run, shadows in records:
         if previous is not None and rank != previous:
@@ -177,8 +179,10 @@ def halving(per_rule: dict, new: str = "warm", old: str = "truncate", first: boo
 
 def shadow_record(shadows: Shadows) -> list:
     """The records as JSON-friendly lists, errors rounded to 7 digits."""
-    return [[step, rank, round(run, 7), {str(r): round(e, 7) for r, e in shadow.items()}]
-            for step, rank, run, shadow in shadows.records]
+    return [
+        [step, rank, round(run, 7), {str(r): round(e, 7) for r, e in shadow.items()}]
+        for step, rank, run, shadow in shadows.records
+    ]
 
 
 def paragraph(b: int, alternations: dict[str, dict], static: dict, stats: dict, seeds: list[int]) -> str:
@@ -190,29 +194,38 @@ def paragraph(b: int, alternations: dict[str, dict], static: dict, stats: dict, 
     if per_rule is None:
         return ""
     halved, halved_first = halving(per_rule), halving(per_rule, first=True)
-    stats["compression-cost"] = {**per_rule, "warm-minus-half-truncate": halved,
-                                 "first-step-warm-minus-half-truncate": halved_first}
+    stats["compression-cost"] = {
+        **per_rule,
+        "warm-minus-half-truncate": halved,
+        "first-step-warm-minus-half-truncate": halved_first,
+    }
 
     def split(c: dict) -> str:
-        return (f"rises {fmt_interval(c['rises'], '+.3f')}, falls {fmt_interval(c['falls'], '+.3f')}, "
-                f"all {fmt_interval(c['all'], '+.3f')}")
+        return (
+            f"rises {fmt_interval(c['rises'], '+.3f')}, falls {fmt_interval(c['falls'], '+.3f')}, "
+            f"all {fmt_interval(c['all'], '+.3f')}"
+        )
 
     first = "; ".join(f"{rule}: {split(c['first'])}" for rule, c in per_rule.items())
     sums = "; ".join(f"{rule}: {split(c)}" for rule, c in per_rule.items())
     settled = ", ".join(f"{rule} {fmt_interval(c['settled'], '+.4f')}" for rule, c in per_rule.items())
-    text = (f" **In compression error** (the relative error ‖M − Ĝ‖²/‖M‖² of each `alt-` run minus that of "
-            f"its twins: power iterations at {b // 2} and {b + b // 2} that started from the run's own Q, are "
-            f"never resized and see the run's M every step, i.e. the run had it never changed rank). "
-            f"*At a change's first step*, where run and twin see the same M and differ only by what the "
-            f"change did to Q: {first}; warm over truncate {halved_first['ratio']:.2f}×, warm − ½·truncate "
-            f"{fmt_interval(halved_first, '+.4f')} (below 0: the warm rule at least halves it). "
-            f"*Summed from a change to the next* (mean per change): {sums}; warm over truncate "
-            f"{halved['ratio']:.2f}×, warm − ½·truncate {fmt_interval(halved, '+.3f')}. "
-            f"The excess left in the last half of each window (per step): {settled}.")
+    text = (
+        f" **In compression error** (the relative error ‖M − Ĝ‖²/‖M‖² of each `alt-` run minus that of "
+        f"its twins: power iterations at {b // 2} and {b + b // 2} that started from the run's own Q, are "
+        f"never resized and see the run's M every step, i.e. the run had it never changed rank). "
+        f"*At a change's first step*, where run and twin see the same M and differ only by what the "
+        f"change did to Q: {first}; warm over truncate {halved_first['ratio']:.2f}×, warm − ½·truncate "
+        f"{fmt_interval(halved_first, '+.4f')} (below 0: the warm rule at least halves it). "
+        f"*Summed from a change to the next* (mean per change): {sums}; warm over truncate "
+        f"{halved['ratio']:.2f}×, warm − ½·truncate {fmt_interval(halved, '+.3f')}. "
+        f"The excess left in the last half of each window (per step): {settled}."
+    )
     control = steady_excess(static, seeds, b)
     if control is not None:
         stats["compression-cost"]["static"] = control
-        text += (f" A static run at {b} sits above an *independent* twin (another seed) by "
-                 f"{fmt_interval(control, '+.4f')} per step: the level two distinct power iterations settle to "
-                 f"on the run's matrices, which no change causes and every change reaches.")
+        text += (
+            f" A static run at {b} sits above an *independent* twin (another seed) by "
+            f"{fmt_interval(control, '+.4f')} per step: the level two distinct power iterations settle to "
+            f"on the run's matrices, which no change causes and every change reaches."
+        )
     return text

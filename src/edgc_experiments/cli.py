@@ -3,6 +3,7 @@
 Every experiment writes ``ROOT/NAME/summary.md`` (the numbers, next to what the paper claims),
 ``results.json`` (everything measured) and PNG plots, and prints its headline number.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ EXPERIMENTS = {
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "experiment", help="check one of EDGC's claims on your model: plots, a summary and a headline number",
-        description=__doc__.splitlines()[0] + " Results go to ROOT/NAME (default runs/experiments/NAME).")
+        "experiment",
+        help="check one of EDGC's claims on your model: plots, a summary and a headline number",
+        description=__doc__.splitlines()[0] + " Results go to ROOT/NAME (default runs/experiments/NAME).",
+    )
     sub = p.add_subparsers(dest="experiment", metavar="NAME")
     for name, module_name in EXPERIMENTS.items():
         module = importlib.import_module(module_name)

@@ -5,6 +5,7 @@ Everything that defines training is reused from ``edgc_train`` (data preparation
 ``TrainConfig``, the optimizer and LR schedule, and the `edgc train` runner itself); everything that
 measures gradients is reused from ``edgc`` (entropy estimators, the CQM curves, the PowerSGD probe).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,10 +81,22 @@ class Setting:
     def train_config(self, **overrides):
         from edgc_train.config import TrainConfig
 
-        values = dict(data=self.data, max_chars=self.max_chars, vocab_size=self.vocab_size, cache_dir=self.cache_dir,
-                      preset=self.preset, seq_len=self.seq_len, micro_batch=self.micro_batch, steps=self.steps,
-                      lr=self.lr, seed=self.seed, compressor="none", progress=False, tensorboard=False,
-                      device="cpu")
+        values = dict(
+            data=self.data,
+            max_chars=self.max_chars,
+            vocab_size=self.vocab_size,
+            cache_dir=self.cache_dir,
+            preset=self.preset,
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            steps=self.steps,
+            lr=self.lr,
+            seed=self.seed,
+            compressor="none",
+            progress=False,
+            tensorboard=False,
+            device="cpu",
+        )
         values.update(overrides)
         try:
             return TrainConfig(**values)
@@ -92,9 +105,22 @@ class Setting:
 
     def train_flags(self) -> list[str]:
         """The same setting as `edgc train` flags."""
-        flags = ["--preset", self.preset, "--vocab-size", str(self.vocab_size), "--seq-len", str(self.seq_len),
-                 "--micro-batch", str(self.micro_batch), "--steps", str(self.steps), "--lr", str(self.lr),
-                 "--seed", str(self.seed)]
+        flags = [
+            "--preset",
+            self.preset,
+            "--vocab-size",
+            str(self.vocab_size),
+            "--seq-len",
+            str(self.seq_len),
+            "--micro-batch",
+            str(self.micro_batch),
+            "--steps",
+            str(self.steps),
+            "--lr",
+            str(self.lr),
+            "--seed",
+            str(self.seed),
+        ]
         if self.max_chars is not None:
             flags += ["--max-chars", str(self.max_chars)]
         if self.data is not None:
@@ -108,21 +134,33 @@ class Setting:
         if self.max_chars:
             corpus += f", first {self.max_chars:,} characters"
         batch = f"{nproc} processes × " if nproc > 1 else ""
-        return (f"GPT-2 `{self.preset}` preset, vocab {self.vocab_size}, {batch}{self.micro_batch} × {self.seq_len} tokens "
-                f"per step, {self.steps} AdamW steps at lr {self.lr:g} (cosine), seed {self.seed}, corpus: {corpus}")
+        return (
+            f"GPT-2 `{self.preset}` preset, vocab {self.vocab_size}, {batch}{self.micro_batch} × {self.seq_len} tokens "
+            f"per step, {self.steps} AdamW steps at lr {self.lr:g} (cosine), seed {self.seed}, corpus: {corpus}"
+        )
 
 
 def add_setting_arguments(p, steps: int, tiny_steps: int) -> None:
     """Flags shared by every experiment (the training setting and the output folder)."""
-    p.add_argument("--out", metavar="ROOT", default=str(DEFAULT_ROOT),
-                   help=f"results go to ROOT/NAME (default {DEFAULT_ROOT})")
+    p.add_argument(
+        "--out", metavar="ROOT", default=str(DEFAULT_ROOT), help=f"results go to ROOT/NAME (default {DEFAULT_ROOT})"
+    )
     p.add_argument("--force", action="store_true", help="overwrite an existing ROOT/NAME")
-    p.add_argument("--tiny", action="store_true",
-                   help=f"a seconds-long smoke setting (first 200k characters, vocab 512, {tiny_steps} steps)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"a seconds-long smoke setting (first 200k characters, vocab 512, {tiny_steps} steps)",
+    )
     p.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps of the training run(s) (default {steps})")
     p.add_argument("--preset", default="tiny", help="GPT-2 preset of edgc train: tiny, small, gpt2 (default tiny)")
     p.add_argument("--seq-len", type=int, default=64, metavar="N", help="tokens per sequence (default 64)")
-    p.add_argument("--micro-batch", type=int, default=8, metavar="N", help="sequences per optimizer step in all (default 8; data-parallel runs split them over the processes)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences per optimizer step in all (default 8; data-parallel runs split them over the processes)",
+    )
     p.add_argument("--data", metavar="PATH", help="text file or folder to train on (default: the KJV Bible)")
     p.add_argument("--cache-dir", metavar="DIR", help="data cache folder (default: edgc train's)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the training run(s) (default 1337)")
@@ -134,8 +172,16 @@ def setting_from_args(args) -> Setting:
     if steps < 1:
         raise CLIError(f"--steps: must be ≥ 1, got {steps}")
     tiny = dict(max_chars=200_000, vocab_size=512) if args.tiny else {}
-    return Setting(steps=steps, preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                   data=args.data, cache_dir=args.cache_dir, seed=args.seed, **tiny)
+    return Setting(
+        steps=steps,
+        preset=args.preset,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        data=args.data,
+        cache_dir=args.cache_dir,
+        seed=args.seed,
+        **tiny,
+    )
 
 
 # ----------------------------------------------------------------------------- gradient capture
@@ -153,8 +199,9 @@ def layer_type(name: str) -> str:
 GradCallback = Callable[[int, list[tuple[str, "object"]]], None]
 
 
-def train_and_capture(setting: Setting, on_grads: GradCallback, every: int = 1,
-                      log: Callable[[str], None] = print) -> dict:
+def train_and_capture(
+    setting: Setting, on_grads: GradCallback, every: int = 1, log: Callable[[str], None] = print
+) -> dict:
     """Train one process (no DDP) exactly as `edgc train` would, calling ``on_grads(step, named_grads)``.
 
     The callback sees the gradient of every ``every``-th step (steps counted from 1) after
@@ -208,8 +255,7 @@ def train_and_capture(setting: Setting, on_grads: GradCallback, every: int = 1,
         if now - last_report > 30 or step == cfg.steps:
             log(f"  step {step}/{cfg.steps}  loss {value:.3f}  ({now - start:.0f} s)")
             last_report = now
-    return {"steps": steps, "loss": losses, "wall_s": time.perf_counter() - start,
-            "n_params": count_parameters(model)}
+    return {"steps": steps, "loss": losses, "wall_s": time.perf_counter() - start, "n_params": count_parameters(model)}
 
 
 # ----------------------------------------------------------------------------- data-parallel runs
@@ -219,8 +265,17 @@ def edgc_train(setting: Setting, run_dir: Path, nproc: int, extra: Sequence[str]
     ``nproc ≥ 2`` starts `edgc train --nproc N` in a subprocess (torchrun, gloo on loopback);
     ``nproc == 1`` runs the same trainer in this process (a group of one: the tests' fast path).
     """
-    args = ["train", "--out", str(run_dir), *setting.train_flags(), "--no-progress", "--no-tensorboard",
-            "--device", "cpu", *extra]
+    args = [
+        "train",
+        "--out",
+        str(run_dir),
+        *setting.train_flags(),
+        "--no-progress",
+        "--no-tensorboard",
+        "--device",
+        "cpu",
+        *extra,
+    ]
     t0 = time.perf_counter()
     if nproc >= 2:
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -298,7 +353,7 @@ def moments(x) -> tuple[float, float]:
         return 0.0, 0.0
     m3 = float((c2 * c).sum()) / n
     m4 = float((c2 * c2).sum()) / n
-    return m3 / m2 ** 1.5, m4 / m2 ** 2 - 3.0
+    return m3 / m2**1.5, m4 / m2**2 - 3.0
 
 
 def fmt(value: float, spec: str = ".3f") -> str:

@@ -13,6 +13,7 @@ shapes). Here, at several points of one single-process GPT-2 run, every 2-D grad
 ratio = measured / model < 1 means the real gradient is more low-rank than an i.i.d. Gaussian one:
 the model overestimates the error, i.e. it is conservative (O3).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,8 +35,13 @@ HEADLINE_RANK = 8
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--captures", type=int, default=6, metavar="N",
-                   help="number of evenly spaced steps at which the gradients are measured (default 6)")
+    p.add_argument(
+        "--captures",
+        type=int,
+        default=6,
+        metavar="N",
+        help="number of evenly spaced steps at which the gradients are measured (default 6)",
+    )
 
 
 def validate(args, setting) -> None:
@@ -75,10 +81,22 @@ def run(args, out, setting, log=print) -> dict:
                 exact = max(float(tails[r]), 0.0)
                 predicted = sigma2 * float(curve[r])
                 power = float(engine.probe_error([name], [grad], r)[0])  # (error², ‖M‖²): the error
-                rows.append({"step": step, "name": name, "type": common.layer_type(name), "m": m, "n": k, "rank": r,
-                             "exact": exact, "power_iteration": power, "model": predicted, "norm_sq": total,
-                             "ratio_exact": exact / predicted if predicted > 0 else float("nan"),
-                             "ratio_power": power / predicted if predicted > 0 else float("nan")})
+                rows.append(
+                    {
+                        "step": step,
+                        "name": name,
+                        "type": common.layer_type(name),
+                        "m": m,
+                        "n": k,
+                        "rank": r,
+                        "exact": exact,
+                        "power_iteration": power,
+                        "model": predicted,
+                        "norm_sq": total,
+                        "ratio_exact": exact / predicted if predicted > 0 else float("nan"),
+                        "ratio_power": power / predicted if predicted > 0 else float("nan"),
+                    }
+                )
 
     curve = common.train_and_capture(setting, on_grads, every=1, log=log)
 
@@ -89,22 +107,36 @@ def run(args, out, setting, log=print) -> dict:
     early, late = capture_steps[0], capture_steps[-1]
     table = []
     for r in RANKS:
-        table.append([r, fmt(median("ratio_exact", rank=r)), fmt(median("ratio_exact", rank=r, step=early)),
-                      fmt(median("ratio_exact", rank=r, step=late)), fmt(median("ratio_power", rank=r)),
-                      fmt(median("exact", rank=r) / median("norm_sq", rank=r), ".3f"),
-                      fmt(median("model", rank=r) / median("norm_sq", rank=r), ".3f")])
+        table.append(
+            [
+                r,
+                fmt(median("ratio_exact", rank=r)),
+                fmt(median("ratio_exact", rank=r, step=early)),
+                fmt(median("ratio_exact", rank=r, step=late)),
+                fmt(median("ratio_power", rank=r)),
+                fmt(median("exact", rank=r) / median("norm_sq", rank=r), ".3f"),
+                fmt(median("model", rank=r) / median("norm_sq", rank=r), ".3f"),
+            ]
+        )
     by_type = []
     for t in common.LAYER_TYPES:
-        by_type.append([t, fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=early)),
-                        fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=late)),
-                        fmt(median("ratio_power", rank=HEADLINE_RANK, type=t, step=late))])
+        by_type.append(
+            [
+                t,
+                fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=early)),
+                fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=late)),
+                fmt(median("ratio_power", rank=HEADLINE_RANK, type=t, step=late)),
+            ]
+        )
     head_all = median("ratio_exact", rank=HEADLINE_RANK)
     frac_below = float(np.mean([r["ratio_exact"] < 1 for r in rows])) if rows else float("nan")
-    headline = (f"real rank-{HEADLINE_RANK} error is {head_all:.2f}× the Marchenko–Pastur model's σ²·g(r) "
-                f"(median over {len({(r['step'], r['name']) for r in rows})} gradient matrices; step {early}: "
-                f"{median('ratio_exact', rank=HEADLINE_RANK, step=early):.2f}×, step {late}: "
-                f"{median('ratio_exact', rank=HEADLINE_RANK, step=late):.2f}×); below the model in "
-                f"{100 * frac_below:.0f}% of all (matrix, step, rank) cases")
+    headline = (
+        f"real rank-{HEADLINE_RANK} error is {head_all:.2f}× the Marchenko–Pastur model's σ²·g(r) "
+        f"(median over {len({(r['step'], r['name']) for r in rows})} gradient matrices; step {early}: "
+        f"{median('ratio_exact', rank=HEADLINE_RANK, step=early):.2f}×, step {late}: "
+        f"{median('ratio_exact', rank=HEADLINE_RANK, step=late):.2f}×); below the model in "
+        f"{100 * frac_below:.0f}% of all (matrix, step, rank) cases"
+    )
     plots = _plot(out, rows, capture_steps, model)
     summary = [
         f"# Experiment `{NAME}`: real low-rank error vs the CQM (Marchenko–Pastur) model",
@@ -115,14 +147,30 @@ def run(args, out, setting, log=print) -> dict:
         f"{', '.join(map(str, capture_steps))}. Model: σ²·g(r; m, n) with σ² = ‖A‖²/(mn), g from "
         "`edgc.rank_model.ErrorModel` (Monte Carlo, 4 draws). Ratios are medians over matrices.",
         "",
-        markdown_table(["rank r", "exact / model (all steps)", f"exact / model (step {early})",
-                        f"exact / model (step {late})", "1 power iteration / model",
-                        "median exact ‖A−A_r‖²/‖A‖²", "median model error / ‖A‖²"], table),
+        markdown_table(
+            [
+                "rank r",
+                "exact / model (all steps)",
+                f"exact / model (step {early})",
+                f"exact / model (step {late})",
+                "1 power iteration / model",
+                "median exact ‖A−A_r‖²/‖A‖²",
+                "median model error / ‖A‖²",
+            ],
+            table,
+        ),
         "",
         f"By layer type, rank {HEADLINE_RANK}:",
         "",
-        markdown_table(["layer type", f"exact / model, step {early}", f"exact / model, step {late}",
-                        f"1 power iteration / model, step {late}"], by_type),
+        markdown_table(
+            [
+                "layer type",
+                f"exact / model, step {early}",
+                f"exact / model, step {late}",
+                f"1 power iteration / model, step {late}",
+            ],
+            by_type,
+        ),
         "",
         "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
         "",
@@ -133,8 +181,9 @@ def run(args, out, setting, log=print) -> dict:
         "right.",
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(setting), "capture_steps": capture_steps,
-                                            "rows": rows, "loss": curve})
+    common.write_json(
+        out / "results.json", {"setting": vars(setting), "capture_steps": capture_steps, "rows": rows, "loss": curve}
+    )
     return {"headline": headline, "ratio": head_all, "rows": rows}
 
 
@@ -149,8 +198,11 @@ def _plot(out, rows, capture_steps, model):
         names += cands[:1] + (cands[-1:] if len(cands) > 1 else [])
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, name in enumerate(names):
-        pts = sorted((r["rank"], r["exact"] / r["norm_sq"], r["model"] / r["norm_sq"], r["power_iteration"] / r["norm_sq"])
-                     for r in rows if r["name"] == name and r["step"] == late)
+        pts = sorted(
+            (r["rank"], r["exact"] / r["norm_sq"], r["model"] / r["norm_sq"], r["power_iteration"] / r["norm_sq"])
+            for r in rows
+            if r["name"] == name and r["step"] == late
+        )
         if not pts:
             continue
         rk = [p[0] for p in pts]

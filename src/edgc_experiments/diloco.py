@@ -21,6 +21,7 @@ the smallest H against torchft at the largest (whose bytes are H_max/H_min times
 step); and the spectrum: the share of a pseudo-gradient's energy in its top r singular values beside
 the share of one step's gradient (rank 0, the first outer step of torchft's run at the first seed).
 """
+
 from __future__ import annotations
 
 import re
@@ -66,18 +67,34 @@ def add_arguments(p) -> None:
     p.add_argument("--models", default=",".join(FAMILIES), help=f"model families (default {','.join(FAMILIES)})")
     p.add_argument("--inner", default=",".join(INNER), help=f"inner optimizers (default {','.join(INNER)})")
     p.add_argument("--sync-every", default="6,30", metavar="H,...", help="inner steps per outer step (default 6,30)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"methods, torchft's first (default {DEFAULT_METHODS}; see the module docstring)")
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"methods, torchft's first (default {DEFAULT_METHODS}; see the module docstring)",
+    )
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per method (default 3)")
     p.add_argument("--replicas", type=int, default=2, metavar="N", help="DiLoCo replicas, one process each (default 2)")
-    p.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})")
-    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
-                   help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})")
-    p.add_argument("--reuse", default="", metavar="DIR,...",
-                   help="take a method's runs of a cell from DIR/runs/ of an earlier run of this experiment that "
-                        "has it at every seed and the same outer steps (the other methods are trained)")
-    p.add_argument("--no-train", action="store_true",
-                   help="with --reuse: train nothing; a cell some method of which is missing is left out (the summary says which)")
+    p.add_argument(
+        "--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=OUTER_MOMENTUM,
+        help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})",
+    )
+    p.add_argument(
+        "--reuse",
+        default="",
+        metavar="DIR,...",
+        help="take a method's runs of a cell from DIR/runs/ of an earlier run of this experiment that "
+        "has it at every seed and the same outer steps (the other methods are trained)",
+    )
+    p.add_argument(
+        "--no-train",
+        action="store_true",
+        help="with --reuse: train nothing; a cell some method of which is missing is left out (the summary says which)",
+    )
 
 
 def _split(raw: str) -> list[str]:
@@ -141,12 +158,16 @@ def run(args, out, setting, log=print) -> dict:
         for seed in seeds if todo else []:
             if seed == seeds[0] and "torchft" in todo:
                 todo["torchft"]["spectrum"] = list(SPECTRUM_RANKS)
-            runs = train_runs(family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir)
+            runs = train_runs(
+                family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir
+            )
             todo.get("torchft", {}).pop("spectrum", None)
             for name, result in zip(todo, runs):
                 results[key][name][str(seed)] = result
-                log(f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
-                    f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s")
+                log(
+                    f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
+                    f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s"
+                )
         results[key] = {name: results[key][name] for name in arms}
         common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
     if not cells:
@@ -165,8 +186,9 @@ def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_ste
         path = Path(folder) / "runs" / f"{key.replace('/', '-')}.json"
         cell = json.loads(path.read_text()) if path.is_file() else {}
         for name in arms:
-            if name not in found and all(str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps
-                                         for s in seeds):
+            if name not in found and all(
+                str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps for s in seeds
+            ):
                 found[name] = {str(s): cell[name][str(s)] for s in seeds}
     return found
 
@@ -175,10 +197,18 @@ def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> di
     """Paired Δ % of ``arm``'s validation loss against ``reference``'s, with its bytes ratio."""
     deltas = [100 * (cell[arm][str(s)]["val_loss"] / cell[reference][str(s)]["val_loss"] - 1) for s in seeds]
     m, low, high = t_interval(deltas)
-    errors = [o["relative_error"] for s in seeds for o in cell[arm][str(s)]["outer"] if o.get("relative_error") is not None]
-    return {"deltas": deltas, "mean": m, "low": low, "high": high, "relative_error": mean(errors) if errors else None,
-            "val_loss": mean(cell[arm][str(s)]["val_loss"] for s in seeds),
-            "bytes_ratio": mean(cell[arm][str(s)]["bytes"] / cell[reference][str(s)]["bytes"] for s in seeds)}
+    errors = [
+        o["relative_error"] for s in seeds for o in cell[arm][str(s)]["outer"] if o.get("relative_error") is not None
+    ]
+    return {
+        "deltas": deltas,
+        "mean": m,
+        "low": low,
+        "high": high,
+        "relative_error": mean(errors) if errors else None,
+        "val_loss": mean(cell[arm][str(s)]["val_loss"] for s in seeds),
+        "bytes_ratio": mean(cell[arm][str(s)]["bytes"] / cell[reference][str(s)]["bytes"] for s in seeds),
+    }
 
 
 def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
@@ -193,14 +223,28 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
                 reference = "torchft"
             p = stats[(key, name)] = paired_percent(cell, name, reference, seeds)
             versus = "" if reference == "torchft" else f" (vs {reference})"
-            rows.append([family, inner, h, name + versus, f"{p['bytes_ratio']:.3f}", fmt(p["relative_error"], ".2f"),
-                         f"{p['val_loss']:.4f}",
-                         "–" if name == "torchft" else " ".join(f"{d:+.2f}" for d in p["deltas"]),
-                         "–" if name == "torchft" else fmt_interval(p, "+.2f")])
+            rows.append(
+                [
+                    family,
+                    inner,
+                    h,
+                    name + versus,
+                    f"{p['bytes_ratio']:.3f}",
+                    fmt(p["relative_error"], ".2f"),
+                    f"{p['val_loss']:.4f}",
+                    "–" if name == "torchft" else " ".join(f"{d:+.2f}" for d in p["deltas"]),
+                    "–" if name == "torchft" else fmt_interval(p, "+.2f"),
+                ]
+            )
         spectrum = cell["torchft"][str(seeds[0])].get("spectrum")
         if spectrum:
-            spectra.append([family, inner, h] + [f"{spectrum['pseudo_gradient'][str(r)]:.2f} / {spectrum['gradient'][str(r)]:.2f}"
-                                                  for r in SPECTRUM_RANKS])
+            spectra.append(
+                [family, inner, h]
+                + [
+                    f"{spectrum['pseudo_gradient'][str(r)]:.2f} / {spectrum['gradient'][str(r)]:.2f}"
+                    for r in SPECTRUM_RANKS
+                ]
+            )
     if len(hs) > 1:
         low, high = hs[0], hs[-1]
         for family, inner, h, arms in cells:
@@ -212,35 +256,78 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
                     continue
                 merged = {"arm": fast[name], "torchft": slow["torchft"]}
                 p = paired_percent(merged, "arm", "torchft", seeds)
-                equal_bytes.append([family, inner, f"{name} H{low}", f"torchft H{high}", f"{p['bytes_ratio']:.2f}",
-                                    " ".join(f"{d:+.2f}" for d in p["deltas"]), fmt_interval(p, "+.2f")])
+                equal_bytes.append(
+                    [
+                        family,
+                        inner,
+                        f"{name} H{low}",
+                        f"torchft H{high}",
+                        f"{p['bytes_ratio']:.2f}",
+                        " ".join(f"{d:+.2f}" for d in p["deltas"]),
+                        fmt_interval(p, "+.2f"),
+                    ]
+                )
     headline = _headline(stats, cells)
     summary = [
-        f"# Experiment `{NAME}`: compressed DiLoCo against torchft's DiLoCo across models", "",
-        f"**Headline:** {headline}", "",
+        f"# Experiment `{NAME}`: compressed DiLoCo against torchft's DiLoCo across models",
+        "",
+        f"**Headline:** {headline}",
+        "",
         f"Setting: {setting.steps} inner steps of {args.replicas} replicas (one process each, its own shard of the "
         f"data), 8 × 64 tokens per inner step, the first 1 M characters of the KJV Bible; inner learning rate "
         f"cosine to 0, gradients clipped at 1; DiLoCo's outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
         f"{args.outer_momentum:g}; seeds {seeds}; validation loss over 16 × 8 validation blocks after the last "
         "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); bytes: what one "
         "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient); ‖M−Ĝ‖/‖M‖: the "
-        "sync's relative error (M = Δ + e, Ĝ what it sent), mean over outer steps and seeds.", "",
+        "sync's relative error (M = Δ + e, Ĝ what it sent), mean over outer steps and seeds.",
+        "",
         *([f"Not run (left out with --no-train): {', '.join(missing)}.", ""] if missing else []),
-        "At equal outer steps:", "",
-        markdown_table(["model", "inner", "H", "method", "bytes vs torchft", "‖M−Ĝ‖/‖M‖ (mean)", "val loss (mean)",
-                        "Δ % per seed", "Δ % mean [95 % CI]"], rows), "",
+        "At equal outer steps:",
+        "",
+        markdown_table(
+            [
+                "model",
+                "inner",
+                "H",
+                "method",
+                "bytes vs torchft",
+                "‖M−Ĝ‖/‖M‖ (mean)",
+                "val loss (mean)",
+                "Δ % per seed",
+                "Δ % mean [95 % CI]",
+            ],
+            rows,
+        ),
+        "",
     ]
     if equal_bytes:
-        summary += ["At equal or fewer bytes (the same inner steps; torchft syncing less often):", "",
-                    markdown_table(["model", "inner", "method", "against", "bytes ratio", "Δ % per seed",
-                                    "Δ % mean [95 % CI]"], equal_bytes), ""]
+        summary += [
+            "At equal or fewer bytes (the same inner steps; torchft syncing less often):",
+            "",
+            markdown_table(
+                ["model", "inner", "method", "against", "bytes ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
+                equal_bytes,
+            ),
+            "",
+        ]
     if spectra:
-        summary += ["Spectrum: share of the energy in the top r singular values, pseudo-gradient / gradient "
-                    "(energy-weighted over the matrices):", "",
-                    markdown_table(["model", "inner", "H"] + [f"r = {r}" for r in SPECTRUM_RANKS], spectra), ""]
+        summary += [
+            "Spectrum: share of the energy in the top r singular values, pseudo-gradient / gradient "
+            "(energy-weighted over the matrices):",
+            "",
+            markdown_table(["model", "inner", "H"] + [f"r = {r}" for r in SPECTRUM_RANKS], spectra),
+            "",
+        ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(setting), "seeds": seeds, "runs": results,
-                                            "paired": {f"{k} {n}": p for (k, n), p in stats.items()}})
+    common.write_json(
+        out / "results.json",
+        {
+            "setting": vars(setting),
+            "seeds": seeds,
+            "runs": results,
+            "paired": {f"{k} {n}": p for (k, n), p in stats.items()},
+        },
+    )
     return {"headline": headline, "paired": stats}
 
 
@@ -253,6 +340,8 @@ def _headline(stats: dict, cells) -> str:
         held = sum(p["high"] <= TOLERANCE for _, p in mine)
         worst_key, worst = max(mine, key=lambda kp: kp[1]["high"])
         ratio = max(p["bytes_ratio"] for _, p in mine)
-        parts.append(f"{name} (≤ {ratio:.3f}× bytes) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
-                     f"worst {worst_key} {fmt_interval(worst, '+.2f')} %")
+        parts.append(
+            f"{name} (≤ {ratio:.3f}× bytes) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
+            f"worst {worst_key} {fmt_interval(worst, '+.2f')} %"
+        )
     return "; ".join(parts) + "."

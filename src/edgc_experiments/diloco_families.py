@@ -11,6 +11,7 @@ batches (its own shard, `edgc_train.data.BlockSampler`), ``logits = model(inputs
 loss over a fixed set of validation blocks. The inner optimizers (AdamW, SGD with Nesterov momentum)
 have one learning rate per family, cosine-decayed over the run.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,8 +26,14 @@ FAMILIES = ("gpt2", "gru", "cnn")
 INNER = ("adamw", "sgd")
 # Inner learning rates per (family, optimizer): AdamW at the usual rate of models this size; SGD
 # (Nesterov 0.9) at the largest of 0.1 / 0.3 / 1.0 that did not diverge in a 180-step pilot.
-INNER_LR = {("gpt2", "adamw"): 1e-3, ("gru", "adamw"): 3e-3, ("cnn", "adamw"): 2e-3,
-            ("gpt2", "sgd"): 0.3, ("gru", "sgd"): 1.0, ("cnn", "sgd"): 0.3}
+INNER_LR = {
+    ("gpt2", "adamw"): 1e-3,
+    ("gru", "adamw"): 3e-3,
+    ("cnn", "adamw"): 2e-3,
+    ("gpt2", "sgd"): 0.3,
+    ("gru", "sgd"): 1.0,
+    ("cnn", "sgd"): 0.3,
+}
 SEQ_LEN, BATCH, VAL_BATCHES = 64, 8, 16
 CHARS = 1_000_000  # the first million characters of the corpus: the same text for every family
 BPE_VOCAB = 2048
@@ -128,8 +135,11 @@ class Family:
         if kind == "adamw":
             decay = [p for p in model.parameters() if p.dim() >= 2]
             rest = [p for p in model.parameters() if p.dim() < 2]
-            return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                     lr=lr, betas=(0.9, 0.95))
+            return torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                lr=lr,
+                betas=(0.9, 0.95),
+            )
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
 
     @torch.no_grad()
@@ -140,7 +150,9 @@ class Family:
         total, count = 0.0, 0
         for x, y in val_batches(self.corpus.val, SEQ_LEN, BATCH, VAL_BATCHES, 0, 1):
             logits = model(torch.from_numpy(x))
-            total += float(F.cross_entropy(logits.flatten(0, 1).float(), torch.from_numpy(y).flatten(), reduction="sum"))
+            total += float(
+                F.cross_entropy(logits.flatten(0, 1).float(), torch.from_numpy(y).flatten(), reduction="sum")
+            )
             count += y.size
         model.train()
         return total / count

@@ -20,6 +20,7 @@ per seed with its mean and 95 % t-interval, the relative compression error ‖M 
 error feedback's norm against the pseudo-gradient's at the last outer step. It is an experiment,
 not a test: it prints its wall time.
 """
+
 from __future__ import annotations
 
 from statistics import mean
@@ -37,15 +38,31 @@ SHAPE = dict(n_layer=2, n_embd=128, n_head=4)  # a model 2 shared cores train in
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--pairs", default=PAIRS, metavar="H:R,...",
-                   help=f"(inner steps per outer step, rank) pairs; the first is the reference (default {PAIRS})")
-    p.add_argument("--iterations-at", default="16:4", metavar="H:R",
-                   help="the pair that also runs 2 power iterations, twice its rank, and uncompressed ('' for none; default 8:2)")
-    p.add_argument("--per-step-rank", type=int, default=1, metavar="R", help="per-step EDGC at this rank (0: none; default 1)")
+    p.add_argument(
+        "--pairs",
+        default=PAIRS,
+        metavar="H:R,...",
+        help=f"(inner steps per outer step, rank) pairs; the first is the reference (default {PAIRS})",
+    )
+    p.add_argument(
+        "--iterations-at",
+        default="16:4",
+        metavar="H:R",
+        help="the pair that also runs 2 power iterations, twice its rank, and uncompressed ('' for none; default 8:2)",
+    )
+    p.add_argument(
+        "--per-step-rank", type=int, default=1, metavar="R", help="per-step EDGC at this rank (0: none; default 1)"
+    )
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per arm (default 3)")
-    p.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})")
-    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
-                   help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})")
+    p.add_argument(
+        "--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=OUTER_MOMENTUM,
+        help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})",
+    )
     p.add_argument("--n-layer", type=int, default=SHAPE["n_layer"], help=f"layers (default {SHAPE['n_layer']})")
     p.add_argument("--n-embd", type=int, default=SHAPE["n_embd"], help=f"width (default {SHAPE['n_embd']})")
     p.add_argument("--n-head", type=int, default=SHAPE["n_head"], help=f"heads (default {SHAPE['n_head']})")
@@ -80,7 +97,7 @@ def plan(args) -> dict[str, dict]:
     outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     arms = {f"H{h}-r{r}": {"sync_every": h, "rank": r, **outer} for h, r in parse_pairs(args.pairs, "--pairs")}
     if args.iterations_at:
-        (h, r), = parse_pairs(args.iterations_at, "--iterations-at")
+        ((h, r),) = parse_pairs(args.iterations_at, "--iterations-at")
         arms.setdefault(f"H{h}-r{r}", {"sync_every": h, "rank": r, **outer})
         arms[f"H{h}-r{r}-2it"] = {"sync_every": h, "rank": r, "power_iterations": 2, **outer}
         arms.setdefault(f"H{h}-r{2 * r}", {"sync_every": h, "rank": 2 * r, **outer})
@@ -103,9 +120,13 @@ def run(args, out, setting, log=print) -> dict:
     for seed in seeds:
         for name, result in zip(arms, train_runs(setting, list(arms.values()), seed, shape=shape)):
             results[name][str(seed)] = result
-            common.write_json(out / "runs" / f"{name}-s{seed}.json", {"arm": arms[name], "seed": seed, "result": result})
-            log(f"  seed {seed} {name}: val {result['val_loss']:.4f}, {result['bytes'] / 1e6:.2f} MB, "
-                f"{result['wall_s']:.0f} s")
+            common.write_json(
+                out / "runs" / f"{name}-s{seed}.json", {"arm": arms[name], "seed": seed, "result": result}
+            )
+            log(
+                f"  seed {seed} {name}: val {result['val_loss']:.4f}, {result['bytes'] / 1e6:.2f} MB, "
+                f"{result['wall_s']:.0f} s"
+            )
     return summarise(out, setting, seeds, arms, results, shape)
 
 
@@ -120,12 +141,17 @@ def paired(results: dict, arm: str, reference: str, seeds: list[int]) -> dict:
     m, low, high = t_interval(deltas)
     errors = [last(results[arm][str(s)], "relative_error") for s in seeds]
     feedback = [last(results[arm][str(s)], "error_feedback") for s in seeds]
-    return {"deltas": deltas, "mean": m, "low": low, "high": high,
-            "bytes_ratio": mean(results[arm][str(s)]["bytes"] / results[reference][str(s)]["bytes"] for s in seeds),
-            "bytes": mean(results[arm][str(s)]["bytes"] for s in seeds),
-            "val_loss": mean(results[arm][str(s)]["val_loss"] for s in seeds),
-            "relative_error": mean(errors) if None not in errors else None,
-            "error_feedback": mean(feedback) if None not in feedback else None}
+    return {
+        "deltas": deltas,
+        "mean": m,
+        "low": low,
+        "high": high,
+        "bytes_ratio": mean(results[arm][str(s)]["bytes"] / results[reference][str(s)]["bytes"] for s in seeds),
+        "bytes": mean(results[arm][str(s)]["bytes"] for s in seeds),
+        "val_loss": mean(results[arm][str(s)]["val_loss"] for s in seeds),
+        "relative_error": mean(errors) if None not in errors else None,
+        "error_feedback": mean(feedback) if None not in feedback else None,
+    }
 
 
 def summarise(out, setting, seeds, arms, results, shape) -> dict:
@@ -139,36 +165,87 @@ def summarise(out, setting, seeds, arms, results, shape) -> dict:
         h, r = base[1:].split("-r")
         for other in (base, f"H{h}-r{2 * int(r)}"):
             comparisons[f"{name} − {other}"] = paired(results, name, other, seeds)
-    table = [[name, f"{p['bytes'] / 1e6:.2f}", f"{p['bytes_ratio']:.2f}", f"{p['val_loss']:.4f}",
-              "–" if name == reference else " ".join(f"{d:+.4f}" for d in p["deltas"]),
-              "–" if name == reference else fmt_interval(p), fmt(p["relative_error"], ".3f"),
-              fmt(p["error_feedback"], ".2f")] for name, p in stats.items()]
-    header = ["arm", "MB sent (one replica)", "bytes vs ref", "val loss (mean)", "Δ per seed", "Δ mean [95 % CI]",
-              "‖M−Ĝ‖/‖M‖ (last)", "‖e‖/‖Δ‖ (last)"]
-    same_bytes = [n for n in names if n in arms and not n.endswith(("-2it", "-full")) and not n.startswith("step")
-                  and abs(stats[n]["bytes_ratio"] - 1) < 0.25]
+    table = [
+        [
+            name,
+            f"{p['bytes'] / 1e6:.2f}",
+            f"{p['bytes_ratio']:.2f}",
+            f"{p['val_loss']:.4f}",
+            "–" if name == reference else " ".join(f"{d:+.4f}" for d in p["deltas"]),
+            "–" if name == reference else fmt_interval(p),
+            fmt(p["relative_error"], ".3f"),
+            fmt(p["error_feedback"], ".2f"),
+        ]
+        for name, p in stats.items()
+    ]
+    header = [
+        "arm",
+        "MB sent (one replica)",
+        "bytes vs ref",
+        "val loss (mean)",
+        "Δ per seed",
+        "Δ mean [95 % CI]",
+        "‖M−Ĝ‖/‖M‖ (last)",
+        "‖e‖/‖Δ‖ (last)",
+    ]
+    same_bytes = [
+        n
+        for n in names
+        if n in arms
+        and not n.endswith(("-2it", "-full"))
+        and not n.startswith("step")
+        and abs(stats[n]["bytes_ratio"] - 1) < 0.25
+    ]
     best = min(same_bytes, key=lambda n: stats[n]["val_loss"])
-    headline = [f"at the same bytes the best pair is {best} ({stats[best]['val_loss']:.4f}; "
-                + ", ".join(f"{n} {fmt_interval(stats[n])}" for n in same_bytes if n != reference)
-                + f" vs {reference})"]
+    headline = [
+        f"at the same bytes the best pair is {best} ({stats[best]['val_loss']:.4f}; "
+        + ", ".join(f"{n} {fmt_interval(stats[n])}" for n in same_bytes if n != reference)
+        + f" vs {reference})"
+    ]
     headline += [f"{name}: {fmt_interval(p)}" for name, p in comparisons.items()]
     summary = [
-        f"# Experiment `{NAME}`: at the same bytes, sync often at a low rank or rarely at a high one?", "",
-        f"**Headline:** {'; '.join(headline)}.", "",
-        f"Setting: {setting.describe(1)}, on each of 2 replicas (its own shard of the data); model {shape}; seeds {seeds}; DiLoCo's outer "
+        f"# Experiment `{NAME}`: at the same bytes, sync often at a low rank or rarely at a high one?",
+        "",
+        f"**Headline:** {'; '.join(headline)}.",
+        "",
+        f"Setting: {setting.describe(1)}, on each of 2 replicas (its own shard of the data); model {shape}; seeds "
+        f"{seeds}; DiLoCo's outer "
         f"Nesterov SGD at lr {arms[reference]['outer_lr']:g}, momentum {arms[reference]['outer_momentum']:g}; "
         "a static rank from the first outer step; validation loss over the whole validation split. "
-        f"Δ = arm − {reference} at the same seed (negative: better).", "",
-        markdown_table(header, table), "",
-        *([markdown_table(["power iterations", "Δ per seed", "Δ mean [95 % CI]", "bytes ratio"],
-                          [[n, " ".join(f"{d:+.4f}" for d in p["deltas"]), fmt_interval(p), f"{p['bytes_ratio']:.2f}"]
-                           for n, p in comparisons.items()]), ""] if comparisons else []),
+        f"Δ = arm − {reference} at the same seed (negative: better).",
+        "",
+        markdown_table(header, table),
+        "",
+        *(
+            [
+                markdown_table(
+                    ["power iterations", "Δ per seed", "Δ mean [95 % CI]", "bytes ratio"],
+                    [
+                        [n, " ".join(f"{d:+.4f}" for d in p["deltas"]), fmt_interval(p), f"{p['bytes_ratio']:.2f}"]
+                        for n, p in comparisons.items()
+                    ],
+                ),
+                "",
+            ]
+            if comparisons
+            else []
+        ),
     ]
     plot = _plot(out, reference, stats)
     summary.append(f"Plot: `{plot.relative_to(out)}`")
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(setting), "shape": shape, "seeds": seeds, "arms": arms,
-                                            "runs": results, "paired": stats, "comparisons": comparisons})
+    common.write_json(
+        out / "results.json",
+        {
+            "setting": vars(setting),
+            "shape": shape,
+            "seeds": seeds,
+            "arms": arms,
+            "runs": results,
+            "paired": stats,
+            "comparisons": comparisons,
+        },
+    )
     return {"headline": "; ".join(headline), "paired": stats, "comparisons": comparisons}
 
 
@@ -179,8 +256,13 @@ def _plot(out, reference: str, stats: dict):
     fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(names) + 1.4))
     for y, name in enumerate(names):
         p = stats[name]
-        ax.errorbar([p["mean"]], [y], xerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]], fmt="o",
-                    color="tab:red" if abs(p["bytes_ratio"] - 1) < 0.25 else "tab:grey")
+        ax.errorbar(
+            [p["mean"]],
+            [y],
+            xerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]],
+            fmt="o",
+            color="tab:red" if abs(p["bytes_ratio"] - 1) < 0.25 else "tab:grey",
+        )
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(list(range(len(names))), [f"{n} ({stats[n]['bytes_ratio']:.2f}× bytes)" for n in names], fontsize=7)
     ax.set_xlabel(f"Δ val loss vs {reference} (95 % CI; red: the same bytes)", fontsize=8)

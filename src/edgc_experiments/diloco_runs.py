@@ -18,6 +18,7 @@ An arm is a dict:
 Rank 0 reports the validation loss after the last outer step, the bytes one replica sent, the bytes
 an uncompressed all-reduce would have sent, and per outer step the sync's relative error.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,16 +84,38 @@ class PlainGroupManager:
         pass
 
 
-def train_runs(family: str, arms: list[dict], seed: int, steps: int, replicas: int = 2,
-               timeout_s: float = 3600, cache_dir: str | None = None) -> list[dict]:
+def train_runs(
+    family: str,
+    arms: list[dict],
+    seed: int,
+    steps: int,
+    replicas: int = 2,
+    timeout_s: float = 3600,
+    cache_dir: str | None = None,
+) -> list[dict]:
     """Train each of ``arms`` at ``seed`` for ``steps`` inner steps in the same ``replicas``
     processes, one after the other; rank 0's reports."""
-    return run_replicas(_worker, (family, arms, seed, steps), (cache_dir,), replicas, timeout_s,
-                        f"diloco runs of {family} at seed {seed}")
+    return run_replicas(
+        _worker,
+        (family, arms, seed, steps),
+        (cache_dir,),
+        replicas,
+        timeout_s,
+        f"diloco runs of {family} at seed {seed}",
+    )
 
 
-def _worker(rank: int, world: int, port: int, family_name: str, arms: list[dict], seed: int, steps: int,
-            out: str, cache_dir: str | None) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    family_name: str,
+    arms: list[dict],
+    seed: int,
+    steps: int,
+    out: str,
+    cache_dir: str | None,
+) -> None:
     from .diloco_families import family
 
     torch.set_num_threads(1)
@@ -118,8 +141,16 @@ def _build_diloco(arm: dict, model, inner, outer, outer_steps: int):
     from edgc.integrations.diloco import DiLoCo
 
     config = EDGCConfig(**arm_config(arm, outer_steps))
-    diloco = DiLoCo(None, [model], inner, outer, arm["sync_every"], config, sync_method=arm.get("sync"),
-                    error_feedback_decay=arm.get("decay", 1.0))
+    diloco = DiLoCo(
+        None,
+        [model],
+        inner,
+        outer,
+        arm["sync_every"],
+        config,
+        sync_method=arm.get("sync"),
+        error_feedback_decay=arm.get("decay", 1.0),
+    )
     return diloco, diloco.state
 
 
@@ -157,9 +188,15 @@ def train(rank: int, world: int, fam, arm: dict, seed: int, steps: int) -> dict:
         hook.remove()
     raw = sum(p.numel() * p.element_size() for p in model.parameters()) * outer_steps
     sent = state.totals["bytes_sent"] if state is not None else raw
-    return {"val_loss": fam.validation_loss(model) if rank == 0 else None, "bytes": sent, "bytes_raw": raw,
-            "outer_steps": outer_steps, "outer": log, "wall_s": time.perf_counter() - start,
-            "spectrum": probe.spectrum if probe is not None else None}
+    return {
+        "val_loss": fam.validation_loss(model) if rank == 0 else None,
+        "bytes": sent,
+        "bytes_raw": raw,
+        "outer_steps": outer_steps,
+        "outer": log,
+        "wall_s": time.perf_counter() - start,
+        "spectrum": probe.spectrum if probe is not None else None,
+    }
 
 
 def _outer_record(diloco, loss: float) -> dict:
@@ -199,8 +236,10 @@ class _Probe:
             return
         deltas = [s - p.detach() for s, p in zip(self.start, self.params)]
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
-        self.spectrum = {"pseudo_gradient": energy_shares(deltas, self.ranks),
-                         "gradient": energy_shares(grads, self.ranks)}
+        self.spectrum = {
+            "pseudo_gradient": energy_shares(deltas, self.ranks),
+            "gradient": energy_shares(grads, self.ranks),
+        }
 
 
 def energy_shares(tensors: list[torch.Tensor], ranks: list[int]) -> dict[str, float]:

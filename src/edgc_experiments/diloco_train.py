@@ -10,6 +10,7 @@ bytes one replica sent, and per outer step the rank, the bytes and the relative 
 ‖M − Ĝ‖/‖M‖ (with the error feedback's norm against the pseudo-gradient's, ‖e‖/‖Δ‖). A
 ``per_step`` arm is per-step EDGC instead: every step's gradients averaged at ``rank``, one AdamW.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,14 @@ UNCOMPRESSED = 1e12  # a compression rate no matrix meets: everything is sent ra
 
 def arm_config(arm: dict, outer_steps: int) -> dict:
     """The `EDGCConfig` fields of an arm: a static rank from the first outer step, or none at all."""
-    fields = dict(total_steps=max(1, outer_steps), warmup_fraction=0.0, min_warmup_steps=0, warmup_error_test=False,
-                  iteration_sample_ratio=1.0, window=1)
+    fields = dict(
+        total_steps=max(1, outer_steps),
+        warmup_fraction=0.0,
+        min_warmup_steps=0,
+        warmup_error_test=False,
+        iteration_sample_ratio=1.0,
+        window=1,
+    )
     if arm.get("rank") is None:
         return {**fields, "r_max": 1, "r_min": 1, "adaptive": False, "min_compression_rate": UNCOMPRESSED}
     return {**fields, "r_max": arm["rank"], "r_min": arm["rank"], "adaptive": False, **arm.get("edgc", {})}
@@ -43,13 +50,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_runs(setting, arms: list[dict], seed: int, replicas: int = 2, timeout_s: float = 3600,
-               shape: dict | None = None) -> list[dict]:
+def train_runs(
+    setting, arms: list[dict], seed: int, replicas: int = 2, timeout_s: float = 3600, shape: dict | None = None
+) -> list[dict]:
     """Train each of ``arms`` (``sync_every``, ``rank`` (None: uncompressed), optional ``power_iterations``,
     ``outer_lr``, ``outer_momentum``, ``per_step``, ``edgc``) at ``seed``, one after the other in the
     same ``replicas`` processes (their start-up costs as much as a short run); rank 0's reports.
     ``shape``: `TrainConfig` model fields over the preset's (``n_layer``, ``n_embd``, ``n_head``)."""
-    return run_replicas(_worker, (setting, arms, seed), (shape or {},), replicas, timeout_s, f"diloco runs at seed {seed}")
+    return run_replicas(
+        _worker, (setting, arms, seed), (shape or {},), replicas, timeout_s, f"diloco runs at seed {seed}"
+    )
 
 
 def run_replicas(worker, before: tuple, after: tuple, replicas: int, timeout_s: float, what: str):
@@ -61,8 +71,10 @@ def run_replicas(worker, before: tuple, after: tuple, replicas: int, timeout_s: 
         out = Path(tmp) / "result.json"
         context = mp.get_context("spawn")
         port = free_port()
-        processes = [context.Process(target=worker, args=(rank, replicas, port, *before, str(out), *after))
-                     for rank in range(replicas)]
+        processes = [
+            context.Process(target=worker, args=(rank, replicas, port, *before, str(out), *after))
+            for rank in range(replicas)
+        ]
         for p in processes:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -107,8 +119,9 @@ def _train(rank: int, world: int, setting, arm: dict, seed: int, shape: dict) ->
     data = prepare_data(cfg.data, cfg.vocab_size, cfg.val_fraction, cfg.max_chars, cfg.cache_dir, log=lambda _: None)
     sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
     seed_everything(cfg.seed)
-    model = build_model(model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head),
-                        cfg.dropout)
+    model = build_model(
+        model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head), cfg.dropout
+    )
     inner = make_optimizer(model, cfg, torch.device("cpu"))
     schedule = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(cfg))
     start = time.perf_counter()
@@ -136,7 +149,9 @@ def _diloco(model, inner, schedule, sampler, cfg, arm: dict, seed: int) -> dict:
     from edgc.integrations.diloco import DiLoCo
 
     momentum = arm.get("outer_momentum", OUTER_MOMENTUM)
-    outer = torch.optim.SGD(model.parameters(), lr=arm.get("outer_lr", OUTER_LR), momentum=momentum, nesterov=momentum > 0)
+    outer = torch.optim.SGD(
+        model.parameters(), lr=arm.get("outer_lr", OUTER_LR), momentum=momentum, nesterov=momentum > 0
+    )
     sync_every = int(arm["sync_every"])
     outer_steps = cfg.steps // sync_every
     config = EDGCConfig(**arm_config(arm, outer_steps))
@@ -154,12 +169,20 @@ def _diloco(model, inner, schedule, sampler, cfg, arm: dict, seed: int) -> dict:
             schedule.step()
             inner.zero_grad(set_to_none=True)
             if due:
-                outer_log.append({**diloco.last_outer_step, "error_feedback": feedback, "train_loss": float(loss.detach())})
+                outer_log.append(
+                    {**diloco.last_outer_step, "error_feedback": feedback, "train_loss": float(loss.detach())}
+                )
             if not math.isfinite(float(loss.detach())):
-                raise FloatingPointError(f"diverged at inner step {diloco.state.step * sync_every} ({arm}, seed {seed})")
+                raise FloatingPointError(
+                    f"diverged at inner step {diloco.state.step * sync_every} ({arm}, seed {seed})"
+                )
     sent = diloco.state.totals["bytes_sent"]
-    return {"bytes": sent, "bytes_per_outer_step": sent / max(1, outer_steps), "outer_steps": outer_steps,
-            "outer": outer_log}
+    return {
+        "bytes": sent,
+        "bytes_per_outer_step": sent / max(1, outer_steps),
+        "outer_steps": outer_steps,
+        "outer": outer_log,
+    }
 
 
 def _per_step(model, inner, schedule, sampler, cfg, arm: dict, seed: int) -> dict:
@@ -200,6 +223,12 @@ def feedback_ratio(diloco) -> float | None:
         return None
     feedback = math.sqrt(sum(float(torch.dot(e.reshape(-1), e.reshape(-1))) for e in errors.values()))
     fragment = diloco._fragments[0]
-    delta = math.sqrt(sum(float((b - p.detach()).square().sum()) for name, b, p in
-                          zip(fragment.names, fragment.original, fragment.params) if name in errors) or 0.0)
+    delta = math.sqrt(
+        sum(
+            float((b - p.detach()).square().sum())
+            for name, b, p in zip(fragment.names, fragment.original, fragment.params)
+            if name in errors
+        )
+        or 0.0
+    )
     return feedback / delta if delta > 0 else None

@@ -10,6 +10,7 @@ embedding) and for the whole model:
 - skewness and excess kurtosis of the gradient values (0 and 0 for a Gaussian: the normality
   assumption behind the CQM), compared between the first and last 10 % of the run.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,8 +42,10 @@ def run(args, out, setting, log=print) -> dict:
     every = max(1, args.every if not args.tiny else 1)
     sample_every = max(1, round(1 / args.alpha))
     stride = max(1, round(1 / args.beta))
-    series = {g: {"steps": [], "full": [], "gauss": [], "skew": [], "kurt": [],
-                  "sampled_steps": [], "sampled": []} for g in GROUPS}
+    series = {
+        g: {"steps": [], "full": [], "gauss": [], "skew": [], "kurt": [], "sampled_steps": [], "sampled": []}
+        for g in GROUPS
+    }
 
     def on_grads(step, named):
         import torch
@@ -95,29 +98,43 @@ def run(args, out, setting, log=print) -> dict:
         cc = common.pearson([a for a, _ in valid], [b for _, b in valid])
         diffs = np.abs(np.diff(np.asarray(w_full, dtype=float)))
         res = {
-            "entropy_early": span(s, "full", True), "entropy_late": span(s, "full", False),
-            "gauss_early": span(s, "gauss", True), "gauss_late": span(s, "gauss", False),
-            "skew_early": span(s, "skew", True), "skew_late": span(s, "skew", False),
-            "kurt_early": span(s, "kurt", True), "kurt_late": span(s, "kurt", False),
+            "entropy_early": span(s, "full", True),
+            "entropy_late": span(s, "full", False),
+            "gauss_early": span(s, "gauss", True),
+            "gauss_late": span(s, "gauss", False),
+            "skew_early": span(s, "skew", True),
+            "skew_late": span(s, "skew", False),
+            "kurt_early": span(s, "kurt", True),
+            "kurt_late": span(s, "kurt", False),
             "window_change_first": float(diffs[0]) if len(diffs) else float("nan"),
             "window_change_last": float(diffs[-1]) if len(diffs) else float("nan"),
             "cc_sampled_vs_full_windowed": cc,
         }
         results[g] = res
-        rows.append([g, fmt(res["entropy_early"]), fmt(res["entropy_late"]),
-                     fmt(res["entropy_late"] - res["entropy_early"], "+.3f"),
-                     fmt(res["window_change_first"]), fmt(res["window_change_last"]), fmt(cc),
-                     fmt(res["gauss_late"] - res["gauss_early"], "+.2f"),
-                     f"{fmt(res['skew_early'], '+.2f')} → {fmt(res['skew_late'], '+.2f')}",
-                     f"{fmt(res['kurt_early'], '.1f')} → {fmt(res['kurt_late'], '.1f')}"])
+        rows.append(
+            [
+                g,
+                fmt(res["entropy_early"]),
+                fmt(res["entropy_late"]),
+                fmt(res["entropy_late"] - res["entropy_early"], "+.3f"),
+                fmt(res["window_change_first"]),
+                fmt(res["window_change_last"]),
+                fmt(cc),
+                fmt(res["gauss_late"] - res["gauss_early"], "+.2f"),
+                f"{fmt(res['skew_early'], '+.2f')} → {fmt(res['skew_late'], '+.2f')}",
+                f"{fmt(res['kurt_early'], '.1f')} → {fmt(res['kurt_late'], '.1f')}",
+            ]
+        )
 
     plots = _plot(out, series, curve, setting, sample_every, stride, edge)
     a = results["all"]
     drop = a["entropy_late"] - a["entropy_early"]
-    headline = (f"whole-model gradient entropy {a['entropy_early']:.3f} → {a['entropy_late']:.3f} nats "
-                f"({drop:+.3f}, first vs last 10% of {T} steps); per-window change "
-                f"{a['window_change_first']:.3f} → {a['window_change_last']:.3f}; sampled-vs-full windowed "
-                f"CC {a['cc_sampled_vs_full_windowed']:.3f}; excess kurtosis {a['kurt_early']:.1f} → {a['kurt_late']:.1f}")
+    headline = (
+        f"whole-model gradient entropy {a['entropy_early']:.3f} → {a['entropy_late']:.3f} nats "
+        f"({drop:+.3f}, first vs last 10% of {T} steps); per-window change "
+        f"{a['window_change_first']:.3f} → {a['window_change_last']:.3f}; sampled-vs-full windowed "
+        f"CC {a['cc_sampled_vs_full_windowed']:.3f}; excess kurtosis {a['kurt_early']:.1f} → {a['kurt_late']:.1f}"
+    )
     summary = [
         f"# Experiment `{NAME}`: does gradient entropy fall and stabilise?",
         "",
@@ -125,12 +142,26 @@ def run(args, out, setting, log=print) -> dict:
         "",
         f"Setting: {setting.describe()}; one process (the gradient a DP hook would see, before clipping). "
         f"Full entropy: 1000-bin histogram over all elements of the group, every {every} step(s). "
-        f"Sampled (GDS): every {stride}th element (β = {args.beta:g}) on every {sample_every}th step (α = {args.alpha:g}). "
-        f"Early / late = mean over the first / last {edge} steps. Windows for the change and the CC: {max(1, T // 10)} steps.",
+        f"Sampled (GDS): every {stride}th element (β = {args.beta:g}) on every {sample_every}th step (α = "
+        f"{args.alpha:g}). "
+        f"Early / late = mean over the first / last {edge} steps. Windows for the change and the CC: {max(1, T // 10)} "
+        "steps.",
         "",
-        markdown_table(["layer type", "H early (nats)", "H late", "Δ", "|ΔH| first windows", "|ΔH| last windows",
-                        "CC sampled vs full (windowed)", "Δ Gaussian entropy (ln σ)", "skewness early → late",
-                        "excess kurtosis early → late"], rows),
+        markdown_table(
+            [
+                "layer type",
+                "H early (nats)",
+                "H late",
+                "Δ",
+                "|ΔH| first windows",
+                "|ΔH| last windows",
+                "CC sampled vs full (windowed)",
+                "Δ Gaussian entropy (ln σ)",
+                "skewness early → late",
+                "excess kurtosis early → late",
+            ],
+            rows,
+        ),
         "",
         "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
         "",
@@ -141,8 +172,9 @@ def run(args, out, setting, log=print) -> dict:
         f"Training loss {curve['loss'][0]:.3f} → {curve['loss'][-1]:.3f}; {curve['wall_s']:.0f} s of training.",
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(setting), "results": results, "series": series,
-                                            "loss": curve})
+    common.write_json(
+        out / "results.json", {"setting": vars(setting), "results": results, "series": series, "loss": curve}
+    )
     return {"headline": headline, "results": results}
 
 
@@ -155,12 +187,16 @@ def _plot(out, series, curve, setting, sample_every, stride, edge):
         if not s["steps"]:
             continue
         axes[0].plot(s["steps"], s["full"], color=colors[g], lw=1, alpha=0.8, label=f"{g} (full)")
-        axes[0].plot(s["sampled_steps"], s["sampled"], "o", ms=2.5, color=colors[g], alpha=0.7,
-                     label=f"{g} (GDS sampled)")
+        axes[0].plot(
+            s["sampled_steps"], s["sampled"], "o", ms=2.5, color=colors[g], alpha=0.7, label=f"{g} (GDS sampled)"
+        )
         axes[1].plot(s["steps"], s["gauss"], color=colors[g], lw=1, label=g)
     axes[0].set_ylabel("histogram entropy (nats, 1000 bins)")
-    axes[0].set_title(f"Gradient entropy per layer type — full (lines) vs GDS sample every {stride}th element, "
-                      f"every {sample_every}th step (dots)", fontsize=9)
+    axes[0].set_title(
+        f"Gradient entropy per layer type — full (lines) vs GDS sample every {stride}th element, "
+        f"every {sample_every}th step (dots)",
+        fontsize=9,
+    )
     axes[0].legend(fontsize=7, ncol=4)
     axes[1].set_ylabel("Gaussian entropy ½ln(2πeσ²) (nats)")
     axes[1].set_xlabel("optimizer step")
@@ -176,8 +212,13 @@ def _plot(out, series, curve, setting, sample_every, stride, edge):
     x = np.arange(len(groups))
     T = setting.steps
     for ax, key, label in ((axes[0], "skew", "skewness"), (axes[1], "kurt", "excess kurtosis")):
-        early = [np.mean([v for st, v in zip(series[g]["steps"], series[g][key]) if st <= edge] or [np.nan]) for g in groups]
-        late = [np.mean([v for st, v in zip(series[g]["steps"], series[g][key]) if st > T - edge] or [np.nan]) for g in groups]
+        early = [
+            np.mean([v for st, v in zip(series[g]["steps"], series[g][key]) if st <= edge] or [np.nan]) for g in groups
+        ]
+        late = [
+            np.mean([v for st, v in zip(series[g]["steps"], series[g][key]) if st > T - edge] or [np.nan])
+            for g in groups
+        ]
         ax.bar(x - 0.2, early, 0.4, label=f"first {edge} steps")
         ax.bar(x + 0.2, late, 0.4, label=f"last {edge} steps")
         ax.axhline(0, color="black", lw=0.6)

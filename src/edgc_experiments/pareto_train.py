@@ -7,6 +7,7 @@ group, and a "mean" over one process is the identity, so the run measures what c
 costs the model and nothing else. Bytes are what the compressor would send per process, counted
 after the shared warm-up (`EDGCState.totals` after minus before it).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,11 @@ def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     return total / tokens
 
 
-INSTRUMENT_FIELDS = ("cold_start", "shadow_ranks", "shadow_twin")  # an arm's fields that are the instrument's, not EDGCConfig's
+INSTRUMENT_FIELDS = (
+    "cold_start",
+    "shadow_ranks",
+    "shadow_twin",
+)  # an arm's fields that are the instrument's, not EDGCConfig's
 
 
 def compressor_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -76,21 +81,26 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     data = prepare_data(cfg.data, cfg.vocab_size, cfg.val_fraction, cfg.max_chars, cfg.cache_dir, log=lambda _: None)
     sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, 0, 1, cfg.seed)
     seed_everything(cfg.seed)
-    model = build_model(model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head),
-                        cfg.dropout)
+    model = build_model(
+        model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head), cfg.dropout
+    )
     optimizer = make_optimizer(model, cfg, torch.device("cpu"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     seed_everything(cfg.seed + 1)
     cold_start = bool(config_fields.get("cold_start", False))
     state = EDGCState(None, EDGCConfig(**compressor_fields(config_fields)), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    shadows = (Shadows(state.compressor, config_fields["shadow_ranks"], config_fields.get("shadow_twin", "independent"))
-               if config_fields.get("shadow_ranks") else None)
+    shadows = (
+        Shadows(state.compressor, config_fields["shadow_ranks"], config_fields.get("shadow_twin", "independent"))
+        if config_fields.get("shadow_ranks")
+        else None
+    )
     start, bytes_at_warmup_end, decisions = time.perf_counter(), None, 0
     for _ in range(cfg.steps):
         x, y = sampler.next_batch()
-        loss = F.cross_entropy(model(input_ids=torch.from_numpy(x)).logits.flatten(0, 1).float(),
-                               torch.from_numpy(y).flatten())
+        loss = F.cross_entropy(
+            model(input_ids=torch.from_numpy(x)).logits.flatten(0, 1).float(), torch.from_numpy(y).flatten()
+        )
         loss.backward()
         if cold_start:
             redraw_q(state.compressor.q, seed, state.step)

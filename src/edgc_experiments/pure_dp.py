@@ -11,6 +11,7 @@ pays and switches it off), the ``cqm`` mapping on the Gaussian entropy (as in `e
 run-length-scaled window, sampling and 10 % warm-up of `edgc train`. On loopback communication is
 nearly free, so the bytes are the number to watch; `edgc bench` measures time on a limited link.
 """
+
 from __future__ import annotations
 
 from edgc_train.report_runs import format_schedule, load_run
@@ -27,11 +28,20 @@ EDGC_FIELDS = {"r_max": 16, "r_min": 4, "rank_mapping": "cqm", "entropy_estimato
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--nproc", type=int, default=2, metavar="N",
-                   help="data-parallel processes per run (default 2; 1 = in this process, for quick checks)")
-    p.add_argument("--link-mbit", type=float, metavar="RATE",
-                   help="also run the same three methods with `edgc bench` on 2 emulated hosts joined by a "
-                        "RATE Mbit/s link (needs root, ip and tc), and add its table (doubles the run time)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        metavar="N",
+        help="data-parallel processes per run (default 2; 1 = in this process, for quick checks)",
+    )
+    p.add_argument(
+        "--link-mbit",
+        type=float,
+        metavar="RATE",
+        help="also run the same three methods with `edgc bench` on 2 emulated hosts joined by a "
+        "RATE Mbit/s link (needs root, ip and tc), and add its table (doubles the run time)",
+    )
 
 
 def validate(args, setting) -> None:
@@ -53,12 +63,23 @@ def bench(args, setting, out, log) -> str:
     except NetnsError as exc:
         raise common.CLIError(f"--link-mbit: {exc}") from None
     edgc = {k: v for k, v in EDGC_FIELDS.items() if k != "r_max"}
-    settings = BenchSettings(hosts=2, nproc=1, rate_mbit=args.link_mbit, preset=setting.preset,
-                             methods=("none", f"powersgd@{EDGC_FIELDS['r_max']}", "edgc"), steps=setting.steps,
-                             micro_batch=setting.micro_batch, seq_len=setting.seq_len, vocab_size=setting.vocab_size,
-                             eval_every=max(1, setting.steps // 4), seed=setting.seed, r_max=EDGC_FIELDS["r_max"],
-                             edgc={**edgc, "warmup_error_test": not args.tiny}, data=setting.data,
-                             max_chars=setting.max_chars)
+    settings = BenchSettings(
+        hosts=2,
+        nproc=1,
+        rate_mbit=args.link_mbit,
+        preset=setting.preset,
+        methods=("none", f"powersgd@{EDGC_FIELDS['r_max']}", "edgc"),
+        steps=setting.steps,
+        micro_batch=setting.micro_batch,
+        seq_len=setting.seq_len,
+        vocab_size=setting.vocab_size,
+        eval_every=max(1, setting.steps // 4),
+        seed=setting.seed,
+        r_max=EDGC_FIELDS["r_max"],
+        edgc={**edgc, "warmup_error_test": not args.tiny},
+        data=setting.data,
+        max_chars=setting.max_chars,
+    )
     try:
         run_bench(settings, out / "bench", f"edgc experiment {NAME} --link-mbit {args.link_mbit:g}", say=log)
     except NetnsError as exc:
@@ -73,9 +94,11 @@ def run(args, out, setting, log=print) -> dict:
     fields = {**EDGC_FIELDS, **({"warmup_error_test": "false"} if args.tiny else {})}  # tiny: compress at once
     edgc_flags = [x for k, v in fields.items() for x in ("--edgc", f"{k}={v}")]
     # "none" here is our measured uncompressed all-reduce (DDP's native one has no separable comm time).
-    jobs = {"none": ["--compressor", "allreduce"],
-            f"powersgd{EDGC_FIELDS['r_max']}": ["--compressor", "powersgd", "--powersgd-rank", str(EDGC_FIELDS["r_max"])],
-            "edgc": ["--compressor", "edgc", *edgc_flags]}
+    jobs = {
+        "none": ["--compressor", "allreduce"],
+        f"powersgd{EDGC_FIELDS['r_max']}": ["--compressor", "powersgd", "--powersgd-rank", str(EDGC_FIELDS["r_max"])],
+        "edgc": ["--compressor", "edgc", *edgc_flags],
+    }
     for name, extra in jobs.items():
         common.edgc_train(dp, out / name, nproc, [*flags, *extra], log)
     folders = [out / name for name in jobs]
@@ -85,20 +108,38 @@ def run(args, out, setting, log=print) -> dict:
     rows, results = [], {}
     for name, run in zip(jobs, loaded):
         s = stats[name]
-        res = {"val_loss": s["val_loss"], "delta_val_loss": s["val_loss"] - base["val_loss"],
-               "bytes_per_step_run": s["bytes_per_step"], "bytes_ratio_run": s["bytes_per_step"] / base["bytes_per_step"],
-               "comm_s": s["comp_comm_s"], "compress_s": s["comp_compress_s"], "step_s": s["comp_step_s"],
-               "comm_total_s": sum(r["comm_time_s"] for r in run.train),
-               "schedule": format_schedule(run)}
+        res = {
+            "val_loss": s["val_loss"],
+            "delta_val_loss": s["val_loss"] - base["val_loss"],
+            "bytes_per_step_run": s["bytes_per_step"],
+            "bytes_ratio_run": s["bytes_per_step"] / base["bytes_per_step"],
+            "comm_s": s["comp_comm_s"],
+            "compress_s": s["comp_compress_s"],
+            "step_s": s["comp_step_s"],
+            "comm_total_s": sum(r["comm_time_s"] for r in run.train),
+            "schedule": format_schedule(run),
+        }
         res["comm_total_ratio"] = res["comm_total_s"] / max(1e-12, sum(r["comm_time_s"] for r in loaded[0].train))
         results[name] = res
-        rows.append([name, f"{res['bytes_per_step_run'] / 1e6:.3f}", f"{res['bytes_ratio_run']:.3f}",
-                     f"{1000 * res['comm_s']:.2f}", f"{res['comm_total_ratio']:.2f}", f"{1000 * res['compress_s']:.1f}",
-                     f"{1000 * res['step_s']:.0f}", f"{res['val_loss']:.4f}", f"{res['delta_val_loss']:+.4f}"])
+        rows.append(
+            [
+                name,
+                f"{res['bytes_per_step_run'] / 1e6:.3f}",
+                f"{res['bytes_ratio_run']:.3f}",
+                f"{1000 * res['comm_s']:.2f}",
+                f"{res['comm_total_ratio']:.2f}",
+                f"{1000 * res['compress_s']:.1f}",
+                f"{1000 * res['step_s']:.0f}",
+                f"{res['val_loss']:.4f}",
+                f"{res['delta_val_loss']:+.4f}",
+            ]
+        )
     e, p = results["edgc"], results[f"powersgd{EDGC_FIELDS['r_max']}"]
-    headline = (f"pure DP, no DAC: EDGC sends {e['bytes_ratio_run']:.3f}× the bytes of the uncompressed run over the "
-                f"whole run (static PowerSGD r={EDGC_FIELDS['r_max']}: {p['bytes_ratio_run']:.3f}×), total comm time "
-                f"{e['comm_total_ratio']:.2f}× on loopback, Δ val loss {e['delta_val_loss']:+.4f} nats")
+    headline = (
+        f"pure DP, no DAC: EDGC sends {e['bytes_ratio_run']:.3f}× the bytes of the uncompressed run over the "
+        f"whole run (static PowerSGD r={EDGC_FIELDS['r_max']}: {p['bytes_ratio_run']:.3f}×), total comm time "
+        f"{e['comm_total_ratio']:.2f}× on loopback, Δ val loss {e['delta_val_loss']:+.4f} nats"
+    )
     report_plots = common.report_plots(folders, out / "report")
     summary = [
         f"# Experiment `{NAME}`: EDGC on pure data parallelism (no pipeline, no DAC)",
@@ -110,8 +151,20 @@ def run(args, out, setting, log=print) -> dict:
         "knobs scaled to the run by `edgc train` (10% warm-up, window steps/20). Per-step times are medians over "
         "compressed steps (all steps for `none`).",
         "",
-        markdown_table(["run", "MB sent / step (whole run)", "bytes vs none", "comm ms / step", "total comm vs none",
-                        "compress ms / step", "step ms", "val loss", "Δ val loss"], rows),
+        markdown_table(
+            [
+                "run",
+                "MB sent / step (whole run)",
+                "bytes vs none",
+                "comm ms / step",
+                "total comm vs none",
+                "compress ms / step",
+                "step ms",
+                "val loss",
+                "Δ val loss",
+            ],
+            rows,
+        ),
         "",
         f"EDGC rank schedule (steps: rank): {e['schedule']}",
         "",
@@ -124,9 +177,14 @@ def run(args, out, setting, log=print) -> dict:
         "Plots: " + ", ".join(f"`{p_.relative_to(out)}`" for p_ in report_plots),
     ]
     if args.link_mbit is not None:
-        summary += ["", f"## The same on a {args.link_mbit:g} Mbit/s link (`edgc bench`, 2 emulated hosts × 1 process)",
-                    "", bench(args, dp, out, log).replace("\n# ", "\n### ")]
+        summary += [
+            "",
+            f"## The same on a {args.link_mbit:g} Mbit/s link (`edgc bench`, 2 emulated hosts × 1 process)",
+            "",
+            bench(args, dp, out, log).replace("\n# ", "\n### "),
+        ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(dp), "nproc": nproc, "edgc": EDGC_FIELDS,
-                                            "results": results})
+    common.write_json(
+        out / "results.json", {"setting": vars(dp), "nproc": nproc, "edgc": EDGC_FIELDS, "results": results}
+    )
     return {"headline": headline, "results": results}

@@ -9,6 +9,7 @@ On one host the processes talk over loopback, where an all-reduce of a few MB co
 millisecond, so the time saved by sending fewer bytes is small next to compression's own work. The
 bandwidth-limited comparison is `edgc bench`; the bytes column is what a real network would carry.
 """
+
 from __future__ import annotations
 
 from edgc_train.report_runs import load_run, run_stats
@@ -24,12 +25,26 @@ RANKS = (4, 8, 16, 32, 64)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--ranks", default=",".join(map(str, RANKS)), metavar="R,R,...",
-                   help="static ranks to compare with uncompressed (default 4,8,16,32,64)")
-    p.add_argument("--nproc", type=int, default=2, metavar="N",
-                   help="data-parallel processes per run (default 2; 1 = in this process, for quick checks)")
-    p.add_argument("--tolerance", type=float, default=0.02, metavar="NATS",
-                   help="validation-loss increase over uncompressed still counted as no loss of quality (default 0.02)")
+    p.add_argument(
+        "--ranks",
+        default=",".join(map(str, RANKS)),
+        metavar="R,R,...",
+        help="static ranks to compare with uncompressed (default 4,8,16,32,64)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        metavar="N",
+        help="data-parallel processes per run (default 2; 1 = in this process, for quick checks)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        metavar="NATS",
+        help="validation-loss increase over uncompressed still counted as no loss of quality (default 0.02)",
+    )
 
 
 def parse_ranks(raw: str) -> list[int]:
@@ -76,32 +91,53 @@ def run(args, out, setting, log=print) -> dict:
     # "none": our measured uncompressed all-reduce (DDP's native one has no separable comm time).
     runs = {"none": common.edgc_train(dp, out / "none", nproc, [*common_flags, "--compressor", "allreduce"], log)}
     for r in ranks:
-        runs[f"r{r}"] = common.edgc_train(dp, out / f"rank{r}", nproc,
-                                          [*common_flags, "--compressor", "powersgd", "--powersgd-rank", str(r)], log)
+        runs[f"r{r}"] = common.edgc_train(
+            dp, out / f"rank{r}", nproc, [*common_flags, "--compressor", "powersgd", "--powersgd-rank", str(r)], log
+        )
     folders = [out / "none", *(out / f"rank{r}" for r in ranks)]
     loaded = [load_run(f) for f in folders]
     stats = [compressed_stats(run) for run in loaded]
     base = stats[0]
     rows, results = [], []
     for label, s in zip(["none", *(f"{r}" for r in ranks)], stats):
-        res = {"rank": None if label == "none" else int(label), "val_loss": s["val_loss"],
-               "delta_val_loss": s["val_loss"] - base["val_loss"], "bytes_per_step": s["comp_bytes"],
-               "bytes_ratio": s["comp_bytes"] / base["comp_bytes"], "comm_s": s["comp_comm_s"],
-               "compress_s": s["comp_compress_s"], "step_s": s["comp_step_s"],
-               "comm_ratio": s["comp_comm_s"] / base["comp_comm_s"] if base["comp_comm_s"] else float("nan")}
+        res = {
+            "rank": None if label == "none" else int(label),
+            "val_loss": s["val_loss"],
+            "delta_val_loss": s["val_loss"] - base["val_loss"],
+            "bytes_per_step": s["comp_bytes"],
+            "bytes_ratio": s["comp_bytes"] / base["comp_bytes"],
+            "comm_s": s["comp_comm_s"],
+            "compress_s": s["comp_compress_s"],
+            "step_s": s["comp_step_s"],
+            "comm_ratio": s["comp_comm_s"] / base["comp_comm_s"] if base["comp_comm_s"] else float("nan"),
+        }
         results.append(res)
-        rows.append([label, f"{res['bytes_per_step'] / 1e6:.3f}", f"{res['bytes_ratio']:.3f}",
-                     f"{1000 * res['comm_s']:.2f}", fmt(res["comm_ratio"], ".2f"), f"{1000 * res['compress_s']:.1f}",
-                     f"{1000 * res['step_s']:.0f}", f"{res['val_loss']:.4f}", f"{res['delta_val_loss']:+.4f}"])
+        rows.append(
+            [
+                label,
+                f"{res['bytes_per_step'] / 1e6:.3f}",
+                f"{res['bytes_ratio']:.3f}",
+                f"{1000 * res['comm_s']:.2f}",
+                fmt(res["comm_ratio"], ".2f"),
+                f"{1000 * res['compress_s']:.1f}",
+                f"{1000 * res['step_s']:.0f}",
+                f"{res['val_loss']:.4f}",
+                f"{res['delta_val_loss']:+.4f}",
+            ]
+        )
     safe = [r["rank"] for r in results[1:] if r["delta_val_loss"] <= args.tolerance]
     r_min = min(safe) if safe else None
     faster = [r["rank"] for r in results[1:] if r["comm_s"] + r["compress_s"] < base["comp_comm_s"]]
-    suggestion = (f"smallest rank within {args.tolerance:g} nats of uncompressed validation loss: "
-                  f"{r_min if r_min is not None else 'none of those tried'}")
+    suggestion = (
+        f"smallest rank within {args.tolerance:g} nats of uncompressed validation loss: "
+        f"{r_min if r_min is not None else 'none of those tried'}"
+    )
     best = min(results[1:], key=lambda r: r["delta_val_loss"])
-    headline = (f"{suggestion}; at rank {ranks[0]} PowerSGD sends {results[1]['bytes_ratio']:.3f}× the bytes "
-                f"(Δ val loss {results[1]['delta_val_loss']:+.4f}); comm+compression beats the uncompressed "
-                f"all-reduce on this link at ranks: {', '.join(map(str, faster)) or 'none'}")
+    headline = (
+        f"{suggestion}; at rank {ranks[0]} PowerSGD sends {results[1]['bytes_ratio']:.3f}× the bytes "
+        f"(Δ val loss {results[1]['delta_val_loss']:+.4f}); comm+compression beats the uncompressed "
+        f"all-reduce on this link at ranks: {', '.join(map(str, faster)) or 'none'}"
+    )
     report_plots = common.report_plots(folders, out / "report")
     plots = [_plot(out, results, loaded, ranks), *report_plots]
     summary = [
@@ -114,8 +150,20 @@ def run(args, out, setting, log=print) -> dict:
         f"a 10% uncompressed warm-up. Per-step numbers are medians over the compressed steps (all steps for "
         f"`none`); validation loss at the last step ({setting.steps}).",
         "",
-        markdown_table(["rank", "MB sent / step", "bytes vs none", "comm ms / step", "comm vs none",
-                        "compress ms / step", "step ms", "val loss", "Δ val loss"], rows),
+        markdown_table(
+            [
+                "rank",
+                "MB sent / step",
+                "bytes vs none",
+                "comm ms / step",
+                "comm vs none",
+                "compress ms / step",
+                "step ms",
+                "val loss",
+                "Δ val loss",
+            ],
+            rows,
+        ),
         "",
         "How to read it for EDGC's bounds (paper §2.7: sweep ranks to set r_max/r_min):",
         f"- r_min: the {suggestion}. Best Δ val loss: rank {best['rank']} ({best['delta_val_loss']:+.4f}).",
@@ -129,8 +177,10 @@ def run(args, out, setting, log=print) -> dict:
         "Plots: " + ", ".join(f"`{p.relative_to(out)}`" for p in plots),
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(dp), "nproc": nproc, "results": results,
-                                            "r_min_suggestion": r_min, "faster_ranks": faster})
+    common.write_json(
+        out / "results.json",
+        {"setting": vars(dp), "nproc": nproc, "results": results, "r_min_suggestion": r_min, "faster_ranks": faster},
+    )
     return {"headline": headline, "results": results, "r_min": r_min, "faster": faster}
 
 
@@ -143,14 +193,24 @@ def _plot(out, results, loaded, ranks):
     axes[0].set_ylabel("MB sent per step (per process)")
     axes[0].set_title("Bytes per compressed step", fontsize=9)
     axes[1].bar(x, [1000 * r["comm_s"] for r in results], label="communication", color="tab:orange")
-    axes[1].bar(x, [1000 * r["compress_s"] for r in results], bottom=[1000 * r["comm_s"] for r in results],
-                label="compression work", color="tab:grey")
+    axes[1].bar(
+        x,
+        [1000 * r["compress_s"] for r in results],
+        bottom=[1000 * r["comm_s"] for r in results],
+        label="compression work",
+        color="tab:grey",
+    )
     axes[1].set_ylabel("ms per step (median)")
     axes[1].set_title("Sync time per step (loopback)", fontsize=9)
     axes[1].legend(fontsize=7)
     for run, label in zip(loaded, labels):
-        axes[2].plot([e["step"] for e in run.evals], [e["val_loss"] for e in run.evals], "o-", ms=3,
-                     label=f"rank {label}" if label != "none" else "uncompressed")
+        axes[2].plot(
+            [e["step"] for e in run.evals],
+            [e["val_loss"] for e in run.evals],
+            "o-",
+            ms=3,
+            label=f"rank {label}" if label != "none" else "uncompressed",
+        )
     axes[2].set_xlabel("optimizer step")
     axes[2].set_ylabel("validation loss (nats/token)")
     axes[2].set_title("Validation loss", fontsize=9)

@@ -12,6 +12,7 @@ One single-process GPT-2 run records, every step, the full histogram entropy of 
   mapping (histogram entropy) and the ``cqm`` mapping (Gaussian entropy), and how often it agrees
   with the schedule the full series would have produced.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,9 @@ R_MAX, R_MIN = 32, 8
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--windows", metavar="W,W,...",
-                   help="window lengths in steps (default: steps/40, steps/20, steps/10, steps/5)")
+    p.add_argument(
+        "--windows", metavar="W,W,...", help="window lengths in steps (default: steps/40, steps/20, steps/10, steps/5)"
+    )
     p.add_argument("--alpha", type=float, default=0.1, help="GDS iteration sample ratio α (default 0.1)")
     p.add_argument("--beta", type=float, default=0.25, help="GDS gradient sample ratio β (default 0.25)")
 
@@ -58,15 +60,24 @@ def validate(args, setting) -> None:
     windows_for(args, setting.steps)
 
 
-def rank_schedule(values: list[float], steps: int, window: int, alpha: float, mapping: str,
-                  shapes: list[tuple[int, int]]) -> list[int]:
+def rank_schedule(
+    values: list[float], steps: int, window: int, alpha: float, mapping: str, shapes: list[tuple[int, int]]
+) -> list[int]:
     """Rank per step (0 = uncompressed warm-up) chosen by the library controller from a sampled series.
 
     ``values[i]`` is the entropy sampled at library step i·round(1/α) (steps count from 0), fed to the
     controller only once that step has happened, as in training.
     """
-    config = EDGCConfig(r_max=R_MAX, r_min=R_MIN, window=window, iteration_sample_ratio=alpha, total_steps=steps,
-                        warmup_fraction=0.1, warmup_error_test=False, rank_mapping=mapping)
+    config = EDGCConfig(
+        r_max=R_MAX,
+        r_min=R_MIN,
+        window=window,
+        iteration_sample_ratio=alpha,
+        total_steps=steps,
+        warmup_fraction=0.1,
+        warmup_error_test=False,
+        rank_mapping=mapping,
+    )
     controller = WindowController(config)
     every = config.sample_every
     ranks = []
@@ -75,8 +86,9 @@ def rank_schedule(values: list[float], steps: int, window: int, alpha: float, ma
         ranks.append(plan.rank or 0)
         if plan.decision:
             seen = values[: step // every + 1]
-            decision = controller.propose(plan, Agreed(), seen, shapes,
-                                          sample_steps=[i * every for i in range(len(seen))])
+            decision = controller.propose(
+                plan, Agreed(), seen, shapes, sample_steps=[i * every for i in range(len(seen))]
+            )
             controller.apply(plan, Agreed(), decision)
         assert controller.phase in (COMPRESS, "warmup")
     return ranks
@@ -117,9 +129,14 @@ def run(args, out, setting, log=print) -> dict:
         full_w = common.window_series(full_steps, full, w, T)
         samp_w = common.window_series(sampled_steps, sampled, w, T)
         pairs = [(a, b) for a, b in zip(full_w, samp_w) if math.isfinite(a) and math.isfinite(b)]
-        res = {"window": w, "samples_per_window": w / every, "windows": len(pairs),
-               "cc": common.pearson([a for a, _ in pairs], [b for _, b in pairs]),
-               "full_windowed": full_w, "sampled_windowed": samp_w}
+        res = {
+            "window": w,
+            "samples_per_window": w / every,
+            "windows": len(pairs),
+            "cc": common.pearson([a for a, _ in pairs], [b for _, b in pairs]),
+            "full_windowed": full_w,
+            "sampled_windowed": samp_w,
+        }
         full_sampled_series = [full[s - 1] for s in sampled_steps]  # the full entropy on the same steps
         full_gauss_series = [full_gauss[s - 1] for s in sampled_steps]
         for mapping, series, reference in (("delta", sampled, full_sampled_series), ("cqm", gauss, full_gauss_series)):
@@ -127,24 +144,43 @@ def run(args, out, setting, log=print) -> dict:
             ref = rank_schedule(reference, T, w, args.alpha, mapping, shapes)
             compressed = [r for r in ranks if r]
             changes = sum(1 for a, b in zip(ranks, ranks[1:]) if a and b and a != b)
-            res[mapping] = {"ranks": ranks, "mean_rank": float(np.mean(compressed)) if compressed else float("nan"),
-                            "changes": changes, "final_rank": ranks[-1],
-                            "agreement_with_full": float(np.mean([a == b for a, b in zip(ranks, ref)])),
-                            "ranks_from_full": ref}
+            res[mapping] = {
+                "ranks": ranks,
+                "mean_rank": float(np.mean(compressed)) if compressed else float("nan"),
+                "changes": changes,
+                "final_rank": ranks[-1],
+                "agreement_with_full": float(np.mean([a == b for a, b in zip(ranks, ref)])),
+                "ranks_from_full": ref,
+            }
         results[str(w)] = res
 
-    headline = "CC(windowed sampled vs full entropy) " + ", ".join(
-        f"w={r['window']}: {fmt(r['cc'])}" for r in results.values()) + (
-        "; delta-mapping mean rank " + ", ".join(f"w={r['window']}: {fmt(r['delta']['mean_rank'], '.1f')}"
-                                                  for r in results.values()))
+    headline = (
+        "CC(windowed sampled vs full entropy) "
+        + ", ".join(f"w={r['window']}: {fmt(r['cc'])}" for r in results.values())
+        + (
+            "; delta-mapping mean rank "
+            + ", ".join(f"w={r['window']}: {fmt(r['delta']['mean_rank'], '.1f')}" for r in results.values())
+        )
+    )
     plots = _plot(out, results, full_steps, full, sampled_steps, sampled, T)
     rows = []
     for r in results.values():
-        rows.append([r["window"], f"{r['samples_per_window']:.1f}", r["windows"], fmt(r["cc"]),
-                     fmt(r["delta"]["mean_rank"], ".1f"), r["delta"]["changes"], r["delta"]["final_rank"],
-                     f"{100 * r['delta']['agreement_with_full']:.0f}%",
-                     fmt(r["cqm"]["mean_rank"], ".1f"), r["cqm"]["changes"], r["cqm"]["final_rank"],
-                     f"{100 * r['cqm']['agreement_with_full']:.0f}%"])
+        rows.append(
+            [
+                r["window"],
+                f"{r['samples_per_window']:.1f}",
+                r["windows"],
+                fmt(r["cc"]),
+                fmt(r["delta"]["mean_rank"], ".1f"),
+                r["delta"]["changes"],
+                r["delta"]["final_rank"],
+                f"{100 * r['delta']['agreement_with_full']:.0f}%",
+                fmt(r["cqm"]["mean_rank"], ".1f"),
+                r["cqm"]["changes"],
+                r["cqm"]["final_rank"],
+                f"{100 * r['cqm']['agreement_with_full']:.0f}%",
+            ]
+        )
     summary = [
         f"# Experiment `{NAME}`: window length w",
         "",
@@ -155,9 +191,23 @@ def run(args, out, setting, log=print) -> dict:
         f"every step. Rank schedules: the library's `WindowController` with r_max = {R_MAX}, r_min = {R_MIN}, "
         f"rank step 4, warm-up 10% of {T} steps (no error test), fed the sampled series as training would.",
         "",
-        markdown_table(["w (steps)", "samples / window", "windows", "CC sampled vs full",
-                        "delta: mean rank", "delta: changes", "delta: final", "delta: same rank as from full entropy",
-                        "cqm: mean rank", "cqm: changes", "cqm: final", "cqm: same as full"], rows),
+        markdown_table(
+            [
+                "w (steps)",
+                "samples / window",
+                "windows",
+                "CC sampled vs full",
+                "delta: mean rank",
+                "delta: changes",
+                "delta: final",
+                "delta: same rank as from full entropy",
+                "cqm: mean rank",
+                "cqm: changes",
+                "cqm: final",
+                "cqm: same as full",
+            ],
+            rows,
+        ),
         "",
         "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
         "",
@@ -167,10 +217,18 @@ def run(args, out, setting, log=print) -> dict:
         "change by the first one, so the schedule depends strongly on how noisy the first windows are.",
     ]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
-    common.write_json(out / "results.json", {"setting": vars(setting), "alpha": args.alpha, "beta": args.beta,
-                                            "full": {"steps": full_steps, "entropy": full},
-                                            "sampled": {"steps": sampled_steps, "entropy": sampled, "gaussian": gauss},
-                                            "results": results, "loss": curve})
+    common.write_json(
+        out / "results.json",
+        {
+            "setting": vars(setting),
+            "alpha": args.alpha,
+            "beta": args.beta,
+            "full": {"steps": full_steps, "entropy": full},
+            "sampled": {"steps": sampled_steps, "entropy": sampled, "gaussian": gauss},
+            "results": results,
+            "loss": curve,
+        },
+    )
     return {"headline": headline, "results": results}
 
 
@@ -188,12 +246,18 @@ def _plot(out, results, full_steps, full, sampled_steps, sampled, T):
     axes[0].legend(fontsize=7, ncol=3)
     for ax, mapping in ((axes[1], "delta"), (axes[2], "cqm")):
         for r in results.values():
-            ax.plot(range(1, T + 1), r[mapping]["ranks"], lw=1.2,
-                    label=f"w={r['window']} (mean {fmt(r[mapping]['mean_rank'], '.1f')})")
+            ax.plot(
+                range(1, T + 1),
+                r[mapping]["ranks"],
+                lw=1.2,
+                label=f"w={r['window']} (mean {fmt(r[mapping]['mean_rank'], '.1f')})",
+            )
         ax.set_ylabel("PowerSGD rank (0 = warm-up)")
-        ax.set_title(f"Rank schedule from the sampled entropy, `{mapping}` mapping "
-                     f"({'histogram' if mapping == 'delta' else 'Gaussian'} entropy), r ∈ [{R_MIN}, {R_MAX}]",
-                     fontsize=9)
+        ax.set_title(
+            f"Rank schedule from the sampled entropy, `{mapping}` mapping "
+            f"({'histogram' if mapping == 'delta' else 'Gaussian'} entropy), r ∈ [{R_MIN}, {R_MAX}]",
+            fontsize=9,
+        )
         ax.legend(fontsize=7, ncol=4)
     axes[2].set_xlabel("optimizer step")
     return [common.save(fig, out / "window.png")]

@@ -1,5 +1,6 @@
 """The bench's emulated link as the calibration sees it: `BenchLink` (latency, rate, tbf burst), fitted
 to a bench's ``calibration.json`` sweep (`fit_bench_link`, `bench_link`) or nominal (`nominal_link`)."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from pathlib import Path
 from .tbf import burst_bytes
 
 SMALL_WIRE = 64 * 1024  # bytes on the wire per host up to which an all-reduce is latency alone
-LARGE_WIRE = 4 * 2 ** 20  # ... and from which bytes / beta dominates
+LARGE_WIRE = 4 * 2**20  # ... and from which bytes / beta dominates
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,15 @@ class BenchLink:
         return self.latency_s(world, all_gather) + self.bytes_s(world, nbytes, all_gather)
 
     def describe(self, world: int = 2) -> str:
-        return (f"beta {8 * self.bytes_per_s / 1e6:.0f} Mbit/s, {1e6 * self.latency_s(world):.0f} us per "
-                f"all-reduce (alpha {1e6 * self.alpha_s:.0f} us per ring step), burst {self.burst_bytes / 1e3:.0f} kB")
+        return (
+            f"beta {8 * self.bytes_per_s / 1e6:.0f} Mbit/s, {1e6 * self.latency_s(world):.0f} us per "
+            f"all-reduce (alpha {1e6 * self.alpha_s:.0f} us per ring step), burst {self.burst_bytes / 1e3:.0f} kB"
+        )
 
 
-def fit_bench_link(world: int, sizes_bytes: Sequence[float], seconds: Sequence[float],
-                   burst_bytes: float = 0.0) -> tuple:
+def fit_bench_link(
+    world: int, sizes_bytes: Sequence[float], seconds: Sequence[float], burst_bytes: float = 0.0
+) -> tuple:
     """(alpha_s, bytes_per_s) of an all-reduce sweep, T(S) = 2(n-1) alpha + max(0, f S - B) / beta
     with f = 2(n-1)/n and B the tbf burst the links were given; each number from the sizes where it
     dominates: beta from the least-squares slope over the sizes with f S >= 4 MiB (the burst only
@@ -78,7 +82,7 @@ def _burst(rows: list, world: int) -> float:
     row = rows[-1]
     if not row.get("ideal_s"):
         return 0.0
-    wire = 2 * (world - 1) / world * float(row["mb"]) * 2 ** 20
+    wire = 2 * (world - 1) / world * float(row["mb"]) * 2**20
     return float(burst_bytes(wire * 8 / float(row["ideal_s"]) / 1e6))
 
 
@@ -89,13 +93,16 @@ def bench_link(calibration_json: str | Path, world: int = 2) -> BenchLink:
     rows = json.loads(Path(calibration_json).read_text())
     if not isinstance(rows, list) or not rows or any("mb" not in r or "seconds" not in r for r in rows):
         raise ValueError(f"{calibration_json}: expected a list of {{'mb', 'seconds'}} rows")
-    sizes = [float(r["mb"]) * 2 ** 20 for r in rows]
+    sizes = [float(r["mb"]) * 2**20 for r in rows]
     times = [float(r.get("mean_s", r["seconds"])) for r in rows]
     burst = _burst(rows, world)
     alpha, beta = fit_bench_link(world, sizes, times, burst)
     link = BenchLink(alpha, beta, burst)
-    note = "" if any(2 * (world - 1) / world * s <= SMALL_WIRE for s in sizes) else \
-        " (no size <= 64 KiB measured: latency unknown, taken as 0)"
+    note = (
+        ""
+        if any(2 * (world - 1) / world * s <= SMALL_WIRE for s in sizes)
+        else " (no size <= 64 KiB measured: latency unknown, taken as 0)"
+    )
     return replace(link, source=f"fit of {calibration_json}: {link.describe(world)}{note}")
 
 

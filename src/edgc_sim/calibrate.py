@@ -5,6 +5,7 @@ grad_accum, compressor, and the model shape) plus metrics.jsonl. Those runs are 
 host, so the same IterationModel is used with TP = PP = 1, one "node" of world_size processes, this
 CPU as the device and the local gloo link as the intra-node link.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ from .schedule import read_metrics
 
 # `edgc train` writes the resolved GPT2Config shape under "model"; top-level keys are the user's
 # overrides (often null) and are only a fallback. The first non-null key wins.
-SHAPE_KEYS = {"layers": ("n_layer",), "hidden": ("n_embd",), "heads": ("n_head",),
-              "vocab": ("vocab_size", "vocab_size_actual"), "positions": ("n_positions",)}
+SHAPE_KEYS = {
+    "layers": ("n_layer",),
+    "hidden": ("n_embd",),
+    "heads": ("n_head",),
+    "vocab": ("vocab_size", "vocab_size_actual"),
+    "positions": ("n_positions",),
+}
 # these compressors time their compression inside comm_time_s (edgc_train/compressors.py)
 COMM_INCLUDES_COMPRESS = ("torch-powersgd",)
 REQUIRED = ("world_size", "micro_batch", "seq_len", "grad_accum", "compressor")
@@ -105,8 +111,9 @@ def load_run(run_dir: str | Path) -> MeasuredRun:
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise ValueError(f"{cfg_path}: missing keys {missing}")
-    return MeasuredRun(str(run_dir), config, tuple(read_metrics(metrics_path)),
-                       read_comm_traces(run_dir, int(config["world_size"])))
+    return MeasuredRun(
+        str(run_dir), config, tuple(read_metrics(metrics_path)), read_comm_traces(run_dir, int(config["world_size"]))
+    )
 
 
 def harness_model(config: dict) -> ModelSpec:
@@ -119,15 +126,30 @@ def harness_model(config: dict) -> ModelSpec:
             raise ValueError(f"config.json has no model {field} (any of {keys})")
         shape[field] = int(value or 0)
     # HF GPT-2 does not pad its vocabulary
-    return ModelSpec(shape["layers"], shape["hidden"], shape["heads"], int(config["seq_len"]),
-                     shape["vocab"], vocab_pad=1, positions=shape["positions"])
+    return ModelSpec(
+        shape["layers"],
+        shape["hidden"],
+        shape["heads"],
+        int(config["seq_len"]),
+        shape["vocab"],
+        vocab_pad=1,
+        positions=shape["positions"],
+    )
 
 
 def host_model(config: dict, device: DeviceSpec, link: LinkSpec) -> IterationModel:
     """IterationModel of a pure-DP run of `config` on this host."""
     world, micro, accum = (int(config[k]) for k in ("world_size", "micro_batch", "grad_accum"))
-    preset = Preset(f"run:{config.get('preset', '?')}", harness_model(config),
-                    ParallelSpec(1, 1, world, micro, micro * world * accum), 1, "host", "fp32", 4, reducer="edgc")
+    preset = Preset(
+        f"run:{config.get('preset', '?')}",
+        harness_model(config),
+        ParallelSpec(1, 1, world, micro, micro * world * accum),
+        1,
+        "host",
+        "fp32",
+        4,
+        reducer="edgc",
+    )
     cluster = ClusterSpec("host", device, 1, world, link, link, 1, "this machine (measured)")
     return IterationModel(preset, cluster)
 
@@ -138,7 +160,7 @@ def calibrate(runs: Sequence[MeasuredRun], device: DeviceSpec, link: LinkSpec) -
     rows = []
     for run in runs:
         model = host_model(run.config, device, link)
-        records = run.records[int(len(run.records) * SKIP_FRACTION):] or run.records
+        records = run.records[int(len(run.records) * SKIP_FRACTION) :] or run.records
         by_rank: dict = {}
         for rec in records:
             by_rank.setdefault(rec.get("rank"), []).append(rec)
@@ -147,8 +169,16 @@ def calibrate(runs: Sequence[MeasuredRun], device: DeviceSpec, link: LinkSpec) -
             compressor = str(run.config["compressor"])
             sync = it.sync[0]
             predicted_comm = sync.total_s if compressor in COMM_INCLUDES_COMPRESS else sync.comm_s
-            rows.append(CalibrationRow(
-                Path(run.path).name, compressor, rank, len(recs),
-                statistics.median(r["step_time_s"] for r in recs), it.iteration_s,
-                statistics.median(r.get("comm_time_s", 0.0) for r in recs), predicted_comm))
+            rows.append(
+                CalibrationRow(
+                    Path(run.path).name,
+                    compressor,
+                    rank,
+                    len(recs),
+                    statistics.median(r["step_time_s"] for r in recs),
+                    it.iteration_s,
+                    statistics.median(r.get("comm_time_s", 0.0) for r in recs),
+                    predicted_comm,
+                )
+            )
     return rows

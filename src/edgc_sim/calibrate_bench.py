@@ -52,6 +52,7 @@ Bench folders of the current layout (they have a `nosync`, `allreduce` or `allre
 torch-powersgd times its compression inside comm_time_s, so its comm adds the compress model, its
 own (cost_model.torch_powersgd_hook_time: more passes over the whole bucket, two fresh allocations).
 """
+
 from __future__ import annotations
 
 import math
@@ -84,6 +85,8 @@ BLOCKING_REFERENCE = "allreduce-blocking"  # today's folders: the peer-wait refe
 NEW_STYLE = ("nosync", "allreduce", "allreduce-blocking")  # a folder with any of these is of today's bench
 OVERLAPPED = ("allreduce", "powersgd", "edgc")  # through our non-blocking hook (today's folders)
 NATIVE = ("none",)  # DDP's own all-reduce in today's folders: asynchronous, no timer, no trace
+
+
 @dataclass(frozen=True)
 class BenchRow:
     """Predicted vs measured medians for one (run, rank) group of a bench run."""
@@ -107,7 +110,9 @@ class BenchRow:
     compress_predicted_s: float
     compress_modelled: bool  #: False: compress_predicted_s is the measured median
     comm_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of the measured median comm
-    link_measured_s: float = math.nan  #: median time of the step's collectives on the link (link_times); nan without traces
+    link_measured_s: float = (
+        math.nan
+    )  #: median time of the step's collectives on the link (link_times); nan without traces
     link_ci_s: tuple = (math.nan, math.nan)  #: bootstrap 95% interval of that median
     latency_from: str = "sweep"  #: where latency_s's fixed cost per collective came from ("sweep" or "traced: <runs>")
     sweep_latency_s: float = math.nan  #: latency_s with the sweep's fixed cost (for comparison)
@@ -157,7 +162,7 @@ class BenchRow:
 def _step_groups(run: MeasuredRun) -> list:
     """(rank, records) after the first SKIP_FRACTION; when a run has compressed steps (rank set),
     only those: its uncompressed warm-up / profiling steps are a different workload."""
-    records = run.records[int(len(run.records) * SKIP_FRACTION):] or run.records
+    records = run.records[int(len(run.records) * SKIP_FRACTION) :] or run.records
     if any(r.get("rank") is not None for r in records):
         records = [r for r in records if r.get("rank") is not None]
     groups: dict = {}
@@ -190,7 +195,8 @@ class RunGroup:
     count: float | None
     transfer_s: float  #: bytes beyond the burst / beta, summed over the step's collectives
     link_s: list  #: traced link time of each of its steps (empty without traces)
-    overlapped: bool = False  #: issued without blocking (our hook in today's folders): traced durations include queueing
+    #: issued without blocking (our hook in today's folders): traced durations include queueing
+    overlapped: bool = False
 
     @property
     def name(self) -> str:
@@ -208,9 +214,14 @@ class RunGroup:
         """Traced, all-reduce only, compression outside the timer, and latency-bound: its link time
         minus its bytes is the fixed cost of its collectives."""
         compressor = _compressor(self.run)
-        return (bool(self.link_s) and self.collectives > 0 and not self.overlapped
-                and compressor not in COMM_INCLUDES_COMPRESS and not collectives.issues_all_gather(compressor)
-                and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s)
+        return (
+            bool(self.link_s)
+            and self.collectives > 0
+            and not self.overlapped
+            and compressor not in COMM_INCLUDES_COMPRESS
+            and not collectives.issues_all_gather(compressor)
+            and self.transfer_s <= LATENCY_BOUND_SHARE * self.link_median_s
+        )
 
     def alpha_s(self) -> float:
         """Fixed cost per ring step in training: (median link time - bytes) / collectives / 2(n-1)."""
@@ -227,8 +238,7 @@ def traced_alpha(groups: Sequence[RunGroup], group: RunGroup) -> tuple:
     return statistics.fmean(g.alpha_s() for g in teachers), tuple(sorted({g.name for g in teachers}))
 
 
-def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: BenchLink,
-                    latency: str = "traced") -> list:
+def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: BenchLink, latency: str = "traced") -> list:
     """One BenchRow per (run, rank); needs the uncompressed reference run among `runs`.
 
     `latency`: where the fixed cost per collective comes from. "sweep": the link fit (`link`, from
@@ -241,14 +251,17 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     if new_style and ref is None:
         ref = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None)
     if ref is None:
-        raise ValueError(f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in a folder of "
-                         f"today's bench {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait")
+        raise ValueError(
+            f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in a folder of "
+            f"today's bench {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait"
+        )
     groups = []
     for run in runs:
         compressor, world = _compressor(run), int(run.config["world_size"])
         for rank, recs in _step_groups(run):
-            payloads = step_payloads(compressor, rank, run.config,
-                                     statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs))
+            payloads = step_payloads(
+                compressor, rank, run.config, statistics.median(float(r.get("bytes_sent", 0.0)) for r in recs)
+            )
             transfer = sum(link.bytes_s(world, p, collectives.issues_all_gather(compressor)) for p in payloads)
             on_link = [run.link_s[r["step"]] for r in recs if run.link_s and r["step"] in run.link_s]
             count = _measured_count(recs)
@@ -256,8 +269,9 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
                 # DDP's native all-reduce: nothing of ours counts or traces it (it logs 0 collectives
                 # and empty traces), the pattern gives the count; nosync has nothing to trace
                 count, on_link = None, []
-            groups.append(RunGroup(run, rank, recs, payloads, count, transfer, on_link,
-                                   new_style and compressor in OVERLAPPED))
+            groups.append(
+                RunGroup(run, rank, recs, payloads, count, transfer, on_link, new_style and compressor in OVERLAPPED)
+            )
 
     def link_of(group: RunGroup) -> tuple:
         alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
@@ -276,9 +290,17 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     if wait_run is not None:
         wait_group = next(g for g in groups if g.run is wait_run)
         wmed = medians(wait_group)
-        wait_link = wait_group.link_median_s if wait_group.link_s else wire_time(
-            _compressor(wait_run), int(wait_run.config["world_size"]), wait_group.payloads,
-            link_of(wait_group)[0], wait_group.count)
+        wait_link = (
+            wait_group.link_median_s
+            if wait_group.link_s
+            else wire_time(
+                _compressor(wait_run),
+                int(wait_run.config["world_size"]),
+                wait_group.payloads,
+                link_of(wait_group)[0],
+                wait_group.count,
+            )
+        )
         omega = max(0.0, wmed("comm_time_s") - wait_link) / (wmed("compute_time_s") + wmed("compress_time_s"))
     rows = []
     for g in groups:
@@ -293,8 +315,9 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
         in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
         untimed = new_style and compressor in NATIVE + (COMPUTE_FLOOR,)  # no comm timer at all
         wait = 0.0 if compressor == COMPUTE_FLOOR else omega * (compute_ref + comp_pred)
-        mode = ("native" if compressor in NATIVE else "hook" if compressor in OVERLAPPED else None) \
-            if new_style else None
+        mode = (
+            ("native" if compressor in NATIVE else "hook" if compressor in OVERLAPPED else None) if new_style else None
+        )
         if mode is None:
             comm_pred = latency_s + transfer + wait + in_comm
             step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
@@ -303,17 +326,45 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             pattern = payload_groups(compressor, g.rank, g.run.config, med("bytes_sent"))
             durations = [[group_link.collective_s(world, p, all_gather) for p in grp] for grp in pattern]
             extra = max(0.0, g.collectives - sum(len(d) for d in durations)) * group_link.latency_s(world, all_gather)
-            timeline = step_timeline(compute_ref, comp_pred, durations,
-                                     collectives.bucket_values(compressor, harness_model(g.run.config)), mode)
+            timeline = step_timeline(
+                compute_ref,
+                comp_pred,
+                durations,
+                collectives.bucket_values(compressor, harness_model(g.run.config)),
+                mode,
+            )
             # DDP native has no timer to compare with: report the link's own time, not the queueing
             comm_pred = (latency_s + transfer if mode == "native" else timeline.comm_s + extra) + wait
             step_pred = timeline.end_s + extra + compute_ref * OTHER_SHARE + wait
         comm_meas = math.nan if untimed else med("comm_time_s")
-        rows.append(BenchRow(
-            g.name, compressor, g.rank, len(g.recs), med("bytes_sent"), g.collectives, g.count is not None,
-            comm_meas, comm_pred, latency_s, transfer, wait, med("step_time_s"),
-            step_pred, med("compute_time_s"), comp_meas, comp_pred, comp_model is not None,
-            (math.nan, math.nan) if untimed else median_interval([float(r.get("comm_time_s") or 0.0) for r in g.recs]),
-            g.link_median_s, median_interval(g.link_s),
-            latency_from, sweep_latency_s, mode or "sum"))
+        rows.append(
+            BenchRow(
+                g.name,
+                compressor,
+                g.rank,
+                len(g.recs),
+                med("bytes_sent"),
+                g.collectives,
+                g.count is not None,
+                comm_meas,
+                comm_pred,
+                latency_s,
+                transfer,
+                wait,
+                med("step_time_s"),
+                step_pred,
+                med("compute_time_s"),
+                comp_meas,
+                comp_pred,
+                comp_model is not None,
+                (math.nan, math.nan)
+                if untimed
+                else median_interval([float(r.get("comm_time_s") or 0.0) for r in g.recs]),
+                g.link_median_s,
+                median_interval(g.link_s),
+                latency_from,
+                sweep_latency_s,
+                mode or "sum",
+            )
+        )
     return rows

@@ -24,6 +24,7 @@ SKIP_FRACTION of the run left out), the simulator predicts:
   the longest stage's pipeline_s: DP sync, tied-embedding sum, clipping, optimizer), which this
   model does not predict; so the step error is the schedule's error in seconds over the step.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -99,7 +100,7 @@ def is_pipeline_run(run: MeasuredRun) -> bool:
 
 def _groups(run: MeasuredRun) -> list:
     """(per-stage inter-stage ranks, records) after the first SKIP_FRACTION of the run."""
-    records = run.records[int(len(run.records) * SKIP_FRACTION):] or run.records
+    records = run.records[int(len(run.records) * SKIP_FRACTION) :] or run.records
     groups: dict = {}
     for rec in records:
         ranks = tuple(s.get("interstage_rank") for s in rec["stages"])
@@ -107,9 +108,17 @@ def _groups(run: MeasuredRun) -> list:
     return sorted(groups.items(), key=lambda kv: tuple(-1 if r is None else r for r in kv[0]))
 
 
-def predict_schedule(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_batches: int, mode: str,
-                     ranks: Sequence[int | None], rows: int, cols: int, link: cm.AlphaBeta,
-                     device: DeviceSpec) -> tuple:
+def predict_schedule(
+    t_fwd: Sequence[float],
+    t_bwd: Sequence[float],
+    micro_batches: int,
+    mode: str,
+    ranks: Sequence[int | None],
+    rows: int,
+    cols: int,
+    link: cm.AlphaBeta,
+    device: DeviceSpec,
+) -> tuple:
     """(timeline, per-stage inter-stage seconds, payload transfer seconds, compress seconds) of one step:
     t_fwd/t_bwd per stage (compute of one micro-batch), ranks[s] the rank stage s sends its gradients
     at. The last two are the parts the compressed sizes set, summed over the step's gradients: each
@@ -118,15 +127,39 @@ def predict_schedule(t_fwd: Sequence[float], t_bwd: Sequence[float], micro_batch
     P = len(t_fwd)
     forward = [transfer_s(rows * cols * BYTES, link)] * (P - 1)
     per_stage = [gradient_ranks(mode, ranks[s], micro_batches, P, rows, cols) for s in range(P)]
-    compress = [[compress_s(r, rows, cols, device.flops_per_s("fp32"), device.mem_bytes_per_s, device.launch_s,
-                            BYTES, device.skinny_rates()) if s > 0 else 0.0 for r in per_stage[s]] for s in range(P)]
-    backward = [[transfer_s(gradient_bytes(r, rows, cols, BYTES), link) for r in per_stage[s + 1]]
-                for s in range(P - 1)]
+    compress = [
+        [
+            compress_s(
+                r,
+                rows,
+                cols,
+                device.flops_per_s("fp32"),
+                device.mem_bytes_per_s,
+                device.launch_s,
+                BYTES,
+                device.skinny_rates(),
+            )
+            if s > 0
+            else 0.0
+            for r in per_stage[s]
+        ]
+        for s in range(P)
+    ]
+    backward = [
+        [transfer_s(gradient_bytes(r, rows, cols, BYTES), link) for r in per_stage[s + 1]] for s in range(P - 1)
+    ]
     t_bwd_micro = [[t_bwd[s] + c for c in compress[s]] for s in range(P)]
     timeline = cm.one_f_one_b_timeline(t_fwd, t_bwd_micro, micro_batches, forward, backward)
     waits = cm.backward_waits(timeline, P, micro_batches)
-    payload = None if mode == "off" else sum(transfer_s(gradient_bytes(r, rows, cols, BYTES) - HEADER_BYTES, link)
-                                             for s in range(1, P) for r in per_stage[s])
+    payload = (
+        None
+        if mode == "off"
+        else sum(
+            transfer_s(gradient_bytes(r, rows, cols, BYTES) - HEADER_BYTES, link)
+            for s in range(1, P)
+            for r in per_stage[s]
+        )
+    )
     return timeline, [w + sum(c) for w, c in zip(waits, compress)], payload, sum(map(sum, compress))
 
 
@@ -136,8 +169,10 @@ def calibrate_pipeline(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Li
     rows = []
     for run in runs:
         if not is_pipeline_run(run):
-            raise ValueError(f"{run.path}: not a pipeline run (config pp = {run.config.get('pp')}); "
-                             "calibrate TP x PP bench runs on their own")
+            raise ValueError(
+                f"{run.path}: not a pipeline run (config pp = {run.config.get('pp')}); "
+                "calibrate TP x PP bench runs on their own"
+            )
         cfg = run.config
         P, m = int(cfg["pp"]), int(cfg["grad_accum"])
         mode = str(cfg.get("interstage") or "off")
@@ -153,19 +188,36 @@ def calibrate_pipeline(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Li
 
             t_fwd = [med(lambda r: r["stages"][s]["forward_s"]) / m for s in range(P)]
             t_bwd = [med(lambda r: r["stages"][s]["backward_s"]) / m for s in range(P)]
-            timeline, interstage, wire, compress = predict_schedule(t_fwd, t_bwd, m, mode, ranks, tokens, hidden,
-                                                                    local, device)
+            timeline, interstage, wire, compress = predict_schedule(
+                t_fwd, t_bwd, m, mode, ranks, tokens, hidden, local, device
+            )
             sent, raw = step_bytes(mode, list(ranks), m, P, tokens, hidden, BYTES)
             pipeline_meas = med(lambda r: max(s["pipeline_s"] for s in r["stages"]))
             pipeline_pred = max(timeline.flush_end)
             remainder = med(lambda r: r["step_time_s"] - max(s["pipeline_s"] for s in r["stages"]))
-            rows.append(PipelineRow(
-                Path(run.path).name, str(cfg["compressor"]), mode, ranks, len(recs),
-                med(lambda r: r["interstage_bytes_sent"]), sent, med(lambda r: r["interstage_bytes_raw"]), raw,
-                med(lambda r: r["interstage_time_s"]), sum(interstage),
-                measured("interstage_wire_s"), wire, measured("interstage_compress_s"), compress,
-                pipeline_meas, pipeline_pred,
-                med(lambda r: r["step_time_s"]), pipeline_pred + remainder))
+            rows.append(
+                PipelineRow(
+                    Path(run.path).name,
+                    str(cfg["compressor"]),
+                    mode,
+                    ranks,
+                    len(recs),
+                    med(lambda r: r["interstage_bytes_sent"]),
+                    sent,
+                    med(lambda r: r["interstage_bytes_raw"]),
+                    raw,
+                    med(lambda r: r["interstage_time_s"]),
+                    sum(interstage),
+                    measured("interstage_wire_s"),
+                    wire,
+                    measured("interstage_compress_s"),
+                    compress,
+                    pipeline_meas,
+                    pipeline_pred,
+                    med(lambda r: r["step_time_s"]),
+                    pipeline_pred + remainder,
+                )
+            )
     return rows
 
 
@@ -175,32 +227,41 @@ def format_pipeline_calibration(rows: Sequence[PipelineRow], link: LinkSpec, dev
     pct = lambda e: f"{100 * e:+.1f}%"  # noqa: E731
     opt = lambda s: "-" if s is None else f"{1e3 * s:.2f}"  # noqa: E731
     opt_pct = lambda e: "-" if e is None else pct(e)  # noqa: E731
-    lines = [f"local link (inter-stage): alpha {link.latency_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.2f} GB/s "
-             f"({link.source}); host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
-             f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
-             "",
-             "| run | inter-stage | ranks per stage | steps | bytes sent meas | bytes sent pred | raw meas | raw pred "
-             "| exact | inter-stage meas | inter-stage pred | inter-stage err | wire meas | wire pred | wire err "
-             "| compress meas | compress pred | compress err | schedule meas | schedule pred | step meas | step pred "
-             "| step err |",
-             "|" + "---|" * 23]
+    lines = [
+        f"local link (inter-stage): alpha {link.latency_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.2f} GB/s "
+        f"({link.source}); host: {device.flops_per_s('fp32') / 1e9:.1f} GFLOP/s, "
+        f"{device.mem_bytes_per_s / 1e9:.1f} GB/s, {device.launch_s * 1e6:.1f} us/op ({device.source})",
+        "",
+        "| run | inter-stage | ranks per stage | steps | bytes sent meas | bytes sent pred | raw meas | raw pred "
+        "| exact | inter-stage meas | inter-stage pred | inter-stage err | wire meas | wire pred | wire err "
+        "| compress meas | compress pred | compress err | schedule meas | schedule pred | step meas | step pred "
+        "| step err |",
+        "|" + "---|" * 23,
+    ]
     for r in rows:
         lines.append(
             f"| {r.run} | {r.mode} | {'/'.join('-' if k is None else str(k) for k in r.ranks)} | {r.steps} "
             f"| {r.bytes_measured:.0f} | {r.bytes_predicted} | {r.raw_measured:.0f} | {r.raw_predicted} "
             f"| {'yes' if r.bytes_exact else 'NO'} | {ms(r.interstage_measured_s)} | {ms(r.interstage_predicted_s)} "
-            f"| {pct(r.interstage_error)} | {opt(r.wire_measured_s)} | {opt(r.wire_predicted_s)} | {opt_pct(r.wire_error)} "
-            f"| {opt(r.compress_measured_s)} | {opt(r.compress_predicted_s)} | {opt_pct(r.compress_error)} | {ms(r.pipeline_measured_s)} | {ms(r.pipeline_predicted_s)} "
-            f"| {ms(r.step_measured_s)} | {ms(r.step_predicted_s)} | {pct(r.step_error)} |")
-    lines += ["", "bytes per step of replica 0's activation gradients (TP rank 0), medians over the group's steps "
-              "after the first 10%; times in ms, medians. ranks per stage: the inter-stage rank each stage sent "
-              "at (- raw; stage 0 sends nothing). inter-stage: summed over the stages, the time in each "
-              "activation-gradient exchange (pred: the 1F1B timeline's idle time before each backward, from the "
-              "stages' measured forward/backward compute and the wire sizes over the local link, + the "
-              "compress model). wire (ms, 2 decimals): the payload transfers of the compressed path, each from "
-              "its header's arrival to its payload's (pred: alpha + payload bytes / beta; - with off, where "
-              "no header separates waiting from transfer); compress: compress + decompress (pred: the "
-              "PowerSGD compute model of one gradient matrix at its rank). Both summed over the step's "
-              "gradients: the part of the inter-stage time the compressed sizes set, the rest is waiting. schedule: the longest stage's pipeline time. step pred = schedule pred + the "
-              "measured rest of the step (DP sync, optimizer: not modelled here)."]
+            f"| {pct(r.interstage_error)} | {opt(r.wire_measured_s)} | {opt(r.wire_predicted_s)} | "
+            f"{opt_pct(r.wire_error)} "
+            f"| {opt(r.compress_measured_s)} | {opt(r.compress_predicted_s)} | {opt_pct(r.compress_error)} | "
+            f"{ms(r.pipeline_measured_s)} | {ms(r.pipeline_predicted_s)} "
+            f"| {ms(r.step_measured_s)} | {ms(r.step_predicted_s)} | {pct(r.step_error)} |"
+        )
+    lines += [
+        "",
+        "bytes per step of replica 0's activation gradients (TP rank 0), medians over the group's steps "
+        "after the first 10%; times in ms, medians. ranks per stage: the inter-stage rank each stage sent "
+        "at (- raw; stage 0 sends nothing). inter-stage: summed over the stages, the time in each "
+        "activation-gradient exchange (pred: the 1F1B timeline's idle time before each backward, from the "
+        "stages' measured forward/backward compute and the wire sizes over the local link, + the "
+        "compress model). wire (ms, 2 decimals): the payload transfers of the compressed path, each from "
+        "its header's arrival to its payload's (pred: alpha + payload bytes / beta; - with off, where "
+        "no header separates waiting from transfer); compress: compress + decompress (pred: the "
+        "PowerSGD compute model of one gradient matrix at its rank). Both summed over the step's "
+        "gradients: the part of the inter-stage time the compressed sizes set, the rest is waiting. schedule: the "
+        "longest stage's pipeline time. step pred = schedule pred + the "
+        "measured rest of the step (DP sync, optimizer: not modelled here).",
+    ]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """`edgc simulate`: project EDGC and its baselines onto a paper-scale cluster, or calibrate the model
 against runs measured on this machine."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,19 +22,33 @@ from .schedule import DeltaMapping, delta_rank_schedule, read_metrics, schedule_
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "simulate", help="project EDGC vs baselines onto a paper-scale TP x PP x DP cluster",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "simulate",
+        help="project EDGC vs baselines onto a paper-scale TP x PP x DP cluster",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--preset", default="gpt2-12.1b", choices=sorted(PRESETS), help="model + layout + run length")
-    p.add_argument("--method", action="append", choices=METHODS,
-                   help="method to simulate (repeatable); default: all, with 'none' as the baseline")
+    p.add_argument(
+        "--method",
+        action="append",
+        choices=METHODS,
+        help="method to simulate (repeatable); default: all, with 'none' as the baseline",
+    )
     p.add_argument("--cluster", choices=sorted(CLUSTERS), help="hardware (default: the preset's)")
     p.add_argument("--inter-link", choices=sorted(LINKS), help="replace the cluster's inter-node link")
     p.add_argument("--iterations", type=int, help="run length (default: the preset's, 230k)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default: the preset's); the preset's world size "
-                                          "is kept, DP = world / (tp x pp)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree (default: the preset's); the preset's world size is kept, DP = world / (tp x pp)",
+    )
     p.add_argument("--pp", type=int, help="pipeline stages (default: the preset's)")
-    p.add_argument("--interstage", choices=MODES, default="off",
-                   help="activation gradients between stages: raw, all compressed, or only the 1F1B cool-down's")
+    p.add_argument(
+        "--interstage",
+        choices=MODES,
+        default="off",
+        help="activation gradients between stages: raw, all compressed, or only the 1F1B cool-down's",
+    )
     p.add_argument("--interstage-rank", type=int, default=8, help="rank of the compressed activation gradients")
     p.add_argument("--rank", type=int, default=32, help="static PowerSGD rank")
     p.add_argument("--optimus-rank", type=int, default=128, help="Optimus-CC DP rank")
@@ -42,31 +57,51 @@ def register(subparsers) -> None:
     p.add_argument("--window", type=int, default=1000, help="EDGC window w (iterations)")
     p.add_argument("--warmup", type=float, default=0.1, help="uncompressed warm-up, fraction of the run")
     p.add_argument("--metrics", help="replay the rank schedule of an `edgc train` metrics.jsonl")
-    p.add_argument("--entropy-tau", type=float, default=10_000,
-                   help="synthetic entropy decay time constant (iterations)")
+    p.add_argument(
+        "--entropy-tau", type=float, default=10_000, help="synthetic entropy decay time constant (iterations)"
+    )
     p.add_argument("--out-dir", default="runs/simulate", help="where the plot (and --json) go")
     p.add_argument("--no-plot", action="store_true", help="skip the breakdown plot")
     p.add_argument("--json", action="store_true", help="also write the results as JSON to --out-dir")
-    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
-                   help="compare the model with measured `edgc train` runs instead of projecting")
-    p.add_argument("--link-calibration", metavar="JSON",
-                   help="with --calibrate: `edgc bench` runs; the link (rate, latency per collective; the tbf "
-                        "burst it records) is fitted to this calibration.json (default: <bench>/calibration.json "
-                        "when the runs are <bench>/runs/*; `edgc bench --link-only` measures a fresh one)")
-    p.add_argument("--link-mbit", type=float,
-                   help="with --calibrate: `edgc bench` runs on a link of this nominal rate (no fit, no latency, "
-                        "no burst)")
-    p.add_argument("--latency", choices=LATENCY_SOURCES, default="traced",
-                   help="with --calibrate of bench runs: the fixed cost per collective from the other runs' comm "
-                        "traces (leave one run out; the sweep's where none teaches it) or from the link sweep")
-    p.add_argument("--measure-host", action="store_true",
-                   help="measure this CPU (matmul, memory, dispatch) and the local gloo link, print, exit")
+    p.add_argument(
+        "--calibrate",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="compare the model with measured `edgc train` runs instead of projecting",
+    )
+    p.add_argument(
+        "--link-calibration",
+        metavar="JSON",
+        help="with --calibrate: `edgc bench` runs; the link (rate, latency per collective; the tbf "
+        "burst it records) is fitted to this calibration.json (default: <bench>/calibration.json "
+        "when the runs are <bench>/runs/*; `edgc bench --link-only` measures a fresh one)",
+    )
+    p.add_argument(
+        "--link-mbit",
+        type=float,
+        help="with --calibrate: `edgc bench` runs on a link of this nominal rate (no fit, no latency, no burst)",
+    )
+    p.add_argument(
+        "--latency",
+        choices=LATENCY_SOURCES,
+        default="traced",
+        help="with --calibrate of bench runs: the fixed cost per collective from the other runs' comm "
+        "traces (leave one run out; the sweep's where none teaches it) or from the link sweep",
+    )
+    p.add_argument(
+        "--measure-host",
+        action="store_true",
+        help="measure this CPU (matmul, memory, dispatch) and the local gloo link, print, exit",
+    )
     p.add_argument("--host-profile", help="JSON from --measure-host --save-profile, instead of measuring")
     p.add_argument("--save-profile", help="with --measure-host: write the profile JSON here")
     p.add_argument("--threads", type=int, default=1, help="threads per process for host measurements")
-    p.add_argument("--host-processes", type=int,
-                   help="measure the CPU in this many processes at once (default: 1 with --measure-host; with "
-                        "--calibrate of bench runs, their world size: all ranks share this CPU)")
+    p.add_argument(
+        "--host-processes",
+        type=int,
+        help="measure the CPU in this many processes at once (default: 1 with --measure-host; with "
+        "--calibrate of bench runs, their world size: all ranks share this CPU)",
+    )
     p.set_defaults(func=run)
 
 
@@ -107,19 +142,25 @@ def _project(args) -> int:
         source = f"synthetic entropy (tau {args.entropy_tau:g} it)"
     r_max, results = simulate_methods(model, preset.iterations, methods, cfg, schedule)
     par = preset.parallel
-    title = (f"{preset.name} (TP{par.tp} PP{par.pp} DP{par.dp}, m={par.micro_batches}, {preset.precision}) on "
-             f"{cluster.name}: {cluster.nodes}x{cluster.gpus_per_node} {cluster.device.name}, "
-             f"intra {cluster.intra.name}, inter {cluster.inter.name}")
+    title = (
+        f"{preset.name} (TP{par.tp} PP{par.pp} DP{par.dp}, m={par.micro_batches}, {preset.precision}) on "
+        f"{cluster.name}: {cluster.nodes}x{cluster.gpus_per_node} {cluster.device.name}, "
+        f"intra {cluster.intra.name}, inter {cluster.inter.name}"
+    )
     print(title)
-    print(f"{preset.iterations} iterations; EDGC r_max {r_max} (profiled: largest rank with compressed sync "
-          f"<= uncompressed), warm-up {args.warmup:.0%}, {source}\n")
+    print(
+        f"{preset.iterations} iterations; EDGC r_max {r_max} (profiled: largest rank with compressed sync "
+        f"<= uncompressed), warm-up {args.warmup:.0%}, {source}\n"
+    )
     print(format_table(results, results[0]))
     if par.pp > 1:
         sent, raw = model.interstage_bytes
-        print(f"\ninter-stage activation gradients ({interstage.mode}, rank {interstage.rank}): "
-              f"{sent / 1e6:.2f} MB of {raw / 1e6:.2f} MB raw per iteration and TP rank "
-              f"({sent / raw:.3f}x); compress + decompress {1e3 * model.interstage_compress_s:.2f} ms per sending "
-              f"stage; pipeline flush {1e3 * max(model.timeline.flush_end):.1f} ms")
+        print(
+            f"\ninter-stage activation gradients ({interstage.mode}, rank {interstage.rank}): "
+            f"{sent / 1e6:.2f} MB of {raw / 1e6:.2f} MB raw per iteration and TP rank "
+            f"({sent / raw:.3f}x); compress + decompress {1e3 * model.interstage_compress_s:.2f} ms per sending "
+            f"stage; pipeline flush {1e3 * max(model.timeline.flush_end):.1f} ms"
+        )
     if not args.no_plot:
         path = plot_breakdown(results, title, Path(args.out_dir) / f"simulate_{preset.name}.png")
         print(f"\nbreakdown plot: {path}")
@@ -151,9 +192,15 @@ def _as_json(preset: str, cluster: str, r_max: int, results) -> dict:
     out = {"preset": preset, "cluster": cluster, "r_max": r_max, "methods": {}}
     for r in results:
         d_comm, d_time = reductions(r, results[0])
-        out["methods"][r.method] = {"ranks": r.ranks, "dp_comm_s": r.dp_sync_s, "iteration_s": r.iteration_s,
-                                    "run_days": r.total_s / DAY, "comm_reduction": d_comm,
-                                    "time_reduction": d_time, "breakdown_s": r.breakdown}
+        out["methods"][r.method] = {
+            "ranks": r.ranks,
+            "dp_comm_s": r.dp_sync_s,
+            "iteration_s": r.iteration_s,
+            "run_days": r.total_s / DAY,
+            "comm_reduction": d_comm,
+            "time_reduction": d_time,
+            "breakdown_s": r.breakdown,
+        }
     return out
 
 
@@ -174,11 +221,13 @@ def _measure(args) -> int:
     from .host import save_profile
 
     device, link, sweep = _host_profile(args)
-    print(f"matmul {device.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, memory {device.mem_bytes_per_s / 1e9:.1f} GB/s, "
-          f"dispatch {device.launch_s * 1e6:.1f} us/op ({args.threads} thread(s))")
+    print(
+        f"matmul {device.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, memory {device.mem_bytes_per_s / 1e9:.1f} GB/s, "
+        f"dispatch {device.launch_s * 1e6:.1f} us/op ({args.threads} thread(s))"
+    )
     if sweep:
         for n, t in zip(*sweep):
-            print(f"  gloo all-reduce {n / 2 ** 20:8.3f} MiB: {t * 1e3:8.3f} ms")
+            print(f"  gloo all-reduce {n / 2**20:8.3f} MiB: {t * 1e3:8.3f} ms")
     print(f"link fit: alpha {link.latency_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.2f} GB/s")
     if args.save_profile:
         save_profile(args.save_profile, device, link)
@@ -193,8 +242,11 @@ def expand_bench_dirs(paths) -> list:
 
     out = []
     for path in map(Path, paths):
-        runs = sorted(d for d in (path / "runs").glob("*") if (d / "config.json").is_file()) \
-            if not (path / "config.json").is_file() else []
+        runs = (
+            sorted(d for d in (path / "runs").glob("*") if (d / "config.json").is_file())
+            if not (path / "config.json").is_file()
+            else []
+        )
         out += [str(d) for d in runs] or [str(path)]
     return out
 
@@ -220,10 +272,13 @@ def _calibrate(args) -> int:
     link_json = args.link_calibration or (None if args.link_mbit else find_bench_calibration(dirs))
     if args.link_mbit or link_json:
         # bench runs: hosts over the emulated link; only the CPU is taken from the profile / measured
-        link = nominal_link(args.link_mbit) if args.link_mbit else bench_link(link_json, int(runs[0].config["world_size"]))
+        link = (
+            nominal_link(args.link_mbit) if args.link_mbit else bench_link(link_json, int(runs[0].config["world_size"]))
+        )
         processes = args.host_processes or int(runs[0].config["world_size"])
-        device = load_profile(args.host_profile)[0] if args.host_profile else measure_host(args.threads,
-                                                                                           processes=processes)
+        device = (
+            load_profile(args.host_profile)[0] if args.host_profile else measure_host(args.threads, processes=processes)
+        )
         print(format_bench_calibration(calibrate_bench(runs, device, link, args.latency), link, device))
         return 0
     device, link, _ = _host_profile(args)

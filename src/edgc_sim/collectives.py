@@ -21,6 +21,7 @@ cost model needs the collectives and their sizes, not only the step's total byte
 `edgc train` logs the measured count per step (``collectives`` in metrics.jsonl); this module is
 the fallback for runs without it and gives every collective its payload.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ from edgc.sync_methods import ALL_GATHER, sync_method
 
 from .presets import ModelSpec
 
-MIB = 2 ** 20
+MIB = 2**20
 DDP_BUCKET_CAP_MIB = 25  # DistributedDataParallel's default bucket_cap_mb
 DDP_FIRST_BUCKET_MIB = 1  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (default cap only)
 BUCKET_CAP_MIB = {"torch-powersgd": 500}  # edgc_train.compressors.ddp_kwargs
@@ -84,8 +85,9 @@ def compressed_rank(shape: tuple, rank: int, min_compression_rate: float = 2.0) 
     return engine_rank((shape[0], math.prod(shape) // shape[0]), rank, min_compression_rate)
 
 
-def bucket_collectives(compressor: str, model: ModelSpec, rank: int | None, bytes_per_value: int = 4,
-                       min_compression_rate: float = 2.0) -> list:
+def bucket_collectives(
+    compressor: str, model: ModelSpec, rank: int | None, bytes_per_value: int = 4, min_compression_rate: float = 2.0
+) -> list:
     """Per DDP bucket in ready order, the payloads in bytes of the collectives it issues (rank None:
     uncompressed); ``allreduce-blocking`` is one group (its single packed all-reduce), ``nosync`` none.
 
@@ -125,15 +127,16 @@ def bucket_values(compressor: str, model: ModelSpec, bytes_per_value: int = 4) -
     shapes = gpt2_gradient_shapes(model)
     if compressor in ONE_PACKED:
         return [sum(math.prod(s) for s in shapes)]
-    return [sum(math.prod(s) for s in b)
-            for b in ddp_buckets(shapes, BUCKET_CAP_MIB.get(compressor), bytes_per_value)]
+    return [sum(math.prod(s) for s in b) for b in ddp_buckets(shapes, BUCKET_CAP_MIB.get(compressor), bytes_per_value)]
 
 
-def step_collectives(compressor: str, model: ModelSpec, rank: int | None, bytes_per_value: int = 4,
-                     min_compression_rate: float = 2.0) -> list:
+def step_collectives(
+    compressor: str, model: ModelSpec, rank: int | None, bytes_per_value: int = 4, min_compression_rate: float = 2.0
+) -> list:
     """Payload in bytes of every collective one step issues, in order (`bucket_collectives` flattened)."""
-    return [p for group in bucket_collectives(compressor, model, rank, bytes_per_value, min_compression_rate)
-            for p in group]
+    return [
+        p for group in bucket_collectives(compressor, model, rank, bytes_per_value, min_compression_rate) for p in group
+    ]
 
 
 def scale_to(payloads: Sequence[float], total: float) -> list:

@@ -3,6 +3,7 @@
 Units: seconds, bytes, FLOPs, bytes/s. Nothing here knows about presets or clusters; the composition
 lives in edgc_sim.iteration.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,16 +35,14 @@ def ring_reduce_scatter_time(n: int, nbytes: float, link: AlphaBeta) -> float:
     return (n - 1) * link.alpha_s + (n - 1) / n * nbytes / link.bytes_per_s
 
 
-def hierarchical_allreduce_time(nodes: int, per_node: int, nbytes: float,
-                                intra: AlphaBeta, inter: AlphaBeta) -> float:
+def hierarchical_allreduce_time(nodes: int, per_node: int, nbytes: float, intra: AlphaBeta, inter: AlphaBeta) -> float:
     """All-reduce over `nodes` x `per_node` ranks: intra reduce-scatter, inter all-reduce of the
     1/per_node shard, intra all-gather (NCCL's tree/ring split for groups that cross nodes)."""
     if nodes <= 1:
         return ring_allreduce_time(per_node, nbytes, intra)
     if per_node <= 1:
         return ring_allreduce_time(nodes, nbytes, inter)
-    return (2 * ring_reduce_scatter_time(per_node, nbytes, intra)
-            + ring_allreduce_time(nodes, nbytes / per_node, inter))
+    return 2 * ring_reduce_scatter_time(per_node, nbytes, intra) + ring_allreduce_time(nodes, nbytes / per_node, inter)
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -59,8 +58,7 @@ def logits_forward_flops(batch: int, seq: int, hidden: int, vocab: int) -> float
     return 2 * batch * seq * hidden * vocab
 
 
-def layer_forward_elementwise_bytes(batch: int, seq: int, hidden: int, heads: int,
-                                    bytes_per_value: int) -> float:
+def layer_forward_elementwise_bytes(batch: int, seq: int, hidden: int, heads: int, bytes_per_value: int) -> float:
     """Memory traffic of one block's non-matmul ops in the forward pass (unfused eager kernels):
     2 LayerNorms and 2 residual adds (3 accesses of b s h each), GELU on b s 4h (2 accesses),
     scale + mask + softmax on the b a s^2 scores (4 accesses)."""
@@ -104,8 +102,13 @@ def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list:
     return order
 
 
-def one_f_one_b_timeline(t_fwd: Sequence[float], t_bwd: Sequence, micro_batches: int,
-                         p2p_s: Sequence[float] = (), p2p_bwd_s: Sequence | None = None) -> Timeline:
+def one_f_one_b_timeline(
+    t_fwd: Sequence[float],
+    t_bwd: Sequence,
+    micro_batches: int,
+    p2p_s: Sequence[float] = (),
+    p2p_bwd_s: Sequence | None = None,
+) -> Timeline:
     """Event simulation of one 1F1B iteration. t_fwd[p]: stage p's time of one micro-batch forward;
     t_bwd[p]: of one backward, or a sequence of one per micro-batch (a compressed gradient's compress
     time lengthens its sender's backward). p2p_s[p]: transfer time of an activation from stage p to
@@ -208,31 +211,44 @@ def powersgd_matmul_flops(shapes: Sequence[tuple], rank: int) -> float:
     return sum(6 * m * n * effective_rank(m, n, rank) for m, n in shapes)
 
 
-def orthogonalize_time(rows: int, cols: int, mem_bytes_per_s: float, launch_s: float,
-                       bytes_per_value: int) -> float:
+def orthogonalize_time(rows: int, cols: int, mem_bytes_per_s: float, launch_s: float, bytes_per_value: int) -> float:
     """Column-by-column Gram-Schmidt of a rows x cols matrix: launch-bound for small matrices, else
     memory-bound (column i reads the remaining cols-i-1 columns twice and writes them once)."""
     touched = rows * (cols * (cols - 1) / 2 + cols)
     return cols * GS_KERNELS_PER_COLUMN * launch_s + 3 * touched * bytes_per_value / mem_bytes_per_s
 
 
-def optimus_powersgd_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
-                          mem_bytes_per_s: float, launch_s: float, bytes_per_value: int) -> float:
+def optimus_powersgd_time(
+    shapes: Sequence[tuple],
+    rank: int,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    bytes_per_value: int,
+) -> float:
     """Compress + decompress of the paper's reducer (Optimus-CC's megatron/mpu/reducers.py, which
     EDGC reuses; the paper, §2.3), what the paper-scale projections model: the three matmuls at the
     matmul rate, orthogonalising P only (with a warm-started Q that reducer skips Q) by its
     TorchScript Gram-Schmidt, and the elementwise error-feedback passes (M = G + e: 3 accesses,
     e = M - G_hat: 3, write-back of G_hat: 1)."""
     matmul = powersgd_matmul_flops(shapes, rank) / flops_per_s
-    orth = sum(orthogonalize_time(m, effective_rank(m, n, rank), mem_bytes_per_s, launch_s, bytes_per_value)
-               for m, n in shapes)
+    orth = sum(
+        orthogonalize_time(m, effective_rank(m, n, rank), mem_bytes_per_s, launch_s, bytes_per_value) for m, n in shapes
+    )
     elementwise = 7 * bytes_per_value * sum(m * n for m, n in shapes) / mem_bytes_per_s
     return matmul + orth + elementwise
 
 
-def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float,
-                          mem_bytes_per_s: float, launch_s: float, bytes_per_value: int,
-                          engine: EngineRates | None = None, measure_error: bool = False) -> float:
+def powersgd_compute_time(
+    shapes: Sequence[tuple],
+    rank: int,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    bytes_per_value: int,
+    engine: EngineRates | None = None,
+    measure_error: bool = False,
+) -> float:
     """Compress + decompress time of one step over the gradient tensors `shapes` (definition order).
 
     With `engine` (how the device runs our engine: `DeviceSpec.skinny_rates`), our engine
@@ -242,13 +258,22 @@ def powersgd_compute_time(shapes: Sequence[tuple], rank: int, flops_per_s: float
     if engine is None:
         return optimus_powersgd_time(shapes, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value)
     jobs = engine_jobs(shapes, bytes_per_value, engine.accelerator)
-    return engine_compute_time(jobs, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value, engine,
-                               measure_error=measure_error)
+    return engine_compute_time(
+        jobs, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value, engine, measure_error=measure_error
+    )
 
 
-def torch_powersgd_hook_time(shapes: Sequence[tuple], bucket_values: int, rank: int, flops_per_s: float,
-                             mem_bytes_per_s: float, launch_s: float, alloc_s_per_byte: float,
-                             bytes_per_value: int, hook_gemm_flops_per_s: float | None = None) -> float:
+def torch_powersgd_hook_time(
+    shapes: Sequence[tuple],
+    bucket_values: int,
+    rank: int,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    alloc_s_per_byte: float,
+    bytes_per_value: int,
+    hook_gemm_flops_per_s: float | None = None,
+) -> float:
     """Compress + decompress of PyTorch's powerSGD_hook over one bucket of `bucket_values` values
     (counted from torch 2.13's source): the same three matmuls; both Q (warm start) and P
     orthogonalised; error feedback over the whole bucket, 1-D tensors included (add_ the error: 3
@@ -261,7 +286,10 @@ def torch_powersgd_hook_time(shapes: Sequence[tuple], bucket_values: int, rank: 
     2-6x slower than the engine's transposed products, so it does not get the engine's skinny
     rates. None: the square-matmul `flops_per_s` (the GPU presets)."""
     matmul = powersgd_matmul_flops(shapes, rank) / (hook_gemm_flops_per_s or flops_per_s)
-    orth = sum(orthogonalize_time(rows, effective_rank(m, n, rank), mem_bytes_per_s, launch_s, bytes_per_value)
-               for m, n in shapes for rows in (m, n))
+    orth = sum(
+        orthogonalize_time(rows, effective_rank(m, n, rank), mem_bytes_per_s, launch_s, bytes_per_value)
+        for m, n in shapes
+        for rows in (m, n)
+    )
     bucket_bytes = bucket_values * bytes_per_value
     return matmul + orth + 9 * bucket_bytes / mem_bytes_per_s + 2 * bucket_bytes * alloc_s_per_byte

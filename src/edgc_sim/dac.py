@@ -3,6 +3,7 @@
 The alignment rule itself is the library's (`edgc.alignment.align_stage_ranks`): the simulator
 only turns its analytic sync-time function into the tables that rule reads.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -40,6 +41,13 @@ def align_stage_ranks(r0: int, sync_time: SyncTime, t_backward: Sequence[float],
     if r_max < RANK_GRANULARITY:
         raise ValueError(f"r_max must be >= {RANK_GRANULARITY}, got {r_max}")
     candidates = range(RANK_GRANULARITY, r_max + 1, RANK_GRANULARITY)
-    timings = [StageTiming(SyncTimeTable(sync_time(p, None), {r: sync_time(p, r) for r in candidates}),
-                           t_backward[p], RANK_GRANULARITY, r_max) for p in range(len(t_backward))]
+    timings = [
+        StageTiming(
+            SyncTimeTable(sync_time(p, None), {r: sync_time(p, r) for r in candidates}),
+            t_backward[p],
+            RANK_GRANULARITY,
+            r_max,
+        )
+        for p in range(len(t_backward))
+    ]
     return tuple(plan.rank for plan in align(r0, timings, RANK_GRANULARITY))

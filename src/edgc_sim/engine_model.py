@@ -22,6 +22,7 @@ the device (`EngineCost`). A CPU does both in turn; on an accelerator the host i
 device (a side stream, one host read per step), so fusing buckets into fewer jobs saves time only
 while the launches, not the bytes, are the larger share.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,10 @@ class EngineRates(NamedTuple):
 
     read_bytes_per_s: float  #: M streamed by a product form (Pᵀ = Qᵀ Aᵀ, Qᵀ = Pᵀ A) beyond its FLOPs
     write_bytes_per_s: float  #: Ĝ = P Qᵀ written by the decompression form beyond its FLOPs
-    orth_flops_per_s: float = 0.0  #: the orthonormalisation's FLOPs (`orth_flops`, the device's method) per second; 0 = the matmul rate
-    accelerator: bool = False  #: batched CholeskyQR2 and fused jobs (a GPU) rather than Householder per block and a job per bucket (a CPU)
+    #: the orthonormalisation's FLOPs (`orth_flops`, the device's method) per second; 0 = the matmul rate
+    orth_flops_per_s: float = 0.0
+    #: batched CholeskyQR2 and fused jobs (a GPU) rather than Householder per block and a job per bucket (a CPU)
+    accelerator: bool = False
     gemm_flops_per_s: float = 0.0  #: the float32 matmul rate the byte rates were separated at; 0 = the caller's rate
 
 
@@ -139,8 +142,9 @@ def orth_launches(blocks: dict, *, householder: bool = False) -> int:
     ``householder``: the CPU's path)."""
     if householder:
         return HOUSEHOLDER_OPS_PER_BLOCK * sum(blocks.values())
-    return ORTH_OPS_PER_CALL + sum(ORTH_OPS_PER_RANK + ORTH_PASSES * ORTH_OPS_PER_BLOCK * count
-                                   for count in blocks.values())
+    return ORTH_OPS_PER_CALL + sum(
+        ORTH_OPS_PER_RANK + ORTH_PASSES * ORTH_OPS_PER_BLOCK * count for count in blocks.values()
+    )
 
 
 def flag_launches(tensors: int) -> int:
@@ -148,8 +152,9 @@ def flag_launches(tensors: int) -> int:
     return FLAG_OPS + FLAG_OPS_PER_TENSOR * tensors - 1 if tensors else 1
 
 
-def job_launches(job: JobLayout, *, accelerator: bool, half_gradients: bool = False, world_size: int = 2,
-                 measure_error: bool = False) -> int:
+def job_launches(
+    job: JobLayout, *, accelerator: bool, half_gradients: bool = False, world_size: int = 2, measure_error: bool = False
+) -> int:
     """Kernel-launching dispatches of one steady `reduce_steps` job, in its order. ``accelerator``:
     the accelerator's orthonormalisation (batched CholeskyQR2, not Householder per block);
     ``half_gradients``: bf16 gradients with float32 error feedback (fp16 adds power-of-two
@@ -181,8 +186,14 @@ def job_launches(job: JobLayout, *, accelerator: bool, half_gradients: bool = Fa
     return ops + (MEASURE_ERROR_OPS if measure_error else 0)
 
 
-def engine_jobs(shapes: Sequence[tuple], bytes_per_value: int, accelerator: bool, *,
-                bucket_cap_mib: float | None = None, fusion_mb: float | None = None) -> list:
+def engine_jobs(
+    shapes: Sequence[tuple],
+    bytes_per_value: int,
+    accelerator: bool,
+    *,
+    bucket_cap_mib: float | None = None,
+    fusion_mb: float | None = None,
+) -> list:
     """The jobs one compressed step runs, as lists of tensor shapes: DDP's buckets of ``shapes``
     (definition order, `collectives.ddp_buckets`), each its own job on a CPU; on an accelerator
     consecutive buckets gathered until they hold ``fusion_mb`` (default the library's) or the
@@ -199,14 +210,32 @@ def engine_jobs(shapes: Sequence[tuple], bytes_per_value: int, accelerator: bool
     return jobs + ([gathered] if gathered else [])
 
 
-def step_launches(jobs: Sequence[Sequence[tuple]], rank: int, *, accelerator: bool, half_gradients: bool = False,
-                  world_size: int = 2, measure_error: bool = False, min_compression_rate: float = 2.0) -> int:
+def step_launches(
+    jobs: Sequence[Sequence[tuple]],
+    rank: int,
+    *,
+    accelerator: bool,
+    half_gradients: bool = False,
+    world_size: int = 2,
+    measure_error: bool = False,
+    min_compression_rate: float = 2.0,
+) -> int:
     """Dispatches of one compressed step through the DDP hook: every job's, and the reducer's own."""
-    return REDUCER_OPS_PER_STEP + (0 if measure_error else UNMEASURED_ERROR_FILLS) + sum(
-        REDUCER_OPS_PER_JOB + job_launches(JobLayout.plan(job, rank, min_compression_rate), accelerator=accelerator,
-                                           half_gradients=half_gradients, world_size=world_size,
-                                           measure_error=measure_error)
-        for job in jobs)
+    return (
+        REDUCER_OPS_PER_STEP
+        + (0 if measure_error else UNMEASURED_ERROR_FILLS)
+        + sum(
+            REDUCER_OPS_PER_JOB
+            + job_launches(
+                JobLayout.plan(job, rank, min_compression_rate),
+                accelerator=accelerator,
+                half_gradients=half_gradients,
+                world_size=world_size,
+                measure_error=measure_error,
+            )
+            for job in jobs
+        )
+    )
 
 
 def orth_flops(rank: int, side: int, *, householder: bool = False) -> float:
@@ -232,8 +261,17 @@ class EngineCost(NamedTuple):
         return max(self.host_s, self.device_s) if overlapped else self.host_s + self.device_s
 
 
-def job_cost(job: JobLayout, flops_per_s: float, mem_bytes_per_s: float, launch_s: float, bytes_per_value: int,
-             rates: EngineRates, *, world_size: int = 2, measure_error: bool = False) -> EngineCost:
+def job_cost(
+    job: JobLayout,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    bytes_per_value: int,
+    rates: EngineRates,
+    *,
+    world_size: int = 2,
+    measure_error: bool = False,
+) -> EngineCost:
     """Compress + decompress of one job: on the host its launches at the per-op cost; on the device,
     per compressed matrix, two product GEMMs reading M (float32 arena, FLOPs at the float32 rate the
     skinny rates were measured against), the decompression writing Ĝ (in the gradient's dtype:
@@ -254,32 +292,80 @@ def job_cost(job: JobLayout, flops_per_s: float, mem_bytes_per_s: float, launch_
     seconds = 0.0
     for m, n, r in job.matrices:
         values = m * n
-        seconds += (2 * (values * COMPUTE_BYTES / rates.read_bytes_per_s + 2 * values * r / gemm_rate)
-                    + values * bytes_per_value / rates.write_bytes_per_s + 2 * values * r / decompress_rate
-                    + 2 * values * r / gemm_rate)
+        seconds += (
+            2 * (values * COMPUTE_BYTES / rates.read_bytes_per_s + 2 * values * r / gemm_rate)
+            + values * bytes_per_value / rates.write_bytes_per_s
+            + 2 * values * r / decompress_rate
+            + 2 * values * r / gemm_rate
+        )
         seconds += values * (grad_accesses * bytes_per_value + arena_accesses * COMPUTE_BYTES) / mem_bytes_per_s
-        seconds += r * (m * (P_FACTOR_BYTES + cast_bytes + p_half) + n * (Q_FACTOR_BYTES + cast_bytes + q_half)) / mem_bytes_per_s
+        seconds += (
+            r
+            * (m * (P_FACTOR_BYTES + cast_bytes + p_half) + n * (Q_FACTOR_BYTES + cast_bytes + q_half))
+            / mem_bytes_per_s
+        )
         seconds += (orth_flops(r, m, householder=householder) + orth_flops(r, n, householder=householder)) / orth_rate
-    launches = job_launches(job, accelerator=rates.accelerator, half_gradients=half, world_size=world_size,
-                            measure_error=measure_error)
+    launches = job_launches(
+        job, accelerator=rates.accelerator, half_gradients=half, world_size=world_size, measure_error=measure_error
+    )
     return EngineCost((launches + REDUCER_OPS_PER_JOB) * launch_s, seconds)
 
 
-def engine_step_cost(jobs: Sequence[Sequence[tuple]], rank: int, flops_per_s: float, mem_bytes_per_s: float,
-                     launch_s: float, bytes_per_value: int, rates: EngineRates, *, world_size: int = 2,
-                     measure_error: bool = False, min_compression_rate: float = 2.0) -> EngineCost:
+def engine_step_cost(
+    jobs: Sequence[Sequence[tuple]],
+    rank: int,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    bytes_per_value: int,
+    rates: EngineRates,
+    *,
+    world_size: int = 2,
+    measure_error: bool = False,
+    min_compression_rate: float = 2.0,
+) -> EngineCost:
     """Host and device time of one step whose jobs hold these tensor shapes (`engine_jobs`)."""
-    costs = [job_cost(JobLayout.plan(job, rank, min_compression_rate), flops_per_s, mem_bytes_per_s, launch_s,
-                      bytes_per_value, rates, world_size=world_size, measure_error=measure_error) for job in jobs]
+    costs = [
+        job_cost(
+            JobLayout.plan(job, rank, min_compression_rate),
+            flops_per_s,
+            mem_bytes_per_s,
+            launch_s,
+            bytes_per_value,
+            rates,
+            world_size=world_size,
+            measure_error=measure_error,
+        )
+        for job in jobs
+    ]
     step_ops = REDUCER_OPS_PER_STEP + (0 if measure_error else UNMEASURED_ERROR_FILLS)
     return EngineCost(step_ops * launch_s + sum(c.host_s for c in costs), sum(c.device_s for c in costs))
 
 
-def engine_compute_time(jobs: Sequence[Sequence[tuple]], rank: int, flops_per_s: float, mem_bytes_per_s: float,
-                        launch_s: float, bytes_per_value: int, rates: EngineRates, *, world_size: int = 2,
-                        measure_error: bool = False, min_compression_rate: float = 2.0) -> float:
+def engine_compute_time(
+    jobs: Sequence[Sequence[tuple]],
+    rank: int,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    bytes_per_value: int,
+    rates: EngineRates,
+    *,
+    world_size: int = 2,
+    measure_error: bool = False,
+    min_compression_rate: float = 2.0,
+) -> float:
     """Compress + decompress seconds of one step (`engine_step_cost`, summed on a CPU, the larger of
     host and device on an accelerator: `EngineCost.seconds`)."""
-    return engine_step_cost(jobs, rank, flops_per_s, mem_bytes_per_s, launch_s, bytes_per_value, rates,
-                            world_size=world_size, measure_error=measure_error,
-                            min_compression_rate=min_compression_rate).seconds(rates.accelerator)
+    return engine_step_cost(
+        jobs,
+        rank,
+        flops_per_s,
+        mem_bytes_per_s,
+        launch_s,
+        bytes_per_value,
+        rates,
+        world_size=world_size,
+        measure_error=measure_error,
+        min_compression_rate=min_compression_rate,
+    ).seconds(rates.accelerator)

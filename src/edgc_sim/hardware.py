@@ -3,6 +3,7 @@
 Spec-sheet numbers are peaks; every place where the simulator needs an *achieved* number uses a
 separate efficiency factor marked "assumed". Bandwidths are bytes/s per direction, times are seconds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -57,12 +58,18 @@ class DeviceSpec:
     source: str = ""  #: where the numbers come from
     alloc_bytes_per_s: float = 0.0  #: first touch of freshly allocated memory (page faults, zeroing), bytes/s; 0 = free
     # How the device runs our engine (edgc_sim.host measures them); 0 = not measured: see engine_model.EngineRates
-    skinny_read_bytes_per_s: float = 0.0  #: our engine's product GEMMs stream M at this rate beyond their FLOPs, bytes/s
-    skinny_write_bytes_per_s: float = 0.0  #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs, bytes/s
-    orth_flops_per_s: float = 0.0  #: our engine's orthonormalisation (engine_model.orth_flops: CholeskyQR2 on an accelerator, Householder on a CPU) per second; 0 = the matmul rate
+    #: our engine's product GEMMs stream M at this rate beyond their FLOPs, bytes/s
+    skinny_read_bytes_per_s: float = 0.0
+    #: our engine's decompression GEMM writes G_hat at this rate beyond its FLOPs, bytes/s
+    skinny_write_bytes_per_s: float = 0.0
+    #: our engine's orthonormalisation (engine_model.orth_flops: CholeskyQR2 on an accelerator, Householder on a
+    #: CPU) per second; 0 = the matmul rate
+    orth_flops_per_s: float = 0.0
     hook_gemm_flops_per_s: float = 0.0  #: PyTorch's powerSGD_hook's bmm forms (M Q, M^T P, P Q^T), FLOP/s
-    accelerator: bool = False  #: a GPU (our engine gathers M and G_hat per job and fuses buckets into jobs); False: a CPU
-    skinny_flops_per_s: float = 0.0  #: the float32 matmul rate the skinny rates were separated at; 0 = matmul_flops["fp32"]
+    #: a GPU (our engine gathers M and G_hat per job and fuses buckets into jobs); False: a CPU
+    accelerator: bool = False
+    #: the float32 matmul rate the skinny rates were separated at; 0 = matmul_flops["fp32"]
+    skinny_flops_per_s: float = 0.0
 
     def __post_init__(self):
         _fraction(self, "mfu")
@@ -73,8 +80,13 @@ class DeviceSpec:
             raise ValueError(f"launch_s must be >= 0, got {self.launch_s!r}")
         if self.alloc_bytes_per_s < 0:
             raise ValueError(f"alloc_bytes_per_s must be >= 0 (0 = free), got {self.alloc_bytes_per_s!r}")
-        for name in ("skinny_read_bytes_per_s", "skinny_write_bytes_per_s", "orth_flops_per_s", "hook_gemm_flops_per_s",
-                     "skinny_flops_per_s"):
+        for name in (
+            "skinny_read_bytes_per_s",
+            "skinny_write_bytes_per_s",
+            "orth_flops_per_s",
+            "hook_gemm_flops_per_s",
+            "skinny_flops_per_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = not measured), got {getattr(self, name)!r}")
 
@@ -84,8 +96,13 @@ class DeviceSpec:
 
         if not (self.skinny_read_bytes_per_s and self.skinny_write_bytes_per_s):
             return None
-        return EngineRates(self.skinny_read_bytes_per_s, self.skinny_write_bytes_per_s, self.orth_flops_per_s,
-                           self.accelerator, self.skinny_flops_per_s or self.matmul_flops.get("fp32", 0.0))
+        return EngineRates(
+            self.skinny_read_bytes_per_s,
+            self.skinny_write_bytes_per_s,
+            self.orth_flops_per_s,
+            self.accelerator,
+            self.skinny_flops_per_s or self.matmul_flops.get("fp32", 0.0),
+        )
 
     def alloc_s(self, nbytes: float) -> float:
         """Extra time of writing `nbytes` into memory allocated just before (0 when not measured)."""
@@ -135,7 +152,8 @@ LINKS = {
         # PCIe 5.0 x16: 32 GT/s x 16 x 128b/130b = 63 GB/s per direction (PCI-SIG spec).
         LinkSpec("pcie5", 63 * GB, 0.8, 10e-6, "PCIe 5.0 spec x16 63 GB/s; eff/alpha assumed"),
         # Ethernet line rates (IEEE 802.3). TCP sockets (NCCL socket transport): assumed efficiency 0.9
-        # (a shaped link carries 91-95% of its nominal rate, measured on this project's machines) and alpha 30 us (kernel TCP step, assumed).
+        # (a shaped link carries 91-95% of its nominal rate, measured on this project's machines) and alpha 30 us
+        # (kernel TCP step, assumed).
         LinkSpec("eth10g", 10e9 / 8, 0.9, 30e-6, "IEEE 802.3 10GBASE; eff/alpha assumed (TCP)"),
         LinkSpec("eth25g", 25e9 / 8, 0.9, 30e-6, "IEEE 802.3 25GBASE; eff/alpha assumed (TCP)"),
         # RDMA (RoCE / InfiniBand) through NCCL's IB transport: assumed efficiency 0.9, alpha 5 us.
@@ -156,8 +174,15 @@ DEVICES = {
     for dev in (
         # V100 SXM2 datasheet: FP32 15.7 TFLOP/s, FP16 tensor 125 TFLOP/s, HBM2 900 GB/s. No TF32.
         # launch_s 5 us assumed: a CUDA kernel launch costs ~3-7 us.
-        DeviceSpec("v100", {"fp32": 15.7 * TERA, "fp16": 125 * TERA}, 0.4, 900 * GB, 5e-6,
-                   "NVIDIA V100 SXM2 datasheet; mfu/launch assumed", accelerator=True),
+        DeviceSpec(
+            "v100",
+            {"fp32": 15.7 * TERA, "fp16": 125 * TERA},
+            0.4,
+            900 * GB,
+            5e-6,
+            "NVIDIA V100 SXM2 datasheet; mfu/launch assumed",
+            accelerator=True,
+        ),
         # H100 SXM5 datasheet (dense, i.e. half the 'with sparsity' figures): FP32 67 TFLOP/s,
         # TF32 tensor 494.7 TFLOP/s, FP16/BF16 tensor 989 TFLOP/s. Measured on one H100 by
         # edgc_sim.host.measure_cuda (docs/gpu/before/device.json), where it is the model's quantity:
@@ -174,11 +199,20 @@ DEVICES = {
         #   runs): 0, the matmul rate. At GPT-2 XL's shapes a 256 MB job's two orthonormalisations are
         #   ~0.3 GFLOP, tens of us even in float64, against ~24 launches of 10 us: the launches carry
         #   most of their cost.
-        DeviceSpec("h100", {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "fp16": 989 * TERA}, 0.4, 2.92 * TERA,
-                   10.2e-6, "NVIDIA H100 SXM5 datasheet (dense) matmul peaks, mfu assumed; memory, per-op cost "
-                   "and skinny GEMM rates measured on an H100 (docs/gpu/before/device.json); "
-                   "orthonormalisation rate not measured", skinny_read_bytes_per_s=1.25 * TERA,
-                   skinny_write_bytes_per_s=1.88 * TERA, skinny_flops_per_s=50.7 * TERA, accelerator=True),
+        DeviceSpec(
+            "h100",
+            {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "fp16": 989 * TERA},
+            0.4,
+            2.92 * TERA,
+            10.2e-6,
+            "NVIDIA H100 SXM5 datasheet (dense) matmul peaks, mfu assumed; memory, per-op cost "
+            "and skinny GEMM rates measured on an H100 (docs/gpu/before/device.json); "
+            "orthonormalisation rate not measured",
+            skinny_read_bytes_per_s=1.25 * TERA,
+            skinny_write_bytes_per_s=1.88 * TERA,
+            skinny_flops_per_s=50.7 * TERA,
+            accelerator=True,
+        ),
     )
 }
 
@@ -188,12 +222,36 @@ DEVICES = {
 CLUSTERS = {
     c.name: c
     for c in (
-        ClusterSpec("v100x32", DEVICES["v100"], 8, 4, LINKS["nvlink2"], LINKS["eth25g"], 1,
-                    "paper §3.1: 32 V100 = 8 nodes x 4; inter-node 25 GbE assumed"),
-        ClusterSpec("h100x64", DEVICES["h100"], 16, 4, LINKS["nvlink4"], LINKS["roce100g"], 1,
-                    "paper §3.1: 64 H100 = 16 nodes x 4; inter-node 100 Gb/s RoCE assumed"),
-        ClusterSpec("v100x16", DEVICES["v100"], 8, 2, LINKS["nvlink2"], LINKS["eth25g"], 1,
-                    "paper §3.2 GPT2-345M: 16 GPUs = 8 nodes x 2; V100 and links assumed"),
+        ClusterSpec(
+            "v100x32",
+            DEVICES["v100"],
+            8,
+            4,
+            LINKS["nvlink2"],
+            LINKS["eth25g"],
+            1,
+            "paper §3.1: 32 V100 = 8 nodes x 4; inter-node 25 GbE assumed",
+        ),
+        ClusterSpec(
+            "h100x64",
+            DEVICES["h100"],
+            16,
+            4,
+            LINKS["nvlink4"],
+            LINKS["roce100g"],
+            1,
+            "paper §3.1: 64 H100 = 16 nodes x 4; inter-node 100 Gb/s RoCE assumed",
+        ),
+        ClusterSpec(
+            "v100x16",
+            DEVICES["v100"],
+            8,
+            2,
+            LINKS["nvlink2"],
+            LINKS["eth25g"],
+            1,
+            "paper §3.2 GPT2-345M: 16 GPUs = 8 nodes x 2; V100 and links assumed",
+        ),
     )
 }
 

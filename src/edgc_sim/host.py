@@ -5,6 +5,7 @@ per-op dispatch overhead of the CPU with a given thread count (optionally in sev
 once). `measure_link` (~5-10 s): a gloo all-reduce size sweep between local
 processes, fitted to the ring alpha-beta model.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,8 @@ def _host_numbers(threads: int, matmul_n: int, copy_mb: int, barrier=None) -> di
     try:
         a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
         sync()
-        flops = 2 * matmul_n ** 3 / _best_time(lambda: a @ b, 5)
-        src = torch.empty(copy_mb * 2 ** 20 // 4)
+        flops = 2 * matmul_n**3 / _best_time(lambda: a @ b, 5)
+        src = torch.empty(copy_mb * 2**20 // 4)
         dst = torch.empty_like(src)
         sync()
         copy_s = _best_time(lambda: dst.copy_(src), 5)
@@ -58,8 +59,13 @@ def _host_numbers(threads: int, matmul_n: int, copy_mb: int, barrier=None) -> di
         skinny = _skinny_numbers(flops, 2 * nbytes / copy_s, launch, sync)
     finally:
         torch.set_num_threads(old_threads)
-    return {"flops": flops, "mem": 2 * nbytes / copy_s, "alloc": nbytes / fresh_s if fresh_s > 0 else 0.0,
-            "launch": launch, **skinny}
+    return {
+        "flops": flops,
+        "mem": 2 * nbytes / copy_s,
+        "alloc": nbytes / fresh_s if fresh_s > 0 else 0.0,
+        "launch": launch,
+        **skinny,
+    }
 
 
 # The engine's GEMMs are measured on the shape that dominates the bench's small preset (the MLP's
@@ -78,7 +84,7 @@ def _skinny_numbers(flops: float, mem: float, launch: float, sync=lambda: None) 
 
     m, n = SKINNY_SHAPE
     r = SKINNY_RANK
-    count = max(2, SKINNY_MB * 2 ** 20 // (4 * m * n))
+    count = max(2, SKINNY_MB * 2**20 // (4 * m * n))
     mats = torch.randn(count, m, n)
     q_t, p_t = torch.randn(r, n), torch.randn(r, m)
     out_p, out_q = torch.empty(r, m), torch.empty(r, n)
@@ -93,12 +99,21 @@ def _skinny_numbers(flops: float, mem: float, launch: float, sync=lambda: None) 
     # PyTorch's powerSGD_hook: bmm(M, Q), bmm(M^T, P), bmm(P, Q^T) over the batch of same-shape matrices
     q_b, p_b = torch.randn(count, n, r), torch.randn(count, m, r)
     sync()
-    t_hook = per(lambda: (torch.bmm(mats, q_b), torch.bmm(mats.transpose(1, 2), p_b),
-                          torch.bmm(p_b, q_b.transpose(1, 2), out=mats)))
+    t_hook = per(
+        lambda: (
+            torch.bmm(mats, q_b),
+            torch.bmm(mats.transpose(1, 2), p_b),
+            torch.bmm(p_b, q_b.transpose(1, 2), out=mats),
+        )
+    )
     sync()
     orth = _orth_numbers(count, r, m, mem, launch, lambda fn: _best_time(fn, 5))
-    return {"skinny_read": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write": stream(t_g),
-            "orth_flops": orth["orth_flops_per_s"], "hook_gemm_flops": 3 * gemm_flops / t_hook}
+    return {
+        "skinny_read": 2 / (1 / stream(t_p) + 1 / stream(t_q)),
+        "skinny_write": stream(t_g),
+        "orth_flops": orth["orth_flops_per_s"],
+        "hook_gemm_flops": 3 * gemm_flops / t_hook,
+    }
 
 
 def _orth_numbers(count: int, rank: int, side: int, mem: float, launch: float, timer, device=None) -> dict:
@@ -147,12 +162,21 @@ def measure_host(threads: int = 1, matmul_n: int = 768, copy_mb: int = 64, proce
     mean = {key: statistics.fmean(n[key] for n in numbers) for key in numbers[0]}
     together = f", {processes} processes at once" if processes > 1 else ""
     m, n = SKINNY_SHAPE
-    return DeviceSpec("host", {"fp32": mean["flops"]}, 1.0, mean["mem"], mean["launch"],
-                      f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_, "
-                      f"rank-{SKINNY_RANK} GEMMs over {SKINNY_MB} MB of {m}x{n} and their P block's "
-                      f"orthonormalisation; {threads} thread(s){together}",
-                      mean["alloc"], mean["skinny_read"], mean["skinny_write"], mean["orth_flops"],
-                      mean["hook_gemm_flops"])
+    return DeviceSpec(
+        "host",
+        {"fp32": mean["flops"]},
+        1.0,
+        mean["mem"],
+        mean["launch"],
+        f"measured: torch {matmul_n}^2 matmul, {copy_mb} MB copy and clone, tiny add_, "
+        f"rank-{SKINNY_RANK} GEMMs over {SKINNY_MB} MB of {m}x{n} and their P block's "
+        f"orthonormalisation; {threads} thread(s){together}",
+        mean["alloc"],
+        mean["skinny_read"],
+        mean["skinny_write"],
+        mean["orth_flops"],
+        mean["hook_gemm_flops"],
+    )
 
 
 def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600, 6400), rank: int = 32) -> dict:
@@ -177,20 +201,24 @@ def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600
 
     device = torch.device("cuda")
     flops = {}
-    for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("tf32", torch.float32, True), ("fp32", torch.float32, False)):
+    for name, dtype, tf32 in (
+        ("bf16", torch.bfloat16, False),
+        ("tf32", torch.float32, True),
+        ("fp32", torch.float32, False),
+    ):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
         b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
-        flops[name] = 2 * matmul_n ** 3 / timed(lambda: a @ b)
+        flops[name] = 2 * matmul_n**3 / timed(lambda: a @ b)
     torch.backends.cuda.matmul.allow_tf32 = False
-    src = torch.randn(copy_mb * 2 ** 20 // 4, device=device)
+    src = torch.randn(copy_mb * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     mem = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src))
     tiny = torch.zeros(4, device=device)
     reps = 2000
     launch = timed(lambda: [tiny.add_(1.0) for _ in range(reps)], 3) / reps  # host-bound: the issue rate
     m, n = shape
-    count = max(2, 512 * 2 ** 20 // (4 * m * n))  # more than L2: M comes from memory, as in a step
+    count = max(2, 512 * 2**20 // (4 * m * n))  # more than L2: M comes from memory, as in a step
     mats = torch.randn(count, m, n, device=device)
     q_t, p_t = torch.randn(rank, n, device=device), torch.randn(rank, m, device=device)
     out_p, out_q = torch.empty(rank, m, device=device), torch.empty(rank, n, device=device)
@@ -201,13 +229,20 @@ def measure_cuda(matmul_n: int = 8192, copy_mb: int = 1024, shape: tuple = (1600
     gemm_flops, nbytes = 2 * m * n * rank, 4 * m * n
     stream = lambda t: nbytes / max(t - gemm_flops / flops["fp32"], 0.1 * t)  # noqa: E731
     orth = _orth_numbers(count, rank, m, mem, launch, timed, device)  # P's block of those matrices
-    return {"matmul_flops": flops, "mem_bytes_per_s": mem, "launch_s": launch,
-            "skinny_read_bytes_per_s": 2 / (1 / stream(t_p) + 1 / stream(t_q)), "skinny_write_bytes_per_s": stream(t_g),
-            **orth, "skinny_shape": [m, n], "skinny_rank": rank,
-            "skinny_gemm_s": {"p": t_p, "q": t_q, "decompress": t_g},
-            "source": f"torch {matmul_n}^3 matmuls, {copy_mb} MB copy, 2000 tiny add_, rank-{rank} GEMMs on "
-                      f"{count} fp32 {m}x{n} matrices, the orthonormalisation of their ({count}, {rank}, {m}) "
-                      "P block; CUDA events, median"}
+    return {
+        "matmul_flops": flops,
+        "mem_bytes_per_s": mem,
+        "launch_s": launch,
+        "skinny_read_bytes_per_s": 2 / (1 / stream(t_p) + 1 / stream(t_q)),
+        "skinny_write_bytes_per_s": stream(t_g),
+        **orth,
+        "skinny_shape": [m, n],
+        "skinny_rank": rank,
+        "skinny_gemm_s": {"p": t_p, "q": t_q, "decompress": t_g},
+        "source": f"torch {matmul_n}^3 matmuls, {copy_mb} MB copy, 2000 tiny add_, rank-{rank} GEMMs on "
+        f"{count} fp32 {m}x{n} matrices, the orthonormalisation of their ({count}, {rank}, {m}) "
+        "P block; CUDA events, median",
+    }
 
 
 def fit_alpha_beta(world: int, sizes_bytes, seconds) -> tuple:
@@ -252,8 +287,7 @@ def _sweep_worker(rank: int, world: int, port: int, sizes: list, repeats: int, o
         dist.destroy_process_group()
 
 
-def measure_link(world: int = 2, sizes=(4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20),
-                 repeats: int = 5) -> tuple:
+def measure_link(world: int = 2, sizes=(4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20), repeats: int = 5) -> tuple:
     """gloo all-reduce sweep between `world` local processes. Returns (LinkSpec, sizes, seconds)."""
     import torch.multiprocessing as mp
 
@@ -268,8 +302,7 @@ def measure_link(world: int = 2, sizes=(4 << 10, 256 << 10, 2 << 20, 8 << 20, 32
 
 
 def save_profile(path: str | Path, device: DeviceSpec, link: LinkSpec | None) -> None:
-    Path(path).write_text(json.dumps({"device": asdict(device), "link": asdict(link) if link else None},
-                                     indent=2))
+    Path(path).write_text(json.dumps({"device": asdict(device), "link": asdict(link) if link else None}, indent=2))
 
 
 def load_profile(path: str | Path) -> tuple:

@@ -12,6 +12,7 @@ also costs its compress + decompress compute, the PowerSGD cost model of one mat
 (`cost_model.powersgd_compute_time`, the same call that prices the DP compression), charged to the
 sender's backward: it runs right after it, before the send, on the critical path of the cool-down.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,13 +36,14 @@ class InterStage:
             raise ValueError(f"interstage rank must be >= 1, got {self.rank}")
 
 
-def gradient_ranks(mode: str, rank: int | None, micro_batches: int, stages: int, rows: int,
-                   cols: int) -> list:
+def gradient_ranks(mode: str, rank: int | None, micro_batches: int, stages: int, rows: int, cols: int) -> list:
     """Per micro-batch of one boundary: the rank its gradient is sent at (0 = raw), None with ``off``."""
     if mode == "off":
         return [None] * micro_batches
-    return [effective_rank(rows, cols, rank) if compresses(mode, i, micro_batches, stages) else 0
-            for i in range(micro_batches)]
+    return [
+        effective_rank(rows, cols, rank) if compresses(mode, i, micro_batches, stages) else 0
+        for i in range(micro_batches)
+    ]
 
 
 def gradient_bytes(rank: int | None, rows: int, cols: int, element_size: int = 4) -> int:
@@ -49,8 +51,9 @@ def gradient_bytes(rank: int | None, rows: int, cols: int, element_size: int = 4
     return rows * cols * element_size if rank is None else wire_bytes(rows, cols, rank, element_size)
 
 
-def step_bytes(mode: str, ranks: list, micro_batches: int, stages: int, rows: int, cols: int,
-               element_size: int = 4) -> tuple:
+def step_bytes(
+    mode: str, ranks: list, micro_batches: int, stages: int, rows: int, cols: int, element_size: int = 4
+) -> tuple:
     """(sent, raw) bytes of one optimizer step's activation gradients on one TP rank of one replica:
     ``ranks[s]`` is the rank stage s sends at (s >= 1; ranks[0] is ignored, stage 0 sends nothing)."""
     sent = raw = 0
@@ -66,10 +69,17 @@ def transfer_s(nbytes: float, link: cm.AlphaBeta) -> float:
     return link.alpha_s + nbytes / link.bytes_per_s
 
 
-def compress_s(rank: int | None, rows: int, cols: int, flops_per_s: float, mem_bytes_per_s: float,
-               launch_s: float, element_size: int = 4, engine: cm.EngineRates | None = None) -> float:
+def compress_s(
+    rank: int | None,
+    rows: int,
+    cols: int,
+    flops_per_s: float,
+    mem_bytes_per_s: float,
+    launch_s: float,
+    element_size: int = 4,
+    engine: cm.EngineRates | None = None,
+) -> float:
     """Compress + decompress of one gradient sent at `rank` (0 for raw and None: nothing)."""
     if not rank:
         return 0.0
-    return cm.powersgd_compute_time([(rows, cols)], rank, flops_per_s, mem_bytes_per_s, launch_s, element_size,
-                                    engine)
+    return cm.powersgd_compute_time([(rows, cols)], rank, flops_per_s, mem_bytes_per_s, launch_s, element_size, engine)

@@ -3,6 +3,7 @@
 Placement follows Megatron: global rank = stage * (DP*TP) + replica * TP + tp_rank, nodes filled in
 rank order. All GPUs of a stage that sit on one node sync at the same moment and share its NICs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,8 +18,7 @@ from .shapes import StageParams, stage_params
 # Adam in fp32 reads param, grad, m, v (16 B) and writes param, m, v (12 B) per parameter.
 ADAM_BYTES_PER_PARAM = 28
 
-BREAKDOWN_KEYS = ("compute", "TP comm", "bubble+p2p", "DP compress", "DP comm", "embedding sync",
-                  "wait", "optimizer")
+BREAKDOWN_KEYS = ("compute", "TP comm", "bubble+p2p", "DP compress", "DP comm", "embedding sync", "wait", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,9 @@ class IterationModel:
     def __init__(self, preset: Preset, cluster: ClusterSpec, interstage: InterStage = InterStage()):
         par, model = preset.parallel, preset.model
         if par.world_size > cluster.world_size:
-            raise ValueError(f"preset {preset.name} needs {par.world_size} GPUs, cluster {cluster.name} "
-                             f"has {cluster.world_size}")
+            raise ValueError(
+                f"preset {preset.name} needs {par.world_size} GPUs, cluster {cluster.name} has {cluster.world_size}"
+            )
         self.preset, self.cluster, self.interstage = preset, cluster, interstage
         self.P, self.D, self.T, self.m = par.pp, par.dp, par.tp, par.micro_batches
         self.bytes = preset.bytes_per_value
@@ -86,8 +87,7 @@ class IterationModel:
         # GPUs of one stage on one node move data across the NIC at the same time (DP sync, p2p)
         stage_gpus_on_node = _span([self._rank(0, d, t) for d in range(self.D) for t in range(self.T)], gpn)[1]
         self.intra = cm.AlphaBeta(c.intra.latency_s, c.intra.bytes_per_s)
-        self.inter = cm.AlphaBeta(c.inter.latency_s,
-                                  c.inter.bytes_per_s * c.nics_per_node / stage_gpus_on_node)
+        self.inter = cm.AlphaBeta(c.inter.latency_s, c.inter.bytes_per_s * c.nics_per_node / stage_gpus_on_node)
         self.dp_span = [_span([self._rank(p, d, 0) for d in range(self.D)], gpn) for p in range(self.P)]
         self.tp_span = _span([self._rank(0, 0, t) for t in range(self.T)], gpn)
         self.emb_span = _span([self._rank(0, 0, 0), self._rank(self.P - 1, 0, 0)], gpn)
@@ -137,15 +137,20 @@ class IterationModel:
         sender's backward (edgc_sim.interstage)."""
         mode, dev = self.interstage.mode, self.cluster.device
         self.gradient_ranks = gradient_ranks(mode, self.interstage.rank, self.m, self.P, rows, cols)
-        self.p2p_bwd = [[raw if not r else transfer_s(gradient_bytes(r, rows, cols, self.bytes), link)
-                         for r in self.gradient_ranks] for raw, link in zip(self.p2p, links)]
-        extra = [compress_s(r, rows, cols, self.flops_per_s, dev.mem_bytes_per_s, dev.launch_s, self.bytes,
-                            self.engine) for r in self.gradient_ranks]
+        self.p2p_bwd = [
+            [raw if not r else transfer_s(gradient_bytes(r, rows, cols, self.bytes), link) for r in self.gradient_ranks]
+            for raw, link in zip(self.p2p, links)
+        ]
+        extra = [
+            compress_s(r, rows, cols, self.flops_per_s, dev.mem_bytes_per_s, dev.launch_s, self.bytes, self.engine)
+            for r in self.gradient_ranks
+        ]
         self.interstage_compress_s = sum(extra)  # per sending stage and iteration
         self.t_bwd_per_micro = [[t + (e if p > 0 else 0.0) for e in extra] for p, t in enumerate(self.t_bwd)]
         # per TP rank of one replica, as `edgc train` logs interstage_bytes_sent / _raw
-        self.interstage_bytes = step_bytes(mode, [self.interstage.rank] * self.P, self.m, self.P, rows, cols,
-                                           self.bytes)
+        self.interstage_bytes = step_bytes(
+            mode, [self.interstage.rank] * self.P, self.m, self.P, rows, cols, self.bytes
+        )
 
     # -- DP sync ---------------------------------------------------------------------------------
     def sync_cost(self, stage: int, rank: int | None) -> SyncCost:
@@ -164,11 +169,13 @@ class IterationModel:
             return SyncCost(0.0, self.allreduce(span, st.values * self.bytes), st.values)
         dev = self.cluster.device
         p_vals, q_vals = cm.powersgd_values(st.matrices, rank)
-        compute = cm.powersgd_compute_time(st.matrices, rank, self.flops_per_s, dev.mem_bytes_per_s,
-                                           dev.launch_s, self.bytes, self.engine)
+        compute = cm.powersgd_compute_time(
+            st.matrices, rank, self.flops_per_s, dev.mem_bytes_per_s, dev.launch_s, self.bytes, self.engine
+        )
         # the raw 1-D tensors are all-reduced alongside the P all-reduce, sharing its bandwidth
-        comm = (self.allreduce(span, (p_vals + st.vector_values) * self.bytes)
-                + self.allreduce(span, q_vals * self.bytes))
+        comm = self.allreduce(span, (p_vals + st.vector_values) * self.bytes) + self.allreduce(
+            span, q_vals * self.bytes
+        )
         return SyncCost(compute, comm, p_vals + q_vals + st.vector_values)
 
     def embedding_sync_s(self) -> float:

@@ -1,4 +1,5 @@
 """The compared methods as per-stage rank schedules, and a whole run as a sum over windows."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,12 @@ from .iteration import BREAKDOWN_KEYS, IterationModel, IterationResult
 from .schedule import DeltaMapping, Window
 
 METHODS = ("none", "powersgd", "optimus-cc", "edgc")
-METHOD_LABELS = {"none": "uncompressed", "powersgd": "PowerSGD (static)",
-                 "optimus-cc": "Optimus-CC (selective)", "edgc": "EDGC"}
+METHOD_LABELS = {
+    "none": "uncompressed",
+    "powersgd": "PowerSGD (static)",
+    "optimus-cc": "Optimus-CC (selective)",
+    "edgc": "EDGC",
+}
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,9 @@ def r_max_of(model: IterationModel, cfg: MethodConfig) -> int:
     return profile_r_max(lambda r: model.sync_cost(0, r).total_s)
 
 
-def stage_rank_windows(method: str, model: IterationModel, iterations: int, cfg: MethodConfig,
-                       stage0: Sequence[Window] = ()) -> list:
+def stage_rank_windows(
+    method: str, model: IterationModel, iterations: int, cfg: MethodConfig, stage0: Sequence[Window] = ()
+) -> list:
     """(iterations, per-stage ranks) pieces that make up the run of `method`; `stage0` is EDGC's
     stage-0 rank schedule."""
     P = model.P
@@ -97,8 +103,7 @@ def simulate_run(method: str, model: IterationModel, pieces: Sequence[tuple]) ->
     results = {ranks: model.iteration(ranks) for ranks in time_in}
     total = sum(n * results[r].iteration_s for r, n in time_in.items())
     dp = sum(n * results[r].dp_sync_mean_s for r, n in time_in.items()) / iterations
-    breakdown = {k: sum(n * results[r].breakdown[k] for r, n in time_in.items()) / iterations
-                 for k in BREAKDOWN_KEYS}
+    breakdown = {k: sum(n * results[r].breakdown[k] for r, n in time_in.items()) / iterations for k in BREAKDOWN_KEYS}
     steady = results[max(time_in, key=time_in.get)]
     return RunResult(method, iterations, total, dp, breakdown, summarize_ranks(time_in), steady)
 
@@ -116,11 +121,11 @@ def summarize_ranks(time_in: Counter) -> str:
     return f"stage0 {min(r0)}..{max(r0)}; most: {fmt(most)}"
 
 
-def simulate_methods(model: IterationModel, iterations: int, methods: Sequence[str], cfg: MethodConfig,
-                     stage0_schedule) -> tuple:
+def simulate_methods(
+    model: IterationModel, iterations: int, methods: Sequence[str], cfg: MethodConfig, stage0_schedule
+) -> tuple:
     """Run every method over `iterations`. `stage0_schedule(r_max) -> [Window]` builds EDGC's stage-0
     windows once r_max is known. Returns (r_max, [RunResult])."""
     r_max = r_max_of(model, cfg)
     stage0 = stage0_schedule(r_max) if "edgc" in methods else ()
-    return r_max, [simulate_run(m, model, stage_rank_windows(m, model, iterations, cfg, stage0))
-                   for m in methods]
+    return r_max, [simulate_run(m, model, stage_rank_windows(m, model, iterations, cfg, stage0)) for m in methods]

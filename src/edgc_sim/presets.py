@@ -1,4 +1,5 @@
 """Model shapes, parallel layouts and the paper's training presets (the paper, §3.2)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,7 +63,8 @@ class ParallelSpec:
         if self.global_batch % (self.micro_batch * self.dp):
             raise ValueError(
                 f"global_batch ({self.global_batch}) must be a multiple of micro_batch*dp "
-                f"({self.micro_batch * self.dp})")
+                f"({self.micro_batch * self.dp})"
+            )
 
     @property
     def micro_batches(self) -> int:
@@ -105,11 +107,35 @@ class Preset:
 PRESETS = {
     p.name: p
     for p in (
-        Preset("gpt2-345m", ModelSpec(24, 1024, 16), ParallelSpec(2, 4, 2, 4, 64), 230_000, "v100x16",
-               "fp32", 4, "the paper, §3.2, EDGC 345M_GPT2_230K.sh"),
-        Preset("gpt2-2.5b", ModelSpec(52, 1920, 24), ParallelSpec(4, 4, 2, 4, 64), 230_000, "v100x32",
-               "fp32", 4, "the paper, §3.2, EDGC 2.5B_GPT2_230k.sh"),
-        Preset("gpt2-12.1b", ModelSpec(76, 3584, 28), ParallelSpec(4, 4, 4, 4, 128), 230_000, "h100x64",
-               "tf32", 4, "the paper, §3.2, EDGC 12.1B_GPT2_230k.sh"),
+        Preset(
+            "gpt2-345m",
+            ModelSpec(24, 1024, 16),
+            ParallelSpec(2, 4, 2, 4, 64),
+            230_000,
+            "v100x16",
+            "fp32",
+            4,
+            "the paper, §3.2, EDGC 345M_GPT2_230K.sh",
+        ),
+        Preset(
+            "gpt2-2.5b",
+            ModelSpec(52, 1920, 24),
+            ParallelSpec(4, 4, 2, 4, 64),
+            230_000,
+            "v100x32",
+            "fp32",
+            4,
+            "the paper, §3.2, EDGC 2.5B_GPT2_230k.sh",
+        ),
+        Preset(
+            "gpt2-12.1b",
+            ModelSpec(76, 3584, 28),
+            ParallelSpec(4, 4, 4, 4, 128),
+            230_000,
+            "h100x64",
+            "tf32",
+            4,
+            "the paper, §3.2, EDGC 12.1B_GPT2_230k.sh",
+        ),
     )
 }

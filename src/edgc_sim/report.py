@@ -1,4 +1,5 @@
 """Text table and stacked time-breakdown plot of simulated runs."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,14 +19,29 @@ def reductions(result: RunResult, baseline: RunResult) -> tuple:
 def format_table(results: Sequence[RunResult], baseline: RunResult) -> str:
     """Markdown table: per-iteration DP comm latency and iteration time (run averages), run time,
     and the reductions vs the uncompressed baseline."""
-    head = ["method", "ranks (stage 0..P-1)", "DP comm/iter (ms)", "iter (s)", "run (days)",
-            "comm reduction", "time reduction"]
+    head = [
+        "method",
+        "ranks (stage 0..P-1)",
+        "DP comm/iter (ms)",
+        "iter (s)",
+        "run (days)",
+        "comm reduction",
+        "time reduction",
+    ]
     rows = []
     for r in results:
         d_comm, d_time = reductions(r, baseline)
-        rows.append([METHOD_LABELS.get(r.method, r.method), r.ranks, f"{1000 * r.dp_sync_s:.1f}",
-                     f"{r.iteration_s:.3f}", f"{r.total_s / DAY:.2f}", f"{100 * d_comm:+.2f}%",
-                     f"{100 * d_time:+.2f}%"])
+        rows.append(
+            [
+                METHOD_LABELS.get(r.method, r.method),
+                r.ranks,
+                f"{1000 * r.dp_sync_s:.1f}",
+                f"{r.iteration_s:.3f}",
+                f"{r.total_s / DAY:.2f}",
+                f"{100 * d_comm:+.2f}%",
+                f"{100 * d_time:+.2f}%",
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])

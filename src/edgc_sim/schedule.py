@@ -1,5 +1,6 @@
 """EDGC's stage-0 rank over a whole run: per window, from an entropy series (the paper, §2.5, the
 "delta" mapping the released code runs) or replayed from a measured run's metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,15 @@ class DeltaMapping:
         return max(1, self.window // self.stride)
 
 
-def synthetic_entropy(iterations: int, alpha: float = 0.1, start: float = 5.5, end: float = 4.0,
-                      tau: float = 10_000, noise: float = 0.002, seed: int = 0) -> np.ndarray:
+def synthetic_entropy(
+    iterations: int,
+    alpha: float = 0.1,
+    start: float = 5.5,
+    end: float = 4.0,
+    tau: float = 10_000,
+    noise: float = 0.002,
+    seed: int = 0,
+) -> np.ndarray:
     """Observation O1 as a series: histogram entropy (nats) decaying exponentially from `start` to
     `end` with time constant `tau` iterations, plus Gaussian noise; one value per sampled iteration.
     The shape is assumed (the paper's entropy figures were not recovered)."""
@@ -61,8 +69,9 @@ def synthetic_entropy(iterations: int, alpha: float = 0.1, start: float = 5.5, e
     return end + (start - end) * np.exp(-t / tau) + noise * rng.standard_normal(t.size)
 
 
-def map_entropy_change_to_rank(entropy: Sequence[float], samples_per_window: int, r_max: int,
-                               r_prev: int, step: int = 4) -> int:
+def map_entropy_change_to_rank(
+    entropy: Sequence[float], samples_per_window: int, r_max: int, r_prev: int, step: int = 4
+) -> int:
     """One window's stage-0 rank (the released code's `map_entropy_change_to_rank`): the entropy
     change between the last two windows, relative to the change between the first two, sets a target
     in [r_max/4, r_max] (the controller's map, `edgc.rank_rules.delta_rank`); the rank moves toward
@@ -71,16 +80,17 @@ def map_entropy_change_to_rank(entropy: Sequence[float], samples_per_window: int
     if len(entropy) < 2 * n:
         return r_max
     e = np.asarray(entropy, dtype=float)
-    cur = abs(e[-n:].mean() - e[-2 * n:-n].mean())
-    ref = abs(e[:n].mean() - e[n:2 * n].mean())
+    cur = abs(e[-n:].mean() - e[-2 * n : -n].mean())
+    ref = abs(e[:n].mean() - e[n : 2 * n].mean())
     r_min = r_max / 4
     target = min(max(delta_rank(cur, ref, r_min, r_max), r_min), r_max)
     target = 2 * math.floor(target / 2)
     return int(r_prev + max(-step, min(step, target - r_prev)))
 
 
-def delta_rank_schedule(entropy: Sequence[float], iterations: int, r_max: int,
-                        cfg: DeltaMapping = DeltaMapping()) -> list:
+def delta_rank_schedule(
+    entropy: Sequence[float], iterations: int, r_max: int, cfg: DeltaMapping = DeltaMapping()
+) -> list:
     """Windows of a whole run: uncompressed through warm-up (rounded up to whole windows), r_max
     in the first window after it, then one mapping per window on the entropy seen so far."""
     t_warm = math.floor(cfg.warmup_frac * iterations)
@@ -115,7 +125,7 @@ def read_metrics(path: str | Path) -> list:
                     raise ValueError(f"{path}:{lineno}: train record without 'step'")
                 records.append(rec)
     if not records:
-        raise ValueError(f"{path}: no records with \"kind\": \"train\"")
+        raise ValueError(f'{path}: no records with "kind": "train"')
     return sorted(records, key=lambda r: r["step"])
 
 

@@ -1,4 +1,5 @@
 """Which gradient tensors one pipeline stage's DP buffer holds (per TP rank, Megatron layout)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """The model of one measured bench step (see `calibrate_bench`'s docstring): the step's payloads, its
 timeline of backward, compression and collectives on one link (`step_timeline`), the wire time of its
 collectives and the compression's cost; and `median_interval`, the bootstrap interval of a median."""
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,9 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
-                    seed: int = 0) -> tuple[float, float]:
+def median_interval(
+    values: Sequence[float], level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile-bootstrap interval of the median: how precisely a run's median is known.
 
     Seeded, so a table regenerates identically. Per-step comm times of the low-rank methods spread
@@ -75,8 +77,9 @@ class StepTimeline:
     exposed_s: float  #: end_s - (forward + backward + compress): host time spent waiting on the link
 
 
-def step_timeline(compute_s: float, compress_s: float, durations: Sequence[Sequence[float]],
-                  values: Sequence[float], mode: str) -> StepTimeline:
+def step_timeline(
+    compute_s: float, compress_s: float, durations: Sequence[Sequence[float]], values: Sequence[float], mode: str
+) -> StepTimeline:
     """Event timeline of one step's backward and sync (see the comment block above).
 
     `durations[k]`: link time of each collective of bucket k (ready order); `values[k]`: its
@@ -146,8 +149,9 @@ def step_timeline(compute_s: float, compress_s: float, durations: Sequence[Seque
     return StepTimeline(host, comm, max(0.0, exposed))
 
 
-def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
-               count: float | None = None) -> tuple:
+def wire_parts(
+    compressor: str, world: int, payloads: Sequence[float], link: BenchLink, count: float | None = None
+) -> tuple:
     """(latency, bytes) seconds of one step's collectives: `count` (a measured collectives per step,
     default len(payloads)) x the fixed cost, and each payload's bytes beyond the burst / beta. The
     collectives a measured count has beyond the payloads (EDGC's decision all-reduce and broadcast,
@@ -157,8 +161,9 @@ def wire_parts(compressor: str, world: int, payloads: Sequence[float], link: Ben
     return n * link.latency_s(world, all_gather), sum(link.bytes_s(world, p, all_gather) for p in payloads)
 
 
-def wire_time(compressor: str, world: int, payloads: Sequence[float], link: BenchLink,
-              count: float | None = None) -> float:
+def wire_time(
+    compressor: str, world: int, payloads: Sequence[float], link: BenchLink, count: float | None = None
+) -> float:
     """Latency + bytes of one step's collectives (wire_parts)."""
     return sum(wire_parts(compressor, world, payloads, link, count))
 
@@ -175,11 +180,26 @@ def compress_model(compressor: str, rank: int | None, config: dict, device: Devi
         r = rank if rank is not None else int(config.get("powersgd_rank") or 8)
         stage = host_model(config, device, LinkSpec("-", 1.0, 1.0, 0.0)).stages[0]
         if compressor == "torch-powersgd":
-            return cm.torch_powersgd_hook_time(stage.matrices, stage.values, r, device.flops_per_s("fp32"),
-                                               device.mem_bytes_per_s, device.launch_s, device.alloc_s(1.0), 4,
-                                               device.hook_gemm_flops_per_s or None)
-        return cm.powersgd_compute_time(stage.matrices, r, device.flops_per_s("fp32"), device.mem_bytes_per_s,
-                                        device.launch_s, 4, device.skinny_rates())
+            return cm.torch_powersgd_hook_time(
+                stage.matrices,
+                stage.values,
+                r,
+                device.flops_per_s("fp32"),
+                device.mem_bytes_per_s,
+                device.launch_s,
+                device.alloc_s(1.0),
+                4,
+                device.hook_gemm_flops_per_s or None,
+            )
+        return cm.powersgd_compute_time(
+            stage.matrices,
+            r,
+            device.flops_per_s("fp32"),
+            device.mem_bytes_per_s,
+            device.launch_s,
+            4,
+            device.skinny_rates(),
+        )
     if sync_method(compressor) is not None:  # a registered sync method: its memory traffic, if known
         per_value = COMPRESS_BYTES_PER_VALUE.get(compressor)
         if per_value is None:

@@ -16,6 +16,7 @@ parent. A folder named ``step_*`` therefore always holds a complete checkpoint; 
 
 Loading verifies every file against the manifest first and names the first bad one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -150,8 +151,12 @@ def finalize(tmp_dir: Path, final_dir: Path, world_size: int, shards: tuple[str,
     present = {p.name for p in tmp_dir.iterdir() if not p.name.startswith(".")}
     if present != expected:
         raise CheckpointError(f"checkpoint {final_dir.name}: files missing after save: {sorted(expected - present)}")
-    manifest = {"files": {name: {"sha256": sha256_file(tmp_dir / name), "bytes": (tmp_dir / name).stat().st_size}
-                          for name in sorted(expected)}}
+    manifest = {
+        "files": {
+            name: {"sha256": sha256_file(tmp_dir / name), "bytes": (tmp_dir / name).stat().st_size}
+            for name in sorted(expected)
+        }
+    }
     atomic_write_json(tmp_dir / "manifest.json", manifest)
     os.replace(tmp_dir, final_dir)
     _fsync_dir(final_dir.parent)
@@ -183,7 +188,9 @@ def verify(ckpt_dir: Path, world_size: int | None = None) -> dict:
     for r in range(ws or 0):
         for name in (f"rank{r}.pt", f"edgc_rank{r}.pt"):
             if name not in files:
-                raise CheckpointError(f"{ckpt_dir / name} is missing (checkpoint of a {trainer.get('world_size')}-process run)")
+                raise CheckpointError(
+                    f"{ckpt_dir / name} is missing (checkpoint of a {trainer.get('world_size')}-process run)"
+                )
     return trainer
 
 
@@ -212,8 +219,14 @@ def local_tensors(obj):
 
 
 def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
-                              shape=like.shape, stride=like.stride(), run_check=False)
+    return DTensor.from_local(
+        local.to(like.device),
+        like.device_mesh,
+        like.placements,
+        shape=like.shape,
+        stride=like.stride(),
+        run_check=False,
+    )
 
 
 def model_and_optimizer_state(module: torch.nn.Module, optimizer) -> tuple[dict, dict]:
@@ -232,7 +245,10 @@ def load_model_and_optimizer_state(module: torch.nn.Module, optimizer, model_sd:
     state = {}
     for index, entries in optimizer_sd["state"].items():
         param = params[index]
-        state[index] = {key: _as_dtensor(value, param)
-                        if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, DTensor)
-                        else value for key, value in entries.items()}
+        state[index] = {
+            key: _as_dtensor(value, param)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, DTensor)
+            else value
+            for key, value in entries.items()
+        }
     optimizer.load_state_dict({**optimizer_sd, "state": state})

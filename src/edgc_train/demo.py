@@ -15,6 +15,7 @@ The EDGC run sets its knobs explicitly, because the defaults are for long runs o
   entropy drift between its windows is inside the samples' own noise.
 - the uncompressed warm-up stays at the harness default for the run length (10 % of the steps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,18 +36,30 @@ EDGC_FIELDS = {"r_max": 16, "r_min": 4, "window": 10, "rank_budget": 8}
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="train the tiny GPT-2 uncompressed and with EDGC (2 processes), then write the report",
+        "demo",
+        help="train the tiny GPT-2 uncompressed and with EDGC (2 processes), then write the report",
         description="What `make run` runs: two `edgc train` jobs on the tiny preset, identical except for the "
-                    "compressor (none, then edgc with a short window so the rank visibly adapts), then "
-                    "`edgc report` on both. About 6 minutes on 2 CPU cores.")
-    p.add_argument("--out", metavar="DIR",
-                   help=f"new folder for the two runs and the report (default {DEFAULT_OUT}, or "
-                        f"{DEFAULT_OUT}-<timestamp> when that exists); an existing folder is refused")
-    p.add_argument("--steps", metavar="N", default=str(DEFAULT_STEPS),
-                   help=f"optimizer steps per run (default {DEFAULT_STEPS}; at least 40 so that several "
-                        "rank windows fit)")
-    p.add_argument("--nproc", metavar="N", default=str(DEFAULT_NPROC),
-                   help=f"data-parallel processes per run (default {DEFAULT_NPROC})")
+        "compressor (none, then edgc with a short window so the rank visibly adapts), then "
+        "`edgc report` on both. About 6 minutes on 2 CPU cores.",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help=f"new folder for the two runs and the report (default {DEFAULT_OUT}, or "
+        f"{DEFAULT_OUT}-<timestamp> when that exists); an existing folder is refused",
+    )
+    p.add_argument(
+        "--steps",
+        metavar="N",
+        default=str(DEFAULT_STEPS),
+        help=f"optimizer steps per run (default {DEFAULT_STEPS}; at least 40 so that several rank windows fit)",
+    )
+    p.add_argument(
+        "--nproc",
+        metavar="N",
+        default=str(DEFAULT_NPROC),
+        help=f"data-parallel processes per run (default {DEFAULT_NPROC})",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit without running them")
     p.set_defaults(func=run)
 
@@ -79,8 +92,21 @@ def resolve_out(raw: str | None, now: datetime | None = None) -> Path:
 
 def train_args(out: Path, compressor: str, steps: int, nproc: int) -> list[str]:
     """The `edgc train` arguments of one demo run (everything shared, except the compressor)."""
-    args = ["train", "--nproc", str(nproc), "--out", str(out / compressor), "--preset", "tiny",
-            "--steps", str(steps), "--eval-every", str(max(1, steps // 6)), "--compressor", compressor]
+    args = [
+        "train",
+        "--nproc",
+        str(nproc),
+        "--out",
+        str(out / compressor),
+        "--preset",
+        "tiny",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        str(max(1, steps // 6)),
+        "--compressor",
+        compressor,
+    ]
     if compressor == "edgc":
         for key, value in EDGC_FIELDS.items():
             args += ["--edgc", f"{key}={value}"]
@@ -101,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
     steps = _int("--steps", args.steps, 40)
     nproc = _int("--nproc", args.nproc, 1)
     out = resolve_out(args.out)
-    jobs = [("uncompressed", "none", train_args(out, "none", steps, nproc)),
-            ("EDGC", "edgc", train_args(out, "edgc", steps, nproc))]
+    jobs = [
+        ("uncompressed", "none", train_args(out, "none", steps, nproc)),
+        ("EDGC", "edgc", train_args(out, "edgc", steps, nproc)),
+    ]
     report_dir = out / "report"
     if args.dry_run:
         for _, _, job in jobs:
@@ -113,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
-    print(f"edgc demo: {steps} steps of the tiny GPT-2 with {nproc} processes, uncompressed and with EDGC, "
-          f"into {out}/", flush=True)
+    print(
+        f"edgc demo: {steps} steps of the tiny GPT-2 with {nproc} processes, uncompressed and with EDGC, into {out}/",
+        flush=True,
+    )
     for i, (name, compressor, job) in enumerate(jobs, 1):
         print(f"\n[{i}/3] {name}: {_shell(_command(job))}", flush=True)
         t0 = time.perf_counter()
@@ -154,7 +184,8 @@ def headline(result: dict, seconds: float) -> list[str]:
         f"  EDGC:          {val(e)}, {e['bytes_per_step'] / 1e6:.2f} MB sent per step "
         f"({e['bytes_per_step'] / b['bytes_per_step']:.3f}× uncompressed over the whole run, "
         f"{e['compressed_bytes_per_step'] / b['bytes_per_step']:.3f}× while compressing)"
-        if e["compressed_bytes_per_step"] else f"  EDGC:          {val(e)} (never compressed)",
+        if e["compressed_bytes_per_step"]
+        else f"  EDGC:          {val(e)} (never compressed)",
         f"  val loss EDGC − uncompressed: {e['val_loss'] - b['val_loss']:+.4f}",
         f"  median step: {e['median_step_s'] * 1000:.0f} ms EDGC vs {b['median_step_s'] * 1000:.0f} ms uncompressed "
         "(native DDP, whose overlapped all-reduce has no separate time; one host: loopback makes communication "

@@ -10,9 +10,11 @@ against. Every rank reads its own data (FSDP is data parallel).
 
 Checkpoints: one model and optimizer file per shard index (``model_shard{s}.pt``), written by
 replica 0 of that shard, holding this shard's local tensors (plain tensors, no DTensor or mesh in
-the file; `checkpoint.model_and_optimizer_state`); resume wraps them back into the parameters' DTensors. The compressor's state (error
+the file; `checkpoint.model_and_optimizer_state`); resume wraps them back into the parameters' DTensors. The
+compressor's state (error
 feedback per local shard, Q, schedule) is per rank as for DDP.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,10 +51,22 @@ class NativeHSDP(Compressor):
         self.size = self.elements * next(model.parameters()).element_size()
 
     def step_metrics(self) -> dict:
-        return {"phase": "off", "rank": None, "ranks": {}, "entropy": None, "elements_sent": self.elements,
-                "elements_raw": self.elements, "bytes_sent": self.size, "bytes_raw": self.size,
-                "compress_time_s": None, "comm_time_s": None, "collectives": None, "collective_s": None,
-                "relative_error": None, "entropy_time_s": None}
+        return {
+            "phase": "off",
+            "rank": None,
+            "ranks": {},
+            "entropy": None,
+            "elements_sent": self.elements,
+            "elements_raw": self.elements,
+            "bytes_sent": self.size,
+            "bytes_raw": self.size,
+            "compress_time_s": None,
+            "comm_time_s": None,
+            "collectives": None,
+            "collective_s": None,
+            "relative_error": None,
+            "entropy_time_s": None,
+        }
 
     def state_dict(self) -> dict:
         return {"format": "native-hsdp/1"}

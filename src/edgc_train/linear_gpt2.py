@@ -9,6 +9,7 @@ The arithmetic is the HF block's (pre-LayerNorm, causal attention, GELU MLP, res
 The attention reads its number of heads from the width of q, so the same forward runs on a block
 whose q, k, v are column-sharded over T ranks (H/T heads each, see `tensor_parallel`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,9 @@ class LinearAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         q, k, v = (p(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                                  is_causal=True, scale=self.scaling)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True, scale=self.scaling
+        )
         return self.resid_dropout(self.proj(attended.transpose(1, 2).reshape(batch, length, -1)))
 
 

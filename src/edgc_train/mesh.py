@@ -8,6 +8,7 @@ a stage's tensor-parallel ranks ``mesh["tp"]``, the tied embedding's stage 0 and
 its TP ranks is P·T consecutive ranks (one host under ``torchrun --nproc_per_node P·T``), and each
 stage's DP group spans the hosts, which is where gradient compression pays.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,6 +66,16 @@ def make_grid(device_type: str, stages: int, tp: int = 1) -> Grid:
     timeout = dist_timeout()  # the default group's, for every group of the mesh
     mesh = init_parallel_mesh(device_type, pp=stages, tp=tp, timeout=timeout)
     replica, stage, _, tp_rank = mesh.get_coordinate()
-    return Grid(mesh, dist.get_rank(), dist.get_world_size(), stages, mesh.size(0), stage, replica, tp, tp_rank,
-                pipeline_ends_group(mesh, "pp", timeout),
-                group_across(mesh, ("dp_replicate", "tp"), timeout) if tp > 1 else None)
+    return Grid(
+        mesh,
+        dist.get_rank(),
+        dist.get_world_size(),
+        stages,
+        mesh.size(0),
+        stage,
+        replica,
+        tp,
+        tp_rank,
+        pipeline_ends_group(mesh, "pp", timeout),
+        group_across(mesh, ("dp_replicate", "tp"), timeout) if tp > 1 else None,
+    )

@@ -16,6 +16,7 @@ preset      n_layer  n_embd   n_head   n_positions  parameters
 Any of n_layer / n_embd / n_head / n_positions / dropout can be overridden. Dropout defaults to 0
 (as in nanoGPT pretraining): it adds nothing for short runs and would be one more RNG stream.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,15 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def model_shape(preset: str, vocab_size: int, seq_len: int, n_layer: int | None = None,
-                n_embd: int | None = None, n_head: int | None = None, n_positions: int | None = None) -> dict:
+def model_shape(
+    preset: str,
+    vocab_size: int,
+    seq_len: int,
+    n_layer: int | None = None,
+    n_embd: int | None = None,
+    n_head: int | None = None,
+    n_positions: int | None = None,
+) -> dict:
     """The resolved shape: preset values, then overrides; n_positions grows to fit ``seq_len``."""
     if preset not in PRESETS:
         raise ValueError(f"preset: unknown {preset!r}, choose from {', '.join(PRESETS)}")
@@ -55,9 +63,12 @@ def build_model(shape: dict, dropout: float = 0.0):
     hf_logging.set_verbosity_error()  # silence "using default loss" style chatter on every rank
     config = GPT2Config(
         **shape,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         # The trained tokenizer puts <|endoftext|> at id 0; GPT-2's 50256 would be out of range.
-        bos_token_id=0, eos_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(config)
 

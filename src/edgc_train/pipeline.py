@@ -24,6 +24,7 @@ With ``--compressor edgc``, stage 0 leads (entropy-driven rank) and the other st
 the DAC alignment (`edgc.pipeline.StageAligner`), which needs each stage's measured sync-time
 table: every stage profiles at start-up even when r_max is given.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,8 +47,9 @@ class PipelineRunner:
         self.cfg, self.data, self.device = cfg, data, device
         self.grid = make_grid(device.type, cfg.pp, cfg.tp)
         # Stages 0 and P−1 of one replica read the same blocks (inputs and targets).
-        self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, self.grid.replica,
-                                    self.grid.replicas, cfg.seed)
+        self.sampler = BlockSampler(
+            data.train, cfg.seq_len, cfg.micro_batch, self.grid.replica, self.grid.replicas, cfg.seed
+        )
         seed_everything(cfg.seed)  # the full model is built identically everywhere, then cut
         self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
         full = build_model(self.shape, cfg.dropout)
@@ -73,8 +75,17 @@ class PipelineRunner:
         x, y = self._batch([self.sampler.next_batch() for _ in range(self.cfg.grad_accum)])
         loss, timing = self.step.train_step(x, y)
         stages = stage_metrics(self.step, timing)
-        totals = {k: sum(s[k] for s in stages) for k in ("bytes_sent", "bytes_raw", "elements_sent", "elements_raw",
-                                                          "interstage_bytes_sent", "interstage_bytes_raw")}
+        totals = {
+            k: sum(s[k] for s in stages)
+            for k in (
+                "bytes_sent",
+                "bytes_raw",
+                "elements_sent",
+                "elements_raw",
+                "interstage_bytes_sent",
+                "interstage_bytes_raw",
+            )
+        }
         # bytes of the whole pipeline (replica 0); inter-stage seconds summed over its stages
         return loss, {"stages": stages, **totals, "interstage_time_s": sum(s["interstage_s"] for s in stages)}
 
@@ -89,8 +100,9 @@ class PipelineRunner:
         cfg = self.cfg
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         chunk: list = []
-        for batch in val_batches(self.data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches,
-                                 self.grid.replica, self.grid.replicas):
+        for batch in val_batches(
+            self.data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches, self.grid.replica, self.grid.replicas
+        ):
             chunk.append(batch)
             if len(chunk) == cfg.grad_accum:
                 x, y = self._batch(chunk)

@@ -13,6 +13,7 @@ So the ranks first agree on a random token through the store, by an exchange in 
 that a waiting rank reads is named after a random value made in this attempt, and the group is
 created under that token's prefix: no key of an earlier attempt can be read.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -72,8 +73,14 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
     # A last resort if joining blocks where torch's timeout does not reach (gloo's connect can wait
     # several times longer): say so, print every thread's stack and exit 1, so torchrun sees a failed
     # worker instead of a silent hang. faulthandler's watchdog runs even if the GIL is never released.
-    warn = threading.Timer(limit, lambda: print(f"rank {os.environ['RANK']}: joining the process group did not "
-                                                f"finish within {limit:.0f} s; exiting", file=sys.stderr, flush=True))
+    warn = threading.Timer(
+        limit,
+        lambda: print(
+            f"rank {os.environ['RANK']}: joining the process group did not finish within {limit:.0f} s; exiting",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
     if world > 1:
         warn.daemon = True
         warn.start()
@@ -83,11 +90,13 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
             dist.init_process_group(backend, timeout=timeout)
             return
         rank = int(os.environ["RANK"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
         prefix = f"edgc/attempt/{attempt_token(store, rank, world, timeout)}/"
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
+        )
     finally:
         if world > 1:
             warn.cancel()

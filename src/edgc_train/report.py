@@ -19,6 +19,7 @@ Output, in one folder:
 Steady-state statistics (median step/comm/compress time) skip the first ``SKIP_STEPS`` steps,
 which carry one-off costs (allocation, DDP's bucket rebuild after step 1, first-call overheads).
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -45,29 +46,61 @@ from .report_runs import (
 # ------------------------------------------------------------------------------------------ markdown
 def summary_table(runs: list[Run]) -> str:
     base = baseline(runs)
-    head = ["run", "steps", "train time", "final val loss", "val PPL", "median step (ms)", "median comm wait (ms)",
-            "median compress (ms)", "MB sent/step", "ranks used"]
+    head = [
+        "run",
+        "steps",
+        "train time",
+        "final val loss",
+        "val PPL",
+        "median step (ms)",
+        "median comm wait (ms)",
+        "median compress (ms)",
+        "MB sent/step",
+        "ranks used",
+    ]
     if base is not None:
-        head += ["bytes/step vs uncompressed", "comm vs uncompressed", "step time vs uncompressed",
-                 "train time vs uncompressed", "Δ val loss vs uncompressed"]
+        head += [
+            "bytes/step vs uncompressed",
+            "comm vs uncompressed",
+            "step time vs uncompressed",
+            "train time vs uncompressed",
+            "Δ val loss vs uncompressed",
+        ]
     rows = []
     for run in runs:
         s = run.stats
-        ranks = "–" if s["rank_min"] is None else (
-            f"{s['rank_min']}" if s["rank_min"] == s["rank_max"] else f"{s['rank_min']}–{s['rank_max']}")
-        row = [run.label, f"{s['steps']}", fmt_duration(s["wall_s"]), fmt(s["val_loss"], ".4f"),
-               fmt(s["val_ppl"], ".1f"), fmt_ms(s["median_step_s"]), fmt_ms(s["median_comm_s"]),
-               fmt_ms(s["median_compress_s"]), fmt_mb(s["bytes_per_step"]), ranks]
+        ranks = (
+            "–"
+            if s["rank_min"] is None
+            else (f"{s['rank_min']}" if s["rank_min"] == s["rank_max"] else f"{s['rank_min']}–{s['rank_max']}")
+        )
+        row = [
+            run.label,
+            f"{s['steps']}",
+            fmt_duration(s["wall_s"]),
+            fmt(s["val_loss"], ".4f"),
+            fmt(s["val_ppl"], ".1f"),
+            fmt_ms(s["median_step_s"]),
+            fmt_ms(s["median_comm_s"]),
+            fmt_ms(s["median_compress_s"]),
+            fmt_mb(s["bytes_per_step"]),
+            ranks,
+        ]
         if base is not None:
             b = base.stats
             dv = None if s["val_loss"] is None or b["val_loss"] is None else s["val_loss"] - b["val_loss"]
-            row += [fmt_ratio(ratio(s["bytes_per_step"], b["bytes_per_step"])),
-                    fmt_ratio(ratio(s["median_comm_s"], b["median_comm_s"])),
-                    fmt_ratio(ratio(s["median_step_s"], b["median_step_s"])),
-                    fmt_ratio(ratio(s["wall_s"], b["wall_s"])),
-                    fmt(dv, "+.4f")]
+            row += [
+                fmt_ratio(ratio(s["bytes_per_step"], b["bytes_per_step"])),
+                fmt_ratio(ratio(s["median_comm_s"], b["median_comm_s"])),
+                fmt_ratio(ratio(s["median_step_s"], b["median_step_s"])),
+                fmt_ratio(ratio(s["wall_s"], b["wall_s"])),
+                fmt(dv, "+.4f"),
+            ]
         rows.append(row)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -79,16 +112,28 @@ def _setup_line(run: Run) -> str:
         parts.append(f"{c['n_params'] / 1e6:.2f}M parameters")
     parts.append(f"{c.get('world_size', '?')} processes")
     if c.get("micro_batch") and c.get("seq_len"):
-        parts.append(f"{c['micro_batch']}×{c['seq_len']} tokens per rank per micro-batch"
-                     + (f", {c['grad_accum']} micro-batches per step" if c.get("grad_accum", 1) > 1 else ""))
+        parts.append(
+            f"{c['micro_batch']}×{c['seq_len']} tokens per rank per micro-batch"
+            + (f", {c['grad_accum']} micro-batches per step" if c.get("grad_accum", 1) > 1 else "")
+        )
     parts.append(f"{c.get('steps', '?')} steps planned")
     if c.get("device_type"):
         parts.append(f"device {c['device_type']}")
     text = f"- **{run.label}** (`{run.path}`): " + ", ".join(parts) + f"; compressor `{run.compressor}`"
     e = run.edgc
     if e:
-        keys = ("r_max", "r_min", "adaptive", "window", "rank_mapping", "entropy_estimator", "iteration_sample_ratio",
-                "warmup_fraction", "warmup_error_test", "rank_step")
+        keys = (
+            "r_max",
+            "r_min",
+            "adaptive",
+            "window",
+            "rank_mapping",
+            "entropy_estimator",
+            "iteration_sample_ratio",
+            "warmup_fraction",
+            "warmup_error_test",
+            "rank_step",
+        )
         text += " with " + ", ".join(f"{k}={e[k]}" for k in keys if k in e)
     if run.stats["steps"] != run.stats["planned_steps"]:
         text += f". **Stopped at step {run.stats['steps']}**"
@@ -125,8 +170,10 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
         "moves about 2(N−1)/N times this over each link.",
     ]
     if base is not None:
-        lines += [f"- **… vs uncompressed**: this run's value divided by the uncompressed run **{base.label}**'s "
-                  "(below 1× = less); Δ val loss is the difference (negative = better than uncompressed)."]
+        lines += [
+            f"- **… vs uncompressed**: this run's value divided by the uncompressed run **{base.label}**'s "
+            "(below 1× = less); Δ val loss is the difference (negative = better than uncompressed)."
+        ]
     else:
         lines += ["- No uncompressed run (compressor `none`) was given, so there are no ratio columns."]
     compressed = [r for r in runs if r.compressed_steps]
@@ -137,14 +184,18 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
             full = f"{s['compressed_bytes_per_step'] / 1e6:.2f} MB/step while compressing"
             if base is not None:
                 full += f" ({ratio(s['compressed_bytes_per_step'], base.stats['bytes_per_step']):.3f}× uncompressed)"
-            lines.append(f"- **{run.label}**: compressed {s['compressed_fraction']:.0%} of the steps (from step "
-                         f"{s['first_compressed_step']}), {s['rank_changes']} rank change(s), {full}. "
-                         f"Steps → rank: {format_schedule(run)}.")
+            lines.append(
+                f"- **{run.label}**: compressed {s['compressed_fraction']:.0%} of the steps (from step "
+                f"{s['first_compressed_step']}), {s['rank_changes']} rank change(s), {full}. "
+                f"Steps → rank: {format_schedule(run)}."
+            )
             budget = run.edgc.get("rank_budget")
             spent = [r["mean_rank"] for r in run.train if r.get("mean_rank") is not None]
             if budget is not None and spent:
-                lines.append(f"  Byte budget: mean rank {budget:g} (signal `{run.edgc.get('budget_signal')}`); "
-                             f"spent {spent[-1]:.2f} ({spent[-1] / budget - 1:+.1%}).")
+                lines.append(
+                    f"  Byte budget: mean rank {budget:g} (signal `{run.edgc.get('budget_signal')}`); "
+                    f"spent {spent[-1]:.2f} ({spent[-1] / budget - 1:+.1%})."
+                )
     for run in runs:
         for notice in run.notices:
             lines.append(f"- **{run.label}**, step {notice['step']}: {notice.get('message', notice.get('event'))}")
@@ -155,31 +206,45 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
     ruled = any(r.edgc.get("rank_budget") is None for r in compressed) or not budgeted  # the paper's rules
     captions = {
         "loss_vs_step.png": "Training loss per step. Curves that lie on top of each other mean compression "
-                            "did not slow learning per step.",
+        "did not slow learning per step.",
         "loss_vs_time.png": "The same against wall-clock time: what a faster (or slower) step buys.",
         "val_ppl.png": "Validation perplexity at each evaluation (log scale); the legend gives the final values.",
         "entropy.png": "Gradient entropy samples (dots) and their per-window means (bars), labelled with the rank "
-                       "in force in that window." + (
-                           " Under a byte budget the rank follows the budget's signal (named under Rank schedules; "
-                           "with `schedule` the entropy is recorded for reference only)." if budgeted else "") + (
-                           " In the paper's mode (no budget) EDGC turns the change in this mean between the last "
-                           "two windows into the next window's rank." if ruled else ""),
-        "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed)" + (
-                    ", and the mean rank spent so far (dash-dot) against the byte budget (dotted)" if budgeted else "") +
-                    ". Bottom: bytes sent per step, which follow the rank.",
+        "in force in that window."
+        + (
+            " Under a byte budget the rank follows the budget's signal (named under Rank schedules; "
+            "with `schedule` the entropy is recorded for reference only)."
+            if budgeted
+            else ""
+        )
+        + (
+            " In the paper's mode (no budget) EDGC turns the change in this mean between the last "
+            "two windows into the next window's rank."
+            if ruled
+            else ""
+        ),
+        "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed)"
+        + (", and the mean rank spent so far (dash-dot) against the byte budget (dotted)" if budgeted else "")
+        + ". Bottom: bytes sent per step, which follow the rank.",
         "stages.png": "Pipeline runs: top, the rank each stage used (stage 0 from the entropy; later stages from "
-                      "the DAC alignment, drawn at the top when uncompressed); bottom, when each stage finished "
-                      "its gradient sync. DAC aims to make the stages finish together (a small spread).",
+        "the DAC alignment, drawn at the top when uncompressed); bottom, when each stage finished "
+        "its gradient sync. DAC aims to make the stages finish together (a small spread).",
         "comm_time.png": "Left: time in the gradient collectives per step. Right: where a median step's time "
-                         "goes. When all processes share one host, moving the bytes over loopback is nearly free "
-                         "and this time is mostly one process waiting for the other (they share the cores), so "
-                         "compression cannot show a time saving here; the MB sent/step column is what it saves "
-                         "on a real network.",
+        "goes. When all processes share one host, moving the bytes over loopback is nearly free "
+        "and this time is mostly one process waiting for the other (they share the cores), so "
+        "compression cannot show a time saving here; the MB sent/step column is what it saves "
+        "on a real network.",
     }
     lines += ["", "## Plots", ""]
     for plot in plots:
-        lines += [f"### {plot.stem.replace('_', ' ')}", "", captions.get(plot.name, ""), "",
-                  f"![{plot.stem}]({plot.name})", ""]
+        lines += [
+            f"### {plot.stem.replace('_', ' ')}",
+            "",
+            captions.get(plot.name, ""),
+            "",
+            f"![{plot.stem}]({plot.name})",
+            "",
+        ]
     lines += ["## Runs", ""] + [_setup_line(r) for r in runs] + [""]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -1,4 +1,5 @@
 """`edgc report RUN_DIR [RUN_DIR …]`: plots and a markdown summary comparing `edgc train` runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,13 +9,19 @@ from edgc_cli.errors import CLIError
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "report", help="plots and a markdown summary comparing edgc train runs",
+        "report",
+        help="plots and a markdown summary comparing edgc train runs",
         description="Write loss/perplexity/entropy/rank/communication plots (PNG) and report.md, a table "
-                    "comparing the runs, into one folder. Give the uncompressed run (compressor none) too to "
-                    "get ratios against it. Works on finished and on stopped runs.")
+        "comparing the runs, into one folder. Give the uncompressed run (compressor none) too to "
+        "get ratios against it. Works on finished and on stopped runs.",
+    )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by `edgc train --out`")
-    p.add_argument("--out", metavar="DIR", help="report folder (default: report/ next to the first RUN_DIR); "
-                                               "files already there with the same names are replaced")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="report folder (default: report/ next to the first RUN_DIR); "
+        "files already there with the same names are replaced",
+    )
     p.set_defaults(func=run)
 
 

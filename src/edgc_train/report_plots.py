@@ -1,6 +1,7 @@
 """The plots of `edgc report`, one function each: ``plot_<name>(plt, runs, out, colors) -> Path`` draws
 ``out/<name>.png``; `PLOTTERS` lists them in the report's order and `plot_all` runs them (a new plot
 is one more function and one more entry). Helpers for a consistent look come first."""
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ def _rolling(values: list[float], k: int, fn=None) -> list[float]:
     """Centred rolling mean (or ``fn``) over ``k`` values (no lag); shorter windows at both ends."""
     out, half = [], k // 2
     for i in range(len(values)):
-        chunk = values[max(0, i - half): i - half + k]
+        chunk = values[max(0, i - half) : i - half + k]
         out.append(fn(chunk) if fn else sum(chunk) / len(chunk))
     return out
 
@@ -44,8 +45,13 @@ def _mark_warmup(ax, runs: list[Run], colors: dict[str, str], x_of=None) -> None
         # Steps are drawn at integer x; the boundary between step start-1 and start is at start - 0.5.
         x = start - 0.5 if x_of is None else x_of(run, start)
         ax.axvspan(0, x, color=colors[run.label], alpha=0.07 if len(compressed) > 1 else 0.10, lw=0)
-        ax.axvline(x, color=colors[run.label], ls=":", lw=1.2,
-                   label=f"{run.label}: uncompressed warm-up (shaded), compresses from step {start}")
+        ax.axvline(
+            x,
+            color=colors[run.label],
+            ls=":",
+            lw=1.2,
+            label=f"{run.label}: uncompressed warm-up (shaded), compresses from step {start}",
+        )
 
 
 def _wall_at_step(run: Run, step: int) -> float:
@@ -55,8 +61,9 @@ def _wall_at_step(run: Run, step: int) -> float:
     return run.train[-1]["wall_s"]
 
 
-def _new_figure(plt, title: str, subtitle: str | None = None, ncols: int = 1, width: float = 9.5,
-                height: float = 5.2, **kw):
+def _new_figure(
+    plt, title: str, subtitle: str | None = None, ncols: int = 1, width: float = 9.5, height: float = 5.2, **kw
+):
     fig, axes = plt.subplots(1, ncols, figsize=(width, height), **kw)
     fig.suptitle(title, fontsize=13, fontweight="bold")
     if subtitle:
@@ -84,17 +91,22 @@ def _plain_log(ax) -> None:
 
 
 def _empty(ax, message: str) -> None:
-    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="#555555",
-            wrap=True)
+    ax.text(
+        0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="#555555", wrap=True
+    )
 
 
 def _plot_loss(plt, runs: list[Run], out: Path, colors: dict, name: str, xkey: str, xlabel: str) -> Path:
     n = max(len(r.train) for r in runs)
     k = _smooth_window(n)
-    fig, ax = _new_figure(plt, "Training loss" + (" vs wall-clock time" if xkey == "wall_s" else " vs step"),
-                          f"cross-entropy on the training batches, mean over ranks; faint = every step, "
-                          f"bold = mean over {k} neighbouring steps" if k > 1 else
-                          "cross-entropy on the training batches, mean over ranks")
+    fig, ax = _new_figure(
+        plt,
+        "Training loss" + (" vs wall-clock time" if xkey == "wall_s" else " vs step"),
+        f"cross-entropy on the training batches, mean over ranks; faint = every step, "
+        f"bold = mean over {k} neighbouring steps"
+        if k > 1
+        else "cross-entropy on the training batches, mean over ranks",
+    )
     for run in runs:
         xs = [r[xkey] for r in run.train]
         ys = [r["loss"] for r in run.train]
@@ -124,8 +136,11 @@ def plot_loss_vs_time(plt, runs: list[Run], out: Path, colors: dict) -> Path:
 
 def plot_val_ppl(plt, runs: list[Run], out: Path, colors: dict) -> Path:
     """Validation perplexity at every evaluation (log scale)."""
-    fig, ax = _new_figure(plt, "Validation perplexity",
-                          "exp(mean next-token loss) on the same held-out blocks at every evaluation; lower is better")
+    fig, ax = _new_figure(
+        plt,
+        "Validation perplexity",
+        "exp(mean next-token loss) on the same held-out blocks at every evaluation; lower is better",
+    )
     any_eval = False
     for run in runs:
         if not run.evals:
@@ -133,8 +148,15 @@ def plot_val_ppl(plt, runs: list[Run], out: Path, colors: dict) -> Path:
         any_eval = True
         xs = [r["step"] for r in run.evals]
         ys = [r["val_ppl"] for r in run.evals]
-        ax.plot(xs, ys, marker="o", ms=4, lw=1.8, color=colors[run.label],
-                label=f"{run.label}: final {ys[-1]:.1f} (loss {run.evals[-1]['val_loss']:.3f}) at step {xs[-1]}")
+        ax.plot(
+            xs,
+            ys,
+            marker="o",
+            ms=4,
+            lw=1.8,
+            color=colors[run.label],
+            label=f"{run.label}: final {ys[-1]:.1f} (loss {run.evals[-1]['val_loss']:.3f}) at step {xs[-1]}",
+        )
     if any_eval:
         _plain_log(ax)
         _mark_warmup(ax, runs, colors)
@@ -153,8 +175,10 @@ def plot_entropy(plt, runs: list[Run], out: Path, colors: dict) -> Path:
     """The gradient-entropy samples EDGC took, and their per-window means."""
     with_entropy = [r for r in runs if any(x.get("entropy") is not None for x in r.train)]
     estimators = {estimator_name(r.edgc) for r in with_entropy}
-    sub = ("entropy of a strided sample of the rank-0 gradient, on sampled steps; "
-           "bold steps = mean per rank-decision window")
+    sub = (
+        "entropy of a strided sample of the rank-0 gradient, on sampled steps; "
+        "bold steps = mean per rank-decision window"
+    )
     fig, ax = _new_figure(plt, "Gradient entropy seen by EDGC", sub)
     for run in with_entropy:
         pts = [(r["step"], r["entropy"]) for r in run.train if r.get("entropy") is not None]
@@ -177,9 +201,15 @@ def plot_entropy(plt, runs: list[Run], out: Path, colors: dict) -> Path:
                 in_force = {(r["step"] - 1) // window: r.get("rank") for r in run.train}  # at the window's end
                 for w, values in sorted(groups.items()):
                     rank = in_force.get(w)
-                    ax.annotate("uncompr." if rank is None else f"r={rank}", ((w + 0.5) * window + 0.5,
-                                sum(values) / len(values)), textcoords="offset points", xytext=(0, 5),
-                                ha="center", fontsize=7.5, color="#333333")
+                    ax.annotate(
+                        "uncompr." if rank is None else f"r={rank}",
+                        ((w + 0.5) * window + 0.5, sum(values) / len(values)),
+                        textcoords="offset points",
+                        xytext=(0, 5),
+                        ha="center",
+                        fontsize=7.5,
+                        color="#333333",
+                    )
     if with_entropy:
         _mark_warmup(ax, runs, colors)
         ax.legend(fontsize=8.5)
@@ -191,8 +221,7 @@ def plot_entropy(plt, runs: list[Run], out: Path, colors: dict) -> Path:
             ax.set_ylim(lo - pad, hi + pad)
     else:
         _empty(ax, "no entropy samples: only EDGC runs sample the gradient entropy")
-    unit = {"gaussian": "Gaussian estimate ½·ln(2πeσ²), nats",
-            "histogram": "1000-bin histogram Shannon entropy, nats"}
+    unit = {"gaussian": "Gaussian estimate ½·ln(2πeσ²), nats", "histogram": "1000-bin histogram Shannon entropy, nats"}
     ax.set_ylabel("gradient entropy\n(" + ("; ".join(unit.get(e, e) for e in sorted(estimators)) or "nats") + ")")
     ax.set_xlabel("optimizer step")
     ax.set_xlim(left=0)
@@ -207,9 +236,16 @@ def plot_rank(plt, runs: list[Run], out: Path, colors: dict) -> Path:
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9.5, 7.2), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     fig.suptitle("Compression rank and gradient traffic per step", fontsize=13, fontweight="bold")
-    fig.text(0.5, 0.94, "top: PowerSGD rank in force at each step (EDGC re-decides it at the end of every window)\n"
-             "bottom: gradient bytes each rank hands to the all-reduces per step (uncompressed = every gradient raw)",
-             ha="center", va="top", fontsize=9, color="#444444")
+    fig.text(
+        0.5,
+        0.94,
+        "top: PowerSGD rank in force at each step (EDGC re-decides it at the end of every window)\n"
+        "bottom: gradient bytes each rank hands to the all-reduces per step (uncompressed = every gradient raw)",
+        ha="center",
+        va="top",
+        fontsize=9,
+        color="#444444",
+    )
     compressed_runs = [r for r in runs if r.compressed_steps]
     for run in compressed_runs:
         xs = [r["step"] for r in run.train]
@@ -226,17 +262,38 @@ def plot_rank(plt, runs: list[Run], out: Path, colors: dict) -> Path:
         if budget is not None:  # the budget against what the run has spent so far
             spent = [(r["step"], r["mean_rank"]) for r in run.train if r.get("mean_rank") is not None]
             ax.axhline(budget, color=c, ls=":", lw=1.6)
-            ax.annotate(f"budget: mean rank {budget:g}", (0.995, budget), xycoords=("axes fraction", "data"),
-                        textcoords="offset points", xytext=(-2, 3), fontsize=8, color=c, ha="right")
+            ax.annotate(
+                f"budget: mean rank {budget:g}",
+                (0.995, budget),
+                xycoords=("axes fraction", "data"),
+                textcoords="offset points",
+                xytext=(-2, 3),
+                fontsize=8,
+                color=c,
+                ha="right",
+            )
             if spent:
-                ax.plot([s for s, _ in spent], [m for _, m in spent], color=c, lw=1.2, ls="-.",
-                        label=f"{run.label}: mean rank spent so far (final {spent[-1][1]:.2f})")
+                ax.plot(
+                    [s for s, _ in spent],
+                    [m for _, m in spent],
+                    color=c,
+                    lw=1.2,
+                    ls="-.",
+                    label=f"{run.label}: mean rank spent so far (final {spent[-1][1]:.2f})",
+                )
         for bound, name in (("r_max", "r_max"), ("r_min", "r_min")):
             value = run.edgc.get(bound)
             if value is not None:
                 ax.axhline(value, color=c, ls="--", lw=0.9, alpha=0.6)
-                ax.annotate(f"{name} = {value}", (0.005, value), xycoords=("axes fraction", "data"),
-                            textcoords="offset points", xytext=(2, 3), fontsize=8, color=c)
+                ax.annotate(
+                    f"{name} = {value}",
+                    (0.005, value),
+                    xycoords=("axes fraction", "data"),
+                    textcoords="offset points",
+                    xytext=(2, 3),
+                    fontsize=8,
+                    color=c,
+                )
     if compressed_runs:
         _mark_warmup(ax, compressed_runs, colors)
         top = max(max(r["rank"] for r in run.compressed_steps) for run in compressed_runs)
@@ -244,8 +301,14 @@ def plot_rank(plt, runs: list[Run], out: Path, colors: dict) -> Path:
         ax.set_ylim(0, top * 1.15 + 1)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         if len(compressed_runs) == 1 and compressed_runs[0].edgc.get("window"):
-            ax.plot([], [], color=colors[compressed_runs[0].label], lw=0.5, alpha=0.4,
-                    label=f"window boundary (every {compressed_runs[0].edgc['window']} steps)")
+            ax.plot(
+                [],
+                [],
+                color=colors[compressed_runs[0].label],
+                lw=0.5,
+                alpha=0.4,
+                label=f"window boundary (every {compressed_runs[0].edgc['window']} steps)",
+            )
         ax.legend(fontsize=8.5, loc="best")
     else:
         _empty(ax, "no compressed steps in these runs (rank is undefined while uncompressed)")
@@ -254,8 +317,14 @@ def plot_rank(plt, runs: list[Run], out: Path, colors: dict) -> Path:
     for run in runs:
         xs = [r["step"] for r in run.train]
         ys = [(r.get("bytes_sent") or 0) / 1e6 for r in run.train]
-        ax2.step(xs, ys, where="mid", lw=1.8, color=colors[run.label],
-                 label=f"{run.label}: mean {run.stats['bytes_per_step'] / 1e6:.2f} MB/step")
+        ax2.step(
+            xs,
+            ys,
+            where="mid",
+            lw=1.8,
+            color=colors[run.label],
+            label=f"{run.label}: mean {run.stats['bytes_per_step'] / 1e6:.2f} MB/step",
+        )
     _plain_log(ax2)
     ax2.set_ylabel("MB sent per step (log scale)")
     ax2.set_xlabel("optimizer step")
@@ -276,19 +345,31 @@ def plot_comm_time(plt, runs: list[Run], out: Path, colors: dict) -> Path:
     n = max(len(r.train) for r in runs)
     k = max(3, _smooth_window(n))
     fig.suptitle("Time in gradient communication", fontsize=13, fontweight="bold")
-    fig.text(0.5, 0.915, f"time rank 0's step waited on the data-parallel gradient collectives, {procs} "
-             "(what overlap with backward did not hide), including any wait for a slower rank\n"
-             f"faint = every step, bold = median over {k} neighbouring steps; native DDP/HSDP: "
-             "not separable (overlapped inside DDP/FSDP), not drawn", ha="center", va="top", fontsize=9,
-             color="#444444")
+    fig.text(
+        0.5,
+        0.915,
+        f"time rank 0's step waited on the data-parallel gradient collectives, {procs} "
+        "(what overlap with backward did not hide), including any wait for a slower rank\n"
+        f"faint = every step, bold = median over {k} neighbouring steps; native DDP/HSDP: "
+        "not separable (overlapped inside DDP/FSDP), not drawn",
+        ha="center",
+        va="top",
+        fontsize=9,
+        color="#444444",
+    )
     measured = [run for run in runs if run.comm_measured]
     for run in measured:
         xs = [r["step"] for r in run.train]
         ys = [run.comm_wait(r) * 1000 for r in run.train]
         c = colors[run.label]
         ax.plot(xs, ys, color=c, alpha=0.25, lw=0.8)
-        ax.plot(xs, _rolling(ys, k, statistics.median), color=c, lw=2,
-                label=f"{run.label}: median {fmt_ms(run.stats['median_comm_s'])} ms")
+        ax.plot(
+            xs,
+            _rolling(ys, k, statistics.median),
+            color=c,
+            lw=2,
+            label=f"{run.label}: median {fmt_ms(run.stats['median_comm_s'])} ms",
+        )
     _mark_warmup(ax, runs, colors)
     # Linear scale; a few stalls (another process took the core) must not squash the rest.
     raw = sorted(run.comm_wait(r) * 1000 for run in measured for r in run.train) or [1.0]
@@ -300,13 +381,21 @@ def plot_comm_time(plt, runs: list[Run], out: Path, colors: dict) -> Path:
     if measured:
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "native DDP/HSDP only: no separate communication time", ha="center",
-                transform=ax.transAxes, color="#666666")
+        ax.text(
+            0.5,
+            0.5,
+            "native DDP/HSDP only: no separate communication time",
+            ha="center",
+            transform=ax.transAxes,
+            color="#666666",
+        )
     # right: median step broken into compute / compression / communication
     labels = [r.label for r in runs]
-    parts = [("compute (fwd, bwd, optimizer)", "median_compute_s", "#9ecae1"),
-             ("compression (P/Q, entropy)", "median_compress_s", "#fdae6b"),
-             ("communication", "median_comm_s", "#e6550d")]
+    parts = [
+        ("compute (fwd, bwd, optimizer)", "median_compute_s", "#9ecae1"),
+        ("compression (P/Q, entropy)", "median_compress_s", "#fdae6b"),
+        ("communication", "median_comm_s", "#e6550d"),
+    ]
     left = [0.0] * len(runs)
     for name, key, color in parts:
         widths = [(r.stats[key] or 0.0) * 1000 for r in runs]
@@ -364,10 +453,12 @@ def plot_stages(plt, runs: list[Run], out: Path) -> Path:
             xs = [r["step"] for r in run.train]
             # uncompressed steps are drawn above the highest rank, so "no compression" reads as "least"
             ranks = [r["stages"][stage]["rank"] for r in run.train]
-            top.step(xs, [ceiling * 1.25 if v is None else v for v in ranks], where="post", lw=2,
-                     label=f"stage {stage}")
-            bottom.plot(xs, [r["stages"][stage]["sync_finish_s"] * 1000 for r in run.train], lw=1.2,
-                        label=f"stage {stage}")
+            top.step(
+                xs, [ceiling * 1.25 if v is None else v for v in ranks], where="post", lw=2, label=f"stage {stage}"
+            )
+            bottom.plot(
+                xs, [r["stages"][stage]["sync_finish_s"] * 1000 for r in run.train], lw=1.2, label=f"stage {stage}"
+            )
         top.axhline(ceiling * 1.25, color="#999999", ls=":", lw=1)
         top.text(run.train[0]["step"], ceiling * 1.27, "uncompressed", fontsize=8, color="#666666", va="bottom")
         top.set_ylim(0, ceiling * 1.45)
@@ -376,9 +467,11 @@ def plot_stages(plt, runs: list[Run], out: Path) -> Path:
         top.grid(alpha=0.3)
         top.legend(fontsize=8, loc="lower right")
         spreads = [sync_finish_spread(r) * 1000 for r in steady(run)]
-        bottom.set_title("gradient sync finished, ms after the earliest stage's backward ended"
-                         + (f"\nmedian spread between stages: {statistics.median(spreads):.1f} ms" if spreads else ""),
-                         fontsize=9)
+        bottom.set_title(
+            "gradient sync finished, ms after the earliest stage's backward ended"
+            + (f"\nmedian spread between stages: {statistics.median(spreads):.1f} ms" if spreads else ""),
+            fontsize=9,
+        )
         bottom.set_xlabel("optimizer step")
         bottom.set_ylabel("sync finished (ms)")
         bottom.grid(alpha=0.3)

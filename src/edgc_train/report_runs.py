@@ -1,5 +1,6 @@
 """The runs `edgc report` compares: a run folder loaded (`load_run`), its steady-state statistics
 (`run_stats`), its rank schedule, and the number formats the report uses."""
+
 from __future__ import annotations
 
 import json
@@ -122,7 +123,9 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 
 def _label(runs: list[Run]) -> None:
-    """Label = folder name + compressor: "e120 (edgc)", "edgc", "base (none: DDP all-reduce)", "none (DDP all-reduce)"."""
+    """Label = folder name + compressor: "e120 (edgc)", "edgc", "base (none: DDP all-reduce)", "none (DDP "
+    "all-reduce)"."""
+
     def make(run: Run, name: str) -> str:
         if run.compressor == "none":
             return f"{name} (DDP all-reduce)" if name == "none" else f"{name} (none: DDP all-reduce)"
@@ -170,7 +173,7 @@ def format_schedule(run: Run, limit: int = 14) -> str:
         span = f"{first}" if first == last else f"{first}–{last}"
         parts.append(f"{span}: {'uncompressed' if rank is None else f'r={rank}'}")
     if len(parts) > limit:
-        parts = parts[: limit // 2] + [f"… ({len(parts) - limit} more) …"] + parts[-limit // 2:]
+        parts = parts[: limit // 2] + [f"… ({len(parts) - limit} more) …"] + parts[-limit // 2 :]
     return "; ".join(parts)
 
 
@@ -207,8 +210,9 @@ def run_stats(run: Run) -> dict[str, Any]:
         "median_from_step": core[0]["step"] if core else None,
         "bytes_per_step": bytes_sent / n,
         "raw_bytes_per_step": bytes_raw / n,
-        "compressed_bytes_per_step": (sum(r.get("bytes_sent") or 0 for r in compressed) / len(compressed)
-                                      if compressed else None),
+        "compressed_bytes_per_step": (
+            sum(r.get("bytes_sent") or 0 for r in compressed) / len(compressed) if compressed else None
+        ),
         "compressed_fraction": len(compressed) / n,
         "first_compressed_step": run.first_compressed_step,
         "rank_min": min(ranks) if ranks else None,

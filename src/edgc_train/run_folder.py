@@ -1,6 +1,7 @@
 """A training run's folder: ``config.json`` (`write_run_config`, read back by `config_from_run`),
 ``metrics.jsonl`` (`MetricsLog`), ``comm_trace/rank{R}.jsonl`` (`CommTrace`) and ``summary.json``
 (`write_summary`); `edgc report`, `edgc simulate --calibrate` and the bench read these files."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def open_step_log(path: Path, resume_step: int | None):
     if resume_step is None:
         path.unlink(missing_ok=True)
     elif path.exists():
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step]
+        keep = [
+            line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step
+        ]
         ckpt.atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
     return open(path, "a")
 
@@ -117,20 +119,30 @@ class EDGCRecords(logging.Handler):
         super().close()
 
 
-def write_run_config(run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device,
-                     tokens_per_step: int) -> None:
+def write_run_config(
+    run_dir: Path, cfg: TrainConfig, n_params: int, world: int, shape: dict, data, device, tokens_per_step: int
+) -> None:
     """``config.json``: the resolved TrainConfig plus what the run derived (contract for `edgc report`)."""
     resolved = cfg.to_dict()
-    resolved.update({
-        "edgc": cfg.edgc_config.to_dict() if cfg.edgc_config is not None else None,  # the EDGCConfig actually used
-        "edgc_overrides": cfg.edgc,  # what the user set; `--resume` rebuilds the config from this
-        "format": RUN_FORMAT, "n_params": n_params, "world_size": world, "model": shape,
-        "vocab_size_actual": data.vocab_size, "warmup_steps_resolved": cfg.resolved_warmup_steps,
-        "tokens_per_step": tokens_per_step,
-        "data_cache": str(data.dir), "train_tokens": data.meta["train_tokens"], "val_tokens": data.meta["val_tokens"],
-        "device_type": device.type, "torch": torch.__version__,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    })
+    resolved.update(
+        {
+            "edgc": cfg.edgc_config.to_dict() if cfg.edgc_config is not None else None,  # the EDGCConfig actually used
+            "edgc_overrides": cfg.edgc,  # what the user set; `--resume` rebuilds the config from this
+            "format": RUN_FORMAT,
+            "n_params": n_params,
+            "world_size": world,
+            "model": shape,
+            "vocab_size_actual": data.vocab_size,
+            "warmup_steps_resolved": cfg.resolved_warmup_steps,
+            "tokens_per_step": tokens_per_step,
+            "data_cache": str(data.dir),
+            "train_tokens": data.meta["train_tokens"],
+            "val_tokens": data.meta["val_tokens"],
+            "device_type": device.type,
+            "torch": torch.__version__,
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
     ckpt.atomic_write_json(run_dir / "config.json", resolved)
 
 
@@ -148,18 +160,23 @@ def write_summary(run_dir: Path) -> dict:
     train_lines = [r for r in lines if r["kind"] == "train"]
     last_eval = [r for r in lines if r["kind"] == "eval"][-1]
     summary = {
-        "steps": train_lines[-1]["step"], "wall_s": train_lines[-1]["wall_s"],
-        "final_loss": train_lines[-1]["loss"], "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
+        "steps": train_lines[-1]["step"],
+        "wall_s": train_lines[-1]["wall_s"],
+        "final_loss": train_lines[-1]["loss"],
+        "val_loss": last_eval["val_loss"],
+        "val_ppl": last_eval["val_ppl"],
         "median_step_time_s": statistics.median(r["step_time_s"] for r in train_lines),
         "median_comm_time_s": statistics.median(r["comm_time_s"] for r in train_lines),
         # the part of the step spent waiting on collectives (comm_time_s sums overlapping spans)
         "median_comm_wait_s": statistics.median(r.get("comm_wait_s", r["comm_time_s"]) for r in train_lines),
         "median_compress_time_s": statistics.median(r["compress_time_s"] for r in train_lines),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_lines),
-        "bytes_sent": sum(r["bytes_sent"] for r in train_lines), "bytes_raw": sum(r["bytes_raw"] for r in train_lines),
+        "bytes_sent": sum(r["bytes_sent"] for r in train_lines),
+        "bytes_raw": sum(r["bytes_raw"] for r in train_lines),
         "compression_notice": next((r for r in reversed(lines) if r["kind"] == "notice"), None),
         # The byte budget (EDGCConfig.rank_budget) and the mean rank the run actually spent on it.
-        "rank_budget": train_lines[-1].get("rank_budget"), "mean_rank": train_lines[-1].get("mean_rank"),
+        "rank_budget": train_lines[-1].get("rank_budget"),
+        "mean_rank": train_lines[-1].get("mean_rank"),
         "rank_decisions": sum(1 for r in lines if r["kind"] == "decision"),
         "rank_changes": sum(1 for r in lines if r["kind"] == "decision" and r["rank"] != r["old_rank"]),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -5,6 +5,7 @@ A runner holds ``module`` (the parameters this rank trains), ``compressor``, ``s
 ``train_step()``, ``mean_loss()``, ``evaluate()``, the checkpoint shard this rank writes (``shard``,
 ``saves_shard``, ``shards``) and the group of its data-parallel replicas (``dp_group``, None = all ranks).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,8 @@ class DataParallelRunner:
         self.module = build_model(self.shape, cfg.dropout).to(device)
         self.n_params = count_parameters(self.module)
         self.ddp = torch.nn.parallel.DistributedDataParallel(
-            self.module, device_ids=[local_rank] if device.type == "cuda" else None, **ddp_kwargs(cfg.compressor))
+            self.module, device_ids=[local_rank] if device.type == "cuda" else None, **ddp_kwargs(cfg.compressor)
+        )
         self.compressor = build_compressor(cfg.compressor, self.ddp, cfg)
         self.shard, self.saves_shard, self.shards = "", rank == 0, ("",)
         self.dp_group = None  # every rank is a replica

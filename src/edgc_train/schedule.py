@@ -28,6 +28,7 @@ on at the step's end, and its tensors are kept until then. Before the first step
 posts one batch with both neighbours (`_connect_neighbours`): NCCL creates the group's
 communicator on the group's first batched call, which every rank of the group must join.
 """
+
 from __future__ import annotations
 
 import collections
@@ -157,16 +158,26 @@ class PipelineStep:
         token = torch.zeros(1, device=self.device)
         ops = []
         if not self.grid.first:
-            ops += [self._op(dist.isend, token, self._prev(), GRADIENT),
-                    self._op(dist.irecv, torch.empty_like(token), self._prev(), ACTIVATION)]
+            ops += [
+                self._op(dist.isend, token, self._prev(), GRADIENT),
+                self._op(dist.irecv, torch.empty_like(token), self._prev(), ACTIVATION),
+            ]
         if not self.grid.last:
-            ops += [self._op(dist.isend, token, self._next(), ACTIVATION),
-                    self._op(dist.irecv, torch.empty_like(token), self._next(), GRADIENT)]
+            ops += [
+                self._op(dist.isend, token, self._next(), ACTIVATION),
+                self._op(dist.irecv, torch.empty_like(token), self._next(), GRADIENT),
+            ]
         if ops:
             wait_all(dist.batch_isend_irecv(ops))
 
-    def _communicate(self, *, activation: torch.Tensor | None = None, gradient: tuple | None = None,
-                     receive_activation: bool = False, receive_gradient: int | None = None) -> tuple:
+    def _communicate(
+        self,
+        *,
+        activation: torch.Tensor | None = None,
+        gradient: tuple | None = None,
+        receive_activation: bool = False,
+        receive_gradient: int | None = None,
+    ) -> tuple:
         """One point of the schedule, posted as one batch: sends ``activation`` to the next stage,
         ``gradient`` = (micro-batch index, gradient) to the previous one, and receives what is
         asked for (``receive_gradient``: the index of the micro-batch whose gradient comes back);
@@ -227,8 +238,14 @@ class PipelineStep:
         if self.mode == "off":
             buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
             return RawGradient(self._op(dist.irecv, buffer, self._next(), GRADIENT))
-        incoming = IncomingGradient(self.activation_shape, self._next(), device=self.device, group=self.grid.pp_group,
-                                    tag=GRADIENT, rank=self._received_rank if self._compresses(index) else None)
+        incoming = IncomingGradient(
+            self.activation_shape,
+            self._next(),
+            device=self.device,
+            group=self.grid.pp_group,
+            tag=GRADIENT,
+            rank=self._received_rank if self._compresses(index) else None,
+        )
         self._incoming.append(incoming)
         return incoming
 
@@ -259,18 +276,25 @@ class PipelineStep:
             return interstage_rank(compressor.entropy_rank(), cfg.interstage_min_rank, cfg.interstage_rank)
         return cfg.interstage_rank
 
-    def _forward(self, index: int, inputs: torch.Tensor | None, x: torch.Tensor | None, y: torch.Tensor | None,
-                 losses: list, train: bool) -> tuple:
+    def _forward(
+        self,
+        index: int,
+        inputs: torch.Tensor | None,
+        x: torch.Tensor | None,
+        y: torch.Tensor | None,
+        losses: list,
+        train: bool,
+    ) -> tuple:
         """Micro-batch ``index``'s forward on ``inputs`` (the received activation; on the first
         stage its slice of ``x``); returns (inputs, output), output being the scaled loss on the last."""
         if self.grid.first:
-            inputs = x[index * self.cfg.micro_batch:(index + 1) * self.cfg.micro_batch]
+            inputs = x[index * self.cfg.micro_batch : (index + 1) * self.cfg.micro_batch]
         elif train:
             inputs.requires_grad_(True)
         start = self.clock.stamp() if train else None
         output = self.module(inputs)
         if self.grid.last:
-            target = y[index * self.cfg.micro_batch:(index + 1) * self.cfg.micro_batch]
+            target = y[index * self.cfg.micro_batch : (index + 1) * self.cfg.micro_batch]
             loss = next_token_loss(output, target)
             losses.append(loss.detach())
             output = loss / self.micro  # gradients are the mean over micro-batches

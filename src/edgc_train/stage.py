@@ -1,4 +1,5 @@
 """One pipeline stage of the harness's GPT-2: its blocks, embeddings and head, and the loss."""
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ class GPT2Stage(nn.Module):
             self.ln_f = transformer.ln_f
             # The LM head shares its weight with wte in the full model; on its own stage it is a
             # separate copy kept equal by summing both gradients (see module docstring, step 3).
-            self.lm_head = torch.nn.utils.skip_init(nn.Linear, model.lm_head.in_features,
-                                                    model.lm_head.out_features, bias=False)
+            self.lm_head = torch.nn.utils.skip_init(
+                nn.Linear, model.lm_head.in_features, model.lm_head.out_features, bias=False
+            )
             with torch.no_grad():
                 self.lm_head.weight.copy_(model.lm_head.weight)
 

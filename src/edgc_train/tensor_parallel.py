@@ -11,6 +11,7 @@ deterministic (`stage_sync.StageCompressor` averages them raw).
 
 EDGC compresses each sharded parameter's local shard over its DP group (`edgc.mesh.local_tensor`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,10 +30,17 @@ def block_plan() -> dict:
     The attention's input enters as one replicated DTensor (``PrepareModuleInput``, as torchtitan
     does), so the gradients q, k and v send back to it are summed first and all-reduced once, not
     once per projection."""
-    return {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                       use_local_output=False),
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    return {
+        "attn": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        ),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
+    }
 
 
 def parallelize_block(block, tp_mesh) -> LinearGPT2Block:

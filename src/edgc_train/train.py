@@ -18,6 +18,7 @@ Timing, per optimizer step (all in seconds, wall clock on this rank, rank 0 is l
 - ``collectives``: collectives issued by the gradient sync in the step (counted by our engine's
   Communicator; for ``torch-powersgd`` the hook's known pattern per bucket).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,7 +56,11 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     if "RANK" not in os.environ:  # plain `edgc train`: a group of one, so the same DDP code path runs
         # (train() removes these again, so a caller in the same process is not left "under torchrun")
         os.environ.update(SOLO_ENV, MASTER_PORT=str(free_port()))
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local_rank = (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -105,12 +110,15 @@ def verify_replicas(module: torch.nn.Module, group) -> None:
     digests = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest.hexdigest(), group=group)
     if len(set(digests)) != 1:
-        raise RuntimeError(f"data-parallel replicas diverged (parameter digests {sorted(set(digests))}); "
-                           "no checkpoint of inconsistent replicas is saved")
+        raise RuntimeError(
+            f"data-parallel replicas diverged (parameter digests {sorted(set(digests))}); "
+            "no checkpoint of inconsistent replicas is saved"
+        )
 
 
-def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: int, runner, optimizer, scheduler,
-                    cfg: TrainConfig) -> None:
+def save_checkpoint(
+    run_dir: Path, step: int, wall_s: float, rank: int, world: int, runner, optimizer, scheduler, cfg: TrainConfig
+) -> None:
     """Every rank writes its files of ``step`` (the replicas were verified just before: `verify_replicas`)."""
     tmp = ckpt.tmp_dir_for(run_dir, step)
     if rank == 0:
@@ -122,8 +130,13 @@ def save_checkpoint(run_dir: Path, step: int, wall_s: float, rank: int, world: i
     if runner.saves_shard:  # one writer per model shard (the whole model, or one pipeline stage)
         ckpt.save_model_shard(tmp, runner.shard, *ckpt.model_and_optimizer_state(runner.module, optimizer))
     if rank == 0:
-        trainer = {"step": step, "wall_s": wall_s, "world_size": world, "compressor": cfg.compressor,
-                   "config": cfg.to_dict()}
+        trainer = {
+            "step": step,
+            "wall_s": wall_s,
+            "world_size": world,
+            "compressor": cfg.compressor,
+            "config": cfg.to_dict(),
+        }
         ckpt.save_trainer_files(tmp, scheduler.state_dict(), trainer)
     dist.barrier()  # every rank's files are on disk
     if rank == 0:
@@ -143,8 +156,9 @@ def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, 
     return DataParallelRunner(cfg, data, rank, world, local_rank, device)
 
 
-def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | None = None,
-          restart_in_place: bool = False) -> int:
+def train(
+    cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | None = None, restart_in_place: bool = False
+) -> int:
     """Run (or continue) training into ``run_dir``. Returns the process exit code.
 
     ``restart_in_place``: ``run_dir`` holds an earlier attempt of this same run that died before
@@ -178,9 +192,12 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         if resume:
             ckpt_dir = ckpt.latest_checkpoint(run_dir)
             trainer = ckpt.verify(ckpt_dir, world)
-            ckpt.load_model_and_optimizer_state(runner.module, optimizer,
-                                                ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
-                                                ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device))
+            ckpt.load_model_and_optimizer_state(
+                runner.module,
+                optimizer,
+                ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
+                ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device),
+            )
             scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
             mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
             runner.sampler.load_state_dict(mine["sampler"])
@@ -194,8 +211,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
         trace = CommTrace(run_dir, rank, cfg.comm_trace, step if resume else None)
         records = EDGCRecords(log, metrics)  # what EDGC decides, as the library logs it (edgc.events)
-        log(f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
-            f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}")
+        log(
+            f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+            f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}"
+        )
 
         # ---------------------------------------------------------------- the loop
         tokens_per_step = runner.tokens_per_step
@@ -226,18 +245,35 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             # is not compute (comm_wait_s; the blocking methods wait for all of their comm).
             waited = sync_metrics.get("comm_wait_s")
             waited = comm if waited is None else waited
-            metrics.write({
-                "kind": "train", "step": step, "wall_s": time.perf_counter() - t_start, "loss": loss_value,
-                "lr": lr, "step_time_s": step_time, "compute_time_s": max(0.0, step_time - waited - compress),
-                "comm_time_s": comm, "comm_wait_s": waited, "compress_time_s": compress, "collectives": int(sync_metrics["collectives"] or 0),
-                "tokens_per_s": tokens_per_step / step_time,
-                "phase": sync_metrics["phase"], "rank": sync_metrics["rank"], "ranks": sync_metrics["ranks"] or {},
-                "entropy": sync_metrics["entropy"], "entropy_time_s": sync_metrics.get("entropy_time_s"),
-                "relative_error": sync_metrics["relative_error"],
-                "rank_budget": sync_metrics.get("rank_budget"), "mean_rank": sync_metrics.get("mean_rank"),
-                **{k: int(sync_metrics[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},
-                **extra,
-            })
+            metrics.write(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "wall_s": time.perf_counter() - t_start,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "step_time_s": step_time,
+                    "compute_time_s": max(0.0, step_time - waited - compress),
+                    "comm_time_s": comm,
+                    "comm_wait_s": waited,
+                    "compress_time_s": compress,
+                    "collectives": int(sync_metrics["collectives"] or 0),
+                    "tokens_per_s": tokens_per_step / step_time,
+                    "phase": sync_metrics["phase"],
+                    "rank": sync_metrics["rank"],
+                    "ranks": sync_metrics["ranks"] or {},
+                    "entropy": sync_metrics["entropy"],
+                    "entropy_time_s": sync_metrics.get("entropy_time_s"),
+                    "relative_error": sync_metrics["relative_error"],
+                    "rank_budget": sync_metrics.get("rank_budget"),
+                    "mean_rank": sync_metrics.get("mean_rank"),
+                    **{
+                        k: int(sync_metrics[k] or 0)
+                        for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")
+                    },
+                    **extra,
+                }
+            )
             trace.write(step, sync_metrics.get("collective_s"))
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
@@ -248,25 +284,40 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | 
             final = step == cfg.steps
             if final or (cfg.eval_every and step % cfg.eval_every == 0):
                 val_loss = runner.evaluate()
-                metrics.write({"kind": "eval", "step": step, "wall_s": time.perf_counter() - t_start,
-                               "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700))})
-            checkpoint = cfg.ckpt_every >= 0 and (final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+                metrics.write(
+                    {
+                        "kind": "eval",
+                        "step": step,
+                        "wall_s": time.perf_counter() - t_start,
+                        "val_loss": val_loss,
+                        "val_ppl": math.exp(min(val_loss, 700)),
+                    }
+                )
+            checkpoint = cfg.ckpt_every >= 0 and (
+                final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+            )
             if (checkpoint or final) and cfg.compressor != "nosync":  # nosync never syncs: drift by design
                 verify_replicas(runner.module, runner.dp_group)
             if checkpoint:
-                save_checkpoint(run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer,
-                                scheduler, cfg)
+                save_checkpoint(
+                    run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer, scheduler, cfg
+                )
         if progress is not None:
             progress.close()
         if step < cfg.steps and cfg.ckpt_every < 0:
-            log(f"stopped at step {step} of {cfg.steps}; no checkpoint was written (--ckpt-every -1), so it cannot resume")
+            log(
+                f"stopped at step {step} of {cfg.steps}; no checkpoint was written (--ckpt-every -1), so it cannot "
+                "resume"
+            )
         elif step < cfg.steps:
             log(f"stopped at step {step} of {cfg.steps}; continue with: edgc train --resume {run_dir}")
         elif master:
             summary = write_summary(run_dir)
-            log(f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, val_loss {summary['val_loss']:.4f} "
+            log(
+                f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, val_loss {summary['val_loss']:.4f} "
                 f"(ppl {summary['val_ppl']:.1f}), median step {summary['median_step_time_s']:.3f} s, "
-                f"waited on comm {summary['median_comm_wait_s']:.4f} s; run folder {run_dir}")
+                f"waited on comm {summary['median_comm_wait_s']:.4f} s; run folder {run_dir}"
+            )
         barrier_before_exit()
         return 0
     finally:

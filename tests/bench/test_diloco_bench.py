@@ -1,6 +1,7 @@
 """`edgc bench --diloco` without a network: the measures taken from the workers' logs, the tables and
 checks on synthetic runs, the results page routing, the flag checks, the streaming fragments, and
 three workers training DiLoCo + EDGC through a lighthouse on loopback."""
+
 import argparse
 import json
 from datetime import timedelta
@@ -16,8 +17,18 @@ from edgc_cli.errors import CLIError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_run(run_dir: Path, unit: int, steps: int = 20, step_s: float = 0.5, sync_s: float = 1.0,
-              payload: int = 1000, loss_at=lambda step: 8.0 - step / 10, hosts: int = 3, skip=(), kill=None) -> None:
+def write_run(
+    run_dir: Path,
+    unit: int,
+    steps: int = 20,
+    step_s: float = 0.5,
+    sync_s: float = 1.0,
+    payload: int = 1000,
+    loss_at=lambda step: 8.0 - step / 10,
+    hosts: int = 3,
+    skip=(),
+    kill=None,
+) -> None:
     """Logs as diloco_train.py writes them: a sync every ``unit`` inner steps; group 0 evaluates every
     sync. ``skip``: (group, outer) pairs a group sat out; ``kill``: (time, outer) when group 1 died, the
     survivors discarding that outer step and the restarted group back one outer step later."""
@@ -30,20 +41,44 @@ def write_run(run_dir: Path, unit: int, steps: int = 20, step_s: float = 0.5, sy
             syncs = (step + 1) % unit == 0
             t += sync_s if syncs else step_s
             clock += sync_s if syncs else step_s
-            record = {"kind": "step", "step": step, "t": t, "step_s": sync_s if syncs else step_s, "loss": 5.0, "sync": syncs}
+            record = {
+                "kind": "step",
+                "step": step,
+                "t": t,
+                "step_s": sync_s if syncs else step_s,
+                "loss": 5.0,
+                "sync": syncs,
+            }
             if syncs:
                 killed = kill is not None and outer == kill[1]
                 if killed and group != 1:  # the survivors discard the outer step in flight and take it again
-                    lines.append({**record, "outer": outer, "committed": False, "participants": 3,
-                                  "participating": True, "healed": False, "bytes": payload, "rank": 16})
+                    lines.append(
+                        {
+                            **record,
+                            "outer": outer,
+                            "committed": False,
+                            "participants": 3,
+                            "participating": True,
+                            "healed": False,
+                            "bytes": payload,
+                            "rank": 16,
+                        }
+                    )
                     t += sync_s
                     record["t"] = t
                 if kill is not None and group == 1 and outer in (kill[1], kill[1] + 1):
                     outer += 1
                     continue  # dead, then restarting
                 healed = kill is not None and group == 1 and outer == kill[1] + 2
-                record |= {"outer": outer, "committed": True, "participants": hosts - ((group, outer) in skip),
-                           "participating": (group, outer) not in skip, "healed": healed, "bytes": payload, "rank": 16}
+                record |= {
+                    "outer": outer,
+                    "committed": True,
+                    "participants": hosts - ((group, outer) in skip),
+                    "participating": (group, outer) not in skip,
+                    "healed": healed,
+                    "bytes": payload,
+                    "rank": 16,
+                }
                 outer += 1
                 evals.append({"kind": "eval", "step": step + 1, "clock": clock, "val_loss": loss_at(step + 1)})
             lines.append(record)
@@ -57,8 +92,14 @@ def run_result(tmp_path: Path, method: str, round_index: int, unit: int, **kwarg
     run_dir = tmp_path / f"{method}-{round_index}"
     write_run(run_dir, unit, **kwargs)
     kill = kwargs.get("kill")
-    result = {"method": method, "round": round_index, "codes": [0, 0, 0], "wall_s": 60.0,
-              "tx_bytes": [3000, 3000, 3000], "kill_t": kill[0] if kill else None}
+    result = {
+        "method": method,
+        "round": round_index,
+        "codes": [0, 0, 0],
+        "wall_s": 60.0,
+        "tx_bytes": [3000, 3000, 3000],
+        "kill_t": kill[0] if kill else None,
+    }
     return result | diloco_table.measure(run_dir, 3, kwargs.get("steps", 20), result["kill_t"])
 
 
@@ -70,15 +111,29 @@ def summary(tmp_path: Path, edgc_loss=0.0, edgc_sync=1.0, edgc_payload=1000) -> 
             run_result(tmp_path, "ddp", round_index, 1, sync_s=8.0, payload=20000),
             run_result(tmp_path, "ddp-edgc", round_index, 1, sync_s=1.5, payload=1500),
             run_result(tmp_path, "diloco", round_index, 5, sync_s=10.0, payload=20000),
-            run_result(tmp_path, "diloco-edgc", round_index, 5, sync_s=edgc_sync, payload=edgc_payload,
-                       loss_at=lambda step: 8.0 - step / 10 + edgc_loss),
-            run_result(tmp_path, "streaming-diloco-edgc", round_index, 5, sync_s=1.5 * edgc_sync,
-                       payload=edgc_payload // 2)]
+            run_result(
+                tmp_path,
+                "diloco-edgc",
+                round_index,
+                5,
+                sync_s=edgc_sync,
+                payload=edgc_payload,
+                loss_at=lambda step: 8.0 - step / 10 + edgc_loss,
+            ),
+            run_result(
+                tmp_path, "streaming-diloco-edgc", round_index, 5, sync_s=1.5 * edgc_sync, payload=edgc_payload // 2
+            ),
+        ]
     kill = run_result(tmp_path, "diloco-edgc", 9, 5, kill=(5.5, 1))
-    return {"settings": BenchSettings(hosts=3, preset="tiny", micro_batch=1, steps=20, rounds=2).__dict__,
-            "options": {"rates": [20.0], "sync_every": 5, "fragments": 2, "eval_every": 5, "time_budget_s": 150.0},
-            "command": "edgc bench --diloco --steps 20", "date": "2026-11-25 03:00 UTC", "elapsed_s": 600.0,
-            "load": [1.0, 1.0, 1.0], "links": [{"rate_mbit": 20.0, "results": results, "kill": kill}]}
+    return {
+        "settings": BenchSettings(hosts=3, preset="tiny", micro_batch=1, steps=20, rounds=2).__dict__,
+        "options": {"rates": [20.0], "sync_every": 5, "fragments": 2, "eval_every": 5, "time_budget_s": 150.0},
+        "command": "edgc bench --diloco --steps 20",
+        "date": "2026-11-25 03:00 UTC",
+        "elapsed_s": 600.0,
+        "load": [1.0, 1.0, 1.0],
+        "links": [{"rate_mbit": 20.0, "results": results, "kill": kill}],
+    }
 
 
 def test_measures_from_the_logs(tmp_path):
@@ -130,22 +185,38 @@ def test_the_committed_page_comes_from_a_run():
     assert block.strip().startswith("`edgc bench --diloco") and "| DiLoCo + EDGC |" in block and "Kill pass" in block
 
 
-@pytest.mark.parametrize("flags, message", [
-    (dict(hosts=2), "--hosts: --diloco needs ≥ 3"),
-    (dict(rates="100,x"), "--rates: expected Mbit/s"),
-    (dict(sync_every=7), "--sync-every: must be ≥ 2 and divide --steps = 60"),
-    (dict(fragments=3), "--fragments: must be ≥ 2 and divide --sync-every = 10"),
-    (dict(kill_at=5), r"--kill-at: with --diloco an outer step in \[1, outer steps - 2\] = \[1, 4\]"),
-    (dict(torchft=True), "--diloco: runs plain data parallelism"),
-    (dict(rate="100"), "--rate: --diloco runs at every rate of --rates"),
-    (dict(time_budget=0.0), "--time-budget: must be > 0"),
-    (dict(outer_sync="int7"), "--outer-sync: edgc or a registered sync method"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(hosts=2), "--hosts: --diloco needs ≥ 3"),
+        (dict(rates="100,x"), "--rates: expected Mbit/s"),
+        (dict(sync_every=7), "--sync-every: must be ≥ 2 and divide --steps = 60"),
+        (dict(fragments=3), "--fragments: must be ≥ 2 and divide --sync-every = 10"),
+        (dict(kill_at=5), r"--kill-at: with --diloco an outer step in \[1, outer steps - 2\] = \[1, 4\]"),
+        (dict(torchft=True), "--diloco: runs plain data parallelism"),
+        (dict(rate="100"), "--rate: --diloco runs at every rate of --rates"),
+        (dict(time_budget=0.0), "--time-budget: must be > 0"),
+        (dict(outer_sync="int7"), "--outer-sync: edgc or a registered sync method"),
+    ],
+)
 def test_bad_flags_get_one_line(tmp_path, flags, message):
     settings = BenchSettings(hosts=flags.pop("hosts", 3), steps=60, preset="tiny")
-    args = argparse.Namespace(**{"torchft": False, "link_only": False, "rate": None, "methods": None, "rates": "100,20",
-                                 "sync_every": 10, "fragments": 2, "kill_at": None, "time_budget": 150.0, "edgc": [],
-                                 "outer_sync": "quant3", **flags})
+    args = argparse.Namespace(
+        **{
+            "torchft": False,
+            "link_only": False,
+            "rate": None,
+            "methods": None,
+            "rates": "100,20",
+            "sync_every": 10,
+            "fragments": 2,
+            "kill_at": None,
+            "time_budget": 150.0,
+            "edgc": [],
+            "outer_sync": "quant3",
+            **flags,
+        }
+    )
     with pytest.raises(CLIError, match=message):
         diloco(settings, args, tmp_path)
 
@@ -170,11 +241,45 @@ def test_three_groups_train_diloco_edgc_through_a_lighthouse_on_loopback(tmp_pat
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("In the beginning was the word, and the word was with the bench. " * 400)
-    args = ["--out", str(tmp_path), "--method", "diloco-edgc", "--replicas", "3", "--steps", "4", "--sync-every", "2",
-            "--eval-every", "2", "--preset", "tiny", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-            "--seq-len", "16", "--vocab-size", "300", "--eval-batches", "1", "--data", str(corpus)]
-    code = launch_local_groups("edgc_bench.diloco_train", 3, QuorumSettings.for_groups(3, 0, timedelta(seconds=60)),
-                               lambda group: {"PYTHONPATH": str(ROOT / "src")}, timeout_s=240, args=args, module=True)
+    args = [
+        "--out",
+        str(tmp_path),
+        "--method",
+        "diloco-edgc",
+        "--replicas",
+        "3",
+        "--steps",
+        "4",
+        "--sync-every",
+        "2",
+        "--eval-every",
+        "2",
+        "--preset",
+        "tiny",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "16",
+        "--vocab-size",
+        "300",
+        "--eval-batches",
+        "1",
+        "--data",
+        str(corpus),
+    ]
+    code = launch_local_groups(
+        "edgc_bench.diloco_train",
+        3,
+        QuorumSettings.for_groups(3, 0, timedelta(seconds=60)),
+        lambda group: {"PYTHONPATH": str(ROOT / "src")},
+        timeout_s=240,
+        args=args,
+        module=True,
+    )
     assert code == 0, "a group failed (its output is above)"
     r = diloco_table.measure(tmp_path, 3, 4, None)
     assert r["steps_done"] == 4 and r["outer_steps"] == 2 and r["identical"] is True
@@ -188,11 +293,14 @@ def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, lo
     bench = load_script("bench_to_docs")
     page = tmp_path / "root/docs/results/diloco.md"
     page.parent.mkdir(parents=True)
-    page.write_text(bench.update("", bench.section(diloco_table.markdown(summary(tmp_path))),
-                                 bench.DILOCO_START, bench.DILOCO_END))
+    page.write_text(
+        bench.update("", bench.section(diloco_table.markdown(summary(tmp_path))), bench.DILOCO_START, bench.DILOCO_END)
+    )
     row = script.diloco_row(tmp_path / "root")
-    assert row == ("| DiLoCo (H = 5), 3 hosts at 20 Mbit/s, GPT-2 `tiny` | time to target 0.25× of torchft's DiLoCo | "
-                   "0.050× | +0.00% | [diloco](docs/results/diloco.md) |")
+    assert row == (
+        "| DiLoCo (H = 5), 3 hosts at 20 Mbit/s, GPT-2 `tiny` | time to target 0.25× of torchft's DiLoCo | "
+        "0.050× | +0.00% | [diloco](docs/results/diloco.md) |"
+    )
     block = script.diloco_summary(tmp_path / "root")
     edgc = next(line for line in block.splitlines() if line.startswith("| 20 Mbit/s | DiLoCo + EDGC |"))
     assert "| 12.0 s |" in edgc and "| 0.001 MB (0.050×) |" in edgc and "(+0.00%)" in edgc

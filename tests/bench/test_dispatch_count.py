@@ -1,4 +1,5 @@
 """edgc_bench.dispatch_count: the kernel-launching dispatches of a compressed step, counted on the CPU."""
+
 import json
 import sys
 from pathlib import Path
@@ -118,7 +119,7 @@ def ddp_layout_worker(rank, world_size, caps):
 def test_buckets_and_collectives_are_those_of_ddp():
     named = gpt2_parameters("tiny")
     names, shapes = [n for n, _ in named], [s for _, s in named]
-    seen, = run_distributed(ddp_layout_worker, 1, (None, 0.25))
+    (seen,) = run_distributed(ddp_layout_worker, 1, (None, 0.25))
     for (dtype, cap), (buckets, phase, _) in seen.items():
         dtype = getattr(torch, dtype.removeprefix("torch."))
         assert buckets == ddp_buckets(shapes, ready_order(names), dtype, cap), (dtype, cap)
@@ -147,7 +148,10 @@ def test_gpt2_xl_steps_launch_few_kernels_at_ddps_buckets_and_fewer_at_200_mb():
     # docs/engine/cost.json: python -m edgc_bench.engine_cost --out docs/engine/cost.json).
     per_element = default.per_compressed_element
     assert (COST["dispatches"], COST["bytes"], COST["memory"]["float32"]) == (
-        default.dispatches, round(per_element(default.bytes), 3), round(per_element(default.peak_state_bytes), 3))
+        default.dispatches,
+        round(per_element(default.bytes), 3),
+        round(per_element(default.peak_state_bytes), 3),
+    )
     # no gathered copy of the gradients: beyond them, the fp32 error feedback (4 B) and at most 10 %
     assert per_element(default.peak_state_bytes) <= 1.1 * 4
     # the passes over M, G, e and Ĝ (the rank-independent bytes) at PyTorch's floor

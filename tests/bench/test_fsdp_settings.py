@@ -1,4 +1,5 @@
 """`edgc bench --fsdp`: HSDP settings and the train flags each host runs (no network)."""
+
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ def test_fsdp_defaults_to_two_processes_per_host_and_none_vs_edgc():
     s = parse("--fsdp")
     assert (s.fsdp, s.hosts, s.nproc, s.methods) == (True, 2, 2, ("none", "edgc"))
     args = train_args(s, "edgc", Path("out"), None)
-    assert args[args.index("--fsdp") + 1:args.index("--fsdp") + 3] == ["--fsdp-shard", "2"]
+    assert args[args.index("--fsdp") + 1 : args.index("--fsdp") + 3] == ["--fsdp-shard", "2"]
     assert args[args.index("--ckpt-every") + 1] == "-1"  # a bench's runs write no checkpoints (GBs, never read)
     plain = parse()
     assert (plain.fsdp, plain.nproc) == (False, 1) and "--fsdp" not in train_args(plain, "none", Path("o"), None)

@@ -1,5 +1,6 @@
 """`python -m edgc_bench.gpu --smoke`: every part of the GPU bench run on the CPU (tiny GPT-2, gloo),
 so that the bench the GPU run depends on cannot rot where no GPU is at hand."""
+
 import json
 import sys
 from pathlib import Path
@@ -22,19 +23,31 @@ def in_the_pool(fn, world_size, backend, *args, timeout):
 def test_the_smoke_run_writes_every_part(tmp_path):
     assert gpu.main(["--smoke", "--out", str(tmp_path)], runner=in_the_pool) == 0
     files = {path.name for path in tmp_path.iterdir()}
-    assert files == {"env.json", "count.json", "overlap.json", "engine.json", "orth.json", "trace_gloo.json.gz",
-                     "trace_nccl.json.gz"}
-    read = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("count", "overlap", "engine", "orth")}
+    assert files == {
+        "env.json",
+        "count.json",
+        "overlap.json",
+        "engine.json",
+        "orth.json",
+        "trace_gloo.json.gz",
+        "trace_nccl.json.gz",
+    }
+    read = {
+        name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("count", "overlap", "engine", "orth")
+    }
     engine_rows = [row for row in read["orth"]["rows"] if row["method"] == "cholesky2-fp64"]
     assert engine_rows and all(row["finite"] and row["orthogonality"] < 1e-6 for row in engine_rows)
 
-    assert [(row["bucket_cap_mb"], row["ddp_default"]) for row in read["count"]["hook"]] == [(100, False), (0.25, False)]
+    assert [(row["bucket_cap_mb"], row["ddp_default"]) for row in read["count"]["hook"]] == [
+        (100, False),
+        (0.25, False),
+    ]
     assert [row["matrices"] for row in read["count"]["engine_same_shape"]] == [1, 2, 8]
 
     pair, single = read["overlap"]["gloo"], read["overlap"]["nccl"]
     assert pair["world_size"] == 2 and pair["replicas_identical"] and pair["phase"] == "compress"
     for run in (pair, single):
-        assert max(run["host_reads_per_step"][run["settle_steps"]:]) <= 1
+        assert max(run["host_reads_per_step"][run["settle_steps"] :]) <= 1
     # Every all-reduce of a step went through the delay, which the run measured against plain steps.
     assert single["delayed_collectives_per_step"] == single["collectives_last_step"] > 0
     assert {"plain", "delayed", "backward_wait_s"} <= set(single)
@@ -42,13 +55,33 @@ def test_the_smoke_run_writes_every_part(tmp_path):
     engine = read["engine"]
     assert engine["errors"] == [] and engine["skipped"] == []
     steps = {(row["method"], row["bucket_cap_mb"]) for row in engine["steps"]}
-    assert steps == {("none", 100), ("edgc", 100), ("powersgd", 100), ("edgc-bf16-ef", 100), ("none", 0.25), ("edgc", 0.25)}
-    assert all(row["hook_s"] == row["step_s"] - next(plain["step_s"] for plain in engine["steps"] if plain["method"] == "none"
-                                                       and plain["bucket_cap_mb"] == row["bucket_cap_mb"])
-               for row in engine["steps"] if row["method"] != "none")
+    assert steps == {
+        ("none", 100),
+        ("edgc", 100),
+        ("powersgd", 100),
+        ("edgc-bf16-ef", 100),
+        ("none", 0.25),
+        ("edgc", 0.25),
+    }
+    assert all(
+        row["hook_s"]
+        == row["step_s"]
+        - next(
+            plain["step_s"]
+            for plain in engine["steps"]
+            if plain["method"] == "none" and plain["bucket_cap_mb"] == row["bucket_cap_mb"]
+        )
+        for row in engine["steps"]
+        if row["method"] != "none"
+    )
     alone = {(row["method"], row["grad_dtype"], row["bucket_cap_mb"]) for row in engine["hook_alone"]}
-    assert {("edgc", "bfloat16", 100), ("powersgd", "bfloat16", 100), ("edgc", "float32", 100),
-            ("powersgd", "float32", 100), ("edgc", "bfloat16", 0.25)} <= alone
+    assert {
+        ("edgc", "bfloat16", 100),
+        ("powersgd", "bfloat16", 100),
+        ("edgc", "float32", 100),
+        ("powersgd", "float32", 100),
+        ("edgc", "bfloat16", 0.25),
+    } <= alone
     assert all(row["seconds"] > 0 and row["plain_backward_s"] > 0 for row in engine["hook_alone"])
 
 

@@ -1,5 +1,6 @@
 """`edgc bench --link-only`: the link calibration alone (a few seconds), with the small sizes that
 pin the per-collective latency. Needs root and iproute2; skipped with the reason otherwise."""
+
 import json
 
 import pytest

@@ -2,6 +2,7 @@
 
 Needs root and iproute2 (ip, tc); skipped with the reason otherwise.
 """
+
 import os
 import subprocess
 import sys
@@ -40,12 +41,22 @@ def test_two_hosts_all_reduce_and_cleanup():
     net = Network(hosts=2, rate_mbit=1000, prefix=f"edgcb-test-{os.getpid()}")
     with net:
         assert sorted(mine(net.prefix)) == sorted([net.bridge, net.ns(0), net.ns(1)])
-        qdisc = subprocess.run(["ip", "netns", "exec", net.ns(0), "tc", "qdisc", "show", "dev", "eth0"],
-                               capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            ["ip", "netns", "exec", net.ns(0), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "tbf" in qdisc
         env = {"WORLD_SIZE": "2", "MASTER_ADDR": net.addr(0), "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1"}
-        procs = [net.popen(i, [sys.executable, "-c", WORKER], env={**env, "RANK": str(i)}, timeout_s=60,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+        procs = [
+            net.popen(
+                i,
+                [sys.executable, "-c", WORKER],
+                env={**env, "RANK": str(i)},
+                timeout_s=60,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for i in range(2)
+        ]
         codes = net.wait_all(procs)
         outputs = [p.stdout.read().decode() for p in procs]
         assert codes == [0, 0], outputs
@@ -105,16 +116,28 @@ def test_docs_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_script)
     page = tmp_path / "page.md"
     page.write_text("intro\n")
     bench = tmp_path / "bench.md"
-    for first_line, rows in (("`edgc bench --out a` — 1000 Mbit/s per host link", "| one |"),
-                             ("`edgc bench --out b --r-max 8` — 1000 Mbit/s per host link", "| two |"),
-                             ("`edgc bench --out c --rate-mbit 100` — 100 Mbit/s per host link", "| three |"),
-                             ("`edgc bench --out d --rounds 2` — today, 2 rounds of none, edgc on 2 hosts, "
-                              "1000 Mbit/s per host link", "| four |"),
-                             ("`edgc bench --out e --rounds 2 --rate-mbit 100` — today, 2 rounds of none, edgc on "
-                              "2 hosts, 100 Mbit/s per host link", "| five |")):
+    for first_line, rows in (
+        ("`edgc bench --out a` — 1000 Mbit/s per host link", "| one |"),
+        ("`edgc bench --out b --r-max 8` — 1000 Mbit/s per host link", "| two |"),
+        ("`edgc bench --out c --rate-mbit 100` — 100 Mbit/s per host link", "| three |"),
+        (
+            "`edgc bench --out d --rounds 2` — today, 2 rounds of none, edgc on 2 hosts, 1000 Mbit/s per host link",
+            "| four |",
+        ),
+        (
+            "`edgc bench --out e --rounds 2 --rate-mbit 100` — today, 2 rounds of none, edgc on "
+            "2 hosts, 100 Mbit/s per host link",
+            "| five |",
+        ),
+    ):
         bench.write_text(f"<!-- bench:start -->\n{first_line}\n{rows}\n<!-- bench:end -->\n")
         assert module.main([str(bench), str(page)]) == 0
     text = page.read_text()
-    for marker, rows in (("bench-table", "| one |"), ("bench-rmax-table", "| two |"), ("bench-slow-link-table", "| three |"),
-                         ("bench-rounds-table", "| four |"), ("bench-slow-link-rounds-table", "| five |")):
+    for marker, rows in (
+        ("bench-table", "| one |"),
+        ("bench-rmax-table", "| two |"),
+        ("bench-slow-link-table", "| three |"),
+        ("bench-rounds-table", "| four |"),
+        ("bench-slow-link-rounds-table", "| five |"),
+    ):
         assert text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].endswith(f"{rows}\n")

@@ -1,4 +1,5 @@
 """The orthonormalisation comparison: what the docs state is what the engine does."""
+
 import json
 from pathlib import Path
 

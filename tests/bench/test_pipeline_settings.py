@@ -1,4 +1,5 @@
 """`edgc bench --tp/--pp`: TP × PP × DP settings, their validation and the train flags (no network)."""
+
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,13 @@ def test_tp_pp_put_one_whole_model_on_each_host():
     s = parse("--tp", "2", "--pp", "2", "--interstage", "cooldown", "--interstage-rank", "4")
     assert (s.pipeline, s.nproc, s.grad_accum, s.methods) == (True, 4, 4, ("none", "powersgd@rmax", "edgc"))
     args = train_args(s, "powersgd@rmax", Path("out"), 8)
-    assert [flag(args, k) for k in ("--tp", "--pp", "--grad-accum", "--interstage", "--interstage-rank")] == \
-        ["2", "2", "4", "cooldown", "4"]
+    assert [flag(args, k) for k in ("--tp", "--pp", "--grad-accum", "--interstage", "--interstage-rank")] == [
+        "2",
+        "2",
+        "4",
+        "cooldown",
+        "4",
+    ]
     assert flag(args, "--powersgd-rank") == "8"
     check_training(s)  # a valid edgc train configuration
 
@@ -37,15 +43,24 @@ def test_tp_without_pp_sends_no_interstage_flags_and_plain_runs_none():
     assert not any(f in plain for f in ("--tp", "--pp", "--grad-accum", "--interstage"))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--pp", "2", "--fsdp"), "cannot be combined with --fsdp"),
-    (("--interstage", "all"), "needs --pp > 1"),
-    (("--pp", "2", "--nproc", "3"), "must be tp × pp = 2"),
-    (("--pp", "4", "--grad-accum", "2"), "must be ≥ pp = 4"),
-    (("--pp", "2", "--grad-accum", "3"), "multiple of --grad-accum = 3"),
-    (("--pp", "2", "--methods", "none,topk"), "not available with --tp/--pp"),
-    (("--tp", "0",), "--tp: must be ≥ 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--pp", "2", "--fsdp"), "cannot be combined with --fsdp"),
+        (("--interstage", "all"), "needs --pp > 1"),
+        (("--pp", "2", "--nproc", "3"), "must be tp × pp = 2"),
+        (("--pp", "4", "--grad-accum", "2"), "must be ≥ pp = 4"),
+        (("--pp", "2", "--grad-accum", "3"), "multiple of --grad-accum = 3"),
+        (("--pp", "2", "--methods", "none,topk"), "not available with --tp/--pp"),
+        (
+            (
+                "--tp",
+                "0",
+            ),
+            "--tp: must be ≥ 1",
+        ),
+    ],
+)
 def test_bad_combinations_fail_with_one_line(flags, message):
     with pytest.raises(CLIError, match=message) as info:
         parse(*flags)
@@ -58,14 +73,26 @@ def test_training_check_rejects_a_layout_the_model_cannot_take():
 
 
 def record(step, sent, raw, seconds):
-    return {"step": step, "rank": None, "comm_time_s": 0.1, "step_time_s": 1.0, "compress_time_s": 0.0,
-            "tokens_per_s": 100.0, "bytes_sent": 2e6, "wall_s": step, "interstage_bytes_sent": sent,
-            "interstage_bytes_raw": raw, "interstage_time_s": seconds}
+    return {
+        "step": step,
+        "rank": None,
+        "comm_time_s": 0.1,
+        "step_time_s": 1.0,
+        "compress_time_s": 0.0,
+        "tokens_per_s": 100.0,
+        "bytes_sent": 2e6,
+        "wall_s": step,
+        "interstage_bytes_sent": sent,
+        "interstage_bytes_raw": raw,
+        "interstage_time_s": seconds,
+    }
 
 
 def test_pipeline_table_reports_interstage_bytes_and_time():
-    run = {"train": [record(1, 100, 400, 0.2), record(2, 300, 400, 0.4)], "eval": [{"val_loss": 5.0, "val_ppl": 148.4,
-                                                                                    "wall_s": 2, "step": 2}]}
+    run = {
+        "train": [record(1, 100, 400, 0.2), record(2, 300, 400, 0.4)],
+        "eval": [{"val_loss": 5.0, "val_ppl": 148.4, "wall_s": 2, "step": 2}],
+    }
     out = rows({"none": run}, None, pipeline=True)
     row = out[0]
     assert (row["interstage_sent_per_step"], row["interstage_raw_per_step"]) == (200, 400)

@@ -3,6 +3,7 @@
 No network: the hosts, the calibration and the training runs are replaced by synthetic run folders
 whose step times grow with every launch, as on a shared VM drifting over minutes.
 """
+
 import contextlib
 import json
 import re
@@ -21,10 +22,22 @@ def synthetic_run(step_s: float, rank: int | None) -> list[dict]:
     records, wall = [], 0.0
     for step in range(1, 11):
         wall += step_s
-        records.append({"kind": "train", "step": step, "wall_s": wall, "step_time_s": step_s, "comm_time_s": 0.0,
-                        "compress_time_s": 0.0, "compute_time_s": step_s, "entropy_time_s": 0.0,
-                        "phase": "warmup" if step <= 2 else "compress", "rank": None if step <= 2 else rank,
-                        "bytes_sent": 100, "tokens_per_s": 1 / step_s})
+        records.append(
+            {
+                "kind": "train",
+                "step": step,
+                "wall_s": wall,
+                "step_time_s": step_s,
+                "comm_time_s": 0.0,
+                "compress_time_s": 0.0,
+                "compute_time_s": step_s,
+                "entropy_time_s": 0.0,
+                "phase": "warmup" if step <= 2 else "compress",
+                "rank": None if step <= 2 else rank,
+                "bytes_sent": 100,
+                "tokens_per_s": 1 / step_s,
+            }
+        )
         if step % 5 == 0:
             records.append({"kind": "eval", "step": step, "wall_s": wall, "val_loss": 3.0 - step / 10, "val_ppl": 1.0})
     return records
@@ -93,10 +106,16 @@ def test_a_single_round_is_the_bench_as_before(tmp_path, fake_hosts):
     assert "whole bench" in (tmp_path / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--rounds", "0"], "--rounds: must be in [1, 9], got 0"),
-    (["--rounds", "2", "--torchft"], "--rounds: repeats the method comparison; drop it with --torchft or --link-only"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rounds", "0"], "--rounds: must be in [1, 9], got 0"),
+        (
+            ["--rounds", "2", "--torchft"],
+            "--rounds: repeats the method comparison; drop it with --torchft or --link-only",
+        ),
+    ],
+)
 def test_bad_rounds_get_one_line(flags, message):
     import argparse
 

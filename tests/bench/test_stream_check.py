@@ -1,5 +1,6 @@
 """The CPU stream-race checker itself (`edgc_bench.stream_check`): it flags what CUDA would get wrong
 and passes what is ordered, on hand-made stream programs."""
+
 import os
 import sys
 from pathlib import Path
@@ -89,8 +90,12 @@ def test_host_synchronisations_are_counted_outside_the_allowed_points():
         with host_reads_allowed():
             x.sum().item()
     kinds = [sync.kind for sync in checker.host_syncs]
-    assert kinds == ["_local_scalar_dense", "tolist", "index with a boolean mask",
-                     "torch.as_tensor of host data with device="], checker.report()
+    assert kinds == [
+        "_local_scalar_dense",
+        "tolist",
+        "index with a boolean mask",
+        "torch.as_tensor of host data with device=",
+    ], checker.report()
 
 
 def collective_worker(rank, world_size, wait):
@@ -106,6 +111,6 @@ def collective_worker(rank, world_size, wait):
 
 
 def test_a_collectives_result_is_read_after_its_wait():
-    (unordered, _), = run_distributed(collective_worker, 1, False)
-    (ordered, total), = run_distributed(collective_worker, 1, True)
+    ((unordered, _),) = run_distributed(collective_worker, 1, False)
+    ((ordered, total),) = run_distributed(collective_worker, 1, True)
     assert unordered == 1 and ordered == 0 and total == 16

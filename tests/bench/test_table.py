@@ -1,4 +1,5 @@
 """The bench's comparison table and its time-to-target breakdown, on synthetic runs (no network)."""
+
 import pytest
 
 from edgc_bench import table
@@ -11,10 +12,21 @@ def run(losses, step_s, comm_s, compress_s, phases=None, entropy_s=0.0, eval_s=1
         seconds = step_s(step) if callable(step_s) else step_s
         wall += seconds
         phase = phases(step) if phases else "compress"
-        train.append({"step": step, "wall_s": wall, "step_time_s": seconds, "comm_time_s": comm_s,
-                      "compress_time_s": compress_s, "compute_time_s": seconds - comm_s - compress_s,
-                      "entropy_time_s": entropy_s, "phase": phase, "rank": 4, "bytes_sent": 100,
-                      "tokens_per_s": 1 / seconds})
+        train.append(
+            {
+                "step": step,
+                "wall_s": wall,
+                "step_time_s": seconds,
+                "comm_time_s": comm_s,
+                "compress_time_s": compress_s,
+                "compute_time_s": seconds - comm_s - compress_s,
+                "entropy_time_s": entropy_s,
+                "phase": phase,
+                "rank": 4,
+                "bytes_sent": 100,
+                "tokens_per_s": 1 / seconds,
+            }
+        )
         if step % 5 == 0:
             wall += eval_s
             evals.append({"step": step, "wall_s": wall, "val_loss": losses[step // 5 - 1], "val_ppl": 1.0})
@@ -24,8 +36,14 @@ def run(losses, step_s, comm_s, compress_s, phases=None, entropy_s=0.0, eval_s=1
 def test_time_to_target_and_its_breakdown_add_up():
     results = {
         "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
-        "edgc": run([2.9, 2.01, 1.9], step_s=1.0, comm_s=0.1, compress_s=0.3, entropy_s=0.05,
-                    phases=lambda step: "profile" if step <= 3 else "compress"),
+        "edgc": run(
+            [2.9, 2.01, 1.9],
+            step_s=1.0,
+            comm_s=0.1,
+            compress_s=0.3,
+            entropy_s=0.05,
+            phases=lambda step: "profile" if step <= 3 else "compress",
+        ),
         "powersgd@rmax": run([2.9, 2.3, 2.1], step_s=0.9, comm_s=0.1, compress_s=0.2),
     }
     rows = {r["method"]: r for r in table.rows(results, r_max=8)}
@@ -57,10 +75,21 @@ def test_recoverable_bound_weighs_edgc_overhead_against_what_a_lower_rank_saves(
     profile_then_warmup = lambda step: "profile" if step <= 2 else ("warmup" if step <= 4 else "compress")  # noqa: E731
     results = {
         "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
-        "edgc": run([2.9, 2.01, 1.9], step_s=lambda step: 3.0 if step <= 2 else 1.0, comm_s=0.1, compress_s=0.3,
-                    entropy_s=0.05, phases=profile_then_warmup),
-        "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2,
-                             phases=lambda step: "warmup" if step <= 2 else "compress"),
+        "edgc": run(
+            [2.9, 2.01, 1.9],
+            step_s=lambda step: 3.0 if step <= 2 else 1.0,
+            comm_s=0.1,
+            compress_s=0.3,
+            entropy_s=0.05,
+            phases=profile_then_warmup,
+        ),
+        "powersgd@rmax": run(
+            [2.9, 2.01, 2.1],
+            step_s=1.0,
+            comm_s=0.1,
+            compress_s=0.2,
+            phases=lambda step: "warmup" if step <= 2 else "compress",
+        ),
     }
     # EDGC: two profiling steps 2 s above static's (warm-up) steps + entropy in steps 3..10 (8 × 0.05) = 4.4 s;
     # without r_min or the floor, the bound is static's DP comm in its compressed steps 3..10: 0.8 s
@@ -73,7 +102,9 @@ def test_recoverable_bound_weighs_edgc_overhead_against_what_a_lower_rank_saves(
     assert "is 0.8 s (static PowerSGD at r_min's median step instead of r_max's, over static's 8" in line
     results["powersgd@rmin"] = run([3.0, 3.0, 3.0], step_s=0.2, comm_s=0.1, compress_s=0.1)  # floor is tighter
     line = table.recoverable_bound(results)
-    assert "is 5.6 s (static's compressed steps brought down to the compute floor)" in line and "EDGC can recover" in line
+    assert (
+        "is 5.6 s (static's compressed steps brought down to the compute floor)" in line and "EDGC can recover" in line
+    )
     results["powersgd@rmax"] = run([2.01, 2.0, 2.0], step_s=0.9, comm_s=0.5, compress_s=0.2)
     assert table.recoverable_bound(results) is not None  # static needs fewer steps: the bound still holds
     results["edgc"], results["powersgd@rmax"] = results["powersgd@rmax"], results["edgc"]
@@ -88,16 +119,42 @@ def test_ab_script_compares_the_methods_both_folders_ran(tmp_path, load_script):
     def folder(name, step, mb):
         path = tmp_path / name
         path.mkdir()
-        rows = [{"method": "none", "step_s": step, "bytes_per_step": mb * 1e6, "val_loss": 6.0},
-                {"method": f"only-{name}", "step_s": 1.0, "bytes_per_step": 1.0, "val_loss": 6.0}]
-        path.joinpath("results.json").write_text(json.dumps(
-            {"command": f"edgc bench --out {name}", "date": "today", "load_start": [1.0], "load_end": [2.0], "rows": rows}))
+        rows = [
+            {"method": "none", "step_s": step, "bytes_per_step": mb * 1e6, "val_loss": 6.0},
+            {"method": f"only-{name}", "step_s": 1.0, "bytes_per_step": 1.0, "val_loss": 6.0},
+        ]
+        path.joinpath("results.json").write_text(
+            json.dumps(
+                {
+                    "command": f"edgc bench --out {name}",
+                    "date": "today",
+                    "load_start": [1.0],
+                    "load_end": [2.0],
+                    "rows": rows,
+                }
+            )
+        )
         return path
 
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n<!-- ab:start -->\nold\n<!-- ab:end -->\nrest\n")
-    assert module.main([str(folder("a", 1.0, 30.0)), str(folder("b", 1.25, 30.0)), "--label-a", "old",
-                        "--label-b", "new", "--marker", "ab", "--doc", str(doc)]) == 0
+    assert (
+        module.main(
+            [
+                str(folder("a", 1.0, 30.0)),
+                str(folder("b", 1.25, 30.0)),
+                "--label-a",
+                "old",
+                "--label-b",
+                "new",
+                "--marker",
+                "ab",
+                "--doc",
+                str(doc),
+            ]
+        )
+        == 0
+    )
     text = doc.read_text()
     assert "| none | 1.000 | 1.250 | 1.25× | 30.00 | 30.00 |" in text
     assert "only-a" not in text and "old\n<!-- ab:end" not in text and text.endswith("rest\n")
@@ -116,9 +173,17 @@ def write_bench(folder, results, rate_mbit=1000, fsdp=False):
         path.joinpath("metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
         path.joinpath("config.json").write_text("{}")
     settings = {"rate_mbit": rate_mbit, "fsdp": fsdp, "tp": 1, "pp": 1}
-    folder.joinpath("results.json").write_text(json.dumps(
-        {"settings": settings, "rows": [{"method": m} for m in results], "r_max": 8, "date": "today",
-         "load_start": [0.5, 0.5, 0.5]}))
+    folder.joinpath("results.json").write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "rows": [{"method": m} for m in results],
+                "r_max": 8,
+                "date": "today",
+                "load_start": [0.5, 0.5, 0.5],
+            }
+        )
+    )
     return folder
 
 
@@ -126,14 +191,20 @@ def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
     from edgc_bench import repeats
 
     warm_then_compress = lambda step: "warmup" if step <= 2 else "compress"  # noqa: E731
-    base = {"none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
-            "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
-            "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2, phases=warm_then_compress),
-            "powersgd@rmin": run([3.0, 3.0, 3.0], step_s=0.95, comm_s=0.1, compress_s=0.1)}
+    base = {
+        "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
+        "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
+        "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2, phases=warm_then_compress),
+        "powersgd@rmin": run([3.0, 3.0, 3.0], step_s=0.95, comm_s=0.1, compress_s=0.1),
+    }
     fast = dict(base, edgc=run([2.9, 2.01, 1.9], step_s=0.9, comm_s=0.1, compress_s=0.2, phases=warm_then_compress))
     slow = dict(base, edgc=run([2.9, 2.01, 1.9], step_s=1.1, comm_s=0.1, compress_s=0.2, phases=warm_then_compress))
-    paths = [write_bench(tmp_path / "a", fast), write_bench(tmp_path / "b", slow),
-             write_bench(tmp_path / "c", slow, rate_mbit=100), write_bench(tmp_path / "h", fast, fsdp=True)]
+    paths = [
+        write_bench(tmp_path / "a", fast),
+        write_bench(tmp_path / "b", slow),
+        write_bench(tmp_path / "c", slow, rate_mbit=100),
+        write_bench(tmp_path / "h", fast, fsdp=True),
+    ]
     with (tmp_path / "a" / "runs" / "edgc" / "metrics.jsonl").open("a") as metrics:  # as `edgc train` logs it
         metrics.write('\n{"kind": "profiled", "step": 2, "event": "edgc_found", "uncompressed_is_bound": true}\n')
     text = repeats.render(paths)
@@ -141,8 +212,10 @@ def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
     assert "| quick test | 1.125 | 1.250 | 0.900 | 11.0 s / 12.0 s |" in rows[0]
     assert "| unknown | 1.375 |" in rows[1]  # 0.9 / 0.8, 1.0 / 0.8; 10 steps + 2 evaluations
     assert "| 1.375 | 1.250 | 1.100 | 13.0 s / 12.0 s |" in rows[1]
-    assert ("1000 Mbit/s, r_max by quick test, 1 run(s): EDGC × floor 1.125–1.125 (≤ 1.15 in 1 of 1); "
-            "EDGC ÷ static step 0.900–0.900; time to target below static PowerSGD at r_max's in 1 of 1") in text
+    assert (
+        "1000 Mbit/s, r_max by quick test, 1 run(s): EDGC × floor 1.125–1.125 (≤ 1.15 in 1 of 1); "
+        "EDGC ÷ static step 0.900–0.900; time to target below static PowerSGD at r_max's in 1 of 1"
+    ) in text
     assert "1000 Mbit/s, r_max by unknown, 1 run(s): EDGC × floor 1.375–1.375 (≤ 1.15 in 0 of 1)" in text
     assert "100 Mbit/s, r_max by unknown, 1 run(s): EDGC × floor 1.375–1.375 (≤ 1.25 in 0 of 1)" in text
     assert text.index("1000 Mbit/s, r_max by quick") < text.index("100 Mbit/s, r_max")  # fastest link first
@@ -151,10 +224,12 @@ def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
 
 def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
     module = load_script("bench_repeats_to_docs")
-    fast = {"none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
-            "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
-            "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2),
-            "edgc": run([2.9, 2.01, 1.9], step_s=0.9, comm_s=0.1, compress_s=0.2)}
+    fast = {
+        "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
+        "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),
+        "powersgd@rmax": run([2.9, 2.01, 2.1], step_s=1.0, comm_s=0.1, compress_s=0.2),
+        "edgc": run([2.9, 2.01, 1.9], step_s=0.9, comm_s=0.1, compress_s=0.2),
+    }
     bench = write_bench(tmp_path / "bench-a", fast)
     page = tmp_path / "page.md"
     page.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")

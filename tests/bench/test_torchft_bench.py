@@ -1,5 +1,6 @@
 """`edgc bench --torchft` without a network: its table and checks on synthetic runs, the results page
 routing of its table, the measures taken from the workers' step logs, and its flag checks."""
+
 import argparse
 import json
 
@@ -17,18 +18,32 @@ def every_group_every_step(groups=2, steps=40):
 
 def summary(ft_edgc_step=0.6, ft_wall=80.0, elastic_wall=120.0, loss=4.02, lost=1):
     def result(step_s, wall_s, steps_lost, heal_s, val_loss, identical):
-        return {"step_s": step_s, "wall_s": wall_s, "steps_lost": steps_lost, "heal_s": heal_s,
-                "val_loss": val_loss, "identical": identical,
-                **({"participation": every_group_every_step()} if identical is not None else {})}
+        return {
+            "step_s": step_s,
+            "wall_s": wall_s,
+            "steps_lost": steps_lost,
+            "heal_s": heal_s,
+            "val_loss": val_loss,
+            "identical": identical,
+            **({"participation": every_group_every_step()} if identical is not None else {}),
+        }
 
-    return {"settings": BenchSettings().__dict__, "command": "edgc bench --torchft", "kill_at": 20,
-            "ckpt_every": 10, "date": "2026-11-23 13:00 UTC", "load": (1.0, 1.0, 1.0),
-            "results": {"ddp-edgc": result(0.58, 60.0, 0, None, 3.9, None),
-                        "torchft-nofail": result(1.0, 90.0, 0, None, 4.2, True),
-                        "torchft-edgc-nofail": result(ft_edgc_step, 61.0, 0, None, 4.0, True),
-                        "torchft": result(1.0, 100.0, 9, 8.0, 4.3, True),
-                        "torchft-edgc": result(ft_edgc_step, ft_wall, lost, 8.0, loss, True),
-                        "elastic-edgc": result(0.6, elastic_wall, 11, 30.0, 4.0, None)}}
+    return {
+        "settings": BenchSettings().__dict__,
+        "command": "edgc bench --torchft",
+        "kill_at": 20,
+        "ckpt_every": 10,
+        "date": "2026-11-23 13:00 UTC",
+        "load": (1.0, 1.0, 1.0),
+        "results": {
+            "ddp-edgc": result(0.58, 60.0, 0, None, 3.9, None),
+            "torchft-nofail": result(1.0, 90.0, 0, None, 4.2, True),
+            "torchft-edgc-nofail": result(ft_edgc_step, 61.0, 0, None, 4.0, True),
+            "torchft": result(1.0, 100.0, 9, 8.0, 4.3, True),
+            "torchft-edgc": result(ft_edgc_step, ft_wall, lost, 8.0, loss, True),
+            "elastic-edgc": result(0.6, elastic_wall, 11, 30.0, 4.0, None),
+        },
+    }
 
 
 def test_checks_pass_and_fail_on_their_thresholds():
@@ -44,8 +59,15 @@ def test_groups_left_out_of_quorums_fail_the_participation_check_and_differing_r
     s = summary()
     # Three groups, two in every quorum in turn, the last step in a quorum of one (as seen with a 1 s
     # join timeout and min_replicas 1).
-    s["results"]["torchft-edgc-nofail"] |= {"identical": False, "participation": {
-        "per_step": [2] * 39 + [1], "fraction": [0.675, 0.65, 0.675], "heals": [13, 14, 13], "alone": [39]}}
+    s["results"]["torchft-edgc-nofail"] |= {
+        "identical": False,
+        "participation": {
+            "per_step": [2] * 39 + [1],
+            "fraction": [0.675, 0.65, 0.675],
+            "heals": [13, 14, 13],
+            "alone": [39],
+        },
+    }
     failed = [line for line in torchft_table.checks(s) if line.startswith("- ✗")]
     assert len(failed) == 1 and "lowest 65%" in failed[0] and "bit-identical at the end (NO)" in failed[0], failed
     bench_md = torchft_table.markdown(s)
@@ -58,29 +80,60 @@ def test_groups_left_out_of_quorums_fail_the_participation_check_and_differing_r
 def test_the_table_goes_to_the_torchft_results_page(load_script):
     bench_md = torchft_table.markdown(summary())
     script = load_script("bench_to_docs")
-    page = "# x\n\n<!-- bench-torchft-table:start -->\nold\n<!-- bench-torchft-table:end -->\n\n<!-- bench-table:start -->\n"
+    page = (
+        "# x\n\n<!-- bench-torchft-table:start -->\nold\n<!-- bench-torchft-table:end -->\n\n"
+        "<!-- bench-table:start -->\n"
+    )
     table = script.section(bench_md)
-    assert "(one replica group each)" in table and "| torchft + EDGC | 0.600 s | 80.0 s | 1 | 8.0 s | 4.0200 | yes |" in table
+    assert (
+        "(one replica group each)" in table
+        and "| torchft + EDGC | 0.600 s | 80.0 s | 1 | 8.0 s | 4.0200 | yes |" in table
+    )
     updated = script.update(page, table, script.TORCHFT_START, script.TORCHFT_END)
     assert "old" not in updated and updated.count("| torchft + EDGC | 0.600 s |") == 1
 
 
 def test_steps_lost_and_heal_time_from_the_step_logs(tmp_path, monkeypatch):
     """A torchft run read back: the survivor's uncommitted step is the one step lost."""
-    lines = {0: [{"kind": "start", "pid": 1, "t": 0.0, "restart": 0}]
-             + [{"kind": "step", "step": s, "t": 1.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
-                for s in range(5)]
-             + [{"kind": "step", "step": 5, "t": 6.5, "step_s": 0.5, "committed": False, "participants": 2}]
-             + [{"kind": "step", "step": s, "t": 2.0 + s, "step_s": 0.1 if s < 8 else 0.5, "committed": True,
-                 "participants": 1 if s < 8 else 2} for s in range(5, 10)]
-             + [{"kind": "final", "t": 13.0, "val_loss": 4.0, "checksum": "a"}],
-             1: [{"kind": "start", "pid": 2, "t": 0.0, "restart": 0}]
-             + [{"kind": "step", "step": s, "t": 1.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
-                for s in range(5)]
-             + [{"kind": "start", "pid": 3, "t": 7.0, "restart": 1}]
-             + [{"kind": "step", "step": s, "t": 2.0 + s, "step_s": 0.5, "committed": True, "participants": 2,
-                 "healed": s == 8} for s in range(8, 10)]
-             + [{"kind": "final", "t": 13.0, "val_loss": 4.0, "checksum": "a"}]}
+    lines = {
+        0: [{"kind": "start", "pid": 1, "t": 0.0, "restart": 0}]
+        + [
+            {"kind": "step", "step": s, "t": 1.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
+            for s in range(5)
+        ]
+        + [{"kind": "step", "step": 5, "t": 6.5, "step_s": 0.5, "committed": False, "participants": 2}]
+        + [
+            {
+                "kind": "step",
+                "step": s,
+                "t": 2.0 + s,
+                "step_s": 0.1 if s < 8 else 0.5,
+                "committed": True,
+                "participants": 1 if s < 8 else 2,
+            }
+            for s in range(5, 10)
+        ]
+        + [{"kind": "final", "t": 13.0, "val_loss": 4.0, "checksum": "a"}],
+        1: [{"kind": "start", "pid": 2, "t": 0.0, "restart": 0}]
+        + [
+            {"kind": "step", "step": s, "t": 1.0 + s, "step_s": 0.5, "committed": True, "participants": 2}
+            for s in range(5)
+        ]
+        + [{"kind": "start", "pid": 3, "t": 7.0, "restart": 1}]
+        + [
+            {
+                "kind": "step",
+                "step": s,
+                "t": 2.0 + s,
+                "step_s": 0.5,
+                "committed": True,
+                "participants": 2,
+                "healed": s == 8,
+            }
+            for s in range(8, 10)
+        ]
+        + [{"kind": "final", "t": 13.0, "val_loss": 4.0, "checksum": "a"}],
+    }
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for group, records in lines.items():
@@ -90,12 +143,17 @@ def test_steps_lost_and_heal_time_from_the_step_logs(tmp_path, monkeypatch):
     assert measures["heal_s"] == pytest.approx(4.0)  # kill at t=6, the restarted group's first step at t=10
     assert measures["step_s"] == 0.5  # only steps with both groups in the quorum
     # Steps 5–7: group 0 alone; group 1, restarted, healed into step 8 and took part from there.
-    assert measures["participation"] == {"per_step": [2] * 5 + [1] * 3 + [2] * 2, "fraction": [1.0, 0.7],
-                                         "heals": [0, 1], "alone": [5, 6, 7]}
+    assert measures["participation"] == {
+        "per_step": [2] * 5 + [1] * 3 + [2] * 2,
+        "fraction": [1.0, 0.7],
+        "heals": [0, 1],
+        "alone": [5, 6, 7],
+    }
 
 
 def test_a_group_that_commits_a_step_behind_its_peers_did_not_take_part_in_it():
     """Groups 0 and 1 commit steps 0–2 together; group 2 commits step 0 with them, then steps 1–2 alone."""
+
     def line(step, participants):
         return {"kind": "step", "step": step, "committed": True, "participants": participants}
 
@@ -105,12 +163,15 @@ def test_a_group_that_commits_a_step_behind_its_peers_did_not_take_part_in_it():
     assert measured["alone"] == [1, 2] and measured["heals"] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(hosts=1), "needs ≥ 2 hosts"),
-    (dict(kill_at=39), "--kill-at"),
-    (dict(ckpt_every=0), "--ckpt-every"),
-    (dict(tp=2, nproc=2), "drop --tp/--pp/--fsdp"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hosts=1), "needs ≥ 2 hosts"),
+        (dict(kill_at=39), "--kill-at"),
+        (dict(ckpt_every=0), "--ckpt-every"),
+        (dict(tp=2, nproc=2), "drop --tp/--pp/--fsdp"),
+    ],
+)
 def test_bad_flags_get_one_line(tmp_path, change, message):
     settings = BenchSettings(steps=40, **{k: v for k, v in change.items() if k in ("hosts", "tp", "nproc")})
     args = argparse.Namespace(kill_at=change.get("kill_at"), ckpt_every=change.get("ckpt_every", 10))

@@ -14,6 +14,7 @@ which the later tests' own multi-process runs need). ``fresh=True`` runs in new 
 exit afterwards, and so does a call with ``expect_dead`` (ranks meant to die), or every call with
 EDGC_TEST_FRESH_PROCESSES=1 in the environment (to rule the pool out when a test fails).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -43,8 +44,9 @@ def free_port() -> int:
 
 
 def _init_group(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+    )
 
 
 def _result(fn, rank: int, world_size: int, args) -> bytes:
@@ -119,9 +121,10 @@ class _Pool:
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.tasks = [context.Queue() for _ in range(world_size)]
-        self.processes = [context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.results,
-                                                               os.getpid()))
-                          for rank in range(world_size)]
+        self.processes = [
+            context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.results, os.getpid()))
+            for rank in range(world_size)
+        ]
         for process in self.processes:
             process.start()
         self.busy, self.last_used = False, time.monotonic()
@@ -156,8 +159,11 @@ def _close_idle_pools() -> None:
     while True:
         time.sleep(5)
         with _POOLS_LOCK:
-            idle = [size for size, pool in _POOLS.items()
-                    if not pool.busy and time.monotonic() - pool.last_used > IDLE_SECONDS]
+            idle = [
+                size
+                for size, pool in _POOLS.items()
+                if not pool.busy and time.monotonic() - pool.last_used > IDLE_SECONDS
+            ]
             for size in idle:
                 _POOLS.pop(size).close()
 
@@ -166,8 +172,10 @@ def _run_fresh(fn, world_size: int, args, timeout: float, expect_dead, backend: 
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_entry, args=(fn, rank, world_size, port, results, args, backend))
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=_entry, args=(fn, rank, world_size, port, results, args, backend))
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     try:
@@ -179,8 +187,15 @@ def _run_fresh(fn, world_size: int, args, timeout: float, expect_dead, backend: 
                 process.kill()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, expect_dead: tuple | list = (),
-                    fresh: bool = False, backend: str = "gloo") -> list:
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 240.0,
+    expect_dead: tuple | list = (),
+    fresh: bool = False,
+    backend: str = "gloo",
+) -> list:
     """fn(rank, world_size, *args) on every rank; returns the results ordered by rank.
 
     Ranks in ``expect_dead`` are meant to die without reporting; their result is None. ``timeout``
@@ -229,6 +244,7 @@ def only_batched_point_to_point(log: list | None = None):
             if not in_batch:
                 raise AssertionError(f"dist.{name} called outside dist.batch_isend_irecv")
             return originals[name](*args, **kwargs)
+
         call.__name__ = name
         return call
 

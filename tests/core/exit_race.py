@@ -10,6 +10,7 @@ Python object) only once the main thread blocks, which at the end is inside inte
 finalization. Ending with ``dist.barrier()`` (argument ``barrier``) aborted 5 of 6 such runs with
 "terminate called without an active exception"; ``barrier_before_exit()`` (``edgc``) must exit 0.
 """
+
 import os
 import sys
 

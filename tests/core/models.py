@@ -1,4 +1,5 @@
 """A small transformer LM for the distributed tests (~0.5M parameters: DDP makes ≥ 2 buckets)."""
+
 import torch
 from torch import nn
 

@@ -36,7 +36,10 @@ def test_rank_above_r_max_is_clamped_when_uncompressed_does_not_fit():
 
 
 def test_budget_below_the_cheapest_rank_uses_r_min():
-    stages = [StageTiming(table(2.0, 0.001, base=0.05), 0.0, 4, 64), StageTiming(table(3.0, 0.05, base=1.0), 0.0, 4, 32)]
+    stages = [
+        StageTiming(table(2.0, 0.001, base=0.05), 0.0, 4, 64),
+        StageTiming(table(3.0, 0.05, base=1.0), 0.0, 4, 32),
+    ]
     plan = align_stage_ranks(8, stages)[1]
     assert plan.rank == 4 and plan.predicted > plan.budget and plan.at_floor  # over budget, and it says so
     fitting = align_stage_ranks(8, [stages[0], StageTiming(table(3.0, 0.001, base=0.05), 0.0, 4, 32)])[1]

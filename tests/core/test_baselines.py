@@ -1,5 +1,6 @@
 """Baseline compressors (fp16/bf16 cast, top-k, random-k, 8-bit QSGD): shapes, bytes on the wire,
 error-feedback conservation, unbiasedness where claimed, checkpoints, and 2-process DDP runs."""
+
 import math
 
 import pytest
@@ -152,8 +153,9 @@ def test_qsgd_conserves_with_error_feedback():
     assert torch.allclose(flat_out + residual, flat_in, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [lambda: TopKState(ratio=0.05), lambda: RandomKState(ratio=0.05),
-                                  lambda: QSGDState(), lambda: CastState()])
+@pytest.mark.parametrize(
+    "make", [lambda: TopKState(ratio=0.05), lambda: RandomKState(ratio=0.05), lambda: QSGDState(), lambda: CastState()]
+)
 def test_state_dict_round_trip_keyed_by_name(make):
     grads = grads_of()
     a = make()
@@ -176,17 +178,29 @@ def test_load_rejects_wrong_shapes():
     model = nn.Linear(4, 3)
     state = TopKState(model=model)
     with pytest.raises(ValueError, match="shape"):
-        state.load_state_dict({"format": "edgc-baseline/1", "method": "topk", "step": 1, "world_size": 1,
-                               "totals": {}, "error": {"weight": torch.zeros(4, 3)}})
+        state.load_state_dict(
+            {
+                "format": "edgc-baseline/1",
+                "method": "topk",
+                "step": 1,
+                "world_size": 1,
+                "totals": {},
+                "error": {"weight": torch.zeros(4, 3)},
+            }
+        )
 
 
 # ------------------------------------------------------------------ two processes
 def _explicit_worker(rank, world_size, kind):
     torch.manual_seed(100 + rank)
     grads = [torch.randn(40, 30), torch.randn(30)]
-    state = {"topk": lambda: TopKState(ratio=0.1), "randomk": lambda: RandomKState(ratio=0.1),
-             "qsgd8": lambda: QSGDState(chunk=128), "fp16": lambda: CastState(dtype="float16"),
-             "bf16": lambda: CastState(dtype="bfloat16")}[kind]()
+    state = {
+        "topk": lambda: TopKState(ratio=0.1),
+        "randomk": lambda: RandomKState(ratio=0.1),
+        "qsgd8": lambda: QSGDState(chunk=128),
+        "fp16": lambda: CastState(dtype="float16"),
+        "bf16": lambda: CastState(dtype="bfloat16"),
+    }[kind]()
     out = reduce(state, [g.clone() for g in grads])
     error = {k: v.clone() for k, v in getattr(state, "error", {}).items()}
     return {"in": grads, "out": out, "error": error, "metrics": state.last_step_metrics}
@@ -224,8 +238,12 @@ def _ddp_worker(rank, world_size, kind):
     torch.manual_seed(0)
     model = TinyTransformer()
     ddp = DDP(model, bucket_cap_mb=0.25)  # several buckets
-    state = {"topk": lambda: TopKState(ratio=0.05, model=ddp), "randomk": lambda: RandomKState(ratio=0.05, model=ddp),
-             "qsgd8": lambda: QSGDState(model=ddp), "fp16": lambda: CastState(dtype="float16", model=ddp)}[kind]()
+    state = {
+        "topk": lambda: TopKState(ratio=0.05, model=ddp),
+        "randomk": lambda: RandomKState(ratio=0.05, model=ddp),
+        "qsgd8": lambda: QSGDState(model=ddp),
+        "fp16": lambda: CastState(dtype="float16", model=ddp),
+    }[kind]()
     reads, buckets = [], []  # per step
     original_to_host = edgc.timing.to_host
 
@@ -249,8 +267,14 @@ def _ddp_worker(rank, world_size, kind):
             train(rank, ddp, state, optimizer, buckets, step, step + 1)  # appends this step's bucket count
     finally:  # the process runs later tests (distributed_harness)
         edgc.timing.to_host = original_to_host
-    return {"params": flat_parameters(model), "step": state.step, "sd": set(state.state_dict().get("error", {})),
-            "reads": reads, "buckets": buckets, "relative_error": state.last_step_metrics["relative_error"]}
+    return {
+        "params": flat_parameters(model),
+        "step": state.step,
+        "sd": set(state.state_dict().get("error", {})),
+        "reads": reads,
+        "buckets": buckets,
+        "relative_error": state.last_step_metrics["relative_error"],
+    }
 
 
 @pytest.mark.parametrize("kind", ["topk", "randomk", "qsgd8", "fp16"])

@@ -1,4 +1,5 @@
 """The byte budget (edgc.budget + the controller's budget mode) and warm-start-preserving rank changes."""
+
 import math
 
 import pytest
@@ -35,8 +36,9 @@ def run_controller(config: EDGCConfig, needs=None, steps=None):
 
 def test_schedule_signal_spends_the_budget_early_and_exactly():
     for budget in (2, 4, 8):
-        config = EDGCConfig(r_max=2 * budget, rank_budget=float(budget), total_steps=400, window=20,
-                            warmup_error_test=False)
+        config = EDGCConfig(
+            r_max=2 * budget, rank_budget=float(budget), total_steps=400, window=20, warmup_error_test=False
+        )
         schedule = run_controller(config)
         spent, steps = spent_rank_steps(schedule, 400)
         assert steps == 360 and spent / steps == pytest.approx(budget, rel=0.02)
@@ -47,13 +49,27 @@ def test_schedule_signal_spends_the_budget_early_and_exactly():
 
 
 @settings(max_examples=40, deadline=None)
-@given(budget=st.integers(2, 12), headroom=st.integers(1, 3), window=st.integers(5, 40),
-       needs=st.lists(st.floats(0, 1), min_size=1, max_size=12), front_load=st.floats(1, 4))
-def test_any_signal_keeps_the_budget_within_two_percent_and_never_exceeds_r_max(budget, headroom, window, needs,
-                                                                                   front_load):
+@given(
+    budget=st.integers(2, 12),
+    headroom=st.integers(1, 3),
+    window=st.integers(5, 40),
+    needs=st.lists(st.floats(0, 1), min_size=1, max_size=12),
+    front_load=st.floats(1, 4),
+)
+def test_any_signal_keeps_the_budget_within_two_percent_and_never_exceeds_r_max(
+    budget, headroom, window, needs, front_load
+):
     r_max = budget * headroom
-    config = EDGCConfig(r_max=r_max, rank_budget=float(budget), total_steps=1000, window=window,
-                        warmup_error_test=False, front_load=front_load, budget_signal="gradnorm", rank_granularity=1)
+    config = EDGCConfig(
+        r_max=r_max,
+        rank_budget=float(budget),
+        total_steps=1000,
+        window=window,
+        warmup_error_test=False,
+        front_load=front_load,
+        budget_signal="gradnorm",
+        rank_granularity=1,
+    )
     schedule = run_controller(config, needs)
     spent, steps = spent_rank_steps(schedule, 1000)
     assert all(1 <= r <= r_max for _, r in schedule)
@@ -63,12 +79,15 @@ def test_any_signal_keeps_the_budget_within_two_percent_and_never_exceeds_r_max(
 
 def test_budget_target_pays_back_an_early_surge_and_respects_feasibility():
     # Spent 8 per step for 100 of 400 steps at budget 4: the rest must average 8/3.
-    target = budget_target(budget=4, total=400, done=100, spent=800, window=20, need=0.0, front_load=2,
-                           r_min=1, r_max=8)
+    target = budget_target(
+        budget=4, total=400, done=100, spent=800, window=20, need=0.0, front_load=2, r_min=1, r_max=8
+    )
     assert target == pytest.approx(800 / 300)
     # Overspent so far that only r_min is left: the target is r_min, whatever the signal says.
-    assert budget_target(budget=4, total=400, done=200, spent=1590, window=20, need=1.0, front_load=2,
-                         r_min=1, r_max=8) == 1
+    assert (
+        budget_target(budget=4, total=400, done=200, spent=1590, window=20, need=1.0, front_load=2, r_min=1, r_max=8)
+        == 1
+    )
     assert nearest_rank(5.0, rank_grid(1, 8, 2)) == 4  # a tie spends less
     assert rank_grid(1, 8, 2) == [1, 2, 4, 6, 8] and rank_grid(3, 7, 2) == [3, 4, 6, 7]
 
@@ -124,7 +143,7 @@ def test_a_falling_rank_keeps_the_highest_energy_directions():
         basis = torch.linalg.qr(columns).Q
         return float((basis.T @ q).square().sum())
 
-    assert kept_energy(warm) == pytest.approx(8.0 ** 2 + 4.0 ** 2, rel=1e-6)  # the two largest directions
+    assert kept_energy(warm) == pytest.approx(8.0**2 + 4.0**2, rel=1e-6)  # the two largest directions
     assert kept_energy(warm) > kept_energy(truncated)
     # One step at the new rank already approximates the gradient as well as rank 2 can.
     out = grad.clone()
@@ -145,7 +164,9 @@ def growing_worker(rank, world_size, mode):
         if step == 3:
             compressor.change_rank(rank, comm)
         # Gradients with a fixed rank-4 structure plus per-process noise.
-        grad = low_rank_matrix(30, 40, [5.0, 4.0, 3.0, 2.0], seed=7) + 0.01 * low_rank_matrix(30, 40, [1.0] * 8, seed=rank + 10 * step)
+        grad = low_rank_matrix(30, 40, [5.0, 4.0, 3.0, 2.0], seed=7) + 0.01 * low_rank_matrix(
+            30, 40, [1.0] * 8, seed=rank + 10 * step
+        )
         before = grad + residual
         compressor.reduce(["w"], [grad], rank, comm)
         residual = compressor.error["w"].clone()
@@ -171,9 +192,19 @@ def test_a_rising_rank_is_identical_on_every_process_and_conserves_error_feedbac
 
 # ---------------------------------------------------------------------------- in a DDP group
 
-BUDGET = dict(r_max=8, rank_budget=4.0, budget_signal="gradnorm", window=3, total_steps=24, warmup_fraction=0.1,
-              warmup_error_test=False, iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, min_compression_rate=1.0,
-              entropy_significance=0.0)
+BUDGET = dict(
+    r_max=8,
+    rank_budget=4.0,
+    budget_signal="gradnorm",
+    window=3,
+    total_steps=24,
+    warmup_fraction=0.1,
+    warmup_error_test=False,
+    iteration_sample_ratio=1.0,
+    gradient_sample_ratio=0.5,
+    min_compression_rate=1.0,
+    entropy_significance=0.0,
+)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

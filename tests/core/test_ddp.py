@@ -1,4 +1,5 @@
 """Multi-process behaviour of the EDGC hook under gloo (2 and 4 processes on 127.0.0.1)."""
+
 import io
 import time
 
@@ -13,10 +14,22 @@ from edgc.comm import Communicator
 
 # The CQM mapping on the Gaussian entropy moves the rank within a few windows on this toy run,
 # so the tests see rank changes; every rank's entropy differs (different data), the decision not.
-ADAPTIVE = dict(r_max=8, r_min=2, rank_step=2, window=3, total_steps=24, warmup_fraction=0.1,
-                warmup_error_test=False, iteration_sample_ratio=1.0, gradient_sample_ratio=0.5,
-                min_compression_rate=1.0, rank_mapping="cqm", entropy_estimator="gaussian", cqm_mc_samples=1,
-                entropy_significance=0.0)  # no noise gate: the rank must move within a few windows here
+ADAPTIVE = dict(
+    r_max=8,
+    r_min=2,
+    rank_step=2,
+    window=3,
+    total_steps=24,
+    warmup_fraction=0.1,
+    warmup_error_test=False,
+    iteration_sample_ratio=1.0,
+    gradient_sample_ratio=0.5,
+    min_compression_rate=1.0,
+    rank_mapping="cqm",
+    entropy_estimator="gaussian",
+    cqm_mc_samples=1,
+    entropy_significance=0.0,
+)  # no noise gate: the rank must move within a few windows here
 
 
 def build(config_kwargs, bucket_cap_mb=None, seed=0, state_class=EDGCState):
@@ -97,7 +110,8 @@ class SlowWireState(EDGCState):
         super().__init__(*args, **kwargs)
         issue = self.comm._all_reduce_work
         self.comm._all_reduce_work = lambda tensor, op: SlowWork(
-            issue(tensor, op), tensor.numel() * tensor.element_size() / 4e6)
+            issue(tensor, op), tensor.numel() * tensor.element_size() / 4e6
+        )
 
 
 def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb, state_class=EDGCState):
@@ -128,10 +142,14 @@ def test_ddp_training_with_default_buckets_keeps_replicas_identical(world_size):
     # collectives per step: 1 per bucket uncompressed; 3 per bucket compressed (raw tensors, P, Q),
     # plus the decision's all-reduce and broadcast at the end of a window, plus one all-reduce of
     # the residual directions at the first step of a higher rank (the warm rank change)
-    rose = [phase == "compress" and prev[1] == "compress" and rank > prev[2]
-            for prev, (_, phase, rank) in zip([(None, None, None)] + reference["log"], reference["log"])]
-    extra = [c - (3 if phase == "compress" else 1) * calls - up
-             for (_, phase, _), calls, c, up in zip(reference["log"], reference["calls"], reference["collectives"], rose)]
+    rose = [
+        phase == "compress" and prev[1] == "compress" and rank > prev[2]
+        for prev, (_, phase, rank) in zip([(None, None, None)] + reference["log"], reference["log"])
+    ]
+    extra = [
+        c - (3 if phase == "compress" else 1) * calls - up
+        for (_, phase, _), calls, c, up in zip(reference["log"], reference["calls"], reference["collectives"], rose)
+    ]
     assert set(extra) == {0, 2}, (extra, rose)
     for other in results[1:]:
         assert torch.equal(other["params"], reference["params"])
@@ -171,8 +189,9 @@ def test_profiling_steps_train_exactly_like_plain_ddp():
     # (step 2 syncs blocking and times the plain sync; step 3 overlaps the plain sync with backward
     # and times the shadow sync at the step's end), over several buckets: the model must see exactly
     # DDP's averaged all-reduce, and the shadow syncs must not count as traffic.
-    profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=60,
-                    warmup_error_test=False)  # warm-up floor: 6 steps
+    profiled = dict(
+        r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=60, warmup_error_test=False
+    )  # warm-up floor: 6 steps
     with_hook = run_distributed(training_worker, 2, profiled, 5, 1, SlowLinkState)
     plain = run_distributed(training_worker, 2, None, 5, 1)
     assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 4 + ["warmup"]
@@ -191,8 +210,9 @@ def test_profiling_steps_train_exactly_like_plain_ddp():
 def test_on_a_slow_wire_the_quick_test_finds_r_max_in_one_overlapped_step():
     # The plain sync's wait after backward already outlasts the cold rank-8 shadow sync: r_max = 8
     # without a blocking step, and training is still exactly DDP's.
-    profiled = dict(r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=40,
-                    warmup_error_test=False)
+    profiled = dict(
+        r_max=None, r_min=None, profile_max_rank=8, profile_steps_per_rank=1, total_steps=40, warmup_error_test=False
+    )
     with_hook = run_distributed(training_worker, 2, profiled, 4, 1, SlowWireState)
     plain = run_distributed(training_worker, 2, None, 4, 1)
     assert [phase for _, phase, _ in with_hook[0]["log"]] == ["profile"] * 2 + ["warmup"] * 2
@@ -247,8 +267,10 @@ def conservation_worker(rank, world_size, steps):
         grads = {name: torch.randn(shape, generator=generator, dtype=torch.float64) for name, shape in shapes.items()}
         inputs = {name: grads[name] + residual[name] for name in shapes}
         compressor.reduce(list(grads), list(grads.values()), 3, comm)
-        residual = {name: compressor.error.get(name, torch.zeros(24, dtype=torch.float64)).reshape(shapes[name]).clone()
-                    for name in shapes}
+        residual = {
+            name: compressor.error.get(name, torch.zeros(24, dtype=torch.float64)).reshape(shapes[name]).clone()
+            for name in shapes
+        }
         records.append((inputs, {n: g.clone() for n, g in grads.items()}, residual))
     return records
 

@@ -2,6 +2,7 @@
 does not parse fails here), its API reference documents every public name of `edgc` and
 `edgc.integrations` and every class's constructor arguments, and its links to a heading work on
 GitHub as on the site."""
+
 import dataclasses
 import importlib
 import inspect
@@ -21,8 +22,25 @@ def site(tmp_path_factory):
 
     assert importlib.util.find_spec("sphinx"), "the docs extra is not installed: pip install -e '.[docs]' (make does)"
     out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-j", "1",
-                           str(ROOT / "docs"), str(out)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-b",
+            "html",
+            "-q",
+            "-W",
+            "--keep-going",
+            "-j",
+            "1",
+            str(ROOT / "docs"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
 
@@ -32,7 +50,11 @@ def documented(site: Path) -> set[str]:
 
     with open(site / "objects.inv", "rb") as f:
         inventory = InventoryFile.load(f, "", lambda base, uri: uri)
-    return {name for kind in ("py:class", "py:exception", "py:function", "py:method", "py:attribute") for name in inventory.get(kind, {})}
+    return {
+        name
+        for kind in ("py:class", "py:exception", "py:function", "py:method", "py:attribute")
+        for name in inventory.get(kind, {})
+    }
 
 
 def public_names() -> set[str]:
@@ -43,9 +65,13 @@ def public_names() -> set[str]:
     names |= {f"edgc.integrations.{name}" for name in edgc.integrations.__all__}
     for sub in ("lightning", "torchft", "torchft_quorum", "diloco"):  # every public-looking name they define
         module = importlib.import_module(f"edgc.integrations.{sub}")
-        names |= {f"{module.__name__}.{name}" for name, value in vars(module).items()
-                  if not name.startswith("_") and (inspect.isclass(value) or inspect.isfunction(value))
-                  and value.__module__ == module.__name__}
+        names |= {
+            f"{module.__name__}.{name}"
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and (inspect.isclass(value) or inspect.isfunction(value))
+            and value.__module__ == module.__name__
+        }
     return names
 
 
@@ -71,8 +97,11 @@ def test_every_documented_class_explains_each_argument_of_its_constructor():
         else:
             text = (cls.__doc__ or "") + (cls.__init__.__doc__ or "" if "__init__" in vars(cls) else "")
             owner = next(c for c in cls.__mro__ if "__init__" in vars(c))
-            parameters = [p.name for p in list(inspect.signature(owner.__init__).parameters.values())[1:]
-                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            parameters = [
+                p.name
+                for p in list(inspect.signature(owner.__init__).parameters.values())[1:]
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]
             if owner is not cls and re.search(rf"`[\w.]*\b{owner.__name__}`", text):  # inherited: explained there
                 parameters = []
             missing = [p for p in parameters if f"``{p}``" not in text]
@@ -95,7 +124,9 @@ def test_the_configuration_page_lists_every_field_of_both_configs(site):
 
     page = (site / "configuration.html").read_text()
     for field in dataclasses.fields(EDGCConfig):
-        assert f"<code class=\"docutils literal notranslate\"><span class=\"pre\">{field.name}</span></code>" in page, field.name
+        assert f'<code class="docutils literal notranslate"><span class="pre">{field.name}</span></code>' in page, (
+            field.name
+        )
     for field in dataclasses.fields(TrainConfig):
         assert f"--{field.name.replace('_', '-')}" in page, field.name
 
@@ -104,7 +135,9 @@ def test_the_api_reference_explains_edgc_states_arguments(site):
     page = (site / "api.html").read_text()
     section = page.split('id="edgc.EDGCState"', 1)[1].split('id="edgc.edgc_hook"', 1)[0]
     for argument in ("process_group", "config", "model", "follower", "always_profile", "decision_group"):
-        assert f'<code class="docutils literal notranslate"><span class="pre">{argument}</span></code>' in section, argument
+        assert f'<code class="docutils literal notranslate"><span class="pre">{argument}</span></code>' in section, (
+            argument
+        )
 
 
 def test_wide_tables_scroll_sideways_on_every_page(site):
@@ -125,8 +158,11 @@ def github_anchors(page: Path) -> set[str]:
         if heading and not fenced:
             text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading.group(1)).replace("`", "")
             slug = github_slugify(text)
-            anchors.add(slug if slug not in anchors else next(f"{slug}-{i}" for i in range(1, 99)
-                                                              if f"{slug}-{i}" not in anchors))
+            anchors.add(
+                slug
+                if slug not in anchors
+                else next(f"{slug}-{i}" for i in range(1, 99) if f"{slug}-{i}" not in anchors)
+            )
     return anchors
 
 

@@ -35,12 +35,14 @@ def histc_samples():
     """Finite samples whose values sit on bin edges (multiples of 0.1, a linspace), at the range's
     ends (two values), or anywhere (normal, tiny, fp16 at GradScaler scale)."""
     generator = torch.Generator().manual_seed(5)
-    return [torch.randn(20_000, generator=generator),
-            torch.randint(-50, 50, (5000,), generator=generator).float() * 0.1,
-            torch.linspace(-1.0, 1.0, 3001),
-            torch.tensor([-2.0, 3.0]),
-            torch.randn(4000, generator=generator) * 1e-30,
-            (torch.randn(4000, generator=generator) * 8192).half().float()]
+    return [
+        torch.randn(20_000, generator=generator),
+        torch.randint(-50, 50, (5000,), generator=generator).float() * 0.1,
+        torch.linspace(-1.0, 1.0, 3001),
+        torch.tensor([-2.0, 3.0]),
+        torch.randn(4000, generator=generator) * 1e-30,
+        (torch.randn(4000, generator=generator) * 8192).half().float(),
+    ]
 
 
 @pytest.mark.parametrize("bins", [2, 7, 10, 1000])
@@ -129,8 +131,9 @@ def test_samples_are_taken_once_per_window_when_no_decision_reads_them():
     from edgc import EDGCConfig
     from edgc.entropy import EntropySampler
 
-    reads = EDGCConfig(total_steps=400, window=20, iteration_sample_ratio=0.2, rank_budget=4, r_max=8,
-                       budget_signal="entropy")
+    reads = EDGCConfig(
+        total_steps=400, window=20, iteration_sample_ratio=0.2, rank_budget=4, r_max=8, budget_signal="entropy"
+    )
     fixed = EDGCConfig(total_steps=400, window=20, iteration_sample_ratio=0.2, rank_budget=4, r_max=8)
     assert reads.decisions_read_samples and not fixed.decisions_read_samples
     assert [s for s in range(40) if EntropySampler(reads).due(s)] == [0, 5, 10, 15, 20, 25, 30, 35]
@@ -141,8 +144,9 @@ def test_samples_are_taken_once_per_window_when_no_decision_reads_them():
 def test_report_only_estimates_thin_a_large_sample_and_decision_samples_do_not():
     from edgc.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
 
-    reads = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, budget_signal="entropy",
-                       gradient_sample_ratio=0.5)
+    reads = EDGCConfig(
+        total_steps=400, window=20, rank_budget=4, r_max=8, budget_signal="entropy", gradient_sample_ratio=0.5
+    )
     fixed = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5)
     grad = torch.randn(3 * REPORT_SAMPLE_CAP) ** 3  # heavy tails: thinning shows in the estimate
     sample = grad[::2]
@@ -163,10 +167,18 @@ def test_report_only_samples_fold_the_cap_into_the_stride_once_the_step_size_is_
     resumed run samples the same elements; decision samples keep the plain β stride."""
     from edgc.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
 
-    fixed = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5,
-                       iteration_sample_ratio=1.0)
-    reads = EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5,
-                       iteration_sample_ratio=1.0, budget_signal="entropy")
+    fixed = EDGCConfig(
+        total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5, iteration_sample_ratio=1.0
+    )
+    reads = EDGCConfig(
+        total_steps=400,
+        window=20,
+        rank_budget=4,
+        r_max=8,
+        gradient_sample_ratio=0.5,
+        iteration_sample_ratio=1.0,
+        budget_signal="entropy",
+    )
     grads = [torch.randn(2 * REPORT_SAMPLE_CAP + 1) ** 3, torch.randn(REPORT_SAMPLE_CAP - 1) ** 3]  # odd sizes
     thinned = torch.cat([g[::4] for g in grads])  # 3·cap elements, β-sample 1.5·cap → every 2nd of it
     after_gathering = torch.cat([g[::2] for g in grads])[::2]  # the first step's: one bucket, no count yet
@@ -195,7 +207,9 @@ def test_report_only_samples_fold_the_cap_into_the_stride_once_the_step_size_is_
 
     deciding = EntropySampler(reads)
     for number in range(2):
-        assert step(deciding, number, one_bucket) == pytest.approx(histogram_entropy(torch.cat([g[::2] for g in grads])))
+        assert step(deciding, number, one_bucket) == pytest.approx(
+            histogram_entropy(torch.cat([g[::2] for g in grads]))
+        )
 
 
 def test_a_state_given_its_model_thins_even_its_first_report_sample():
@@ -206,4 +220,7 @@ def test_a_state_given_its_model_thins_even_its_first_report_sample():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
     state = EDGCState(None, EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8), model=model)
     assert state.sampler.elements_per_step == sum(p.numel() for p in model.parameters())
-    assert EDGCState(None, EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8)).sampler.elements_per_step is None
+    assert (
+        EDGCState(None, EDGCConfig(total_steps=400, window=20, rank_budget=4, r_max=8)).sampler.elements_per_step
+        is None
+    )

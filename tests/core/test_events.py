@@ -5,6 +5,7 @@ profiling verdict, the warm-up's end, each rank decision (the record `EDGCState.
 holds), a hand-set rank change, a non-finite step and a discarded one. Only a group's rank 0
 speaks unless the filter is removed.
 """
+
 import logging
 
 import pytest

@@ -5,6 +5,7 @@ The abort it prevents (gloo's worker thread dropping the last reference to a wor
 interpreter finalizes) is timing-dependent: 1 in 150 example runs on 2 busy cores. exit_race.py
 makes it near-certain for a run that ends without it (see its docstring).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def test_without_a_process_group_it_does_nothing():
 
 
 def test_its_work_is_kept_until_exit():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     try:
         before = len(comm._EXIT_BARRIERS)
         barrier_before_exit()
@@ -41,10 +43,23 @@ def test_its_work_is_kept_until_exit():
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling policies")
 def test_a_ddp_run_ending_with_it_exits_cleanly_while_gloo_threads_lag():
     script = Path(__file__).with_name("exit_race.py")
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), "edgc"], env={**env, "RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), "edgc"],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     try:
         outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     finally:

@@ -1,4 +1,5 @@
 """Bad input and failures: non-finite gradients, corrupt or mismatched state, dead peers, fuzzed configs."""
+
 import dataclasses
 import io
 import math
@@ -30,7 +31,11 @@ def inf_worker(rank, world_size, poison_step, steps):
         if step == poison_step and rank == 1:
             loss = loss * float("inf")  # one rank overflows
         if step == poison_step:
-            snapshots["before"] = {k: {n: t.clone() for n, t in v.items()} for k, v in state.compressor.state_dict().items() if k != "shapes"}
+            snapshots["before"] = {
+                k: {n: t.clone() for n, t in v.items()}
+                for k, v in state.compressor.state_dict().items()
+                if k != "shapes"
+            }
             snapshots["entropies"] = list(state.sampler.history)
         loss.backward()
         finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -41,8 +46,14 @@ def inf_worker(rank, world_size, poison_step, steps):
         if step == poison_step:
             snapshots["metrics"] = dict(state.last_step_metrics)  # reading them settles the step's values
             snapshots["after"] = state.compressor.state_dict()
-    return {"rank": rank, "params": flat_parameters(model), "skipped": skipped, "snapshots": snapshots,
-            "history": state.sampler.history, "phase": state.last_step_metrics["phase"]}
+    return {
+        "rank": rank,
+        "params": flat_parameters(model),
+        "skipped": skipped,
+        "snapshots": snapshots,
+        "history": state.sampler.history,
+        "phase": state.last_step_metrics["phase"],
+    }
 
 
 def test_inf_on_one_rank_reaches_every_optimizer_keeps_q_and_clears_residuals():
@@ -139,11 +150,15 @@ def test_resume_on_another_world_size_resets_only_error_feedback():
         fresh.load_state_dict(saved)
     assert fresh.compressor.error == {}
     assert fresh.step == saved["step"] and fresh.controller.schedule == saved["controller"]["schedule"]
-    assert fresh.sampler.history == saved["sampler"]["history"] and fresh.compressor.q.keys() == saved["compressor"]["q"].keys()
+    assert (
+        fresh.sampler.history == saved["sampler"]["history"]
+        and fresh.compressor.q.keys() == saved["compressor"]["q"].keys()
+    )
 
 
-@pytest.mark.parametrize("corrupt", ["not a dict", "format", "missing", "controller", "profiling", "shape",
-                                     "unknown name"])
+@pytest.mark.parametrize(
+    "corrupt", ["not a dict", "format", "missing", "controller", "profiling", "shape", "unknown name"]
+)
 def test_corrupt_or_mismatched_state_is_rejected_and_changes_nothing(corrupt):
     model, saved = small_state()
     name = next(iter(saved["compressor"]["error"]))
@@ -226,9 +241,14 @@ def test_a_state_that_cannot_name_parameters_warns_once():
 
 # ---------------------------------------------------------------------------- config fuzzing
 
-ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
-                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
-                      st.lists(st.integers(), max_size=2))
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -260,8 +280,13 @@ def half_wire_overflow_worker(rank, world_size):
     wire = LowRankCompressor(EDGCConfig(r_max=4, communication_dtype="float16"))
     overflow = torch.full((64, 64), 1e6)
     overflow_stats = wire.reduce(["w"], [overflow], 4, Communicator())
-    return (bool(stats.nonfinite), float(grad[0, 0]), bool(overflow_stats.nonfinite),
-            bool(torch.isnan(overflow).all()), sorted(compressor.q))
+    return (
+        bool(stats.nonfinite),
+        float(grad[0, 0]),
+        bool(overflow_stats.nonfinite),
+        bool(torch.isnan(overflow).all()),
+        sorted(compressor.q),
+    )
 
 
 def test_half_precision_wire_scales_factors_and_skips_a_step_that_still_overflows():

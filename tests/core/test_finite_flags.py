@@ -3,6 +3,7 @@
 fp16 gradients under a GradScaler are scaled by 2¹⁶, so a bucket's values add up past fp16's largest
 number (65,504) although every one of them is finite: a finiteness test by a sum in fp16 would flag
 (and NaN) such a step, and clear its error feedback."""
+
 import math
 
 import pytest
@@ -25,8 +26,9 @@ def scaled_fp16_step_worker(rank, world_size, min_compression_rate, poison):
     torch.manual_seed(0)
     model = nn.Linear(WIDTH, WIDTH).half()
     ddp = DDP(model)
-    config = EDGCConfig(r_max=4, adaptive=False, min_warmup_steps=0, warmup_error_test=False,
-                        min_compression_rate=min_compression_rate)
+    config = EDGCConfig(
+        r_max=4, adaptive=False, min_warmup_steps=0, warmup_error_test=False, min_compression_rate=min_compression_rate
+    )
     state = EDGCState(None, config, model=ddp)
     ddp.register_comm_hook(state, edgc_hook)
     inputs = torch.full((1, WIDTH), 1.0 + rank, dtype=torch.float16)
@@ -35,8 +37,13 @@ def scaled_fp16_step_worker(rank, world_size, min_compression_rate, poison):
     loss = ddp(inputs).float().sum() * (LOSS_SCALE / WIDTH)
     loss.backward()
     metrics = state.last_step_metrics
-    return {"nonfinite": metrics["nonfinite"], "phase": metrics["phase"], "ranks": metrics["ranks"],
-            "weight": model.weight.grad.clone(), "bias": model.bias.grad.clone()}
+    return {
+        "nonfinite": metrics["nonfinite"],
+        "phase": metrics["phase"],
+        "ranks": metrics["ranks"],
+        "weight": model.weight.grad.clone(),
+        "bias": model.bias.grad.clone(),
+    }
 
 
 @pytest.mark.parametrize("path,min_compression_rate", [("raw", 1000.0), ("compressed", 1.0)])

@@ -3,6 +3,7 @@
 One 4-process run per scenario family keeps the file fast on 2 cores: the worker trains a tiny
 model several ways and returns what the tests compare.
 """
+
 import io
 
 import pytest
@@ -17,9 +18,21 @@ from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
 
 VOCAB, WIDTH, SEQ = 64, 32, 8
 WARMUP_ONLY = dict(r_max=4, total_steps=1000, warmup_fraction=0.5, warmup_error_test=False, adaptive=False)
-COMPRESS = dict(r_max=4, r_min=2, rank_step=2, window=3, total_steps=20, warmup_fraction=0.1,
-                warmup_error_test=False, iteration_sample_ratio=1.0, gradient_sample_ratio=0.5,
-                min_compression_rate=1.0, rank_mapping="cqm", entropy_estimator="gaussian", cqm_mc_samples=1)
+COMPRESS = dict(
+    r_max=4,
+    r_min=2,
+    rank_step=2,
+    window=3,
+    total_steps=20,
+    warmup_fraction=0.1,
+    warmup_error_test=False,
+    iteration_sample_ratio=1.0,
+    gradient_sample_ratio=0.5,
+    min_compression_rate=1.0,
+    rank_mapping="cqm",
+    entropy_estimator="gaussian",
+    cqm_mc_samples=1,
+)
 
 
 class Block(nn.Module):
@@ -159,8 +172,10 @@ def conservation_worker(rank, world_size):
     def checked(names, tensors, *, last, blocking=True):
         if not tensors or state.controller.plan(state.step).rank is None:
             return original(names, tensors, last=last, blocking=blocking)
-        before = {n: t.detach().clone() + state.compressor.error.get(n, torch.zeros_like(t)).view_as(t)
-                  for n, t in zip(names, tensors)}
+        before = {
+            n: t.detach().clone() + state.compressor.error.get(n, torch.zeros_like(t)).view_as(t)
+            for n, t in zip(names, tensors)
+        }
         original(names, tensors, last=last)  # blocking: the average is checked right here
         for name, tensor in zip(names, tensors):
             expected = before[name].clone()
@@ -174,8 +189,11 @@ def conservation_worker(rank, world_size):
     state.reduce_tensors = checked
     log = []
     train(model, state, opt, 0, 6, log)
-    return {"worst": max(worst) if worst else None, "checked": len(worst),
-            "ef": {n: str(e.dtype) for n, e in state.compressor.error.items()}}
+    return {
+        "worst": max(worst) if worst else None,
+        "checked": len(worst),
+        "ef": {n: str(e.dtype) for n, e in state.compressor.error.items()},
+    }
 
 
 def bf16_worker(rank, world_size):
@@ -184,10 +202,13 @@ def bf16_worker(rank, world_size):
     model, state, opt = build(mesh, False, COMPRESS, mp_policy=policy)
     log = []
     train(model, state, opt, 0, 10, log)
-    return {"log": log, "replicas_identical": replicas_identical(model, mesh),
-            "ef_dtypes": {str(e.dtype) for e in state.compressor.error.values()},
-            "q_dtypes": {str(q.dtype) for q in state.compressor.q.values()},
-            "ranks": state.last_step_metrics["ranks"]}
+    return {
+        "log": log,
+        "replicas_identical": replicas_identical(model, mesh),
+        "ef_dtypes": {str(e.dtype) for e in state.compressor.error.values()},
+        "q_dtypes": {str(q.dtype) for q in state.compressor.q.values()},
+        "ranks": state.last_step_metrics["ranks"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -248,13 +269,22 @@ def test_bf16_reduce_dtype_with_fp32_factors():
 def profiling_worker(rank, world_size):
     """r_max not given: EDGC profiles it on the replicate group and decides; replicas agree."""
     mesh = hsdp_mesh(2)
-    config = {**COMPRESS, "r_max": None, "r_min": None, "profile_max_rank": 4, "profile_steps_per_rank": 1,
-              "total_steps": 30}
+    config = {
+        **COMPRESS,
+        "r_max": None,
+        "r_min": None,
+        "profile_max_rank": 4,
+        "profile_steps_per_rank": 1,
+        "total_steps": 30,
+    }
     model, state, opt = build(mesh, False, config)
     log = []
     train(model, state, opt, 0, 10, log)
-    return {"phases": [phase for *_, phase, _ in log], "r_max": state.controller.r_max,
-            "replicas_identical": replicas_identical(model, mesh)}
+    return {
+        "phases": [phase for *_, phase, _ in log],
+        "r_max": state.controller.r_max,
+        "replicas_identical": replicas_identical(model, mesh),
+    }
 
 
 def test_r_max_profiling_on_the_replicate_group():

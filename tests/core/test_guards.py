@@ -6,6 +6,7 @@ match DDP's, a ``model=`` that is not DDP's module, one state on two DDP models,
 before ``backward()``; and replicas whose shared state differs (one rank's Q perturbed) raise at the
 window's end, naming the field.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,15 +48,19 @@ def late_group(rank: int, world_size: int, port: int) -> dict:
     """The issue's script: the state first, then the process group, DDP and register_comm_hook."""
     dist.destroy_process_group()  # the harness's group: this state is built with none
     state = EDGCState(process_group=None, config=EDGCConfig.static(4, **STATIC))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+    )
     model = DDP(mlp())
     model.register_comm_hook(state, edgc_hook)
     train(model, rank, 6)
     gathered = [torch.empty_like(flat_parameters(model)) for _ in range(world_size)]
     dist.all_gather(gathered, flat_parameters(model))
-    return {"identical": all(torch.equal(gathered[0], other) for other in gathered),
-            "world_size": state.comm.world_size, "phase": state.last_step_metrics["phase"]}
+    return {
+        "identical": all(torch.equal(gathered[0], other) for other in gathered),
+        "world_size": state.comm.world_size,
+        "phase": state.last_step_metrics["phase"],
+    }
 
 
 def misuses(rank: int, world_size: int) -> dict:
@@ -98,8 +103,11 @@ def diverged(rank: int, world_size: int) -> dict:
 
 
 def worker(rank: int, world_size: int, port: int) -> dict:
-    return {"late_group": late_group(rank, world_size, port), "misuses": misuses(rank, world_size),
-            "diverged": diverged(rank, world_size)}
+    return {
+        "late_group": late_group(rank, world_size, port),
+        "misuses": misuses(rank, world_size),
+        "diverged": diverged(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +120,15 @@ def test_a_state_built_before_the_process_group_binds_it_and_the_replicas_stay_i
         assert out["late_group"] == {"identical": True, "world_size": 2, "phase": "compress"}
 
 
-@pytest.mark.parametrize("case, words", [
-    ("group", ("averages over global ranks", "its DDP model over [0, 1]", "process_group=ddp_model.process_group")),
-    ("model", ("not in its model=",)),
-    ("twice", ("one state serves one DDP model",)),
-    ("before_backward", ("synchronize() found no gradient", "after loss.backward()")),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("group", ("averages over global ranks", "its DDP model over [0, 1]", "process_group=ddp_model.process_group")),
+        ("model", ("not in its model=",)),
+        ("twice", ("one state serves one DDP model",)),
+        ("before_backward", ("synchronize() found no gradient", "after loss.backward()")),
+    ],
+)
 def test_each_misuse_ends_in_one_line_on_every_rank(results, case, words):
     lines = [out["misuses"][case] for out in results]
     for line in lines:

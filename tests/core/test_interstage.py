@@ -1,4 +1,5 @@
 """edgc.interstage: compressed activation gradients between pipeline stages (Optimus-CC's CB + LEP)."""
+
 from __future__ import annotations
 
 import pytest

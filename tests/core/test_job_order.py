@@ -2,6 +2,7 @@
 collective) are queued before the job before it waits for that collective, on DDP's path and on
 FSDP2's; where FSDP2 reads the buffer right after its hook (a bf16 buffer it casts), each group's
 job must end inside the hook instead."""
+
 import types
 
 import pytest
@@ -18,8 +19,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from edgc import EDGCConfig, EDGCState
 from edgc.fsdp import hsdp_mesh
 
-STATIC = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000,
-              min_compression_rate=1.0)
+STATIC = dict(
+    r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000, min_compression_rate=1.0
+)
 
 
 def logging_jobs(state) -> list[list[tuple[str, int]]]:
@@ -72,14 +74,18 @@ def ddp_worker(rank, world_size, steps):
 
 
 def test_ddp_jobs_overlap():
-    result, = run_distributed(ddp_worker, 1, 4)
+    (result,) = run_distributed(ddp_worker, 1, 4)
     compressed = [log for step, _, log in result if step >= 2]
     assert len(compressed) == 2 and all(overlapped(log) for log in compressed), compressed
 
 
 def fsdp_worker(rank, world_size, reduce_dtype, steps):
-    model, state, optimizer = fsdp_build(hsdp_mesh(1), False, dict(COMPRESS, warmup_fraction=0.0, min_warmup_steps=1),
-                                         mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
+    model, state, optimizer = fsdp_build(
+        hsdp_mesh(1),
+        False,
+        dict(COMPRESS, warmup_fraction=0.0, min_warmup_steps=1),
+        mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+    )
     logs = logging_jobs(state)
     for step in range(steps):
         tokens, targets = fsdp_batch(rank, step)
@@ -93,7 +99,7 @@ def fsdp_worker(rank, world_size, reduce_dtype, steps):
 
 @pytest.mark.parametrize("reduce_dtype,overlaps", [(torch.float32, True), (torch.bfloat16, False)])
 def test_fsdp_jobs_overlap_unless_fsdp_reads_the_buffer_after_its_hook(reduce_dtype, overlaps):
-    (logs, phases), = run_distributed(fsdp_worker, 1, reduce_dtype, 3)
+    ((logs, phases),) = run_distributed(fsdp_worker, 1, reduce_dtype, 3)
     assert phases == ["compress"], phases
     last = logs[-1][1]
     assert overlapped(last) == overlaps, last

@@ -1,5 +1,6 @@
 """The source tree's shape: no import circles, every package's docstring names its modules, and one
 place builds process groups by hand. Read from the source with `ast` (nothing is imported)."""
+
 from __future__ import annotations
 
 import ast
@@ -43,7 +44,9 @@ def imports_of(name: str, path: Path) -> set[str]:
                     found.add(f"{source}.{alias.name}")
                 elif source in MODULES:
                     found.add(source)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+        elif (
+            isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        ):
             found |= {arg.value for arg in node.args if isinstance(arg, ast.Constant) and arg.value in MODULES}
             found |= dynamic_names
     found.discard(name)
@@ -103,15 +106,18 @@ def layer(module: str) -> int:
 
 
 def test_no_import_runs_up_the_layers():
-    upward = sorted((name, dep) for name, path in MODULES.items() for dep in imports_of(name, path)
-                    if layer(dep) > layer(name))
+    upward = sorted(
+        (name, dep) for name, path in MODULES.items() for dep in imports_of(name, path) if layer(dep) > layer(name)
+    )
     assert upward == [], upward
 
 
 def test_an_import_module_call_with_a_literal_name_is_an_import(tmp_path, monkeypatch):
     path = tmp_path / "m.py"
-    path.write_text("import importlib\nTOOLS = {'a': 'edgc_train.cli'}\n"
-                    "def f(name):\n    importlib.import_module(name)\n    return importlib.import_module('edgc.state')\n")
+    path.write_text(
+        "import importlib\nTOOLS = {'a': 'edgc_train.cli'}\n"
+        "def f(name):\n    importlib.import_module(name)\n    return importlib.import_module('edgc.state')\n"
+    )
     assert imports_of("edgc_probe", path) == {"edgc_train.cli", "edgc.state"}
     assert layer("edgc_cli.main") > layer("edgc_experiments.cli") > layer("edgc_cli.errors") > layer("edgc.state")
 
@@ -138,8 +144,10 @@ def test_every_package_docstring_names_exactly_its_modules():
 
 
 def calls_new_group(path: Path) -> bool:
-    return any(isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "new_group"
-               for node in ast.walk(ast.parse(path.read_text())))
+    return any(
+        isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "new_group"
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
 
 
 def test_process_groups_are_built_in_one_place():
@@ -154,8 +162,11 @@ def test_the_layout_page_names_every_module_under_its_package():
     for init in SRC.glob("*/__init__.py"):
         package = init.parent
         bullet = bullets.get(f"src/{package.name}/", "")
-        missing = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
-                         if p.name != "__init__.py" and f"`{p.name}`" not in bullet)
+        missing = sorted(
+            str(p.relative_to(package))
+            for p in package.rglob("*.py")
+            if p.name != "__init__.py" and f"`{p.name}`" not in bullet
+        )
         assert not missing, f"docs/layout.md's bullet for src/{package.name}/ does not name {missing}"
 
 
@@ -163,6 +174,10 @@ def test_the_harness_lists_its_modules_in_import_order():
     """edgc_train's docstring promises that each module imports only modules listed below it."""
     doc = ast.get_docstring(ast.parse((SRC / "edgc_train" / "__init__.py").read_text()))
     position = {f"edgc_train.{m}": i for i, m in enumerate(re.findall(r"^\s+(\w+)\.py", doc, re.M))}
-    upward = [(m, dep) for m, i in position.items() for dep in imports_of(m, MODULES[m])
-              if position.get(dep, len(position)) < i]
+    upward = [
+        (m, dep)
+        for m, i in position.items()
+        for dep in imports_of(m, MODULES[m])
+        if position.get(dep, len(position)) < i
+    ]
     assert not upward, upward

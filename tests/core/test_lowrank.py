@@ -53,8 +53,10 @@ def test_batched_engine_computes_per_matrix_powersgd_on_tall_and_wide_matrices()
     rank = 4
     compressor = LowRankCompressor(EDGCConfig(r_max=rank))
     generator = torch.Generator().manual_seed(3)
-    q = {name: torch.randn(math.prod(shape[1:]), rank, generator=generator, dtype=torch.float64)
-         for name, shape in shapes.items()}
+    q = {
+        name: torch.randn(math.prod(shape[1:]), rank, generator=generator, dtype=torch.float64)
+        for name, shape in shapes.items()
+    }
     compressor.q.update({name: value.clone() for name, value in q.items()})
     error = {name: torch.zeros(shape[0], math.prod(shape[1:]), dtype=torch.float64) for name, shape in shapes.items()}
     for _ in range(4):
@@ -67,15 +69,19 @@ def test_batched_engine_computes_per_matrix_powersgd_on_tall_and_wide_matrices()
         compressor.reduce(list(grads), list(grads.values()), rank, Communicator())
         for name, grad in grads.items():
             torch.testing.assert_close(grad.reshape(expected[name].shape), expected[name], rtol=0, atol=1e-9)
-            torch.testing.assert_close(compressor.error[name].reshape(error[name].shape), error[name], rtol=0, atol=1e-9)
+            torch.testing.assert_close(
+                compressor.error[name].reshape(error[name].shape), error[name], rtol=0, atol=1e-9
+            )
 
 
 def test_a_step_without_gradient_does_not_stall_the_power_iteration():
     # A zero gradient leaves Q = Mᵀ·P = 0, and a zero Q would stay zero for ever; its rows restart.
     compressor = LowRankCompressor(EDGCConfig(r_max=4, error_feedback=False))
     low_rank = torch.randn(24, 2, dtype=torch.float64) @ torch.randn(2, 80, dtype=torch.float64)
-    for grad, expected in ((torch.zeros(24, 80, dtype=torch.float64), torch.zeros(24, 80, dtype=torch.float64)),
-                           (low_rank.clone(), low_rank)):
+    for grad, expected in (
+        (torch.zeros(24, 80, dtype=torch.float64), torch.zeros(24, 80, dtype=torch.float64)),
+        (low_rank.clone(), low_rank),
+    ):
         compressor.reduce(["w"], [grad], 4, Communicator())
         torch.testing.assert_close(grad, expected, rtol=0, atol=1e-9)  # rank 2 ≤ 4: one step is exact
     assert compressor.q["w"].norm() > 0
@@ -98,8 +104,9 @@ def test_orthogonalize_handles_all_zero_columns():
         orthogonalize_(matrices)
         assert torch.isfinite(matrices).all()
         orthonormal = orthogonalize_(torch.randn(2, 10, rank))
-        torch.testing.assert_close(orthonormal.transpose(1, 2) @ orthonormal, torch.eye(rank).expand(2, -1, -1),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            orthonormal.transpose(1, 2) @ orthonormal, torch.eye(rank).expand(2, -1, -1), atol=1e-5, rtol=0
+        )
 
 
 def ill_conditioned_rows(batch: int, rank: int, side: int, condition: float) -> torch.Tensor:
@@ -123,7 +130,9 @@ def test_weak_directions_come_out_orthonormal_not_shrunk(condition, householder)
     orthonormalize_blocks_(flat, blocks, method="householder" if householder else "cholesky2-fp64")
     for block in blocks:
         view = block.view(flat)
-        torch.testing.assert_close(view @ view.transpose(-1, -2), torch.eye(8).expand(len(view), -1, -1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            view @ view.transpose(-1, -2), torch.eye(8).expand(len(view), -1, -1), atol=1e-6, rtol=0
+        )
 
 
 def test_the_accelerators_kernels_give_the_cpus_averages_and_error_feedback():
@@ -150,7 +159,9 @@ class FlatBlock:
         self.offset, self.count, self.rank, self.side = offset, count, rank, side
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.offset:self.offset + self.count * self.rank * self.side].view(self.count, self.rank, self.side)
+        return flat[self.offset : self.offset + self.count * self.rank * self.side].view(
+            self.count, self.rank, self.side
+        )
 
 
 def test_q_resize_truncates_or_extends_identically_everywhere():

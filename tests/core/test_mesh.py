@@ -1,6 +1,7 @@
 """`edgc.mesh`: one DeviceMesh for every group; the library takes its dimensions where it takes groups.
 
 4 gloo processes; each check is a collective on the mesh's groups."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,6 @@ def test_one_mesh_builds_every_group_and_the_library_takes_its_dimensions():
     assert [r.get("ends_sum") for r in results] == [3.0, None, None, 3.0]
 
 
-
 def _shard_decisions(rank: int, world: int, agree_over_stage: bool) -> dict:
     """TP 2 × DP 2 with two shards that see different gradients: TP shard 0's a fixed matrix, whose
     warm-up error test passes at its second check, TP shard 1's zeros, whose test never can."""
@@ -74,8 +74,17 @@ def _shard_decisions(rank: int, world: int, agree_over_stage: bool) -> dict:
     mesh = init_parallel_mesh("cpu", tp=2)
     stage = group_across(mesh, ("dp_replicate", "tp"))  # here: all four ranks
     sizes = {"stage": dist.get_world_size(stage), "dp_tp": dist.get_world_size(group_across(mesh, ("dp_replicate",)))}
-    config = edgc.EDGCConfig(r_max=4, r_min=4, window=2, total_steps=20, warmup_fraction=0.1, max_warmup_fraction=0.5,
-                             min_warmup_steps=2, warmup_error_test=True, adaptive=False)
+    config = edgc.EDGCConfig(
+        r_max=4,
+        r_min=4,
+        window=2,
+        total_steps=20,
+        warmup_fraction=0.1,
+        max_warmup_fraction=0.5,
+        min_warmup_steps=2,
+        warmup_error_test=True,
+        adaptive=False,
+    )
     state = edgc.EDGCState(mesh["dp_replicate"], config, decision_group=stage if agree_over_stage else None)
     tp_rank = mesh.get_coordinate()[3]
     weight = nn.Parameter(torch.zeros(32, 16))

@@ -4,6 +4,7 @@ cuSOLVER (like LAPACK) leaves a finite, partial factor when a Cholesky factorisa
 solved against it come out finite and not orthonormal; only ``cholesky_ex``'s info tells. Here a
 failure is injected through that info, as a device would report it, on a factor that is itself
 fine: the engine must act on the info, not on what the factor looks like."""
+
 import pytest
 import torch
 from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads

@@ -1,6 +1,7 @@
 """DiLoCo's quantised outer sync (`edgc.outer_sync`): bit packing, the bytes on the wire, the rounding
 error, error-feedback conservation, the registry's names, and what decay and heal do to a state's
 error feedback; two gloo processes end with the same average."""
+
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from edgc.sync_methods import sync_method
 @pytest.mark.parametrize("bits", range(2, 9))
 def test_pack_round_trips_and_takes_bits_per_value(bits):
     n = 8 * 13 + 5  # not a multiple of 8
-    codes = torch.randint(0, 2 ** bits, (n,), generator=torch.Generator().manual_seed(bits))
+    codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(bits))
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8) * bits
     assert torch.equal(unpack(packed, bits, n), codes)
@@ -37,8 +38,12 @@ def test_quantised_sync_counts_its_bytes_rounds_to_the_nearest_level_and_conserv
     assert residual.abs().max() <= step / 2 + 1e-6  # nearest of the levels (the chunk scales are ≤ the max)
     # the next step adds the residual back
     again = reduce(state, [torch.zeros_like(g) for g in grads])
-    assert torch.allclose(torch.cat([o.reshape(-1) for o in again]) + torch.cat(
-        [state.error[f"p{i}"].reshape(-1) for i in range(len(grads))]), residual, atol=1e-6)
+    assert torch.allclose(
+        torch.cat([o.reshape(-1) for o in again])
+        + torch.cat([state.error[f"p{i}"].reshape(-1) for i in range(len(grads))]),
+        residual,
+        atol=1e-6,
+    )
 
 
 def test_registered_outer_sync_methods_build_with_their_bits():
@@ -98,7 +103,7 @@ def test_allocation_spends_the_budget_where_a_byte_removes_the_most_error():
     from edgc.outer_alloc import CANDIDATES, allocate
 
     sizes = [4096, 4096]
-    quiet = [4.0 ** -b for b in CANDIDATES]  # error ∝ 4^-bits: each bit removes 3/4 of what is left
+    quiet = [4.0**-b for b in CANDIDATES]  # error ∝ 4^-bits: each bit removes 3/4 of what is left
     loud = [100 * e for e in quiet]
     budget = sum(s / 8 * 3 + 4 * s / 256 for s in sizes)  # 3 bits per value on average
     bits = allocate([loud, quiet], sizes, 256, budget)
@@ -120,5 +125,6 @@ def test_allocated_sync_stays_within_its_budget_and_conserves():
     assert metrics["bytes_sent"] <= sum(math.ceil(n / 8) * 3 + 4 * math.ceil(n / 64) for n in sizes)
     assert metrics["bits"]["p2"] > 3 > metrics["bits"]["p0"]
     residual = torch.cat([state.error[f"p{i}"].reshape(-1) for i in range(len(grads))])
-    assert torch.allclose(torch.cat([o.reshape(-1) for o in out]) + residual,
-                          torch.cat([g.reshape(-1) for g in grads]), atol=1e-4)
+    assert torch.allclose(
+        torch.cat([o.reshape(-1) for o in out]) + residual, torch.cat([g.reshape(-1) for g in grads]), atol=1e-4
+    )

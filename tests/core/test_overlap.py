@@ -1,5 +1,6 @@
 """The non-blocking hook: fixed collective order with many buckets, Futures that complete after the
 hook returns, at most one host read per step, and the engine defects found in review."""
+
 import pytest
 import torch
 from distributed_harness import run_distributed
@@ -31,8 +32,13 @@ def many_buckets_worker(rank, world_size, bucket_cap_mb, steps):
     model, ddp, state, optimizer, calls = build(ADAPTIVE, bucket_cap_mb)
     collectives: list[int] = []
     log = train(rank, ddp, state, optimizer, calls, 0, steps, collectives)
-    return {"params": flat_parameters(model), "log": log, "calls": calls, "collectives": collectives,
-            "schedule": state.controller.schedule}
+    return {
+        "params": flat_parameters(model),
+        "log": log,
+        "calls": calls,
+        "collectives": collectives,
+        "schedule": state.controller.schedule,
+    }
 
 
 @pytest.mark.parametrize("world_size,bucket_cap_mb", [(2, 1), (4, 1), (2, 0.02)])
@@ -49,8 +55,15 @@ def test_small_buckets_keep_replicas_identical_and_every_rank_on_the_same_ranks(
 
 
 def overlap_worker(rank, world_size, steps, read_metrics=True):
-    static = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2,
-                  window=1000, min_compression_rate=1.0)
+    static = dict(
+        r_max=4,
+        r_min=4,
+        adaptive=False,
+        warmup_error_test=False,
+        min_warmup_steps=2,
+        window=1000,
+        min_compression_rate=1.0,
+    )
     model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.05)
     state = EDGCState(None, EDGCConfig(**static), model=ddp)
     done_at_return: list[list[bool]] = []
@@ -93,8 +106,13 @@ def overlap_worker(rank, world_size, steps, read_metrics=True):
             syncs.append((counted["to_host"], counted["synchronize"]))
     finally:  # the process runs later tests (distributed_harness)
         edgc.timing.to_host, edgc.timing.synchronize = original_to_host, original_sync
-    return {"done": done_at_return, "reads": reads, "syncs": syncs, "phases": state.controller.schedule,
-            "params": flat_parameters(model)}
+    return {
+        "done": done_at_return,
+        "reads": reads,
+        "syncs": syncs,
+        "phases": state.controller.schedule,
+        "params": flat_parameters(model),
+    }
 
 
 def test_hook_returns_before_the_bucket_is_averaged_and_reads_the_host_once_per_step():
@@ -143,8 +161,14 @@ def test_a_layer_without_gradient_recovers_at_low_rank():
 def test_profiling_frees_its_q_factors_when_it_ends():
     from edgc.plans import PROFILE
 
-    config = EDGCConfig(r_max=None, profile_max_rank=4, profile_steps_per_rank=1, window=2,
-                        warmup_error_test=False, min_compression_rate=1.0)
+    config = EDGCConfig(
+        r_max=None,
+        profile_max_rank=4,
+        profile_steps_per_rank=1,
+        window=2,
+        warmup_error_test=False,
+        min_compression_rate=1.0,
+    )
     state = EDGCState(None, config)
     layer = torch.nn.Linear(32, 32)
     for _ in range(12):
@@ -156,8 +180,15 @@ def test_profiling_frees_its_q_factors_when_it_ends():
 
 
 def raw_bias_inf_worker(rank, world_size):
-    config = dict(r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000,
-                  min_compression_rate=1.0)
+    config = dict(
+        r_max=4,
+        r_min=4,
+        adaptive=False,
+        warmup_error_test=False,
+        min_warmup_steps=2,
+        window=1000,
+        min_compression_rate=1.0,
+    )
     model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.0005)  # one parameter per bucket
     state = EDGCState(None, EDGCConfig(**config), model=ddp)
     ddp.register_comm_hook(state, edgc_hook)
@@ -215,5 +246,5 @@ def world_of_one_worker(rank, world_size):
 
 def test_a_world_of_one_with_a_process_group_issues_its_collectives():
     """As DDP does: a one-GPU NCCL run then goes through NCCL's streams and Work.wait (tests/gpu)."""
-    (issued, averaged, world), = run_distributed(world_of_one_worker, 1)
+    ((issued, averaged, world),) = run_distributed(world_of_one_worker, 1)
     assert (issued, world) == (1, 1) and torch.equal(averaged, torch.ones(3))

@@ -1,4 +1,5 @@
 """StageAligner protocol on 2 processes = 2 pipeline stages (DP 1), no real pipeline compute."""
+
 import contextlib
 import math
 
@@ -11,9 +12,21 @@ from edgc import EDGCConfig, EDGCState
 from edgc.pipeline import StageAligner
 from edgc_bench.stream_check import StreamChecker
 
-CONFIG = dict(r_max=8, r_min=2, window=4, total_steps=40, warmup_fraction=0.1, warmup_error_test=False,
-              profile_max_rank=8, profile_steps_per_rank=1, iteration_sample_ratio=1.0, min_compression_rate=0.5,
-              rank_mapping="cqm", entropy_estimator="gaussian", cqm_mc_samples=1)
+CONFIG = dict(
+    r_max=8,
+    r_min=2,
+    window=4,
+    total_steps=40,
+    warmup_fraction=0.1,
+    warmup_error_test=False,
+    profile_max_rank=8,
+    profile_steps_per_rank=1,
+    iteration_sample_ratio=1.0,
+    min_compression_rate=0.5,
+    rank_mapping="cqm",
+    entropy_estimator="gaussian",
+    cqm_mc_samples=1,
+)
 
 
 def aligner_worker(rank, world_size, steps, follower_backward_time, checked=False):
@@ -39,7 +52,9 @@ def aligner_worker(rank, world_size, steps, follower_backward_time, checked=Fals
 
 
 def test_follower_adopts_the_aligned_rank_from_the_leaders_window_boundary():
-    (leader, leader_schedule, plan0), (follower, follower_schedule, plan1) = run_distributed(aligner_worker, 2, 20, 10.0)
+    (leader, leader_schedule, plan0), (follower, follower_schedule, plan1) = run_distributed(
+        aligner_worker, 2, 20, 10.0
+    )
     assert plan0 == plan1  # both stages computed the same alignment from the same shared numbers
     assert leader_schedule[0][1] == 8 and len({r for _, r in leader_schedule}) >= 2  # stage 0 adapts
     # A huge slack (t_b = 10 s) lets stage 1 sync uncompressed once stage 0 compresses.

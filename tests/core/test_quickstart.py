@@ -1,5 +1,6 @@
 """The getting-started page's script runs as written (2 processes under torchrun, CPU), logs the
 decisions the page quotes, and the landing page shows lines of that same script."""
+
 import re
 import subprocess
 import sys
@@ -25,10 +26,26 @@ def quickstart() -> str:
 def ran(tmp_path_factory):
     folder = tmp_path_factory.mktemp("quickstart")
     (folder / "quickstart.py").write_text(quickstart())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",  # = torchrun
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "quickstart.py"]
-    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=240,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",  # = torchrun
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "quickstart.py",
+    ]
+    return subprocess.run(
+        command,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def test_the_script_runs_as_written_and_compresses(ran):

@@ -31,8 +31,15 @@ def test_delta_mapping_respects_bounds_and_step_limit(entropies, per_window, r_m
 @settings(max_examples=100, deadline=None)
 @given(drop=st.floats(-0.5, 0.5), previous=st.integers(4, 16), step_limit=st.integers(1, 6))
 def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
-    config = EDGCConfig(r_max=16, r_min=4, rank_mapping="cqm", rank_step=step_limit, window=4,
-                        iteration_sample_ratio=1.0, cqm_mc_samples=1)
+    config = EDGCConfig(
+        r_max=16,
+        r_min=4,
+        rank_mapping="cqm",
+        rank_step=step_limit,
+        window=4,
+        iteration_sample_ratio=1.0,
+        cqm_mc_samples=1,
+    )
     controller = WindowController(config)
     controller.rank = previous
     entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
@@ -111,13 +118,22 @@ SYNC_TIMES = {2: 0.2, 4: 0.3, 8: 0.5, 16: 0.9, 32: 1.7, 64: 3.3}  # s; the plain
 def measured(plan, exposed=0.6):
     """What a group measures: the candidate's time; the plain sync's where the plan times it
     (blocking), and in the quick test the host's wait for it after backward (``exposed`` s)."""
-    return Agreed(SYNC_TIMES.get(plan.profile_rank, math.nan), 1.0 if plan.profile_raw else math.nan,
-                  uncompressed_bound=exposed if plan.profile_bound else math.nan)
+    return Agreed(
+        SYNC_TIMES.get(plan.profile_rank, math.nan),
+        1.0 if plan.profile_raw else math.nan,
+        uncompressed_bound=exposed if plan.profile_bound else math.nan,
+    )
 
 
 def test_profiling_goes_down_from_the_top_to_the_first_rank_that_pays_then_warms_up():
-    config = EDGCConfig(profile_max_rank=64, profile_steps_per_rank=2, window=5, total_steps=100,
-                        warmup_error_test=False, warmup_fraction=0.2)
+    config = EDGCConfig(
+        profile_max_rank=64,
+        profile_steps_per_rank=2,
+        window=5,
+        total_steps=100,
+        warmup_error_test=False,
+        warmup_fraction=0.2,
+    )
     controller, plans = run_controller(config, 40, measured)
     assert plans[1].profile_bound and plans[1].profile_rank == 64 and plans[1].decision  # the quick test
     assert not any(p.profile_bound for p in plans[2:])  # 3.3 s > the 0.6 s wait proves nothing: full timing
@@ -217,13 +233,21 @@ def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times()
     controller, _ = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))
     verdict = controller.profiling_verdict()
     # from the top down, no rank pays: every candidate was tried
-    assert verdict == {"status": "off", "r_max": None, "uncompressed_s": 1.0, "uncompressed_is_bound": False,
-                       "compressed_s": {2: 2.0, 4: 2.0, 8: 2.0}}
+    assert verdict == {
+        "status": "off",
+        "r_max": None,
+        "uncompressed_s": 1.0,
+        "uncompressed_is_bound": False,
+        "compressed_s": {2: 2.0, 4: 2.0, 8: 2.0},
+    }
     line = describe_profiling_verdict(verdict)
     assert "OFF" in line and "all-reduce 1000.00 ms" in line and "r_max=16 in EDGCConfig" in line and "\n" not in line
     # A single candidate proved by the quick test sits at the floor; the plain time shown is a bound.
-    floor, _ = run_controller(EDGCConfig(profile_max_rank=2, warmup_error_test=False, total_steps=100), 4,
-                              lambda plan: Agreed(0.2, uncompressed_bound=0.5 if plan.profile_bound else math.nan))
+    floor, _ = run_controller(
+        EDGCConfig(profile_max_rank=2, warmup_error_test=False, total_steps=100),
+        4,
+        lambda plan: Agreed(0.2, uncompressed_bound=0.5 if plan.profile_bound else math.nan),
+    )
     assert floor.profiling_verdict()["status"] == "floor"
     assert "uncompressed all-reduce ≥ 500.00 ms/step" in describe_profiling_verdict(floor.profiling_verdict())
     on, _ = run_controller(EDGCConfig(r_max=8, warmup_error_test=False), 10, lambda plan: Agreed())

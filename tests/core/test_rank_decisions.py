@@ -4,6 +4,7 @@ Each stream draws a fresh Gaussian "gradient" every sampled step; its scale sets
 (½·ln(2πeσ²)), the draw supplies the sample-to-sample noise. The controller runs exactly as in
 `EDGCState` (plan → propose → apply), fed the Gaussian entropy of each sampled gradient.
 """
+
 import math
 
 import pytest
@@ -20,7 +21,8 @@ SHAPES = [(256, 256), (256, 1024), (1024, 256)]
 
 
 def drive(config, scale_at, steps, seed=0, elements=2048, errors=None):
-    """Run the controller for ``steps``; ``scale_at(step)`` is the gradient scale. Returns (controller, ranks per window)."""
+    """Run the controller for ``steps``; ``scale_at(step)`` is the gradient scale. Returns (controller, ranks per "
+    "window)."""
     generator = torch.Generator().manual_seed(seed)
     controller = WindowController(config)
     values, sample_steps, ranks = [], [], []
@@ -37,8 +39,16 @@ def drive(config, scale_at, steps, seed=0, elements=2048, errors=None):
 
 
 def config(**overrides):
-    values = dict(r_max=32, r_min=8, window=20, iteration_sample_ratio=0.5, rank_mapping="cqm",
-                  warmup_error_test=False, min_warmup_steps=0, cqm_mc_samples=1)
+    values = dict(
+        r_max=32,
+        r_min=8,
+        window=20,
+        iteration_sample_ratio=0.5,
+        rank_mapping="cqm",
+        warmup_error_test=False,
+        min_warmup_steps=0,
+        cqm_mc_samples=1,
+    )
     return EDGCConfig(**{**values, **overrides})
 
 
@@ -122,8 +132,18 @@ def cqm_worker(rank, world_size, steps):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
-    cfg = EDGCConfig(r_max=16, r_min=4, rank_step=4, window=10, iteration_sample_ratio=1.0, rank_mapping="cqm",
-                     warmup_error_test=False, min_warmup_steps=0, cqm_mc_samples=1, min_compression_rate=1.0)
+    cfg = EDGCConfig(
+        r_max=16,
+        r_min=4,
+        rank_step=4,
+        window=10,
+        iteration_sample_ratio=1.0,
+        rank_mapping="cqm",
+        warmup_error_test=False,
+        min_warmup_steps=0,
+        cqm_mc_samples=1,
+        min_compression_rate=1.0,
+    )
     state = EDGCState(None, cfg, model=model)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank sees its own noise
     for step in range(steps):

@@ -1,6 +1,7 @@
 """The README is a front page: short, with install, the hook, the integrations and one result near
 the top, and no generated block but the results summary (copied from the results pages) and the GPU
 block."""
+
 import re
 import subprocess
 import sys
@@ -31,8 +32,9 @@ def test_no_generated_block_but_the_summary_and_the_gpu_one():
 
 
 def test_the_results_summary_is_the_one_the_script_copies_from_the_results_pages():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_summary.py"), "--check"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "results_summary.py"), "--check"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 

@@ -7,6 +7,7 @@ freed while another stream may use it, and no host synchronisation from the libr
 end (its device values), FSDP2's bf16 reduce buffer, a resume and a heal (state loaded between
 steps), DiLoCo's delayed fragment sync (issued from a worker thread, with blocking copies).
 """
+
 import io
 import threading
 
@@ -54,8 +55,12 @@ def checked(run) -> dict:
     """``run(checker)`` under a checker; what it found, as plain data."""
     with StreamChecker() as checker:
         out = run(checker)
-    return {**out, "races": checker.races, "host_syncs": [str(s) for s in checker.host_syncs],
-            "report": checker.report()}
+    return {
+        **out,
+        "races": checker.races,
+        "host_syncs": [str(s) for s in checker.host_syncs],
+        "report": checker.report(),
+    }
 
 
 def ddp_worker(rank, world_size, steps):
@@ -68,7 +73,7 @@ def test_ddp_hook_steps_are_ordered_and_never_wait_for_the_device():
     """Warm-up, r_max profiling and compressed steps at moving ranks, measured errors included: the
     step's device values are packed and copied on the jobs' stream, never read on another (a
     device value cast on the compute stream and stacked on the side stream raced)."""
-    result, = run_distributed(ddp_worker, 1, 12, timeout=600)
+    (result,) = run_distributed(ddp_worker, 1, 12, timeout=600)
     assert "compress" in result["phases"] and "warmup" in result["phases"], result["phases"]
     assert result["races"] == [], result["report"]
     assert result["syncs_per_step"] == [0] * 12, result["report"]
@@ -103,7 +108,7 @@ def test_fsdp_reduce_buffer_outlives_its_use(reduce_dtype):
     the jobs' stream): without ``record_stream`` the next group's reduce-scatter may reuse it while
     Ĝ is still being written into it. In fp32 the jobs go on after the hook (`edgc.fsdp`), and
     the step's close orders the optimizer after them."""
-    result, = run_distributed(fsdp_worker, 1, 8, reduce_dtype, timeout=600)
+    (result,) = run_distributed(fsdp_worker, 1, 8, reduce_dtype, timeout=600)
     assert "compress" in result["phases"], result["phases"]
     assert result["races"] == [], result["report"]
     assert result["syncs_per_step"] == [0] * 8, result["report"]
@@ -139,7 +144,7 @@ def test_state_loaded_between_steps_stays_alive_until_the_jobs_stream_is_done_wi
     """Q and error feedback loaded from a checkpoint or a peer are read by the jobs' stream and
     replaced there (the arenas): memory the compute stream allocated must be recorded on the jobs'
     stream, or backward may reuse it while the jobs still read it."""
-    result, = run_distributed(loaded_state_worker, 1, 7, 11, timeout=600)
+    (result,) = run_distributed(loaded_state_worker, 1, 7, 11, timeout=600)
     assert set(result["phases"]) == {"compress"}, result["phases"]
     assert result["races"] == [], result["report"]
     assert result["syncs_per_step"] == [0] * 4, result["report"]
@@ -153,8 +158,16 @@ def diloco_worker(rank, world_size, outer_steps):
     ends.register_parameter("position", model.position)
     inner = torch.optim.Adam(model.parameters(), lr=3e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
-    config = EDGCConfig(total_steps=outer_steps, r_max=4, rank_budget=2, window=2, warmup_fraction=0.0,
-                        min_warmup_steps=0, warmup_error_test=False, min_compression_rate=1.0)
+    config = EDGCConfig(
+        total_steps=outer_steps,
+        r_max=4,
+        rank_budget=2,
+        window=2,
+        warmup_fraction=0.0,
+        min_warmup_steps=0,
+        warmup_error_test=False,
+        min_compression_rate=1.0,
+    )
     diloco = DiLoCo(None, [ends, model.blocks], inner, outer, sync_every=8, config=config, fragment_sync_delay=2)
     accelerator_kernels(diloco.state)
     issued = []  # (inner step, thread) of every collective
@@ -178,15 +191,18 @@ def diloco_worker(rank, world_size, outer_steps):
         return {"syncs_per_step": syncs, "phases": [diloco.last_outer_step["phase"]]}
 
     result = checked(run)
-    return {**result, "issue_steps": sorted({step for step, _ in issued}),
-            "other_threads": sum(thread != threading.get_ident() for _, thread in issued)}
+    return {
+        **result,
+        "issue_steps": sorted({step for step, _ in issued}),
+        "other_threads": sum(thread != threading.get_ident() for _, thread in issued),
+    }
 
 
 def test_diloco_delayed_sync_is_issued_from_the_training_thread_and_overlaps_inner_steps():
     """Every collective from the training thread (a worker thread drove a second communicator's
     order against the inner steps'), spread over the inner steps between a sync's start and its
     outer step, with no race and no host synchronisation in any inner step."""
-    result, = run_distributed(diloco_worker, 1, 4, timeout=600)
+    (result,) = run_distributed(diloco_worker, 1, 4, timeout=600)
     assert result["phases"] == ["compress"], result["phases"]
     assert result["other_threads"] == 0
     assert result["issue_steps"] == [2, 3], result["issue_steps"]  # started at step 2, its Q at step 3

@@ -1,6 +1,7 @@
 """The library's shape by composition, held so that it cannot drift back: a state that owns a few
 collaborators, no class on two library bases, short functions, one definition per setting. Read
 from the source with `ast` where it can be, and from one small state that has stepped."""
+
 from __future__ import annotations
 
 import ast
@@ -33,8 +34,15 @@ def base_name(node: ast.expr) -> str | None:
 def test_a_state_that_has_stepped_holds_at_most_15_attributes():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-    config = EDGCConfig(r_max=4, window=2, total_steps=8, warmup_fraction=0.0, min_warmup_steps=1,
-                        warmup_error_test=False, iteration_sample_ratio=1.0)
+    config = EDGCConfig(
+        r_max=4,
+        window=2,
+        total_steps=8,
+        warmup_fraction=0.0,
+        min_warmup_steps=1,
+        warmup_error_test=False,
+        iteration_sample_ratio=1.0,
+    )
     state = EDGCState(None, config, model=model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no process group: it averages over this process alone
@@ -49,7 +57,9 @@ def test_a_state_that_has_stepped_holds_at_most_15_attributes():
 
 def test_no_library_class_has_two_library_bases():
     trees = library_trees()
-    library_classes = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    library_classes = {
+        node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+    }
     offenders = []
     for path, tree in trees.items():
         for node in ast.walk(tree):
@@ -58,8 +68,13 @@ def test_no_library_class_has_two_library_bases():
                 if len(bases) > 1:
                     offenders.append(f"{path.name}: class {node.name}({', '.join(bases)})")
             # type(name, (A, B), {}): a class made at run time counts too
-            elif (isinstance(node, ast.Call) and base_name(node.func) == "type" and len(node.args) == 3
-                  and isinstance(node.args[1], ast.Tuple) and len(node.args[1].elts) > 1):
+            elif (
+                isinstance(node, ast.Call)
+                and base_name(node.func) == "type"
+                and len(node.args) == 3
+                and isinstance(node.args[1], ast.Tuple)
+                and len(node.args[1].elts) > 1
+            ):
                 offenders.append(f"{path.name}:{node.lineno}: type(…) with {len(node.args[1].elts)} bases")
     assert offenders == [], "compose instead: a collaborator the class owns, or the communicator it is given"
     assert not issubclass(LowRankCompressor, EngineState)  # the compressor holds its state

@@ -1,4 +1,5 @@
 """Uncommitted steps (``defer_commit``): a discarded step loses nothing and counts nowhere."""
+
 import copy
 
 import pytest
@@ -25,8 +26,12 @@ def sync_step(model, state, step):
 
 
 def shared(state):
-    return {"step": state.step, "controller": copy.deepcopy(state.controller.state_dict()),
-            "history": list(state.sampler.history), "q": {n: q.clone() for n, q in state.compressor.q.items()}}
+    return {
+        "step": state.step,
+        "controller": copy.deepcopy(state.controller.state_dict()),
+        "history": list(state.sampler.history),
+        "q": {n: q.clone() for n, q in state.compressor.q.items()},
+    }
 
 
 def test_committed_steps_are_bit_identical_to_plain_steps():

@@ -1,4 +1,5 @@
 """`edgc experiment diloco` on a model of one narrow layer: the arms it plans, the pairing, one small run."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,9 @@ def test_the_plan_pairs_equal_bytes_and_brackets_the_second_iteration():
     arms = diloco.plan(args())
     assert list(arms) == ["H8-r2", "H16-r4", "H16-r4-2it", "H16-r8", "H16-full", "step-r1"]  # reference first
     assert {n: a["rank"] / a["sync_every"] for n, a in arms.items() if n in ("H8-r2", "H16-r4")} == {
-        "H8-r2": 0.25, "H16-r4": 0.25}
+        "H8-r2": 0.25,
+        "H16-r4": 0.25,
+    }
     assert arms["H16-r4-2it"]["power_iterations"] == 2 and arms["H16-full"]["rank"] is None
     assert arms["step-r1"]["per_step"] and "power_iterations" not in arms["H16-r8"]
     assert list(diloco.plan(args(iterations_at="", per_step_rank=0))) == ["H8-r2", "H16-r4"]
@@ -30,8 +33,10 @@ def test_paired_deltas_are_per_seed_against_the_reference():
     def result(val, sent):
         return {"val_loss": val, "bytes": sent, "outer": [{"relative_error": 0.5, "error_feedback": 2.0}]}
 
-    results = {"ref": {"1": result(3.0, 100), "2": result(3.2, 100)},
-               "arm": {"1": result(2.9, 110), "2": result(3.0, 90)}}
+    results = {
+        "ref": {"1": result(3.0, 100), "2": result(3.2, 100)},
+        "arm": {"1": result(2.9, 110), "2": result(3.0, 90)},
+    }
     p = diloco.paired(results, "arm", "ref", [1, 2])
     assert p["deltas"] == pytest.approx([-0.1, -0.2]) and p["mean"] == pytest.approx(-0.15)
     assert p["low"] < p["mean"] < p["high"] and p["bytes_ratio"] == pytest.approx(1.0)
@@ -39,8 +44,27 @@ def test_paired_deltas_are_per_seed_against_the_reference():
 
 
 def test_a_small_run_writes_paired_results(tmp_path):
-    flags = ["experiment", "diloco-pairs", "--tiny", "--steps", "8", "--pairs", "2:1,4:1", "--iterations-at", "2:1",
-             "--seeds", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--out", str(tmp_path)]
+    flags = [
+        "experiment",
+        "diloco-pairs",
+        "--tiny",
+        "--steps",
+        "8",
+        "--pairs",
+        "2:1,4:1",
+        "--iterations-at",
+        "2:1",
+        "--seeds",
+        "2",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(flags) == 0
     out = tmp_path / "diloco-pairs"
     data = json.loads((out / "results.json").read_text())
@@ -57,13 +81,16 @@ def test_a_small_run_writes_paired_results(tmp_path):
     assert (out / "diloco.png").stat().st_size > 1000 and len(list((out / "runs").glob("*.json"))) == 12
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--pairs", "8:x"], "--pairs"),
-    (["--pairs", "8:0"], "--pairs"),
-    (["--steps", "20", "--pairs", "16:2"], "--steps"),
-    (["--seeds", "1"], "--seeds"),
-    (["--outer-momentum", "1"], "--outer-momentum"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--pairs", "8:x"], "--pairs"),
+        (["--pairs", "8:0"], "--pairs"),
+        (["--steps", "20", "--pairs", "16:2"], "--steps"),
+        (["--seeds", "1"], "--seeds"),
+        (["--outer-momentum", "1"], "--outer-momentum"),
+    ],
+)
 def test_bad_flags_fail_before_writing(tmp_path, capsys, argv, message):
     assert main(["experiment", "diloco-pairs", "--tiny", *argv, "--out", str(tmp_path / "root")]) == 2
     assert message in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """`edgc experiment diloco` across model families: method names, torchft's DiLoCo on the plain-group
 manager against edgc's uncompressed DiLoCo, a quantised arm's bytes, the spectrum probe, bad flags."""
+
 import math
 
 import pytest
@@ -17,8 +18,13 @@ def test_method_names_parse_into_arms():
     assert method_arm("torchft") == {"method": "torchft"}
     assert method_arm("raw") == {"method": "edgc", "rank": None}
     assert method_arm("rank8-noef") == {"method": "edgc", "rank": 8, "decay": 0.0}
-    assert method_arm("quant3-decay0.5+heal=peer") == {"method": "edgc", "rank": None, "sync": "quant3", "decay": 0.5,
-                                                       "heal_policy": "peer"}
+    assert method_arm("quant3-decay0.5+heal=peer") == {
+        "method": "edgc",
+        "rank": None,
+        "sync": "quant3",
+        "decay": 0.5,
+        "heal_policy": "peer",
+    }
     for bad in ("quant9", "torchft-noef", "rank"):
         with pytest.raises(ValueError):
             method_arm(bad)
@@ -31,7 +37,9 @@ def cnn():
 
 def test_torchft_diloco_and_edgc_sending_raw_take_the_same_steps(cnn):
     """A world of one: the same initialisation, data and outer steps give the same model."""
-    runs = {name: train(0, 1, cnn, {**ARM, **method_arm(name), "spectrum": [1, 4]}, 5, 6) for name in ("torchft", "raw")}
+    runs = {
+        name: train(0, 1, cnn, {**ARM, **method_arm(name), "spectrum": [1, 4]}, 5, 6) for name in ("torchft", "raw")
+    }
     assert runs["torchft"]["val_loss"] == pytest.approx(runs["raw"]["val_loss"], rel=1e-6)
     # edgc adds one flag element (4 bytes) per outer step to the raw all-reduce
     assert runs["raw"]["bytes"] == runs["raw"]["bytes_raw"] + 4 * 2 == runs["torchft"]["bytes"] + 8
@@ -51,9 +59,15 @@ def test_energy_shares_of_a_rank_one_matrix():
     assert energy_shares([u @ v], [1, 2])["1"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("argv,message", [(["--methods", "rank8,torchft"], "the first must be torchft"),
-                                          (["--models", "lstm"], "--models"), (["--methods", "torchft,quant9"], "quant9"),
-                                          (["--no-train", "--reuse", "/nonexistent"], "--no-train: no cell")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--methods", "rank8,torchft"], "the first must be torchft"),
+        (["--models", "lstm"], "--models"),
+        (["--methods", "torchft,quant9"], "quant9"),
+        (["--no-train", "--reuse", "/nonexistent"], "--no-train: no cell"),
+    ],
+)
 def test_bad_flags_exit_with_one_line(tmp_path, capsys, argv, message):
     assert main(["experiment", "diloco", "--steps", "60", *argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
@@ -67,6 +81,8 @@ def test_a_method_is_reused_only_with_every_seed_at_the_same_outer_steps(tmp_pat
     run = {"val_loss": 2.0, "outer_steps": 20}
     write_json(tmp_path / "runs" / "gru-sgd-H6.json", {"torchft": {"1": run, "2": run}, "quant3": {"1": run}})
     arms = {"torchft": {}, "quant3": {}}
-    assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 20) == {"torchft": {"1": run, "2": run}}  # quant3 lacks a seed
+    assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 20) == {
+        "torchft": {"1": run, "2": run}
+    }  # quant3 lacks a seed
     assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 4) == {}  # other outer steps
     assert reused([str(tmp_path / "none")], "gru/sgd/H6", arms, [1], 20) == {}

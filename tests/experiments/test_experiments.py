@@ -1,4 +1,5 @@
 """Every `edgc experiment` on its tiny setting: the files exist and the numbers are sane."""
+
 from __future__ import annotations
 
 import json
@@ -86,15 +87,18 @@ def test_refuses_existing_folder(root, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["rank-sweep", "--ranks", "4,x"], "--ranks"),
-    (["window", "--windows", "0"], "--windows"),
-    (["window", "--alpha", "2"], "--alpha"),
-    (["cqm", "--captures", "0"], "--captures"),
-    (["sampling", "--window", "0"], "--window"),
-    (["pure-dp", "--link-mbit", "-1"], "--link-mbit"),
-    (["entropy-trend", "--steps", "0"], "--steps"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["rank-sweep", "--ranks", "4,x"], "--ranks"),
+        (["window", "--windows", "0"], "--windows"),
+        (["window", "--alpha", "2"], "--alpha"),
+        (["cqm", "--captures", "0"], "--captures"),
+        (["sampling", "--window", "0"], "--window"),
+        (["pure-dp", "--link-mbit", "-1"], "--link-mbit"),
+        (["entropy-trend", "--steps", "0"], "--steps"),
+    ],
+)
 def test_bad_flags_fail_before_writing(tmp_path, capsys, argv, message):
     assert main(["experiment", *argv, "--tiny", "--out", str(tmp_path / "root")]) == 2
     assert message in capsys.readouterr().err

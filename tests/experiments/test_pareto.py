@@ -1,4 +1,5 @@
 """The pareto instrument: its arms spend the same bytes, its statistics are paired, and a tiny run works end to end."""
+
 import json
 import math
 
@@ -33,10 +34,16 @@ def test_every_arm_spends_the_budget_of_static(budget):
 
 
 def test_paired_statistics_pair_by_seed():
-    runs = {"static": {"1": {"val_loss": 5.0, "bytes": 100, "mean_rank": 4, "rank_changes": 0},
-                       "2": {"val_loss": 6.0, "bytes": 100, "mean_rank": 4, "rank_changes": 0}},
-            "arm": {"1": {"val_loss": 4.9, "bytes": 100, "mean_rank": 4, "rank_changes": 3},
-                    "2": {"val_loss": 5.9, "bytes": 102, "mean_rank": 4, "rank_changes": 3}}}
+    runs = {
+        "static": {
+            "1": {"val_loss": 5.0, "bytes": 100, "mean_rank": 4, "rank_changes": 0},
+            "2": {"val_loss": 6.0, "bytes": 100, "mean_rank": 4, "rank_changes": 0},
+        },
+        "arm": {
+            "1": {"val_loss": 4.9, "bytes": 100, "mean_rank": 4, "rank_changes": 3},
+            "2": {"val_loss": 5.9, "bytes": 102, "mean_rank": 4, "rank_changes": 3},
+        },
+    }
     p = paired(runs, "arm", [1, 2])
     assert p["deltas"] == pytest.approx([-0.1, -0.1]) and p["mean"] == pytest.approx(-0.1)
     assert p["low"] == pytest.approx(-0.1) and p["high"] == pytest.approx(-0.1)  # no spread: a point interval
@@ -44,8 +51,23 @@ def test_paired_statistics_pair_by_seed():
 
 
 def test_tiny_pareto_run_writes_paired_results_and_reuses_runs(tmp_path, capsys):
-    flags = ["experiment", "pareto", "--tiny", "--steps", "12", "--budgets", "2", "--seeds", "2", "--signals",
-             "schedule", "--hand-set", "", "--jobs", "1"]
+    flags = [
+        "experiment",
+        "pareto",
+        "--tiny",
+        "--steps",
+        "12",
+        "--budgets",
+        "2",
+        "--seeds",
+        "2",
+        "--signals",
+        "schedule",
+        "--hand-set",
+        "",
+        "--jobs",
+        "1",
+    ]
     assert main([*flags, "--out", str(tmp_path / "a")]) == 0
     out = tmp_path / "a" / "pareto"
     data = json.loads((out / "results.json").read_text())
@@ -68,10 +90,12 @@ def test_change_cost_is_fast_minus_slow_alternation_per_extra_change():
         return {"val_loss": loss, "bytes": 100, "mean_rank": 4, "rank_changes": changes}
 
     seeds = [1, 2, 3]
-    runs = {"alt-warm": {str(s): run(5.0 + 0.012 + 0.001 * s, 17) for s in seeds},
-            "alt-truncate": {str(s): run(5.0 + 0.024 + 0.001 * s, 17) for s in seeds},
-            "alt3-warm": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds},
-            "alt3-truncate": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds}}
+    runs = {
+        "alt-warm": {str(s): run(5.0 + 0.012 + 0.001 * s, 17) for s in seeds},
+        "alt-truncate": {str(s): run(5.0 + 0.024 + 0.001 * s, 17) for s in seeds},
+        "alt3-warm": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds},
+        "alt3-truncate": {str(s): run(5.0 + 0.001 * s, 5) for s in seeds},
+    }
     runs["static"] = runs["alt3-warm"]
     runs["cold"] = {str(s): run(5.0 + 0.036 + 0.001 * s, 0) for s in seeds}
     stats = {name: paired(runs, name, seeds) for name in runs}
@@ -127,8 +151,15 @@ def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_
 def test_rank_change_flag_sets_every_arm_but_the_alternations():
     plan = arms(4, 400, ["schedule"], ["hand-3"], True, rank_change="truncate")
     assert {name: fields.get("rank_change") for name, fields in plan.items()} == {
-        "static": "truncate", "budget-schedule": "truncate", "hand-3": "truncate", "cold": "truncate",
-        "alt-warm": "warm", "alt-truncate": "truncate", "alt3-warm": "warm", "alt3-truncate": "truncate"}
+        "static": "truncate",
+        "budget-schedule": "truncate",
+        "hand-3": "truncate",
+        "cold": "truncate",
+        "alt-warm": "warm",
+        "alt-truncate": "truncate",
+        "alt3-warm": "warm",
+        "alt3-truncate": "truncate",
+    }
     assert "rank_change" not in arms(4, 400, ["schedule"], [], False)["budget-schedule"]  # EDGCConfig's default
 
 
@@ -137,7 +168,10 @@ def test_rank_change_flag_sets_every_arm_but_the_alternations():
 
 def shadow_records(excess_by_step, ranks):
     """Records as `change_cost.shadow_record` writes them: the run's error = shadow's + excess."""
-    return [[step, rank, 0.5 + excess, {"2": 0.5, "6": 0.5}] for step, (rank, excess) in enumerate(zip(ranks, excess_by_step))]
+    return [
+        [step, rank, 0.5 + excess, {"2": 0.5, "6": 0.5}]
+        for step, (rank, excess) in enumerate(zip(ranks, excess_by_step))
+    ]
 
 
 def test_change_costs_sum_the_excess_from_each_change_to_the_next():
@@ -159,8 +193,14 @@ def test_halving_compares_the_new_rule_with_half_the_old_per_seed():
     ranks = [6] * 3 + [2] * 3 + [6] * 3 + [2] * 3
 
     def runs(rise, fall):  # per seed, an excess on the first step after each change, a little larger each seed
-        return {str(s): {"shadow": shadow_records([0, 0, 0, fall * (1 + s / 100), 0, 0, rise * (1 + s / 100), 0, 0,
-                                                   fall * (1 + s / 100), 0, 0], ranks)} for s in (1, 2, 3)}
+        return {
+            str(s): {
+                "shadow": shadow_records(
+                    [0, 0, 0, fall * (1 + s / 100), 0, 0, rise * (1 + s / 100), 0, 0, fall * (1 + s / 100), 0, 0], ranks
+                )
+            }
+            for s in (1, 2, 3)
+        }
 
     per_rule = summarise({"warm": runs(rise=0.1, fall=0.1), "truncate": runs(rise=0.4, fall=0.2)}, [1, 2, 3])
     assert per_rule["warm"]["rises"]["per_seed"] == pytest.approx([0.101, 0.102, 0.103])

@@ -31,6 +31,7 @@ about the CUDA path. Until a GPU runs the file, these remain unproven:
 - cuBLAS/cuSOLVER numerics (bf16 GEMMs, batched QR) agreeing with the CPU's;
 - gloo moving CUDA tensors through the host on its own streams.
 """
+
 import contextlib
 import io
 import os
@@ -58,10 +59,22 @@ pytestmark = pytest.mark.skipif(CUDA and not torch.cuda.is_available(), reason="
 FRESH = CUDA
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
-ADAPTIVE = dict(r_max=8, r_min=2, rank_step=2, window=3, total_steps=24, warmup_fraction=0.1,
-                warmup_error_test=False, iteration_sample_ratio=1.0, gradient_sample_ratio=0.5,
-                min_compression_rate=1.0, rank_mapping="cqm", entropy_estimator="gaussian", cqm_mc_samples=1,
-                entropy_significance=0.0)
+ADAPTIVE = dict(
+    r_max=8,
+    r_min=2,
+    rank_step=2,
+    window=3,
+    total_steps=24,
+    warmup_fraction=0.1,
+    warmup_error_test=False,
+    iteration_sample_ratio=1.0,
+    gradient_sample_ratio=0.5,
+    min_compression_rate=1.0,
+    rank_mapping="cqm",
+    entropy_estimator="gaussian",
+    cqm_mc_samples=1,
+    entropy_significance=0.0,
+)
 SETTLE_STEPS = 2  # DDP rebuilds its buckets after the first iteration (with host reads of its own)
 STEPS = 14
 
@@ -102,10 +115,19 @@ class TinyGPT(nn.Module):
         self.heads = heads
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.zeros(seq_len, width))
-        self.blocks = nn.ModuleList(nn.ModuleDict({
-            "norm1": nn.LayerNorm(width), "qkv": nn.Linear(width, 3 * width), "proj": nn.Linear(width, width),
-            "norm2": nn.LayerNorm(width), "up": nn.Linear(width, 4 * width), "down": nn.Linear(4 * width, width),
-        }) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "norm1": nn.LayerNorm(width),
+                    "qkv": nn.Linear(width, 3 * width),
+                    "proj": nn.Linear(width, width),
+                    "norm2": nn.LayerNorm(width),
+                    "up": nn.Linear(width, 4 * width),
+                    "down": nn.Linear(4 * width, width),
+                }
+            )
+            for _ in range(layers)
+        )
         self.head = nn.Linear(width, vocab)
         self.register_buffer("mask", torch.ones(seq_len, seq_len).tril().bool(), persistent=False)
 
@@ -161,7 +183,7 @@ def test_engine_conserves_error_feedback(dtype):
             # for a compressed bf16 gradient, Ĝ's own rounding to bf16 (at most half its last place,
             # 2⁻⁹ of each value): e = M − P·Qᵀ is the product's residual, as an uncompressed bf16
             # all-reduce rounds its sum.
-            rounding = 2.0 ** -9 * applied.cpu().double().norm() if dtype == torch.bfloat16 and stats.ranks[name] else 0
+            rounding = 2.0**-9 * applied.cpu().double().norm() if dtype == torch.bfloat16 and stats.ranks[name] else 0
             assert (result - matrix).norm() <= 1e-6 * matrix.norm() + rounding, (step, name)
             if stats.ranks[name]:
                 # rtol above bf16's rounding of Ĝ, far below a random matrix's (r+1)-th singular value
@@ -255,9 +277,17 @@ def ddp_worker(rank, world_size, backend, config_kwargs, steps):
     with deterministic():
         device = _device()
         model, ddp, state, optimizer = _build(device, config_kwargs)
-        log, reads, synced = _train(rank, device, ddp, state, optimizer, 0, steps, "error" if backend == "nccl" else "warn")
-        return {"params": flat_parameters(model), "log": log, "reads": reads, "synced": synced,
-                "sent": state.totals["bytes_sent"], "raw": state.totals["bytes_raw"]}
+        log, reads, synced = _train(
+            rank, device, ddp, state, optimizer, 0, steps, "error" if backend == "nccl" else "warn"
+        )
+        return {
+            "params": flat_parameters(model),
+            "log": log,
+            "reads": reads,
+            "synced": synced,
+            "sent": state.totals["bytes_sent"],
+            "raw": state.totals["bytes_raw"],
+        }
 
 
 def _run(worker, world_size, backend, *args):
@@ -314,7 +344,9 @@ def resume_worker(rank, world_size, backend, split, total):
         model, ddp, state, optimizer = _build(device, ADAPTIVE)
         _train(rank, device, ddp, state, optimizer, 0, split, debug_mode)
         buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "edgc": state.state_dict()}, buffer)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "edgc": state.state_dict()}, buffer
+        )
         buffer.seek(0)
         checkpoint = torch.load(buffer, weights_only=True)
         model, ddp, state, optimizer = _build(device, ADAPTIVE, seed=123)
@@ -327,7 +359,7 @@ def resume_worker(rank, world_size, backend, split, total):
 
 def test_resume_is_exact():
     backend = "nccl" if CUDA else "gloo"
-    (uninterrupted, resumed, log, synced), = _run(resume_worker, 1, backend, 7, 13)
+    ((uninterrupted, resumed, log, synced),) = _run(resume_worker, 1, backend, 7, 13)
     assert len({r for _, phase, r in log if phase == "compress"}) >= 2  # resumed across a rank change
     assert torch.equal(uninterrupted, resumed)
     assert synced == []

@@ -1,4 +1,5 @@
 """Shared helpers for the integration tests: the core tests' process harness, subprocess runs."""
+
 from __future__ import annotations
 
 import os

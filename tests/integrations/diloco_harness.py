@@ -7,6 +7,7 @@ step that is not committed is checked on the spot: the replica's error feedback 
 error feedback before the step plus the step's pseudo-gradient for every compressed matrix, and
 what was sent raw must be carried into the next pseudo-gradient, bit for bit (float64).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,12 +28,28 @@ SYNC_EVERY = 4  # inner steps per outer step
 # DiLoCo's outer learning rate with less momentum than its 0.9: at 4 inner steps per outer step the
 # Nesterov 0.9 runs diverged once the budget took the rank to 2 (and ended worse uncompressed).
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
-CONFIG = dict(r_max=8, rank_budget=4, window=3, warmup_fraction=0.0, min_warmup_steps=0, warmup_error_test=False,
-              min_compression_rate=1.0)
+CONFIG = dict(
+    r_max=8,
+    rank_budget=4,
+    window=3,
+    warmup_fraction=0.0,
+    min_warmup_steps=0,
+    warmup_error_test=False,
+    min_compression_rate=1.0,
+)
 
 
-def train_replica(replica: int, lighthouse: str, outer_steps: int, faults: Faults, report: dict, quorum,
-                  start: threading.Barrier | None, *, options: dict) -> dict:
+def train_replica(
+    replica: int,
+    lighthouse: str,
+    outer_steps: int,
+    faults: Faults,
+    report: dict,
+    quorum,
+    start: threading.Barrier | None,
+    *,
+    options: dict,
+) -> dict:
     """One attempt of one group, until ``outer_steps`` outer steps are committed."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     pg = FailingProcessGroup(timeout=quorum.timeout)
@@ -44,22 +61,40 @@ def train_replica(replica: int, lighthouse: str, outer_steps: int, faults: Fault
         holder["inner"].load_state_dict(state["inner"])
         heals.append(manager.current_step())
 
-    manager = Manager(pg=pg, load_state_dict=load, replica_id=str(replica), store_addr="localhost",
-                      state_dict=lambda: {"model": holder["model"].state_dict(), "inner": holder["inner"].state_dict()},
-                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
-                      connect_timeout=quorum.timeout, **quorum.manager_kwargs())
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load,
+        replica_id=str(replica),
+        store_addr="localhost",
+        state_dict=lambda: {"model": holder["model"].state_dict(), "inner": holder["inner"].state_dict()},
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        use_async_quorum=False,
+        connect_timeout=quorum.timeout,
+        **quorum.manager_kwargs(),
+    )
     try:
         module = initial_model(start, quorum)
         inner = torch.optim.Adam(module.parameters(), lr=3e-3)
         momentum = options.get("outer_momentum", OUTER_MOMENTUM)
-        outer = torch.optim.SGD(module.parameters(), lr=options.get("outer_lr", OUTER_LR), momentum=momentum,
-                                nesterov=momentum > 0)
+        outer = torch.optim.SGD(
+            module.parameters(), lr=options.get("outer_lr", OUTER_LR), momentum=momentum, nesterov=momentum > 0
+        )
         holder.update(model=module, inner=inner)
         fragments = streaming_fragments(module) if options.get("streaming") else [module]
-        diloco = DiLoCo(manager, fragments, inner, outer, options.get("sync_every", SYNC_EVERY),
-                        EDGCConfig(total_steps=outer_steps * len(fragments), **{**CONFIG, **options.get("edgc", {})}),
-                        fragment_sync_delay=options.get("delay", 0), power_iterations=options.get("iterations", 1),
-                        sync_method=options.get("sync"))
+        diloco = DiLoCo(
+            manager,
+            fragments,
+            inner,
+            outer,
+            options.get("sync_every", SYNC_EVERY),
+            EDGCConfig(total_steps=outer_steps * len(fragments), **{**CONFIG, **options.get("edgc", {})}),
+            fragment_sync_delay=options.get("delay", 0),
+            power_iterations=options.get("iterations", 1),
+            sync_method=options.get("sync"),
+        )
         return _train(replica, manager, pg, module, inner, diloco, outer_steps * len(fragments), faults, report, heals)
     finally:
         manager.shutdown(wait=False)
@@ -114,22 +149,38 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
                 raise InjectedKill(f"replica {replica} killed at outer step {outer_step}")
             if performs:
                 record = diloco.last_outer_step
-                lines.append({"kind": "step", "step": outer_step, "committed": record["committed"],
-                              "participants": manager.num_participants(),
-                              "participating": manager.participating_rank() is not None,
-                              "healed": any(h > 0 for h in heals[heals_before:]), "rank": record["rank"],
-                              "phase": record["phase"], "loss": float(loss)})
+                lines.append(
+                    {
+                        "kind": "step",
+                        "step": outer_step,
+                        "committed": record["committed"],
+                        "participants": manager.num_participants(),
+                        "participating": manager.participating_rank() is not None,
+                        "healed": any(h > 0 for h in heals[heals_before:]),
+                        "rank": record["rank"],
+                        "phase": record["phase"],
+                        "loss": float(loss),
+                    }
+                )
                 if not record["committed"]:
                     report.setdefault("discarded", []).append((replica, outer_step))
-                    report.setdefault("conserved", []).append((replica, outer_step, *check_conserved(diloco, error_before, sent)))
+                    report.setdefault("conserved", []).append(
+                        (replica, outer_step, *check_conserved(diloco, error_before, sent))
+                    )
     module.eval()
     with torch.no_grad():
         final_loss = loss_of(module, *batch(99, 0, size=64)).item()
-    return {"replica": replica, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
-            "global": torch.cat([t.reshape(-1) for f in diloco._fragments for t in f.original]),
-            "shared": state.managed.shared_state_dict(), "loss": final_loss, "heals": state.managed.heals,
-            "bytes_ratio": state.totals["bytes_sent"] / max(1, state.totals["bytes_raw"]),
-            "discarded": state.managed.steps_discarded, "original": [f.state_dict() for f in diloco._fragments]}
+    return {
+        "replica": replica,
+        "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
+        "global": torch.cat([t.reshape(-1) for f in diloco._fragments for t in f.original]),
+        "shared": state.managed.shared_state_dict(),
+        "loss": final_loss,
+        "heals": state.managed.heals,
+        "bytes_ratio": state.totals["bytes_sent"] / max(1, state.totals["bytes_raw"]),
+        "discarded": state.managed.steps_discarded,
+        "original": [f.state_dict() for f in diloco._fragments],
+    }
 
 
 def check_conserved(diloco, error_before: dict, sent: dict) -> tuple[int, int]:
@@ -148,8 +199,14 @@ def check_conserved(diloco, error_before: dict, sent: dict) -> tuple[int, int]:
     return compressed, len(sent) - compressed
 
 
-def run_replicas(outer_steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3,
-                 tolerated_failures: int = 1, **options) -> dict:
+def run_replicas(
+    outer_steps: int,
+    faults: Faults | None = None,
+    replicas: int = 3,
+    attempts: int = 3,
+    tolerated_failures: int = 1,
+    **options,
+) -> dict:
     """Train ``replicas`` groups to ``outer_steps`` committed outer steps; a killed group restarts.
     ``options``: ``streaming`` (two fragments), ``delay``, ``sync_every``, ``iterations``,
     ``outer_lr``, ``outer_momentum``, ``edgc`` (`EDGCConfig` fields over CONFIG), ``sync`` (a

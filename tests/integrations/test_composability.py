@@ -6,6 +6,7 @@ Cases: ``no_sync`` gradient accumulation (2 micro-batches per step), ``static_gr
 count one hook step per optimizer step, send fewer bytes than raw, and keep the replicas
 bit-identical.
 """
+
 import pytest
 import torch
 from models import TinyTransformer, batch, flat_parameters, loss_fn
@@ -62,15 +63,23 @@ def run_case(rank, name, ddp_kwargs):
         optimizer.step()
         calls += 1
         phases.append(state.last_step_metrics["phase"])
-    return {"params": flat_parameters(model), "step": state.step, "calls": calls, "phases": phases,
-            "sent": state.last_step_metrics["bytes_sent"], "raw": state.last_step_metrics["bytes_raw"]}
+    return {
+        "params": flat_parameters(model),
+        "step": state.step,
+        "calls": calls,
+        "phases": phases,
+        "sent": state.last_step_metrics["bytes_sent"],
+        "raw": state.last_step_metrics["bytes_raw"],
+    }
 
 
 def worker(rank, world_size):
     from .test_register import registration_checks  # in the same start-up: it costs seconds
 
-    return {"cases": {name: run_case(rank, name, kwargs) for name, kwargs in CASES.items()},
-            "registration": registration_checks(rank)}
+    return {
+        "cases": {name: run_case(rank, name, kwargs) for name, kwargs in CASES.items()},
+        "registration": registration_checks(rank),
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))

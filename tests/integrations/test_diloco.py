@@ -7,6 +7,7 @@ with two streaming fragments whose syncs overlap the inner steps; and an outer s
 committed (a test stand-in for torchft's verdict), through which the error feedback is conserved
 exactly and Q, the step and the controller roll back.
 """
+
 import io
 
 import pytest
@@ -18,8 +19,16 @@ from edgc.integrations.diloco import DiLoCo
 
 SYNC_EVERY = 4
 OUTER_STEPS = 8
-CONFIG = dict(r_max=4, rank_budget=2, window=2, warmup_fraction=0.0, min_warmup_steps=0, warmup_error_test=False,
-              min_compression_rate=1.0, iteration_sample_ratio=1.0)
+CONFIG = dict(
+    r_max=4,
+    rank_budget=2,
+    window=2,
+    warmup_fraction=0.0,
+    min_warmup_steps=0,
+    warmup_error_test=False,
+    min_compression_rate=1.0,
+    iteration_sample_ratio=1.0,
+)
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -33,9 +42,12 @@ class Discarding(DiLoCo):
         self.discard, self.attempts, self.checked, self.records = set(discard), 0, [], []
 
     def _prepare(self, fragment):
-        self._before = {"error": {n: e.clone() for n, e in self.state.compressor.error.items()},
-                        "q": {n: q.clone() for n, q in self.state.compressor.q.items()},
-                        "step": self.state.step, "controller": repr(self.state.controller.state_dict())}
+        self._before = {
+            "error": {n: e.clone() for n, e in self.state.compressor.error.items()},
+            "q": {n: q.clone() for n, q in self.state.compressor.q.items()},
+            "step": self.state.step,
+            "controller": repr(self.state.controller.state_dict()),
+        }
         super()._prepare(fragment)
 
     def _should_commit(self):
@@ -77,8 +89,17 @@ def build(fragments: int, delay: int, discard=(), seed: int = 0, iterations: int
         ends.register_parameter("position", model.position)
         parts = [ends, model.blocks]
     config = EDGCConfig(total_steps=OUTER_STEPS * fragments, **CONFIG)
-    diloco = Discarding(None, parts, inner, outer, SYNC_EVERY * fragments, config, fragment_sync_delay=delay,
-                        discard=discard, power_iterations=iterations)
+    diloco = Discarding(
+        None,
+        parts,
+        inner,
+        outer,
+        SYNC_EVERY * fragments,
+        config,
+        fragment_sync_delay=delay,
+        discard=discard,
+        power_iterations=iterations,
+    )
     return model, inner, diloco
 
 
@@ -103,9 +124,15 @@ def train(rank, inner_steps, fragments=1, delay=0, discard=(), resume_at=None, i
         inner.zero_grad()
     diloco.__exit__(None, None, None)
     globals_ = torch.cat([t.reshape(-1) for f in diloco._fragments for t in f.original])  # θ_global
-    return {"params": flat_parameters(model), "global": globals_, "shared": diloco.state.shared_state_dict(), "checked": diloco.checked,
-            "error": {n: e.clone() for n, e in diloco.state.compressor.error.items()},
-            "bytes": dict(diloco.state.totals), "records": diloco.records}
+    return {
+        "params": flat_parameters(model),
+        "global": globals_,
+        "shared": diloco.state.shared_state_dict(),
+        "checked": diloco.checked,
+        "error": {n: e.clone() for n, e in diloco.state.compressor.error.items()},
+        "bytes": dict(diloco.state.totals),
+        "records": diloco.records,
+    }
 
 
 def worker(rank, world_size):

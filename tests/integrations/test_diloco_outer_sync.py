@@ -1,5 +1,6 @@
 """DiLoCo on a plain process group with a registered sync method as its outer sync (2 gloo processes):
 the replicas stay bit-identical, the bytes are the method's, a discarded outer step loses nothing."""
+
 import pytest
 import torch
 from models import TinyTransformer, batch, flat_parameters, loss_fn
@@ -27,8 +28,9 @@ class DiscardingThird(DiLoCo):
         self.state.commit_step() if committed else self.state.rollback_step()
         if not committed:  # the error feedback as before the step (decayed once), the step's Δ carried whole
             kept = dict(zip(self._syncing_names, self._syncing_kept))
-            self.conserved.append(all(torch.equal(self.state.error[n], 0.5 * e) for n, e in self._error_before.items())
-                                  and len(kept) > 0)
+            self.conserved.append(
+                all(torch.equal(self.state.error[n], 0.5 * e) for n, e in self._error_before.items()) and len(kept) > 0
+            )
         return committed
 
     def _perform(self):
@@ -47,8 +49,13 @@ def worker(rank, world_size):
             loss_fn(model, *batch(rank, step, vocab=64)).backward()
             inner.step()
             inner.zero_grad()
-    return {"params": flat_parameters(model), "totals": dict(diloco.state.totals), "conserved": diloco.conserved,
-            "carried": sorted(diloco._carry), "error": sum(float(e.abs().sum()) for e in diloco.state.error.values())}
+    return {
+        "params": flat_parameters(model),
+        "totals": dict(diloco.state.totals),
+        "conserved": diloco.conserved,
+        "carried": sorted(diloco._carry),
+        "error": sum(float(e.abs().sum()) for e in diloco.state.error.values()),
+    }
 
 
 def test_a_quantised_outer_sync_keeps_replicas_identical_and_loses_nothing():

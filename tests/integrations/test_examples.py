@@ -5,6 +5,7 @@ Each example prints ``[rank R] edgc: step S phase P rank r sent B of RAW bytes``
 optimizer step: both ranks must report the last step (the hook counted every sync), the
 compress phase, and fewer bytes sent than an uncompressed all-reduce would send.
 """
+
 import subprocess
 import sys
 
@@ -48,6 +49,11 @@ def test_example_runs_and_compresses(name):
 
 def test_plain_diff_is_the_change_from_the_vanilla_script():
     """examples/ddp_plain.diff, reversed, applies to ddp_plain.py: the diff shown is the real one."""
-    proc = subprocess.run(["git", "apply", "--check", "--reverse", "examples/ddp_plain.diff"],
-                          cwd=REPO, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["git", "apply", "--check", "--reverse", "examples/ddp_plain.diff"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,5 @@
 """`edgc_hook` passes DDP's registration check (its module uses postponed, string annotations)."""
+
 import inspect
 
 import torch

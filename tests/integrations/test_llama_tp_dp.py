@@ -8,6 +8,7 @@ training in one process (the example's `single_process_losses`, run here):
 - every rank agrees on the loss, the phase and the rank (the TP shards decide together: `decision_group`),
   and the replicas of each TP shard hold identical parameters.
 """
+
 import importlib.util
 import re
 import sys
@@ -30,8 +31,20 @@ def load_example():
 
 def test_llama_tp2_dp2_matches_the_single_process_until_edgc_compresses():
     port = str(free_port())
-    proc = run_script([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
-                       "127.0.0.1", "--master_port", port, "examples/llama_tp_dp.py"])
+    proc = run_script(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "4",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            "examples/llama_tp_dp.py",
+        ]
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     steps: dict[int, dict] = {}  # step -> {rank: (loss, phase)}

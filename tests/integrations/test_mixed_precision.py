@@ -10,6 +10,7 @@ What halves: with bf16 gradients every byte DDP hands to the hook (the raw tenso
 P and Q) is bf16, so bytes_sent and bytes_raw are exactly half the fp32 run's at the same rank;
 with fp32 gradients and communication_dtype='bfloat16' only the P and Q bytes halve.
 """
+
 import math
 import time
 
@@ -37,18 +38,28 @@ def train(rank, dtype, communication_dtype, steps, error_feedback_dtype="float32
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     model = GPT2LMHeadModel(config).to(dtype)
     ddp = DDP(model)
-    state = register_edgc(ddp, EDGCConfig(r_max=8, window=10, total_steps=STEPS, warmup_error_test=False,
-                                          communication_dtype=communication_dtype,
-                                          error_feedback_dtype=error_feedback_dtype))
+    state = register_edgc(
+        ddp,
+        EDGCConfig(
+            r_max=8,
+            window=10,
+            total_steps=STEPS,
+            warmup_error_test=False,
+            communication_dtype=communication_dtype,
+            error_feedback_dtype=error_feedback_dtype,
+        ),
+    )
     params = list(model.parameters())
     master = params if dtype == torch.float32 else [p.detach().float().requires_grad_() for p in params]
     optimizer = torch.optim.AdamW(master, lr=3e-3)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # 5 warm-up steps, cosine to 0 at STEPS
-        optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / STEPS)))
+        optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / STEPS))
+    )
     losses, metrics = [], []
     for step in range(steps):
         tokens = walk(1000 * rank + step)
@@ -71,16 +82,26 @@ def train(rank, dtype, communication_dtype, steps, error_feedback_dtype="float32
     dtypes = {str(t.dtype) for t in [*state.compressor.q.values(), *state.compressor.error.values()]}
     error_bytes = sum(e.numel() * e.element_size() for e in state.compressor.error.values())
     grad_dtype = str(params[0].grad.dtype)
-    return {"losses": losses, "metrics": metrics, "shapes": shapes, "state_dtypes": dtypes, "grad_dtype": grad_dtype,
-            "error_dtypes": {str(e.dtype) for e in state.compressor.error.values()}, "error_bytes": error_bytes,
-            "seconds": time.perf_counter() - started}
+    return {
+        "losses": losses,
+        "metrics": metrics,
+        "shapes": shapes,
+        "state_dtypes": dtypes,
+        "grad_dtype": grad_dtype,
+        "error_dtypes": {str(e.dtype) for e in state.compressor.error.values()},
+        "error_bytes": error_bytes,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def train_worker(rank, world_size):
     """All three runs in one pair of processes (one start-up instead of three)."""
-    return {"fp32": train(rank, torch.float32, None, STEPS), "bf16": train(rank, torch.bfloat16, None, STEPS),
-            "fp32_bf16_wire": train(rank, torch.float32, "bfloat16", 8),
-            "bf16_ef": train(rank, torch.bfloat16, None, STEPS, error_feedback_dtype="gradient")}
+    return {
+        "fp32": train(rank, torch.float32, None, STEPS),
+        "bf16": train(rank, torch.bfloat16, None, STEPS),
+        "fp32_bf16_wire": train(rank, torch.float32, "bfloat16", 8),
+        "bf16_ef": train(rank, torch.bfloat16, None, STEPS, error_feedback_dtype="gradient"),
+    }
 
 
 def pq_elements(metrics: dict, shapes: dict) -> int:
@@ -153,6 +174,8 @@ def test_bf16_error_feedback_halves_its_memory_and_tracks_fp32_error_feedback(ru
     assert bf16_ef[0]["error_dtypes"] == {"torch.bfloat16"} and fp32_ef[0]["error_dtypes"] == {"torch.float32"}
     assert bf16_ef[0]["error_bytes"] * 2 == fp32_ef[0]["error_bytes"]
     # What it does to the loss (printed for docs/integrations.md): within 2 % of fp32 error feedback.
-    print(f"final loss, bf16 gradients: fp32 EF {final_loss(fp32_ef):.4f}, bf16 EF {final_loss(bf16_ef):.4f}, "
-          f"fp32 training {final_loss(runs['fp32']):.4f}")
+    print(
+        f"final loss, bf16 gradients: fp32 EF {final_loss(fp32_ef):.4f}, bf16 EF {final_loss(bf16_ef):.4f}, "
+        f"fp32 training {final_loss(runs['fp32']):.4f}"
+    )
     assert abs(final_loss(bf16_ef) / final_loss(fp32_ef) - 1) < 0.02

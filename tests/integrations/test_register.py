@@ -2,6 +2,7 @@
 
 The 2-process checks run inside test_composability's processes (one start-up for both files).
 """
+
 import pytest
 import torch
 from torch import nn
@@ -30,9 +31,11 @@ def registration_checks(rank):
     out["weight"] = ddp.module.weight.grad.clone()
     stale = EDGCState(None, EDGCConfig())
     stale.comm.world_size = 1  # as if built before init_process_group
-    cases = ((lambda: register_edgc(nn.Linear(2, 2)), TypeError),  # not DDP
-             (lambda: register_edgc(DDP(nn.Linear(2, 2)), EDGCConfig(), state=stale), ValueError),
-             (lambda: register_edgc(DDP(nn.Linear(2, 2)), state=stale), RuntimeError))
+    cases = (
+        (lambda: register_edgc(nn.Linear(2, 2)), TypeError),  # not DDP
+        (lambda: register_edgc(DDP(nn.Linear(2, 2)), EDGCConfig(), state=stale), ValueError),
+        (lambda: register_edgc(DDP(nn.Linear(2, 2)), state=stale), RuntimeError),
+    )
     out["errors"] = []
     for call, error in cases:
         with pytest.raises(error) as caught:

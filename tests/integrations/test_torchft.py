@@ -4,6 +4,7 @@ Each fault test: no hang (every wait has a timeout), replicas bit-identical at t
 and EDGC's shared state), error feedback conserved through every discarded step (checked on the
 spot by the harness, float64), final loss within 1 % of the same run without failures.
 """
+
 import random
 
 import pytest
@@ -246,8 +247,12 @@ def test_example_kills_a_group_which_heals_and_ends_identical():
     found = summaries(output)
     assert sorted(found) == [0, 1] and found[0] == found[1], output[-4000:]
     assert found[0]["phase"] == "compress" and 0 < found[0]["sent"] < found[0]["raw"] / 2
-    groups = {int(g): (int(c), int(d), int(h), x) for g, c, d, h, x in re.findall(
-        r"\[group (\d)\] committed (\d+) discarded (\d+) heals (\d+) checksum (-?0x[0-9a-f.]+p[+-]\d+)", output)}
+    groups = {
+        int(g): (int(c), int(d), int(h), x)
+        for g, c, d, h, x in re.findall(
+            r"\[group (\d)\] committed (\d+) discarded (\d+) heals (\d+) checksum (-?0x[0-9a-f.]+p[+-]\d+)", output
+        )
+    }
     assert groups[0][0] == groups[1][0] == 24 and groups[0][3] == groups[1][3]  # identical replicas
     assert groups[0][1] >= 1  # the survivor discarded the step the kill interrupted
     assert groups[1][2] >= 1  # the restarted group healed from it

@@ -5,6 +5,7 @@ bit-identical at the end (parameters, θ_global, outer optimizer, EDGC's shared 
 decisions are the same on every group), and the error feedback conserved through every discarded
 outer step (checked on the spot by the harness, float64, bit for bit).
 """
+
 import pytest
 import torch
 

@@ -3,15 +3,18 @@ in-process, one thread per replica group (one rank each), a runner that restarts
 
 Each replica trains EDGC (`edgc.integrations.torchft`) on a learnable toy language (a token is
 followed by a fixed permutation of itself, or by a random token one time in five: an entropy
-floor of about 1.3 nats, so final losses compare like those of real data), float64 so that error feedback can be checked to
+floor of about 1.3 nats, so final losses compare like those of real data), float64 so that error feedback can be
+checked to
 the last bit. Faults are planned per (replica, step): a kill at the start of the step, a failed
 all-reduce (the collective runs, then this replica's call raises, as a local
 error would; torchft 0.2's FakeProcessGroupWrapper's error never reaches its manager), a NaN gradient,
 a stall (the step lasts one TIMEOUT, as for a survivor left waiting on a peer that dropped the
 collective; it waits at the step's end, after its commit, so that its peers wait for it in the next
-quorum, never inside a collective, whose timeout is TIMEOUT too). Every uncommitted step is checked on the spot: the replica's error feedback must be exactly its error feedback before the
+quorum, never inside a collective, whose timeout is TIMEOUT too). Every uncommitted step is checked on the spot: the
+replica's error feedback must be exactly its error feedback before the
 step plus the step's gradient (or zero when that gradient was not finite).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +39,19 @@ from edgc.integrations.torchft_quorum import QuorumSettings
 from edgc_bench.stream_check import StreamChecker
 
 VOCAB, SEQ, NOISE = 64, 16, 0.2
-CONFIG = dict(r_max=8, r_min=2, rank_step=2, window=3, warmup_fraction=0.1, warmup_error_test=False,
-              iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, min_compression_rate=1.0,
-              entropy_estimator="gaussian", entropy_significance=0.0)
+CONFIG = dict(
+    r_max=8,
+    r_min=2,
+    rank_step=2,
+    window=3,
+    warmup_fraction=0.1,
+    warmup_error_test=False,
+    iteration_sample_ratio=1.0,
+    gradient_sample_ratio=0.5,
+    min_compression_rate=1.0,
+    entropy_estimator="gaussian",
+    entropy_significance=0.0,
+)
 TIMEOUT = timedelta(seconds=5)  # process group and manager calls
 
 
@@ -48,6 +61,7 @@ def quorum_settings(replicas: int, tolerated_failures: int) -> QuorumSettings:
     needed more than 60 s to join (suite at load 10+)."""
     settings = QuorumSettings.for_groups(replicas, tolerated_failures, TIMEOUT)
     return replace(settings, quorum_timeout=max(settings.quorum_timeout, timedelta(seconds=120)))
+
 
 _MODEL_LOCK = threading.Lock()  # replicas share the process's RNG: build models one at a time
 
@@ -64,7 +78,9 @@ def batch(replica: int, step: int, size: int = 8, retry: int = 0) -> tuple[torch
     tokens = [torch.randint(0, VOCAB, (size,), generator=generator)]
     for _ in range(SEQ):
         noise = torch.rand(size, generator=generator) < NOISE
-        tokens.append(torch.where(noise, torch.randint(0, VOCAB, (size,), generator=generator), permutation[tokens[-1]]))
+        tokens.append(
+            torch.where(noise, torch.randint(0, VOCAB, (size,), generator=generator), permutation[tokens[-1]])
+        )
     sequence = torch.stack(tokens, dim=1)
     return sequence[:, :-1], sequence[:, 1:]
 
@@ -110,8 +126,15 @@ class FailingProcessGroup(ProcessGroupGloo):
         raise RuntimeError("injected all-reduce failure")
 
 
-def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, report: dict, quorum: QuorumSettings,
-                  start: threading.Barrier | None = None) -> dict:
+def train_replica(
+    replica: int,
+    lighthouse: str,
+    steps: int,
+    faults: Faults,
+    report: dict,
+    quorum: QuorumSettings,
+    start: threading.Barrier | None = None,
+) -> dict:
     """One attempt of one group. ``start``: passed once its manager is up (and heartbeating), so that
     the lighthouse knows every group before the first quorum and waits for all of them (a group
     that starts late would otherwise join by healing a few steps in: another run than the reference)."""
@@ -163,10 +186,16 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
             # (EDGC's decision at a window's end) for as long as their timeout, a race lost under load.
             time.sleep(max(0.0, stall_until - time.monotonic()))
             metrics = state.last_step_metrics
-            step_lines.append({"kind": "step", "step": step, "committed": metrics.get("committed") is not False,
-                               "participants": manager.num_participants(),
-                               "participating": manager.participating_rank() is not None,
-                               "healed": any(h > 0 for h in heals[heals_before:])})  # at 0: the initial sync
+            step_lines.append(
+                {
+                    "kind": "step",
+                    "step": step,
+                    "committed": metrics.get("committed") is not False,
+                    "participants": manager.num_participants(),
+                    "participating": manager.participating_rank() is not None,
+                    "healed": any(h > 0 for h in heals[heals_before:]),
+                }
+            )  # at 0: the initial sync
             if metrics.get("committed") is False:
                 report.setdefault("discarded", []).append((replica, step))
                 check_conserved(state, metrics, error_before, gradients)
@@ -176,17 +205,24 @@ def train_replica(replica: int, lighthouse: str, steps: int, faults: Faults, rep
         module.eval()
         with torch.no_grad():
             final_loss = loss_of(module, *batch(99, 0, size=64)).item()
-        return {"replica": replica, "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
-                "shared": state.shared_state_dict(), "loss": final_loss, "heals": state.heals,
-                "discarded": state.steps_discarded, "phase": metrics["phase"]}
+        return {
+            "replica": replica,
+            "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
+            "shared": state.shared_state_dict(),
+            "loss": final_loss,
+            "heals": state.heals,
+            "discarded": state.steps_discarded,
+            "phase": metrics["phase"],
+        }
     finally:
         checking.close()
         manager.shutdown(wait=False)
         pg.shutdown()
 
 
-def replica_manager(replica: int, pg, store, lighthouse: str, quorum: QuorumSettings, holder: dict,
-                    heals: list[int]) -> Manager:
+def replica_manager(
+    replica: int, pg, store, lighthouse: str, quorum: QuorumSettings, holder: dict, heals: list[int]
+) -> Manager:
     """The group's manager; a peer's model and optimizer state go into ``holder``'s, each heal's step into ``heals``."""
 
     def load(state: dict) -> None:
@@ -197,10 +233,20 @@ def replica_manager(replica: int, pg, store, lighthouse: str, quorum: QuorumSett
     def save() -> dict:
         return {"model": holder["model"].state_dict(), "optimizer": holder["optimizer"].state_dict()}
 
-    manager = Manager(pg=pg, load_state_dict=load, state_dict=save, replica_id=str(replica),
-                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, use_async_quorum=False, connect_timeout=quorum.timeout,
-                      **quorum.manager_kwargs())
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load,
+        state_dict=save,
+        replica_id=str(replica),
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        use_async_quorum=False,
+        connect_timeout=quorum.timeout,
+        **quorum.manager_kwargs(),
+    )
     return manager
 
 
@@ -238,8 +284,14 @@ def check_conserved(state, metrics: dict, error_before: dict, gradients: dict) -
             raise AssertionError(f"error feedback of {name} not conserved through the discarded step")
 
 
-def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, attempts: int = 3,
-                 tolerated_failures: int = 1, checked: tuple = ()) -> dict:
+def run_replicas(
+    steps: int,
+    faults: Faults | None = None,
+    replicas: int = 3,
+    attempts: int = 3,
+    tolerated_failures: int = 1,
+    checked: tuple = (),
+) -> dict:
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``).
     The quorum settings are the bench's: those of its kill pass, or with ``tolerated_failures=0``
     those of its failure-free passes. The groups in ``checked`` run their steps under the CPU
@@ -247,8 +299,9 @@ def run_replicas(steps: int, faults: Faults | None = None, replicas: int = 3, at
     return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures, checked)
 
 
-def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int,
-               checked: tuple = ()) -> dict:
+def run_groups(
+    train, steps: int, faults: Faults | None, replicas: int, attempts: int, tolerated_failures: int, checked: tuple = ()
+) -> dict:
     """``train(replica, lighthouse, steps, faults, report, quorum, start)`` on one thread per group,
     around one lighthouse; a group whose attempt raises `InjectedKill` starts again."""
     faults = faults or Faults()
@@ -260,8 +313,9 @@ def run_groups(train, steps: int, faults: Faults | None, replicas: int, attempts
     def runner(replica: int) -> dict:
         for attempt in range(attempts):
             try:
-                return train(replica, lighthouse.address(), steps, faults, report, quorum,
-                             start if attempt == 0 else None)
+                return train(
+                    replica, lighthouse.address(), steps, faults, report, quorum, start if attempt == 0 else None
+                )
             except InjectedKill:
                 report["kills"] += 1
         raise RuntimeError(f"replica {replica} ran out of attempts")

@@ -5,6 +5,7 @@ the keys train.py writes), with numbers shaped like a real tiny-preset run, so t
 ``test_report_from_real_runs`` additionally trains two 4-step runs of a shrunken model (1 process each)
 and builds the report from them, so the format cannot drift from what `edgc train` really writes.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,20 +27,49 @@ PARAMS = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "trans
 RAW_BYTES = 17_094_656
 
 
-def write_run(path: Path, compressor: str, steps: int = 40, window: int = 5, warmup: int = 6,
-              eval_every: int = 10, truncate_last: bool = False, budget: float | None = None) -> Path:
+def write_run(
+    path: Path,
+    compressor: str,
+    steps: int = 40,
+    window: int = 5,
+    warmup: int = 6,
+    eval_every: int = 10,
+    truncate_last: bool = False,
+    budget: float | None = None,
+) -> Path:
     """A run folder as `edgc train` writes it; the EDGC rank walks 16 → 12 → 8 → 10 over the windows."""
     path.mkdir(parents=True)
     edgc = None
     if compressor == "edgc":
-        edgc = {"r_max": 16, "r_min": 4, "window": window, "adaptive": True, "rank_mapping": "cqm",
-                "entropy_estimator": "gaussian", "iteration_sample_ratio": 0.5, "warmup_fraction": 0.15,
-                "warmup_error_test": True, "rank_step": 4, "total_steps": steps}
+        edgc = {
+            "r_max": 16,
+            "r_min": 4,
+            "window": window,
+            "adaptive": True,
+            "rank_mapping": "cqm",
+            "entropy_estimator": "gaussian",
+            "iteration_sample_ratio": 0.5,
+            "warmup_fraction": 0.15,
+            "warmup_error_test": True,
+            "rank_step": 4,
+            "total_steps": steps,
+        }
         if budget is not None:
             edgc.update(rank_budget=budget, budget_signal="schedule")
-    config = {"preset": "tiny", "n_params": 4_270_000, "world_size": 2, "micro_batch": 8, "seq_len": 128,
-              "grad_accum": 1, "steps": steps, "compressor": compressor, "seed": 1337, "edgc": edgc,
-              "device_type": "cpu", "started_at": "2026-11-21T23:00:00+00:00"}
+    config = {
+        "preset": "tiny",
+        "n_params": 4_270_000,
+        "world_size": 2,
+        "micro_batch": 8,
+        "seq_len": 128,
+        "grad_accum": 1,
+        "steps": steps,
+        "compressor": compressor,
+        "seed": 1337,
+        "edgc": edgc,
+        "device_type": "cpu",
+        "started_at": "2026-11-21T23:00:00+00:00",
+    }
     (path / "config.json").write_text(json.dumps(config))
     lines, wall, spent = [], 0.0, []
     ranks = [16, 12, 8, 10, 10, 8, 6, 8]
@@ -50,18 +80,37 @@ def write_run(path: Path, compressor: str, steps: int = 40, window: int = 5, war
         step_time = 1.0 + comm + (0.05 if compressed else 0.0) + (0.5 if step == 1 else 0.0)
         wall += step_time
         sent = RAW_BYTES if rank is None else RAW_BYTES * rank // 200
-        entropy = (-4.5 - 1.5 * (1 - math.exp(-step / 10)) + 0.05 * math.sin(step)
-                   if compressor == "edgc" and step % 2 == 1 else None)
+        entropy = (
+            -4.5 - 1.5 * (1 - math.exp(-step / 10)) + 0.05 * math.sin(step)
+            if compressor == "edgc" and step % 2 == 1
+            else None
+        )
         spent += [rank] if rank is not None else []
         mean_rank = sum(spent) / len(spent) if budget is not None and spent else None
-        lines.append({"kind": "train", "step": step, "wall_s": wall, "loss": 8.3 * math.exp(-step / 30) + 2.5,
-                      "mean_rank": mean_rank,
-                      "lr": 1e-3, "step_time_s": step_time, "compute_time_s": 1.0, "comm_time_s": comm,
-                      "compress_time_s": 0.05 if compressed else 0.0, "tokens_per_s": 2048 / step_time,
-                      "phase": "compress" if compressed else "warmup", "rank": rank,
-                      "ranks": {p: (rank or 0) for p in PARAMS}, "entropy": entropy,
-                      "relative_error": 0.3 if compressed else None, "elements_sent": sent // 4,
-                      "elements_raw": RAW_BYTES // 4, "bytes_sent": sent, "bytes_raw": RAW_BYTES})
+        lines.append(
+            {
+                "kind": "train",
+                "step": step,
+                "wall_s": wall,
+                "loss": 8.3 * math.exp(-step / 30) + 2.5,
+                "mean_rank": mean_rank,
+                "lr": 1e-3,
+                "step_time_s": step_time,
+                "compute_time_s": 1.0,
+                "comm_time_s": comm,
+                "compress_time_s": 0.05 if compressed else 0.0,
+                "tokens_per_s": 2048 / step_time,
+                "phase": "compress" if compressed else "warmup",
+                "rank": rank,
+                "ranks": {p: (rank or 0) for p in PARAMS},
+                "entropy": entropy,
+                "relative_error": 0.3 if compressed else None,
+                "elements_sent": sent // 4,
+                "elements_raw": RAW_BYTES // 4,
+                "bytes_sent": sent,
+                "bytes_raw": RAW_BYTES,
+            }
+        )
         if step % eval_every == 0 or step == steps:
             wall += 1.5
             val = 8.3 * math.exp(-step / 30) + 2.6 + (0.02 if compressor == "edgc" else 0.0)
@@ -102,7 +151,10 @@ def test_report_two_runs(two_runs, capsys):
     md = check_report(out, ["none (DDP all-reduce)", "edgc"])
     edgc_row = next(line for line in md.splitlines() if line.startswith("| edgc |"))
     cells = [c.strip() for c in edgc_row.strip("|").split("|")]
-    header = [c.strip() for c in md.splitlines()[[line.startswith("|") for line in md.splitlines()].index(True)].strip("|").split("|")]
+    header = [
+        c.strip()
+        for c in md.splitlines()[[line.startswith("|") for line in md.splitlines()].index(True)].strip("|").split("|")
+    ]
     ratio = float(cells[header.index("bytes/step vs uncompressed")].rstrip("×"))
     assert 0.05 < ratio < 0.4  # 6 raw steps of 40, the rest at rank/200 of the raw size
     assert "medians over steps 4–end" in md
@@ -142,16 +194,27 @@ def test_report_uncompressed_only_still_draws_every_plot(tmp_path):
     check_report(out, ["base (none: DDP all-reduce)"])
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda p: None, "no such run folder"),
-    (lambda p: p.mkdir(), "no config.json"),
-    (lambda p: (p.mkdir(), (p / "config.json").write_text("{")), "unreadable"),
-    (lambda p: (p.mkdir(), (p / "config.json").write_text("{}")), "no metrics.jsonl"),
-    (lambda p: (p.mkdir(), (p / "config.json").write_text("{}"), (p / "metrics.jsonl").write_text("")),
-     "no training steps"),
-    (lambda p: (p.mkdir(), (p / "config.json").write_text("{}"),
-                (p / "metrics.jsonl").write_text('garbage\n{"kind": "eval", "step": 1}\n')), "bad line"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda p: None, "no such run folder"),
+        (lambda p: p.mkdir(), "no config.json"),
+        (lambda p: (p.mkdir(), (p / "config.json").write_text("{")), "unreadable"),
+        (lambda p: (p.mkdir(), (p / "config.json").write_text("{}")), "no metrics.jsonl"),
+        (
+            lambda p: (p.mkdir(), (p / "config.json").write_text("{}"), (p / "metrics.jsonl").write_text("")),
+            "no training steps",
+        ),
+        (
+            lambda p: (
+                p.mkdir(),
+                (p / "config.json").write_text("{}"),
+                (p / "metrics.jsonl").write_text('garbage\n{"kind": "eval", "step": 1}\n'),
+            ),
+            "bad line",
+        ),
+    ],
+)
 def test_bad_run_folder_is_one_line_error(tmp_path, capsys, setup, message):
     bad = tmp_path / "bad"
     setup(bad)
@@ -170,12 +233,53 @@ def test_same_run_twice_refused(two_runs, capsys):
 
 def _train(out: Path, compressor: str) -> None:
     """A real 6-step `edgc train` run of a shrunken tiny model, 1 process (about 10 s)."""
-    cmd = [sys.executable, "-m", "edgc_cli.main", "train", "--out", str(out), "--preset", "tiny", "--n-layer", "1",
-           "--n-embd", "64", "--n-head", "2", "--seq-len", "32", "--micro-batch", "2", "--steps", "6",
-           "--eval-every", "3", "--eval-batches", "1", "--no-progress", "--no-tensorboard", "--compressor", compressor]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgc_cli.main",
+        "train",
+        "--out",
+        str(out),
+        "--preset",
+        "tiny",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "64",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+        "--no-tensorboard",
+        "--compressor",
+        compressor,
+    ]
     if compressor == "edgc":
-        cmd += ["--edgc", "r_max=4", "--edgc", "r_min=2", "--edgc", "window=2", "--edgc", "iteration_sample_ratio=1",
-                "--edgc", "warmup_fraction=0.3", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian"]
+        cmd += [
+            "--edgc",
+            "r_max=4",
+            "--edgc",
+            "r_min=2",
+            "--edgc",
+            "window=2",
+            "--edgc",
+            "iteration_sample_ratio=1",
+            "--edgc",
+            "warmup_fraction=0.3",
+            "--edgc",
+            "rank_mapping=cqm",
+            "--edgc",
+            "entropy_estimator=gaussian",
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -188,7 +292,10 @@ def test_report_from_real_runs(tmp_path):
     result = build_report([none, edgc], tmp_path / "report")
     check_report(tmp_path / "report", ["none (DDP all-reduce)", "edgc"])
     stats = {r.label: r.stats for r in result["runs"]}
-    assert stats["edgc"]["first_compressed_step"] is not None and stats["none (DDP all-reduce)"]["first_compressed_step"] is None
+    assert (
+        stats["edgc"]["first_compressed_step"] is not None
+        and stats["none (DDP all-reduce)"]["first_compressed_step"] is None
+    )
     assert stats["edgc"]["bytes_per_step"] < stats["none (DDP all-reduce)"]["bytes_per_step"]
     assert stats["edgc"]["entropy_samples"] == 6 and stats["none (DDP all-reduce)"]["val_loss"] is not None
 
@@ -203,9 +310,10 @@ def test_demo_refuses_existing_out(tmp_path, capsys):
     assert list(existing.iterdir()) == []  # nothing written
 
 
-@pytest.mark.parametrize("flag, value, message", [("--steps", "ten", "expected an integer"),
-                                                  ("--steps", "10", "must be ≥ 40"),
-                                                  ("--nproc", "0", "must be ≥ 1")])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--steps", "ten", "expected an integer"), ("--steps", "10", "must be ≥ 40"), ("--nproc", "0", "must be ≥ 1")],
+)
 def test_demo_rejects_bad_numbers(tmp_path, capsys, flag, value, message):
     assert edgc_main(["demo", "--out", str(tmp_path / "d"), flag, value]) == 2
     assert message in capsys.readouterr().err

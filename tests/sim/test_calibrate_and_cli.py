@@ -1,4 +1,5 @@
 """Calibration plumbing on a synthetic run folder, host measurement helpers, and the CLI."""
+
 import dataclasses
 import json
 import time
@@ -13,9 +14,17 @@ from edgc_sim.host import fit_alpha_beta, load_profile, measure_host, save_profi
 
 DEVICE = DeviceSpec("host", {"fp32": 50e9}, 1.0, 10e9, 5e-6)
 LINK = LinkSpec("host-gloo", 1.5e9, 1.0, 100e-6)
-CONFIG = {"preset": "tiny", "world_size": 2, "micro_batch": 8, "seq_len": 128, "grad_accum": 1,
-          "compressor": "edgc", "n_layer": None, "vocab_size": 4096,
-          "model": {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256, "vocab_size": 512}}
+CONFIG = {
+    "preset": "tiny",
+    "world_size": 2,
+    "micro_batch": 8,
+    "seq_len": 128,
+    "grad_accum": 1,
+    "compressor": "edgc",
+    "n_layer": None,
+    "vocab_size": 4096,
+    "model": {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256, "vocab_size": 512},
+}
 
 
 def write_run(tmp_path, slow=1.1):
@@ -28,9 +37,21 @@ def write_run(tmp_path, slow=1.1):
     for step in range(1, 51):
         rank = None if step <= 20 else 8
         it = model.iteration((rank,))
-        lines.append(json.dumps({"kind": "train", "step": step, "rank": rank, "phase": "x",
-                                 "step_time_s": slow * it.iteration_s, "comm_time_s": slow * it.sync[0].comm_s,
-                                 "compute_time_s": 0.0, "bytes_sent": 0, "bytes_raw": 0}))
+        lines.append(
+            json.dumps(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "rank": rank,
+                    "phase": "x",
+                    "step_time_s": slow * it.iteration_s,
+                    "comm_time_s": slow * it.sync[0].comm_s,
+                    "compute_time_s": 0.0,
+                    "bytes_sent": 0,
+                    "bytes_raw": 0,
+                }
+            )
+        )
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run
 
@@ -50,7 +71,7 @@ def test_host_model_reads_resolved_shape():
     st = model.stages[0]
     # HF GPT-2: tied 512 x 256 embedding (no padding), 256 positions, 4 blocks
     assert (512, 256) in st.matrices and (256, 256) in st.matrices
-    assert st.values == 4 * (12 * 256 ** 2 + 13 * 256) + (512 + 256) * 256 + 2 * 256
+    assert st.values == 4 * (12 * 256**2 + 13 * 256) + (512 + 256) * 256 + 2 * 256
 
 
 def test_load_run_errors_are_clear(tmp_path):

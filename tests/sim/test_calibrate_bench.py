@@ -1,5 +1,6 @@
 """Bench-mode calibration (`edgc simulate --calibrate <bench>/runs/*`) on a synthetic bench folder,
 the link fit, and the collectives each method's step issues."""
+
 import json
 import math
 from dataclasses import replace
@@ -30,7 +31,7 @@ def allreduce_time(nbytes, world=2):
 
 
 def test_link_fit_recovers_alpha_and_beta():
-    sizes = [mb * 2 ** 20 for mb in (1 / 256, 1 / 16, 1 / 4, 1 / 2, 1, 4, 16, 64)]
+    sizes = [mb * 2**20 for mb in (1 / 256, 1 / 16, 1 / 4, 1 / 2, 1, 4, 16, 64)]
     for world in (2, 4):
         alpha, beta = fit_bench_link(world, sizes, [allreduce_time(s, world) for s in sizes], BURST)
         assert alpha == pytest.approx(ALPHA, rel=1e-9) and beta == pytest.approx(BETA, rel=1e-9)
@@ -45,7 +46,7 @@ def test_link_fit_recovers_alpha_and_beta():
 def test_ddp_buckets_of_the_bench_model_match_torch():
     # torch 2.13 DDP on the small preset (measured with a comm hook: bucket sizes in MiB, tensors)
     buckets = ddp_buckets(gpt2_gradient_shapes(SMALL))
-    mib = [round(sum(math.prod(s) for s in b) * 4 / 2 ** 20, 2) for b in buckets]
+    mib = [round(sum(math.prod(s) for s in b) * 4 / 2**20, 2) for b in buckets]
     assert mib == [4.01, 28.06, 25.06, 27.06, 21.03] and [len(b) for b in buckets] == [4, 26, 28, 26, 16]
     assert len(ddp_buckets(gpt2_gradient_shapes(SMALL), 500)) == 1  # torch-powersgd's bucket_cap_mb
 
@@ -66,8 +67,16 @@ def test_collectives_per_step_of_each_method():
 
 
 def config(compressor):
-    return {"preset": "tiny", "world_size": 2, "micro_batch": 2, "seq_len": 32, "grad_accum": 1,
-            "compressor": compressor, "powersgd_rank": 4, "model": MODEL}
+    return {
+        "preset": "tiny",
+        "world_size": 2,
+        "micro_batch": 2,
+        "seq_len": 32,
+        "grad_accum": 1,
+        "compressor": compressor,
+        "powersgd_rank": 4,
+        "model": MODEL,
+    }
 
 
 def write_bench(tmp_path, logged_collectives=None):
@@ -76,9 +85,14 @@ def write_bench(tmp_path, logged_collectives=None):
     logged_collectives = logged_collectives or {}
     bench = tmp_path / "bench"
     (bench / "runs").mkdir(parents=True)
-    (bench / "calibration.json").write_text(json.dumps(
-        [{"mb": mb, "seconds": 9.0, "mean_s": allreduce_time(mb * 2 ** 20), "burst_bytes": BURST}
-         for mb in (1 / 256, 1 / 16, 1 / 2, 1.0, 4.0, 16.0)]))
+    (bench / "calibration.json").write_text(
+        json.dumps(
+            [
+                {"mb": mb, "seconds": 9.0, "mean_s": allreduce_time(mb * 2**20), "burst_bytes": BURST}
+                for mb in (1 / 256, 1 / 16, 1 / 2, 1.0, 4.0, 16.0)
+            ]
+        )
+    )
     payload = {"none": (None, 400_000.0), "fp16": (None, 200_000.0), "powersgd": (4, 20_000.0)}
     for name, (rank, nbytes) in payload.items():
         run = bench / "runs" / name
@@ -91,10 +105,16 @@ def write_bench(tmp_path, logged_collectives=None):
         lines = []
         for step in range(1, 21):
             warm = rank is not None and step <= 4  # uncompressed warm-up: a different workload, ignored
-            record = {"kind": "train", "step": step, "rank": None if warm else rank,
-                      "bytes_sent": 400_000 if warm else nbytes, "compute_time_s": COMPUTE,
-                      "compress_time_s": compress, "comm_time_s": 9.0 if warm else comm,
-                      "step_time_s": 9.0 if warm else COMPUTE + compress + comm}
+            record = {
+                "kind": "train",
+                "step": step,
+                "rank": None if warm else rank,
+                "bytes_sent": 400_000 if warm else nbytes,
+                "compute_time_s": COMPUTE,
+                "compress_time_s": compress,
+                "comm_time_s": 9.0 if warm else comm,
+                "step_time_s": 9.0 if warm else COMPUTE + compress + comm,
+            }
             if count is not None:
                 record["collectives"] = 99 if warm else count
             lines.append(json.dumps(record))
@@ -109,8 +129,11 @@ def test_bench_link_fits_calibration(tmp_path):
     assert link.burst_bytes == BURST and "300 us per all-reduce" in link.source
     # an older calibration.json: medians of 1-64 MiB, burst from the rate of its bytes / rate bound
     old = tmp_path / "old.json"
-    old.write_text(json.dumps([{"mb": mb, "seconds": mb * 2 ** 20 / BETA, "ideal_s": mb * 2 ** 20 * 8 / 1e9}
-                               for mb in (1.0, 4.0, 16.0)]))
+    old.write_text(
+        json.dumps(
+            [{"mb": mb, "seconds": mb * 2**20 / BETA, "ideal_s": mb * 2**20 * 8 / 1e9} for mb in (1.0, 4.0, 16.0)]
+        )
+    )
     link = bench_link(old)
     assert link.alpha_s == 0 and link.burst_bytes == pytest.approx(250_000, abs=1) and "latency unknown" in link.source
     assert find_bench_calibration(sorted((bench / "runs").iterdir())) == (bench / "calibration.json").resolve()
@@ -122,7 +145,10 @@ def test_calibrate_bench_matches_its_own_model(tmp_path):
     runs = [load_run(d) for d in sorted((bench / "runs").iterdir())]
     rows = calibrate_bench(runs, DEVICE, bench_link(bench / "calibration.json"))
     assert [(r.run, r.rank, r.steps, r.collectives) for r in rows] == [
-        ("fp16", None, 18, 1), ("none", None, 18, 1), ("powersgd", 4, 16, 3)]  # the tiny model: one bucket
+        ("fp16", None, 18, 1),
+        ("none", None, 18, 1),
+        ("powersgd", 4, 16, 3),
+    ]  # the tiny model: one bucket
     for r in rows:  # warm-up steps (rank None in a compressed run) and the first 10% are left out
         assert r.comm_error == pytest.approx(0, abs=1e-9) and r.step_error == pytest.approx(0, abs=1e-9)
         assert not r.collectives_measured and not r.link_measured and math.isnan(r.link_error)  # no traces
@@ -164,12 +190,17 @@ def test_calibration_compares_the_model_with_the_traced_link_time(tmp_path):
     wait = [0.010, 0.0, 0.004]  # who waits, and how long, differs per collective
     (run / "comm_trace").mkdir()
     for k in (0, 1):
-        lines = [json.dumps({"step": step, "collective_s": [t + (w if (i + k) % 2 else 0.0)
-                                                            for i, (t, w) in enumerate(zip(on_link, wait))]})
-                 for step in range(1, 21)]
+        lines = [
+            json.dumps(
+                {
+                    "step": step,
+                    "collective_s": [t + (w if (i + k) % 2 else 0.0) for i, (t, w) in enumerate(zip(on_link, wait))],
+                }
+            )
+            for step in range(1, 21)
+        ]
         (run / "comm_trace" / f"rank{k}.jsonl").write_text("\n".join(lines) + "\n")
-    rows = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted((bench / "runs").iterdir())],
-                                              DEVICE, LINK)}
+    rows = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted((bench / "runs").iterdir())], DEVICE, LINK)}
     row = rows["powersgd"]
     assert row.link_measured and row.link_measured_s == pytest.approx(sum(on_link))
     assert row.link_predicted_s == pytest.approx(sum(on_link)) and row.link_error == pytest.approx(0, abs=1e-9)
@@ -189,9 +220,12 @@ def write_trace(run, per_collective):
     on_link = [LINK.collective_s(2, p) + per_collective for p in payloads]
     (run / "comm_trace").mkdir()
     for k in (0, 1):
-        lines = [json.dumps({"step": step, "collective_s": [t + (0.005 if k and not i else 0.0)
-                                                            for i, t in enumerate(on_link)]})
-                 for step in range(1, 21)]
+        lines = [
+            json.dumps(
+                {"step": step, "collective_s": [t + (0.005 if k and not i else 0.0) for i, t in enumerate(on_link)]}
+            )
+            for step in range(1, 21)
+        ]
         (run / "comm_trace" / f"rank{k}.jsonl").write_text("\n".join(lines) + "\n")
     return sum(on_link)
 
@@ -226,8 +260,9 @@ def test_traced_latency_leaves_the_predicted_run_out(tmp_path):
     assert again["powersgd-b"].latency_s == pytest.approx(3 * (sweep_fixed + 0.050))
     # the sweep on request; alone when no other run is traced
     swept = {r.run: r for r in calibrate_bench(runs, DEVICE, LINK, latency="sweep")}
-    assert all(r.latency_from == "sweep" and r.latency_s == pytest.approx(r.collectives * sweep_fixed)
-               for r in swept.values())
+    assert all(
+        r.latency_from == "sweep" and r.latency_s == pytest.approx(r.collectives * sweep_fixed) for r in swept.values()
+    )
     table = format_bench_calibration(list(rows.values()), LINK, DEVICE)
     assert "(traced)" in table and "fixed cost per collective of powersgd r=4: traced in powersgd-b" in table
     with pytest.raises(ValueError, match="latency must be one of"):
@@ -240,11 +275,13 @@ def test_bandwidth_bound_traces_do_not_teach_the_latency(tmp_path):
     payloads = step_payloads("none", None, config("none"), 400_000.0)
     (run / "comm_trace").mkdir()
     for k in (0, 1):  # bytes are most of this link time: a wrong rate would pass for latency
-        (run / "comm_trace" / f"rank{k}.jsonl").write_text("".join(
-            json.dumps({"step": s, "collective_s": [LINK.collective_s(2, p) + 1e-4 for p in payloads]}) + "\n"
-            for s in range(1, 21)))
-    rows = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted((bench / "runs").iterdir())],
-                                              DEVICE, LINK)}
+        (run / "comm_trace" / f"rank{k}.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "collective_s": [LINK.collective_s(2, p) + 1e-4 for p in payloads]}) + "\n"
+                for s in range(1, 21)
+            )
+        )
+    rows = {r.run: r for r in calibrate_bench([load_run(d) for d in sorted((bench / "runs").iterdir())], DEVICE, LINK)}
     assert {r.latency_from for r in rows.values()} == {"sweep"}
     # but the reference's traced link time is what its comm has beyond the peer wait
     assert rows["none"].wait_s == pytest.approx(OMEGA * COMPUTE - len(payloads) * 1e-4)
@@ -337,12 +374,22 @@ def write_bench15(tmp_path):
 
     bench = tmp_path / "bench15"
     (bench / "runs").mkdir(parents=True)
-    (bench / "calibration.json").write_text(json.dumps(
-        [{"mb": mb, "seconds": 9.0, "mean_s": allreduce_time(mb * 2 ** 20), "burst_bytes": BURST}
-         for mb in (1 / 256, 1 / 16, 1 / 2, 1.0, 4.0, 16.0)]))
+    (bench / "calibration.json").write_text(
+        json.dumps(
+            [
+                {"mb": mb, "seconds": 9.0, "mean_s": allreduce_time(mb * 2**20), "burst_bytes": BURST}
+                for mb in (1 / 256, 1 / 16, 1 / 2, 1.0, 4.0, 16.0)
+            ]
+        )
+    )
     full = 400_000.0
-    runs = {"none": (None, full, "native"), "nosync": (None, 0.0, None), "allreduce": (None, full, "hook"),
-            "allreduce-blocking": (None, full, "sum"), "powersgd": (4, 20_000.0, "hook")}
+    runs = {
+        "none": (None, full, "native"),
+        "nosync": (None, 0.0, None),
+        "allreduce": (None, full, "hook"),
+        "allreduce-blocking": (None, full, "sum"),
+        "powersgd": (4, 20_000.0, "hook"),
+    }
     for name, (rank, nbytes, mode) in runs.items():
         cfg = config(name)
         run = bench / "runs" / name
@@ -358,11 +405,21 @@ def write_bench15(tmp_path):
             comm = wire_time(name, 2, step_payloads(name, rank, cfg, nbytes), LINK) + wait
             step = COMPUTE + compress + comm
         untimed = name in ("none", "nosync")
-        lines = [json.dumps({"kind": "train", "step": s, "rank": rank, "bytes_sent": nbytes,
-                             "compute_time_s": step if untimed else COMPUTE,
-                             "compress_time_s": 0.0 if untimed else compress,
-                             "comm_time_s": 0.0 if untimed else comm, "step_time_s": step})
-                 for s in range(1, 21)]
+        lines = [
+            json.dumps(
+                {
+                    "kind": "train",
+                    "step": s,
+                    "rank": rank,
+                    "bytes_sent": nbytes,
+                    "compute_time_s": step if untimed else COMPUTE,
+                    "compress_time_s": 0.0 if untimed else compress,
+                    "comm_time_s": 0.0 if untimed else comm,
+                    "step_time_s": step,
+                }
+            )
+            for s in range(1, 21)
+        ]
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return bench
 

@@ -1,4 +1,5 @@
 """Calibrating the inter-stage model on a synthetic TP × PP bench folder (no training, no network)."""
+
 import json
 import re
 
@@ -15,9 +16,19 @@ from edgc_sim.host import save_profile
 DEVICE = DeviceSpec("host", {"fp32": 20e9}, 1.0, 10e9, 2e-6)
 LINK = LinkSpec("host-gloo", 1.2e9, 1.0, 150e-6, "test link")
 TOKENS, HIDDEN, M = 2 * 32, 64, 4
-CONFIG = {"preset": "tiny", "world_size": 8, "micro_batch": 2, "seq_len": 32, "grad_accum": M, "compressor": "none",
-          "tp": 2, "pp": 2, "interstage": "cooldown", "interstage_rank": 4,
-          "model": {"n_layer": 2, "n_embd": HIDDEN, "n_head": 4, "n_positions": 32, "vocab_size": 100}}
+CONFIG = {
+    "preset": "tiny",
+    "world_size": 8,
+    "micro_batch": 2,
+    "seq_len": 32,
+    "grad_accum": M,
+    "compressor": "none",
+    "tp": 2,
+    "pp": 2,
+    "interstage": "cooldown",
+    "interstage_rank": 4,
+    "model": {"n_layer": 2, "n_embd": HIDDEN, "n_head": 4, "n_positions": 32, "vocab_size": 100},
+}
 
 
 def write_bench(tmp_path, slow=1.0, wrong_bytes=False):
@@ -29,19 +40,39 @@ def write_bench(tmp_path, slow=1.0, wrong_bytes=False):
     lines = []
     for step in range(1, 21):
         ranks = (None, None) if step <= 10 else (None, 4)  # EDGC-like: raw until the rank is known
-        timeline, per_stage, wire, compress = predict_schedule(t_fwd, t_bwd, M, "cooldown", ranks, TOKENS, HIDDEN,
-                                               AlphaBeta(LINK.latency_s, LINK.bytes_per_s), DEVICE)
+        timeline, per_stage, wire, compress = predict_schedule(
+            t_fwd, t_bwd, M, "cooldown", ranks, TOKENS, HIDDEN, AlphaBeta(LINK.latency_s, LINK.bytes_per_s), DEVICE
+        )
         # bytes counted independently: 3 raw gradients (with header) and, from step 11, one at rank 4
         last = wire_bytes(TOKENS, HIDDEN, 4 if ranks[1] else 0)
         sent = 3 * wire_bytes(TOKENS, HIDDEN, 0) + last + (1 if wrong_bytes else 0)
         pipeline = max(timeline.flush_end)
-        stages = [{"interstage_rank": r, "forward_s": M * f, "backward_s": M * b, "pipeline_s": pipeline,
-                   "interstage_s": slow * s, "interstage_wire_s": slow * wire if stage == 0 else 0.0,  # receiver
-                   "interstage_compress_s": slow * compress if stage == 1 else 0.0}  # sender
-                  for stage, (r, f, b, s) in enumerate(zip(ranks, t_fwd, t_bwd, per_stage))]
-        lines.append(json.dumps({"kind": "train", "step": step, "rank": None, "step_time_s": pipeline + 0.05,
-                                 "interstage_bytes_sent": sent, "interstage_bytes_raw": M * TOKENS * HIDDEN * 4,
-                                 "interstage_time_s": slow * sum(per_stage), "stages": stages}))
+        stages = [
+            {
+                "interstage_rank": r,
+                "forward_s": M * f,
+                "backward_s": M * b,
+                "pipeline_s": pipeline,
+                "interstage_s": slow * s,
+                "interstage_wire_s": slow * wire if stage == 0 else 0.0,  # receiver
+                "interstage_compress_s": slow * compress if stage == 1 else 0.0,
+            }  # sender
+            for stage, (r, f, b, s) in enumerate(zip(ranks, t_fwd, t_bwd, per_stage))
+        ]
+        lines.append(
+            json.dumps(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "rank": None,
+                    "step_time_s": pipeline + 0.05,
+                    "interstage_bytes_sent": sent,
+                    "interstage_bytes_raw": M * TOKENS * HIDDEN * 4,
+                    "interstage_time_s": slow * sum(per_stage),
+                    "stages": stages,
+                }
+            )
+        )
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return tmp_path / "bench", run
 
@@ -56,7 +87,9 @@ def test_a_run_that_follows_the_model_is_predicted_exactly(tmp_path):
     raw_group, compressed = rows
     assert compressed.bytes_predicted < raw_group.bytes_predicted  # the cool-down's gradient went as factors
     assert compressed.wire_predicted_s < raw_group.wire_predicted_s  # its payload is smaller
-    assert compressed.wire_error == pytest.approx(0, abs=1e-9) and compressed.compress_error == pytest.approx(0, abs=1e-9)
+    assert compressed.wire_error == pytest.approx(0, abs=1e-9) and compressed.compress_error == pytest.approx(
+        0, abs=1e-9
+    )
     assert raw_group.compress_predicted_s == 0 and compressed.compress_predicted_s > 0
     assert compressed.interstage_predicted_s != raw_group.interstage_predicted_s
 
@@ -92,8 +125,10 @@ def test_cli_calibrate_reads_a_tp_pp_bench_folder(tmp_path, capsys):
 
 def test_docs_script_fills_the_doc_section_and_the_results_page(tmp_path, load_script):
     bench, _ = write_bench(tmp_path)
-    (bench / "bench.md").write_text("# edgc bench\n\n<!-- bench:start -->\n`edgc bench --tp 2 --pp 2` — 2 hosts × TP2 × "
-                                    "PP2 …\n\n| method | … |\n<!-- bench:end -->\n")
+    (bench / "bench.md").write_text(
+        "# edgc bench\n\n<!-- bench:start -->\n`edgc bench --tp 2 --pp 2` — 2 hosts × TP2 × "
+        "PP2 …\n\n| method | … |\n<!-- bench:end -->\n"
+    )
     profile = tmp_path / "host.json"
     save_profile(profile, DEVICE, LINK)
     docs, page = tmp_path / "simulate.md", tmp_path / "page.md"

@@ -1,4 +1,5 @@
 """The pure pieces of the cost model against closed forms and independent counts."""
+
 import math
 import time
 
@@ -101,17 +102,20 @@ def test_paper_reducer_closed_form():
     m, n = 512, 2048
     for r in (2, 8):
         plain = cm.powersgd_compute_time([(m, n)], r, flops, mem, launch, bpv)
-        assert plain == pytest.approx(6 * m * n * r / flops + cm.orthogonalize_time(m, r, mem, launch, bpv)
-                                      + 7 * m * n * bpv / mem)
+        assert plain == pytest.approx(
+            6 * m * n * r / flops + cm.orthogonalize_time(m, r, mem, launch, bpv) + 7 * m * n * bpv / mem
+        )
 
 
 def test_gpt2_layer_flops_explicit_count():
     b, s, h = 2, 16, 32
-    explicit = (2 * b * s * h * 3 * h  # QKV projection
-                + 2 * b * s * s * h  # Q K^T over all heads
-                + 2 * b * s * s * h  # attention x V
-                + 2 * b * s * h * h  # output projection
-                + 2 * b * s * h * 4 * h * 2)  # MLP up and down
+    explicit = (
+        2 * b * s * h * 3 * h  # QKV projection
+        + 2 * b * s * s * h  # Q K^T over all heads
+        + 2 * b * s * s * h  # attention x V
+        + 2 * b * s * h * h  # output projection
+        + 2 * b * s * h * 4 * h * 2
+    )  # MLP up and down
     assert cm.layer_forward_flops(b, s, h) == explicit
 
 
@@ -166,8 +170,16 @@ def test_engine_compress_model_matches_a_measured_single_process_reduce():
                 t = time.perf_counter()
                 compressor.reduce(names, grads, rank, Communicator(), measure_error=False)
                 best = min(best, time.perf_counter() - t)
-            model = engine_compute_time([shapes], rank, device.flops_per_s("fp32"), device.mem_bytes_per_s,
-                                        device.launch_s, 4, device.skinny_rates(), world_size=1)
+            model = engine_compute_time(
+                [shapes],
+                rank,
+                device.flops_per_s("fp32"),
+                device.mem_bytes_per_s,
+                device.launch_s,
+                4,
+                device.skinny_rates(),
+                world_size=1,
+            )
             print(f"rank {rank}: model {model * 1e3:.1f} ms, measured {best * 1e3:.1f} ms")
             ratios[rank] = model / best
         return ratios

@@ -1,5 +1,6 @@
 """Our engine's model on the h100 preset: the preset against the H100 measurement it comes from, and
 what fusing DDP's buckets into jobs does to a GPT-2 XL step."""
+
 import json
 from pathlib import Path
 
@@ -31,10 +32,19 @@ def test_h100_preset_holds_the_measured_h100_profile():
 
 def xl_step(bucket_cap_mib, fusion_mb=None) -> em.EngineCost:
     """One compressed GPT-2 XL step on one H100 as the GPU bench runs it: bf16 gradients, rank 32."""
-    jobs = em.engine_jobs(gpt2_gradient_shapes(gpt2_model("xl")), 2, accelerator=True,
-                          bucket_cap_mib=bucket_cap_mib, fusion_mb=fusion_mb)
-    return em.engine_step_cost(jobs, COUNT["rank"], H100.flops_per_s("fp16"), H100.mem_bytes_per_s, H100.launch_s,
-                               2, H100.skinny_rates(), world_size=COUNT["world_size"])
+    jobs = em.engine_jobs(
+        gpt2_gradient_shapes(gpt2_model("xl")), 2, accelerator=True, bucket_cap_mib=bucket_cap_mib, fusion_mb=fusion_mb
+    )
+    return em.engine_step_cost(
+        jobs,
+        COUNT["rank"],
+        H100.flops_per_s("fp16"),
+        H100.mem_bytes_per_s,
+        H100.launch_s,
+        2,
+        H100.skinny_rates(),
+        world_size=COUNT["world_size"],
+    )
 
 
 def test_fusing_buckets_cuts_the_launches_not_the_bytes():
@@ -48,7 +58,9 @@ def test_fusing_buckets_cuts_the_launches_not_the_bytes():
     assert fused.seconds(True) < 0.7 * apart.seconds(True)
 
 
-@pytest.mark.parametrize("row", [r for r in COUNT["hook"] if r["model"] == "xl"], ids=lambda r: f"{r['bucket_cap_mb']}MB")
+@pytest.mark.parametrize(
+    "row", [r for r in COUNT["hook"] if r["model"] == "xl"], ids=lambda r: f"{r['bucket_cap_mb']}MB"
+)
 def test_host_time_is_the_counted_dispatches_at_the_measured_per_op_cost(row):
     cost = xl_step(None if row["ddp_default"] else row["bucket_cap_mb"])
     assert cost.host_s == pytest.approx(row["dispatches"] * H100.launch_s)

@@ -1,4 +1,5 @@
 """The model of our engine (edgc_sim.engine_model) against the engine's own dispatches and closed forms."""
+
 import json
 import math
 from pathlib import Path
@@ -45,19 +46,27 @@ JOBS = {
 
 
 @pytest.mark.parametrize("name", sorted(JOBS))
-@pytest.mark.parametrize("accelerator,dtype,world_size,measure_error", [
-    (True, torch.bfloat16, 1, False),  # the GPU bench's setting (docs/gpu/count)
-    (True, torch.float32, 2, True),
-    (False, torch.float32, 2, False),  # a CPU run in a process group
-    (False, torch.bfloat16, 2, True),
-])
+@pytest.mark.parametrize(
+    "accelerator,dtype,world_size,measure_error",
+    [
+        (True, torch.bfloat16, 1, False),  # the GPU bench's setting (docs/gpu/count)
+        (True, torch.float32, 2, True),
+        (False, torch.float32, 2, False),  # a CPU run in a process group
+        (False, torch.bfloat16, 2, True),
+    ],
+)
 def test_job_launches_are_the_engines_dispatches(name, accelerator, dtype, world_size, measure_error):
     shapes, rank = JOBS[name], 32
-    counted = counted_reduce(shapes, rank, dtype=dtype, accelerator=accelerator, world_size=world_size,
-                             measure_error=measure_error)
-    modelled = em.job_launches(em.JobLayout.plan(shapes, rank), accelerator=accelerator,
-                               half_gradients=dtype == torch.bfloat16, world_size=world_size,
-                               measure_error=measure_error)
+    counted = counted_reduce(
+        shapes, rank, dtype=dtype, accelerator=accelerator, world_size=world_size, measure_error=measure_error
+    )
+    modelled = em.job_launches(
+        em.JobLayout.plan(shapes, rank),
+        accelerator=accelerator,
+        half_gradients=dtype == torch.bfloat16,
+        world_size=world_size,
+        measure_error=measure_error,
+    )
     assert modelled == counted
 
 
@@ -75,9 +84,13 @@ def test_step_launches_are_the_committed_gpt2_dispatch_counts(row):
     model = gpt2_model(row["model"])
     shapes = gpt2_gradient_shapes(model)
     assert shapes == [tuple(shape) for _, shape in gpt2_parameters(row["model"])]
-    jobs = em.engine_jobs(shapes, 2, accelerator=True, bucket_cap_mib=None if row["ddp_default"] else row["bucket_cap_mb"])
+    jobs = em.engine_jobs(
+        shapes, 2, accelerator=True, bucket_cap_mib=None if row["ddp_default"] else row["bucket_cap_mb"]
+    )
     assert len(jobs) == row["collectives"] // 3  # every job compresses: raw, P and Q
-    launches = em.step_launches(jobs, COUNT["rank"], accelerator=True, half_gradients=True, world_size=COUNT["world_size"])
+    launches = em.step_launches(
+        jobs, COUNT["rank"], accelerator=True, half_gradients=True, world_size=COUNT["world_size"]
+    )
     assert launches == row["dispatches"]
 
 
@@ -94,7 +107,7 @@ def test_jobs_are_ddps_buckets_on_a_cpu_and_fused_on_an_accelerator():
     assert len(buckets) > 10 and 1 < len(fused) < len(buckets)
     assert sorted(map(tuple, sum(fused, []))) == sorted(map(tuple, sum(buckets, []))) == sorted(shapes)
     for job in fused[:-1]:  # every job but the step's last holds the fusion size
-        assert sum(math.prod(shape) for shape in job) * 4 >= 256 * 2 ** 20
+        assert sum(math.prod(shape) for shape in job) * 4 >= 256 * 2**20
     assert em.engine_jobs(shapes, 4, accelerator=True, fusion_mb=0) == buckets
 
 
@@ -119,8 +132,11 @@ def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
     values = m * n
     gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * 2 * values * r / FLOPS
     passes = 5 * values * 4 / MEM
-    factors = r * (m * (em.P_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES)
-                   + n * (em.Q_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES)) / MEM
+    factors = (
+        r
+        * (m * (em.P_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES) + n * (em.Q_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES))
+        / MEM
+    )
     orth = 4 * r * r * (m + n) / 2e9  # Householder: geqrf and orgqr, 2 r² k FLOPs each
     launches = em.step_launches([[(m, n)]], r, accelerator=False, world_size=2)
     assert job_cost([(m, n)], r) == pytest.approx((launches * LAUNCH, gemms + passes + factors + orth))
@@ -177,13 +193,16 @@ def test_an_accelerator_hides_the_smaller_of_host_and_device_time():
         overlapped = em.engine_compute_time([shapes], r, FLOPS, MEM, launch, 4, RATES._replace(accelerator=True))
         assert overlapped == pytest.approx(max(cost))
         assert em.engine_compute_time([shapes], r, FLOPS, MEM, launch, 4, RATES) == pytest.approx(
-            sum(em.engine_step_cost([shapes], r, FLOPS, MEM, launch, 4, RATES)))
+            sum(em.engine_step_cost([shapes], r, FLOPS, MEM, launch, 4, RATES))
+        )
 
 
 def test_same_shapes_share_their_launches_and_new_shapes_add_some():
     r = 8
     one, two = job_seconds([(512, 2048)], r), job_seconds([(512, 2048)] * 2, r)
-    per_matrix = em.step_launches([[(512, 2048)] * 2], r, accelerator=False) - em.step_launches([[(512, 2048)]], r, accelerator=False)
+    per_matrix = em.step_launches([[(512, 2048)] * 2], r, accelerator=False) - em.step_launches(
+        [[(512, 2048)]], r, accelerator=False
+    )
     assert per_matrix == 1  # Ĝ is a product per matrix; everything else is per group or per job
     assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, accelerator=False) - 1) * LAUNCH)
     batched = lambda shapes, half=False: em.step_launches([shapes], r, accelerator=True, half_gradients=half)  # noqa: E731
@@ -207,10 +226,17 @@ def test_half_precision_gradients_halve_the_gradient_accesses_not_the_arena():
     # the gradient's read and the decompression's write at 2 bytes; the arena (4 arena accesses, the
     # product forms' reads) stays fp32; the factors' casts and launches come on top
     saved = m * n * 2 * (1 / MEM + 1 / 4e9)
-    extra_launches = (em.step_launches([[(m, n)]], r, accelerator=True, half_gradients=True)
-                      - em.step_launches([[(m, n)]], r, accelerator=True))
-    casts = r * (m * (em.HALF_WIRE_BYTES + em.HALF_P_DECOMPRESS_BYTES)
-                 + n * (em.HALF_WIRE_BYTES + em.HALF_Q_DECOMPRESS_BYTES)) / MEM
+    extra_launches = em.step_launches([[(m, n)]], r, accelerator=True, half_gradients=True) - em.step_launches(
+        [[(m, n)]], r, accelerator=True
+    )
+    casts = (
+        r
+        * (
+            m * (em.HALF_WIRE_BYTES + em.HALF_P_DECOMPRESS_BYTES)
+            + n * (em.HALF_WIRE_BYTES + em.HALF_Q_DECOMPRESS_BYTES)
+        )
+        / MEM
+    )
     # P and Q: div into the wire dtype and copy back, for div_; the flag's cast; Q's cast; both cast
     # back for the residual
     assert extra_launches == 6
@@ -226,5 +252,6 @@ def test_the_step_model_prices_our_engine_only_with_its_rates():
     jobs = em.engine_jobs(shapes, 4, accelerator=False)
     assert ours == pytest.approx(em.engine_compute_time(jobs, r, 1e13, 9e11, 5e-6, 4, RATES))
     # a matrix that gains nothing at this rank is sent raw: no GEMMs
-    assert cm.powersgd_compute_time([(64, 64)], 64, 1e13, 9e11, 5e-6, 4, RATES) < \
-        cm.powersgd_compute_time([(64, 64)], 8, 1e13, 9e11, 5e-6, 4, RATES)
+    assert cm.powersgd_compute_time([(64, 64)], 64, 1e13, 9e11, 5e-6, 4, RATES) < cm.powersgd_compute_time(
+        [(64, 64)], 8, 1e13, 9e11, 5e-6, 4, RATES
+    )

@@ -1,4 +1,5 @@
 """Stage shapes, the composed iteration, DAC and the rank schedules."""
+
 import pytest
 
 from edgc.rank_rules import delta_target
@@ -118,8 +119,12 @@ def test_methods_on_each_paper_preset():
         model = IterationModel(preset, CLUSTERS[preset.cluster])
         entropy = synthetic_entropy(preset.iterations)
         r_max, results = simulate_methods(
-            model, preset.iterations, METHODS, MethodConfig(),
-            lambda r: delta_rank_schedule(entropy, preset.iterations, r))
+            model,
+            preset.iterations,
+            METHODS,
+            MethodConfig(),
+            lambda r: delta_rank_schedule(entropy, preset.iterations, r),
+        )
         base = {r.method: r for r in results}
         assert r_max >= 4
         assert base["none"].iteration_s == pytest.approx(model.iteration((None,) * 4).iteration_s)

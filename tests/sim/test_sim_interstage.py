@@ -1,5 +1,6 @@
 """The simulator's inter-stage model: compressed backward p2p in the 1F1B timeline, the cool-down's
 transfer count, bytes from edgc.interstage.wire_bytes, and --tp/--pp/--interstage on the CLI."""
+
 import random
 
 import pytest
@@ -79,8 +80,10 @@ def test_iteration_model_compressed_backward_is_faster_and_off_is_unchanged():
         assert m.interstage_compress_s > 0
     par, spec = PRESETS["gpt2-2.5b"].parallel, PRESETS["gpt2-2.5b"].model
     rows, cols = par.micro_batch * spec.seq_len, spec.hidden
-    assert model("all").interstage_bytes == ((par.pp - 1) * par.micro_batches * wire_bytes(rows, cols, 8),
-                                             (par.pp - 1) * par.micro_batches * rows * cols * 4)
+    assert model("all").interstage_bytes == (
+        (par.pp - 1) * par.micro_batches * wire_bytes(rows, cols, 8),
+        (par.pp - 1) * par.micro_batches * rows * cols * 4,
+    )
     # cool-down sends P - 1 compressed gradients per boundary, the rest raw
     m = par.micro_batches
     expected = (par.pp - 1) * ((m - par.pp + 1) * wire_bytes(rows, cols, 0) + (par.pp - 1) * wire_bytes(rows, cols, 8))
@@ -108,13 +111,36 @@ def test_layout_override_keeps_the_world_and_checks_it():
 def test_cli_simulate_tp_pp_interstage(capsys):
     from edgc_cli.main import main
 
-    assert main(["simulate", "--preset", "gpt2-345m", "--tp", "2", "--pp", "2", "--interstage", "cooldown",
-                 "--interstage-rank", "16", "--iterations", "2000", "--window", "100", "--no-plot",
-                 "--method", "powersgd"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--preset",
+                "gpt2-345m",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--interstage",
+                "cooldown",
+                "--interstage-rank",
+                "16",
+                "--iterations",
+                "2000",
+                "--window",
+                "100",
+                "--no-plot",
+                "--method",
+                "powersgd",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "TP2 PP2 DP4" in out and "inter-stage activation gradients (cooldown, rank 16)" in out
     assert main(["simulate", "--preset", "gpt2-345m", "--pp", "5", "--no-plot"]) != 0
     assert "not a multiple of tp x pp" in capsys.readouterr().err
-    assert main(["simulate", "--preset", "gpt2-345m", "--pp", "1", "--tp", "2", "--interstage", "all",
-                 "--no-plot"]) != 0
+    assert (
+        main(["simulate", "--preset", "gpt2-345m", "--pp", "1", "--tp", "2", "--interstage", "all", "--no-plot"]) != 0
+    )
     assert "needs pp > 1" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """Shared helpers for the training-harness tests: a small corpus slice, fast flags, subprocess runs."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,20 @@ REPO = Path(__file__).resolve().parents[2]
 EDGC = [sys.executable, "-m", "edgc_cli.main"]
 
 # Small enough for 2 cores: tiny preset (3.4M params at vocab 512), 4 x 64 tokens per rank.
-FAST = ["--max-chars", "200000", "--vocab-size", "512", "--seq-len", "64", "--micro-batch", "4",
-        "--eval-batches", "4", "--no-progress", "--no-tensorboard"]
+FAST = [
+    "--max-chars",
+    "200000",
+    "--vocab-size",
+    "512",
+    "--seq-len",
+    "64",
+    "--micro-batch",
+    "4",
+    "--eval-batches",
+    "4",
+    "--no-progress",
+    "--no-tensorboard",
+]
 
 
 @pytest.fixture(scope="session")
@@ -84,8 +97,22 @@ def run_parallel_and_solo(tmp_path: Path, parallel: list[str], common: list[str]
 
 # The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):
 # 20 steps, checkpoints at 10 and 20, compressing from step 3 (warm-up floor ⌊0.1·20⌋ = 2).
-EDGC_JOB = ["--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--compressor", "edgc",
-            "--edgc", "r_max=8", "--edgc", "warmup_error_test=false", "--comm-trace", *FAST]
+EDGC_JOB = [
+    "--steps",
+    "20",
+    "--eval-every",
+    "10",
+    "--ckpt-every",
+    "10",
+    "--compressor",
+    "edgc",
+    "--edgc",
+    "r_max=8",
+    "--edgc",
+    "warmup_error_test=false",
+    "--comm-trace",
+    *FAST,
+]
 
 
 @pytest.fixture(scope="session")

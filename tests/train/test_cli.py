@@ -3,6 +3,7 @@
 And in-process single-process runs (a process group of one, no torchrun) of the compressors the
 2-process test does not cover, each stopped and resumed to check the exact resume.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,22 @@ def small_run(tmp_path_factory, cache_dir):
     """A finished 1-process run to resume from (and to try to damage)."""
     run = tmp_path_factory.mktemp("small") / "run"
     fast = [a for a in FAST if a != "--no-tensorboard"]
-    code = main(["train", "--out", str(run), "--steps", "4", "--ckpt-every", "2", "--compressor", "none",
-                 "--cache-dir", str(cache_dir), *fast])
+    code = main(
+        [
+            "train",
+            "--out",
+            str(run),
+            "--steps",
+            "4",
+            "--ckpt-every",
+            "2",
+            "--compressor",
+            "none",
+            "--cache-dir",
+            str(cache_dir),
+            *fast,
+        ]
+    )
     assert code == 0
     assert list((run / "tb").glob("events.out.tfevents.*"))  # TensorBoard is installed here
     return run
@@ -52,24 +67,47 @@ def small_run(tmp_path_factory, cache_dir):
 
 def test_ckpt_every_minus_one_writes_no_checkpoint(tmp_path, cache_dir):
     run = tmp_path / "run"
-    assert main(["train", "--out", str(run), "--steps", "2", "--ckpt-every", "-1", "--compressor", "none",
-                 "--cache-dir", str(cache_dir), *FAST]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(run),
+                "--steps",
+                "2",
+                "--ckpt-every",
+                "-1",
+                "--compressor",
+                "none",
+                "--cache-dir",
+                str(cache_dir),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     assert (run / "metrics.jsonl").is_file() and not list(run.glob("checkpoints/*"))
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--compressor", "zip"], "compressor: must be one of none, allreduce, allreduce-blocking, nosync, powersgd, torch-powersgd, edgc"),
-    (["--steps", "ten"], "--steps: expected an integer, got 'ten'"),
-    (["--steps", "0"], "steps: must be an integer ≥ 1"),
-    (["--lr", "-3"], "lr: must be a number in (0, 10]"),
-    (["--micro-batch", "1.5"], "--micro-batch: expected an integer"),
-    (["--edgc", "window=0"], "EDGCConfig.window must be an integer ≥ 1"),
-    (["--edgc", "windw=5"], "unknown field(s) ['windw']"),
-    (["--nproc", "0"], "--nproc: must be ≥ 1"),
-    (["--data", "/no/such/corpus"], "does not exist"),
-    (["--config", "/no/such/config.toml"], "config file /no/such/config.toml does not exist"),
-    (["--compressor", "powersgd", "--edgc", "r_max=4"], "cannot be set for compressor powersgd"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--compressor", "zip"],
+            "compressor: must be one of none, allreduce, allreduce-blocking, nosync, powersgd, torch-powersgd, edgc",
+        ),
+        (["--steps", "ten"], "--steps: expected an integer, got 'ten'"),
+        (["--steps", "0"], "steps: must be an integer ≥ 1"),
+        (["--lr", "-3"], "lr: must be a number in (0, 10]"),
+        (["--micro-batch", "1.5"], "--micro-batch: expected an integer"),
+        (["--edgc", "window=0"], "EDGCConfig.window must be an integer ≥ 1"),
+        (["--edgc", "windw=5"], "unknown field(s) ['windw']"),
+        (["--nproc", "0"], "--nproc: must be ≥ 1"),
+        (["--data", "/no/such/corpus"], "does not exist"),
+        (["--config", "/no/such/config.toml"], "config file /no/such/config.toml does not exist"),
+        (["--compressor", "powersgd", "--edgc", "r_max=4"], "cannot be set for compressor powersgd"),
+    ],
+)
 def test_bad_input_is_one_line_and_creates_nothing(capsys, tmp_path, args, message):
     out = tmp_path / "run"
     code, lines = edgc_train(capsys, "--out", str(out), *args)
@@ -110,11 +148,22 @@ def test_a_missing_extra_is_one_line_naming_it(capsys, tmp_path, monkeypatch, mo
 
 def test_data_too_small_for_one_batch_is_one_line_before_any_worker_starts(capsys, tmp_path):
     (tmp_path / "t.txt").write_text("hello world\n")  # 9 + 3 bytes: no global batch of 2 x 8 blocks
-    code, lines = edgc_train(capsys, "--out", str(tmp_path / "run"), "--nproc", "2", "--data", str(tmp_path / "t.txt"),
-                             "--cache-dir", str(tmp_path / "cache"))
+    code, lines = edgc_train(
+        capsys,
+        "--out",
+        str(tmp_path / "run"),
+        "--nproc",
+        "2",
+        "--data",
+        str(tmp_path / "t.txt"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    )
     assert code == 2 and len(lines) == 1, lines
-    assert "training split has 9 bytes of text, so at most as many tokens: too few for one global batch of " \
-           "16 x 129 tokens" in lines[0]
+    assert (
+        "training split has 9 bytes of text, so at most as many tokens: too few for one global batch of "
+        "16 x 129 tokens" in lines[0]
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]  # no run folder, no data cache
 
 
@@ -139,9 +188,17 @@ def test_the_data_check_counts_exactly_what_preparation_gives(tmp_path):
 
 
 def test_python_m_form_gives_the_same_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "edgc_cli.main", "train", "--out", str(tmp_path / "run"), "--steps", "0"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.splitlines() == ["edgc train: error: steps: must be an integer ≥ 1, got 0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgc_cli.main", "train", "--out", str(tmp_path / "run"), "--steps", "0"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "edgc train: error: steps: must be an integer ≥ 1, got 0"
+    ]
 
 
 def _env() -> dict:
@@ -179,8 +236,12 @@ def _launch_all(form: list[str], cases: dict, cwd, log_root=None) -> dict[str, t
     for name, (args, _) in cases.items():
         logs = log_root / name.replace(" ", "_") if log_root is not None else None
         cmd = [*form[:-2], "--log-dir", str(logs), *form[-2:]] if logs else form
-        running[name] = (subprocess.Popen([*cmd, "train", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True), logs)
+        running[name] = (
+            subprocess.Popen(
+                [*cmd, "train", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            ),
+            logs,
+        )
     return {name: (proc, *proc.communicate(timeout=300), logs) for name, (proc, logs) in running.items()}
 
 
@@ -212,8 +273,18 @@ def test_every_user_error_is_one_line_exit_2_and_changes_nothing_in_every_launch
     for name, (proc, _, stderr, _) in _launch_all(console_script, cases, work).items():
         assert proc.returncode == 2, (name, stderr)
         _assert_one_line(stderr, cases[name][1], ("console script", name))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "--redirects", "3", "-m", "edgc_cli.main"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--redirects",
+        "3",
+        "-m",
+        "edgc_cli.main",
+    ]
     subset = {name: cases[name] for name in TORCHRUN_CASES}
     for name, (proc, _, agent_stderr, logs) in _launch_all(torchrun, subset, work, tmp_path / "logs").items():
         exits = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", agent_stderr))
@@ -265,8 +336,21 @@ def test_corrupt_or_mismatched_checkpoint_is_refused(capsys, small_run, tmp_path
 
 @pytest.mark.parametrize("compressor", ["torch-powersgd", "powersgd", "none"])
 def test_single_process_resume_is_exact(capsys, tmp_path, cache_dir, compressor):
-    job = ["--steps", "8", "--ckpt-every", "4", "--eval-every", "0", "--compressor", compressor,
-           "--powersgd-rank", "4", "--cache-dir", str(cache_dir), *FAST]
+    job = [
+        "--steps",
+        "8",
+        "--ckpt-every",
+        "4",
+        "--eval-every",
+        "0",
+        "--compressor",
+        compressor,
+        "--powersgd-rank",
+        "4",
+        "--cache-dir",
+        str(cache_dir),
+        *FAST,
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["train", "--out", str(a), *job]) == 0
     assert main(["train", "--out", str(b), "--stop-at", "4", *job]) == 0
@@ -287,9 +371,25 @@ def test_single_process_resume_is_exact(capsys, tmp_path, cache_dir, compressor)
 def test_budget_run_tells_each_decision_and_resumes_exactly(capsys, tmp_path, cache_dir):
     """With a byte budget the rank moves; every decision is a line of its own and a metrics record,
     the summary states the budget and the mean rank spent, and a resume across the moves is exact."""
-    job = ["--steps", "24", "--ckpt-every", "12", "--eval-every", "0", "--compressor", "edgc",
-           "--edgc", "r_max=8", "--edgc", "rank_budget=4", "--edgc", "window=4",
-           "--cache-dir", str(cache_dir), *FAST]
+    job = [
+        "--steps",
+        "24",
+        "--ckpt-every",
+        "12",
+        "--eval-every",
+        "0",
+        "--compressor",
+        "edgc",
+        "--edgc",
+        "r_max=8",
+        "--edgc",
+        "rank_budget=4",
+        "--edgc",
+        "window=4",
+        "--cache-dir",
+        str(cache_dir),
+        *FAST,
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["train", "--out", str(a), *job]) == 0
     out = capsys.readouterr().out

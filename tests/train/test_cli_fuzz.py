@@ -1,5 +1,6 @@
 """Hypothesis drives `edgc train`'s flag parsing: a value is accepted into a valid TrainConfig or
 rejected with a one-line CLIError (or argparse's usage error) — never a crash deep inside."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,12 @@ from edgc_train.cli import resolve
 from edgc_train.config import TrainConfig
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("edgc", "data", "cache_dir")]
-VALUES = st.one_of(st.integers(-10**9, 10**9).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr),
-                   st.sampled_from(["", "none", "true", "1e400", "-0", "0x10", "nan", "edgc", "gpipe", "tiny"]),
-                   st.text(max_size=6))
+VALUES = st.one_of(
+    st.integers(-(10**9), 10**9).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["", "none", "true", "1e400", "-0", "0x10", "nan", "edgc", "gpipe", "tiny"]),
+    st.text(max_size=6),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -2,6 +2,7 @@
 and imported (which registers it), then goes through the tools that read the registries: `edgc
 train` in this process, the bench's methods, the simulator's price of a step, the pareto experiment;
 and the tools know neither name before the import nor after the registrations are undone."""
+
 from __future__ import annotations
 
 import importlib
@@ -63,8 +64,27 @@ def extensions(tmp_path):
 
 def test_a_compressor_in_one_file_runs_in_train_bench_and_simulator(extensions, tmp_path, cache_dir):
     run = tmp_path / "run"
-    assert main(["train", "--out", str(run), "--steps", "3", "--ckpt-every", "-1", "--eval-every", "0",
-                 "--compressor", "int8", "--cache-dir", str(cache_dir), *FAST]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(run),
+                "--steps",
+                "3",
+                "--ckpt-every",
+                "-1",
+                "--eval-every",
+                "0",
+                "--compressor",
+                "int8",
+                "--cache-dir",
+                str(cache_dir),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     steps = [r for r in read_metrics(run) if r["kind"] == "train"]
     assert len(steps) == 3 and all(math.isfinite(r["loss"]) for r in steps)
     assert steps[-1]["phase"] == "compress" and steps[-1]["bytes_sent"] < steps[-1]["bytes_raw"] / 3  # 1 byte of 4
@@ -86,9 +106,35 @@ def test_a_compressor_in_one_file_runs_in_train_bench_and_simulator(extensions, 
 
 def test_a_budget_signal_in_one_file_steers_the_budget_in_train_and_pareto(extensions, tmp_path, cache_dir):
     run = tmp_path / "run"
-    assert main(["train", "--out", str(run), "--steps", "12", "--ckpt-every", "0", "--eval-every", "0",
-                 "--compressor", "edgc", "--edgc", "r_max=4", "--edgc", "rank_budget=2", "--edgc", "window=3",
-                 "--edgc", "budget_signal=peak", "--cache-dir", str(cache_dir), *FAST]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(run),
+                "--steps",
+                "12",
+                "--ckpt-every",
+                "0",
+                "--eval-every",
+                "0",
+                "--compressor",
+                "edgc",
+                "--edgc",
+                "r_max=4",
+                "--edgc",
+                "rank_budget=2",
+                "--edgc",
+                "window=3",
+                "--edgc",
+                "budget_signal=peak",
+                "--cache-dir",
+                str(cache_dir),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     decisions = [r for r in read_metrics(run) if r["kind"] == "decision"]
     assert decisions and all(d["signal"] == "peak" and 0 <= d["need"] <= 1 for d in decisions)
     (checkpoint,) = run.glob("checkpoints/*/edgc_rank0.pt")
@@ -122,9 +168,13 @@ def test_the_tools_know_the_names_only_while_the_registrations_hold(tmp_path):
 
     def known() -> tuple[bool, bool, bool]:
         """Whether the budget config takes ``peak``, the harness's config ``int8`` and the bench ``int8``."""
-        return (accepted(lambda: EDGCConfig(r_max=4, rank_budget=2, total_steps=100, budget_signal="peak"),
-                         "budget_signal"),
-                accepted(lambda: TrainConfig(compressor="int8"), "compressor"), "int8" in all_methods())
+        return (
+            accepted(
+                lambda: EDGCConfig(r_max=4, rank_budget=2, total_steps=100, budget_signal="peak"), "budget_signal"
+            ),
+            accepted(lambda: TrainConfig(compressor="int8"), "compressor"),
+            "int8" in all_methods(),
+        )
 
     assert known() == (False, False, False)
     with page_extensions(tmp_path):

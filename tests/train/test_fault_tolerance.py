@@ -1,5 +1,6 @@
 """A worker killed with SIGKILL mid-run: torchrun restarts the group, `--auto-resume` continues from
 the last complete checkpoint with every rank's EDGC state, and the result equals an uninterrupted run."""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,28 @@ from .conftest import EDGC_JOB, REPO, read_metrics, train_losses
 
 def torchrun(run_dir, cache_dir, *extra):
     port = free_port()
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-            "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *extra, "-m", "edgc_cli.main", "train",
-            "--out", str(run_dir), "--auto-resume", "--cache-dir", str(cache_dir), *EDGC_JOB]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        *extra,
+        "-m",
+        "edgc_cli.main",
+        "train",
+        "--out",
+        str(run_dir),
+        "--auto-resume",
+        "--cache-dir",
+        str(cache_dir),
+        *EDGC_JOB,
+    ]
 
 
 def final_model(run_dir):
@@ -34,8 +54,14 @@ def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cach
 
     killed = tmp_path / "killed"
     log = open(tmp_path / "torchrun.log", "w")  # a file, not a pipe: a full pipe would block the agent
-    agent = subprocess.Popen(torchrun(killed, cache_dir, "--max-restarts", "1"), cwd=REPO, env=env,
-                             stdout=log, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        torchrun(killed, cache_dir, "--max-restarts", "1"),
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     victim = None
     try:
         deadline = time.monotonic() + 180

@@ -4,6 +4,7 @@ A: an 8-step EDGC job, uninterrupted, checkpoints at 4 and 8, compressing from s
 B: A's folder cut back to its step-4 checkpoint, then `--resume`d: B's losses at steps 5-8 and its
    final checkpoint's model and optimizer shards must equal A's bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,26 @@ import pytest
 
 from .conftest import FAST, cut_back, read_metrics, run_edgc, train_losses
 
-FSDP_JOB = ["--fsdp", "--fsdp-shard", "2", "--steps", "8", "--eval-every", "4", "--ckpt-every", "4",
-            "--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "warmup_error_test=false",
-            "--edgc", "warmup_fraction=0.1", *FAST]
+FSDP_JOB = [
+    "--fsdp",
+    "--fsdp-shard",
+    "2",
+    "--steps",
+    "8",
+    "--eval-every",
+    "4",
+    "--ckpt-every",
+    "4",
+    "--compressor",
+    "edgc",
+    "--edgc",
+    "r_max=8",
+    "--edgc",
+    "warmup_error_test=false",
+    "--edgc",
+    "warmup_fraction=0.1",
+    *FAST,
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +64,23 @@ def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
     la, lb = train_losses(a), train_losses(b)
     for step in range(5, 9):
         assert lb[step] == la[step], (step, la[step], lb[step])
-    assert [r["val_loss"] for r in read_metrics(a) if r["kind"] == "eval"] == \
-        [r["val_loss"] for r in read_metrics(b) if r["kind"] == "eval"]
+    assert [r["val_loss"] for r in read_metrics(a) if r["kind"] == "eval"] == [
+        r["val_loss"] for r in read_metrics(b) if r["kind"] == "eval"
+    ]
     manifest_a = json.loads((a / "checkpoints" / "step_000008" / "manifest.json").read_text())["files"]
     manifest_b = json.loads((b / "checkpoints" / "step_000008" / "manifest.json").read_text())["files"]
     for name in ("model_shard0.pt", "model_shard1.pt"):
         assert manifest_a[name]["sha256"] == manifest_b[name]["sha256"], name
 
 
-@pytest.mark.parametrize("values, match", [
-    ({"fsdp": True, "compressor": "topk"}, "with --fsdp must be one of"),
-    ({"fsdp": True, "pp": 2, "grad_accum": 2}, "cannot be combined with --pp"),
-    ({"fsdp": True, "fsdp_shard": -1}, "fsdp_shard"),
-])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"fsdp": True, "compressor": "topk"}, "with --fsdp must be one of"),
+        ({"fsdp": True, "pp": 2, "grad_accum": 2}, "cannot be combined with --pp"),
+        ({"fsdp": True, "fsdp_shard": -1}, "fsdp_shard"),
+    ],
+)
 def test_fsdp_config_is_checked(values, match):
     from edgc_train.config import TrainConfig
 

@@ -9,6 +9,7 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
   (a and b send their activation gradients compressed: --interstage all, rank following the DP rank)
   is   `--pp 2 --nproc 2` with static PowerSGD and --interstage all / cooldown
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,10 +17,28 @@ import pytest
 from .conftest import FAST, cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses
 
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
-EDGC = ["--compressor", "edgc", "--edgc", "r_max=8", "--edgc", "window=4", "--edgc", "profile_max_rank=8",
-       "--edgc", "profile_steps_per_rank=1", "--edgc", "warmup_error_test=false",
-       "--edgc", "iteration_sample_ratio=0.5", "--edgc", "rank_mapping=cqm", "--edgc", "entropy_estimator=gaussian",
-       "--edgc", "entropy_significance=0"]  # no noise gate: 12 steps must show rank changes
+EDGC = [
+    "--compressor",
+    "edgc",
+    "--edgc",
+    "r_max=8",
+    "--edgc",
+    "window=4",
+    "--edgc",
+    "profile_max_rank=8",
+    "--edgc",
+    "profile_steps_per_rank=1",
+    "--edgc",
+    "warmup_error_test=false",
+    "--edgc",
+    "iteration_sample_ratio=0.5",
+    "--edgc",
+    "rank_mapping=cqm",
+    "--edgc",
+    "entropy_estimator=gaussian",
+    "--edgc",
+    "entropy_significance=0",
+]  # no noise gate: 12 steps must show rank changes
 EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
 # The uncompressed runs compared with one process (test_tensor_parallel's too: one solo run for all)
 UNCOMPRESSED = ["--steps", "6", "--eval-every", "3", "--compressor", "none", *SMALL]
@@ -28,16 +47,38 @@ UNCOMPRESSED = ["--steps", "6", "--eval-every", "3", "--compressor", "none", *SM
 def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
     # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     # The 1F1B schedule here; GPipe's in test_tensor_parallel's TP × PP × DP comparison.
-    run_parallel_and_solo(tmp_path, ["--nproc", "4", "--pp", "2", "--pp-schedule", "1f1b"],
-                          [*UNCOMPRESSED, "--cache-dir", str(cache_dir)], solo_run)
+    run_parallel_and_solo(
+        tmp_path,
+        ["--nproc", "4", "--pp", "2", "--pp-schedule", "1f1b"],
+        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)],
+        solo_run,
+    )
 
 
 @pytest.fixture(scope="module")
 def dac_runs(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("pp_runs")
     a, b = root / "a", root / "b"
-    proc = run_edgc("train", "--out", str(a), "--nproc", "4", "--pp", "2", "--steps", "12", "--ckpt-every", "4",
-                    "--eval-every", "0", "--cache-dir", str(cache_dir), *EDGC_DAC, *SMALL, timeout=400)
+    proc = run_edgc(
+        "train",
+        "--out",
+        str(a),
+        "--nproc",
+        "4",
+        "--pp",
+        "2",
+        "--steps",
+        "12",
+        "--ckpt-every",
+        "4",
+        "--eval-every",
+        "0",
+        "--cache-dir",
+        str(cache_dir),
+        *EDGC_DAC,
+        *SMALL,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cut_back(a, b, 12)
     proc = run_edgc("train", "--resume", str(b), "--nproc", "4", timeout=400)
@@ -59,8 +100,9 @@ def test_pp2_dp2_stages_agree_and_stage0_rank_adapts(dac_runs):
     assert all(r["bytes_sent"] == sum(s["bytes_sent"] for s in r["stages"]) for r in train)
     aligned = [s for r in compressing for s in r["stages"] if s["predicted_s"] is not None]
     # a later stage fits its budget, unless even its smallest rank cannot (then it syncs at r_min)
-    assert aligned and all(s["budget_s"] >= s["predicted_s"] - 1e-9 or s["at_rank_floor"]
-                           for s in aligned if s["stage"] > 0)
+    assert aligned and all(
+        s["budget_s"] >= s["predicted_s"] - 1e-9 or s["at_rank_floor"] for s in aligned if s["stage"] > 0
+    )
     # checkpoints are only written after the replicas' parameter digests matched
     assert (a / "checkpoints" / "step_000008" / "model_stage1.pt").is_file()
 
@@ -80,9 +122,28 @@ def test_report_plots_the_stages(dac_runs, tmp_path):
 
 
 def test_optimus_cc_compresses_only_the_first_stages(tmp_path, cache_dir):
-    proc = run_edgc("train", "--out", str(tmp_path / "occ"), "--nproc", "2", "--pp", "2", "--steps", "6",
-                    "--eval-every", "0", "--compressor", "optimus-cc", "--selective-stages", "1",
-                    "--powersgd-rank", "4", "--cache-dir", str(cache_dir), *SMALL)
+    proc = run_edgc(
+        "train",
+        "--out",
+        str(tmp_path / "occ"),
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "6",
+        "--eval-every",
+        "0",
+        "--compressor",
+        "optimus-cc",
+        "--selective-stages",
+        "1",
+        "--powersgd-rank",
+        "4",
+        "--cache-dir",
+        str(cache_dir),
+        *SMALL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [r for r in read_metrics(tmp_path / "occ") if r["kind"] == "train"]
     assert train[-1]["stages"][0]["rank"] == 4  # static rank on stage 0 after the warm-up
@@ -113,9 +174,32 @@ def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formul
     from edgc.interstage import wire_bytes
 
     run = tmp_path / mode
-    proc = run_edgc("train", "--out", str(run), "--nproc", "2", "--pp", "2", "--steps", "10", "--eval-every", "0",
-                    "--compressor", "powersgd", "--powersgd-rank", "4", "--interstage", mode,
-                    "--interstage-rank", "2", "--lr", "3e-3", "--cache-dir", str(cache_dir), *SMALL)
+    proc = run_edgc(
+        "train",
+        "--out",
+        str(run),
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "10",
+        "--eval-every",
+        "0",
+        "--compressor",
+        "powersgd",
+        "--powersgd-rank",
+        "4",
+        "--interstage",
+        mode,
+        "--interstage-rank",
+        "2",
+        "--lr",
+        "3e-3",
+        "--cache-dir",
+        str(cache_dir),
+        *SMALL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
     m, n = 2 * 32, 256  # (micro-batch · tokens, the tiny preset's hidden size); grad_accum 2

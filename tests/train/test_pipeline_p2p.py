@@ -7,6 +7,7 @@ runs its batches one after another on one stream; within a running batch all ops
 ops to the same peer in the same direction one after another; a send completes only together
 with its receive, while both their batches run.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,7 @@ def stuck_under_rendezvous(logs: list[list[list[tuple]]]) -> dict[int, list]:
     head = [0] * len(batches)
 
     def ready(op: Op, batch: list[Op]) -> bool:  # earlier ops on its edge and direction are done
-        return all(o.done for o in batch[:batch.index(op)] if o.kind == op.kind and o.edge == op.edge)
+        return all(o.done for o in batch[: batch.index(op)] if o.kind == op.kind and o.edge == op.edge)
 
     progressed = True
     while progressed:
@@ -68,19 +69,24 @@ def stuck_under_rendezvous(logs: list[list[list[tuple]]]) -> dict[int, list]:
                 if ready(op, batch) and ready(partner[2], peer_batch):
                     assert op.size == partner[2].size, f"message {op.edge} #{op.number}: sizes differ"
                     op.done = partner[2].done = progressed = True
-    return {rank: rank_batches[head[rank]:] for rank, rank_batches in enumerate(batches)
-            if head[rank] < len(rank_batches)}
+    return {
+        rank: rank_batches[head[rank] :] for rank, rank_batches in enumerate(batches) if head[rank] < len(rank_batches)
+    }
 
 
 def test_the_replay_finds_the_deadlock_of_unbatched_1f1b_and_passes_its_batched_form():
     # 2 stages, 2 micro-batches, each send/recv on its own: stage 0 sends activation 1 before it
     # receives gradient 0, stage 1 sends gradient 0 before it receives activation 1.
     a, g = 64, 64
-    unbatched = [[[("send", 1, a)], [("send", 1, a)], [("recv", 1, g)], [("recv", 1, g)]],
-                 [[("recv", 0, a)], [("send", 0, g)], [("recv", 0, a)], [("send", 0, g)]]]
+    unbatched = [
+        [[("send", 1, a)], [("send", 1, a)], [("recv", 1, g)], [("recv", 1, g)]],
+        [[("recv", 0, a)], [("send", 0, g)], [("recv", 0, a)], [("send", 0, g)]],
+    ]
     assert set(stuck_under_rendezvous(unbatched)) == {0, 1}
-    batched = [[[("send", 1, a)], [("send", 1, a), ("recv", 1, g)], [("recv", 1, g)]],
-               [[("recv", 0, a)], [("send", 0, g), ("recv", 0, a)], [("send", 0, g)]]]
+    batched = [
+        [[("send", 1, a)], [("send", 1, a), ("recv", 1, g)], [("recv", 1, g)]],
+        [[("recv", 0, a)], [("send", 0, g), ("recv", 0, a)], [("send", 0, g)]],
+    ]
     assert stuck_under_rendezvous(batched) == {}
     # a header read before its payload's receive is posted: fine when the header goes first
     header_first = [[[("recv", 1, 3)], [("recv", 1, g)]], [[("send", 0, 3), ("send", 0, g)]]]
@@ -96,9 +102,22 @@ def _pipeline_steps(rank, world, mode, schedule, micro):
     from edgc_train.schedule import PipelineStep
     from edgc_train.stage import GPT2Stage
 
-    cfg = TrainConfig(pp=world, compressor="none", interstage=mode, interstage_rank=2, pp_schedule=schedule,
-                      grad_accum=micro, micro_batch=2, seq_len=16, vocab_size=300, n_layer=world, n_embd=32,
-                      n_head=2, eval_batches=micro, device="cpu")
+    cfg = TrainConfig(
+        pp=world,
+        compressor="none",
+        interstage=mode,
+        interstage_rank=2,
+        pp_schedule=schedule,
+        grad_accum=micro,
+        micro_batch=2,
+        seq_len=16,
+        vocab_size=300,
+        n_layer=world,
+        n_embd=32,
+        n_head=2,
+        eval_batches=micro,
+        device="cpu",
+    )
     torch.manual_seed(0)
     full = build_model(model_shape("tiny", 300, 16, n_layer=world, n_embd=32, n_head=2))
     x = torch.randint(0, 300, (micro * 2, 16))
@@ -108,12 +127,18 @@ def _pipeline_steps(rank, world, mode, schedule, micro):
         step = PipelineStep(cfg, grid, GPT2Stage(full, grid.stage, world), torch.device("cpu"))
         results = [step.train_step(x, x.roll(-1, 1)) for _ in range(2)]
         val_loss = step.eval_loss(x, x.roll(-1, 1))
-    return log, [loss for loss, _ in results], val_loss, [
-        (timing["interstage_bytes_sent"], timing["interstage_bytes_raw"]) for _, timing in results]
+    return (
+        log,
+        [loss for loss, _ in results],
+        val_loss,
+        [(timing["interstage_bytes_sent"], timing["interstage_bytes_raw"]) for _, timing in results],
+    )
 
 
-@pytest.mark.parametrize("stages, mode, schedule, micro", [
-    (2, "off", "1f1b", 3), (2, "all", "1f1b", 3), (3, "cooldown", "1f1b", 4), (3, "off", "gpipe", 3)])
+@pytest.mark.parametrize(
+    "stages, mode, schedule, micro",
+    [(2, "off", "1f1b", 3), (2, "all", "1f1b", 3), (3, "cooldown", "1f1b", 4), (3, "off", "gpipe", 3)],
+)
 def test_pipeline_traffic_is_batched_and_cannot_deadlock_when_sends_wait(stages, mode, schedule, micro):
     results = run_distributed(_pipeline_steps, stages, mode, schedule, micro, timeout=180)
     logs = [log for log, *_ in results]

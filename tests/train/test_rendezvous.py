@@ -1,5 +1,6 @@
 """Joining under torchrun: ranks agree on a per-attempt key prefix even when the store still holds an
 earlier attempt's keys, and a worker stuck in joining exits instead of hanging."""
+
 from __future__ import annotations
 
 import os
@@ -49,13 +50,15 @@ def test_every_attempt_agrees_on_a_new_token_despite_the_earlier_attempts_keys()
 
 def test_a_worker_stuck_in_joining_exits_with_its_stack():
     # init_process_group replaced by a call that never returns: the watchdog must stop the process.
-    code = ("import os, time\n"
-            "from datetime import timedelta\n"
-            "import torch.distributed as dist\n"
-            "import edgc_train.rendezvous as r\n"
-            "r.JOIN_GRACE_S = 1\n"
-            "dist.init_process_group = lambda *a, **k: time.sleep(120)\n"
-            "r.join_process_group('gloo', timedelta(seconds=1))\n")
+    code = (
+        "import os, time\n"
+        "from datetime import timedelta\n"
+        "import torch.distributed as dist\n"
+        "import edgc_train.rendezvous as r\n"
+        "r.JOIN_GRACE_S = 1\n"
+        "dist.init_process_group = lambda *a, **k: time.sleep(120)\n"
+        "r.join_process_group('gloo', timedelta(seconds=1))\n"
+    )
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     t0 = time.monotonic()

@@ -7,6 +7,7 @@ Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step):
          back to step 4 and `--resume`d (TP × DP without pipeline stages, with EDGC: tests/integrations/
          test_llama_tp_dp.py)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,12 @@ from .test_pipeline import EDGC_DAC, SMALL, UNCOMPRESSED
 
 
 def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
-    parallel, _ = run_parallel_and_solo(tmp_path, ["--nproc", "8", "--tp", "2", "--pp", "2", "--pp-schedule", "gpipe"],
-                                        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)], solo_run)
+    parallel, _ = run_parallel_and_solo(
+        tmp_path,
+        ["--nproc", "8", "--tp", "2", "--pp", "2", "--pp-schedule", "gpipe"],
+        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)],
+        solo_run,
+    )
     assert sorted(train_losses(parallel)) == list(range(1, 7))
 
 
@@ -26,9 +31,30 @@ def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, 
 def runs_3d(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("tp3d")
     a, b = root / "a", root / "b"
-    proc = run_edgc("train", "--out", str(a), "--nproc", "8", "--tp", "2", "--pp", "2", "--steps", "8",
-                    "--ckpt-every", "4", "--eval-every", "0", "--lr", "3e-3", "--cache-dir", str(cache_dir),
-                    *EDGC_DAC, *SMALL, timeout=400)
+    proc = run_edgc(
+        "train",
+        "--out",
+        str(a),
+        "--nproc",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "8",
+        "--ckpt-every",
+        "4",
+        "--eval-every",
+        "0",
+        "--lr",
+        "3e-3",
+        "--cache-dir",
+        str(cache_dir),
+        *EDGC_DAC,
+        *SMALL,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cut_back(a, b, 8)
     proc = run_edgc("train", "--resume", str(b), "--nproc", "8", timeout=400)
@@ -48,8 +74,9 @@ def test_tp2_pp2_dp2_with_edgc_keeps_replicas_identical_and_the_loss_falls(runs_
     # digests (train.verify_replicas); the replicated parameters are identical across TP ranks too.
     step = a / "checkpoints" / "step_000008"
     for stage in (0, 1):
-        shards = [torch.load(step / f"model_stage{stage}_tp{t}.pt", map_location="cpu", weights_only=True)
-                  for t in (0, 1)]
+        shards = [
+            torch.load(step / f"model_stage{stage}_tp{t}.pt", map_location="cpu", weights_only=True) for t in (0, 1)
+        ]
         replicated = [k for k in shards[0] if "ln_" in k or k.endswith("proj.bias") or k.startswith(("wte", "wpe"))]
         assert replicated and all(torch.equal(shards[0][k], shards[1][k]) for k in replicated)
         sharded = [k for k in shards[0] if k.endswith("attn.q.weight")]

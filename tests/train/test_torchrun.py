@@ -8,6 +8,7 @@ B's losses at steps 11-20 must equal A's bit for bit. (`--stop-at` is covered in
 EDGC is given r_max=8 and no warm-up error test, so it compresses from step 3 on (warm-up floor
 ⌊0.1·20⌋ = 2): the resume must then restore error feedback and Q factors, not just the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,28 @@ import pytest
 
 from .conftest import cut_back, read_metrics, run_edgc, train_losses
 
-TRAIN_KEYS = {"kind", "step", "wall_s", "loss", "lr", "step_time_s", "compute_time_s", "comm_time_s", "comm_wait_s",
-              "compress_time_s", "collectives", "tokens_per_s", "phase", "rank", "ranks", "entropy", "elements_sent",
-              "elements_raw", "bytes_sent", "bytes_raw"}
+TRAIN_KEYS = {
+    "kind",
+    "step",
+    "wall_s",
+    "loss",
+    "lr",
+    "step_time_s",
+    "compute_time_s",
+    "comm_time_s",
+    "comm_wait_s",
+    "compress_time_s",
+    "collectives",
+    "tokens_per_s",
+    "phase",
+    "rank",
+    "ranks",
+    "entropy",
+    "elements_sent",
+    "elements_raw",
+    "bytes_sent",
+    "bytes_raw",
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +72,9 @@ def test_metrics_follow_the_contract(runs):
     for r in train:
         assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
         assert r["step_time_s"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 4 * 64 / r["step_time_s"])
-        assert r["compute_time_s"] == pytest.approx(max(0.0, r["step_time_s"] - r["comm_wait_s"] - r["compress_time_s"]))
+        assert r["compute_time_s"] == pytest.approx(
+            max(0.0, r["step_time_s"] - r["comm_wait_s"] - r["compress_time_s"])
+        )
         assert r["bytes_raw"] == 4 * r["elements_raw"] > 0
     # Warm-up (steps 1-2) sends everything; afterwards rank-8 factors, far fewer elements.
     assert [r["phase"] for r in train[:2]] == ["warmup", "warmup"]
@@ -64,13 +86,27 @@ def test_metrics_follow_the_contract(runs):
     assert 8 in set(train[-1]["ranks"].values())
     assert any(r["entropy"] is not None for r in train)
     config = json.loads((a / "config.json").read_text())
-    for key in ("preset", "n_params", "world_size", "micro_batch", "seq_len", "grad_accum", "steps",
-                "compressor", "seed", "edgc", "started_at"):
+    for key in (
+        "preset",
+        "n_params",
+        "world_size",
+        "micro_batch",
+        "seq_len",
+        "grad_accum",
+        "steps",
+        "compressor",
+        "seed",
+        "edgc",
+        "started_at",
+    ):
         assert key in config
     assert config["world_size"] == 2 and config["compressor"] == "edgc" and config["edgc"]["r_max"] == 8
     assert 3_000_000 < config["n_params"] < 5_000_000
     summary = json.loads((a / "summary.json").read_text())
-    assert summary["steps"] == 20 and summary["val_loss"] == [r for r in read_metrics(a) if r["kind"] == "eval"][-1]["val_loss"]
+    assert (
+        summary["steps"] == 20
+        and summary["val_loss"] == [r for r in read_metrics(a) if r["kind"] == "eval"][-1]["val_loss"]
+    )
 
 
 def test_comm_trace_lines_up_with_the_metrics_on_every_rank(runs):
@@ -78,8 +114,10 @@ def test_comm_trace_lines_up_with_the_metrics_on_every_rank(runs):
     and a resume cuts the traces back to the checkpoint like metrics.jsonl (steps 11-20 once each)."""
     for run in runs:
         train = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
-        traces = [[json.loads(line) for line in (run / "comm_trace" / f"rank{k}.jsonl").read_text().splitlines()]
-                  for k in (0, 1)]
+        traces = [
+            [json.loads(line) for line in (run / "comm_trace" / f"rank{k}.jsonl").read_text().splitlines()]
+            for k in (0, 1)
+        ]
         for trace in traces:
             assert [t["step"] for t in trace] == list(range(1, 21))
             for t in trace:  # the same collectives in the same order on both ranks
@@ -93,8 +131,17 @@ def test_checkpoint_layout(runs):
     for run in runs:
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000020"]
     files = {p.name for p in (a / "checkpoints" / "step_000010").iterdir()}
-    assert files == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer.json", "manifest.json",
-                     "rank0.pt", "rank1.pt", "edgc_rank0.pt", "edgc_rank1.pt"}
+    assert files == {
+        "model.pt",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer.json",
+        "manifest.json",
+        "rank0.pt",
+        "rank1.pt",
+        "edgc_rank0.pt",
+        "edgc_rank1.pt",
+    }
 
 
 def test_resume_reproduces_uninterrupted_losses_exactly(runs):

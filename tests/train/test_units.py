@@ -1,4 +1,5 @@
 """Unit tests of the harness pieces: config validation, data pipeline, sampler, checkpoints, model."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,32 @@ def test_every_field_has_a_one_line_doc():
         assert docs.get(name) and "\n" not in docs[name], name
 
 
-@pytest.mark.parametrize("field,value", [
-    ("compressor", "zip"), ("steps", 0), ("steps", 2.5), ("micro_batch", -1), ("lr", 0.0),
-    ("lr", float("nan")), ("vocab_size", 100), ("val_fraction", 0.9), ("warmup_steps", 500),
-    ("preset", "huge"), ("seq_len", 1), ("grad_clip", -1.0), ("dropout", 1.0), ("tensorboard", "yes"),
-    ("n_head", 3), ("edgc", {"window": 0}), ("edgc", {"no_such_field": 1}),
-    ("interstage", "sometimes"), ("interstage_rank", 0), ("tp", 0), ("tp", 3),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("compressor", "zip"),
+        ("steps", 0),
+        ("steps", 2.5),
+        ("micro_batch", -1),
+        ("lr", 0.0),
+        ("lr", float("nan")),
+        ("vocab_size", 100),
+        ("val_fraction", 0.9),
+        ("warmup_steps", 500),
+        ("preset", "huge"),
+        ("seq_len", 1),
+        ("grad_clip", -1.0),
+        ("dropout", 1.0),
+        ("tensorboard", "yes"),
+        ("n_head", 3),
+        ("edgc", {"window": 0}),
+        ("edgc", {"no_such_field": 1}),
+        ("interstage", "sometimes"),
+        ("interstage_rank", 0),
+        ("tp", 0),
+        ("tp", 3),
+    ],
+)
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError) as err:
         TrainConfig(**{field: value})

@@ -6,6 +6,7 @@ Modules:
     torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages; DiLoCo
     torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
 """
+
 from __future__ import annotations
 
 import warnings
@@ -67,11 +68,12 @@ def register_edgc(
     ddp = find_ddp(model)
     if ddp is None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-            warnings.warn("edgc: no distributed process group of more than one rank; no hook registered",
-                          stacklevel=2)
+            warnings.warn("edgc: no distributed process group of more than one rank; no hook registered", stacklevel=2)
             return None
-        raise TypeError(f"register_edgc needs a DistributedDataParallel model, got {type(model).__name__} "
-                        "(with Accelerate: the model returned by accelerator.prepare)")
+        raise TypeError(
+            f"register_edgc needs a DistributedDataParallel model, got {type(model).__name__} "
+            "(with Accelerate: the model returned by accelerator.prepare)"
+        )
     if state is None:
         state = EDGCState(process_group, config if config is not None else EDGCConfig(), model=ddp)
     check_group(state)

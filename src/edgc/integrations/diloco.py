@@ -37,6 +37,7 @@ engine makes M the error feedback again, Q and the controller roll back, and wha
 (1-D tensors; everything in uncompressed steps) is carried into the next outer step's Δ. On a plain
 process group every outer step commits.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -70,8 +71,14 @@ class _Fragment:
     in stream order with everything that reads them; the host touches it only after an event that
     follows the last of them (a checkpoint, a heal)."""
 
-    def __init__(self, index: int, module: nn.Module, outer_optimizer: optim.Optimizer,
-                 backup_device: torch.device | None, pin_memory: bool):
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        outer_optimizer: optim.Optimizer,
+        backup_device: torch.device | None,
+        pin_memory: bool,
+    ):
         self.index, self.module, self.outer_optimizer = index, module, outer_optimizer
         named = list(module.named_parameters())
         self.names = [f"{index}.{name}" for name, _ in named]
@@ -113,13 +120,17 @@ class _Fragment:
 
     def state_dict(self) -> dict:
         self._idle()
-        return {"original": [t.detach().cpu().clone() for t in self.original],
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+        return {
+            "original": [t.detach().cpu().clone() for t in self.original],
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["original"]) != len(self.original):
-            raise ValueError(f"DiLoCo fragment {self.index}: the state has {len(state['original'])} parameters, "
-                             f"the fragment {len(self.original)}")
+            raise ValueError(
+                f"DiLoCo fragment {self.index}: the state has {len(state['original'])} parameters, "
+                f"the fragment {len(self.original)}"
+            )
         self._idle()
         with torch.no_grad():
             for backup, saved in zip(self.original, state["original"]):
@@ -130,11 +141,23 @@ class _Fragment:
 class DiLoCo:
     """DiLoCo / Streaming DiLoCo with EDGC's outer sync on a plain process group (see the module docstring)."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None, model_fragments: nn.Module | Sequence[nn.Module],
-                 inner_optimizer: optim.Optimizer, outer_optimizer: optim.Optimizer | Sequence[optim.Optimizer],
-                 sync_every: int, config: EDGCConfig | None = None, *, backup_device: torch.device | None = None,
-                 pin_memory: bool = True, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 power_iterations: int = 1, sync_method: str | None = None, error_feedback_decay: float = 1.0):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        model_fragments: nn.Module | Sequence[nn.Module],
+        inner_optimizer: optim.Optimizer,
+        outer_optimizer: optim.Optimizer | Sequence[optim.Optimizer],
+        sync_every: int,
+        config: EDGCConfig | None = None,
+        *,
+        backup_device: torch.device | None = None,
+        pin_memory: bool = True,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        power_iterations: int = 1,
+        sync_method: str | None = None,
+        error_feedback_decay: float = 1.0,
+    ):
         """``process_group``: the replicas' group (None: the default one; without an initialised one, a
         world of one). The rest as ``torchft.local_sgd.DiLoCo``: ``model_fragments`` (one module, or
         Streaming DiLoCo's fragments), ``inner_optimizer``, ``outer_optimizer`` (one, or one per fragment),
@@ -145,7 +168,9 @@ class DiLoCo:
         unused; with neither, `DEFAULT_OUTER_SYNC`) and ``error_feedback_decay`` (the error feedback is
         multiplied by it before every outer step's sync; 1: kept whole)."""
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
-        outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
+        outers = (
+            list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
+        )
         if config is None and sync_method is None:
             sync_method = DEFAULT_OUTER_SYNC
         config = config if config is not None else EDGCConfig()
@@ -163,8 +188,10 @@ class DiLoCo:
         self.state = self._new_state(process_group, config, nn.ModuleList(fragments))
         if power_iterations != 1:  # EDGC's engine only (`_check_outer_sync`): `LowRankCompressor.power_iterations`
             self.state.compressor.power_iterations = power_iterations
-        self._fragments = [_Fragment(i, module, outer, backup_device, pin_memory)
-                           for i, (module, outer) in enumerate(zip(fragments, outers))]
+        self._fragments = [
+            _Fragment(i, module, outer, backup_device, pin_memory)
+            for i, (module, outer) in enumerate(zip(fragments, outers))
+        ]
         self.last_outer_step: dict | None = None  # what the last outer step did (see `_record`)
 
     # ------------------------------------------------------------------ what subclasses change
@@ -266,10 +293,16 @@ class DiLoCo:
     def _record(self, fragment: _Fragment, committed: bool) -> None:
         metrics = self.state.last_step_metrics
         self.last_outer_step = {
-            "fragment": fragment.index, "committed": committed, "method": self._sync_method or "edgc",
+            "fragment": fragment.index,
+            "committed": committed,
+            "method": self._sync_method or "edgc",
             "phase": metrics.get("phase"),
-            "rank": metrics.get("rank"), "bytes_sent": metrics.get("bytes_sent"), "bytes_raw": metrics.get("bytes_raw"),
-            "relative_error": metrics.get("relative_error"), "nonfinite": metrics.get("nonfinite")}
+            "rank": metrics.get("rank"),
+            "bytes_sent": metrics.get("bytes_sent"),
+            "bytes_raw": metrics.get("bytes_raw"),
+            "relative_error": metrics.get("relative_error"),
+            "nonfinite": metrics.get("nonfinite"),
+        }
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
@@ -277,11 +310,17 @@ class DiLoCo:
         θ_global and outer optimizer per fragment, the inner step count, the carried Δ and this
         replica's whole EDGC state (error feedback included). Not while an overlapped sync is in flight."""
         if self._syncing is not None:
-            raise RuntimeError("DiLoCo.state_dict(): a fragment's outer sync is in flight (fragment_sync_delay); "
-                               "take the checkpoint at another inner step")
-        return {"format": STATE_FORMAT, "local_step": self._local_step,
-                "carry": {name: t.detach().cpu().clone() for name, t in self._carry.items()},
-                "fragments": [f.state_dict() for f in self._fragments], "edgc": self.state.state_dict()}
+            raise RuntimeError(
+                "DiLoCo.state_dict(): a fragment's outer sync is in flight (fragment_sync_delay); "
+                "take the checkpoint at another inner step"
+            )
+        return {
+            "format": STATE_FORMAT,
+            "local_step": self._local_step,
+            "carry": {name: t.detach().cpu().clone() for name, t in self._carry.items()},
+            "fragments": [f.state_dict() for f in self._fragments],
+            "edgc": self.state.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -295,26 +334,37 @@ class DiLoCo:
         self._carry = {name: t.clone() for name, t in state["carry"].items()}
 
 
-def _check(fragments: list, outers: list, sync_every: int, delay: int, alpha: float, iterations: int,
-           config: EDGCConfig) -> None:
+def _check(
+    fragments: list, outers: list, sync_every: int, delay: int, alpha: float, iterations: int, config: EDGCConfig
+) -> None:
     """One clear line for each argument that cannot work."""
     if not fragments or not all(isinstance(m, nn.Module) for m in fragments):
         raise ValueError("DiLoCo: model_fragments must be one nn.Module or a non-empty list of them")
     if len(outers) != len(fragments):
-        raise ValueError(f"DiLoCo: {len(outers)} outer optimizers for {len(fragments)} fragments (give one, or one each)")
+        raise ValueError(
+            f"DiLoCo: {len(outers)} outer optimizers for {len(fragments)} fragments (give one, or one each)"
+        )
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < len(fragments):
-        raise ValueError(f"DiLoCo: sync_every must be an integer ≥ the number of fragments ({len(fragments)}), got {sync_every!r}")
+        raise ValueError(
+            f"DiLoCo: sync_every must be an integer ≥ the number of fragments ({len(fragments)}), got {sync_every!r}"
+        )
     if sync_every % len(fragments):
-        raise ValueError(f"DiLoCo: sync_every ({sync_every}) must be a multiple of the number of fragments ({len(fragments)})")
+        raise ValueError(
+            f"DiLoCo: sync_every ({sync_every}) must be a multiple of the number of fragments ({len(fragments)})"
+        )
     if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < sync_every // len(fragments):
-        raise ValueError(f"DiLoCo: fragment_sync_delay must be an integer in [0, sync_every / fragments = "
-                         f"{sync_every // len(fragments)}), got {delay!r}")
+        raise ValueError(
+            f"DiLoCo: fragment_sync_delay must be an integer in [0, sync_every / fragments = "
+            f"{sync_every // len(fragments)}), got {delay!r}"
+        )
     if not 0 <= alpha <= 1:
         raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {alpha!r}")
     if iterations not in (1, 2):
         raise ValueError(f"DiLoCo: power_iterations must be 1 or 2, got {iterations!r}")
     if iterations == 2 and not config.error_feedback:
-        raise ValueError("DiLoCo: power_iterations=2 needs EDGCConfig.error_feedback (the second iteration reads M from it)")
+        raise ValueError(
+            "DiLoCo: power_iterations=2 needs EDGCConfig.error_feedback (the second iteration reads M from it)"
+        )
     names = [id(p) for m in fragments for p in m.parameters()]
     if len(names) != len(set(names)):
         raise ValueError("DiLoCo: a parameter is in more than one fragment")

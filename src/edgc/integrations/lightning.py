@@ -18,6 +18,7 @@ arguments go to DDPStrategy and from there to DistributedDataParallel (``static_
 Works with ``pytorch_lightning`` or the unified ``lightning`` package (whichever is installed;
 ``make_strategy_class(lightning.pytorch.strategies.DDPStrategy)`` picks one explicitly).
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,9 @@ def make_strategy_class(base: type) -> type:
                 raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
             if ddp_comm_hook is None and ddp_comm_state is not None:
                 raise ValueError("ddp_comm_state needs ddp_comm_hook (or pass config / state_factory)")
-            super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
-                             ddp_comm_wrapper=ddp_comm_wrapper, **kwargs)
+            super().__init__(
+                ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper, **kwargs
+            )
             if given == 0:
                 config = EDGCConfig()
             self.edgc_config = config
@@ -96,8 +98,9 @@ def _default_base() -> type:
         try:
             from lightning.pytorch.strategies import DDPStrategy
         except ImportError:
-            raise ImportError("edgc.integrations.lightning needs Lightning: "
-                              "pip install 'edgc[integrations]' (pytorch-lightning)") from None
+            raise ImportError(
+                "edgc.integrations.lightning needs Lightning: pip install 'edgc[integrations]' (pytorch-lightning)"
+            ) from None
     return DDPStrategy
 
 

@@ -43,6 +43,7 @@ averaged values and decisions sent to all, so they stay identical; a replica tha
 a step its peers committed is behind, and torchft heals it from a peer at the next quorum (its
 own error feedback is kept). A restarted replica takes the series of the peer it heals from.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -135,8 +136,9 @@ class ManagedCommunicator(Communicator):
         """Managed works have no cheap completion query: durations run from issue to wait."""
 
     def report_nonfinite(self, owner: str, step: int) -> None:
-        self.manager.report_error(RuntimeError(
-            f"{owner}: non-finite gradient average at step {step}; the step is discarded on every replica"))
+        self.manager.report_error(
+            RuntimeError(f"{owner}: non-finite gradient average at step {step}; the step is discarded on every replica")
+        )
 
     def _all_reduce_work(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
         manager = self.manager
@@ -175,12 +177,14 @@ class ManagedCommunicator(Communicator):
         self.all_reduce(slots)
         return list(slots.unbind(0))
 
-    def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):  # pragma: no cover - all_gather is overridden
+    def _all_gather_work(
+        self, out: list[torch.Tensor], tensor: torch.Tensor
+    ):  # pragma: no cover - all_gather is overridden
         raise NotImplementedError
 
 
 class ManagedSteps:
-    """torchft's side of one sync state, any `GradientReducer` (see the module docstring): its
+    """torchft's side of one sync state, ``state`` (any `GradientReducer`; see the module docstring): its
     collectives go through the replica group's ``manager`` (`ManagedCommunicator`, which also reports a
     non-finite average to it), each step waits for the manager's verdict (``manager.should_commit()``
     settles the step, then commits or rolls it back: `finish_step`), and ``shared`` (a callable returning the
@@ -189,8 +193,7 @@ class ManagedSteps:
     (EDGC: a profiling step timed in a quorum of one), or None. ``steps_discarded``, ``heals`` and
     ``steps_uncounted`` count what the faults cost."""
 
-    def __init__(self, state: GradientReducer, manager: Manager, state_key: str, shared, load_shared,
-                 uncounted=None):
+    def __init__(self, state: GradientReducer, manager: Manager, state_key: str, shared, load_shared, uncounted=None):
         state.comm = ManagedCommunicator(manager)
         state.defer_commit = True
         self.state, self.manager = state, manager
@@ -255,14 +258,23 @@ class TorchFTEDGCState(EDGCState):
     ``profile_steps_alone`` count what the faults cost.
     """
 
-    def __init__(self, manager: Manager, config: EDGCConfig | None = None, *, model: nn.Module | None = None,
-                 state_key: str = STATE_KEY):
+    def __init__(
+        self,
+        manager: Manager,
+        config: EDGCConfig | None = None,
+        *,
+        model: nn.Module | None = None,
+        state_key: str = STATE_KEY,
+    ):
         if getattr(manager, "_use_async_quorum", False):
-            raise ValueError("EDGC on torchft needs Manager(use_async_quorum=False): a healing replica must "
-                             "load the quorum's rank before the step's first collective")
+            raise ValueError(
+                "EDGC on torchft needs Manager(use_async_quorum=False): a healing replica must "
+                "load the quorum's rank before the step's first collective"
+            )
         super().__init__(None, config, model=model)
-        self.managed = ManagedSteps(self, manager, state_key, self.shared_state_dict, self.load_shared_state_dict,
-                                    self._profiled_alone)
+        self.managed = ManagedSteps(
+            self, manager, state_key, self.shared_state_dict, self.load_shared_state_dict, self._profiled_alone
+        )
 
     def _profiled_alone(self) -> str | None:
         """A profiling step timed in a quorum of one measured no link: the model step stands, but EDGC
@@ -335,21 +347,49 @@ class DiLoCo(_DiLoCo):
     built by `managed_sync_state`); ``state_key`` names the outer sync's state among the manager's.
     """
 
-    def __init__(self, manager: Manager, model_fragments, inner_optimizer, outer_optimizer, sync_every: int,
-                 config: EDGCConfig | None = None, *, backup_device=None, pin_memory: bool = True,
-                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, power_iterations: int = 1,
-                 sync_method: str | None = None, error_feedback_decay: float = 1.0, state_key: str = "edgc_diloco"):
+    def __init__(
+        self,
+        manager: Manager,
+        model_fragments,
+        inner_optimizer,
+        outer_optimizer,
+        sync_every: int,
+        config: EDGCConfig | None = None,
+        *,
+        backup_device=None,
+        pin_memory: bool = True,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        power_iterations: int = 1,
+        sync_method: str | None = None,
+        error_feedback_decay: float = 1.0,
+        state_key: str = "edgc_diloco",
+    ):
         if getattr(manager, "_use_async_quorum", False):
-            raise ValueError("DiLoCo needs Manager(use_async_quorum=False): a healing replica must load the "
-                             "shared state before the outer sync")
+            raise ValueError(
+                "DiLoCo needs Manager(use_async_quorum=False): a healing replica must load the "
+                "shared state before the outer sync"
+            )
         self.manager, self._state_key = manager, state_key
-        super().__init__(None, model_fragments, inner_optimizer, outer_optimizer, sync_every, config,
-                         backup_device=backup_device, pin_memory=pin_memory, fragment_sync_delay=fragment_sync_delay,
-                         fragment_update_alpha=fragment_update_alpha, power_iterations=power_iterations,
-                         sync_method=sync_method, error_feedback_decay=error_feedback_decay)
+        super().__init__(
+            None,
+            model_fragments,
+            inner_optimizer,
+            outer_optimizer,
+            sync_every,
+            config,
+            backup_device=backup_device,
+            pin_memory=pin_memory,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            power_iterations=power_iterations,
+            sync_method=sync_method,
+            error_feedback_decay=error_feedback_decay,
+        )
         for fragment in self._fragments:
-            manager.register_state_dict_fn(f"{state_key}_fragment_{fragment.index}", fragment.load_state_dict,
-                                           fragment.state_dict)
+            manager.register_state_dict_fn(
+                f"{state_key}_fragment_{fragment.index}", fragment.load_state_dict, fragment.state_dict
+            )
 
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module):
         if self._sync_method is not None:
@@ -373,7 +413,8 @@ class DiLoCo(_DiLoCo):
         self.inner_step_done()
 
 
-# ---------------------------------------------------------------------------- a registered method as DiLoCo's outer sync
+# ---------------------------------------------------------------------------- a registered method as DiLoCo's outer
+# sync
 def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key: str) -> GradientReducer:
     """The registered sync method ``name``'s state for one torchft replica group (`DiLoCo`'s
     ``sync_method``), its torchft side as ``state.managed`` (`ManagedSteps`): every collective through

@@ -38,6 +38,7 @@ So, per group count and number of failures the run is meant to survive:
 * ``quorum_timeout = 4 × timeout``: longer than ``join_timeout``, so that groups waiting for a
   straggler do not give up on the quorum before the lighthouse does.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,23 +68,41 @@ class QuorumSettings:
     """How often the lighthouse computes a quorum."""
 
     @classmethod
-    def for_groups(cls, groups: int, tolerated_failures: int = 0,
-                   timeout: timedelta = timedelta(seconds=60)) -> QuorumSettings:
+    def for_groups(
+        cls, groups: int, tolerated_failures: int = 0, timeout: timedelta = timedelta(seconds=60)
+    ) -> QuorumSettings:
         """Settings for ``groups`` replica groups that go on without up to ``tolerated_failures`` dead ones."""
         if groups < 1 or not 0 <= tolerated_failures < groups:
             raise ValueError(f"need groups ≥ 1 and 0 ≤ tolerated_failures < groups, got {groups}, {tolerated_failures}")
-        return cls(min_replicas=groups - tolerated_failures, join_timeout=3 * timeout,
-                   heartbeat_timeout=timedelta(seconds=1), timeout=timeout, quorum_timeout=4 * timeout)
+        return cls(
+            min_replicas=groups - tolerated_failures,
+            join_timeout=3 * timeout,
+            heartbeat_timeout=timedelta(seconds=1),
+            timeout=timeout,
+            quorum_timeout=4 * timeout,
+        )
 
     def lighthouse_args(self) -> list[str]:
         """Command-line flags of ``torchft_lighthouse``."""
-        return ["--min_replicas", str(self.min_replicas), "--join_timeout_ms", str(_ms(self.join_timeout)),
-                "--heartbeat_timeout_ms", str(_ms(self.heartbeat_timeout)), "--quorum_tick_ms", str(_ms(self.quorum_tick))]
+        return [
+            "--min_replicas",
+            str(self.min_replicas),
+            "--join_timeout_ms",
+            str(_ms(self.join_timeout)),
+            "--heartbeat_timeout_ms",
+            str(_ms(self.heartbeat_timeout)),
+            "--quorum_tick_ms",
+            str(_ms(self.quorum_tick)),
+        ]
 
     def lighthouse_kwargs(self) -> dict:
         """Keyword arguments of ``torchft._torchft.LighthouseServer`` (an in-process lighthouse)."""
-        return {"min_replicas": self.min_replicas, "join_timeout_ms": _ms(self.join_timeout),
-                "heartbeat_timeout_ms": _ms(self.heartbeat_timeout), "quorum_tick_ms": _ms(self.quorum_tick)}
+        return {
+            "min_replicas": self.min_replicas,
+            "join_timeout_ms": _ms(self.join_timeout),
+            "heartbeat_timeout_ms": _ms(self.heartbeat_timeout),
+            "quorum_tick_ms": _ms(self.quorum_tick),
+        }
 
     def manager_kwargs(self) -> dict:
         """Keyword arguments of ``torchft.Manager``."""
@@ -94,9 +113,15 @@ def _ms(duration: timedelta) -> int:
     return int(duration.total_seconds() * 1000)
 
 
-def launch_local_groups(script: str, groups: int, settings: QuorumSettings,
-                        group_env: Callable[[int], dict[str, str]] = lambda group: {},
-                        timeout_s: float = 600, args: Sequence[str] = (), module: bool = False) -> int:
+def launch_local_groups(
+    script: str,
+    groups: int,
+    settings: QuorumSettings,
+    group_env: Callable[[int], dict[str, str]] = lambda group: {},
+    timeout_s: float = 600,
+    args: Sequence[str] = (),
+    module: bool = False,
+) -> int:
     """Run ``script`` as ``groups`` replica groups on this machine: a lighthouse in this process
     with ``settings``, one ``torchrun`` (one process, one restart) per group with
     ``REPLICA_GROUP_ID``, ``REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set, plus ``group_env(group)``.
@@ -105,17 +130,34 @@ def launch_local_groups(script: str, groups: int, settings: QuorumSettings,
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", **settings.lighthouse_kwargs())
-    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1",
-           "REPLICA_GROUPS": str(groups)}
+    env = {
+        **os.environ,
+        "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+        "OMP_NUM_THREADS": "1",
+        "REPLICA_GROUPS": str(groups),
+    }
     procs = []
     try:
         for group in range(groups):
             with socket.socket() as s:  # a free port for the group's store
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
-                    "--master_addr", "127.0.0.1", "--master_port", str(port), *(["--module"] if module else []),
-                    script, *args]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "1",
+                "--max-restarts",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                *(["--module"] if module else []),
+                script,
+                *args,
+            ]
             procs.append(subprocess.Popen(argv, env={**env, "REPLICA_GROUP_ID": str(group), **group_env(group)}))
         return max(p.wait(timeout=timeout_s) for p in procs)
     finally:
