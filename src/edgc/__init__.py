@@ -6,6 +6,7 @@
 
 Modules:
     config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass
+    checks.py       field checks of the config dataclasses: each failure one line naming the field
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
     shadow.py       profiling's shadow syncs, timed beside the real one, and their times
     decisions.py    the decision round: agree, propose, broadcast, apply over the decision group

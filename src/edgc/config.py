@@ -15,6 +15,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import FieldCheck
 from .rank_rules import rank_mapping, rank_mapping_names
 from .signals import get_signal, signal_names
 
@@ -25,46 +26,7 @@ ORTHONORMALIZATION_CHOICES = ("auto", "householder", "cholesky2-fp64", "cholesky
 RANK_CHANGES = ("warm", "truncate")
 
 
-class _Check:
-    """Field checks of a config dataclass; each failure is one line naming the class (``owner``, by
-    default the config's own) and the field."""
-
-    def __init__(self, config: Any, owner: str | None = None):
-        self.config = config
-        self.owner = owner or type(config).__name__
-
-    def fail(self, name: str, requirement: str) -> None:
-        raise ValueError(f"{self.owner}.{name} {requirement}, got {getattr(self.config, name)!r}")
-
-    def integer(self, name: str, low: int) -> None:
-        value = getattr(self.config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            self.fail(name, f"must be an integer ≥ {low}")
-
-    def _finite(self, name: str) -> bool:
-        value = getattr(self.config, name)
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    def ratio(self, name: str, low_open: bool) -> None:
-        value = getattr(self.config, name)
-        if not self._finite(name) or not (0 < value <= 1 if low_open else 0 <= value <= 1):
-            self.fail(name, "must be in (0, 1]" if low_open else "must be in [0, 1]")
-
-    def number(self, name: str, allow_zero: bool) -> None:
-        value = getattr(self.config, name)
-        if not self._finite(name) or value < 0 or (value == 0 and not allow_zero):
-            self.fail(name, "must be a finite number ≥ 0" if allow_zero else "must be a finite number > 0")
-
-    def boolean(self, name: str) -> None:
-        if not isinstance(getattr(self.config, name), bool):
-            self.fail(name, "must be True or False")
-
-    def choice(self, name: str, choices: tuple) -> None:
-        if getattr(self.config, name) not in choices:
-            self.fail(name, f"must be one of {choices}")
-
-
-def _check_engine_fields(check: _Check) -> None:
+def _check_engine_fields(check: FieldCheck) -> None:
     """The checks of `LowRankConfig`'s fields (given flat to `EDGCConfig` too: `EDGCConfig.engine`)."""
     check.number("min_compression_rate", allow_zero=True)
     check.number("orthogonalization_epsilon", allow_zero=True)
@@ -108,7 +70,7 @@ class LowRankConfig:
     columns, random new ones)."""
 
     def __post_init__(self) -> None:
-        _check_engine_fields(_Check(self))
+        _check_engine_fields(FieldCheck(self))
 
 
 @dataclass(kw_only=True)
@@ -215,7 +177,7 @@ class EDGCConfig:
     flat: EDGCConfig(error_feedback=False), --edgc error_feedback=false, config.error_feedback."""
 
     def __post_init__(self) -> None:
-        check = _Check(self)
+        check = FieldCheck(self)
         if not isinstance(self.engine, LowRankConfig):
             check.fail("engine", "must be a LowRankConfig (or give its fields flat: EDGCConfig(seed=1))")
         for name in ("r_max", "r_min", "total_steps"):
@@ -377,7 +339,7 @@ def _engine_fields_flat(config_class: type) -> type:
             engine = values.get("engine", LowRankConfig())
             if isinstance(engine, LowRankConfig):
                 merged = {**dataclasses.asdict(engine), **flat}
-                _check_engine_fields(_Check(types.SimpleNamespace(**merged), owner=config_class.__name__))
+                _check_engine_fields(FieldCheck(types.SimpleNamespace(**merged), owner=config_class.__name__))
                 values["engine"] = LowRankConfig(**merged)
         dataclass_init(self, **values)
 

@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from .comm import Communicator
 from .entropy import EntropySampler
-from .factors import matrix_shape
+from .factors import matrix_shape, orthonormalize_rows_, stable_seed
 from .lowrank import LowRankCompressor
 from .plans import COMPRESS, Agreed, Decision, StepPlan
 from .rank_control import WindowController
+from .timing import to_device
 
 
 class DecisionRound:
@@ -60,12 +61,13 @@ class DecisionRound:
     def note_bucket(
         self, names: list[str], grads: list[torch.Tensor], probe_rank: int | None, compressor: LowRankCompressor
     ) -> None:
-        """A bucket's matrix shapes; with ``probe_rank``, its warm-up probe (`LowRankCompressor.probe_error`)."""
+        """A bucket's matrix shapes; with ``probe_rank``, its warm-up probe (`probe_error`, with the seed of
+        ``compressor``)."""
         for name, grad in zip(names, grads):
             if name not in self.shapes and (shape := matrix_shape(grad)) is not None:
                 self.shapes[name] = shape
         if probe_rank is not None:
-            probe = compressor.probe_error(names, grads, probe_rank)
+            probe = probe_error(names, grads, probe_rank, compressor.config.seed)
             self.probe = probe if self.probe is None else self.probe + probe
 
     def device_values(self) -> list[torch.Tensor]:
@@ -135,3 +137,28 @@ class DecisionRound:
 
     def restore(self, relative_errors: list[float]) -> None:
         self.relative_errors = relative_errors
+
+
+def probe_error(names: list[str], grads: list[torch.Tensor], rank: int, seed: int) -> torch.Tensor:
+    """(‖M − M̂_rank‖², ‖M‖²) of one seeded randomised power iteration, summed over local matrices.
+
+    The warm-up test's measurement; local only (no communication), seeded per parameter (by ``seed``
+    and its name) so the same gradient always gives the same value, and returned as a float64
+    device tensor (read at the end of the step). A non-finite gradient gives an infinite error.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for name, grad in zip(names, grads):
+        shape = matrix_shape(grad)
+        if shape is None:
+            continue
+        m, n = shape
+        r = min(rank, m, n)
+        matrix = grad.detach().view(m, n).float()
+        generator = torch.Generator().manual_seed(stable_seed(seed, name, "probe"))
+        q = to_device(torch.randn(1, n, r, generator=generator), grad.device).transpose(1, 2)
+        p = orthonormalize_rows_(torch.bmm(q, matrix.T.unsqueeze(0)))[0]  # Pᵀ (r × m) of P = orth(M·Q)
+        error = (matrix - p.T @ (p @ matrix)).square().sum().double()
+        norm = matrix.square().sum().double()
+        total += torch.stack([torch.where(torch.isfinite(error), error, float("inf")), norm])
+    return total

@@ -53,15 +53,11 @@ from .config import EDGCConfig, LowRankConfig
 from .engine_state import CallState, EngineState
 from .factors import (
     compressed_rank,
-    matrix_shape,
     orthonormalization_for,
     orthonormalize_blocks_,
-    orthonormalize_rows_,
-    stable_seed,
 )
 from .finite import nan_unless_finite
 from .layout import CallLayout
-from .timing import to_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -386,27 +382,3 @@ class LowRankCompressor:
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:
         stats.elements_sent += values.numel()
         stats.bytes_sent += values.numel() * torch.empty((), dtype=wire_dtype).element_size()
-
-    def probe_error(self, names: list[str], grads: list[torch.Tensor], rank: int) -> torch.Tensor:
-        """(‖M − M̂_rank‖², ‖M‖²) of one seeded randomised power iteration, summed over local matrices.
-
-        Used by the warm-up test; local only (no communication), seeded per parameter so the same
-        gradient always gives the same value, and returned as a float64 device tensor (read at
-        the end of the step). A non-finite gradient gives an infinite error.
-        """
-        device = grads[0].device if grads else torch.device("cpu")
-        total = torch.zeros(2, dtype=torch.float64, device=device)
-        for name, grad in zip(names, grads):
-            shape = matrix_shape(grad)
-            if shape is None:
-                continue
-            m, n = shape
-            r = min(rank, m, n)
-            matrix = grad.detach().view(m, n).float()
-            generator = torch.Generator().manual_seed(stable_seed(self.config.seed, name, "probe"))
-            q = to_device(torch.randn(1, n, r, generator=generator), grad.device).transpose(1, 2)
-            p = orthonormalize_rows_(torch.bmm(q, matrix.T.unsqueeze(0)))[0]  # Pᵀ (r × m) of P = orth(M·Q)
-            error = (matrix - p.T @ (p @ matrix)).square().sum().double()
-            norm = matrix.square().sum().double()
-            total += torch.stack([torch.where(torch.isfinite(error), error, float("inf")), norm])
-        return total

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgc.config import EDGCConfig
+from edgc.decisions import probe_error
 from edgc.factors import matrix_shape
 from edgc.lowrank import LowRankCompressor
 from edgc.rank_model import ErrorModel
@@ -80,7 +81,7 @@ def run(args, out, setting, log=print) -> dict:
                     continue
                 exact = max(float(tails[r]), 0.0)
                 predicted = sigma2 * float(curve[r])
-                power = float(engine.probe_error([name], [grad], r)[0])  # (error², ‖M‖²): the error
+                power = float(probe_error([name], [grad], r, engine.config.seed)[0])  # (error², ‖M‖²): the error
                 rows.append(
                     {
                         "step": step,

@@ -1,0 +1,200 @@
+"""A sync state under torchft's manager: its collectives through the manager, its steps by the
+manager's verdict, its shared state to a healing replica (`edgc.integrations.torchft` has the whole).
+
+`ManagedCommunicator` is the `edgc.comm.Communicator` whose collectives go through a replica
+group's ``Manager``; `ManagedSteps` is what the manager does to any `GradientReducer` that uses it:
+defer each step until ``manager.should_commit()`` says whether to commit or roll it back, and
+register the state's shared part for a replica that heals.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllreduceOptions
+
+from ..comm import Communicator
+from ..reducer import GradientReducer
+
+try:
+    from torchft.manager import Manager
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("edgc.integrations.torchft needs torchft: pip install 'edgc[torchft]'") from error
+
+
+class _Watched:
+    """A work whose wait never raises (a failure is the manager's to report) and tells the
+    communicator when it failed."""
+
+    def __init__(self, work, communicator: ManagedCommunicator):
+        self._work, self._communicator = work, communicator
+
+    def wait(self) -> bool:
+        try:
+            done = self._work.wait() is not False if self._work is not None else True
+        except Exception:  # noqa: BLE001 - only reached by the direct process-group path below
+            done = False
+        if not done:
+            self._communicator.collective_failed = True
+        return done
+
+
+class ManagedCommunicator(Communicator):
+    """`Communicator` whose collectives go through a torchft ``Manager`` (one replica group's rank).
+
+    After an error, torchft's manager skips the step's remaining collectives. Here that happens
+    only once a collective itself has failed (the group's connections are suspect). An error that
+    did not come from a collective — raised on issue, or reported by the caller — leaves the
+    group sound, so the rest of the step's collectives still run on the quorum's process group,
+    and peers that have not seen the error are not left waiting for this replica until a timeout.
+    ``manager``: the replica group's torchft ``Manager``.
+    """
+
+    flags_nonfinite = True  # a non-finite step is reported to the manager, so every replica discards it
+
+    def __init__(self, manager: Manager):
+        super().__init__(None)
+        self.manager = manager
+        self.world_size, self.rank, self.root = 1, 0, 0
+        self.collective_failed = False
+        self.refresh()
+
+    @property
+    def issues(self) -> bool:
+        """A quorum of one sends nothing."""
+        return self.world_size > 1
+
+    def refresh(self) -> None:
+        """Take the current quorum's size and this replica's place in it (blocks on a pending quorum)."""
+        if getattr(self.manager, "_quorum_future", None) is None:
+            return  # no quorum started yet (construction): nothing to ask
+        self.world_size = max(1, self.manager.num_participants())
+        rank = self.manager.participating_rank()
+        self.rank = -1 if rank is None else rank  # a spare never proposes a decision
+
+    @property
+    def step_failed(self) -> bool:
+        """A collective of this step failed, or the manager holds an error: the step is lost."""
+        return self.collective_failed or self.manager.errored() is not None
+
+    def reset(self) -> list[float]:
+        durations = super().reset()
+        self.collective_failed = False
+        self.refresh()  # at a step's start: the quorum started before the forward pass
+        return durations
+
+    def poll(self) -> None:
+        """Managed works have no cheap completion query: durations run from issue to wait."""
+
+    def report_nonfinite(self, owner: str, step: int) -> None:
+        self.manager.report_error(
+            RuntimeError(f"{owner}: non-finite gradient average at step {step}; the step is discarded on every replica")
+        )
+
+    def _all_reduce_work(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
+        manager = self.manager
+        if self.collective_failed:
+            return _Watched(None, self)  # the step is lost and the group is suspect: issue nothing more
+        if manager.errored() is None:
+            return _Watched(manager.allreduce(tensor, reduce_op=op), self)  # zeroes a non-participant's tensor
+        try:  # the step is lost, the group is sound: keep in step with peers that do not know it yet
+            options = AllreduceOptions()
+            options.reduceOp = op
+            return _Watched(manager._pg.allreduce([tensor], options), self)
+        except Exception:  # noqa: BLE001 - already reported; nothing left to keep in step with
+            self.collective_failed = True
+            return _Watched(None, self)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The quorum's rank 0's ``tensor`` on every replica: an all-reduce (sum) that only it feeds."""
+        if self.world_size == 1:
+            return tensor
+        if self.rank != 0:
+            tensor.zero_()
+        return self.all_reduce(tensor)
+
+    def _broadcast_work(self, tensor: torch.Tensor):  # pragma: no cover - broadcast() is overridden
+        raise NotImplementedError
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every participant's ``tensor``, in participating-rank order. torchft's manager offers no
+        all-gather, so it is a summing all-reduce of one slot per participant, each filled by its
+        owner alone (a non-participant's tensor is zeroed by the manager): twice an all-gather's traffic."""
+        if self.world_size == 1:
+            return [tensor]
+        slots = tensor.new_zeros((self.world_size, *tensor.shape))
+        if self.rank >= 0:
+            slots[self.rank].copy_(tensor)
+        self.all_reduce(slots)
+        return list(slots.unbind(0))
+
+    def _all_gather_work(
+        self, out: list[torch.Tensor], tensor: torch.Tensor
+    ):  # pragma: no cover - all_gather is overridden
+        raise NotImplementedError
+
+
+class ManagedSteps:
+    """torchft's side of one sync state, ``state`` (any `GradientReducer`; see the module docstring): its
+    collectives go through the replica group's ``manager`` (`ManagedCommunicator`, which also reports a
+    non-finite average to it), each step waits for the manager's verdict (``manager.should_commit()``
+    settles the step, then commits or rolls it back: `finish_step`), and ``shared`` (a callable returning the
+    state's shared part) is registered as ``state_key`` for a healing replica, which loads it with
+    ``load_shared``. ``uncounted``: called on a committed step, a reason to roll it back all the same
+    (EDGC: a profiling step timed in a quorum of one), or None. ``steps_discarded``, ``heals`` and
+    ``steps_uncounted`` count what the faults cost."""
+
+    def __init__(self, state: GradientReducer, manager: Manager, state_key: str, shared, load_shared, uncounted=None):
+        state.comm = ManagedCommunicator(manager)
+        state.defer_commit = True
+        self.state, self.manager = state, manager
+        self._shared, self._load_shared, self._uncounted = shared, load_shared, uncounted
+        self.steps_discarded = 0  # steps whose sync ran but which the manager did not commit
+        self.heals = 0  # times the shared state was received from a peer
+        self.steps_uncounted = 0  # committed steps rolled back all the same (``uncounted``)
+        manager.register_state_dict_fn(state_key, self._heal, shared)
+        self._wrap_should_commit()
+
+    def shared_state_dict(self) -> dict:
+        """What every replica holds alike, as a healing replica receives it."""
+        return self._shared()
+
+    def _heal(self, state: dict) -> None:
+        self._load_shared(state)
+        self.heals += 1
+
+    def finish_step(self, committed: bool) -> None:
+        """The manager's verdict on the pending step."""
+        state = self.state
+        if not state.pending:
+            return
+        if not committed:
+            self.steps_discarded += 1
+            state.rollback_step("torchft's manager did not commit it")
+        elif (reason := self._uncounted() if self._uncounted is not None else None) is not None:
+            self.steps_uncounted += 1
+            state.rollback_step(reason)
+        else:
+            state.commit_step()
+
+    def _wrap_should_commit(self) -> None:
+        """Make ``manager.should_commit()`` commit or roll back the state's pending step with its verdict."""
+        decide = self.manager.should_commit
+
+        def should_commit(timeout: timedelta | None = None) -> bool:
+            try:
+                # The step settles before the verdict: a non-finite average is reported to the manager
+                # (`ManagedCommunicator.report_nonfinite`: no replica commits it), and a rank decision
+                # is taken now, while every replica of the quorum is at this point, so the shared
+                # state a healing replica receives has it.
+                self.state.settle()
+                committed = decide(timeout)
+            except BaseException:
+                self.finish_step(False)
+                raise
+            self.finish_step(committed)
+            return committed
+
+        self.manager.should_commit = should_commit  # type: ignore[method-assign]
