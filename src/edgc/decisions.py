@@ -99,16 +99,17 @@ class DecisionRound:
     def run(
         self,
         plan: StepPlan,
-        local: Agreed,
+        profiled: tuple[float, float, float],
         controller: WindowController,
         sampler: EntropySampler,
         compressor: LowRankCompressor,
         comm: Communicator,
         device: torch.device,
     ) -> Decision:
-        """Agree ``local`` over the decision group, let its rank 0 propose, broadcast, and apply the
-        decision to ``controller`` (every rank alike); returns it. Two blocking collectives."""
-        decisions = self.communicator(comm)
+        """Agree this rank's measurements (`measured`, with ``profiled``) over the decision group, let
+        its rank 0 propose, broadcast, and apply the decision to ``controller`` (every rank alike);
+        returns it. Two blocking collectives."""
+        decisions, local = self.communicator(comm), self.measured(profiled)
         agreed = Agreed(*decisions.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
         if decisions.rank == 0:
             shapes = [s for s in self.shapes.values() if compressor.compressed_rank(s, controller.r_max or 1)]

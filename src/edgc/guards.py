@@ -141,9 +141,10 @@ class UsageGuard:
             )
         return name
 
-    def ddp_bucket(self, state_name: str, names: list[str], last: bool) -> list[str]:
-        """A DDP bucket of ``names`` (returned); ``last`` ends the step. Refuses parameters the first
-        step did not sync."""
+    def ddp_bucket(self, state_name: str, params, last: bool) -> list[str]:
+        """The names of a DDP bucket's ``params`` (`names_for`); ``last`` ends the step. Refuses
+        parameters the first step did not sync."""
+        names = self.names_for(state_name, params)
         if self.ddp_names is None:
             self._first_step_names.extend(names)
             if last:

@@ -98,7 +98,7 @@ class GradientReducer:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None
         )
-        names = self._guard.ddp_bucket(type(self).__name__, self.names_for(bucket.parameters()), bucket.is_last())
+        names = self._guard.ddp_bucket(type(self).__name__, bucket.parameters(), bucket.is_last())
         self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._jobs.drain(self._reduce)

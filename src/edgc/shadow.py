@@ -112,13 +112,12 @@ class ShadowProfiler:
             bound,
         )
 
-    def decided(self) -> None:
-        """A decision read the sums: start again."""
+    def decided(self, *, finished: bool) -> None:
+        """A decision read the sums: start again. ``finished``: profiling is over, and its shadow Q
+        factors are garbage."""
         self.seconds = [0.0, 0, 0.0, 0]
-
-    def finished(self) -> None:
-        """Profiling is over: its shadow Q factors are garbage."""
-        self.compressor = LowRankCompressor(self.compressor.config)
+        if finished:
+            self.compressor = LowRankCompressor(self.compressor.config)
 
     def to(self, device: torch.device, stream: streams.Stream | None) -> None:
         self.compressor.state.to(device, stream)

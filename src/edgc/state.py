@@ -178,15 +178,21 @@ class EDGCState(GradientReducer):
         plan = record.plan
         if not plan.decision:
             return
-        local = self.decisions.measured(self.profiler.mean_times(plan))
+        profiled = self.profiler.mean_times(plan)
         decision = self.decisions.run(
-            plan, local, self.controller, self.sampler, self.compressor, self.comm, self.device or torch.device("cpu")
+            plan,
+            profiled,
+            self.controller,
+            self.sampler,
+            self.compressor,
+            self.comm,
+            self.device or torch.device("cpu"),
         )
-        self.profiler.decided()
+        profiling_over = plan.phase == PROFILE and self.controller.phase != PROFILE
+        self.profiler.decided(finished=profiling_over)
         if plan.phase == COMPRESS:
             self.decisions.last = events.decision(self, plan, decision, record.metrics.get("entropy"))
-        if plan.phase == PROFILE and self.controller.phase != PROFILE:
-            self.profiler.finished()
+        if profiling_over:
             events.profiling_over(self, record.step + 1)
 
     @property
