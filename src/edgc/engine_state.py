@@ -165,7 +165,7 @@ class EngineState:
         self,
         call: CallState,
         arena: torch.Tensor,
-        factors: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        factors: list[tuple[torch.Tensor, torch.Tensor]] | list[list[torch.Tensor]] | None,
         q_stored: torch.Tensor,
         q_flat: torch.Tensor,
         nonfinite: torch.Tensor,
@@ -246,19 +246,30 @@ class EngineState:
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
     def _keep_residual(
-        self, call: CallState, arena: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        call: CallState,
+        arena: torch.Tensor,
+        factors: list[tuple[torch.Tensor, torch.Tensor]] | list[list[torch.Tensor]],
     ) -> None:
         """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
         writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
-        in the arena's dtype. Over M in place, or (uncommitted) into the spare arena, M left intact
-        for a rollback."""
+        in the arena's dtype, or the group's Ĝ matrices in that dtype (e = M − Ĝ, a CPU's choice:
+        `LowRankCompressor._subtracts_estimate`). Over M in place, or (uncommitted) into the spare
+        arena, M left intact for a rollback."""
         residual = arena
         if self.keep_uncommitted:
             residual = call.spare
             if residual is None or residual.shape != arena.shape or residual.dtype != arena.dtype:
                 residual = torch.empty_like(arena)
-        for group, (p_t, q_t) in zip(call.layout.groups, factors):
-            torch.baddbmm(group.error_view(arena), p_t.transpose(1, 2), q_t, alpha=-1, out=group.error_view(residual))
+        for group, factor in zip(call.layout.groups, factors):
+            if isinstance(factor, list):  # Ĝ's matrices: e = M − Ĝ, one element-wise pass each
+                for m, estimate, e in zip(group.error_view(arena), factor, group.error_view(residual)):
+                    torch.sub(m, estimate, out=e)
+            else:
+                p_t, q_t = factor
+                torch.baddbmm(
+                    group.error_view(arena), p_t.transpose(1, 2), q_t, alpha=-1, out=group.error_view(residual)
+                )
         if not self.keep_uncommitted:
             return
         call.spare = None

@@ -173,6 +173,12 @@ class LowRankCompressor:
             return "cholesky2-fp64"
         return orthonormalization_for(device)
 
+    def _subtracts_estimate(self, arena: torch.Tensor, grad_dtype: torch.dtype) -> bool:
+        """e = M − Ĝ from the Ĝ just written, rather than a second rank-r product: on a CPU an
+        element-wise pass is cheaper than that product, and exact where Ĝ has the arena's dtype. An
+        accelerator keeps the product, which never reads Ĝ back (the fewest bytes)."""
+        return arena.device.type == "cpu" and not self.force_accelerator_kernels and grad_dtype == arena.dtype
+
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
         one blocking all-reduce when some Q grows under the 'warm' rule; (elements, bytes) it sent."""
@@ -347,11 +353,12 @@ class LowRankCompressor:
         p_flat: torch.Tensor,
         q_flat: torch.Tensor,
         poison: torch.Tensor,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | list[list[torch.Tensor]] | None:
         """Ĝ = P·Qᵀ written straight into each gradient (one product per matrix: the gradients lie in
         DDP's buckets, not at one stride); returns, with error feedback, the factors Ĝ was formed from
         (a half-precision gradient's: rounded to its dtype) in the arena's dtype, for e = M − P·Qᵀ
-        (`EngineState.close_call`), so that Ĝ + e = M but for the rounding of Ĝ's own values. The
+        (`EngineState.close_call`), so that Ĝ + e = M but for the rounding of Ĝ's own values; on a
+        CPU with Ĝ in the arena's dtype, Ĝ's matrices themselves (`_subtracts_estimate`). The
         step's ``poison`` (0 or NaN) goes into Ĝ's P: on a non-finite step Ĝ is NaN everywhere, so
         every rank's optimizer (or GradScaler) skips it; the residual of such a step is cleared by
         `EngineState.end_step`."""
@@ -373,6 +380,8 @@ class LowRankCompressor:
             factors.append((p_t, q_t))
         if not self.config.error_feedback:
             return None
+        if self._subtracts_estimate(arena, grad_dtype):
+            return [[grads[i].view(group.m, group.n) for i in group.indices] for group in call.layout.groups]
         if not half:  # one cast of each flat buffer to the arena's dtype, not one per group
             p_grad, q_grad = p_grad.to(arena.dtype), q_grad.to(arena.dtype)
             factors = [(group.p_view(p_grad), group.q_view(q_grad)) for group in call.layout.groups]

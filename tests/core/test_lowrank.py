@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgc import EDGCConfig, LowRankCompressor, orthogonalize_
 from edgc.comm import Communicator
@@ -17,6 +18,18 @@ def make_grads(seed, dtype=torch.float64):
         "bias": torch.randn(48, generator=g, dtype=dtype),
         "tiny.weight": torch.randn(3, 3, generator=g, dtype=dtype),  # not worth compressing
     }
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_error_feedback_conserves_the_gradient_single_process():
@@ -146,12 +159,35 @@ def test_the_accelerators_kernels_give_the_cpus_averages_and_error_feedback():
         names = list(grads)
         on_cpu, on_accelerator = [g.clone() for g in grads.values()], [g.clone() for g in grads.values()]
         cpu.reduce(names, on_cpu, 4, Communicator())
-        accelerator.reduce(names, on_accelerator, 4, Communicator())
+        with OpNames() as ops:
+            accelerator.reduce(names, on_accelerator, 4, Communicator())
+        assert "baddbmm" in ops.names  # e = M − P·Qᵀ, Ĝ never read back
         for name, a, b in zip(names, on_cpu, on_accelerator):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
         assert cpu.error.keys() == accelerator.error.keys()
         for name in cpu.error:
             torch.testing.assert_close(cpu.error[name], accelerator.error[name], rtol=1e-4, atol=1e-5)
+
+
+def test_on_a_cpu_the_residual_is_exactly_what_the_average_left_out():
+    """A CPU forms e = M − Ĝ from the Ĝ it just wrote (an element-wise pass, cheaper there than a
+    second rank-r product, which an accelerator keeps because it never reads Ĝ back): with float32
+    gradients each residual is the element-wise difference, bit for bit, across steps of
+    warm-started Q."""
+    compressor = LowRankCompressor(EDGCConfig(r_max=4))
+    error = {}
+    for step in range(3):
+        grads = make_grads(step, dtype=torch.float32)
+        names = list(grads)
+        corrected = {n: g + error[n].view_as(g) if n in error else g.clone() for n, g in grads.items()}
+        with OpNames() as ops:
+            compressor.reduce(names, list(grads.values()), 4, Communicator())
+        assert "baddbmm" not in ops.names and "sub" in ops.names
+        assert set(compressor.error) == {"attn.weight", "mlp.weight", "conv.weight"}
+        for name, residual in compressor.error.items():
+            expected = (corrected[name] - grads[name]).view_as(residual)
+            torch.testing.assert_close(residual, expected, rtol=0, atol=0, msg=f"step {step} {name}")
+        error = {n: e.clone() for n, e in compressor.error.items()}
 
 
 class FlatBlock:
