@@ -4,7 +4,8 @@ The engine (`edgc.lowrank.LowRankCompressor.reduce_steps`, `edgc.layout`, `edgc.
 `edgc.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
 least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product that reads M (P, Q
-and the residual e = M − P·Qᵀ) is one batched GEMM per group on the error-feedback arena; on an
+and the residual e = M − P·Qᵀ, which a CPU with float32 gradients forms instead as M − Ĝ, matrix by
+matrix) is one batched GEMM per group on the error-feedback arena; on an
 accelerator P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (two passes), with one
 factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank, m); Q blocks: one
 (rank, n), for matrices m × n), on a CPU by one Householder QR per block. What touches the
@@ -152,6 +153,13 @@ def flag_launches(tensors: int) -> int:
     return FLAG_OPS + FLAG_OPS_PER_TENSOR * tensors - 1 if tensors else 1
 
 
+def subtracts_estimate(accelerator: bool, half_gradients: bool) -> bool:
+    """Whether the residual is e = M − Ĝ from the written Ĝ, an element-wise pass per matrix (a CPU
+    with float32 gradients: `edgc.lowrank.LowRankCompressor._subtracts_estimate`), rather than the
+    product e = M − P·Qᵀ."""
+    return not accelerator and not half_gradients
+
+
 def job_launches(
     job: JobLayout, *, accelerator: bool, half_gradients: bool = False, world_size: int = 2, measure_error: bool = False
 ) -> int:
@@ -181,7 +189,8 @@ def job_launches(
     ops += 1 + half_gradients  # P + poison (cast in the same op), Q cast to the gradient's dtype
     ops += 2 * half_gradients  # both cast back to the arena's dtype for the residual
     ops += matrices  # Ĝ matrix by matrix into the gradients
-    ops += job.groups  # e = M − P·Qᵀ, one baddbmm per group
+    # e: M − Ĝ matrix by matrix on a CPU with float32 gradients, else M − P·Qᵀ, one baddbmm per group
+    ops += matrices if subtracts_estimate(accelerator, half_gradients) else job.groups
     ops += 1  # the kept Q's where
     return ops + (MEASURE_ERROR_OPS if measure_error else 0)
 
@@ -276,7 +285,8 @@ def job_cost(
     per compressed matrix, two product GEMMs reading M (float32 arena, FLOPs at the float32 rate the
     skinny rates were measured against), the decompression writing Ĝ (in the gradient's dtype:
     FLOPs at ``flops_per_s`` for half-precision gradients), the residual's product (its arena
-    accesses among the elementwise ones, its FLOPs at the float32 rate), the elementwise passes,
+    accesses among the elementwise ones, its FLOPs at the float32 rate; on a CPU with float32
+    gradients a read of Ĝ instead), the elementwise passes,
     the factors' elementwise bytes and their orthonormalisation (FLOPs at the measured rate, or the
     float32 matmul rate where none was measured)."""
     half = bytes_per_value < COMPUTE_BYTES
@@ -289,14 +299,17 @@ def job_cost(
     q_half = (HALF_WIRE_BYTES + HALF_Q_DECOMPRESS_BYTES) if half else 0
     householder = not rates.accelerator
     cast_bytes = HOUSEHOLDER_COPY_BYTES if householder else ORTH_CAST_BYTES
+    subtracts = subtracts_estimate(rates.accelerator, half)
     seconds = 0.0
     for m, n, r in job.matrices:
         values = m * n
+        # the residual: Ĝ read back (its M and e accesses are among the elementwise ones), or its product
+        residual = values * bytes_per_value / mem_bytes_per_s if subtracts else 2 * values * r / gemm_rate
         seconds += (
             2 * (values * COMPUTE_BYTES / rates.read_bytes_per_s + 2 * values * r / gemm_rate)
             + values * bytes_per_value / rates.write_bytes_per_s
             + 2 * values * r / decompress_rate
-            + 2 * values * r / gemm_rate
+            + residual
         )
         seconds += values * (grad_accesses * bytes_per_value + arena_accesses * COMPUTE_BYTES) / mem_bytes_per_s
         seconds += (

@@ -125,13 +125,14 @@ def job_seconds(shapes, rank, rates=RATES, bytes_per_value=4, **kwargs) -> float
 
 def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
     """One m x n fp32 matrix on a CPU: two product GEMMs reading M and the decompression writing Ĝ
-    (bytes at the skinny rates + FLOPs), the residual's product (FLOPs), 5 elementwise passes (G
-    read, e read and M written, M read and e written), the factors' elementwise bytes, the
-    Householder QR of P (r x m) and Q (r x n), and every launch at the per-op cost, one after another."""
+    (bytes at the skinny rates + FLOPs), 6 elementwise passes (G read, e read and M written, M and Ĝ
+    read and e written: a CPU subtracts the written Ĝ rather than form a second product), the
+    factors' elementwise bytes, the Householder QR of P (r x m) and Q (r x n), and every launch at
+    the per-op cost, one after another."""
     m, n, r = 2048, 512, 8
     values = m * n
-    gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * 2 * values * r / FLOPS
-    passes = 5 * values * 4 / MEM
+    gemms = 2 * (values * 4 / 8e9 + 2 * values * r / FLOPS) + values * 4 / 4e9 + 2 * values * r / FLOPS
+    passes = 6 * values * 4 / MEM
     factors = (
         r
         * (m * (em.P_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES) + n * (em.Q_FACTOR_BYTES + em.HOUSEHOLDER_COPY_BYTES))
@@ -153,15 +154,20 @@ def test_job_time_counts_gemms_passes_factors_orthonormalisation_and_launches():
 def test_gemm_flops_run_at_the_float32_rate_the_byte_rates_were_measured_at():
     """The products always run in float32 (the arena): their FLOPs at the rates' own matmul rate,
     not the caller's (the training precision); half-precision gradients get Ĝ's product in their
-    dtype, at the caller's rate."""
+    dtype, at the caller's rate. With float32 gradients a CPU forms no residual product."""
     m, n, r = 2048, 512, 8
     flops = 2 * m * n * r
     fp32_rate = RATES._replace(gemm_flops_per_s=FLOPS / 4)
     device = job_cost([(m, n)], r, fp32_rate).device_s - job_cost([(m, n)], r).device_s
-    # the four products' FLOPs (P, Q, Ĝ, the residual); the orthonormalisation keeps its own measured rate
-    assert device == pytest.approx(4 * flops * (4 / FLOPS - 1 / FLOPS))
+    # the three products' FLOPs (P, Q, Ĝ); the orthonormalisation keeps its own measured rate
+    assert device == pytest.approx(3 * flops * (4 / FLOPS - 1 / FLOPS))
+    # bf16 gradients: P, Q and the residual's product at the float32 rate, Ĝ's at the caller's
     half = job_cost([(m, n)], r, fp32_rate, 2).device_s - job_cost([(m, n)], r, bytes_per_value=2).device_s
     assert half == pytest.approx(3 * flops * (4 / FLOPS - 1 / FLOPS))
+    # on an accelerator the float32 residual is a fourth product
+    accelerator, fast = RATES._replace(accelerator=True), fp32_rate._replace(accelerator=True)
+    device = job_cost([(m, n)], r, fast).device_s - job_cost([(m, n)], r, accelerator).device_s
+    assert device == pytest.approx(4 * flops * (4 / FLOPS - 1 / FLOPS))
 
 
 def test_an_accelerator_moves_the_cpus_bytes_and_batches_its_orthonormalisation():
@@ -169,17 +175,20 @@ def test_an_accelerator_moves_the_cpus_bytes_and_batches_its_orthonormalisation(
     gradients and the arena (both move M and Ĝ matrix by matrix, where the gradients lie), and P and
     Q each orthonormalised by one CholeskyQR2 (float64 casts, 6 r² k FLOPs, 15 launches: per pass a
     Gram product, a shift, a factorisation and a solve, and the failure check) instead of a
-    Householder QR per block (LAPACK's copies, 4 r² k FLOPs, 2 launches)."""
+    Householder QR per block (LAPACK's copies, 4 r² k FLOPs, 2 launches); and the residual as one
+    product for the group (its FLOPs), where the CPU subtracts each written Ĝ (a read of Ĝ and a
+    launch per matrix)."""
     shapes, r = [(1024, 4096)] * 4, 16
     m, n = shapes[0]
     cpu, gpu = job_cost(shapes, r), job_cost(shapes, r, RATES._replace(accelerator=True))
     cholesky_launches = em.orth_launches({r: 1})
     assert cholesky_launches == 2 + (3 + 1 + 2 + 1 + 2) + 2 * 2 and em.orth_launches({r: 1}, householder=True) == 2
     launches = em.step_launches([shapes], r, accelerator=True) - em.step_launches([shapes], r, accelerator=False)
-    assert launches == 2 * (cholesky_launches - 2)
+    assert launches == 2 * (cholesky_launches - 2) - (len(shapes) - 1)
     orth_bytes = 4 * r * (m + n) * (em.ORTH_CAST_BYTES - em.HOUSEHOLDER_COPY_BYTES) / MEM  # 4 matrices' factors
     orth_flops = 4 * (6 - 4) * r * r * (m + n) / RATES.orth_flops_per_s
-    assert gpu.device_s - cpu.device_s == pytest.approx(orth_bytes + orth_flops)
+    residual = 4 * (2 * m * n * r / FLOPS - m * n * 4 / MEM)  # the product's FLOPs, not a read of Ĝ
+    assert gpu.device_s - cpu.device_s == pytest.approx(orth_bytes + orth_flops + residual)
     assert gpu.host_s - cpu.host_s == pytest.approx(launches * LAUNCH)
 
 
@@ -203,8 +212,11 @@ def test_same_shapes_share_their_launches_and_new_shapes_add_some():
     per_matrix = em.step_launches([[(512, 2048)] * 2], r, accelerator=False) - em.step_launches(
         [[(512, 2048)]], r, accelerator=False
     )
-    assert per_matrix == 1  # Ĝ is a product per matrix; everything else is per group or per job
-    assert two == pytest.approx(2 * one - (em.step_launches([[(512, 2048)]], r, accelerator=False) - 1) * LAUNCH)
+    # On a CPU, Ĝ is a product per matrix and the residual a subtraction per matrix; everything else
+    # is per group or per job
+    assert per_matrix == 2
+    shared = em.step_launches([[(512, 2048)]], r, accelerator=False) - per_matrix
+    assert two == pytest.approx(2 * one - shared * LAUNCH)
     batched = lambda shapes, half=False: em.step_launches([shapes], r, accelerator=True, half_gradients=half)  # noqa: E731
     assert batched([(512, 2048)] * 8) == batched([(512, 2048)]) + 7  # Ĝ into each gradient
     # bf16 gradients and fp32 error feedback: M = G + e is a kernel per matrix too (PyTorch's
