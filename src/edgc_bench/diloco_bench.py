@@ -93,20 +93,7 @@ def worker_args(s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path) 
         str(o.fragments if method.startswith("streaming") else 1),
         "--eval-every",
         str(o.eval_every),
-        "--preset",
-        s.preset,
-        "--steps",
-        str(s.steps),
-        "--micro-batch",
-        str(s.micro_batch),
-        "--seq-len",
-        str(s.seq_len),
-        "--vocab-size",
-        str(s.vocab_size),
-        "--eval-batches",
-        str(s.eval_batches),
-        "--seed",
-        str(s.seed),
+        *s.model_args(),
         "--replicas",
         str(s.hosts),
         "--edgc",
@@ -114,10 +101,6 @@ def worker_args(s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path) 
         "--outer-sync",
         o.outer_sync,
     ]
-    if s.data:
-        args += ["--data", s.data]
-    if s.max_chars:
-        args += ["--max-chars", str(s.max_chars)]
     return args
 
 

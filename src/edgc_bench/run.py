@@ -90,6 +90,18 @@ class BenchSettings:
         """A TP × PP × DP layout: each host runs one whole TP × PP model, its DP groups cross the link."""
         return self.tp > 1 or self.pp > 1
 
+    def model_args(self) -> list[str]:
+        """The model, data and seed flags every bench worker takes (`edgc train`, the torchft and
+        DiLoCo workers), whatever it syncs with."""
+        args = ["--preset", self.preset, "--steps", str(self.steps), "--micro-batch", str(self.micro_batch)]
+        args += ["--seq-len", str(self.seq_len), "--vocab-size", str(self.vocab_size)]
+        args += ["--eval-batches", str(self.eval_batches), "--seed", str(self.seed)]
+        if self.data:
+            args += ["--data", self.data]
+        if self.max_chars:
+            args += ["--max-chars", str(self.max_chars)]
+        return args
+
 
 FSDP_METHODS = ("none", "edgc")  # with --fsdp: native HSDP vs EDGC on the replica all-reduce
 # with --tp/--pp: every stage syncs over its DP group with our all-reduce (none), static PowerSGD or EDGC
@@ -145,22 +157,9 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
     args = [
         "--out",
         str(out),
-        "--preset",
-        s.preset,
-        "--steps",
-        str(s.steps),
-        "--micro-batch",
-        str(s.micro_batch),
-        "--seq-len",
-        str(s.seq_len),
-        "--vocab-size",
-        str(s.vocab_size),
+        *s.model_args(),
         "--eval-every",
         str(s.eval_every),
-        "--eval-batches",
-        str(s.eval_batches),
-        "--seed",
-        str(s.seed),
         "--no-progress",
         "--no-tensorboard",
         "--comm-trace",
@@ -169,10 +168,6 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
         "--ckpt-every",
         "-1",
     ]  # no checkpoints: GBs per bench, never read
-    if s.data:
-        args += ["--data", s.data]
-    if s.max_chars:
-        args += ["--max-chars", str(s.max_chars)]
     if s.fsdp:
         args += ["--fsdp", "--fsdp-shard", str(s.nproc)]
     if s.pipeline:

@@ -54,29 +54,12 @@ def worker_args(s: BenchSettings, run_dir: Path) -> list[str]:
     args = [
         "--out",
         str(run_dir),
-        "--preset",
-        s.preset,
-        "--steps",
-        str(s.steps),
-        "--micro-batch",
-        str(s.micro_batch),
-        "--seq-len",
-        str(s.seq_len),
-        "--vocab-size",
-        str(s.vocab_size),
-        "--eval-batches",
-        str(s.eval_batches),
-        "--seed",
-        str(s.seed),
+        *s.model_args(),
         "--replicas",
         str(s.hosts),
         "--edgc",
         json.dumps(edgc_fields(s)),
     ]
-    if s.data:
-        args += ["--data", s.data]
-    if s.max_chars:
-        args += ["--max-chars", str(s.max_chars)]
     return args
 
 
