@@ -48,6 +48,14 @@ class CallState:
         return [block for group in self.layout.groups for block in group.error_view(arena).unbind(0)]
 
 
+def subtracts_estimate(cpu_kernels: bool, estimate_in_arena_dtype: bool) -> bool:
+    """Whether a call forms its residual as e = M − Ĝ from the Ĝ just written rather than as a second
+    rank-r product: on a CPU (and not counting the accelerator's kernels there) an element-wise pass
+    is cheaper than that product, and exact where Ĝ has the arena's dtype. An accelerator keeps the
+    product, which never reads Ĝ back (the fewest bytes). The simulator asks this too."""
+    return cpu_kernels and estimate_in_arena_dtype
+
+
 def _still_kept(
     buffer: torch.Tensor | None,
     views: list[torch.Tensor],
@@ -254,7 +262,7 @@ class EngineState:
         """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
         writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
         in the arena's dtype, or the group's Ĝ matrices in that dtype (e = M − Ĝ, a CPU's choice:
-        `LowRankCompressor._subtracts_estimate`). Over M in place, or (uncommitted) into the spare
+        `subtracts_estimate`). Over M in place, or (uncommitted) into the spare
         arena, M left intact for a rollback."""
         residual = arena
         if self.keep_uncommitted:

@@ -50,7 +50,7 @@ import torch
 from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, Pending, run_job
 from .config import EDGCConfig, LowRankConfig
-from .engine_state import CallState, EngineState
+from .engine_state import CallState, EngineState, subtracts_estimate
 from .factors import (
     compressed_rank,
     orthonormalization_for,
@@ -172,12 +172,6 @@ class LowRankCompressor:
         if self.force_accelerator_kernels and device.type == "cpu":
             return "cholesky2-fp64"
         return orthonormalization_for(device)
-
-    def _subtracts_estimate(self, arena: torch.Tensor, grad_dtype: torch.dtype) -> bool:
-        """e = M − Ĝ from the Ĝ just written, rather than a second rank-r product: on a CPU an
-        element-wise pass is cheaper than that product, and exact where Ĝ has the arena's dtype. An
-        accelerator keeps the product, which never reads Ĝ back (the fewest bytes)."""
-        return arena.device.type == "cpu" and not self.force_accelerator_kernels and grad_dtype == arena.dtype
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
@@ -358,7 +352,7 @@ class LowRankCompressor:
         DDP's buckets, not at one stride); returns, with error feedback, the factors Ĝ was formed from
         (a half-precision gradient's: rounded to its dtype) in the arena's dtype, for e = M − P·Qᵀ
         (`EngineState.close_call`), so that Ĝ + e = M but for the rounding of Ĝ's own values; on a
-        CPU with Ĝ in the arena's dtype, Ĝ's matrices themselves (`_subtracts_estimate`). The
+        CPU with Ĝ in the arena's dtype, Ĝ's matrices themselves (`edgc.engine_state.subtracts_estimate`). The
         step's ``poison`` (0 or NaN) goes into Ĝ's P: on a non-finite step Ĝ is NaN everywhere, so
         every rank's optimizer (or GradScaler) skips it; the residual of such a step is cleared by
         `EngineState.end_step`."""
@@ -380,7 +374,8 @@ class LowRankCompressor:
             factors.append((p_t, q_t))
         if not self.config.error_feedback:
             return None
-        if self._subtracts_estimate(arena, grad_dtype):
+        cpu_kernels = arena.device.type == "cpu" and not self.force_accelerator_kernels
+        if subtracts_estimate(cpu_kernels, grad_dtype == arena.dtype):
             return [[grads[i].view(group.m, group.n) for i in group.indices] for group in call.layout.groups]
         if not half:  # one cast of each flat buffer to the arena's dtype, not one per group
             p_grad, q_grad = p_grad.to(arena.dtype), q_grad.to(arena.dtype)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from edgc.engine_state import subtracts_estimate
 from edgc.factors import compressed_rank
 from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
 
@@ -153,13 +154,6 @@ def flag_launches(tensors: int) -> int:
     return FLAG_OPS + FLAG_OPS_PER_TENSOR * tensors - 1 if tensors else 1
 
 
-def subtracts_estimate(accelerator: bool, half_gradients: bool) -> bool:
-    """Whether the residual is e = M − Ĝ from the written Ĝ, an element-wise pass per matrix (a CPU
-    with float32 gradients: `edgc.lowrank.LowRankCompressor._subtracts_estimate`), rather than the
-    product e = M − P·Qᵀ."""
-    return not accelerator and not half_gradients
-
-
 def job_launches(
     job: JobLayout, *, accelerator: bool, half_gradients: bool = False, world_size: int = 2, measure_error: bool = False
 ) -> int:
@@ -190,7 +184,7 @@ def job_launches(
     ops += 2 * half_gradients  # both cast back to the arena's dtype for the residual
     ops += matrices  # Ĝ matrix by matrix into the gradients
     # e: M − Ĝ matrix by matrix on a CPU with float32 gradients, else M − P·Qᵀ, one baddbmm per group
-    ops += matrices if subtracts_estimate(accelerator, half_gradients) else job.groups
+    ops += matrices if subtracts_estimate(not accelerator, not half_gradients) else job.groups
     ops += 1  # the kept Q's where
     return ops + (MEASURE_ERROR_OPS if measure_error else 0)
 
@@ -299,7 +293,7 @@ def job_cost(
     q_half = (HALF_WIRE_BYTES + HALF_Q_DECOMPRESS_BYTES) if half else 0
     householder = not rates.accelerator
     cast_bytes = HOUSEHOLDER_COPY_BYTES if householder else ORTH_CAST_BYTES
-    subtracts = subtracts_estimate(rates.accelerator, half)
+    subtracts = subtracts_estimate(not rates.accelerator, not half)
     seconds = 0.0
     for m, n, r in job.matrices:
         values = m * n
