@@ -10,7 +10,7 @@ window's end, naming the field.
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import GROUP_TIMEOUT, free_port, run_distributed
+from distributed_harness import join, run_distributed
 from models import flat_parameters
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,13 +44,11 @@ def refusal(call) -> str:
     return ""
 
 
-def late_group(rank: int, world_size: int, port: int) -> dict:
+def late_group(rank: int, world_size: int) -> dict:
     """The issue's script: the state first, then the process group, DDP and register_comm_hook."""
     dist.destroy_process_group()  # the harness's group: this state is built with none
     state = EDGCState(process_group=None, config=EDGCConfig.static(4, **STATIC))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
-    )
+    join(rank, world_size)  # init_process_group, on the harness's store
     model = DDP(mlp())
     model.register_comm_hook(state, edgc_hook)
     train(model, rank, 6)
@@ -102,9 +100,9 @@ def diverged(rank: int, world_size: int) -> dict:
     return {"error": "", "q": len(state.compressor.q)}
 
 
-def worker(rank: int, world_size: int, port: int) -> dict:
+def worker(rank: int, world_size: int) -> dict:
     return {
-        "late_group": late_group(rank, world_size, port),
+        "late_group": late_group(rank, world_size),
         "misuses": misuses(rank, world_size),
         "diverged": diverged(rank, world_size),
     }
@@ -112,7 +110,7 @@ def worker(rank: int, world_size: int, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(worker, 2, free_port(), fresh=True)  # fresh: it replaces the default group
+    return run_distributed(worker, 2, fresh=True)  # fresh: it replaces the default group
 
 
 def test_a_state_built_before_the_process_group_binds_it_and_the_replicas_stay_identical(results):
