@@ -13,6 +13,7 @@ Modules:
     checkpoint.py   what an EDGCState checkpoint holds, and the checks a loaded one passes
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
     steps.py        one step's record (what it planned, sent and measured) and its metrics
+    gradients.py    the gradients a reducer is handed (sparse, any layout) and how each is averaged raw
     jobs.py         how bucket jobs run: fixed order, buckets fused into batches, a side stream
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
     layout.py       how one call's tensors are grouped by shape and laid out in flat buffers

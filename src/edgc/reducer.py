@@ -35,12 +35,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import events, streams
-from .comm import FINISHES, Communicator
-from .finite import all_finite
-from .guards import UsageGuard, check_gradients
+from .comm import Communicator
+from .gradients import HandedGradients, average_raw, average_sparse, check_dense, check_sparse_layout, is_sparse
+from .guards import UsageGuard
 from .jobs import JobQueue
 from .lowrank import ReduceStats
-from .mesh import local_tensor
 from .steps import StepRecord, step_metrics
 from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
 
@@ -99,7 +98,11 @@ class GradientReducer:
             devices=[buffer.device] if buffer.device.type == "cuda" else None
         )
         names = self._guard.ddp_bucket(type(self).__name__, bucket.parameters(), bucket.is_last())
-        self._submit(names, bucket.gradients(), buffer, future)
+        if is_sparse(buffer):  # a sparse gradient: DDP's bucket of its own, whose buffer is the gradient
+            check_sparse_layout(type(self).__name__, names[0], buffer)
+            self._submit_sparse(names, buffer, future)
+        else:
+            self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._jobs.drain(self._reduce)
             self._end_step()
@@ -117,6 +120,7 @@ class GradientReducer:
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
         key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
         """
+        check_dense(type(self).__name__, names, tensors)
         if self._current is None:
             self._begin_step()
         self._submit(list(names), list(tensors), None, None)
@@ -142,23 +146,21 @@ class GradientReducer:
         gradient counts as a zero gradient, as in DDP, so every rank sends the same tensors.
         Blocking (the Megatron-style sync after backward: nothing left to overlap with), and the
         step is settled (`settle`) before it returns. A DTensor parameter (tensor parallelism) is
-        averaged shard by shard: this rank's local shard.
+        averaged shard by shard: this rank's local shard. Sparse gradients and gradients in another
+        layout are averaged exactly (`edgc.gradients`).
         """
         entries = list(parameters)
         if entries and isinstance(entries[0], tuple):
-            names = [name for name, _ in entries]
-            params = [p for _, p in entries]
+            names, params = [name for name, _ in entries], [p for _, p in entries]
         else:
-            params = entries
-            names = self.names_for(params)
-        params_with_grad = [(n, p) for n, p in zip(names, params) if p.requires_grad]
-        check_gradients(type(self).__name__, [p for _, p in params_with_grad])
-        for _, p in params_with_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            names, params = self.names_for(entries), entries
+        handed = HandedGradients(type(self).__name__, names, params)
         self._begin_step()
-        self._submit([n for n, _ in params_with_grad], [local_tensor(p.grad) for _, p in params_with_grad], None, None)
+        self._submit(handed.dense_names, handed.dense, None, None)
+        for name, grad in handed.sparse:
+            self._submit_sparse([name], grad, None)
         self._jobs.drain(self._reduce)
+        handed.write_back()
         self._end_step()
         self.settle()
 
@@ -177,6 +179,14 @@ class GradientReducer:
         if self.device is None:
             self._use_device(grads[0].device)
         self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes(self._current))
+
+    def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:
+        """A sparse gradient's job of its own (`edgc.gradients.average_sparse`), after the buckets
+        gathered before it have started, so that every rank issues in bucket order."""
+        if self.device is None:
+            self._use_device(grad.device)
+        self._jobs.flush(self._reduce)
+        self._jobs.submit(names, [grad], grad, future, lambda *bucket: average_sparse(self.comm, *bucket), 0)
 
     def _use_device(self, device: torch.device) -> None:
         self._jobs.use_device(device)
@@ -266,24 +276,8 @@ class GradientReducer:
         total.ranks.update(stats.ranks)
 
     def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
-        """Plain averaged all-reduce, as a job: of DDP's bucket buffer directly, or of one packed copy.
-        Where the communicator asks (`Communicator.flags_nonfinite`), its stats say whether the
-        average is finite."""
-        packed = flat if flat is not None else torch.cat([g.reshape(-1) for g in grads])
-        sent = self.comm.mean_async(packed)
-        elements = sum(g.numel() for g in grads)
-        size = elements * grads[0].element_size()
-        yield FINISHES
-        sent.wait()
-        if flat is None:
-            offset = 0
-            for g in grads:
-                g.view(-1).copy_(packed[offset : offset + g.numel()])
-                offset += g.numel()
-        stats = ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names})
-        if self.comm.flags_nonfinite:  # identical on every replica: it is of the average
-            stats.nonfinite = ~torch.stack([all_finite(t) for t in ([flat] if flat is not None else grads)]).all()
-        return stats
+        """Plain averaged all-reduce, as a job (`edgc.gradients.average_raw`)."""
+        return average_raw(self.comm, names, grads, flat)
 
     # ------------------------------------------------------------------ the method's hooks
     def _plan_step(self, record: StepRecord) -> None:
