@@ -64,8 +64,8 @@ class HandedGradients:
     averaged: ``dense`` (names and contiguous tensors: the gradients, or copies of those in another
     layout) and ``sparse`` ((name, gradient) pairs); ``grads``: every gradient as handed. A parameter
     that requires a gradient and has none gets a zero one (as in DDP: every rank sends the same
-    tensors); none at all is refused (`check_gradients`). `write_back` copies the copies' averages
-    into their gradients."""
+    tensors); none at all is refused (`check_gradients`). ``handed``: each ``p.grad`` as it is (a
+    DTensor's too). `write_back` copies the copies' averages into their gradients."""
 
     def __init__(self, state_name: str, names: Sequence[str], params: Sequence[torch.Tensor]):
         named = [(name, p) for name, p in zip(names, params) if p.requires_grad]
@@ -73,7 +73,8 @@ class HandedGradients:
         for _, p in named:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.grads = [local_tensor(p.grad) for _, p in named]
+        self.handed = [p.grad for _, p in named]
+        self.grads = [local_tensor(grad) for grad in self.handed]
         self.dense_names: list[str] = []
         self.dense: list[torch.Tensor] = []
         self.sparse: list[tuple[str, torch.Tensor]] = []

@@ -13,6 +13,11 @@ Each check fails with one line (or warns once) and changes nothing of the state:
   DDP path every step syncs the parameters of the first: one state registered on two DDP models
   is refused at the other model's first bucket.
 * **``synchronize()`` needs gradients**: called before ``backward()``, it refuses.
+* **``synchronize()`` once per backward**: called again on the gradients it averaged last, every
+  one of them the very tensor it left and unchanged since (no backward, no ``zero_grad``, no other
+  in-place change: each tensor's version counter says so), it refuses instead of averaging the
+  average again and counting a second step. A gradient changed in place by anything else (clipped,
+  scaled) counts as a new one.
 
 `GradientReducer` holds one `UsageGuard`, which also knows the model's parameters by name (the
 names key every per-parameter state, so checkpoints survive another DDP bucket layout), and calls
@@ -22,6 +27,7 @@ it at those points.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -76,9 +82,29 @@ class UsageGuard:
         self.warned_unnamed = False
         self.ddp_names: frozenset[str] | None = None  # the parameters of the first DDP step, once it ended
         self._first_step_names: list[str] = []
+        self._synced: list[tuple[weakref.ref, int]] = []  # the gradients synchronize() left, with their versions
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "names": {}}
+        return {**self.__dict__, "names": {}, "_synced": []}
+
+    def fresh_gradients(self, state_name: str, grads: list[torch.Tensor]) -> None:
+        """Refuse a ``synchronize()`` on the gradients the last one left, every one unchanged since."""
+        synced = self._synced
+        if (
+            synced
+            and len(synced) == len(grads)
+            and all(
+                ref() is grad and local_tensor(grad)._version == version for (ref, version), grad in zip(synced, grads)
+            )
+        ):
+            raise RuntimeError(
+                f"{state_name}.synchronize() was called again on the gradients it averaged last, unchanged "
+                "since: call it once after each backward (it would average the average and count a second step)"
+            )
+
+    def synchronized(self, grads: list[torch.Tensor]) -> None:
+        """``synchronize()`` left these gradients (weakly held: a gradient freed is a changed one)."""
+        self._synced = [(weakref.ref(grad), local_tensor(grad)._version) for grad in grads]
 
     def names_for(self, state_name: str, params) -> list[str]:
         """The names of ``params``; a parameter the model does not name is named by first appearance

@@ -147,7 +147,8 @@ class GradientReducer:
         Blocking (the Megatron-style sync after backward: nothing left to overlap with), and the
         step is settled (`settle`) before it returns. A DTensor parameter (tensor parallelism) is
         averaged shard by shard: this rank's local shard. Sparse gradients and gradients in another
-        layout are averaged exactly (`edgc.gradients`).
+        layout are averaged exactly (`edgc.gradients`). Called again on the gradients it averaged,
+        unchanged since (no backward between), it refuses in one line (`edgc.guards`).
         """
         entries = list(parameters)
         if entries and isinstance(entries[0], tuple):
@@ -155,6 +156,7 @@ class GradientReducer:
         else:
             names, params = self.names_for(entries), entries
         handed = HandedGradients(type(self).__name__, names, params)
+        self._guard.fresh_gradients(type(self).__name__, handed.handed)
         self._begin_step()
         self._submit(handed.dense_names, handed.dense, None, None)
         for name, grad in handed.sparse:
@@ -163,6 +165,7 @@ class GradientReducer:
         handed.write_back()
         self._end_step()
         self.settle()
+        self._guard.synchronized(handed.handed)
 
     # ------------------------------------------------------------------ one step
     def _submit(

@@ -3,8 +3,8 @@
 A state built before ``init_process_group`` binds the group at its first step (the replicas end
 bit-identical); every misuse ends in one line on both ranks, the same on each: a group that does not
 match DDP's, a ``model=`` that is not DDP's module, one state on two DDP models, ``synchronize()``
-before ``backward()``; and replicas whose shared state differs (one rank's Q perturbed) raise at the
-window's end, naming the field.
+before ``backward()`` or twice on one backward's gradients; and replicas whose shared state differs
+(one rank's Q perturbed) raise at the window's end, naming the field.
 """
 
 import pytest
@@ -82,6 +82,21 @@ def misuses(rank: int, world_size: int) -> dict:
     module = mlp()
     state = EDGCState(None, EDGCConfig.static(4, **STATIC), model=module)
     out["before_backward"] = refusal(lambda: state.synchronize(module.named_parameters()))
+
+    # synchronize() twice on one backward's gradients: the second refuses, the average stays the mean
+    module, x = mlp(), torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    state = EDGCState(None, EDGCConfig.static(4, **STATIC), model=module)
+    module(x).square().mean().backward()
+    local = [p.grad.clone() for p in module.parameters()]
+    state.synchronize(module.named_parameters())
+    out["again"] = refusal(lambda: state.synchronize(module.named_parameters()))
+    averaged = [p.grad.clone() for p in module.parameters()]
+    for g in local:
+        dist.all_reduce(g.div_(world_size))
+    out["again_kept"] = (state.step, all(torch.equal(a, g) for a, g in zip(averaged, local)))
+    module(x).square().mean().backward()  # accumulated into the gradients: a new step's
+    state.synchronize(module.named_parameters())
+    out["again_after_backward"] = state.step
     return out
 
 
@@ -125,6 +140,7 @@ def test_a_state_built_before_the_process_group_binds_it_and_the_replicas_stay_i
         ("model", ("not in its model=",)),
         ("twice", ("one state serves one DDP model",)),
         ("before_backward", ("synchronize() found no gradient", "after loss.backward()")),
+        ("again", ("synchronize() was called again", "once after each backward")),
     ],
 )
 def test_each_misuse_ends_in_one_line_on_every_rank(results, case, words):
@@ -133,6 +149,12 @@ def test_each_misuse_ends_in_one_line_on_every_rank(results, case, words):
         assert all(word in line for word in words), line
         assert "\n" not in line.strip(), line
     assert lines[0].replace("[0]", "[1]") == lines[1]  # the same refusal (rank 0 names its group [0])
+
+
+def test_a_second_synchronize_changes_nothing_and_one_after_a_backward_counts(results):
+    for out in results:
+        assert out["misuses"]["again_kept"] == (1, True)  # one step; the gradients are the group mean
+        assert out["misuses"]["again_after_backward"] == 2
 
 
 def test_replicas_whose_q_differs_raise_at_the_window_end_naming_it_on_every_rank(results):
