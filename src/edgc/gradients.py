@@ -21,7 +21,7 @@ are `edgc.lowrank`'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -90,6 +90,14 @@ class HandedGradients:
                 grad = copy
             self.dense_names.append(name)
             self.dense.append(grad)
+
+    @classmethod
+    def of(cls, state_name: str, parameters: Iterable, names_for: Callable) -> HandedGradients:
+        """Of ``model.parameters()`` (named by ``names_for``) or ``model.named_parameters()``."""
+        entries = list(parameters)
+        if entries and isinstance(entries[0], tuple):
+            return cls(state_name, [name for name, _ in entries], [p for _, p in entries])
+        return cls(state_name, names_for(entries), entries)
 
     def write_back(self) -> None:
         for grad, copy in self._copies:

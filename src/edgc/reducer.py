@@ -85,13 +85,28 @@ class GradientReducer:
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
         return self._guard.names_for(type(self).__name__, params)
 
+    def agreed_settings(self, device: torch.device) -> dict[str, Any]:
+        """Name → value of what every rank of the group must hold alike, compared at the first step
+        (`edgc.agreement`): the method, its own arguments (a subclass adds them), what an integration
+        added (`agree_on`). ``device``: the gradients', for values resolved by device."""
+        return {"method": type(self).__qualname__, **self._guard.also_agreed}
+
+    def agree_on(self, settings: dict[str, Any]) -> None:
+        """Add settings every rank must hold alike (an integration's), compared with the state's own at
+        its first step; refused once that step has begun."""
+        self._guard.agree_on(type(self).__name__, settings)
+
+    def settings_group(self) -> Communicator:
+        """The communicator over whose group the settings are compared: the state's."""
+        return self.comm
+
     # ------------------------------------------------------------------ entry points
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP path: start averaging one bucket; the Future completes when it is averaged."""
-        if self._current is None:
-            self._begin_step()
-        self.comm.poll()
         buffer = bucket.buffer()
+        if self._current is None:
+            self._begin_step(buffer.device)
+        self.comm.poll()
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
@@ -122,7 +137,7 @@ class GradientReducer:
         """
         check_dense(type(self).__name__, names, tensors)
         if self._current is None:
-            self._begin_step()
+            self._begin_step(tensors[0].device if tensors else None)
         self._submit(list(names), list(tensors), None, None)
         if blocking or last:
             self._jobs.drain(self._reduce)
@@ -150,14 +165,9 @@ class GradientReducer:
         layout are averaged exactly (`edgc.gradients`). Called again on the gradients it averaged,
         unchanged since (no backward between), it refuses in one line (`edgc.guards`).
         """
-        entries = list(parameters)
-        if entries and isinstance(entries[0], tuple):
-            names, params = [name for name, _ in entries], [p for _, p in entries]
-        else:
-            names, params = self.names_for(entries), entries
-        handed = HandedGradients(type(self).__name__, names, params)
+        handed = HandedGradients.of(type(self).__name__, parameters, self.names_for)
         self._guard.fresh_gradients(type(self).__name__, handed.handed)
-        self._begin_step()
+        self._begin_step(handed.grads[0].device if handed.grads else None)
         self._submit(handed.dense_names, handed.dense, None, None)
         for name, grad in handed.sparse:
             self._submit_sparse([name], grad, None)
@@ -201,11 +211,12 @@ class GradientReducer:
         """Whether this step takes device timestamps (`edgc.timing.DEVICE_TIMING_EVERY`)."""
         return not self.clock.cuda or record is None or record.always_timed or record.step % DEVICE_TIMING_EVERY == 0
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, device: torch.device | None) -> None:
         self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
+        self._guard.agree(self, device or self.device or torch.device("cpu"))  # before anything is sent
         self.settle()  # the step before: its values, metrics and decisions (their collectives count here)
         if self.pending:
             raise RuntimeError(
@@ -272,11 +283,7 @@ class GradientReducer:
         return self._last.metrics if self._last is not None else {}
 
     def _add_stats(self, stats: ReduceStats) -> None:
-        total = self._current.stats  # type: ignore[union-attr]
-        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
-            setattr(total, key, getattr(total, key) + getattr(stats, key))
-        total.nonfinite = total.nonfinite | stats.nonfinite
-        total.ranks.update(stats.ranks)
+        self._current.add(stats)  # type: ignore[union-attr]
 
     def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
         """Plain averaged all-reduce, as a job (`edgc.gradients.average_raw`)."""
