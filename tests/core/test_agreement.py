@@ -33,6 +33,7 @@ ALTERNATIVES = {
     "cqm_mc_samples": 2,
     "iteration_sample_ratio": 0.2,
     "gradient_sample_ratio": 0.5,
+    "entropy_sample_cap": 1 << 20,
     "entropy_bins": 500,
     "entropy_estimator": "gaussian",
     "total_steps": 200,
