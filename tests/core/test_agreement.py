@@ -243,3 +243,20 @@ def test_diloco_settings_are_compared_at_the_first_outer_sync(results):
     one_line_on_both(
         [out["diloco"]["fragments"] for out in results], "DiLoCo.fragments", "[4] on rank 0", "[2, 2] on rank 1"
     )
+
+
+# DiLoCo's arguments each replica may set for itself: where θ_global is kept, its optimizers (their
+# settings are the caller's), the model (its fragments are agreed by their sizes), the EDGC config and
+# power_iterations (the state's own settings)
+DILOCO_LOCAL = {"self", "process_group", "model_fragments", "inner_optimizer", "outer_optimizer", "config"}
+DILOCO_LOCAL |= {"backup_device", "pin_memory", "power_iterations"}
+
+
+def test_every_diloco_argument_that_shapes_its_outer_sync_is_agreed():
+    module = mlp()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    diloco = DiLoCo(None, [module], optimizer, optimizer, sync_every=2)
+    agreed = diloco.state.agreed_settings(torch.device("cpu"))
+    arguments = set(inspect.signature(DiLoCo.__init__).parameters) - DILOCO_LOCAL
+    assert {f"DiLoCo.{name}" for name in arguments} <= set(agreed), sorted(agreed)
+    assert "DiLoCo.fragments" in agreed and "power_iterations" in EDGCState(None).agreed_settings(torch.device("cpu"))
