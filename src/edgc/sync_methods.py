@@ -22,6 +22,7 @@ from torch import nn
 
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .outer_alloc import AllocatedQuantState
+from .outer_sparse import AllocatedSparseState, SparseQuantState
 from .outer_sync import QuantizedState
 from .reducer import GradientReducer
 from .registry import Registry
@@ -89,3 +90,9 @@ for _bits in (8, 4, 3, 2):
 register_sync_method(AllocatedQuantState, name="alloc3", collective=ALL_GATHER, options={"bits": 3.0})
 # top-k at 5 % of the values (fp32 value + int32 index each: 0.10× the bytes), error feedback
 register_sync_method(TopKState, name="topk5", collective=ALL_GATHER, options={"ratio": 0.05})
+# chunked top-k with coded indices and 2-bit values (`edgc.outer_sparse`), error feedback: 64 and 128
+# values of each 4096 (0.0068× and 0.013× the bytes); and the density chosen per tensor by measured
+# error per byte within the bytes of 64 of 4096
+register_sync_method(SparseQuantState, name="sparse64", collective=ALL_GATHER, options={"density": 64 / 4096})
+register_sync_method(SparseQuantState, name="sparse128", collective=ALL_GATHER, options={"density": 128 / 4096})
+register_sync_method(AllocatedSparseState, name="sparse64a", collective=ALL_GATHER, options={"density": 64 / 4096})
