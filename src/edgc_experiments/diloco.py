@@ -42,22 +42,33 @@ SPECTRUM_RANKS = (1, 4, 16)
 TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 
 
+MODIFIERS = {"decay": "decay", "mom": "outer_momentum", "lr": "outer_lr"}
+
+
 def method_arm(name: str) -> dict:
     """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
+    from edgc.sync_methods import sync_method
+
     base, _, heal = name.partition("+heal=")
-    match = re.fullmatch(r"(torchft|raw|rank(\d+)|quant[2-8]|alloc3|topk5)(-noef|-decay([0-9.]+))?", base)
-    if match is None:
-        raise ValueError(f"unknown method {name!r}")
-    kind, rank, modifier, decay = match.groups()
+    kind, *modifiers = base.split("-")
+    rank = re.fullmatch(r"rank(\d+)", kind)
     if kind == "torchft":
-        if modifier or heal:
+        if modifiers or heal:
             raise ValueError(f"{name!r}: torchft's DiLoCo takes no modifier")
         return {"method": "torchft"}
-    arm: dict = {"method": "edgc", "rank": int(rank) if rank else None}
+    if not (kind == "raw" or rank or sync_method(kind) is not None):
+        raise ValueError(f"unknown method {name!r}")
+    arm: dict = {"method": "edgc", "rank": int(rank.group(1)) if rank else None}
     if not rank and kind != "raw":
         arm["sync"] = kind
-    if modifier:
-        arm["decay"] = 0.0 if modifier == "-noef" else float(decay)
+    for modifier in modifiers:
+        found = re.fullmatch(r"(noef)|(decay|mom|lr)(\d+(?:\.\d+)?)", modifier)
+        if found is None:
+            raise ValueError(f"unknown method {name!r}: modifier {modifier!r}")
+        field = "decay" if found.group(1) else MODIFIERS[found.group(2)]
+        if field in arm:
+            raise ValueError(f"{name!r}: {field} given twice")
+        arm[field] = 0.0 if found.group(1) else float(found.group(3))
     if heal:
         arm["heal_policy"] = heal
     return arm
@@ -128,7 +139,7 @@ def plan(args, steps: int) -> list[tuple[str, str, int, dict]]:
             for h in (int(v) for v in _split(args.sync_every)):
                 arms = {}
                 for name in _split(args.methods):
-                    arm = {**method_arm(name), "sync_every": h, "inner": inner, **outer}
+                    arm = {"sync_every": h, "inner": inner, **outer, **method_arm(name)}
                     policy = arm.pop("heal_policy", None)
                     if policy:
                         arm["heal"] = (max(1, steps // h // 2), policy)
@@ -145,39 +156,42 @@ def run(args, out, setting, log=print) -> dict:
     missing = []
     for family, inner, h, arms in list(cells):
         key = f"{family}/{inner}/H{h}"
-        results[key] = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
-        todo = {name: arm for name, arm in arms.items() if name not in results[key]}
-        if todo and args.no_train:
-            log(f"  {key}: left out (no runs of {', '.join(todo)})")
+        found = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
+        todo = {str(s): [n for n in arms if str(s) not in found.get(n, {})] for s in seeds}
+        if any(todo.values()) and args.no_train:
+            log(f"  {key}: left out (no runs of {', '.join(sorted({n for v in todo.values() for n in v}))})")
             missing.append(key)
             cells.remove((family, inner, h, arms))
-            del results[key]
             continue
-        log(f"  {key}: reused {', '.join(results[key]) or 'none'}; training {', '.join(todo) or 'none'}")
-        results[key].update({name: {} for name in todo})
-        for seed in seeds if todo else []:
-            if seed == seeds[0] and "torchft" in todo:
-                todo["torchft"]["spectrum"] = list(SPECTRUM_RANKS)
-            runs = train_runs(
-                family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir
-            )
-            todo.get("torchft", {}).pop("spectrum", None)
-            for name, result in zip(todo, runs):
-                results[key][name][str(seed)] = result
-                log(
-                    f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
-                    f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s"
-                )
-        results[key] = {name: results[key][name] for name in arms}
-        common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
+        results[key] = {name: dict(found.get(name, {})) for name in arms}
+        log(f"  {key}: reused {sum(len(v) for v in found.values())} runs; training {sum(map(len, todo.values()))}")
+        for seed in seeds:
+            _train_seed(args, setting, key, family, {n: arms[n] for n in todo[str(seed)]}, seed, seeds, results, log)
+            common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])  # partial: resumable
     if not cells:
         raise common.CLIError("--no-train: no cell has runs of every method in the --reuse folders")
     return summarise(out, setting, args, seeds, cells, results, missing)
 
 
+def _train_seed(args, setting, key, family, todo: dict, seed: int, seeds, results: dict, log) -> None:
+    """Train the arms ``todo`` of cell ``key`` at ``seed`` into ``results[key]``."""
+    if not todo:
+        return
+    if seed == seeds[0] and "torchft" in todo:
+        todo["torchft"] = {**todo["torchft"], "spectrum": list(SPECTRUM_RANKS)}
+    runs = train_runs(family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir)
+    for name, result in zip(todo, runs):
+        results[key][name][str(seed)] = result
+        log(
+            f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
+            f"{result['bytes'] / result['bytes_raw']:.4f}× bytes, {result['wall_s']:.0f} s"
+        )
+
+
 def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_steps: int) -> dict:
-    """{method: runs} of cell ``key`` for each method of ``arms`` that one of ``folders`` holds at every
-    seed at ``outer_steps`` (the first such folder's; the runs are deterministic, so any is as good)."""
+    """{method: {seed: run}} of cell ``key``: each method of ``arms`` at each seed that one of ``folders``
+    holds at ``outer_steps`` (the first such folder's; the runs are deterministic, so any is as good).
+    A folder of an interrupted run holds the seeds it finished: passing it resumes that run."""
     import json
     from pathlib import Path
 
@@ -186,10 +200,10 @@ def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_ste
         path = Path(folder) / "runs" / f"{key.replace('/', '-')}.json"
         cell = json.loads(path.read_text()) if path.is_file() else {}
         for name in arms:
-            if name not in found and all(
-                str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps for s in seeds
-            ):
-                found[name] = {str(s): cell[name][str(s)] for s in seeds}
+            for s in seeds:
+                run = cell.get(name, {}).get(str(s))
+                if run is not None and run["outer_steps"] == outer_steps:
+                    found.setdefault(name, {}).setdefault(str(s), run)
     return found
 
 
