@@ -14,6 +14,7 @@ A new compressor is one file (its class) and one `register_sync_method` call.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,35 @@ def sync_method_names() -> tuple[str, ...]:
 def sync_method(name: str) -> SyncMethod | None:
     """The entry registered as ``name``, or None (the tools' own modes, as ``edgc`` or ``none``)."""
     return SYNC_METHODS.get(name)
+
+
+# DiLoCo's outer sync named with what goes with it: "-noef" (no error feedback), "-decay<f>" (the error
+# feedback multiplied by f before every sync), "-mom<f>" and "-lr<f>" (the outer SGD's momentum and rate)
+OUTER_MODIFIERS = {"noef": "decay", "decay": "decay", "mom": "outer_momentum", "lr": "outer_lr"}
+
+
+def outer_modifiers(modifiers: list[str], name: str) -> dict[str, float]:
+    """{decay, outer_momentum, outer_lr: value} of the ``modifiers`` of ``name`` (see OUTER_MODIFIERS);
+    ValueError for an unknown or repeated one."""
+    fields: dict[str, float] = {}
+    for modifier in modifiers:
+        found = re.fullmatch(r"(noef)|(decay|mom|lr)(\d+(?:\.\d+)?)", modifier)
+        if found is None:
+            raise ValueError(f"unknown method {name!r}: modifier {modifier!r}")
+        field = OUTER_MODIFIERS[found.group(1) or found.group(2)]
+        if field in fields:
+            raise ValueError(f"{name!r}: {field} given twice")
+        fields[field] = 0.0 if found.group(1) else float(found.group(3))
+    return fields
+
+
+def outer_sync_spec(spec: str) -> dict:
+    """``"sparse64-decay0.95-mom0-lr1"`` → ``{"sync": "sparse64", "decay": 0.95, "outer_momentum": 0.0,
+    "outer_lr": 1.0}``: a registered method's name and its modifiers; ValueError for an unknown one."""
+    name, *modifiers = spec.split("-")
+    if sync_method(name) is None:
+        raise ValueError(f"unknown method {spec!r} (registered: {', '.join(sync_method_names())})")
+    return {"sync": name, **outer_modifiers(modifiers, spec)}
 
 
 register_sync_method(CastState, name="fp16", options={"dtype": "float16"})

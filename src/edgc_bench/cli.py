@@ -57,7 +57,8 @@ def register(subparsers) -> None:
         + ",".join(DEFAULTS.methods)
         + "; with --fsdp: "
         + ",".join(FSDP_METHODS)
-        + ")",
+        + "; with --diloco: of ddp, ddp-edgc, diloco, diloco-edgc, streaming and diloco-edgc@SPEC, DiLoCo + "
+        "EDGC with the outer sync SPEC, default the first five)",
     )
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
     p.add_argument(
@@ -326,8 +327,6 @@ def diloco(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
         )
     if args.rate is not None:
         raise CLIError("--rate: --diloco runs at every rate of --rates instead")
-    if args.methods is not None:
-        raise CLIError("--methods: --diloco runs its own five methods")
     if settings.hosts < 3:
         raise CLIError(f"--hosts: --diloco needs ≥ 3 (the kill pass leaves a quorum of two), got {settings.hosts}")
     opts = diloco_options(settings, args)

@@ -42,12 +42,9 @@ SPECTRUM_RANKS = (1, 4, 16)
 TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 
 
-MODIFIERS = {"decay": "decay", "mom": "outer_momentum", "lr": "outer_lr"}
-
-
 def method_arm(name: str) -> dict:
     """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
-    from edgc.sync_methods import sync_method
+    from edgc.sync_methods import outer_modifiers, outer_sync_spec
 
     base, _, heal = name.partition("+heal=")
     kind, *modifiers = base.split("-")
@@ -56,19 +53,11 @@ def method_arm(name: str) -> dict:
         if modifiers or heal:
             raise ValueError(f"{name!r}: torchft's DiLoCo takes no modifier")
         return {"method": "torchft"}
-    if not (kind == "raw" or rank or sync_method(kind) is not None):
-        raise ValueError(f"unknown method {name!r}")
     arm: dict = {"method": "edgc", "rank": int(rank.group(1)) if rank else None}
-    if not rank and kind != "raw":
-        arm["sync"] = kind
-    for modifier in modifiers:
-        found = re.fullmatch(r"(noef)|(decay|mom|lr)(\d+(?:\.\d+)?)", modifier)
-        if found is None:
-            raise ValueError(f"unknown method {name!r}: modifier {modifier!r}")
-        field = "decay" if found.group(1) else MODIFIERS[found.group(2)]
-        if field in arm:
-            raise ValueError(f"{name!r}: {field} given twice")
-        arm[field] = 0.0 if found.group(1) else float(found.group(3))
+    if rank or kind == "raw":
+        arm.update(outer_modifiers(modifiers, name))
+    else:
+        arm.update(outer_sync_spec(base))
     if heal:
         arm["heal_policy"] = heal
     return arm
