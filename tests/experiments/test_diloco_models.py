@@ -103,3 +103,22 @@ def test_runs_are_reused_per_seed_at_the_same_outer_steps(tmp_path):
     }
     assert reused([str(tmp_path)], "gru/sgd/H6", arms, [1, 2], 4) == {}  # other outer steps
     assert reused([str(tmp_path / "none")], "gru/sgd/H6", arms, [1], 20) == {}
+
+
+def test_equal_bytes_holds_a_method_against_torchft_and_the_default_only_where_it_sent_no_more():
+    from edgc_experiments.diloco import _equal_bytes
+
+    def runs(loss, sent):
+        return {str(s): {"val_loss": loss + s / 100, "bytes": sent, "outer": []} for s in (1, 2)}
+
+    fast = {"torchft": runs(2.0, 100), "quant3": runs(2.0, 10), "sparse64": runs(2.1, 1)}
+    slow = {"torchft": runs(2.2, 30), "quant3": runs(2.2, 3), "sparse64": runs(2.3, 0.3)}
+    cells = [("cnn", "adamw", h, dict.fromkeys(fast)) for h in (3, 10)]
+    rows = _equal_bytes(cells, {"cnn/adamw/H3": fast, "cnn/adamw/H10": slow}, [1, 2], [3, 10])
+    held = {(row[2], row[3]): row[4] for row in rows}
+    # torchft at H3 sends more than torchft at H10: no row; quant3 at H3 sends more than quant3 at H10: none
+    assert held == {
+        ("quant3 H3", "torchft H10"): "0.333",
+        ("sparse64 H3", "torchft H10"): "0.033",
+        ("sparse64 H3", "quant3 H10"): "0.333",
+    }
