@@ -30,6 +30,7 @@ from statistics import mean
 from . import common
 from .common import fmt, fmt_interval, markdown_table, t_interval
 from .diloco_families import FAMILIES, INNER
+from .diloco_frontier import BOUND, frontier_table, plot_frontier
 from .diloco_runs import train_runs
 from .diloco_train import OUTER_LR, OUTER_MOMENTUM
 
@@ -282,6 +283,13 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
         ),
         "",
     ]
+    summary += [
+        f"Frontier (a method holds in a cell where its paired 95 % interval lies inside ±{BOUND:g} % of torchft's "
+        "loss; plot: each cell's validation loss against the bytes per outer step):",
+        "",
+        frontier_table(stats, cells),
+        "",
+    ]
     if equal_bytes:
         summary += [
             "At equal or fewer bytes (the same inner steps; the method held against syncing less often):",
@@ -300,6 +308,7 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
             markdown_table(["model", "inner", "H"] + [f"r = {r}" for r in SPECTRUM_RANKS], spectra),
             "",
         ]
+    summary.append(f"Plot: `{plot_frontier(out, stats, cells).name}`")
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json",

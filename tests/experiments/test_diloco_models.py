@@ -122,3 +122,18 @@ def test_equal_bytes_holds_a_method_against_torchft_and_the_default_only_where_i
         ("sparse64 H3", "torchft H10"): "0.033",
         ("sparse64 H3", "quant3 H10"): "0.333",
     }
+
+
+def test_the_frontier_holds_a_method_only_where_its_interval_lies_inside_the_bound():
+    from edgc_experiments.diloco_frontier import frontier_rows, holds
+
+    def p(low, high, ratio):
+        return {"mean": (low + high) / 2, "low": low, "high": high, "bytes_ratio": ratio}
+
+    assert holds(p(-0.9, 0.9, 1)) and not holds(p(-0.2, 1.1, 1)) and not holds(p(-1.5, -1.1, 1))
+    stats = {("a/H30", "quant3"): p(-0.5, 0.5, 0.098), ("b/H30", "quant3"): p(-0.2, 0.4, 0.098)}
+    stats |= {("a/H30", "sparse64"): p(0.2, 0.8, 0.0068), ("b/H30", "sparse64"): p(1.5, 3.0, 0.0069)}
+    cells = [("a", "adamw", 30, dict.fromkeys(["torchft", "quant3", "sparse64"]))]
+    rows = frontier_rows(stats, cells)
+    assert [row[:3] for row in rows] == [["sparse64", "0.0069", "1/2"], ["quant3", "0.0980", "2/2"]]
+    assert rows[0][3].startswith("b/H30 +2.25") and rows[1][3] == "–"
