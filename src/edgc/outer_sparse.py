@@ -72,6 +72,60 @@ class _Layout:
         return self.code_bytes() + 4 * self.chunks * self.groups(groups)
 
 
+def encode(x: torch.Tensor, lay: _Layout, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, fp32 magnitudes per chunk and group) of the flat ``x``."""
+    blocks = torch.zeros(lay.chunks * lay.size, dtype=torch.float32, device=x.device)
+    blocks[: lay.n] = x
+    blocks = blocks.view(lay.chunks, lay.size)
+    top = blocks.abs().topk(lay.k, dim=1, sorted=True)
+    negative = blocks.gather(1, top.indices) < 0
+    scales = torch.stack([part.mean(dim=1) for part in top.values.tensor_split(lay.groups(groups), dim=1)], 1)
+    codes = top.indices | (negative.to(torch.int64) << lay.index_bits)
+    return pack_bits(codes, lay.index_bits + 1), scales
+
+
+def decode(packed: torch.Tensor, scales: torch.Tensor, lay: _Layout, groups: int) -> torch.Tensor:
+    """The flat values a message of ``lay`` stands for (zero where nothing was sent)."""
+    codes = unpack_bits(packed, lay.index_bits + 1, lay.chunks * lay.k).view(lay.chunks, lay.k)
+    index = codes & ((1 << lay.index_bits) - 1)
+    sign = 1 - 2 * (codes >> lay.index_bits).to(torch.float32)
+    widths = [part.shape[1] for part in torch.empty(0, lay.k).tensor_split(lay.groups(groups), dim=1)]
+    magnitude = scales.reshape(lay.chunks, -1).repeat_interleave(torch.tensor(widths, device=scales.device), dim=1)
+    dense = torch.zeros(lay.chunks, lay.size, dtype=torch.float32, device=packed.device)
+    dense.scatter_(1, index, sign * magnitude)  # one chunk's indices are distinct: no two writes meet
+    return dense.view(-1)[: lay.n]
+
+
+class SparseCodec:
+    """The chunked sparse message as a codec of the two-stage all-reduce's contract (a flat run of n values
+    to `message_bytes` (n) bytes, a multiple of 4, and back; an all-zero message decodes to zeros): the
+    owner of a chunk re-encodes the top of the sum it received, so the wire stays flat in the group size."""
+
+    def __init__(self, density: float = 64 / 4096, chunk: int = 4096, groups: int = 2):
+        self.density, self.chunk, self.groups = density, chunk, groups
+
+    def _layout(self, n: int) -> _Layout:
+        return _Layout(n, self.chunk, self.density)
+
+    def message_bytes(self, n: int) -> int:
+        return 4 * math.ceil(self._layout(n).bytes(self.groups) / 4)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        lay = self._layout(x.numel())
+        packed, scales = encode(x, lay, self.groups)
+        out.zero_()
+        out[: packed.numel()].copy_(packed)
+        scale_bytes = scales.reshape(-1).view(torch.uint8)
+        out[packed.numel() : packed.numel() + scale_bytes.numel()].copy_(scale_bytes)
+        return decode(packed, scales, lay, self.groups).to(x.dtype)
+
+    def decode(self, message: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        lay = self._layout(n)
+        code_bytes, scale_count = lay.code_bytes(), lay.chunks * lay.groups(self.groups)
+        scales = message[code_bytes : code_bytes + 4 * scale_count].clone().view(torch.float32)
+        return decode(message[:code_bytes], scales, lay, self.groups).to(dtype)
+
+
 class SparseQuantState(_ErrorFeedbackReducer):
     """Chunked top-k, coded indices, 2-bit values, all-gathered; error feedback (see the module docstring)."""
 
@@ -108,26 +162,10 @@ class SparseQuantState(_ErrorFeedbackReducer):
         return sum(self.layout(n).bytes(self.groups) for n in sizes)
 
     def encode(self, x: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed codes, fp32 magnitudes per chunk and group) of the flat ``x``."""
-        blocks = torch.zeros(lay.chunks * lay.size, dtype=torch.float32, device=x.device)
-        blocks[: lay.n] = x
-        blocks = blocks.view(lay.chunks, lay.size)
-        top = blocks.abs().topk(lay.k, dim=1, sorted=True)
-        negative = blocks.gather(1, top.indices) < 0
-        scales = torch.stack([part.mean(dim=1) for part in top.values.tensor_split(lay.groups(self.groups), dim=1)], 1)
-        codes = top.indices | (negative.to(torch.int64) << lay.index_bits)
-        return pack_bits(codes, lay.index_bits + 1), scales
+        return encode(x, lay, self.groups)
 
     def decode(self, packed: torch.Tensor, scales: torch.Tensor, lay: _Layout) -> torch.Tensor:
-        """The flat tensor a message of ``lay`` stands for (zero where nothing was sent)."""
-        codes = unpack_bits(packed, lay.index_bits + 1, lay.chunks * lay.k).view(lay.chunks, lay.k)
-        index = codes & ((1 << lay.index_bits) - 1)
-        sign = 1 - 2 * (codes >> lay.index_bits).to(torch.float32)
-        widths = [part.shape[1] for part in torch.empty(0, lay.k).tensor_split(lay.groups(self.groups), dim=1)]
-        magnitude = scales.repeat_interleave(torch.tensor(widths, device=scales.device), dim=1)
-        dense = torch.zeros(lay.chunks, lay.size, dtype=torch.float32, device=packed.device)
-        dense.scatter_(1, index, sign * magnitude)  # one chunk's indices are distinct: no two writes meet
-        return dense.view(-1)[: lay.n]
+        return decode(packed, scales, lay, self.groups)
 
     def _layouts(self, names: list[str], parts: list[torch.Tensor]) -> list[_Layout]:
         return [self.layout(p.numel()) for p in parts]
@@ -157,7 +195,7 @@ class SparseQuantState(_ErrorFeedbackReducer):
             packed = message[offset : offset + code_bytes]
             scales = message[offset + code_bytes : offset + code_bytes + scale_bytes].clone().view(torch.float32)
             offset += code_bytes + scale_bytes
-            values.append(self.decode(packed, scales.view(lay.chunks, -1), lay))
+            values.append(self.decode(packed, scales, lay))
         return torch.cat(values)
 
     def state_dict(self) -> dict:

@@ -109,3 +109,19 @@ def test_allocated_sparse_sync_stays_within_its_budget_and_conserves():
     assert state.last_density["p1"] > 1 / 64 > state.last_density["p0"]
     assert set(state.last_density.values()) <= set(DENSITIES)
     assert torch.allclose(flat(out) + errors(state, 2), flat(grads), atol=1e-4)
+
+
+def test_the_codec_decodes_what_it_encoded_and_zeros_from_an_all_zero_message():
+    from edgc.outer_sparse import SparseCodec
+
+    codec = SparseCodec(density=8 / 256, chunk=256)
+    for n in (1000, 256, 37):
+        x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        size = codec.message_bytes(n)
+        assert size % 4 == 0 and size <= 0.1 * 4 * n + 16
+        out = torch.full((size,), 255, dtype=torch.uint8)
+        sent = codec.encode(x, out)
+        assert sent.dtype == x.dtype and torch.equal(codec.decode(out, n, x.dtype), sent)
+        size_of_chunk = min(256, n)  # k of each chunk sent, the rest zero
+        assert torch.count_nonzero(sent) == math.ceil(n / size_of_chunk) * math.ceil(8 / 256 * size_of_chunk)
+        assert not codec.decode(torch.zeros(size, dtype=torch.uint8), n).any()
