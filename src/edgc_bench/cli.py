@@ -223,7 +223,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         )
     try:
         default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
-        chosen = args.methods if args.methods is not None else ",".join(default)
+        diloco_methods = getattr(args, "diloco", False)  # --diloco's own methods: diloco_cli checks them
+        chosen = args.methods if args.methods is not None and not diloco_methods else ",".join(default)
         names = ",".join(all_methods()) if chosen.strip() == "all" else chosen
         methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
     except ValueError as exc:
