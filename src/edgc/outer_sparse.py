@@ -102,6 +102,7 @@ class SparseCodec:
     owner of a chunk re-encodes the top of the sum it received, so the wire stays flat in the group size."""
 
     def __init__(self, density: float = 64 / 4096, chunk: int = 4096, groups: int = 2):
+        """``density``, ``chunk`` and ``groups`` as `SparseQuantState`'s."""
         self.density, self.chunk, self.groups = density, chunk, groups
 
     def _layout(self, n: int) -> _Layout:
@@ -217,7 +218,7 @@ class AllocatedSparseState(SparseQuantState):
 
     def __init__(self, process_group=None, *, density: float = 64 / 4096, chunk: int = 4096, **options):
         """``density``: the budget, the bytes of that uniform density (between the lowest and the highest
-        of `DENSITIES`); the rest as `SparseQuantState`'s."""
+        of `DENSITIES`); ``process_group``, ``chunk`` and the rest as `SparseQuantState`'s."""
         super().__init__(process_group, density=density, chunk=chunk, **options)
         if not DENSITIES[0] <= density <= DENSITIES[-1]:
             raise ValueError(f"density: the budget must be in [{DENSITIES[0]:g}, {DENSITIES[-1]:g}], got {density!r}")
