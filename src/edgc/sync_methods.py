@@ -101,11 +101,14 @@ def outer_modifiers(modifiers: list[str], name: str) -> dict[str, float]:
 
 def outer_sync_spec(spec: str) -> dict:
     """``"sparse64-decay0.95-mom0-lr1"`` → ``{"sync": "sparse64", "decay": 0.95, "outer_momentum": 0.0,
-    "outer_lr": 1.0}``: a registered method's name and its modifiers; ValueError for an unknown one."""
-    name, *modifiers = spec.split("-")
-    if sync_method(name) is None:
-        raise ValueError(f"unknown method {spec!r} (registered: {', '.join(sync_method_names())})")
-    return {"sync": name, **outer_modifiers(modifiers, spec)}
+    "outer_lr": 1.0}``: a registered method's name (the longest that starts ``spec``: a name may hold a
+    dash) and its modifiers; ValueError for an unknown one."""
+    parts = spec.split("-")
+    for cut in range(len(parts), 0, -1):
+        name = "-".join(parts[:cut])
+        if sync_method(name) is not None:
+            return {"sync": name, **outer_modifiers(parts[cut:], spec)}
+    raise ValueError(f"unknown method {spec!r} (registered: {', '.join(sync_method_names())})")
 
 
 register_sync_method(CastState, name="fp16", options={"dtype": "float16"})

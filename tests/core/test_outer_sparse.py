@@ -125,3 +125,21 @@ def test_the_codec_decodes_what_it_encoded_and_zeros_from_an_all_zero_message():
         size_of_chunk = min(256, n)  # k of each chunk sent, the rest zero
         assert torch.count_nonzero(sent) == math.ceil(n / size_of_chunk) * math.ceil(8 / 256 * size_of_chunk)
         assert not codec.decode(torch.zeros(size, dtype=torch.uint8), n).any()
+
+
+def test_an_outer_sync_spec_is_a_registered_name_and_its_modifiers(monkeypatch):
+    import edgc.sync_methods as methods
+
+    assert methods.outer_sync_spec("sparse64-decay0.95-mom0-lr1") == {
+        "sync": "sparse64",
+        "decay": 0.95,
+        "outer_momentum": 0.0,
+        "outer_lr": 1.0,
+    }
+    assert methods.outer_sync_spec("quant3-noef") == {"sync": "quant3", "decay": 0.0}
+    known = methods.sync_method
+    monkeypatch.setattr(methods, "sync_method", lambda name: known("quant3") if name == "quant3-2s" else known(name))
+    assert methods.outer_sync_spec("quant3-2s-lr1") == {"sync": "quant3-2s", "outer_lr": 1.0}  # a name with a dash
+    for bad in ("quant9", "sparse64-mom", "sparse64-lr1-lr2", "sparse64-x"):
+        with pytest.raises(ValueError):
+            methods.outer_sync_spec(bad)
