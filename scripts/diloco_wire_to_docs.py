@@ -22,6 +22,7 @@ from doc_blocks import write  # noqa: E402
 from edgc_bench.diloco_table import label, wire_per_sync  # noqa: E402
 
 REFERENCE = "diloco"
+BOUND = 0.06  # the wire per outer step the frontier is held to, against torchft's DiLoCo
 
 
 def name(method: str, outer_sync: str) -> str:
@@ -50,6 +51,23 @@ def rows(summary: dict) -> list[list[str]]:
     return table
 
 
+def growth(summaries: list[dict]) -> list[str]:
+    """Per compressed method: its wire against torchft's per group (from the bench with the most groups:
+    an all-gathered message through the manager is one slot per group) and the most groups within BOUND."""
+    widest = max(summaries, key=lambda s: s["settings"]["hosts"])
+    hosts, outer_sync = widest["settings"]["hosts"], widest["options"]["outer_sync"]
+    results = {r["method"]: r for r in widest["links"][0]["results"]}
+    wire_ref = wire_per_sync(results[REFERENCE])
+    lines = []
+    for method, r in results.items():
+        if method != REFERENCE:
+            per_group = wire_per_sync(r) / wire_ref / hosts
+            most = int(BOUND // per_group)
+            within = f"within {BOUND:g}× up to {most} groups" if most >= 2 else f"above {BOUND:g}× at any group count"
+            lines.append(f"- {name(method, outer_sync)}: {per_group:.4f}× a group at {hosts} groups, so {within}")
+    return lines
+
+
 def block(folders: list[Path]) -> str:
     summaries = [json.loads((folder / "results.json").read_text()) for folder in folders]
     lines = [
@@ -58,7 +76,8 @@ def block(folders: list[Path]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for summary in summaries for row in rows(summary)]
     commands = "; ".join(f"`{s['command']}`" for s in summaries)
-    return "\n".join(lines) + f"\n\nCommands: {commands}."
+    head = "The all-gather form's wire per outer step grows with the groups; against torchft's DiLoCo:"
+    return "\n".join(lines) + f"\n\n{head}\n\n" + "\n".join(growth(summaries)) + f"\n\nCommands: {commands}."
 
 
 if __name__ == "__main__":
