@@ -66,9 +66,10 @@ def plot_frontier(out, stats: dict, cells):
                 label=f"±{BOUND:g} %",
             )
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the decades alone: minor labels overlap
         ax.set_title(key, fontsize=8)
         ax.set_xlabel("bytes per outer step vs torchft", fontsize=7)
-        ax.tick_params(labelsize=6)
+        ax.tick_params(which="both", labelsize=6)
     axes[0][0].set_ylabel("validation loss (mean of seeds)", fontsize=7)
     axes[0][0].legend(fontsize=6)
     return save(fig, out / "frontier.png")
