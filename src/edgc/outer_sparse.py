@@ -131,6 +131,7 @@ class SparseQuantState(_ErrorFeedbackReducer):
     """Chunked top-k, coded indices, 2-bit values, all-gathered; error feedback (see the module docstring)."""
 
     method = "sparse"
+    ARGUMENTS = ("density", "chunk", "groups")  # agreed across the group before the first sync
 
     def __init__(
         self,
@@ -216,10 +217,21 @@ class AllocatedSparseState(SparseQuantState):
 
     method = "sparse-allocated"
 
-    def __init__(self, process_group=None, *, density: float = 64 / 4096, chunk: int = 4096, **options):
+    def __init__(
+        self,
+        process_group=None,
+        *,
+        density: float = 64 / 4096,
+        chunk: int = 4096,
+        groups: int = 2,
+        error_feedback: bool = True,
+        model=None,
+    ):
         """``density``: the budget, the bytes of that uniform density (between the lowest and the highest
         of `DENSITIES`); ``process_group``, ``chunk`` and the rest as `SparseQuantState`'s."""
-        super().__init__(process_group, density=density, chunk=chunk, **options)
+        super().__init__(
+            process_group, density=density, chunk=chunk, groups=groups, error_feedback=error_feedback, model=model
+        )
         if not DENSITIES[0] <= density <= DENSITIES[-1]:
             raise ValueError(f"density: the budget must be in [{DENSITIES[0]:g}, {DENSITIES[-1]:g}], got {density!r}")
         self.last_density: dict[str, float] = {}  # the last step's choice, by parameter name
