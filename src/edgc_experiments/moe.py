@@ -10,6 +10,8 @@ N/P expert-data-parallel replicas, on gloo. The arms, each at every seed (same d
 * ``one-rank``: PowerSGD at ``--rank`` for every matrix, each expert its own matrix (``rank_split=uniform``);
 * ``routed``: the same rank budget shared among each layer's experts by the tokens routed to them in
   the last window (``rank_split=tokens``, `edgc.rank_split`): the same bytes by construction (measured).
+  Both PowerSGD arms take EDGC's scaled window (steps/20, at least 10): the split follows the tokens
+  about 20 times a run.
 
 Reported: each group's bytes over the whole run against raw (warm-up included), the final validation
 loss, and the paired Δ per seed with its mean and 95 % t-interval: EDGC against uncompressed (in % of
@@ -52,16 +54,21 @@ def validate(args, setting) -> None:
         raise common.CLIError(f"--rank: must be ≥ 1, got {args.rank}")
 
 
-def arm_flags(args, arm: str) -> list[str]:
+def arm_flags(args, arm: str, steps: int) -> list[str]:
+    """``edgc train`` flags of ``arm`` in a run of ``steps`` steps."""
+    from edgc_train.config import scaled_edgc_defaults
+
     moe = ["--moe-experts", str(args.experts), "--moe-top-k", str(args.top_k), "--ep", str(args.ep)]
     if arm == "uncompressed":
         return [*moe, "--compressor", "allreduce"]
     if arm == "edgc":
         fields = {**EDGC_FIELDS, **({"min_warmup_steps": 1} if args.tiny else {})}
         return [*moe, "--compressor", "edgc", *[x for k, v in fields.items() for x in ("--edgc", f"{k}={v}")]]
+    # powersgd's window (1000 unless given) is the split's: EDGC's scaled one, so each run re-splits ~20 times
+    window = 2 if args.tiny else scaled_edgc_defaults(steps)["window"]
     split = "tokens" if arm == "routed" else "uniform"
-    tiny = ["--edgc", "window=2"] if args.tiny else []  # a split by tokens within a few steps
-    return [*moe, "--compressor", "powersgd", "--powersgd-rank", str(args.rank), "--edgc", f"rank_split={split}", *tiny]
+    edgc = ["--edgc", f"rank_split={split}", "--edgc", f"window={window}"]
+    return [*moe, "--compressor", "powersgd", "--powersgd-rank", str(args.rank), *edgc]
 
 
 def measure(run_dir) -> dict:
@@ -101,7 +108,9 @@ def run(args, out, setting, log=print) -> dict:
     for seed in seeds:
         for arm in ARMS:
             run_dir = out / f"seed{seed}" / arm
-            common.edgc_train(replace(dp, seed=seed), run_dir, args.nproc, [*flags, *arm_flags(args, arm)], log)
+            common.edgc_train(
+                replace(dp, seed=seed), run_dir, args.nproc, [*flags, *arm_flags(args, arm, setting.steps)], log
+            )
             results[arm].append(measure(run_dir))
     base = results["uncompressed"]
     payload = {

@@ -16,10 +16,11 @@ from edgc_experiments import moe
 
 def test_routed_and_one_rank_differ_only_in_the_split():
     args = argparse.Namespace(experts=4, top_k=2, ep=2, rank=4, tiny=False)
-    one, routed = moe.arm_flags(args, "one-rank"), moe.arm_flags(args, "routed")
+    one, routed = moe.arm_flags(args, "one-rank", 400), moe.arm_flags(args, "routed", 400)
     assert [f for f in one if "rank_split" not in f] == [f for f in routed if "rank_split" not in f]
     assert "rank_split=uniform" in one and "rank_split=tokens" in routed
-    assert moe.arm_flags(args, "uncompressed")[-2:] == ["--compressor", "allreduce"]
+    assert "window=20" in routed  # EDGC's window at 400 steps: the split follows the tokens every 20 steps
+    assert moe.arm_flags(args, "uncompressed", 400)[-2:] == ["--compressor", "allreduce"]
 
 
 @pytest.mark.parametrize("high, split", [(-0.001, "tokens"), (0.0, "uniform"), (0.02, "uniform")])
