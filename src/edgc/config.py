@@ -175,7 +175,8 @@ class EDGCConfig:
 
     rank_split: str = "uniform"
     """How the rank is shared among each stacked experts parameter's experts (edgc.rank_split): 'uniform' (all at the
-    rank) or 'tokens' (in proportion to the tokens routed to each in the last window, at the same bytes)."""
+    rank) or 'tokens' (in proportion to the tokens routed to each in the last window, at the same bytes). The default
+    is the one `edgc experiment moe`'s paired interval sets (docs/guides/moe.md)."""
 
     fusion_mb: float | None = None
     """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None =
