@@ -148,13 +148,14 @@ def summarise(out, args, setting, payload) -> str:
         f"nats at {min(same_bytes):.4f}–{max(same_bytes):.4f}× its bytes ({args.seeds} seeds): the default "
         f"rank_split is {default_split(routed)}"
     )
-    seeds = ", ".join(map(str, payload["seeds"]))
+    seeds, shape = ", ".join(map(str, payload["seeds"])), payload["shape"]
     summary = [
         f"# Experiment `{NAME}`: a mixture of experts, EP {args.ep} × DP {args.nproc // args.ep}",
         "",
         f"**Headline:** {headline}.",
         "",
-        f"Setting: {setting.describe(args.nproc)}, model {payload['shape']}; {args.experts} experts per layer "
+        f"Setting: {setting.describe(args.nproc)}, {shape['n_layer']} layers of width {shape['n_embd']} "
+        f"({shape['n_head']} heads); {args.experts} experts per layer "
         f"(top-{args.top_k}) over {args.ep} expert-parallel ranks, `edgc train --nproc {args.nproc}` on gloo, seeds "
         f"{seeds}. EDGC: {', '.join(f'{k}={v}' for k, v in EDGC_FIELDS.items())}; one-rank and routed: PowerSGD at "
         f"rank {args.rank}, 10 % warm-up. Bytes: each group's over the whole run against its raw bytes.",
