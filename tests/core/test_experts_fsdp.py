@@ -4,7 +4,8 @@
 (``{mesh: state}``). The warm-up's gradients are the exact means of each group (dense over all four
 ranks, each expert over its two replicas); compressed steps keep every replica of a shard identical,
 each expert its own matrix. One state for the experts' mesh too, or no state for it, is refused in one
-line before any hook is set.
+line before any hook is set. And without EP, experts that FSDP shards by expert (Shard(0), 2 replicas ×
+2 shards): each shard's rows are compressed as the global experts they hold.
 """
 
 import pytest
@@ -146,3 +147,41 @@ def test_compressed_steps_keep_every_replica_identical_each_expert_its_own_matri
             assert torch.equal(experts[replicas[0]], experts[replicas[1]])
             first = out["ep_rank"] * LOCAL
             assert {f"experts.w[{first}]", f"experts.w[{first + 1}]"} <= set(record["ranks"])
+
+
+# ---------------------------------------------------------------------------- experts sharded by expert (Shard(0))
+def sharded_by_expert(rank: int, world: int) -> dict:
+    """HSDP 2 replicas × 2 shards, no EP: all four experts on every replica, FSDP's Shard(0) giving each
+    shard rank two whole experts; one state averages both modules' shards over the replicas."""
+    from edgc.fsdp import hsdp_mesh
+
+    mesh = hsdp_mesh(2)
+    model = Model(0)
+    model.experts.w = nn.Parameter(torch.randn(EXPERTS, H, D))  # every expert (seeded by Model)
+    mark_experts(model.experts, None, first=0)  # averaged over all four ranks: replicas × shards
+    fully_shard(model.experts, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    state = EDGCState(mesh["dp_replicate"], EDGCConfig(**CONFIG))
+    register_fsdp_comm_hook(model, state)
+    out = {"shard": mesh["dp_shard"].get_local_rank(), "grads": [], "ranks": []}
+    for step in range(3):
+        model.zero_grad()
+        model(batch(rank, step)).backward()
+        out["grads"].append({name: full(p.grad) for name, p in model.named_parameters()})
+        out["ranks"].append(dict(state.last_step_metrics["ranks"]))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-0.1)
+    return out
+
+
+def test_experts_sharded_by_expert_are_each_named_by_the_global_expert_their_rows_hold():
+    results = run_distributed(sharded_by_expert, 4)
+    for out in results:
+        held = {f"experts.w[{2 * out['shard'] + i}]" for i in range(2)}
+        for ranks in out["ranks"][1:]:  # compressed steps: this shard's two experts, each its own matrix
+            assert {name for name in ranks if name.startswith("experts.w[")} == held
+            assert all(ranks[name] == 2 for name in held)
+    for step in range(3):  # every rank ends with the same full gradients (replicas of each shard alike)
+        for name, grad in results[0]["grads"][step].items():
+            assert all(torch.equal(out["grads"][step][name], grad) for out in results), (step, name)
