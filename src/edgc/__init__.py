@@ -28,12 +28,14 @@ Modules:
     signals.py      the budget signals (schedule, gradnorm, entropy, error): names, series, need
     registry.py     registries by name (signals, rank mappings, sync methods): one entry per name
     rank_rules.py   the paper's rank mappings and the noise gate on the entropy trend
+    rank_split.py   how a state's rank is shared among its experts' matrices (uniform, by tokens routed)
     profiling.py    sync-time tables {rank → seconds}, the r_max rule
     alignment.py    DAC stage alignment: per-stage ranks so all stages finish their sync together
     pipeline.py     `StageAligner`: DAC across pipeline stages, one `EDGCState` per stage
     interstage.py   low-rank activation gradients between pipeline stages, with error feedback
     fsdp.py         EDGC as FSDP2/HSDP's replica all-reduce (`register_fsdp_comm_hook`)
-    mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, tp) every group comes from
+    experts.py      mixture of experts: stacked experts synced over their expert-data-parallel group
+    mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, ep, tp) every group comes from
     comm.py         collectives over one process group (or a mesh dimension)
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
     sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)

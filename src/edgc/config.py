@@ -17,6 +17,7 @@ from typing import Any
 
 from .checks import FieldCheck
 from .rank_rules import rank_mapping, rank_mapping_names
+from .rank_split import rank_split_names
 from .signals import get_signal, signal_names
 
 ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
@@ -172,6 +173,11 @@ class EDGCConfig:
     """Hand-set ranks: ((step, rank), …), the rank in force from each optimizer step on once compressing; overrides
     every controller. 1 ≤ rank ≤ r_max."""
 
+    rank_split: str = "uniform"
+    """How the rank is shared among each stacked experts parameter's experts (edgc.rank_split): 'uniform' (all at the
+    rank) or 'tokens' (in proportion to the tokens routed to each in the last window, at the same bytes). The default
+    is the one `edgc experiment moe`'s paired interval sets (docs/guides/moe.md)."""
+
     fusion_mb: float | None = None
     """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None =
     256 on accelerators, 0 (each bucket its own job) on CPU. ≥ 0."""
@@ -216,6 +222,7 @@ class EDGCConfig:
         check.choice("rank_mapping", rank_mapping_names())
         check.choice("entropy_estimator", ENTROPY_ESTIMATORS)
         check.choice("budget_signal", signal_names())
+        check.choice("rank_split", rank_split_names())
         check.number("front_load", allow_zero=False)
         if self.front_load < 1:
             check.fail("front_load", "must be ≥ 1 (1 = spend the budget evenly)")

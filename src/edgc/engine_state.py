@@ -84,6 +84,7 @@ class EngineState:
         self.q: dict[str, torch.Tensor] = {}  # name → (n, r), identical on every rank
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
+        self.shares: dict[str, int] = {}  # name → its own rank where a rank split gives it one (`edgc.rank_split`)
         self.keep_uncommitted = False
         self._calls: dict[tuple, CallState] = {}
         self._tracking = False  # between begin_step and the step's resolution
@@ -185,8 +186,12 @@ class EngineState:
             self._keep_residual(call, arena, factors)
         self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
 
+    def rank_for(self, name: str, rank: int) -> int:
+        """The rank ``name`` is compressed at when the step's rank is ``rank`` (its share, if it has one)."""
+        return self.shares.get(name, rank)
+
     def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
-        key = (tuple(names), rank)
+        key = (tuple(names), rank, tuple(self.shares.get(name, 0) for name in names) if self.shares else ())
         shapes = tuple(tuple(g.shape) for g in grads)
         call = self._calls.get(key)
         if call is None or call.shapes != shapes:
@@ -196,7 +201,7 @@ class EngineState:
             for other in [k for k in self._calls if overlap.intersection(k[0])]:
                 del self._calls[other]
             call = self._calls[key] = CallState(
-                CallLayout.plan(names, grads, rank, self.config.min_compression_rate), shapes
+                CallLayout.plan(names, grads, rank, self.config.min_compression_rate, self.shares), shapes
             )
             for name, grad in zip(names, grads):
                 if (shape := matrix_shape(grad)) is not None:

@@ -45,6 +45,7 @@ count as steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from . import streams
 from .comm import Communicator
+from .experts import ExpertMark, expert_marks
 from .guards import group_ranks
 from .mesh import init_parallel_mesh
 from .reducer import GradientReducer
@@ -136,7 +138,7 @@ def mesh_refusal(name: str, mesh: DeviceMesh, reference: DeviceMesh, state_ranks
         return (
             f"register_fsdp_comm_hook: {name} is sharded on {_described(mesh)}, the model's first sharded "
             f"module on {_described(reference)}; one state averages the shards of one mesh: {name} needs a "
-            "state of its own, on the replicate group that goes with its mesh"
+            "state of its own, on the replicate group that goes with its mesh ({shard mesh: state}, one each)"
         )
     if state_ranks is not None and len(set(state_ranks) & set(shard_ranks)) > 1:
         return (
@@ -168,47 +170,49 @@ def _sharded_modules(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
 
 
 class FSDPCommHook:
-    """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`."""
+    """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`. ``states``:
+    one state, or a state per shard mesh ({mesh: state}), each module's shards averaged by its mesh's."""
 
-    def __init__(self, model: nn.Module, state: GradientReducer):
+    def __init__(self, model: nn.Module, states):
         if not isinstance(model, FSDPModule):
             raise TypeError("register_fsdp_comm_hook needs a model that fully_shard was applied to")
-        self.state = state
-        self.model = model
         sharded = _sharded_modules(model)
         if not sharded:
             raise ValueError("the model has no parameters to reduce")
-        reference = sharded[0][2].mesh_info.mesh
-        comm = state.comm
-        state_ranks = group_ranks(comm) if type(comm) is Communicator and comm.issues else None
-        for name, _, group in sharded:  # all refused before any hook is set
-            refusal = mesh_refusal(name, group.mesh_info.mesh, reference, state_ranks)
-            if refusal is not None:
-                raise ValueError(refusal)
+        routes = _routes(states, sharded[0][2].mesh_info.mesh)
+        chosen = [_route(name, group.mesh_info.mesh, routes) for name, _, group in sharded]  # all refused first
+        self.states = [state for _, state in routes]
+        self.state = self.states[0]
+        self.model = model
         names = {id(p): name for name, p in model.named_parameters()}
+        marks = expert_marks(model)
         self._groups = []  # (module, [(name, size, padded numel)])
-        shapes = {}
-        for _, module, group in sharded:
+        shapes: dict[GradientReducer, dict] = {state: {} for state in self.states}
+        for (_, module, group), (mesh, state) in zip(sharded, chosen):
             layout = []
-            for param, size, padded in shard_layout(group):
+            for fsdp_param, (param, size, padded) in zip(group.fsdp_params, shard_layout(group)):
                 if not param.requires_grad:
                     continue
                 name = names[id(param)]
                 layout.append((name, size, padded))
-                shapes[name] = tuple(size)
+                shapes[state][name] = tuple(size)
+                if name in marks:  # this rank's rows of a stacked experts parameter, each expert its own matrix
+                    mark = _expert_route(name, marks[name], mesh, state)
+                    state.experts.hold(name, mark, _first_row(fsdp_param, mark, mesh), tuple(size))
             self._groups.append((module, layout))
-            module.set_all_reduce_hook(self._make_hook(layout, group))
+            module.set_all_reduce_hook(self._make_hook(layout, group, state))
         # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
         # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
         model.set_reduce_scatter_unused_params(True)
-        # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
-        state.parameter_shapes = shapes
-        # The ranks of the state's group must hold the same shard: compared before anything is sent.
-        shard_ranks = dist.get_process_group_ranks(reference.get_group())
-        state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
-        self._step_open = False
+        for mesh, state in routes:
+            # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
+            state.parameter_shapes = shapes[state]
+            # The ranks of the state's group must hold the same shard: compared before anything is sent.
+            shard_ranks = dist.get_process_group_ranks(mesh.get_group())
+            state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
+        self._open: list[GradientReducer] = []  # the states whose step this backward opened, in order
 
-    def _make_hook(self, layout, group):
+    def _make_hook(self, layout, group, state: GradientReducer):
         # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
         # not a gradient and is neither sent nor compressed.
         expected = sum(padded for _, _, padded in layout)
@@ -223,13 +227,14 @@ class FSDPCommHook:
             for name, size, padded in layout:
                 numel = math.prod(size)
                 view = reduce_output[offset : offset + numel].view(size)
-                views.append(view.view(size[0], -1) if view.dim() >= 2 else view)
+                # a stacked experts shard stays 3-D: the state splits it by expert (`edgc.experts`)
+                views.append(view if name in state.experts.marks or view.dim() < 2 else view.view(size[0], -1))
                 names.append(name)
                 offset += padded
-            self._open_step()
+            self._open_step(state)
             # Blocking only where FSDP2 reads the buffer as soon as this returns; otherwise the job
             # goes on while the next groups' backward runs, and the step's close drains it.
-            self.state.reduce_tensors(names, views, last=False, blocking=reads_buffer_after_hook(group, reduce_output))
+            state.reduce_tensors(names, views, last=False, blocking=reads_buffer_after_hook(group, reduce_output))
             # A reduce buffer in another dtype than the parameters is freed by FSDP2 as soon as this
             # returns (it casts it), back to its reduce-scatter stream, which has waited neither for
             # this stream (the all-reduce one, that casts it) nor for the jobs' stream that wrote the
@@ -239,14 +244,17 @@ class FSDPCommHook:
 
         return hook
 
-    def _open_step(self) -> None:
-        if not self._step_open:
-            self._step_open = True
+    def _open_step(self, state: GradientReducer) -> None:
+        if not self._open:
             Variable._execution_engine.queue_callback(self._close_step)
+        if state not in self._open:
+            self._open.append(state)
 
     def _close_step(self) -> None:
-        self._step_open = False
-        self.state.reduce_tensors([], [], last=True)  # no tensors: closes the step on every rank
+        # In the order the backward opened them: the same on every rank.
+        opened, self._open = self._open, []
+        for state in opened:
+            state.reduce_tensors([], [], last=True)  # no tensors: closes the step on every rank
 
     def remove(self) -> None:
         """Unregister: FSDP goes back to no replica all-reduce at all (plain FSDP on the shard mesh)."""
@@ -256,11 +264,67 @@ class FSDPCommHook:
         self._groups = []
 
 
-def register_fsdp_comm_hook(model: nn.Module, state: GradientReducer) -> FSDPCommHook:
+def _routes(states, first_mesh: DeviceMesh) -> list[tuple[DeviceMesh, GradientReducer]]:
+    """(shard mesh, its state) pairs: one state goes with the model's first sharded module's mesh."""
+    if isinstance(states, GradientReducer):
+        return [(first_mesh, states)]
+    routes = list(states.items()) if isinstance(states, Mapping) else None
+    if not routes or not all(isinstance(m, DeviceMesh) and isinstance(s, GradientReducer) for m, s in routes):
+        raise TypeError("register_fsdp_comm_hook takes a state, or a {shard mesh: state} mapping")
+    if len({id(state) for _, state in routes}) < len(routes):
+        raise ValueError("register_fsdp_comm_hook: one state averages the shards of one mesh; give each mesh its own")
+    return routes
+
+
+def _route(name: str, mesh: DeviceMesh, routes) -> tuple[DeviceMesh, GradientReducer]:
+    """The (mesh, state) module ``name``, sharded on ``mesh``, goes with, or its refusal (`mesh_refusal`)."""
+    ranks = dist.get_process_group_ranks(mesh.get_group())
+    for reference, state in routes:
+        if dist.get_process_group_ranks(reference.get_group()) == ranks:
+            comm = state.comm
+            state_ranks = group_ranks(comm) if type(comm) is Communicator and comm.issues else None
+            refusal = mesh_refusal(name, mesh, reference, state_ranks)
+            if refusal is None:
+                return reference, state
+            raise ValueError(refusal)
+    raise ValueError(mesh_refusal(name, mesh, routes[0][0], None))
+
+
+def _expert_route(name: str, mark: ExpertMark, mesh: DeviceMesh, state: GradientReducer) -> ExpertMark:
+    """The mark of an experts parameter as its state sees it (averaged over the state's group, the shard
+    mesh reducing over the rest), or its refusal: its expert-data-parallel group is not the state's group
+    times its shard mesh."""
+    comm = state.comm
+    if type(comm) is not Communicator or not comm.issues:
+        return mark
+    state_ranks, shard_ranks = group_ranks(comm), dist.get_process_group_ranks(mesh.get_group())
+    edp = set(mark.ranks)
+    if len(edp) != len(state_ranks) * len(shard_ranks) or not (set(state_ranks) | set(shard_ranks)) <= edp:
+        raise ValueError(
+            f"register_fsdp_comm_hook: {name} holds experts averaged over global ranks {list(mark.ranks)}, but "
+            f"its state averages over {state_ranks} and its shard mesh over {shard_ranks}: give the experts' "
+            "mesh a state on the replicate group of their expert-data-parallel ranks"
+        )
+    return ExpertMark(mark.first, tuple(state_ranks), mark.tokens)
+
+
+def _first_row(fsdp_param, mark: ExpertMark, mesh: DeviceMesh) -> int:
+    """The global expert index of this rank's first row of a stacked experts parameter: its mark's first,
+    plus the rows of the shards before it when FSDP shards the experts themselves (dim 0)."""
+    placement = getattr(fsdp_param, "fsdp_placement", None)
+    if mesh.size() == 1 or getattr(placement, "dim", 0) != 0:
+        return mark.first  # every row of this rank's experts (a Shard(1) shard: a slice of each)
+    rows = fsdp_param._orig_size[0]
+    return mark.first + mesh.get_local_rank() * -(-rows // mesh.size())
+
+
+def register_fsdp_comm_hook(model: nn.Module, state) -> FSDPCommHook:
     """Average the gradient shards of a `fully_shard`-ed model over ``state``'s process group.
 
     ``model`` is sharded on the shard mesh dimension only (a 1-D mesh, e.g. ``hsdp_mesh(k)["dp_shard"]``);
     ``state`` (an `EDGCState`, or `AllReduceState` for the uncompressed baseline) is built on the
-    replicate group. Call once, before the first backward; returns a handle with ``remove()``.
+    replicate group. Modules sharded on another mesh (experts on their expert-data-parallel mesh) take
+    a state of their own: ``state`` is then ``{shard mesh: state on its replicate group}``, one per
+    mesh. Call once, before the first backward; returns a handle with ``remove()``.
     """
     return FSDPCommHook(model, state)

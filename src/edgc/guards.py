@@ -39,6 +39,7 @@ from torch import nn
 
 from .agreement import agree
 from .comm import Communicator
+from .experts import Experts, expert_marks
 from .mesh import local_tensor
 
 
@@ -83,6 +84,7 @@ class UsageGuard:
         parameters = named_parameters(model)
         self.names = {id(p): name for name, p in parameters}  # id(parameter) → its name
         self.shapes = {name: tuple(local_tensor(p).shape) for name, p in parameters}  # for checking loaded state
+        self.experts = Experts(expert_marks(model), self.shapes)  # the model's stacked experts (`edgc.experts`)
         self.checked = False  # the first-use checks ran
         self.agreed = False  # the group compared its settings (`edgc.agreement`)
         self.also_agreed: dict[str, Any] = {}  # settings an integration added (`GradientReducer.agree_on`)
@@ -168,8 +170,17 @@ class UsageGuard:
             return
         comm = state.settings_group()
         if type(comm) is Communicator and comm.issues:
+            self.also_agreed.update(self.experts.agreed(group_ranks(state.comm)))
             agree(comm, type(state).__name__, state.agreed_settings(device), device, group_ranks(comm))
         self.agreed = True
+
+    def split_experts(self, state: GradientReducer, names: list[str], grads: list[torch.Tensor]):
+        """``names`` and ``grads`` with each stacked experts gradient split into its experts' matrices
+        (`edgc.experts.Experts.expand`); an expert parameter on another group than its own is refused."""
+        comm = state.comm
+        if self.experts.marks and type(comm) is Communicator and comm.issues:
+            self.experts.check_group(type(state).__name__, names, lambda: group_ranks(comm))
+        return self.experts.expand(names, grads)
 
     def unnamed(self, state_name: str, index: int) -> str:
         """The name of a parameter no model names: its place in order of appearance, stable for one DDP

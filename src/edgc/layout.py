@@ -103,12 +103,21 @@ class CallLayout:
     raw_numel: int = 0
 
     @classmethod
-    def plan(cls, names: list[str], tensors: list[torch.Tensor], rank: int, min_compression_rate: float) -> CallLayout:
+    def plan(
+        cls,
+        names: list[str],
+        tensors: list[torch.Tensor],
+        rank: int,
+        min_compression_rate: float,
+        shares: dict[str, int] | None = None,
+    ) -> CallLayout:
+        """``rank`` for every matrix but those ``shares`` gives a rank of their own (`edgc.rank_split`)."""
         by_shape: dict[tuple[int, int, int], ShapeGroup] = {}
         raw, ranks = [], {}
+        shares = shares or {}
         for i, (name, tensor) in enumerate(zip(names, tensors)):
             shape = matrix_shape(tensor)
-            r = compressed_rank(shape, rank, min_compression_rate)
+            r = compressed_rank(shape, shares.get(name, rank), min_compression_rate)
             ranks[name] = r
             if not r:
                 raw.append(i)

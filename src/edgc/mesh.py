@@ -8,11 +8,17 @@
     # with TP, the stage's TP shards decide alike: EDGCState(..., decision_group=group_across(mesh, ("dp_replicate",
     # "tp")))
 
-Dimensions ``MESH_DIMS`` = (dp_replicate, pp, dp_shard, tp), as torchtitan names them; any may be 1.
-The order is the rank layout, outermost first: TP ranks are consecutive, then the FSDP shards, then
-the pipeline stages, so a host (``torchrun --nproc_per_node pp·dp_shard·tp``) holds whole pipelines
-and the replicas, whose gradient all-reduce EDGC compresses, are on different hosts. (torchtitan
-puts pp outermost, with pipelines across hosts; here the slow link is the replicas'.)
+Dimensions ``MESH_DIMS`` = (dp_replicate, pp, dp_shard, ep, tp), as torchtitan names them; any may be 1.
+The order is the rank layout, outermost first: TP ranks are consecutive, then the expert-parallel
+ranks, then the FSDP shards, then the pipeline stages, so a host (``torchrun --nproc_per_node
+pp·dp_shard·ep·tp``) holds whole pipelines and its experts' all-to-all, and the replicas, whose
+gradient all-reduce EDGC compresses, are on different hosts. (torchtitan puts pp outermost, with
+pipelines across hosts; here the slow link is the replicas'.)
+
+Expert parallelism borrows its ranks from data parallelism, as in torchtitan: a dense parameter is
+replicated over dp_replicate × dp_shard × ep (its data-parallel group, `group_across` those three),
+an expert over dp_replicate × dp_shard only (its expert-data-parallel group: ``mesh["dp_replicate"]``
+when dp_shard is 1), and the ep ranks hold different experts (`edgc.experts`).
 
 Wherever the library takes a process group it also takes a 1-D mesh (a dimension such as
 ``mesh["dp_replicate"]``), resolved by `as_process_group`. The mesh has no dimension for the tied
@@ -43,7 +49,7 @@ __all__ = [
     "local_tensor",
 ]
 
-MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "ep", "tp")
 
 
 def _backend_options(timeout: timedelta | None) -> dict | None:
@@ -89,24 +95,26 @@ def init_parallel_mesh(
     tp: int = 1,
     dp_replicate: int | None = None,
     timeout: timedelta | None = None,
+    ep: int = 1,
 ) -> DeviceMesh:
-    """The 4-D mesh ``MESH_DIMS`` over all ranks; ``dp_replicate`` defaults to the rest of the world.
+    """The 5-D mesh ``MESH_DIMS`` over all ranks; ``dp_replicate`` defaults to the rest of the world.
 
     ``device``: the model (or its device) the mesh is for (`mesh_device_type`).
     Collective: every rank calls it with the same arguments. ``timeout`` applies to every group."""
     world = dist.get_world_size()
-    inner = pp * dp_shard * tp
-    if min(pp, dp_shard, tp) < 1 or world % inner:
-        raise ValueError(f"mesh: pp {pp} × dp_shard {dp_shard} × tp {tp} must divide the world size {world}")
+    inner = pp * dp_shard * ep * tp
+    if min(pp, dp_shard, ep, tp) < 1 or world % inner:
+        raise ValueError(f"mesh: pp {pp} × dp_shard {dp_shard} × ep {ep} × tp {tp} must divide the world size {world}")
     if dp_replicate is None:
         dp_replicate = world // inner
     if dp_replicate * inner != world:
         raise ValueError(
-            f"mesh: dp_replicate {dp_replicate} × pp {pp} × dp_shard {dp_shard} × tp {tp} is not the world size {world}"
+            f"mesh: dp_replicate {dp_replicate} × pp {pp} × dp_shard {dp_shard} × ep {ep} × tp {tp} is not the world "
+            f"size {world}"
         )
     return init_device_mesh(
         mesh_device_type(device),
-        (dp_replicate, pp, dp_shard, tp),
+        (dp_replicate, pp, dp_shard, ep, tp),
         mesh_dim_names=MESH_DIMS,
         backend_override=_backend_options(timeout),
     )

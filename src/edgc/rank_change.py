@@ -41,7 +41,7 @@ def change_rank(kept: EngineState, rank: int, comm: Communicator) -> tuple[int, 
     shrink, grow = [], []
     for name in sorted(kept.q):  # sorted: the same order (and buffer layout) on every rank
         q, shape = kept.q[name], kept.shapes.get(name)
-        target = compressed_rank(shape, rank, kept.config.min_compression_rate)
+        target = compressed_rank(shape, kept.rank_for(name, rank), kept.config.min_compression_rate)
         if shape is None or target == 0 or q.shape[1] == target:
             continue
         (shrink if target < q.shape[1] else grow).append((name, target))

@@ -70,6 +70,7 @@ from .plans import (
 )
 from .profiling import SyncTimeTable, profile_candidates
 from .rank_rules import PaperRules
+from .rank_split import rank_split
 
 
 class RankRule(Protocol):
@@ -137,6 +138,13 @@ class WindowController:
         self._top_down = not always_profile
         self._profile_order = self._candidates[::-1] if self._top_down else self._candidates
         self.error_windows: list[tuple[int, float]] = []  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed
+        self.split = rank_split(config.rank_split)  # how the rank is shared among experts (`edgc.rank_split`)
+        self.split_weights: dict[str, float] = {}  # the split's agreed measure of each matrix (tokens), by name
+
+    def split_ranks(self, rank: int, groups, compressed) -> dict[str, int]:
+        """Matrix name → its own rank where the rank split gives it one (the experts of ``groups``;
+        ``compressed``: the engine's rank rule)."""
+        return self.split.ranks(rank, groups, self.split_weights, compressed)
 
     def _default_r_min(self, r_max: int | None) -> int | None:
         return None if r_max is None else self.rule.default_r_min(r_max)
@@ -372,6 +380,7 @@ class WindowController:
             "error_at_start": self.error_at_start,
             "error_test_step": self.error_test_step,
             "error_windows": list(self.error_windows),
+            "split_weights": dict(self.split_weights),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -385,3 +394,4 @@ class WindowController:
         self.warmup_start = state["warmup_start"]
         self.error_at_start, self.error_test_step = state["error_at_start"], state["error_test_step"]
         self.error_windows = [(int(s), float(v)) for s, v in state.get("error_windows", [])]
+        self.split_weights = {str(name): float(v) for name, v in state.get("split_weights", {}).items()}

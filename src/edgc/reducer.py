@@ -75,12 +75,18 @@ class GradientReducer:
 
     @property
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """name → shape of every parameter of the model (this rank's shard with FSDP), to check loaded state."""
-        return self._guard.shapes
+        """name → shape of every parameter of the model (this rank's shard with FSDP), and of each expert's
+        matrix of a stacked experts parameter (`edgc.experts`), to check loaded state."""
+        return self._guard.experts.matrix_shapes(self._guard.shapes)
 
     @parameter_shapes.setter
     def parameter_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
         self._guard.shapes = shapes
+
+    @property
+    def experts(self):
+        """The stacked expert parameters it knows (`edgc.experts.Experts`): from ``model=``, or an FSDP hook."""
+        return self._guard.experts
 
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
         return self._guard.names_for(type(self).__name__, params)
@@ -191,6 +197,7 @@ class GradientReducer:
             return
         if self.device is None:
             self._use_device(grads[0].device)
+        names, grads = self._guard.split_experts(self, names, grads)  # each expert its own matrix
         self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes(self._current))
 
     def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:

@@ -88,8 +88,8 @@ class EDGCState(GradientReducer):
             raise TypeError(f"config must be an EDGCConfig, got {type(self.config).__name__}")
         self.controller = WindowController(self.config, follower=follower, always_profile=always_profile)
         self.sampler = EntropySampler(self.config)
-        if self.parameter_shapes:  # the step's element count until a step has counted it (report-only thinning)
-            self.sampler.elements_per_step = sum(math.prod(shape) for shape in self.parameter_shapes.values())
+        if self._guard.shapes:  # the step's element count until a step has counted it (report-only thinning)
+            self.sampler.elements_per_step = sum(math.prod(shape) for shape in self._guard.shapes.values())
         self.compressor = LowRankCompressor(self.config.engine)
         self.profiler = ShadowProfiler(self.config.engine)
         self.decisions = DecisionRound(decision_group)
@@ -128,7 +128,11 @@ class EDGCState(GradientReducer):
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and plan.phase != OFF
         self.sampler.begin(record.step, enabled=sampled)
+        if self.controller.split.reads_tokens:
+            self.experts.count_tokens()  # this step's forward counted them (`edgc.experts`)
         if plan.rank is not None:
+            split = self.controller.split_ranks(plan.rank, self.experts.groups(), self.compressor.compressed_rank)
+            self.compressor.state.shares = split  # each expert's own rank, where the split gives one
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
             # before any bucket, on every rank alike (`LowRankCompressor.change_rank`), on the jobs'
             # stream that owns Q. A non-finite step puts the old Q back (`EngineState.end_step`),
@@ -202,6 +206,8 @@ class EDGCState(GradientReducer):
         are compared (`edgc.fingerprint`); at a decision step the decision round runs."""
         if (record.step + 1) % self.config.window == 0:
             compare_replicas(self, record.step)
+            if self.controller.split.reads_tokens:  # the window's tokens, for the next window's split
+                self.controller.split_weights = self.experts.take_tokens(self.comm)
         plan = record.plan
         if not plan.decision:
             return
@@ -269,18 +275,20 @@ class EDGCState(GradientReducer):
             "profiler": self.profiler.compressor.state_dict(),
             "profile_seconds": list(self.profiler.seconds),
             "relative_errors": list(self.decisions.relative_errors),
+            "expert_tokens": self.experts.state_dict(),
         }
 
     def shared_state_dict(self) -> dict:
         """`state_dict()` without this rank's error feedback: the part every replica holds identically
         (step, Q, rank schedule, controller, entropy series), what a healing replica takes from a peer."""
-        return {**self.state_dict(), "compressor": self.compressor.state_dict(include_error=False), "shared": True}
+        own = {"compressor": self.compressor.state_dict(include_error=False), "expert_tokens": {}}
+        return {**self.state_dict(), **own, "shared": True}
 
     def load_shared_state_dict(self, state: dict) -> None:
         """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart)."""
-        error = self.compressor.error
+        error, tokens = self.compressor.error, self.experts.counted
         self.load_state_dict(state)
-        self.compressor.state.error = error
+        self.compressor.state.error, self.experts.counted = error, tokens
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`; a malformed or mismatched state raises ValueError and changes nothing."""
@@ -295,6 +303,7 @@ class EDGCState(GradientReducer):
         self.profiler.compressor.load_state_dict(state["profiler"])
         self.profiler.seconds = profile_seconds(state["profile_seconds"])
         self.decisions.relative_errors = [float(e) for e in state.get("relative_errors", [])]
+        self.experts.load_state_dict(state.get("expert_tokens", {}), self.device)
         if not state.get("shared") and int(state["world_size"]) != self.comm.world_size:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
             warnings.warn(

@@ -12,6 +12,7 @@ Modules:
     diloco_pairs.py DiLoCo at the same bytes: sync often at a low rank or rarely at a high one? (paired seeds)
     diloco_train.py the two-process DiLoCo (or per-step EDGC) runs of diloco-pairs
     entropy_trend.py does gradient entropy fall and stabilise?
+    moe.py          a mixture of experts, EP × DP: EDGC on both groups, ranks routed by tokens (paired seeds)
     pareto.py       at the same bytes, does a moving rank beat static PowerSGD? (paired seeds)
     pareto_train.py one in-process training run of the pareto instrument
     pure_dp.py      EDGC on pure data parallelism, on the emulated network

@@ -25,6 +25,7 @@ EXPERIMENTS = {
     "pareto": "edgc_experiments.pareto",
     "diloco": "edgc_experiments.diloco",
     "diloco-pairs": "edgc_experiments.diloco_pairs",
+    "moe": "edgc_experiments.moe",
 }
 
 

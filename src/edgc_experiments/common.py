@@ -167,6 +167,20 @@ def add_setting_arguments(p, steps: int, tiny_steps: int) -> None:
     p.set_defaults(default_steps=steps, tiny_steps=tiny_steps)
 
 
+SMALL_SHAPE = dict(n_layer=2, n_embd=128, n_head=4)  # a model 2 shared cores train in minutes
+
+
+def add_shape_arguments(p, shape: dict[str, int]) -> None:
+    """``--n-layer``, ``--n-embd``, ``--n-head``: the model's shape over its preset's (defaults ``shape``)."""
+    for field, words in (("n_layer", "layers"), ("n_embd", "width"), ("n_head", "heads")):
+        flag = "--" + field.replace("_", "-")
+        p.add_argument(flag, type=int, default=shape[field], help=f"{words} (default {shape[field]})")
+
+
+def shape_from_args(args) -> dict[str, int]:
+    return {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head}
+
+
 def setting_from_args(args) -> Setting:
     steps = args.steps if args.steps is not None else (args.tiny_steps if args.tiny else args.default_steps)
     if steps < 1:

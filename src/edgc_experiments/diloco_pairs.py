@@ -34,7 +34,7 @@ HELP = "DiLoCo with EDGC's outer sync: (H, rank) pairs at the same bytes, 1 vs 2
 DEFAULT_STEPS = 128
 TINY_STEPS = 64
 PAIRS = "8:2,16:4,32:8"
-SHAPE = dict(n_layer=2, n_embd=128, n_head=4)  # a model 2 shared cores train in minutes
+SHAPE = common.SMALL_SHAPE
 
 
 def add_arguments(p) -> None:
@@ -63,9 +63,7 @@ def add_arguments(p) -> None:
         default=OUTER_MOMENTUM,
         help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})",
     )
-    p.add_argument("--n-layer", type=int, default=SHAPE["n_layer"], help=f"layers (default {SHAPE['n_layer']})")
-    p.add_argument("--n-embd", type=int, default=SHAPE["n_embd"], help=f"width (default {SHAPE['n_embd']})")
-    p.add_argument("--n-head", type=int, default=SHAPE["n_head"], help=f"heads (default {SHAPE['n_head']})")
+    common.add_shape_arguments(p, SHAPE)
 
 
 def parse_pairs(raw: str, flag: str) -> list[tuple[int, int]]:
@@ -112,7 +110,7 @@ def run(args, out, setting, log=print) -> dict:
 
     arms = plan(args)
     seeds = [setting.seed + k for k in range(args.seeds)]
-    shape = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head}
+    shape = common.shape_from_args(args)
     log(f"  {len(arms)} arms × {len(seeds)} seeds: {', '.join(arms)}")
     _prepare_data(setting)  # once, here: the runs then read the same cache
     (out / "runs").mkdir()

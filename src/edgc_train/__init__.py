@@ -9,6 +9,8 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     report_runs.py  run folders loaded for the report, their statistics and number formats
     train.py        the training loop: runner → optimizer → resume → steps, logs, evals, checkpoints
     fsdp.py         `--fsdp`: FSDP2 as HSDP, EDGC on the replica all-reduce
+    moe_runner.py   `--moe-experts/--ep`: the MoE GPT, dense and expert gradients each over their own group
+    moe.py          the MoE feed-forward: top-k routing, experts stored as torchtitan stores them, all-to-all
     pipeline.py     `--pp/--tp`: this rank's stage, trained by the pipeline schedule
     schedule.py     one optimizer step of a stage: 1F1B / GPipe over batched point-to-point
     stage_sync.py   a stage's gradient sync over its DP group, and the per-stage metrics

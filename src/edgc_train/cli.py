@@ -15,10 +15,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from edgc_cli.errors import CLIError
 
-from .config import TrainConfig, field_help, load_config_file
+from .config import TrainConfig, field_help
 
 # Flags that may be given with --resume (they do not change what is computed).
 RESUME_OK = {"progress", "tensorboard"}
@@ -355,3 +356,26 @@ def run(args: argparse.Namespace) -> int:
         return train(cfg, run_dir, resume=resume, stop_at=stop_at, restart_in_place=restart_in_place)
     except (DataError, CheckpointError, FloatingPointError) as exc:  # FloatingPointError: the loss diverged
         raise CLIError(str(exc)) from None
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or TOML config file into a dict of TrainConfig fields (not yet validated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".toml":
+            try:
+                import tomllib  # Python ≥ 3.11
+            except ImportError:
+                raise ValueError(f"config file {path}: TOML needs Python 3.11 or newer; use JSON") from None
+
+            values = tomllib.loads(text)
+        else:
+            values = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a table of fields")
+    return values

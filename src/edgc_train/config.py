@@ -15,16 +15,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 # The harness's own ways to sync (DDP's native all-reduce, our hook uncompressed or after backward,
 # no sync, our engine, PyTorch's PowerSGD hook); the rest come from the library's registry.
 OWN_COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc")
 FSDP_COMPRESSORS = ("none", "allreduce", "powersgd", "edgc")  # none: native HSDP; the others via the hook
+MOE_COMPRESSORS = ("allreduce", "powersgd", "edgc")  # both groups synced after backward by our states
 PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 INTERSTAGE_MODES = ("off", "all", "cooldown")
@@ -142,6 +141,21 @@ class TrainConfig:
     fsdp_shard: int = 0
     """With --fsdp: ranks per shard group (ranks per host); replicas = world / shard. 0 = the processes per host
     (LOCAL_WORLD_SIZE). ≥ 0."""
+
+    # ---- mixture of experts
+    moe_experts: int = 0
+    """Experts per MoE layer: every block's MLP becomes a routed mixture of this many SwiGLU experts (moe.py); 0 = the
+    dense GPT-2. Compressors allreduce, powersgd, edgc. ≥ 0."""
+
+    moe_top_k: int = 2
+    """With --moe-experts: experts each token is routed to. 1 ≤ k ≤ moe_experts."""
+
+    moe_aux_weight: float = 0.01
+    """With --moe-experts: weight of the load-balancing loss added to the next-token loss. ≥ 0."""
+
+    ep: int = 1
+    """With --moe-experts: expert-parallel ranks (consecutive; each holds moe_experts / ep experts); the world size must
+    be a multiple. ≥ 1."""
 
     interstage: str = "off"
     """Activation gradients sent back between pipeline stages: off (raw), all (low-rank + error feedback per micro-batch
@@ -268,6 +282,7 @@ class TrainConfig:
             fail("fsdp", "cannot be combined with --pp > 1")
         if self.fsdp and self.compressor not in FSDP_COMPRESSORS:
             fail("compressor", f"with --fsdp must be one of {', '.join(FSDP_COMPRESSORS)}")
+        self._check_moe(fail, check_int, check_num)
         check_int("powersgd_rank", 1)
         check_num("compress_ratio", 0, 1, low_open=True)
         check_int("eval_every", 0)
@@ -292,6 +307,22 @@ class TrainConfig:
             fail("edgc", f"EDGC fields only apply to compressors edgc, powersgd and optimus-cc, not {self.compressor}")
         # Raises ValueError naming the bad EDGC field.
         object.__setattr__(self, "_edgc_config", self._resolve_edgc_config() if self.uses_edgc_config else None)
+
+    def _check_moe(self, fail, check_int, check_num) -> None:
+        check_int("moe_experts", 0)
+        check_int("ep", 1)
+        check_num("moe_aux_weight", 0, math.inf, high_open=True)
+        if not self.moe_experts:
+            if self.ep > 1:
+                fail("ep", "needs --moe-experts (expert parallelism splits experts)")
+            return
+        check_int("moe_top_k", 1, self.moe_experts)
+        if self.moe_experts % self.ep:
+            fail("ep", f"must divide --moe-experts {self.moe_experts}")
+        if self.compressor not in MOE_COMPRESSORS:
+            fail("compressor", f"with --moe-experts must be one of {', '.join(MOE_COMPRESSORS)}")
+        if self.fsdp or self.pp > 1 or self.tp > 1:
+            fail("moe_experts", "runs data and expert parallel only (not with --fsdp, --pp or --tp)")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -379,26 +410,3 @@ def field_help() -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]  # one line
     return docs
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or TOML config file into a dict of TrainConfig fields (not yet validated)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix.lower() == ".toml":
-            try:
-                import tomllib  # Python ≥ 3.11
-            except ImportError:
-                raise ValueError(f"config file {path}: TOML needs Python 3.11 or newer; use JSON") from None
-
-            values = tomllib.loads(text)
-        else:
-            values = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"config file {path} must hold a table of fields")
-    return values

@@ -21,15 +21,13 @@ import contextlib
 import os
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from .compressors import Compressor, EngineCompressor
-from .data import BlockSampler, val_batches
+from .data import BlockSampler
 from .model import build_model, count_parameters, model_shape
 from .rendezvous import dist_timeout
-from .runner import DataParallelRunner
+from .runner import DataParallelRunner, evaluate_in_lockstep
 
 
 def shard_degree(cfg, world: int) -> int:
@@ -131,23 +129,5 @@ class FSDPRunner(DataParallelRunner):
         self.module.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """As `runner.evaluate`, but every rank runs the same number of forwards (FSDP all-gathers
-        in each): a rank with fewer validation blocks repeats its last batch and does not count it."""
-        cfg, model = self.cfg, self.module
-        model.eval()
-        mine = list(val_batches(self.data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches, self.rank, self.world))
-        count = torch.tensor([len(mine)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i in range(int(count)):
-            x, y = mine[min(i, len(mine) - 1)]
-            x, y = torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
-            logits = model(input_ids=x).logits
-            if i < len(mine):
-                totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
-                totals[1] += y.numel()
-        dist.all_reduce(totals)
-        model.train()
-        return (totals[0] / totals[1]).item()
+        return evaluate_in_lockstep(self.module, self.data, self.cfg, self.rank, self.world, self.device)

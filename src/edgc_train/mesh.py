@@ -1,6 +1,6 @@
 """The process grid of `edgc train --pp/--tp`: this rank's place in the run's one `DeviceMesh`.
 
-`edgc.mesh.init_parallel_mesh` builds the mesh (dp_replicate, pp, dp_shard = 1, tp); every group
+`edgc.mesh.init_parallel_mesh` builds the mesh (dp_replicate, pp, dp_shard = 1, ep = 1, tp); every group
 comes from it: a stage's data-parallel group is ``mesh["dp_replicate"]``, a pipeline ``mesh["pp"]``,
 a stage's tensor-parallel ranks ``mesh["tp"]``, the tied embedding's stage 0 and stage P−1
 `edgc.mesh.pipeline_ends_group`, and a stage's DP × TP ranks, who take EDGC's decisions together,
@@ -58,14 +58,14 @@ class Grid:
         return self.stage == self.stages - 1
 
     def global_rank(self, stage: int, replica: int, tp_rank: int | None = None) -> int:
-        return int(self.mesh.mesh[replica, stage, 0, self.tp_rank if tp_rank is None else tp_rank])
+        return int(self.mesh.mesh[replica, stage, 0, 0, self.tp_rank if tp_rank is None else tp_rank])
 
 
 def make_grid(device_type: str, stages: int, tp: int = 1) -> Grid:
     """The mesh over all ranks and this rank's coordinates in it (collective: every rank calls it)."""
     timeout = dist_timeout()  # the default group's, for every group of the mesh
     mesh = init_parallel_mesh(device_type, pp=stages, tp=tp, timeout=timeout)
-    replica, stage, _, tp_rank = mesh.get_coordinate()
+    replica, stage, _, _, tp_rank = mesh.get_coordinate()
     return Grid(
         mesh,
         dist.get_rank(),

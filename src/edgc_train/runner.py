@@ -73,12 +73,24 @@ class DataParallelRunner:
             with self.sync_context(micro == cfg.grad_accum - 1):
                 logits = self.ddp(input_ids=x).logits
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                (loss / cfg.grad_accum).backward()
+                ((loss + self.auxiliary_loss()) / cfg.grad_accum).backward()
             loss_sum += loss.item()
         self.compressor.after_backward()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.grad_clip)
-        return loss_sum / cfg.grad_accum, {}
+            self.clip_gradients(cfg.grad_clip)
+        return loss_sum / cfg.grad_accum, self.step_extra()
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """Clip the global gradient norm (every rank holds the whole model: its own norm is the global one)."""
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def auxiliary_loss(self) -> torch.Tensor | float:
+        """What the last forward adds to the loss it trains on besides the next-token loss (logged alone)."""
+        return 0.0
+
+    def step_extra(self) -> dict:
+        """Extra fields of the step's train line."""
+        return {}
 
     def sync_context(self, sync: bool):
         """Where the micro-batch's backward runs: with or without the gradient sync."""
@@ -92,3 +104,25 @@ class DataParallelRunner:
 
     def evaluate(self) -> float:
         return evaluate(self.module, self.data, self.cfg, self.rank, self.world, self.device)
+
+
+@torch.no_grad()
+def evaluate_in_lockstep(model: torch.nn.Module, data, cfg: TrainConfig, rank: int, world: int, device) -> float:
+    """As `evaluate`, but every rank runs the same number of forwards (FSDP all-gathers, an MoE layer
+    exchanges tokens in each): a rank with fewer validation blocks repeats its last batch and does not
+    count it."""
+    model.eval()
+    mine = list(val_batches(data.val, cfg.seq_len, cfg.micro_batch, cfg.eval_batches, rank, world))
+    count = torch.tensor([len(mine)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(int(count)):
+        x, y = mine[min(i, len(mine) - 1)]
+        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        logits = model(input_ids=x).logits
+        if i < len(mine):
+            totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
+            totals[1] += y.numel()
+    dist.all_reduce(totals)
+    model.train()
+    return (totals[0] / totals[1]).item()

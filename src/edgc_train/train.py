@@ -138,6 +138,10 @@ def save_checkpoint(
 
 
 def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, device: torch.device):
+    if cfg.moe_experts:
+        from .moe_runner import MoERunner
+
+        return MoERunner(cfg, data, rank, world, local_rank, device)
     if cfg.fsdp:
         from .fsdp import FSDPRunner
 
@@ -290,7 +294,10 @@ def train(
                 final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
             )
             if (checkpoint or final) and cfg.compressor != "nosync":  # nosync never syncs: drift by design
-                verify_replicas(runner.module, runner.dp_group)
+                if hasattr(runner, "verify_replicas"):  # replicas over more than one group (experts)
+                    runner.verify_replicas(verify_replicas)
+                else:
+                    verify_replicas(runner.module, runner.dp_group)
             if checkpoint:
                 save_checkpoint(
                     run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer, scheduler, cfg

@@ -49,6 +49,7 @@ ALTERNATIVES = {
     "budget_signal": "gradnorm",
     "front_load": 3.0,
     "rank_schedule": ((0, 4),),
+    "rank_split": "tokens",
     "fusion_mb": 1.0,
     "min_compression_rate": 1.0,
     "error_feedback": False,

@@ -20,7 +20,7 @@ def _mesh_checks(rank: int, world: int) -> dict:
     out = {}
     with pytest.raises(ValueError, match="must divide the world size 4"):  # before any collective
         init_parallel_mesh("cpu", tp=3)
-    mesh = init_parallel_mesh("cpu", tp=2)  # dp_replicate 2 × pp 1 × dp_shard 1 × tp 2
+    mesh = init_parallel_mesh("cpu", tp=2)  # dp_replicate 2 × pp 1 × dp_shard 1 × ep 1 × tp 2
     out["shape"] = tuple(mesh.shape)
     out["coordinate"] = tuple(mesh.get_coordinate())
     value = torch.tensor([float(rank)])
@@ -55,7 +55,7 @@ def test_one_mesh_builds_every_group_and_the_library_takes_its_dimensions():
     results = run_distributed(_mesh_checks, 4)
     for rank, r in enumerate(results):
         replica, tp_rank = divmod(rank, 2)  # TP ranks consecutive, replicas outermost
-        assert r["shape"] == (2, 1, 1, 2) and r["coordinate"] == (replica, 0, 0, tp_rank)
+        assert r["shape"] == (2, 1, 1, 1, 2) and r["coordinate"] == (replica, 0, 0, 0, tp_rank)
         assert r["tp_sum"] == {0: 1.0, 1: 5.0}[replica]
         assert "pass one dimension" in r["two_d"]
         # replicas r and r + 2 hold the same shard: its average is (r + r + 2) / 2
@@ -86,7 +86,7 @@ def _shard_decisions(rank: int, world: int, agree_over_stage: bool) -> dict:
         adaptive=False,
     )
     state = edgc.EDGCState(mesh["dp_replicate"], config, decision_group=stage if agree_over_stage else None)
-    tp_rank = mesh.get_coordinate()[3]
+    tp_rank = mesh.get_coordinate()[4]
     weight = nn.Parameter(torch.zeros(32, 16))
     torch.manual_seed(0)
     fixed = torch.randn(32, 16)

@@ -51,6 +51,18 @@ def cut_back(run_dir: Path, copy: Path, latest_step: int) -> Path:
     return copy
 
 
+def run_and_resume(folder: Path, job: list[str], cache_dir: Path, nproc: int = 4) -> tuple[Path, Path]:
+    """``folder/a``: ``job`` on ``nproc`` processes, uninterrupted; ``folder/b``: a copy cut back before its
+    last checkpoint (the ``--steps`` of ``job``), then resumed. Both must succeed."""
+    a, steps = folder / "a", int(job[job.index("--steps") + 1])
+    proc = run_edgc("train", "--out", str(a), "--nproc", str(nproc), *job, "--cache-dir", str(cache_dir), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    b = cut_back(a, folder / "b", steps)
+    proc = run_edgc("train", "--resume", str(b), "--nproc", str(nproc), "--no-progress", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return a, b
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The run's metric records; a last line still being written (no newline yet) is left out, so a
     test may poll the file of a running run."""

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from .conftest import FAST, cut_back, read_metrics, run_edgc, train_losses
+from .conftest import FAST, read_metrics, run_and_resume, train_losses
 
 FSDP_JOB = [
     "--fsdp",
@@ -37,13 +37,7 @@ FSDP_JOB = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
-    a = tmp_path_factory.mktemp("fsdp") / "a"
-    proc = run_edgc("train", "--out", str(a), "--nproc", "4", *FSDP_JOB, "--cache-dir", str(cache_dir), timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    b = cut_back(a, a.parent / "b", 8)
-    proc = run_edgc("train", "--resume", str(b), "--nproc", "4", "--no-progress", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return a, b
+    return run_and_resume(tmp_path_factory.mktemp("fsdp"), FSDP_JOB, cache_dir)
 
 
 def test_fsdp_run_compresses_and_learns(runs):
