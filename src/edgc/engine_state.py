@@ -28,7 +28,7 @@ from . import streams
 from .config import LowRankConfig
 from .factors import matrix_shape, orthonormalize_blocks_, restart_dead_entries_, stable_seed
 from .layout import CallLayout
-from .timing import to_device
+from .timing import state_to_device, state_to_host, to_device
 
 
 @dataclass
@@ -370,10 +370,11 @@ class EngineState:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self, *, include_error: bool = True) -> dict:
         """Q, error feedback (unless ``include_error`` is False: the part every replica shares) and the
-        matrix shapes (for a rank change after a resume), on the CPU."""
+        matrix shapes (for a rank change after a resume), on the CPU: a checkpoint, where the host
+        waits for the device."""
         return {
-            "q": {name: q.detach().cpu().clone() for name, q in self.q.items()},
-            "error": {name: e.detach().cpu().clone() for name, e in self.error.items()} if include_error else {},
+            "q": state_to_host(self.q),
+            "error": state_to_host(self.error) if include_error else {},
             "shapes": {name: list(shape) for name, shape in self.shapes.items()},
         }
 
@@ -386,15 +387,8 @@ class EngineState:
         self._tracking = False
 
     def to(self, device: torch.device, stream: streams.Stream | None = None) -> None:
-        """Q and error feedback onto ``device`` without a host wait, kept alive for ``stream`` (the jobs'
-        stream, which reads and replaces them: `edgc.streams.record_stream`)."""
-
-        def move(tensor: torch.Tensor) -> torch.Tensor:
-            moved = to_device(tensor, device)
-            if stream is not None:
-                streams.record_stream(moved, stream)
-            return moved
-
-        self.q = {name: move(q) for name, q in self.q.items()}
-        self.error = {name: move(e) for name, e in self.error.items()}
+        """Q and error feedback onto ``device`` for ``stream``, the jobs' stream that reads and replaces
+        them (`edgc.timing.state_to_device`)."""
+        self.q = state_to_device(self.q, device, stream)
+        self.error = state_to_device(self.error, device, stream)
         self._calls.clear()
