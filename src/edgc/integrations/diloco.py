@@ -133,7 +133,8 @@ class _Fragment:
         with torch.no_grad():
             for backup, saved in zip(self.original, state["original"]):
                 backup.copy_(saved)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        with host_reads_allowed():  # torch's optimizer moves its loaded state with blocking copies: a resume
+            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
 
 class DiLoCo:
