@@ -84,6 +84,7 @@ class EngineState:
         self.q: dict[str, torch.Tensor] = {}  # name → (n, r), identical on every rank
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
+        self.orthonormalization: str | None = None  # the group's method (`edgc.orthonormal_choice`), once chosen
         self.keep_uncommitted = False
         self._calls: dict[tuple, CallState] = {}
         self._tracking = False  # between begin_step and the step's resolution
@@ -376,12 +377,16 @@ class EngineState:
             "q": state_to_host(self.q),
             "error": state_to_host(self.error) if include_error else {},
             "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+            "orthonormalization": self.orthonormalization,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's or a peer's state. Its orthonormalisation, where it has one, is the group's (a
+        resumed or healed replica times nothing); else the one chosen so far stays."""
         self.q = dict(state["q"])
         self.error = dict(state["error"])
         self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
+        self.orthonormalization = state.get("orthonormalization") or self.orthonormalization
         self._calls.clear()
         self.begin_step()
         self._tracking = False

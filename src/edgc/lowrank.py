@@ -51,13 +51,10 @@ from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, Pending, run_job
 from .config import EDGCConfig, LowRankConfig
 from .engine_state import CallState, EngineState, subtracts_estimate
-from .factors import (
-    compressed_rank,
-    orthonormalization_for,
-    orthonormalize_blocks_,
-)
+from .factors import compressed_rank, orthonormalize_blocks_
 from .finite import nan_unless_finite
 from .layout import CallLayout
+from .orthonormal_choice import agreed, orthonormalization_for
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -165,13 +162,27 @@ class LowRankCompressor:
 
     def orthonormalization(self, device: torch.device) -> str:
         """The method that orthonormalises this engine's factors on ``device`` (`edgc.factors`):
-        ``LowRankConfig.orthonormalization`` where it names one, else the device's
-        (`edgc.factors.orthonormalization_for`; a fast-float64 GPU's with ``force_accelerator_kernels``)."""
+        ``LowRankConfig.orthonormalization`` where it names one, else the one its state keeps (the
+        group's, `agree_orthonormalization`, or a checkpoint's), else this process's choice for the
+        device (`edgc.orthonormal_choice`; a fast-float64 GPU's with ``force_accelerator_kernels``)."""
         if self.config.orthonormalization != "auto":
             return self.config.orthonormalization
         if self.force_accelerator_kernels and device.type == "cpu":
             return "cholesky2-fp64"
-        return orthonormalization_for(device)
+        if self.state.orthonormalization is None:
+            self.state.orthonormalization = orthonormalization_for(device)
+        return self.state.orthonormalization
+
+    def agree_orthonormalization(self, device: torch.device, comm: Communicator) -> None:
+        """Where the method is the engine's to choose and no checkpoint chose it: this rank's choice on
+        ``device`` made the group's (`edgc.orthonormal_choice.agreed`; on a CPU every rank takes
+        Householder by rule, and nothing is sent). Call on every rank at the same point."""
+        if self.config.orthonormalization != "auto" or self.state.orthonormalization is not None:
+            return
+        if device.type == "cpu" or self.force_accelerator_kernels:
+            self.orthonormalization(device)
+            return
+        self.state.orthonormalization = agreed(orthonormalization_for(device), comm, device)
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):

@@ -123,7 +123,9 @@ class ShadowProfiler:
         factors are garbage."""
         self.seconds = [0.0, 0, 0.0, 0]
         if finished:
+            method = self.compressor.state.orthonormalization  # the group's (`edgc.orthonormal_choice`)
             self.compressor = LowRankCompressor(self.compressor.config)
+            self.compressor.state.orthonormalization = method
 
     def to(self, device: torch.device, stream: streams.Stream | None) -> None:
         self.compressor.state.to(device, stream)

@@ -118,6 +118,12 @@ class EDGCState(GradientReducer):
         self.compressor.state.to(device, self._jobs.stream)
         self.profiler.to(device, self._jobs.stream)
 
+    def _agree_on_device(self, device: torch.device) -> None:
+        """The orthonormalisation the group runs on the device (`edgc.orthonormal_choice`), the shadow
+        syncs' too."""
+        self.compressor.agree_orthonormalization(device, self.comm)
+        self.profiler.compressor.state.orthonormalization = self.compressor.orthonormalization(device)
+
     def _fusion_bytes(self, record: StepRecord | None) -> float:
         """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.jobs`)."""
         plan = record.plan if record is not None else None
