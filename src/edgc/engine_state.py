@@ -90,6 +90,7 @@ class EngineState:
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
         self._resized: dict[str, torch.Tensor] = {}  # Q factors as they were before this step resized them
+        self._q_stored: list[tuple[CallState, torch.Tensor]] = []  # (call, its Q before this step)
         self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
         self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
 
@@ -99,6 +100,7 @@ class EngineState:
         self.keep_uncommitted = uncommitted
         self._tracking = True
         self._touched, self._resized, self._step_arenas, self._step_popped = [], {}, [], {}
+        self._q_stored = []
 
     def end_step(self, nonfinite: bool) -> None:
         """The step's non-finite flag is known (on the host, at its end): after a non-finite step clear
@@ -106,8 +108,10 @@ class EngineState:
         if nonfinite:
             for arena in self._touched:
                 arena.zero_()
+            for call, q_stored in reversed(self._q_stored):  # the earliest last: a Q from before the step
+                self._keep_q(call, q_stored)
             self.q.update(self._resized)
-        self._touched, self._resized = [], {}
+        self._touched, self._resized, self._q_stored = [], {}, []
         if not self.keep_uncommitted:
             self._tracking = False
 
@@ -181,10 +185,17 @@ class EngineState:
     ) -> None:
         """A call ends: with error feedback, e = M − P·Qᵀ from ``factors`` (per shape group (Pᵀ, Qᵀ) in
         the arena's dtype); the call's Q is the averaged ``q_flat``, or the stored one where the
-        group saw a NaN/Inf (``nonfinite``, a device flag: selected on the device)."""
+        group saw a NaN/Inf (``nonfinite``, a device flag). Within a tracked step the averaged one is kept
+        and `end_step` puts the stored one back after a non-finite step (no select over Q on the device:
+        Q buffers are replaced, never written, so keeping the stored one's reference costs nothing);
+        outside one, the select runs on the device."""
         if factors is not None:
             self._keep_residual(call, arena, factors)
-        self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
+        if self._tracking:
+            self._q_stored.append((call, q_stored))
+            self._keep_q(call, q_flat)
+        else:
+            self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
 
     def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
         key = (tuple(names), rank)
@@ -240,14 +251,38 @@ class EngineState:
 
     def _rebuild_arena(self, call: CallState, dtype: torch.dtype, device: torch.device) -> None:
         """The arena from the error dict (a first step, a checkpoint, a rank change): zeros where a
-        matrix has no residual yet."""
-        arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
-        for name, view in zip(call.layout.compressed_names, call.views(arena)):
-            old = self.error.get(name)
-            if old is not None and old.numel() == view.numel():
-                view.copy_(old.reshape(view.shape))
+        matrix has no residual yet. Where the dict's entries already lie in one buffer exactly where
+        this layout places them (a rank change that keeps the compressed matrices, their order and so
+        their shape groups' places), that buffer is the arena: rebuilt in place, no second arena
+        alive beside the old one, nothing copied."""
+        arena = self._arena_in_place(call, dtype, device)
+        if arena is None:
+            arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
+            for name, view in zip(call.layout.compressed_names, call.views(arena)):
+                old = self.error.get(name)
+                if old is not None and old.numel() == view.numel():
+                    view.copy_(old.reshape(view.shape))
         call.spare = None
         self._use_arena(call, arena)
+
+    def _arena_in_place(self, call: CallState, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        names = call.layout.compressed_names
+        base = getattr(self.error.get(names[0]), "_base", None) if names else None
+        if (
+            base is None
+            or base.dim() != 1
+            or base.numel() != call.layout.error_numel
+            or base.dtype != dtype
+            or base.device != device
+        ):
+            return None
+        for name, view in zip(names, call.views(base)):
+            kept = self.error.get(name)
+            if kept is None or kept._base is not base or kept.storage_offset() != view.storage_offset():
+                return None
+            if kept.shape != view.shape:
+                return None
+        return base
 
     def _use_arena(self, call: CallState, arena: torch.Tensor) -> None:
         call.arena = arena

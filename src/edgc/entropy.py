@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 
+from . import timing
 from .config import EDGCConfig
 from .finite import all_finite
 from .signals import get_signal
@@ -71,7 +72,8 @@ def histogram_entropy(sample: torch.Tensor, bins: int = 1000) -> float:
     if x.numel() == 0:
         return float("nan")
     p = histogram_counts(x, bins) / x.numel()
-    return float(-torch.xlogy(p, p).sum()) + 0.0  # xlogy(0, 0) = 0: empty bins add nothing; + 0.0: no −0.0
+    (value,) = timing.to_host(-torch.xlogy(p, p).sum())  # xlogy(0, 0) = 0: empty bins add nothing
+    return value + 0.0  # no −0.0
 
 
 def gaussian_entropy(sample: torch.Tensor) -> float:
@@ -79,24 +81,31 @@ def gaussian_entropy(sample: torch.Tensor) -> float:
     x = sample.detach().reshape(-1).double()
     if x.numel() < 2:
         return float("nan")
-    variance = float(x.var())
+    (variance,) = timing.to_host(x.var())
     if variance <= 0:
         return float("-inf")
     return 0.5 * math.log(2 * math.pi * math.e * variance)
 
 
 def strided_copy(tensors: Iterable[torch.Tensor], stride: int) -> torch.Tensor:
-    """Every ``stride``-th element of each tensor, copied into one fp32 vector (no host read)."""
-    parts = [t.detach().reshape(-1)[::stride].float() for t in tensors]
-    return torch.cat(parts) if parts else torch.empty(0)
+    """Every ``stride``-th element of each tensor, copied into one fp32 vector (no host read): one
+    gather of the strided views, cast as it goes, not a copy per tensor (hundreds of launches for a
+    large model's bucket)."""
+    views = [t.detach().reshape(-1)[::stride] for t in tensors]
+    if not views:
+        return torch.empty(0)
+    out = torch.empty(sum(v.numel() for v in views), dtype=torch.float32, device=views[0].device)
+    return torch.cat(views, out=out)
 
 
 def drop_nonfinite(sample: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The finite elements of ``sample`` and how many were not (reads the device: step end only)."""
-    if sample.numel() == 0 or bool(all_finite(sample)):  # the usual case: one reduction
+    """The finite elements of ``sample`` and how many were not (reads the device, through
+    `edgc.timing.to_host`: step end only)."""
+    if sample.numel() == 0 or not timing.to_host(~all_finite(sample))[0]:  # the usual case: one reduction
         return sample, 0
     finite = torch.isfinite(sample)
-    return sample[finite], int(sample.numel() - int(finite.sum()))
+    (kept,) = timing.to_host(finite.sum())
+    return sample[finite], int(sample.numel() - kept)
 
 
 def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.Tensor, int]:

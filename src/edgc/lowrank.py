@@ -71,8 +71,8 @@ class ReduceStats:
     elements_sent: int = 0
     bytes_raw: int = 0
     bytes_sent: int = 0
-    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² over compressed matrices (when measured)
-    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured)
+    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² over compressed matrices (when measured; `ERROR_SAMPLE`)
+    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured; `ERROR_SAMPLE`)
     nonfinite: bool | torch.Tensor = False  # the group saw a NaN/Inf: the averaged gradients are NaN
     ranks: dict[str, int] = field(default_factory=dict)  # per parameter; 0 = sent raw
 
@@ -88,13 +88,29 @@ def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(torch.bmm(a, b))  # a small factor
 
 
-def _squared_norm(arena: torch.Tensor, layout: CallLayout) -> torch.Tensor:
-    """‖M‖² over the arena as a float64 device scalar; a half-precision arena group by group in
-    float32 (a half-precision dot loses the digits the error formula subtracts)."""
-    if arena.dtype in (torch.float32, torch.float64):
-        return torch.dot(arena, arena).to(torch.float64)
-    blocks = [group.error_view(arena).reshape(-1).float() for group in layout.groups]
-    return torch.stack([torch.dot(b, b) for b in blocks]).sum().to(torch.float64)
+# A measured call reads every s-th row of its matrices' M and e, s chosen so that it reads about this
+# many elements (s = 1, every row, for a call this small or smaller): ‖M − Ĝ‖/‖M‖ from the residual
+# as written, at a cost that does not grow with the model (a whole pass over M is 4 bytes per element).
+ERROR_SAMPLE = 1 << 16
+
+
+def _row_stride(layout: CallLayout, sampled: bool) -> int:
+    return max(1, layout.error_numel // ERROR_SAMPLE) if sampled else 1
+
+
+def _squares(arena: torch.Tensor, layout: CallLayout, stride: int) -> torch.Tensor:
+    """The summed squared norms of the call's compressed matrices in ``arena`` (M, or the residual e) as
+    a float64 device scalar, from every ``stride``-th row of each (scaled by rows / rows read: exact at
+    stride 1). One read of those rows per shape group, accumulated in float32 at least (a
+    half-precision sum loses digits; asked of a half-precision tensor, a GPU's norm accumulates in
+    float32 without a copy, where a float64 accumulation would first copy the rows)."""
+    half = arena.dtype in (torch.float16, torch.bfloat16)
+    total = torch.zeros((), dtype=torch.float64, device=arena.device)
+    for group in layout.groups:
+        rows = group.error_view(arena)[:, ::stride]
+        norm = torch.linalg.vector_norm(rows, dtype=torch.float32 if half else None).to(torch.float64)
+        total = total.add(norm.square(), alpha=group.m / rows.shape[1])
+    return total
 
 
 def _half_wire_shift(size: int) -> float:
@@ -321,8 +337,10 @@ class LowRankCompressor:
         for group in layout.groups:
             _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(run.arena))
         if run.measure_error:
-            run.local_q = q_flat.clone()
-            run.stats.norm_sq = _squared_norm(run.arena, layout)
+            if not self.config.error_feedback:  # no residual to read after: ‖M − Ĝ‖² from ‖M‖² and Q
+                run.local_q = q_flat.clone()
+            stride = _row_stride(layout, sampled=self.config.error_feedback)
+            run.stats.norm_sq = _squares(run.arena, layout, stride)
         if run.half_wire:
             for group in layout.groups:
                 group.q_view(q_flat).mul_(_half_wire_shift(group.m))
@@ -344,7 +362,10 @@ class LowRankCompressor:
         run.stats.nonfinite = bad
         factors = self._decompress(run.kept, run.grads, run.arena, run.p_flat, q_flat, poison)
         self.state.close_call(run.kept, run.arena, factors, run.q_stored, q_flat, bad)
-        if run.measure_error:
+        if run.measure_error and run.local_q is None:
+            # ‖e‖² = ‖M − Ĝ‖² read from the residual just written, on the rows ‖M‖² was read from
+            run.stats.error_sq = _squares(run.kept.arena, run.layout, _row_stride(run.layout, sampled=True))
+        elif run.measure_error:
             # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
             cross = torch.dot(run.local_q, q_flat).to(torch.float64)
             square = torch.dot(q_flat, q_flat).to(torch.float64)
