@@ -44,6 +44,7 @@ from .dispatch_count import (
     counting_communicator,
     sampled_config,
 )
+from .engine_cost import emit
 from .gpt2_layout import gpt2_parameters
 from .live_memory import LiveStorages
 
@@ -245,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
         return 0
-    result = measure(args.model, args.rank, args.layers)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(measure(args.model, args.rank, args.layers), args.out)
     return 0
 
 
