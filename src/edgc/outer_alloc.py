@@ -68,6 +68,7 @@ class AllocatedQuantState(QuantizedState):
     """Quantised outer sync with bits per tensor by measured error per byte (see the module docstring)."""
 
     method = "allocated"
+    ARGUMENTS = ("mean_bits", "chunk")  # its argument ``bits`` is kept as mean_bits
 
     def __init__(
         self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True, model=None

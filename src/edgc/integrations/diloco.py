@@ -185,6 +185,18 @@ class DiLoCo:
         self._syncing: _Fragment | None = None  # the fragment whose sync was prepared and awaits its outer step
         self._carry: dict[str, torch.Tensor] = {}  # raw-sent Δ of discarded outer steps, per parameter name
         self.state = self._new_state(process_group, config, nn.ModuleList(fragments))
+        # Compared over the group before the first outer sync sends anything (`edgc.agreement`): a
+        # replica that syncs at other inner steps, or other fragments, would pair other collectives.
+        self.state.agree_on(
+            {
+                "DiLoCo.sync_every": sync_every,
+                "DiLoCo.fragments": [len(list(m.parameters())) for m in fragments],
+                "DiLoCo.fragment_sync_delay": fragment_sync_delay,
+                "DiLoCo.fragment_update_alpha": fragment_update_alpha,
+                "DiLoCo.sync_method": sync_method,
+                "DiLoCo.error_feedback_decay": error_feedback_decay,
+            }
+        )
         if power_iterations != 1:  # EDGC's engine only (`_check_outer_sync`): `LowRankCompressor.power_iterations`
             self.state.compressor.power_iterations = power_iterations
         self._fragments = [
