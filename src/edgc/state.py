@@ -97,8 +97,11 @@ class EDGCState(GradientReducer):
     # ------------------------------------------------------------------ what the ranks agree on
     def agreed_settings(self, device: torch.device) -> dict[str, Any]:
         """`GradientReducer.agreed_settings`, with every `EDGCConfig` field, the values its "auto" and None
-        resolve to on ``device``, and this state's own arguments."""
+        resolve to on ``device``, and this state's own arguments. The orthonormalisation is the group's
+        by then (`edgc.orthonormal_choice`: rank 0's timing, or the checkpoint's), so a timing that differs
+        between ranks is no disagreement, and checkpoints that differ are one."""
         config, compressor = self.config, self.compressor
+        compressor.agree_orthonormalization(device, self.settings_group())
         fusion = self._fusion_megabytes(device)
         return {
             **super().agreed_settings(device),
