@@ -40,6 +40,7 @@ Modules:
     sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)
     outer_sync.py   DiLoCo's quantised outer sync (b bits a value, error feedback), error-feedback decay and heal
     outer_alloc.py  the quantised outer sync with the bits per tensor where a byte removes the most error
+    outer_sparse.py the sparse outer syncs: chunked top-k, coded indices, 2-bit values, error feedback
     timing.py       device-timeline timestamps, the library's only device→host reads
     events.py       what EDGC decides, said through Python's logging (logger "edgc", group rank 0)
     fingerprint.py  once per window, the ranks compare what must be identical on all; raise where not

@@ -86,19 +86,23 @@ def diloco_options(settings, args: argparse.Namespace):
     outer = settings.steps // h
     # early: the killed group's restart and heal take several outer steps of a run this short
     kill_at = args.kill_at if args.kill_at is not None else max(1, outer // 4)
-    if not 1 <= kill_at <= outer - 2:
+    if kill_at == 0:  # no kill pass
+        kill_at = None
+    elif not 1 <= kill_at <= outer - 2:
         raise CLIError(
-            f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}], got {kill_at}"
+            f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}] "
+            f"(0: no kill pass), got {kill_at}"
         )
     if args.time_budget <= 0:
         raise CLIError(f"--time-budget: must be > 0, got {args.time_budget:g}")
-    from edgc.sync_methods import sync_method, sync_method_names
+    from .diloco_bench import METHODS
 
-    if args.outer_sync != "edgc" and sync_method(args.outer_sync) is None:
-        raise CLIError(
-            f"--outer-sync: edgc or a registered sync method ({', '.join(sync_method_names())}), "
-            f"got {args.outer_sync!r}"
-        )
+    methods = tuple(m.strip() for m in (args.methods or "").split(",") if m.strip()) or METHODS
+    for flag, spec in [("--outer-sync", args.outer_sync)] + [("--methods", m.partition("@")[2]) for m in methods]:
+        _check_outer_sync(flag, spec)
+    bad = [m for m in methods if m.partition("@")[0] not in METHODS or ("@" in m and not m.startswith("diloco-edgc@"))]
+    if bad:
+        raise CLIError(f"--methods: each of {', '.join(METHODS)} or diloco-edgc@SPEC, got {', '.join(bad)}")
     return DilocoOptions(
         rates=rates,
         sync_every=h,
@@ -108,4 +112,15 @@ def diloco_options(settings, args: argparse.Namespace):
         time_budget_s=args.time_budget,
         edgc=tuple(edgc_items(args.edgc).items()),
         outer_sync=args.outer_sync,
+        methods=methods,
     )
+
+
+def _check_outer_sync(flag: str, spec: str) -> None:
+    from edgc.sync_methods import outer_sync_spec
+
+    if spec and spec != "edgc":
+        try:
+            outer_sync_spec(spec)
+        except ValueError as exc:
+            raise CLIError(f"{flag}: edgc or a registered sync method with DiLoCo's modifiers: {exc}") from None

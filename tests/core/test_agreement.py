@@ -60,7 +60,7 @@ ALTERNATIVES = {
     "rank_change": "truncate",
 }
 # a registered sync method's class → its constructor's arguments, each with two valid values (rank 1
-# takes the one its name does not fix, or the first)
+# takes the one its name does not fix, or the first: so the first must differ from the default)
 METHOD_ALTERNATIVES = {
     "CastState": {"dtype": ("bfloat16", "float16")},
     "TopKState": {"ratio": (0.02, 0.03), "error_feedback": (False, True)},
@@ -73,6 +73,18 @@ METHOD_ALTERNATIVES = {
     "QSGDState": {"chunk": (512, 256), "error_feedback": (False, True), "seed": (715, 716)},
     "QuantizedState": {"bits": (4, 5), "chunk": (128, 64), "error_feedback": (False, True)},
     "AllocatedQuantState": {"bits": (4.0, 5.0), "chunk": (128, 64), "error_feedback": (False, True)},
+    "SparseQuantState": {
+        "density": (64 / 4096, 32 / 4096),
+        "chunk": (2048, 1024),
+        "groups": (3, 4),
+        "error_feedback": (False, True),
+    },
+    "AllocatedSparseState": {
+        "density": (64 / 4096, 128 / 4096),
+        "chunk": (2048, 1024),
+        "groups": (3, 4),
+        "error_feedback": (False, True),
+    },
 }
 
 

@@ -58,7 +58,8 @@ from ..timing import host_reads_allowed, state_to_host
 STATE_FORMAT = "edgc-diloco/1"
 # The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (0.098× the
 # bytes). Across the model families of `edgc experiment diloco` it ended within the interval of
-# torchft's uncompressed DiLoCo where EDGC's PowerSGD at rank 8 did not (docs/guides/slow-links.md).
+# torchft's uncompressed DiLoCo where EDGC's PowerSGD at rank 8 did not, nor did the sparse syncs at
+# 0.02× the bytes or fewer (docs/guides/slow-links.md): the default stays where it holds.
 DEFAULT_OUTER_SYNC = "quant3"
 
 
