@@ -10,6 +10,7 @@ kernels; no race, no stale host read, no host synchronisation from the library i
 
 import io
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,14 @@ def built(checker, method: str | None, outer_steps: int):
             config = EDGCConfig(total_steps=2 * outer_steps, **CONFIG)
             diloco = DiLoCo(None, [ends, model.blocks], inner, outer, 2 * SYNC_EVERY, config, fragment_sync_delay=2)
             diloco.state.compressor.force_accelerator_kernels = True
+            diloco.issued = []  # (inner step, thread) of every collective of the sync
+            issue = diloco.state.comm._issue
+
+            def issued(*args, **kwargs):
+                diloco.issued.append((diloco._local_step, threading.get_ident()))
+                return issue(*args, **kwargs)
+
+            diloco.state.comm._issue = issued
         else:
             diloco = DiLoCo(None, [model], inner, outer, SYNC_EVERY, sync_method=method)
     return model, inner, diloco
@@ -75,7 +84,10 @@ def resume_worker(rank, world_size, methods):
             del loaded  # the checkpoint's tensors live on in the states alone, as in a real resume
             inner_steps(rank, model, inner, diloco, split, stop)
             outer = diloco.last_outer_step
+        issued = getattr(diloco, "issued", [])
         found[method or "edgc"] = {
+            "issue_steps": sorted({step for step, _ in issued}),
+            "other_threads": sum(thread != threading.get_ident() for _, thread in issued),
             "races": checker.races[:3],
             "host_syncs": [str(s) for s in checker.host_syncs][:3],
             "phase": outer["phase"],
@@ -94,3 +106,8 @@ def test_every_outer_sync_resumed_is_ordered_and_never_waits_for_the_device(half
         for method, result in found.items():
             assert result["method"] == method and result["phase"] == "compress", (method, result)
             assert result["races"] == [] and result["host_syncs"] == [], (method, result)
+        if "edgc" in found:  # EDGC's streaming sync: every collective from the training thread (a worker
+            # thread drove a second communicator's order against the inner steps'), spread over the inner
+            # steps between a sync's start and its outer step
+            assert found["edgc"]["other_threads"] == 0, found["edgc"]
+            assert found["edgc"]["issue_steps"] == [2, 3], found["edgc"]
