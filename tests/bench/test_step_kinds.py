@@ -74,6 +74,13 @@ def test_the_committed_figures_are_this_engines_static_step_and_the_page_shows_t
     assert script.block(FIGURES) in page
 
 
+def test_the_committed_outer_sync_is_diloco_s_default():
+    """A new default outer sync is recounted (python -m edgc_bench.step_kinds --out …; the script)."""
+    from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
+
+    assert FIGURES["diloco"]["method"] == DEFAULT_OUTER_SYNC
+
+
 def test_the_process_peak_holds_at_least_the_error_feedback():
     """Real tensors at GPT-2 XL widths, embeddings alone: the fp32 error feedback (4 B per element) is
     held, and a step's transients add to it."""
