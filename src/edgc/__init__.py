@@ -20,6 +20,7 @@ Modules:
     engine_state.py what the engine keeps between steps; commit, rollback, snapshot of a step
     rank_change.py  how each warm-start Q follows a rank change (keep the energy, add the residual's)
     factors.py      shapes, cross-process seeds and orthonormalisation of low-rank factors
+    orthonormal_choice.py which orthonormalisation a device runs: timed once, agreed, kept in checkpoints
     entropy.py      GDS, the gradient data sampler: cheap gradient-entropy estimates
     rank_model.py   CQM: rank ↔ truncation error ↔ entropy
     rank_control.py DAC's window controller: when to compress and at which rank

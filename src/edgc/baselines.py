@@ -47,6 +47,7 @@ from torch import nn
 from .factors import stable_seed
 from .lowrank import ReduceStats
 from .reducer import GradientReducer
+from .timing import state_to_device, state_to_host
 
 BASELINE_FORMAT = "edgc-baseline/1"
 CAST_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -142,7 +143,8 @@ class _ErrorFeedbackReducer(GradientReducer):
         return {**super().agreed_settings(device), **{f"{type(self).__name__}.{k}": v for k, v in named.items()}}
 
     def _on_device(self, device: torch.device) -> None:
-        self.error = {name: e.to(device) for name, e in self.error.items()}
+        # The jobs' stream reads a loaded error feedback and replaces it (`edgc.timing.state_to_device`).
+        self.error = state_to_device(self.error, device, self._jobs.stream)
 
     def _corrected(self, names: list[str], grads: list[torch.Tensor]) -> torch.Tensor:
         """M = G + e as one flat fp32 (fp64 for fp64 gradients) vector."""
@@ -201,7 +203,7 @@ class _ErrorFeedbackReducer(GradientReducer):
             "format": BASELINE_FORMAT,
             "method": self.method,
             **super().state_dict(),
-            "error": {name: e.detach().cpu().clone() for name, e in self.error.items()},
+            "error": state_to_host(self.error),
         }
 
     def load_state_dict(self, state: dict) -> None:

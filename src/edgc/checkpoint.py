@@ -2,7 +2,8 @@
 
 ``state_dict()`` is a plain dict keyed by parameter name (never by DDP bucket index): ``format``
 (`STATE_FORMAT`), ``step``, ``totals``, ``world_size``, ``rank``, ``config`` (`EDGCConfig.to_dict`),
-``controller``, ``sampler``, ``compressor`` (Q, error feedback, shapes), ``profiler`` (the shadow
+``controller``, ``sampler``, ``compressor`` (Q, error feedback, shapes, the group's orthonormalisation:
+`edgc.orthonormal_choice`), ``profiler`` (the shadow
 engine's) and ``profile_seconds``, ``relative_errors``. `check_loadable` validates all of it first,
 so that a bad checkpoint raises ValueError and leaves the state as it was.
 """
@@ -15,10 +16,12 @@ import torch
 
 from .config import EDGCConfig
 from .entropy import EntropySampler
+from .factors import ORTHONORMALIZATIONS
 from .profiling import profile_seconds
 from .rank_control import WindowController
 
 STATE_FORMAT = "edgc-state/1"
+COMPRESSOR_KEYS = {"q", "error", "shapes", "orthonormalization"}
 REQUIRED = (
     "step",
     "totals",
@@ -47,8 +50,13 @@ def check_loadable(state: dict, config: EDGCConfig, follower: bool, parameter_sh
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"corrupt EDGC state: {exc!r}") from exc
     compressor = state["compressor"]
-    if not isinstance(compressor, dict) or not {"q", "error"} <= set(compressor) <= {"q", "error", "shapes"}:
-        raise ValueError("corrupt EDGC state: compressor must hold 'q' and 'error' (and optionally 'shapes')")
+    if not isinstance(compressor, dict) or not {"q", "error"} <= set(compressor) <= COMPRESSOR_KEYS:
+        raise ValueError(
+            "corrupt EDGC state: compressor must hold 'q' and 'error' (and optionally 'shapes', 'orthonormalization')"
+        )
+    method = compressor.get("orthonormalization")
+    if method is not None and method not in ORTHONORMALIZATIONS:
+        raise ValueError(f"corrupt EDGC state: orthonormalization must be one of {ORTHONORMALIZATIONS}, got {method!r}")
     if parameter_shapes:
         _check_shapes(compressor, parameter_shapes)
 

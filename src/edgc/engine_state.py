@@ -28,7 +28,7 @@ from . import streams
 from .config import LowRankConfig
 from .factors import matrix_shape, orthonormalize_blocks_, restart_dead_entries_, stable_seed
 from .layout import CallLayout
-from .timing import to_device
+from .timing import state_to_device, state_to_host, to_device
 
 
 @dataclass
@@ -85,11 +85,13 @@ class EngineState:
         self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.shares: dict[str, int] = {}  # name → its own rank where a rank split gives it one (`edgc.rank_split`)
+        self.orthonormalization: str | None = None  # the group's method (`edgc.orthonormal_choice`), once chosen
         self.keep_uncommitted = False
         self._calls: dict[tuple, CallState] = {}
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
         self._resized: dict[str, torch.Tensor] = {}  # Q factors as they were before this step resized them
+        self._q_stored: list[tuple[CallState, torch.Tensor]] = []  # (call, its Q before this step)
         self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
         self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
 
@@ -99,6 +101,7 @@ class EngineState:
         self.keep_uncommitted = uncommitted
         self._tracking = True
         self._touched, self._resized, self._step_arenas, self._step_popped = [], {}, [], {}
+        self._q_stored = []
 
     def end_step(self, nonfinite: bool) -> None:
         """The step's non-finite flag is known (on the host, at its end): after a non-finite step clear
@@ -106,8 +109,10 @@ class EngineState:
         if nonfinite:
             for arena in self._touched:
                 arena.zero_()
+            for call, q_stored in reversed(self._q_stored):  # the earliest last: a Q from before the step
+                self._keep_q(call, q_stored)
             self.q.update(self._resized)
-        self._touched, self._resized = [], {}
+        self._touched, self._resized, self._q_stored = [], {}, []
         if not self.keep_uncommitted:
             self._tracking = False
 
@@ -181,10 +186,17 @@ class EngineState:
     ) -> None:
         """A call ends: with error feedback, e = M − P·Qᵀ from ``factors`` (per shape group (Pᵀ, Qᵀ) in
         the arena's dtype); the call's Q is the averaged ``q_flat``, or the stored one where the
-        group saw a NaN/Inf (``nonfinite``, a device flag: selected on the device)."""
+        group saw a NaN/Inf (``nonfinite``, a device flag). Within a tracked step the averaged one is kept
+        and `end_step` puts the stored one back after a non-finite step (no select over Q on the device:
+        Q buffers are replaced, never written, so keeping the stored one's reference costs nothing);
+        outside one, the select runs on the device."""
         if factors is not None:
             self._keep_residual(call, arena, factors)
-        self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
+        if self._tracking:
+            self._q_stored.append((call, q_stored))
+            self._keep_q(call, q_flat)
+        else:
+            self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
 
     def rank_for(self, name: str, rank: int) -> int:
         """The rank ``name`` is compressed at when the step's rank is ``rank`` (its share, if it has one)."""
@@ -244,14 +256,38 @@ class EngineState:
 
     def _rebuild_arena(self, call: CallState, dtype: torch.dtype, device: torch.device) -> None:
         """The arena from the error dict (a first step, a checkpoint, a rank change): zeros where a
-        matrix has no residual yet."""
-        arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
-        for name, view in zip(call.layout.compressed_names, call.views(arena)):
-            old = self.error.get(name)
-            if old is not None and old.numel() == view.numel():
-                view.copy_(old.reshape(view.shape))
+        matrix has no residual yet. Where the dict's entries already lie in one buffer exactly where
+        this layout places them (a rank change that keeps the compressed matrices, their order and so
+        their shape groups' places), that buffer is the arena: rebuilt in place, no second arena
+        alive beside the old one, nothing copied."""
+        arena = self._arena_in_place(call, dtype, device)
+        if arena is None:
+            arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
+            for name, view in zip(call.layout.compressed_names, call.views(arena)):
+                old = self.error.get(name)
+                if old is not None and old.numel() == view.numel():
+                    view.copy_(old.reshape(view.shape))
         call.spare = None
         self._use_arena(call, arena)
+
+    def _arena_in_place(self, call: CallState, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        names = call.layout.compressed_names
+        base = getattr(self.error.get(names[0]), "_base", None) if names else None
+        if (
+            base is None
+            or base.dim() != 1
+            or base.numel() != call.layout.error_numel
+            or base.dtype != dtype
+            or base.device != device
+        ):
+            return None
+        for name, view in zip(names, call.views(base)):
+            kept = self.error.get(name)
+            if kept is None or kept._base is not base or kept.storage_offset() != view.storage_offset():
+                return None
+            if kept.shape != view.shape:
+                return None
+        return base
 
     def _use_arena(self, call: CallState, arena: torch.Tensor) -> None:
         call.arena = arena
@@ -375,31 +411,29 @@ class EngineState:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self, *, include_error: bool = True) -> dict:
         """Q, error feedback (unless ``include_error`` is False: the part every replica shares) and the
-        matrix shapes (for a rank change after a resume), on the CPU."""
+        matrix shapes (for a rank change after a resume), on the CPU: a checkpoint, where the host
+        waits for the device."""
         return {
-            "q": {name: q.detach().cpu().clone() for name, q in self.q.items()},
-            "error": {name: e.detach().cpu().clone() for name, e in self.error.items()} if include_error else {},
+            "q": state_to_host(self.q),
+            "error": state_to_host(self.error) if include_error else {},
             "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+            "orthonormalization": self.orthonormalization,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's or a peer's state. Its orthonormalisation, where it has one, is the group's (a
+        resumed or healed replica times nothing); else the one chosen so far stays."""
         self.q = dict(state["q"])
         self.error = dict(state["error"])
         self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
+        self.orthonormalization = state.get("orthonormalization") or self.orthonormalization
         self._calls.clear()
         self.begin_step()
         self._tracking = False
 
     def to(self, device: torch.device, stream: streams.Stream | None = None) -> None:
-        """Q and error feedback onto ``device`` without a host wait, kept alive for ``stream`` (the jobs'
-        stream, which reads and replaces them: `edgc.streams.record_stream`)."""
-
-        def move(tensor: torch.Tensor) -> torch.Tensor:
-            moved = to_device(tensor, device)
-            if stream is not None:
-                streams.record_stream(moved, stream)
-            return moved
-
-        self.q = {name: move(q) for name, q in self.q.items()}
-        self.error = {name: move(e) for name, e in self.error.items()}
+        """Q and error feedback onto ``device`` for ``stream``, the jobs' stream that reads and replaces
+        them (`edgc.timing.state_to_device`)."""
+        self.q = state_to_device(self.q, device, stream)
+        self.error = state_to_device(self.error, device, stream)
         self._calls.clear()

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 
+from . import timing
 from .config import EDGCConfig
 from .finite import all_finite
 from .signals import get_signal
@@ -41,37 +42,42 @@ from .signals import get_signal
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
 
 
-def histogram_counts(values: torch.Tensor, bins: int) -> torch.Tensor:
+def histogram_counts(values: torch.Tensor, bins: int, bounds: tuple | None = None) -> torch.Tensor:
     """Counts (int64) of finite fp32 ``values`` in ``bins`` equal bins over their own [min, max].
 
     The same counts as ``torch.histc(values, bins, min, max)`` on CPU: bin ⌊(x − min)·bins/(max − min)⌋
     in fp32 arithmetic, the top edge in the last bin, a constant sample all in the first. Built from
     arithmetic and an integer index-add, so it is deterministic and reads nothing to the host on
     every device: ``histc`` on CUDA refuses ``torch.use_deterministic_algorithms(True)`` and needs
-    the range as host numbers, and ``bincount`` on CUDA reads its size to the host.
+    the range as host numbers, and ``bincount`` on CUDA reads its size to the host. ``bounds``: the
+    values' ``torch.aminmax``, where the caller has it (a pass over the values fewer).
     """
-    low, high = torch.aminmax(values)
+    low, high = torch.aminmax(values) if bounds is None else bounds
     span = high - low
     span = torch.where(span > 0, span, torch.ones_like(span))  # a constant sample: every element in bin 0
     # A range past ~10³⁵ overflows this fp32 product (in histc too, where it is undefined): such
     # elements land in an end bin, never outside.
     index = (values - low).mul_(bins).div_(span).to(torch.int32).clamp_(0, bins - 1)
-    one = torch.ones((), dtype=torch.int64, device=values.device)
-    return torch.zeros(bins, dtype=torch.int64, device=values.device).index_add_(0, index, one.expand(index.shape))
+    # Counted in int32 below 2³¹ elements (half the bytes of the index-add's source), returned as int64.
+    dtype = torch.int32 if values.numel() < 2**31 else torch.int64
+    one = torch.ones((), dtype=dtype, device=values.device)
+    counts = torch.zeros(bins, dtype=dtype, device=values.device).index_add_(0, index, one.expand(index.shape))
+    return counts.to(torch.int64)
 
 
-def histogram_entropy(sample: torch.Tensor, bins: int = 1000) -> float:
+def histogram_entropy(sample: torch.Tensor, bins: int = 1000, bounds: tuple | None = None) -> float:
     """Plug-in Shannon entropy (nats) of a histogram over the sample's own [min, max].
 
     Because the bin edges adapt to the range, this is scale-invariant: it measures how
     concentrated the values are relative to their spread. A constant sample has entropy 0.
-    One host read: the result.
+    One host read: the result. ``bounds``: the sample's ``torch.aminmax``, if the caller has it.
     """
     x = sample.detach().reshape(-1).float()
     if x.numel() == 0:
         return float("nan")
-    p = histogram_counts(x, bins) / x.numel()
-    return float(-torch.xlogy(p, p).sum()) + 0.0  # xlogy(0, 0) = 0: empty bins add nothing; + 0.0: no −0.0
+    p = histogram_counts(x, bins, bounds) / x.numel()
+    (value,) = timing.to_host(-torch.xlogy(p, p).sum())  # xlogy(0, 0) = 0: empty bins add nothing
+    return value + 0.0  # no −0.0
 
 
 def gaussian_entropy(sample: torch.Tensor) -> float:
@@ -79,24 +85,44 @@ def gaussian_entropy(sample: torch.Tensor) -> float:
     x = sample.detach().reshape(-1).double()
     if x.numel() < 2:
         return float("nan")
-    variance = float(x.var())
+    (variance,) = timing.to_host(x.var())
     if variance <= 0:
         return float("-inf")
     return 0.5 * math.log(2 * math.pi * math.e * variance)
 
 
-def strided_copy(tensors: Iterable[torch.Tensor], stride: int) -> torch.Tensor:
-    """Every ``stride``-th element of each tensor, copied into one fp32 vector (no host read)."""
-    parts = [t.detach().reshape(-1)[::stride].float() for t in tensors]
-    return torch.cat(parts) if parts else torch.empty(0)
+def strided_size(tensors: Iterable[torch.Tensor], stride: int) -> int:
+    """How many elements `strided_copy` (``tensors``, ``stride``) copies."""
+    return sum(-(-t.numel() // stride) for t in tensors)
 
 
-def drop_nonfinite(sample: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The finite elements of ``sample`` and how many were not (reads the device: step end only)."""
-    if sample.numel() == 0 or bool(all_finite(sample)):  # the usual case: one reduction
+def strided_copy(tensors: Iterable[torch.Tensor], stride: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every ``stride``-th element of each tensor, copied into one fp32 vector (no host read): one
+    gather of the strided views, cast as it goes, not a copy per tensor (hundreds of launches for a
+    large model's bucket). Into ``out`` (fp32, 1-D, `strided_size` elements) if given."""
+    views = [t.detach().reshape(-1)[::stride] for t in tensors]
+    if not views:
+        return torch.empty(0)
+    if out is None:
+        out = torch.empty(sum(v.numel() for v in views), dtype=torch.float32, device=views[0].device)
+    return torch.cat(views, out=out)
+
+
+def drop_nonfinite(sample: torch.Tensor, bounds: tuple | None = None) -> tuple[torch.Tensor, int]:
+    """The finite elements of ``sample`` and how many were not (reads the device, through
+    `edgc.timing.to_host`: step end only). ``bounds``: the sample's ``torch.aminmax``, where the caller
+    has it: a minimum and a maximum that are finite mean every element is (NaN propagates into both)."""
+    if sample.numel() == 0:
+        return sample, 0
+    if bounds is None:
+        flag = ~all_finite(sample)  # the usual case: one reduction
+    else:
+        flag = ~(torch.isfinite(bounds[0]) & torch.isfinite(bounds[1]))
+    if not timing.to_host(flag)[0]:
         return sample, 0
     finite = torch.isfinite(sample)
-    return sample[finite], int(sample.numel() - int(finite.sum()))
+    (kept,) = timing.to_host(finite.sum())
+    return sample[finite], int(sample.numel() - kept)
 
 
 def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.Tensor, int]:
@@ -132,7 +158,12 @@ class EntropySampler:
         self._parts: list[torch.Tensor] = []
         self._elapsed = 0.0
         self.elements_per_step: int | None = None  # gradient elements of the last complete step
-        self._elements = 0  # of this step so far
+        self.tensors_per_step: int | None = None  # and its tensors
+        self._elements = self._tensors = 0  # of this step so far
+        # One vector the step's buckets are gathered into, once the step's size is known (no copy of
+        # the parts into one at the end); parts that do not fit go to _parts
+        self._room: torch.Tensor | None = None
+        self._filled = 0
         self._stride = self.stride  # this step's stride (the report's cap folded in)
         self._thinned = False  # the cap is in this step's stride (else a report sample is thinned after gathering)
 
@@ -141,10 +172,11 @@ class EntropySampler:
 
     def begin(self, step: int, enabled: bool = True) -> None:
         if self._elements:
-            self.elements_per_step = self._elements
-        self._elements = 0
+            self.elements_per_step, self.tensors_per_step = self._elements, self._tensors
+        self._elements = self._tensors = 0
         self._step = step if enabled and self.due(step) else None
         self._parts, self._elapsed = [], 0.0
+        self._room, self._filled = None, 0
         self._stride = self.stride
         self._thinned = self.cap is not None and bool(self.elements_per_step)
         if self._thinned:
@@ -153,28 +185,46 @@ class EntropySampler:
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         tensors = list(tensors)
         self._elements += sum(t.numel() for t in tensors)  # every step: the next sample's stride needs it
-        if self._step is None:
+        self._tensors += len(tensors)
+        if self._step is None or not tensors:
             return
         start = time.perf_counter()
-        self._parts.append(strided_copy(tensors, self._stride))  # filtered in finish(): no per-bucket read
+        if self._room is None and self.tensors_per_step and not self._filled:  # at most a step's elements
+            bound = math.ceil(self.elements_per_step / self._stride) + self.tensors_per_step
+            self._room = torch.empty(bound, dtype=torch.float32, device=tensors[0].device)
+        size = strided_size(tensors, self._stride)
+        if self._room is not None and not self._parts and self._filled + size <= self._room.numel():
+            strided_copy(tensors, self._stride, self._room[self._filled : self._filled + size])
+            self._filled += size
+        else:  # filtered in finish(): no per-bucket read
+            self._parts.append(strided_copy(tensors, self._stride))
         self._elapsed += time.perf_counter() - start
 
-    def estimate(self, sample: torch.Tensor) -> float:
+    def _sample(self) -> torch.Tensor:
+        """This step's sample, in the order its buckets came, thinned to the cap if not already."""
+        parts = ([self._room[: self._filled]] if self._filled else []) + self._parts
+        size = sum(part.numel() for part in parts)
+        if self.cap is not None and not self._thinned and size > self.cap:  # thinned before the copy into one
+            parts = [part[:: math.ceil(size / self.cap)] for part in parts]
+        if len(parts) == 1 and parts[0].is_contiguous():
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0)
+
+    def estimate(self, sample: torch.Tensor, bounds: tuple | None = None) -> float:
         if self.estimator == "gaussian":
             return gaussian_entropy(sample)
-        return histogram_entropy(sample, self.bins)
+        return histogram_entropy(sample, self.bins, bounds)
 
     def finish(self) -> float | None:
         """Entropy of this step's sample (None when the step was not sampled or all was non-finite)."""
         if self._step is None:
             return None
         start = time.perf_counter()
-        parts = self._parts
-        size = sum(part.numel() for part in parts)
-        if self.cap is not None and not self._thinned and size > self.cap:  # thinned before the copy into one
-            parts = [part[:: math.ceil(size / self.cap)] for part in parts]
-        sample, nonfinite = drop_nonfinite(torch.cat(parts) if parts else torch.empty(0))
-        value = self.estimate(sample) if sample.numel() else None
+        sample = self._sample()
+        # The histogram's range, read once: it tells the finite check too (NaN or ±Inf reach it)
+        bounds = torch.aminmax(sample) if sample.numel() and self.estimator != "gaussian" else None
+        sample, nonfinite = drop_nonfinite(sample, bounds)
+        value = self.estimate(sample, None if nonfinite else bounds) if sample.numel() else None
         self._elapsed += time.perf_counter() - start
         self.calls += 1
         self.last_seconds = self._elapsed
@@ -186,7 +236,7 @@ class EntropySampler:
             self.history.append((self._step, value))
         else:
             value = None
-        self._step, self._parts = None, []
+        self._step, self._parts, self._room, self._filled = None, [], None, 0
         return value
 
     def _measure_signals(self, sample: torch.Tensor) -> None:

@@ -8,7 +8,6 @@ in-place orthonormalisation of a batch of factors.
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -18,12 +17,8 @@ import torch
 
 from .config import ORTHONORMALIZATION_CHOICES
 
-# The methods `orthonormalize_blocks_` runs (`orthonormalization_for` picks one per device).
+# The methods `orthonormalize_blocks_` runs (`edgc.orthonormal_choice` picks one per device).
 ORTHONORMALIZATIONS = tuple(name for name in ORTHONORMALIZATION_CHOICES if name != "auto")
-# CUDA compute capabilities whose float64 rate is half the float32 one (A100, H100/H200, B200/GB200);
-# elsewhere (consumer and inference cards, L4, L40S, RTX 3090/4090: 1/64) float64 CholeskyQR2 costs
-# several times the step's float32 GEMMs, and the float32 method runs instead.
-FAST_FLOAT64_CAPABILITIES = frozenset({(8, 0), (9, 0), (10, 0)})
 # dtype and floor of the Cholesky methods. The floor is added to every shift, so that an all-zero
 # batch (a layer that got no gradient) still has a positive-definite Gram matrix: far below any value
 # that matters in that dtype, far above its smallest normal number.
@@ -33,29 +28,6 @@ _CHOLESKY = {"cholesky2-fp64": (torch.float64, 1e-300), "cholesky4-fp32": (torch
 def stable_seed(*parts: object) -> int:
     """A seed from names and numbers that is the same in every process (unlike ``hash``)."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
-
-
-@functools.cache
-def _method_for(device_type: str, index: int | None) -> str:
-    if device_type == "cpu":
-        return "householder"
-    if device_type == "cuda" and torch.cuda.get_device_capability(index) in FAST_FLOAT64_CAPABILITIES:
-        return "cholesky2-fp64"
-    return "cholesky4-fp32"
-
-
-def orthonormalization_for(device: torch.device) -> str:
-    """The orthonormalisation the engine runs on ``device``, decided once per device.
-
-    A CPU: LAPACK's Householder QR (a library call costs no launch there, and float32 Householder is
-    the fastest and orthonormal at any condition number). A GPU with fast float64 (compute capability
-    8.0, 9.0, 10.0): shifted CholeskyQR2 in float64, a handful of batched kernels. Any other
-    accelerator: shifted CholeskyQR in float32 (four passes), as orthonormal at float32 storage
-    (`edgc_bench.orthonormalization` measures all of them on the same inputs)."""
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _method_for(device.type, index)
 
 
 def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-12, *, method: str = "cholesky2-fp64") -> torch.Tensor:
@@ -109,7 +81,7 @@ def orthonormalize_blocks_(
     sides differ, their r × r Gram matrices do not), so the library calls do not grow with the
     number of blocks.
 
-    ``method`` (`ORTHONORMALIZATIONS`, `orthonormalization_for`):
+    ``method`` (`ORTHONORMALIZATIONS`, `edgc.orthonormal_choice`):
     - ``householder``: LAPACK's Householder QR per block, in the buffer's dtype (what the engine runs
       on a CPU): rows orthonormal to float32's precision at any condition number; rank-deficient
       rows come out as an orthonormal completion rather than zero rows.

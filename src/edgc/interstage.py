@@ -36,11 +36,17 @@ until that batch's works are done. The receiver puts the header's receive in the
 its matching point; once that batch has been waited on, it receives the payload in a batch of its
 own. So the sender's batch completes only after the receiver's second batch is posted; that cannot
 deadlock, as the header goes first and the receiver's first batch needs nothing else from the
-sender. The payload's size depends on r: a receiver that knows the rank the sender uses (``rank``:
-both sides follow the same agreed numbers, as `edgc_train`'s schedule does) takes the size from it
+sender. The payload's size depends on r, and a receive of the wrong size must never be posted (on
+NCCL a size mismatch is undefined: a hang or a corrupted buffer, long before any check could report
+it). So the size comes from agreed state or from the header first. A receiver whose ``rank`` comes
+from numbers both sides agree on (as `edgc_train`'s schedule takes them: the pipeline's all-gathered
+entropy rank and a configuration the stages compared when they connected) takes the size from it
 and reads no header on the host per packet; `check_headers` then checks every packet's header
-against it with one host read, where the step may synchronise. A receiver that does not know r
-reads the header first (one host read per packet). Either way every packet describes itself.
+against it with one host read, where the step may synchronise. Where that agreed state has just
+changed (a new window's rank, a resume), ``verify`` reads the first packet's header before its
+payload is posted: on a disagreement the payload is received at the header's size, so the sender's
+batch completes, and the receive raises. A receiver that does not know r reads the header first
+(one host read per packet). Either way every packet describes itself.
 
 With NCCL, a group's first batched point-to-point call creates the group's communicator, and
 every rank of the group must take part in it: begin with one batch on every rank of the group
@@ -65,7 +71,7 @@ import torch.distributed as dist
 
 from .factors import orthogonalize_, stable_seed
 from .mesh import as_process_group
-from .timing import to_device, to_host
+from .timing import state_to_device, state_to_host, to_device, to_host
 
 HEADER = 3  # int64 values: rank, rows, columns
 HEADER_BYTES = HEADER * 8
@@ -172,14 +178,13 @@ class InterStageCompressor:
         return out
 
     def state_dict(self) -> dict:
-        return {
-            "residuals": {k: v.cpu() for k, v in self.residuals.items()},
-            "qs": {k: v.cpu() for k, v in self.qs.items()},
-        }
+        return {"residuals": state_to_host(self.residuals), "qs": state_to_host(self.qs)}
 
     def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
-        self.residuals = {int(k): v.to(device) if device else v for k, v in state["residuals"].items()}
-        self.qs = {int(k): v.to(device) if device else v for k, v in state["qs"].items()}
+        """Residuals and Q onto ``device`` (used on the compute stream alone: no stream to keep them for)."""
+        for key in ("residuals", "qs"):
+            loaded = {int(k): v for k, v in state[key].items()}
+            setattr(self, key, state_to_device(loaded, device, None) if device else loaded)
 
 
 def decompress(packet: Packet) -> torch.Tensor:
@@ -218,7 +223,9 @@ class IncomingGradient:
     ``op`` receives the header: post it in the batch of the receiver's point of the schedule.
     After that batch has been waited on, `finish` receives the payload in a batch of its own and
     returns the decompressed gradient. ``rank``: the rank the sender compresses this gradient at
-    (None: raw), when the receiver knows it; left out, `finish` reads it from the header."""
+    (None: raw), when the receiver knows it from agreed state; left out, `finish` reads it from the
+    header. ``verify``: that agreed state has just changed: read the header before the payload and
+    raise if it disagrees (after receiving the payload at the header's size)."""
 
     UNKNOWN = object()
 
@@ -231,8 +238,10 @@ class IncomingGradient:
         group=None,
         tag: int = 0,
         rank: int | None | object = UNKNOWN,
+        verify: bool = False,
     ):
         self.shape, self.src, self.dtype, self.device, self.tag = torch.Size(shape), src, dtype, device, tag
+        self.verify = verify
         self.group = as_process_group(group)
         self.n = self.shape[-1]
         self.m = math.prod(self.shape) // self.n
@@ -243,17 +252,20 @@ class IncomingGradient:
     def finish(self, mark: Callable[[], None] | None = None) -> torch.Tensor:
         """``mark`` (a timing hook, e.g. a clock stamp) is called once the header is in and once the
         payload has arrived: the span between the two is the payload's transfer."""
-        if self.expected is not None:
+        if self.expected is not None and not self.verify:
             rank, m, n = self.expected, self.m, self.n  # the header is checked later (`check_headers`)
         else:
             rank, m, n = to_host(self.header)  # the packet's one host read
         if mark is not None:
             mark()
-        if m * n != math.prod(self.shape):
+        disagreement = self.expected is not None and (rank, m, n) != (self.expected, self.m, self.n)
+        if m * n != math.prod(self.shape) and not disagreement:
             raise RuntimeError(f"interstage: got a {m}×{n} gradient for an activation of shape {tuple(self.shape)}")
         payload = torch.empty((m + n) * rank if rank else m * n, dtype=self.dtype, device=self.device)
         for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, payload, self.src, self.group, self.tag)]):
             work.wait()
+        if disagreement:  # received at the header's size, so that the sender is not left waiting
+            raise RuntimeError(_disagreeing(self.src, [rank, m, n], [self.expected, self.m, self.n]))
         if mark is not None:
             mark()
         return decompress(Packet(rank, self.shape, payload)).to(self.dtype)
@@ -269,10 +281,14 @@ def check_headers(incoming: list[IncomingGradient]) -> None:
     for i, packet in enumerate(known):
         got, wanted = tuple(values[HEADER * i : HEADER * (i + 1)]), (packet.expected, packet.m, packet.n)
         if got != wanted:
-            raise RuntimeError(
-                f"interstage: a packet from rank {packet.src} has header [rank, m, n] = {list(got)}, "
-                f"its receiver expected {list(wanted)}: the two stages disagree on the rank"
-            )
+            raise RuntimeError(_disagreeing(packet.src, list(got), list(wanted)))
+
+
+def _disagreeing(src: int, got: list, wanted: list) -> str:
+    return (
+        f"interstage: a packet from rank {src} has header [rank, m, n] = {got}, its receiver expected "
+        f"{wanted}: the two stages disagree on the rank"
+    )
 
 
 def recv_gradient(

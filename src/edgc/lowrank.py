@@ -51,13 +51,10 @@ from . import rank_change
 from .comm import FINISHES, ISSUES_MORE, Communicator, Job, Pending, run_job
 from .config import EDGCConfig, LowRankConfig
 from .engine_state import CallState, EngineState, subtracts_estimate
-from .factors import (
-    compressed_rank,
-    orthonormalization_for,
-    orthonormalize_blocks_,
-)
+from .factors import compressed_rank, orthonormalize_blocks_
 from .finite import nan_unless_finite
 from .layout import CallLayout
+from .orthonormal_choice import agreed, orthonormalization_for
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -74,8 +71,8 @@ class ReduceStats:
     elements_sent: int = 0
     bytes_raw: int = 0
     bytes_sent: int = 0
-    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² over compressed matrices (when measured)
-    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured)
+    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² over compressed matrices (when measured; `ERROR_SAMPLE`)
+    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured; `ERROR_SAMPLE`)
     nonfinite: bool | torch.Tensor = False  # the group saw a NaN/Inf: the averaged gradients are NaN
     ranks: dict[str, int] = field(default_factory=dict)  # per parameter; 0 = sent raw
 
@@ -91,13 +88,29 @@ def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(torch.bmm(a, b))  # a small factor
 
 
-def _squared_norm(arena: torch.Tensor, layout: CallLayout) -> torch.Tensor:
-    """‖M‖² over the arena as a float64 device scalar; a half-precision arena group by group in
-    float32 (a half-precision dot loses the digits the error formula subtracts)."""
-    if arena.dtype in (torch.float32, torch.float64):
-        return torch.dot(arena, arena).to(torch.float64)
-    blocks = [group.error_view(arena).reshape(-1).float() for group in layout.groups]
-    return torch.stack([torch.dot(b, b) for b in blocks]).sum().to(torch.float64)
+# A measured call reads every s-th row of its matrices' M and e, s chosen so that it reads about this
+# many elements (s = 1, every row, for a call this small or smaller): ‖M − Ĝ‖/‖M‖ from the residual
+# as written, at a cost that does not grow with the model (a whole pass over M is 4 bytes per element).
+ERROR_SAMPLE = 1 << 16
+
+
+def _row_stride(layout: CallLayout, sampled: bool) -> int:
+    return max(1, layout.error_numel // ERROR_SAMPLE) if sampled else 1
+
+
+def _squares(arena: torch.Tensor, layout: CallLayout, stride: int) -> torch.Tensor:
+    """The summed squared norms of the call's compressed matrices in ``arena`` (M, or the residual e) as
+    a float64 device scalar, from every ``stride``-th row of each (scaled by rows / rows read: exact at
+    stride 1). One read of those rows per shape group, accumulated in float32 at least (a
+    half-precision sum loses digits; asked of a half-precision tensor, a GPU's norm accumulates in
+    float32 without a copy, where a float64 accumulation would first copy the rows)."""
+    half = arena.dtype in (torch.float16, torch.bfloat16)
+    total = torch.zeros((), dtype=torch.float64, device=arena.device)
+    for group in layout.groups:
+        rows = group.error_view(arena)[:, ::stride]
+        norm = torch.linalg.vector_norm(rows, dtype=torch.float32 if half else None).to(torch.float64)
+        total = total.add(norm.square(), alpha=group.m / rows.shape[1])
+    return total
 
 
 def _half_wire_shift(size: int) -> float:
@@ -165,13 +178,27 @@ class LowRankCompressor:
 
     def orthonormalization(self, device: torch.device) -> str:
         """The method that orthonormalises this engine's factors on ``device`` (`edgc.factors`):
-        ``LowRankConfig.orthonormalization`` where it names one, else the device's
-        (`edgc.factors.orthonormalization_for`; a fast-float64 GPU's with ``force_accelerator_kernels``)."""
+        ``LowRankConfig.orthonormalization`` where it names one, else the one its state keeps (the
+        group's, `agree_orthonormalization`, or a checkpoint's), else this process's choice for the
+        device (`edgc.orthonormal_choice`; a fast-float64 GPU's with ``force_accelerator_kernels``)."""
         if self.config.orthonormalization != "auto":
             return self.config.orthonormalization
         if self.force_accelerator_kernels and device.type == "cpu":
             return "cholesky2-fp64"
-        return orthonormalization_for(device)
+        if self.state.orthonormalization is None:
+            self.state.orthonormalization = orthonormalization_for(device)
+        return self.state.orthonormalization
+
+    def agree_orthonormalization(self, device: torch.device, comm: Communicator) -> None:
+        """Where the method is the engine's to choose and no checkpoint chose it: this rank's choice on
+        ``device`` made the group's (`edgc.orthonormal_choice.agreed`; on a CPU every rank takes
+        Householder by rule, and nothing is sent). Call on every rank at the same point."""
+        if self.config.orthonormalization != "auto" or self.state.orthonormalization is not None:
+            return
+        if device.type == "cpu" or self.force_accelerator_kernels:
+            self.orthonormalization(device)
+            return
+        self.state.orthonormalization = agreed(orthonormalization_for(device), comm, device)
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.rank_change.change_rank`):
@@ -310,8 +337,10 @@ class LowRankCompressor:
         for group in layout.groups:
             _bmm_into(group.q_view(q_flat), group.p_view(p_flat), group.error_view(run.arena))
         if run.measure_error:
-            run.local_q = q_flat.clone()
-            run.stats.norm_sq = _squared_norm(run.arena, layout)
+            if not self.config.error_feedback:  # no residual to read after: ‖M − Ĝ‖² from ‖M‖² and Q
+                run.local_q = q_flat.clone()
+            stride = _row_stride(layout, sampled=self.config.error_feedback)
+            run.stats.norm_sq = _squares(run.arena, layout, stride)
         if run.half_wire:
             for group in layout.groups:
                 group.q_view(q_flat).mul_(_half_wire_shift(group.m))
@@ -333,7 +362,10 @@ class LowRankCompressor:
         run.stats.nonfinite = bad
         factors = self._decompress(run.kept, run.grads, run.arena, run.p_flat, q_flat, poison)
         self.state.close_call(run.kept, run.arena, factors, run.q_stored, q_flat, bad)
-        if run.measure_error:
+        if run.measure_error and run.local_q is None:
+            # ‖e‖² = ‖M − Ĝ‖² read from the residual just written, on the rows ‖M‖² was read from
+            run.stats.error_sq = _squares(run.kept.arena, run.layout, _row_stride(run.layout, sampled=True))
+        elif run.measure_error:
             # ‖M − P·Qᵀ‖² = ‖M‖² − 2⟨Mᵀ·P, Q⟩ + ‖Q‖² for orthonormal P: no pass over M.
             cross = torch.dot(run.local_q, q_flat).to(torch.float64)
             square = torch.dot(q_flat, q_flat).to(torch.float64)

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .outer_sync import QuantizedState, pack, unpack
+from .timing import host_reads_allowed
 
 CANDIDATES = (2, 3, 4, 6, 8)
 
@@ -93,7 +94,8 @@ class AllocatedQuantState(QuantizedState):
                 for part in parts
             ]
         ).double()
-        table = self.comm.mean_(errors).tolist()  # identical on every rank: the same choice everywhere
+        with host_reads_allowed():  # the module docstring's one read per outer step
+            table = self.comm.mean_(errors).tolist()  # identical on every rank: the same choice everywhere
         sizes = [p.numel() for p in parts]
         budget = sum(math.ceil(n / 8) * self.mean_bits + 4 * math.ceil(n / self.chunk) for n in sizes)
         return allocate(table, sizes, self.chunk, budget)

@@ -18,7 +18,8 @@ outer optimizer it is DiLoCo with a sparse sync. `edgc experiment diloco` compar
 
 `AllocatedSparseState` chooses k per tensor (from `DENSITIES`) where a byte removes the most
 measured error, within the bytes of one uniform ``density``: the CQM's error per byte, taken from
-rank to density (`edgc.outer_alloc.allocate_by_cost`).
+rank to density (`edgc.outer_alloc.allocate_by_cost`). The choice is taken on the host: one host read
+of the averaged error table per outer step, as `edgc.outer_alloc`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from .baselines import _ErrorFeedbackReducer
 from .outer_alloc import allocate_by_cost
+from .timing import host_reads_allowed
 
 DENSITIES = (1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16)
 
@@ -84,13 +86,21 @@ def encode(x: torch.Tensor, lay: _Layout, groups: int) -> tuple[torch.Tensor, to
     return pack_bits(codes, lay.index_bits + 1), scales
 
 
+def _group_of_entry(k: int, groups: int, device: torch.device) -> torch.Tensor:
+    """The group of each of a chunk's k entries, as ``tensor_split`` (k, groups) cuts them: the first
+    k mod groups groups one entry longer. Made on the device (a list copied there makes the host wait)."""
+    short, longer = divmod(k, groups)
+    entry = torch.arange(k, device=device)
+    boundary = longer * (short + 1)
+    return torch.where(entry < boundary, entry // (short + 1), longer + (entry - boundary) // short)
+
+
 def decode(packed: torch.Tensor, scales: torch.Tensor, lay: _Layout, groups: int) -> torch.Tensor:
     """The flat values a message of ``lay`` stands for (zero where nothing was sent)."""
     codes = unpack_bits(packed, lay.index_bits + 1, lay.chunks * lay.k).view(lay.chunks, lay.k)
     index = codes & ((1 << lay.index_bits) - 1)
     sign = 1 - 2 * (codes >> lay.index_bits).to(torch.float32)
-    widths = [part.shape[1] for part in torch.empty(0, lay.k).tensor_split(lay.groups(groups), dim=1)]
-    magnitude = scales.reshape(lay.chunks, -1).repeat_interleave(torch.tensor(widths, device=scales.device), dim=1)
+    magnitude = scales.reshape(lay.chunks, -1)[:, _group_of_entry(lay.k, lay.groups(groups), packed.device)]
     dense = torch.zeros(lay.chunks, lay.size, dtype=torch.float32, device=packed.device)
     dense.scatter_(1, index, sign * magnitude)  # one chunk's indices are distinct: no two writes meet
     return dense.view(-1)[: lay.n]
@@ -245,7 +255,8 @@ class AllocatedSparseState(SparseQuantState):
                 for part, row in zip(parts, candidates)
             ]
         ).double()
-        table = self.comm.mean_(errors).tolist()  # identical on every rank: the same choice everywhere
+        with host_reads_allowed():  # the module docstring's one read per outer step
+            table = self.comm.mean_(errors).tolist()  # identical on every rank: the same choice everywhere
         costs = [[lay.bytes(self.groups) for lay in row] for row in candidates]
         choice = allocate_by_cost(table, costs, self.message_bytes([p.numel() for p in parts]))
         self.last_density = {name: DENSITIES[c] for name, c in zip(names, choice)}

@@ -55,16 +55,22 @@ def change_rank(kept: EngineState, rank: int, comm: Communicator) -> tuple[int, 
 def principal_columns(qs: list[torch.Tensor], ranks: list[int]) -> list[torch.Tensor]:
     """Q·V[:, :rank] for each Q, V the eigenvectors of QᵀQ, largest eigenvalue first: the Gram
     matrices of every Q with the same number of columns in one batched eigendecomposition (one
-    library call and one host check per column count, not one per matrix)."""
+    library call and one host check per column count, not one per matrix), the products batched per
+    Q shape and rank (a few launches per shape, not a few per matrix)."""
     kept: list[torch.Tensor | None] = [None] * len(qs)
-    by_columns: dict[int, list[int]] = {}
+    by_columns: dict[int, dict[tuple[int, int], list[int]]] = {}
     for i, q in enumerate(qs):
-        by_columns.setdefault(q.shape[1], []).append(i)
-    for indices in by_columns.values():
-        grams = torch.stack([(qs[i].T @ qs[i]).double() for i in indices])
+        by_columns.setdefault(q.shape[1], {}).setdefault((q.shape[0], ranks[i]), []).append(i)
+    for by_shape in by_columns.values():
+        stacks = [torch.stack([qs[i] for i in indices]) for indices in by_shape.values()]
+        grams = torch.cat([torch.bmm(stack.transpose(1, 2), stack) for stack in stacks]).double()
         _, vectors = torch.linalg.eigh(grams)  # ascending
-        for i, v in zip(indices, vectors.flip(-1).unbind(0)):
-            kept[i] = qs[i] @ v[:, : ranks[i]].to(qs[i].dtype)
+        vectors, offset = vectors.flip(-1), 0
+        for ((_, rank), indices), stack in zip(by_shape.items(), stacks):
+            v = vectors[offset : offset + len(indices), :, :rank].to(stack.dtype)
+            offset += len(indices)
+            for i, q in zip(indices, torch.bmm(stack, v).unbind(0)):
+                kept[i] = q
     return kept  # type: ignore[return-value]
 
 

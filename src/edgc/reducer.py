@@ -22,7 +22,7 @@ order, each handed the step's record: `_plan_step` (the step begins), `_reduce` 
 `_fusion_bytes`), `_close_step` (its last bucket is averaged: extra device values), `_settle_step`
 (the values are on the host: the method's metrics), `_settle_group` (what the group settles
 together, with collectives); and `_snapshot` / `_restore` / `_commit` for uncommitted steps,
-`_on_device` once.
+`_on_device` and `_agree_on_device` at the first step.
 """
 
 from __future__ import annotations
@@ -213,6 +213,7 @@ class GradientReducer:
         self.clock.enabled = self._timed(self._current)
         self.comm.use_device(device, self.clock)
         self._on_device(device)
+        self._agree_on_device(device)
 
     def _timed(self, record: StepRecord | None) -> bool:
         """Whether this step takes device timestamps (`edgc.timing.DEVICE_TIMING_EVERY`)."""
@@ -321,7 +322,12 @@ class GradientReducer:
         """What the group settles together (collectives, in the same order on every rank)."""
 
     def _on_device(self, device: torch.device) -> None:
-        """Called once with the gradients' device (move loaded state there)."""
+        """Called with the gradients' device (move loaded state there): at the first step, and at a load
+        once the device is known. No collective here: a healing replica loads alone."""
+
+    def _agree_on_device(self, device: torch.device) -> None:
+        """Called once, at the first step, on every rank at the same point: what the group decides about
+        the device together (collectives allowed)."""
 
     # ------------------------------------------------------------------ uncommitted steps
     @property

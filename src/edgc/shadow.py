@@ -75,10 +75,16 @@ class ShadowProfiler:
         deferred, self._deferred = self._deferred, []
         if plan.profile_bound:  # before the shadow sync adds its own waits
             self._plain_waits = comm.wait_stamps()
-        if deferred:
-            with jobs.working():
-                for names, grads in deferred:
-                    self._time_shadow_sync(names, grads, plan, comm, clock)
+        if not deferred:
+            return
+        # Copied on the compute stream, where the gradients lie: the next step's backward writes DDP's
+        # buckets there, and nothing would order that write after a read on the jobs' stream.
+        copies = [(names, [g.detach().clone() for g in grads]) for names, grads in deferred]
+        with jobs.working(after_compute=True):
+            for names, grads in copies:
+                for copy in grads:
+                    streams.record_stream(copy, jobs.stream)  # freed after the jobs' stream reads it
+                self._time_shadow_sync(names, grads, plan, comm, clock)
 
     def _time_shadow_sync(
         self, names: list[str], grads: list[torch.Tensor], plan: StepPlan, comm: Communicator, clock: Clock
@@ -117,7 +123,9 @@ class ShadowProfiler:
         factors are garbage."""
         self.seconds = [0.0, 0, 0.0, 0]
         if finished:
+            method = self.compressor.state.orthonormalization  # the group's (`edgc.orthonormal_choice`)
             self.compressor = LowRankCompressor(self.compressor.config)
+            self.compressor.state.orthonormalization = method
 
     def to(self, device: torch.device, stream: streams.Stream | None) -> None:
         self.compressor.state.to(device, stream)

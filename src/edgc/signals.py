@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import timing
 from .rank_rules import delta_ratio
 from .registry import Registry
 
@@ -110,7 +111,7 @@ class GradNormSignal(BudgetSignal):
     name = "gradnorm"
 
     def measure(self, sample: torch.Tensor) -> float | None:
-        rms = float(sample.square().mean().sqrt())
+        (rms,) = timing.to_host(sample.square().mean().sqrt())
         return math.log(rms) if rms > 0 and math.isfinite(rms) else None
 
 

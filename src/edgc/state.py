@@ -97,8 +97,11 @@ class EDGCState(GradientReducer):
     # ------------------------------------------------------------------ what the ranks agree on
     def agreed_settings(self, device: torch.device) -> dict[str, Any]:
         """`GradientReducer.agreed_settings`, with every `EDGCConfig` field, the values its "auto" and None
-        resolve to on ``device``, and this state's own arguments."""
+        resolve to on ``device``, and this state's own arguments. The orthonormalisation is the group's
+        by then (`edgc.orthonormal_choice`: rank 0's timing, or the checkpoint's), so a timing that differs
+        between ranks is no disagreement, and checkpoints that differ are one."""
         config, compressor = self.config, self.compressor
+        compressor.agree_orthonormalization(device, self.settings_group())
         fusion = self._fusion_megabytes(device)
         return {
             **super().agreed_settings(device),
@@ -145,6 +148,12 @@ class EDGCState(GradientReducer):
     def _on_device(self, device: torch.device) -> None:
         self.compressor.state.to(device, self._jobs.stream)
         self.profiler.to(device, self._jobs.stream)
+
+    def _agree_on_device(self, device: torch.device) -> None:
+        """The orthonormalisation the group runs on the device (`edgc.orthonormal_choice`), the shadow
+        syncs' too."""
+        self.compressor.agree_orthonormalization(device, self.comm)
+        self.profiler.compressor.state.orthonormalization = self.compressor.orthonormalization(device)
 
     def _fusion_bytes(self, record: StepRecord | None) -> float:
         """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.jobs`)."""

@@ -25,6 +25,9 @@ Stream = Any  # torch.cuda.Stream, or torch.cpu.Stream off CUDA
 # Told of every `record_stream` off CUDA, where tensors have no stream to record: a checker's
 # hook (`edgc_bench.stream_check`); None outside one.
 record_stream_observer: Callable[[torch.Tensor, Stream], None] | None = None
+# Asked off CUDA whether the calling thread runs CUDA's path on CPU tensors, pinned host copies
+# included: a checker's (`edgc_bench.stream_check`); None outside one.
+pinned_off_cuda: Callable[[], bool] | None = None
 
 
 def new_stream(device: torch.device) -> Stream:
@@ -40,6 +43,13 @@ def current_stream(device: torch.device) -> Stream:
 def using(stream: Stream) -> contextlib.AbstractContextManager:
     """Make ``stream`` the current one in the body."""
     return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else torch.cpu.stream(stream)
+
+
+def pins(device: torch.device) -> bool:
+    """Whether copies between the host and ``device`` go through pinned host memory (CUDA's), so that
+    a non-blocking copy makes neither side wait; then the host reads a copied value only after an
+    event that follows the copy (`edgc.timing.HostCopy`)."""
+    return device.type == "cuda" or (device.type == "cpu" and pinned_off_cuda is not None and pinned_off_cuda())
 
 
 def record_stream(tensor: torch.Tensor, stream: Stream) -> None:

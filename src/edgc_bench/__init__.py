@@ -29,8 +29,14 @@ Modules:
     live_memory.py  the memory a step keeps alive beyond the gradients, counted on the CPU by its storages
     engine_cost.py  a GPT-2 step's bytes and memory per compressed element, beside their floors
     (docs/concepts/engine.md)
+    step_kinds.py   every kind of compressed step counted: kernels, bytes, memory (docs/concepts/engine.md)
     stream_check.py the CUDA path's stream races and host synchronisations, checked on the CPU
-    stream_check_patches.py what that checker replaces while it runs (torch.cpu's streams, ...)
+    stream_check_access.py its kernels' accesses and the races between them
+    stream_check_memory.py where each storage came from, and what its free means
+    stream_check_threads.py every thread and future under it
+    stream_check_patches.py what that checker replaces while it runs (torch.cpu's streams, works, ...)
+    stream_check_moves.py   ... and what it makes of tensors made, moved and read from Python
+    stream_check_syncs.py   which operators make the host wait for the device
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
 """

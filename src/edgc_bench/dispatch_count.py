@@ -278,6 +278,22 @@ def _static_config(rank: int):
     return EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0)
 
 
+def sampled_config(rank: int):
+    """Adaptive rank control held at ``rank`` (one window over the run), the gradients sampled and the
+    error measured on every step: what a sampled step adds to a static one."""
+    from edgc import EDGCConfig
+
+    return EDGCConfig(
+        r_max=rank,
+        r_min=rank,
+        total_steps=100_000,
+        warmup_fraction=0.0,
+        warmup_error_test=False,
+        window=100_000,
+        iteration_sample_ratio=1.0,
+    )
+
+
 def as_on_an_accelerator(state) -> None:
     """Make a state on fake CPU tensors take the path it takes on a GPU with fast float64: buckets
     fused into jobs of the accelerator default (unless its config sets ``fusion_mb``) and factors
@@ -303,13 +319,18 @@ def count_hook_step(
     order: list[int] | None = None,
     settle_steps: int = 1,
     accelerator: bool = True,
+    count_step: int | None = None,
+    prepare: Callable | None = None,
+    after_step: Callable | None = None,
 ) -> StepCount:
     """Dispatches of one compressed step through the DDP hook: every bucket of DDP's layout passed
     to `EDGCState.reduce_bucket` in DDP's order, after the warm-up and ``settle_steps`` compressed
     steps (the first one creates Q and the error feedback). ``order``: the gradients' ready order
     (default `ready_order`, GPT-2's). Also the bytes its ops move and the most memory alive at once
     during it beyond the gradients (the engine's state included). ``accelerator``: the GPU's path
-    (`as_on_an_accelerator`); False: the CPU's."""
+    (`as_on_an_accelerator`); False: the CPU's. ``count_step``: count that optimizer step (not before
+    the settled ones); ``prepare(state)`` runs once the state is built, ``after_step(state)`` after each
+    step (the counted one's after the count: a torchft commit)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc import EDGCState
@@ -327,22 +348,30 @@ def count_hook_step(
             if accelerator:
                 as_on_an_accelerator(state)
             state.comm = communicator = counting_communicator(world_size)
+            if prepare is not None:
+                prepare(state)
 
             def step() -> None:
                 for bucket in buckets:
                     state.reduce_bucket(bucket)
 
             compressed = 0
-            while compressed < settle_steps:
+            while compressed < settle_steps or (count_step is not None and state.step < count_step):
                 step()
                 compressed += state.last_step_metrics["phase"] == "compress"
+                if after_step is not None:
+                    after_step(state)
                 if state.step > 100:
                     raise RuntimeError("the warm-up did not end within 100 steps: pass a static config")
             host.reads, communicator.issued = 0, []
             live.reset_peak()
             with DispatchCounter() as counter:
                 step()
-            metrics = state.last_step_metrics  # settles the step: its one host read (answered by _zeros)
+                # settled in the count: its one host read (answered by _zeros), and a sampled step's
+                # entropy estimate (on a device these run at the next step's start: the step's all the same)
+                metrics = state.last_step_metrics
+            if after_step is not None:
+                after_step(state)
     numel = dict(zip(names, (math.prod(shape) for shape in shapes)))
     compressed = [name for name, r in metrics.get("ranks", {}).items() if r]
     return StepCount(

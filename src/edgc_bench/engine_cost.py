@@ -90,13 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    result = measure(args.model, args.rank)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(measure(args.model, args.rank), args.out)
     return 0
+
+
+def emit(result: dict, out: Path | None) -> None:
+    """Print the figures as JSON, and write them to ``out`` if given."""
+    text = json.dumps(result, indent=1)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .dispatch_count import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
+from .dispatch_count import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order, sampled_config
 from .gpu_support import (
     DeviceTimer,
     device_activity_count,
@@ -59,15 +59,7 @@ def _hook_state(method: str, rank: int, named: list | None, model=None):
     from edgc import EDGCConfig, EDGCState, edgc_hook
 
     if method == "edgc-sampled":
-        config = EDGCConfig(
-            r_max=rank,
-            r_min=rank,
-            total_steps=100_000,
-            warmup_fraction=0.0,
-            warmup_error_test=False,
-            window=100_000,
-            iteration_sample_ratio=1.0,
-        )
+        config = sampled_config(rank)
     else:
         extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
         config = EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, **extra)

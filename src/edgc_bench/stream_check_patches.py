@@ -1,11 +1,15 @@
 """What `edgc_bench.stream_check.StreamChecker` replaces while it is active, and puts back after.
 
-`torch.cpu`'s stream and event stand-ins get an identity and tell the checker of every wait and
-record; the current stream becomes per thread (torch keeps one for the process). ``Work.wait``
-orders the current stream after the collectives. Python-level calls that a dispatch mode cannot
-see say what they do: factories called with ``device=`` make device tensors, ``.to(device)`` of a
-host tensor copies, ``.cpu()``/``tolist``/``numpy`` of a device tensor and blocking copies of host
-data are host synchronisations. Calls from other threads go through unchanged.
+`torch.cpu`'s stream and event stand-ins get an identity and tell the checker of every wait, record
+and host wait (``Event.synchronize``, ``Stream.synchronize``, ``torch.cpu.synchronize``); the
+current stream becomes per thread (torch keeps one for the process). ``Work.wait`` and the wait of
+a work's future order the current stream after that work's end. Python-level calls that a dispatch
+mode cannot see say what they make: factories class their tensors (device, host or pinned host),
+``.to(device)`` of a host tensor copies (a host synchronisation unless non-blocking),
+``.pin_memory()`` makes pinned memory, ``.cpu()``/``tolist``/``numpy`` of a device tensor make the
+host wait (of a pinned buffer: the host reads it), ``torch.load`` makes host tensors. `edgc.streams`
+is told that the CPU stands for CUDA here, so the library takes CUDA's pinned-copy path. Calls from
+threads the checker does not watch go through unchanged.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections import namedtuple
 
 import torch
 import torch.distributed as dist
 
 import edgc.streams
 
-FACTORIES = ("zeros", "ones", "empty", "full", "randn", "rand", "randint", "arange")
-_Operator = namedtuple("_Operator", "name")  # what an access names as its kernel
+from .stream_check_memory import DEVICE
+from .stream_check_moves import Moves
+
 _MISSING = object()
 
 
@@ -37,11 +41,22 @@ class Patches:
     def __init__(self, checker):
         self.checker = checker
         self._saved: list[tuple[object, str, object]] = []
-        self._local = threading.local()  # the current cpu stream, per thread
+        self._local = threading.local()  # .stream: the current cpu stream
+        self.moves = Moves(checker)
+
+    def building(self):
+        """Set-up code in the body (`StreamChecker.device`)."""
+        return self.moves.building()
+
+    def waits_inline(self) -> bool:
+        return self.moves.waits_inline()
+
+    def factory_kind(self, default: str | None = DEVICE) -> str | None:
+        return self.moves.factory_kind(default)
 
     # ------------------------------------------------------------------ installing
     def _set(self, owner, name: str, make) -> None:
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, make(original))
 
@@ -51,22 +66,19 @@ class Patches:
         self._set(cpu.Stream, "wait_stream", self._wait_stream)
         self._set(cpu.Stream, "record_event", self._record_event)
         self._set(cpu.Stream, "wait_event", self._wait_event)
+        self._set(cpu.Stream, "synchronize", self._stream_synchronize)
         self._set(cpu.Event, "record", self._event_record)
         self._set(cpu.Event, "wait", self._event_wait)
         self._set(cpu.Event, "synchronize", self._event_synchronize)
+        self._set(cpu, "synchronize", self._synchronize)
         self._set(cpu, "current_stream", self._current_stream)
         self._set(cpu.StreamContext, "__enter__", self._context_enter)
         self._set(cpu.StreamContext, "__exit__", self._context_exit)
         self._set(dist.Work, "wait", self._work_wait)
         self._set(edgc.streams, "record_stream_observer", lambda _: self.checker.record_stream)
-        for name in FACTORIES:
-            self._set(torch, name, self._factory)
-        self._set(torch, "tensor", self._from_data)
-        self._set(torch, "as_tensor", self._from_data)
-        self._set(torch.Tensor, "to", self._to)
-        self._set(torch.Tensor, "cpu", self._cpu)
-        self._set(torch.Tensor, "tolist", lambda original: self._read("tolist", original))
-        self._set(torch.Tensor, "numpy", lambda original: self._read("numpy", original))
+        self._set(edgc.streams, "pinned_off_cuda", lambda _: self.checker.watching)
+        self.moves.install(self._set)
+        self.checker.threads.install(self._set)
 
     def remove(self) -> None:
         for owner, name, value in reversed(self._saved):
@@ -76,11 +88,15 @@ class Patches:
                 setattr(owner, name, value)
         self._saved = []
 
+    def _watching(self) -> bool:
+        return self.checker.watching()
+
     # ------------------------------------------------------------------ streams and events
     def _stream_init(self, original):
         def init(stream, *args, **kwargs):
             original(stream, *args, **kwargs)
-            self.checker.stream_id(stream, _caller_label())
+            if self._watching():
+                self.checker.stream_id(stream, _caller_label())
 
         return init
 
@@ -89,7 +105,7 @@ class Patches:
 
     def _wait_stream(self, original):
         def wait_stream(stream, other):
-            if self.checker.on_this_thread():
+            if self._watching():
                 self.checker.wait(self._id(stream), self.checker.state_of(self._id(other)))
 
         return wait_stream
@@ -105,14 +121,30 @@ class Patches:
     def _wait_event(self, original):
         def wait_event(stream, event):
             recorded = getattr(event, "_checker_state", None)
-            if recorded is not None and self.checker.on_this_thread():
+            if recorded is not None and self._watching():
                 self.checker.wait(self._id(stream), recorded)
 
         return wait_event
 
+    def _stream_synchronize(self, original):
+        def synchronize(stream):
+            if self._watching():
+                self.checker.host_waits(self.checker.state_of(self._id(stream)))
+                self.checker.note_host_sync("Stream.synchronize")
+
+        return synchronize
+
+    def _synchronize(self, original):
+        def synchronize(device=None):
+            if self._watching():
+                self.checker.host_waits_for_all()
+                self.checker.note_host_sync("synchronize")
+
+        return synchronize
+
     def _event_record(self, original):
         def record(event, stream=None):
-            if self.checker.on_this_thread():
+            if self._watching():
                 event._checker_state = self.checker.state_of(self._id(stream))
 
         return record
@@ -120,7 +152,7 @@ class Patches:
     def _event_wait(self, original):
         def wait(event, stream=None):
             recorded = getattr(event, "_checker_state", None)
-            if recorded is not None and self.checker.on_this_thread():
+            if recorded is not None and self._watching():
                 self.checker.wait(self._id(stream), recorded)
 
         return wait
@@ -128,7 +160,7 @@ class Patches:
     def _event_synchronize(self, original):
         def synchronize(event):
             recorded = getattr(event, "_checker_state", None)
-            if recorded is not None and self.checker.on_this_thread():
+            if recorded is not None and self._watching():
                 self.checker.host_waits(recorded)
                 self.checker.note_host_sync("Event.synchronize")
 
@@ -155,89 +187,18 @@ class Patches:
 
         return exit_
 
+    # ------------------------------------------------------------------ works and futures
     def _work_wait(self, original):
         def wait(work, *args, **kwargs):
             result = original(work, *args, **kwargs)
-            if self.checker.on_this_thread():  # NCCL: the current stream waits for the collective
-                self.checker.wait(self.checker.current(), self.checker.state_of(self.checker.collectives))
+            if self._watching():  # NCCL: the current stream waits for this work's end, and no other's
+                known = self.checker.works.get(id(work))
+                if known is None or known[0] is not work:
+                    self.checker.races.append(
+                        f"Work.wait of a collective the checker did not see issued, at {self.checker.here()}"
+                    )
+                else:
+                    self.checker.wait(self.checker.current(), known[1])
             return result
 
         return wait
-
-    # ------------------------------------------------------------------ tensors made and moved
-    def _made_on_device(self, tensor: torch.Tensor, how: str) -> torch.Tensor:
-        """``tensor`` is a device tensor, just written on the current stream."""
-        checker = self.checker
-        checker.mark(tensor, True)
-        key = checker._key(tensor)
-        if key is not None:
-            checker.events._handle_kernel_launch(checker.current(), set(), {key}, {key}, _Operator(how), {key: []})
-        return tensor
-
-    def _factory(self, original):
-        def factory(*args, **kwargs):
-            result = original(*args, **kwargs)
-            if kwargs.get("device") is not None and isinstance(result, torch.Tensor) and self.checker.on_this_thread():
-                self._made_on_device(result, f"torch.{original.__name__}")
-            return result
-
-        return factory
-
-    def _from_data(self, original):
-        def from_data(data, *args, **kwargs):
-            device = kwargs.get("device", args[1] if len(args) > 1 else None)
-            if device is None or not self.checker.on_this_thread():
-                return original(data, *args, **kwargs)
-            checker = self.checker
-            if not isinstance(data, torch.Tensor):
-                checker.host_sync(f"torch.{original.__name__} of host data with device=")
-            elif checker.is_device(data):
-                return original(data, *args, **kwargs)
-            else:
-                checker.host_sync(f"torch.{original.__name__} of a host tensor with device=")
-            result = original(data, *args, **kwargs)
-            if (
-                isinstance(data, torch.Tensor)
-                and result.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
-            ):
-                result = result.clone()
-            return self._made_on_device(result, f"torch.{original.__name__}")
-
-        return from_data
-
-    def _to(self, original):
-        def to(tensor, *args, **kwargs):
-            checker = self.checker
-            if not checker.on_this_thread() or checker.is_device(tensor):
-                return original(tensor, *args, **kwargs)
-            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-            if device is None:
-                return original(tensor, *args, **kwargs)
-            if not non_blocking:
-                checker.host_sync("blocking .to(device) of a host tensor")
-            result = original(tensor, *args, **kwargs)
-            if result.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                result = result.clone()  # a host-to-device copy makes a new tensor
-            return self._made_on_device(result, "host-to-device copy")
-
-        return to
-
-    def _cpu(self, original):
-        def cpu(tensor, *args, **kwargs):
-            checker = self.checker
-            if not checker.on_this_thread() or not checker.is_device(tensor):
-                return original(tensor, *args, **kwargs)
-            checker.host_sync(".cpu()", tensor)
-            result = original(tensor, *args, **kwargs).clone()  # the host's own copy
-            checker.mark(result, False)
-            return result
-
-        return cpu
-
-    def _read(self, kind: str, original):
-        def read(tensor, *args, **kwargs):
-            if self.checker.on_this_thread() and self.checker.is_device(tensor):
-                self.checker.host_sync(kind, tensor)
-            return original(tensor, *args, **kwargs)
-
-        return read

@@ -124,8 +124,9 @@ def _orth_numbers(count: int, rank: int, side: int, mem: float, launch: float, t
     taken out."""
     import torch
 
-    from edgc.factors import orthonormalization_for, orthonormalize_blocks_
+    from edgc.factors import orthonormalize_blocks_
     from edgc.layout import Block
+    from edgc.orthonormal_choice import orthonormalization_for
 
     from .engine_model import HOUSEHOLDER_COPY_BYTES, ORTH_CAST_BYTES, orth_flops, orth_launches
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.interstage import IncomingGradient, check_headers, compresses, interstage_rank, send_gradient_ops
-from edgc.timing import Clock
+from edgc.interstage import MODES, IncomingGradient, check_headers, compresses, interstage_rank, send_gradient_ops
+from edgc.timing import Clock, to_host
 
 from .mesh import Grid
 from .stage import GPT2Stage, module_width, next_token_loss
@@ -90,6 +90,7 @@ class BackwardTimer:
 
 SPANS = ("interstage", "interstage_wire", "interstage_compress", "forward")  # PipelineStep._spans, logged as <key>_s
 ACTIVATION, GRADIENT = 0, 1  # message tags (gloo matches on them; NCCL matches by order)
+_UNVERIFIED = object()  # no received rank confirmed by a header yet (a new run, a resume)
 
 
 def wait_all(works: list) -> None:
@@ -123,6 +124,7 @@ class PipelineStep:
         self.activation_shape = (cfg.micro_batch, cfg.seq_len, module_width(module))
         self.interstage_rank: int | None = None  # the rank of this step's compressed gradients (sent)
         self._received_rank: int | None = None  # … and of those it receives
+        self._verified_rank: object = _UNVERIFIED  # the received rank the last header read first confirmed
         self._in_flight: list = []  # (works, ops) of this step's send-only batches: the ops keep the buffers
         self._incoming: list[IncomingGradient] = []  # this step's compressed receives, their headers checked at its end
         self._bytes = [0, 0]  # activation-gradient bytes sent, raw, this step
@@ -152,23 +154,43 @@ class PipelineStep:
             wait_all(works)
         self._in_flight = []
 
+    def _contract(self) -> list[float]:
+        """What decides the size of every compressed activation gradient besides the pipeline's agreed
+        entropy rank: it must be the same on both sides of a link."""
+        cfg = self.cfg
+        return [
+            float(MODES.index(self.mode)),
+            float(self.compressor.name == "edgc"),
+            float(getattr(cfg, "interstage_rank", 0) or 0),
+            float(getattr(cfg, "interstage_min_rank", 0) or 0),
+            float(self.micro),
+            float(self.grid.stages),
+        ]
+
     def _connect_neighbours(self) -> None:
-        """Every stage exchanges one value with each neighbour in one batch, so that the pipeline
-        group's first batched call has all of its ranks (NCCL initialises the communicator there)."""
-        token = torch.zeros(1, device=self.device)
-        ops = []
-        if not self.grid.first:
-            ops += [
-                self._op(dist.isend, token, self._prev(), GRADIENT),
-                self._op(dist.irecv, torch.empty_like(token), self._prev(), ACTIVATION),
-            ]
-        if not self.grid.last:
-            ops += [
-                self._op(dist.isend, token, self._next(), ACTIVATION),
-                self._op(dist.irecv, torch.empty_like(token), self._next(), GRADIENT),
-            ]
+        """Every stage exchanges the inter-stage contract (`_contract`) with each neighbour in one batch,
+        so that the pipeline group's first batched call has all of its ranks (NCCL initialises the
+        communicator there), and a disagreement is reported here, before any payload is sized by it."""
+        token = torch.tensor(self._contract(), dtype=torch.float64, device=self.device)
+        ops, theirs = [], []
+        for near, (send_tag, receive_tag) in (
+            (not self.grid.first and self._prev(), (GRADIENT, ACTIVATION)),
+            (not self.grid.last and self._next(), (ACTIVATION, GRADIENT)),
+        ):
+            if near is False:
+                continue
+            theirs.append((near, torch.empty_like(token)))
+            ops += [self._op(dist.isend, token, near, send_tag), self._op(dist.irecv, theirs[-1][1], near, receive_tag)]
         if ops:
             wait_all(dist.batch_isend_irecv(ops))
+        mine = self._contract()
+        for near, contract in theirs:
+            if to_host(contract) != mine:
+                raise RuntimeError(
+                    f"pipeline: rank {near}'s inter-stage settings [mode, edgc, rank, min rank, micro-batches, "
+                    f"stages] = {to_host(contract)} differ from this rank's {mine}: the compressed activation "
+                    "gradients' sizes would disagree"
+                )
 
     def _communicate(
         self,
@@ -238,14 +260,21 @@ class PipelineStep:
         if self.mode == "off":
             buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
             return RawGradient(self._op(dist.irecv, buffer, self._next(), GRADIENT))
+        compressed = self._compresses(index)
+        # The first compressed packet after the agreed rank changed (a new window's rank, a resume) is
+        # sized from its header, read first: a disagreement raises before a wrong-sized receive.
+        verify = compressed and self._received_rank != self._verified_rank
         incoming = IncomingGradient(
             self.activation_shape,
             self._next(),
             device=self.device,
             group=self.grid.pp_group,
             tag=GRADIENT,
-            rank=self._received_rank if self._compresses(index) else None,
+            rank=self._received_rank if compressed else None,
+            verify=verify,
         )
+        if verify:
+            self._verified_rank = self._received_rank
         self._incoming.append(incoming)
         return incoming
 

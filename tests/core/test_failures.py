@@ -34,7 +34,7 @@ def inf_worker(rank, world_size, poison_step, steps):
             snapshots["before"] = {
                 k: {n: t.clone() for n, t in v.items()}
                 for k, v in state.compressor.state_dict().items()
-                if k != "shapes"
+                if k in ("q", "error")
             }
             snapshots["entropies"] = list(state.sampler.history)
         loss.backward()

@@ -109,3 +109,72 @@ def test_point_to_point_roundtrip_over_gloo(known):
     for slot, r in enumerate(ranks):
         torch.testing.assert_close(received[slot], decompress(reference.compress(slot, grads[slot], r)))
     torch.testing.assert_close(received[1], grads[1])  # raw
+
+
+def _agreed_steps(rank, world, steps, packets, disagree_at):
+    """Stage 1 sends ``packets`` compressed gradients a step to stage 0 at the agreed rank of the step (4,
+    then 2 from step 2 on: a new window's rank); the receiver verifies the first packet after each change
+    by its header, checks the rest at the step's end. All under the CPU stream checker, built under it.
+    At step ``disagree_at`` the sender keeps rank 4 (it missed the new window's rank)."""
+    import torch.distributed as dist
+
+    from edgc.interstage import IncomingGradient, check_headers, send_gradient_ops
+    from edgc_bench.stream_check import StreamChecker
+
+    def agreed(step):
+        return 4 if step < 2 else 2
+
+    caught, received = None, []
+    with StreamChecker() as checker, only_batched_point_to_point():
+        compressor = InterStageCompressor()
+        verified = None
+        for step in range(steps):
+            if rank == 1:
+                with checker.device():
+                    grads = [torch.randn(2, 8, 16) for _ in range(packets)]
+                sent_rank = 4 if step == disagree_at else agreed(step)
+                ops = [
+                    op
+                    for slot, g in enumerate(grads)
+                    for op in send_gradient_ops(compressor.compress(slot, g, sent_rank), 0, tag=1)
+                ]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                continue
+            incoming = []
+            try:
+                for _ in range(packets):
+                    verify = agreed(step) != verified
+                    packet = IncomingGradient((2, 8, 16), 1, tag=1, rank=agreed(step), verify=verify)
+                    verified = agreed(step)
+                    for work in dist.batch_isend_irecv([packet.op]):
+                        work.wait()
+                    received.append(packet.finish())
+                    incoming.append(packet)
+                check_headers(incoming)
+            except RuntimeError as error:
+                caught = (step, "disagree on the rank" in str(error))
+                break
+    return {
+        "caught": caught,
+        "received": len(received),
+        "races": checker.races[:3],
+        "syncs": [str(s) for s in checker.host_syncs],
+    }
+
+
+def test_the_interstage_path_under_the_stream_checker():
+    """Several steps in a row, the agreed rank changing once: no race, no host synchronisation outside
+    the allowed header reads (the verified first packet after each change, the step's check)."""
+    for result in run_distributed(_agreed_steps, 2, 4, 2, None, timeout=120):
+        assert result["races"] == [] and result["syncs"] == [], result
+        assert result["caught"] is None
+
+
+def test_a_disagreeing_rank_is_caught_by_the_header_read_first():
+    """The receiver's agreed rank changes to 2 at step 2, the sender's does not: the receiver reads the
+    first packet's header before sizing its payload by its own rank, receives the payload at the
+    header's size (the sender's batch completes: nobody hangs) and raises."""
+    receiver, sender = run_distributed(_agreed_steps, 2, 3, 1, 2, timeout=120)
+    assert sender["caught"] is None and receiver["received"] == 2
+    assert receiver["caught"] == (2, True), receiver

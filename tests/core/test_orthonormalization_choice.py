@@ -7,33 +7,77 @@ fine: the engine must act on the info, not on what the factor looks like."""
 
 import pytest
 import torch
+from distributed_harness import run_distributed
 from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads
 
-import edgc.factors as factors
-from edgc import EDGCConfig, LowRankCompressor
+import edgc.orthonormal_choice as orthonormal_choice
+from edgc import EDGCConfig, EDGCState, LowRankCompressor
 from edgc.comm import Communicator
-from edgc.factors import ORTHONORMALIZATIONS, orthonormalization_for, orthonormalize_blocks_
+from edgc.factors import ORTHONORMALIZATIONS, orthonormalize_blocks_
+from edgc.orthonormal_choice import orthonormalization_for
 
 CHOLESKY = [method for method in ORTHONORMALIZATIONS if method != "householder"]
 
 
-def test_each_device_gets_its_method_once(monkeypatch):
-    asked = []
+def test_each_accelerator_gets_the_method_timed_faster_there_once(monkeypatch):
+    """Compute capability does not tell a cut-float64 part (H20: 9.0) from a fast one (H100: 9.0):
+    the engine times both Cholesky methods once per device and takes the faster."""
+    timed = []
+    float64_seconds = {0: 1.0, 1: 9.0}  # device 0 as an H100, device 1 as an H20 (same capability)
 
-    def capability(index):
-        asked.append(index)
-        return {0: (9, 0), 1: (8, 9)}[index]
+    def seconds_of(method, device, shape=orthonormal_choice.TIMED_SHAPE):
+        timed.append((device.index, method))
+        return float64_seconds[device.index] if method == "cholesky2-fp64" else 2.0
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    factors._method_for.cache_clear()
+    monkeypatch.setattr(orthonormal_choice, "seconds_of", seconds_of)
+    orthonormal_choice.timed.cache_clear()
     try:
         assert orthonormalization_for(torch.device("cpu")) == "householder"
-        assert orthonormalization_for(torch.device("cuda", 0)) == "cholesky2-fp64"  # H100: fast float64
-        assert orthonormalization_for(torch.device("cuda", 1)) == "cholesky4-fp32"  # L40S: 1/64 rate
         assert orthonormalization_for(torch.device("cuda", 0)) == "cholesky2-fp64"
-        assert asked == [0, 1]  # decided once per device
+        assert orthonormalization_for(torch.device("cuda", 1)) == "cholesky4-fp32"
+        assert orthonormalization_for(torch.device("cuda", 0)) == "cholesky2-fp64"
+        assert sorted(timed) == sorted((d, m) for d in (0, 1) for m in orthonormal_choice.TIMED)  # once each
     finally:
-        factors._method_for.cache_clear()
+        orthonormal_choice.timed.cache_clear()
+
+
+def test_a_method_is_timed_on_the_device_it_runs_on():
+    for method in orthonormal_choice.TIMED:
+        assert 0 < orthonormal_choice.seconds_of(method, torch.device("cpu"), (2, 4, 64)) < 10
+
+
+def _agreeing(rank, world_size):
+    from edgc.comm import Communicator
+
+    mine = orthonormal_choice.TIMED[rank]  # each rank timed its device differently
+    return orthonormal_choice.agreed(mine, Communicator(None), torch.device("cpu"))
+
+
+def test_the_group_runs_its_rank_0s_method():
+    assert run_distributed(_agreeing, 2) == [orthonormal_choice.TIMED[0]] * 2
+
+
+def test_the_method_is_kept_in_the_checkpoint_and_a_resume_times_nothing(monkeypatch):
+    grads = make_grads(0, torch.float32)
+    compressor = LowRankCompressor(EDGCConfig(r_max=2))
+    compressor.state.orthonormalization = "cholesky4-fp32"  # as the group agreed on an accelerator
+    compressor.reduce(list(grads), list(grads.values()), 2, Communicator(None))
+    saved = compressor.state_dict()
+    assert saved["orthonormalization"] == "cholesky4-fp32"
+
+    def no_timing(*args):
+        raise AssertionError("a resumed engine must not time: its checkpoint says which method runs")
+
+    monkeypatch.setattr(orthonormal_choice, "timed", no_timing)
+    resumed = LowRankCompressor(EDGCConfig(r_max=2))
+    resumed.load_state_dict(saved)
+    resumed.agree_orthonormalization(torch.device("cuda"), Communicator(None))  # nothing to time or agree
+    assert resumed.orthonormalization(torch.device("cuda")) == "cholesky4-fp32"
+    state = EDGCState(None, EDGCConfig(r_max=2, total_steps=10))
+    state.compressor.load_state_dict(saved)
+    checked = {**state.state_dict(), "compressor": {**saved, "orthonormalization": "qr-by-hand"}}
+    with pytest.raises(ValueError, match="orthonormalization"):
+        EDGCState(None, EDGCConfig(r_max=2, total_steps=10)).load_state_dict(checked)
 
 
 @pytest.mark.parametrize("method", CHOLESKY)

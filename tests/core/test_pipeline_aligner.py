@@ -39,6 +39,8 @@ def aligner_worker(rank, world_size, steps, follower_backward_time, checked=Fals
     aligner = StageAligner(state, rank, world_size, pipeline)
     log = []
     with StreamChecker() if checked else contextlib.nullcontext() as checker:
+        if checked:
+            checker.adopt(model)  # made before the checker, on the device
         for step in range(steps):
             for p in model.parameters():
                 p.grad = torch.randn_like(p) * math.exp(-0.05 * step)  # shrinking gradients: falling entropy

@@ -146,9 +146,11 @@ def train_replica(
     manager = replica_manager(replica, pg, store, lighthouse, quorum, holder, heals)
     checking = contextlib.ExitStack()
     try:
-        module = initial_model(start, quorum)
-        model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
-        optimizer = OptimizerWrapper(manager, torch.optim.Adam(module.parameters(), lr=3e-3))
+        checker = checking.enter_context(stream_checked(replica, report))  # its steps and heals, when asked
+        with checker.device() if checker is not None else contextlib.nullcontext():
+            module = initial_model(start, quorum)
+            model = DistributedDataParallel(manager, module, EDGCConfig(total_steps=steps, **CONFIG), bucket_cap_mb=0.1)
+            optimizer = OptimizerWrapper(manager, torch.optim.Adam(module.parameters(), lr=3e-3))
         holder.update(model=module, optimizer=optimizer)
         state = model.edgc_state
         gradients: dict[str, torch.Tensor] = {}
@@ -160,7 +162,6 @@ def train_replica(
             return reduce(names, grads, flat)
 
         state._reduce = recording_reduce
-        checking.enter_context(stream_checked(replica, report))  # its steps and heals, when asked
         log = report.setdefault("log", {}).setdefault(replica, [])  # (attempt, step, phase, rank) committed
         attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
         attempt[0] += 1
@@ -256,10 +257,10 @@ def stream_checked(replica: int, report: dict):
     """The body under the CPU stream checker if ``replica`` is one of ``report["checked"]``, its
     findings then in ``report["checker"][replica]``."""
     if replica not in report["checked"]:
-        yield
+        yield None
         return
     with StreamChecker() as checker:
-        yield
+        yield checker
     report.setdefault("checker", {})[replica] = (checker.races, [str(sync) for sync in checker.host_syncs])
 
 

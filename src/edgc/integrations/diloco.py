@@ -53,7 +53,7 @@ from ..finite import all_finite
 from ..outer_sync import decay_error_feedback
 from ..state import EDGCState
 from ..sync_methods import sync_method, sync_method_names
-from ..timing import host_reads_allowed
+from ..timing import host_reads_allowed, state_to_host
 
 STATE_FORMAT = "edgc-diloco/1"
 # The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (0.098× the
@@ -85,7 +85,7 @@ class _Fragment:
         self.names = [f"{index}.{name}" for name, _ in named]
         self.params = [p for _, p in named]
         if backup_device is None or torch.device(backup_device).type == "cpu":
-            pin = pin_memory and torch.cuda.is_available()
+            pin = pin_memory and bool(self.params) and streams.pins(self.params[0].device)
             self.original = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
         else:
             self.original = [torch.empty(p.shape, dtype=p.dtype, device=backup_device) for p in self.params]
@@ -121,10 +121,8 @@ class _Fragment:
 
     def state_dict(self) -> dict:
         self._idle()
-        return {
-            "original": [t.detach().cpu().clone() for t in self.original],
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-        }
+        original = state_to_host(dict(enumerate(self.original)))
+        return {"original": list(original.values()), "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["original"]) != len(self.original):
@@ -136,7 +134,8 @@ class _Fragment:
         with torch.no_grad():
             for backup, saved in zip(self.original, state["original"]):
                 backup.copy_(saved)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        with host_reads_allowed():  # torch's optimizer moves its loaded state with blocking copies: a resume
+            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
 
 class DiLoCo:
@@ -330,7 +329,7 @@ class DiLoCo:
         return {
             "format": STATE_FORMAT,
             "local_step": self._local_step,
-            "carry": {name: t.detach().cpu().clone() for name, t in self._carry.items()},
+            "carry": state_to_host(self._carry),
             "fragments": [f.state_dict() for f in self._fragments],
             "edgc": self.state.state_dict(),
         }

@@ -1,0 +1,90 @@
+"""Which ATen operators make the host wait for the device on CUDA (`edgc_bench.stream_check`).
+
+A value read (``_local_scalar_dense``: ``item``, ``bool``, ``float``); an operator whose output size
+depends on values (``nonzero``, boolean-mask indexing, ``unique``, ``repeat_interleave`` without
+``output_size``, ...); the linear-algebra calls that check their own errors on the host
+(``cholesky``, ``inv``, ``solve`` and the rest without ``_ex``, whose composite calls
+``_linalg_check_errors``; ``eigh``, ``eigvalsh`` and ``svd``, which have no ``_ex``); and copies
+between host and device: a blocking one either way, and any copy into pageable host memory
+(CUDA returns from it only once the copy is done), where a non-blocking copy into pinned memory
+is a stream operation (`StreamChecker.host_touches` checks the host's reads of it). The Python-level
+ones (``.cpu()``, ``tolist``, ``numpy``, ``Stream.synchronize``, ...) are in
+`edgc_bench.stream_check_patches`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+
+# Operators whose output size depends on values, or that read values to check errors.
+VALUE_SIZED = frozenset(
+    {
+        aten._local_scalar_dense,
+        aten.nonzero,
+        aten.masked_select,
+        aten._unique2,
+        aten.unique_dim,
+        aten.unique_consecutive,
+        aten.equal,
+        aten.bincount,
+        aten.is_nonzero,
+        aten._linalg_check_errors,
+        aten._linalg_eigh,
+        aten._linalg_svd,
+        aten.linalg_eig,
+    }
+)
+BOOL_INDEXED = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
+
+
+@dataclass
+class HostSync:
+    """One host synchronisation outside `host_reads_allowed`: what, and the library frame that did it."""
+
+    kind: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} at {self.where}"
+
+
+def _argument(func, args, kwargs, name: str, default=None):
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[position] if position < len(args) else kwargs.get(name, default)
+    return default
+
+
+def host_syncs_of(checker, func, args, kwargs) -> list[tuple[str, torch.Tensor | None]]:
+    """The host synchronisation a device operator makes, if it makes one: (what, the tensor read) for
+    ``checker.host_sync`` once the operator is queued (the host waits for it too)."""
+    packet = func.overloadpacket
+    if packet in VALUE_SIZED:
+        return [(packet.__name__, args[0] if args and isinstance(args[0], torch.Tensor) else None)]
+    if packet in BOOL_INDEXED and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in pytree.tree_leaves(args[1])
+    ):
+        return [(f"{packet.__name__} with a boolean mask", args[0])]
+    if packet is aten.repeat_interleave and isinstance(args[0], torch.Tensor):
+        repeats = _argument(func, args, kwargs, "repeats", args[0])
+        if isinstance(repeats, torch.Tensor) and _argument(func, args, kwargs, "output_size") is None:
+            return [("repeat_interleave without output_size", repeats)]
+    if packet is aten.copy_:
+        return _copy(checker, args[0], args[1], bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+    return []
+
+
+def _copy(checker, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> list:
+    into, out_of = checker.kind_of(destination), checker.kind_of(source)
+    if (into == "device") == (out_of == "device"):
+        return []
+    if into == "device":
+        return [] if non_blocking else [("blocking copy_ host → device", destination)]
+    if into == "host":
+        return [("copy_ device → pageable host memory", source)]
+    return [] if non_blocking else [("blocking copy_ device → pinned host memory", source)]
