@@ -94,10 +94,11 @@ def _inner(model: nn.Module) -> nn.Module:
 
 def expert_marks(model: nn.Module | None) -> dict[str, ExpertMark]:
     """Parameter name (as ``model.named_parameters()`` names it, without DDP's ``module.``) → its mark."""
-    if model is None:
+    inner = None if model is None else _inner(model)
+    if not isinstance(inner, nn.Module):  # a stand-in that only names parameters marks no expert
         return {}
     marks = {}
-    for prefix, module in _inner(model).named_modules():
+    for prefix, module in inner.named_modules():
         mark = getattr(module, MARK, None)
         if mark is not None:
             for name, _ in module.named_parameters():
