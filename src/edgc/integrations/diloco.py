@@ -255,7 +255,10 @@ class DiLoCo:
         fragment.copied()
         fragment.deltas = deltas
         decay_error_feedback(self.state, self._decay)
-        fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit else []
+        # A state that leaves the whole M in its error feedback on a rollback (`edgc.two_stage`) needs
+        # no copy of Δ to carry: 4 bytes a parameter fewer while the verdict is out.
+        keeps = self.state.rollback_keeps_input
+        fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit and not keeps else []
         self._syncing = fragment
         self.state.reduce_tensors(fragment.names, fragment.deltas, last=False, blocking=False)
 
