@@ -44,7 +44,6 @@ The codec contract (what a new method implements; `edgc.codecs.QuantCodec` is th
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -196,22 +195,9 @@ class TwoStageReducer(_ErrorFeedbackReducer):
             return None, None
         kept = self.owner_error.get(key)
         if kept is not None and kept[0] != partition:
-            events.say(
-                self,
-                logging.INFO,
-                {
-                    "kind": "owner_error_dropped",
-                    "step": self.step,
-                    "message": f"step {self.step}: {self.method}: the owner's error feedback of {key!r} is dropped: "
-                    f"the group changed ({kept[0].members} members, rank {kept[0].rank} → "
-                    f"{partition.members}, rank {partition.rank})",
-                },
-            )
+            events.owner_error_dropped(self, key, kept[0], partition)
             kept = None
-        if kept is None:
-            current = torch.zeros(partition.owned(), dtype=dtype, device=device)
-        else:
-            current = kept[1]
+        current = torch.zeros(partition.owned(), dtype=dtype, device=device) if kept is None else kept[1]
         written = torch.empty_like(current) if self.defer_commit else current
         self.owner_error[key] = (partition, written)
         return current, written

@@ -155,7 +155,7 @@ def test_the_owners_error_feedback_is_dropped_with_a_line_when_the_group_changes
     with caplog.at_level(logging.INFO, logger="edgc"):
         state.reduce_tensors(NAMES, [torch.zeros(s) for s in SHAPES], last=True)
     assert state.owner_error["a"][0] == mine and state.owner_error["a"][1].numel() == mine.owned()
-    assert "owner's error feedback of 'a' is dropped: the group changed (3 members, rank 1 → 1, rank 0)" in caplog.text
+    assert "error feedback of 'a' is dropped: the group changed (3 members, rank 1 → 1, rank 0)" in caplog.text
 
 
 def test_a_checkpoint_resumes_exactly():
