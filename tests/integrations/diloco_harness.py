@@ -95,6 +95,8 @@ def train_replica(
             power_iterations=options.get("iterations", 1),
             sync_method=options.get("sync"),
         )
+        if "bucket" in options:  # a two-stage sync of several buckets
+            diloco.state.bucket_values = options["bucket"]
         return _train(replica, manager, pg, module, inner, diloco, outer_steps * len(fragments), faults, report, heals)
     finally:
         manager.shutdown(wait=False)
@@ -135,7 +137,9 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
             performs = diloco._local_step == diloco._sync_every - 1  # … this one takes the outer step
             if prepares:
                 outer_step = manager.current_step()
-                pg.die_next = faults.take("kill", replica, outer_step)
+                pg.die_next = (
+                    2 if faults.take("kill_mid", replica, outer_step) else faults.take("kill", replica, outer_step)
+                )
                 pg.fail_next = faults.take("failed_allreduce", replica, outer_step)
                 error_before = {n: e.clone() for n, e in error_table(state).items()}
                 heals_before = len(heals)
@@ -184,12 +188,18 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
 
 
 def check_conserved(diloco, error_before: dict, sent: dict) -> tuple[int, int]:
-    """After a discarded outer step: e = e_before + Δ for every compressed matrix, and the raw Δ
+    """After a discarded outer step: e = e_before + Δ for every compressed matrix (for every tensor of a
+    state that keeps its input on a rollback, to the rounding of e − sent + sent), and the raw Δ
     carried; how many tensors were checked each way."""
     ranks = diloco.state.last_step_metrics["ranks"]
     compressed = 0
     for name, delta in sent.items():
-        if ranks.get(name):
+        if diloco.state.rollback_keeps_input:
+            expected = error_before.get(name, torch.zeros_like(delta)) + delta
+            assert torch.allclose(diloco.state.error[name], expected, rtol=0, atol=1e-12), f"M of {name} lost"
+            assert name not in diloco._carry
+            compressed += 1
+        elif ranks.get(name):
             matrix = delta.reshape(delta.shape[0], -1)
             expected = error_before.get(name, torch.zeros_like(matrix)) + matrix
             assert torch.equal(diloco.state.compressor.error[name], expected), f"error feedback of {name} lost"

@@ -1,0 +1,30 @@
+"""DiLoCo's two-stage outer sync on torchft (`edgc.two_stage` through `edgc.integrations.torchft.DiLoCo`):
+3 groups on gloo in one process, the all-to-all and all-gather issued on the quorum's process group
+itself. A failed collective discards the outer step on every group with each M kept in the error
+feedback (checked on the spot), a group killed in the middle of the all-to-all of a sync of several
+buckets restarts and heals, and the replicas end bit-identical within 3 % of the failure-free loss."""
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from .diloco_harness import run_replicas  # noqa: E402
+from .test_torchft_diloco import check_identical  # noqa: E402
+from .torchft_harness import Faults  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+STEPS, BUCKET = 12, 4096  # the toy model's 59,264 values: 15 buckets a sync
+
+
+def test_a_group_killed_in_the_all_to_all_heals_and_nothing_is_lost():
+    free = run_replicas(STEPS, tolerated_failures=0, sync="quant3-2s", bucket=BUCKET)
+    check_identical(free)
+    assert "discarded" not in free and 0 < free["results"][0]["bytes_ratio"] < 0.05  # float64: 8 bytes a value raw
+    run = run_replicas(STEPS, Faults(failed_allreduce={(2, 2)}, kill_mid={(1, 5)}), sync="quant3-2s", bucket=BUCKET)
+    check_identical(run)
+    assert run["kills"] == 1 and (2, 2) in run["discarded"] and run["results"][1]["heals"] >= 1
+    assert {step for _, step in run["discarded"]} <= {2, 5}  # only the outer steps in flight
+    conserved = {(replica, step): counts for replica, step, *counts in run["conserved"]}
+    assert conserved.keys() == set(run["discarded"]) and all(kept for kept, _ in conserved.values())
+    loss, expected = run["results"][0]["loss"], free["results"][0]["loss"]
+    assert abs(loss - expected) <= 0.03 * expected, (loss, expected)
