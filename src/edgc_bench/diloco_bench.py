@@ -67,7 +67,9 @@ class DilocoOptions:
     kill_at: int | None = None  # the outer step killed in flight; None: no kill pass
     time_budget_s: float = 150.0
     edgc: tuple = ()  # extra EDGCConfig fields for both EDGC methods, as (key, value) pairs
-    outer_sync: str = "quant3"  # the DiLoCo methods' outer sync: a registered sync method, or "edgc" (PowerSGD)
+    outer_sync: str = "quant3-2s"  # the DiLoCo methods' outer sync: a registered sync method, or "edgc" (PowerSGD)
+    scaling: tuple[int, ...] = ()  # host counts of the scaling pass (diloco_scaling.py) instead of the rounds
+    scaling_syncs: tuple[str, ...] = ()  # … and the outer syncs it runs beside torchft's DiLoCo
 
     def unit(self, method: str) -> int:
         """Inner steps between two syncs of ``method`` (a stop falls on one, and on an eval step)."""
@@ -215,6 +217,10 @@ def summary_line(r: dict) -> str:
 
 
 def run_diloco_bench(s: BenchSettings, o: DilocoOptions, out: Path, command: str, say=print) -> dict:
+    if o.scaling:
+        from .diloco_scaling import run_scaling
+
+        return run_scaling(s, o, out, command, say)
     from edgc_train.data import prepare_data
 
     from .diloco_table import markdown, measure

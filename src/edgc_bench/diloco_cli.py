@@ -41,9 +41,22 @@ def add_diloco_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--outer-sync",
-        default="quant3",
+        default="quant3-2s",
         help="with --diloco: the outer sync of the DiLoCo + EDGC methods, a registered sync method's name "
         "or edgc (PowerSGD at the bench's ranks; default %(default)s, DiLoCo's default)",
+    )
+    p.add_argument(
+        "--scaling",
+        default=None,
+        metavar="HOSTS,...",
+        help="with --diloco: instead of the rounds, the wire per process per outer step and the outer step's "
+        "time at each of these host counts (one replica group each), for torchft's DiLoCo and each of "
+        "--scaling-syncs, at the slowest of --rates (docs/bench.md)",
+    )
+    p.add_argument(
+        "--scaling-syncs",
+        default="quant3,quant3-2s",
+        help="with --scaling: the outer syncs beside torchft's DiLoCo (default %(default)s)",
     )
     p.add_argument(
         "--time-budget",
@@ -94,11 +107,11 @@ def diloco_options(settings, args: argparse.Namespace):
         raise CLIError(f"--time-budget: must be > 0, got {args.time_budget:g}")
     from edgc.sync_methods import sync_method, sync_method_names
 
-    if args.outer_sync != "edgc" and sync_method(args.outer_sync) is None:
-        raise CLIError(
-            f"--outer-sync: edgc or a registered sync method ({', '.join(sync_method_names())}), "
-            f"got {args.outer_sync!r}"
-        )
+    syncs = [v.strip() for v in args.scaling_syncs.split(",") if v.strip()]
+    for flag, name in [("--outer-sync", args.outer_sync)] + [("--scaling-syncs", v) for v in syncs]:
+        if name != "edgc" and sync_method(name) is None:
+            raise CLIError(f"{flag}: edgc or a registered sync method ({', '.join(sync_method_names())}), got {name!r}")
+    scaling = _host_counts(args.scaling)
     return DilocoOptions(
         rates=rates,
         sync_every=h,
@@ -108,4 +121,18 @@ def diloco_options(settings, args: argparse.Namespace):
         time_budget_s=args.time_budget,
         edgc=tuple(edgc_items(args.edgc).items()),
         outer_sync=args.outer_sync,
+        scaling=scaling,
+        scaling_syncs=tuple(syncs),
     )
+
+
+def _host_counts(raw: str | None) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    try:
+        counts = tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise CLIError(f"--scaling: expected host counts separated by commas, got {raw!r}") from None
+    if not counts or any(not 2 <= c <= 64 for c in counts):
+        raise CLIError(f"--scaling: every host count must be in 2..64, got {raw!r}")
+    return counts

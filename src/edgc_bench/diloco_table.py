@@ -52,6 +52,7 @@ def measure(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict
         for g in syncs
     ]
     inner = [r["step_s"] for r in groups[0] if r["kind"] == "step" and not r.get("sync")]
+    wire = [r["wire"] for g in syncs for r in g if r["committed"] and r["participants"] == hosts and "wire" in r]
     full = [r["step_s"] for r in syncs[0] if r["committed"] and r["participants"] == hosts]
     payload = [r["bytes"] for r in syncs[0] if r["committed"] and r.get("bytes") is not None]
     after = [[r for r in g if kill_t and r["t"] > kill_t and r["committed"]] for g in syncs]
@@ -69,11 +70,29 @@ def measure(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict
         "payload_bytes": statistics.fmean(payload) if payload else None,
         "floor_s": statistics.median(inner) if inner else None,
         "sync_step_s": statistics.median(full) if full else None,
+        "outer_step_s": outer_step_s(groups[0], hosts),
+        "wire_bytes": statistics.fmean(wire) if wire else None,  # per process and outer step, from its sockets
         "discarded": sum(not r["committed"] for r in syncs[0]),
         "rolled_back": any(b <= a for a, b in zip(outers, outers[1:])),  # a committed outer step repeated
         "stall_s": after[0][0]["t"] - kill_t if after[0] else None,  # survivors: to their next committed outer step
         "heal_s": after[1][0]["t"] - kill_t if after[1] else None,
     }  # the killed group: to its first one
+
+
+def outer_step_s(lines: list[dict], hosts: int) -> float | None:
+    """The median time of an outer step on one group's training thread: its inner steps' times up to
+    and including the sync step, over the committed outer steps every group took part in (the first
+    left out: it carries the start-up)."""
+    spans, running = [], 0.0
+    for r in lines:
+        if r["kind"] != "step":
+            continue
+        running += r["step_s"]
+        if r.get("sync"):
+            if r["committed"] and r["participants"] == hosts:
+                spans.append(running)
+            running = 0.0
+    return statistics.median(spans[1:]) if len(spans) > 1 else None
 
 
 def final_loss(r: dict) -> float:

@@ -28,6 +28,7 @@ def write_run(
     hosts: int = 3,
     skip=(),
     kill=None,
+    wire: int | None = None,
 ) -> None:
     """Logs as diloco_train.py writes them: a sync every ``unit`` inner steps; group 0 evaluates every
     sync. ``skip``: (group, outer) pairs a group sat out; ``kill``: (time, outer) when group 1 died, the
@@ -77,6 +78,7 @@ def write_run(
                     "participating": (group, outer) not in skip,
                     "healed": healed,
                     "bytes": payload,
+                    "wire": 2 * payload if wire is None else wire,
                     "rank": 16,
                 }
                 outer += 1
@@ -134,6 +136,35 @@ def summary(tmp_path: Path, edgc_loss=0.0, edgc_sync=1.0, edgc_payload=1000) -> 
         "load": [1.0, 1.0, 1.0],
         "links": [{"rate_mbit": 20.0, "results": results, "kill": kill}],
     }
+
+
+def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat(tmp_path):
+    from edgc_bench.diloco_scaling import markdown
+
+    rows, raw = [], 4_000_000
+    for hosts in (3, 6, 12):
+        ring = 2 * (hosts - 1) / hosts * raw
+        for sync, wire in (("diloco", ring), ("quant3", 0.098 * 2 * (hosts - 1) * raw), ("quant3-2s", 0.098 * ring)):
+            run_dir = tmp_path / f"{hosts}-{sync}"
+            write_run(run_dir, 5, hosts=hosts, payload=raw if sync == "diloco" else int(0.098 * raw), wire=int(wire))
+            rows.append({**diloco_table.measure(run_dir, hosts, 20, None), "hosts": hosts, "sync": sync})
+    assert rows[0]["wire_bytes"] == int(2 * 2 / 3 * raw) and rows[0]["outer_step_s"] == pytest.approx(4 * 0.5 + 1.0)
+    text = markdown(
+        {
+            "rows": rows,
+            "settings": BenchSettings(preset="tiny", steps=20).__dict__,
+            "options": {"sync_every": 5},
+            "command": "edgc bench --diloco --scaling 3,6,12",
+            "rate_mbit": 20.0,
+            "elapsed_s": 60.0,
+            "date": "2026-11-27 10:00 UTC",
+        }
+    )
+    assert "| 12 | 7.33 MB = 1.83× |" in text
+    assert "- ✗ quant3: wire ÷ torchft's 0.294 · 0.588 · 1.176" in text
+    assert (
+        "- ✓ quant3-2s: wire ÷ torchft's 0.098 · 0.098 · 0.098 at 3, 6, 12 groups (≤ 0.12 at each), spread 0.0%" in text
+    )
 
 
 def test_measures_from_the_logs(tmp_path):
@@ -197,6 +228,9 @@ def test_the_committed_page_comes_from_a_run():
         (dict(rate="100"), "--rate: --diloco runs at every rate of --rates"),
         (dict(time_budget=0.0), "--time-budget: must be > 0"),
         (dict(outer_sync="int7"), "--outer-sync: edgc or a registered sync method"),
+        (dict(scaling_syncs="quant3,int7"), "--scaling-syncs: edgc or a registered sync method"),
+        (dict(scaling="3,x"), "--scaling: expected host counts"),
+        (dict(scaling="1,6"), "--scaling: every host count must be in 2..64"),
     ],
 )
 def test_bad_flags_get_one_line(tmp_path, flags, message):
@@ -213,7 +247,9 @@ def test_bad_flags_get_one_line(tmp_path, flags, message):
             "kill_at": None,
             "time_budget": 150.0,
             "edgc": [],
-            "outer_sync": "quant3",
+            "outer_sync": "quant3-2s",
+            "scaling": None,
+            "scaling_syncs": "quant3,quant3-2s",
             **flags,
         }
     )
