@@ -13,7 +13,9 @@ error-feedback policy P, paired with the same method without the heal):
 * ``rank<r>``: EDGC's PowerSGD at a static rank r (``-noef``: without error feedback,
   ``-decay<f>``: the error feedback multiplied by f before every sync);
 * ``quant8`` … ``quant2``, ``alloc3``, ``topk5``: the registered sync methods of those names (`edgc.outer_sync`),
-  with error feedback (``-noef`` / ``-decay<f>`` as above).
+  with error feedback (``-noef`` / ``-decay<f>`` as above); ``quant<b>-2s``: the same codes through the
+  two-stage all-reduce (`edgc.two_stage`), reported against torchft and, where the cell has it,
+  against ``quant<b>`` too (a second row, paired at the same seeds).
 
 Reported per cell: bytes against torchft's, the validation loss, the paired Δ % against torchft
 per seed with its mean and 95 % t-interval (at equal outer steps); at equal bytes, each method at
@@ -45,7 +47,7 @@ TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 def method_arm(name: str) -> dict:
     """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
     base, _, heal = name.partition("+heal=")
-    match = re.fullmatch(r"(torchft|raw|rank(\d+)|quant[2-8]|alloc3|topk5)(-noef|-decay([0-9.]+))?", base)
+    match = re.fullmatch(r"(torchft|raw|rank(\d+)|quant[2-8](?:-2s)?|alloc3|topk5)(-noef|-decay([0-9.]+))?", base)
     if match is None:
         raise ValueError(f"unknown method {name!r}")
     kind, rank, modifier, decay = match.groups()
@@ -217,11 +219,10 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
     for family, inner, h, arms in cells:
         key = f"{family}/{inner}/H{h}"
         cell = results[key]
-        for name in arms:
-            reference = name.partition("+heal=")[0] if "+heal=" in name else "torchft"
-            if reference not in cell:
-                reference = "torchft"
-            p = stats[(key, name)] = paired_percent(cell, name, reference, seeds)
+        for name, reference in _pairs(arms, cell):
+            p = stats[
+                (key, name) if reference == "torchft" or "+heal=" in name else (key, f"{name} vs {reference}")
+            ] = paired_percent(cell, name, reference, seeds)
             versus = "" if reference == "torchft" else f" (vs {reference})"
             rows.append(
                 [
@@ -329,6 +330,19 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
         },
     )
     return {"headline": headline, "paired": stats}
+
+
+def _pairs(arms: dict, cell: dict) -> list[tuple[str, str]]:
+    """(method, the method it is paired with) per row: torchft, the same method without its heal, and a
+    two-stage method also against its one-stage twin."""
+    pairs = []
+    for name in arms:
+        reference = name.partition("+heal=")[0] if "+heal=" in name else "torchft"
+        pairs.append((name, reference if reference in cell else "torchft"))
+        twin = name.replace("-2s", "")
+        if "+heal=" not in name and twin != name and twin in cell:
+            pairs.append((name, twin))
+    return pairs
 
 
 def _headline(stats: dict, cells) -> str:

@@ -25,9 +25,24 @@ def test_method_names_parse_into_arms():
         "decay": 0.5,
         "heal_policy": "peer",
     }
-    for bad in ("quant9", "torchft-noef", "rank"):
+    assert method_arm("quant3-2s") == {"method": "edgc", "rank": None, "sync": "quant3-2s"}
+    for bad in ("quant9", "torchft-noef", "rank", "quant3-3s"):
         with pytest.raises(ValueError):
             method_arm(bad)
+
+
+def test_a_two_stage_method_is_paired_with_torchft_and_with_its_one_stage_twin():
+    from edgc_experiments.diloco import _pairs
+
+    cell = {"torchft": {}, "quant3": {}, "quant3-2s": {}, "quant3-2s+heal=zero": {}}
+    assert _pairs(dict.fromkeys(cell), cell) == [
+        ("torchft", "torchft"),
+        ("quant3", "torchft"),
+        ("quant3-2s", "torchft"),
+        ("quant3-2s", "quant3"),
+        ("quant3-2s+heal=zero", "quant3-2s"),
+    ]
+    assert _pairs({"quant3-2s": {}}, {"torchft": {}, "quant3-2s": {}}) == [("quant3-2s", "torchft")]
 
 
 @pytest.fixture(scope="module")
