@@ -28,3 +28,22 @@ def test_a_group_killed_in_the_all_to_all_heals_and_nothing_is_lost():
     assert conserved.keys() == set(run["discarded"]) and all(kept for kept, _ in conserved.values())
     loss, expected = run["results"][0]["loss"], free["results"][0]["loss"]
     assert abs(loss - expected) <= 0.03 * expected, (loss, expected)
+
+
+def test_streaming_fragments_with_overlapped_two_stage_syncs_lose_nothing_to_a_failed_all_to_all():
+    """Two fragments taking turns, each sync started one inner step before its outer step; group 0's
+    all-to-all of fragment 1's sync fails on it alone: it issues nothing more, its peers' all-gather
+    times out, and no group commits that outer step."""
+    run = run_replicas(
+        8,
+        Faults(failed_allreduce={(0, 5)}),
+        tolerated_failures=0,
+        streaming=True,
+        delay=1,
+        sync="quant3-2s",
+        bucket=BUCKET,
+    )
+    check_identical(run, streaming=True)
+    assert (0, 5) in run["discarded"] and {step for _, step in run["discarded"]} == {5} and run["kills"] == 0
+    conserved = {(replica, step): counts for replica, step, *counts in run["conserved"]}
+    assert conserved.keys() == set(run["discarded"]) and all(kept for kept, _ in conserved.values())
