@@ -365,8 +365,8 @@ class TwoStageReducer(_ErrorFeedbackReducer):
 
 class TwoStageQuantState(TwoStageReducer):
     """The two-stage all-reduce of ``bits``-bit codes with a scale per ``block`` values (`edgc.codecs.QuantCodec`):
-    DiLoCo's outer sync whose wire stays flat in the number of replica groups. ``bucket_values`` and the
-    rest as `TwoStageReducer`'s."""
+    DiLoCo's outer sync whose wire stays flat in the number of replica groups. ``process_group``,
+    ``bucket_values``, ``error_feedback`` and ``model`` as `TwoStageReducer`'s."""
 
     method = "quantized-2s"
 

@@ -136,7 +136,7 @@ def calibration_table(result: dict, rate_mbit: float) -> str:
     link = result["link"]
     lines = [
         f"Fitted on the {' and '.join(map(str, result['fit_hosts']))}-host runs: "
-        f"{8 * link.bytes_per_s / 1e6:.1f} Mbit/s of the nominal {rate_mbit:g}, {link.overhead_s:.2f} s a "
+        f"{8 * link.bytes_per_s / 1e6:.1f} Mbit/s of the nominal {rate_mbit:g}, {link.overhead_s:.2f} s an "
         f"outer step, the codec {1e9 * result['codec_s_per_value']:.1f} ns a value and pass on this CPU.",
         "",
         "| groups | method | outer step, bench | outer step, model | model vs bench | wire, sockets | wire, model |",
