@@ -337,7 +337,7 @@ def diloco(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
     from .diloco_bench import run_diloco_bench
 
     run_diloco_bench(settings, opts, out, command_line("--diloco"))
-    print((out / "bench.md").read_text())
+    print((out / ("scaling.md" if opts.scaling else "bench.md")).read_text())
     return 0
 
 

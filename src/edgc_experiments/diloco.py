@@ -278,8 +278,9 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
         f"data), 8 × 64 tokens per inner step, the first 1 M characters of the KJV Bible; inner learning rate "
         f"cosine to 0, gradients clipped at 1; DiLoCo's outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
         f"{args.outer_momentum:g}; seeds {seeds}; validation loss over 16 × 8 validation blocks after the last "
-        "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); bytes: what one "
-        "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient); ‖M−Ĝ‖/‖M‖: the "
+        "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); payload: what one "
+        "replica's messages hold against torchft's DiLoCo (its fp32 pseudo-gradients), not the wire (the "
+        "bench counts that from the sockets); ‖M−Ĝ‖/‖M‖: the "
         "sync's relative error (M = Δ + e, Ĝ what it sent), mean over outer steps and seeds.",
         "",
         *([f"Not run (left out with --no-train): {', '.join(missing)}.", ""] if missing else []),
@@ -291,7 +292,7 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
                 "inner",
                 "H",
                 "method",
-                "bytes vs torchft",
+                "payload vs torchft",
                 "‖M−Ĝ‖/‖M‖ (mean)",
                 "val loss (mean)",
                 "Δ % per seed",
@@ -306,7 +307,7 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
             "At equal or fewer bytes (the same inner steps; torchft syncing less often):",
             "",
             markdown_table(
-                ["model", "inner", "method", "against", "bytes ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
+                ["model", "inner", "method", "against", "payload ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
                 equal_bytes,
             ),
             "",
@@ -355,7 +356,7 @@ def _headline(stats: dict, cells) -> str:
         worst_key, worst = max(mine, key=lambda kp: kp[1]["high"])
         ratio = max(p["bytes_ratio"] for _, p in mine)
         parts.append(
-            f"{name} (≤ {ratio:.3f}× bytes) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
+            f"{name} (≤ {ratio:.3f}× payload) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
             f"worst {worst_key} {fmt_interval(worst, '+.2f')} %"
         )
     return "; ".join(parts) + "."
