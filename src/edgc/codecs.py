@@ -21,8 +21,9 @@ _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
     """1, 2, 4, … 128 as uint8 on ``device`` (the weight of each of a byte's eight codes' bit)."""
-    if device not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[device] = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
+    if device not in _BIT_WEIGHTS:  # made on the device (no copy from the host's memory)
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        _BIT_WEIGHTS[device] = torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift_(shifts)
     return _BIT_WEIGHTS[device]
 
 

@@ -50,7 +50,7 @@ from typing import Protocol
 
 import torch
 
-from . import events
+from . import events, streams
 from .baselines import _ErrorFeedbackReducer
 from .codecs import QuantCodec
 from .comm import FINISHES, ISSUES_MORE
@@ -324,6 +324,8 @@ class TwoStageReducer(_ErrorFeedbackReducer):
                     ]
                 )
                 call.write(lo, hi, sent, call.errors, add=True)
+                # made on the jobs' side stream, read here on the caller's: not reused before that read
+                streams.record_stream(message, streams.current_stream(message.device))
             for error in call.errors:
                 if error is not None:
                     error.masked_fill_(~torch.isfinite(error), 0)

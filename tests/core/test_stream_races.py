@@ -208,3 +208,49 @@ def test_diloco_delayed_sync_is_issued_from_the_training_thread_and_overlaps_inn
     assert result["issue_steps"] == [2, 3], result["issue_steps"]  # started at step 2, its Q at step 3
     assert result["races"] == [], result["report"]
     assert result["syncs_per_step"] == [0] * 16, result["report"]
+
+
+def two_stage_worker(rank, world_size, outer_steps):
+    """DiLoCo's default outer sync (two-stage, 4 buckets a sync), Streaming DiLoCo's two fragments, each
+    sync started 2 inner steps early; every third outer step rolled back (as torchft's verdict would)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2)
+    ends = nn.ModuleDict({"embed": model.embed, "head": model.head})
+    ends.register_parameter("position", model.position)
+    inner = torch.optim.Adam(model.parameters(), lr=3e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
+    diloco = DiLoCo(None, [ends, model.blocks], inner, outer, sync_every=8, fragment_sync_delay=2)
+    diloco.state.bucket_values = 4096
+    diloco.state.defer_commit = True
+    verdicts = iter([True, True, False] * outer_steps)
+
+    def should_commit():
+        committed = next(verdicts)
+        diloco.state.commit_step() if committed else diloco.state.rollback_step("a test")
+        return committed
+
+    diloco._should_commit = should_commit
+
+    def run(checker):
+        syncs, committed = [], []
+        with diloco:
+            for step in range(outer_steps * 4):
+                before = len(checker.host_syncs)
+                loss_fn(model, *batch(0, step, vocab=64)).backward()
+                inner.step()
+                inner.zero_grad()
+                syncs.append(len(checker.host_syncs) - before)
+                if diloco._local_step == 0:
+                    committed.append(diloco.last_outer_step["committed"])
+        return {"syncs_per_step": syncs, "committed": committed}
+
+    return checked(run)
+
+
+def test_the_two_stage_outer_sync_and_its_rollback_race_nothing():
+    """Its buckets' collectives, the owner's reduction and a rollback's read of the kept messages on
+    the caller's stream: no race, no host synchronisation in any inner step."""
+    (result,) = run_distributed(two_stage_worker, 1, 4, timeout=600)
+    assert False in result["committed"] and True in result["committed"]
+    assert result["races"] == [], result["report"]
+    assert result["syncs_per_step"] == [0] * 16, result["report"]
