@@ -97,6 +97,7 @@ class Faults:
     failed_allreduce: set = field(default_factory=set)
     nan: set = field(default_factory=set)
     stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT, late for the next quorum
+    restart_delay_s: float = 0.0  # a killed group starts again this much later (its peers go on without it)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, kind: str, replica: int, step: int) -> bool:
@@ -337,6 +338,7 @@ def run_groups(
                 )
             except InjectedKill:
                 report["kills"] += 1
+                time.sleep(faults.restart_delay_s)
         raise RuntimeError(f"replica {replica} ran out of attempts")
 
     try:
