@@ -109,16 +109,7 @@ def train(rank, inner_steps, fragments=1, delay=0, discard=(), resume_at=None, i
     diloco.__enter__()
     for step in range(inner_steps):
         if step == resume_at:
-            saved = io.BytesIO()
-            torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, saved)
-            diloco.__exit__(None, None, None)
-            model, inner, diloco = build(fragments, delay, discard, seed=1)
-            saved.seek(0)
-            state = torch.load(saved, weights_only=False)
-            model.load_state_dict(state["model"])
-            inner.load_state_dict(state["inner"])
-            diloco.load_state_dict(state["diloco"])
-            diloco.__enter__()
+            model, inner, diloco = reloaded((model, inner, diloco), build(fragments, delay, discard, seed=1))
         loss_fn(model, *batch(rank, step, vocab=64)).backward()
         inner.step()
         inner.zero_grad()
@@ -133,6 +124,23 @@ def train(rank, inner_steps, fragments=1, delay=0, discard=(), resume_at=None, i
         "bytes": dict(diloco.state.totals),
         "records": diloco.records,
     }
+
+
+def reloaded(running: tuple, rebuilt: tuple) -> tuple:
+    """(model, inner optimizer, DiLoCo) ``rebuilt`` (from another seed) with everything of ``running``
+    saved and loaded, as a resumed run does; ``running`` leaves its context, ``rebuilt`` enters it."""
+    model, inner, diloco = running
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, saved)
+    diloco.__exit__(None, None, None)
+    model, inner, diloco = rebuilt
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)
+    model.load_state_dict(state["model"])
+    inner.load_state_dict(state["inner"])
+    diloco.load_state_dict(state["diloco"])
+    diloco.__enter__()
+    return model, inner, diloco
 
 
 def worker(rank, world_size):

@@ -56,10 +56,12 @@ from ..sync_methods import sync_method, sync_method_names
 from ..timing import host_reads_allowed
 
 STATE_FORMAT = "edgc-diloco/1"
-# The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (0.098× the
-# bytes). Across the model families of `edgc experiment diloco` it ended within the interval of
-# torchft's uncompressed DiLoCo where EDGC's PowerSGD at rank 8 did not (docs/guides/slow-links.md).
-DEFAULT_OUTER_SYNC = "quant3"
+# The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (a payload of
+# 0.098× the raw bytes) through the two-stage all-reduce (`edgc.two_stage`), whose wire stays that
+# share of torchft's as the replica groups grow. Across the model families of `edgc experiment
+# diloco` the 3-bit codes ended within the interval of torchft's uncompressed DiLoCo where EDGC's
+# PowerSGD at rank 8 did not, and the two-stage sync where the one-stage one did (docs/guides/slow-links.md).
+DEFAULT_OUTER_SYNC = "quant3-2s"
 
 
 class _Fragment:
