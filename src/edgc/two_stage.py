@@ -44,6 +44,9 @@ The codec contract (what a new method implements; `edgc.codecs.QuantCodec` is th
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -94,14 +97,20 @@ class Partition:
         """Values of the chunks this rank owns, over all buckets."""
         return sum(chunk for _, _, chunk in self.buckets())
 
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """Where each tensor starts in the run."""
+        return list(itertools.accumulate(self.sizes, initial=0))
+
     def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """(tensor index, its first value, its end, position from ``lo``) of the run's values [lo, hi)."""
-        out, start = [], 0
-        for index, size in enumerate(self.sizes):
-            a, b = max(lo, start), min(hi, start + size)
+        out, index = [], max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while index < len(self.sizes) and self.starts[index] < hi:
+            start = self.starts[index]
+            a, b = max(lo, start), min(hi, start + self.sizes[index])
             if a < b:
                 out.append((index, a - start, b - start, a - lo))
-            start += size
+            index += 1
         return out
 
 
@@ -337,11 +346,8 @@ class TwoStageReducer(_ErrorFeedbackReducer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         owner = {
-            key: {
-                "partition": vars(partition) | {"sizes": list(partition.sizes)},
-                "values": values.detach().cpu().clone(),
-            }
-            for key, (partition, values) in self.owner_error.items()
+            key: (list(p.sizes), p.members, p.rank, p.bucket, values.detach().cpu().clone())
+            for key, (p, values) in self.owner_error.items()
         }
         return {**super().state_dict(), "bucket_values": self.bucket_values, "owner_error": owner}
 
@@ -351,11 +357,8 @@ class TwoStageReducer(_ErrorFeedbackReducer):
             raise ValueError(f"corrupt {self.method} state: 'owner_error' must be a table")
         super().load_state_dict(state)
         self.owner_error = {
-            key: (
-                Partition(**{**entry["partition"], "sizes": tuple(entry["partition"]["sizes"])}),
-                entry["values"].clone(),
-            )
-            for key, entry in owner.items()
+            key: (Partition(tuple(sizes), members, rank, bucket), values.clone())
+            for key, (sizes, members, rank, bucket, values) in owner.items()
         }
         if self.device is not None:
             self._on_device(self.device)
