@@ -196,7 +196,8 @@ def test_the_checks_fail_by_how_much(tmp_path):
     bench_md = diloco_table.markdown(summary(tmp_path, edgc_loss=0.1, edgc_sync=9.0, edgc_payload=5000))
     failed = [line for line in bench_md.splitlines() if line.startswith("- ✗")]
     assert any("loss at equal tokens" in line and "+1.67%" in line for line in failed), failed
-    assert any("= 1/4.0 (≤ 1/10)" in line for line in failed), failed
+    assert any("payload per outer step" in line and "= 0.250 (≤ 0.1)" in line for line in failed), failed
+    assert any("wire per outer step" in line and "= 0.250 (≤ 0.12)" in line for line in failed), failed
     assert any("target 1.09 × sooner (≥ 2 ×)" in line for line in failed), failed
 
 
@@ -335,11 +336,11 @@ def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, lo
     row = script.diloco_row(tmp_path / "root")
     assert row == (
         "| DiLoCo (H = 5), 3 hosts at 20 Mbit/s, GPT-2 `tiny` | time to target 0.25× of torchft's DiLoCo | "
-        "0.050× | +0.00% | [diloco](docs/results/diloco.md) |"
+        "0.050× on the wire (payload 0.050×) | +0.00% | [diloco](docs/results/diloco.md) |"
     )
     block = script.diloco_summary(tmp_path / "root")
     edgc = next(line for line in block.splitlines() if line.startswith("| 20 Mbit/s | DiLoCo + EDGC |"))
-    assert "| 12.0 s |" in edgc and "| 0.001 MB (0.050×) |" in edgc and "(+0.00%)" in edgc
+    assert "| 12.0 s |" in edgc and "| 0.001 MB (0.050×) | 0.002 MB (0.050×) |" in edgc and "(+0.00%)" in edgc
     prose = " ".join(block.split())
     assert "Kill pass at 20 Mbit/s" in prose and "outer steps discarded 1, the survivors went on after 1.5 s" in prose
 
