@@ -78,16 +78,22 @@ class Discarding(DiLoCo):
         self.checked.append((len(compressed), len(fragment.names) - len(compressed)))
 
 
-def build(fragments: int, delay: int, discard=(), seed: int = 0, iterations: int = 1):
+def training(fragments: int, seed: int, dtype=torch.float64) -> tuple:
+    """(model, inner Adam, outer Nesterov SGD, fragments): one, or the embeddings with the head and the blocks."""
     torch.manual_seed(seed)
-    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2).double()
+    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2).to(dtype)
     inner = torch.optim.Adam(model.parameters(), lr=3e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
     parts = [model]
-    if fragments == 2:  # the embeddings with the head, and the blocks
+    if fragments == 2:
         ends = torch.nn.ModuleDict({"embed": model.embed, "head": model.head})
         ends.register_parameter("position", model.position)
         parts = [ends, model.blocks]
+    return model, inner, outer, parts
+
+
+def build(fragments: int, delay: int, discard=(), seed: int = 0, iterations: int = 1):
+    model, inner, outer, parts = training(fragments, seed)
     config = EDGCConfig(total_steps=OUTER_STEPS * fragments, **CONFIG)
     diloco = Discarding(
         None,

@@ -5,26 +5,18 @@ a checkpoint taken mid-run (the owners' error feedback in it) resumes bit for bi
 
 import pytest
 import torch
-from models import TinyTransformer, batch, flat_parameters, loss_fn
+from models import batch, flat_parameters, loss_fn
 
 from edgc.integrations.diloco import DiLoCo
 
-from .test_diloco import reloaded
+from .test_diloco import reloaded, training
 
 SYNC_EVERY, OUTER_STEPS, BUCKET = 4, 6, 3000  # the model's 17,376 values: 6 buckets a sync
 pytestmark = pytest.mark.timeout(240)
 
 
 def build(fragments: int, delay: int, seed: int = 0):
-    torch.manual_seed(seed)
-    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2)
-    inner = torch.optim.Adam(model.parameters(), lr=3e-3)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
-    parts = [model]
-    if fragments == 2:  # the embeddings with the head, and the blocks
-        ends = torch.nn.ModuleDict({"embed": model.embed, "head": model.head})
-        ends.register_parameter("position", model.position)
-        parts = [ends, model.blocks]
+    model, inner, outer, parts = training(fragments, seed, torch.float32)
     diloco = DiLoCo(None, parts, inner, outer, SYNC_EVERY * fragments, fragment_sync_delay=delay)
     diloco.state.bucket_values = BUCKET
     return model, inner, diloco
