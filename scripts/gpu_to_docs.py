@@ -1,6 +1,6 @@
 """Copy the figures of GPU runs (`python -m edgc_bench.gpu --out DIR`) into docs/gpu.md and the README.
 
-    python scripts/gpu_to_docs.py RUN [--before BEFORE]
+    python scripts/gpu_to_docs.py RUN [--before BEFORE] [--profiled PROFILED]
 
 RUN and BEFORE are folders of a run's files: env.json, engine.json, overlap.json, device.json and,
 where the run wrote them, count.json and trace_nccl.json.gz / trace_gloo.json.gz. With --before,
@@ -584,11 +584,18 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("run", type=Path, help="the run's folder")
     parser.add_argument("--before", type=Path, help="an earlier run's folder, shown beside it")
+    parser.add_argument("--profiled", type=Path, help="a profiled run's folder (scripts/gpu_profiled.py)")
     args = parser.parse_args(argv)
     run, before = load_run(args.run), load_run(args.before) if args.before else None
     docs, readme = build(
         run, before, REPO / "docs" / "img" / "gpu_overlap.png", _json(REPO / "docs" / "gpu" / "count", "count")
     )
+    if args.profiled:
+        from gpu_profiled import sections
+
+        more_docs, more_readme = sections(args.profiled)
+        docs += more_docs
+        readme[-1:-1] = more_readme  # before the closing line that points to the page
     for block, lines in ((FIGURES, docs), (SUMMARY, readme)):
         write(block, "\n".join(lines))
     return 0

@@ -112,6 +112,10 @@ class EDGCConfig:
     gradient_sample_ratio: float = 0.25
     """β (GSR): fraction of gradient elements used (every round(1/β)-th element of each tensor). In (0, 1]."""
 
+    entropy_sample_cap: int | None = 1 << 24
+    """About the most gradient elements one sampled step's estimate reads: beyond it the β stride is
+    thinned (elements, one more per tensor at most; ≥ entropy_bins; None = every β-th element)."""
+
     entropy_bins: int = 1000
     """Histogram bins over the sample's [min, max] for the entropy estimate. ≥ 2."""
 
@@ -186,6 +190,8 @@ class EDGCConfig:
         for name in ("rank_step", "rank_granularity", "window", "cqm_mc_samples", "profile_steps_per_rank"):
             check.integer(name, 1)
         check.integer("entropy_bins", 2)
+        if self.entropy_sample_cap is not None:
+            check.integer("entropy_sample_cap", self.entropy_bins)
         check.integer("profile_max_rank", 2)
         check.integer("min_warmup_steps", 0)
         check.ratio("iteration_sample_ratio", low_open=True)

@@ -8,6 +8,13 @@ starting at element 0. A fixed stride (as in the authors' code) is deterministic
 random generator, is identical on every run and resume, and does not depend on how DDP
 groups tensors into buckets. Non-finite values are dropped from the sample and counted.
 
+Where a rank decision reads the samples, the sample holds at most ``entropy_sample_cap`` elements
+(2²⁴ by default): on a GPU the histogram's integer index-add into a thousand bins is one atomic per
+element, and at GPT-2 XL the whole β sample (~390M elements) made that one kernel most of a sampled
+step's device time, with the sample and its bin index held beside the engine's state (docs/gpu.md).
+Every sampled step of a run then reads a sample of the same size, so the estimates a decision
+compares stay comparable (a histogram over the sample's own [min, max] depends on its size).
+
 Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal),
 they are for the report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a
 1000-bin histogram of 7M elements costs ~40 ms of a step on one CPU core (the ``small`` bench
@@ -111,7 +118,8 @@ class EntropySampler:
         self.stride = config.element_stride
         self.bins = config.entropy_bins
         self.estimator = config.resolved_entropy_estimator
-        self.cap = None if config.decisions_read_samples else REPORT_SAMPLE_CAP  # see the module docstring
+        # see the module docstring; a decision's sample is capped too, far above a report's
+        self.cap = config.entropy_sample_cap if config.decisions_read_samples else REPORT_SAMPLE_CAP
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
         # The budget signal's own measure, where the config follows one (`edgc.signals`): (step, value)
         self.signals = (get_signal(config.budget_signal),) if config.rank_budget is not None else ()

@@ -20,6 +20,8 @@ Modules:
     gpu.py          `python -m edgc_bench.gpu`: the CUDA path measured on one GPU (docs/gpu.md), its parts:
     gpu_engine.py   EDGC's hook against powerSGD_hook at GPT-2 sizes: in a step, and each hook alone
     gpu_overlap.py  does backward wait for the collectives? (a delay injected into NCCL's all-reduces)
+    gpu_outer.py    one DiLoCo outer step at GPT-2 sizes: its time and its memory beyond the training state
+    gpu_hbm.py      HBM bytes of one hook call, from Nsight Compute's DRAM counters
     gpu_support.py  the model, device timing, kernel counts and process groups the parts share
     gpu_trace.py    a profiled step's device work per stream, and its picture
     dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes

@@ -10,7 +10,9 @@ docs/gpu.md and the README:
                     collectives? (`edgc_bench.gpu_overlap`);
 - ``engine.json``   EDGC's hook against ``powerSGD_hook`` at GPT-2 sizes (`edgc_bench.gpu_engine`);
 - ``orth.json``     the engine's orthonormalisation against batched Householder QR: accuracy and
-                    time on the device (`edgc_bench.orthonormalization`).
+                    time on the device (`edgc_bench.orthonormalization`);
+- ``outer.json``    one DiLoCo outer step at GPT-2 sizes: its time and its memory beyond the
+                    training state, for the default outer sync and a bf16 cast (`edgc_bench.gpu_outer`).
 
 Each part runs in its own ``try``, so one failure keeps the others' files; each has a time budget,
 printed with the time it took (the engine part stops where its budget ends). The exit status is 1
@@ -35,8 +37,8 @@ import torch
 # Seconds per part on an H100, so that the whole run stays near 6 minutes (the first run's engine
 # part, 2 ranks and 3 sizes, took 184 s). The engine part stops where its budget ends; the
 # count runs beside the others on the CPU.
-BUDGETS = {"env": 10, "device": 40, "count": 240, "overlap": 100, "engine": 220, "orth": 30}
-PARTS = ("env", "device", "count", "overlap", "engine", "orth")
+BUDGETS = {"env": 10, "device": 40, "count": 240, "overlap": 100, "engine": 220, "orth": 30, "outer": 150}
+PARTS = ("env", "device", "count", "overlap", "engine", "orth", "outer")
 
 
 def environment(cuda: bool) -> dict:
@@ -168,6 +170,19 @@ def engine_settings(args) -> dict:
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "timed": args.timed_steps,
+        "skip_steps": args.skip_steps,
+    }
+
+
+def outer_settings(args) -> dict:
+    from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
+
+    return {
+        "cuda": not args.smoke,
+        "sizes": args.outer_sizes.split(","),
+        "methods": [DEFAULT_OUTER_SYNC, "bf16"],
+        "micro_batch": 1,
+        "seq_len": min(args.seq_len, 512),
     }
 
 
@@ -196,7 +211,8 @@ SMOKE = {
     "overlap_rank": 4,
     "overlap_steps": 2,
     "delay_ms": 1.0,
-    "parts": "env,count,overlap,engine,orth",
+    "outer_sizes": "tiny",
+    "parts": "env,count,overlap,engine,orth,outer",
 }
 
 
@@ -223,6 +239,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap-rank", type=int, default=16)
     parser.add_argument("--overlap-steps", type=int, default=4, help="timed steps without and with the delay")
     parser.add_argument("--delay-ms", type=float, default=2.0, help="injected delay per all-reduce in the NCCL run")
+    parser.add_argument(
+        "--skip-steps", action="store_true", help="engine part: the hooks alone only, no training steps"
+    )
+    parser.add_argument("--outer-sizes", default="xl,medium", help="GPT-2 sizes of the DiLoCo outer step")
     smoke = "--smoke" in (argv if argv is not None else sys.argv[1:])
     if smoke:
         parser.set_defaults(**SMOKE)
@@ -277,6 +297,17 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         )
     if "orth" in parts:
         run_part("orth", args.out, lambda: orthonormalization(args.smoke), BUDGETS["orth"], failures)
+    if "outer" in parts:
+        from .gpu_outer import outer
+
+        backend, budget = "gloo" if args.smoke else "nccl", BUDGETS["outer"]
+        run_part(
+            "outer",
+            args.out,
+            lambda: runner(outer, 1, backend, outer_settings(args), timeout=budget)[0],
+            budget,
+            failures,
+        )
     if background is not None:
         left = BUDGETS["count"] - (time.perf_counter() - count_started)
         run_part("count", args.out, lambda: background.result(left), max(left, 0), failures)

@@ -27,7 +27,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .dispatch_count import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
-from .gpu_support import DeviceTimer, device_activity_count, gpt2, median, memory_allocated, peak_memory, vocabulary
+from .gpu_support import (
+    DeviceTimer,
+    device_activity_count,
+    gpt2,
+    kernel_profile,
+    median,
+    memory_allocated,
+    peak_memory,
+    vocabulary,
+)
 
 # both hooks: 2 uncompressed steps (DDP's bucket rebuild), then one that creates Q and the error feedback
 WARMUP_CALLS = 3
@@ -38,8 +47,9 @@ def _cap_label(cap: float | None) -> dict:
 
 
 def _hook_state(method: str, rank: int, named: list | None, model=None):
-    """(state, hook) of ``method``: "edgc", "edgc-bf16-ef" (error feedback in the gradient's dtype)
-    or "powersgd"; starting to compress at the third step, as the plain runs do."""
+    """(state, hook) of ``method``: "edgc", "edgc-bf16-ef" (error feedback in the gradient's dtype),
+    "edgc-sampled" (adaptive rank control held at ``rank``, the gradients sampled on every step: what
+    a sampled step adds) or "powersgd"; starting to compress at the third step, as the plain runs do."""
     if method == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -48,8 +58,19 @@ def _hook_state(method: str, rank: int, named: list | None, model=None):
         ), psgd.powerSGD_hook
     from edgc import EDGCConfig, EDGCState, edgc_hook
 
-    extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
-    config = EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, **extra)
+    if method == "edgc-sampled":
+        config = EDGCConfig(
+            r_max=rank,
+            r_min=rank,
+            total_steps=100_000,
+            warmup_fraction=0.0,
+            warmup_error_test=False,
+            window=100_000,
+            iteration_sample_ratio=1.0,
+        )
+    else:
+        extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
+        config = EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, **extra)
     return EDGCState(None, config, model=model if model is not None else NamedParameters(named)), edgc_hook
 
 
@@ -71,6 +92,7 @@ def _train_steps(ddp, tokens, count: int, timer: DeviceTimer) -> list[tuple[floa
 
 def hooked_step(model, tokens, method: str, rank: int, cap: float | None, timed: int, device) -> dict:
     """A DDP training step with ``method``'s hook ("none": DDP's own all-reduce)."""
+    _release(device, collect=True)  # what the last measurement left in reference cycles is not this one's
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -132,6 +154,41 @@ def saved_gradients(model, tokens) -> list[tuple[str, torch.Tensor]]:
     return saved
 
 
+class PreparedHook:
+    """``method``'s hook over every bucket of DDP's layout of the saved gradients (as ``grad_dtype``):
+    ``call()`` runs it on every bucket and waits for its Futures, ``restore()`` puts the gradients
+    back first. ``base`` is the device memory held before the buckets existed."""
+
+    def __init__(self, saved: list, method: str, grad_dtype: torch.dtype, rank: int, cap: float | None):
+        names = [name for name, _ in saved]
+        device = saved[0][1].device
+        self.layout = ddp_buckets([tuple(g.shape) for _, g in saved], ready_order(names), grad_dtype, cap)
+        tokens = [g for _, g in saved]  # stand for the parameters: the hooks key their state by identity
+        _release(device, collect=True)  # the last hook's state, if a reference cycle holds it, is not this one's
+        self.base = memory_allocated(device)
+        self.buckets = [
+            GradBucketStandIn(k, [tokens[i] for i in indices], grad_dtype, last=k == len(self.layout) - 1)
+            for k, indices in enumerate(self.layout)
+        ]
+        self.sources = [[tokens[i] for i in indices] for indices in self.layout]
+        self.gradient_bytes = sum(b.buffer().numel() * b.buffer().element_size() for b in self.buckets)
+        self.state, self.hook = _hook_state(method, rank, list(zip(names, tokens)))
+
+    def call(self) -> None:
+        futures = [self.hook(self.state, bucket) for bucket in self.buckets]
+        for future in futures:
+            future.wait()
+
+    def restore(self) -> None:
+        for bucket, source in zip(self.buckets, self.sources):
+            torch._foreach_copy_(bucket.gradients(), source)
+
+    def warm_up(self) -> None:
+        for _ in range(WARMUP_CALLS):
+            self.restore()
+            self.call()
+
+
 def hook_alone(
     saved: list[tuple[str, torch.Tensor]],
     method: str,
@@ -143,54 +200,34 @@ def hook_alone(
 ) -> dict:
     """Seconds per step of ``method``'s hook over every bucket (its Futures waited for), on the
     saved gradients as ``grad_dtype``, restored before each call; kernels of one call, memory."""
-    names = [name for name, _ in saved]
     device = saved[0][1].device
-    layout = ddp_buckets([tuple(g.shape) for _, g in saved], ready_order(names), grad_dtype, cap)
-    tokens = [g for _, g in saved]  # stand for the parameters: the hooks key their state by identity
-    base = memory_allocated(device)
-    buckets = [
-        GradBucketStandIn(k, [tokens[i] for i in indices], grad_dtype, last=k == len(layout) - 1)
-        for k, indices in enumerate(layout)
-    ]
-    sources = [[tokens[i] for i in indices] for indices in layout]
-    gradient_bytes = sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
-    state, hook = _hook_state(method, rank, list(zip(names, tokens)))
+    hook = PreparedHook(saved, method, grad_dtype, rank, cap)
     timer = DeviceTimer(device)
-
-    def call() -> None:
-        futures = [hook(state, bucket) for bucket in buckets]
-        for future in futures:
-            future.wait()
-
-    def restore() -> None:
-        for bucket, source in zip(buckets, sources):
-            torch._foreach_copy_(bucket.gradients(), source)
-
-    for _ in range(WARMUP_CALLS):
-        restore()
-        call()
+    hook.warm_up()
     timer.synchronize()
     resident = memory_allocated(device)
     peak_memory(device, reset=True)
     seconds = []
     for _ in range(timed):
-        restore()
+        hook.restore()
         timer.synchronize()
         start = timer.mark()
-        call()
+        hook.call()
         seconds.append(timer.seconds(start, timer.mark()))
     peak = peak_memory(device)
-    restore()
-    kernels = device_activity_count(call, device) if count_kernels else None
+    hook.restore()
+    profiled = kernel_profile(hook.call, device) if count_kernels else None
+    base, gradient_bytes = hook.base, hook.gradient_bytes
     return {
         "method": method,
         "grad_dtype": str(grad_dtype).removeprefix("torch."),
         "rank": rank,
         **_cap_label(cap),
-        "buckets": len(layout),
+        "buckets": len(hook.layout),
         "seconds": median(seconds),
         "seconds_all": seconds,
-        "kernels": kernels,
+        "kernels": None if profiled is None else profiled["kernels"],
+        "kernel_profile": profiled,
         "state_bytes": None if base is None else resident - base - gradient_bytes,
         "peak_extra_bytes": None if base is None else peak - base - gradient_bytes,
     }
@@ -274,6 +311,7 @@ def _alone_jobs(settings: dict, goal_rank_only: bool) -> list[tuple]:
         ]
     jobs = [(method, dtype, goal, caps[0], True) for method, dtype in HOOKS]
     jobs.append(("edgc-bf16-ef", torch.bfloat16, goal, caps[0], True))
+    jobs.append(("edgc-sampled", torch.bfloat16, goal, caps[0], True))
     return jobs + [("edgc", dtype, goal, cap, True) for cap in caps[1:] for dtype in (torch.bfloat16, torch.float32)]
 
 
@@ -318,7 +356,8 @@ def engine(rank: int, world_size: int, settings: dict, budget_s: float, partial:
         torch.manual_seed(0)
         model = gpt2(size, device)
         tokens = torch.randint(0, vocabulary(size), (settings["micro_batch"], settings["seq_len"])).to(device)
-        _step_rows(result, budget, size, model, tokens, settings, device)
+        if not settings.get("skip_steps"):
+            _step_rows(result, budget, size, model, tokens, settings, device)
         saved[size] = saved_gradients(model, tokens)
         del model, tokens
         _release(device, collect=True)

@@ -92,6 +92,15 @@ class DeviceTimer:
 def device_activity_count(run: Callable[[], None], device: torch.device) -> int | None:
     """Kernels, copies and memsets the device ran during ``run()`` (torch.profiler); on a CPU,
     None without running it."""
+    profiled = kernel_profile(run, device)
+    return None if profiled is None else profiled["kernels"]
+
+
+def kernel_profile(run: Callable[[], None], device: torch.device, top: int = 12) -> dict | None:
+    """What the device ran during ``run()`` (torch.profiler's kernel list): the count of kernels,
+    copies and memsets, their summed device time, the span from the first start to the last end,
+    and the ``top`` names by summed time as [name, count, seconds]; on a CPU, None without running it.
+    Summed time well below the span says the device waited (for the host's launches, or a stream)."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -100,10 +109,21 @@ def device_activity_count(run: Callable[[], None], device: torch.device) -> int 
         run()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
-    try:  # the raw events: no tree of FunctionEvents to build for 70,000 kernels
-        return sum(1 for event in prof.profiler.kineto_results.events() if event.device_type() == cuda)
-    except (AttributeError, TypeError):  # another torch's profiler: the slower public way
-        return sum(1 for event in prof.events() if event.device_type == cuda)
+    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == cuda]
+    by_name: dict[str, list] = {}
+    for event in events:
+        entry = by_name.setdefault(event.name()[:120], [0, 0])
+        entry[0] += 1
+        entry[1] += event.duration_ns()
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    starts = [e.start_ns() for e in events]
+    ends = [e.start_ns() + e.duration_ns() for e in events]
+    return {
+        "kernels": len(events),
+        "device_s": sum(e.duration_ns() for e in events) / 1e9,
+        "span_s": (max(ends) - min(starts)) / 1e9 if events else 0.0,
+        "top": [[name, count, ns / 1e9] for name, (count, ns) in ranked],
+    }
 
 
 class HostReads:

@@ -29,11 +29,13 @@ def test_the_smoke_run_writes_every_part(tmp_path):
         "overlap.json",
         "engine.json",
         "orth.json",
+        "outer.json",
         "trace_gloo.json.gz",
         "trace_nccl.json.gz",
     }
     read = {
-        name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("count", "overlap", "engine", "orth")
+        name: json.loads((tmp_path / f"{name}.json").read_text())
+        for name in ("count", "overlap", "engine", "orth", "outer")
     }
     engine_rows = [row for row in read["orth"]["rows"] if row["method"] == "cholesky2-fp64"]
     assert engine_rows and all(row["finite"] and row["orthogonality"] < 1e-6 for row in engine_rows)
@@ -81,6 +83,7 @@ def test_the_smoke_run_writes_every_part(tmp_path):
         ("edgc", "float32", 100),
         ("powersgd", "float32", 100),
         ("edgc", "bfloat16", 0.25),
+        ("edgc-sampled", "bfloat16", 100),
     } <= alone
     assert all(row["seconds"] > 0 and row["plain_backward_s"] > 0 for row in engine["hook_alone"])
 
@@ -90,3 +93,29 @@ def test_a_failing_part_keeps_the_others(tmp_path):
     assert gpu.main(["--smoke", "--parts", "env,device", "--out", str(tmp_path)]) == 1
     assert json.loads((tmp_path / "env.json").read_text())["torch"] == torch.__version__
     assert "needs a CUDA GPU" in json.loads((tmp_path / "device.json").read_text())["error"]
+
+
+def test_the_outer_step_is_measured_for_the_default_and_the_cast(tmp_path):
+    assert gpu.main(["--smoke", "--parts", "outer", "--out", str(tmp_path)], runner=in_the_pool) == 0
+    outer = json.loads((tmp_path / "outer.json").read_text())
+    assert outer["errors"] == []
+    assert [(row["model"], row["method"]) for row in outer["rows"]] == [("tiny", "quant3"), ("tiny", "bf16")]
+    assert all(len(row["outer_step_s_all"]) == 2 and row["inner_step_s"] > 0 for row in outer["rows"])
+
+
+def test_ncu_raw_csv_is_read_per_kernel():
+    from edgc_bench.gpu_hbm import parse
+
+    text = "\n".join(
+        [
+            "==PROF== Connected to process 7",
+            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum"',
+            '"","","byte","byte"',
+            '"0","void gemm<bf16>(int)","1,048,576","2048"',
+            '"1","elementwise_kernel","4096","n/a"',
+            '"2","reduce_kernel","10","20"',
+        ]
+    )
+    kernels = parse(text)
+    assert [k["name"] for k in kernels] == ["void gemm<bf16>(int)", "reduce_kernel"]
+    assert kernels[0]["dram__bytes_read.sum"] == 1048576 and kernels[1]["dram__bytes_write.sum"] == 20

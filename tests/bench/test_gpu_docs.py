@@ -213,3 +213,43 @@ def test_the_first_run_alone_renders_from_its_committed_files(tmp_path, load_scr
     assert "| xl | powersgd | 32 | 0.164 | 1.75 | 1.59 | 1561% | 74040 | 2.99 |" in text
     assert "EDGC ÷ powerSGD_hook, the hook's share of a bf16 training step, GPT-2 xl rank 32: met: 0.26×" in text
     assert any("missed: 408 %" in line for line in readme)
+
+
+H200 = BEFORE.parent / "h200-2026-11-27"
+PROFILED = BEFORE.parent / "h200-2026-11-27-profiled"
+
+
+def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_script):
+    """docs/gpu.md and the README hold what the script makes of the committed H200 runs, line by line."""
+    import sys
+
+    script = load_script("gpu_to_docs")
+    sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))
+    from gpu_profiled import sections
+
+    image, current_count = tmp_path / "gpu_overlap.png", script._json(BEFORE.parent / "count", "count")
+    docs, readme = script.build(script.load_run(H200), script.load_run(BEFORE), image, current_count)
+    more_docs, more_readme = sections(PROFILED)
+    page = (BEFORE.parents[1] / "gpu.md").read_text()
+    front = (BEFORE.parents[2] / "README.md").read_text()
+    picture_line = next(line for line in docs if line.startswith("Device work per CUDA stream"))
+    assert image.exists() and picture_line in page  # drawn from the committed trace
+    assert all(line in page for line in docs + more_docs if line)
+    assert all(line in front for line in readme[:-1] + more_readme if line)
+
+
+def test_the_profiled_sections_copy_the_files_figures(load_script):
+    import sys
+
+    sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))
+    from gpu_profiled import load, sections
+
+    run = load(PROFILED)
+    docs, readme = sections(PROFILED)
+    hbm = run["hbm"]["rows"][0]
+    assert any(f"{hbm['bytes_per_compressed_element']:.1f} B per compressed element" in line for line in readme)
+    assert run["hbm"]["errors"] and any("not measured" in line for line in docs)  # the sampled step's timeout
+    for row in run["outer"]["rows"]:
+        assert any(f"| {row['peak_beyond_held_bytes_per_param']:.1f} |" in line for line in docs)
+    profiled = [row for row in run["engine"]["hook_alone"] if row.get("kernel_profile")]
+    assert len([line for line in docs if line.startswith("| xl |")]) >= len(profiled)

@@ -212,6 +212,34 @@ def test_report_only_samples_fold_the_cap_into_the_stride_once_the_step_size_is_
         )
 
 
+def test_decision_samples_are_capped_by_entropy_sample_cap_and_uncapped_with_none():
+    """A decision's sample holds about ``entropy_sample_cap`` elements at most: thinned after
+    gathering on the first step, by the stride once the step's size is known; None keeps every
+    β-th element."""
+    from edgc.entropy import EntropySampler, histogram_entropy
+
+    settings = dict(
+        total_steps=400, window=20, r_max=8, gradient_sample_ratio=0.5, iteration_sample_ratio=1.0, entropy_bins=100
+    )
+    grads = [torch.randn(40_001) ** 3, torch.randn(23_999) ** 3]
+    sampler = EntropySampler(EDGCConfig(entropy_sample_cap=8_000, **settings))
+    uncapped = EntropySampler(EDGCConfig(entropy_sample_cap=None, **settings))
+    full = histogram_entropy(torch.cat([g[::2] for g in grads]), bins=100)
+    for number in range(2):
+        for each in (sampler, uncapped):
+            each.begin(number)
+            each.add(grads)
+        assert uncapped.finish() == pytest.approx(full)
+        thinned = sampler.finish()
+        # the first step gathers 32,001 elements (one bucket) and keeps every ⌈32,001 / 8,000⌉ = 5th;
+        # then the stride is 2·⌈64,000 / 2 / 8,000⌉ = 8
+        expected = torch.cat([g[::2] for g in grads])[::5] if number == 0 else torch.cat([g[::8] for g in grads])
+        assert expected.numel() <= 8_000 + len(grads)  # each tensor's stride starts at its element 0
+        assert thinned == pytest.approx(histogram_entropy(expected, bins=100))
+    with pytest.raises(ValueError, match="entropy_sample_cap"):
+        EDGCConfig(entropy_sample_cap=10, entropy_bins=1000)
+
+
 def test_a_state_given_its_model_thins_even_its_first_report_sample():
     """With ``model=`` the element count is known before any step, so the very first report sample
     (step 0, before any count) is taken by the wide stride too."""
