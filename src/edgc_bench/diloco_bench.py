@@ -217,10 +217,6 @@ def summary_line(r: dict) -> str:
 
 
 def run_diloco_bench(s: BenchSettings, o: DilocoOptions, out: Path, command: str, say=print) -> dict:
-    if o.scaling:
-        from .diloco_scaling import run_scaling
-
-        return run_scaling(s, o, out, command, say)
     from edgc_train.data import prepare_data
 
     from .diloco_table import markdown, measure

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,8 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
     state._reduce = recording_reduce
     attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
     attempt[0] += 1
+    if attempt[0] > 1:  # a killed group is up again, its manager heartbeating
+        report["restarted"] = report.get("restarted", 0) + 1
     lines = report.setdefault("steps", {}).setdefault(replica, [])
     retries: dict[int, int] = {}
     base_lr, inner_steps = inner.param_groups[0]["lr"], outer_steps * diloco._sync_every
@@ -137,6 +140,10 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
             performs = diloco._local_step == diloco._sync_every - 1  # … this one takes the outer step
             if prepares:
                 outer_step = manager.current_step()
+                if outer_step == faults.wait_for_restart_at:  # the survivors let the killed group catch up
+                    deadline = time.monotonic() + 60
+                    while report.get("restarted", 0) < report["kills"] and time.monotonic() < deadline:
+                        time.sleep(0.1)
                 pg.die_next = (
                     2 if faults.take("kill_mid", replica, outer_step) else faults.take("kill", replica, outer_step)
                 )

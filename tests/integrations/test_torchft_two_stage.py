@@ -24,7 +24,8 @@ def test_a_group_killed_in_the_all_to_all_heals_and_nothing_is_lost(caplog):
     assert "owner's error feedback" not in caplog.text  # one quorum throughout
     check_identical(free)
     assert "discarded" not in free and 0 < free["results"][0]["bytes_ratio"] < 0.05  # float64: 8 bytes a value raw
-    faults = Faults(failed_allreduce={(2, 2)}, kill_mid={(1, 5)}, restart_delay_s=3.0)  # the others go on as two
+    # the others go on as two from outer step 5 and wait at 9 until the killed group is up again
+    faults = Faults(failed_allreduce={(2, 2)}, kill_mid={(1, 5)}, restart_delay_s=5.0, wait_for_restart_at=9)
     run = run_replicas(STEPS, faults, sync="quant3-2s", bucket=BUCKET)
     check_identical(run)
     assert run["kills"] == 1 and (2, 2) in run["discarded"] and run["results"][1]["heals"] >= 1

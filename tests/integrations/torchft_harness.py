@@ -98,6 +98,7 @@ class Faults:
     nan: set = field(default_factory=set)
     stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT, late for the next quorum
     restart_delay_s: float = 0.0  # a killed group starts again this much later (its peers go on without it)
+    wait_for_restart_at: int | None = None  # DiLoCo: at this outer step the others wait until it is up again
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, kind: str, replica: int, step: int) -> bool:
