@@ -13,6 +13,7 @@ Modules:
     checkpoint.py   what an EDGCState checkpoint holds, and the checks a loaded one passes
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
     steps.py        one step's record (what it planned, sent and measured) and its metrics
+    gradients.py    the gradients a reducer is handed (sparse, any layout) and how each is averaged raw
     jobs.py         how bucket jobs run: fixed order, buckets fused into batches, a side stream
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
     layout.py       how one call's tensors are grouped by shape and laid out in flat buffers
@@ -40,9 +41,11 @@ Modules:
     two_stage.py    the two-stage compressed all-reduce (all-to-all, owners reduce, all-gather): DiLoCo's default
     codecs.py       its codecs: a run of values to a message of bytes and back (b-bit codes in bit planes)
     outer_alloc.py  the quantised outer sync with the bits per tensor where a byte removes the most error
+    outer_sparse.py the sparse outer syncs: chunked top-k, coded indices, 2-bit values, error feedback
     timing.py       device-timeline timestamps, the library's only device→host reads
     events.py       what EDGC decides, said through Python's logging (logger "edgc", group rank 0)
     fingerprint.py  once per window, the ranks compare what must be identical on all; raise where not
+    agreement.py    at the first step, the ranks compare the settings that must agree; raise where not
     guards.py       how a state is used: a group created after it, DDP's group and model, synchronize()
     streams.py      streams and stream-ordered memory, device-agnostic (torch.cpu's stand-ins off CUDA)
     finite.py       finiteness flags on the device that no sum can overflow
@@ -50,6 +53,7 @@ Modules:
     integrations/   glue for training stacks (Lightning)
 """
 
+from .agreement import SettingsDiffer
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .comm import barrier_before_exit
 from .config import EDGCConfig, LowRankConfig, field_docs
@@ -91,6 +95,7 @@ __all__ = [
     "QSGDState",
     "barrier_before_exit",
     "ReplicasDiverged",
+    "SettingsDiffer",
     "register_signal",
     "register_rank_mapping",
     "register_sync_method",

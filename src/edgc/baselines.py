@@ -38,6 +38,7 @@ the same order of additions, whatever runs in parallel on the device, so replica
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,9 @@ class CastState(GradientReducer):
             raise ValueError(f"dtype: must be float16 or bfloat16, got {dtype}")
         self.dtype = dtype
 
+    def agreed_settings(self, device: torch.device) -> dict[str, Any]:
+        return {**super().agreed_settings(device), "CastState.dtype": str(self.dtype)}
+
     def _reduce(self, names, grads, flat) -> None:
         packed = _pack(grads, flat)
         on_wire = packed.to(self.dtype)
@@ -115,6 +119,7 @@ class _ErrorFeedbackReducer(GradientReducer):
     """Shared part of the sparsifiers and the quantiser: M = G + e in fp32, the EF update, checkpoints."""
 
     method = ""
+    ARGUMENTS: tuple[str, ...] = ()  # the constructor's own arguments, kept under their names: agreed
 
     def __init__(
         self,
@@ -130,6 +135,11 @@ class _ErrorFeedbackReducer(GradientReducer):
 
     def _plan_step(self, record) -> None:
         self._call = 0
+
+    def agreed_settings(self, device: torch.device) -> dict[str, Any]:
+        """`GradientReducer.agreed_settings`, with ``error_feedback`` and the subclass's `ARGUMENTS`."""
+        named = {"error_feedback": self.error_feedback, **{name: getattr(self, name) for name in self.ARGUMENTS}}
+        return {**super().agreed_settings(device), **{f"{type(self).__name__}.{k}": v for k, v in named.items()}}
 
     def _on_device(self, device: torch.device) -> None:
         self.error = {name: e.to(device) for name, e in self.error.items()}
@@ -275,6 +285,7 @@ class TopKState(_ErrorFeedbackReducer):
     """
 
     method = "topk"
+    ARGUMENTS = ("ratio",)
 
     def __init__(self, process_group=None, *, ratio: float = 0.01, error_feedback: bool = True, model=None):
         super().__init__(process_group, error_feedback=error_feedback, model=model)
@@ -313,6 +324,7 @@ class RandomKState(_ErrorFeedbackReducer):
     """
 
     method = "randomk"
+    ARGUMENTS = ("ratio", "rescale", "seed")
 
     def __init__(
         self,
@@ -368,6 +380,7 @@ class QSGDState(_ErrorFeedbackReducer):
     """
 
     method = "qsgd8"
+    ARGUMENTS = ("chunk", "seed")
     LEVELS = 127
 
     def __init__(

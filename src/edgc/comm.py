@@ -225,6 +225,27 @@ class Communicator:
             tensor, lambda: self._all_reduce_work(on_wire, dist.ReduceOp.SUM), after=lambda: tensor.copy_(on_wire)
         )
 
+    def sparse_mean_async(self, tensor: torch.Tensor) -> Pending:
+        """Average a sparse COO ``tensor`` in place over the group, as DDP's default hook does: divided
+        first, then the backend's sparse all-reduce (gloo's; NCCL refuses sparse tensors). The sum
+        lands in ``tensor`` once waited for, whether the backend writes it there or returns it."""
+        if not self.issues:
+            return Pending(tensor, None, None, self.clock)
+        if self.world_size > 1:
+            tensor.div_(self.world_size)
+        works = []
+
+        def run():
+            works.append(self._all_reduce_work(tensor, dist.ReduceOp.SUM))
+            return works[0]
+
+        def after():
+            result = works[0].result()[0] if hasattr(works[0], "result") else tensor
+            if result is not tensor:
+                tensor.copy_(result)
+
+        return self._issue(tensor, run, after)
+
     # ------------------------------------------------------------------ blocking
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         return self.all_reduce_async(tensor, op).wait()

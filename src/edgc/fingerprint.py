@@ -3,9 +3,10 @@
 Data parallelism is right only while every replica holds the same shared state: the step, the
 phase, the rank and its bounds, the rank schedule and every warm-start Q factor. A rank resumed
 from another checkpoint, a state bound to another group or a bug would show otherwise only as
-replicas that drift apart, with exit code 0. So at the end of every window (`EDGCConfig.window`
-steps, where the group settles together: `GradientReducer.settle`) each rank of the group
-compares, in one collective:
+replicas that drift apart, with exit code 0. (Settings that differ between ranks are refused
+before they are used, at the first step: `edgc.agreement`; this checks the state they produce.)
+So at the end of every window (`EDGCConfig.window` steps, where the group settles together:
+`GradientReducer.settle`) each rank of the group compares, in one collective:
 
 =================  ================================================================
 field              value

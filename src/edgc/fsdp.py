@@ -22,7 +22,13 @@ sharded gradients FSDP then hands to the optimizer. With ``MixedPrecisionPolicy(
 torch.bfloat16)`` the shards are bf16; factors and error feedback are fp32 (see `edgc.lowrank`).
 
 The model must be sharded on a 1-D mesh (the shard dimension): with a 2-D mesh FSDP runs its
-own replica all-reduce before the hook, and there would be nothing left to compress.
+own replica all-reduce before the hook, and there would be nothing left to compress. Every
+module is sharded on one mesh, whose ranks the state's group meets only at this rank: the state
+averages one shard with the same shard of the other replicas. A module on another mesh (experts
+sharded on an expert-data-parallel mesh) is refused in one line: it needs a state of its own, on
+the replicate group that goes with its mesh (`mesh_refusal`); so is a state whose group holds other
+shards of a module (built on the shard mesh, or on the default group). Which shard each rank of
+the state's group holds is compared before the first step sends anything (`edgc.agreement`).
 
 A group's job is started in its hook and goes on while the next groups' backward runs, unless
 FSDP2 reads the buffer right after the hook (it casts a ``reduce_dtype`` buffer to the parameters'
@@ -50,10 +56,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from . import streams
+from .comm import Communicator
+from .guards import group_ranks
 from .mesh import init_parallel_mesh
 from .reducer import GradientReducer
 
-__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout"]
+__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout", "mesh_refusal"]
 
 
 def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
@@ -115,6 +123,50 @@ def reads_buffer_after_hook(group, reduce_output: torch.Tensor) -> bool:
     )
 
 
+def _described(mesh: DeviceMesh) -> str:
+    return f"mesh {mesh.mesh_dim_names or '(unnamed)'} of size {mesh.size()}"
+
+
+def mesh_refusal(name: str, mesh: DeviceMesh, reference: DeviceMesh, state_ranks: list[int] | None) -> str | None:
+    """Why the state cannot average module ``name``'s shards (sharded on ``mesh``), or None: another mesh
+    than ``reference`` (the model's first module's), or a group (global ``state_ranks``; None: not
+    known) that holds other ranks of its shard mesh than this one. The same line on every rank."""
+    shard_ranks = dist.get_process_group_ranks(mesh.get_group())
+    if shard_ranks != dist.get_process_group_ranks(reference.get_group()):
+        return (
+            f"register_fsdp_comm_hook: {name} is sharded on {_described(mesh)}, the model's first sharded "
+            f"module on {_described(reference)}; one state averages the shards of one mesh: {name} needs a "
+            "state of its own, on the replicate group that goes with its mesh"
+        )
+    if state_ranks is not None and len(set(state_ranks) & set(shard_ranks)) > 1:
+        return (
+            f"register_fsdp_comm_hook: the state's group (size {len(state_ranks)}) holds other shards of "
+            f"{name}'s parameters (sharded on {_described(mesh)}), and would average them together: build "
+            "the state on the replicate group that goes with the shard mesh (EDGCState(mesh['dp_replicate']) "
+            "beside fully_shard(..., mesh=mesh['dp_shard']))"
+        )
+    return None
+
+
+def _sharded_modules(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
+    """(name, module, its parameter group) of every `fully_shard`-ed module with parameters, in
+    ``model.modules()`` order; a model sharded on a 2-D mesh is refused."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = _param_group(module)
+        if group is None or not group.fsdp_params:
+            continue
+        if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
+            raise ValueError(
+                "shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
+                "all-reduces over the replicas itself before any hook runs"
+            )
+        found.append((f"module {name!r}" if name else "the model", module, group))
+    return found
+
+
 class FSDPCommHook:
     """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`."""
 
@@ -123,20 +175,20 @@ class FSDPCommHook:
             raise TypeError("register_fsdp_comm_hook needs a model that fully_shard was applied to")
         self.state = state
         self.model = model
+        sharded = _sharded_modules(model)
+        if not sharded:
+            raise ValueError("the model has no parameters to reduce")
+        reference = sharded[0][2].mesh_info.mesh
+        comm = state.comm
+        state_ranks = group_ranks(comm) if type(comm) is Communicator and comm.issues else None
+        for name, _, group in sharded:  # all refused before any hook is set
+            refusal = mesh_refusal(name, group.mesh_info.mesh, reference, state_ranks)
+            if refusal is not None:
+                raise ValueError(refusal)
         names = {id(p): name for name, p in model.named_parameters()}
         self._groups = []  # (module, [(name, size, padded numel)])
         shapes = {}
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            group = _param_group(module)
-            if group is None or not group.fsdp_params:
-                continue
-            if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
-                raise ValueError(
-                    "shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
-                    "all-reduces over the replicas itself before any hook runs"
-                )
+        for _, module, group in sharded:
             layout = []
             for param, size, padded in shard_layout(group):
                 if not param.requires_grad:
@@ -146,13 +198,14 @@ class FSDPCommHook:
                 shapes[name] = tuple(size)
             self._groups.append((module, layout))
             module.set_all_reduce_hook(self._make_hook(layout, group))
-        if not self._groups:
-            raise ValueError("the model has no parameters to reduce")
         # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
         # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
         model.set_reduce_scatter_unused_params(True)
         # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
         state.parameter_shapes = shapes
+        # The ranks of the state's group must hold the same shard: compared before anything is sent.
+        shard_ranks = dist.get_process_group_ranks(reference.get_group())
+        state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
         self._step_open = False
 
     def _make_hook(self, layout, group):

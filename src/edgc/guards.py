@@ -12,7 +12,15 @@ Each check fails with one line (or warns once) and changes nothing of the state:
   that is not the module DDP wraps would key the compressor's state by the wrong names). On the
   DDP path every step syncs the parameters of the first: one state registered on two DDP models
   is refused at the other model's first bucket.
+* **Settings that must agree.** At the first step, before anything is sent, the ranks compare
+  every setting that shapes a collective or a decision (`edgc.agreement`); one that differs raises
+  `SettingsDiffer` on every rank, naming it and each rank's value.
 * **``synchronize()`` needs gradients**: called before ``backward()``, it refuses.
+* **``synchronize()`` once per backward**: called again on the gradients it averaged last, every
+  one of them the very tensor it left and unchanged since (no backward, no ``zero_grad``, no other
+  in-place change: each tensor's version counter says so), it refuses instead of averaging the
+  average again and counting a second step. A gradient changed in place by anything else (clipped,
+  scaled) counts as a new one.
 
 `GradientReducer` holds one `UsageGuard`, which also knows the model's parameters by name (the
 names key every per-parameter state, so checkpoints survive another DDP bucket layout), and calls
@@ -22,11 +30,14 @@ it at those points.
 from __future__ import annotations
 
 import warnings
+import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import agree
 from .comm import Communicator
 from .mesh import local_tensor
 
@@ -73,12 +84,34 @@ class UsageGuard:
         self.names = {id(p): name for name, p in parameters}  # id(parameter) → its name
         self.shapes = {name: tuple(local_tensor(p).shape) for name, p in parameters}  # for checking loaded state
         self.checked = False  # the first-use checks ran
+        self.agreed = False  # the group compared its settings (`edgc.agreement`)
+        self.also_agreed: dict[str, Any] = {}  # settings an integration added (`GradientReducer.agree_on`)
         self.warned_unnamed = False
         self.ddp_names: frozenset[str] | None = None  # the parameters of the first DDP step, once it ended
         self._first_step_names: list[str] = []
+        self._synced: list[tuple[weakref.ref, int]] = []  # the gradients synchronize() left, with their versions
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "names": {}}
+        return {**self.__dict__, "names": {}, "_synced": []}
+
+    def fresh_gradients(self, state_name: str, grads: list[torch.Tensor]) -> None:
+        """Refuse a ``synchronize()`` on the gradients the last one left, every one unchanged since."""
+        synced = self._synced
+        if (
+            synced
+            and len(synced) == len(grads)
+            and all(
+                ref() is grad and local_tensor(grad)._version == version for (ref, version), grad in zip(synced, grads)
+            )
+        ):
+            raise RuntimeError(
+                f"{state_name}.synchronize() was called again on the gradients it averaged last, unchanged "
+                "since: call it once after each backward (it would average the average and count a second step)"
+            )
+
+    def synchronized(self, grads: list[torch.Tensor]) -> None:
+        """``synchronize()`` left these gradients (weakly held: a gradient freed is a changed one)."""
+        self._synced = [(weakref.ref(grad), local_tensor(grad)._version) for grad in grads]
 
     def names_for(self, state_name: str, params) -> list[str]:
         """The names of ``params``; a parameter the model does not name is named by first appearance
@@ -121,6 +154,22 @@ class UsageGuard:
                 f"{name} averages over global ranks {group_ranks(comm)} but its DDP model over "
                 f"{self.ddp_ranks}: give it DDP's group (process_group=ddp_model.process_group)"
             )
+
+    def agree_on(self, state_name: str, settings: dict[str, Any]) -> None:
+        if self.agreed:
+            raise RuntimeError(f"{state_name}.agree_on: the group compared its settings at the first step")
+        self.also_agreed.update(settings)
+
+    def agree(self, state: GradientReducer, device: torch.device) -> None:
+        """At the state's first step (later calls return at once), before it plans or sends anything:
+        compare its settings over its group (`edgc.agreement`; the collectives on ``device``, the
+        gradients'). Not under torchft's manager, whose replicas come and go."""
+        if self.agreed:
+            return
+        comm = state.settings_group()
+        if type(comm) is Communicator and comm.issues:
+            agree(comm, type(state).__name__, state.agreed_settings(device), device, group_ranks(comm))
+        self.agreed = True
 
     def unnamed(self, state_name: str, index: int) -> str:
         """The name of a parameter no model names: its place in order of appearance, stable for one DDP

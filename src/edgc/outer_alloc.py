@@ -36,37 +36,43 @@ def allocate(
     """Bits per tensor: start at ``candidates[0]``, widen where the error falls most per byte within the budget.
 
     ``errors[t][c]``: tensor t's squared error at ``candidates[c]``; ``sizes[t]``: its values."""
+    costs = [[math.ceil(n / 8) * b + 4 * math.ceil(n / chunk) for b in candidates] for n in sizes]
+    return [candidates[c] for c in allocate_by_cost(errors, costs, budget_bytes)]
 
-    def cost(t: int, c: int) -> int:
-        return math.ceil(sizes[t] / 8) * candidates[c] + 4 * math.ceil(sizes[t] / chunk)
 
-    choice = [0] * len(sizes)
-    spent = sum(cost(t, 0) for t in range(len(sizes)))
+def allocate_by_cost(errors: list[list[float]], costs: list[list[int]], budget_bytes: float) -> list[int]:
+    """The candidate index per tensor: each starts at its first (cheapest) candidate; then, greedily, the
+    tensor whose next candidate removes the most squared error per extra byte moves up, while the
+    bytes stay within ``budget_bytes``. ``errors[t][c]`` and ``costs[t][c]``: tensor t at candidate c,
+    costs rising with c."""
+    choice = [0] * len(costs)
+    spent = sum(row[0] for row in costs)
     heap = []
 
     def offer(t: int) -> None:
         c = choice[t]
-        if c + 1 < len(candidates):
-            gain = (errors[t][c] - errors[t][c + 1]) / (cost(t, c + 1) - cost(t, c))
+        if c + 1 < len(costs[t]):
+            gain = (errors[t][c] - errors[t][c + 1]) / max(1, costs[t][c + 1] - costs[t][c])
             heapq.heappush(heap, (-gain, t))
 
-    for t in range(len(sizes)):
+    for t in range(len(costs)):
         offer(t)
     while heap:
         negative_gain, t = heapq.heappop(heap)
-        extra = cost(t, choice[t] + 1) - cost(t, choice[t])
+        extra = costs[t][choice[t] + 1] - costs[t][choice[t]]
         if negative_gain >= 0 or spent + extra > budget_bytes:
-            continue  # no gain, or it does not fit: a narrower step of another tensor may
+            continue  # no gain, or it does not fit: a smaller step of another tensor may
         choice[t] += 1
         spent += extra
         offer(t)
-    return [candidates[c] for c in choice]
+    return choice
 
 
 class AllocatedQuantState(QuantizedState):
     """Quantised outer sync with bits per tensor by measured error per byte (see the module docstring)."""
 
     method = "allocated"
+    ARGUMENTS = ("mean_bits", "chunk")  # its argument ``bits`` is kept as mean_bits
 
     def __init__(
         self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True, model=None

@@ -54,6 +54,7 @@ class QuantizedState(_ErrorFeedbackReducer):
     "docstring)."""
 
     method = "quantized"
+    ARGUMENTS = ("bits", "chunk")
 
     def __init__(self, process_group=None, *, bits: int = 3, chunk: int = 256, error_feedback: bool = True, model=None):
         """``process_group``: the replicas' group (None: the default one); ``bits``: bits a value (2–8);

@@ -119,6 +119,7 @@ class WindowController:
         self.config = config
         self.rule = rank_rule(config)
         self.follower = follower
+        self.always_profile = always_profile
         self.r_max = config.r_max
         self.r_min = config.r_min if config.r_min is not None else self._default_r_min(config.r_max)
         profile = config.r_max is None or always_profile

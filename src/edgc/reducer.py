@@ -35,12 +35,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import events, streams
-from .comm import FINISHES, Communicator
-from .finite import all_finite
-from .guards import UsageGuard, check_gradients
+from .comm import Communicator
+from .gradients import HandedGradients, average_raw, average_sparse, check_dense, check_sparse_layout, is_sparse
+from .guards import UsageGuard
 from .jobs import JobQueue
 from .lowrank import ReduceStats
-from .mesh import local_tensor
 from .steps import StepRecord, step_metrics
 from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
 
@@ -88,20 +87,39 @@ class GradientReducer:
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
         return self._guard.names_for(type(self).__name__, params)
 
+    def agreed_settings(self, device: torch.device) -> dict[str, Any]:
+        """Name → value of what every rank of the group must hold alike, compared at the first step
+        (`edgc.agreement`): the method, its own arguments (a subclass adds them), what an integration
+        added (`agree_on`). ``device``: the gradients', for values resolved by device."""
+        return {"method": type(self).__qualname__, **self._guard.also_agreed}
+
+    def agree_on(self, settings: dict[str, Any]) -> None:
+        """Add settings every rank must hold alike (an integration's), compared with the state's own at
+        its first step; refused once that step has begun."""
+        self._guard.agree_on(type(self).__name__, settings)
+
+    def settings_group(self) -> Communicator:
+        """The communicator over whose group the settings are compared: the state's."""
+        return self.comm
+
     # ------------------------------------------------------------------ entry points
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP path: start averaging one bucket; the Future completes when it is averaged."""
-        if self._current is None:
-            self._begin_step()
-        self.comm.poll()
         buffer = bucket.buffer()
+        if self._current is None:
+            self._begin_step(buffer.device)
+        self.comm.poll()
         # A Future holding CUDA tensors must name their device: it records an event on completion
         # that DDP's stream waits on (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None
         )
         names = self._guard.ddp_bucket(type(self).__name__, bucket.parameters(), bucket.is_last())
-        self._submit(names, bucket.gradients(), buffer, future)
+        if is_sparse(buffer):  # a sparse gradient: DDP's bucket of its own, whose buffer is the gradient
+            check_sparse_layout(type(self).__name__, names[0], buffer)
+            self._submit_sparse(names, buffer, future)
+        else:
+            self._submit(names, bucket.gradients(), buffer, future)
         if bucket.is_last():
             self._jobs.drain(self._reduce)
             self._end_step()
@@ -119,8 +137,9 @@ class GradientReducer:
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
         key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
         """
+        check_dense(type(self).__name__, names, tensors)
         if self._current is None:
-            self._begin_step()
+            self._begin_step(tensors[0].device if tensors else None)
         self._submit(list(names), list(tensors), None, None)
         if blocking or last:
             self._jobs.drain(self._reduce)
@@ -144,25 +163,21 @@ class GradientReducer:
         gradient counts as a zero gradient, as in DDP, so every rank sends the same tensors.
         Blocking (the Megatron-style sync after backward: nothing left to overlap with), and the
         step is settled (`settle`) before it returns. A DTensor parameter (tensor parallelism) is
-        averaged shard by shard: this rank's local shard.
+        averaged shard by shard: this rank's local shard. Sparse gradients and gradients in another
+        layout are averaged exactly (`edgc.gradients`). Called again on the gradients it averaged,
+        unchanged since (no backward between), it refuses in one line (`edgc.guards`).
         """
-        entries = list(parameters)
-        if entries and isinstance(entries[0], tuple):
-            names = [name for name, _ in entries]
-            params = [p for _, p in entries]
-        else:
-            params = entries
-            names = self.names_for(params)
-        params_with_grad = [(n, p) for n, p in zip(names, params) if p.requires_grad]
-        check_gradients(type(self).__name__, [p for _, p in params_with_grad])
-        for _, p in params_with_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._begin_step()
-        self._submit([n for n, _ in params_with_grad], [local_tensor(p.grad) for _, p in params_with_grad], None, None)
+        handed = HandedGradients.of(type(self).__name__, parameters, self.names_for)
+        self._guard.fresh_gradients(type(self).__name__, handed.handed)
+        self._begin_step(handed.grads[0].device if handed.grads else None)
+        self._submit(handed.dense_names, handed.dense, None, None)
+        for name, grad in handed.sparse:
+            self._submit_sparse([name], grad, None)
         self._jobs.drain(self._reduce)
+        handed.write_back()
         self._end_step()
         self.settle()
+        self._guard.synchronized(handed.handed)
 
     # ------------------------------------------------------------------ one step
     def _submit(
@@ -180,6 +195,14 @@ class GradientReducer:
             self._use_device(grads[0].device)
         self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes(self._current))
 
+    def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:
+        """A sparse gradient's job of its own (`edgc.gradients.average_sparse`), after the buckets
+        gathered before it have started, so that every rank issues in bucket order."""
+        if self.device is None:
+            self._use_device(grad.device)
+        self._jobs.flush(self._reduce)
+        self._jobs.submit(names, [grad], grad, future, lambda *bucket: average_sparse(self.comm, *bucket), 0)
+
     def _use_device(self, device: torch.device) -> None:
         self._jobs.use_device(device)
         self.clock.enabled = self._timed(self._current)
@@ -190,11 +213,12 @@ class GradientReducer:
         """Whether this step takes device timestamps (`edgc.timing.DEVICE_TIMING_EVERY`)."""
         return not self.clock.cuda or record is None or record.always_timed or record.step % DEVICE_TIMING_EVERY == 0
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, device: torch.device | None) -> None:
         self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
+        self._guard.agree(self, device or self.device or torch.device("cpu"))  # before anything is sent
         self.settle()  # the step before: its values, metrics and decisions (their collectives count here)
         if self.pending:
             raise RuntimeError(
@@ -261,31 +285,11 @@ class GradientReducer:
         return self._last.metrics if self._last is not None else {}
 
     def _add_stats(self, stats: ReduceStats) -> None:
-        total = self._current.stats  # type: ignore[union-attr]
-        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
-            setattr(total, key, getattr(total, key) + getattr(stats, key))
-        total.nonfinite = total.nonfinite | stats.nonfinite
-        total.ranks.update(stats.ranks)
+        self._current.add(stats)  # type: ignore[union-attr]
 
     def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
-        """Plain averaged all-reduce, as a job: of DDP's bucket buffer directly, or of one packed copy.
-        Where the communicator asks (`Communicator.flags_nonfinite`), its stats say whether the
-        average is finite."""
-        packed = flat if flat is not None else torch.cat([g.reshape(-1) for g in grads])
-        sent = self.comm.mean_async(packed)
-        elements = sum(g.numel() for g in grads)
-        size = elements * grads[0].element_size()
-        yield FINISHES
-        sent.wait()
-        if flat is None:
-            offset = 0
-            for g in grads:
-                g.view(-1).copy_(packed[offset : offset + g.numel()])
-                offset += g.numel()
-        stats = ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names})
-        if self.comm.flags_nonfinite:  # identical on every replica: it is of the average
-            stats.nonfinite = ~torch.stack([all_finite(t) for t in ([flat] if flat is not None else grads)]).all()
-        return stats
+        """Plain averaged all-reduce, as a job (`edgc.gradients.average_raw`)."""
+        return average_raw(self.comm, names, grads, flat)
 
     # ------------------------------------------------------------------ the method's hooks
     def _plan_step(self, record: StepRecord) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from torch import nn
 
 from . import events
 from .checkpoint import STATE_FORMAT, check_loadable
+from .comm import Communicator
 from .config import EDGCConfig
 from .decisions import DecisionRound
 from .entropy import EntropySampler
@@ -92,6 +94,28 @@ class EDGCState(GradientReducer):
         self.profiler = ShadowProfiler(self.config.engine)
         self.decisions = DecisionRound(decision_group)
 
+    # ------------------------------------------------------------------ what the ranks agree on
+    def agreed_settings(self, device: torch.device) -> dict[str, Any]:
+        """`GradientReducer.agreed_settings`, with every `EDGCConfig` field, the values its "auto" and None
+        resolve to on ``device``, and this state's own arguments."""
+        config, compressor = self.config, self.compressor
+        fusion = self._fusion_megabytes(device)
+        return {
+            **super().agreed_settings(device),
+            **{f"EDGCConfig.{name}": value for name, value in config.to_dict().items()},
+            "EDGCState.follower": self.controller.follower,
+            "EDGCState.always_profile": self.controller.always_profile,
+            "entropy_estimator in use": config.resolved_entropy_estimator,
+            "r_min in use": self.controller.r_min,
+            "orthonormalization in use": compressor.orthonormalization(device),
+            "fusion_mb in use": fusion,
+            "power_iterations": compressor.power_iterations,
+        }
+
+    def settings_group(self) -> Communicator:
+        """The decision group, where it is wider than the process group: its ranks must decide alike."""
+        return self.decisions.communicator(self.comm)
+
     # ------------------------------------------------------------------ per step
     def _plan_step(self, record: StepRecord) -> None:
         self.compressor.state.begin_step(uncommitted=self.defer_commit)
@@ -123,10 +147,13 @@ class EDGCState(GradientReducer):
         plan = record.plan if record is not None else None
         if plan is None or plan.rank is None or plan.profile_rank is not None:
             return 0  # uncompressed: each bucket all-reduced in place, as DDP would
-        megabytes = self.config.fusion_mb
-        if megabytes is None:
-            megabytes = 0 if self.device is None or self.device.type == "cpu" else DEFAULT_ACCELERATOR_FUSION_MB
-        return megabytes * 2**20
+        return self._fusion_megabytes(self.device) * 2**20
+
+    def _fusion_megabytes(self, device: torch.device | None) -> float:
+        """`EDGCConfig.fusion_mb`, or the device's default where it is None."""
+        if self.config.fusion_mb is not None:
+            return self.config.fusion_mb
+        return 0 if device is None or device.type == "cpu" else DEFAULT_ACCELERATOR_FUSION_MB
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._current.plan  # type: ignore[union-attr]

@@ -34,6 +34,14 @@ class StepRecord:
     shared_done: bool = False
     metrics: dict = field(default_factory=dict)  # once settled locally
 
+    def add(self, stats: ReduceStats) -> None:
+        """What one job sent and measured, into the step's totals."""
+        total = self.stats
+        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
+            setattr(total, key, getattr(total, key) + getattr(stats, key))
+        total.nonfinite = total.nonfinite | stats.nonfinite
+        total.ranks.update(stats.ranks)
+
 
 def step_metrics(record: StepRecord, host: list[float]) -> dict:
     """The metrics every sync method reports of a settled step; ``host``: its device values, read

@@ -23,6 +23,7 @@ A new compressor is one file (its class) and one `register_sync_method` call.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from torch import nn
 
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .outer_alloc import AllocatedQuantState
+from .outer_sparse import AllocatedSparseState, SparseQuantState
 from .outer_sync import QuantizedState
 from .reducer import GradientReducer
 from .registry import Registry
@@ -90,6 +92,38 @@ def sync_method(name: str) -> SyncMethod | None:
     return SYNC_METHODS.get(name)
 
 
+# DiLoCo's outer sync named with what goes with it: "-noef" (no error feedback), "-decay<f>" (the error
+# feedback multiplied by f before every sync), "-mom<f>" and "-lr<f>" (the outer SGD's momentum and rate)
+OUTER_MODIFIERS = {"noef": "decay", "decay": "decay", "mom": "outer_momentum", "lr": "outer_lr"}
+
+
+def outer_modifiers(modifiers: list[str], name: str) -> dict[str, float]:
+    """{decay, outer_momentum, outer_lr: value} of the ``modifiers`` of ``name`` (see OUTER_MODIFIERS);
+    ValueError for an unknown or repeated one."""
+    fields: dict[str, float] = {}
+    for modifier in modifiers:
+        found = re.fullmatch(r"(noef)|(decay|mom|lr)(\d+(?:\.\d+)?)", modifier)
+        if found is None:
+            raise ValueError(f"unknown method {name!r}: modifier {modifier!r}")
+        field = OUTER_MODIFIERS[found.group(1) or found.group(2)]
+        if field in fields:
+            raise ValueError(f"{name!r}: {field} given twice")
+        fields[field] = 0.0 if found.group(1) else float(found.group(3))
+    return fields
+
+
+def outer_sync_spec(spec: str) -> dict:
+    """``"sparse64-decay0.95-mom0-lr1"`` → ``{"sync": "sparse64", "decay": 0.95, "outer_momentum": 0.0,
+    "outer_lr": 1.0}``: a registered method's name (the longest that starts ``spec``: a name may hold a
+    dash) and its modifiers; ValueError for an unknown one."""
+    parts = spec.split("-")
+    for cut in range(len(parts), 0, -1):
+        name = "-".join(parts[:cut])
+        if sync_method(name) is not None:
+            return {"sync": name, **outer_modifiers(parts[cut:], spec)}
+    raise ValueError(f"unknown method {spec!r} (registered: {', '.join(sync_method_names())})")
+
+
 register_sync_method(CastState, name="fp16", options={"dtype": "float16"})
 register_sync_method(CastState, name="bf16", options={"dtype": "bfloat16"})
 register_sync_method(TopKState, collective=ALL_GATHER)
@@ -102,6 +136,12 @@ for _bits in (8, 4, 3, 2):
 register_sync_method(AllocatedQuantState, name="alloc3", collective=ALL_GATHER, options={"bits": 3.0})
 # top-k at 5 % of the values (fp32 value + int32 index each: 0.10× the bytes), error feedback
 register_sync_method(TopKState, name="topk5", collective=ALL_GATHER, options={"ratio": 0.05})
-# … the same codes through the two-stage all-reduce (`edgc.two_stage`): the wire flat in the groups
+# chunked top-k with coded indices and 2-bit values (`edgc.outer_sparse`), error feedback: 64 and 128
+# values of each 4096 (0.0068× and 0.013× the bytes); and the density chosen per tensor by measured
+# error per byte within the bytes of 64 of 4096
+register_sync_method(SparseQuantState, name="sparse64", collective=ALL_GATHER, options={"density": 64 / 4096})
+register_sync_method(SparseQuantState, name="sparse128", collective=ALL_GATHER, options={"density": 128 / 4096})
+register_sync_method(AllocatedSparseState, name="sparse64a", collective=ALL_GATHER, options={"density": 64 / 4096})
+# quant<b>'s codes through the two-stage all-reduce (`edgc.two_stage`): the wire flat in the groups
 for _bits in (8, 4, 3, 2):
     register_sync_method(TwoStageQuantState, name=f"quant{_bits}-2s", collective=TWO_STAGE, options={"bits": _bits})

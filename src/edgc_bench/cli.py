@@ -57,7 +57,8 @@ def register(subparsers) -> None:
         + ",".join(DEFAULTS.methods)
         + "; with --fsdp: "
         + ",".join(FSDP_METHODS)
-        + ")",
+        + "; with --diloco: of ddp, ddp-edgc, diloco, diloco-edgc, streaming and diloco-edgc@SPEC, DiLoCo + "
+        "EDGC with the outer sync SPEC, default the first five)",
     )
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
     p.add_argument(
@@ -222,7 +223,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         )
     try:
         default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
-        chosen = args.methods if args.methods is not None else ",".join(default)
+        diloco_methods = getattr(args, "diloco", False)  # --diloco's own methods: diloco_cli checks them
+        chosen = args.methods if args.methods is not None and not diloco_methods else ",".join(default)
         names = ",".join(all_methods()) if chosen.strip() == "all" else chosen
         methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
     except ValueError as exc:
@@ -326,8 +328,6 @@ def diloco(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
         )
     if args.rate is not None:
         raise CLIError("--rate: --diloco runs at every rate of --rates instead")
-    if args.methods is not None:
-        raise CLIError("--methods: --diloco runs its own five methods")
     if settings.hosts < 3:
         raise CLIError(f"--hosts: --diloco needs ≥ 3 (the kill pass leaves a quorum of two), got {settings.hosts}")
     opts = diloco_options(settings, args)

@@ -12,7 +12,10 @@ the shared machine's speed then cancels in the rounds' mean), each with the same
 3. ``diloco``: torchft's own DiLoCo, ``sync_every`` H, its uncompressed all-reduce (``should_quantize=False``);
 4. ``diloco-edgc``: `edgc.integrations.torchft.DiLoCo`, the same H;
 5. ``streaming-…``: Streaming DiLoCo (``--fragments`` fragments, one syncing every H / fragments
-   inner steps) of whichever of 3 and 4 reached the other's final loss sooner in round 1 at this link.
+   inner steps) of whichever of 3 and 4 reached the other's final loss sooner in round 1 at this link;
+
+or those of ``--methods``, where ``diloco-edgc@SPEC`` is DiLoCo + EDGC with the outer sync SPEC
+instead of ``--outer-sync``'s (two outer syncs side by side at one link, against the same torchft run).
 
 A run that passes ``--time-budget`` seconds of training is stopped at the next sync (a method
 that cannot finish in time at a slow link reports the steps it took). After the rounds, the kill
@@ -68,6 +71,7 @@ class DilocoOptions:
     time_budget_s: float = 150.0
     edgc: tuple = ()  # extra EDGCConfig fields for both EDGC methods, as (key, value) pairs
     outer_sync: str = "quant3-2s"  # the DiLoCo methods' outer sync: a registered sync method, or "edgc" (PowerSGD)
+    methods: tuple[str, ...] = METHODS  # those run at each link; "diloco-edgc@SPEC": DiLoCo + EDGC with SPEC
     scaling: tuple[int, ...] = ()  # host counts of the scaling pass (diloco_scaling.py) instead of the rounds
     scaling_syncs: tuple[str, ...] = ()  # … and the outer syncs it runs beside torchft's DiLoCo
 
@@ -82,7 +86,7 @@ class DilocoOptions:
 
 
 def worker_args(s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path) -> list[str]:
-    base = method.removeprefix("streaming-")
+    base, _, outer_sync = method.removeprefix("streaming-").partition("@")
     edgc = {**(EDGC_DDP if base == "ddp-edgc" else EDGC_DILOCO), **dict(o.edgc)}
     args = [
         "--out",
@@ -101,7 +105,7 @@ def worker_args(s: BenchSettings, o: DilocoOptions, method: str, run_dir: Path) 
         "--edgc",
         json.dumps(edgc),
         "--outer-sync",
-        o.outer_sync,
+        outer_sync or o.outer_sync,
     ]
     return args
 
@@ -192,7 +196,7 @@ def run_link(net: Network, s: BenchSettings, o: DilocoOptions, out: Path, say) -
     results: list[dict] = []
     streaming = None
     for round_index in range(1, s.rounds + 1):
-        order = list(METHODS) if round_index % 2 else list(reversed(METHODS))
+        order = list(o.methods) if round_index % 2 else list(reversed(o.methods))
         for method in order:
             if method == "streaming":
                 streaming = streaming or "streaming-" + better_of(results)

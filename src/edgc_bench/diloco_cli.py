@@ -99,18 +99,25 @@ def diloco_options(settings, args: argparse.Namespace):
     outer = settings.steps // h
     # early: the killed group's restart and heal take several outer steps of a run this short
     kill_at = args.kill_at if args.kill_at is not None else max(1, outer // 4)
-    if not 1 <= kill_at <= outer - 2:
+    if kill_at == 0:  # no kill pass
+        kill_at = None
+    elif not 1 <= kill_at <= outer - 2:
         raise CLIError(
-            f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}], got {kill_at}"
+            f"--kill-at: with --diloco an outer step in [1, outer steps - 2] = [1, {outer - 2}] "
+            f"(0: no kill pass), got {kill_at}"
         )
     if args.time_budget <= 0:
         raise CLIError(f"--time-budget: must be > 0, got {args.time_budget:g}")
-    from edgc.sync_methods import sync_method, sync_method_names
+    from .diloco_bench import METHODS
 
+    methods = tuple(m.strip() for m in (args.methods or "").split(",") if m.strip()) or METHODS
     syncs = [v.strip() for v in args.scaling_syncs.split(",") if v.strip()]
-    for flag, name in [("--outer-sync", args.outer_sync)] + [("--scaling-syncs", v) for v in syncs]:
-        if name != "edgc" and sync_method(name) is None:
-            raise CLIError(f"{flag}: edgc or a registered sync method ({', '.join(sync_method_names())}), got {name!r}")
+    checked = [("--outer-sync", args.outer_sync)] + [("--methods", m.partition("@")[2]) for m in methods]
+    for flag, spec in checked + [("--scaling-syncs", v) for v in syncs]:
+        _check_outer_sync(flag, spec)
+    bad = [m for m in methods if m.partition("@")[0] not in METHODS or ("@" in m and not m.startswith("diloco-edgc@"))]
+    if bad:
+        raise CLIError(f"--methods: each of {', '.join(METHODS)} or diloco-edgc@SPEC, got {', '.join(bad)}")
     scaling = _host_counts(args.scaling)
     return DilocoOptions(
         rates=rates,
@@ -121,6 +128,7 @@ def diloco_options(settings, args: argparse.Namespace):
         time_budget_s=args.time_budget,
         edgc=tuple(edgc_items(args.edgc).items()),
         outer_sync=args.outer_sync,
+        methods=methods,
         scaling=scaling,
         scaling_syncs=tuple(syncs),
     )
@@ -136,3 +144,13 @@ def _host_counts(raw: str | None) -> tuple[int, ...]:
     if not counts or any(not 2 <= c <= 64 for c in counts):
         raise CLIError(f"--scaling: every host count must be in 2..64, got {raw!r}")
     return counts
+
+
+def _check_outer_sync(flag: str, spec: str) -> None:
+    from edgc.sync_methods import outer_sync_spec
+
+    if spec and spec != "edgc":
+        try:
+            outer_sync_spec(spec)
+        except ValueError as exc:
+            raise CLIError(f"{flag}: edgc or a registered sync method with DiLoCo's modifiers: {exc}") from None

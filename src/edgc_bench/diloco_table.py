@@ -29,6 +29,12 @@ LABELS = {
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
+def label(method: str) -> str:
+    """A method's name in the tables; ``diloco-edgc@SPEC`` (a second outer sync) names its SPEC."""
+    base, _, spec = method.partition("@")
+    return f"{LABELS.get(base, base)} ({spec})" if spec else LABELS.get(base, base)
+
+
 def measure(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict:
     """One run, from its ``group<G>.jsonl`` logs (diloco_train.py)."""
     groups = [read_lines(run_dir / f"group{g}.jsonl") for g in range(hosts)]
@@ -159,7 +165,7 @@ def link_table(link: dict, steps: int) -> list[str]:
         lowest = min((min(r["participation"]["fraction"], default=0) for r in runs), default=0)
         identical = sum(bool(r.get("identical")) for r in runs)
         lines.append(
-            f"| {LABELS.get(method, method)} | {_range(times, 1, ' s')} | {later} | {loss} | "
+            f"| {label(method)} | {_range(times, 1, ' s')} | {later} | {loss} | "
             f"{_range([r['outer_steps'] for r in runs], 0)} "
             f"| {_range([(r['payload_bytes'] or 0) / 1e6 for r in runs], 3, ' MB')} "
             f"| {_range([(r.get('wire_bytes') or 0) / 1e6 for r in runs], 3, ' MB')} "
@@ -214,7 +220,7 @@ def participation_checks(link: dict) -> list[str]:
         out.append(
             check(
                 lowest >= 0.95 and identical,
-                f"{LABELS.get(method, method)}: every group in ≥ 95 % of the "
+                f"{label(method)}: every group in ≥ 95 % of the "
                 f"syncs (lowest {lowest:.0%}), replicas bit-identical at the end (shared-model digests: "
                 f"{'equal' if identical else 'DIFFER'}) in every round",
             )
@@ -252,7 +258,7 @@ def slow_link_checks(link: dict) -> list[str]:
             check(
                 rival is None or mine < rival,
                 f"DiLoCo + EDGC reaches the target first: {mine:.1f} s, next "
-                f"{LABELS.get(runner_up, runner_up)} {_value(rival, '.1f', ' s')}",
+                f"{label(runner_up)} {_value(rival, '.1f', ' s')}",
             )
         )
     plain = times.get("diloco")

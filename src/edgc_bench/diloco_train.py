@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from edgc import EDGCConfig
+from edgc.sync_methods import outer_sync_spec
 from edgc_train.data import BlockSampler, prepare_data
 from edgc_train.model import build_model, model_shape
 from edgc_train.train import lr_lambda, make_optimizer, seed_everything
@@ -70,7 +71,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--outer-sync",
         default="quant3-2s",
-        help="diloco-edgc: a registered sync method's name, or edgc (PowerSGD with --edgc's fields)",
+        help="diloco-edgc: a registered sync method's name with DiLoCo's modifiers (e.g. "
+        "sparse64-decay0.95-mom0-lr1, `edgc.sync_methods.outer_sync_spec`), or edgc (PowerSGD with --edgc's fields)",
     )
     p.add_argument("--eval-every", type=int, default=5, help="group 0 keeps the shared model every N inner steps")
     p.add_argument("--n-layer", type=int, default=None)
@@ -114,17 +116,23 @@ def diloco_sync(args, module, inner, group: int, heals: list, edgc_fields: dict)
         init_sync=False,
     )
     fragments = fragments_of(module, args.fragments) if args.fragments > 1 else [module]
+    spec = {"sync": None} if args.method == "diloco" or args.outer_sync == "edgc" else outer_sync_spec(args.outer_sync)
+    lr, momentum = spec.get("outer_lr", OUTER_LR), spec.get("outer_momentum", OUTER_MOMENTUM)
     # one outer optimizer per fragment: torchft's steps every parameter that has a gradient, and at a
     # fragment's outer step the others still hold the inner step's gradients
-    outer = [torch.optim.SGD(f.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for f in fragments]
+    outer = [torch.optim.SGD(f.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0) for f in fragments]
     if args.method == "diloco":
         from torchft.local_sgd import DiLoCo
 
         return DiLoCo(manager, fragments, inner, outer, args.sync_every, should_quantize=False), manager
     from edgc.integrations.torchft import DiLoCo as EDGCDiLoCo
 
-    if args.outer_sync != "edgc":
-        return EDGCDiLoCo(manager, fragments, inner, outer, args.sync_every, sync_method=args.outer_sync), manager
+    if spec["sync"] is not None:
+        decay = spec.get("decay", 1.0)
+        diloco = EDGCDiLoCo(
+            manager, fragments, inner, outer, args.sync_every, sync_method=spec["sync"], error_feedback_decay=decay
+        )
+        return diloco, manager
     outer_steps = args.steps * args.fragments // args.sync_every
     config = EDGCConfig(**{"total_steps": max(1, outer_steps), **edgc_fields})
     return EDGCDiLoCo(manager, fragments, inner, outer, args.sync_every, config), manager

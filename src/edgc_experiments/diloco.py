@@ -32,6 +32,7 @@ from statistics import mean
 from . import common
 from .common import fmt, fmt_interval, markdown_table, t_interval
 from .diloco_families import FAMILIES, INNER
+from .diloco_frontier import BOUND, frontier_table, plot_frontier
 from .diloco_runs import train_runs
 from .diloco_train import OUTER_LR, OUTER_MOMENTUM
 
@@ -46,20 +47,20 @@ TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 
 def method_arm(name: str) -> dict:
     """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
+    from edgc.sync_methods import outer_modifiers, outer_sync_spec
+
     base, _, heal = name.partition("+heal=")
-    match = re.fullmatch(r"(torchft|raw|rank(\d+)|quant[2-8](?:-2s)?|alloc3|topk5)(-noef|-decay([0-9.]+))?", base)
-    if match is None:
-        raise ValueError(f"unknown method {name!r}")
-    kind, rank, modifier, decay = match.groups()
+    kind, *modifiers = base.split("-")
+    rank = re.fullmatch(r"rank(\d+)", kind)
     if kind == "torchft":
-        if modifier or heal:
+        if modifiers or heal:
             raise ValueError(f"{name!r}: torchft's DiLoCo takes no modifier")
         return {"method": "torchft"}
-    arm: dict = {"method": "edgc", "rank": int(rank) if rank else None}
-    if not rank and kind != "raw":
-        arm["sync"] = kind
-    if modifier:
-        arm["decay"] = 0.0 if modifier == "-noef" else float(decay)
+    arm: dict = {"method": "edgc", "rank": int(rank.group(1)) if rank else None}
+    if rank or kind == "raw":
+        arm.update(outer_modifiers(modifiers, name))
+    else:
+        arm.update(outer_sync_spec(base))
     if heal:
         arm["heal_policy"] = heal
     return arm
@@ -130,7 +131,7 @@ def plan(args, steps: int) -> list[tuple[str, str, int, dict]]:
             for h in (int(v) for v in _split(args.sync_every)):
                 arms = {}
                 for name in _split(args.methods):
-                    arm = {**method_arm(name), "sync_every": h, "inner": inner, **outer}
+                    arm = {"sync_every": h, "inner": inner, **outer, **method_arm(name)}
                     policy = arm.pop("heal_policy", None)
                     if policy:
                         arm["heal"] = (max(1, steps // h // 2), policy)
@@ -147,39 +148,42 @@ def run(args, out, setting, log=print) -> dict:
     missing = []
     for family, inner, h, arms in list(cells):
         key = f"{family}/{inner}/H{h}"
-        results[key] = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
-        todo = {name: arm for name, arm in arms.items() if name not in results[key]}
-        if todo and args.no_train:
-            log(f"  {key}: left out (no runs of {', '.join(todo)})")
+        found = reused(_split(args.reuse), key, arms, seeds, setting.steps // h)
+        todo = {str(s): [n for n in arms if str(s) not in found.get(n, {})] for s in seeds}
+        if any(todo.values()) and args.no_train:
+            log(f"  {key}: left out (no runs of {', '.join(sorted({n for v in todo.values() for n in v}))})")
             missing.append(key)
             cells.remove((family, inner, h, arms))
-            del results[key]
             continue
-        log(f"  {key}: reused {', '.join(results[key]) or 'none'}; training {', '.join(todo) or 'none'}")
-        results[key].update({name: {} for name in todo})
-        for seed in seeds if todo else []:
-            if seed == seeds[0] and "torchft" in todo:
-                todo["torchft"]["spectrum"] = list(SPECTRUM_RANKS)
-            runs = train_runs(
-                family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir
-            )
-            todo.get("torchft", {}).pop("spectrum", None)
-            for name, result in zip(todo, runs):
-                results[key][name][str(seed)] = result
-                log(
-                    f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
-                    f"{result['bytes'] / result['bytes_raw']:.3f}× bytes, {result['wall_s']:.0f} s"
-                )
-        results[key] = {name: results[key][name] for name in arms}
-        common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])
+        results[key] = {name: dict(found.get(name, {})) for name in arms}
+        log(f"  {key}: reused {sum(len(v) for v in found.values())} runs; training {sum(map(len, todo.values()))}")
+        for seed in seeds:
+            _train_seed(args, setting, key, family, {n: arms[n] for n in todo[str(seed)]}, seed, seeds, results, log)
+            common.write_json(out / "runs" / f"{key.replace('/', '-')}.json", results[key])  # partial: resumable
     if not cells:
         raise common.CLIError("--no-train: no cell has runs of every method in the --reuse folders")
     return summarise(out, setting, args, seeds, cells, results, missing)
 
 
+def _train_seed(args, setting, key, family, todo: dict, seed: int, seeds, results: dict, log) -> None:
+    """Train the arms ``todo`` of cell ``key`` at ``seed`` into ``results[key]``."""
+    if not todo:
+        return
+    if seed == seeds[0] and "torchft" in todo:
+        todo["torchft"] = {**todo["torchft"], "spectrum": list(SPECTRUM_RANKS)}
+    runs = train_runs(family, list(todo.values()), seed, setting.steps, args.replicas, cache_dir=setting.cache_dir)
+    for name, result in zip(todo, runs):
+        results[key][name][str(seed)] = result
+        log(
+            f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
+            f"{result['bytes'] / result['bytes_raw']:.4f}× bytes, {result['wall_s']:.0f} s"
+        )
+
+
 def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_steps: int) -> dict:
-    """{method: runs} of cell ``key`` for each method of ``arms`` that one of ``folders`` holds at every
-    seed at ``outer_steps`` (the first such folder's; the runs are deterministic, so any is as good)."""
+    """{method: {seed: run}} of cell ``key``: each method of ``arms`` at each seed that one of ``folders``
+    holds at ``outer_steps`` (the first such folder's; the runs are deterministic, so any is as good).
+    A folder of an interrupted run holds the seeds it finished: passing it resumes that run."""
     import json
     from pathlib import Path
 
@@ -188,10 +192,10 @@ def reused(folders: list[str], key: str, arms: dict, seeds: list[int], outer_ste
         path = Path(folder) / "runs" / f"{key.replace('/', '-')}.json"
         cell = json.loads(path.read_text()) if path.is_file() else {}
         for name in arms:
-            if name not in found and all(
-                str(s) in cell.get(name, {}) and cell[name][str(s)]["outer_steps"] == outer_steps for s in seeds
-            ):
-                found[name] = {str(s): cell[name][str(s)] for s in seeds}
+            for s in seeds:
+                run = cell.get(name, {}).get(str(s))
+                if run is not None and run["outer_steps"] == outer_steps:
+                    found.setdefault(name, {}).setdefault(str(s), run)
     return found
 
 
@@ -214,7 +218,7 @@ def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> di
 
 
 def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
-    rows, stats, equal_bytes, spectra = [], {}, [], []
+    rows, stats, spectra = [], {}, []
     hs = sorted({h for _, _, h, _ in cells})
     for family, inner, h, arms in cells:
         key = f"{family}/{inner}/H{h}"
@@ -246,28 +250,7 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
                     for r in SPECTRUM_RANKS
                 ]
             )
-    if len(hs) > 1:
-        low, high = hs[0], hs[-1]
-        for family, inner, h, arms in cells:
-            if h != low or f"{family}/{inner}/H{high}" not in results:
-                continue
-            fast, slow = results[f"{family}/{inner}/H{low}"], results[f"{family}/{inner}/H{high}"]
-            for name in arms:
-                if name == "torchft" or "+heal=" in name:
-                    continue
-                merged = {"arm": fast[name], "torchft": slow["torchft"]}
-                p = paired_percent(merged, "arm", "torchft", seeds)
-                equal_bytes.append(
-                    [
-                        family,
-                        inner,
-                        f"{name} H{low}",
-                        f"torchft H{high}",
-                        f"{p['bytes_ratio']:.2f}",
-                        " ".join(f"{d:+.2f}" for d in p["deltas"]),
-                        fmt_interval(p, "+.2f"),
-                    ]
-                )
+    equal_bytes = _equal_bytes(cells, results, seeds, hs)
     headline = _headline(stats, cells)
     summary = [
         f"# Experiment `{NAME}`: compressed DiLoCo against torchft's DiLoCo across models",
@@ -302,9 +285,16 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
         ),
         "",
     ]
+    summary += [
+        f"Frontier (a method holds in a cell where its paired 95 % interval lies inside ±{BOUND:g} % of torchft's "
+        "loss; plot: each cell's validation loss against the bytes per outer step):",
+        "",
+        frontier_table(stats, cells),
+        "",
+    ]
     if equal_bytes:
         summary += [
-            "At equal or fewer bytes (the same inner steps; torchft syncing less often):",
+            "At equal or fewer bytes (the same inner steps; the method held against syncing less often):",
             "",
             markdown_table(
                 ["model", "inner", "method", "against", "payload ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
@@ -320,6 +310,7 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
             markdown_table(["model", "inner", "H"] + [f"r = {r}" for r in SPECTRUM_RANKS], spectra),
             "",
         ]
+    summary.append(f"Plot: `{plot_frontier(out, stats, cells).name}`")
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json",
@@ -344,6 +335,39 @@ def _pairs(arms: dict, cell: dict) -> list[tuple[str, str]]:
         if "+heal=" not in name and twin != name and twin in cell:
             pairs.append((name, twin))
     return pairs
+
+
+def _equal_bytes(cells, results: dict, seeds: list[int], hs: list[int]) -> list[list]:
+    """Rows of each method at the smallest H against torchft's DiLoCo and today's default at the largest H,
+    over the same inner steps, where the method sent at most the bytes of the one it is held against."""
+    from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
+
+    rows: list[list] = []
+    if len(hs) < 2:
+        return rows
+    low, high = hs[0], hs[-1]
+    for family, inner, h, arms in cells:
+        if h != low or f"{family}/{inner}/H{high}" not in results:
+            continue
+        fast, slow = results[f"{family}/{inner}/H{low}"], results[f"{family}/{inner}/H{high}"]
+        for name in arms:
+            for against in ("torchft", DEFAULT_OUTER_SYNC):
+                if name in ("torchft", against) or "+heal=" in name or against not in slow:
+                    continue
+                p = paired_percent({"arm": fast[name], "against": slow[against]}, "arm", "against", seeds)
+                if p["bytes_ratio"] <= 1.0:
+                    rows.append(
+                        [
+                            family,
+                            inner,
+                            f"{name} H{low}",
+                            f"{against} H{high}",
+                            f"{p['bytes_ratio']:.3f}",
+                            " ".join(f"{d:+.2f}" for d in p["deltas"]),
+                            fmt_interval(p, "+.2f"),
+                        ]
+                    )
+    return rows
 
 
 def _headline(stats: dict, cells) -> str:

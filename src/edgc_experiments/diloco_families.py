@@ -4,7 +4,9 @@ enough that two shared cores train it for a few hundred steps in seconds.
 * ``gpt2``: `edgc train`'s GPT-2 ``tiny`` preset at 2 layers × 128 wide, on its byte-level BPE tokens;
 * ``gru``: a 2-layer character GRU (hidden 256, 0.7 M parameters), on characters;
 * ``cnn``: a causal convolutional character model (an MLP over the last 16 characters, written as a
-  width-16 convolution and two 1×1 ones), on characters.
+  width-16 convolution and two 1×1 ones), on characters;
+* ``llama``: a LLaMA built from a ``transformers`` config with random weights (2 layers × 128, RMSNorm,
+  rotary positions, SwiGLU, untied embeddings), on the same BPE tokens as ``gpt2``.
 
 Every family gives the same interface (`Family`): a model built from the seed, this rank's training
 batches (its own shard, `edgc_train.data.BlockSampler`), ``logits = model(inputs)`` and a validation
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES = ("gpt2", "gru", "cnn")
+FAMILIES = ("gpt2", "gru", "cnn", "llama")
 INNER = ("adamw", "sgd")
 # Inner learning rates per (family, optimizer): AdamW at the usual rate of models this size; SGD
 # (Nesterov 0.9) at the largest of 0.1 / 0.3 / 1.0 that did not diverge in a 180-step pilot.
@@ -33,11 +35,14 @@ INNER_LR = {
     ("gpt2", "sgd"): 0.3,
     ("gru", "sgd"): 1.0,
     ("cnn", "sgd"): 0.3,
+    ("llama", "adamw"): 1e-3,
+    ("llama", "sgd"): 0.3,  # GPT-2's rate on the same tokens; not piloted
 }
 SEQ_LEN, BATCH, VAL_BATCHES = 64, 8, 16
 CHARS = 1_000_000  # the first million characters of the corpus: the same text for every family
 BPE_VOCAB = 2048
 CNN_CONTEXT = 16
+BPE_FAMILIES = ("gpt2", "llama")
 
 
 @dataclass
@@ -55,7 +60,7 @@ def load_corpus(family: str, cache_dir: str | None = None) -> Corpus:
     from edgc_train.data import load_corpus as read_text
     from edgc_train.data import prepare_data, source_files, split_corpus
 
-    if family == "gpt2":
+    if family in BPE_FAMILIES:
         data = prepare_data(None, BPE_VOCAB, 0.05, CHARS, cache_dir, log=lambda _: None)
         return Corpus(np.asarray(data.train), np.asarray(data.val), data.vocab_size)
     text = read_text(source_files(None), CHARS)
@@ -107,7 +112,35 @@ class GPT2Logits(nn.Module):
         return self.gpt(input_ids=tokens).logits
 
 
-BUILDERS: dict[str, Callable[[int], nn.Module]] = {"gpt2": GPT2Logits, "gru": CharGRU, "cnn": CharCNN}
+class LlamaLogits(nn.Module):
+    """A small LLaMA (``transformers.LlamaForCausalLM``, random weights) returning the logits alone."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ_LEN,
+            tie_word_embeddings=False,
+        )
+        self.llama = LlamaForCausalLM(config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.llama(input_ids=tokens).logits
+
+
+BUILDERS: dict[str, Callable[[int], nn.Module]] = {
+    "gpt2": GPT2Logits,
+    "gru": CharGRU,
+    "cnn": CharCNN,
+    "llama": LlamaLogits,
+}
 
 
 @dataclass

@@ -66,8 +66,14 @@ def attempt_token(store, rank: int, world: int, timeout: timedelta, poll_s: floa
         time.sleep(poll_s)
 
 
-def join_process_group(backend: str, timeout: timedelta) -> None:
-    """``dist.init_process_group(backend)`` from the env:// variables (torchrun's or our own)."""
+def join_process_group(backend: str, timeout: timedelta, *, alone: bool = False) -> None:
+    """``dist.init_process_group(backend)`` from the env:// variables (torchrun's or our own).
+
+    ``alone``: a group of this process only, on a store in its own memory: no port is bound, so none
+    can be taken by another job between choosing it and binding it."""
+    if alone:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     world = int(os.environ["WORLD_SIZE"])
     limit = timeout.total_seconds() + JOIN_GRACE_S
     # A last resort if joining blocks where torch's timeout does not reach (gloo's connect can wait

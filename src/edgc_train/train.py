@@ -25,7 +25,6 @@ import hashlib
 import math
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -41,21 +40,15 @@ from .rendezvous import dist_timeout, join_process_group
 from .run_folder import CommTrace, EDGCRecords, MetricsLog, write_run_config, write_summary
 from .runner import DataParallelRunner, seed_everything
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-SOLO_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+SOLO_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
 
 
 def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     """Join the process group (torchrun's env:// variables; a 1-process group when run without torchrun)."""
-    if "RANK" not in os.environ:  # plain `edgc train`: a group of one, so the same DDP code path runs
+    alone = "RANK" not in os.environ
+    if alone:  # plain `edgc train`: a group of one, so the same DDP code path runs
         # (train() removes these again, so a caller in the same process is not left "under torchrun")
-        os.environ.update(SOLO_ENV, MASTER_PORT=str(free_port()))
+        os.environ.update(SOLO_ENV)
     rank, world, local_rank = (
         int(os.environ["RANK"]),
         int(os.environ["WORLD_SIZE"]),
@@ -72,7 +65,7 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     # (not a plain init_process_group: under torchrun a restarted worker could read the keys of the
     # attempt before it; see rendezvous.py)
-    join_process_group(backend, dist_timeout())
+    join_process_group(backend, dist_timeout(), alone=alone)
     return rank, world, local_rank, device
 
 
@@ -327,5 +320,5 @@ def train(
         dist.destroy_process_group()
         torch.use_deterministic_algorithms(deterministic_before)
         if solo:
-            for key in (*SOLO_ENV, "MASTER_PORT"):
+            for key in SOLO_ENV:
                 os.environ.pop(key, None)

@@ -232,6 +232,9 @@ def test_the_committed_page_comes_from_a_run():
         (dict(scaling_syncs="quant3,int7"), "--scaling-syncs: edgc or a registered sync method"),
         (dict(scaling="3,x"), "--scaling: expected host counts"),
         (dict(scaling="1,6"), "--scaling: every host count must be in 2..64"),
+        (dict(outer_sync="sparse64-mom"), "--outer-sync: .*modifier 'mom'"),
+        (dict(methods="diloco,diloco-edgc@int7"), "--methods: edgc or a registered sync method"),
+        (dict(methods="diloco,ddp@quant3"), "--methods: each of"),
     ],
 )
 def test_bad_flags_get_one_line(tmp_path, flags, message):
@@ -256,6 +259,21 @@ def test_bad_flags_get_one_line(tmp_path, flags, message):
     )
     with pytest.raises(CLIError, match=message):
         diloco(settings, args, tmp_path)
+
+
+def test_methods_choose_the_runs_and_an_outer_sync_each(tmp_path):
+    from edgc_bench.diloco_bench import worker_args
+    from edgc_bench.diloco_cli import diloco_options
+
+    settings = BenchSettings(hosts=3, steps=60, preset="tiny")
+    args = argparse.Namespace(
+        rates="20", sync_every=10, fragments=2, kill_at=0, time_budget=150.0, edgc=[], outer_sync="sparse64-mom0"
+    )
+    options = diloco_options(settings, argparse.Namespace(**vars(args), methods="diloco,diloco-edgc@quant3"))
+    assert options.methods == ("diloco", "diloco-edgc@quant3") and options.kill_at is None
+    sync = lambda method: (a := worker_args(settings, options, method, tmp_path))[a.index("--outer-sync") + 1]  # noqa: E731
+    assert (sync("diloco-edgc@quant3"), sync("diloco-edgc")) == ("quant3", "sparse64-mom0")
+    assert diloco_options(settings, argparse.Namespace(**vars(args), methods=None)).methods[0] == "ddp"
 
 
 def test_streaming_fragments_hold_every_parameter_once():

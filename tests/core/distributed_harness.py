@@ -13,6 +13,11 @@ new processes; a pool unused for IDLE_SECONDS is closed (its processes hold abou
 which the later tests' own multi-process runs need). ``fresh=True`` runs in new processes that
 exit afterwards, and so does a call with ``expect_dead`` (ranks meant to die), or every call with
 EDGC_TEST_FRESH_PROCESSES=1 in the environment (to rule the pool out when a test fails).
+
+Ports. The processes meet through a TCP store that this process serves for the call (`hosted_store`):
+it binds port 0, so the kernel hands it a free port that is already its own, and the processes
+connect to that port as clients. Finding a free port first and binding it later leaves a window in
+which another job on the machine can take it (then every test of a run fails at once).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -37,16 +41,25 @@ GROUP_TIMEOUT = timedelta(seconds=60)
 IDLE_SECONDS = 90
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def hosted_store() -> dist.TCPStore:
+    """A TCP store served by this process on a port the kernel picks and this process already holds
+    (``store.port``): processes told that port connect as clients (`join`; for ``env://``, with
+    ``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun's agent does it). Keep it until they are done."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
 
 
-def _init_group(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
-    )
+_JOINED: dict = {}  # in a process of a call: the port of the call's store, and the groups made on it
+
+
+def join(rank: int, world_size: int, port: int | None = None, backend: str = "gloo") -> None:
+    """Make the default process group on the store served at ``port`` (default: this call's again,
+    for a test that destroyed the harness's group and makes its own), under a prefix of its own."""
+    if port is not None:
+        _JOINED.update(port=port, groups=0)
+    _JOINED["groups"] += 1
+    client = dist.TCPStore("127.0.0.1", _JOINED["port"], is_master=False, timeout=GROUP_TIMEOUT)
+    store = dist.PrefixStore(f"group{_JOINED['groups']}/", client)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
 
 
 def _result(fn, rank: int, world_size: int, args) -> bytes:
@@ -62,7 +75,7 @@ def _entry(fn, rank, world_size, port, results, args, backend="gloo"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        _init_group(rank, world_size, port, backend)
+        join(rank, world_size, port, backend)
         results.put((rank, True, _result(fn, rank, world_size, args)))
     except BaseException:  # report, then exit non-zero
         results.put((rank, False, traceback.format_exc()))
@@ -90,7 +103,7 @@ def _serve(rank, world_size, tasks, results, parent):
         torch.manual_seed(new_process_seed)
         try:
             fn, args, port = pickle.loads(task)
-            _init_group(rank, world_size, port)
+            join(rank, world_size, port)
             results.put((rank, True, _result(fn, rank, world_size, args)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
@@ -171,9 +184,9 @@ def _close_idle_pools() -> None:
 def _run_fresh(fn, world_size: int, args, timeout: float, expect_dead, backend: str = "gloo") -> list:
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    store = hosted_store()
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, results, args, backend))
+        context.Process(target=_entry, args=(fn, rank, world_size, store.port, results, args, backend))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -203,7 +216,8 @@ def run_distributed(
     """
     if fresh or expect_dead or backend != "gloo" or os.environ.get("EDGC_TEST_FRESH_PROCESSES") == "1":
         return _run_fresh(fn, world_size, args, timeout, expect_dead, backend)
-    task = pickle.dumps((fn, args, free_port()))  # here, so that what cannot be pickled fails at once
+    store = hosted_store()  # served until the call returns
+    task = pickle.dumps((fn, args, store.port))  # here, so that what cannot be pickled fails at once
     with _POOLS_LOCK:
         pool = _POOLS.get(world_size)
         if pool is None or not pool.alive():

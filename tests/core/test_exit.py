@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from distributed_harness import free_port
+from distributed_harness import hosted_store
 
 from edgc import barrier_before_exit, comm
 
@@ -28,9 +28,7 @@ def test_without_a_process_group_it_does_nothing():
 
 
 def test_its_work_is_kept_until_exit():
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timedelta(seconds=60)
-    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         before = len(comm._EXIT_BARRIERS)
         barrier_before_exit()
@@ -43,11 +41,13 @@ def test_its_work_is_kept_until_exit():
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling policies")
 def test_a_ddp_run_ending_with_it_exits_cleanly_while_gloo_threads_lag():
     script = Path(__file__).with_name("exit_race.py")
+    store = hosted_store()  # both ranks connect to it as clients: no port to race for
     env = {
         **os.environ,
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "OMP_NUM_THREADS": "1",
     }
     procs = [

@@ -3,14 +3,14 @@
 A state built before ``init_process_group`` binds the group at its first step (the replicas end
 bit-identical); every misuse ends in one line on both ranks, the same on each: a group that does not
 match DDP's, a ``model=`` that is not DDP's module, one state on two DDP models, ``synchronize()``
-before ``backward()``; and replicas whose shared state differs (one rank's Q perturbed) raise at the
-window's end, naming the field.
+before ``backward()`` or twice on one backward's gradients; and replicas whose shared state differs
+(one rank's Q perturbed) raise at the window's end, naming the field.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import GROUP_TIMEOUT, free_port, run_distributed
+from distributed_harness import join, run_distributed
 from models import flat_parameters
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,13 +44,11 @@ def refusal(call) -> str:
     return ""
 
 
-def late_group(rank: int, world_size: int, port: int) -> dict:
+def late_group(rank: int, world_size: int) -> dict:
     """The issue's script: the state first, then the process group, DDP and register_comm_hook."""
     dist.destroy_process_group()  # the harness's group: this state is built with none
     state = EDGCState(process_group=None, config=EDGCConfig.static(4, **STATIC))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
-    )
+    join(rank, world_size)  # init_process_group, on the harness's store
     model = DDP(mlp())
     model.register_comm_hook(state, edgc_hook)
     train(model, rank, 6)
@@ -84,6 +82,21 @@ def misuses(rank: int, world_size: int) -> dict:
     module = mlp()
     state = EDGCState(None, EDGCConfig.static(4, **STATIC), model=module)
     out["before_backward"] = refusal(lambda: state.synchronize(module.named_parameters()))
+
+    # synchronize() twice on one backward's gradients: the second refuses, the average stays the mean
+    module, x = mlp(), torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    state = EDGCState(None, EDGCConfig.static(4, **STATIC), model=module)
+    module(x).square().mean().backward()
+    local = [p.grad.clone() for p in module.parameters()]
+    state.synchronize(module.named_parameters())
+    out["again"] = refusal(lambda: state.synchronize(module.named_parameters()))
+    averaged = [p.grad.clone() for p in module.parameters()]
+    for g in local:
+        dist.all_reduce(g.div_(world_size))
+    out["again_kept"] = (state.step, all(torch.equal(a, g) for a, g in zip(averaged, local)))
+    module(x).square().mean().backward()  # accumulated into the gradients: a new step's
+    state.synchronize(module.named_parameters())
+    out["again_after_backward"] = state.step
     return out
 
 
@@ -102,9 +115,9 @@ def diverged(rank: int, world_size: int) -> dict:
     return {"error": "", "q": len(state.compressor.q)}
 
 
-def worker(rank: int, world_size: int, port: int) -> dict:
+def worker(rank: int, world_size: int) -> dict:
     return {
-        "late_group": late_group(rank, world_size, port),
+        "late_group": late_group(rank, world_size),
         "misuses": misuses(rank, world_size),
         "diverged": diverged(rank, world_size),
     }
@@ -112,7 +125,7 @@ def worker(rank: int, world_size: int, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(worker, 2, free_port(), fresh=True)  # fresh: it replaces the default group
+    return run_distributed(worker, 2, fresh=True)  # fresh: it replaces the default group
 
 
 def test_a_state_built_before_the_process_group_binds_it_and_the_replicas_stay_identical(results):
@@ -127,6 +140,7 @@ def test_a_state_built_before_the_process_group_binds_it_and_the_replicas_stay_i
         ("model", ("not in its model=",)),
         ("twice", ("one state serves one DDP model",)),
         ("before_backward", ("synchronize() found no gradient", "after loss.backward()")),
+        ("again", ("synchronize() was called again", "once after each backward")),
     ],
 )
 def test_each_misuse_ends_in_one_line_on_every_rank(results, case, words):
@@ -135,6 +149,12 @@ def test_each_misuse_ends_in_one_line_on_every_rank(results, case, words):
         assert all(word in line for word in words), line
         assert "\n" not in line.strip(), line
     assert lines[0].replace("[0]", "[1]") == lines[1]  # the same refusal (rank 0 names its group [0])
+
+
+def test_a_second_synchronize_changes_nothing_and_one_after_a_backward_counts(results):
+    for out in results:
+        assert out["misuses"]["again_kept"] == (1, True)  # one step; the gradients are the group mean
+        assert out["misuses"]["again_after_backward"] == 2
 
 
 def test_replicas_whose_q_differs_raise_at_the_window_end_naming_it_on_every_rank(results):

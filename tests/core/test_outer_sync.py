@@ -81,16 +81,17 @@ def test_a_rolled_back_step_restores_the_error_feedback():
     assert state.step == 1 and all(torch.equal(state.error[n], e) for n, e in before.items())
 
 
-def _worker(rank, world_size):
+def _worker(rank, world_size, name):
     torch.manual_seed(100 + rank)
-    grads = [torch.randn(40, 30), torch.randn(30)]
-    state = QuantizedState(bits=3, chunk=128)
+    grads = [torch.randn(40, 300), torch.randn(300)]
+    state = sync_method(name).build(None)
     out = reduce(state, [g.clone() for g in grads])
     return {"in": grads, "out": out, "error": {k: v.clone() for k, v in state.error.items()}}
 
 
-def test_two_processes_agree_and_conserve():
-    a, b = run_distributed(_worker, 2)
+@pytest.mark.parametrize("name", ["quant3", "alloc3", "sparse64", "sparse64a"])  # the quantised and sparse syncs
+def test_two_processes_agree_and_conserve(name):
+    a, b = run_distributed(_worker, 2, name)
     for x, y in zip(a["out"], b["out"]):
         assert torch.equal(x, y)  # the same average on every rank
     for i in range(2):  # mean(sent) + mean(e) = mean(M)

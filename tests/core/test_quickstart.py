@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "getting-started.md"
@@ -30,12 +29,9 @@ def ran(tmp_path_factory):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # = torchrun; the agent's store on a port it binds as 0
         "--nproc_per_node",
-        "2",  # = torchrun
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
+        "2",
         "quickstart.py",
     ]
     return subprocess.run(

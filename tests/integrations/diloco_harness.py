@@ -2,7 +2,8 @@
 in one process: torchft_harness's lighthouse, threads, toy language and faults, with outer steps.
 
 Faults are planned per (replica, outer step): a kill (the group dies in the outer sync's first
-collective), a failed all-reduce (this replica's call raises after the collective ran). Every outer
+collective), a kill in the inner steps (``kill_inner``: between its first two), a failed all-reduce
+(this replica's call raises after the collective ran). Every outer
 step that is not committed is checked on the spot: the replica's error feedback must be exactly its
 error feedback before the step plus the step's pseudo-gradient for every compressed matrix, and
 what was sent raw must be carried into the next pseudo-gradient, bit for bit (float64).
@@ -95,6 +96,7 @@ def train_replica(
             fragment_sync_delay=options.get("delay", 0),
             power_iterations=options.get("iterations", 1),
             sync_method=options.get("sync"),
+            error_feedback_decay=options.get("decay", 1.0),
         )
         if "bucket" in options:  # a two-stage sync of several buckets
             diloco.state.bucket_values = options["bucket"]
@@ -151,6 +153,12 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
                 error_before = {n: e.clone() for n, e in error_table(state).items()}
                 heals_before = len(heals)
                 sent.clear()
+            if diloco._local_step == 1 and faults.take("kill_inner", replica, manager.current_step()):
+                pg.abort()  # dies between two inner steps: no collective in flight, its peers find out at the quorum
+                pg.dead = True
+                raise InjectedKill(
+                    f"replica {replica} killed in the inner steps of outer step {manager.current_step()}"
+                )
             retries[position] = retries.get(position, -1) + 1  # a replayed outer step sees new data
             loss = loss_of(module, *batch(replica, position, retry=retries[position] + 10 * (attempt[0] - 1)))
             loss.backward()
@@ -226,7 +234,7 @@ def run_replicas(
 ) -> dict:
     """Train ``replicas`` groups to ``outer_steps`` committed outer steps; a killed group restarts.
     ``options``: ``streaming`` (two fragments), ``delay``, ``sync_every``, ``iterations``,
-    ``outer_lr``, ``outer_momentum``, ``edgc`` (`EDGCConfig` fields over CONFIG), ``sync`` (a
-    registered sync method instead of EDGC)."""
+    ``outer_lr``, ``outer_momentum``, ``decay`` (the error feedback's), ``edgc`` (`EDGCConfig` fields
+    over CONFIG), ``sync`` (a registered sync method instead of EDGC)."""
     train = functools.partial(train_replica, options=options)
     return run_groups(train, outer_steps, faults, replicas, attempts, tolerated_failures)

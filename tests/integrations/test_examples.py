@@ -10,12 +10,13 @@ import subprocess
 import sys
 
 import pytest
-from distributed_harness import free_port
+from distributed_harness import hosted_store
 
 from .conftest import REPO, run_script, summaries
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-TORCHRUN4 = [*TORCHRUN[:-3], "4", *TORCHRUN[-2:]]  # 2 replicas × 2 shards
+# --standalone: torchrun's agent serves the group's store on a port it binds as 0 (none to race for)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TORCHRUN4 = [*TORCHRUN[:-1], "4"]  # 2 replicas × 2 shards
 
 # example → (command, optimizer steps it runs by default)
 EXAMPLES = {
@@ -31,10 +32,11 @@ EXAMPLES = {
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_runs_and_compresses(name):
     launcher, steps = EXAMPLES[name]
-    port = str(free_port())
-    torchrun = launcher in (TORCHRUN, TORCHRUN4)
-    args = [*launcher, *(["--master_port", port] if torchrun else []), f"examples/{name}.py"]
-    proc = run_script(args, MASTER_PORT=port, MASTER_ADDR="127.0.0.1")
+    env = {}
+    if launcher not in (TORCHRUN, TORCHRUN4):  # Lightning starts the processes: they meet at a store served here
+        store = hosted_store()
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    proc = run_script([*launcher, f"examples/{name}.py"], **env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     found = summaries(output)

@@ -14,7 +14,6 @@ import re
 import sys
 
 import pytest
-from distributed_harness import free_port
 
 from .conftest import REPO, run_script, summaries
 
@@ -30,18 +29,14 @@ def load_example():
 
 
 def test_llama_tp2_dp2_matches_the_single_process_until_edgc_compresses():
-    port = str(free_port())
     proc = run_script(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",  # the agent's store on a port it binds as 0
             "--nproc_per_node",
             "4",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            port,
             "examples/llama_tp_dp.py",
         ]
     )

@@ -94,6 +94,7 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
 class Faults:
     kill: set = field(default_factory=set)  # (replica, step): the group dies in the step's first collective
     kill_mid: set = field(default_factory=set)  # … in its second all-to-all (a two-stage sync of ≥ 2 buckets)
+    kill_inner: set = field(default_factory=set)  # (replica, outer step): dies in its inner steps (DiLoCo)
     failed_allreduce: set = field(default_factory=set)
     nan: set = field(default_factory=set)
     stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT, late for the next quorum

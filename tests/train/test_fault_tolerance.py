@@ -12,13 +12,10 @@ import time
 import pytest
 import torch
 
-from edgc_train.train import free_port
-
 from .conftest import EDGC_JOB, REPO, read_metrics, train_losses
 
 
 def torchrun(run_dir, cache_dir, *extra):
-    port = free_port()
     return [
         sys.executable,
         "-m",
@@ -27,9 +24,7 @@ def torchrun(run_dir, cache_dir, *extra):
         "1",
         "--nproc_per_node",
         "2",
-        "--rdzv_backend",
-        "c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port}",
+        "--standalone",  # c10d rendezvous on a port the agent binds as 0, kept across restarts
         *extra,
         "-m",
         "edgc_cli.main",

@@ -60,7 +60,8 @@ STATE_FORMAT = "edgc-diloco/1"
 # 0.098× the raw bytes) through the two-stage all-reduce (`edgc.two_stage`), whose wire stays that
 # share of torchft's as the replica groups grow. Across the model families of `edgc experiment
 # diloco` the 3-bit codes ended within the interval of torchft's uncompressed DiLoCo where EDGC's
-# PowerSGD at rank 8 did not, and the two-stage sync where the one-stage one did (docs/guides/slow-links.md).
+# PowerSGD at rank 8 did not, nor did the sparse syncs at 0.02× the bytes or fewer, and the two-stage
+# sync where the one-stage one did (docs/guides/slow-links.md).
 DEFAULT_OUTER_SYNC = "quant3-2s"
 
 
@@ -188,6 +189,18 @@ class DiLoCo:
         self._syncing: _Fragment | None = None  # the fragment whose sync was prepared and awaits its outer step
         self._carry: dict[str, torch.Tensor] = {}  # raw-sent Δ of discarded outer steps, per parameter name
         self.state = self._new_state(process_group, config, nn.ModuleList(fragments))
+        # Compared over the group before the first outer sync sends anything (`edgc.agreement`): a
+        # replica that syncs at other inner steps, or other fragments, would pair other collectives.
+        self.state.agree_on(
+            {
+                "DiLoCo.sync_every": sync_every,
+                "DiLoCo.fragments": [len(list(m.parameters())) for m in fragments],
+                "DiLoCo.fragment_sync_delay": fragment_sync_delay,
+                "DiLoCo.fragment_update_alpha": fragment_update_alpha,
+                "DiLoCo.sync_method": sync_method,
+                "DiLoCo.error_feedback_decay": error_feedback_decay,
+            }
+        )
         if power_iterations != 1:  # EDGC's engine only (`_check_outer_sync`): `LowRankCompressor.power_iterations`
             self.state.compressor.power_iterations = power_iterations
         self._fragments = [
