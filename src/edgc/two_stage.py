@@ -32,7 +32,8 @@ tensor until the verdict, and on a rollback each contributor's e becomes its who
 messages are kept for that: the encoded size, not a copy of Δ; values that are not finite are
 dropped), so a caller keeps no copy of its input (`rollback_keeps_input`).
 
-The codec contract (what a new method implements; `edgc.codecs.QuantCodec` is the first):
+The codec contract (what a new method implements; `edgc.codecs.QuantCodec` is the first; a subclass names
+its codec's settings in ``ARGUMENTS``, compared across the group with the codec's class, `edgc.agreement`):
 
 * ``message_bytes(n)``: bytes of the message of n values, a multiple of 4, a function of n alone
   (every rank knows every message's size without asking);
@@ -164,6 +165,7 @@ class TwoStageReducer(_ErrorFeedbackReducer):
     `edgc.baselines`' states; without error feedback neither stage keeps a remainder."""
 
     method = "two-stage"
+    ARGUMENTS: tuple[str, ...] = ("bucket_values",)  # agreed before the first sync; a codec's own: a subclass's
 
     def __init__(
         self,
@@ -181,6 +183,10 @@ class TwoStageReducer(_ErrorFeedbackReducer):
         # the owners' error feedback per call (keyed by its first name): (partition, values of the owned chunks)
         self.owner_error: dict[str, tuple[Partition, torch.Tensor]] = {}
         self._undo: list[_Call] = []  # the pending step's calls, for a rollback
+
+    def agreed_settings(self, device: torch.device) -> dict:
+        """`_ErrorFeedbackReducer.agreed_settings` with the codec's class."""
+        return {**super().agreed_settings(device), f"{type(self).__name__}.codec": type(self.codec).__qualname__}
 
     @property
     def rollback_keeps_input(self) -> bool:
@@ -374,6 +380,7 @@ class TwoStageQuantState(TwoStageReducer):
     ``bucket_values``, ``error_feedback`` and ``model`` as `TwoStageReducer`'s."""
 
     method = "quantized-2s"
+    ARGUMENTS = ("bits", "block", "bucket_values")  # agreed across the group before the first sync
 
     def __init__(
         self,
@@ -392,7 +399,7 @@ class TwoStageQuantState(TwoStageReducer):
             error_feedback=error_feedback,
             model=model,
         )
-        self.bits = bits
+        self.bits, self.block = bits, block
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "bits": self.bits}
