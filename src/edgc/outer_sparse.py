@@ -228,7 +228,8 @@ class AllocatedSparseState(SparseQuantState):
         model=None,
     ):
         """``density``: the budget, the bytes of that uniform density (between the lowest and the highest
-        of `DENSITIES`); ``process_group``, ``chunk`` and the rest as `SparseQuantState`'s."""
+        of `DENSITIES`); ``process_group``, ``chunk``, ``groups``, ``error_feedback`` and ``model`` as
+        `SparseQuantState`'s."""
         super().__init__(
             process_group, density=density, chunk=chunk, groups=groups, error_feedback=error_feedback, model=model
         )
