@@ -129,6 +129,10 @@ def _range(values: list, digits: int, unit: str = "") -> str:
     return mean if low == high else f"{mean} [{low}–{high}]"
 
 
+def _mb(value: float | None) -> float | None:
+    return None if value is None else value / 1e6
+
+
 def by_method(results: list[dict]) -> dict[str, list[dict]]:
     grouped: dict[str, list[dict]] = {}
     for r in results:
@@ -167,9 +171,9 @@ def link_table(link: dict, steps: int) -> list[str]:
         lines.append(
             f"| {label(method)} | {_range(times, 1, ' s')} | {later} | {loss} | "
             f"{_range([r['outer_steps'] for r in runs], 0)} "
-            f"| {_range([(r['payload_bytes'] or 0) / 1e6 for r in runs], 3, ' MB')} "
-            f"| {_range([(r.get('wire_bytes') or 0) / 1e6 for r in runs], 3, ' MB')} "
-            f"| {_range([(wire_per_sync(r) or 0) / 1e6 for r in runs], 3, ' MB')} "
+            f"| {_range([_mb(r['payload_bytes']) for r in runs], 3, ' MB')} "
+            f"| {_range([_mb(r.get('wire_bytes')) for r in runs], 3, ' MB')} "  # –: a run that did not count it
+            f"| {_range([_mb(wire_per_sync(r)) for r in runs], 3, ' MB')} "
             f"| {_range([r['sync_step_s'] for r in runs], 2, ' s')} / {_range([r['floor_s'] for r in runs], 2, ' s')} "
             f"| {lowest:.0%} | {'yes' if identical == len(runs) else 'NO'} ({identical}/{len(runs)}) |"
         )

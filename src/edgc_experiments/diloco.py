@@ -287,14 +287,14 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
     ]
     summary += [
         f"Frontier (a method holds in a cell where its paired 95 % interval lies inside ±{BOUND:g} % of torchft's "
-        "loss; plot: each cell's validation loss against the bytes per outer step):",
+        "loss; plot: each cell's validation loss against the payload per outer step):",
         "",
         frontier_table(stats, cells),
         "",
     ]
     if equal_bytes:
         summary += [
-            "At equal or fewer bytes (the same inner steps; the method held against syncing less often):",
+            "At an equal or smaller payload (the same inner steps; the method held against syncing less often):",
             "",
             markdown_table(
                 ["model", "inner", "method", "against", "payload ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
