@@ -207,7 +207,9 @@ def test_the_table_goes_to_the_diloco_results_page(tmp_path, load_script):
     assert script.block_markers(table) == (script.DILOCO_START, script.DILOCO_END)
     page = (ROOT / "docs/results/diloco.md").read_text()
     updated = script.update(page, table, script.DILOCO_START, script.DILOCO_END)
-    assert updated.count("| DiLoCo + EDGC |") == 1 and "Kill pass at 20 Mbit/s" in updated
+    block = updated.split(script.DILOCO_START)[1].split(script.DILOCO_END)[0]  # the six-host block stays beside it
+    assert block.count("| DiLoCo + EDGC |") == 1 and "Kill pass at 20 Mbit/s" in block
+    assert updated.count(script.DILOCO_MORE_START) == page.count(script.DILOCO_MORE_START) == 1
 
 
 def test_the_committed_page_comes_from_a_run():
@@ -267,7 +269,15 @@ def test_methods_choose_the_runs_and_an_outer_sync_each(tmp_path):
 
     settings = BenchSettings(hosts=3, steps=60, preset="tiny")
     args = argparse.Namespace(
-        rates="20", sync_every=10, fragments=2, kill_at=0, time_budget=150.0, edgc=[], outer_sync="sparse64-mom0"
+        rates="20",
+        sync_every=10,
+        fragments=2,
+        kill_at=0,
+        time_budget=150.0,
+        edgc=[],
+        outer_sync="sparse64-mom0",
+        scaling=None,
+        scaling_syncs="quant3,quant3-2s",
     )
     options = diloco_options(settings, argparse.Namespace(**vars(args), methods="diloco,diloco-edgc@quant3"))
     assert options.methods == ("diloco", "diloco-edgc@quant3") and options.kill_at is None
