@@ -176,7 +176,7 @@ def _train_seed(args, setting, key, family, todo: dict, seed: int, seeds, result
         results[key][name][str(seed)] = result
         log(
             f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
-            f"{result['bytes'] / result['bytes_raw']:.4f}× bytes, {result['wall_s']:.0f} s"
+            f"{result['bytes'] / result['bytes_raw']:.4f}× payload, {result['wall_s']:.0f} s"
         )
 
 
