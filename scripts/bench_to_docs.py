@@ -9,8 +9,9 @@ bench at 1 Gbit/s, ``bench-rmax-table`` for one with EDGC's r_max given by `--r-
 ``bench-slow-link-rounds-table`` for `--rounds N` at and below 1 Gbit/s (docs/results/bench.md);
 ``bench-hsdp-table`` for `edgc bench --fsdp` (docs/results/hsdp.md); ``bench-tp-table`` for
 `--tp/--pp` (docs/results/3d.md); ``bench-torchft-table`` for `--torchft` (docs/results/torchft.md);
-``bench-diloco-table`` for `--diloco` (docs/results/diloco.md), ``bench-diloco-frontier-table`` for
-`--diloco --methods …` (a chosen set of outer syncs against torchft's DiLoCo, docs/guides/slow-links.md).
+``bench-diloco-table`` for `--diloco` at 3 hosts, ``bench-diloco-hosts-table`` at any other number
+(docs/results/diloco.md), ``bench-diloco-frontier-table`` for `--diloco --methods …` (a chosen set of
+outer syncs against torchft's DiLoCo, docs/guides/slow-links.md).
 So the manual's numbers are always the ones a real `edgc bench` produced, never typed by hand.
 """
 
@@ -30,6 +31,7 @@ SLOW_START, SLOW_END = markers("bench-slow-link-table")
 TP_START, TP_END = markers("bench-tp-table")
 TORCHFT_START, TORCHFT_END = markers("bench-torchft-table")
 DILOCO_START, DILOCO_END = markers("bench-diloco-table")
+DILOCO_MORE_START, DILOCO_MORE_END = markers("bench-diloco-hosts-table")  # --diloco at other than 3 hosts
 DILOCO_FRONTIER_START, DILOCO_FRONTIER_END = markers("bench-diloco-frontier-table")
 # `--r-max N` (EDGC skips profiling r_max on the link): beside the profiled run, not over it.
 RMAX_START, RMAX_END = markers("bench-rmax-table")
@@ -61,8 +63,11 @@ def block_markers(table: str) -> tuple[str, str]:
     rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
     slow = bool(rate) and float(rate.group(1)) < 1000
     if table.startswith("`edgc bench") and " --diloco" in table.splitlines()[0].split("`")[1]:
-        chosen = " --methods " in table.splitlines()[0].split("`")[1]
-        return (DILOCO_FRONTIER_START, DILOCO_FRONTIER_END) if chosen else (DILOCO_START, DILOCO_END)
+        if " --methods " in table.splitlines()[0].split("`")[1]:  # a chosen set of outer syncs
+            return DILOCO_FRONTIER_START, DILOCO_FRONTIER_END
+        hosts = re.search(r"`: (\d+) hosts,", table.splitlines()[0])
+        more = hosts is not None and int(hosts.group(1)) != 3  # beside the three-host bench, not over it
+        return (DILOCO_MORE_START, DILOCO_MORE_END) if more else (DILOCO_START, DILOCO_END)
     if "(one replica group each)" in table:
         return TORCHFT_START, TORCHFT_END
     if re.search(r"hosts × TP\d+ × PP\d+", table):

@@ -115,12 +115,18 @@ def diloco_row(root: Path = ROOT) -> str:
     slow = links[-1]["text"]
     sooner = float(check(slow, r"DiLoCo \+ EDGC vs uncompressed DiLoCo \(same H\): target ([\d.]+) × sooner"))
     loss = check(slow, r"loss at equal tokens, DiLoCo \+ EDGC vs DiLoCo: ([-+][\d.]+%)")
-    payload = check(slow, r"DiLoCo \+ EDGC / DiLoCo = ([\d.]+)")
+    payload = check(
+        slow, r"payload per outer step \(the pseudo-gradient's message\), DiLoCo \+ EDGC / DiLoCo = ([\d.]+)"
+    )
+    wire = check(
+        slow, r"wire per outer step \(what each process wrote to its sockets\), DiLoCo \+ EDGC / DiLoCo = ([\d.]+)"
+    )
     hosts, preset = check(head, r"(\d+) hosts"), check(head, r"preset (\w+)")
     h = check(head, r"DiLoCo H = (\d+)")
     return (
         f"| DiLoCo (H = {h}), {hosts} hosts at {links[-1]['rate']} Mbit/s, GPT-2 `{preset}` | time to target "
-        f"{1 / sooner:.2f}× of torchft's DiLoCo | {payload}× | {loss} | [diloco](docs/results/diloco.md) |"
+        f"{1 / sooner:.2f}× of torchft's DiLoCo | {wire}× on the wire (payload {payload}×) | {loss} "
+        "| [diloco](docs/results/diloco.md) |"
     )
 
 
@@ -141,23 +147,26 @@ def number(cell: str) -> float:
 
 
 TIMES = ("time to target", "time to later target")
+WIRE = "wire per sync (sockets, per process)"
 
 
 def diloco_cells(row: dict, reference: dict, loss_column: str) -> list[str]:
     """A method's times (means), speed-ups against ``reference`` (torchft's DiLoCo), payload and loss."""
     times = [f"{seconds(row[c]):.1f} s" if seconds(row[c]) is not None else row[c] for c in TIMES]
     if row is reference:
-        return [*times, "–", row["payload per sync"], row[loss_column]]
+        return [*times, "–", row["payload per sync"], row[WIRE], row[loss_column]]
     speedups = [
         f"{seconds(reference[c]) / seconds(row[c]):.2f}×" if seconds(row[c]) and seconds(reference[c]) else "–"
         for c in TIMES
     ]
     payload = number(row["payload per sync"]) / number(reference["payload per sync"])
+    wire = number(row[WIRE]) / number(reference[WIRE])
     loss = 100 * (number(row[loss_column]) / number(reference[loss_column]) - 1)
     return [
         *times,
         " / ".join(speedups),
         f"{row['payload per sync']} ({payload:.3f}×)",
+        f"{row[WIRE].split(' [')[0]} ({wire:.3f}×)",
         f"{row[loss_column]} ({loss:+.2f}%)",
     ]
 
@@ -174,14 +183,15 @@ def diloco_summary(root: Path = ROOT) -> str:
         "results page](../results/diloco.md), which has every method, the ranges over the rounds and the "
         "settings. A link's target is the highest of its runs' lowest validation losses, the later target "
         "the same over the runs that took every step; the speed-ups are at the target / the later target, "
-        "the bytes and the loss in brackets against torchft's DiLoCo:"
+        "the payload (what one replica's messages hold), the wire (what each process wrote to its sockets, "
+        "per outer step) and the loss in brackets against torchft's DiLoCo:"
     )
     lines = [
         *wrap(intro),
         "",
         f"| link | method | time to target | to later target | sooner than torchft's DiLoCo | payload per sync "
-        f"| val loss after {steps} inner steps |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| wire per sync (sockets) | val loss after {steps} inner steps |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     targets = []
     for link in links:

@@ -41,6 +41,8 @@ Modules:
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
     sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)
     outer_sync.py   DiLoCo's quantised outer sync (b bits a value, error feedback), error-feedback decay and heal
+    two_stage.py    the two-stage compressed all-reduce (all-to-all, owners reduce, all-gather): DiLoCo's default
+    codecs.py       its codecs: a run of values to a message of bytes and back (b-bit codes in bit planes)
     outer_alloc.py  the quantised outer sync with the bits per tensor where a byte removes the most error
     outer_sparse.py the sparse outer syncs: chunked top-k, coded indices, 2-bit values, error feedback
     timing.py       device-timeline timestamps, the library's only device→host reads

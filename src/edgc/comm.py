@@ -163,7 +163,7 @@ class Communicator:
                 now = now if now is not None else time.perf_counter()
                 record[2] = now
 
-    # The three ways a work is started: a subclass routes them elsewhere (e.g. through torchft's
+    # The ways a work is started: a subclass routes them elsewhere (e.g. through torchft's
     # manager, `edgc.integrations.torchft`) and everything above them stays as it is.
     def _all_reduce_work(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
@@ -173,6 +173,38 @@ class Communicator:
 
     def _all_gather_work(self, out: list[torch.Tensor], tensor: torch.Tensor):
         return dist.all_gather(out, tensor, group=self.group, async_op=True)
+
+    def _all_to_all_work(self, out: torch.Tensor, tensor: torch.Tensor):
+        return dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+
+    def _all_gather_into_work(self, out: torch.Tensor, tensor: torch.Tensor):
+        return dist.all_gather_single(out, tensor, group=self.group, async_op=True)
+
+    @property
+    def group_size(self) -> int:
+        """Members of the process group (the chunk owners of a two-stage sync, `edgc.two_stage`); a
+        quorum may hold spares, so this can exceed ``world_size``, the replicas that contribute."""
+        return self.world_size
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in the process group (which chunk it owns in a two-stage sync)."""
+        return self.rank
+
+    def all_to_all_async(self, out: torch.Tensor, tensor: torch.Tensor) -> Pending:
+        """Equal splits: ``tensor`` is ``group_size`` blocks, block j goes to rank j, and block i of
+        ``out`` comes from rank i (without a process group: ``out`` ← ``tensor``)."""
+        if not self.issues:
+            out.copy_(tensor)
+            return Pending(out, None, None, self.clock)
+        return self._issue(out, lambda: self._all_to_all_work(out, tensor))
+
+    def all_gather_into_async(self, out: torch.Tensor, tensor: torch.Tensor) -> Pending:
+        """``out`` (``group_size`` blocks of ``tensor``'s size) ← every rank's ``tensor`` in rank order."""
+        if not self.issues:
+            out.copy_(tensor.reshape(out.shape))
+            return Pending(out, None, None, self.clock)
+        return self._issue(out, lambda: self._all_gather_into_work(out, tensor))
 
     def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
         return self._issue(tensor, lambda: self._all_reduce_work(tensor, op))

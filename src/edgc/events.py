@@ -16,6 +16,7 @@ kind             level      when
 ``rank_set``     INFO       a hand-set ``rank_schedule`` changed the rank
 ``nonfinite``    WARNING    a synced gradient held a NaN/Inf (what EDGC did about it)
 ``discarded``    INFO       a step was rolled back (`GradientReducer.rollback_step`), and why
+``owner_error``  INFO       a two-stage sync dropped its chunks' error feedback: the group changed
 ===============  =========  ================================================================
 
 WARNING records reach stderr even where logging is not configured (Python's last-resort handler);
@@ -176,3 +177,13 @@ def discarded(state: GradientReducer, step: int, reason: str) -> None:
         "before it; error feedback keeps what it tried to send"
     )
     say(state, logging.INFO, {"kind": "discarded", "step": step, "reason": reason, "message": message})
+
+
+def owner_error_dropped(state: GradientReducer, key: str, before, now) -> None:
+    """A two-stage sync (`edgc.two_stage`) dropped the error feedback of the chunks it owned for the
+    call ``key``: the partition ``before`` is not the one ``now`` (the quorum changed)."""
+    message = (
+        f"step {state.step}: {type(state).__name__}: the owner's error feedback of {key!r} is dropped: the group "
+        f"changed ({before.members} members, rank {before.rank} → {now.members}, rank {now.rank})"
+    )
+    say(state, logging.INFO, {"kind": "owner_error", "step": state.step, "key": key, "message": message})

@@ -49,6 +49,8 @@ class GradientReducer:
     the group it averages over (None: the default one; a 1-D DeviceMesh too). ``model``: the module whose
     parameters it syncs (the DDP model or the module it wraps): it names them (`edgc.guards`)."""
 
+    rollback_keeps_input = False  # a rollback leaves all the input in the state: callers keep no copy (two_stage)
+
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, model: nn.Module | None = None):
         self.comm = Communicator(process_group)
         self.step = 0  # optimizer steps completed

@@ -2,11 +2,20 @@
 
 Each entry is a `GradientReducer` subclass registered under its ``method`` attribute (or under a
 name of its own for a variant of one class, as the two casts), with what is known of the method
-itself: the constructor arguments the name fixes, and which collective one call issues (the
-simulator prices an all-gather, where every rank receives every other rank's message, differently
-from an all-reduce). What a tool adds to it stays beside the tool: the run settings the harness
-hands a constructor that takes them (`SyncMethod.build`), the memory traffic the simulator's step
-model prices (``edgc_sim.step_model``).
+itself: the constructor arguments the name fixes, and which kind of collective one call issues,
+which is what its wire costs as the group grows (the simulator prices each kind):
+
+* ``ALL_REDUCE``: the payload in one all-reduce, 2 (N − 1)/N × its bytes per rank on a ring;
+* ``ALL_GATHER``: every rank receives every other rank's message, (N − 1) × its bytes per rank (twice
+  that through torchft's manager, an all-reduce of one slot per replica group): grows with N;
+* ``TWO_STAGE``: `edgc.two_stage`'s compressed all-reduce, an all-to-all of encoded chunks, a
+  reduction by each chunk's owner, an all-gather of the re-encoded chunks: 2 (N − 1)/N × the
+  encoded bytes per rank, flat in N. A new codec is a `edgc.two_stage.TwoStageReducer` subclass
+  (its docstring has the codec's contract) registered with this kind.
+
+What a tool adds to it stays beside the tool: the run settings the harness hands a constructor
+that takes them (`SyncMethod.build`), the memory traffic the simulator's step model prices
+(``edgc_sim.step_model``).
 
 A new compressor is one file (its class) and one `register_sync_method` call.
 """
@@ -27,8 +36,10 @@ from .outer_sparse import AllocatedSparseState, SparseQuantState
 from .outer_sync import QuantizedState
 from .reducer import GradientReducer
 from .registry import Registry
+from .two_stage import TwoStageQuantState
 
-ALL_REDUCE, ALL_GATHER = "all-reduce", "all-gather"
+ALL_REDUCE, ALL_GATHER, TWO_STAGE = "all-reduce", "all-gather", "two-stage"
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, TWO_STAGE)
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,7 @@ class SyncMethod:
 
     name: str  #: the name the tools know it by (``--compressor``, a bench method)
     reducer: type[GradientReducer]  #: the class; constructed as reducer(process_group, model=…, **arguments)
-    collective: str = ALL_REDUCE  #: what one call issues: ALL_REDUCE or ALL_GATHER
+    collective: str = ALL_REDUCE  #: what one call issues: ALL_REDUCE, ALL_GATHER or TWO_STAGE
     options: Mapping[str, Any] = field(default_factory=dict)  #: constructor arguments the name fixes
 
     def takes(self, setting: str) -> bool:
@@ -64,8 +75,10 @@ def register_sync_method(
     name = name or getattr(reducer, "method", "")
     if not (isinstance(reducer, type) and issubclass(reducer, GradientReducer)):
         raise ValueError(f"a sync method is a GradientReducer subclass, got {reducer!r}")
-    if collective not in (ALL_REDUCE, ALL_GATHER):
-        raise ValueError(f"sync method {name!r}: collective must be {ALL_REDUCE} or {ALL_GATHER}, got {collective!r}")
+    if collective not in COLLECTIVES:
+        raise ValueError(
+            f"sync method {name!r}: collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}"
+        )
     return SYNC_METHODS.add(name, SyncMethod(name, reducer, collective, dict(options or {})))
 
 
@@ -129,3 +142,6 @@ register_sync_method(TopKState, name="topk5", collective=ALL_GATHER, options={"r
 register_sync_method(SparseQuantState, name="sparse64", collective=ALL_GATHER, options={"density": 64 / 4096})
 register_sync_method(SparseQuantState, name="sparse128", collective=ALL_GATHER, options={"density": 128 / 4096})
 register_sync_method(AllocatedSparseState, name="sparse64a", collective=ALL_GATHER, options={"density": 64 / 4096})
+# quant<b>'s codes through the two-stage all-reduce (`edgc.two_stage`): the wire flat in the groups
+for _bits in (8, 4, 3, 2):
+    register_sync_method(TwoStageQuantState, name=f"quant{_bits}-2s", collective=TWO_STAGE, options={"bits": _bits})

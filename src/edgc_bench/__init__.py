@@ -17,6 +17,8 @@ Modules:
     diloco_cli.py   its flags and their checks
     diloco_train.py one replica group's worker of that bench (torchft DDP / DiLoCo, with or without EDGC)
     diloco_table.py its bench.md: measures from the workers' logs, the tables, the acceptance checks
+    diloco_scaling.py  `--diloco --scaling`: the wire per process and the outer step at each number of groups
+    outer_memory.py what one DiLoCo outer step allocates per parameter (resident and live), plain and torchft
     gpu.py          `python -m edgc_bench.gpu`: the CUDA path measured on one GPU (docs/gpu.md), its parts:
     gpu_engine.py   EDGC's hook against powerSGD_hook at GPT-2 sizes: in a step, and each hook alone
     gpu_overlap.py  does backward wait for the collectives? (a delay injected into NCCL's all-reduces)

@@ -335,9 +335,10 @@ def diloco(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
         raise CLIError(f"--out: {out} already holds a bench; choose a new folder")
     require_torchft("--diloco")
     from .diloco_bench import run_diloco_bench
+    from .diloco_scaling import run_scaling
 
-    run_diloco_bench(settings, opts, out, command_line("--diloco"))
-    print((out / "bench.md").read_text())
+    (run_scaling if opts.scaling else run_diloco_bench)(settings, opts, out, command_line("--diloco"))
+    print((out / ("scaling.md" if opts.scaling else "bench.md")).read_text())
     return 0
 
 

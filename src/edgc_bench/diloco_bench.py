@@ -70,8 +70,10 @@ class DilocoOptions:
     kill_at: int | None = None  # the outer step killed in flight; None: no kill pass
     time_budget_s: float = 150.0
     edgc: tuple = ()  # extra EDGCConfig fields for both EDGC methods, as (key, value) pairs
-    outer_sync: str = "quant3"  # the DiLoCo methods' outer sync: a registered sync method, or "edgc" (PowerSGD)
+    outer_sync: str = "quant3-2s"  # the DiLoCo methods' outer sync: a registered sync method, or "edgc" (PowerSGD)
     methods: tuple[str, ...] = METHODS  # those run at each link; "diloco-edgc@SPEC": DiLoCo + EDGC with SPEC
+    scaling: tuple[int, ...] = ()  # host counts of the scaling pass (diloco_scaling.py) instead of the rounds
+    scaling_syncs: tuple[str, ...] = ()  # … and the outer syncs it runs beside torchft's DiLoCo
 
     def unit(self, method: str) -> int:
         """Inner steps between two syncs of ``method`` (a stop falls on one, and on an eval step)."""

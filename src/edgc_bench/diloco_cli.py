@@ -41,9 +41,22 @@ def add_diloco_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--outer-sync",
-        default="quant3",
+        default="quant3-2s",
         help="with --diloco: the outer sync of the DiLoCo + EDGC methods, a registered sync method's name "
         "or edgc (PowerSGD at the bench's ranks; default %(default)s, DiLoCo's default)",
+    )
+    p.add_argument(
+        "--scaling",
+        default=None,
+        metavar="HOSTS,...",
+        help="with --diloco: instead of the rounds, the wire per process per outer step and the outer step's "
+        "time at each of these host counts (one replica group each), for torchft's DiLoCo and each of "
+        "--scaling-syncs, at the slowest of --rates (docs/bench.md)",
+    )
+    p.add_argument(
+        "--scaling-syncs",
+        default="quant3,quant3-2s",
+        help="with --scaling: the outer syncs beside torchft's DiLoCo (default %(default)s)",
     )
     p.add_argument(
         "--time-budget",
@@ -98,11 +111,14 @@ def diloco_options(settings, args: argparse.Namespace):
     from .diloco_bench import METHODS
 
     methods = tuple(m.strip() for m in (args.methods or "").split(",") if m.strip()) or METHODS
-    for flag, spec in [("--outer-sync", args.outer_sync)] + [("--methods", m.partition("@")[2]) for m in methods]:
+    syncs = [v.strip() for v in args.scaling_syncs.split(",") if v.strip()]
+    checked = [("--outer-sync", args.outer_sync)] + [("--methods", m.partition("@")[2]) for m in methods]
+    for flag, spec in checked + [("--scaling-syncs", v) for v in syncs]:
         _check_outer_sync(flag, spec)
     bad = [m for m in methods if m.partition("@")[0] not in METHODS or ("@" in m and not m.startswith("diloco-edgc@"))]
     if bad:
         raise CLIError(f"--methods: each of {', '.join(METHODS)} or diloco-edgc@SPEC, got {', '.join(bad)}")
+    scaling = _host_counts(args.scaling)
     return DilocoOptions(
         rates=rates,
         sync_every=h,
@@ -113,7 +129,21 @@ def diloco_options(settings, args: argparse.Namespace):
         edgc=tuple(edgc_items(args.edgc).items()),
         outer_sync=args.outer_sync,
         methods=methods,
+        scaling=scaling,
+        scaling_syncs=tuple(syncs),
     )
+
+
+def _host_counts(raw: str | None) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    try:
+        counts = tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise CLIError(f"--scaling: expected host counts separated by commas, got {raw!r}") from None
+    if not counts or any(not 2 <= c <= 64 for c in counts):
+        raise CLIError(f"--scaling: every host count must be in 2..64, got {raw!r}")
+    return counts
 
 
 def _check_outer_sync(flag: str, spec: str) -> None:

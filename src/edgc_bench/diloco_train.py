@@ -16,7 +16,8 @@ model is cut into F contiguous fragments of similar size, one syncs every H / F 
 
 Each process writes ``<out>/group<G>.jsonl``: a ``start`` line, one ``step`` line per inner step
 (step time, training loss; on a sync step the outer step, committed or not, the quorum's
-participants, whether this group was one, whether it healed, the payload bytes and EDGC's rank), a
+participants, whether this group was one, whether it healed, the payload bytes, the bytes the process
+wrote to its sockets in the sync step (`socket_writes`) and EDGC's rank), a
 ``sync_start`` line just before a sync step's sync (the bench kills a group there), and a ``final``
 line (validation loss and a digest of the shared model: θ_global for DiLoCo, the parameters for DDP).
 Group 0 also keeps the shared model every ``--eval-every`` inner steps with its training clock and,
@@ -69,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fragments", type=int, default=1, help="DiLoCo: model fragments (> 1: Streaming DiLoCo)")
     p.add_argument(
         "--outer-sync",
-        default="quant3",
+        default="quant3-2s",
         help="diloco-edgc: a registered sync method's name with DiLoCo's modifiers (e.g. "
         "sparse64-decay0.95-mom0-lr1, `edgc.sync_methods.outer_sync_spec`), or edgc (PowerSGD with --edgc's fields)",
     )
@@ -186,10 +187,12 @@ def train_ddp(model, module, optimizer, state, manager, sampler, cfg, rec: Recor
     rec.keep(0, shared_model(module, None))
     while manager.current_step() < rec.cap(cfg.steps):
         start, heals_before = time.perf_counter(), len(heals)
+        written = socket_writes()
         manager.start_quorum()
         step, committed, loss = sync_step(
             model, module, optimizer, manager, sampler, cfg, schedule, manager.current_step(), attempts
         )
+        written = socket_writes() - written
         attempts += not committed
         metrics = state.last_step_metrics if state is not None else {}
         rec.write(
@@ -205,6 +208,7 @@ def train_ddp(model, module, optimizer, state, manager, sampler, cfg, rec: Recor
             participating=manager.participating_rank() is not None,
             healed=any(h > 0 for h in heals[heals_before:]),
             bytes=metrics.get("bytes_sent", raw if state is None else None),
+            wire=written,
             rank=metrics.get("rank"),
         )
         if committed:
@@ -256,7 +260,9 @@ def inner_step(diloco, manager, module, inner, data, cfg, rec: Recorder, heals: 
             group["lr"] = cfg.lr * lr_lambda(cfg)(step)
     if syncs:
         rec.write(kind="sync_start", step=step, outer=manager.current_step(), t=time.time())
+    written = socket_writes()
     inner.step()  # on a sync step: the outer step, inside the hook
+    written = socket_writes() - written
     inner.zero_grad()
     record, committed = {}, False
     if syncs:
@@ -269,6 +275,7 @@ def inner_step(diloco, manager, module, inner, data, cfg, rec: Recorder, heals: 
             participants=manager.num_participants(),
             participating=manager.participating_rank() is not None,
             healed=any(h > 0 for h in heals[heals_before:]),
+            wire=written,
             **payload(diloco, outer % len(diloco._fragments)),
         )
     rec.write(
@@ -277,6 +284,17 @@ def inner_step(diloco, manager, module, inner, data, cfg, rec: Recorder, heals: 
     if committed:
         rec.keep(step + 1, shared_model(module, diloco))
     return unit if syncs and not committed else 0
+
+
+def socket_writes() -> int:
+    """Bytes this process has written so far (``wchar`` of /proc/self/io: every write(2)-family call,
+    gloo's socket writes included, whatever the library's own counters say). Around an outer step
+    that writes no file, its difference is what the step put on its sockets: the wire of one process."""
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no wchar")
 
 
 def payload(diloco, fragment: int) -> dict:

@@ -13,7 +13,9 @@ error-feedback policy P, paired with the same method without the heal):
 * ``rank<r>``: EDGC's PowerSGD at a static rank r (``-noef``: without error feedback,
   ``-decay<f>``: the error feedback multiplied by f before every sync);
 * ``quant8`` … ``quant2``, ``alloc3``, ``topk5``: the registered sync methods of those names (`edgc.outer_sync`),
-  with error feedback (``-noef`` / ``-decay<f>`` as above).
+  with error feedback (``-noef`` / ``-decay<f>`` as above); ``quant<b>-2s``: the same codes through the
+  two-stage all-reduce (`edgc.two_stage`), reported against torchft and, where the cell has it,
+  against ``quant<b>`` too (a second row, paired at the same seeds).
 
 Reported per cell: bytes against torchft's, the validation loss, the paired Δ % against torchft
 per seed with its mean and 95 % t-interval (at equal outer steps); at equal bytes, each method at
@@ -174,7 +176,7 @@ def _train_seed(args, setting, key, family, todo: dict, seed: int, seeds, result
         results[key][name][str(seed)] = result
         log(
             f"  {key} seed {seed} {name}: val {result['val_loss']:.4f}, "
-            f"{result['bytes'] / result['bytes_raw']:.4f}× bytes, {result['wall_s']:.0f} s"
+            f"{result['bytes'] / result['bytes_raw']:.4f}× payload, {result['wall_s']:.0f} s"
         )
 
 
@@ -221,11 +223,10 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
     for family, inner, h, arms in cells:
         key = f"{family}/{inner}/H{h}"
         cell = results[key]
-        for name in arms:
-            reference = name.partition("+heal=")[0] if "+heal=" in name else "torchft"
-            if reference not in cell:
-                reference = "torchft"
-            p = stats[(key, name)] = paired_percent(cell, name, reference, seeds)
+        for name, reference in _pairs(arms, cell):
+            p = stats[
+                (key, name) if reference == "torchft" or "+heal=" in name else (key, f"{name} vs {reference}")
+            ] = paired_percent(cell, name, reference, seeds)
             versus = "" if reference == "torchft" else f" (vs {reference})"
             rows.append(
                 [
@@ -260,8 +261,9 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
         f"data), 8 × 64 tokens per inner step, the first 1 M characters of the KJV Bible; inner learning rate "
         f"cosine to 0, gradients clipped at 1; DiLoCo's outer Nesterov SGD at lr {args.outer_lr:g}, momentum "
         f"{args.outer_momentum:g}; seeds {seeds}; validation loss over 16 × 8 validation blocks after the last "
-        "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); bytes: what one "
-        "replica sent against torchft's DiLoCo (fp32 all-reduce of every pseudo-gradient); ‖M−Ĝ‖/‖M‖: the "
+        "outer step. Δ % = 100·(method / torchft − 1) at the same seed (negative: better); payload: what one "
+        "replica's messages hold against torchft's DiLoCo (its fp32 pseudo-gradients), not the wire (the "
+        "bench counts that from the sockets); ‖M−Ĝ‖/‖M‖: the "
         "sync's relative error (M = Δ + e, Ĝ what it sent), mean over outer steps and seeds.",
         "",
         *([f"Not run (left out with --no-train): {', '.join(missing)}.", ""] if missing else []),
@@ -273,7 +275,7 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
                 "inner",
                 "H",
                 "method",
-                "bytes vs torchft",
+                "payload vs torchft",
                 "‖M−Ĝ‖/‖M‖ (mean)",
                 "val loss (mean)",
                 "Δ % per seed",
@@ -285,17 +287,17 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
     ]
     summary += [
         f"Frontier (a method holds in a cell where its paired 95 % interval lies inside ±{BOUND:g} % of torchft's "
-        "loss; plot: each cell's validation loss against the bytes per outer step):",
+        "loss; plot: each cell's validation loss against the payload per outer step):",
         "",
         frontier_table(stats, cells),
         "",
     ]
     if equal_bytes:
         summary += [
-            "At equal or fewer bytes (the same inner steps; the method held against syncing less often):",
+            "At an equal or smaller payload (the same inner steps; the method held against syncing less often):",
             "",
             markdown_table(
-                ["model", "inner", "method", "against", "bytes ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
+                ["model", "inner", "method", "against", "payload ratio", "Δ % per seed", "Δ % mean [95 % CI]"],
                 equal_bytes,
             ),
             "",
@@ -320,6 +322,19 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
         },
     )
     return {"headline": headline, "paired": stats}
+
+
+def _pairs(arms: dict, cell: dict) -> list[tuple[str, str]]:
+    """(method, the method it is paired with) per row: torchft, the same method without its heal, and a
+    two-stage method also against its one-stage twin."""
+    pairs = []
+    for name in arms:
+        reference = name.partition("+heal=")[0] if "+heal=" in name else "torchft"
+        pairs.append((name, reference if reference in cell else "torchft"))
+        twin = name.replace("-2s", "")
+        if "+heal=" not in name and twin != name and twin in cell:
+            pairs.append((name, twin))
+    return pairs
 
 
 def _equal_bytes(cells, results: dict, seeds: list[int], hs: list[int]) -> list[list]:
@@ -365,7 +380,7 @@ def _headline(stats: dict, cells) -> str:
         worst_key, worst = max(mine, key=lambda kp: kp[1]["high"])
         ratio = max(p["bytes_ratio"] for _, p in mine)
         parts.append(
-            f"{name} (≤ {ratio:.3f}× bytes) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
+            f"{name} (≤ {ratio:.3f}× payload) within {TOLERANCE:g} % of torchft in {held}/{len(mine)} cells, "
             f"worst {worst_key} {fmt_interval(worst, '+.2f')} %"
         )
     return "; ".join(parts) + "."

@@ -1,6 +1,7 @@
-"""The frontier of `edgc experiment diloco`: per method, its bytes against torchft's DiLoCo and whether
-it holds within `BOUND` % on every cell (the paired interval inside ±BOUND %), and a plot of the
-validation loss against the bytes per outer step, one panel per family.
+"""The frontier of `edgc experiment diloco`: per method, its payload against torchft's DiLoCo (what one
+replica's messages hold, not the wire) and whether it holds within `BOUND` % on every cell (the paired
+interval inside ±BOUND %), and a plot of the validation loss against the payload per outer step, one
+panel per family.
 
 A method holds in a cell when the 95 % t-interval of its paired Δ % against torchft's DiLoCo lies
 inside ±BOUND % (an interval that reaches past either side is not a result within the bound, even
@@ -33,19 +34,20 @@ def frontier_rows(stats: dict, cells) -> list[list]:
 
 def frontier_table(stats: dict, cells) -> str:
     return markdown_table(
-        ["method", "bytes vs torchft (largest)", f"cells within ±{BOUND:g} %", "where it does not hold (Δ % [CI])"],
+        ["method", "payload vs torchft (largest)", f"cells within ±{BOUND:g} %", "where it does not hold (Δ % [CI])"],
         frontier_rows(stats, cells),
     )
 
 
 def plot_frontier(out, stats: dict, cells):
-    """Validation loss against bytes per outer step (log), one panel per cell; torchft's a line with the
+    """Validation loss against the payload per outer step (log), one panel per cell; torchft's a line with the
     ±BOUND % band, each method a point (the mean over seeds), green where it holds, red where not."""
     plt = pyplot()
     keys = sorted({key for key, _ in stats})
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        mine = {n: p for (k, n), p in stats.items() if k == key and "+heal=" not in n}
+        # torchft and each method against it (not a heal's row, nor a two-stage method's against its twin)
+        mine = {n: p for (k, n), p in stats.items() if k == key and "+heal=" not in n and " vs " not in n}
         reference = mine.get("torchft")
         for name, p in sorted(mine.items(), key=lambda item: item[1]["bytes_ratio"]):
             if name == "torchft":
@@ -68,7 +70,7 @@ def plot_frontier(out, stats: dict, cells):
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the decades alone: minor labels overlap
         ax.set_title(key, fontsize=8)
-        ax.set_xlabel("bytes per outer step vs torchft", fontsize=7)
+        ax.set_xlabel("payload per outer step vs torchft", fontsize=7)
         ax.tick_params(which="both", labelsize=6)
     axes[0][0].set_ylabel("validation loss (mean of seeds)", fontsize=7)
     axes[0][0].legend(fontsize=6)

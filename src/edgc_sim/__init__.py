@@ -27,4 +27,6 @@ Modules:
     calibrate_bench.py     the fit against `edgc bench` folders, per (run, rank)
     calibrate_pipeline.py  the fit of the inter-stage model against a TP × PP bench
     calibration_tables.py  the calibrations as markdown tables
+    diloco.py              DiLoCo at many replica groups: outer step, utilisation, failures, per collective kind
+    diloco_report.py       its tables (`--diloco`) and its fit to the bench's scaling runs (`--diloco-bench`)
 """

@@ -102,6 +102,17 @@ def register(subparsers) -> None:
         help="measure the CPU in this many processes at once (default: 1 with --measure-host; with "
         "--calibrate of bench runs, their world size: all ranks share this CPU)",
     )
+    p.add_argument(
+        "--diloco",
+        action="store_true",
+        help="DiLoCo at internet scale (8-1,024 replica groups, 1B-70B, 100 Mbit/s-10 Gbit/s links): "
+        "outer step, utilisation, time to 1e12 tokens, crossovers (edgc_sim.diloco)",
+    )
+    p.add_argument(
+        "--diloco-bench",
+        metavar="DIR",
+        help="with --diloco: also fit the link to `edgc bench --diloco --scaling` in DIR and compare",
+    )
     p.set_defaults(func=run)
 
 
@@ -111,6 +122,8 @@ def run(args) -> int:
     try:
         if args.measure_host:
             return _measure(args)
+        if args.diloco or args.diloco_bench:
+            return _diloco(args)
         if args.calibrate:
             return _calibrate(args)
         return _project(args)
@@ -168,6 +181,20 @@ def _project(args) -> int:
         path = Path(args.out_dir) / f"simulate_{preset.name}.json"
         path.write_text(json.dumps(_as_json(preset.name, cluster.name, r_max, results), indent=2))
         print(f"results: {path}")
+    return 0
+
+
+def _diloco(args) -> int:
+    from .diloco import Site
+    from .diloco_report import markdown
+
+    bench = None
+    if args.diloco_bench:
+        path = Path(args.diloco_bench) / "results.json"
+        if not path.is_file():
+            raise ValueError(f"--diloco-bench: {path} not found (written by edgc bench --diloco --scaling)")
+        bench = json.loads(path.read_text())
+    print(markdown(Site(), bench))
     return 0
 
 

@@ -28,6 +28,7 @@ def write_run(
     hosts: int = 3,
     skip=(),
     kill=None,
+    wire: int | None = None,
 ) -> None:
     """Logs as diloco_train.py writes them: a sync every ``unit`` inner steps; group 0 evaluates every
     sync. ``skip``: (group, outer) pairs a group sat out; ``kill``: (time, outer) when group 1 died, the
@@ -77,6 +78,7 @@ def write_run(
                     "participating": (group, outer) not in skip,
                     "healed": healed,
                     "bytes": payload,
+                    "wire": 2 * payload if wire is None else wire,
                     "rank": 16,
                 }
                 outer += 1
@@ -136,6 +138,35 @@ def summary(tmp_path: Path, edgc_loss=0.0, edgc_sync=1.0, edgc_payload=1000) -> 
     }
 
 
+def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat(tmp_path):
+    from edgc_bench.diloco_scaling import markdown
+
+    rows, raw = [], 4_000_000
+    for hosts in (3, 6, 12):
+        ring = 2 * (hosts - 1) / hosts * raw
+        for sync, wire in (("diloco", ring), ("quant3", 0.098 * 2 * (hosts - 1) * raw), ("quant3-2s", 0.098 * ring)):
+            run_dir = tmp_path / f"{hosts}-{sync}"
+            write_run(run_dir, 5, hosts=hosts, payload=raw if sync == "diloco" else int(0.098 * raw), wire=int(wire))
+            rows.append({**diloco_table.measure(run_dir, hosts, 20, None), "hosts": hosts, "sync": sync})
+    assert rows[0]["wire_bytes"] == int(2 * 2 / 3 * raw) and rows[0]["outer_step_s"] == pytest.approx(4 * 0.5 + 1.0)
+    text = markdown(
+        {
+            "rows": rows,
+            "settings": BenchSettings(preset="tiny", steps=20).__dict__,
+            "options": {"sync_every": 5},
+            "command": "edgc bench --diloco --scaling 3,6,12",
+            "rate_mbit": 20.0,
+            "elapsed_s": 60.0,
+            "date": "2026-11-27 10:00 UTC",
+        }
+    )
+    assert "| 12 | 7.33 MB = 1.83× |" in text
+    assert "- ✗ quant3: wire ÷ torchft's 0.294 · 0.588 · 1.176" in text
+    assert (
+        "- ✓ quant3-2s: wire ÷ torchft's 0.098 · 0.098 · 0.098 at 3, 6, 12 groups (≤ 0.12 at each), spread 0.0%" in text
+    )
+
+
 def test_measures_from_the_logs(tmp_path):
     r = run_result(tmp_path, "diloco-edgc", 1, 5, skip={(2, 3)})
     assert r["outer_steps"] == 4 and r["steps_done"] == 20 and r["identical"] is True
@@ -165,7 +196,8 @@ def test_the_checks_fail_by_how_much(tmp_path):
     bench_md = diloco_table.markdown(summary(tmp_path, edgc_loss=0.1, edgc_sync=9.0, edgc_payload=5000))
     failed = [line for line in bench_md.splitlines() if line.startswith("- ✗")]
     assert any("loss at equal tokens" in line and "+1.67%" in line for line in failed), failed
-    assert any("= 1/4.0 (≤ 1/10)" in line for line in failed), failed
+    assert any("payload per outer step" in line and "= 0.250 (≤ 0.1)" in line for line in failed), failed
+    assert any("wire per outer step" in line and "= 0.250 (≤ 0.12)" in line for line in failed), failed
     assert any("target 1.09 × sooner (≥ 2 ×)" in line for line in failed), failed
 
 
@@ -175,7 +207,9 @@ def test_the_table_goes_to_the_diloco_results_page(tmp_path, load_script):
     assert script.block_markers(table) == (script.DILOCO_START, script.DILOCO_END)
     page = (ROOT / "docs/results/diloco.md").read_text()
     updated = script.update(page, table, script.DILOCO_START, script.DILOCO_END)
-    assert updated.count("| DiLoCo + EDGC |") == 1 and "Kill pass at 20 Mbit/s" in updated
+    block = updated.split(script.DILOCO_START)[1].split(script.DILOCO_END)[0]  # the six-host block stays beside it
+    assert block.count("| DiLoCo + EDGC |") == 1 and "Kill pass at 20 Mbit/s" in block
+    assert updated.count(script.DILOCO_MORE_START) == page.count(script.DILOCO_MORE_START) == 1
 
 
 def test_the_committed_page_comes_from_a_run():
@@ -197,6 +231,9 @@ def test_the_committed_page_comes_from_a_run():
         (dict(rate="100"), "--rate: --diloco runs at every rate of --rates"),
         (dict(time_budget=0.0), "--time-budget: must be > 0"),
         (dict(outer_sync="int7"), "--outer-sync: edgc or a registered sync method"),
+        (dict(scaling_syncs="quant3,int7"), "--scaling-syncs: edgc or a registered sync method"),
+        (dict(scaling="3,x"), "--scaling: expected host counts"),
+        (dict(scaling="1,6"), "--scaling: every host count must be in 2..64"),
         (dict(outer_sync="sparse64-mom"), "--outer-sync: .*modifier 'mom'"),
         (dict(methods="diloco,diloco-edgc@int7"), "--methods: edgc or a registered sync method"),
         (dict(methods="diloco,ddp@quant3"), "--methods: each of"),
@@ -216,7 +253,9 @@ def test_bad_flags_get_one_line(tmp_path, flags, message):
             "kill_at": None,
             "time_budget": 150.0,
             "edgc": [],
-            "outer_sync": "quant3",
+            "outer_sync": "quant3-2s",
+            "scaling": None,
+            "scaling_syncs": "quant3,quant3-2s",
             **flags,
         }
     )
@@ -230,7 +269,15 @@ def test_methods_choose_the_runs_and_an_outer_sync_each(tmp_path):
 
     settings = BenchSettings(hosts=3, steps=60, preset="tiny")
     args = argparse.Namespace(
-        rates="20", sync_every=10, fragments=2, kill_at=0, time_budget=150.0, edgc=[], outer_sync="sparse64-mom0"
+        rates="20",
+        sync_every=10,
+        fragments=2,
+        kill_at=0,
+        time_budget=150.0,
+        edgc=[],
+        outer_sync="sparse64-mom0",
+        scaling=None,
+        scaling_syncs="quant3,quant3-2s",
     )
     options = diloco_options(settings, argparse.Namespace(**vars(args), methods="diloco,diloco-edgc@quant3"))
     assert options.methods == ("diloco", "diloco-edgc@quant3") and options.kill_at is None
@@ -317,11 +364,11 @@ def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, lo
     row = script.diloco_row(tmp_path / "root")
     assert row == (
         "| DiLoCo (H = 5), 3 hosts at 20 Mbit/s, GPT-2 `tiny` | time to target 0.25× of torchft's DiLoCo | "
-        "0.050× | +0.00% | [diloco](docs/results/diloco.md) |"
+        "0.050× on the wire (payload 0.050×) | +0.00% | [diloco](docs/results/diloco.md) |"
     )
     block = script.diloco_summary(tmp_path / "root")
     edgc = next(line for line in block.splitlines() if line.startswith("| 20 Mbit/s | DiLoCo + EDGC |"))
-    assert "| 12.0 s |" in edgc and "| 0.001 MB (0.050×) |" in edgc and "(+0.00%)" in edgc
+    assert "| 12.0 s |" in edgc and "| 0.001 MB (0.050×) | 0.002 MB (0.050×) |" in edgc and "(+0.00%)" in edgc
     prose = " ".join(block.split())
     assert "Kill pass at 20 Mbit/s" in prose and "outer steps discarded 1, the survivors went on after 1.5 s" in prose
 

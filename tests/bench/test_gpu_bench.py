@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 
 from distributed_harness import run_distributed  # noqa: E402
 
+from edgc.integrations.diloco import DEFAULT_OUTER_SYNC  # noqa: E402
 from edgc_bench import gpu  # noqa: E402
 
 
@@ -99,7 +100,7 @@ def test_the_outer_step_is_measured_for_the_default_and_the_cast(tmp_path):
     assert gpu.main(["--smoke", "--parts", "outer", "--out", str(tmp_path)], runner=in_the_pool) == 0
     outer = json.loads((tmp_path / "outer.json").read_text())
     assert outer["errors"] == []
-    assert [(row["model"], row["method"]) for row in outer["rows"]] == [("tiny", "quant3"), ("tiny", "bf16")]
+    assert [(row["model"], row["method"]) for row in outer["rows"]] == [("tiny", DEFAULT_OUTER_SYNC), ("tiny", "bf16")]
     assert all(len(row["outer_step_s_all"]) == 2 and row["inner_step_s"] > 0 for row in outer["rows"])
 
 

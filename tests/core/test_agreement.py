@@ -86,6 +86,12 @@ METHOD_ALTERNATIVES = {
         "groups": (3, 4),
         "error_feedback": (False, True),
     },
+    "TwoStageQuantState": {
+        "bits": (4, 5),
+        "block": (128, 64),
+        "bucket_values": (1 << 12, 1 << 13),
+        "error_feedback": (False, True),
+    },
 }
 
 

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
+from edgc.integrations.diloco import DiLoCo
 from edgc_bench.stream_check import StreamChecker
 
 # r_max profiled (ranks 8, 4, 2 and the plain sync), then adaptive ranks on an fp16 wire.
@@ -169,4 +170,47 @@ def test_state_loaded_between_steps_stays_alive_until_the_jobs_stream_is_done_wi
     reach the device without a host wait (`edgc.timing.to_device`)."""
     for result in run_distributed(loaded_state_worker, 2, 6, 10, timeout=600):
         assert result["phase"] == "compress"
+        check(result)
+
+
+def two_stage_worker(rank, world_size, outer_steps):
+    """DiLoCo's two-stage outer sync (4 buckets a sync), Streaming DiLoCo's two fragments, each sync
+    started 2 inner steps early; every third outer step rolled back (as torchft's verdict would)."""
+    with StreamChecker() as checker:
+        with checker.device():
+            torch.manual_seed(0)
+            model = TinyTransformer(vocab=64, width=32, layers=1, heads=2)
+            ends = nn.ModuleDict({"embed": model.embed, "head": model.head})
+            ends.register_parameter("position", model.position)
+            inner = torch.optim.Adam(model.parameters(), lr=3e-3)
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
+            diloco = DiLoCo(
+                None, [ends, model.blocks], inner, outer, sync_every=8, fragment_sync_delay=2, sync_method="quant3-2s"
+            )
+        diloco.state.bucket_values = 4096
+        diloco.state.defer_commit = True
+        verdicts = iter([True, True, False] * outer_steps)
+
+        def should_commit():
+            committed = next(verdicts)
+            diloco.state.commit_step() if committed else diloco.state.rollback_step("a test")
+            return committed
+
+        diloco._should_commit = should_commit
+        committed = []
+        with diloco:
+            for step in range(outer_steps * 4):
+                loss_fn(model, *batch(rank, step, vocab=64)).backward()
+                inner.step()
+                inner.zero_grad()
+                if diloco._local_step == 0:
+                    committed.append(diloco.last_outer_step["committed"])
+    return findings(checker, committed=committed)
+
+
+def test_the_two_stage_outer_sync_and_its_rollback_race_nothing():
+    """Its buckets' collectives, the owner's reduction and a rollback's read of the kept messages on
+    the caller's stream: no race, no host synchronisation."""
+    for result in run_distributed(two_stage_worker, 2, 4, timeout=600):
+        assert False in result["committed"] and True in result["committed"]
         check(result)

@@ -25,6 +25,7 @@ def test_method_names_parse_into_arms():
         "decay": 0.5,
         "heal_policy": "peer",
     }
+    assert method_arm("quant3-2s") == {"method": "edgc", "rank": None, "sync": "quant3-2s"}
     # any registered sync method; the outer optimizer per arm (SparseLoCo's: no momentum, lr 1)
     assert method_arm("sparse64-decay0.95-mom0-lr1") == {
         "method": "edgc",
@@ -34,9 +35,23 @@ def test_method_names_parse_into_arms():
         "outer_momentum": 0.0,
         "outer_lr": 1.0,
     }
-    for bad in ("quant9", "torchft-noef", "rank", "sparse64-x1", "rank8-noef-decay0.5"):
+    for bad in ("quant9", "torchft-noef", "rank", "quant3-3s", "sparse64-x1", "rank8-noef-decay0.5"):
         with pytest.raises(ValueError):
             method_arm(bad)
+
+
+def test_a_two_stage_method_is_paired_with_torchft_and_with_its_one_stage_twin():
+    from edgc_experiments.diloco import _pairs
+
+    cell = {"torchft": {}, "quant3": {}, "quant3-2s": {}, "quant3-2s+heal=zero": {}}
+    assert _pairs(dict.fromkeys(cell), cell) == [
+        ("torchft", "torchft"),
+        ("quant3", "torchft"),
+        ("quant3-2s", "torchft"),
+        ("quant3-2s", "quant3"),
+        ("quant3-2s+heal=zero", "quant3-2s"),
+    ]
+    assert _pairs({"quant3-2s": {}}, {"torchft": {}, "quant3-2s": {}}) == [("quant3-2s", "torchft")]
 
 
 @pytest.fixture(scope="module")
@@ -106,21 +121,22 @@ def test_runs_are_reused_per_seed_at_the_same_outer_steps(tmp_path):
 
 
 def test_equal_bytes_holds_a_method_against_torchft_and_the_default_only_where_it_sent_no_more():
+    from edgc.integrations.diloco import DEFAULT_OUTER_SYNC as default
     from edgc_experiments.diloco import _equal_bytes
 
     def runs(loss, sent):
         return {str(s): {"val_loss": loss + s / 100, "bytes": sent, "outer": []} for s in (1, 2)}
 
-    fast = {"torchft": runs(2.0, 100), "quant3": runs(2.0, 10), "sparse64": runs(2.1, 1)}
-    slow = {"torchft": runs(2.2, 30), "quant3": runs(2.2, 3), "sparse64": runs(2.3, 0.3)}
+    fast = {"torchft": runs(2.0, 100), default: runs(2.0, 10), "sparse64": runs(2.1, 1)}
+    slow = {"torchft": runs(2.2, 30), default: runs(2.2, 3), "sparse64": runs(2.3, 0.3)}
     cells = [("cnn", "adamw", h, dict.fromkeys(fast)) for h in (3, 10)]
     rows = _equal_bytes(cells, {"cnn/adamw/H3": fast, "cnn/adamw/H10": slow}, [1, 2], [3, 10])
     held = {(row[2], row[3]): row[4] for row in rows}
-    # torchft at H3 sends more than torchft at H10: no row; quant3 at H3 sends more than quant3 at H10: none
+    # torchft at H3 sends more than torchft at H10: no row; the default at H3 sends more than at H10: none
     assert held == {
-        ("quant3 H3", "torchft H10"): "0.333",
+        (f"{default} H3", "torchft H10"): "0.333",
         ("sparse64 H3", "torchft H10"): "0.033",
-        ("sparse64 H3", "quant3 H10"): "0.333",
+        ("sparse64 H3", f"{default} H10"): "0.333",
     }
 
 

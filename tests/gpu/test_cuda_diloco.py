@@ -97,7 +97,7 @@ def diloco_resume_worker(rank, world_size, backend):
 
 
 def test_diloco_default_outer_sync_resumes_exactly_on_the_device():
-    assert DEFAULT_OUTER_SYNC == "quant3"  # the method this test is about; update the docstring if it moves
+    assert DEFAULT_OUTER_SYNC == "quant3-2s"  # the method this test is about; update the docstring if it moves
     backend, world_size = ("nccl", 1) if CUDA else ("gloo", 2)
     results = _run(diloco_resume_worker, world_size, backend)
     for result in results:

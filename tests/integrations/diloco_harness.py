@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,8 @@ def train_replica(
             sync_method=options.get("sync"),
             error_feedback_decay=options.get("decay", 1.0),
         )
+        if "bucket" in options:  # a two-stage sync of several buckets
+            diloco.state.bucket_values = options["bucket"]
         return _train(replica, manager, pg, module, inner, diloco, outer_steps * len(fragments), faults, report, heals)
     finally:
         manager.shutdown(wait=False)
@@ -122,6 +125,8 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
     state._reduce = recording_reduce
     attempt = report.setdefault("attempts", {}).setdefault(replica, [0])
     attempt[0] += 1
+    if attempt[0] > 1:  # a killed group is up again, its manager heartbeating
+        report["restarted"] = report.get("restarted", 0) + 1
     lines = report.setdefault("steps", {}).setdefault(replica, [])
     retries: dict[int, int] = {}
     base_lr, inner_steps = inner.param_groups[0]["lr"], outer_steps * diloco._sync_every
@@ -137,7 +142,13 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
             performs = diloco._local_step == diloco._sync_every - 1  # … this one takes the outer step
             if prepares:
                 outer_step = manager.current_step()
-                pg.die_next = faults.take("kill", replica, outer_step)
+                if outer_step == faults.wait_for_restart_at:  # the survivors let the killed group catch up
+                    deadline = time.monotonic() + 60
+                    while report.get("restarted", 0) < report["kills"] and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                pg.die_next = (
+                    2 if faults.take("kill_mid", replica, outer_step) else faults.take("kill", replica, outer_step)
+                )
                 pg.fail_next = faults.take("failed_allreduce", replica, outer_step)
                 error_before = {n: e.clone() for n, e in error_table(state).items()}
                 heals_before = len(heals)
@@ -192,12 +203,18 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
 
 
 def check_conserved(diloco, error_before: dict, sent: dict) -> tuple[int, int]:
-    """After a discarded outer step: e = e_before + Δ for every compressed matrix, and the raw Δ
+    """After a discarded outer step: e = e_before + Δ for every compressed matrix (for every tensor of a
+    state that keeps its input on a rollback, to the rounding of e − sent + sent), and the raw Δ
     carried; how many tensors were checked each way."""
     ranks = diloco.state.last_step_metrics["ranks"]
     compressed = 0
     for name, delta in sent.items():
-        if ranks.get(name):
+        if diloco.state.rollback_keeps_input:
+            expected = error_before.get(name, torch.zeros_like(delta)) + delta
+            assert torch.allclose(diloco.state.error[name], expected, rtol=0, atol=1e-12), f"M of {name} lost"
+            assert name not in diloco._carry
+            compressed += 1
+        elif ranks.get(name):
             matrix = delta.reshape(delta.shape[0], -1)
             expected = error_before.get(name, torch.zeros_like(matrix)) + matrix
             assert torch.equal(diloco.state.compressor.error[name], expected), f"error feedback of {name} lost"

@@ -78,16 +78,22 @@ class Discarding(DiLoCo):
         self.checked.append((len(compressed), len(fragment.names) - len(compressed)))
 
 
-def build(fragments: int, delay: int, discard=(), seed: int = 0, iterations: int = 1):
+def training(fragments: int, seed: int, dtype=torch.float64) -> tuple:
+    """(model, inner Adam, outer Nesterov SGD, fragments): one, or the embeddings with the head and the blocks."""
     torch.manual_seed(seed)
-    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2).double()
+    model = TinyTransformer(vocab=64, width=32, layers=1, heads=2).to(dtype)
     inner = torch.optim.Adam(model.parameters(), lr=3e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
     parts = [model]
-    if fragments == 2:  # the embeddings with the head, and the blocks
+    if fragments == 2:
         ends = torch.nn.ModuleDict({"embed": model.embed, "head": model.head})
         ends.register_parameter("position", model.position)
         parts = [ends, model.blocks]
+    return model, inner, outer, parts
+
+
+def build(fragments: int, delay: int, discard=(), seed: int = 0, iterations: int = 1):
+    model, inner, outer, parts = training(fragments, seed)
     config = EDGCConfig(total_steps=OUTER_STEPS * fragments, **CONFIG)
     diloco = Discarding(
         None,
@@ -109,16 +115,7 @@ def train(rank, inner_steps, fragments=1, delay=0, discard=(), resume_at=None, i
     diloco.__enter__()
     for step in range(inner_steps):
         if step == resume_at:
-            saved = io.BytesIO()
-            torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, saved)
-            diloco.__exit__(None, None, None)
-            model, inner, diloco = build(fragments, delay, discard, seed=1)
-            saved.seek(0)
-            state = torch.load(saved, weights_only=False)
-            model.load_state_dict(state["model"])
-            inner.load_state_dict(state["inner"])
-            diloco.load_state_dict(state["diloco"])
-            diloco.__enter__()
+            model, inner, diloco = reloaded((model, inner, diloco), build(fragments, delay, discard, seed=1))
         loss_fn(model, *batch(rank, step, vocab=64)).backward()
         inner.step()
         inner.zero_grad()
@@ -133,6 +130,23 @@ def train(rank, inner_steps, fragments=1, delay=0, discard=(), resume_at=None, i
         "bytes": dict(diloco.state.totals),
         "records": diloco.records,
     }
+
+
+def reloaded(running: tuple, rebuilt: tuple) -> tuple:
+    """(model, inner optimizer, DiLoCo) ``rebuilt`` (from another seed) with everything of ``running``
+    saved and loaded, as a resumed run does; ``running`` leaves its context, ``rebuilt`` enters it."""
+    model, inner, diloco = running
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, saved)
+    diloco.__exit__(None, None, None)
+    model, inner, diloco = rebuilt
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)
+    model.load_state_dict(state["model"])
+    inner.load_state_dict(state["inner"])
+    diloco.load_state_dict(state["diloco"])
+    diloco.__enter__()
+    return model, inner, diloco
 
 
 def worker(rank, world_size):

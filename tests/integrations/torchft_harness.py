@@ -93,10 +93,13 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
 @dataclass
 class Faults:
     kill: set = field(default_factory=set)  # (replica, step): the group dies in the step's first collective
+    kill_mid: set = field(default_factory=set)  # … in its second all-to-all (a two-stage sync of ≥ 2 buckets)
     kill_inner: set = field(default_factory=set)  # (replica, outer step): dies in its inner steps (DiLoCo)
     failed_allreduce: set = field(default_factory=set)
     nan: set = field(default_factory=set)
     stall: set = field(default_factory=set)  # the group's step lasts at least TIMEOUT, late for the next quorum
+    restart_delay_s: float = 0.0  # a killed group starts again this much later (its peers go on without it)
+    wait_for_restart_at: int | None = None  # DiLoCo: at this outer step the others wait until it is up again
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, kind: str, replica: int, step: int) -> bool:
@@ -110,21 +113,39 @@ class Faults:
 
 class FailingProcessGroup(ProcessGroupGloo):
     """torchft's gloo process group whose next all-reduce fails on this replica once ``fail_next`` is
-    set, or which dies (its connections closed under the peers) at its next all-reduce once ``die_next`` is."""
+    set, or which dies (its connections closed under the peers) at its next all-reduce once ``die_next`` is.
+    The two-stage sync's collectives (all-to-all, all-gather) count too: ``die_next`` set to k > 1
+    dies at the k-th all-to-all, in the middle of a sync of several buckets."""
 
-    fail_next = die_next = dead = False
+    fail_next = dead = False
+    die_next: bool | int = False
 
-    def allreduce(self, tensors, opts):
-        if self.die_next:
+    def _die(self, all_to_all: bool = False) -> None:
+        if self.die_next is True or (all_to_all and self.die_next == 1):
             self.die_next, self.dead = False, True
             self.abort()
             raise RuntimeError("injected kill: this replica group is gone")
-        work = super().allreduce(tensors, opts)
+        if all_to_all and self.die_next:
+            self.die_next -= 1
+
+    def _failing(self, work):
         if not self.fail_next:
             return work
         self.fail_next = False
-        work.wait()  # the peers got their sum: only this replica sees the error
-        raise RuntimeError("injected all-reduce failure")
+        work.wait()  # the peers got their result: only this replica sees the error
+        raise RuntimeError("injected collective failure")
+
+    def allreduce(self, tensors, opts):
+        self._die()
+        return self._failing(super().allreduce(tensors, opts))
+
+    def alltoall_base(self, out, tensor, out_sizes, in_sizes, opts):
+        self._die(all_to_all=True)
+        return self._failing(super().alltoall_base(out, tensor, out_sizes, in_sizes, opts))
+
+    def allgather_into_tensor_coalesced(self, outs, tensors, opts):
+        self._die()
+        return self._failing(super().allgather_into_tensor_coalesced(outs, tensors, opts))
 
 
 def train_replica(
@@ -320,6 +341,7 @@ def run_groups(
                 )
             except InjectedKill:
                 report["kills"] += 1
+                time.sleep(faults.restart_delay_s)
         raise RuntimeError(f"replica {replica} ran out of attempts")
 
     try:

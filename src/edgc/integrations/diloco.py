@@ -56,11 +56,13 @@ from ..sync_methods import sync_method, sync_method_names
 from ..timing import host_reads_allowed, state_to_host
 
 STATE_FORMAT = "edgc-diloco/1"
-# The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (0.098× the
-# bytes). Across the model families of `edgc experiment diloco` it ended within the interval of
-# torchft's uncompressed DiLoCo where EDGC's PowerSGD at rank 8 did not, nor did the sparse syncs at
-# 0.02× the bytes or fewer (docs/guides/slow-links.md): the default stays where it holds.
-DEFAULT_OUTER_SYNC = "quant3"
+# The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (a payload of
+# 0.098× the raw bytes) through the two-stage all-reduce (`edgc.two_stage`), whose wire stays that
+# share of torchft's as the replica groups grow. Across the model families of `edgc experiment
+# diloco` the 3-bit codes ended within the interval of torchft's uncompressed DiLoCo where EDGC's
+# PowerSGD at rank 8 did not, nor did the sparse syncs at 0.02× the bytes or fewer, and the two-stage
+# sync where the one-stage one did (docs/guides/slow-links.md).
+DEFAULT_OUTER_SYNC = "quant3-2s"
 
 
 class _Fragment:
@@ -267,7 +269,10 @@ class DiLoCo:
         fragment.copied()
         fragment.deltas = deltas
         decay_error_feedback(self.state, self._decay)
-        fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit else []
+        # A state that leaves the whole M in its error feedback on a rollback (`edgc.two_stage`) needs
+        # no copy of Δ to carry: 4 bytes a parameter fewer while the verdict is out.
+        keeps = self.state.rollback_keeps_input
+        fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit and not keeps else []
         self._syncing = fragment
         self.state.reduce_tensors(fragment.names, fragment.deltas, last=False, blocking=False)
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllreduceOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from ..comm import Communicator
 from ..reducer import GradientReducer
@@ -25,17 +25,24 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 
 class _Watched:
-    """A work whose wait never raises (a failure is the manager's to report) and tells the
-    communicator when it failed."""
+    """A work whose wait never raises and tells the communicator when it failed; a failure the
+    manager has not heard of (a work issued on its process group directly) is reported to it."""
 
-    def __init__(self, work, communicator: ManagedCommunicator):
-        self._work, self._communicator = work, communicator
+    def __init__(self, work, communicator: ManagedCommunicator, timeout: timedelta | None = None):
+        self._work, self._communicator, self._timeout = work, communicator, timeout
 
     def wait(self) -> bool:
         try:
-            done = self._work.wait() is not False if self._work is not None else True
-        except Exception:  # noqa: BLE001 - only reached by the direct process-group path below
+            if self._work is None:
+                done = True
+            elif self._timeout is not None:
+                done = self._work.wait(self._timeout) is not False
+            else:
+                done = self._work.wait() is not False
+        except Exception as error:  # noqa: BLE001 - a direct process-group work: a peer died, a timeout
             done = False
+            if self._communicator.manager.errored() is None:
+                self._communicator.manager.report_error(error)
         if not done:
             self._communicator.collective_failed = True
         return done
@@ -59,6 +66,7 @@ class ManagedCommunicator(Communicator):
         self.manager = manager
         self.world_size, self.rank, self.root = 1, 0, 0
         self.collective_failed = False
+        self._place = (0, 1)  # (rank, size) in the quorum's process group
         self.refresh()
 
     @property
@@ -73,6 +81,16 @@ class ManagedCommunicator(Communicator):
         self.world_size = max(1, self.manager.num_participants())
         rank = self.manager.participating_rank()
         self.rank = -1 if rank is None else rank  # a spare never proposes a decision
+        self._place = _group_place(self.manager, self.rank, self.world_size)
+
+    @property
+    def group_size(self) -> int:
+        """Members of the quorum's process group, spares included (1 in a quorum of one participant)."""
+        return self._place[1] if self.issues else 1
+
+    @property
+    def group_rank(self) -> int:
+        return self._place[0] if self.issues else 0
 
     @property
     def step_failed(self) -> bool:
@@ -107,6 +125,29 @@ class ManagedCommunicator(Communicator):
             self.collective_failed = True
             return _Watched(None, self)
 
+    # torchft's manager offers only all-reduce; its process group runs all-to-all and all-gather
+    # on gloo and NCCL alike, so the two-stage sync (`edgc.two_stage`) issues them there directly,
+    # under the manager's timeout, and reports a failure to the manager itself (`_Watched`).
+    def _direct(self, start):
+        if self.collective_failed:
+            return _Watched(None, self)  # the step is lost and the group is suspect: issue nothing more
+        try:
+            return _Watched(start(self.manager._pg), self, self.manager._timeout)
+        except Exception as error:  # noqa: BLE001 - reported: the step is not committed
+            self.manager.report_error(error)
+            self.collective_failed = True
+            return _Watched(None, self)
+
+    def _all_to_all_work(self, out: torch.Tensor, tensor: torch.Tensor):
+        options = AllToAllOptions()
+        options.timeout = self.manager._timeout
+        return self._direct(lambda pg: pg.alltoall_base(out, tensor, [], [], options))
+
+    def _all_gather_into_work(self, out: torch.Tensor, tensor: torch.Tensor):
+        options = AllgatherOptions()
+        options.timeout = self.manager._timeout
+        return self._direct(lambda pg: pg.allgather_into_tensor_coalesced([out], [tensor], options))
+
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """The quorum's rank 0's ``tensor`` on every replica: an all-reduce (sum) that only it feeds."""
         if self.world_size == 1:
@@ -134,6 +175,16 @@ class ManagedCommunicator(Communicator):
         self, out: list[torch.Tensor], tensor: torch.Tensor
     ):  # pragma: no cover - all_gather is overridden
         raise NotImplementedError
+
+
+def _group_place(manager: Manager, rank: int, participants: int) -> tuple[int, int]:
+    """(rank, size) of this replica in the quorum's process group: the members a two-stage sync's
+    chunks are owned by (spares included); a process group that does not say: the participants."""
+    try:
+        parent = manager._pg.parent
+        return parent.rank(), parent.size()
+    except (AttributeError, AssertionError):
+        return max(rank, 0), participants
 
 
 class ManagedSteps:

@@ -1,0 +1,71 @@
+"""Copy DiLoCo's many-groups figures into the slow-links guide, each from the output that made it.
+
+    python scripts/diloco_scale_to_docs.py --scaling runs/scale/scaling.md \\
+        --memory runs/mem/outer_memory.json --sim runs/scale
+
+Blocks (scripts/doc_blocks.py finds their page): ``bench-diloco-scaling`` from the scaling.md that
+`edgc bench --diloco --scaling` wrote; ``outer-memory`` from the JSON of `python -m
+edgc_bench.outer_memory`; the ``sim-diloco-*`` blocks from `edgc simulate --diloco --diloco-bench DIR`,
+run here on that bench folder. Nothing is typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import ROOT, markers, write  # noqa: E402
+
+SIM_BLOCKS = ("sim-diloco-internet", "sim-diloco-crossover", "sim-diloco-groups", "sim-diloco-calibration")
+
+
+def between(text: str, name: str) -> str:
+    start, end = markers(name)
+    if start not in text or end not in text:
+        raise SystemExit(f"the output has no {start} … {end} block")
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+def memory_table(result: dict) -> str:
+    """Bytes a parameter one outer step allocates, per path, method and model size."""
+    sizes = sorted({r["params"] for r in result["rows"]})
+    head = "| path | sync method | " + " | ".join(f"2^{s.bit_length() - 1}: resident · live" for s in sizes) + " |"
+    lines = [f"`{result['command']}` ({result['elapsed_s'] / 60:.0f} min), bytes a parameter:", "", head]
+    lines.append("|---|---|" + "---:|" * len(sizes))
+    for path, method in dict.fromkeys((r["path"], r["method"]) for r in result["rows"]):
+        cells = []
+        for size in sizes:
+            row = next(
+                (r for r in result["rows"] if (r["path"], r["method"], r["params"]) == (path, method, size)), None
+            )
+            cells.append(
+                "–" if row is None else f"{row['rss_bytes_per_param']:.1f} · {row['live_bytes_per_param']:.1f}"
+            )
+        lines.append(f"| {path} | `{method}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scaling", help="scaling.md of `edgc bench --diloco --scaling`")
+    p.add_argument("--memory", help="the JSON of `python -m edgc_bench.outer_memory --out`")
+    p.add_argument("--sim", metavar="BENCH_DIR", help="run `edgc simulate --diloco --diloco-bench BENCH_DIR`")
+    args = p.parse_args()
+    if args.scaling:
+        text = Path(args.scaling).read_text()
+        print(write("bench-diloco-scaling", between(text, "bench-diloco-scaling")))
+    if args.memory:
+        print(write("outer-memory", memory_table(json.loads(Path(args.memory).read_text()))))
+    if args.sim:
+        command = [sys.executable, "-m", "edgc_cli.main", "simulate", "--diloco", "--diloco-bench", args.sim]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+        for name in SIM_BLOCKS:
+            print(write(name, between(done.stdout, name)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`edgc bench --diloco --scaling 3,6,12`: the wire of one process per outer step, and the outer step's
+time, at each number of replica groups (one per emulated host), for torchft's DiLoCo and each outer
+sync of ``--scaling-syncs`` (the evaluation's: today's one-stage ``quant3``, the two-stage
+``quant3-2s``).
+
+One network per host count at the slowest of ``--rates``; each method runs once (``--steps`` inner
+steps, an outer step every ``--sync-every``; no kill). The wire is counted from the sockets: each
+worker logs the bytes its process wrote during every sync step (``wire``: the kernel's ``wchar`` of
+the process, gloo's traffic whatever edgc's counters say; diloco_train.py), and the table gives the
+mean over groups and committed outer steps, against the raw pseudo-gradient (4 bytes a parameter).
+A ring all-reduce writes 2 (N − 1)/N of its buffer per process, so torchft's column grows towards
+2×; the ratio to it is what stays flat or does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .diloco_table import measure
+from .netns import Network
+from .run import BenchSettings
+
+LABEL = {"diloco": "torchft's DiLoCo (ring all-reduce)"}
+
+
+def run_scaling(s: BenchSettings, o, out: Path, command: str, say=print) -> dict:
+    """Every host count of ``o.scaling``, torchft's DiLoCo and each of ``o.scaling_syncs``."""
+    from edgc_train.data import prepare_data
+
+    from .diloco_bench import run_method
+
+    out.mkdir(parents=True, exist_ok=True)
+    prepare_data(s.data, s.vocab_size, 0.1, s.max_chars, None, log=lambda *a, **k: None)
+    rate, started, rows = o.rates[-1], time.time(), []
+    for hosts in o.scaling:
+        settings = replace(s, hosts=hosts)
+        with Network(hosts, rate) as net:
+            for sync in ("diloco", *o.scaling_syncs):
+                method, options = ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
+                run_dir = out / f"{hosts}hosts" / sync
+                say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s: {sync}")
+                result = run_method(net, settings, options, method, run_dir)
+                result.update(measure(run_dir, hosts, settings.steps, None), load=os.getloadavg()[0])
+                result.update(hosts=hosts, sync=sync)
+                rows.append(result)
+                say(f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step")
+    summary = {
+        "settings": s.__dict__,
+        "options": o.__dict__,
+        "command": command,
+        "rate_mbit": rate,
+        "rows": rows,
+        "elapsed_s": time.time() - started,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "scaling.md").write_text(markdown(summary))
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    """The scaling table and its checks."""
+    rows = summary["rows"]
+    syncs = [r["sync"] for r in rows if r["hosts"] == rows[0]["hosts"]]
+    hosts = sorted({r["hosts"] for r in rows})
+    cell = {(r["hosts"], r["sync"]): r for r in rows}
+    raw = {h: cell[(h, "diloco")]["payload_bytes"] for h in hosts if (h, "diloco") in cell}
+    s = summary["settings"]
+    head = [
+        "<!-- bench-diloco-scaling:start -->",
+        f"`{summary['command']}`: {', '.join(map(str, hosts))} replica groups (one per emulated host) at "
+        f"{summary['rate_mbit']:g} Mbit/s per host link, preset {s['preset']}, {s['steps']} inner steps, an outer "
+        f"step every {summary['options']['sync_every']}; {summary['date']}, {summary['elapsed_s'] / 60:.0f} min. "
+        "Wire: the bytes each worker process wrote to its sockets per outer step (the kernel's count, mean over "
+        "groups and committed outer steps), × the raw pseudo-gradient (4 bytes a parameter); ÷: against "
+        "torchft's DiLoCo at the same groups. Outer step: its median time on group 0's training thread (its "
+        "inner steps and the sync), beside the compute floor (the median inner step without a sync).",
+        "",
+        "| groups | "
+        + " | ".join(f"{LABEL.get(x, x)}: wire" for x in syncs)
+        + " | outer step: "
+        + " / ".join(syncs)
+        + " |",
+        "|---:|" + "---:|" * len(syncs) + "---:|",
+    ]
+    lines = []
+    for h in hosts:
+        wire = [cell.get((h, x), {}).get("wire_bytes") for x in syncs]
+        parts = [_wire(w, raw.get(h), wire[0], x == "diloco") for w, x in zip(wire, syncs)]
+        times = " / ".join(_seconds(cell.get((h, x), {}).get("outer_step_s")) for x in syncs)
+        floor = cell.get((h, "diloco"), {}).get("floor_s")
+        lines.append(f"| {h} | " + " | ".join(parts) + f" | {times} (floor {_seconds(floor)}) |")
+    return "\n".join([*head, *lines, "", *checks(cell, hosts, syncs), "<!-- bench-diloco-scaling:end -->", ""])
+
+
+def _wire(wire: float | None, raw: float | None, reference: float | None, is_reference: bool) -> str:
+    if wire is None or not raw:
+        return "–"
+    text = f"{wire / 1e6:.2f} MB = {wire / raw:.2f}×"
+    return text if is_reference or not reference else f"{text} (÷ {wire / reference:.3f})"
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f} s"
+
+
+def checks(cell: dict, hosts: list[int], syncs: list[str]) -> list[str]:
+    """Per compressed outer sync: ≤ 0.12 × torchft's wire at every group count, and flat (max/min ≤ 1.1)."""
+    from .diloco_table import check
+
+    out = []
+    for sync in syncs[1:]:
+        ratios = [
+            cell[(h, sync)]["wire_bytes"] / cell[(h, "diloco")]["wire_bytes"]
+            for h in hosts
+            if cell.get((h, sync), {}).get("wire_bytes") and cell.get((h, "diloco"), {}).get("wire_bytes")
+        ]
+        if len(ratios) < len(hosts):
+            out.append(check(None, f"{sync}: a wire count is missing"))
+            continue
+        spread = max(ratios) / min(ratios) - 1
+        out.append(
+            check(
+                max(ratios) <= 0.12 and spread <= 0.10,
+                f"{sync}: wire ÷ torchft's {' · '.join(f'{r:.3f}' for r in ratios)} at {', '.join(map(str, hosts))} "
+                f"groups (≤ 0.12 at each), spread {spread:.1%} (≤ 10 %)",
+            )
+        )
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    folder = Path(sys.argv[1])
+    (folder / "scaling.md").write_text(markdown(json.loads((folder / "results.json").read_text())))
+    print(folder / "scaling.md")

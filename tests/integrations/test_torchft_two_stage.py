@@ -1,0 +1,59 @@
+"""DiLoCo's two-stage outer sync on torchft (`edgc.two_stage` through `edgc.integrations.torchft.DiLoCo`):
+3 groups on gloo in one process, the all-to-all and all-gather issued on the quorum's process group
+itself. A failed collective discards the outer step on every group with each M kept in the error
+feedback (checked on the spot), a group killed in the middle of the all-to-all of a sync of several
+buckets restarts and heals, and the replicas end bit-identical within 3 % of the failure-free loss."""
+
+import logging
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from .diloco_harness import run_replicas  # noqa: E402
+from .test_torchft_diloco import check_identical  # noqa: E402
+from .torchft_harness import Faults  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+STEPS, BUCKET = 12, 4096  # the toy model's 59,264 values: 15 buckets a sync
+
+
+def test_a_group_killed_in_the_all_to_all_heals_and_nothing_is_lost(caplog):
+    caplog.set_level(logging.INFO, logger="edgc")
+    free = run_replicas(STEPS, tolerated_failures=0, sync="quant3-2s", bucket=BUCKET)
+    assert "owner's error feedback" not in caplog.text  # one quorum throughout
+    check_identical(free)
+    assert "discarded" not in free and 0 < free["results"][0]["bytes_ratio"] < 0.05  # float64: 8 bytes a value raw
+    # the others go on as two from outer step 5 and wait at 9 until the killed group is up again
+    faults = Faults(failed_allreduce={(2, 2)}, kill_mid={(1, 5)}, restart_delay_s=5.0, wait_for_restart_at=9)
+    run = run_replicas(STEPS, faults, sync="quant3-2s", bucket=BUCKET)
+    check_identical(run)
+    assert run["kills"] == 1 and (2, 2) in run["discarded"] and run["results"][1]["heals"] >= 1
+    assert {step for _, step in run["discarded"]} <= {2, 5}  # only the outer steps in flight
+    conserved = {(replica, step): counts for replica, step, *counts in run["conserved"]}
+    assert conserved.keys() == set(run["discarded"]) and all(kept for kept, _ in conserved.values())
+    loss, expected = run["results"][0]["loss"], free["results"][0]["loss"]
+    assert abs(loss - expected) <= 0.03 * expected, (loss, expected)
+    # the quorum shrank and grew again: the chunks changed owners and their error feedback was dropped
+    # (the edgc logger speaks for group rank 0)
+    assert "is dropped: the group changed (3 members, rank 0 → 2, rank 0)" in caplog.text
+    assert "is dropped: the group changed (2 members, rank 0 → 3, rank 0)" in caplog.text
+
+
+def test_streaming_fragments_with_overlapped_two_stage_syncs_lose_nothing_to_a_failed_all_to_all():
+    """Two fragments taking turns, each sync started one inner step before its outer step; group 0's
+    all-to-all of fragment 1's sync fails on it alone: it issues nothing more, its peers' all-gather
+    times out, and no group commits that outer step."""
+    run = run_replicas(
+        8,
+        Faults(failed_allreduce={(0, 5)}),
+        tolerated_failures=0,
+        streaming=True,
+        delay=1,
+        sync="quant3-2s",
+        bucket=BUCKET,
+    )
+    check_identical(run, streaming=True)
+    assert (0, 5) in run["discarded"] and {step for _, step in run["discarded"]} == {5} and run["kills"] == 0
+    conserved = {(replica, step): counts for replica, step, *counts in run["conserved"]}
+    assert conserved.keys() == set(run["discarded"]) and all(kept for kept, _ in conserved.values())
