@@ -16,6 +16,7 @@ import math
 
 import torch
 
+
 def _bit_weights(device: torch.device) -> torch.Tensor:
     """1, 2, 4, … 128 as uint8 on ``device`` (the weight of each of a byte's eight codes' bit), made on
     the device on the caller's stream at each call: a tensor cached across calls would be made on one

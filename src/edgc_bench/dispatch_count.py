@@ -170,6 +170,14 @@ def counting_communicator(world_size: int = 1):
             self.issued.append(("all_gather", tensor.numel(), str(tensor.dtype)))
             return _CompletedWork()
 
+        def _all_to_all_work(self, out, tensor):
+            self.issued.append(("all_to_all", tensor.numel(), str(tensor.dtype)))
+            return _CompletedWork()
+
+        def _all_gather_into_work(self, out, tensor):
+            self.issued.append(("all_gather_into", tensor.numel(), str(tensor.dtype)))
+            return _CompletedWork()
+
     return CountingCommunicator()
 
 

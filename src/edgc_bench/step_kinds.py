@@ -90,7 +90,9 @@ def count_kind(kind: str, model: str = "xl", rank: int = 32) -> StepCount:
 
 def count_outer_sync(model: str = "xl") -> dict:
     """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter, after one
-    that made the error feedback: dispatches, bytes and memory beyond the pseudo-gradients, per parameter."""
+    that made the error feedback, as one of two replicas (a two-stage sync's owner keeps the error
+    feedback of its half of the chunks): dispatches, bytes and memory beyond the pseudo-gradients, per
+    parameter."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
@@ -105,7 +107,7 @@ def count_outer_sync(model: str = "xl") -> dict:
         names = [name for name, _ in named]
         with LiveStorages() as live:
             state = sync_method(DEFAULT_OUTER_SYNC).build(None, model=NamedParameters(list(zip(names, deltas))))
-            state.comm = counting_communicator()
+            state.comm = counting_communicator(2)  # two replicas: each owns half the chunks
             state.reduce_tensors(names, deltas, last=True)
             state.settle()
             live.reset_peak()
