@@ -81,9 +81,10 @@ RESTART_OPS_PER_Q_BLOCK = 1
 # and the cast to float32 (a zeros when there is no tensor).
 FLAG_OPS = 2
 FLAG_OPS_PER_TENSOR = 2
-# Measured error (every round(1/alpha) steps): Q's clone, ‖M‖² (dot, cast), <Aᵀ·P, Q> and ‖Q‖² (dot,
-# cast each), ‖M‖² − 2<·,·> + ‖Q‖² (mul, sub, add) and its clamp.
-MEASURE_ERROR_OPS = 11
+# Measured error (every round(1/alpha) steps): ‖M‖² and ‖e‖², each a zero and per shape group a norm over
+# its sampled rows, its cast to float64, its square and the scaled add (`edgc.lowrank._squares`).
+MEASURE_ERROR_OPS = 2
+MEASURE_ERROR_OPS_PER_GROUP = 8
 # The hook around the engine (edgc.reducer): per job the step's non-finite flag is or-ed with the
 # job's; per step the flag is cast to float64 and stacked with the error sums for the step's one
 # host read, sums that are filled on the device when the step did not measure them (Python zeros).
@@ -155,12 +156,19 @@ def flag_launches(tensors: int) -> int:
 
 
 def job_launches(
-    job: JobLayout, *, accelerator: bool, half_gradients: bool = False, world_size: int = 2, measure_error: bool = False
+    job: JobLayout,
+    *,
+    accelerator: bool,
+    half_gradients: bool = False,
+    world_size: int = 2,
+    measure_error: bool = False,
+    tracked: bool = False,
 ) -> int:
     """Kernel-launching dispatches of one steady `reduce_steps` job, in its order. ``accelerator``:
     the accelerator's orthonormalisation (batched CholeskyQR2, not Householder per block);
     ``half_gradients``: bf16 gradients with float32 error feedback (fp16 adds power-of-two
-    scalings, not counted); ``world_size`` > 1 divides before each all-reduce."""
+    scalings, not counted); ``world_size`` > 1 divides before each all-reduce; ``tracked``: within
+    a hook's step, whose end puts the stored Q back after a non-finite step (no select on the device)."""
     raw = job.raw_values > 0
     divides = world_size > 1
     matrices = len(job.matrices)
@@ -185,8 +193,9 @@ def job_launches(
     ops += matrices  # Ĝ matrix by matrix into the gradients
     # e: M − Ĝ matrix by matrix on a CPU with float32 gradients, else M − P·Qᵀ, one baddbmm per group
     ops += matrices if subtracts_estimate(not accelerator, not half_gradients) else job.groups
-    ops += 1  # the kept Q's where
-    return ops + (MEASURE_ERROR_OPS if measure_error else 0)
+    ops += not tracked  # the kept Q's where, outside a tracked step
+    measured = MEASURE_ERROR_OPS + MEASURE_ERROR_OPS_PER_GROUP * job.groups
+    return ops + (measured if measure_error else 0)
 
 
 def engine_jobs(
@@ -235,6 +244,7 @@ def step_launches(
                 half_gradients=half_gradients,
                 world_size=world_size,
                 measure_error=measure_error,
+                tracked=True,
             )
             for job in jobs
         )
@@ -313,7 +323,12 @@ def job_cost(
         )
         seconds += (orth_flops(r, m, householder=householder) + orth_flops(r, n, householder=householder)) / orth_rate
     launches = job_launches(
-        job, accelerator=rates.accelerator, half_gradients=half, world_size=world_size, measure_error=measure_error
+        job,
+        accelerator=rates.accelerator,
+        half_gradients=half,
+        world_size=world_size,
+        measure_error=measure_error,
+        tracked=True,
     )
     return EngineCost((launches + REDUCER_OPS_PER_JOB) * launch_s, seconds)
 

@@ -81,7 +81,7 @@ def test_inf_on_one_rank_reaches_every_optimizer_keeps_q_and_clears_residuals():
 def skewed_input_worker(rank, world_size, steps):
     model, ddp, state, optimizer, calls = build(ADAPTIVE)
     if rank == 1:  # a rank whose decision inputs are wildly different from rank 0's
-        state.sampler.estimate = lambda sample: 1000.0 - 37.0 * len(state.sampler.history)
+        state.sampler.estimate = lambda sample, bounds=None: 1000.0 - 37.0 * len(state.sampler.history)
     for step in range(steps):
         calls.append(0)
         tokens, targets = batch(rank, step)
