@@ -113,7 +113,7 @@ class EDGCConfig:
     gradient_sample_ratio: float = 0.25
     """β (GSR): fraction of gradient elements used (every round(1/β)-th element of each tensor). In (0, 1]."""
 
-    entropy_sample_cap: int | None = 1 << 24
+    entropy_sample_cap: int | None = 1 << 22
     """About the most gradient elements one sampled step's estimate reads: beyond it the β stride is
     thinned (elements, one more per tensor at most; ≥ entropy_bins; None = every β-th element)."""
 

@@ -9,9 +9,14 @@ random generator, is identical on every run and resume, and does not depend on h
 groups tensors into buckets. Non-finite values are dropped from the sample and counted.
 
 Where a rank decision reads the samples, the sample holds at most ``entropy_sample_cap`` elements
-(2²⁴ by default): on a GPU the histogram's integer index-add into a thousand bins is one atomic per
+(2²² by default): on a GPU the histogram's integer index-add into a thousand bins is one atomic per
 element, and at GPT-2 XL the whole β sample (~390M elements) made that one kernel most of a sampled
 step's device time, with the sample and its bin index held beside the engine's state (docs/gpu.md).
+The histogram reads and writes ~60 B per sampled element (gather, range, bin index, index-add): at
+2²² a sampled step at GPT-2 XL moves under 32 B per compressed element, as a static step does
+(docs/concepts/engine.md), where 2²⁴ added 0.6 B. A larger sample buys little: over the sample's own
+[min, max] the estimate's spread is set by the sample's extremes, and for a Gaussian or a
+heavy-tailed (Student-t, ν = 4) sample it is about the same at 2²² as at 2²⁴.
 Every sampled step of a run then reads a sample of the same size, so the estimates a decision
 compares stay comparable (a histogram over the sample's own [min, max] depends on its size).
 
