@@ -35,6 +35,7 @@ Modules:
     pipeline.py     `StageAligner`: DAC across pipeline stages, one `EDGCState` per stage
     interstage.py   low-rank activation gradients between pipeline stages, with error feedback
     fsdp.py         EDGC as FSDP2/HSDP's replica all-reduce (`register_fsdp_comm_hook`)
+    fsdp_adapter.py the one place that reads FSDP2's private state (its parameter groups, the hook's buffer)
     experts.py      mixture of experts: stacked experts synced over their expert-data-parallel group
     mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, ep, tp) every group comes from
     comm.py         collectives over one process group (or a mesh dimension)
@@ -53,6 +54,7 @@ Modules:
     streams.py      streams and stream-ordered memory, device-agnostic (torch.cpu's stand-ins off CUDA)
     finite.py       finiteness flags on the device that no sum can overflow
     detached.py     what an unpickled state holds in place of its `Communicator`
+    torch_adapter.py the one place that reads PyTorch's private members (version counters, views' bases)
     integrations/   glue for training stacks (Lightning)
 """
 

@@ -142,6 +142,10 @@ class _ErrorFeedbackReducer(GradientReducer):
         named = {"error_feedback": self.error_feedback, **{name: getattr(self, name) for name in self.ARGUMENTS}}
         return {**super().agreed_settings(device), **{f"{type(self).__name__}.{k}": v for k, v in named.items()}}
 
+    def error_table(self) -> dict[str, torch.Tensor]:
+        """`GradientReducer.error_table`: ``error``."""
+        return self.error
+
     def _on_device(self, device: torch.device) -> None:
         # The jobs' stream reads a loaded error feedback and replaces it (`edgc.timing.state_to_device`).
         self.error = state_to_device(self.error, device, self._jobs.stream)

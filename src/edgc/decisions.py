@@ -133,11 +133,20 @@ class DecisionRound:
         return decision
 
     # ------------------------------------------------------------------ uncommitted steps, checkpoints
-    def snapshot(self) -> list[float]:
-        return list(self.relative_errors)
+    # Its entry sits at the top level of the state's checkpoint and snapshot, where it always was.
+    def state_dict(self) -> dict:
+        """The relative errors measured since the last decision."""
+        return {"relative_errors": list(self.relative_errors)}
 
-    def restore(self, relative_errors: list[float]) -> None:
-        self.relative_errors = relative_errors
+    def load_state_dict(self, state: dict) -> None:
+        """A `state_dict()`'s entry (none in a state saved before it was kept: no error measured)."""
+        self.relative_errors = [float(e) for e in state.get("relative_errors", [])]
+
+    def snapshot(self) -> dict:
+        return self.state_dict()
+
+    def restore(self, snapshot: dict) -> None:
+        self.relative_errors = snapshot["relative_errors"]
 
 
 def probe_error(names: list[str], grads: list[torch.Tensor], rank: int, seed: int) -> torch.Tensor:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .steps import StepRecord
+
 
 class DetachedCommunicator:
     """Rank and world size of the pickled state (its ``state_dict()`` records them); anything else
@@ -33,13 +35,14 @@ class DetachedCommunicator:
         )
 
 
-def detached_state(reducer) -> dict:
-    """What a `GradientReducer` pickles: its data, with a `DetachedCommunicator` for its communicator
-    and none of its streams, events or parameter ids (its job queue and guard leave those out)."""
-    reducer._settle_local()  # its metrics and totals travel; the device values do not
-    state = dict(reducer.__dict__)
-    state["comm"] = DetachedCommunicator(type(reducer).__name__, reducer.comm.rank, reducer.comm.world_size)
-    state["_current"] = None
-    if reducer._last is not None:  # its metrics and pending snapshot travel, not its events
-        state["_last"] = dataclasses.replace(reducer._last, values=None, collectives=None, busy=[])
-    return state
+def detached_fields(fields: dict, state_name: str, comm, last: StepRecord | None) -> dict:
+    """What a gradient-sync state called ``state_name`` pickles: its ``fields`` (its ``__dict__``, its last
+    step settled locally), with a `DetachedCommunicator` in place of its ``comm``, no step in progress, and
+    ``last``, its last step, without the events and streams that tie it to this run: its metrics and
+    pending snapshot travel."""
+    return {
+        **fields,
+        "comm": DetachedCommunicator(state_name, comm.rank, comm.world_size),
+        "_current": None,
+        "_last": None if last is None else dataclasses.replace(last, values=None, collectives=None, busy=[]),
+    }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import streams
+from . import streams, torch_adapter
 from .config import LowRankConfig
 from .factors import matrix_shape, orthonormalize_blocks_, restart_dead_entries_, stable_seed
 from .layout import CallLayout
@@ -272,7 +272,7 @@ class EngineState:
 
     def _arena_in_place(self, call: CallState, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         names = call.layout.compressed_names
-        base = getattr(self.error.get(names[0]), "_base", None) if names else None
+        base = torch_adapter.view_base(self.error.get(names[0])) if names else None
         if (
             base is None
             or base.dim() != 1
@@ -283,9 +283,9 @@ class EngineState:
             return None
         for name, view in zip(names, call.views(base)):
             kept = self.error.get(name)
-            if kept is None or kept._base is not base or kept.storage_offset() != view.storage_offset():
+            if kept is None or torch_adapter.view_base(kept) is not base:
                 return None
-            if kept.shape != view.shape:
+            if kept.storage_offset() != view.storage_offset() or kept.shape != view.shape:
                 return None
         return base
 
@@ -420,11 +420,12 @@ class EngineState:
             "orthonormalization": self.orthonormalization,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's or a peer's state. Its orthonormalisation, where it has one, is the group's (a
-        resumed or healed replica times nothing); else the one chosen so far stays."""
+    def load_state_dict(self, state: dict, *, keep_error: bool = False) -> None:
+        """A checkpoint's or a peer's state (``keep_error``: this rank's error feedback stays, as a healing
+        replica keeps its own). Its orthonormalisation, where it has one, is the group's (a resumed or
+        healed replica times nothing); else the one chosen so far stays."""
         self.q = dict(state["q"])
-        self.error = dict(state["error"])
+        self.error = self.error if keep_error else dict(state["error"])
         self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
         self.orthonormalization = state.get("orthonormalization") or self.orthonormalization
         self._calls.clear()

@@ -30,14 +30,19 @@ Every rank of a group takes the same decisions, so by default only the group's r
 stage's rank 0 speaks for its stage). To hear every rank,
 ``logging.getLogger("edgc").removeFilter(edgc.events.GROUP_RANK_ZERO)``; ``record.edgc_rank`` is
 the rank in the group that decides.
+
+Each event takes that rank (``rank``: the sync state's `GradientReducer.settings_group`'s) and the
+plain values it reports.
 """
 
 from __future__ import annotations
 
 import logging
 
+from .config import EDGCConfig
 from .plans import COMPRESS, WARMUP, Decision, StepPlan
 from .profiling import describe_profiling_verdict
+from .rank_control import WindowController
 
 LOGGER = logging.getLogger("edgc")
 
@@ -53,20 +58,16 @@ GROUP_RANK_ZERO = GroupRankZero()
 LOGGER.addFilter(GROUP_RANK_ZERO)
 
 
-def _deciding_rank(state: GradientReducer) -> int:
-    decisions = getattr(state, "decisions", None)  # an EDGCState's round: its group may be wider (`edgc.decisions`)
-    return (decisions.communicator(state.comm) if decisions is not None else state.comm).rank
-
-
-def say(state: GradientReducer, level: int, record: dict, line: str | None = None) -> None:
-    """Log ``record`` (``kind``, ``step``, ``message``) as one line: ``line``, or its message."""
+def say(rank: int, level: int, record: dict, line: str | None = None) -> None:
+    """Log ``record`` (``kind``, ``step``, ``message``) as one line: ``line``, or its message; ``rank``: the
+    speaker's in the group that decides."""
     if LOGGER.isEnabledFor(level):
-        LOGGER.log(level, line or record["message"], extra={"edgc": record, "edgc_rank": _deciding_rank(state)})
+        LOGGER.log(level, line or record["message"], extra={"edgc": record, "edgc_rank": rank})
 
 
-def profiling_over(state: EDGCState, step: int) -> None:
-    """Profiling has decided (call once it has): r_max, or why compression is off or at its floor."""
-    verdict = state.controller.profiling_verdict()
+def profiling_over(rank: int, step: int, verdict: dict | None) -> None:
+    """Profiling has decided (call once it has; ``verdict``: `WindowController.profiling_verdict`): r_max,
+    or why compression is off or at its floor."""
     if verdict is None:  # r_max was given, or a pipeline follower: nothing was profiled
         return
     message = describe_profiling_verdict(verdict)
@@ -78,24 +79,25 @@ def profiling_over(state: EDGCState, step: int) -> None:
         "message": message,
         **verdict,
     }
-    say(state, logging.INFO if found else logging.WARNING, record, f"step {step}: {message}")
+    say(rank, logging.INFO if found else logging.WARNING, record, f"step {step}: {message}")
 
 
-def planned(state: EDGCState, before: tuple[str, int | None], plan: StepPlan) -> None:
-    """The controller planned ``plan`` where its (phase, rank) were ``before``: say a warm-up's end or a
+def planned(
+    rank: int, before: tuple[str, int | None], plan: StepPlan, controller: WindowController, config: EDGCConfig
+) -> None:
+    """``controller`` planned ``plan`` where its (phase, rank) were ``before``: say a warm-up's end or a
     hand-set rank change (decided ranks are said where they are decided; followers follow their leader)."""
-    phase, rank = before
-    if plan.phase != COMPRESS or state.controller.follower or (phase, rank) == (COMPRESS, plan.rank):
+    phase, old_rank = before
+    if plan.phase != COMPRESS or controller.follower or (phase, old_rank) == (COMPRESS, plan.rank):
         return
     if phase == WARMUP:
-        warmup_over(state, plan.step)
+        warmup_over(rank, plan.step, controller, config)
     else:
-        rank_set(state, plan.step, rank, plan.rank)
+        rank_set(rank, plan.step, old_rank, plan.rank)
 
 
-def warmup_over(state: EDGCState, step: int) -> None:
+def warmup_over(rank: int, step: int, controller: WindowController, config: EDGCConfig) -> None:
     """Step ``step`` is the first compressed one."""
-    controller, config = state.controller, state.config
     if controller.error_test_step is not None:
         why = f"the rank-{controller.r_min} error test passed at step {controller.error_test_step}"
     elif config.warmup_error_test and step >= config.warmup_ceiling():
@@ -107,7 +109,7 @@ def warmup_over(state: EDGCState, step: int) -> None:
         f"(r_min {controller.r_min}, r_max {controller.r_max})"
     )
     say(
-        state,
+        rank,
         logging.INFO,
         {
             "kind": "warmup_over",
@@ -120,16 +122,18 @@ def warmup_over(state: EDGCState, step: int) -> None:
     )
 
 
-def rank_set(state: EDGCState, step: int, old: int | None, new: int) -> None:
+def rank_set(rank: int, step: int, old: int | None, new: int) -> None:
     """A hand-set ``rank_schedule`` moved the rank at ``step``."""
     message = f"step {step}: EDGC rank {old} → {new} (hand-set rank_schedule)"
-    say(state, logging.INFO, {"kind": "rank_set", "step": step, "old_rank": old, "rank": new, "message": message})
+    say(rank, logging.INFO, {"kind": "rank_set", "step": step, "old_rank": old, "rank": new, "message": message})
 
 
-def decision(state: EDGCState, plan: StepPlan, taken: Decision, entropy: float | None) -> dict:
+def decision(
+    rank: int, plan: StepPlan, taken: Decision, entropy: float | None, config: EDGCConfig, budget: dict | None
+) -> dict:
     """A rank decision at the end of ``plan.step``, as a record for people: what was decided, from
-    what signal (``entropy``: the last sample, nats), and why. Logged, and returned (`EDGCState.last_decision`)."""
-    config, controller = state.config, state.controller
+    what signal (``entropy``: the last sample, nats; ``budget``: `WindowController.budget_state` of the
+    step after, where a rank budget holds), and why. Logged, and returned (`EDGCState.last_decision`)."""
     old, new = plan.rank, taken.rank
     record = {
         "kind": "decision",
@@ -142,7 +146,6 @@ def decision(state: EDGCState, plan: StepPlan, taken: Decision, entropy: float |
         "budget": None,
         "mean_rank": None,
     }
-    budget = controller.budget_state(plan.step + 1)
     if budget is not None:
         record.update(signal=config.budget_signal, budget=budget["budget"], mean_rank=budget["mean_rank"])
         why = (
@@ -157,33 +160,35 @@ def decision(state: EDGCState, plan: StepPlan, taken: Decision, entropy: float |
     verb = "keeps" if new == old else "moves"
     moved = "" if new == old else f" → {new}"
     record["message"] = f"step {plan.step + 1}: EDGC {verb} rank {old}{moved} ({why})"
-    say(state, logging.INFO, record)
+    say(rank, logging.INFO, record)
     return record
 
 
-def nonfinite(state: EDGCState, step: int) -> None:
+def nonfinite(rank: int, step: int) -> None:
     """Step ``step``'s averaged gradient held a NaN/Inf (on some rank): the engine's fallback."""
     message = (
         f"step {step}: EDGC's averaged gradient is not finite (a NaN/Inf on some rank): it stays so, for "
         "the optimizer or GradScaler to skip the step; the step's error feedback is cleared, Q is kept"
     )
-    say(state, logging.WARNING, {"kind": "nonfinite", "step": step, "message": message})
+    say(rank, logging.WARNING, {"kind": "nonfinite", "step": step, "message": message})
 
 
-def discarded(state: GradientReducer, step: int, reason: str) -> None:
-    """Step ``step`` was rolled back: the state is as before it (what it tried to send is kept)."""
+def discarded(rank: int, owner: str, step: int, reason: str) -> None:
+    """Step ``step`` of the sync state called ``owner`` was rolled back: the state is as before it (what it
+    tried to send is kept)."""
     message = (
-        f"step {step}: {type(state).__name__} discarded the step ({reason}): its shared state is as "
+        f"step {step}: {owner} discarded the step ({reason}): its shared state is as "
         "before it; error feedback keeps what it tried to send"
     )
-    say(state, logging.INFO, {"kind": "discarded", "step": step, "reason": reason, "message": message})
+    say(rank, logging.INFO, {"kind": "discarded", "step": step, "reason": reason, "message": message})
 
 
-def owner_error_dropped(state: GradientReducer, key: str, before, now) -> None:
-    """A two-stage sync (`edgc.two_stage`) dropped the error feedback of the chunks it owned for the
-    call ``key``: the partition ``before`` is not the one ``now`` (the quorum changed)."""
+def owner_error_dropped(rank: int, owner: str, step: int, key: str, before, now) -> None:
+    """At ``step``, a two-stage sync (`edgc.two_stage`, the state called ``owner``) dropped the error feedback
+    of the chunks it owned for the call ``key``: the partition ``before`` is not the one ``now`` (the quorum
+    changed)."""
     message = (
-        f"step {state.step}: {type(state).__name__}: the owner's error feedback of {key!r} is dropped: the group "
+        f"step {step}: {owner}: the owner's error feedback of {key!r} is dropped: the group "
         f"changed ({before.members} members, rank {before.rank} → {now.members}, rank {now.rank})"
     )
-    say(state, logging.INFO, {"kind": "owner_error", "step": state.step, "key": key, "message": message})
+    say(rank, logging.INFO, {"kind": "owner_error", "step": step, "key": key, "message": message})

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import torch_adapter
 from .mesh import as_process_group, local_tensor
 from .timing import to_device, to_host
 
@@ -125,7 +126,7 @@ def ignore_experts(module: nn.Module) -> None:
     marks = expert_marks(module)
     counters = {id(mark.tokens) for mark in marks.values() if mark.tokens is not None}
     names = list(marks) + [name for name, buffer in module.named_buffers() if id(buffer) in counters]
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    torch_adapter.ddp_ignores(module, names)
 
 
 def expert_name(name: str, index: int) -> str:

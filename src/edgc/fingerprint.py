@@ -38,9 +38,12 @@ hand-set schedules, static PowerSGD, pipeline followers).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
+from .comm import Communicator
 from .plans import PHASES
 
 FIELDS = ("step", "phase", "rank", "r_max", "r_min", "rank changes", "Q checksum")
@@ -61,31 +64,34 @@ def q_checksum(q: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor
     return total.remainder(SPAN)
 
 
-def shared_fields(state: EDGCState, step: int) -> list[int]:
-    """The fields before the Q checksum; -1 stands for None."""
-    controller = state.controller
-    values = (
-        step,
-        PHASES.index(controller.phase),
-        controller.rank,
-        controller.r_max,
-        controller.r_min,
-        len(controller.schedule),
-    )
-    return [-1 if value is None else int(value) for value in values]
+class SharedFields(NamedTuple):
+    """The fields before the Q checksum, as the rank controller holds them (see the module docstring)."""
+
+    step: int
+    phase: str
+    rank: int | None
+    r_max: int | None
+    r_min: int | None
+    rank_changes: int
+
+    def encoded(self) -> list[int]:
+        """The fields as integers; -1 stands for None."""
+        values = (self.step, PHASES.index(self.phase), self.rank, self.r_max, self.r_min, self.rank_changes)
+        return [-1 if value is None else int(value) for value in values]
 
 
-def compare_replicas(state: EDGCState, step: int) -> None:
-    """Compare the fingerprint over ``state``'s group (every rank calls it at the same step);
-    raise `ReplicasDiverged` where it differs."""
-    comm = state.comm
+def compare_replicas(
+    comm: Communicator, fields: SharedFields, q: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Compare the fingerprint (``fields`` and the Q factors ``q``, on ``device``) over ``comm``'s group
+    (every rank calls it at the same step); raise `ReplicasDiverged` where it differs."""
     if not comm.issues or comm.world_size < 2:
         return
-    device = state.device or torch.device("cpu")
+    step = fields.step
     mine = torch.cat(
         [
-            torch.tensor(shared_fields(state, step), dtype=torch.float64, device=device),
-            q_checksum(state.compressor.q, device).to(torch.float64).reshape(1),
+            torch.tensor(fields.encoded(), dtype=torch.float64, device=device),
+            q_checksum(q, device).to(torch.float64).reshape(1),
         ]
     )
     both = torch.cat([mine + 2, SPAN - mine])

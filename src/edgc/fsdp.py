@@ -50,13 +50,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+from torch.distributed.fsdp import FSDPModule
 
-from . import streams
+from . import fsdp_adapter, streams, torch_adapter
 from .comm import Communicator
 from .experts import ExpertMark, expert_marks
 from .guards import group_ranks
@@ -79,50 +76,9 @@ def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
     return init_parallel_mesh(device, dp_shard=shard_size)["dp_replicate", "dp_shard"]
 
 
-def _param_group(module: FSDPModule):
-    """The single FSDP parameter group of one `fully_shard`-ed module, or None (no parameters).
-
-    FSDP2 keeps the layout (``fsdp_params``, ``sharded_size``, padding) in private state; the
-    attributes used here are those `foreach_reduce` itself uses to view the same buffer.
-    """
-    groups = module._get_fsdp_state()._fsdp_param_groups
-    if len(groups) > 1:
-        raise ValueError(
-            "EDGC for FSDP supports one parameter group per fully_shard call "
-            "(no per-parameter meshes from shard_placement_fn)"
-        )
-    return groups[0] if groups else None
-
-
 def shard_layout(group) -> list[tuple[nn.Parameter, torch.Size, int]]:
     """(sharded parameter, this rank's shard size, padded shard numel) per parameter, in buffer order."""
     return [(fp.sharded_param, fp.sharded_size, fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
-
-
-def reads_buffer_after_hook(group, reduce_output: torch.Tensor) -> bool:
-    """Whether FSDP2 reads the all-reduce hook's buffer as soon as the hook returns (`foreach_reduce`
-    after the hook, torch 2.13): to cast it to the parameters' dtype, to divide it after the
-    reduction, to add it to gradients already there, to copy it to the CPU, or for a
-    post-accumulate-grad hook. Otherwise it only views it as the sharded gradients."""
-    if group._orig_dtype is not None and group._orig_dtype != reduce_output.dtype:
-        return True
-    if isinstance(group.offload_policy, CPUOffloadPolicy):
-        return True
-    scatter_group = group._reduce_scatter_process_group if isinstance(group.mesh_info, FSDPMeshInfo) else None
-    _, postdivide, _, _ = _get_gradient_divide_factors(
-        scatter_group,
-        None,
-        reduce_output.dtype,
-        reduce_output.device.type,
-        group.gradient_divide_factor,
-        group.force_sum_reduction_for_comms,
-    )
-    if postdivide not in (None, 1):
-        return True
-    return any(
-        fp.sharded_param.grad is not None or getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
-        for fp in group.fsdp_params
-    )
 
 
 def _described(mesh: DeviceMesh) -> str:
@@ -157,7 +113,7 @@ def _sharded_modules(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = _param_group(module)
+        group = fsdp_adapter.param_group(module)
         if group is None or not group.fsdp_params:
             continue
         if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
@@ -234,7 +190,9 @@ class FSDPCommHook:
             self._open_step(state)
             # Blocking only where FSDP2 reads the buffer as soon as this returns; otherwise the job
             # goes on while the next groups' backward runs, and the step's close drains it.
-            state.reduce_tensors(names, views, last=False, blocking=reads_buffer_after_hook(group, reduce_output))
+            state.reduce_tensors(
+                names, views, last=False, blocking=fsdp_adapter.reads_buffer_after_hook(group, reduce_output)
+            )
             # A reduce buffer in another dtype than the parameters is freed by FSDP2 as soon as this
             # returns (it casts it), back to its reduce-scatter stream, which has waited neither for
             # this stream (the all-reduce one, that casts it) nor for the jobs' stream that wrote the
@@ -246,7 +204,7 @@ class FSDPCommHook:
 
     def _open_step(self, state: GradientReducer) -> None:
         if not self._open:
-            Variable._execution_engine.queue_callback(self._close_step)
+            torch_adapter.at_backward_end(self._close_step)
         if state not in self._open:
             self._open.append(state)
 
@@ -259,8 +217,7 @@ class FSDPCommHook:
     def remove(self) -> None:
         """Unregister: FSDP goes back to no replica all-reduce at all (plain FSDP on the shard mesh)."""
         for module, _ in self._groups:
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                group._all_reduce_hook = None
+            fsdp_adapter.remove_all_reduce_hooks(module)
         self._groups = []
 
 
@@ -314,7 +271,7 @@ def _first_row(fsdp_param, mark: ExpertMark, mesh: DeviceMesh) -> int:
     placement = getattr(fsdp_param, "fsdp_placement", None)
     if mesh.size() == 1 or getattr(placement, "dim", 0) != 0:
         return mark.first  # every row of this rank's experts (a Shard(1) shard: a slice of each)
-    rows = fsdp_param._orig_size[0]
+    rows = fsdp_adapter.unsharded_size(fsdp_param)[0]
     return mark.first + mesh.get_local_rank() * -(-rows // mesh.size())
 
 

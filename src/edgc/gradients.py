@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from . import torch_adapter
 from .comm import FINISHES, Communicator, Job
 from .finite import all_finite
 from .guards import check_gradients
@@ -132,7 +133,7 @@ def average_sparse(comm: Communicator, names: list[str], grads: list[torch.Tenso
     sent = comm.sparse_mean_async(grad)
     yield FINISHES
     sent.wait()
-    values, indices = grad._values(), grad._indices()
+    values, indices = torch_adapter.sparse_parts(grad)
     elements = values.numel() + indices.numel()
     size = values.numel() * values.element_size() + indices.numel() * indices.element_size()
     stats = ReduceStats(elements, elements, size, size, ranks={n: 0 for n in names})

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import torch_adapter
 from .agreement import agree
 from .comm import Communicator
 from .experts import Experts, expert_marks
@@ -103,7 +105,8 @@ class UsageGuard:
             synced
             and len(synced) == len(grads)
             and all(
-                ref() is grad and local_tensor(grad)._version == version for (ref, version), grad in zip(synced, grads)
+                ref() is grad and torch_adapter.version(local_tensor(grad)) == version
+                for (ref, version), grad in zip(synced, grads)
             )
         ):
             raise RuntimeError(
@@ -113,7 +116,7 @@ class UsageGuard:
 
     def synchronized(self, grads: list[torch.Tensor]) -> None:
         """``synchronize()`` left these gradients (weakly held: a gradient freed is a changed one)."""
-        self._synced = [(weakref.ref(grad), local_tensor(grad)._version) for grad in grads]
+        self._synced = [(weakref.ref(grad), torch_adapter.version(local_tensor(grad))) for grad in grads]
 
     def names_for(self, state_name: str, params) -> list[str]:
         """The names of ``params``; a parameter the model does not name is named by first appearance
@@ -126,29 +129,27 @@ class UsageGuard:
             names.append(name)
         return names
 
-    def bind(self, state: GradientReducer) -> None:
-        """Give a state built for the default group before it existed that group, if it exists now
-        (until its first step: a state that has stepped keeps the group it stepped with)."""
-        comm = state.comm
+    def bound(self, comm: Communicator) -> Communicator:
+        """The communicator a state holding ``comm`` averages over: where ``comm`` was built for the default
+        group before it existed, that group's, if it exists now (until the first step: a state that has
+        stepped keeps the group it stepped with); else ``comm``."""
         if not self.checked and type(comm) is Communicator and comm.awaits_default_group and _distributed():
-            state.comm = Communicator(None)
+            return Communicator(None)
+        return comm
 
-    def first_use(self, state: GradientReducer) -> None:
-        """At the state's first use (later calls return at once): bind a default group created after
-        the state, then check the group (warns once without any)."""
+    def first_use(self, name: str, comm: Communicator) -> None:
+        """At the first use of the state called ``name`` (later calls return at once): check the group
+        its ``comm`` (already `bound`) averages over (warns once without any)."""
         if self.checked:
             return
-        self.bind(state)
         self.checked = True
-        comm = state.comm
         if type(comm) is not Communicator:  # torchft's manager, or an unpickled state: theirs to check
             return
-        name = type(state).__name__
         if not comm.issues:
             warnings.warn(
                 f"{name}: no process group is initialised, so it averages over this process alone and "
                 "sends nothing (build it after dist.init_process_group to average over the group)",
-                stacklevel=4,
+                stacklevel=5,
             )
             return
         if self.ddp_ranks is not None and group_ranks(comm) != self.ddp_ranks:
@@ -162,24 +163,31 @@ class UsageGuard:
             raise RuntimeError(f"{state_name}.agree_on: the group compared its settings at the first step")
         self.also_agreed.update(settings)
 
-    def agree(self, state: GradientReducer, device: torch.device) -> None:
-        """At the state's first step (later calls return at once), before it plans or sends anything:
-        compare its settings over its group (`edgc.agreement`; the collectives on ``device``, the
-        gradients'). Not under torchft's manager, whose replicas come and go."""
+    def agree(
+        self,
+        name: str,
+        comm: Communicator,
+        settings_group: Communicator,
+        settings: Callable[[torch.device], dict[str, Any]],
+        device: torch.device,
+    ) -> None:
+        """At the first step of the state called ``name`` (later calls return at once), before it plans or
+        sends anything: compare its ``settings`` (by device) over ``settings_group`` (`edgc.agreement`; the
+        collectives on ``device``, the gradients'); ``comm``: the group it averages over. Not under
+        torchft's manager, whose replicas come and go."""
         if self.agreed:
             return
-        comm = state.settings_group()
-        if type(comm) is Communicator and comm.issues:
-            self.also_agreed.update(self.experts.agreed(group_ranks(state.comm)))
-            agree(comm, type(state).__name__, state.agreed_settings(device), device, group_ranks(comm))
+        if type(settings_group) is Communicator and settings_group.issues:
+            self.also_agreed.update(self.experts.agreed(group_ranks(comm)))
+            agree(settings_group, name, settings(device), device, group_ranks(settings_group))
         self.agreed = True
 
-    def split_experts(self, state: GradientReducer, names: list[str], grads: list[torch.Tensor]):
+    def split_experts(self, name: str, comm: Communicator, names: list[str], grads: list[torch.Tensor]):
         """``names`` and ``grads`` with each stacked experts gradient split into its experts' matrices
-        (`edgc.experts.Experts.expand`); an expert parameter on another group than its own is refused."""
-        comm = state.comm
+        (`edgc.experts.Experts.expand`); an expert parameter on another group than its own (``comm``'s,
+        of the state called ``name``) is refused."""
         if self.experts.marks and type(comm) is Communicator and comm.issues:
-            self.experts.check_group(type(state).__name__, names, lambda: group_ranks(comm))
+            self.experts.check_group(name, names, lambda: group_ranks(comm))
         return self.experts.expand(names, grads)
 
     def unnamed(self, state_name: str, index: int) -> str:

@@ -212,8 +212,9 @@ class LowRankCompressor:
         """`EngineState.state_dict`."""
         return self.state.state_dict(include_error=include_error)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
+    def load_state_dict(self, state: dict, *, keep_error: bool = False) -> None:
+        """`EngineState.load_state_dict` (``keep_error``: this rank's error feedback stays, a peer's share loaded)."""
+        self.state.load_state_dict(state, keep_error=keep_error)
 
     def reduce(
         self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, *, measure_error: bool = True

@@ -39,6 +39,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from . import torch_adapter
+
 __all__ = [
     "MESH_DIMS",
     "init_parallel_mesh",
@@ -58,13 +60,9 @@ def _backend_options(timeout: timedelta | None) -> dict | None:
     if timeout is None:
         return None
     backend = dist.get_backend()
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-    else:  # another backend: its own default timeout
+    options = torch_adapter.backend_options(backend, timeout)
+    if options is None:  # another backend: its own default timeout
         return None
-    options._timeout = timeout
     return {name: (backend, options) for name in MESH_DIMS}
 
 

@@ -20,6 +20,7 @@ import math
 import torch
 
 from .baselines import _ErrorFeedbackReducer
+from .comm import Communicator
 from .reducer import GradientReducer
 
 HEAL_POLICIES = ("zero", "keep", "peer")
@@ -117,34 +118,31 @@ class QuantizedState(_ErrorFeedbackReducer):
 
 # ---------------------------------------------------------------------------- error feedback tables
 def error_table(state: GradientReducer) -> dict[str, torch.Tensor]:
-    """The error feedback of a sync state by parameter name (EDGC's engine or an error-feedback baseline);
-    entries are the state's own tensors: changing them in place changes the state."""
-    compressor = getattr(state, "compressor", None)
-    if compressor is not None:
-        return compressor.error
-    return getattr(state, "error", {})
+    """The error feedback of a sync state by parameter name (`GradientReducer.error_table`: EDGC's engine's or
+    an error-feedback baseline's); entries are the state's own tensors: changing them in place changes the state."""
+    return state.error_table()
 
 
 @torch.no_grad()
-def decay_error_feedback(state: GradientReducer, factor: float) -> None:
-    """e ← factor · e for every entry (1: unchanged, 0: error feedback off from here)."""
+def decay_error_feedback(table: dict[str, torch.Tensor], factor: float) -> None:
+    """e ← factor · e for every entry of the error feedback ``table`` (1: unchanged, 0: error feedback off
+    from here)."""
     if factor != 1.0:
-        for e in error_table(state).values():
+        for e in table.values():
             e.mul_(factor)
 
 
 @torch.no_grad()
-def heal_error_feedback(state: GradientReducer, policy: str, healed: bool) -> None:
-    """The error feedback of a replica that healed (``healed``) after a restart, by ``policy``:
+def heal_error_feedback(table: dict[str, torch.Tensor], comm: Communicator, policy: str, healed: bool) -> None:
+    """The error feedback ``table`` of a replica that healed (``healed``) after a restart, by ``policy``:
     ``zero`` — none (what a restarted process has); ``keep`` — its own, as if it had not restarted;
-    ``peer`` — group rank 0's, broadcast (every rank calls this: one broadcast per entry)."""
+    ``peer`` — rank 0's of ``comm``'s group, broadcast (every rank calls this: one broadcast per entry)."""
     if policy not in HEAL_POLICIES:
         raise ValueError(f"heal policy: one of {', '.join(HEAL_POLICIES)}, got {policy!r}")
-    table = error_table(state)
     for name in sorted(table):
         e = table[name]
         if policy == "peer":
-            received = state.comm.broadcast(e.clone())
+            received = comm.broadcast(e.clone())
             if healed:
                 e.copy_(received)
         elif policy == "zero" and healed:

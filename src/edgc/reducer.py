@@ -108,6 +108,26 @@ class GradientReducer:
         """The communicator over whose group the settings are compared: the state's."""
         return self.comm
 
+    def error_table(self) -> dict[str, torch.Tensor]:
+        """This rank's error feedback by parameter name, the state's own tensors (changing one in place
+        changes the state): none here; a method with error feedback has it."""
+        return {}
+
+    def check_group(self) -> None:
+        """Bind a default group created after the state, and check the group it averages over (`edgc.guards`):
+        at its first step, or before training (`edgc.integrations.check_group`); later calls change nothing."""
+        self.comm = self._guard.bound(self.comm)
+        self._guard.first_use(type(self).__name__, self.comm)
+
+    def attach(self, comm: Communicator | None = None, *, defer_commit: bool | None = None) -> None:
+        """What drives the state's steps, given before its first step (torchft's manager, a counting stand-in):
+        ``comm``, the communicator it averages through; ``defer_commit``, keep every step pending until
+        `commit_step` or `rollback_step`. None leaves either as it is."""
+        if comm is not None:
+            self.comm = comm
+        if defer_commit is not None:
+            self.defer_commit = defer_commit
+
     # ------------------------------------------------------------------ entry points
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP path: start averaging one bucket; the Future completes when it is averaged."""
@@ -199,7 +219,7 @@ class GradientReducer:
             return
         if self.device is None:
             self._use_device(grads[0].device)
-        names, grads = self._guard.split_experts(self, names, grads)  # each expert its own matrix
+        names, grads = self._guard.split_experts(type(self).__name__, self.comm, names, grads)  # an expert a matrix
         self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes(self._current))
 
     def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:
@@ -222,11 +242,17 @@ class GradientReducer:
         return not self.clock.cuda or record is None or record.always_timed or record.step % DEVICE_TIMING_EVERY == 0
 
     def _begin_step(self, device: torch.device | None) -> None:
-        self._guard.first_use(self)  # binds a default group created after the state (edgc.guards)
+        self.check_group()  # binds a default group created after the state (edgc.guards)
         # Start from a clean communicator; an unpickled state's stand-in refuses right here, before
         # anything of the state has changed (see edgc.detached).
         self.comm.reset()
-        self._guard.agree(self, device or self.device or torch.device("cpu"))  # before anything is sent
+        self._guard.agree(  # before anything is sent
+            type(self).__name__,
+            self.comm,
+            self.settings_group(),
+            self.agreed_settings,
+            device or self.device or torch.device("cpu"),
+        )
         self.settle()  # the step before: its values, metrics and decisions (their collectives count here)
         if self.pending:
             raise RuntimeError(
@@ -357,7 +383,7 @@ class GradientReducer:
         snapshot, self._last.snapshot = self._last.snapshot, None  # type: ignore[union-attr]
         self._restore(snapshot)
         self.last_step_metrics["committed"] = False
-        events.discarded(self, snapshot["step"], reason)
+        events.discarded(self.settings_group().rank, type(self).__name__, snapshot["step"], reason)
 
     def _snapshot(self) -> dict:
         """What `rollback_step` restores; subclasses add their state (cheaply: no gradient-sized copy)."""
@@ -373,22 +399,23 @@ class GradientReducer:
     def state_dict(self) -> dict:
         """Settles the last step first (`settle`: call it on every rank at the same point, as
         checkpoints are taken), so that a resumed run starts where this one would go on."""
-        self._guard.bind(self)  # a default group created after the state (edgc.guards)
+        self.comm = self._guard.bound(self.comm)  # a default group created after the state (edgc.guards)
         self.settle()
         return {"step": self.step, "totals": dict(self.totals), "world_size": self.comm.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self._guard.bind(self)
+        self.comm = self._guard.bound(self.comm)
         if self._last is not None:  # its values belong to the state before: never settled now
             self._last.local_done = self._last.shared_done = True
         self.step = int(state["step"])
         self.totals = {key: int(value) for key, value in state["totals"].items()}
 
     def __getstate__(self) -> dict:
-        """Pickle the data but not the ties to this run (`edgc.detached.detached_state`)."""
-        from .detached import detached_state
+        """Pickle the data but not the ties to this run (`edgc.detached.detached_fields`)."""
+        from .detached import detached_fields
 
-        return detached_state(self)
+        self._settle_local()  # its metrics and totals travel; the device values do not
+        return detached_fields(self.__dict__, type(self).__name__, self.comm, self._last)
 
 
 class AllReduceState(GradientReducer):

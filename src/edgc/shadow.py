@@ -27,6 +27,7 @@ from .config import LowRankConfig
 from .jobs import JobQueue
 from .lowrank import LowRankCompressor, ReduceStats
 from .plans import StepPlan
+from .profiling import profile_seconds
 from .timing import Clock
 
 
@@ -127,5 +128,28 @@ class ShadowProfiler:
             self.compressor = LowRankCompressor(self.compressor.config)
             self.compressor.state.orthonormalization = method
 
+    def use_orthonormalization(self, method: str) -> None:
+        """Orthonormalise the shadow syncs' factors as the group's engine does (`edgc.orthonormal_choice`)."""
+        self.compressor.state.orthonormalization = method
+
     def to(self, device: torch.device, stream: streams.Stream | None) -> None:
         self.compressor.state.to(device, stream)
+
+    # ------------------------------------------------------------------ uncommitted steps, checkpoints
+    # Its entries sit at the top level of the state's checkpoint and snapshot, where they always were.
+    def state_dict(self) -> dict:
+        """The shadow engine's state (``profiler``) and the sums since the last decision (``profile_seconds``)."""
+        return {"profiler": self.compressor.state_dict(), "profile_seconds": list(self.seconds)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A `state_dict()`'s entries (the sums of a state saved with one step count for both, too)."""
+        self.compressor.load_state_dict(state["profiler"])
+        self.seconds = profile_seconds(state["profile_seconds"])
+
+    def snapshot(self) -> dict:
+        """What a discarded step restores: the shadow Q (by reference: never written in place) and the sums."""
+        return {"profiler_q": self.compressor.state.snapshot(), "profile_seconds": list(self.seconds)}
+
+    def restore(self, snapshot: dict) -> None:
+        self.compressor.state.restore(snapshot["profiler_q"])
+        self.seconds = snapshot["profile_seconds"]

@@ -34,10 +34,9 @@ from .comm import Communicator
 from .config import EDGCConfig
 from .decisions import DecisionRound
 from .entropy import EntropySampler
-from .fingerprint import compare_replicas
+from .fingerprint import SharedFields, compare_replicas
 from .lowrank import LowRankCompressor
 from .plans import COMPRESS, OFF, PROFILE
-from .profiling import profile_seconds
 from .rank_control import WindowController
 from .reducer import GradientReducer, StepRecord
 from .shadow import ShadowProfiler
@@ -119,6 +118,15 @@ class EDGCState(GradientReducer):
         """The decision group, where it is wider than the process group: its ranks must decide alike."""
         return self.decisions.communicator(self.comm)
 
+    @property
+    def _speaker(self) -> int:
+        """This rank in the group that decides: its events are said by that group's rank 0 (`edgc.events`)."""
+        return self.settings_group().rank
+
+    def error_table(self) -> dict[str, torch.Tensor]:
+        """`GradientReducer.error_table`: the engine's error feedback."""
+        return self.compressor.error
+
     # ------------------------------------------------------------------ per step
     def _plan_step(self, record: StepRecord) -> None:
         self.compressor.state.begin_step(uncommitted=self.defer_commit)
@@ -126,7 +134,7 @@ class EDGCState(GradientReducer):
         self.decisions.begin_step()
         before = self.controller.phase, self.controller.rank  # decisions are in: taken at the settle before
         plan = record.plan = self.controller.plan(record.step)
-        events.planned(self, before, plan)  # the warm-up's end, a hand-set rank
+        events.planned(self._speaker, before, plan, self.controller, self.config)  # the warm-up's end, a hand-set rank
         record.always_timed = plan.phase == PROFILE or plan.profile_rank is not None  # r_max comes from their times
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and plan.phase != OFF
@@ -153,7 +161,7 @@ class EDGCState(GradientReducer):
         """The orthonormalisation the group runs on the device (`edgc.orthonormal_choice`), the shadow
         syncs' too."""
         self.compressor.agree_orthonormalization(device, self.comm)
-        self.profiler.compressor.state.orthonormalization = self.compressor.orthonormalization(device)
+        self.profiler.use_orthonormalization(self.compressor.orthonormalization(device))
 
     def _fusion_bytes(self, record: StepRecord | None) -> float:
         """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.jobs`)."""
@@ -191,7 +199,7 @@ class EDGCState(GradientReducer):
         nonfinite = bool(host and host[0])
         self.compressor.state.end_step(nonfinite)
         if nonfinite:
-            events.nonfinite(self, record.step)
+            events.nonfinite(self._speaker, record.step)
         entropy = self.sampler.finish()
         self.profiler.settle_step()
         self.decisions.settle_step(record.plan, host)
@@ -214,7 +222,7 @@ class EDGCState(GradientReducer):
         """Where every rank settles alike (collectives): at a window's end the replicas' fingerprints
         are compared (`edgc.fingerprint`); at a decision step the decision round runs."""
         if (record.step + 1) % self.config.window == 0:
-            compare_replicas(self, record.step)
+            self._compare_replicas(record.step)
             if self.controller.split.reads_tokens:  # the window's tokens, for the next window's split
                 self.controller.split_weights = self.experts.take_tokens(self.comm)
         plan = record.plan
@@ -233,38 +241,52 @@ class EDGCState(GradientReducer):
         profiling_over = plan.phase == PROFILE and self.controller.phase != PROFILE
         self.profiler.decided(finished=profiling_over)
         if plan.phase == COMPRESS:
-            self.decisions.last = events.decision(self, plan, decision, record.metrics.get("entropy"))
+            entropy, budget = record.metrics.get("entropy"), self.controller.budget_state(plan.step + 1)
+            self.decisions.last = events.decision(self._speaker, plan, decision, entropy, self.config, budget)
         if profiling_over:
-            events.profiling_over(self, record.step + 1)
+            events.profiling_over(self._speaker, record.step + 1, self.controller.profiling_verdict())
+
+    def _compare_replicas(self, step: int) -> None:
+        """The replicas' fingerprint at the end of ``step`` (`edgc.fingerprint`): the controller's shared
+        fields and the engine's Q."""
+        c = self.controller
+        fields = SharedFields(step, c.phase, c.rank, c.r_max, c.r_min, len(c.schedule))
+        compare_replicas(self.comm, fields, self.compressor.q, self.device or torch.device("cpu"))
 
     @property
     def last_decision(self) -> dict | None:
         """The last rank decision taken, as a record (its ``step`` is the first step it applies to)."""
         return self.decisions.last
 
+    # ------------------------------------------------------------------ its parts
+    def _series(self) -> dict[str, Any]:
+        """The parts saved under a key of their own whose snapshot is a copy of their state (small: series
+        and schedules)."""
+        return {"controller": self.controller, "sampler": self.sampler}
+
+    def _top_level_parts(self) -> tuple:
+        """The parts whose entries sit at the top level of the checkpoint and the snapshot."""
+        return (self.profiler, self.decisions)
+
     # ------------------------------------------------------------------ uncommitted steps
     # Per replica: the error feedback (rolled back to M = G + e, see EngineState.rollback).
     # Shared (identical on every rank): step, Q, controller, entropy series, profiling state —
     # restored from the snapshot, so a discarded step is not counted anywhere.
     def _snapshot(self) -> dict:
-        return {
-            **super()._snapshot(),
-            "controller": copy.deepcopy(self.controller.state_dict()),
-            "sampler": copy.deepcopy(self.sampler.state_dict()),
-            "q": self.compressor.state.snapshot(),
-            "profiler_q": self.profiler.compressor.state.snapshot(),
-            "profile_seconds": list(self.profiler.seconds),
-            "relative_errors": self.decisions.snapshot(),
-        }
+        snapshot = {**super()._snapshot(), "q": self.compressor.state.snapshot()}
+        for key, part in self._series().items():
+            snapshot[key] = copy.deepcopy(part.state_dict())
+        for part in self._top_level_parts():
+            snapshot.update(part.snapshot())
+        return snapshot
 
     def _restore(self, snapshot: dict) -> None:
         super()._restore(snapshot)
-        self.controller.load_state_dict(snapshot["controller"])
-        self.sampler.load_state_dict(snapshot["sampler"])
+        for key, part in self._series().items():
+            part.load_state_dict(snapshot[key])
+        for part in self._top_level_parts():
+            part.restore(snapshot)
         self.compressor.state.restore(snapshot["q"])
-        self.profiler.compressor.state.restore(snapshot["profiler_q"])
-        self.profiler.seconds = snapshot["profile_seconds"]
-        self.decisions.restore(snapshot["relative_errors"])
         self.compressor.state.rollback()
 
     def _commit(self) -> None:
@@ -273,19 +295,18 @@ class EDGCState(GradientReducer):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.checkpoint`."""
-        return {
+        state = {
             "format": STATE_FORMAT,
             **super().state_dict(),
             "rank": self.comm.rank,
             "config": self.config.to_dict(),
-            "controller": self.controller.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            **{key: part.state_dict() for key, part in self._series().items()},
             "compressor": self.compressor.state_dict(),
-            "profiler": self.profiler.compressor.state_dict(),
-            "profile_seconds": list(self.profiler.seconds),
-            "relative_errors": list(self.decisions.relative_errors),
             "expert_tokens": self.experts.state_dict(),
         }
+        for part in self._top_level_parts():
+            state.update(part.state_dict())
+        return state
 
     def shared_state_dict(self) -> dict:
         """`state_dict()` without this rank's error feedback: the part every replica holds identically
@@ -295,30 +316,32 @@ class EDGCState(GradientReducer):
 
     def load_shared_state_dict(self, state: dict) -> None:
         """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart)."""
-        error, tokens = self.compressor.error, self.experts.counted
-        self.load_state_dict(state)
-        self.compressor.state.error, self.experts.counted = error, tokens
+        self._load(state, keep_own=True)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`; a malformed or mismatched state raises ValueError and changes nothing."""
+        self._load(state, keep_own=False)
+
+    def _load(self, state: dict, *, keep_own: bool) -> None:
+        """Load ``state``; ``keep_own``: this rank's own part (error feedback, expert tokens) stays."""
         check_loadable(state, self.config, self.controller.follower, self.parameter_shapes)
         if state["config"] != self.config.to_dict():
             changed = sorted(k for k, v in state["config"].items() if self.config.to_dict().get(k) != v)
-            warnings.warn(f"EDGCState: loading state saved with different config fields {changed}", stacklevel=2)
+            warnings.warn(f"EDGCState: loading state saved with different config fields {changed}", stacklevel=3)
         super().load_state_dict(state)
-        self.controller.load_state_dict(state["controller"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.compressor.load_state_dict(state["compressor"])
-        self.profiler.compressor.load_state_dict(state["profiler"])
-        self.profiler.seconds = profile_seconds(state["profile_seconds"])
-        self.decisions.relative_errors = [float(e) for e in state.get("relative_errors", [])]
-        self.experts.load_state_dict(state.get("expert_tokens", {}), self.device)
+        for key, part in self._series().items():
+            part.load_state_dict(state[key])
+        self.compressor.load_state_dict(state["compressor"], keep_error=keep_own)
+        for part in self._top_level_parts():
+            part.load_state_dict(state)
+        if not keep_own:
+            self.experts.load_state_dict(state.get("expert_tokens", {}), self.device)
         if not state.get("shared") and int(state["world_size"]) != self.comm.world_size:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
             warnings.warn(
                 f"EDGCState: world size changed from {state['world_size']} to {self.comm.world_size}; "
                 "error feedback is reset (step, rank schedule, entropy history and Q factors are kept)",
-                stacklevel=2,
+                stacklevel=3,
             )
             self.compressor.state.drop_error()
         if self.device is not None:

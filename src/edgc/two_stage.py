@@ -211,7 +211,9 @@ class TwoStageReducer(_ErrorFeedbackReducer):
             return None, None
         kept = self.owner_error.get(key)
         if kept is not None and kept[0] != partition:
-            events.owner_error_dropped(self, key, kept[0], partition)
+            events.owner_error_dropped(
+                self.settings_group().rank, type(self).__name__, self.step, key, kept[0], partition
+            )
             kept = None
         current = torch.zeros(partition.owned(), dtype=dtype, device=device) if kept is None else kept[1]
         written = torch.empty_like(current) if self.defer_commit else current

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from edgc import EDGCConfig
+from edgc.integrations import torchft_adapter
 from edgc.sync_methods import outer_sync_spec
 from edgc_train.data import BlockSampler, prepare_data
 from edgc_train.model import build_model, model_shape
@@ -144,9 +145,9 @@ def shared_model(module: torch.nn.Module, diloco) -> list[torch.Tensor]:
     if diloco is None:
         return [p.detach() for p in module.parameters()]
     held: dict[int, torch.Tensor] = {}
-    for fragment in diloco._fragments:
+    for fragment in torchft_adapter.fragments(diloco):
         if hasattr(fragment, "original_parameters"):  # torchft's: by the fragment's parameter names
-            for name, p in fragment._model_fragment.named_parameters():
+            for name, p in torchft_adapter.fragment_module(fragment).named_parameters():
                 held[id(p)] = fragment.original_parameters[name]
         else:  # EDGC's: a list beside the parameters
             held.update({id(p): t for p, t in zip(fragment.params, fragment.original)})
@@ -220,14 +221,14 @@ def train_diloco(diloco, manager, module, inner, sampler, cfg, rec: Recorder, he
     restarted group (``rejoin``) has no inner progress to give: its first step is an empty one at the
     sync point, where it heals from a peer and joins the outer step the others are taking."""
     verdicts = record_verdicts(manager)
-    unit = diloco._sync_every  # inner steps between two outer steps (one fragment's each)
+    unit = torchft_adapter.sync_every(diloco)  # inner steps between two outer steps (one fragment's each)
     attempts = 0
     rec.keep(0, shared_model(module, diloco))
     with diloco:
         if rejoin:
-            diloco._local_step = unit - 1
+            torchft_adapter.set_local_step(diloco, unit - 1)
             inner_step(diloco, manager, module, inner, None, cfg, rec, heals, verdicts)
-        while manager.current_step() * unit + diloco._local_step < rec.cap(cfg.steps):
+        while manager.current_step() * unit + torchft_adapter.local_step(diloco) < rec.cap(cfg.steps):
             attempts += inner_step(diloco, manager, module, inner, (sampler, attempts), cfg, rec, heals, verdicts)
 
 
@@ -248,9 +249,9 @@ def inner_step(diloco, manager, module, inner, data, cfg, rec: Recorder, heals: 
     """One inner step (``data`` None: an empty one, no gradient), its line; the inner steps to run
     again (a discarded outer step's)."""
     start, heals_before, asked = time.perf_counter(), len(heals), len(verdicts)
-    unit = diloco._sync_every
-    step = manager.current_step() * unit + diloco._local_step
-    syncs = diloco._local_step == unit - 1
+    unit = torchft_adapter.sync_every(diloco)
+    step = manager.current_step() * unit + torchft_adapter.local_step(diloco)
+    syncs = torchft_adapter.local_step(diloco) == unit - 1
     loss = None
     if data is not None:
         sampler, attempts = data
@@ -276,7 +277,7 @@ def inner_step(diloco, manager, module, inner, data, cfg, rec: Recorder, heals: 
             participating=manager.participating_rank() is not None,
             healed=any(h > 0 for h in heals[heals_before:]),
             wire=written,
-            **payload(diloco, outer % len(diloco._fragments)),
+            **payload(diloco, outer % len(torchft_adapter.fragments(diloco))),
         )
     rec.write(
         kind="step", step=step, t=time.time(), step_s=time.perf_counter() - start, loss=loss, sync=syncs, **record
@@ -302,7 +303,7 @@ def payload(diloco, fragment: int) -> dict:
     last = getattr(diloco, "last_outer_step", None)
     if last is not None:  # EDGC's DiLoCo reports its own
         return {"bytes": last.get("bytes_sent"), "rank": last.get("rank")}
-    params = diloco._fragments[fragment]._model_fragment.parameters()
+    params = torchft_adapter.fragment_module(torchft_adapter.fragments(diloco)[fragment]).parameters()
     return {"bytes": sum(p.numel() * p.element_size() for p in params), "rank": None}
 
 
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         train_diloco(diloco, manager, module, optimizer, sampler, cfg, rec, heals, rejoin=restart > 0)
     shared = shared_model(module, diloco)
-    done = manager.current_step() * (diloco._sync_every if diloco is not None else 1)
+    done = manager.current_step() * (torchft_adapter.sync_every(diloco) if diloco is not None else 1)
     rec.keep(done, shared, last=True)
     write(
         kind="final", t=time.time(), steps=done, checksum=tensors_digest(shared), heals=len([h for h in heals if h > 0])

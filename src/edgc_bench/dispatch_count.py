@@ -355,7 +355,7 @@ def count_hook_step(
             state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
             if accelerator:
                 as_on_an_accelerator(state)
-            state.comm = communicator = counting_communicator(world_size)
+            state.attach(communicator := counting_communicator(world_size))
             if prepare is not None:
                 prepare(state)
 

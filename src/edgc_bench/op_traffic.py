@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from edgc import torch_adapter
+
 aten = torch.ops.aten
 
 
@@ -54,7 +56,7 @@ def op_traffic(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> t
     size), each output written once. A mutable argument (``add_``'s self) is read and written, an
     ``out=`` argument only written, as is the destination of `OVERWRITES`; new outputs are written."""
     read = written = 0
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(torch_adapter.op_schema(func).arguments):
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         size = _nbytes(value)
         if argument.is_out:
@@ -64,6 +66,6 @@ def op_traffic(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> t
             read += 0 if func.overloadpacket in OVERWRITES else size
         else:
             read += size
-    if not any(r.alias_info is not None for r in func._schema.returns):
+    if not any(r.alias_info is not None for r in torch_adapter.op_schema(func).returns):
         written += _nbytes(out)
     return read, written

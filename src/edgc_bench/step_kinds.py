@@ -78,7 +78,7 @@ def _hooks(kind: str) -> dict:
     if kind == "torchft":  # every step waits for the manager's verdict, here a commit
 
         def defer(state) -> None:
-            state.defer_commit = True
+            state.attach(defer_commit=True)
 
         return {"prepare": defer, "after_step": lambda state: state.commit_step()}
     return {}
@@ -107,7 +107,7 @@ def count_outer_sync(model: str = "xl") -> dict:
         names = [name for name, _ in named]
         with LiveStorages() as live:
             state = sync_method(DEFAULT_OUTER_SYNC).build(None, model=NamedParameters(list(zip(names, deltas))))
-            state.comm = counting_communicator(2)  # two replicas: each owns half the chunks
+            state.attach(counting_communicator(2))  # two replicas: each owns half the chunks
             state.reduce_tensors(names, deltas, last=True)
             state.settle()
             live.reset_peak()
@@ -159,7 +159,7 @@ def process_peak(kind: str, layers: int = 2, rank: int = 32, steps: int = 3) -> 
     held = _resident_kib("VmRSS")
     state = EDGCState(None, config_of(kind, rank), model=NamedParameters(list(zip(names, parameters))))
     as_on_an_accelerator(state)
-    state.comm = counting_communicator()
+    state.attach(counting_communicator())
     hooks = _hooks(kind)
     if "prepare" in hooks:
         hooks["prepare"](state)

@@ -70,7 +70,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import edgc
-from edgc import timing
+from edgc import timing, torch_adapter
 
 from .op_traffic import tensors_in
 from .stream_check_access import Accesses, Race, accesses_of
@@ -226,7 +226,7 @@ class StreamChecker(TorchDispatchMode):
         with self.lock:
             self.memory.judge_frees()
             syncs = self.accesses.syncs
-            syncs._state_wait_for_other(syncs.current_sync_states[stream_id], state)
+            torch_adapter.sanitizer_wait(syncs, syncs.current_sync_states[stream_id], state)
 
     def host_waits(self, state: dict) -> None:
         """The host waited for ``state``: all work queued after this is ordered after it."""
@@ -234,8 +234,8 @@ class StreamChecker(TorchDispatchMode):
             self.memory.judge_frees()
             syncs = self.accesses.syncs
             for stream_state in syncs.current_sync_states.values():
-                syncs._state_wait_for_other(stream_state, state)
-            syncs._state_wait_for_other(syncs.host_sync_state, state)
+                torch_adapter.sanitizer_wait(syncs, stream_state, state)
+            torch_adapter.sanitizer_wait(syncs, syncs.host_sync_state, state)
 
     def host_waits_for_all(self) -> None:
         with self.lock:
@@ -310,7 +310,7 @@ class StreamChecker(TorchDispatchMode):
             self.record_stream_id(tensor, stream)
         end = self.state_of(stream)
         for value in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
-            if isinstance(value, torch.ScriptObject) and "Work" in str(value._type()):
+            if isinstance(value, torch.ScriptObject) and "Work" in torch_adapter.script_type(value):
                 work = torch.distributed.Work.unbox(value)
                 self.works[id(work)] = (work, end)
         if self.patches.waits_inline():  # DDP's constructor and helpers wait for theirs in C++
@@ -371,14 +371,14 @@ class StreamChecker(TorchDispatchMode):
 def _group_in(args) -> object | None:
     """The process group a ``c10d`` op is issued on (None: one it does not name)."""
     for value in pytree.tree_leaves(args):
-        if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type()):
+        if isinstance(value, torch.ScriptObject) and "ProcessGroup" in torch_adapter.script_type(value):
             return torch.distributed.ProcessGroup.unbox(value)
     return None
 
 
 def _writes(func, tensor: torch.Tensor, args) -> bool:
     """Whether ``func`` writes ``tensor`` (a mutable argument of its schema)."""
-    for argument, value in zip(func._schema.arguments, args):
+    for argument, value in zip(torch_adapter.op_schema(func).arguments, args):
         if value is tensor and argument.alias_info is not None and argument.alias_info.is_write:
             return True
     return False

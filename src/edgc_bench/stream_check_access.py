@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from torch.cuda._sanitizer import StreamSynchronizations
 
+from edgc import torch_adapter
+
 from .op_traffic import tensors_in
 
 FACTORY = re.compile("(new_.*|.*_like)")
@@ -112,7 +114,7 @@ _ROLES: dict = {}  # operator → (role of each argument, whether its results ar
 def _roles(func) -> tuple[tuple, bool]:
     known = _ROLES.get(func)
     if known is None:
-        schema = func._schema
+        schema = torch_adapter.op_schema(func)
         factory = bool(FACTORY.match(schema.name))
         if func.namespace == "c10d":  # no alias marks: by name (see the module docstring)
             roles = tuple(

@@ -120,7 +120,7 @@ class Patches:
 
     def _wait_event(self, original):
         def wait_event(stream, event):
-            recorded = getattr(event, "_checker_state", None)
+            recorded = getattr(event, "edgc_checker_state", None)
             if recorded is not None and self._watching():
                 self.checker.wait(self._id(stream), recorded)
 
@@ -145,13 +145,13 @@ class Patches:
     def _event_record(self, original):
         def record(event, stream=None):
             if self._watching():
-                event._checker_state = self.checker.state_of(self._id(stream))
+                event.edgc_checker_state = self.checker.state_of(self._id(stream))
 
         return record
 
     def _event_wait(self, original):
         def wait(event, stream=None):
-            recorded = getattr(event, "_checker_state", None)
+            recorded = getattr(event, "edgc_checker_state", None)
             if recorded is not None and self._watching():
                 self.checker.wait(self._id(stream), recorded)
 
@@ -159,7 +159,7 @@ class Patches:
 
     def _event_synchronize(self, original):
         def synchronize(event):
-            recorded = getattr(event, "_checker_state", None)
+            recorded = getattr(event, "edgc_checker_state", None)
             if recorded is not None and self._watching():
                 self.checker.host_waits(recorded)
                 self.checker.note_host_sync("Event.synchronize")

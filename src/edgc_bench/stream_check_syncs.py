@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
+from edgc import torch_adapter
+
 aten = torch.ops.aten
 
 # Operators whose output size depends on values, or that read values to check errors.
@@ -54,7 +56,7 @@ class HostSync:
 
 
 def _argument(func, args, kwargs, name: str, default=None):
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(torch_adapter.op_schema(func).arguments):
         if argument.name == name:
             return args[position] if position < len(args) else kwargs.get(name, default)
     return default

@@ -216,7 +216,7 @@ def _heal(rank: int, model, inner, diloco, policy: str) -> None:
     if rank == 1:
         inner.load_state_dict(received[0])
     if hasattr(diloco, "state"):
-        heal_error_feedback(diloco.state, policy, healed=rank == 1)
+        heal_error_feedback(diloco.state.error_table(), diloco.state.comm, policy, healed=rank == 1)
 
 
 class _Probe:

@@ -23,6 +23,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from edgc.integrations import torchft_adapter
+
 # DiLoCo's outer learning rate (Douillard et al., 2023) with less than its 0.9 Nesterov momentum:
 # at tens of inner steps per outer step and rank 2, 0.9 ended 0.66 nats worse than 0.5 (one seed, 160 steps).
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
@@ -163,7 +165,7 @@ def _diloco(model, inner, schedule, sampler, cfg, arm: dict, seed: int) -> dict:
             loss.backward()
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            due = diloco._local_step == sync_every - 1
+            due = torchft_adapter.local_step(diloco) == sync_every - 1
             feedback = feedback_ratio(diloco) if due else None  # before the outer step's sync
             inner.step()  # every sync_every-th: the outer step
             schedule.step()
@@ -222,7 +224,7 @@ def feedback_ratio(diloco) -> float | None:
     if not errors:
         return None
     feedback = math.sqrt(sum(float(torch.dot(e.reshape(-1), e.reshape(-1))) for e in errors.values()))
-    fragment = diloco._fragments[0]
+    fragment = torchft_adapter.fragments(diloco)[0]
     delta = math.sqrt(
         sum(
             float((b - p.detach()).square().sum())

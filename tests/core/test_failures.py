@@ -297,7 +297,7 @@ def test_half_precision_wire_scales_factors_and_skips_a_step_that_still_overflow
 
 
 def test_profiling_sums_of_an_older_state_still_load():
-    from edgc.state import profile_seconds
+    from edgc.profiling import profile_seconds
 
     assert profile_seconds([0.6, 1.8, 3]) == [0.6, 3, 1.8, 3]  # one step count for both sums
     assert profile_seconds([0.6, 3, 0.9, 1]) == [0.6, 3, 0.9, 1]

@@ -59,16 +59,16 @@ def test_decay_and_heal_change_the_error_feedback_in_place():
     state = QuantizedState(bits=2, chunk=64)
     reduce(state, grads_of())
     before = {n: e.clone() for n, e in error_table(state).items()}
-    decay_error_feedback(state, 0.5)
+    decay_error_feedback(error_table(state), 0.5)
     assert all(torch.equal(error_table(state)[n], 0.5 * e) for n, e in before.items())
-    heal_error_feedback(state, "keep", healed=True)
+    heal_error_feedback(error_table(state), state.comm, "keep", healed=True)
     assert all(torch.equal(error_table(state)[n], 0.5 * e) for n, e in before.items())
-    heal_error_feedback(state, "peer", healed=True)  # a world of one: its own rank 0's
+    heal_error_feedback(error_table(state), state.comm, "peer", healed=True)  # a world of one: its own rank 0's
     assert all(torch.equal(error_table(state)[n], 0.5 * e) for n, e in before.items())
-    heal_error_feedback(state, "zero", healed=True)
+    heal_error_feedback(error_table(state), state.comm, "zero", healed=True)
     assert all(not e.any() for e in error_table(state).values())
     with pytest.raises(ValueError, match="heal policy"):
-        heal_error_feedback(state, "mean", healed=True)
+        heal_error_feedback(error_table(state), state.comm, "mean", healed=True)
 
 
 def test_a_rolled_back_step_restores_the_error_feedback():

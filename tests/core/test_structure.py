@@ -1,5 +1,6 @@
 """The library's shape by composition, held so that it cannot drift back: a state that owns a few
-collaborators, no class on two library bases, short functions, one definition per setting. Read
+collaborators, no class on two library bases, short functions, one definition per setting, no
+private member of another object reached across modules, ruff's checks alike on every file. Read
 from the source with `ast` where it can be, and from one small state that has stepped."""
 
 from __future__ import annotations
@@ -101,3 +102,109 @@ def test_each_setting_is_defined_once_and_flat_keywords_reach_the_nested_engine(
     assert config.engine == LowRankConfig(error_feedback=False, seed=3)
     assert (config.error_feedback, config.seed) == (False, 3)
     assert EDGCConfig.from_dict(config.to_dict()) == config and "error_feedback" in config.to_dict()
+
+
+# The modules that may read another library's private members, one per library: each docstring names
+# what it reads and why, so that a rename upstream changes one file.
+LIBRARY_ADAPTERS = {"edgc/torch_adapter.py", "edgc/fsdp_adapter.py", "edgc/integrations/torchft_adapter.py"}
+FIRST_PARTY = ("edgc", "edgc_train", "edgc_bench", "edgc_sim", "edgc_experiments", "edgc_cli")
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def third_party_imports(tree: ast.Module) -> set[str]:
+    """The names a module binds by importing another library (a library's module-level names are its API)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+            names -= {alias.asname or alias.name for alias in node.names if alias.name.startswith(FIRST_PARTY)}
+        elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith(FIRST_PARTY):
+            names |= {alias.asname or alias.name for alias in node.names}
+    for node in tree.body:  # a module-level alias of a library's namespace (``aten = torch.ops.aten``)
+        if isinstance(node, ast.Assign) and isinstance(root := root_of(node.value), ast.Name) and root.id in names:
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+    return names
+
+
+def own_private_names(tree: ast.Module) -> set[str]:
+    """The private names this module defines: its functions, classes and their members."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+    return {name for name in names if is_private(name)}
+
+
+def root_of(node: ast.expr) -> ast.expr:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node
+
+
+def foreign_private_reaches(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, expression) of each ``x._name`` read or assigned where ``_name`` is another module's or
+    another library's member: ``x`` is not ``self``, ``cls`` or ``super()``, this module defines no
+    ``_name``, and ``x`` is not a name imported from another library (``torch._foreach_add_``)."""
+    imported, own = third_party_imports(tree), own_private_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and is_private(node.attr)) or node.attr in own:
+            continue
+        base, root = node.value, root_of(node.value)
+        if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            continue
+        if isinstance(root, ast.Name) and root.id in imported:
+            continue
+        found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_private_reach_finder_sees_another_objects_members_only():
+    tree = ast.parse(
+        "import torch\nfrom .reducer import GradientReducer\n"
+        "class A:\n    def _own(self):\n        self._x = 1\n"
+        "def f(state, other: A):\n"
+        "    state._guard.first_use(state)\n    state.comm._pg = None\n    other._own()\n    other._x\n"
+        "    super()._snapshot()\n    torch._foreach_add_([], [])\n    GradientReducer._reduce\n"
+    )
+    assert [text for _, text in sorted(foreign_private_reaches(tree))] == [
+        "state._guard",
+        "state.comm._pg",
+        "GradientReducer._reduce",
+    ]
+
+
+def test_no_module_reaches_into_another_objects_private_members():
+    """Across src/, a part is used through what it offers; what must be read inside PyTorch, FSDP2 or
+    torchft is read in that library's adapter module alone."""
+    source = LIBRARY.parent
+    reaches = [
+        f"{path.relative_to(source)}:{line}: {text}"
+        for path in sorted(source.rglob("*.py"))
+        if str(path.relative_to(source)) not in LIBRARY_ADAPTERS
+        for line, text in foreign_private_reaches(ast.parse(path.read_text()))
+    ]
+    assert reaches == [], "use a public method of that part, or the library's adapter module"
+
+
+def test_ruff_checks_every_file_alike():
+    """No per-file exemption from ruff's checks: neither in pyproject.toml nor a file's own ``ruff: noqa``."""
+    root = LIBRARY.parents[1]
+    assert "per-file-ignores" not in (root / "pyproject.toml").read_text()
+    exempt = [
+        str(path.relative_to(root))
+        for folder in ("src", "tests", "scripts", "examples", "docs")
+        for path in (root / folder).rglob("*.py")
+        if any(line.lstrip().startswith(("# ruff: noqa", "# flake8: noqa")) for line in path.read_text().splitlines())
+    ]
+    assert exempt == []

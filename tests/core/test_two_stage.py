@@ -62,7 +62,7 @@ def three_steps(rank, world_size, spare=False, bucket=500):
     torch.manual_seed(rank)
     state = TwoStageQuantState(None, bits=3, bucket_values=bucket)
     if spare:  # group rank 2 is a spare: three members own the chunks, two contribute
-        state.comm = SpareCommunicator(rank)
+        state.attach(SpareCommunicator(rank))
     steps = []
     for _ in range(3):
         grads = [torch.randn(s) for s in SHAPES]

@@ -6,6 +6,7 @@ Modules:
     torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages; DiLoCo
     torchft_managed.py a sync state under torchft's manager: collectives, the verdict per step, heals
     torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
+    torchft_adapter.py the one place that reads torchft's private members (its process group, timeout, DiLoCo's step)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def check_group(state: object) -> None:
     another group than DDP's. Raises if the world size it holds still differs from the group's.
     """
     if isinstance(state, GradientReducer):
-        state._guard.first_use(state)
+        state.check_group()
     if isinstance(state, GradientReducer) and dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(state.comm.group)
         if state.comm.world_size != world:

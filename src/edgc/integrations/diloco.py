@@ -268,7 +268,7 @@ class DiLoCo:
             deltas.append(delta)
         fragment.copied()
         fragment.deltas = deltas
-        decay_error_feedback(self.state, self._decay)
+        decay_error_feedback(self.state.error_table(), self._decay)
         # A state that leaves the whole M in its error feedback on a rollback (`edgc.two_stage`) needs
         # no copy of Δ to carry: 4 bytes a parameter fewer while the verdict is out.
         keeps = self.state.rollback_keeps_input

@@ -53,6 +53,7 @@ from ..plans import PROFILE
 from ..reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
 from ..sync_methods import sync_method
+from . import torchft_adapter
 from .diloco import DiLoCo as _DiLoCo
 from .torchft_managed import ManagedCommunicator, ManagedSteps  # noqa: F401 - part of this integration's API
 from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
@@ -85,7 +86,7 @@ class TorchFTEDGCState(EDGCState):
         model: nn.Module | None = None,
         state_key: str = STATE_KEY,
     ):
-        if getattr(manager, "_use_async_quorum", False):
+        if torchft_adapter.uses_async_quorum(manager):
             raise ValueError(
                 "EDGC on torchft needs Manager(use_async_quorum=False): a healing replica must "
                 "load the quorum's rank before the step's first collective"
@@ -184,7 +185,7 @@ class DiLoCo(_DiLoCo):
         error_feedback_decay: float = 1.0,
         state_key: str = "edgc_diloco",
     ):
-        if getattr(manager, "_use_async_quorum", False):
+        if torchft_adapter.uses_async_quorum(manager):
             raise ValueError(
                 "DiLoCo needs Manager(use_async_quorum=False): a healing replica must load the "
                 "shared state before the outer sync"

@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from ..comm import Communicator
 from ..reducer import GradientReducer
+from . import torchft_adapter
 
 try:
     from torchft.manager import Manager
@@ -76,7 +77,7 @@ class ManagedCommunicator(Communicator):
 
     def refresh(self) -> None:
         """Take the current quorum's size and this replica's place in it (blocks on a pending quorum)."""
-        if getattr(self.manager, "_quorum_future", None) is None:
+        if not torchft_adapter.quorum_started(self.manager):
             return  # no quorum started yet (construction): nothing to ask
         self.world_size = max(1, self.manager.num_participants())
         rank = self.manager.participating_rank()
@@ -120,7 +121,7 @@ class ManagedCommunicator(Communicator):
         try:  # the step is lost, the group is sound: keep in step with peers that do not know it yet
             options = AllreduceOptions()
             options.reduceOp = op
-            return _Watched(manager._pg.allreduce([tensor], options), self)
+            return _Watched(torchft_adapter.process_group(manager).allreduce([tensor], options), self)
         except Exception:  # noqa: BLE001 - already reported; nothing left to keep in step with
             self.collective_failed = True
             return _Watched(None, self)
@@ -132,7 +133,8 @@ class ManagedCommunicator(Communicator):
         if self.collective_failed:
             return _Watched(None, self)  # the step is lost and the group is suspect: issue nothing more
         try:
-            return _Watched(start(self.manager._pg), self, self.manager._timeout)
+            manager = self.manager
+            return _Watched(start(torchft_adapter.process_group(manager)), self, torchft_adapter.timeout(manager))
         except Exception as error:  # noqa: BLE001 - reported: the step is not committed
             self.manager.report_error(error)
             self.collective_failed = True
@@ -140,12 +142,12 @@ class ManagedCommunicator(Communicator):
 
     def _all_to_all_work(self, out: torch.Tensor, tensor: torch.Tensor):
         options = AllToAllOptions()
-        options.timeout = self.manager._timeout
+        options.timeout = torchft_adapter.timeout(self.manager)
         return self._direct(lambda pg: pg.alltoall_base(out, tensor, [], [], options))
 
     def _all_gather_into_work(self, out: torch.Tensor, tensor: torch.Tensor):
         options = AllgatherOptions()
-        options.timeout = self.manager._timeout
+        options.timeout = torchft_adapter.timeout(self.manager)
         return self._direct(lambda pg: pg.allgather_into_tensor_coalesced([out], [tensor], options))
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -181,7 +183,7 @@ def _group_place(manager: Manager, rank: int, participants: int) -> tuple[int, i
     """(rank, size) of this replica in the quorum's process group: the members a two-stage sync's
     chunks are owned by (spares included); a process group that does not say: the participants."""
     try:
-        parent = manager._pg.parent
+        parent = torchft_adapter.process_group(manager).parent
         return parent.rank(), parent.size()
     except (AttributeError, AssertionError):
         return max(rank, 0), participants
@@ -198,8 +200,7 @@ class ManagedSteps:
     ``steps_uncounted`` count what the faults cost."""
 
     def __init__(self, state: GradientReducer, manager: Manager, state_key: str, shared, load_shared, uncounted=None):
-        state.comm = ManagedCommunicator(manager)
-        state.defer_commit = True
+        state.attach(ManagedCommunicator(manager), defer_commit=True)
         self.state, self.manager = state, manager
         self._shared, self._load_shared, self._uncounted = shared, load_shared, uncounted
         self.steps_discarded = 0  # steps whose sync ran but which the manager did not commit
