@@ -40,6 +40,7 @@ Modules:
     mesh.py         the one `DeviceMesh` (dp_replicate, pp, dp_shard, ep, tp) every group comes from
     comm.py         collectives over one process group (or a mesh dimension)
     baselines.py    baseline compressors (casts, top-k, random-k, QSGD) as `GradientReducer`s
+    error_feedback.py the error-feedback sync methods' one base: M = G + e, the residual kept, checkpoints
     sync_methods.py the registry of sync methods the tools know by name (the baselines, and yours)
     outer_sync.py   DiLoCo's quantised outer sync (b bits a value, error feedback), error-feedback decay and heal
     two_stage.py    the two-stage compressed all-reduce (all-to-all, owners reduce, all-gather): DiLoCo's default

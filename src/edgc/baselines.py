@@ -44,26 +44,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .error_feedback import BASELINE_FORMAT, COMPRESSED, ErrorFeedbackReducer, check_format
+from .error_feedback import unpack as _unpack
 from .factors import stable_seed
 from .lowrank import ReduceStats
 from .reducer import GradientReducer
-from .timing import state_to_device, state_to_host
 
-BASELINE_FORMAT = "edgc-baseline/1"
 CAST_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def _pack(grads: list[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
     return flat if flat is not None else torch.cat([g.reshape(-1) for g in grads])
-
-
-def _unpack(packed: torch.Tensor, grads: list[torch.Tensor], flat: torch.Tensor | None) -> None:
-    if flat is not None and packed.data_ptr() == flat.data_ptr():
-        return
-    offset = 0
-    for g in grads:
-        g.view(-1).copy_(packed[offset : offset + g.numel()].to(g.dtype))
-        offset += g.numel()
 
 
 class CastState(GradientReducer):
@@ -106,135 +97,14 @@ class CastState(GradientReducer):
         )
 
     def _settle_step(self, record, host) -> dict:
-        return {"phase": "compress", "rank": None, "entropy": None}
+        return dict(COMPRESSED)
 
     def state_dict(self) -> dict:
         return {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        _check_format(state, self.method)
+        check_format(state, self.method)
         super().load_state_dict(state)
-
-
-class _ErrorFeedbackReducer(GradientReducer):
-    """Shared part of the sparsifiers and the quantiser: M = G + e in fp32, the EF update, checkpoints."""
-
-    method = ""
-    ARGUMENTS: tuple[str, ...] = ()  # the constructor's own arguments, kept under their names: agreed
-
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        error_feedback: bool = True,
-        model: nn.Module | None = None,
-    ):
-        super().__init__(process_group, model=model)
-        self.error_feedback = bool(error_feedback)
-        self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, fp32, the parameter's shape
-        self._call = 0  # calls (buckets) so far in this step
-
-    def _plan_step(self, record) -> None:
-        self._call = 0
-
-    def agreed_settings(self, device: torch.device) -> dict[str, Any]:
-        """`GradientReducer.agreed_settings`, with ``error_feedback`` and the subclass's `ARGUMENTS`."""
-        named = {"error_feedback": self.error_feedback, **{name: getattr(self, name) for name in self.ARGUMENTS}}
-        return {**super().agreed_settings(device), **{f"{type(self).__name__}.{k}": v for k, v in named.items()}}
-
-    def error_table(self) -> dict[str, torch.Tensor]:
-        """`GradientReducer.error_table`: ``error``."""
-        return self.error
-
-    def _on_device(self, device: torch.device) -> None:
-        # The jobs' stream reads a loaded error feedback and replaces it (`edgc.timing.state_to_device`).
-        self.error = state_to_device(self.error, device, self._jobs.stream)
-
-    def _corrected(self, names: list[str], grads: list[torch.Tensor]) -> torch.Tensor:
-        """M = G + e as one flat fp32 (fp64 for fp64 gradients) vector."""
-        dtype = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
-        parts = []
-        for name, g in zip(names, grads):
-            part = g.reshape(-1).to(dtype)
-            error = self.error.get(name) if self.error_feedback else None
-            if error is not None and error.numel() == g.numel():
-                part = part + error.reshape(-1).to(dtype)
-            parts.append(part)
-        return torch.cat(parts)
-
-    def _finish(
-        self,
-        names: list[str],
-        grads: list[torch.Tensor],
-        flat: torch.Tensor | None,
-        corrected: torch.Tensor,
-        sent_local: torch.Tensor,
-        average: torch.Tensor,
-        elements_sent: int,
-        bytes_sent: int,
-    ) -> None:
-        """Write ``average`` into the gradients; e ← corrected − sent_local; record the metrics."""
-        if flat is not None:
-            flat.copy_(average.to(flat.dtype))  # grads are views into DDP's bucket buffer
-        else:
-            _unpack(average, grads, flat)
-        residual = corrected - sent_local
-        if self.error_feedback:
-            offset = 0
-            for name, g in zip(names, grads):
-                self.error[name] = residual[offset : offset + g.numel()].view(g.shape).clone()
-                offset += g.numel()
-        n = corrected.numel()
-        # Device values, read once at the end of the step (`GradientReducer._close_step`).
-        self._add_stats(
-            ReduceStats(
-                n,
-                elements_sent,
-                n * grads[0].element_size(),
-                bytes_sent,
-                error_sq=torch.dot(residual, residual),
-                norm_sq=torch.dot(corrected, corrected),
-                ranks={name: 0 for name in names},
-            )
-        )
-        self._call += 1
-
-    def _settle_step(self, record, host) -> dict:
-        return {"phase": "compress", "rank": None, "entropy": None}
-
-    def state_dict(self) -> dict:
-        return {
-            "format": BASELINE_FORMAT,
-            "method": self.method,
-            **super().state_dict(),
-            "error": state_to_host(self.error),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        _check_format(state, self.method)
-        error = state.get("error")
-        if not isinstance(error, dict):
-            raise ValueError(f"corrupt {self.method} state: 'error' must be a table of tensors")
-        for name, tensor in error.items():
-            shape = self.parameter_shapes.get(name)
-            if self.parameter_shapes and shape is None:
-                raise ValueError(f"{self.method} state has error feedback for {name!r}, which the model does not have")
-            if shape is not None and tuple(tensor.shape) != shape:
-                raise ValueError(
-                    f"{self.method} state error of {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the parameter needs {shape}"
-                )
-        super().load_state_dict(state)
-        self.error = dict(error)
-        if int(state["world_size"]) != self.comm.world_size:
-            self.error.clear()  # residuals are per rank: they cannot be split or merged
-        if self.device is not None:
-            self._on_device(self.device)
-
-
-def _check_format(state: dict, method: str) -> None:
-    if not isinstance(state, dict) or state.get("format") != BASELINE_FORMAT or state.get("method") != method:
-        raise ValueError(f"not a {method} compressor state (expected format {BASELINE_FORMAT!r})")
 
 
 def _keep(n: int, ratio: float) -> int:
@@ -283,7 +153,7 @@ def first_of_runs(ordered: torch.Tensor) -> torch.Tensor:
     return torch.where(begins, positions, 0).cummax(0).values
 
 
-class TopKState(_ErrorFeedbackReducer):
+class TopKState(ErrorFeedbackReducer):
     """Global top-k by magnitude per call; values + int32 indices in one all-gather; error feedback.
 
     ``ratio``: the share of entries sent, in (0, 1]; ``error_feedback``: keep what was not sent for
@@ -319,7 +189,7 @@ class TopKState(_ErrorFeedbackReducer):
         self._finish(names, grads, flat, corrected, sent_local, average, 2 * k, message.numel() * 4)
 
 
-class RandomKState(_ErrorFeedbackReducer):
+class RandomKState(ErrorFeedbackReducer):
     """k entries at shared random indices (same on every rank, no index traffic), one all-reduce.
 
     Indices are k draws with replacement from a generator on the gradients' device seeded by
@@ -375,7 +245,7 @@ class RandomKState(_ErrorFeedbackReducer):
         return {**super().state_dict(), "seed": self.seed}
 
 
-class QSGDState(_ErrorFeedbackReducer):
+class QSGDState(ErrorFeedbackReducer):
     """8-bit stochastic quantisation (QSGD with max-abs scaling per chunk), one all-gather; error feedback.
 
     Per chunk of ``chunk`` elements: scale = max|x| / 127, q = ⌊|x|/scale + u⌋·sign(x) with

@@ -25,6 +25,7 @@ COMM_DTYPES = (None, "bfloat16", "float16", "float32")
 ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
 ORTHONORMALIZATION_CHOICES = ("auto", "householder", "cholesky2-fp64", "cholesky4-fp32")
 RANK_CHANGES = ("warm", "truncate")
+POWER_ITERATIONS = (1, 2)
 
 
 def _check_engine_fields(check: FieldCheck) -> None:
@@ -37,6 +38,8 @@ def _check_engine_fields(check: FieldCheck) -> None:
     check.choice("communication_dtype", COMM_DTYPES)
     check.integer("seed", 0)
     check.choice("rank_change", RANK_CHANGES)
+    check.choice("power_iterations", POWER_ITERATIONS)
+    check.boolean("force_accelerator_kernels")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +72,15 @@ class LowRankConfig:
     rank_change: str = "warm"
     """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first
     columns, random new ones)."""
+
+    # Set by whoever builds the engine (DiLoCo's outer sync, a dispatch count), not by a run's
+    # EDGCConfig: neither given flat nor in its to_dict, so config.json and checkpoints read as before.
+    power_iterations: int = 1
+    """Power iterations a compressed call runs: 1, or 2 for a second on the compressed matrices (twice their bytes)."""
+
+    force_accelerator_kernels: bool = False
+    """A CPU runs a fast-float64 GPU's kernels (its orthonormalisation, its error feedback's path): dispatch counts,
+    tests of that path."""
 
     def __post_init__(self) -> None:
         _check_engine_fields(FieldCheck(self))
@@ -321,7 +333,8 @@ class EDGCConfig:
             return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
-        return {k: plain(v) for k, v in {**values, **dataclasses.asdict(self.engine)}.items()}
+        engine = {name: getattr(self.engine, name) for name in ENGINE_FIELDS}
+        return {k: plain(v) for k, v in {**values, **engine}.items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EDGCConfig:
@@ -336,7 +349,8 @@ class EDGCConfig:
         return cls(**values)
 
 
-ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(LowRankConfig))
+ENGINE_OWNER_FIELDS = ("power_iterations", "force_accelerator_kernels")  # the engine's owner's (`LowRankConfig`)
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(LowRankConfig) if f.name not in ENGINE_OWNER_FIELDS)
 
 
 def _engine_fields_flat(config_class: type) -> type:
@@ -399,6 +413,7 @@ __all__ = [
     "ENTROPY_ESTIMATORS",
     "RANK_CHANGES",
     "ENGINE_FIELDS",
+    "ENGINE_OWNER_FIELDS",
 ]
 
 
@@ -406,7 +421,8 @@ def config_table_markdown() -> str:
     """The manual's table of every EDGCConfig field, generated from the dataclasses themselves: the
     engine's fields last, under the flat names a user gives them."""
     rows = ["| field | default | meaning, unit, valid range |", "| --- | --- | --- |"]
-    for name, default, doc in field_docs(EDGCConfig) + field_docs(LowRankConfig):
+    engine = [row for row in field_docs(LowRankConfig) if row[0] in ENGINE_FIELDS]
+    for name, default, doc in field_docs(EDGCConfig) + engine:
         shown = "LowRankConfig()" if name == "engine" else repr(default)
         rows.append(f"| `{name}` | `{shown}` | {doc.replace('|', '∣')} |")
     return "\n".join(rows)

@@ -147,10 +147,8 @@ class LowRankCompressor:
     """PowerSGD compression of named gradients with error feedback and warm-started Q; see the module
     docstring. ``config``: the engine's `LowRankConfig` (or an `EDGCConfig`, whose ``engine`` it is).
 
-    ``state``: what it keeps between steps (`edgc.engine_state.EngineState`); ``power_iterations``:
-    1, or 2 for a second power iteration on the compressed matrices (DiLoCo's outer sync);
-    ``force_accelerator_kernels``: a CPU runs a fast-float64 GPU's orthonormalisation (a dispatch
-    count, a test of that path)."""
+    ``state``: what it keeps between steps (`edgc.engine_state.EngineState`). ``power_iterations`` and
+    ``force_accelerator_kernels`` are its config's (`LowRankConfig`), set when it is built."""
 
     def __init__(self, config: LowRankConfig | EDGCConfig):
         if isinstance(config, EDGCConfig):
@@ -159,8 +157,16 @@ class LowRankCompressor:
             raise TypeError(f"LowRankCompressor takes a LowRankConfig (or an EDGCConfig), got {type(config).__name__}")
         self.config = config
         self.state = EngineState(config)
-        self.power_iterations = 1
-        self.force_accelerator_kernels = False
+
+    @property
+    def power_iterations(self) -> int:
+        """`LowRankConfig.power_iterations`: 1, or 2 for a second power iteration on the compressed matrices."""
+        return self.config.power_iterations
+
+    @property
+    def force_accelerator_kernels(self) -> bool:
+        """`LowRankConfig.force_accelerator_kernels`: a CPU runs a fast-float64 GPU's kernels."""
+        return self.config.force_accelerator_kernels
 
     @property
     def q(self) -> dict[str, torch.Tensor]:

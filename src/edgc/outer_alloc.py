@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from .outer_sync import QuantizedState, pack, unpack
+from .error_feedback import ErrorFeedbackReducer
+from .outer_sync import check_chunk, dequantize, message_bytes, pack, quantize, unpack
 from .timing import host_reads_allowed
 
 CANDIDATES = (2, 3, 4, 6, 8)
@@ -37,7 +38,7 @@ def allocate(
     """Bits per tensor: start at ``candidates[0]``, widen where the error falls most per byte within the budget.
 
     ``errors[t][c]``: tensor t's squared error at ``candidates[c]``; ``sizes[t]``: its values."""
-    costs = [[math.ceil(n / 8) * b + 4 * math.ceil(n / chunk) for b in candidates] for n in sizes]
+    costs = [[message_bytes(n, b, chunk) for b in candidates] for n in sizes]
     return [candidates[c] for c in allocate_by_cost(errors, costs, budget_bytes)]
 
 
@@ -69,11 +70,13 @@ def allocate_by_cost(errors: list[list[float]], costs: list[list[int]], budget_b
     return choice
 
 
-class AllocatedQuantState(QuantizedState):
-    """Quantised outer sync with bits per tensor by measured error per byte (see the module docstring)."""
+class AllocatedQuantState(ErrorFeedbackReducer):
+    """Quantised outer sync with bits per tensor by measured error per byte (see the module docstring);
+    `edgc.outer_sync.QuantizedState`'s codes, at a width per tensor."""
 
     method = "allocated"
     ARGUMENTS = ("mean_bits", "chunk")  # its argument ``bits`` is kept as mean_bits
+    ROLLBACK_RESTORES_ERROR = True  # as `QuantizedState`'s
 
     def __init__(
         self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True, model=None
@@ -81,7 +84,9 @@ class AllocatedQuantState(QuantizedState):
         """``bits``: the mean bits a value over the step (scales included, between the narrowest and the
         widest of `CANDIDATES`); ``process_group``, ``chunk``, ``error_feedback`` and ``model`` as
         `QuantizedState`'s."""
-        super().__init__(process_group, bits=CANDIDATES[-1], chunk=chunk, error_feedback=error_feedback, model=model)
+        super().__init__(process_group, error_feedback=error_feedback, model=model)
+        check_chunk(chunk)
+        self.bits, self.chunk = CANDIDATES[-1], chunk  # the widest: its checkpoint's "bits", as ever
         if not CANDIDATES[0] <= bits <= CANDIDATES[-1]:
             raise ValueError(f"bits: the mean width must be in [{CANDIDATES[0]}, {CANDIDATES[-1]}], got {bits!r}")
         self.mean_bits = float(bits)
@@ -90,14 +95,16 @@ class AllocatedQuantState(QuantizedState):
     def _choose(self, names: list[str], parts: list[torch.Tensor]) -> list[int]:
         errors = torch.stack(
             [
-                torch.stack([(part - self.dequantize(*self.quantize(part, b), b)).square().sum() for b in CANDIDATES])
+                torch.stack(
+                    [(part - self._decoded(*quantize(part, b, self.chunk), b)).square().sum() for b in CANDIDATES]
+                )
                 for part in parts
             ]
         ).double()
         with host_reads_allowed():  # the module docstring's one read per outer step
             table = self.comm.mean_(errors).tolist()  # identical on every rank: the same choice everywhere
         sizes = [p.numel() for p in parts]
-        budget = sum(math.ceil(n / 8) * self.mean_bits + 4 * math.ceil(n / self.chunk) for n in sizes)
+        budget = sum(message_bytes(n, self.mean_bits, self.chunk) for n in sizes)
         return allocate(table, sizes, self.chunk, budget)
 
     def _reduce(self, names, grads, flat) -> None:
@@ -107,9 +114,9 @@ class AllocatedQuantState(QuantizedState):
         self.last_bits = dict(zip(names, widths))
         messages, sent_local = [], []
         for part, bits in zip(parts, widths):
-            codes, scale = self.quantize(part, bits)
+            codes, scale = quantize(part, bits, self.chunk)
             messages += [pack(codes, bits), scale.view(torch.uint8)]
-            sent_local.append(self.dequantize(codes, scale, bits))
+            sent_local.append(self._decoded(codes, scale, bits))
         message = torch.cat(messages)
         average = torch.zeros_like(corrected)
         for received in self.comm.all_gather(message):
@@ -134,8 +141,11 @@ class AllocatedQuantState(QuantizedState):
             codes = unpack(message[offset : offset + packed_bytes], bits, n)
             scale = message[offset + packed_bytes : offset + packed_bytes + scale_bytes].clone().view(torch.float32)
             offset += packed_bytes + scale_bytes
-            values.append(self.dequantize(codes, scale, bits))
+            values.append(self._decoded(codes, scale, bits))
         return torch.cat(values)
+
+    def _decoded(self, codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+        return dequantize(codes, scale, bits, self.chunk)
 
     def _settle_step(self, record, host) -> dict:
         sizes = {n: int(math.prod(s)) for n, s in self.parameter_shapes.items()}
@@ -144,4 +154,4 @@ class AllocatedQuantState(QuantizedState):
         return {**super()._settle_step(record, host), "mean_bits": mean, "bits": dict(self.last_bits)}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "mean_bits": self.mean_bits}
+        return {**super().state_dict(), "bits": self.bits, "chunk": self.chunk, "mean_bits": self.mean_bits}

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .baselines import _ErrorFeedbackReducer
+from .error_feedback import ErrorFeedbackReducer
 from .outer_alloc import allocate_by_cost
 from .timing import host_reads_allowed
 
@@ -137,11 +137,12 @@ class SparseCodec:
         return decode(message[:code_bytes], scales, lay, self.groups).to(dtype)
 
 
-class SparseQuantState(_ErrorFeedbackReducer):
+class SparseQuantState(ErrorFeedbackReducer):
     """Chunked top-k, coded indices, 2-bit values, all-gathered; error feedback (see the module docstring)."""
 
     method = "sparse"
     ARGUMENTS = ("density", "chunk", "groups")  # agreed across the group before the first sync
+    ROLLBACK_RESTORES_ERROR = True  # torchft's verdict: the residual from before a discarded step comes back
 
     def __init__(
         self,
@@ -212,14 +213,6 @@ class SparseQuantState(_ErrorFeedbackReducer):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "density": self.density, "chunk": self.chunk, "groups": self.groups}
-
-    # Uncommitted steps (torchft's verdict): the residual is the state to restore, as for the quantiser.
-    def _snapshot(self) -> dict:
-        return {**super()._snapshot(), "error": dict(self.error)}
-
-    def _restore(self, snapshot: dict) -> None:
-        super()._restore(snapshot)
-        self.error = snapshot["error"]
 
 
 class AllocatedSparseState(SparseQuantState):

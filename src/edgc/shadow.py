@@ -38,7 +38,8 @@ class ShadowProfiler:
 
     def __init__(self, config: LowRankConfig):
         self.config = config
-        self.compressor = LowRankCompressor(replace(config, error_feedback=False))
+        # a shadow sync times one power iteration, without error feedback
+        self.compressor = LowRankCompressor(replace(config, error_feedback=False, power_iterations=1))
         self.seconds = [0.0, 0, 0.0, 0]
         self._shadow_stamps: list[tuple] = []  # this step's (start, end) of the timed shadow syncs
         self._raw_stamps: list[tuple] = []  # … and of the blocking plain syncs (`StepPlan.profile_raw`)

@@ -55,11 +55,12 @@ from typing import Protocol
 import torch
 
 from . import events, streams
-from .baselines import _ErrorFeedbackReducer
 from .codecs import QuantCodec
 from .comm import FINISHES, ISSUES_MORE
+from .error_feedback import BASELINE_FORMAT, COMPRESSED, checked_error, method_settings
 from .finite import all_finite
 from .lowrank import ReduceStats
+from .reducer import GradientReducer
 from .timing import state_to_device, state_to_host
 
 DEFAULT_BUCKET_VALUES = 2**19  # 2 MiB of fp32 a bucket: three in flight stay a few MiB whatever the model
@@ -160,10 +161,12 @@ class _Call:
                 part.add_(values[at : at + b - a]) if add else part.copy_(values[at : at + b - a])
 
 
-class TwoStageReducer(_ErrorFeedbackReducer):
+class TwoStageReducer(GradientReducer):
     """The two-stage compressed all-reduce with ``codec`` (see the module docstring), in buckets of
     ``bucket_values`` values. ``process_group``, ``error_feedback`` and ``model`` as
-    `edgc.baselines`' states; without error feedback neither stage keeps a remainder."""
+    `edgc.baselines`' states; without error feedback neither stage keeps a remainder. Its error
+    feedback is written in place bucket by bucket and has an owner's part, so it shares
+    `edgc.error_feedback`'s checks and checkpoint format, not its reducer's M = G + e."""
 
     method = "two-stage"
     ARGUMENTS: tuple[str, ...] = ("bucket_values",)  # agreed before the first sync; a codec's own: a subclass's
@@ -177,7 +180,9 @@ class TwoStageReducer(_ErrorFeedbackReducer):
         error_feedback: bool = True,
         model=None,
     ):
-        super().__init__(process_group, error_feedback=error_feedback, model=model)
+        super().__init__(process_group, model=model)
+        self.error_feedback = bool(error_feedback)
+        self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, the parameter's shape
         if not (isinstance(bucket_values, int) and bucket_values >= 1):
             raise ValueError(f"bucket_values: values per bucket, an integer ≥ 1, got {bucket_values!r}")
         self.codec, self.bucket_values = codec, bucket_values
@@ -186,8 +191,9 @@ class TwoStageReducer(_ErrorFeedbackReducer):
         self._undo: list[_Call] = []  # the pending step's calls, for a rollback
 
     def agreed_settings(self, device: torch.device) -> dict:
-        """`_ErrorFeedbackReducer.agreed_settings` with the codec's class."""
-        return {**super().agreed_settings(device), f"{type(self).__name__}.codec": type(self.codec).__qualname__}
+        """`GradientReducer.agreed_settings` with ``error_feedback``, `ARGUMENTS` and the codec's class."""
+        codec = {f"{type(self).__name__}.codec": type(self.codec).__qualname__}
+        return {**super().agreed_settings(device), **method_settings(self), **codec}
 
     @property
     def rollback_keeps_input(self) -> bool:
@@ -322,8 +328,10 @@ class TwoStageReducer(_ErrorFeedbackReducer):
 
     # ------------------------------------------------------------------ uncommitted steps
     def _plan_step(self, record) -> None:
-        super()._plan_step(record)
         self._undo = []
+
+    def _settle_step(self, record, host) -> dict:
+        return dict(COMPRESSED)
 
     def _snapshot(self) -> dict:
         return {**super()._snapshot(), "owner_error": dict(self.owner_error)}
@@ -352,19 +360,29 @@ class TwoStageReducer(_ErrorFeedbackReducer):
     def _commit(self) -> None:
         self._undo = []
 
+    def error_table(self) -> dict[str, torch.Tensor]:
+        """`GradientReducer.error_table`: this rank's own error feedback, ``error`` (an owner's is its chunks')."""
+        return self.error
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         host = state_to_host({key: values for key, (_, values) in self.owner_error.items()})
         owner = {
             key: (list(p.sizes), p.members, p.rank, p.bucket, host[key]) for key, (p, _) in self.owner_error.items()
         }
-        return {**super().state_dict(), "bucket_values": self.bucket_values, "owner_error": owner}
+        own = {"bucket_values": self.bucket_values, "owner_error": owner}
+        base = {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict()}
+        return {**base, "error": state_to_host(self.error), **own}
 
     def load_state_dict(self, state: dict) -> None:
         owner = state.get("owner_error", {})
         if not isinstance(owner, dict):
             raise ValueError(f"corrupt {self.method} state: 'owner_error' must be a table")
+        error = checked_error(self, state)
         super().load_state_dict(state)
+        self.error = error
+        if int(state["world_size"]) != self.comm.world_size:
+            self.error.clear()  # residuals are per rank: they cannot be split or merged
         self.owner_error = {
             key: (Partition(tuple(sizes), members, rank, bucket), values.clone())
             for key, (sizes, members, rank, bucket, values) in owner.items()
@@ -373,8 +391,8 @@ class TwoStageReducer(_ErrorFeedbackReducer):
             self._on_device(self.device)
 
     def _on_device(self, device: torch.device) -> None:
-        super()._on_device(device)
-        # Read and replaced on the jobs' stream, as the error feedback (`edgc.timing.state_to_device`)
+        # Read and replaced on the jobs' stream (`edgc.timing.state_to_device`)
+        self.error = state_to_device(self.error, device, self._jobs.stream)
         loaded = {key: values for key, (_, values) in self.owner_error.items()}
         moved = state_to_device(loaded, device, self._jobs.stream)
         self.owner_error = {key: (p, moved[key]) for key, (p, _) in self.owner_error.items()}

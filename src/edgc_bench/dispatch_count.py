@@ -302,18 +302,17 @@ def sampled_config(rank: int):
     )
 
 
-def as_on_an_accelerator(state) -> None:
-    """Make a state on fake CPU tensors take the path it takes on a GPU with fast float64: buckets
-    fused into jobs of the accelerator default (unless its config sets ``fusion_mb``) and factors
-    orthonormalised by the batched float64 CholeskyQR2 rather than LAPACK's Householder QR
-    (`edgc.lowrank.LowRankCompressor.orthonormalization`)."""
+def as_on_an_accelerator(config):
+    """``config`` (an `EDGCConfig`) for a state on fake CPU tensors that takes the path it takes on a GPU
+    with fast float64: buckets fused into jobs of the accelerator default (unless it sets ``fusion_mb``)
+    and factors orthonormalised by the batched float64 CholeskyQR2 rather than LAPACK's Householder QR
+    (`edgc.config.LowRankConfig.force_accelerator_kernels`)."""
     from dataclasses import replace
 
     from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
 
-    if state.config.fusion_mb is None:
-        state.config = replace(state.config, fusion_mb=DEFAULT_ACCELERATOR_FUSION_MB)
-    state.compressor.force_accelerator_kernels = True
+    fusion_mb = DEFAULT_ACCELERATOR_FUSION_MB if config.fusion_mb is None else config.fusion_mb
+    return replace(config, fusion_mb=fusion_mb, engine=replace(config.engine, force_accelerator_kernels=True))
 
 
 def count_hook_step(
@@ -352,9 +351,9 @@ def count_hook_step(
             for k, indices in enumerate(layout)
         ]
         with LiveStorages() as live:  # everything allocated from here on: the state and its steps
-            state = EDGCState(None, config or _static_config(rank), model=NamedParameters(list(zip(names, parameters))))
-            if accelerator:
-                as_on_an_accelerator(state)
+            config = config or _static_config(rank)
+            config = as_on_an_accelerator(config) if accelerator else config
+            state = EDGCState(None, config, model=NamedParameters(list(zip(names, parameters))))
             state.attach(communicator := counting_communicator(world_size))
             if prepare is not None:
                 prepare(state)
@@ -413,11 +412,10 @@ def count_engine_call(
     GPU's path; on real CPU tensors with ``fake=False``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from edgc import EDGCConfig, LowRankCompressor
+    from edgc import LowRankCompressor, LowRankConfig
 
     with counted_host_reads(_zeros) as host, FakeTensorMode() if fake else contextlib.nullcontext():
-        compressor = LowRankCompressor(EDGCConfig(r_max=rank))
-        compressor.force_accelerator_kernels = True  # the GPU's path
+        compressor = LowRankCompressor(LowRankConfig(force_accelerator_kernels=True))  # the GPU's path
         communicator = counting_communicator()
         names = [f"matrix{k}" for k in range(matrices)]
         grads = [torch.zeros(shape, dtype=dtype) for _ in names]

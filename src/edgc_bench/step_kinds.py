@@ -157,8 +157,8 @@ def process_peak(kind: str, layers: int = 2, rank: int = 32, steps: int = 3) -> 
         bucket.buffer().normal_(generator=generator)
     gc.collect()
     held = _resident_kib("VmRSS")
-    state = EDGCState(None, config_of(kind, rank), model=NamedParameters(list(zip(names, parameters))))
-    as_on_an_accelerator(state)
+    config = as_on_an_accelerator(config_of(kind, rank))
+    state = EDGCState(None, config, model=NamedParameters(list(zip(names, parameters))))
     state.attach(counting_communicator())
     hooks = _hooks(kind)
     if "prepare" in hooks:

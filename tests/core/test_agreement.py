@@ -14,7 +14,7 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import AllReduceState, EDGCConfig, EDGCState, edgc_hook
+from edgc import AllReduceState, EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 from edgc.agreement import SettingsDiffer
 from edgc.integrations.diloco import DiLoCo
 from edgc.sync_methods import sync_method, sync_method_names
@@ -129,8 +129,8 @@ def config_fields(rank: int) -> dict:
     for field, other in ALTERNATIVES.items():
         config = EDGCConfig(**{**BASE, **({field: other} if rank == 1 else {})})
         out[field] = plain(rank, module, EDGCState(None, config, model=module))
-    state = EDGCState(None, EDGCConfig(**BASE), model=module)
-    state.compressor.force_accelerator_kernels = rank == 1  # "auto" resolves to an accelerator's method
+    engine = LowRankConfig(force_accelerator_kernels=rank == 1)  # "auto" resolves to an accelerator's method
+    state = EDGCState(None, EDGCConfig(**BASE, engine=engine), model=module)
     out["resolved"] = plain(rank, module, state)
     out["method"] = plain(rank, module, (AllReduceState if rank else EDGCState)(None, model=module))
     return out

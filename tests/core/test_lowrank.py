@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edgc import EDGCConfig, LowRankCompressor, orthogonalize_
+from edgc import EDGCConfig, LowRankCompressor, LowRankConfig, orthogonalize_
 from edgc.comm import Communicator
 from edgc.factors import orthonormalize_blocks_, orthonormalize_rows_
 
@@ -152,8 +152,8 @@ def test_the_accelerators_kernels_give_the_cpus_averages_and_error_feedback():
     """The engine's two paths (gathered copies and batched CholeskyQR2 on an accelerator; per-matrix
     copies and Householder per block on a CPU) compute the same PowerSGD step: P's column signs may
     differ, P·Qᵀ may not. Checked over steps, so warm-started Q and error feedback carry it."""
-    cpu, accelerator = LowRankCompressor(EDGCConfig(r_max=4)), LowRankCompressor(EDGCConfig(r_max=4))
-    accelerator.force_accelerator_kernels = True
+    cpu = LowRankCompressor(EDGCConfig(r_max=4))
+    accelerator = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(force_accelerator_kernels=True)))
     for step in range(4):
         grads = make_grads(step, dtype=torch.float32)
         names = list(grads)

@@ -1,6 +1,6 @@
 """The CUDA path's stream order and host synchronisations, checked on the CPU (`edgc_bench.stream_check`).
 
-Two gloo processes, on the accelerator's kernels (`LowRankCompressor.force_accelerator_kernels`),
+Two gloo processes, on the accelerator's kernels (`LowRankConfig.force_accelerator_kernels`),
 everything built under the checker (nothing of unknown origin), several steps in a row, metrics
 read where a user would (after the run), not after every step: a host read orders every stream
 and would hide a race between one step and the next. Every scenario must show no two unordered
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
 from edgc.integrations.diloco import DiLoCo
 from edgc_bench.stream_check import StreamChecker
@@ -33,9 +33,9 @@ PROFILED = {key: value for key, value in ADAPTIVE.items() if key not in ("r_max"
 )
 
 
-def accelerator_kernels(state) -> None:
-    state.compressor.force_accelerator_kernels = True
-    state.profiler.compressor.force_accelerator_kernels = True
+def on_accelerator_kernels(**fields) -> EDGCConfig:
+    """The config of ``fields`` whose engine (and its shadow syncs') runs the accelerator's kernels."""
+    return EDGCConfig(**fields, engine=LowRankConfig(force_accelerator_kernels=True))
 
 
 def findings(checker: StreamChecker, **out) -> dict:
@@ -67,10 +67,9 @@ def ddp_worker(rank, world_size, steps):
             torch.manual_seed(0)
             model = TinyTransformer(vocab=256, width=128, layers=1, heads=2)
             ddp = DDP(model, bucket_cap_mb=0.25)
-            state = SlowerWireState(None, EDGCConfig(**PROFILED), model=ddp)
+            state = SlowerWireState(None, on_accelerator_kernels(**PROFILED), model=ddp)
             ddp.register_comm_hook(state, edgc_hook)
             optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-        accelerator_kernels(state)
         ddp_steps(rank, ddp, optimizer, 0, steps, vocab=256)
         metrics = state.last_step_metrics
     return findings(checker, phase=metrics["phase"], schedule=state.controller.schedule, r_max=state.controller.r_max)
@@ -97,10 +96,9 @@ def fsdp_worker(rank, world_size, steps):
             for block in model.blocks:
                 fully_shard(block, mesh=mesh["dp_shard"], mp_policy=policy)
             fully_shard(model, mesh=mesh["dp_shard"], mp_policy=policy)
-            state = EDGCState(mesh.get_group("dp_replicate"), EDGCConfig(**COMPRESS))
+            state = EDGCState(mesh.get_group("dp_replicate"), on_accelerator_kernels(**COMPRESS))
             register_fsdp_comm_hook(model, state)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        accelerator_kernels(state)
         for step in range(steps):
             tokens, targets = fsdp_batch(rank, step)
             loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB).float(), targets.reshape(-1))
@@ -126,10 +124,9 @@ def built_ddp(checker, seed=0):
         torch.manual_seed(seed)
         model = TinyTransformer(vocab=64, width=64, layers=1, heads=2)
         ddp = DDP(model, bucket_cap_mb=0.1)
-        state = EDGCState(None, EDGCConfig(**ADAPTIVE), model=ddp)
+        state = EDGCState(None, on_accelerator_kernels(**ADAPTIVE), model=ddp)
         ddp.register_comm_hook(state, edgc_hook)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    accelerator_kernels(state)
     return model, ddp, state, optimizer
 
 

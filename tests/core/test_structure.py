@@ -208,3 +208,17 @@ def test_ruff_checks_every_file_alike():
         if any(line.lstrip().startswith(("# ruff: noqa", "# flake8: noqa")) for line in path.read_text().splitlines())
     ]
     assert exempt == []
+
+
+def test_sync_methods_sit_at_most_two_classes_below_the_step_runner():
+    """A method's behaviour is read in its class and at most one base below the runner (docs/layout.md,
+    "Sync methods"); AllocatedSparseState is a SparseQuantState by contract."""
+    from edgc.reducer import GradientReducer
+    from edgc.sync_methods import SYNC_METHODS
+
+    def below_runner(cls: type) -> int:
+        return cls.__mro__.index(GradientReducer)
+
+    methods = {SYNC_METHODS.get(name).reducer for name in SYNC_METHODS.names()} | {EDGCState}
+    deep = sorted(cls.__name__ for cls in methods if below_runner(cls) > 2)
+    assert deep == ["AllocatedSparseState"], deep

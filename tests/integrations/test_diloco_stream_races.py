@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 from distributed_harness import run_distributed  # noqa: E402
 from models import TinyTransformer, batch, loss_fn  # noqa: E402
 
-from edgc import EDGCConfig  # noqa: E402
+from edgc import EDGCConfig, LowRankConfig  # noqa: E402
 from edgc.integrations.diloco import DiLoCo  # noqa: E402
 from edgc.sync_methods import sync_method_names  # noqa: E402
 from edgc_bench.stream_check import StreamChecker  # noqa: E402
@@ -42,9 +42,9 @@ def built(checker, method: str | None, outer_steps: int):
         if method is None:  # EDGC's PowerSGD, streaming: two fragments, each sync overlapping 2 inner steps
             ends = nn.ModuleDict({"embed": model.embed, "head": model.head})
             ends.register_parameter("position", model.position)
-            config = EDGCConfig(total_steps=2 * outer_steps, **CONFIG)
+            accelerator = LowRankConfig(force_accelerator_kernels=True)
+            config = EDGCConfig(total_steps=2 * outer_steps, engine=accelerator, **CONFIG)
             diloco = DiLoCo(None, [ends, model.blocks], inner, outer, 2 * SYNC_EVERY, config, fragment_sync_delay=2)
-            diloco.state.compressor.force_accelerator_kernels = True
             diloco.issued = []  # (inner step, thread) of every collective of the sync
             issue = diloco.state.comm._issue
 

@@ -22,11 +22,10 @@ def counted_reduce(shapes, rank, *, dtype=torch.float32, accelerator=True, world
     """Dispatches of one steady `LowRankCompressor.reduce` call on fake tensors of these shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from edgc import EDGCConfig, LowRankCompressor
+    from edgc import LowRankCompressor, LowRankConfig
 
     with counted_host_reads(_zeros), FakeTensorMode():
-        compressor = LowRankCompressor(EDGCConfig(r_max=rank))
-        compressor.force_accelerator_kernels = accelerator
+        compressor = LowRankCompressor(LowRankConfig(force_accelerator_kernels=accelerator))
         comm = counting_communicator(world_size)
         names = [f"t{k}" for k in range(len(shapes))]
         grads = [torch.zeros(shape, dtype=dtype) for shape in shapes]

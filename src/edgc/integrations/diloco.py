@@ -41,6 +41,7 @@ process group every outer step commits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -187,6 +188,9 @@ class DiLoCo:
         self._hooks: list = []
         self._syncing: _Fragment | None = None  # the fragment whose sync was prepared and awaits its outer step
         self._carry: dict[str, torch.Tensor] = {}  # raw-sent Δ of discarded outer steps, per parameter name
+        # EDGC's engine only (`_check_outer_sync`), built with it (`LowRankConfig.power_iterations`)
+        if power_iterations != 1:
+            config = replace(config, engine=replace(config.engine, power_iterations=power_iterations))
         self.state = self._new_state(process_group, config, nn.ModuleList(fragments))
         # Compared over the group before the first outer sync sends anything (`edgc.agreement`): a
         # replica that syncs at other inner steps, or other fragments, would pair other collectives.
@@ -200,8 +204,6 @@ class DiLoCo:
                 "DiLoCo.error_feedback_decay": error_feedback_decay,
             }
         )
-        if power_iterations != 1:  # EDGC's engine only (`_check_outer_sync`): `LowRankCompressor.power_iterations`
-            self.state.compressor.power_iterations = power_iterations
         self._fragments = [
             _Fragment(i, module, outer, backup_device, pin_memory)
             for i, (module, outer) in enumerate(zip(fragments, outers))
