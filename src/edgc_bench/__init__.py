@@ -2,6 +2,7 @@
 
 Modules:
     cli.py          `edgc bench` flags → `BenchSettings` → `run_bench`
+    flags.py        its flags, one function per group
     run.py          each method trained in turn on the emulated network (torchrun per host)
     run_folder.py   the bench folder's layout (one run folder per method) and `read_run`
     table.py        the comparison table, its checks and plots, from the run folders
