@@ -233,7 +233,7 @@ def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
     bench = write_bench(tmp_path / "bench-a", fast)
     page = tmp_path / "page.md"
     page.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")
-    module.main([str(bench)], page)
+    module.write_view([str(bench)], page)
     text = page.read_text()
     assert "| bench-a | today | 1000 Mbit/s | 0.5 | unknown | 1.125 | 1.250 | 0.900 |" in text
     assert text.startswith("intro\n<!-- bench-repeats:start -->\n`python -m edgc_bench.repeats ")
@@ -241,9 +241,9 @@ def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
 
     # A second machine's runs go to their own block; the first view stays as it was.
     page.write_text(text + "<!-- bench-repeats-vm2:start -->\nold\n<!-- bench-repeats-vm2:end -->\n")
-    module.main([str(bench)], page, block="bench-repeats-vm2")
+    module.write_view([str(bench)], page, block="bench-repeats-vm2")
     second = page.read_text()
     assert second.startswith(text) and "old" not in second
     assert second.count("| bench-a | today |") == 2
     with pytest.raises(SystemExit, match="no <!-- missing:start -->"):
-        module.main([str(bench)], page, block="missing")
+        module.write_view([str(bench)], page, block="missing")

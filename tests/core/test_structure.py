@@ -99,7 +99,6 @@ MAX_CLASS_ATTRIBUTES = 15
 MAX_FILE_LINES = 400
 # Past the rules still, each to be split; the list may only shrink (a listed one within its rule fails).
 LONG_FUNCTIONS_LEFT = {
-    "scripts/calibration_to_docs.py:main",
     "src/edgc_experiments/cqm.py:run",
     "src/edgc_experiments/diloco.py:summarise",
     "src/edgc_experiments/diloco_pairs.py:summarise",
@@ -124,7 +123,6 @@ WIDE_CLASSES_LEFT = {
     "src/edgc_train/schedule.py:PipelineStep",
 }
 LONG_FILES_LEFT = {
-    "scripts/gpu_to_docs.py",
     "src/edgc_bench/dispatch_count.py",
     "src/edgc_bench/stream_check.py",
     "src/edgc_bench/table.py",
