@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_docs import update  # noqa: E402  (the same marker replacement as the bench tables)
-from doc_blocks import page_of  # noqa: E402
+from doc_blocks import write  # noqa: E402
 
 
 def load(folder: Path) -> dict:
@@ -67,7 +66,6 @@ def main(argv=None) -> int:
     parser.add_argument("--doc", type=Path, help="the page (default: the one that holds the block)")
     args = parser.parse_args(argv)
     a, b = load(args.a), load(args.b)
-    args.doc = args.doc or page_of(args.marker)
     body = "\n\n".join(
         [
             describe(args.label_a, a),
@@ -76,9 +74,8 @@ def main(argv=None) -> int:
             "Step times are medians over all steps (rank 0); DP MB/step is the mean over all steps.",
         ]
     )
-    marker = args.marker
-    args.doc.write_text(update(args.doc.read_text(), body + "\n", f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"))
-    print(f"{args.doc}: {marker} from {args.a} and {args.b}")
+    page = write(args.marker, body, args.doc, add_missing=True)
+    print(f"{page}: {args.marker} from {args.a} and {args.b}")
     return 0
 
 

@@ -18,13 +18,18 @@ from doc_blocks import write  # noqa: E402
 from edgc_bench.repeats import render  # noqa: E402
 
 
-def main(paths: list[str], page: Path | None = None, block: str = "bench-repeats") -> None:
+def write_view(paths: list[str], page: Path | None = None, block: str = "bench-repeats") -> None:
     write(block, render([Path(p) for p in paths]), page)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", default="bench-repeats", help="block name (default: bench-repeats)")
     parser.add_argument("runs", nargs="+", help="bench output folders")
-    args = parser.parse_args()
-    main(args.runs, block=args.block)
+    args = parser.parse_args(argv)
+    write_view(args.runs, block=args.block)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import markers, page_of  # noqa: E402
+from doc_blocks import markers, name_of, page_of, replace, write  # noqa: E402
 
 START, END = markers("bench-table")
 HSDP_START, HSDP_END = markers("bench-hsdp-table")
@@ -51,11 +51,7 @@ def section(bench_md: str) -> str:
 
 def update(page: str, table: str, start: str = START, end: str = END) -> str:
     """`table` between the markers `start` and `end` (added at the end when missing)."""
-    if start not in page or end not in page:
-        page = page.rstrip() + f"\n\n{start}\n{end}\n"
-    head, rest = page.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{start}\n{table}{end}{tail}"
+    return replace(page, name_of(start), table, add_missing=True)
 
 
 def block_markers(table: str) -> tuple[str, str]:
@@ -90,8 +86,8 @@ def main(argv: list[str]) -> int:
     bench = Path(argv[0])
     table = section(bench.read_text())
     start, end = block_markers(table)
-    page = Path(argv[1]) if len(argv) == 2 else page_of(start.split()[1].rsplit(":", 1)[0])
-    page.write_text(update(page.read_text(), table, start, end))
+    page = Path(argv[1]) if len(argv) == 2 else page_of(name_of(start))
+    write(name_of(start), table, page, add_missing=True)
     print(f"{page}: bench table from {bench}")
     return 0
 

@@ -116,6 +116,42 @@ def results_table(rows, link_source: str, runs_note: str) -> str:
     )
 
 
+def calibration_page(regenerate: str, command: str, table: str, judgement: str) -> str:
+    """docs/calibration.md: how to regenerate it, the calibration's command, its table and verdict."""
+    return "\n".join(
+        [
+            "# Calibration of the cost model against `edgc bench`",
+            "",
+            f"Predicted vs measured median DP-comm and step time per method (target: within {TARGET:.0%}). "
+            "The model is explained in [`edgc simulate`](simulate.md#calibration). This page and the calibration "
+            "table of [the simulator's results](results/simulator.md) are generated; regenerate both with",
+            "",
+            "```bash",
+            regenerate,
+            "```",
+            "",
+            "which runs the equivalent of",
+            "",
+            "```bash",
+            command,
+            "```",
+            "",
+            "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-N`: its calibration.json gives "
+            "the link's rate and burst and the sweep's fixed cost per collective, its metrics log the "
+            "collectives per step and comm_trace/ each collective's time on every rank, from which the "
+            "other runs' fixed cost per collective is taken), measure the host on the idle machine with "
+            "`.venv/bin/edgc simulate --measure-host --host-processes 2 --save-profile runs/bench-N/host.json` "
+            "and run `.venv/bin/python scripts/calibration_to_docs.py runs/bench-N --host-profile "
+            "runs/bench-N/host.json`.",
+            "",
+            table,
+            "",
+            judgement,
+            "",
+        ]
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", help="an `edgc bench --out` folder (runs/<method>/ inside)")
@@ -159,38 +195,7 @@ def main(argv: list[str]) -> int:
     if args.latency != "traced":
         command += f" --latency {args.latency}"
     regenerate = ".venv/bin/python scripts/calibration_to_docs.py " + " ".join(argv)
-    doc = "\n".join(
-        [
-            "# Calibration of the cost model against `edgc bench`",
-            "",
-            f"Predicted vs measured median DP-comm and step time per method (target: within {TARGET:.0%}). "
-            "The model is explained in [`edgc simulate`](simulate.md#calibration). This page and the calibration "
-            "table of [the simulator's results](results/simulator.md) are generated; regenerate both with",
-            "",
-            "```bash",
-            regenerate,
-            "```",
-            "",
-            "which runs the equivalent of",
-            "",
-            "```bash",
-            command,
-            "```",
-            "",
-            "After a new bench (`sudo .venv/bin/edgc bench --out runs/bench-N`: its calibration.json gives "
-            "the link's rate and burst and the sweep's fixed cost per collective, its metrics log the "
-            "collectives per step and comm_trace/ each collective's time on every rank, from which the "
-            "other runs' fixed cost per collective is taken), measure the host on the idle machine with "
-            "`.venv/bin/edgc simulate --measure-host --host-processes 2 --save-profile runs/bench-N/host.json` "
-            "and run `.venv/bin/python scripts/calibration_to_docs.py runs/bench-N --host-profile "
-            "runs/bench-N/host.json`.",
-            "",
-            format_bench_calibration(rows, link, device),
-            "",
-            verdict(rows),
-            "",
-        ]
-    )
+    doc = calibration_page(regenerate, command, format_bench_calibration(rows, link, device), verdict(rows))
     Path(args.docs).write_text(doc)
     results = Path(args.results) if args.results else page_of("calibration-table")
     ref = next(r for r in runs if r.config["compressor"] == "none")

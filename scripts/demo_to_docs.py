@@ -6,22 +6,24 @@
 import sys
 from pathlib import Path
 
-START, END = "<!-- demo-headline:start -->", "<!-- demo-headline:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_blocks import write  # noqa: E402
 
 
-def render(doc: str, headline: str, run_dir: str) -> str:
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    block = f"`edgc demo --out {run_dir}` printed:\n\n```\n{headline.strip()}\n```\n"
-    return f"{head}{START}\n{block}{END}{tail}"
+def block(headline: str, run_dir: str) -> str:
+    return f"`edgc demo --out {run_dir}` printed:\n\n```\n{headline.strip()}\n```\n"
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
         sys.exit("usage: scripts/demo_to_docs.py RUN_DIR (a finished `edgc demo --out RUN_DIR`)")
-    run_dir = sys.argv[1].rstrip("/")
+    run_dir = argv[0].rstrip("/")
     source = Path(run_dir) / "headline.txt"
     if not source.is_file():
         sys.exit(f"demo_to_docs: {source} not found (run `edgc demo --out {run_dir}` first)")
-    path = Path(__file__).resolve().parent.parent / "docs" / "report.md"
-    path.write_text(render(path.read_text(), source.read_text(), run_dir))
+    write("demo-headline", block(source.read_text(), run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -18,16 +18,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, markers, write  # noqa: E402
+from doc_blocks import ROOT, read, write  # noqa: E402
 
 SIM_BLOCKS = ("sim-diloco-internet", "sim-diloco-crossover", "sim-diloco-groups", "sim-diloco-calibration")
 
 
 def between(text: str, name: str) -> str:
-    start, end = markers(name)
-    if start not in text or end not in text:
-        raise SystemExit(f"the output has no {start} … {end} block")
-    return text.split(start, 1)[1].split(end, 1)[0].strip()
+    return read(text, name).strip()
 
 
 def memory_table(result: dict) -> str:
@@ -49,12 +46,12 @@ def memory_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scaling", help="scaling.md of `edgc bench --diloco --scaling`")
     p.add_argument("--memory", help="the JSON of `python -m edgc_bench.outer_memory --out`")
     p.add_argument("--sim", metavar="BENCH_DIR", help="run `edgc simulate --diloco --diloco-bench BENCH_DIR`")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.scaling:
         text = Path(args.scaling).read_text()
         print(write("bench-diloco-scaling", between(text, "bench-diloco-scaling")))
@@ -68,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

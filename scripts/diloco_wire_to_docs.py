@@ -80,8 +80,13 @@ def block(folders: list[Path]) -> str:
     return "\n".join(lines) + f"\n\n{head}\n\n" + "\n".join(growth(summaries)) + f"\n\nCommands: {commands}."
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 2:
+def main(argv: list[str]) -> int:
+    if not argv:
         raise SystemExit(__doc__)
-    page = write("diloco-wire", block([Path(a) for a in sys.argv[1:]]))
-    print(f"{page}: diloco-wire from {', '.join(sys.argv[1:])}")
+    page = write("diloco-wire", block([Path(a) for a in argv]))
+    print(f"{page}: diloco-wire from {', '.join(argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

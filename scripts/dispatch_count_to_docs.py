@@ -66,7 +66,7 @@ def block(current: dict, before: dict | None) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     current = json.loads(CURRENT.read_text())
     before = json.loads(BEFORE.read_text()) if BEFORE.exists() else None
     write("dispatch-counts", block(current, before))

@@ -63,7 +63,7 @@ def block(now: dict, before: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     page = write("engine-cost", block(json.loads(CURRENT.read_text()), json.loads(BEFORE.read_text())))
     print(f"wrote the engine-cost block of {page.relative_to(REPO)}")
     return 0

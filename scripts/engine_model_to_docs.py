@@ -88,7 +88,7 @@ def block(count: dict, device=DEVICES["h100"]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     page = write(BLOCK, block(json.loads(COUNT.read_text())))
     print(f"wrote block {BLOCK!r} in {page.relative_to(REPO)}")
     return 0

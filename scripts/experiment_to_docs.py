@@ -32,17 +32,22 @@ def block(summary: str) -> str:
     return "\n\n".join(["\n".join(lines[start:end]).strip(), *command])
 
 
-def main(results: Path, name: str, plot: str | None = None) -> None:
+def copy_summary(results: Path, name: str, plot: str | None = None) -> None:
     body = block((results / "summary.md").read_text())
     if plot:
         shutil.copyfile(results / plot, ROOT / "docs" / "img" / f"exp_{name}.png")
     write(name, body)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="the experiment's folder (runs/experiments/NAME)")
     parser.add_argument("--block", required=True, help="the block to fill, e.g. pareto or experiment-window")
     parser.add_argument("--plot", help="a PNG of the folder to copy to docs/img/exp_BLOCK.png")
-    args = parser.parse_args()
-    main(args.results, args.block, args.plot)
+    args = parser.parse_args(argv)
+    copy_summary(args.results, args.block, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

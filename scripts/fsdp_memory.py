@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed_harness import run_distributed  # noqa: E402
-
-START, END = "<!-- fsdp-memory:start -->", "<!-- fsdp-memory:end -->"
+from doc_blocks import write  # noqa: E402
 
 
 def nbytes(tensors) -> int:
@@ -80,7 +80,7 @@ def worker(rank, world, variant, preset, steps, vocab, seq_len, batch):
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=8)
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument(
         "--doc", type=Path, help="also write the table into this page's fsdp-memory block (docs/guides/fsdp.md)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = {
         v: run_distributed(worker, 4, v, args.preset, args.steps, args.vocab, args.seq_len, args.batch, timeout=600)
@@ -99,7 +99,7 @@ def main() -> None:
     text = render(results, args)
     print(text)
     if args.doc:
-        args.doc.write_text(replace_block(args.doc.read_text(), text))
+        write("fsdp-memory", text, args.doc)
     assert all(e["phase"] == "compress" for e in results["edgc"])
 
 
@@ -132,12 +132,5 @@ def render(results: dict, args) -> str:
     return "\n".join(lines)
 
 
-def replace_block(doc: str, text: str) -> str:
-    if START not in doc or END not in doc:
-        raise SystemExit(f"fsdp_memory: the page has no {START} … {END} block")
-    head, rest = doc.split(START, 1)
-    return f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}"
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,16 +19,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_docs import section, update  # noqa: E402  (the same marker replacement as the bench table)
+from bench_to_docs import section  # noqa: E402  (the bench's own table)
+from doc_blocks import write  # noqa: E402
 
 from edgc_sim.calibrate import load_run  # noqa: E402
 from edgc_sim.calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration  # noqa: E402
 from edgc_sim.cli import expand_bench_dirs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_MARKERS = ("<!-- interstage-calibration:start -->", "<!-- interstage-calibration:end -->")
-LINE_MARKERS = ("<!-- interstage-calibration-line:start -->", "<!-- interstage-calibration-line:end -->")
-TABLE_MARKERS = ("<!-- bench-tp-table:start -->", "<!-- bench-tp-table:end -->")
 
 
 def span(values) -> str:
@@ -94,14 +92,14 @@ def main(argv=None) -> int:
         f"{format_pipeline_calibration(rows, link, device)}\n\nIn short: {text}.\n"
     )
     docs = Path(args.docs)
-    docs.write_text(update(docs.read_text(), doc, *DOC_MARKERS))
+    write("interstage-calibration", doc, docs, add_missing=True)
     results = Path(args.results)
     line = (
         f"Simulator vs this bench (`{command}`, [`edgc simulate`](../simulate.md#calibrating-the-inter-stage-"
         f"model)): {text}.\n"
     )
-    content = update(results.read_text(), section((bench / "bench.md").read_text()), *TABLE_MARKERS)
-    results.write_text(update(content, line, *LINE_MARKERS))
+    write("bench-tp-table", section((bench / "bench.md").read_text()), results, add_missing=True)
+    write("interstage-calibration-line", line, results, add_missing=True)
     print(f"{docs}, {results}: inter-stage calibration of {bench}")
     return 0
 

@@ -136,7 +136,7 @@ def render(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs/3d")
     parser.add_argument(
@@ -145,7 +145,7 @@ def main() -> int:
         help="only read existing run folders (runs that finished, with a summary.json, are never run again)",
     )
     parser.add_argument("--edgc", default=str(ROOT / ".venv" / "bin" / "edgc"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs = Path(args.runs)
     results = {}
     for name, flags in RUNS.items():

@@ -19,12 +19,11 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, markers, page_of, replace  # noqa: E402
+from doc_blocks import ROOT, is_current, page_of, read, write  # noqa: E402
 
 
 def block(name: str, root: Path = ROOT) -> str:
-    start, end = markers(name)
-    return page_of(name, root).read_text().split(start, 1)[1].split(end, 1)[0]
+    return read(page_of(name, root).read_text(), name)
 
 
 def table_rows(text: str, first_header: str) -> list[dict[str, str]]:
@@ -229,12 +228,11 @@ SUMMARIES = {"results-summary": render, "diloco-bench": diloco_summary}
 def main(argv: list[str]) -> int:
     stale = []
     for name, summary in SUMMARIES.items():
-        page = page_of(name)
-        updated = replace(page.read_text(), name, summary())
-        if updated != page.read_text():
+        page, text = page_of(name), summary()
+        if not is_current(name, text, page):
             stale.append(page)
             if "--check" not in argv:
-                page.write_text(updated)
+                write(name, text, page)
     if "--check" in argv and stale:
         print(
             f"{', '.join(str(p.relative_to(ROOT)) for p in stale)}: a results summary is stale; "

@@ -64,7 +64,7 @@ def ranks(method: dict) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         runs = {p: simulate(p, None, out) for p in PRESETS}

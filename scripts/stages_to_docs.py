@@ -24,9 +24,14 @@ def table(stages_md: str) -> str:
     return "\n".join(lines[first:])
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the --out folder of python -m edgc_bench.stages")
     parser.add_argument("--block", required=True, help="stages-pp2 or stages-3d")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"written: {write(args.block, table((args.out / 'stages.md').read_text()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

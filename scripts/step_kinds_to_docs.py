@@ -75,7 +75,7 @@ def block(figures: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     page = write("step-kinds", block(json.loads(FIGURES.read_text())))
     print(f"wrote the step-kinds block of {page.relative_to(REPO)}")
     return 0

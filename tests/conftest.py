@@ -10,6 +10,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
+# The extras the suite tests (`make install` installs them all), each by a module it brings. A
+# missing one stops the run before any test: its tests would otherwise fail to import one by one,
+# or, worse, pass by skipping. The only skips are the machine's (`tests/core/test_skips.py`).
+REQUIRED_EXTRAS = {
+    "train": "transformers",
+    "integrations": "pytorch_lightning",
+    "torchft": "torchft",
+    "docs": "sphinx",
+    "dev": "hypothesis",
+}
+
+
+def missing_extras(find_spec=importlib.util.find_spec) -> list[str]:
+    return [extra for extra, module in REQUIRED_EXTRAS.items() if find_spec(module) is None]
+
+
+def pytest_configure(config):
+    missing = missing_extras()
+    if missing:
+        extras = ",".join(missing)
+        raise pytest.UsageError(f"the suite needs the extras {missing}: pip install -e '.[{extras}]' (make does)")
+
 
 @pytest.fixture
 def load_script():

@@ -2,9 +2,11 @@
 
 Modules:
     cli.py          `edgc bench` flags → `BenchSettings` → `run_bench`
+    flags.py        its flags, one function per group
     run.py          each method trained in turn on the emulated network (torchrun per host)
     run_folder.py   the bench folder's layout (one run folder per method) and `read_run`
     table.py        the comparison table, its checks and plots, from the run folders
+    targets.py      each method's time to the target loss, where it went, whether EDGC wins its cost back
     repeats.py      repeated benches side by side: each ratio's range, how often each target held
     rounds.py       `--rounds N`: the rounds (order reversed on even ones) side by side, their mean ratios
     netns.py        emulated hosts: network namespaces, a bridge, tbf rate-limited veth links
@@ -27,6 +29,7 @@ Modules:
     gpu_support.py  the model, device timing, kernel counts and process groups the parts share
     gpu_trace.py    a profiled step's device work per stream, and its picture
     dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes
+    stand_ins.py    what DDP and a process group hand the hook, without them: buckets, a recording communicator
     op_traffic.py   what one dispatched op costs a GPU: its kernels and the bytes it reads and writes
     live_memory.py  the memory a step keeps alive beyond the gradients, counted on the CPU by its storages
     engine_cost.py  a GPT-2 step's bytes and memory per compressed element, beside their floors

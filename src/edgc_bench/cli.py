@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -11,10 +10,17 @@ from pathlib import Path
 from edgc_cli.errors import CLIError
 
 from .diloco_cli import DILOCO_DEFAULTS, add_diloco_flags, diloco_options, edgc_items
+from .flags import (
+    DEFAULTS,
+    add_compressor_flags,
+    add_corpus_flags,
+    add_mode_flags,
+    add_parallelism_flags,
+    add_setup_flags,
+    add_training_flags,
+)
 from .netns import NetnsError, check_prerequisites
 from .run import FSDP_METHODS, PIPELINE_METHODS, BenchSettings, all_methods, check_methods
-
-DEFAULTS = BenchSettings()
 
 
 def register(subparsers) -> None:
@@ -25,153 +31,12 @@ def register(subparsers) -> None:
         "train the same model with every selected method one after the other, and write a markdown "
         "table (bench.md), results.json and plots into --out. See docs/bench.md.",
     )
-    p.add_argument(
-        "--out", default="runs/bench", help="output folder (default %(default)s); runs/ inside it must not exist"
-    )
-    p.add_argument(
-        "--hosts",
-        type=int,
-        default=None,
-        help=f"emulated hosts (default {DEFAULTS.hosts}; {DILOCO_DEFAULTS['hosts']} with --diloco)",
-    )
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help=f"processes per host (default {DEFAULTS.nproc}; 2 with --fsdp: the shard degree)",
-    )
-    p.add_argument(
-        "--rate",
-        "--rate-mbit",
-        dest="rate",
-        default=None,
-        help=f"link rate per host in Mbit/s, or 'none' for unlimited (default {DEFAULTS.rate_mbit:g}; "
-        "--diloco takes --rates)",
-    )
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated: "
-        + ", ".join(all_methods())
-        + ", powersgd@N, or 'all' (default: "
-        + ",".join(DEFAULTS.methods)
-        + "; with --fsdp: "
-        + ",".join(FSDP_METHODS)
-        + "; with --diloco: of ddp, ddp-edgc, diloco, diloco-edgc, streaming and diloco-edgc@SPEC, DiLoCo + "
-        "EDGC with the outer sync SPEC, default the first five)",
-    )
-    p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per method (default %(default)s)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help=f"model preset of edgc train (default {DEFAULTS.preset}; {DILOCO_DEFAULTS['preset']} with --diloco)",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=int,
-        default=DEFAULTS.micro_batch,
-        help="sequences per rank per step (default %(default)s)",
-    )
-    p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens per sequence (default %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=DEFAULTS.vocab_size, help="BPE vocabulary (default %(default)s)")
-    p.add_argument(
-        "--eval-every", type=int, default=DEFAULTS.eval_every, help="validation every N steps (default %(default)s)"
-    )
-    p.add_argument(
-        "--eval-batches",
-        type=int,
-        default=None,
-        help="validation micro-batches per rank (default "
-        f"{DEFAULTS.eval_batches}; {DILOCO_DEFAULTS['eval_batches']} with --diloco)",
-    )
-    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of every run (default %(default)s)")
-    p.add_argument(
-        "--threads", type=int, default=DEFAULTS.threads, help="OMP threads per process (default %(default)s)"
-    )
-    p.add_argument("--r-max", type=int, default=None, help="fix EDGC's r_max instead of profiling it on the link")
-    p.add_argument(
-        "--compress-ratio",
-        type=float,
-        default=DEFAULTS.compress_ratio,
-        help="topk/randomk fraction (default %(default)s)",
-    )
-    p.add_argument(
-        "--edgc",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="EDGCConfig field for edgc (repeatable; adds to / overrides the bench's "
-        + " ".join(f"{k}={json.dumps(v)}" for k, v in DEFAULTS.edgc.items())
-        + ")",
-    )
-    p.add_argument("--data", default=None, help="training text (default: edgc train's default corpus)")
-    p.add_argument("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
-    p.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="HSDP: the processes of a host shard the model with FSDP2, hosts are replicas, and the "
-        "methods compress the replica all-reduce (methods: none, edgc, powersgd@…; default none,edgc)",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=DEFAULTS.tp,
-        help="tensor-parallel degree inside each host (default %(default)s); with --tp/--pp each host "
-        "runs one whole TP × PP model (--nproc = tp × pp) and DP crosses the link "
-        "(methods: none, edgc, powersgd@…; default " + ",".join(PIPELINE_METHODS) + ")",
-    )
-    p.add_argument("--pp", type=int, default=DEFAULTS.pp, help="pipeline stages inside each host (default %(default)s)")
-    p.add_argument(
-        "--grad-accum",
-        type=int,
-        default=None,
-        help="micro-batches per step (default 4 with --pp > 1, else 1; with --pp: ≥ pp)",
-    )
-    p.add_argument(
-        "--interstage",
-        default=DEFAULTS.interstage,
-        choices=("off", "all", "cooldown"),
-        help="with --pp: compress the activation gradients between stages (default %(default)s)",
-    )
-    p.add_argument(
-        "--interstage-rank",
-        type=int,
-        default=DEFAULTS.interstage_rank,
-        help="with --interstage: their rank (edgc: its upper bound) (default %(default)s)",
-    )
-    p.add_argument(
-        "--link-only",
-        action="store_true",
-        help="only the link calibration (all-reduce sweep 4 KiB–64 MiB, a few seconds): write "
-        "--out/calibration.json, train nothing",
-    )
-    p.add_argument(
-        "--torchft",
-        action="store_true",
-        help="fault tolerance: kill one replica group mid-run and compare torchft DDP, torchft + EDGC, EDGC "
-        "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)",
-    )
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        default=None,
-        help="with --torchft: the step host 1 is killed at (default "
-        "steps/2); with --diloco: the outer step it is killed in (default outer steps/4)",
-    )
-    p.add_argument(
-        "--ckpt-every",
-        type=int,
-        default=10,
-        help="with --torchft: checkpoint interval of the elastic-restart run (default %(default)s)",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=None,
-        help="run the method list N times, reversed on even rounds, each round in OUT/round-K/; "
-        "bench.md gives every round and the mean of its ratios; an even N pairs each round with a reversed one "
-        f"(1–9, default {DEFAULTS.rounds}; {DILOCO_DEFAULTS['rounds']} with --diloco)",
-    )
+    add_setup_flags(p)
+    add_training_flags(p)
+    add_compressor_flags(p)
+    add_corpus_flags(p)
+    add_parallelism_flags(p)
+    add_mode_flags(p)
     add_diloco_flags(p)
     p.add_argument(
         "--run-timeout", type=int, default=DEFAULTS.run_timeout_s, help="seconds per method run (default %(default)s)"
@@ -179,26 +44,47 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def settings_from(args: argparse.Namespace) -> BenchSettings:
-    def positive(name: str, value: int) -> int:
-        if value < 1:
-            raise CLIError(f"--{name}: must be ≥ 1, got {value}")
-        return value
+def positive(name: str, value: int) -> int:
+    if value < 1:
+        raise CLIError(f"--{name}: must be ≥ 1, got {value}")
+    return value
 
+
+def rate_from(text: str | None) -> float | None:
+    """--rate in Mbit/s; None for an unlimited link."""
+    rate_text = text if text is not None else f"{DEFAULTS.rate_mbit:g}"
+    if str(rate_text).lower() in ("none", "unlimited"):
+        return None
+    try:
+        rate = float(rate_text)
+    except ValueError:
+        raise CLIError(f"--rate: expected Mbit/s or 'none', got {rate_text!r}") from None
+    if rate <= 0:
+        raise CLIError(f"--rate: must be > 0, got {rate_text}")
+    return rate
+
+
+def methods_from(args: argparse.Namespace, pipeline: bool) -> list[str]:
+    """--methods, checked against what the chosen parallelism can run."""
+    try:
+        default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
+        diloco_methods = getattr(args, "diloco", False)  # --diloco's own methods: diloco_cli checks them
+        chosen = args.methods if args.methods is not None and not diloco_methods else ",".join(default)
+        names = ",".join(all_methods()) if chosen.strip() == "all" else chosen
+        methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
+    except ValueError as exc:
+        raise CLIError(f"--methods: {exc}") from None
+    if not methods:
+        raise CLIError("--methods: empty")
+    return methods
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
     defaults = DILOCO_DEFAULTS if getattr(args, "diloco", False) else {}
     for name in ("hosts", "preset", "eval_batches", "rounds"):
         if getattr(args, name) is None:
             setattr(args, name, defaults.get(name, getattr(DEFAULTS, name)))
-    rate_text = args.rate if args.rate is not None else f"{DEFAULTS.rate_mbit:g}"
-    if str(rate_text).lower() in ("none", "unlimited"):
-        rate = None
-    else:
-        try:
-            rate = float(rate_text)
-        except ValueError:
-            raise CLIError(f"--rate: expected Mbit/s or 'none', got {rate_text!r}") from None
-        if rate <= 0:
-            raise CLIError(f"--rate: must be > 0, got {rate_text}")
+    rate = rate_from(args.rate)
     tp, pp = positive("tp", args.tp), positive("pp", args.pp)
     pipeline = tp > 1 or pp > 1
     if pipeline and args.fsdp:
@@ -221,16 +107,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
             f"--eval-batches: must be a multiple of --grad-accum = {grad_accum} with --tp/--pp "
             f"(whole pipeline steps), got {eval_batches}"
         )
-    try:
-        default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
-        diloco_methods = getattr(args, "diloco", False)  # --diloco's own methods: diloco_cli checks them
-        chosen = args.methods if args.methods is not None and not diloco_methods else ",".join(default)
-        names = ",".join(all_methods()) if chosen.strip() == "all" else chosen
-        methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
-    except ValueError as exc:
-        raise CLIError(f"--methods: {exc}") from None
-    if not methods:
-        raise CLIError("--methods: empty")
+    methods = methods_from(args, pipeline)
     edgc = {**DEFAULTS.edgc, **edgc_items(args.edgc)}
     if not 1 <= args.rounds <= 9:
         raise CLIError(f"--rounds: must be in [1, 9], got {args.rounds}")

@@ -41,8 +41,9 @@ import torch
 from edgc import EDGCConfig
 from edgc.integrations import torchft_adapter
 from edgc.sync_methods import outer_sync_spec
-from edgc_train.data import BlockSampler, prepare_data
+from edgc_train.data import prepare_data
 from edgc_train.model import build_model, model_shape
+from edgc_train.sampler import BlockSampler
 from edgc_train.train import lr_lambda, make_optimizer, seed_everything
 
 from .torchft_train import (

@@ -6,7 +6,7 @@ One row per finished DDP bench that ran ``edgc``, ``powersgd@rmax`` and ``nosync
 the load when it started, how EDGC settled r_max (its run's profiling record), EDGC's and static
 PowerSGD at r_max's median step over the compute floor, EDGC's step over static's, both times to
 target, and EDGC's own cost up to the target against the most its lower ranks could save by then
-(`edgc_bench.table.recovery`). Then, per link rate and way of profiling, the range of each ratio
+(`edgc_bench.targets.recovery`). Then, per link rate and way of profiling, the range of each ratio
 and how many runs met each target. Benches of other kinds are skipped, named. A bench of several
 rounds (``edgc bench --rounds N``) counts as its rounds, and is also judged as one bench on the
 mean of its rounds (`means`; its own bench.md: `edgc_bench.rounds`).
@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from .run_folder import method_dir, read_run
-from .table import edgc_first, floor_target, recovery, rows
+from .table import edgc_first, floor_target, rows
+from .targets import recovery
 
 NEEDED = ("edgc", "powersgd@rmax", "nosync")
 

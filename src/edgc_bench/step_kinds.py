@@ -41,12 +41,12 @@ from .dispatch_count import (
     StepCount,
     _static_config,
     count_hook_step,
-    counting_communicator,
     sampled_config,
 )
 from .engine_cost import emit
 from .gpt2_layout import gpt2_parameters
 from .live_memory import LiveStorages
+from .stand_ins import counting_communicator
 
 KINDS = ("static", "sampled", "rank-change", "torchft")
 LIMITS = {"bytes": 32.0, "dispatches": 2000, "memory": 4.4, "rank-change": 8.8, "torchft": 8.4}
@@ -98,8 +98,9 @@ def count_outer_sync(model: str = "xl") -> dict:
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
     from edgc.sync_methods import sync_method
 
-    from .dispatch_count import NamedParameters, _zeros
+    from .dispatch_count import _zeros
     from .gpu_support import counted_host_reads
+    from .stand_ins import NamedParameters
 
     named = gpt2_parameters(model)
     with counted_host_reads(_zeros), FakeTensorMode():
@@ -142,7 +143,8 @@ def process_peak(kind: str, layers: int = 2, rank: int = 32, steps: int = 3) -> 
     compressed element (Linux: VmHWM reset through /proc/self/clear_refs)."""
     from edgc import EDGCState
 
-    from .dispatch_count import GradBucketStandIn, NamedParameters, as_on_an_accelerator, ddp_buckets, ready_order
+    from .dispatch_count import as_on_an_accelerator
+    from .stand_ins import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
 
     named = [(n, s) for n, s in gpt2_parameters("xl") if _block(n) is None or _block(n) < layers]
     names, shapes = [n for n, _ in named], [tuple(s) for _, s in named]

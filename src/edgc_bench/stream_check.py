@@ -73,7 +73,7 @@ import edgc
 from edgc import timing, torch_adapter
 
 from .op_traffic import tensors_in
-from .stream_check_access import Accesses, Race, accesses_of
+from .stream_check_access import Accesses, Race, accesses_of, schema_writes
 from .stream_check_memory import DEVICE, HOST, PINNED, Memory, key_of
 from .stream_check_patches import Patches
 from .stream_check_syncs import HostSync, host_syncs_of
@@ -289,7 +289,7 @@ class StreamChecker(TorchDispatchMode):
             syncs = host_syncs_of(self, func, args, kwargs) if device else []
             if not device and PINNED in kinds:
                 for tensor in inputs:
-                    self.memory.host_touches(tensor, _writes(func, tensor, args), func.overloadpacket.__name__)
+                    self.memory.host_touches(tensor, schema_writes(func, tensor, args), func.overloadpacket.__name__)
         outputs = func(*args, **kwargs)
         with self.lock:
             made = self.patches.factory_kind() if not inputs else (DEVICE if device else HOST)
@@ -374,14 +374,6 @@ def _group_in(args) -> object | None:
         if isinstance(value, torch.ScriptObject) and "ProcessGroup" in torch_adapter.script_type(value):
             return torch.distributed.ProcessGroup.unbox(value)
     return None
-
-
-def _writes(func, tensor: torch.Tensor, args) -> bool:
-    """Whether ``func`` writes ``tensor`` (a mutable argument of its schema)."""
-    for argument, value in zip(torch_adapter.op_schema(func).arguments, args):
-        if value is tensor and argument.alias_info is not None and argument.alias_info.is_write:
-            return True
-    return False
 
 
 def _tensors_of(things) -> list[torch.Tensor]:

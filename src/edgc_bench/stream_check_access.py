@@ -21,6 +21,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
+import torch
 from torch.cuda._sanitizer import StreamSynchronizations
 
 from edgc import torch_adapter
@@ -143,6 +144,14 @@ def _roles(func) -> tuple[tuple, bool]:
             known = (roles, written)
         _ROLES[func] = known
     return known
+
+
+def schema_writes(func, tensor: torch.Tensor, args) -> bool:
+    """Whether ``func`` writes ``tensor`` (a mutable argument of its schema)."""
+    for argument, value in zip(torch_adapter.op_schema(func).arguments, args):
+        if value is tensor and argument.alias_info is not None and argument.alias_info.is_write:
+            return True
+    return False
 
 
 def accesses_of(func, args: tuple, kwargs: dict, outputs) -> tuple[list, list]:

@@ -13,55 +13,32 @@ evaluations included) of the first evaluation whose loss is ≤ ``none``'s final
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from .run_folder import method_dir, read_run
+from .targets import median_of, reached_at, recoverable_bound, target_breakdown, target_loss
 
-TARGET_SLACK = 1.01
 UNTIMED = ("none", "nosync")  # methods whose logged comm time is 0 because nothing of ours ran
-
-
-def _median(run: dict, key: str) -> float | None:
-    values = [r.get(key) for r in run["train"]]
-    if all(v is None for v in values):
-        return None
-    return statistics.median(v or 0.0 for v in values)
-
-
-def _target(results: dict[str, dict]) -> float | None:
-    """The loss every method must reach: ``none``'s final validation loss × TARGET_SLACK."""
-    base = results.get("none")
-    return base["eval"][-1]["val_loss"] * TARGET_SLACK if base else None
-
-
-def _reached(run: dict, target: float | None) -> dict | None:
-    """The first evaluation at or below the target (None: never, or no target)."""
-    return next((e for e in run["eval"] if target is not None and e["val_loss"] <= target), None)
-
-
-def _total(steps: list[dict], key: str, phase: str | None = None) -> float:
-    return sum(r.get(key) or 0.0 for r in steps if phase is None or r.get("phase") == phase)
 
 
 def rows(results: dict[str, dict], r_max: int | None, pipeline: bool = False) -> list[dict]:
     """One row per method. ``pipeline`` (--tp/--pp): ``none`` is our per-stage all-reduce, which is timed."""
     untimed = ("nosync",) if pipeline else UNTIMED
-    target = _target(results)
+    target = target_loss(results)
     out = []
     for method, run in results.items():
         train = run["train"]
         ranks = sorted({r["rank"] for r in train if r.get("rank")})
-        hit = _reached(run, target)
+        hit = reached_at(run, target)
         reached = hit["wall_s"] if hit else None
         row = {
             "method": method,
             "rank": (f"{ranks[0]}–{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])) if ranks else "",
             # DDP's native all-reduce overlaps backward inside C++: its time is not separable.
-            "comm_s": None if method in untimed else _median(run, "comm_time_s"),
-            "step_s": _median(run, "step_time_s"),
-            "compress_s": _median(run, "compress_time_s"),
-            "tokens_per_s": _median(run, "tokens_per_s"),
+            "comm_s": None if method in untimed else median_of(run, "comm_time_s"),
+            "step_s": median_of(run, "step_time_s"),
+            "compress_s": median_of(run, "compress_time_s"),
+            "tokens_per_s": median_of(run, "tokens_per_s"),
             "bytes_per_step": sum(r["bytes_sent"] for r in train) / len(train),
             "val_loss": run["eval"][-1]["val_loss"],
             "val_ppl": run["eval"][-1]["val_ppl"],
@@ -72,7 +49,7 @@ def rows(results: dict[str, dict], r_max: int | None, pipeline: bool = False) ->
         if any("interstage_bytes_raw" in r for r in train):  # a pipeline run: its activation-gradient traffic
             row["interstage_sent_per_step"] = sum(r.get("interstage_bytes_sent", 0) for r in train) / len(train)
             row["interstage_raw_per_step"] = sum(r.get("interstage_bytes_raw", 0) for r in train) / len(train)
-            row["interstage_s"] = _median(run, "interstage_time_s")
+            row["interstage_s"] = median_of(run, "interstage_time_s")
         out.append(row)
     ref = next((r for r in out if r["method"] == "none"), None)
     floor = next((r for r in out if r["method"] == "nosync"), None)
@@ -213,123 +190,6 @@ def checks(rows_: list[dict], r_max: int | None, fsdp: bool = False, rate_mbit: 
     return out
 
 
-def target_breakdown(results: dict[str, dict], methods: tuple[str, ...] = ("edgc", "powersgd@rmax")) -> str:
-    """Where the wall time to the target went, summed over the steps before the target was reached.
-
-    Evaluations and logging are the wall time not inside any step. EDGC's profiling cost is the
-    compress time of its profile steps (the shadow compressed syncs); its entropy cost is GDS.
-    """
-    target = _target(results)
-    head = (
-        "| method | reached at step | wall to target | compute | compress/decompress | of which entropy "
-        "| of which profiling | DP comm | evaluation, other |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
-    )
-    lines = []
-    for method in methods:
-        run = results.get(method)
-        hit = _reached(run, target) if run else None
-        if hit is None:
-            continue
-        steps = [r for r in run["train"] if r["step"] <= hit["step"]]
-        other = hit["wall_s"] - _total(steps, "step_time_s")
-        logged = any("entropy_time_s" in r for r in steps)  # runs before it was logged: unknown
-        entropy = f"{_total(steps, 'entropy_time_s'):.1f} s" if logged else "–"
-        lines.append(
-            f"| {method} | {hit['step']} | {hit['wall_s']:.1f} s | {_total(steps, 'compute_time_s'):.1f} s "
-            f"| {_total(steps, 'compress_time_s'):.1f} s | {entropy} "
-            f"| {_total(steps, 'compress_time_s', 'profile'):.1f} s "
-            f"| {_total(steps, 'comm_time_s'):.1f} s | {other:.1f} s |"
-        )
-    return head + "\n".join(lines) + "\n" if lines else ""
-
-
-def recovery(results: dict[str, dict]) -> dict | None:
-    """Why EDGC can or cannot beat static PowerSGD at r_max to the target on this setting, measured.
-
-    Until the target both run the same steps, so what EDGC's lower ranks can save is what a lower
-    rank saves per step over static's compressed steps: at most static PowerSGD at r_min's median
-    step against r_max's (when ``powersgd@rmin`` ran), and at most static's time above the compute
-    floor (``nosync``'s median step; without it, static's whole DP comm time). EDGC pays on top its
-    profiling steps' time above static's same steps (still in its uncompressed warm-up) and its
-    entropy sampling. Seconds, with the steps each reached the target at; None when a run is
-    missing or never reached the target, or EDGC needed fewer steps (the bound does not apply).
-    """
-    if "edgc" not in results or "powersgd@rmax" not in results:
-        return None
-    target = _target(results)
-    edgc, static = results["edgc"], results["powersgd@rmax"]
-    hit_e, hit_s = _reached(edgc, target), _reached(static, target)
-    if hit_e is None or hit_s is None or hit_e["step"] < hit_s["step"]:
-        return None
-    steps_e = [r for r in edgc["train"] if r["step"] <= hit_e["step"]]
-    compressed = [r for r in static["train"] if r["step"] <= hit_s["step"] and r.get("phase") == "compress"]
-    static_by_step = {r["step"]: r for r in static["train"]}
-    profile = [r for r in steps_e if r.get("phase") == "profile"]
-    if all(static_by_step.get(r["step"], {}).get("phase") == "warmup" for r in profile):
-        # Static runs the same steps uncompressed (its warm-up), one-off costs of a run's first steps
-        # included: the difference is the profiling syncs and the entropy samples inside those steps.
-        profiling = sum(r["step_time_s"] - static_by_step[r["step"]]["step_time_s"] for r in profile)
-        entropy = _total([r for r in steps_e if r.get("phase") != "profile"], "entropy_time_s")
-    else:
-        profiling, entropy = _total(steps_e, "compress_time_s", "profile"), _total(steps_e, "entropy_time_s")
-    bounds = []
-    if results.get("powersgd@rmin"):
-        per_step = _median_step(static) - _median_step(results["powersgd@rmin"])
-        bounds.append(
-            (
-                len(compressed) * max(0.0, per_step),
-                f"static PowerSGD at r_min's median step instead of "
-                f"r_max's, over static's {len(compressed)} compressed steps",
-            )
-        )
-    if results.get("nosync"):
-        floor = statistics.median(r["step_time_s"] for r in results["nosync"]["train"])
-        bounds.append(
-            (
-                sum(max(0.0, r["step_time_s"] - floor) for r in compressed),
-                "static's compressed steps brought down to the compute floor",
-            )
-        )
-    else:
-        bounds.append(
-            (_total(compressed, "comm_time_s"), "static PowerSGD's whole DP comm time in its compressed steps")
-        )
-    savable, how = min(bounds)
-    return {
-        "step_edgc": hit_e["step"],
-        "step_static": hit_s["step"],
-        "wall_edgc": hit_e["wall_s"],
-        "wall_static": hit_s["wall_s"],
-        "profiling": profiling,
-        "entropy": entropy,
-        "overhead": profiling + entropy,
-        "savable": savable,
-        "savable_how": how,
-    }
-
-
-def recoverable_bound(results: dict[str, dict]) -> str | None:
-    """`recovery` in words, for the bench's report."""
-    r = recovery(results)
-    if r is None:
-        return None
-    verdict = "cannot" if r["overhead"] > r["savable"] else "can"
-    return (
-        f"EDGC reached the target at step {r['step_edgc']}, static PowerSGD at r_max at step {r['step_static']}. "
-        f"EDGC's own cost up to then was {r['overhead']:.1f} s (its profiling steps' time above static's same, "
-        f"uncompressed steps {r['profiling']:.1f} s, entropy sampling {r['entropy']:.1f} s); the most its lower "
-        f"ranks could save up to the target is {r['savable']:.1f} s ({r['savable_how']}): on this setting EDGC "
-        f"{verdict} recover its overhead before the target."
-    )
-
-
-def _median_step(run: dict) -> float:
-    """Median step time of a run's compressed steps (all its steps if none is marked)."""
-    times = [r["step_time_s"] for r in run["train"] if r.get("phase") == "compress"]
-    return statistics.median(times or [r["step_time_s"] for r in run["train"]])
-
-
 def _took(summary: dict) -> str:
     """How long the bench took, or for one round of several: which round, in which order, how long."""
     minutes = f"{summary['elapsed_s'] / 60:.1f} min"
@@ -451,7 +311,7 @@ def plots(results: dict[str, dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for method, run in results.items():
         ax.plot([e["wall_s"] for e in run["eval"]], [e["val_loss"] for e in run["eval"]], marker=".", label=method)
-    if (target := _target(results)) is not None:
+    if (target := target_loss(results)) is not None:
         ax.axhline(target, color="grey", ls=":", label="target")
     ax.set(xlabel="wall time (s)", ylabel="validation loss", title="validation loss vs wall time")
     ax.legend(fontsize=8)
@@ -461,9 +321,9 @@ def plots(results: dict[str, dict], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     names = list(results)
-    comm = [_median(results[m], "comm_time_s") for m in names]
-    comp = [_median(results[m], "compress_time_s") for m in names]
-    step = [_median(results[m], "step_time_s") for m in names]
+    comm = [median_of(results[m], "comm_time_s") for m in names]
+    comp = [median_of(results[m], "compress_time_s") for m in names]
+    step = [median_of(results[m], "step_time_s") for m in names]
     rest = [max(0.0, s - c - k) for s, c, k in zip(step, comm, comp)]
     ax.bar(names, rest, label="compute")
     ax.bar(names, comp, bottom=rest, label="compress/decompress")

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc_train.config import TrainConfig
-from edgc_train.data import BlockSampler, prepare_data, val_batches
+from edgc_train.data import prepare_data
 from edgc_train.model import build_model, model_shape
+from edgc_train.sampler import BlockSampler, val_batches
 from edgc_train.train import lr_lambda, make_optimizer, seed_everything
 
 

@@ -14,6 +14,9 @@ Modules:
     entropy_trend.py does gradient entropy fall and stabilise?
     moe.py          a mixture of experts, EP × DP: EDGC on both groups, ranks routed by tokens (paired seeds)
     pareto.py       at the same bytes, does a moving rank beat static PowerSGD? (paired seeds)
+    pareto_arms.py  its arms: the byte budgets, what every arm shares, each arm's rank schedule
+    pareto_runs.py  its runs: keyed by setting, seed and config, earlier ones reused, the pool
+    pareto_summary.py  its summary: the paired Δ per budget and arm, a rank change's cost, the plot
     pareto_train.py one in-process training run of the pareto instrument
     pure_dp.py      EDGC on pure data parallelism, on the emulated network
     rank_sweep.py   which static ranks are safe and which pay?

@@ -225,9 +225,10 @@ def train_and_capture(
     import torch
     import torch.nn.functional as F
 
-    from edgc_train.data import BlockSampler, DataError, prepare_data
+    from edgc_train.data import DataError, prepare_data
     from edgc_train.model import build_model, count_parameters, model_shape
     from edgc_train.runner import seed_everything
+    from edgc_train.sampler import BlockSampler
     from edgc_train.train import lr_lambda, make_optimizer
 
     cfg = setting.train_config()

@@ -50,6 +50,80 @@ def validate(args, setting) -> None:
         raise common.CLIError(f"--captures: must be ≥ 1, got {args.captures}")
 
 
+def summary_lines(by_type, capture_steps, early, headline, late, plots, setting, table):
+    """The experiment's summary.md, line by line: headline, setting, the tables by rank and by layer type."""
+    return [
+        f"# Experiment `{NAME}`: real low-rank error vs the CQM (Marchenko–Pastur) model",
+        "",
+        f"**Headline:** {headline}.",
+        "",
+        f"Setting: {setting.describe()}; one process; every 2-D gradient (as (shape[0], −1)) at steps "
+        f"{', '.join(map(str, capture_steps))}. Model: σ²·g(r; m, n) with σ² = ‖A‖²/(mn), g from "
+        "`edgc.rank_model.ErrorModel` (Monte Carlo, 4 draws). Ratios are medians over matrices.",
+        "",
+        markdown_table(
+            [
+                "rank r",
+                "exact / model (all steps)",
+                f"exact / model (step {early})",
+                f"exact / model (step {late})",
+                "1 power iteration / model",
+                "median exact ‖A−A_r‖²/‖A‖²",
+                "median model error / ‖A‖²",
+            ],
+            table,
+        ),
+        "",
+        f"By layer type, rank {HEADLINE_RANK}:",
+        "",
+        markdown_table(
+            [
+                "layer type",
+                f"exact / model, step {early}",
+                f"exact / model, step {late}",
+                f"1 power iteration / model, step {late}",
+            ],
+            by_type,
+        ),
+        "",
+        "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
+        "",
+        "Paper (§2.2 O3, §2.5): gradient matrices are strongly correlated, especially early, so the real "
+        "low-rank error is lower than the i.i.d. (Marchenko–Pastur) estimate and the CQM is conservative. "
+        "A ratio below 1 agrees. Note what this does *not* test: the CQM maps an entropy change to a rank "
+        "change through σ² only, and a conservative g in absolute terms does not make the ratio g(r1)/g(r0) "
+        "right.",
+    ]
+
+
+def rank_tables(early, late, median):
+    """The ratios by rank over all steps and the first and last capture, and by layer type at the headline rank."""
+    table = []
+    for r in RANKS:
+        table.append(
+            [
+                r,
+                fmt(median("ratio_exact", rank=r)),
+                fmt(median("ratio_exact", rank=r, step=early)),
+                fmt(median("ratio_exact", rank=r, step=late)),
+                fmt(median("ratio_power", rank=r)),
+                fmt(median("exact", rank=r) / median("norm_sq", rank=r), ".3f"),
+                fmt(median("model", rank=r) / median("norm_sq", rank=r), ".3f"),
+            ]
+        )
+    by_type = []
+    for t in common.LAYER_TYPES:
+        by_type.append(
+            [
+                t,
+                fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=early)),
+                fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=late)),
+                fmt(median("ratio_power", rank=HEADLINE_RANK, type=t, step=late)),
+            ]
+        )
+    return by_type, table
+
+
 def run(args, out, setting, log=print) -> dict:
     import torch
 
@@ -106,29 +180,7 @@ def run(args, out, setting, log=print) -> dict:
         return float(np.median(vals)) if vals else float("nan")
 
     early, late = capture_steps[0], capture_steps[-1]
-    table = []
-    for r in RANKS:
-        table.append(
-            [
-                r,
-                fmt(median("ratio_exact", rank=r)),
-                fmt(median("ratio_exact", rank=r, step=early)),
-                fmt(median("ratio_exact", rank=r, step=late)),
-                fmt(median("ratio_power", rank=r)),
-                fmt(median("exact", rank=r) / median("norm_sq", rank=r), ".3f"),
-                fmt(median("model", rank=r) / median("norm_sq", rank=r), ".3f"),
-            ]
-        )
-    by_type = []
-    for t in common.LAYER_TYPES:
-        by_type.append(
-            [
-                t,
-                fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=early)),
-                fmt(median("ratio_exact", rank=HEADLINE_RANK, type=t, step=late)),
-                fmt(median("ratio_power", rank=HEADLINE_RANK, type=t, step=late)),
-            ]
-        )
+    by_type, table = rank_tables(early, late, median)
     head_all = median("ratio_exact", rank=HEADLINE_RANK)
     frac_below = float(np.mean([r["ratio_exact"] < 1 for r in rows])) if rows else float("nan")
     headline = (
@@ -139,48 +191,7 @@ def run(args, out, setting, log=print) -> dict:
         f"{100 * frac_below:.0f}% of all (matrix, step, rank) cases"
     )
     plots = _plot(out, rows, capture_steps, model)
-    summary = [
-        f"# Experiment `{NAME}`: real low-rank error vs the CQM (Marchenko–Pastur) model",
-        "",
-        f"**Headline:** {headline}.",
-        "",
-        f"Setting: {setting.describe()}; one process; every 2-D gradient (as (shape[0], −1)) at steps "
-        f"{', '.join(map(str, capture_steps))}. Model: σ²·g(r; m, n) with σ² = ‖A‖²/(mn), g from "
-        "`edgc.rank_model.ErrorModel` (Monte Carlo, 4 draws). Ratios are medians over matrices.",
-        "",
-        markdown_table(
-            [
-                "rank r",
-                "exact / model (all steps)",
-                f"exact / model (step {early})",
-                f"exact / model (step {late})",
-                "1 power iteration / model",
-                "median exact ‖A−A_r‖²/‖A‖²",
-                "median model error / ‖A‖²",
-            ],
-            table,
-        ),
-        "",
-        f"By layer type, rank {HEADLINE_RANK}:",
-        "",
-        markdown_table(
-            [
-                "layer type",
-                f"exact / model, step {early}",
-                f"exact / model, step {late}",
-                f"1 power iteration / model, step {late}",
-            ],
-            by_type,
-        ),
-        "",
-        "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
-        "",
-        "Paper (§2.2 O3, §2.5): gradient matrices are strongly correlated, especially early, so the real "
-        "low-rank error is lower than the i.i.d. (Marchenko–Pastur) estimate and the CQM is conservative. "
-        "A ratio below 1 agrees. Note what this does *not* test: the CQM maps an entropy change to a rank "
-        "change through σ² only, and a conservative g in absolute terms does not make the ratio g(r1)/g(r0) "
-        "right.",
-    ]
+    summary = summary_lines(by_type, capture_steps, early, headline, late, plots, setting, table)
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json", {"setting": vars(setting), "capture_steps": capture_steps, "rows": rows, "loss": curve}

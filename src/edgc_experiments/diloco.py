@@ -217,9 +217,10 @@ def paired_percent(cell: dict, arm: str, reference: str, seeds: list[int]) -> di
     }
 
 
-def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
+def paired_cells(cells, results, seeds):
+    """Per cell (family, inner steps, H, arms): the arms' paired differences over the seeds, their
+    table rows, and the spectra of the runs that recorded one."""
     rows, stats, spectra = [], {}, []
-    hs = sorted({h for _, _, h, _ in cells})
     for family, inner, h, arms in cells:
         key = f"{family}/{inner}/H{h}"
         cell = results[key]
@@ -250,7 +251,12 @@ def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
                     for r in SPECTRUM_RANKS
                 ]
             )
-    equal_bytes = _equal_bytes(cells, results, seeds, hs)
+    return rows, spectra, stats
+
+
+def summarise(out, setting, args, seeds, cells, results, missing=()) -> dict:
+    rows, spectra, stats = paired_cells(cells, results, seeds)
+    equal_bytes = _equal_bytes(cells, results, seeds, sorted({h for _, _, h, _ in cells}))
     headline = _headline(stats, cells)
     summary = [
         f"# Experiment `{NAME}`: compressed DiLoCo against torchft's DiLoCo across models",

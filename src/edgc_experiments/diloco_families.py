@@ -9,7 +9,7 @@ enough that two shared cores train it for a few hundred steps in seconds.
   rotary positions, SwiGLU, untied embeddings), on the same BPE tokens as ``gpt2``.
 
 Every family gives the same interface (`Family`): a model built from the seed, this rank's training
-batches (its own shard, `edgc_train.data.BlockSampler`), ``logits = model(inputs)`` and a validation
+batches (its own shard, `edgc_train.sampler.BlockSampler`), ``logits = model(inputs)`` and a validation
 loss over a fixed set of validation blocks. The inner optimizers (AdamW, SGD with Nesterov momentum)
 have one learning rate per family, cosine-decayed over the run.
 """
@@ -155,7 +155,7 @@ class Family:
         return BUILDERS[self.name](self.corpus.vocab_size)
 
     def sampler(self, rank: int, world: int, seed: int):
-        from edgc_train.data import BlockSampler
+        from edgc_train.sampler import BlockSampler
 
         return BlockSampler(self.corpus.train, SEQ_LEN, BATCH, rank, world, seed)
 
@@ -177,7 +177,7 @@ class Family:
 
     @torch.no_grad()
     def validation_loss(self, model: nn.Module) -> float:
-        from edgc_train.data import val_batches
+        from edgc_train.sampler import val_batches
 
         model.eval()
         total, count = 0.0, 0

@@ -106,13 +106,13 @@ def plan(args) -> dict[str, dict]:
 
 
 def run(args, out, setting, log=print) -> dict:
-    from .pareto import _prepare_data
+    from .pareto_runs import prepare_data_once
 
     arms = plan(args)
     seeds = [setting.seed + k for k in range(args.seeds)]
     shape = common.shape_from_args(args)
     log(f"  {len(arms)} arms × {len(seeds)} seeds: {', '.join(arms)}")
-    _prepare_data(setting)  # once, here: the runs then read the same cache
+    prepare_data_once(setting)  # once, here: the runs then read the same cache
     (out / "runs").mkdir()
     results: dict = {name: {} for name in arms}
     for seed in seeds:
@@ -150,6 +150,39 @@ def paired(results: dict, arm: str, reference: str, seeds: list[int]) -> dict:
         "relative_error": mean(errors) if None not in errors else None,
         "error_feedback": mean(feedback) if None not in feedback else None,
     }
+
+
+def summary_lines(arms, comparisons, header, headline, reference, seeds, setting, shape, table):
+    """The experiment's summary.md up to its plot: the headline, the setting, the paired table and
+    what it answers."""
+    return [
+        f"# Experiment `{NAME}`: at the same bytes, sync often at a low rank or rarely at a high one?",
+        "",
+        f"**Headline:** {'; '.join(headline)}.",
+        "",
+        f"Setting: {setting.describe(1)}, on each of 2 replicas (its own shard of the data); model {shape}; seeds "
+        f"{seeds}; DiLoCo's outer "
+        f"Nesterov SGD at lr {arms[reference]['outer_lr']:g}, momentum {arms[reference]['outer_momentum']:g}; "
+        "a static rank from the first outer step; validation loss over the whole validation split. "
+        f"Δ = arm − {reference} at the same seed (negative: better).",
+        "",
+        markdown_table(header, table),
+        "",
+        *(
+            [
+                markdown_table(
+                    ["power iterations", "Δ per seed", "Δ mean [95 % CI]", "bytes ratio"],
+                    [
+                        [n, " ".join(f"{d:+.4f}" for d in p["deltas"]), fmt_interval(p), f"{p['bytes_ratio']:.2f}"]
+                        for n, p in comparisons.items()
+                    ],
+                ),
+                "",
+            ]
+            if comparisons
+            else []
+        ),
+    ]
 
 
 def summarise(out, setting, seeds, arms, results, shape) -> dict:
@@ -201,34 +234,7 @@ def summarise(out, setting, seeds, arms, results, shape) -> dict:
         + f" vs {reference})"
     ]
     headline += [f"{name}: {fmt_interval(p)}" for name, p in comparisons.items()]
-    summary = [
-        f"# Experiment `{NAME}`: at the same bytes, sync often at a low rank or rarely at a high one?",
-        "",
-        f"**Headline:** {'; '.join(headline)}.",
-        "",
-        f"Setting: {setting.describe(1)}, on each of 2 replicas (its own shard of the data); model {shape}; seeds "
-        f"{seeds}; DiLoCo's outer "
-        f"Nesterov SGD at lr {arms[reference]['outer_lr']:g}, momentum {arms[reference]['outer_momentum']:g}; "
-        "a static rank from the first outer step; validation loss over the whole validation split. "
-        f"Δ = arm − {reference} at the same seed (negative: better).",
-        "",
-        markdown_table(header, table),
-        "",
-        *(
-            [
-                markdown_table(
-                    ["power iterations", "Δ per seed", "Δ mean [95 % CI]", "bytes ratio"],
-                    [
-                        [n, " ".join(f"{d:+.4f}" for d in p["deltas"]), fmt_interval(p), f"{p['bytes_ratio']:.2f}"]
-                        for n, p in comparisons.items()
-                    ],
-                ),
-                "",
-            ]
-            if comparisons
-            else []
-        ),
-    ]
+    summary = summary_lines(arms, comparisons, header, headline, reference, seeds, setting, shape, table)
     plot = _plot(out, reference, stats)
     summary.append(f"Plot: `{plot.relative_to(out)}`")
     (out / "summary.md").write_text("\n".join(summary) + "\n")

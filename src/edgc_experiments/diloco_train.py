@@ -110,9 +110,10 @@ def _worker(rank: int, world: int, port: int, setting, arms: list[dict], seed: i
 def _train(rank: int, world: int, setting, arm: dict, seed: int, shape: dict) -> dict[str, Any]:
     import torch
 
-    from edgc_train.data import BlockSampler, prepare_data
+    from edgc_train.data import prepare_data
     from edgc_train.model import build_model, model_shape
     from edgc_train.runner import seed_everything
+    from edgc_train.sampler import BlockSampler
     from edgc_train.train import lr_lambda, make_optimizer
 
     from .pareto_train import validation_loss

@@ -38,49 +38,50 @@ def validate(args, setting) -> None:
         raise common.CLIError("--every must be ≥ 1 and --alpha, --beta in (0, 1]")
 
 
-def run(args, out, setting, log=print) -> dict:
-    every = max(1, args.every if not args.tiny else 1)
-    sample_every = max(1, round(1 / args.alpha))
-    stride = max(1, round(1 / args.beta))
-    series = {
-        g: {"steps": [], "full": [], "gauss": [], "skew": [], "kurt": [], "sampled_steps": [], "sampled": []}
-        for g in GROUPS
-    }
+def summary_lines(T, args, curve, edge, every, headline, plots, rows, sample_every, setting, stride):
+    """The experiment's summary.md, line by line: the headline, the setting, its tables and what the paper says."""
+    return [
+        f"# Experiment `{NAME}`: does gradient entropy fall and stabilise?",
+        "",
+        f"**Headline:** {headline}.",
+        "",
+        f"Setting: {setting.describe()}; one process (the gradient a DP hook would see, before clipping). "
+        f"Full entropy: 1000-bin histogram over all elements of the group, every {every} step(s). "
+        f"Sampled (GDS): every {stride}th element (β = {args.beta:g}) on every {sample_every}th step (α = "
+        f"{args.alpha:g}). "
+        f"Early / late = mean over the first / last {edge} steps. Windows for the change and the CC: {max(1, T // 10)} "
+        "steps.",
+        "",
+        markdown_table(
+            [
+                "layer type",
+                "H early (nats)",
+                "H late",
+                "Δ",
+                "|ΔH| first windows",
+                "|ΔH| last windows",
+                "CC sampled vs full (windowed)",
+                "Δ Gaussian entropy (ln σ)",
+                "skewness early → late",
+                "excess kurtosis early → late",
+            ],
+            rows,
+        ),
+        "",
+        "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
+        "",
+        "Reading it: the paper (§2.2 O1) says the entropy moves from an unstable regime to a stable one and "
+        "falls slowly; O2 that the values concentrate around zero (the Gaussian entropy ln σ falls). The CQM "
+        "assumes Gaussian gradients (skewness 0, excess kurtosis 0); large kurtosis means heavy tails.",
+        "",
+        f"Training loss {curve['loss'][0]:.3f} → {curve['loss'][-1]:.3f}; {curve['wall_s']:.0f} s of training.",
+    ]
 
-    def on_grads(step, named):
-        import torch
 
-        dense, sampled = step % every == 0, step % sample_every == 0
-        if not (dense or sampled):
-            return
-        by_group = {g: [] for g in GROUPS}
-        for name, grad in named:
-            if grad is None:
-                continue
-            kind = common.layer_type(name)
-            if kind in by_group:
-                by_group[kind].append(grad)
-            by_group["all"].append(grad)
-        for g, grads in by_group.items():
-            if not grads:
-                continue
-            s = series[g]
-            if dense:
-                flat = torch.cat([t.reshape(-1) for t in grads]).float()
-                s["steps"].append(step)
-                s["full"].append(histogram_entropy(flat))
-                s["gauss"].append(gaussian_entropy(flat))
-                skew, kurt = common.moments(flat)
-                s["skew"].append(skew)
-                s["kurt"].append(kurt)
-            if sampled:
-                sample, _ = strided_sample(grads, stride)
-                s["sampled_steps"].append(step)
-                s["sampled"].append(histogram_entropy(sample))
-
-    curve = common.train_and_capture(setting, on_grads, every=1, log=log)
-    T = setting.steps
-    edge = max(1, T // 10)
+def group_trends(T, edge, series):
+    """Per layer group: the entropy early and late in the run, its window-to-window change, the
+    sampled estimate's correlation with the full one, and the Gaussian, skew and kurtosis trends;
+    (table rows, results)."""
 
     def span(s, key, first: bool):
         vals = [v for st, v in zip(s["steps"], s[key]) if (st <= edge if first else st > T - edge)]
@@ -126,6 +127,54 @@ def run(args, out, setting, log=print) -> dict:
             ]
         )
 
+    return results, rows
+
+
+def run(args, out, setting, log=print) -> dict:
+    every = max(1, args.every if not args.tiny else 1)
+    sample_every = max(1, round(1 / args.alpha))
+    stride = max(1, round(1 / args.beta))
+    series = {
+        g: {"steps": [], "full": [], "gauss": [], "skew": [], "kurt": [], "sampled_steps": [], "sampled": []}
+        for g in GROUPS
+    }
+
+    def on_grads(step, named):
+        import torch
+
+        dense, sampled = step % every == 0, step % sample_every == 0
+        if not (dense or sampled):
+            return
+        by_group = {g: [] for g in GROUPS}
+        for name, grad in named:
+            if grad is None:
+                continue
+            kind = common.layer_type(name)
+            if kind in by_group:
+                by_group[kind].append(grad)
+            by_group["all"].append(grad)
+        for g, grads in by_group.items():
+            if not grads:
+                continue
+            s = series[g]
+            if dense:
+                flat = torch.cat([t.reshape(-1) for t in grads]).float()
+                s["steps"].append(step)
+                s["full"].append(histogram_entropy(flat))
+                s["gauss"].append(gaussian_entropy(flat))
+                skew, kurt = common.moments(flat)
+                s["skew"].append(skew)
+                s["kurt"].append(kurt)
+            if sampled:
+                sample, _ = strided_sample(grads, stride)
+                s["sampled_steps"].append(step)
+                s["sampled"].append(histogram_entropy(sample))
+
+    curve = common.train_and_capture(setting, on_grads, every=1, log=log)
+    T = setting.steps
+    edge = max(1, T // 10)
+
+    results, rows = group_trends(T, edge, series)
     plots = _plot(out, series, curve, setting, sample_every, stride, edge)
     a = results["all"]
     drop = a["entropy_late"] - a["entropy_early"]
@@ -135,42 +184,7 @@ def run(args, out, setting, log=print) -> dict:
         f"{a['window_change_first']:.3f} → {a['window_change_last']:.3f}; sampled-vs-full windowed "
         f"CC {a['cc_sampled_vs_full_windowed']:.3f}; excess kurtosis {a['kurt_early']:.1f} → {a['kurt_late']:.1f}"
     )
-    summary = [
-        f"# Experiment `{NAME}`: does gradient entropy fall and stabilise?",
-        "",
-        f"**Headline:** {headline}.",
-        "",
-        f"Setting: {setting.describe()}; one process (the gradient a DP hook would see, before clipping). "
-        f"Full entropy: 1000-bin histogram over all elements of the group, every {every} step(s). "
-        f"Sampled (GDS): every {stride}th element (β = {args.beta:g}) on every {sample_every}th step (α = "
-        f"{args.alpha:g}). "
-        f"Early / late = mean over the first / last {edge} steps. Windows for the change and the CC: {max(1, T // 10)} "
-        "steps.",
-        "",
-        markdown_table(
-            [
-                "layer type",
-                "H early (nats)",
-                "H late",
-                "Δ",
-                "|ΔH| first windows",
-                "|ΔH| last windows",
-                "CC sampled vs full (windowed)",
-                "Δ Gaussian entropy (ln σ)",
-                "skewness early → late",
-                "excess kurtosis early → late",
-            ],
-            rows,
-        ),
-        "",
-        "Plots: " + ", ".join(f"`{p.name}`" for p in plots),
-        "",
-        "Reading it: the paper (§2.2 O1) says the entropy moves from an unstable regime to a stable one and "
-        "falls slowly; O2 that the values concentrate around zero (the Gaussian entropy ln σ falls). The CQM "
-        "assumes Gaussian gradients (skewness 0, excess kurtosis 0); large kurtosis means heavy tails.",
-        "",
-        f"Training loss {curve['loss'][0]:.3f} → {curve['loss'][-1]:.3f}; {curve['wall_s']:.0f} s of training.",
-    ]
+    summary = summary_lines(T, args, curve, edge, every, headline, plots, rows, sample_every, setting, stride)
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json", {"setting": vars(setting), "results": results, "series": series, "loss": curve}

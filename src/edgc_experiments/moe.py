@@ -96,13 +96,13 @@ def paired(values: list[float]) -> dict:
 def run(args, out, setting, log=print) -> dict:
     from dataclasses import replace
 
-    from .pareto import _prepare_data
+    from .pareto_runs import prepare_data_once
 
     dp = replace(setting, micro_batch=max(1, setting.micro_batch // args.nproc))  # every rank reads its own
     shape = common.shape_from_args(args)
     flags = ["--eval-every", str(setting.steps), "--eval-batches", "16"]  # the final validation loss
     flags += [x for field, v in shape.items() for x in ("--" + field.replace("_", "-"), str(v))]
-    _prepare_data(setting)  # once, here: the runs then read the same cache
+    prepare_data_once(setting)  # once, here: the runs then read the same cache
     seeds = [setting.seed + i for i in range(args.seeds)]
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in seeds:

@@ -20,7 +20,7 @@ def validation_loss(model, data, seq_len: int, micro_batch: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from edgc_train.data import val_batches
+    from edgc_train.sampler import val_batches
 
     model.eval()
     total, tokens = 0.0, 0
@@ -69,9 +69,10 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
 
     from edgc import EDGCConfig, EDGCState
     from edgc.budget import spent_rank_steps
-    from edgc_train.data import BlockSampler, prepare_data
+    from edgc_train.data import prepare_data
     from edgc_train.model import build_model, model_shape
     from edgc_train.runner import seed_everything
+    from edgc_train.sampler import BlockSampler
     from edgc_train.train import lr_lambda, make_optimizer
 
     from .change_cost import Shadows, shadow_record

@@ -87,6 +87,53 @@ def bench(args, setting, out, log) -> str:
     return (out / "bench" / "bench.md").read_text()
 
 
+def summary_lines(args, dp, e, headline, log, nproc, out, report_plots, rows):
+    """The experiment's summary.md, line by line: the headline, the setting, its tables and what the paper says."""
+    summary = [
+        f"# Experiment `{NAME}`: EDGC on pure data parallelism (no pipeline, no DAC)",
+        "",
+        f"**Headline:** {headline}.",
+        "",
+        f"Setting: {dp.describe(nproc)}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on loopback), same "
+        f"seed and data order for all runs. EDGC: {', '.join(f'{k}={v}' for k, v in EDGC_FIELDS.items())}, other "
+        "knobs scaled to the run by `edgc train` (10% warm-up, window steps/20). Per-step times are medians over "
+        "compressed steps (all steps for `none`).",
+        "",
+        markdown_table(
+            [
+                "run",
+                "MB sent / step (whole run)",
+                "bytes vs none",
+                "comm ms / step",
+                "total comm vs none",
+                "compress ms / step",
+                "step ms",
+                "val loss",
+                "Δ val loss",
+            ],
+            rows,
+        ),
+        "",
+        f"EDGC rank schedule (steps: rank): {e['schedule']}",
+        "",
+        "Paper: the 46.45% communication-latency and 16.13% training-time reductions are for GPT2-2.5B/12.1B "
+        "with 3D parallelism on V100/H100 clusters, with DAC aligning pipeline stages. Here EDGC runs with no "
+        "pipeline at all: the byte reduction comes from the entropy-driven PowerSGD alone. Whether the bytes turn "
+        "into time depends on the link: on loopback they barely do (see the comm columns); `edgc bench` "
+        "measures it on a bandwidth-limited link.",
+        "",
+        "Plots: " + ", ".join(f"`{p_.relative_to(out)}`" for p_ in report_plots),
+    ]
+    if args.link_mbit is not None:
+        summary += [
+            "",
+            f"## The same on a {args.link_mbit:g} Mbit/s link (`edgc bench`, 2 emulated hosts × 1 process)",
+            "",
+            bench(args, dp, out, log).replace("\n# ", "\n### "),
+        ]
+    return summary
+
+
 def run(args, out, setting, log=print) -> dict:
     nproc = 1 if args.tiny else max(1, args.nproc)
     dp = dp_setting(setting, nproc)
@@ -141,48 +188,7 @@ def run(args, out, setting, log=print) -> dict:
         f"{e['comm_total_ratio']:.2f}× on loopback, Δ val loss {e['delta_val_loss']:+.4f} nats"
     )
     report_plots = common.report_plots(folders, out / "report")
-    summary = [
-        f"# Experiment `{NAME}`: EDGC on pure data parallelism (no pipeline, no DAC)",
-        "",
-        f"**Headline:** {headline}.",
-        "",
-        f"Setting: {dp.describe(nproc)}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on loopback), same "
-        f"seed and data order for all runs. EDGC: {', '.join(f'{k}={v}' for k, v in EDGC_FIELDS.items())}, other "
-        "knobs scaled to the run by `edgc train` (10% warm-up, window steps/20). Per-step times are medians over "
-        "compressed steps (all steps for `none`).",
-        "",
-        markdown_table(
-            [
-                "run",
-                "MB sent / step (whole run)",
-                "bytes vs none",
-                "comm ms / step",
-                "total comm vs none",
-                "compress ms / step",
-                "step ms",
-                "val loss",
-                "Δ val loss",
-            ],
-            rows,
-        ),
-        "",
-        f"EDGC rank schedule (steps: rank): {e['schedule']}",
-        "",
-        "Paper: the 46.45% communication-latency and 16.13% training-time reductions are for GPT2-2.5B/12.1B "
-        "with 3D parallelism on V100/H100 clusters, with DAC aligning pipeline stages. Here EDGC runs with no "
-        "pipeline at all: the byte reduction comes from the entropy-driven PowerSGD alone. Whether the bytes turn "
-        "into time depends on the link: on loopback they barely do (see the comm columns); `edgc bench` "
-        "measures it on a bandwidth-limited link.",
-        "",
-        "Plots: " + ", ".join(f"`{p_.relative_to(out)}`" for p_ in report_plots),
-    ]
-    if args.link_mbit is not None:
-        summary += [
-            "",
-            f"## The same on a {args.link_mbit:g} Mbit/s link (`edgc bench`, 2 emulated hosts × 1 process)",
-            "",
-            bench(args, dp, out, log).replace("\n# ", "\n### "),
-        ]
+    summary = summary_lines(args, dp, e, headline, log, nproc, out, report_plots, rows)
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json", {"setting": vars(dp), "nproc": nproc, "edgc": EDGC_FIELDS, "results": results}

@@ -83,6 +83,46 @@ def compressed_stats(run) -> dict:
     return stats
 
 
+def summary_lines(best, dp, faster, headline, nproc, out, plots, rows, setting, suggestion):
+    """The experiment's summary.md, line by line: the headline, the setting, its tables and what the paper says."""
+    return [
+        f"# Experiment `{NAME}`: static ranks vs uncompressed",
+        "",
+        f"**Headline:** {headline}.",
+        "",
+        f"Setting: {dp.describe(nproc)}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on "
+        f"loopback), same seed and data order for every run; PowerSGD (our engine, error feedback) after "
+        f"a 10% uncompressed warm-up. Per-step numbers are medians over the compressed steps (all steps for "
+        f"`none`); validation loss at the last step ({setting.steps}).",
+        "",
+        markdown_table(
+            [
+                "rank",
+                "MB sent / step",
+                "bytes vs none",
+                "comm ms / step",
+                "comm vs none",
+                "compress ms / step",
+                "step ms",
+                "val loss",
+                "Δ val loss",
+            ],
+            rows,
+        ),
+        "",
+        "How to read it for EDGC's bounds (paper §2.7: sweep ranks to set r_max/r_min):",
+        f"- r_min: the {suggestion}. Best Δ val loss: rank {best['rank']} ({best['delta_val_loss']:+.4f}).",
+        "- r_max: the paper profiles it as the largest rank whose compressed sync is still faster than the "
+        "uncompressed one. Here (loopback) compressed comm + compression is below the uncompressed all-reduce "
+        f"at ranks: {', '.join(map(str, faster)) or 'none'} — on one host compression barely pays in time; "
+        "the bytes column is what a bandwidth-limited network would carry (see `edgc bench`).",
+        "- A rank that is large relative to a matrix's sides sends that matrix raw (min_compression_rate 2), "
+        "so bytes stop falling linearly at the top ranks of the tiny model.",
+        "",
+        "Plots: " + ", ".join(f"`{p.relative_to(out)}`" for p in plots),
+    ]
+
+
 def run(args, out, setting, log=print) -> dict:
     ranks = parse_ranks(args.ranks)
     nproc = 1 if args.tiny else max(1, args.nproc)
@@ -140,42 +180,7 @@ def run(args, out, setting, log=print) -> dict:
     )
     report_plots = common.report_plots(folders, out / "report")
     plots = [_plot(out, results, loaded, ranks), *report_plots]
-    summary = [
-        f"# Experiment `{NAME}`: static ranks vs uncompressed",
-        "",
-        f"**Headline:** {headline}.",
-        "",
-        f"Setting: {dp.describe(nproc)}; {nproc} process(es) (`edgc train --nproc {nproc}`, gloo on "
-        f"loopback), same seed and data order for every run; PowerSGD (our engine, error feedback) after "
-        f"a 10% uncompressed warm-up. Per-step numbers are medians over the compressed steps (all steps for "
-        f"`none`); validation loss at the last step ({setting.steps}).",
-        "",
-        markdown_table(
-            [
-                "rank",
-                "MB sent / step",
-                "bytes vs none",
-                "comm ms / step",
-                "comm vs none",
-                "compress ms / step",
-                "step ms",
-                "val loss",
-                "Δ val loss",
-            ],
-            rows,
-        ),
-        "",
-        "How to read it for EDGC's bounds (paper §2.7: sweep ranks to set r_max/r_min):",
-        f"- r_min: the {suggestion}. Best Δ val loss: rank {best['rank']} ({best['delta_val_loss']:+.4f}).",
-        "- r_max: the paper profiles it as the largest rank whose compressed sync is still faster than the "
-        "uncompressed one. Here (loopback) compressed comm + compression is below the uncompressed all-reduce "
-        f"at ranks: {', '.join(map(str, faster)) or 'none'} — on one host compression barely pays in time; "
-        "the bytes column is what a bandwidth-limited network would carry (see `edgc bench`).",
-        "- A rank that is large relative to a matrix's sides sends that matrix raw (min_compression_rate 2), "
-        "so bytes stop falling linearly at the top ranks of the tiny model.",
-        "",
-        "Plots: " + ", ".join(f"`{p.relative_to(out)}`" for p in plots),
-    ]
+    summary = summary_lines(best, dp, faster, headline, nproc, out, plots, rows, setting, suggestion)
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json",

@@ -94,94 +94,9 @@ def rank_schedule(
     return ranks
 
 
-def run(args, out, setting, log=print) -> dict:
-    every, stride = max(1, round(1 / args.alpha)), max(1, round(1 / args.beta))
-    full_steps, full, sampled, gauss, full_gauss = [], [], [], [], []
-    shapes: list[tuple[int, int]] = []
-
-    def on_grads(step, named):
-        import torch
-
-        grads = [g for _, g in named if g is not None]
-        if not shapes:
-            from edgc.factors import matrix_shape
-            from edgc.lowrank import LowRankCompressor
-
-            engine = LowRankCompressor(EDGCConfig(r_max=R_MAX))
-            for g in grads:  # the matrices the engine would compress at r_max (the cqm mapping's shapes)
-                shape = matrix_shape(g)
-                if shape is not None and engine.compressed_rank(shape, R_MAX):
-                    shapes.append(shape)
-        flat = torch.cat([g.reshape(-1) for g in grads]).float()
-        full_steps.append(step)
-        full.append(histogram_entropy(flat))
-        full_gauss.append(gaussian_entropy(flat))
-        if (step - 1) % every == 0:  # library step = step - 1
-            sample, _ = strided_sample(grads, stride)
-            sampled.append(histogram_entropy(sample))
-            gauss.append(gaussian_entropy(sample))
-
-    curve = common.train_and_capture(setting, on_grads, every=1, log=log)
-    T = setting.steps
-    sampled_steps = [1 + i * every for i in range(len(sampled))]
-    results = {}
-    for w in windows_for(args, T):
-        full_w = common.window_series(full_steps, full, w, T)
-        samp_w = common.window_series(sampled_steps, sampled, w, T)
-        pairs = [(a, b) for a, b in zip(full_w, samp_w) if math.isfinite(a) and math.isfinite(b)]
-        res = {
-            "window": w,
-            "samples_per_window": w / every,
-            "windows": len(pairs),
-            "cc": common.pearson([a for a, _ in pairs], [b for _, b in pairs]),
-            "full_windowed": full_w,
-            "sampled_windowed": samp_w,
-        }
-        full_sampled_series = [full[s - 1] for s in sampled_steps]  # the full entropy on the same steps
-        full_gauss_series = [full_gauss[s - 1] for s in sampled_steps]
-        for mapping, series, reference in (("delta", sampled, full_sampled_series), ("cqm", gauss, full_gauss_series)):
-            ranks = rank_schedule(series, T, w, args.alpha, mapping, shapes)
-            ref = rank_schedule(reference, T, w, args.alpha, mapping, shapes)
-            compressed = [r for r in ranks if r]
-            changes = sum(1 for a, b in zip(ranks, ranks[1:]) if a and b and a != b)
-            res[mapping] = {
-                "ranks": ranks,
-                "mean_rank": float(np.mean(compressed)) if compressed else float("nan"),
-                "changes": changes,
-                "final_rank": ranks[-1],
-                "agreement_with_full": float(np.mean([a == b for a, b in zip(ranks, ref)])),
-                "ranks_from_full": ref,
-            }
-        results[str(w)] = res
-
-    headline = (
-        "CC(windowed sampled vs full entropy) "
-        + ", ".join(f"w={r['window']}: {fmt(r['cc'])}" for r in results.values())
-        + (
-            "; delta-mapping mean rank "
-            + ", ".join(f"w={r['window']}: {fmt(r['delta']['mean_rank'], '.1f')}" for r in results.values())
-        )
-    )
-    plots = _plot(out, results, full_steps, full, sampled_steps, sampled, T)
-    rows = []
-    for r in results.values():
-        rows.append(
-            [
-                r["window"],
-                f"{r['samples_per_window']:.1f}",
-                r["windows"],
-                fmt(r["cc"]),
-                fmt(r["delta"]["mean_rank"], ".1f"),
-                r["delta"]["changes"],
-                r["delta"]["final_rank"],
-                f"{100 * r['delta']['agreement_with_full']:.0f}%",
-                fmt(r["cqm"]["mean_rank"], ".1f"),
-                r["cqm"]["changes"],
-                r["cqm"]["final_rank"],
-                f"{100 * r['cqm']['agreement_with_full']:.0f}%",
-            ]
-        )
-    summary = [
+def summary_lines(T, args, every, headline, plots, rows, setting, stride):
+    """The experiment's summary.md, line by line: the headline, the setting, its tables and what the paper says."""
+    return [
         f"# Experiment `{NAME}`: window length w",
         "",
         f"**Headline:** {headline}.",
@@ -216,6 +131,103 @@ def run(args, out, setting, log=print) -> dict:
         "noisier samples; long ones react late. The `delta` mapping normalises the latest window-to-window "
         "change by the first one, so the schedule depends strongly on how noisy the first windows are.",
     ]
+
+
+def window_results(T, args, every, full, full_gauss, full_steps, gauss, sampled, sampled_steps, shapes):
+    """Per window length: the correlation of the windowed sampled entropy with the full one, and the
+    rank schedules the delta and CQM mappings give from each, beside those from the full entropy."""
+    results = {}
+    for w in windows_for(args, T):
+        full_w = common.window_series(full_steps, full, w, T)
+        samp_w = common.window_series(sampled_steps, sampled, w, T)
+        pairs = [(a, b) for a, b in zip(full_w, samp_w) if math.isfinite(a) and math.isfinite(b)]
+        res = {
+            "window": w,
+            "samples_per_window": w / every,
+            "windows": len(pairs),
+            "cc": common.pearson([a for a, _ in pairs], [b for _, b in pairs]),
+            "full_windowed": full_w,
+            "sampled_windowed": samp_w,
+        }
+        full_sampled_series = [full[s - 1] for s in sampled_steps]  # the full entropy on the same steps
+        full_gauss_series = [full_gauss[s - 1] for s in sampled_steps]
+        for mapping, series, reference in (("delta", sampled, full_sampled_series), ("cqm", gauss, full_gauss_series)):
+            ranks = rank_schedule(series, T, w, args.alpha, mapping, shapes)
+            ref = rank_schedule(reference, T, w, args.alpha, mapping, shapes)
+            compressed = [r for r in ranks if r]
+            changes = sum(1 for a, b in zip(ranks, ranks[1:]) if a and b and a != b)
+            res[mapping] = {
+                "ranks": ranks,
+                "mean_rank": float(np.mean(compressed)) if compressed else float("nan"),
+                "changes": changes,
+                "final_rank": ranks[-1],
+                "agreement_with_full": float(np.mean([a == b for a, b in zip(ranks, ref)])),
+                "ranks_from_full": ref,
+            }
+        results[str(w)] = res
+
+    return results
+
+
+def run(args, out, setting, log=print) -> dict:
+    every, stride = max(1, round(1 / args.alpha)), max(1, round(1 / args.beta))
+    full_steps, full, sampled, gauss, full_gauss = [], [], [], [], []
+    shapes: list[tuple[int, int]] = []
+
+    def on_grads(step, named):
+        import torch
+
+        grads = [g for _, g in named if g is not None]
+        if not shapes:
+            from edgc.factors import matrix_shape
+            from edgc.lowrank import LowRankCompressor
+
+            engine = LowRankCompressor(EDGCConfig(r_max=R_MAX))
+            for g in grads:  # the matrices the engine would compress at r_max (the cqm mapping's shapes)
+                shape = matrix_shape(g)
+                if shape is not None and engine.compressed_rank(shape, R_MAX):
+                    shapes.append(shape)
+        flat = torch.cat([g.reshape(-1) for g in grads]).float()
+        full_steps.append(step)
+        full.append(histogram_entropy(flat))
+        full_gauss.append(gaussian_entropy(flat))
+        if (step - 1) % every == 0:  # library step = step - 1
+            sample, _ = strided_sample(grads, stride)
+            sampled.append(histogram_entropy(sample))
+            gauss.append(gaussian_entropy(sample))
+
+    curve = common.train_and_capture(setting, on_grads, every=1, log=log)
+    T = setting.steps
+    sampled_steps = [1 + i * every for i in range(len(sampled))]
+    results = window_results(T, args, every, full, full_gauss, full_steps, gauss, sampled, sampled_steps, shapes)
+    headline = (
+        "CC(windowed sampled vs full entropy) "
+        + ", ".join(f"w={r['window']}: {fmt(r['cc'])}" for r in results.values())
+        + (
+            "; delta-mapping mean rank "
+            + ", ".join(f"w={r['window']}: {fmt(r['delta']['mean_rank'], '.1f')}" for r in results.values())
+        )
+    )
+    plots = _plot(out, results, full_steps, full, sampled_steps, sampled, T)
+    rows = []
+    for r in results.values():
+        rows.append(
+            [
+                r["window"],
+                f"{r['samples_per_window']:.1f}",
+                r["windows"],
+                fmt(r["cc"]),
+                fmt(r["delta"]["mean_rank"], ".1f"),
+                r["delta"]["changes"],
+                r["delta"]["final_rank"],
+                f"{100 * r['delta']['agreement_with_full']:.0f}%",
+                fmt(r["cqm"]["mean_rank"], ".1f"),
+                r["cqm"]["changes"],
+                r["cqm"]["final_rank"],
+                f"{100 * r['cqm']['agreement_with_full']:.0f}%",
+            ]
+        )
+    summary = summary_lines(T, args, every, headline, plots, rows, setting, stride)
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     common.write_json(
         out / "results.json",

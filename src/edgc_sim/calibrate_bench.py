@@ -247,6 +247,25 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
     if latency not in LATENCY_SOURCES:
         raise ValueError(f"latency must be one of {LATENCY_SOURCES}, got {latency!r}")
     new_style = any(_compressor(r) in NEW_STYLE for r in runs)
+    ref = reference_run(runs, new_style)
+    groups = run_groups(runs, link, new_style)
+
+    def link_of(group: RunGroup) -> tuple:
+        alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
+        if alpha is None:
+            return link, "sweep"
+        return replace(link, alpha_s=alpha), "traced: " + ", ".join(teachers)
+
+    ref_group = next(g for g in groups if g.run is ref)  # uncompressed: one group, rank None
+    compute_ref = group_medians(ref_group)("compute_time_s")
+    # the peer wait: a blocking uncompressed run's comm minus its collectives' time (traced, else predicted)
+    wait_run = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None) if new_style else ref
+    omega = 0.0 if wait_run is None else peer_wait(next(g for g in groups if g.run is wait_run), link_of)
+    return [predicted_row(g, device, link, *link_of(g), omega, compute_ref, new_style) for g in groups]
+
+
+def reference_run(runs: Sequence[MeasuredRun], new_style: bool) -> MeasuredRun:
+    """The uncompressed run whose compute time every prediction starts from."""
     ref = next((r for r in runs if _compressor(r) == (COMPUTE_FLOOR if new_style else REFERENCE)), None)
     if new_style and ref is None:
         ref = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None)
@@ -255,6 +274,11 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             f"bench calibration needs the uncompressed run (compressor {REFERENCE!r}; in a folder of "
             f"today's bench {COMPUTE_FLOOR!r} or {BLOCKING_REFERENCE!r}) for its compute time and peer wait"
         )
+    return ref
+
+
+def run_groups(runs: Sequence[MeasuredRun], link: BenchLink, new_style: bool) -> list[RunGroup]:
+    """Each run's steps grouped by the rank in force, with their payloads and what the link measured."""
     groups = []
     for run in runs:
         compressor, world = _compressor(run), int(run.config["world_size"])
@@ -272,99 +296,95 @@ def calibrate_bench(runs: Sequence[MeasuredRun], device: DeviceSpec, link: Bench
             groups.append(
                 RunGroup(run, rank, recs, payloads, count, transfer, on_link, new_style and compressor in OVERLAPPED)
             )
+    return groups
 
-    def link_of(group: RunGroup) -> tuple:
-        alpha, teachers = traced_alpha(groups, group) if latency == "traced" else (None, ())
-        if alpha is None:
-            return link, "sweep"
-        return replace(link, alpha_s=alpha), "traced: " + ", ".join(teachers)
 
-    def medians(group: RunGroup):
-        return lambda key: statistics.median(float(r.get(key) or 0.0) for r in group.recs)
+def group_medians(group: RunGroup):
+    return lambda key: statistics.median(float(r.get(key) or 0.0) for r in group.recs)
 
-    ref_group = next(g for g in groups if g.run is ref)  # uncompressed: one group, rank None
-    compute_ref = medians(ref_group)("compute_time_s")
-    # the peer wait: a blocking uncompressed run's comm minus its collectives' time (traced, else predicted)
-    wait_run = next((r for r in runs if _compressor(r) == BLOCKING_REFERENCE), None) if new_style else ref
-    omega = 0.0
-    if wait_run is not None:
-        wait_group = next(g for g in groups if g.run is wait_run)
-        wmed = medians(wait_group)
-        wait_link = (
-            wait_group.link_median_s
-            if wait_group.link_s
-            else wire_time(
-                _compressor(wait_run),
-                int(wait_run.config["world_size"]),
-                wait_group.payloads,
-                link_of(wait_group)[0],
-                wait_group.count,
-            )
+
+def peer_wait(wait_group: RunGroup, link_of) -> float:
+    """The peer wait per second of compute: a blocking uncompressed run's comm minus its collectives'
+    time (traced, else predicted)."""
+    wait_run, wmed = wait_group.run, group_medians(wait_group)
+    wait_link = (
+        wait_group.link_median_s
+        if wait_group.link_s
+        else wire_time(
+            _compressor(wait_run),
+            int(wait_run.config["world_size"]),
+            wait_group.payloads,
+            link_of(wait_group)[0],
+            wait_group.count,
         )
-        omega = max(0.0, wmed("comm_time_s") - wait_link) / (wmed("compute_time_s") + wmed("compress_time_s"))
-    rows = []
-    for g in groups:
-        compressor, world = _compressor(g.run), int(g.run.config["world_size"])
-        med = medians(g)
-        comp_meas = med("compress_time_s")
-        comp_model = compress_model(compressor, g.rank, g.run.config, device)
-        comp_pred = comp_meas if comp_model is None else comp_model
-        group_link, latency_from = link_of(g)
-        latency_s, transfer = wire_parts(compressor, world, g.payloads, group_link, g.count)
-        sweep_latency_s = wire_parts(compressor, world, g.payloads, link, g.count)[0]
-        in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
-        untimed = new_style and compressor in NATIVE + (COMPUTE_FLOOR,)  # no comm timer at all
-        wait = 0.0 if compressor == COMPUTE_FLOOR else omega * (compute_ref + comp_pred)
-        mode = (
-            ("native" if compressor in NATIVE else "hook" if compressor in OVERLAPPED else None) if new_style else None
+    )
+    return max(0.0, wmed("comm_time_s") - wait_link) / (wmed("compute_time_s") + wmed("compress_time_s"))
+
+
+def predicted_row(
+    g: RunGroup,
+    device: DeviceSpec,
+    link: BenchLink,
+    group_link: BenchLink,
+    latency_from: str,
+    omega: float,
+    compute_ref: float,
+    new_style: bool,
+) -> BenchRow:
+    """One group's measured medians beside the model's prediction of them."""
+    compressor, world = _compressor(g.run), int(g.run.config["world_size"])
+    med = group_medians(g)
+    comp_meas = med("compress_time_s")
+    comp_model = compress_model(compressor, g.rank, g.run.config, device)
+    comp_pred = comp_meas if comp_model is None else comp_model
+    latency_s, transfer = wire_parts(compressor, world, g.payloads, group_link, g.count)
+    sweep_latency_s = wire_parts(compressor, world, g.payloads, link, g.count)[0]
+    in_comm = comp_pred if compressor in COMM_INCLUDES_COMPRESS else 0.0
+    untimed = new_style and compressor in NATIVE + (COMPUTE_FLOOR,)  # no comm timer at all
+    wait = 0.0 if compressor == COMPUTE_FLOOR else omega * (compute_ref + comp_pred)
+    mode = ("native" if compressor in NATIVE else "hook" if compressor in OVERLAPPED else None) if new_style else None
+    if mode is None:
+        comm_pred = latency_s + transfer + wait + in_comm
+        step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
+    else:
+        all_gather = collectives.issues_all_gather(compressor)
+        pattern = payload_groups(compressor, g.rank, g.run.config, med("bytes_sent"))
+        durations = [[group_link.collective_s(world, p, all_gather) for p in grp] for grp in pattern]
+        extra = max(0.0, g.collectives - sum(len(d) for d in durations)) * group_link.latency_s(world, all_gather)
+        timeline = step_timeline(
+            compute_ref,
+            comp_pred,
+            durations,
+            collectives.bucket_values(compressor, harness_model(g.run.config)),
+            mode,
         )
-        if mode is None:
-            comm_pred = latency_s + transfer + wait + in_comm
-            step_pred = compute_ref + (0.0 if in_comm else comp_pred) + comm_pred
-        else:
-            all_gather = collectives.issues_all_gather(compressor)
-            pattern = payload_groups(compressor, g.rank, g.run.config, med("bytes_sent"))
-            durations = [[group_link.collective_s(world, p, all_gather) for p in grp] for grp in pattern]
-            extra = max(0.0, g.collectives - sum(len(d) for d in durations)) * group_link.latency_s(world, all_gather)
-            timeline = step_timeline(
-                compute_ref,
-                comp_pred,
-                durations,
-                collectives.bucket_values(compressor, harness_model(g.run.config)),
-                mode,
-            )
-            # DDP native has no timer to compare with: report the link's own time, not the queueing
-            comm_pred = (latency_s + transfer if mode == "native" else timeline.comm_s + extra) + wait
-            step_pred = timeline.end_s + extra + compute_ref * OTHER_SHARE + wait
-        comm_meas = math.nan if untimed else med("comm_time_s")
-        rows.append(
-            BenchRow(
-                g.name,
-                compressor,
-                g.rank,
-                len(g.recs),
-                med("bytes_sent"),
-                g.collectives,
-                g.count is not None,
-                comm_meas,
-                comm_pred,
-                latency_s,
-                transfer,
-                wait,
-                med("step_time_s"),
-                step_pred,
-                med("compute_time_s"),
-                comp_meas,
-                comp_pred,
-                comp_model is not None,
-                (math.nan, math.nan)
-                if untimed
-                else median_interval([float(r.get("comm_time_s") or 0.0) for r in g.recs]),
-                g.link_median_s,
-                median_interval(g.link_s),
-                latency_from,
-                sweep_latency_s,
-                mode or "sum",
-            )
-        )
-    return rows
+        # DDP native has no timer to compare with: report the link's own time, not the queueing
+        comm_pred = (latency_s + transfer if mode == "native" else timeline.comm_s + extra) + wait
+        step_pred = timeline.end_s + extra + compute_ref * OTHER_SHARE + wait
+    comm_meas = math.nan if untimed else med("comm_time_s")
+    return BenchRow(
+        g.name,
+        compressor,
+        g.rank,
+        len(g.recs),
+        med("bytes_sent"),
+        g.collectives,
+        g.count is not None,
+        comm_meas,
+        comm_pred,
+        latency_s,
+        transfer,
+        wait,
+        med("step_time_s"),
+        step_pred,
+        med("compute_time_s"),
+        comp_meas,
+        comp_pred,
+        comp_model is not None,
+        (math.nan, math.nan) if untimed else median_interval([float(r.get("comm_time_s") or 0.0) for r in g.recs]),
+        g.link_median_s,
+        median_interval(g.link_s),
+        latency_from,
+        sweep_latency_s,
+        mode or "sum",
+    )

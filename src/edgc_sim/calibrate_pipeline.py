@@ -13,7 +13,7 @@ SKIP_FRACTION of the run left out), the simulator predicts:
   gradients back at their wire size over the local link (alpha + bytes / beta of the host profile's
   gloo fit), and each compressed gradient's compress + decompress (the PowerSGD cost model on the
   host profile) on its sender's backward;
-* inter-stage time = what `edgc train` times (pipeline.PipelineStep._spans) summed over the stages:
+* inter-stage time = what `edgc train` times (`edgc_train.stage_link.StageLink.spans`) summed over the stages:
   the receivers' idle time before each backward in the timeline (waiting for the next stage's
   gradient, its transfer included; `cost_model.backward_waits`) + the senders' compress time;
 * with --interstage on, its parts that the compressed sizes set, against what `edgc train` logs of

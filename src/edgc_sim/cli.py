@@ -27,6 +27,14 @@ def register(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_projection_flags(p)
+    add_calibration_flags(p)
+    add_diloco_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_projection_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the projection: the model, its cluster and run, the methods' settings, the output."""
     p.add_argument("--preset", default="gpt2-12.1b", choices=sorted(PRESETS), help="model + layout + run length")
     p.add_argument(
         "--method",
@@ -63,6 +71,10 @@ def register(subparsers) -> None:
     p.add_argument("--out-dir", default="runs/simulate", help="where the plot (and --json) go")
     p.add_argument("--no-plot", action="store_true", help="skip the breakdown plot")
     p.add_argument("--json", action="store_true", help="also write the results as JSON to --out-dir")
+
+
+def add_calibration_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the comparison with measured runs and the host's measurement."""
     p.add_argument(
         "--calibrate",
         nargs="+",
@@ -102,6 +114,10 @@ def register(subparsers) -> None:
         help="measure the CPU in this many processes at once (default: 1 with --measure-host; with "
         "--calibrate of bench runs, their world size: all ranks share this CPU)",
     )
+
+
+def add_diloco_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of DiLoCo at internet scale."""
     p.add_argument(
         "--diloco",
         action="store_true",
@@ -113,7 +129,6 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="with --diloco: also fit the link to `edgc bench --diloco --scaling` in DIR and compare",
     )
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

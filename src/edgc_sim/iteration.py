@@ -58,6 +58,79 @@ def _span(ranks: Sequence[int], gpus_per_node: int) -> tuple:
     return len(per_node), max(per_node.values())
 
 
+@dataclass(frozen=True)
+class Links:
+    """Where a preset's ranks sit on the cluster's nodes (Megatron's placement) and the links their
+    groups use: the spans (nodes touched, ranks per node) of each stage's DP group, of a TP group and
+    of the embedding group, and which stage boundaries cross a node."""
+
+    intra: cm.AlphaBeta
+    inter: cm.AlphaBeta
+    dp_span: list
+    tp_span: tuple
+    emb_span: tuple
+    p2p_inter: list
+
+    @classmethod
+    def place(cls, P: int, D: int, T: int, cluster: ClusterSpec) -> Links:
+        c, gpn = cluster, cluster.gpus_per_node
+
+        def rank(stage: int, replica: int, tp_rank: int) -> int:
+            return stage * D * T + replica * T + tp_rank
+
+        # GPUs of one stage on one node move data across the NIC at the same time (DP sync, p2p)
+        stage_gpus_on_node = _span([rank(0, d, t) for d in range(D) for t in range(T)], gpn)[1]
+        return cls(
+            intra=cm.AlphaBeta(c.intra.latency_s, c.intra.bytes_per_s),
+            inter=cm.AlphaBeta(c.inter.latency_s, c.inter.bytes_per_s * c.nics_per_node / stage_gpus_on_node),
+            dp_span=[_span([rank(p, d, 0) for d in range(D)], gpn) for p in range(P)],
+            tp_span=_span([rank(0, 0, t) for t in range(T)], gpn),
+            emb_span=_span([rank(0, 0, 0), rank(P - 1, 0, 0)], gpn),
+            p2p_inter=[rank(p, 0, 0) // gpn != rank(p + 1, 0, 0) // gpn for p in range(P - 1)],
+        )
+
+    def allreduce(self, span: tuple, nbytes: float) -> float:
+        return cm.hierarchical_allreduce_time(span[0], span[1], nbytes, self.intra, self.inter)
+
+    def boundaries(self) -> list:
+        """The link each stage boundary's point-to-point traffic crosses."""
+        return [self.inter if inter else self.intra for inter in self.p2p_inter]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per stage, one micro-batch's forward and backward compute and their TP all-reduces, and per
+    boundary the activation's point-to-point time (Megatron's scatter-gather)."""
+
+    compute_fwd: list
+    compute_bwd: list
+    tp_fwd: list
+    tp_bwd: list
+    p2p: list
+
+    @property
+    def t_fwd(self) -> list:
+        return [c + t for c, t in zip(self.compute_fwd, self.tp_fwd)]
+
+    @property
+    def t_bwd(self) -> list:
+        return [c + t for c, t in zip(self.compute_bwd, self.tp_bwd)]
+
+
+@dataclass(frozen=True)
+class InterstageCosts:
+    """The activation gradients' backward traffic (edgc_sim.interstage): the rank of each micro-batch's,
+    the p2p time per boundary and micro-batch (raw ones cost what an activation does; compressed ones
+    each TP rank's factors), the sender's compress + decompress added to its backward, and the bytes
+    one TP rank of a replica sends (sent, raw), as `edgc train` logs them."""
+
+    gradient_ranks: list
+    p2p_bwd: list
+    compress_s: float  #: per sending stage and iteration
+    t_bwd_per_micro: list
+    step_bytes: tuple
+
+
 class IterationModel:
     """Precomputes per-stage costs of a (preset, cluster) pair; `iteration(ranks)` is then cheap."""
 
@@ -68,42 +141,57 @@ class IterationModel:
                 f"preset {preset.name} needs {par.world_size} GPUs, cluster {cluster.name} has {cluster.world_size}"
             )
         self.preset, self.cluster, self.interstage = preset, cluster, interstage
-        self.P, self.D, self.T, self.m = par.pp, par.dp, par.tp, par.micro_batches
         self.bytes = preset.bytes_per_value
         self.flops_per_s = cluster.device.flops_per_s(preset.precision)
         # our engine's rates where the run used it (None: the paper's reducer, see cost_model)
         self.engine = cluster.device.skinny_rates() if preset.reducer == "edgc" else None
         self.stages = [stage_params(model, par.tp, par.pp, p) for p in range(par.pp)]
-        self._links()
-        self._compute()
+        self.links = Links.place(self.P, self.D, self.T, cluster)
+        self.times = self._stage_times()
+        rows, cols = par.micro_batch * model.seq_len, model.hidden
+        self.gradients = self._interstage(rows, cols)
+        self.timeline = cm.one_f_one_b_timeline(
+            self.times.t_fwd, self.gradients.t_bwd_per_micro, self.m, self.times.p2p, self.gradients.p2p_bwd
+        )
+        self.optimizer_s = max(st.values for st in self.stages) * ADAM_BYTES_PER_PARAM / cluster.device.mem_bytes_per_s
         self._cache: dict = {}
 
-    # -- placement and links --------------------------------------------------------------------
-    def _rank(self, stage: int, replica: int, tp_rank: int) -> int:
-        return stage * self.D * self.T + replica * self.T + tp_rank
+    # -- the preset's layout -----------------------------------------------------------------------
+    @property
+    def P(self) -> int:
+        return self.preset.parallel.pp
 
-    def _links(self) -> None:
-        c, gpn = self.cluster, self.cluster.gpus_per_node
-        # GPUs of one stage on one node move data across the NIC at the same time (DP sync, p2p)
-        stage_gpus_on_node = _span([self._rank(0, d, t) for d in range(self.D) for t in range(self.T)], gpn)[1]
-        self.intra = cm.AlphaBeta(c.intra.latency_s, c.intra.bytes_per_s)
-        self.inter = cm.AlphaBeta(c.inter.latency_s, c.inter.bytes_per_s * c.nics_per_node / stage_gpus_on_node)
-        self.dp_span = [_span([self._rank(p, d, 0) for d in range(self.D)], gpn) for p in range(self.P)]
-        self.tp_span = _span([self._rank(0, 0, t) for t in range(self.T)], gpn)
-        self.emb_span = _span([self._rank(0, 0, 0), self._rank(self.P - 1, 0, 0)], gpn)
-        self.p2p_inter = [self._rank(p, 0, 0) // gpn != self._rank(p + 1, 0, 0) // gpn for p in range(self.P - 1)]
+    @property
+    def D(self) -> int:
+        return self.preset.parallel.dp
+
+    @property
+    def T(self) -> int:
+        return self.preset.parallel.tp
+
+    @property
+    def m(self) -> int:
+        return self.preset.parallel.micro_batches
+
+    @property
+    def interstage_bytes(self) -> tuple:
+        return self.gradients.step_bytes
+
+    @property
+    def interstage_compress_s(self) -> float:
+        return self.gradients.compress_s
 
     def allreduce(self, span: tuple, nbytes: float) -> float:
-        return cm.hierarchical_allreduce_time(span[0], span[1], nbytes, self.intra, self.inter)
+        return self.links.allreduce(span, nbytes)
 
     # -- compute ---------------------------------------------------------------------------------
-    def _compute(self) -> None:
+    def _stage_times(self) -> StageTimes:
         model, par, dev = self.preset.model, self.preset.parallel, self.cluster.device
         b, s, h, T = par.micro_batch, model.seq_len, model.hidden, self.T
         layers = model.layers // self.P
         act_bytes = b * s * h * self.bytes
-        tp_ar = self.allreduce(self.tp_span, act_bytes)
-        self.compute_fwd, self.compute_bwd, self.tp_fwd, self.tp_bwd = [], [], [], []
+        tp_ar = self.allreduce(self.links.tp_span, act_bytes)
+        compute_fwd, compute_bwd, tp_fwd, tp_bwd = [], [], [], []
         for p in range(self.P):
             flops = layers * cm.layer_forward_flops(b, s, h)
             mem = layers * cm.layer_forward_elementwise_bytes(b, s, h, model.heads, self.bytes)
@@ -117,40 +205,32 @@ class IterationModel:
                 tp_b += tp_ar  # the column-parallel LM head's input gradient is all-reduced
             # TP splits every GEMM and (approximately) the elementwise work T ways; backward = 2x forward
             fwd = flops / T / self.flops_per_s + mem / T / dev.mem_bytes_per_s
-            self.compute_fwd.append(fwd)
-            self.compute_bwd.append(2 * fwd)
-            self.tp_fwd.append(tp_f)
-            self.tp_bwd.append(tp_b)
+            compute_fwd.append(fwd)
+            compute_bwd.append(2 * fwd)
+            tp_fwd.append(tp_f)
+            tp_bwd.append(tp_b)
         # Megatron's scatter-gather p2p: each TP rank sends 1/T of the activation, then an intra all-gather
-        gather = cm.ring_reduce_scatter_time(T, act_bytes, self.intra)
-        links = [self.inter if inter else self.intra for inter in self.p2p_inter]
-        self.p2p = [link.alpha_s + act_bytes / T / link.bytes_per_s + gather for link in links]
-        self.t_fwd = [c + t for c, t in zip(self.compute_fwd, self.tp_fwd)]
-        self.t_bwd = [c + t for c, t in zip(self.compute_bwd, self.tp_bwd)]
-        self._interstage(links, b * s, h)
-        self.timeline = cm.one_f_one_b_timeline(self.t_fwd, self.t_bwd_per_micro, self.m, self.p2p, self.p2p_bwd)
-        self.optimizer_s = max(st.values for st in self.stages) * ADAM_BYTES_PER_PARAM / dev.mem_bytes_per_s
+        gather = cm.ring_reduce_scatter_time(T, act_bytes, self.links.intra)
+        p2p = [link.alpha_s + act_bytes / T / link.bytes_per_s + gather for link in self.links.boundaries()]
+        return StageTimes(compute_fwd, compute_bwd, tp_fwd, tp_bwd, p2p)
 
-    def _interstage(self, links: list, rows: int, cols: int) -> None:
+    def _interstage(self, rows: int, cols: int) -> InterstageCosts:
         """Backward p2p per boundary and micro-batch: raw gradients cost what an activation does (scatter-
         gather); compressed ones each TP rank's factors (wire_bytes) plus compress + decompress on the
         sender's backward (edgc_sim.interstage)."""
         mode, dev = self.interstage.mode, self.cluster.device
-        self.gradient_ranks = gradient_ranks(mode, self.interstage.rank, self.m, self.P, rows, cols)
-        self.p2p_bwd = [
-            [raw if not r else transfer_s(gradient_bytes(r, rows, cols, self.bytes), link) for r in self.gradient_ranks]
-            for raw, link in zip(self.p2p, links)
+        ranks = gradient_ranks(mode, self.interstage.rank, self.m, self.P, rows, cols)
+        p2p_bwd = [
+            [raw if not r else transfer_s(gradient_bytes(r, rows, cols, self.bytes), link) for r in ranks]
+            for raw, link in zip(self.times.p2p, self.links.boundaries())
         ]
         extra = [
             compress_s(r, rows, cols, self.flops_per_s, dev.mem_bytes_per_s, dev.launch_s, self.bytes, self.engine)
-            for r in self.gradient_ranks
+            for r in ranks
         ]
-        self.interstage_compress_s = sum(extra)  # per sending stage and iteration
-        self.t_bwd_per_micro = [[t + (e if p > 0 else 0.0) for e in extra] for p, t in enumerate(self.t_bwd)]
-        # per TP rank of one replica, as `edgc train` logs interstage_bytes_sent / _raw
-        self.interstage_bytes = step_bytes(
-            mode, [self.interstage.rank] * self.P, self.m, self.P, rows, cols, self.bytes
-        )
+        t_bwd_per_micro = [[t + (e if p > 0 else 0.0) for e in extra] for p, t in enumerate(self.times.t_bwd)]
+        sent = step_bytes(mode, [self.interstage.rank] * self.P, self.m, self.P, rows, cols, self.bytes)
+        return InterstageCosts(ranks, p2p_bwd, sum(extra), t_bwd_per_micro, sent)
 
     # -- DP sync ---------------------------------------------------------------------------------
     def sync_cost(self, stage: int, rank: int | None) -> SyncCost:
@@ -162,7 +242,7 @@ class IterationModel:
 
     def _sync_cost(self, stage: int, rank: int | None) -> SyncCost:
         st: StageParams = self.stages[stage]
-        span = self.dp_span[stage]
+        span = self.links.dp_span[stage]
         if self.D == 1:
             return SyncCost(0.0, 0.0, 0)
         if rank is None:
@@ -182,7 +262,7 @@ class IterationModel:
         """Tied word-embedding gradient all-reduce between the first and last stage (never compressed)."""
         if self.P == 1:
             return 0.0
-        return self.allreduce(self.emb_span, self.stages[0].embedding_values * self.bytes)
+        return self.allreduce(self.links.emb_span, self.stages[0].embedding_values * self.bytes)
 
     # -- iteration -------------------------------------------------------------------------------
     def iteration(self, ranks: Sequence[int | None]) -> IterationResult:
@@ -202,10 +282,11 @@ class IterationModel:
         grads_ready = max(max(dp_end), emb_end)
         # the global grad-norm all-reduce before the optimizer step makes every stage wait for the last
         total = grads_ready + self.optimizer_s
-        busy0 = self.m * (self.t_fwd[0] + self.t_bwd[0])
+        times = self.times
+        busy0 = self.m * (times.t_fwd[0] + times.t_bwd[0])
         breakdown = {
-            "compute": self.m * (self.compute_fwd[0] + self.compute_bwd[0]),
-            "TP comm": self.m * (self.tp_fwd[0] + self.tp_bwd[0]),
+            "compute": self.m * (times.compute_fwd[0] + times.compute_bwd[0]),
+            "TP comm": self.m * (times.tp_fwd[0] + times.tp_bwd[0]),
             "bubble+p2p": flush[0] - busy0,
             "DP compress": sync[0].compute_s,
             "DP comm": sync[0].comm_s,
@@ -217,4 +298,4 @@ class IterationModel:
 
     def backward_micro_batch_s(self, stage: int) -> float:
         """t_b of DAC: one micro-batch backward of `stage`, TP comm included."""
-        return self.t_bwd[stage]
+        return self.times.t_bwd[stage]

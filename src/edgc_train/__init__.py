@@ -6,6 +6,8 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     report_cli.py   `edgc report RUN_DIR …`
     report.py       the report's markdown: summary table, rank schedules, setups
     report_plots.py the report's plots, one function each
+    report_rank_plots.py  its plots of the rank: per step with the bytes sent, per pipeline stage
+    report_style.py the plots' shared look: smoothing, colours, the warm-up marked, titles, log axes
     report_runs.py  run folders loaded for the report, their statistics and number formats
     train.py        the training loop: runner → optimizer → resume → steps, logs, evals, checkpoints
     fsdp.py         `--fsdp`: FSDP2 as HSDP, EDGC on the replica all-reduce
@@ -13,6 +15,7 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     moe.py          the MoE feed-forward: top-k routing, experts stored as torchtitan stores them, all-to-all
     pipeline.py     `--pp/--tp`: this rank's stage, trained by the pipeline schedule
     schedule.py     one optimizer step of a stage: 1F1B / GPipe over batched point-to-point
+    stage_link.py   a stage's point-to-point traffic: the batches, the activation gradients raw or compressed
     stage_sync.py   a stage's gradient sync over its DP group, and the per-stage metrics
     stage.py        one pipeline stage of GPT-2, and the loss
     tensor_parallel.py  `--tp`: torch's DTensor plan (ColwiseParallel / RowwiseParallel) for a block
@@ -22,8 +25,10 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     run_folder.py   a run folder's files: config.json, metrics.jsonl, comm traces, summary.json
     compressors.py  one DDP hook + state per compressor name
     checkpoint.py   atomic, verified checkpoints
-    data.py         corpus → tokenizer → token arrays → resumable sampler
+    sampler.py      the token arrays in batches: shuffled blocks per rank, resumable; validation in order
+    data.py         corpus → tokenizer → token arrays, cached
     config.py       `TrainConfig`: every knob of `edgc train`
+    config_checks.py  its checks: each field's range, the combinations, the model's shape
     model.py        GPT-2 presets, built from a config (no download)
     rendezvous.py   joining the process group under torchrun, across restarts
 """

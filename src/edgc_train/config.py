@@ -15,20 +15,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# The harness's own ways to sync (DDP's native all-reduce, our hook uncompressed or after backward,
-# no sync, our engine, PyTorch's PowerSGD hook); the rest come from the library's registry.
-OWN_COMPRESSORS = ("none", "allreduce", "allreduce-blocking", "nosync", "powersgd", "torch-powersgd", "edgc")
-FSDP_COMPRESSORS = ("none", "allreduce", "powersgd", "edgc")  # none: native HSDP; the others via the hook
-MOE_COMPRESSORS = ("allreduce", "powersgd", "edgc")  # both groups synced after backward by our states
-PIPELINE_COMPRESSORS = ("none", "powersgd", "edgc", "optimus-cc")  # those a pipeline stage can use
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-INTERSTAGE_MODES = ("off", "all", "cooldown")
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "gloo", "nccl")
+from .config_checks import check_fields
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -200,129 +190,9 @@ class TrainConfig:
     """torch.use_deterministic_algorithms (warn-only): bit-exact resumes on CPU."""
 
     def __post_init__(self) -> None:
-        def fail(name: str, requirement: str) -> None:
-            raise ValueError(f"{name}: {requirement}, got {getattr(self, name)!r}")
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        def check_int(name: str, low: int, high: int | None = None, optional: bool = False) -> None:
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if not is_int(v) or v < low or (high is not None and v > high):
-                fail(
-                    name,
-                    f"must be an integer in [{low}, {high}]" if high is not None else f"must be an integer ≥ {low}",
-                )
-
-        def check_num(name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
-            v = getattr(self, name)
-            ok = is_num(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-            if not ok:
-                fail(name, f"must be a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
-
-        def check_choice(name: str, choices: tuple) -> None:
-            if getattr(self, name) not in choices:
-                fail(name, f"must be one of {', '.join(choices)}")
-
-        if self.data is not None and (not isinstance(self.data, str) or not self.data):
-            fail("data", "must be a path")
-        check_int("max_chars", 1000, optional=True)
-        check_int("vocab_size", 257, 1_000_000)
-        check_num("val_fraction", 0, 0.5, low_open=True)
-        from .model import PRESETS
-
-        check_choice("preset", tuple(PRESETS))
-        for name in ("n_layer", "n_embd", "n_head"):
-            check_int(name, 1, optional=True)
-        check_num("dropout", 0, 1, high_open=True)
-        check_int("seq_len", 2)
-        check_int("micro_batch", 1)
-        check_int("grad_accum", 1)
-        check_int("steps", 1)
-        check_num("lr", 0, 10, low_open=True)
-        check_num("min_lr_ratio", 0, 1)
-        check_int("warmup_steps", 0, self.steps if is_int(self.steps) else None, optional=True)
-        check_num("weight_decay", 0, math.inf, high_open=True)
-        check_num("beta1", 0, 1, high_open=True)
-        check_num("beta2", 0, 1, high_open=True)
-        check_num("grad_clip", 0, math.inf, high_open=True)
-        check_int("seed", 0, 2**32 - 1)
-        if self.compressor not in (*OWN_COMPRESSORS, "optimus-cc"):
-            check_choice("compressor", compressor_names())  # (the registry imports torch: only here)
-        check_int("pp", 1)
-        check_int("tp", 1)
-        if self.tp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
-            fail("compressor", f"with --tp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
-        if self.tp > 1 and self.pp == 1 and self.eval_batches % self.grad_accum:
-            fail("eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --tp (whole steps)")
-        check_choice("pp_schedule", PIPELINE_SCHEDULES)
-        check_int("selective_stages", 1, self.pp if is_int(self.pp) else None)
-        check_choice("interstage", INTERSTAGE_MODES)
-        check_int("interstage_rank", 1)
-        check_int("interstage_min_rank", 1, self.interstage_rank if is_int(self.interstage_rank) else None)
-        if self.interstage != "off" and self.pp == 1:
-            fail("interstage", "compresses pipeline traffic and needs --pp > 1")
-        if self.pp > 1 and self.compressor not in PIPELINE_COMPRESSORS:
-            fail("compressor", f"with --pp > 1 must be one of {', '.join(PIPELINE_COMPRESSORS)}")
-        if self.pp == 1 and self.compressor == "optimus-cc":
-            fail("compressor", "optimus-cc (selective stage compression) needs --pp > 1")
-        if self.pp > 1 and self.grad_accum < self.pp:
-            fail("grad_accum", f"is the number of pipeline micro-batches and must be ≥ pp = {self.pp}")
-        if self.pp > 1 and self.eval_batches % self.grad_accum:
-            fail(
-                "eval_batches", f"must be a multiple of grad_accum = {self.grad_accum} with --pp (whole pipeline steps)"
-            )
-        check_int("fsdp_shard", 0)
-        if self.fsdp and self.pp > 1:
-            fail("fsdp", "cannot be combined with --pp > 1")
-        if self.fsdp and self.compressor not in FSDP_COMPRESSORS:
-            fail("compressor", f"with --fsdp must be one of {', '.join(FSDP_COMPRESSORS)}")
-        self._check_moe(fail, check_int, check_num)
-        check_int("powersgd_rank", 1)
-        check_num("compress_ratio", 0, 1, low_open=True)
-        check_int("eval_every", 0)
-        check_int("eval_batches", 1)
-        check_int("ckpt_every", -1)
-        for name in ("fsdp", "tensorboard", "comm_trace", "progress", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                fail(name, "must be true or false")
-        check_choice("device", DEVICES)
-        check_choice("backend", BACKENDS)
-        if not isinstance(self.edgc, dict):
-            fail("edgc", "must be a table of EDGCConfig fields")
-        # Shape problems (n_embd % n_head, n_positions < seq_len) are reported now, not after data prep.
-        from .model import model_shape
-
-        shape = model_shape(self.preset, self.vocab_size, self.seq_len, self.n_layer, self.n_embd, self.n_head)
-        if self.tp > 1 and (shape["n_head"] % self.tp or shape["n_embd"] % self.tp):
-            fail("tp", f"must divide the model's {shape['n_head']} heads and width {shape['n_embd']}")
-        if self.pp > shape["n_layer"]:
-            fail("pp", f"must be ≤ the model's {shape['n_layer']} transformer blocks (one stage needs one)")
-        if self.edgc and not self.uses_edgc_config:
-            fail("edgc", f"EDGC fields only apply to compressors edgc, powersgd and optimus-cc, not {self.compressor}")
+        check_fields(self)  # each field's range, then the combinations; the first problem is raised
         # Raises ValueError naming the bad EDGC field.
         object.__setattr__(self, "_edgc_config", self._resolve_edgc_config() if self.uses_edgc_config else None)
-
-    def _check_moe(self, fail, check_int, check_num) -> None:
-        check_int("moe_experts", 0)
-        check_int("ep", 1)
-        check_num("moe_aux_weight", 0, math.inf, high_open=True)
-        if not self.moe_experts:
-            if self.ep > 1:
-                fail("ep", "needs --moe-experts (expert parallelism splits experts)")
-            return
-        check_int("moe_top_k", 1, self.moe_experts)
-        if self.moe_experts % self.ep:
-            fail("ep", f"must divide --moe-experts {self.moe_experts}")
-        if self.compressor not in MOE_COMPRESSORS:
-            fail("compressor", f"with --moe-experts must be one of {', '.join(MOE_COMPRESSORS)}")
-        if self.fsdp or self.pp > 1 or self.tp > 1:
-            fail("moe_experts", "runs data and expert parallel only (not with --fsdp, --pp or --tp)")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -367,13 +237,6 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**values)
-
-
-def compressor_names() -> tuple[str, ...]:
-    """Every ``--compressor``: the harness's own, the library's registered sync methods, optimus-cc."""
-    from edgc.sync_methods import sync_method_names
-
-    return (*OWN_COMPRESSORS, *sync_method_names(), "optimus-cc")
 
 
 def scaled_edgc_defaults(steps: int) -> dict[str, Any]:

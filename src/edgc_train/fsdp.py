@@ -24,10 +24,10 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from .compressors import Compressor, EngineCompressor
-from .data import BlockSampler
 from .model import build_model, count_parameters, model_shape
 from .rendezvous import dist_timeout
-from .runner import DataParallelRunner, evaluate_in_lockstep
+from .runner import DataParallelRunner, ShardFiles, evaluate_in_lockstep
+from .sampler import BlockSampler
 
 
 def shard_degree(cfg, world: int) -> int:
@@ -99,7 +99,6 @@ class FSDPRunner(DataParallelRunner):
         shard = shard_degree(cfg, world)
         # the run's mesh (pp = tp = 1); its (dp_replicate, dp_shard) part is HSDP's
         self.mesh = init_parallel_mesh(device.type, dp_shard=shard, timeout=dist_timeout())["dp_replicate", "dp_shard"]
-        self.replicas = world // shard
         self.sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, rank, world, cfg.seed)
         torch.manual_seed(cfg.seed)  # the same full model on every rank before sharding
         self.shape = model_shape(cfg.preset, data.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_embd, cfg.n_head)
@@ -117,12 +116,16 @@ class FSDPRunner(DataParallelRunner):
             self.compressor = NativeHSDP(self.module)
         else:
             self.compressor = FSDPCompressor(cfg.compressor, self.module, cfg.edgc_config, self.mesh["dp_replicate"])
-        shard_index = self.mesh["dp_shard"].get_local_rank()
-        self.shard = f"_shard{shard_index}"
-        self.saves_shard = self.mesh["dp_replicate"].get_local_rank() == 0
-        self.shards = tuple(f"_shard{s}" for s in range(shard))
-        self.ddp = self.module  # what train_step runs forward through
-        self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+        self.files = ShardFiles(
+            f"_shard{self.mesh['dp_shard'].get_local_rank()}",
+            self.mesh["dp_replicate"].get_local_rank() == 0,
+            tuple(f"_shard{s}" for s in range(shard)),
+        )
+
+    @property
+    def ddp(self) -> torch.nn.Module:
+        """What train_step runs forward through: the sharded model itself."""
+        return self.module
 
     def sync_context(self, sync: bool):
         # Reduce-scatter and the replica sync (the hook) only on the last micro-batch.

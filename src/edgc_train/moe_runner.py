@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from .compressors import METRIC_KEYS, Compressor
-from .data import BlockSampler
 from .model import build_model, count_parameters, model_shape
 from .moe import make_moe
 from .rendezvous import dist_timeout
-from .runner import DataParallelRunner, evaluate_in_lockstep, seed_everything
+from .runner import DataParallelRunner, ShardFiles, evaluate_in_lockstep, seed_everything
+from .sampler import BlockSampler
 
 SUMMED = ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw", "compress_time_s", "comm_time_s", "collectives")
 
@@ -122,13 +122,15 @@ class MoERunner(DataParallelRunner):
         for layer in self.layers:
             mark_experts(layer.experts, edp, first=layer.first, tokens=layer.tokens)
         self.n_params = count_parameters(self.module)
-        self.ddp = self.module  # what train_step runs forward through: no DDP, both groups synced after backward
         self.compressor = MoECompressor(cfg.compressor, self.module, cfg.edgc_config, edp)
         ep_rank, replica = self.mesh["ep"].get_local_rank(), self.mesh["dp_replicate"].get_local_rank()
-        self.shard, self.saves_shard = f"_ep{ep_rank}", replica == 0
-        self.shards = tuple(f"_ep{i}" for i in range(cfg.ep))
+        self.files = ShardFiles(f"_ep{ep_rank}", replica == 0, tuple(f"_ep{i}" for i in range(cfg.ep)))
         self.dp_group = edp.get_group()  # the experts' replicas; the dense ones are verified over all ranks
-        self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+
+    @property
+    def ddp(self) -> torch.nn.Module:
+        """What train_step runs forward through: no DDP, both groups synced after backward."""
+        return self.module
 
     def auxiliary_loss(self) -> torch.Tensor:
         return self.cfg.moe_aux_weight * sum(layer.aux_loss for layer in self.layers)

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .data import BlockSampler, val_batches
 from .mesh import make_grid
 from .model import build_model, count_parameters, model_shape
 from .runner import seed_everything
+from .sampler import BlockSampler, val_batches
 from .schedule import PipelineStep
 from .stage import GPT2Stage
 from .stage_sync import stage_metrics

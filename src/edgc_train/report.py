@@ -142,6 +142,77 @@ def _setup_line(run: Run) -> str:
     return text + "."
 
 
+def rank_schedule_lines(runs: list[Run], base: Run | None) -> list[str]:
+    """The report's Rank schedules: each compressing run's steps, rank changes and bytes, its byte
+    budget, then every run's notices and the runs that never compressed."""
+    lines: list[str] = []
+    compressed = [r for r in runs if r.compressed_steps]
+    if compressed or any(r.notices for r in runs):
+        lines += ["", "## Rank schedules", ""]
+        for run in compressed:
+            s = run.stats
+            full = f"{s['compressed_bytes_per_step'] / 1e6:.2f} MB/step while compressing"
+            if base is not None:
+                full += f" ({ratio(s['compressed_bytes_per_step'], base.stats['bytes_per_step']):.3f}× uncompressed)"
+            lines.append(
+                f"- **{run.label}**: compressed {s['compressed_fraction']:.0%} of the steps (from step "
+                f"{s['first_compressed_step']}), {s['rank_changes']} rank change(s), {full}. "
+                f"Steps → rank: {format_schedule(run)}."
+            )
+            budget = run.edgc.get("rank_budget")
+            spent = [r["mean_rank"] for r in run.train if r.get("mean_rank") is not None]
+            if budget is not None and spent:
+                lines.append(
+                    f"  Byte budget: mean rank {budget:g} (signal `{run.edgc.get('budget_signal')}`); "
+                    f"spent {spent[-1]:.2f} ({spent[-1] / budget - 1:+.1%})."
+                )
+    for run in runs:
+        for notice in run.notices:
+            lines.append(f"- **{run.label}**, step {notice['step']}: {notice.get('message', notice.get('event'))}")
+    uncompressed = [r for r in runs if not r.compressed_steps and r.compressor != "none" and not r.notices]
+    for run in uncompressed:
+        lines.append(f"- **{run.label}** never compressed (its warm-up lasted the whole run).")
+    return lines
+
+
+def plot_captions(compressed: list[Run]) -> dict[str, str]:
+    """Each plot's caption, by file name; those of the entropy and rank plots say whether a byte
+    budget or the paper's rules set the ranks."""
+    budgeted = any(r.edgc.get("rank_budget") is not None for r in compressed)
+    ruled = any(r.edgc.get("rank_budget") is None for r in compressed) or not budgeted  # the paper's rules
+    return {
+        "loss_vs_step.png": "Training loss per step. Curves that lie on top of each other mean compression "
+        "did not slow learning per step.",
+        "loss_vs_time.png": "The same against wall-clock time: what a faster (or slower) step buys.",
+        "val_ppl.png": "Validation perplexity at each evaluation (log scale); the legend gives the final values.",
+        "entropy.png": "Gradient entropy samples (dots) and their per-window means (bars), labelled with the rank "
+        "in force in that window."
+        + (
+            " Under a byte budget the rank follows the budget's signal (named under Rank schedules; "
+            "with `schedule` the entropy is recorded for reference only)."
+            if budgeted
+            else ""
+        )
+        + (
+            " In the paper's mode (no budget) EDGC turns the change in this mean between the last "
+            "two windows into the next window's rank."
+            if ruled
+            else ""
+        ),
+        "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed)"
+        + (", and the mean rank spent so far (dash-dot) against the byte budget (dotted)" if budgeted else "")
+        + ". Bottom: bytes sent per step, which follow the rank.",
+        "stages.png": "Pipeline runs: top, the rank each stage used (stage 0 from the entropy; later stages from "
+        "the DAC alignment, drawn at the top when uncompressed); bottom, when each stage finished "
+        "its gradient sync. DAC aims to make the stages finish together (a small spread).",
+        "comm_time.png": "Left: time in the gradient collectives per step. Right: where a median step's time "
+        "goes. When all processes share one host, moving the bytes over loopback is nearly free "
+        "and this time is mostly one process waiting for the other (they share the cores), so "
+        "compression cannot show a time saving here; the MB sent/step column is what it saves "
+        "on a real network.",
+    }
+
+
 def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
     base = baseline(runs)
     first = runs[0].stats["median_from_step"]
@@ -177,64 +248,8 @@ def write_markdown(runs: list[Run], out: Path, plots: list[Path]) -> Path:
     else:
         lines += ["- No uncompressed run (compressor `none`) was given, so there are no ratio columns."]
     compressed = [r for r in runs if r.compressed_steps]
-    if compressed or any(r.notices for r in runs):
-        lines += ["", "## Rank schedules", ""]
-        for run in compressed:
-            s = run.stats
-            full = f"{s['compressed_bytes_per_step'] / 1e6:.2f} MB/step while compressing"
-            if base is not None:
-                full += f" ({ratio(s['compressed_bytes_per_step'], base.stats['bytes_per_step']):.3f}× uncompressed)"
-            lines.append(
-                f"- **{run.label}**: compressed {s['compressed_fraction']:.0%} of the steps (from step "
-                f"{s['first_compressed_step']}), {s['rank_changes']} rank change(s), {full}. "
-                f"Steps → rank: {format_schedule(run)}."
-            )
-            budget = run.edgc.get("rank_budget")
-            spent = [r["mean_rank"] for r in run.train if r.get("mean_rank") is not None]
-            if budget is not None and spent:
-                lines.append(
-                    f"  Byte budget: mean rank {budget:g} (signal `{run.edgc.get('budget_signal')}`); "
-                    f"spent {spent[-1]:.2f} ({spent[-1] / budget - 1:+.1%})."
-                )
-    for run in runs:
-        for notice in run.notices:
-            lines.append(f"- **{run.label}**, step {notice['step']}: {notice.get('message', notice.get('event'))}")
-    uncompressed = [r for r in runs if not r.compressed_steps and r.compressor != "none" and not r.notices]
-    for run in uncompressed:
-        lines.append(f"- **{run.label}** never compressed (its warm-up lasted the whole run).")
-    budgeted = any(r.edgc.get("rank_budget") is not None for r in compressed)
-    ruled = any(r.edgc.get("rank_budget") is None for r in compressed) or not budgeted  # the paper's rules
-    captions = {
-        "loss_vs_step.png": "Training loss per step. Curves that lie on top of each other mean compression "
-        "did not slow learning per step.",
-        "loss_vs_time.png": "The same against wall-clock time: what a faster (or slower) step buys.",
-        "val_ppl.png": "Validation perplexity at each evaluation (log scale); the legend gives the final values.",
-        "entropy.png": "Gradient entropy samples (dots) and their per-window means (bars), labelled with the rank "
-        "in force in that window."
-        + (
-            " Under a byte budget the rank follows the budget's signal (named under Rank schedules; "
-            "with `schedule` the entropy is recorded for reference only)."
-            if budgeted
-            else ""
-        )
-        + (
-            " In the paper's mode (no budget) EDGC turns the change in this mean between the last "
-            "two windows into the next window's rank."
-            if ruled
-            else ""
-        ),
-        "rank.png": "Top: the rank EDGC chose for each window, between r_min and r_max (dashed)"
-        + (", and the mean rank spent so far (dash-dot) against the byte budget (dotted)" if budgeted else "")
-        + ". Bottom: bytes sent per step, which follow the rank.",
-        "stages.png": "Pipeline runs: top, the rank each stage used (stage 0 from the entropy; later stages from "
-        "the DAC alignment, drawn at the top when uncompressed); bottom, when each stage finished "
-        "its gradient sync. DAC aims to make the stages finish together (a small spread).",
-        "comm_time.png": "Left: time in the gradient collectives per step. Right: where a median step's time "
-        "goes. When all processes share one host, moving the bytes over loopback is nearly free "
-        "and this time is mostly one process waiting for the other (they share the cores), so "
-        "compression cannot show a time saving here; the MB sent/step column is what it saves "
-        "on a real network.",
-    }
+    lines += rank_schedule_lines(runs, base)
+    captions = plot_captions(compressed)
     lines += ["", "## Plots", ""]
     for plot in plots:
         lines += [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,14 +20,25 @@ import torch.nn.functional as F
 from .compressors import build as build_compressor
 from .compressors import ddp_kwargs
 from .config import TrainConfig
-from .data import BlockSampler, val_batches
 from .model import build_model, count_parameters, model_shape
+from .sampler import BlockSampler, val_batches
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """The checkpoint files of a runner's model and optimizer state: this rank's shard's suffix,
+    whether this rank writes them (one rank per shard), and every shard's suffix (a checkpoint is
+    complete when each is there)."""
+
+    mine: str
+    saves: bool
+    every: tuple[str, ...]
 
 
 @torch.no_grad()
@@ -58,9 +70,24 @@ class DataParallelRunner:
             self.module, device_ids=[local_rank] if device.type == "cuda" else None, **ddp_kwargs(cfg.compressor)
         )
         self.compressor = build_compressor(cfg.compressor, self.ddp, cfg)
-        self.shard, self.saves_shard, self.shards = "", rank == 0, ("",)
+        self.files = ShardFiles("", rank == 0, ("",))
         self.dp_group = None  # every rank is a replica
-        self.tokens_per_step = world * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+
+    @property
+    def shard(self) -> str:
+        return self.files.mine
+
+    @property
+    def saves_shard(self) -> bool:
+        return self.files.saves
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return self.files.every
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.world * self.cfg.micro_batch * self.cfg.grad_accum * self.cfg.seq_len
 
     def train_step(self) -> tuple[float, dict]:
         """Forward/backward over grad_accum micro-batches (synchronised on the last), then clip.

@@ -1,6 +1,6 @@
 """One optimizer step of a pipeline stage: our own 1F1B / GPipe schedule (`PipelineStep`).
 
-Point-to-point contract (`PipelineStep._communicate`). Every message goes through
+Point-to-point contract (`StageLink.communicate`, stage_link.py). Every message goes through
 ``dist.batch_isend_irecv`` on the pipeline's group (``grid.pp_group``), posted as Megatron's
 non-interleaved 1F1B posts them: what a stage sends and receives at one point of its schedule is
 ONE batch, a lone message a batch of one. NCCL runs a group's batched traffic on one stream per
@@ -25,7 +25,7 @@ own, its size known from the rank both stages agree on (no host read per micro-b
 headers are checked once at its end). A batch that receives is waited on at once (its sends with it:
 on NCCL it is one work) and its buffers may then be read; a batch that only sends is waited
 on at the step's end, and its tensors are kept until then. Before the first step every stage
-posts one batch with both neighbours (`_connect_neighbours`): NCCL creates the group's
+posts one batch with both neighbours (`StageLink.connect_neighbours`): NCCL creates the group's
 communicator on the group's first batched call, which every rank of the group must join.
 """
 
@@ -33,17 +33,14 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from edgc.interstage import MODES, IncomingGradient, check_headers, compresses, interstage_rank, send_gradient_ops
-from edgc.timing import Clock, to_host
-
 from .mesh import Grid
 from .stage import GPT2Stage, module_width, next_token_loss
+from .stage_link import StageLink
 from .stage_sync import StageCompressor
 from .tensor_parallel import tp_squared_norm
 
@@ -88,23 +85,6 @@ class BackwardTimer:
         return samples
 
 
-SPANS = ("interstage", "interstage_wire", "interstage_compress", "forward")  # PipelineStep._spans, logged as <key>_s
-ACTIVATION, GRADIENT = 0, 1  # message tags (gloo matches on them; NCCL matches by order)
-_UNVERIFIED = object()  # no received rank confirmed by a header yet (a new run, a resume)
-
-
-def wait_all(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
-@dataclass
-class RawGradient:
-    """The receive of an uncompressed activation gradient (mode off): its size is known, no header."""
-
-    op: dist.P2POp
-
-
 class PipelineStep:
     """Everything one rank does per optimizer step in PP × DP training.
 
@@ -112,199 +92,23 @@ class PipelineStep:
     low-rank factors (`edgc.interstage`) and each micro-batch backward can be timed exactly
     (`BackwardTimer`).
 
-    Its point-to-point traffic follows the contract in the module docstring.
+    Its point-to-point traffic follows the contract in the module docstring (`StageLink`).
     """
 
     def __init__(self, cfg, grid: Grid, module: GPT2Stage, device: torch.device):
         self.cfg, self.grid, self.module, self.device = cfg, grid, module, device
         self.micro = cfg.grad_accum
-        self.mode = getattr(cfg, "interstage", "off")
         self.compressor = StageCompressor(cfg.compressor, module, grid, cfg)
         self.timer = BackwardTimer(device)
-        self.activation_shape = (cfg.micro_batch, cfg.seq_len, module_width(module))
-        self.interstage_rank: int | None = None  # the rank of this step's compressed gradients (sent)
-        self._received_rank: int | None = None  # … and of those it receives
-        self._verified_rank: object = _UNVERIFIED  # the received rank the last header read first confirmed
-        self._in_flight: list = []  # (works, ops) of this step's send-only batches: the ops keep the buffers
-        self._incoming: list[IncomingGradient] = []  # this step's compressed receives, their headers checked at its end
-        self._bytes = [0, 0]  # activation-gradient bytes sent, raw, this step
-        # Stamps of this step's spans, turned into seconds once at its end (no host sync per
-        # micro-batch on CUDA): "interstage" = each activation-gradient exchange (sender: compress
-        # and post the batch carrying the gradient; receiver: post the batch that receives it, with
-        # what that batch sends, wait, which includes the next stage's backward, and decompress),
-        # "forward" = each micro-batch's forward compute; with --interstage on, also the parts
-        # "interstage_wire" (receiver: the payload's transfer, from its header's arrival) and
-        # "interstage_compress" (sender: compress; receiver: decompress).
-        self.clock = Clock(device)
-        self._spans: dict[str, list] = {key: [] for key in SPANS}
-        self._connect_neighbours()
+        activation_shape = (cfg.micro_batch, cfg.seq_len, module_width(module))
+        self.link = StageLink(cfg, grid, self.compressor, activation_shape, device)
 
-    # ------------------------------------------------------------------ point to point
-    def _prev(self) -> int:
-        return self.grid.global_rank(self.grid.stage - 1, self.grid.replica)
-
-    def _next(self) -> int:
-        return self.grid.global_rank(self.grid.stage + 1, self.grid.replica)
-
-    def _op(self, op, tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
-        return dist.P2POp(op, tensor, peer, self.grid.pp_group, tag)
-
-    def _wait_in_flight(self) -> None:
-        for works, _ in self._in_flight:
-            wait_all(works)
-        self._in_flight = []
-
-    def _contract(self) -> list[float]:
-        """What decides the size of every compressed activation gradient besides the pipeline's agreed
-        entropy rank: it must be the same on both sides of a link."""
-        cfg = self.cfg
-        return [
-            float(MODES.index(self.mode)),
-            float(self.compressor.name == "edgc"),
-            float(getattr(cfg, "interstage_rank", 0) or 0),
-            float(getattr(cfg, "interstage_min_rank", 0) or 0),
-            float(self.micro),
-            float(self.grid.stages),
-        ]
-
-    def _connect_neighbours(self) -> None:
-        """Every stage exchanges the inter-stage contract (`_contract`) with each neighbour in one batch,
-        so that the pipeline group's first batched call has all of its ranks (NCCL initialises the
-        communicator there), and a disagreement is reported here, before any payload is sized by it."""
-        token = torch.tensor(self._contract(), dtype=torch.float64, device=self.device)
-        ops, theirs = [], []
-        for near, (send_tag, receive_tag) in (
-            (not self.grid.first and self._prev(), (GRADIENT, ACTIVATION)),
-            (not self.grid.last and self._next(), (ACTIVATION, GRADIENT)),
-        ):
-            if near is False:
-                continue
-            theirs.append((near, torch.empty_like(token)))
-            ops += [self._op(dist.isend, token, near, send_tag), self._op(dist.irecv, theirs[-1][1], near, receive_tag)]
-        if ops:
-            wait_all(dist.batch_isend_irecv(ops))
-        mine = self._contract()
-        for near, contract in theirs:
-            if to_host(contract) != mine:
-                raise RuntimeError(
-                    f"pipeline: rank {near}'s inter-stage settings [mode, edgc, rank, min rank, micro-batches, "
-                    f"stages] = {to_host(contract)} differ from this rank's {mine}: the compressed activation "
-                    "gradients' sizes would disagree"
-                )
-
-    def _communicate(
-        self,
-        *,
-        activation: torch.Tensor | None = None,
-        gradient: tuple | None = None,
-        receive_activation: bool = False,
-        receive_gradient: int | None = None,
-    ) -> tuple:
-        """One point of the schedule, posted as one batch: sends ``activation`` to the next stage,
-        ``gradient`` = (micro-batch index, gradient) to the previous one, and receives what is
-        asked for (``receive_gradient``: the index of the micro-batch whose gradient comes back);
-        returns (activation, gradient) received, None where not asked or no neighbour."""
-        ops: list[dist.P2POp] = []
-        if activation is not None and not self.grid.last:
-            ops.append(self._op(dist.isend, activation.detach().contiguous(), self._next(), ACTIVATION))
-        sent_from = None
-        if gradient is not None and not self.grid.first:
-            sent_from = self.clock.stamp()
-            ops += self._gradient_sends(*gradient)
-        received = None
-        if receive_activation and not self.grid.first:
-            received = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
-            ops.append(self._op(dist.irecv, received, self._prev(), ACTIVATION))
-        incoming = received_from = None
-        if receive_gradient is not None and not self.grid.last:
-            received_from = self.clock.stamp()
-            incoming = self._gradient_receive(receive_gradient)
-            ops.append(incoming.op)
-        if not ops:
-            return None, None
-        works = dist.batch_isend_irecv(ops)
-        if sent_from is not None:  # the sender's exchange ends once its batch is posted
-            self._spans["interstage"].append((sent_from, self.clock.stamp()))
-        if received is None and incoming is None:
-            # Sends only: waited on at the step's end, and only then (a second wait on a finished
-            # gloo work waits for a message that never comes); the ops keep their tensors alive.
-            self._in_flight.append((works, ops))
-            return None, None
-        wait_all(works)
-        grad = None if incoming is None else self._finish_gradient(incoming, received_from)
-        return received, grad
-
-    def _compresses(self, index: int) -> bool:
-        """Whether micro-batch ``index``'s activation gradient goes out compressed."""
-        return compresses(self.mode, index, self.micro, self.grid.stages)
-
-    def _gradient_sends(self, index: int, grad: torch.Tensor) -> list[dist.P2POp]:
-        """The ops that send micro-batch ``index``'s activation gradient to the previous stage."""
-        raw = grad.numel() * grad.element_size()
-        if self.compressor.interstage is None:
-            self._bytes[0] += raw
-            self._bytes[1] += raw
-            return [self._op(dist.isend, grad.detach().contiguous(), self._prev(), GRADIENT)]
-        start = self.clock.stamp()
-        rank = self.interstage_rank if self._compresses(index) else None
-        packet = self.compressor.interstage.compress(index, grad, rank)
-        self._spans["interstage_compress"].append((start, self.clock.stamp()))
-        self._bytes[0] += packet.nbytes
-        self._bytes[1] += raw
-        return send_gradient_ops(packet, self._prev(), self.grid.pp_group, tag=GRADIENT)
-
-    def _gradient_receive(self, index: int) -> RawGradient | IncomingGradient:
-        """What receives micro-batch ``index``'s activation gradient from the next stage (its ``op`` goes
-        into the batch). Compressed, at the rank the sender takes from the same agreed numbers, so the
-        payload's size is known without reading its header (checked once, at the step's end)."""
-        if self.mode == "off":
-            buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
-            return RawGradient(self._op(dist.irecv, buffer, self._next(), GRADIENT))
-        compressed = self._compresses(index)
-        # The first compressed packet after the agreed rank changed (a new window's rank, a resume) is
-        # sized from its header, read first: a disagreement raises before a wrong-sized receive.
-        verify = compressed and self._received_rank != self._verified_rank
-        incoming = IncomingGradient(
-            self.activation_shape,
-            self._next(),
-            device=self.device,
-            group=self.grid.pp_group,
-            tag=GRADIENT,
-            rank=self._received_rank if compressed else None,
-            verify=verify,
-        )
-        if verify:
-            self._verified_rank = self._received_rank
-        self._incoming.append(incoming)
-        return incoming
-
-    def _finish_gradient(self, incoming: RawGradient | IncomingGradient, start) -> torch.Tensor:
-        """The received gradient, once its batch was waited on; records the receiver's spans."""
-        if isinstance(incoming, RawGradient):
-            self._spans["interstage"].append((start, self.clock.stamp()))
-            return incoming.op.tensor
-        marks: list = []  # header in, payload arrived
-        grad = incoming.finish(mark=lambda: marks.append(self.clock.stamp()))
-        end = self.clock.stamp()
-        self._spans["interstage_wire"].append((marks[0], marks[1]))
-        self._spans["interstage_compress"].append((marks[1], end))
-        self._spans["interstage"].append((start, end))
-        return grad
+    @property
+    def interstage_rank(self) -> int | None:
+        """The rank of this step's compressed activation gradients (None: sent raw, or none sent)."""
+        return self.link.interstage_rank
 
     # ------------------------------------------------------------------ the schedule
-    def _choose_interstage_rank(self, receiving: bool = False) -> int | None:
-        """The rank of this step's compressed activation gradients: those this stage sends, or with
-        ``receiving`` those it receives; from numbers every stage has alike, so sender and receiver
-        agree (None: sent raw, or nothing to send)."""
-        cfg, compressor = self.cfg, self.compressor
-        if self.mode == "off" or (compressor.interstage is None and not receiving):
-            return None
-        if compressor.name == "edgc":
-            # EDGC: follow the pipeline's entropy-driven rank within the inter-stage bounds; raw
-            # while stage 0 is not compressing (EDGC's warm-up holds for this traffic too).
-            return interstage_rank(compressor.entropy_rank(), cfg.interstage_min_rank, cfg.interstage_rank)
-        return cfg.interstage_rank
-
     def _forward(
         self,
         index: int,
@@ -320,7 +124,7 @@ class PipelineStep:
             inputs = x[index * self.cfg.micro_batch : (index + 1) * self.cfg.micro_batch]
         elif train:
             inputs.requires_grad_(True)
-        start = self.clock.stamp() if train else None
+        start = self.link.clock.stamp() if train else None
         output = self.module(inputs)
         if self.grid.last:
             target = y[index * self.cfg.micro_batch : (index + 1) * self.cfg.micro_batch]
@@ -328,7 +132,7 @@ class PipelineStep:
             losses.append(loss.detach())
             output = loss / self.micro  # gradients are the mean over micro-batches
         if train:
-            self._spans["forward"].append((start, self.clock.stamp()))
+            self.link.spans["forward"].append((start, self.link.clock.stamp()))
         return inputs, output
 
     def _backward(self, inputs: torch.Tensor, output: torch.Tensor, grad: torch.Tensor | None):
@@ -345,22 +149,23 @@ class PipelineStep:
         warmup = micro if self.cfg.pp_schedule == "gpipe" else min(stages - stage - 1, micro)
         saved: collections.deque = collections.deque()  # (inputs, output) awaiting their backward
         for index in range(warmup):
-            inputs, _ = self._communicate(receive_activation=True)
+            inputs, _ = self.link.communicate(receive_activation=True)
             inputs, output = self._forward(index, inputs, x, y, losses, train=True)
             saved.append((inputs, output))
-            self._communicate(activation=output)
-        inputs = self._communicate(receive_activation=True)[0] if warmup < micro else None
+            self.link.communicate(activation=output)
+        inputs = self.link.communicate(receive_activation=True)[0] if warmup < micro else None
         for index in range(warmup, micro):
             inputs, output = self._forward(index, inputs, x, y, losses, train=True)
             saved.append((inputs, output))
-            _, grad = self._communicate(activation=output, receive_gradient=index - warmup)
+            _, grad = self.link.communicate(activation=output, receive_gradient=index - warmup)
             input_grad = self._backward(*saved.popleft(), grad)  # micro-batch index − warmup's
-            inputs, _ = self._communicate(gradient=(index - warmup, input_grad), receive_activation=index < micro - 1)
+            inputs, _ = self.link.communicate(
+                gradient=(index - warmup, input_grad), receive_activation=index < micro - 1
+            )
         for index in range(micro - warmup, micro):
-            _, grad = self._communicate(receive_gradient=index)
-            self._communicate(gradient=(index, self._backward(*saved.popleft(), grad)))
-        self._wait_in_flight()
-        check_headers(self._incoming)  # the step's one read of the compressed gradients' headers
+            _, grad = self.link.communicate(receive_gradient=index)
+            self.link.communicate(gradient=(index, self._backward(*saved.popleft(), grad)))
+        self.link.end_step()
         return losses
 
     @staticmethod
@@ -369,25 +174,19 @@ class PipelineStep:
 
     def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> tuple[float | None, dict]:
         timing = {}
-        self.interstage_rank = self._choose_interstage_rank()
-        self._received_rank = self._choose_interstage_rank(receiving=True)
-        self._incoming = []
-        self._bytes = [0, 0]
-        self._spans = {key: [] for key in SPANS}
-        if self.compressor.interstage is not None:
-            self.compressor.interstage.take_bytes()
-        start = self.clock.stamp()
+        self.link.begin_step()
+        start = self.link.clock.stamp()
         loss = self._mean(self._run_train(x, y))
-        end = self.clock.stamp()
+        end = self.link.clock.stamp()
         timing["backward_end"] = time.monotonic()
         backward_times = self.timer.take()
-        timing["pipeline_s"] = self.clock.seconds(start, end)
+        timing["pipeline_s"] = self.link.clock.seconds(start, end)
         timing["backward_s"] = sum(backward_times)
-        for key, spans in self._spans.items():
-            timing[f"{key}_s"] = sum(self.clock.seconds(a, b) for a, b in spans)
+        for key, spans in self.link.spans.items():
+            timing[f"{key}_s"] = sum(self.link.clock.seconds(a, b) for a, b in spans)
         timing["sync_s"] = self.compressor.synchronize(backward_times)
         timing["sync_end"] = time.monotonic()
-        timing["interstage_bytes_sent"], timing["interstage_bytes_raw"] = self._bytes
+        timing["interstage_bytes_sent"], timing["interstage_bytes_raw"] = self.link.bytes
         self._sum_tied_gradients()
         if self.cfg.grad_clip > 0:
             self._clip_gradients(self.cfg.grad_clip)
@@ -399,9 +198,9 @@ class PipelineStep:
         try:
             losses: list[torch.Tensor] = []
             for index in range(self.micro):
-                inputs, _ = self._communicate(receive_activation=True)
-                self._communicate(activation=self._forward(index, inputs, x, y, losses, train=False)[1])
-            self._wait_in_flight()
+                inputs, _ = self.link.communicate(receive_activation=True)
+                self.link.communicate(activation=self._forward(index, inputs, x, y, losses, train=False)[1])
+            self.link.wait_in_flight()
             return self._mean(losses)
         finally:
             self.module.train()

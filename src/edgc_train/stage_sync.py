@@ -142,13 +142,12 @@ STAGE_FIELDS = (
 )
 
 
-def stage_metrics(step, timing: dict) -> list[dict]:
-    """``step`` (a `schedule.PipelineStep`) in numbers: each stage's for replica 0, TP rank 0 (gathered on every rank; "
-    "rank 0 writes them)."""
+def own_stage_values(step, timing: dict) -> list:
+    """This rank's values of `STAGE_FIELDS`, in their order (None where its stage has none)."""
     grid, compressor = step.grid, step.compressor
     m = compressor.state.last_step_metrics or {}
     plan = compressor.aligner.last_plan if compressor.aligner else None
-    mine = [
+    return [
         m.get("rank"),
         timing["sync_s"],
         timing["backward_end"],
@@ -171,6 +170,13 @@ def stage_metrics(step, timing: dict) -> list[dict]:
         timing["backward_s"],
         timing["pipeline_s"],
     ]
+
+
+def stage_metrics(step, timing: dict) -> list[dict]:
+    """``step`` (a `schedule.PipelineStep`) in numbers: each stage's for replica 0, TP rank 0 (gathered on every rank; "
+    "rank 0 writes them)."""
+    grid = step.grid
+    mine = own_stage_values(step, timing)
     row = torch.tensor([math.nan if v is None else float(v) for v in mine], dtype=torch.float64, device=step.device)
     rows = [torch.empty_like(row) for _ in range(grid.world)]
     dist.all_gather(rows, row)
@@ -214,7 +220,7 @@ def stage_metrics(step, timing: dict) -> list[dict]:
                     )
                 },
                 # seconds this step (edgc.timing.Clock): activation-gradient exchanges and, with --interstage
-                # on, their payload transfers and compress/decompress (PipelineStep._spans), forward and
+                # on, their payload transfers and compress/decompress (StageLink.spans), forward and
                 # backward compute summed over the micro-batches, the whole schedule
                 **{
                     k: values[k]

@@ -153,6 +153,148 @@ def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, 
     return DataParallelRunner(cfg, data, rank, world, local_rank, device)
 
 
+def resume_from_checkpoint(run_dir: Path, runner, optimizer, scheduler, rank: int, world: int, device, log):
+    """Load the run's latest checkpoint into this rank's parts; returns its step and wall time."""
+    ckpt_dir = ckpt.latest_checkpoint(run_dir)
+    trainer = ckpt.verify(ckpt_dir, world)
+    ckpt.load_model_and_optimizer_state(
+        runner.module,
+        optimizer,
+        ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
+        ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device),
+    )
+    scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
+    mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
+    runner.sampler.load_state_dict(mine["sampler"])
+    runner.compressor.load_state_dict(ckpt.load(ckpt_dir / f"edgc_rank{rank}.pt", device))
+    ckpt.set_rng_state(mine["rng"])
+    log(f"resuming {run_dir} from {ckpt_dir.name} (step {trainer['step']})")
+    return trainer["step"], trainer["wall_s"]
+
+
+def train_record(
+    step: int, wall_s: float, loss: float, lr: float, step_time: float, tokens_per_step: int, sync: dict, extra: dict
+) -> dict:
+    """One training step's line of metrics.jsonl, from the sync's metrics and the runner's extras."""
+    comm, compress = sync["comm_time_s"] or 0.0, sync["compress_time_s"] or 0.0
+    # With the non-blocking hook comm overlaps compute: only the time the step waited on it
+    # is not compute (comm_wait_s; the blocking methods wait for all of their comm).
+    waited = sync.get("comm_wait_s")
+    waited = comm if waited is None else waited
+    return {
+        "kind": "train",
+        "step": step,
+        "wall_s": wall_s,
+        "loss": loss,
+        "lr": lr,
+        "step_time_s": step_time,
+        "compute_time_s": max(0.0, step_time - waited - compress),
+        "comm_time_s": comm,
+        "comm_wait_s": waited,
+        "compress_time_s": compress,
+        "collectives": int(sync["collectives"] or 0),
+        "tokens_per_s": tokens_per_step / step_time,
+        "phase": sync["phase"],
+        "rank": sync["rank"],
+        "ranks": sync["ranks"] or {},
+        "entropy": sync["entropy"],
+        "entropy_time_s": sync.get("entropy_time_s"),
+        "relative_error": sync["relative_error"],
+        "rank_budget": sync.get("rank_budget"),
+        "mean_rank": sync.get("mean_rank"),
+        **{k: int(sync[k] or 0) for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")},
+        **extra,
+    }
+
+
+def eval_record(step: int, wall_s: float, val_loss: float) -> dict:
+    return {
+        "kind": "eval",
+        "step": step,
+        "wall_s": wall_s,
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 700)),
+    }
+
+
+def evaluate_verify_and_save(
+    cfg: TrainConfig,
+    run_dir: Path,
+    step: int,
+    last: int,
+    t_start: float,
+    rank,
+    world,
+    runner,
+    optimizer,
+    scheduler,
+    metrics,
+) -> None:
+    """What a step may be due: an evaluation, the replicas compared, a checkpoint."""
+    final = step == cfg.steps
+    if final or (cfg.eval_every and step % cfg.eval_every == 0):
+        metrics.write(eval_record(step, time.perf_counter() - t_start, runner.evaluate()))
+    checkpoint = cfg.ckpt_every >= 0 and (final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+    if (checkpoint or final) and cfg.compressor != "nosync":  # nosync never syncs: drift by design
+        if hasattr(runner, "verify_replicas"):  # replicas over more than one group (experts)
+            runner.verify_replicas(verify_replicas)
+        else:
+            verify_replicas(runner.module, runner.dp_group)
+    if checkpoint:
+        save_checkpoint(run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer, scheduler, cfg)
+
+
+def say_how_it_ended(cfg: TrainConfig, run_dir: Path, step: int, master: bool, log) -> None:
+    """How to go on from a stopped run, or the finished run's summary (written here)."""
+    if step < cfg.steps and cfg.ckpt_every < 0:
+        log(f"stopped at step {step} of {cfg.steps}; no checkpoint was written (--ckpt-every -1), so it cannot resume")
+    elif step < cfg.steps:
+        log(f"stopped at step {step} of {cfg.steps}; continue with: edgc train --resume {run_dir}")
+    elif master:
+        summary = write_summary(run_dir)
+        log(
+            f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, val_loss {summary['val_loss']:.4f} "
+            f"(ppl {summary['val_ppl']:.1f}), median step {summary['median_step_time_s']:.3f} s, "
+            f"waited on comm {summary['median_comm_wait_s']:.4f} s; run folder {run_dir}"
+        )
+
+
+def describe_run(cfg: TrainConfig, n_params: int, data, world: int) -> str:
+    return (
+        f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+        f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}"
+    )
+
+
+def progress_bar(steps: int, step: int):
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=step, desc="train", dynamic_ncols=True)
+
+
+def timed_step(runner, optimizer, scheduler, device) -> tuple:
+    """One optimizer step, forward and backward included: the local loss, the runner's extra metrics,
+    the learning rate it used and its wall time (to the device's end on CUDA)."""
+    t0 = time.perf_counter()
+    local_loss, extra = runner.train_step()
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return local_loss, extra, lr, time.perf_counter() - t0
+
+
+def leave_distributed(deterministic_before: bool, solo: bool) -> None:
+    """Undo what setup_distributed set, so that a second run in this process starts clean."""
+    dist.destroy_process_group()
+    torch.use_deterministic_algorithms(deterministic_before)
+    if solo:
+        for key in SOLO_ENV:
+            os.environ.pop(key, None)
+
+
 def train(
     cfg: TrainConfig, run_dir: Path, resume: bool = False, stop_at: int | None = None, restart_in_place: bool = False
 ) -> int:
@@ -187,90 +329,30 @@ def train(
         # ---------------------------------------------------------------- fresh run or resume
         step, wall_offset = 0, 0.0
         if resume:
-            ckpt_dir = ckpt.latest_checkpoint(run_dir)
-            trainer = ckpt.verify(ckpt_dir, world)
-            ckpt.load_model_and_optimizer_state(
-                runner.module,
-                optimizer,
-                ckpt.load(ckpt_dir / f"model{runner.shard}.pt", device),
-                ckpt.load(ckpt_dir / f"optimizer{runner.shard}.pt", device),
-            )
-            scheduler.load_state_dict(ckpt.load(ckpt_dir / "scheduler.pt"))
-            mine = ckpt.load(ckpt_dir / f"rank{rank}.pt")
-            runner.sampler.load_state_dict(mine["sampler"])
-            compressor.load_state_dict(ckpt.load(ckpt_dir / f"edgc_rank{rank}.pt", device))
-            ckpt.set_rng_state(mine["rng"])
-            step, wall_offset = trainer["step"], trainer["wall_s"]
-            log(f"resuming {run_dir} from {ckpt_dir.name} (step {step})")
+            step, wall_offset = resume_from_checkpoint(run_dir, runner, optimizer, scheduler, rank, world, device, log)
         elif master:
             run_dir.mkdir(parents=True, exist_ok=restart_in_place)  # a restart's old logs are truncated below
             write_run_config(run_dir, cfg, n_params, world, shape, data, device, runner.tokens_per_step)
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
         trace = CommTrace(run_dir, rank, cfg.comm_trace, step if resume else None)
         records = EDGCRecords(log, metrics)  # what EDGC decides, as the library logs it (edgc.events)
-        log(
-            f"{cfg.preset}: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
-            f"{data.meta['train_tokens']:,} train tokens, world size {world}, compressor {cfg.compressor}"
-        )
+        log(describe_run(cfg, n_params, data, world))
 
         # ---------------------------------------------------------------- the loop
         tokens_per_step = runner.tokens_per_step
         last = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
-        progress = None
-        if master and cfg.progress and step < last:
-            from tqdm import tqdm
-
-            progress = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
+        progress = progress_bar(cfg.steps, step) if master and cfg.progress and step < last else None
+        if progress is not None:
             log = records.say = progress.write  # notices go on their own line above the bar, not into it
         t_start = time.perf_counter() - wall_offset
         while step < last:
-            t0 = time.perf_counter()
-            local_loss, extra = runner.train_step()
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_time = time.perf_counter() - t0
+            local_loss, extra, lr, step_time = timed_step(runner, optimizer, scheduler, device)
             step += 1
 
             sync_metrics = compressor.step_metrics()
             loss_value = runner.mean_loss(local_loss)
-            comm, compress = sync_metrics["comm_time_s"] or 0.0, sync_metrics["compress_time_s"] or 0.0
-            # With the non-blocking hook comm overlaps compute: only the time the step waited on it
-            # is not compute (comm_wait_s; the blocking methods wait for all of their comm).
-            waited = sync_metrics.get("comm_wait_s")
-            waited = comm if waited is None else waited
-            metrics.write(
-                {
-                    "kind": "train",
-                    "step": step,
-                    "wall_s": time.perf_counter() - t_start,
-                    "loss": loss_value,
-                    "lr": lr,
-                    "step_time_s": step_time,
-                    "compute_time_s": max(0.0, step_time - waited - compress),
-                    "comm_time_s": comm,
-                    "comm_wait_s": waited,
-                    "compress_time_s": compress,
-                    "collectives": int(sync_metrics["collectives"] or 0),
-                    "tokens_per_s": tokens_per_step / step_time,
-                    "phase": sync_metrics["phase"],
-                    "rank": sync_metrics["rank"],
-                    "ranks": sync_metrics["ranks"] or {},
-                    "entropy": sync_metrics["entropy"],
-                    "entropy_time_s": sync_metrics.get("entropy_time_s"),
-                    "relative_error": sync_metrics["relative_error"],
-                    "rank_budget": sync_metrics.get("rank_budget"),
-                    "mean_rank": sync_metrics.get("mean_rank"),
-                    **{
-                        k: int(sync_metrics[k] or 0)
-                        for k in ("elements_sent", "elements_raw", "bytes_sent", "bytes_raw")
-                    },
-                    **extra,
-                }
-            )
+            wall = time.perf_counter() - t_start
+            metrics.write(train_record(step, wall, loss_value, lr, step_time, tokens_per_step, sync_metrics, extra))
             trace.write(step, sync_metrics.get("collective_s"))
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}; lower --lr or check the data")
@@ -278,54 +360,16 @@ def train(
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", rank=sync_metrics["rank"], refresh=False)
 
-            final = step == cfg.steps
-            if final or (cfg.eval_every and step % cfg.eval_every == 0):
-                val_loss = runner.evaluate()
-                metrics.write(
-                    {
-                        "kind": "eval",
-                        "step": step,
-                        "wall_s": time.perf_counter() - t_start,
-                        "val_loss": val_loss,
-                        "val_ppl": math.exp(min(val_loss, 700)),
-                    }
-                )
-            checkpoint = cfg.ckpt_every >= 0 and (
-                final or step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+            evaluate_verify_and_save(
+                cfg, run_dir, step, last, t_start, rank, world, runner, optimizer, scheduler, metrics
             )
-            if (checkpoint or final) and cfg.compressor != "nosync":  # nosync never syncs: drift by design
-                if hasattr(runner, "verify_replicas"):  # replicas over more than one group (experts)
-                    runner.verify_replicas(verify_replicas)
-                else:
-                    verify_replicas(runner.module, runner.dp_group)
-            if checkpoint:
-                save_checkpoint(
-                    run_dir, step, time.perf_counter() - t_start, rank, world, runner, optimizer, scheduler, cfg
-                )
         if progress is not None:
             progress.close()
-        if step < cfg.steps and cfg.ckpt_every < 0:
-            log(
-                f"stopped at step {step} of {cfg.steps}; no checkpoint was written (--ckpt-every -1), so it cannot "
-                "resume"
-            )
-        elif step < cfg.steps:
-            log(f"stopped at step {step} of {cfg.steps}; continue with: edgc train --resume {run_dir}")
-        elif master:
-            summary = write_summary(run_dir)
-            log(
-                f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, val_loss {summary['val_loss']:.4f} "
-                f"(ppl {summary['val_ppl']:.1f}), median step {summary['median_step_time_s']:.3f} s, "
-                f"waited on comm {summary['median_comm_wait_s']:.4f} s; run folder {run_dir}"
-            )
+        say_how_it_ended(cfg, run_dir, step, master, log)
         barrier_before_exit()
         return 0
     finally:
         for log_file in (records, metrics, trace):
             if log_file is not None:
                 log_file.close()
-        dist.destroy_process_group()
-        torch.use_deterministic_algorithms(deterministic_before)
-        if solo:
-            for key in SOLO_ENV:
-                os.environ.pop(key, None)
+        leave_distributed(deterministic_before, solo)

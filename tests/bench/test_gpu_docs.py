@@ -227,7 +227,7 @@ def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_scr
     sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))
     from gpu_profiled import sections
 
-    image, current_count = tmp_path / "gpu_overlap.png", script._json(BEFORE.parent / "count", "count")
+    image, current_count = tmp_path / "gpu_overlap.png", script.read_json(BEFORE.parent / "count", "count")
     docs, readme = script.build(script.load_run(H200), script.load_run(BEFORE), image, current_count)
     more_docs, more_readme = sections(PROFILED)
     page = (BEFORE.parents[1] / "gpu.md").read_text()

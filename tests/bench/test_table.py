@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgc_bench import table
+from edgc_bench import table, targets
 
 
 def run(losses, step_s, comm_s, compress_s, phases=None, entropy_s=0.0, eval_s=1.0):
@@ -52,7 +52,7 @@ def test_time_to_target_and_its_breakdown_add_up():
     assert rows["powersgd@rmax"]["time_to_target_s"] is None
     assert rows["edgc"]["step_s_x"] == 0.5 and rows["none"]["step_s_x"] == 1.0
 
-    breakdown = table.target_breakdown(results).splitlines()
+    breakdown = targets.target_breakdown(results).splitlines()
     edgc = [cell.strip() for cell in breakdown[2].split("|")[1:-1]]
     assert edgc == ["edgc", "10", "12.0 s", "6.0 s", "3.0 s", "0.5 s", "0.9 s", "1.0 s", "2.0 s"]
     assert len(breakdown) == 3  # PowerSGD never reached the target: no row
@@ -93,22 +93,22 @@ def test_recoverable_bound_weighs_edgc_overhead_against_what_a_lower_rank_saves(
     }
     # EDGC: two profiling steps 2 s above static's (warm-up) steps + entropy in steps 3..10 (8 × 0.05) = 4.4 s;
     # without r_min or the floor, the bound is static's DP comm in its compressed steps 3..10: 0.8 s
-    line = table.recoverable_bound(results)
+    line = targets.recoverable_bound(results)
     assert "was 4.4 s" in line and "same, uncompressed steps 4.0 s, entropy sampling 0.4 s" in line
     assert "is 0.8 s (static PowerSGD's whole DP comm time" in line and "EDGC cannot recover" in line
     results["nosync"] = run([3.0, 3.0, 3.0], step_s=0.3, comm_s=0.0, compress_s=0.0)  # 8 × 0.7 above it
     results["powersgd@rmin"] = run([3.0, 3.0, 3.0], step_s=0.9, comm_s=0.1, compress_s=0.1)  # 8 × 0.1
-    line = table.recoverable_bound(results)
+    line = targets.recoverable_bound(results)
     assert "is 0.8 s (static PowerSGD at r_min's median step instead of r_max's, over static's 8" in line
     results["powersgd@rmin"] = run([3.0, 3.0, 3.0], step_s=0.2, comm_s=0.1, compress_s=0.1)  # floor is tighter
-    line = table.recoverable_bound(results)
+    line = targets.recoverable_bound(results)
     assert (
         "is 5.6 s (static's compressed steps brought down to the compute floor)" in line and "EDGC can recover" in line
     )
     results["powersgd@rmax"] = run([2.01, 2.0, 2.0], step_s=0.9, comm_s=0.5, compress_s=0.2)
-    assert table.recoverable_bound(results) is not None  # static needs fewer steps: the bound still holds
+    assert targets.recoverable_bound(results) is not None  # static needs fewer steps: the bound still holds
     results["edgc"], results["powersgd@rmax"] = results["powersgd@rmax"], results["edgc"]
-    assert table.recoverable_bound(results) is None  # EDGC needed fewer steps: not a question of overhead
+    assert targets.recoverable_bound(results) is None  # EDGC needed fewer steps: not a question of overhead
 
 
 def test_ab_script_compares_the_methods_both_folders_ran(tmp_path, load_script):
@@ -233,7 +233,7 @@ def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
     bench = write_bench(tmp_path / "bench-a", fast)
     page = tmp_path / "page.md"
     page.write_text("intro\n<!-- bench-repeats:start -->\nold\n<!-- bench-repeats:end -->\nrest\n")
-    module.main([str(bench)], page)
+    module.write_view([str(bench)], page)
     text = page.read_text()
     assert "| bench-a | today | 1000 Mbit/s | 0.5 | unknown | 1.125 | 1.250 | 0.900 |" in text
     assert text.startswith("intro\n<!-- bench-repeats:start -->\n`python -m edgc_bench.repeats ")
@@ -241,9 +241,9 @@ def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
 
     # A second machine's runs go to their own block; the first view stays as it was.
     page.write_text(text + "<!-- bench-repeats-vm2:start -->\nold\n<!-- bench-repeats-vm2:end -->\n")
-    module.main([str(bench)], page, block="bench-repeats-vm2")
+    module.write_view([str(bench)], page, block="bench-repeats-vm2")
     second = page.read_text()
     assert second.startswith(text) and "old" not in second
     assert second.count("| bench-a | today |") == 2
     with pytest.raises(SystemExit, match="no <!-- missing:start -->"):
-        module.main([str(bench)], page, block="missing")
+        module.write_view([str(bench)], page, block="missing")

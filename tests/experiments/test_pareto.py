@@ -10,7 +10,8 @@ from edgc.budget import spent_rank_steps
 from edgc.plans import Agreed
 from edgc.rank_control import WindowController
 from edgc_cli.main import main
-from edgc_experiments.pareto import arms, paired
+from edgc_experiments.pareto import arms
+from edgc_experiments.pareto_summary import paired
 from edgc_experiments.pareto_train import compressor_fields
 
 
@@ -84,7 +85,7 @@ def test_tiny_pareto_run_writes_paired_results_and_reuses_runs(tmp_path, capsys)
 
 
 def test_change_cost_is_fast_minus_slow_alternation_per_extra_change():
-    from edgc_experiments.pareto import _change_cost
+    from edgc_experiments.pareto_summary import change_cost_text
 
     def run(loss, changes):
         return {"val_loss": loss, "bytes": 100, "mean_rank": 4, "rank_changes": changes}
@@ -99,7 +100,7 @@ def test_change_cost_is_fast_minus_slow_alternation_per_extra_change():
     runs["static"] = runs["alt3-warm"]
     runs["cold"] = {str(s): run(5.0 + 0.036 + 0.001 * s, 0) for s in seeds}
     stats = {name: paired(runs, name, seeds) for name in runs}
-    text = _change_cost(4, runs, stats, seeds, 360)
+    text = change_cost_text(4, runs, stats, seeds, 360)
     assert stats["per-step-cold"]["mean"] == pytest.approx(0.0001)  # 0.036 over 360 compressed steps
     assert "What a warm start is worth" in text
     assert stats["per-change-warm"]["mean"] == pytest.approx(0.001)  # 0.012 over 12 extra changes
@@ -107,7 +108,7 @@ def test_change_cost_is_fast_minus_slow_alternation_per_extra_change():
     assert stats["warm-vs-truncate"]["mean"] == pytest.approx(-0.012)
     assert "Per change" in text and "12 extra changes" in text
     del runs["alt3-truncate"]  # without the slow arms: only the fast alternation's paragraph
-    assert "Per change" not in _change_cost(4, runs, {n: paired(runs, n, seeds) for n in runs}, seeds, 360)
+    assert "Per change" not in change_cost_text(4, runs, {n: paired(runs, n, seeds) for n in runs}, seeds, 360)
 
 
 def test_a_cold_start_redraws_every_q_alike_and_keeps_its_shape():
@@ -129,7 +130,7 @@ def test_a_cold_start_redraws_every_q_alike_and_keeps_its_shape():
 
 def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_path):
     from edgc_experiments.common import Setting
-    from edgc_experiments.pareto import _reusable_runs, _run_key, resolved_config
+    from edgc_experiments.pareto_runs import resolved_config, reusable_runs, run_key
 
     setting = vars(Setting(steps=400))
     explicit = {"r_max": 4, "r_min": 4, "adaptive": False}
@@ -138,12 +139,12 @@ def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_
     assert resolved_config({**explicit, "cold_start": True}) == {**config, "cold_start": True}
     runs = tmp_path / "old" / "runs"
     runs.mkdir(parents=True)
-    new_key = _run_key(setting, config, 1)
+    new_key = run_key(setting, config, 1)
     older_key = json.dumps({"setting": setting, "seed": 2, "fields": explicit}, sort_keys=True)
     for name, key in (("new", new_key), ("older", older_key)):
         (runs / f"{name}.json").write_text(json.dumps({"key": key, "result": {"val_loss": 5.0}}))
     said = []
-    found = _reusable_runs([str(tmp_path / "old")], said.append)
+    found = reusable_runs([str(tmp_path / "old")], said.append)
     assert list(found) == [new_key]
     assert said == ["  --reuse: 1 records from before run keys held the whole config are not reused"]
 

@@ -10,12 +10,10 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("torchft")
+from edgc.integrations.torchft import ManagedCommunicator
+from edgc_bench.torchft_bench import participation
 
-from edgc.integrations.torchft import ManagedCommunicator  # noqa: E402
-from edgc_bench.torchft_bench import participation  # noqa: E402
-
-from .torchft_harness import TIMEOUT, Faults, run_replicas  # noqa: E402
+from .torchft_harness import TIMEOUT, Faults, run_replicas
 
 STEPS = 30
 pytestmark = pytest.mark.timeout(300)

@@ -9,12 +9,10 @@ outer step (checked on the spot by the harness, float64, bit for bit).
 import pytest
 import torch
 
-pytest.importorskip("torchft")
+from edgc_bench.torchft_bench import participation
 
-from edgc_bench.torchft_bench import participation  # noqa: E402
-
-from .diloco_harness import run_replicas  # noqa: E402
-from .torchft_harness import Faults  # noqa: E402
+from .diloco_harness import run_replicas
+from .torchft_harness import Faults
 
 OUTER_STEPS = 30
 pytestmark = pytest.mark.timeout(300)

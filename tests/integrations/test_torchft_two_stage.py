@@ -8,11 +8,9 @@ import logging
 
 import pytest
 
-pytest.importorskip("torchft")
-
-from .diloco_harness import run_replicas  # noqa: E402
-from .test_torchft_diloco import check_identical  # noqa: E402
-from .torchft_harness import Faults  # noqa: E402
+from .diloco_harness import run_replicas
+from .test_torchft_diloco import check_identical
+from .torchft_harness import Faults
 
 pytestmark = pytest.mark.timeout(300)
 STEPS, BUCKET = 12, 4096  # the toy model's 59,264 values: 15 buckets a sync

@@ -12,8 +12,9 @@ import torch
 from edgc_train import checkpoint as ckpt
 from edgc_train.cli import load_config_file
 from edgc_train.config import TrainConfig, field_help, scaled_edgc_defaults
-from edgc_train.data import BlockSampler, DataError, prepare_data, source_files, split_text, val_batches
+from edgc_train.data import DataError, prepare_data, source_files, split_text
 from edgc_train.model import build_model, count_parameters, model_shape
+from edgc_train.sampler import BlockSampler, val_batches
 
 
 # ------------------------------------------------------------------ config
