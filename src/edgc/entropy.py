@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -135,6 +136,62 @@ def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.
     return drop_nonfinite(strided_copy(tensors, stride))
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What a sampler follows, from its `EDGCConfig`: when, which elements, how the estimate is made."""
+
+    every: int  # steps between sampled steps, round(1/α)
+    stride: int  # every stride-th element of each tensor, round(1/β)
+    bins: int  # the histogram's bins
+    estimator: str  # 'histogram' or 'gaussian'
+    cap: int | None  # about the most elements one estimate reads (None: every stride-th)
+
+    @classmethod
+    def of(cls, config: EDGCConfig) -> SamplingSettings:
+        # see the module docstring; a decision's sample is capped too, far above a report's
+        cap = config.entropy_sample_cap if config.decisions_read_samples else REPORT_SAMPLE_CAP
+        return cls(
+            config.sample_period, config.element_stride, config.entropy_bins, config.resolved_entropy_estimator, cap
+        )
+
+
+class StepGather:
+    """One sampled step's gradient sample, gathered bucket by bucket without a host read.
+
+    Into one vector sized from the step before (no copy of the parts into one at the end); parts
+    that do not fit, or the first step's, are kept apart and joined in `sample`."""
+
+    def __init__(self, step: int, stride: int, thinned: bool, room: int | None):
+        self.step = step
+        self.stride = stride  # this step's stride, the cap folded in where `thinned`
+        self.thinned = thinned  # else a report sample is thinned after gathering
+        self.room_size = room  # elements the step's sample can hold at most, once a step is known
+        self.room: torch.Tensor | None = None
+        self.filled = 0
+        self.parts: list[torch.Tensor] = []
+        self.seconds = 0.0
+
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        if self.room is None and self.room_size and not self.filled:
+            self.room = torch.empty(self.room_size, dtype=torch.float32, device=tensors[0].device)
+        size = strided_size(tensors, self.stride)
+        if self.room is not None and not self.parts and self.filled + size <= self.room.numel():
+            strided_copy(tensors, self.stride, self.room[self.filled : self.filled + size])
+            self.filled += size
+        else:  # filtered in finish(): no per-bucket read
+            self.parts.append(strided_copy(tensors, self.stride))
+
+    def sample(self, cap: int | None) -> torch.Tensor:
+        """The step's sample, in the order its buckets came, thinned to ``cap`` if not already."""
+        parts = ([self.room[: self.filled]] if self.filled else []) + self.parts
+        size = sum(part.numel() for part in parts)
+        if cap is not None and not self.thinned and size > cap:  # thinned before the copy into one
+            parts = [part[:: math.ceil(size / cap)] for part in parts]
+        if len(parts) == 1 and parts[0].is_contiguous():
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0)
+
+
 class EntropySampler:
     """Collects the sampled gradient of one step (possibly bucket by bucket) and records its entropy.
 
@@ -145,12 +202,7 @@ class EntropySampler:
     """
 
     def __init__(self, config: EDGCConfig):
-        self.every = config.sample_period
-        self.stride = config.element_stride
-        self.bins = config.entropy_bins
-        self.estimator = config.resolved_entropy_estimator
-        # see the module docstring; a decision's sample is capped too, far above a report's
-        self.cap = config.entropy_sample_cap if config.decisions_read_samples else REPORT_SAMPLE_CAP
+        self.settings = SamplingSettings.of(config)
         self.history: list[tuple[int, float]] = []  # (step, entropy in nats)
         # The budget signal's own measure, where the config follows one (`edgc.signals`): (step, value)
         self.signals = (get_signal(config.budget_signal),) if config.rank_budget is not None else ()
@@ -159,97 +211,72 @@ class EntropySampler:
         self.calls = 0
         self.seconds_total = 0.0  # measured cost of sampling + estimation, all calls
         self.last_seconds = 0.0
-        self._step: int | None = None
-        self._parts: list[torch.Tensor] = []
-        self._elapsed = 0.0
         self.elements_per_step: int | None = None  # gradient elements of the last complete step
         self.tensors_per_step: int | None = None  # and its tensors
-        self._elements = self._tensors = 0  # of this step so far
-        # One vector the step's buckets are gathered into, once the step's size is known (no copy of
-        # the parts into one at the end); parts that do not fit go to _parts
-        self._room: torch.Tensor | None = None
-        self._filled = 0
-        self._stride = self.stride  # this step's stride (the report's cap folded in)
-        self._thinned = False  # the cap is in this step's stride (else a report sample is thinned after gathering)
+        self._counted = [0, 0]  # elements and tensors of this step so far
+        self._gather: StepGather | None = None  # this step's sample, on a sampled step
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        return step % self.settings.every == 0
 
     def begin(self, step: int, enabled: bool = True) -> None:
-        if self._elements:
-            self.elements_per_step, self.tensors_per_step = self._elements, self._tensors
-        self._elements = self._tensors = 0
-        self._step = step if enabled and self.due(step) else None
-        self._parts, self._elapsed = [], 0.0
-        self._room, self._filled = None, 0
-        self._stride = self.stride
-        self._thinned = self.cap is not None and bool(self.elements_per_step)
-        if self._thinned:
-            self._stride *= max(1, math.ceil(self.elements_per_step / self.stride / self.cap))
+        if self._counted[0]:
+            self.elements_per_step, self.tensors_per_step = self._counted
+        self._counted = [0, 0]
+        self._gather = None
+        if not (enabled and self.due(step)):
+            return
+        stride, cap = self.settings.stride, self.settings.cap
+        thinned = cap is not None and bool(self.elements_per_step)
+        if thinned:
+            stride *= max(1, math.ceil(self.elements_per_step / stride / cap))
+        room = math.ceil(self.elements_per_step / stride) + self.tensors_per_step if self.tensors_per_step else None
+        self._gather = StepGather(step, stride, thinned, room)  # at most a step's elements
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         tensors = list(tensors)
-        self._elements += sum(t.numel() for t in tensors)  # every step: the next sample's stride needs it
-        self._tensors += len(tensors)
-        if self._step is None or not tensors:
+        self._counted[0] += sum(t.numel() for t in tensors)  # every step: the next sample's stride needs it
+        self._counted[1] += len(tensors)
+        if self._gather is None or not tensors:
             return
         start = time.perf_counter()
-        if self._room is None and self.tensors_per_step and not self._filled:  # at most a step's elements
-            bound = math.ceil(self.elements_per_step / self._stride) + self.tensors_per_step
-            self._room = torch.empty(bound, dtype=torch.float32, device=tensors[0].device)
-        size = strided_size(tensors, self._stride)
-        if self._room is not None and not self._parts and self._filled + size <= self._room.numel():
-            strided_copy(tensors, self._stride, self._room[self._filled : self._filled + size])
-            self._filled += size
-        else:  # filtered in finish(): no per-bucket read
-            self._parts.append(strided_copy(tensors, self._stride))
-        self._elapsed += time.perf_counter() - start
-
-    def _sample(self) -> torch.Tensor:
-        """This step's sample, in the order its buckets came, thinned to the cap if not already."""
-        parts = ([self._room[: self._filled]] if self._filled else []) + self._parts
-        size = sum(part.numel() for part in parts)
-        if self.cap is not None and not self._thinned and size > self.cap:  # thinned before the copy into one
-            parts = [part[:: math.ceil(size / self.cap)] for part in parts]
-        if len(parts) == 1 and parts[0].is_contiguous():
-            return parts[0]
-        return torch.cat(parts) if parts else torch.empty(0)
+        self._gather.add(tensors)
+        self._gather.seconds += time.perf_counter() - start
 
     def estimate(self, sample: torch.Tensor, bounds: tuple | None = None) -> float:
-        if self.estimator == "gaussian":
+        if self.settings.estimator == "gaussian":
             return gaussian_entropy(sample)
-        return histogram_entropy(sample, self.bins, bounds)
+        return histogram_entropy(sample, self.settings.bins, bounds)
 
     def finish(self) -> float | None:
         """Entropy of this step's sample (None when the step was not sampled or all was non-finite)."""
-        if self._step is None:
+        gather, self._gather = self._gather, None
+        if gather is None:
             return None
         start = time.perf_counter()
-        sample = self._sample()
+        sample = gather.sample(self.settings.cap)
         # The histogram's range, read once: it tells the finite check too (NaN or ±Inf reach it)
-        bounds = torch.aminmax(sample) if sample.numel() and self.estimator != "gaussian" else None
+        bounds = torch.aminmax(sample) if sample.numel() and self.settings.estimator != "gaussian" else None
         sample, nonfinite = drop_nonfinite(sample, bounds)
         value = self.estimate(sample, None if nonfinite else bounds) if sample.numel() else None
-        self._elapsed += time.perf_counter() - start
+        seconds = gather.seconds + time.perf_counter() - start
         self.calls += 1
-        self.last_seconds = self._elapsed
-        self.seconds_total += self._elapsed
+        self.last_seconds = seconds
+        self.seconds_total += seconds
         self.nonfinite_total += nonfinite
         if sample.numel():
-            self._measure_signals(sample)
+            self._measure_signals(gather.step, sample)
         if value is not None and math.isfinite(value):
-            self.history.append((self._step, value))
-        else:
-            value = None
-        self._step, self._parts, self._room, self._filled = None, [], None, 0
-        return value
+            self.history.append((gather.step, value))
+            return value
+        return None
 
-    def _measure_signals(self, sample: torch.Tensor) -> None:
+    def _measure_signals(self, step: int, sample: torch.Tensor) -> None:
         """The followed budget signal's own value of this step's sample (`edgc.signals`)."""
         for signal in self.signals:
             value = signal.measure(sample)
             if value is not None and math.isfinite(value):
-                self.series.setdefault(signal.name, []).append((self._step, value))
+                self.series.setdefault(signal.name, []).append((step, value))
 
     def signal_series(self) -> dict[str, list[tuple[int, float]]]:
         """The series a budget signal can read by name: the entropy and each signal's own measure."""
@@ -265,7 +292,7 @@ class EntropySampler:
             "nonfinite_total": self.nonfinite_total,
             "calls": self.calls,
             "seconds_total": self.seconds_total,
-            "elements_per_step": self._elements or self.elements_per_step,  # (between steps: the last one's)
+            "elements_per_step": self._counted[0] or self.elements_per_step,  # (between steps: the last one's)
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -278,4 +305,4 @@ class EntropySampler:
         self.seconds_total = float(state["seconds_total"])
         elements = state.get("elements_per_step")  # absent in checkpoints of earlier versions
         self.elements_per_step = int(elements) if elements else None
-        self._elements = 0
+        self._counted = [0, 0]
