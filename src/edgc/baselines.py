@@ -105,7 +105,7 @@ class CastState(GradientReducer):
             ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(), ranks={name: 0 for name in names})
         )
 
-    def _settle_step(self, record, host) -> dict:
+    def _settle_step(self, record, totals) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:
@@ -181,7 +181,7 @@ class _ErrorFeedbackReducer(GradientReducer):
                 self.error[name] = residual[offset : offset + g.numel()].view(g.shape).clone()
                 offset += g.numel()
         n = corrected.numel()
-        # Device values, read once at the end of the step (`GradientReducer._close_step`).
+        # Device values, read once at the end of the step (`GradientReducer._end_step`: its `StepTotals`).
         self._add_stats(
             ReduceStats(
                 n,
@@ -195,7 +195,7 @@ class _ErrorFeedbackReducer(GradientReducer):
         )
         self._call += 1
 
-    def _settle_step(self, record, host) -> dict:
+    def _settle_step(self, record, totals) -> dict:
         return {"phase": "compress", "rank": None, "entropy": None}
 
     def state_dict(self) -> dict:

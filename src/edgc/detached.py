@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .steps import StepTotals
+
 
 class DetachedCommunicator:
     """Rank and world size of the pickled state (its ``state_dict()`` records them); anything else
@@ -41,5 +43,5 @@ def detached_state(reducer) -> dict:
     state["comm"] = DetachedCommunicator(type(reducer).__name__, reducer.comm.rank, reducer.comm.world_size)
     state["_current"] = None
     if reducer._last is not None:  # its metrics and pending snapshot travel, not its events
-        state["_last"] = dataclasses.replace(reducer._last, values=None, collectives=None, busy=[])
+        state["_last"] = dataclasses.replace(reducer._last, totals=StepTotals(), collectives=None, busy=[])
     return state

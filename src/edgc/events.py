@@ -96,8 +96,8 @@ def planned(state: EDGCState, before: tuple[str, int | None], plan: StepPlan) ->
 def warmup_over(state: EDGCState, step: int) -> None:
     """Step ``step`` is the first compressed one."""
     controller, config = state.controller, state.config
-    if controller.error_test_step is not None:
-        why = f"the rank-{controller.r_min} error test passed at step {controller.error_test_step}"
+    if controller.warmup.error_test_step is not None:
+        why = f"the rank-{controller.r_min} error test passed at step {controller.warmup.error_test_step}"
     elif config.warmup_error_test and step >= config.warmup_ceiling():
         why = f"the error test did not pass within its ceiling of {config.warmup_ceiling()} steps"
     else:
