@@ -12,7 +12,7 @@ Modules:
     decisions.py    the decision round: agree, propose, broadcast, apply over the decision group
     checkpoint.py   what an EDGCState checkpoint holds, and the checks a loaded one passes
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
-    steps.py        one step's record (what it planned, sent and measured) and its metrics
+    steps.py        one step's record (what it planned, sent and measured; its values for the host, by name)
     gradients.py    the gradients a reducer is handed (sparse, any layout) and how each is averaged raw
     jobs.py         how bucket jobs run: fixed order, buckets fused into batches, a side stream
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q
@@ -24,13 +24,13 @@ Modules:
     entropy.py      GDS, the gradient data sampler: cheap gradient-entropy estimates
     rank_model.py   CQM: rank ↔ truncation error ↔ entropy
     rank_control.py DAC's window controller: when to compress and at which rank
-    plans.py        what a step is planned to do and what a rank decision carries
+    plans.py        what a step is planned to do, what a rank decision reads and what it carries
     budget.py       the byte budget: a mean rank spent early, re-planned every window
     signals.py      the budget signals (schedule, gradnorm, entropy, error): names, series, need
     registry.py     registries by name (signals, rank mappings, sync methods): one entry per name
     rank_rules.py   the paper's rank mappings and the noise gate on the entropy trend
     rank_split.py   how a state's rank is shared among its experts' matrices (uniform, by tokens routed)
-    profiling.py    sync-time tables {rank → seconds}, the r_max rule
+    profiling.py    sync-time tables {rank → seconds}, the r_max rule, a controller's profiling run
     alignment.py    DAC stage alignment: per-stage ranks so all stages finish their sync together
     pipeline.py     `StageAligner`: DAC across pipeline stages, one `EDGCState` per stage
     interstage.py   low-rank activation gradients between pipeline stages, with error feedback

@@ -96,7 +96,7 @@ class CastState(GradientReducer):
             ReduceStats(n, n, n * packed.element_size(), n * on_wire.element_size(), ranks={name: 0 for name in names})
         )
 
-    def _settle_step(self, record, host) -> dict:
+    def _settle_step(self, record, totals) -> dict:
         return dict(COMPRESSED)
 
     def state_dict(self) -> dict:

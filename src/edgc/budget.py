@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 
 from .config import EDGCConfig
-from .plans import Agreed, ControllerView, StepPlan
+from .plans import ControllerView, DecisionInputs
 from .signals import get_signal
 
 
@@ -147,22 +147,14 @@ class BudgetRule:
             signals, progress=progress, window=self.config.window, significance=self.config.entropy_significance
         )
 
-    def propose(
-        self,
-        controller: ControllerView,
-        plan: StepPlan,
-        agreed: Agreed,
-        entropies: Sequence[float],
-        shapes: list[tuple[int, int]],
-        sample_steps: Sequence[int] | None,
-        signals: dict,
-    ) -> tuple[int, float, float]:
-        """(rank, need, target) for the window after ``plan.step``."""
+    def propose(self, controller: ControllerView, inputs: DecisionInputs) -> tuple[int, float, float]:
+        """(rank, need, target) for the window after ``inputs.plan.step``."""
+        step, error = inputs.plan.step, inputs.agreed.relative_error
         errors = list(controller.error_windows)  # the error signal's series, as apply() will record it
-        if math.isfinite(agreed.relative_error):
-            errors.append((plan.step, agreed.relative_error))
-        state = self.budget_state(controller.schedule, plan.step + 1)
+        if math.isfinite(error):
+            errors.append((step, error))
+        state = self.budget_state(controller.schedule, step + 1)
         progress = state["done"] / state["total"] if state else 0.0
-        need = self.need({**signals, "error": errors}, progress)
-        rank, target = self.plan(controller, controller.schedule, plan.step + 1, need)
+        need = self.need({**inputs.signals, "error": errors}, progress)
+        rank, target = self.plan(controller, controller.schedule, step + 1, need)
         return rank, need, target

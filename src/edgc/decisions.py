@@ -2,15 +2,16 @@
 
 At a decision point (``StepPlan.decision``, settled where every rank settles alike) each rank's
 measurements (`edgc.plans.Agreed`: profiling times, the warm-up probe, the window's relative
-compression error) are **agreed**, averaged in one all-reduce over the decision group; the group's
-rank 0 **proposes** a decision from the agreed values and its series (`WindowController.propose`);
-the proposal is **broadcast**; and every rank **applies** the same one (`WindowController.apply`),
-so the ranks never diverge. The decision group is the state's process group, or a wider one where
-more ranks must decide alike (tensor parallelism: a stage's DP replicas of all its TP shards).
+compression error) are **agreed**, averaged in one all-reduce over the decision group (`agree`);
+with the series and shapes the state's parts keep they make the round's `edgc.plans.DecisionInputs`,
+built once; the group's rank 0 **proposes** a decision from them (`WindowController.propose`); the
+proposal is **broadcast**; and every rank **applies** the same one (`WindowController.apply`), so
+the ranks never diverge (`run`). The decision group is the state's process group, or a wider one
+where more ranks must decide alike (tensor parallelism: a stage's DP replicas of all its TP shards).
 
 `DecisionRound` runs the round and keeps what it reads that no other part keeps: the warm-up probe
-of the step, the relative errors measured since the last decision, and the matrices' shapes (the
-cqm mapping's error model needs them).
+of the step and the relative errors measured since the last decision. (The matrices' shapes, which
+the cqm mapping's error model needs, are the engine's record: `LowRankCompressor.compressed_shapes`.)
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
-from .entropy import EntropySampler
 from .factors import matrix_shape, orthonormalize_rows_, stable_seed
-from .lowrank import LowRankCompressor
-from .plans import COMPRESS, Agreed, Decision, StepPlan
+from .plans import COMPRESS, Agreed, Decision, DecisionInputs, StepPlan
 from .rank_control import WindowController
+from .steps import StepTotals
 from .timing import to_device
 
 
@@ -35,10 +35,9 @@ class DecisionRound:
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.wider = None if group is None else Communicator(group)
-        self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen, recorded once
         self.relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self.probe: torch.Tensor | None = None  # this step's (error², ‖M‖²) on the device, summed over buckets
-        self.probe_values: list[float] | None = None  # the settled step's, on the host
+        self.probe_values: tuple[float, float] | None = None  # the settled step's (‖M − M̂‖², ‖M‖²), on the host
         self.last: dict | None = None  # the last rank decision taken, as a record for people (`edgc.events`)
 
     def communicator(self, comm: Communicator) -> Communicator:
@@ -58,27 +57,24 @@ class DecisionRound:
     def begin_step(self) -> None:
         self.probe = None
 
-    def note_bucket(
-        self, names: list[str], grads: list[torch.Tensor], probe_rank: int | None, compressor: LowRankCompressor
-    ) -> None:
-        """A bucket's matrix shapes; with ``probe_rank``, its warm-up probe (`probe_error`, with the seed of
-        ``compressor``)."""
-        for name, grad in zip(names, grads):
-            if name not in self.shapes and (shape := matrix_shape(grad)) is not None:
-                self.shapes[name] = shape
-        if probe_rank is not None:
-            probe = probe_error(names, grads, probe_rank, compressor.config.seed)
-            self.probe = probe if self.probe is None else self.probe + probe
+    def probe_bucket(self, names: list[str], grads: list[torch.Tensor], rank: int, seed: int) -> None:
+        """A bucket's warm-up probe at ``rank`` (`probe_error`, with the engine's ``seed``), summed into the step's."""
+        probe = probe_error(names, grads, rank, seed)
+        self.probe = probe if self.probe is None else self.probe + probe
 
-    def device_values(self) -> list[torch.Tensor]:
-        """What the step needs on the host besides the reducer's values: the probe, where it was taken."""
-        return [] if self.probe is None else [self.probe]
+    def close_step(self, totals: StepTotals) -> None:
+        """What the step needs on the host besides the reducer's values, into ``totals`` by name: the probe's
+        ‖M − M̂‖² and ‖M‖², where it was taken."""
+        if self.probe is not None:
+            totals.add_vector(("probe_error_sq", "probe_norm_sq"), self.probe)
 
-    def settle_step(self, plan: StepPlan, host: list[float]) -> None:
-        """The step's values are on the host (``host[3:5]``: the probe, where taken): keep what a decision reads."""
-        self.probe_values = host[3:5] if self.probe is not None else None
-        if plan.phase == COMPRESS and host and host[2] > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
-            self.relative_errors.append(host[1] / host[2])
+    def settle_step(self, plan: StepPlan, totals: StepTotals) -> None:
+        """The step's values are on the host (``totals``, read): keep what a decision reads."""
+        probed = "probe_error_sq" in totals
+        self.probe_values = (totals["probe_error_sq"], totals["probe_norm_sq"]) if probed else None
+        norm_sq = totals.get("norm_sq")
+        if plan.phase == COMPRESS and norm_sq > 0:  # ‖M − Ĝ‖²/‖M‖², measured this step
+            self.relative_errors.append(totals["error_sq"] / norm_sq)
 
     # ------------------------------------------------------------------ the round
     def measured(self, profiled: tuple[float, float, float]) -> Agreed:
@@ -96,41 +92,35 @@ class DecisionRound:
             uncompressed_bound=profiled[2],
         )
 
+    def agree(self, profiled: tuple[float, float, float], comm: Communicator, device: torch.device) -> Agreed:
+        """This rank's measurements (`measured`, with ``profiled``) averaged over the decision group (the
+        state's ``comm``, or the wider group): the round's first blocking collective."""
+        decisions = self.communicator(comm)
+        local = torch.tensor(self.measured(profiled).encode(), dtype=torch.float64, device=device)
+        agreed = Agreed(*decisions.mean_(local).tolist())
+        self._not_gradient_traffic(decisions, comm)
+        return agreed
+
     def run(
-        self,
-        plan: StepPlan,
-        profiled: tuple[float, float, float],
-        controller: WindowController,
-        sampler: EntropySampler,
-        compressor: LowRankCompressor,
-        comm: Communicator,
-        device: torch.device,
+        self, inputs: DecisionInputs, controller: WindowController, comm: Communicator, device: torch.device
     ) -> Decision:
-        """Agree this rank's measurements (`measured`, with ``profiled``) over the decision group, let
-        its rank 0 propose, broadcast, and apply the decision to ``controller`` (every rank alike);
-        returns it. Two blocking collectives."""
-        decisions, local = self.communicator(comm), self.measured(profiled)
-        agreed = Agreed(*decisions.mean_(torch.tensor(local.encode(), dtype=torch.float64, device=device)).tolist())
-        if decisions.rank == 0:
-            shapes = [s for s in self.shapes.values() if compressor.compressed_rank(s, controller.r_max or 1)]
-            history = sampler.history
-            proposal = controller.propose(
-                plan,
-                agreed,
-                [v for _, v in history],
-                shapes,
-                sample_steps=[s for s, _ in history],
-                signals=sampler.signal_series(),
-            )
-        else:
-            proposal = controller.current()
+        """The round's decision from ``inputs`` (built once, with the `agree`-d measurements): the decision
+        group's rank 0 proposes, the proposal is broadcast (the round's second blocking collective), and
+        every rank applies it to ``controller`` alike; returns it."""
+        decisions = self.communicator(comm)
+        proposal = controller.propose(inputs) if decisions.rank == 0 else controller.current()
         vector = decisions.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
-        if decisions is not comm:
-            decisions.reset()  # its two collectives are no gradient traffic: not the step's to report
+        self._not_gradient_traffic(decisions, comm)
         decision = Decision.decode(vector.tolist())
-        controller.apply(plan, agreed, decision)
+        controller.apply(inputs, decision)
         self.relative_errors.clear()
         return decision
+
+    @staticmethod
+    def _not_gradient_traffic(decisions: Communicator, comm: Communicator) -> None:
+        """The wider group's collectives are no gradient traffic: not the step's to report."""
+        if decisions is not comm:
+            decisions.reset()
 
     # ------------------------------------------------------------------ uncommitted steps, checkpoints
     # Its entry sits at the top level of the state's checkpoint and snapshot, where it always was.

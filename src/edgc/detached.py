@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .steps import StepRecord
+from .steps import StepRecord, StepTotals
 
 
 class DetachedCommunicator:
@@ -44,5 +44,5 @@ def detached_fields(fields: dict, state_name: str, comm, last: StepRecord | None
         **fields,
         "comm": DetachedCommunicator(state_name, comm.rank, comm.world_size),
         "_current": None,
-        "_last": None if last is None else dataclasses.replace(last, values=None, collectives=None, busy=[]),
+        "_last": None if last is None else dataclasses.replace(last, totals=StepTotals(), collectives=None, busy=[]),
     }

@@ -154,7 +154,7 @@ class ErrorFeedbackReducer(GradientReducer):
         )
         self._call += 1
 
-    def _settle_step(self, record, host) -> dict:
+    def _settle_step(self, record, totals) -> dict:
         return dict(COMPRESSED)
 
     # Uncommitted steps (torchft's verdict), where ``ROLLBACK_RESTORES_ERROR``: the residual is the state to restore.

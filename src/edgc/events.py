@@ -98,8 +98,8 @@ def planned(
 
 def warmup_over(rank: int, step: int, controller: WindowController, config: EDGCConfig) -> None:
     """Step ``step`` is the first compressed one."""
-    if controller.error_test_step is not None:
-        why = f"the rank-{controller.r_min} error test passed at step {controller.error_test_step}"
+    if controller.warmup.error_test_step is not None:
+        why = f"the rank-{controller.r_min} error test passed at step {controller.warmup.error_test_step}"
     elif config.warmup_error_test and step >= config.warmup_ceiling():
         why = f"the error test did not pass within its ceiling of {config.warmup_ceiling()} steps"
     else:

@@ -182,6 +182,11 @@ class LowRankCompressor:
         """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
+    def compressed_shapes(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """(m, n) of every matrix the engine has seen (its state's record, `EngineState.shapes`) that it
+        compresses at ``rank``."""
+        return tuple(shape for shape in self.state.shapes.values() if self.compressed_rank(shape, rank))
+
     def orthonormalization(self, device: torch.device) -> str:
         """The method that orthonormalises this engine's factors on ``device`` (`edgc.factors`):
         ``LowRankConfig.orthonormalization`` where it names one, else the one its state keeps (the

@@ -147,11 +147,11 @@ class AllocatedQuantState(ErrorFeedbackReducer):
     def _decoded(self, codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
         return dequantize(codes, scale, bits, self.chunk)
 
-    def _settle_step(self, record, host) -> dict:
+    def _settle_step(self, record, totals) -> dict:
         sizes = {n: int(math.prod(s)) for n, s in self.parameter_shapes.items()}
         total = sum(sizes.get(n, 0) for n in self.last_bits)
         mean = sum(b * sizes.get(n, 0) for n, b in self.last_bits.items()) / total if total else None
-        return {**super()._settle_step(record, host), "mean_bits": mean, "bits": dict(self.last_bits)}
+        return {**super()._settle_step(record, totals), "mean_bits": mean, "bits": dict(self.last_bits)}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "bits": self.bits, "chunk": self.chunk, "mean_bits": self.mean_bits}

@@ -77,7 +77,7 @@ class StageAligner:
     # ------------------------------------------------------------------ the window boundary
     def _encode(self) -> list[float]:
         controller = self.state.controller
-        table = controller.table
+        table = controller.profiling.table
         t_b = self._backward[0] / self._backward[1] if self._backward[1] else math.nan
 
         def number(value: float | None) -> float:

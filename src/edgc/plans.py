@@ -1,7 +1,8 @@
 """What the controller plans for a step and what a decision carries (pure data, no logic).
 
 `StepPlan` is identical on every rank (it depends only on agreed state); `Agreed` holds the
-measurements averaged over the group at a decision point; `Decision` is group rank 0's proposal,
+measurements averaged over the group at a decision point; `DecisionInputs` is everything a decision
+reads besides the controller, built once per round; `Decision` is group rank 0's proposal,
 broadcast as a float64 vector so that every rank applies the same one; `ControllerView` is what a
 rank rule reads of the controller.
 """
@@ -9,8 +10,8 @@ rank rule reads of the controller.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 PROFILE, WARMUP, COMPRESS, OFF = "profile", "warmup", "compress", "off"
@@ -81,7 +82,7 @@ class Decision:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Agreed:
     """Measurements averaged over the group at a decision point."""
 
@@ -99,6 +100,35 @@ class Agreed:
             self.relative_error,
             self.uncompressed_bound,
         ]
+
+
+Series = tuple[tuple[int, float], ...]  # (step, value) samples, oldest first
+
+
+@dataclass(frozen=True)
+class DecisionInputs:
+    """What a decision reads besides its controller, as plain values: built once per decision round from
+    the state's parts, with the agreed measurements (`edgc.decisions.DecisionRound.agree`), and handed
+    to `WindowController.propose`, its rank rule (`edgc.rank_control.RankRule.propose`) and
+    `WindowController.apply` (`edgc.decisions.DecisionRound.run`). Sequences given as lists are kept
+    as tuples."""
+
+    plan: StepPlan  # the decision step's plan
+    agreed: Agreed = field(default_factory=Agreed)  # the measurements averaged over the decision group
+    entropies: tuple[float, ...] = ()  # the entropy series (nats), oldest first
+    sample_steps: tuple[int, ...] | None = None  # the step of each entropy sample; None: all since the last change
+    signals: Mapping[str, Series] = field(default_factory=dict)  # the budget signals' series by name (not 'error')
+    shapes: tuple[tuple[int, int], ...] = ()  # (m, n) of the matrices compressed at r_max (the cqm mapping's)
+
+    def __post_init__(self) -> None:
+        plain = {
+            "entropies": tuple(self.entropies),
+            "sample_steps": None if self.sample_steps is None else tuple(self.sample_steps),
+            "signals": {name: tuple(series) for name, series in self.signals.items()},
+            "shapes": tuple(tuple(shape) for shape in self.shapes),
+        }
+        for name, value in plain.items():
+            object.__setattr__(self, name, value)
 
 
 class ControllerView(Protocol):

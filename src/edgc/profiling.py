@@ -120,6 +120,21 @@ def profile_candidates(max_rank: int) -> list[int]:
     return ranks
 
 
+@dataclass
+class ProfilingRun:
+    """One controller's r_max profiling: the candidate ranks (`profile_candidates`), the order they are
+    timed in, and the table of their times (`SyncTimeTable`)."""
+
+    candidates: list[int]
+    top_down: bool  # from the top down: the first rank faster than the plain sync ends it; else from 2 up
+    table: SyncTimeTable = field(default_factory=SyncTimeTable)
+
+    @property
+    def order(self) -> list[int]:
+        """The candidates in the order they are timed."""
+        return self.candidates[::-1] if self.top_down else self.candidates
+
+
 def describe_profiling_verdict(verdict: dict, suggested_r_max: int = 16) -> str:
     """One line for people: what profiling measured, what it decided, and (where it did not compress
     fully) how to compress anyway."""

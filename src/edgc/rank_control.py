@@ -43,15 +43,17 @@ byte budget (``rank_budget`` set: `edgc.budget.BudgetRule` plans the rest of the
 boundary, from the chosen ``budget_signal``) or the paper's rules (`edgc.rank_rules.PaperRules`,
 the ``paper`` mode) with the ``rank_mapping``.
 
-The controller only plans steps and turns *agreed* inputs into decisions. The state object
-(`edgc.state`) measures, agrees (all-reduce), lets group rank 0 ``propose`` and broadcasts the
-proposal, and every rank ``apply``-s the same decision, so ranks never diverge.
+The controller only plans steps and turns *agreed* inputs (`edgc.plans.DecisionInputs`) into
+decisions. The decision round (`edgc.decisions`) measures, agrees (all-reduce), lets group rank 0
+``propose`` and broadcasts the proposal, and every rank ``apply``-s the same decision, so ranks
+never diverge.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from .budget import BudgetRule
@@ -66,11 +68,12 @@ from .plans import (
     Agreed,
     ControllerView,
     Decision,
+    DecisionInputs,
     StepPlan,
 )
-from .profiling import SyncTimeTable, profile_candidates
+from .profiling import ProfilingRun, SyncTimeTable, profile_candidates
 from .rank_rules import PaperRules
-from .rank_split import rank_split
+from .rank_split import ExpertSplit, rank_split
 
 
 class RankRule(Protocol):
@@ -89,22 +92,24 @@ class RankRule(Protocol):
     def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> dict | None:
         """The byte budget and what has been spent of it by ``step``; None without a budget."""
 
-    def propose(
-        self,
-        controller: ControllerView,
-        plan: StepPlan,
-        agreed: Agreed,
-        entropies: Sequence[float],
-        shapes: list[tuple[int, int]],
-        sample_steps: Sequence[int] | None,
-        signals: dict,
-    ) -> tuple[int, float | None, float | None]:
+    def propose(self, controller: ControllerView, inputs: DecisionInputs) -> tuple[int, float | None, float | None]:
         """(rank, need, target) for the next window, from the agreed measurements and the series."""
 
 
 def rank_rule(config: EDGCConfig) -> RankRule:
     """The rank rule ``config`` asks for: the byte budget when it sets one, else the paper's rules."""
     return BudgetRule(config) if config.rank_budget is not None else PaperRules(config)
+
+
+@dataclass
+class WarmupTest:
+    """The warm-up and its error test: the step it began at (None while profiling runs), the rank-r_max
+    error measured then (E_max; None until measured), and t_e, the step after the first window end
+    whose rank-r_min error was at most E_max (None until then)."""
+
+    start: int | None
+    error_at_start: float | None = None
+    error_test_step: int | None = None
 
 
 class WindowController:
@@ -127,24 +132,14 @@ class WindowController:
         self.phase = PROFILE if profile else WARMUP
         self.rank: int | None = None
         self.schedule: list[tuple[int, int]] = []  # (first step, rank) each time the rank changes; 0 = off
-        self.table = SyncTimeTable()
-        self.warmup_start = None if profile else 0
-        self.error_at_start: float | None = None
-        self.error_test_step: int | None = None
-        self._candidates = profile_candidates(config.profile_max_rank)
-        # The order candidates are timed in. From the top down, the first rank faster than the
-        # plain sync ends profiling, so where compression pays (a slow link, where each profiling
-        # step is expensive) one candidate usually suffices; where it does not, steps are cheap.
-        self._top_down = not always_profile
-        self._profile_order = self._candidates[::-1] if self._top_down else self._candidates
+        # The order candidates are timed in: from the top down (unless stage alignment needs every
+        # rank's time), where the first rank faster than the plain sync ends profiling, so where
+        # compression pays (a slow link, where each profiling step is expensive) one candidate
+        # usually suffices; where it does not, steps are cheap.
+        self.profiling = ProfilingRun(profile_candidates(config.profile_max_rank), top_down=not always_profile)
+        self.warmup = WarmupTest(start=None if profile else 0)
         self.error_windows: list[tuple[int, float]] = []  # (step, window mean of ‖M−Ĝ‖²/‖M‖²), agreed
-        self.split = rank_split(config.rank_split)  # how the rank is shared among experts (`edgc.rank_split`)
-        self.split_weights: dict[str, float] = {}  # the split's agreed measure of each matrix (tokens), by name
-
-    def split_ranks(self, rank: int, groups, compressed) -> dict[str, int]:
-        """Matrix name → its own rank where the rank split gives it one (the experts of ``groups``;
-        ``compressed``: the engine's rank rule)."""
-        return self.split.ranks(rank, groups, self.split_weights, compressed)
+        self.split = ExpertSplit(rank_split(config.rank_split))  # how the rank is shared among experts
 
     def _default_r_min(self, r_max: int | None) -> int | None:
         return None if r_max is None else self.rule.default_r_min(r_max)
@@ -170,7 +165,7 @@ class WindowController:
             return False
         if not self.config.warmup_error_test or step >= self.config.warmup_ceiling():
             return True
-        return self.error_test_step is not None and step >= self.error_test_step
+        return self.warmup.error_test_step is not None and step >= self.warmup.error_test_step
 
     def plan(self, step: int) -> StepPlan:
         if self.follower:
@@ -189,9 +184,9 @@ class WindowController:
         if self.phase == WARMUP:
             probe = None
             if self.config.warmup_error_test:
-                if self.error_at_start is None:  # normally just the first warm-up step
+                if self.warmup.error_at_start is None:  # normally just the first warm-up step
                     probe = self.r_max
-                elif self.error_test_step is None and self._window_end(step):
+                elif self.warmup.error_test_step is None and self._window_end(step):
                     probe = self.r_min
             return StepPlan(step, WARMUP, None, probe_rank=probe, decision=probe is not None)
         if self.phase == COMPRESS:
@@ -232,14 +227,13 @@ class WindowController:
         offset = step - PROFILE_START_STEP
         if offset < 0:
             return StepPlan(step, PROFILE, None)
-        if self._top_down:
+        profiling = self.profiling
+        if profiling.top_down:
             # The quick test: the first candidate timed at the step's end (cold, so an upper bound)
             # against the plain sync's wait after backward (a lower bound), nothing blocking. If it
             # pays even so, r_max is found at the cost of one shadow sync; else the full timing below.
             if offset == 0:
-                return StepPlan(
-                    step, PROFILE, None, profile_rank=self._profile_order[0], profile_bound=True, decision=True
-                )
+                return StepPlan(step, PROFILE, None, profile_rank=profiling.order[0], profile_bound=True, decision=True)
             offset -= 1
         # The paper spends a whole uncompressed "transition" step per candidate rank. Here one-off
         # costs (cold code paths, first allocations) fall on the run's first shadow call only (the
@@ -249,44 +243,35 @@ class WindowController:
         # and cost only their shadow sync.
         block = self.config.profile_steps_per_rank
         index, position = divmod(offset, block)
-        candidate = self._profile_order[min(index, len(self._profile_order) - 1)]
+        candidate = profiling.order[min(index, len(profiling.order) - 1)]
         return StepPlan(
             step,
             PROFILE,
             None,
             profile_rank=candidate,
-            profile_warm=offset == 0 and not self._top_down,
+            profile_warm=offset == 0 and not profiling.top_down,
             profile_raw=index == 0,
             decision=position == block - 1,
         )
 
     # ------------------------------------------------------------------ deciding
     def current(self) -> Decision:
-        return Decision(self.phase, self.r_max, self.r_min, self.rank, self.error_test_step, self.error_at_start)
+        warmup = self.warmup
+        return Decision(self.phase, self.r_max, self.r_min, self.rank, warmup.error_test_step, warmup.error_at_start)
 
-    def propose(
-        self,
-        plan: StepPlan,
-        agreed: Agreed,
-        entropies: Sequence[float],
-        shapes: list[tuple[int, int]],
-        sample_steps: Sequence[int] | None = None,
-        signals: dict[str, Sequence[tuple[int, float]]] | None = None,
-    ) -> Decision:
-        """Group rank 0's decision at a decision point. Reads state, changes nothing.
-
-        ``sample_steps``: the step of each entropy sample; None = every sample counts as taken since
-        the rank last changed. ``signals``: the budget signals' (step, value) series by name
-        ('entropy', 'gradnorm'; 'error' is kept by the controller itself)."""
+    def propose(self, inputs: DecisionInputs) -> Decision:
+        """Group rank 0's decision at a decision point, from ``inputs`` (`edgc.plans.DecisionInputs`:
+        the plan, the agreed measurements, the series). Reads state, changes nothing."""
+        plan, agreed, profiling = inputs.plan, inputs.agreed, self.profiling
         decision = self.current()
         if plan.phase == PROFILE:
-            table = SyncTimeTable(self.table.uncompressed, dict(self.table.by_rank))
+            table = SyncTimeTable(profiling.table.uncompressed, dict(profiling.table.by_rank))
             self._record_profile(table, plan, agreed)
-            last = plan.profile_rank == self._profile_order[-1] and not plan.profile_bound
+            last = plan.profile_rank == profiling.order[-1] and not plan.profile_bound
             uncompressed = table.uncompressed if table.uncompressed is not None else math.nan
             found = (
                 agreed.profile_time <= uncompressed
-                if self._top_down  # the largest rank that pays
+                if profiling.top_down  # the largest rank that pays
                 else agreed.profile_time > uncompressed
             )  # going up: the first rank that does not
             if found or last:
@@ -299,15 +284,13 @@ class WindowController:
                     decision.r_min = self.config.r_min or self._default_r_min(decision.r_max)
                     decision.r_min = min(decision.r_min, decision.r_max)
         elif plan.phase == WARMUP:
-            if self.error_at_start is None:
+            if self.warmup.error_at_start is None:
                 if math.isfinite(agreed.probe_error):  # a NaN/Inf gradient: measure again next step
                     decision.error_at_start = agreed.probe_error
-            elif agreed.probe_error <= self.error_at_start:
+            elif agreed.probe_error <= self.warmup.error_at_start:
                 decision.error_test_step = plan.step + 1
         elif plan.phase == COMPRESS:
-            decision.rank, decision.need, decision.target = self.rule.propose(
-                self, plan, agreed, entropies, shapes, sample_steps, signals or {}
-            )
+            decision.rank, decision.need, decision.target = self.rule.propose(self, inputs)
         return decision
 
     @staticmethod
@@ -322,16 +305,18 @@ class WindowController:
         if math.isfinite(agreed.uncompressed_time):  # timed in the first candidate's block only (`_plan_profile`)
             table.uncompressed, table.uncompressed_is_bound = agreed.uncompressed_time, False
 
-    def apply(self, plan: StepPlan, agreed: Agreed, decision: Decision) -> None:
-        """Adopt a decision (the same on every rank) at the end of ``plan.step``."""
+    def apply(self, inputs: DecisionInputs, decision: Decision) -> None:
+        """Adopt a decision (the same on every rank) at the end of ``inputs.plan.step``; ``inputs``: the
+        round's, as `propose` read them."""
+        plan, agreed = inputs.plan, inputs.agreed
         if plan.phase == PROFILE:
-            self._record_profile(self.table, plan, agreed)
+            self._record_profile(self.profiling.table, plan, agreed)
         self.r_max, self.r_min = decision.r_max, decision.r_min
-        self.error_at_start, self.error_test_step = decision.error_at_start, decision.error_test_step
+        self.warmup.error_at_start, self.warmup.error_test_step = decision.error_at_start, decision.error_test_step
         if decision.phase != self.phase:
             self.phase = decision.phase
             if self.phase == WARMUP:
-                self.warmup_start = plan.step + 1
+                self.warmup.start = plan.step + 1
             if self.phase == OFF:
                 self.schedule.append((plan.step + 1, 0))
         if plan.phase == COMPRESS and math.isfinite(agreed.relative_error):
@@ -350,20 +335,21 @@ class WindowController:
         ``found``: a higher one. Only a *profiled* r_max can be at its floor: a given r_max is the
         user's choice.
         """
-        if self.follower or not self.table.by_rank or self.phase == PROFILE or self.config.r_max is not None:
+        table = self.profiling.table
+        if self.follower or not table.by_rank or self.phase == PROFILE or self.config.r_max is not None:
             return None
         if self.phase == OFF:
             status = "off"
-        elif self.r_max is not None and self.r_max <= min(self._candidates):
+        elif self.r_max is not None and self.r_max <= min(self.profiling.candidates):
             status = "floor"
         else:
             status = "found"
         return {
             "status": status,
             "r_max": self.r_max,
-            "uncompressed_s": self.table.uncompressed,
-            "uncompressed_is_bound": self.table.uncompressed_is_bound,
-            "compressed_s": {int(r): t for r, t in sorted(self.table.by_rank.items())},
+            "uncompressed_s": table.uncompressed,
+            "uncompressed_is_bound": table.uncompressed_is_bound,
+            "compressed_s": {int(r): t for r, t in sorted(table.by_rank.items())},
         }
 
     # ------------------------------------------------------------------ checkpointing
@@ -375,12 +361,12 @@ class WindowController:
             "r_min": self.r_min,
             "rank": self.rank,
             "schedule": list(self.schedule),
-            "table": self.table.state_dict(),
-            "warmup_start": self.warmup_start,
-            "error_at_start": self.error_at_start,
-            "error_test_step": self.error_test_step,
+            "table": self.profiling.table.state_dict(),
+            "warmup_start": self.warmup.start,
+            "error_at_start": self.warmup.error_at_start,
+            "error_test_step": self.warmup.error_test_step,
             "error_windows": list(self.error_windows),
-            "split_weights": dict(self.split_weights),
+            "split_weights": dict(self.split.weights),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -390,8 +376,7 @@ class WindowController:
             raise ValueError("EDGC controller state of a pipeline follower stage cannot load into a leader, or back")
         self.phase, self.r_max, self.r_min, self.rank = state["phase"], state["r_max"], state["r_min"], state["rank"]
         self.schedule = [(int(s), int(r)) for s, r in state["schedule"]]
-        self.table.load_state_dict(state["table"])
-        self.warmup_start = state["warmup_start"]
-        self.error_at_start, self.error_test_step = state["error_at_start"], state["error_test_step"]
+        self.profiling.table.load_state_dict(state["table"])
+        self.warmup = WarmupTest(state["warmup_start"], state["error_at_start"], state["error_test_step"])
         self.error_windows = [(int(s), float(v)) for s, v in state.get("error_windows", [])]
-        self.split_weights = {str(name): float(v) for name, v in state.get("split_weights", {}).items()}
+        self.split.weights = {str(name): float(v) for name, v in state.get("split_weights", {}).items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .plans import Agreed, ControllerView, StepPlan
+from .plans import ControllerView, DecisionInputs
 from .rank_model import ErrorModel, cqm_target_rank
 from .registry import Registry
 
@@ -139,45 +139,25 @@ class PaperRules:
     def budget_state(self, schedule: Sequence[tuple[int, int]], step: int) -> None:
         return None  # no budget to report
 
-    def propose(
-        self,
-        controller: ControllerView,
-        plan: StepPlan,
-        agreed: Agreed,
-        entropies: Sequence[float],
-        shapes: list[tuple[int, int]],
-        sample_steps: Sequence[int] | None,
-        signals: dict,
-    ) -> tuple[int, None, None]:
+    def propose(self, controller: ControllerView, inputs: DecisionInputs) -> tuple[int, None, None]:
         """(rank, need, target) for the next window; the paper's rules have no need and no target."""
-        return self.mapping.next_rank(self, controller, agreed, entropies, shapes, sample_steps), None, None
-
-    def next_rank(
-        self,
-        controller: ControllerView,
-        entropies: Sequence[float],
-        shapes: list[tuple[int, int]],
-        sample_steps: Sequence[int] | None = None,
-    ) -> int:
-        """The rank for the next window from the entropy series alone (no agreed error)."""
-        return self.mapping.next_rank(self, controller, Agreed(), entropies, shapes, sample_steps)
+        return self.mapping.next_rank(self, controller, inputs), None, None
 
     @property
     def per_window(self) -> int:
         """Entropy samples per window."""
         return max(1, self.config.window // self.config.sample_every)
 
-    def entropy_levels(
-        self, controller: ControllerView, entropies: Sequence[float], sample_steps: Sequence[int] | None
-    ) -> tuple[float, float] | None:
+    def entropy_levels(self, controller: ControllerView, inputs: DecisionInputs) -> tuple[float, float] | None:
         """(H before, H now) of an entropy move the rule acts on, or None (the rank stays). Gate off
         (``entropy_significance`` 0): the paper's rule, the last two window means, every window.
         Gate on: the reference since the last rank change against the latest window, when the noise
         gate confirms the shift."""
-        per_window = self.per_window
+        per_window, entropies = self.per_window, inputs.entropies
         if self.config.entropy_significance == 0:
             return window_means(entropies, per_window)
-        since = samples_since(entropies, sample_steps, controller.schedule[-1][0] if controller.schedule else None)
+        last_change = controller.schedule[-1][0] if controller.schedule else None
+        since = samples_since(entropies, inputs.sample_steps, last_change)
         if confirmed_shift(since, per_window, self.config.entropy_significance) is None:
             return None
         reference, latest = since[:-per_window], since[-per_window:]
@@ -211,21 +191,14 @@ class RankMapping:
     name: str = ""
     entropy_estimator: str = "histogram"
 
-    def next_rank(
-        self,
-        rules: PaperRules,
-        controller: ControllerView,
-        agreed: Agreed,
-        entropies: Sequence[float],
-        shapes: list[tuple[int, int]],
-        sample_steps: Sequence[int] | None,
-    ) -> int:
+    def next_rank(self, rules: PaperRules, controller: ControllerView, inputs: DecisionInputs) -> int:
         """The rank for the next window: unchanged unless the entropy moved (see the class docstring)."""
         assert controller.rank is not None and controller.r_min is not None and controller.r_max is not None
-        levels = rules.entropy_levels(controller, entropies, sample_steps)
+        levels = rules.entropy_levels(controller, inputs)
         if levels is None:
             return controller.rank
-        return rules.limit(self.target(rules, controller, *levels, entropies=entropies, shapes=shapes), controller)
+        target = self.target(rules, controller, *levels, entropies=inputs.entropies, shapes=list(inputs.shapes))
+        return rules.limit(target, controller)
 
     def target(
         self,
@@ -277,8 +250,8 @@ class ErrorBandMapping(RankMapping):
 
     name = "error-band"
 
-    def next_rank(self, rules, controller, agreed, entropies, shapes, sample_steps) -> int:
-        return self.rank_for_error(rules, controller, agreed.relative_error)
+    def next_rank(self, rules, controller, inputs) -> int:
+        return self.rank_for_error(rules, controller, inputs.agreed.relative_error)
 
     def rank_for_error(self, rules: PaperRules, controller: ControllerView, error: float) -> int:
         """The next rank where the window's mean relative error was ``error`` (NaN: unmeasured)."""

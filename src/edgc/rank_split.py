@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from .registry import Registry
 
@@ -108,6 +109,25 @@ class TokenSplit(RankSplit):
             shares = share_ranks(each * len(matrices), counted, largest_rank(shape, compressed))
             out.update({name: r for (name, _), r in zip(matrices, shares) if r != each})
         return out
+
+
+@dataclass
+class ExpertSplit:
+    """A controller's rank split (``EDGCConfig.rank_split``) with the agreed weights it shares the rank
+    by: each matrix's measurement of the last window (its tokens), by name; empty until one is counted."""
+
+    split: RankSplit
+    weights: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether the state counts tokens for it."""
+        return self.split.reads_tokens
+
+    def ranks(self, rank: int, groups: Groups, compressed: Compressed) -> dict[str, int]:
+        """Matrix name → its own rank where the split gives it one (the experts of ``groups``;
+        ``compressed``: the engine's rank rule)."""
+        return self.split.ranks(rank, groups, self.weights, compressed)
 
 
 RANK_SPLITS: Registry[RankSplit] = Registry("rank split")

@@ -13,16 +13,16 @@ Everything else — step counting, parameter names, the plain training-loop path
 per-step metrics, uncommitted steps — lives here once. A step is one optimizer step: DDP calls
 the hook once per bucket and ``bucket.is_last()`` closes the step, so ``no_sync`` gradient
 accumulation does not advance the counter. Each step is one `StepRecord`, from its first bucket
-until it is settled: a closed step's device values (non-finite flags, errors) reach the host
-behind an event and are read when the step is *settled* (`settle`): when its metrics are read, or
-when the next step begins (`edgc.timing`).
+until it is settled: a closed step's device values (non-finite flags, errors: its `StepTotals`, by
+name) reach the host as one tensor behind an event and are read when the step is *settled*
+(`settle`): when its metrics are read, or when the next step begins (`edgc.timing`).
 
 A method says what it does with a step through these hooks, each called once per step in this
 order, each handed the step's record: `_plan_step` (the step begins), `_reduce` per bucket (with
-`_fusion_bytes`), `_close_step` (its last bucket is averaged: extra device values), `_settle_step`
-(the values are on the host: the method's metrics), `_settle_group` (what the group settles
-together, with collectives); and `_snapshot` / `_restore` / `_commit` for uncommitted steps,
-`_on_device` and `_agree_on_device` at the first step.
+`_fusion_bytes`), `_close_step` (its last bucket is averaged: its own values for the host, added
+by name), `_settle_step` (the values are on the host: the method's metrics), `_settle_group` (what
+the group settles together, with collectives); and `_snapshot` / `_restore` / `_commit` for
+uncommitted steps, `_on_device` and `_agree_on_device` at the first step.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from .gradients import HandedGradients, average_raw, average_sparse, check_dense
 from .guards import UsageGuard
 from .jobs import JobQueue
 from .lowrank import ReduceStats
-from .steps import StepRecord, step_metrics
-from .timing import DEVICE_TIMING_EVERY, Clock, HostCopy, device_scalar, host_reads_allowed
+from .steps import StepRecord, StepTotals, step_metrics
+from .timing import DEVICE_TIMING_EVERY, Clock, host_reads_allowed
 
 
 class GradientReducer:
@@ -265,19 +265,17 @@ class GradientReducer:
         self.clock.enabled = self._timed(record)
 
     def _end_step(self) -> None:
-        """Close the step (its last bucket is averaged) without reading anything: its device values
-        travel to the host behind an event (`edgc.timing.HostCopy`) and are read when it is settled."""
+        """Close the step (its last bucket is averaged) without reading anything: its values, the
+        method's and the reducer's by name (`edgc.steps.StepTotals`), travel to the host as one tensor
+        behind an event and are read when it is settled."""
         record = self._current
         assert record is not None
-        extra = self._close_step(record)
+        self._close_step(record)  # the method's own values, by name
         if self.device is not None:
+            stats = record.stats
+            record.totals.add(nonfinite=stats.nonfinite, error_sq=stats.error_sq, norm_sq=stats.norm_sq)
             with self._jobs.side_stream():  # made where the step's statistics were computed
-                stats = record.stats
-                values = [
-                    device_scalar(value, self.device) for value in (stats.nonfinite, stats.error_sq, stats.norm_sq)
-                ]
-                values += [value for tensor in extra for value in tensor.unbind()]
-                record.values = HostCopy(torch.stack(values))
+                record.totals.send(self.device)
         record.busy, record.collectives = self._jobs.take_busy(), self.comm.take_step()
         self._last, self._current = record, None
         self.step += 1
@@ -304,11 +302,11 @@ class GradientReducer:
             self._build_metrics(record)
 
     def _build_metrics(self, record: StepRecord) -> None:
-        host = record.values.values() if record.values is not None else []
-        method = self._settle_step(record, host)
+        record.totals.read()
+        method = self._settle_step(record, record.totals)
         for key in self.totals:
             self.totals[key] += getattr(record.stats, key)
-        record.metrics = {**step_metrics(record, host), **method}
+        record.metrics = {**step_metrics(record), **method}
         if record.metrics["nonfinite"]:
             self.comm.report_nonfinite(type(self).__name__, record.step)
 
@@ -336,13 +334,13 @@ class GradientReducer:
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
         raise NotImplementedError
 
-    def _close_step(self, record: StepRecord) -> list[torch.Tensor]:
-        """The step's last bucket is averaged: finish its work; return float64 device tensors whose
-        values the step needs on the host besides (non-finite, ‖M−Ĝ‖², ‖M‖²)."""
-        return []
+    def _close_step(self, record: StepRecord) -> None:
+        """The step's last bucket is averaged: finish its work, and add the values the step needs on the
+        host besides the reducer's own (``nonfinite``, ``error_sq``, ``norm_sq``) to ``record.totals``
+        by name (`edgc.steps.StepTotals`: 0-dim device tensors)."""
 
-    def _settle_step(self, record: StepRecord, host: list[float]) -> dict:
-        """The step's device values are on the host (``host[:3]``: non-finite, ‖M−Ĝ‖², ‖M‖²; then
+    def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
+        """The step's values are on the host, read by name (``totals``, the record's: the reducer's and
         `_close_step`'s): the method's part of its metrics. Local: no collective here."""
         return {"phase": "off", "rank": None, "entropy": None}
 

@@ -14,7 +14,7 @@ It orchestrates; each part is a collaborator it owns: the controller plans each 
 (`edgc.rank_control.WindowController`), the sampler measures the entropy (`edgc.entropy`), the
 compressor syncs (`edgc.lowrank.LowRankCompressor`, which holds its state), the profiler times the
 shadow syncs (`edgc.shadow`), and the decision round agrees and decides (`edgc.decisions`). The
-step itself is one `edgc.reducer.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
+step itself is one `edgc.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from .decisions import DecisionRound
 from .entropy import EntropySampler
 from .fingerprint import SharedFields, compare_replicas
 from .lowrank import LowRankCompressor
-from .plans import COMPRESS, OFF, PROFILE
+from .plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
 from .rank_control import WindowController
-from .reducer import GradientReducer, StepRecord
+from .reducer import GradientReducer
 from .shadow import ShadowProfiler
+from .steps import StepRecord, StepTotals
 
 __all__ = ["EDGCState", "STATE_FORMAT", "DEFAULT_ACCELERATOR_FUSION_MB"]
 
@@ -142,7 +143,7 @@ class EDGCState(GradientReducer):
         if self.controller.split.reads_tokens:
             self.experts.count_tokens()  # this step's forward counted them (`edgc.experts`)
         if plan.rank is not None:
-            split = self.controller.split_ranks(plan.rank, self.experts.groups(), self.compressor.compressed_rank)
+            split = self.controller.split.ranks(plan.rank, self.experts.groups(), self.compressor.compressed_rank)
             self.compressor.state.shares = split  # each expert's own rank, where the split gives one
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
             # before any bucket, on every rank alike (`LowRankCompressor.change_rank`), on the jobs'
@@ -179,7 +180,8 @@ class EDGCState(GradientReducer):
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._current.plan  # type: ignore[union-attr]
         self.sampler.add(grads)  # a no-op unless this step is sampled
-        self.decisions.note_bucket(names, grads, plan.probe_rank, self.compressor)
+        if plan.probe_rank is not None:
+            self.decisions.probe_bucket(names, grads, plan.probe_rank, self.compressor.config.seed)
         if plan.profile_rank is not None:
             return self.profiler.bucket(
                 names, grads, plan, self.comm, self.clock, lambda: self._average_raw(names, grads, flat)
@@ -191,18 +193,18 @@ class EDGCState(GradientReducer):
             names, grads, plan.rank, self.comm, measure_error=self.sampler.due(plan.step)
         )
 
-    def _close_step(self, record: StepRecord) -> list[torch.Tensor]:
+    def _close_step(self, record: StepRecord) -> None:
         self.profiler.close_step(record.plan, self.comm, self._jobs, self.clock)
-        return self.decisions.device_values()
+        self.decisions.close_step(record.totals)
 
-    def _settle_step(self, record: StepRecord, host: list[float]) -> dict:
-        nonfinite = bool(host and host[0])
+    def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
+        nonfinite = bool(totals.get("nonfinite"))
         self.compressor.state.end_step(nonfinite)
         if nonfinite:
             events.nonfinite(self._speaker, record.step)
         entropy = self.sampler.finish()
         self.profiler.settle_step()
-        self.decisions.settle_step(record.plan, host)
+        self.decisions.settle_step(record.plan, totals)
         plan, controller, last = record.plan, self.controller, self.decisions.last
         budget = controller.budget_state(record.step + 1)
         return {
@@ -224,20 +226,13 @@ class EDGCState(GradientReducer):
         if (record.step + 1) % self.config.window == 0:
             self._compare_replicas(record.step)
             if self.controller.split.reads_tokens:  # the window's tokens, for the next window's split
-                self.controller.split_weights = self.experts.take_tokens(self.comm)
+                self.controller.split.weights = self.experts.take_tokens(self.comm)
         plan = record.plan
         if not plan.decision:
             return
-        profiled = self.profiler.mean_times(plan)
-        decision = self.decisions.run(
-            plan,
-            profiled,
-            self.controller,
-            self.sampler,
-            self.compressor,
-            self.comm,
-            self.device or torch.device("cpu"),
-        )
+        device = self.device or torch.device("cpu")
+        agreed = self.decisions.agree(self.profiler.mean_times(plan), self.comm, device)
+        decision = self.decisions.run(self._decision_inputs(plan, agreed), self.controller, self.comm, device)
         profiling_over = plan.phase == PROFILE and self.controller.phase != PROFILE
         self.profiler.decided(finished=profiling_over)
         if plan.phase == COMPRESS:
@@ -252,6 +247,19 @@ class EDGCState(GradientReducer):
         c = self.controller
         fields = SharedFields(step, c.phase, c.rank, c.r_max, c.r_min, len(c.schedule))
         compare_replicas(self.comm, fields, self.compressor.q, self.device or torch.device("cpu"))
+
+    def _decision_inputs(self, plan: StepPlan, agreed: Agreed) -> DecisionInputs:
+        """What the round's decision reads, from the parts that keep it: the entropy series and the budget
+        signals' (the sampler's), the shapes of the matrices the engine compresses at r_max (its record)."""
+        history = self.sampler.history
+        return DecisionInputs(
+            plan,
+            agreed,
+            entropies=tuple(value for _, value in history),
+            sample_steps=tuple(step for step, _ in history),
+            signals=self.sampler.signal_series(),
+            shapes=self.compressor.compressed_shapes(self.controller.r_max or 1),
+        )
 
     @property
     def last_decision(self) -> dict | None:

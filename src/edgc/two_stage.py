@@ -330,7 +330,7 @@ class TwoStageReducer(GradientReducer):
     def _plan_step(self, record) -> None:
         self._undo = []
 
-    def _settle_step(self, record, host) -> dict:
+    def _settle_step(self, record, totals) -> dict:
         return dict(COMPRESSED)
 
     def _snapshot(self) -> dict:

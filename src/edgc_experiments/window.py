@@ -21,7 +21,7 @@ import numpy as np
 
 from edgc.config import EDGCConfig
 from edgc.entropy import gaussian_entropy, histogram_entropy, strided_sample
-from edgc.plans import COMPRESS, Agreed
+from edgc.plans import COMPRESS, DecisionInputs
 from edgc.rank_control import WindowController
 
 from . import common
@@ -86,10 +86,10 @@ def rank_schedule(
         ranks.append(plan.rank or 0)
         if plan.decision:
             seen = values[: step // every + 1]
-            decision = controller.propose(
-                plan, Agreed(), seen, shapes, sample_steps=[i * every for i in range(len(seen))]
+            inputs = DecisionInputs(
+                plan, entropies=seen, sample_steps=[i * every for i in range(len(seen))], shapes=shapes
             )
-            controller.apply(plan, Agreed(), decision)
+            controller.apply(inputs, controller.propose(inputs))
         assert controller.phase in (COMPRESS, "warmup")
     return ranks
 

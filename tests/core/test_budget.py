@@ -12,7 +12,7 @@ from test_ddp import resume_worker, training_worker
 from edgc import EDGCConfig, LowRankCompressor
 from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
 from edgc.comm import Communicator
-from edgc.plans import Agreed
+from edgc.plans import DecisionInputs
 from edgc.rank_control import WindowController
 from edgc.signals import trend_need, window_stats
 
@@ -30,7 +30,8 @@ def run_controller(config: EDGCConfig, needs=None, steps=None):
             if needs is not None:
                 controller.rule.need = lambda signals, progress, k=decision_index: needs[k % len(needs)]
                 decision_index += 1
-            controller.apply(plan, Agreed(), controller.propose(plan, Agreed(), [], [], signals={}))
+            inputs = DecisionInputs(plan)
+            controller.apply(inputs, controller.propose(inputs))
     return controller.schedule
 
 

@@ -127,7 +127,7 @@ def training_worker(rank, world_size, config_kwargs, steps, bucket_cap_mb, state
         "r_max": state.controller.r_max if state else None,
         "sent": state.totals["elements_sent"] if state else None,
         "raw": state.totals["elements_raw"] if state else None,
-        "table": state.controller.table.state_dict() if state else None,
+        "table": state.controller.profiling.table.state_dict() if state else None,
     }
 
 

@@ -5,9 +5,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgc import EDGCConfig, WindowController, delta_target, limit_rank
-from edgc.plans import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision
+from edgc.plans import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision, DecisionInputs, StepPlan
 from edgc.profiling import SyncTimeTable, profile_candidates
 from edgc.rank_rules import delta_ratio
+
+
+def next_rank(controller, entropies, shapes):
+    """The paper rule's rank for the next window from the entropy series alone (no agreed error)."""
+    plan = StepPlan(len(entropies), COMPRESS, controller.rank, decision=True)
+    return controller.rule.propose(controller, DecisionInputs(plan, entropies=entropies, shapes=shapes))[0]
 
 
 @settings(max_examples=200, deadline=None)
@@ -43,7 +49,7 @@ def test_cqm_mapping_respects_bounds_and_step_limit(drop, previous, step_limit):
     controller = WindowController(config)
     controller.rank = previous
     entropies = [1.0] * 8 + [1.0 - drop] * 8  # a level, then two windows that confirm the shift
-    rank = controller.rule.next_rank(controller, entropies, [(32, 64), (32, 64)])
+    rank = next_rank(controller, entropies, [(32, 64), (32, 64)])
     assert 4 <= rank <= 16 and abs(rank - previous) <= step_limit
     # A drop of 0.0625 nats can leave g⁻¹ inside the current rank's step (hypothesis found one);
     # from 0.1 nats on, g(r₀)·e^{2·ΔH} always passes the next lower rank of a 32 × 64 matrix.
@@ -77,7 +83,7 @@ def test_the_gated_controller_reads_the_same_delta_map_when_the_first_windows_ar
     controller = WindowController(config)
     controller.rank = 16
     entropies = [5.0] * 10 + [4.0] * 5 + [3.0] * 5
-    assert controller.rule.next_rank(controller, entropies, []) == 32  # ρ = 1: as if by delta_target's limit
+    assert next_rank(controller, entropies, []) == 32  # ρ = 1: as if by delta_target's limit
 
 
 def test_limit_rank_rounds_to_granularity_and_clamps():
@@ -107,8 +113,8 @@ def run_controller(config, steps, agreed_for, **controller_kwargs):
         plan = controller.plan(step)
         plans.append(plan)
         if plan.decision:
-            agreed = agreed_for(plan)
-            controller.apply(plan, agreed, controller.propose(plan, agreed, [], []))
+            inputs = DecisionInputs(plan, agreed_for(plan))
+            controller.apply(inputs, controller.propose(inputs))
     return controller, plans
 
 
@@ -139,8 +145,8 @@ def test_profiling_goes_down_from_the_top_to_the_first_rank_that_pays_then_warms
     assert not any(p.profile_bound for p in plans[2:])  # 3.3 s > the 0.6 s wait proves nothing: full timing
     assert [p.profile_rank for p in plans[2:8:2]] == [64, 32, 16]  # 16 is the first rank faster than 1.0 s
     assert controller.r_max == 16 and controller.r_min == 4  # interpolated 18 between 16 and 32 → multiple of 4
-    assert controller.table.uncompressed == 1.0 and set(controller.table.by_rank) == {64, 32, 16}
-    assert not controller.table.uncompressed_is_bound
+    table = controller.profiling.table
+    assert table.uncompressed == 1.0 and set(table.by_rank) == {64, 32, 16} and not table.uncompressed_is_bound
     assert [p.profile_warm for p in plans[1:6]] == [False] * 5  # the quick test took the cold costs
     assert [p.profile_raw for p in plans[1:6]] == [False, True, True, False, False]  # the first candidate's block
     assert [p.step for p in plans if p.decision and p.phase == PROFILE] == [1, 3, 5, 7]
@@ -154,11 +160,12 @@ def test_a_quick_test_that_proves_the_top_candidate_pays_ends_profiling_without_
     controller, plans = run_controller(config, 6, lambda plan: measured(plan, exposed=4.0))
     assert plans[1].profile_bound and plans[2].phase == WARMUP  # one profiling step, nothing blocking
     assert not any(p.profile_raw or p.profile_warm for p in plans)
-    assert controller.r_max == 64 and controller.table.by_rank == {64: 3.3}
-    assert controller.table.uncompressed == 4.0 and controller.table.uncompressed_is_bound
+    table = controller.profiling.table
+    assert controller.r_max == 64 and table.by_rank == {64: 3.3}
+    assert table.uncompressed == 4.0 and table.uncompressed_is_bound
     restored = WindowController(config)
     restored.load_state_dict(controller.state_dict())
-    assert restored.table.uncompressed_is_bound and restored.table.by_rank == {64: 3.3}
+    assert restored.profiling.table.uncompressed_is_bound and restored.profiling.table.by_rank == {64: 3.3}
 
 
 def test_a_quick_test_that_proves_nothing_records_nothing():
@@ -167,9 +174,10 @@ def test_a_quick_test_that_proves_nothing_records_nothing():
     config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
     controller = WindowController(config)
     plan = controller.plan(1)
-    agreed = Agreed(0.9, uncompressed_bound=0.2)
-    controller.apply(plan, agreed, controller.propose(plan, agreed, [], []))
-    assert controller.phase == PROFILE and controller.table.by_rank == {} and controller.table.uncompressed is None
+    inputs = DecisionInputs(plan, Agreed(0.9, uncompressed_bound=0.2))
+    controller.apply(inputs, controller.propose(inputs))
+    table = controller.profiling.table
+    assert controller.phase == PROFILE and table.by_rank == {} and table.uncompressed is None
     assert controller.plan(2).profile_raw and controller.plan(2).profile_rank == 8
 
 
@@ -177,10 +185,12 @@ def test_on_a_slow_link_one_candidate_suffices():
     config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1, warmup_error_test=False, total_steps=100)
     controller, plans = run_controller(config, 5, measured)  # the quick test proves it: 0.5 s ≤ the 0.6 s wait
     assert plans[1].profile_rank == 8 and plans[1].profile_bound and plans[2].phase == WARMUP
-    assert controller.r_max == 8 and controller.table.by_rank == {8: 0.5} and controller.table.uncompressed_is_bound
+    table = controller.profiling.table
+    assert controller.r_max == 8 and table.by_rank == {8: 0.5} and table.uncompressed_is_bound
     controller, plans = run_controller(config, 5, lambda plan: measured(plan, exposed=0.3))
     assert plans[2].profile_rank == 8 and plans[2].profile_raw and plans[2].decision and plans[3].phase == WARMUP
-    assert controller.r_max == 8 and controller.table.by_rank == {8: 0.5} and controller.table.uncompressed == 1.0
+    table = controller.profiling.table
+    assert controller.r_max == 8 and table.by_rank == {8: 0.5} and table.uncompressed == 1.0
 
 
 def test_pipeline_stages_profile_every_rank_going_up():
@@ -189,7 +199,7 @@ def test_pipeline_stages_profile_every_rank_going_up():
     controller, plans = run_controller(config, 12, measured, always_profile=True)
     assert not any(p.profile_bound for p in plans)  # no quick test: bounds give no stage its times
     assert [p.profile_rank for p in plans[1:6]] == [2, 4, 8, 16, 32]  # stopped after 32 was slower
-    assert controller.r_max == 16 and set(controller.table.by_rank) == {2, 4, 8, 16, 32}
+    assert controller.r_max == 16 and set(controller.profiling.table.by_rank) == {2, 4, 8, 16, 32}
 
 
 def test_profiling_turns_compression_off_when_it_never_pays():
@@ -208,7 +218,7 @@ def test_warmup_error_test_sets_t_e_at_first_passing_window_boundary():
     controller, plans = run_controller(config, 12, agreed)
     assert [p.step for p in plans if p.probe_rank is not None] == [0, 3, 7]
     assert plans[0].probe_rank == 8 and plans[3].probe_rank == 2
-    assert controller.error_test_step == 8 and plans[8].phase == COMPRESS and plans[7].phase == WARMUP
+    assert controller.warmup.error_test_step == 8 and plans[8].phase == COMPRESS and plans[7].phase == WARMUP
 
 
 def test_decision_round_trips_through_its_wire_encoding():

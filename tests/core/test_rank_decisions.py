@@ -13,7 +13,7 @@ from distributed_harness import run_distributed
 
 from edgc import EDGCConfig
 from edgc.entropy import gaussian_entropy
-from edgc.plans import COMPRESS, Agreed
+from edgc.plans import COMPRESS, Agreed, DecisionInputs
 from edgc.rank_control import WindowController
 from edgc.rank_rules import entropy_shift
 
@@ -33,7 +33,8 @@ def drive(config, scale_at, steps, seed=0, elements=2048, errors=None):
             sample_steps.append(step)
         if plan.decision:
             agreed = Agreed(relative_error=errors(step) if errors else math.nan)
-            controller.apply(plan, agreed, controller.propose(plan, agreed, values, SHAPES, sample_steps))
+            inputs = DecisionInputs(plan, agreed, entropies=values, sample_steps=sample_steps, shapes=SHAPES)
+            controller.apply(inputs, controller.propose(inputs))
             ranks.append(controller.rank)
     return controller, ranks
 
@@ -122,8 +123,8 @@ def test_warmup_ends_at_its_ceiling_when_the_error_test_never_passes():
         plan = controller.plan(step)
         phases.append(plan.phase)
         if plan.decision:
-            agreed = Agreed(probe_error=1.0 if step == 0 else 2.0)  # never below the start error
-            controller.apply(plan, agreed, controller.propose(plan, agreed, [], []))
+            inputs = DecisionInputs(plan, Agreed(probe_error=1.0 if step == 0 else 2.0))  # never below the start error
+            controller.apply(inputs, controller.propose(inputs))
     assert phases[29] == "warmup" and phases[30] == COMPRESS
 
 

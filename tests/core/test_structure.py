@@ -10,6 +10,7 @@ import dataclasses
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig
@@ -54,6 +55,33 @@ def test_a_state_that_has_stepped_holds_at_most_15_attributes():
     assert state.last_step_metrics["phase"] == "compress" and state.last_decision is not None
     attributes = sorted(vars(state))
     assert len(attributes) <= MAX_STATE_ATTRIBUTES, attributes
+    controller = sorted(vars(state.controller))  # private ones count too: grouped where they belong together
+    assert len(controller) <= MAX_STATE_ATTRIBUTES, controller
+
+
+def test_the_end_of_a_step_is_one_named_value_read_once(monkeypatch):
+    import edgc.timing
+    from edgc.steps import StepTotals
+
+    reads = []
+    monkeypatch.setattr(edgc.timing, "to_host", lambda tensor: reads.append(tensor) or tensor.tolist())
+    totals = StepTotals()
+    totals.add_vector(("probe_error_sq", "probe_norm_sq"), torch.tensor([3.0, 4.0], dtype=torch.float64))
+    totals.add(nonfinite=torch.tensor(False), error_sq=torch.tensor(1.5), norm_sq=6.0)
+    totals.send(torch.device("cpu"))
+    with pytest.raises(RuntimeError):
+        totals.add(late=1.0)  # sent: nothing more
+    totals.read()
+    totals.read()
+    assert len(reads) == 1 and reads[0].shape == (5,)  # one tensor, one read
+    assert (totals["norm_sq"], totals["probe_norm_sq"], totals.get("nonfinite")) == (6.0, 4.0, 0.0)
+    assert "probe_error_sq" in totals and "absent" not in totals and totals.get("absent") == 0.0
+    with pytest.raises(ValueError):
+        StepTotals().add_vector(("one",), torch.zeros(2, dtype=torch.float64))
+    twice = StepTotals()
+    twice.add(norm_sq=1.0)
+    with pytest.raises(ValueError):
+        twice.add(norm_sq=2.0)
 
 
 def test_no_library_class_has_two_library_bases():

@@ -7,7 +7,7 @@ import pytest
 
 from edgc import EDGCConfig
 from edgc.budget import spent_rank_steps
-from edgc.plans import Agreed
+from edgc.plans import DecisionInputs
 from edgc.rank_control import WindowController
 from edgc_cli.main import main
 from edgc_experiments.pareto import arms
@@ -28,7 +28,8 @@ def test_every_arm_spends_the_budget_of_static(budget):
         for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
             plan = controller.plan(step)
             if plan.decision:
-                controller.apply(plan, Agreed(), controller.propose(plan, Agreed(), [], [], signals={}))
+                inputs = DecisionInputs(plan)
+                controller.apply(inputs, controller.propose(inputs))
         spent, steps = spent_rank_steps(controller.schedule, 400)
         assert steps == 360, name
         assert spent / steps == pytest.approx(budget, rel=0.02), name
