@@ -12,7 +12,8 @@ Modules:
     decisions.py    the decision round: agree, propose, broadcast, apply over the decision group
     checkpoint.py   what an EDGCState checkpoint holds, and the checks a loaded one passes
     reducer.py      `GradientReducer`, the abstraction every sync method implements; the DDP hooks
-    steps.py        one step's record (what it planned, sent and measured; its values for the host, by name)
+    steps.py        one step's record (what it planned, sent and measured) and its metrics
+    totals.py       a step's values for the host, by name: sent as one device tensor, read once
     gradients.py    the gradients a reducer is handed (sparse, any layout) and how each is averaged raw
     jobs.py         how bucket jobs run: fixed order, buckets fused into batches, a side stream
     lowrank.py      the PowerSGD engine: rank-r compression, error feedback, warm-started Q

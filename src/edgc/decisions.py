@@ -25,8 +25,8 @@ from .comm import Communicator
 from .factors import matrix_shape, orthonormalize_rows_, stable_seed
 from .plans import COMPRESS, Agreed, Decision, DecisionInputs, StepPlan
 from .rank_control import WindowController
-from .steps import StepTotals
 from .timing import to_device
+from .totals import StepTotals
 
 
 class DecisionRound:

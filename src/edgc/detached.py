@@ -13,8 +13,9 @@ optimizer) loadable, and this state's data recoverable.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from .steps import StepRecord, StepTotals
+from .totals import StepTotals
 
 
 class DetachedCommunicator:
@@ -35,11 +36,11 @@ class DetachedCommunicator:
         )
 
 
-def detached_fields(fields: dict, state_name: str, comm, last: StepRecord | None) -> dict:
+def detached_fields(fields: dict, state_name: str, comm, last: Any) -> dict:
     """What a gradient-sync state called ``state_name`` pickles: its ``fields`` (its ``__dict__``, its last
     step settled locally), with a `DetachedCommunicator` in place of its ``comm``, no step in progress, and
-    ``last``, its last step, without the events and streams that tie it to this run: its metrics and
-    pending snapshot travel."""
+    ``last``, its last step (a `StepRecord` or None), without the events and streams that tie it to this
+    run: its metrics and pending snapshot travel."""
     return {
         **fields,
         "comm": DetachedCommunicator(state_name, comm.rank, comm.world_size),

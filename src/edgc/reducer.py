@@ -40,8 +40,9 @@ from .gradients import HandedGradients, average_raw, average_sparse, check_dense
 from .guards import UsageGuard
 from .jobs import JobQueue
 from .lowrank import ReduceStats
-from .steps import StepRecord, StepTotals, step_metrics
+from .steps import StepRecord, step_metrics
 from .timing import DEVICE_TIMING_EVERY, Clock, host_reads_allowed
+from .totals import StepTotals
 
 
 class GradientReducer:
@@ -266,7 +267,7 @@ class GradientReducer:
 
     def _end_step(self) -> None:
         """Close the step (its last bucket is averaged) without reading anything: its values, the
-        method's and the reducer's by name (`edgc.steps.StepTotals`), travel to the host as one tensor
+        method's and the reducer's by name (`edgc.totals.StepTotals`), travel to the host as one tensor
         behind an event and are read when it is settled."""
         record = self._current
         assert record is not None
@@ -337,7 +338,7 @@ class GradientReducer:
     def _close_step(self, record: StepRecord) -> None:
         """The step's last bucket is averaged: finish its work, and add the values the step needs on the
         host besides the reducer's own (``nonfinite``, ``error_sq``, ``norm_sq``) to ``record.totals``
-        by name (`edgc.steps.StepTotals`: 0-dim device tensors)."""
+        by name (`edgc.totals.StepTotals`: 0-dim device tensors)."""
 
     def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
         """The step's values are on the host, read by name (``totals``, the record's: the reducer's and

@@ -40,7 +40,8 @@ from .plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
 from .rank_control import WindowController
 from .reducer import GradientReducer
 from .shadow import ShadowProfiler
-from .steps import StepRecord, StepTotals
+from .steps import StepRecord
+from .totals import StepTotals
 
 __all__ = ["EDGCState", "STATE_FORMAT", "DEFAULT_ACCELERATOR_FUSION_MB"]
 

@@ -61,7 +61,7 @@ def test_a_state_that_has_stepped_holds_at_most_15_attributes():
 
 def test_the_end_of_a_step_is_one_named_value_read_once(monkeypatch):
     import edgc.timing
-    from edgc.steps import StepTotals
+    from edgc.totals import StepTotals
 
     reads = []
     monkeypatch.setattr(edgc.timing, "to_host", lambda tensor: reads.append(tensor) or tensor.tolist())
