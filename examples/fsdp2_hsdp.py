@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from edgc import EDGCConfig, EDGCState, barrier_before_exit  # EDGC
-from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook  # EDGC
+from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook  # EDGC
 
 STEPS = int(os.environ.get("STEPS", 12))
 SHARD = int(os.environ.get("SHARD", 2))  # ranks per host; replicas = world / SHARD

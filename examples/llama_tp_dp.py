@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/llama_tp_dp.py     # TP 2 × DP 2
 
 The model (RMSNorm, causal attention, SwiGLU MLP; learned positions instead of rotary) is sharded
-the way torchtitan shards Llama: one `DeviceMesh` (`edgc.mesh.init_parallel_mesh`), and
+the way torchtitan shards Llama: one `DeviceMesh` (`edgc.distributed.mesh.init_parallel_mesh`), and
 ``parallelize_module`` with torch's ``ColwiseParallel`` / ``RowwiseParallel`` on every projection, the
 token embedding and the output layer. Each rank holds DTensor shards; EDGC (lines marked ``# EDGC``)
 averages each shard's gradient over the ``dp_replicate`` dimension, compressed, and the few replicated
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from edgc import AllReduceState, EDGCConfig, EDGCState, barrier_before_exit  # EDGC
-from edgc.mesh import group_across, init_parallel_mesh, local_tensor  # EDGC
+from edgc.distributed.mesh import group_across, init_parallel_mesh, local_tensor  # EDGC
 
 STEPS = int(os.environ.get("STEPS", 16))
 TP = 2

@@ -40,7 +40,7 @@ def worker(rank, world, variant, preset, steps, vocab, seq_len, batch):
     from torch.distributed.fsdp import fully_shard
 
     from edgc import EDGCConfig, EDGCState
-    from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
+    from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook
     from edgc_train.model import build_model, model_shape
 
     mesh = hsdp_mesh(2)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import FieldCheck
-from .rank_rules import rank_mapping, rank_mapping_names
-from .rank_split import rank_split_names
-from .signals import get_signal, signal_names
+from .policies.rank_rules import rank_mapping, rank_mapping_names
+from .policies.rank_split import rank_split_names
+from .policies.signals import get_signal, signal_names
 
 ENTROPY_ESTIMATORS = ("auto", "histogram", "gaussian")
 COMM_DTYPES = (None, "bfloat16", "float16", "float32")
@@ -44,7 +44,7 @@ def _check_engine_fields(check: FieldCheck) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LowRankConfig:
-    """The PowerSGD engine's own settings (`edgc.lowrank.LowRankCompressor`), nested in `EDGCConfig.engine`."""
+    """The PowerSGD engine's own settings (`edgc.engine.lowrank.LowRankCompressor`), nested in `EDGCConfig.engine`."""
 
     min_compression_rate: float = 2.0
     """A matrix m×n is compressed only if (m+n)·r·rate < m·n; others go raw. ≥ 0 (0 = compress all)."""
@@ -109,8 +109,8 @@ class EDGCConfig:
     """False = static PowerSGD at r_max after warm-up (no entropy sampling, no rank changes)."""
 
     rank_mapping: str = "delta"
-    """Rank mapping, one registered in edgc.rank_rules: 'delta' (authors' linear map of the entropy change), 'cqm', or
-    'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
+    """Rank mapping, one registered in edgc.policies.rank_rules: 'delta' (authors' linear map of the entropy
+    change), 'cqm', or 'error-band' (keeps ‖M−Ĝ‖²/‖M‖² in error_band)."""
 
     cqm_exponent: float = 2.0
     """c in g(r1) = e^{c(H0−H1)} g(r0): 2 for squared Frobenius error, 1 for the plain norm. > 0."""
@@ -174,8 +174,8 @@ class EDGCConfig:
     None = the paper's rank rules (rank_mapping). r_min ≤ budget ≤ r_max."""
 
     budget_signal: str = "schedule"
-    """What tells the budget controller the early regime lasts, a signal registered in edgc.signals: 'schedule' (fixed
-    front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
+    """What tells the budget controller the early regime lasts, a signal registered in edgc.policies.signals:
+    'schedule' (fixed front-loaded), or the noise-gated trend of 'gradnorm', 'entropy' or 'error'."""
 
     front_load: float = 2.0
     """Budget controller: rank = even spending rate × (1 + (front_load − 1)·need), need ∈ [0, 1] from the signal. ≥ 1 (1
@@ -186,9 +186,9 @@ class EDGCConfig:
     every controller. 1 ≤ rank ≤ r_max."""
 
     rank_split: str = "uniform"
-    """How the rank is shared among each stacked experts parameter's experts (edgc.rank_split): 'uniform' (all at the
-    rank) or 'tokens' (in proportion to the tokens routed to each in the last window, at the same bytes). The default
-    is the one `edgc experiment moe`'s paired interval sets (docs/guides/moe.md)."""
+    """How the rank is shared among each stacked experts parameter's experts (edgc.policies.rank_split):
+    'uniform' (all at the rank) or 'tokens' (in proportion to the tokens routed to each in the last window,
+    at the same bytes). The default is the one `edgc experiment moe`'s paired interval sets (docs/guides/moe.md)."""
 
     fusion_mb: float | None = None
     """Gradient MB of consecutive DDP buckets gathered into one compression job (fewer, larger kernel batches); None =
@@ -319,7 +319,7 @@ class EDGCConfig:
 
     @property
     def resolved_entropy_estimator(self) -> str:
-        """The estimator in use: 'auto' is the rank mapping's (`edgc.rank_rules.RankMapping.entropy_estimator`:
+        """The estimator in use: 'auto' is the rank mapping's (`edgc.policies.rank_rules.RankMapping.entropy_estimator`:
         'gaussian' for cqm, whose error model reads entropy differences as log-scale changes, paper §2.5)."""
         if self.entropy_estimator != "auto":
             return self.entropy_estimator

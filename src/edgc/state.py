@@ -11,10 +11,10 @@ broadcasts the decision.
 Decision points depend only on the step number, so every rank takes part in every broadcast.
 
 It orchestrates; each part is a collaborator it owns: the controller plans each step
-(`edgc.rank_control.WindowController`), the sampler measures the entropy (`edgc.entropy`), the
-compressor syncs (`edgc.lowrank.LowRankCompressor`, which holds its state), the profiler times the
-shadow syncs (`edgc.shadow`), and the decision round agrees and decides (`edgc.decisions`). The
-step itself is one `edgc.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
+(`edgc.control.rank_control.WindowController`), the sampler measures the entropy (`edgc.control.entropy`), the
+compressor syncs (`edgc.engine.lowrank.LowRankCompressor`, which holds its state), the profiler times the
+shadow syncs (`edgc.control.shadow`), and the decision round agrees and decides (`edgc.control.decisions`). The
+step itself is one `edgc.sync.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
 """
 
 from __future__ import annotations
@@ -28,32 +28,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import events
-from .checkpoint import STATE_FORMAT, check_loadable
-from .comm import Communicator
 from .config import EDGCConfig
-from .decisions import DecisionRound
-from .entropy import EntropySampler
-from .fingerprint import SharedFields, compare_replicas
-from .lowrank import LowRankCompressor
-from .plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
-from .rank_control import WindowController
-from .reducer import GradientReducer
-from .shadow import ShadowProfiler
-from .steps import StepRecord
-from .totals import StepTotals
+from .control import events
+from .control.decisions import DecisionRound
+from .control.entropy import EntropySampler
+from .control.rank_control import WindowController
+from .control.shadow import ShadowProfiler
+from .device.totals import StepTotals
+from .distributed.comm import Communicator
+from .engine.lowrank import LowRankCompressor
+from .policies.plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
+from .safeguards.checkpoint import STATE_FORMAT, check_loadable
+from .safeguards.fingerprint import SharedFields, compare_replicas
+from .sync.reducer import GradientReducer
+from .sync.steps import StepRecord
 
 __all__ = ["EDGCState", "STATE_FORMAT", "DEFAULT_ACCELERATOR_FUSION_MB"]
 
 # Compressed steps on an accelerator gather DDP buckets into jobs of this many MB (EDGCConfig.fusion_mb):
-# a job's kernel launches are a fixed count plus a few per shape (edgc.jobs).
+# a job's kernel launches are a fixed count plus a few per shape (edgc.engine.jobs).
 DEFAULT_ACCELERATOR_FUSION_MB = 256
 
 
 class EDGCState(GradientReducer):
     """The EDGC compressor of one data-parallel group: a DDP hook's state (``edgc_hook``), or called
     directly (`synchronize`, `reduce_tensors`). Build one per model, after ``init_process_group``
-    (one built before binds the default group at its first step: `edgc.guards`).
+    (one built before binds the default group at its first step: `edgc.safeguards.guards`).
 
     - ``process_group``: the group whose gradients it averages; None: the default group. A 1-D
       ``DeviceMesh`` (``mesh["dp_replicate"]``) works too. With DDP, DDP's own group.
@@ -62,15 +62,15 @@ class EDGCState(GradientReducer):
       whose parameters `synchronize` gets). It names the parameters, so that the compressor's state
       is keyed by name and checkpoints survive another DDP bucket layout; a parameter not in it is
       refused. Without it, parameters are named by order of appearance (warns once).
-    - ``follower``, ``always_profile``: for pipeline stages (see `edgc.pipeline.StageAligner`).
+    - ``follower``, ``always_profile``: for pipeline stages (see `edgc.parallel.pipeline.StageAligner`).
     - ``decision_group``: the ranks that must decide alike, where they are more than
       ``process_group``'s: with tensor parallelism, a stage's DP replicas of all its TP shards
-      (`edgc.mesh.group_across`), so that every shard profiles, warms up and compresses at the same
+      (`edgc.distributed.mesh.group_across`), so that every shard profiles, warms up and compresses at the same
       step and rank. Measurements are averaged and its rank 0's proposal is broadcast over it;
       gradients still go over ``process_group`` alone.
 
-    What it decides is logged (`edgc.events`) and in `last_step_metrics`; once per window the ranks
-    compare their shared state (`edgc.fingerprint`).
+    What it decides is logged (`edgc.control.events`) and in `last_step_metrics`; once per window the ranks
+    compare their shared state (`edgc.safeguards.fingerprint`).
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class EDGCState(GradientReducer):
     def agreed_settings(self, device: torch.device) -> dict[str, Any]:
         """`GradientReducer.agreed_settings`, with every `EDGCConfig` field, the values its "auto" and None
         resolve to on ``device``, and this state's own arguments. The orthonormalisation is the group's
-        by then (`edgc.orthonormal_choice`: rank 0's timing, or the checkpoint's), so a timing that differs
+        by then (`edgc.engine.orthonormal_choice`: rank 0's timing, or the checkpoint's), so a timing that differs
         between ranks is no disagreement, and checkpoints that differ are one."""
         config, compressor = self.config, self.compressor
         compressor.agree_orthonormalization(device, self.settings_group())
@@ -122,7 +122,7 @@ class EDGCState(GradientReducer):
 
     @property
     def _speaker(self) -> int:
-        """This rank in the group that decides: its events are said by that group's rank 0 (`edgc.events`)."""
+        """This rank in the group that decides: its events are said by that group's rank 0 (`edgc.control.events`)."""
         return self.settings_group().rank
 
     def error_table(self) -> dict[str, torch.Tensor]:
@@ -142,7 +142,7 @@ class EDGCState(GradientReducer):
         sampled = self.config.adaptive and not self.controller.follower and plan.phase != OFF
         self.sampler.begin(record.step, enabled=sampled)
         if self.controller.split.reads_tokens:
-            self.experts.count_tokens()  # this step's forward counted them (`edgc.experts`)
+            self.experts.count_tokens()  # this step's forward counted them (`edgc.distributed.experts`)
         if plan.rank is not None:
             split = self.controller.split.ranks(plan.rank, self.experts.groups(), self.compressor.compressed_rank)
             self.compressor.state.shares = split  # each expert's own rank, where the split gives one
@@ -160,13 +160,13 @@ class EDGCState(GradientReducer):
         self.profiler.to(device, self._jobs.stream)
 
     def _agree_on_device(self, device: torch.device) -> None:
-        """The orthonormalisation the group runs on the device (`edgc.orthonormal_choice`), the shadow
+        """The orthonormalisation the group runs on the device (`edgc.engine.orthonormal_choice`), the shadow
         syncs' too."""
         self.compressor.agree_orthonormalization(device, self.comm)
         self.profiler.use_orthonormalization(self.compressor.orthonormalization(device))
 
     def _fusion_bytes(self, record: StepRecord | None) -> float:
-        """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.jobs`)."""
+        """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.engine.jobs`)."""
         plan = record.plan if record is not None else None
         if plan is None or plan.rank is None or plan.profile_rank is not None:
             return 0  # uncompressed: each bucket all-reduced in place, as DDP would
@@ -223,7 +223,7 @@ class EDGCState(GradientReducer):
 
     def _settle_group(self, record: StepRecord) -> None:
         """Where every rank settles alike (collectives): at a window's end the replicas' fingerprints
-        are compared (`edgc.fingerprint`); at a decision step the decision round runs."""
+        are compared (`edgc.safeguards.fingerprint`); at a decision step the decision round runs."""
         if (record.step + 1) % self.config.window == 0:
             self._compare_replicas(record.step)
             if self.controller.split.reads_tokens:  # the window's tokens, for the next window's split
@@ -243,7 +243,7 @@ class EDGCState(GradientReducer):
             events.profiling_over(self._speaker, record.step + 1, self.controller.profiling_verdict())
 
     def _compare_replicas(self, step: int) -> None:
-        """The replicas' fingerprint at the end of ``step`` (`edgc.fingerprint`): the controller's shared
+        """The replicas' fingerprint at the end of ``step`` (`edgc.safeguards.fingerprint`): the controller's shared
         fields and the engine's Q."""
         c = self.controller
         fields = SharedFields(step, c.phase, c.rank, c.r_max, c.r_min, len(c.schedule))
@@ -303,7 +303,7 @@ class EDGCState(GradientReducer):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.checkpoint`."""
+        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.safeguards.checkpoint`."""
         state = {
             "format": STATE_FORMAT,
             **super().state_dict(),

@@ -51,7 +51,7 @@ def worker(sizes_mb: list[float]) -> None:
     import torch
     import torch.distributed as dist
 
-    from edgc.comm import Communicator
+    from edgc.distributed.comm import Communicator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))

@@ -147,7 +147,7 @@ def _host_counts(raw: str | None) -> tuple[int, ...]:
 
 
 def _check_outer_sync(flag: str, spec: str) -> None:
-    from edgc.sync_methods import outer_sync_spec
+    from edgc.sync.sync_methods import outer_sync_spec
 
     if spec and spec != "edgc":
         try:

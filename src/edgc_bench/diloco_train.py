@@ -40,7 +40,7 @@ import torch
 
 from edgc import EDGCConfig
 from edgc.integrations import torchft_adapter
-from edgc.sync_methods import outer_sync_spec
+from edgc.sync.sync_methods import outer_sync_spec
 from edgc_train.data import prepare_data
 from edgc_train.model import build_model, model_shape
 from edgc_train.sampler import BlockSampler
@@ -74,7 +74,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--outer-sync",
         default="quant3-2s",
         help="diloco-edgc: a registered sync method's name with DiLoCo's modifiers (e.g. "
-        "sparse64-decay0.95-mom0-lr1, `edgc.sync_methods.outer_sync_spec`), or edgc (PowerSGD with --edgc's fields)",
+        "sparse64-decay0.95-mom0-lr1, `edgc.sync.sync_methods.outer_sync_spec`), "
+        "or edgc (PowerSGD with --edgc's fields)",
     )
     p.add_argument("--eval-every", type=int, default=5, help="group 0 keeps the shared model every N inner steps")
     p.add_argument("--n-layer", type=int, default=None)

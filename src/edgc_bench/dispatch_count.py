@@ -21,7 +21,7 @@ counts the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the c
 
 How: the tensors are fake (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes and
 strides with no storage), so GPT-2 XL's 1.5 billion gradients cost nothing. A fake tensor has no
-values, so any host read of one raises, except the step's one read (`edgc.timing.to_host`), which
+values, so any host read of one raises, except the step's one read (`edgc.device.timing.to_host`), which
 is counted and answered with zeros. Collectives go to `CountingCommunicator`, which records each
 one and completes it at once, so the engine runs exactly as it does in a process group (world size
 1 by default, as on the one-GPU bench), and no bytes move. The buckets are DDP's, reproduced by

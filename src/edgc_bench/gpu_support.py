@@ -132,21 +132,21 @@ class HostReads:
 
 @contextlib.contextmanager
 def counted_host_reads(answer: Callable[[torch.Tensor], list] | None = None) -> Iterator[HostReads]:
-    """Counts calls of `edgc.timing.to_host`, the library's device→host reads, in ``.reads``;
+    """Counts calls of `edgc.device.timing.to_host`, the library's device→host reads, in ``.reads``;
     ``answer`` replaces the read itself (a fake tensor has no values to read)."""
-    import edgc.timing
+    import edgc.device.timing
 
-    real, counter = edgc.timing.to_host, HostReads()
+    real, counter = edgc.device.timing.to_host, HostReads()
 
     def counting(tensor: torch.Tensor) -> list:
         counter.reads += 1
         return (answer or real)(tensor)
 
-    edgc.timing.to_host = counting
+    edgc.device.timing.to_host = counting
     try:
         yield counter
     finally:
-        edgc.timing.to_host = real
+        edgc.device.timing.to_host = real
 
 
 def memory_allocated(device: torch.device) -> int | None:
@@ -162,7 +162,8 @@ def peak_memory(device: torch.device, reset: bool = False) -> int | None:
 
 
 def _spawned(rank: int, fn, world_size: int, backend: str, port: int, folder: str, args: tuple) -> None:
-    """One process of `spawn_group`: a group, ``fn``, its result pickled, and the exit `edgc.comm` asks for."""
+    """One process of `spawn_group`: a group, ``fn``, its result pickled, and the exit
+    `edgc.distributed.comm` asks for."""
     import edgc
 
     if torch.cuda.is_available():

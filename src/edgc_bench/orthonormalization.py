@@ -7,7 +7,7 @@ gradient. Ways to orthonormalise the rows of a (count, r, k) batch, each one bat
 per batch (no per-matrix library call):
 
 - ``cholesky2-fp64``: what the engine runs on an accelerator with fast float64
-  (`edgc.factors.orthonormalize_rows_`): shifted CholeskyQR2, two passes in float64;
+  (`edgc.engine.factors.orthonormalize_rows_`): shifted CholeskyQR2, two passes in float64;
 - ``cholesky4-fp32``: what it runs on other accelerators: shifted CholeskyQR in float32, four passes;
 - ``cholesky-fp64``: one such pass (what the engine ran before; its weak directions shrink);
 - ``cholesky2-fp32``: CholeskyQR2, two unshifted passes in float32 (the textbook batched choice);
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from edgc.factors import orthonormalize_rows_
+from edgc.engine.factors import orthonormalize_rows_
 
 from .dispatch_count import DispatchCounter
 from .gpu_support import DeviceTimer, median

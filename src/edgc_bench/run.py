@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgc.sync_methods import sync_method, sync_method_names
+from edgc.sync.sync_methods import sync_method, sync_method_names
 
 from . import calibrate, table
 from .netns import Network
@@ -110,7 +110,7 @@ PIPELINE_METHODS = ("none", "powersgd@rmax", "edgc")
 
 def all_methods() -> tuple[str, ...]:
     """Every method token but powersgd@N: the harness's own syncs, static PowerSGD at r_max and
-    r_max / 4, the library's registered sync methods (`edgc.sync_methods`), EDGC."""
+    r_max / 4, the library's registered sync methods (`edgc.sync.sync_methods`), EDGC."""
     return (
         "none",
         "allreduce",

@@ -57,7 +57,7 @@ class _CompletedWork:
 def counting_communicator(world_size: int = 1):
     """A `Communicator` that issues every collective as in a process group of ``world_size`` but
     only records it ((kind, elements, dtype) in ``.issued``) and completes it at once."""
-    from edgc.comm import Communicator
+    from edgc.distributed.comm import Communicator
 
     class CountingCommunicator(Communicator):
         def __init__(self):

@@ -96,7 +96,7 @@ def count_outer_sync(model: str = "xl") -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
-    from edgc.sync_methods import sync_method
+    from edgc.sync.sync_methods import sync_method
 
     from .dispatch_count import _zeros
     from .gpu_support import counted_host_reads
@@ -236,7 +236,7 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
     }
 
 
-SMALL_CAP = 1 << 20  # the entropy sample a report-only estimate takes (`edgc.entropy.REPORT_SAMPLE_CAP`)
+SMALL_CAP = 1 << 20  # the entropy sample a report-only estimate takes (`edgc.control.entropy.REPORT_SAMPLE_CAP`)
 
 
 def main(argv: list[str] | None = None) -> int:

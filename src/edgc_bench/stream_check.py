@@ -8,7 +8,7 @@
     assert not checker.host_syncs, checker.report()
 
 What it models is CUDA's, run on CPU tensors. The streams are `torch.cpu`'s stand-ins, which the
-library (`edgc.streams`) and FSDP2 use where CUDA code uses ``torch.cuda``: the checker gives each
+library (`edgc.device.streams`) and FSDP2 use where CUDA code uses ``torch.cuda``: the checker gives each
 one an identity (the default one is the compute stream), makes ``torch.cpu.stream(s)`` and the
 current stream per thread (a new thread starts on the compute stream), and records every
 ``wait_stream``, event record, event wait, host wait (``Event``/``Stream.synchronize``,
@@ -48,7 +48,7 @@ the host may then touch them only after a wait that orders it after that copy (a
 stream's ``synchronize``), else it reads a stale value.
 
 Host synchronisations (`edgc_bench.stream_check_syncs`): what would make the host wait for the
-device on CUDA, outside `edgc.timing.host_reads_allowed` and set-up code (``checker.device()``),
+device on CUDA, outside `edgc.device.timing.host_reads_allowed` and set-up code (``checker.device()``),
 from a frame of the library (`edgc`). Where they are not counted, they still order the streams as
 the wait would.
 

@@ -7,7 +7,7 @@ a work's future order the current stream after that work's end. Python-level cal
 mode cannot see say what they make: factories class their tensors (device, host or pinned host),
 ``.to(device)`` of a host tensor copies (a host synchronisation unless non-blocking),
 ``.pin_memory()`` makes pinned memory, ``.cpu()``/``tolist``/``numpy`` of a device tensor make the
-host wait (of a pinned buffer: the host reads it), ``torch.load`` makes host tensors. `edgc.streams`
+host wait (of a pinned buffer: the host reads it), ``torch.load`` makes host tensors. `edgc.device.streams`
 is told that the CPU stands for CUDA here, so the library takes CUDA's pinned-copy path. Calls from
 threads the checker does not watch go through unchanged.
 """
@@ -21,7 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-import edgc.streams
+import edgc.device.streams
 
 from .stream_check_memory import DEVICE
 from .stream_check_moves import Moves
@@ -30,9 +30,9 @@ _MISSING = object()
 
 
 def _caller_label() -> str:
-    """Where a stream was made: the first frame above `edgc.streams` and `torch.cpu`."""
+    """Where a stream was made: the first frame above `edgc.device.streams` and `torch.cpu`."""
     frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename in (edgc.streams.__file__, torch.cpu.__file__):
+    while frame.f_back is not None and frame.f_code.co_filename in (edgc.device.streams.__file__, torch.cpu.__file__):
         frame = frame.f_back
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
@@ -75,8 +75,8 @@ class Patches:
         self._set(cpu.StreamContext, "__enter__", self._context_enter)
         self._set(cpu.StreamContext, "__exit__", self._context_exit)
         self._set(dist.Work, "wait", self._work_wait)
-        self._set(edgc.streams, "record_stream_observer", lambda _: self.checker.record_stream)
-        self._set(edgc.streams, "pinned_off_cuda", lambda _: self.checker.watching)
+        self._set(edgc.device.streams, "record_stream_observer", lambda _: self.checker.record_stream)
+        self._set(edgc.device.streams, "pinned_off_cuda", lambda _: self.checker.watching)
         self.moves.install(self._set)
         self.checker.threads.install(self._set)
 

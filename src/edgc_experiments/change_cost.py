@@ -37,9 +37,9 @@ from statistics import mean
 
 import torch
 
-from edgc.comm import Communicator
-from edgc.factors import matrix_shape
-from edgc.lowrank import LowRankCompressor
+from edgc.distributed.comm import Communicator
+from edgc.engine.factors import matrix_shape
+from edgc.engine.lowrank import LowRankCompressor
 
 from .common import fmt_interval, t_interval
 

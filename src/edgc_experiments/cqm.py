@@ -1,7 +1,7 @@
 """`edgc experiment cqm` — how conservative is the Marchenko–Pastur error model (paper §2.5, §2.2 O3)?
 
 The CQM assumes a gradient matrix A (m × n) has i.i.d. N(0, σ²) entries, so its best rank-r
-squared error is σ²·g(r; m, n) (``edgc.rank_model.ErrorModel``: Monte Carlo, Marchenko–Pastur for big
+squared error is σ²·g(r; m, n) (``edgc.policies.rank_model.ErrorModel``: Monte Carlo, Marchenko–Pastur for big
 shapes). Here, at several points of one single-process GPT-2 run, every 2-D gradient matrix
 (viewed as (shape[0], −1), as the engine compresses it) is measured:
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from edgc.config import EDGCConfig
-from edgc.decisions import probe_error
-from edgc.factors import matrix_shape
-from edgc.lowrank import LowRankCompressor
-from edgc.rank_model import ErrorModel
+from edgc.control.decisions import probe_error
+from edgc.engine.factors import matrix_shape
+from edgc.engine.lowrank import LowRankCompressor
+from edgc.policies.rank_model import ErrorModel
 
 from . import common
 from .common import fmt, markdown_table
@@ -59,7 +59,7 @@ def summary_lines(by_type, capture_steps, early, headline, late, plots, setting,
         "",
         f"Setting: {setting.describe()}; one process; every 2-D gradient (as (shape[0], −1)) at steps "
         f"{', '.join(map(str, capture_steps))}. Model: σ²·g(r; m, n) with σ² = ‖A‖²/(mn), g from "
-        "`edgc.rank_model.ErrorModel` (Monte Carlo, 4 draws). Ratios are medians over matrices.",
+        "`edgc.policies.rank_model.ErrorModel` (Monte Carlo, 4 draws). Ratios are medians over matrices.",
         "",
         markdown_table(
             [

@@ -12,9 +12,9 @@ error-feedback policy P, paired with the same method without the heal):
 * ``torchft``: torchft's DiLoCo, the reference; ``raw``: edgc's DiLoCo sending everything raw;
 * ``rank<r>``: EDGC's PowerSGD at a static rank r (``-noef``: without error feedback,
   ``-decay<f>``: the error feedback multiplied by f before every sync);
-* ``quant8`` … ``quant2``, ``alloc3``, ``topk5``: the registered sync methods of those names (`edgc.outer_sync`),
+* ``quant8`` … ``quant2``, ``alloc3``, ``topk5``: the registered sync methods of those names (`edgc.sync.outer_sync`),
   with error feedback (``-noef`` / ``-decay<f>`` as above); ``quant<b>-2s``: the same codes through the
-  two-stage all-reduce (`edgc.two_stage`), reported against torchft and, where the cell has it,
+  two-stage all-reduce (`edgc.sync.two_stage`), reported against torchft and, where the cell has it,
   against ``quant<b>`` too (a second row, paired at the same seeds).
 
 Reported per cell: bytes against torchft's, the validation loss, the paired Δ % against torchft
@@ -47,7 +47,7 @@ TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 
 def method_arm(name: str) -> dict:
     """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
-    from edgc.sync_methods import outer_modifiers, outer_sync_spec
+    from edgc.sync.sync_methods import outer_modifiers, outer_sync_spec
 
     base, _, heal = name.partition("+heal=")
     kind, *modifiers = base.split("-")

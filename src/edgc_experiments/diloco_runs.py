@@ -7,12 +7,12 @@ An arm is a dict:
   its outer step), given a manager that all-reduces over the plain process group and commits every
   outer step (`PlainGroupManager`: no fault tolerance is exercised here, only the algorithm); or
   ``"edgc"`` — `edgc.integrations.diloco.DiLoCo` with ``sync`` (a registered sync method's name,
-  `edgc.sync_methods`) or, without it, EDGC's PowerSGD at a static ``rank`` (``edgc``: more
+  `edgc.sync.sync_methods`) or, without it, EDGC's PowerSGD at a static ``rank`` (``edgc``: more
   `EDGCConfig` fields; no ``rank``: uncompressed);
 * ``sync_every`` (H), ``inner`` (``adamw`` / ``sgd``), ``outer_lr``, ``outer_momentum``;
 * ``heal``: (outer step k, policy) — replica 1's state is replaced as a torchft heal replaces it
   just after outer step k (model from θ_global, inner optimizer state from replica 0) and its error
-  feedback set by ``policy`` (`edgc.outer_sync.heal_error_feedback`); ``spectrum``: ranks r at which
+  feedback set by ``policy`` (`edgc.sync.outer_sync.heal_error_feedback`); ``spectrum``: ranks r at which
   rank 0 reports the top-r energy share of its first pseudo-gradient and of that step's gradient.
 
 Rank 0 reports the validation loss after the last outer step, the bytes one replica sent, the bytes
@@ -208,7 +208,7 @@ def _outer_record(diloco, loss: float) -> dict:
 def _heal(rank: int, model, inner, diloco, policy: str) -> None:
     """Replica 1 comes back as a torchft heal brings it: the model is θ_global (every replica holds it
     after the outer step), the inner optimizer's state is replica 0's, the error feedback per ``policy``."""
-    from edgc.outer_sync import heal_error_feedback
+    from edgc.sync.outer_sync import heal_error_feedback
 
     received = [inner.state_dict()]
     if dist.is_initialized():

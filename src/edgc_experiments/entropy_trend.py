@@ -3,10 +3,10 @@
 One single-process GPT-2 run; at every captured step, for each layer type (attention, MLP,
 embedding) and for the whole model:
 
-- the *full* histogram entropy (``edgc.entropy.histogram_entropy``, 1000 bins, all elements), and
-- the *sampled* GDS entropy (every round(1/β)-th element, ``edgc.entropy.strided_sample``, on every
+- the *full* histogram entropy (``edgc.control.entropy.histogram_entropy``, 1000 bins, all elements), and
+- the *sampled* GDS entropy (every round(1/β)-th element, ``edgc.control.entropy.strided_sample``, on every
   round(1/α)-th step; α = 0.1, β = 0.25 by default, the library's defaults),
-- the Gaussian entropy ½·ln(2πeσ²) (``edgc.entropy.gaussian_entropy``: the spread, O2), and
+- the Gaussian entropy ½·ln(2πeσ²) (``edgc.control.entropy.gaussian_entropy``: the spread, O2), and
 - skewness and excess kurtosis of the gradient values (0 and 0 for a Gaussian: the normality
   assumption behind the CQM), compared between the first and last 10 % of the run.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgc.entropy import gaussian_entropy, histogram_entropy, strided_sample
+from edgc.control.entropy import gaussian_entropy, histogram_entropy, strided_sample
 
 from . import common
 from .common import LAYER_TYPES, fmt, markdown_table

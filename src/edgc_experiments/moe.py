@@ -9,7 +9,7 @@ N/P expert-data-parallel replicas, on gloo. The arms, each at every seed (same d
   given: on loopback the profiled ceiling says compression never pays; the 10 % warm-up, no error test);
 * ``one-rank``: PowerSGD at ``--rank`` for every matrix, each expert its own matrix (``rank_split=uniform``);
 * ``routed``: the same rank budget shared among each layer's experts by the tokens routed to them in
-  the last window (``rank_split=tokens``, `edgc.rank_split`): the same bytes by construction (measured).
+  the last window (``rank_split=tokens``, `edgc.policies.rank_split`): the same bytes by construction (measured).
   Both PowerSGD arms take EDGC's scaled window (steps/20, at least 10): the split follows the tokens
   about 20 times a run.
 

@@ -7,7 +7,7 @@ rank schedule of their compressed steps (same data order, initialisation and unc
 warm-up, `pareto_train`):
 
 * ``static``     static PowerSGD at rank b: the reference every other arm is paired with;
-* ``budget-S``   the budget controller (`edgc.budget`, r_max = 2b) with signal S:
+* ``budget-S``   the budget controller (`edgc.control.budget`, r_max = 2b) with signal S:
                  ``schedule`` (fixed front-loaded, the baseline), ``gradnorm``, ``entropy``, ``error``;
 * ``hand-3``     hand-set 2b, b, b/2 for 2/9, 3/9, 4/9 of the compressed steps (the best schedule of a first prototype);
 * ``hand-2``     hand-set 2b for 1/3, then b/2;
@@ -35,7 +35,7 @@ Its parts: pareto_arms.py (the arms), pareto_runs.py (the runs, reused by key), 
 
 from __future__ import annotations
 
-from edgc.signals import signal_names
+from edgc.policies.signals import signal_names
 
 from . import common
 from .common import fmt

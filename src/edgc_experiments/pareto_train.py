@@ -68,7 +68,7 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     import torch.nn.functional as F
 
     from edgc import EDGCConfig, EDGCState
-    from edgc.budget import spent_rank_steps
+    from edgc.control.budget import spent_rank_steps
     from edgc_train.data import prepare_data
     from edgc_train.model import build_model, model_shape
     from edgc_train.runner import seed_everything

@@ -1,7 +1,7 @@
 """`edgc experiment sampling` — does GDS keep the entropy trend at a fraction of the cost (paper §2.4)?
 
 One single-process GPT-2 run. Every step, the whole model's gradient is fed to 16 library
-``edgc.entropy.EntropySampler`` objects, one per (α, β) ∈ {1, 0.5, 0.1, 0.05} × {1, 0.5, 0.25, 0.1}
+``edgc.control.entropy.EntropySampler`` objects, one per (α, β) ∈ {1, 0.5, 0.1, 0.05} × {1, 0.5, 0.25, 0.1}
 (α: entropy on every round(1/α)-th step; β: every round(1/β)-th element). Each sampler times its own
 work (``seconds_total``: strided sampling + 1000-bin histogram entropy), exactly as in training.
 
@@ -19,7 +19,7 @@ import random
 import numpy as np
 
 from edgc.config import EDGCConfig
-from edgc.entropy import EntropySampler
+from edgc.control.entropy import EntropySampler
 
 from . import common
 from .common import fmt, markdown_table

@@ -7,7 +7,7 @@ One single-process GPT-2 run records, every step, the full histogram entropy of 
 - CC(w): Pearson correlation between the windowed (mean per window) sampled entropy series and the
   windowed full series — does a window hold enough samples to follow the true trend? (The paper
   reports w = 1000 "optimal" with CC ≥ 0.94; w = 1000 at α = 0.1 is 100 samples per window.)
-- the rank schedule the library's own controller (``edgc.rank_control.WindowController``, r_max = 32,
+- the rank schedule the library's own controller (``edgc.control.rank_control.WindowController``, r_max = 32,
   r_min = 8, s = 4, 10 % warm-up) produces from the sampled series, with the default ``delta``
   mapping (histogram entropy) and the ``cqm`` mapping (Gaussian entropy), and how often it agrees
   with the schedule the full series would have produced.
@@ -20,9 +20,9 @@ import math
 import numpy as np
 
 from edgc.config import EDGCConfig
-from edgc.entropy import gaussian_entropy, histogram_entropy, strided_sample
-from edgc.plans import COMPRESS, DecisionInputs
-from edgc.rank_control import WindowController
+from edgc.control.entropy import gaussian_entropy, histogram_entropy, strided_sample
+from edgc.control.rank_control import WindowController
+from edgc.policies.plans import COMPRESS, DecisionInputs
 
 from . import common
 from .common import fmt, markdown_table
@@ -179,8 +179,8 @@ def run(args, out, setting, log=print) -> dict:
 
         grads = [g for _, g in named if g is not None]
         if not shapes:
-            from edgc.factors import matrix_shape
-            from edgc.lowrank import LowRankCompressor
+            from edgc.engine.factors import matrix_shape
+            from edgc.engine.lowrank import LowRankCompressor
 
             engine = LowRankCompressor(EDGCConfig(r_max=R_MAX))
             for g in grads:  # the matrices the engine would compress at r_max (the cqm mapping's shapes)

@@ -45,7 +45,7 @@ Bench folders of the current layout (they have a `nosync`, `allreduce` or `allre
     link included) + wait. So at least the last bucket's collectives are exposed; the others
     hide behind backward when the link keeps up. Older folders (every hook blocking): the sum.
   compress: PowerSGD FLOP/memory model (cost_model.powersgd_compute_time) with the host profile;
-            a registered sync method (`edgc.sync_methods`): the bytes its compression moves per
+            a registered sync method (`edgc.sync.sync_methods`): the bytes its compression moves per
             value / memory bandwidth (fp16/bf16 casts: 12, 4 read + 2 written, then back), or, where
             its entry gives none (top-k / random-k / QSGD), not modelled: the measured median is used;
             none: 0.

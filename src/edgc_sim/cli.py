@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from edgc.interstage import MODES
+from edgc.parallel.interstage import MODES
 
 from .calibrate_bench import LATENCY_SOURCES
 from .hardware import CLUSTERS, LINKS, cluster_with_inter_link

@@ -9,11 +9,11 @@ cost model needs the collectives and their sizes, not only the step's total byte
   with DDP's default 25 MiB cap (torch ``_DEFAULT_FIRST_BUCKET_BYTES``), the cap itself when one is
   given. ``torch-powersgd`` runs with ``bucket_cap_mb=500`` (edgc_train.compressors), one bucket.
 * per bucket, ``none`` (DDP's native all-reduce; in older bench folders, without a `nosync` run, our blocking
-  hook), ``allreduce`` (our non-blocking hook) and the registered sync methods (`edgc.sync_methods`):
+  hook), ``allreduce`` (our non-blocking hook) and the registered sync methods (`edgc.sync.sync_methods`):
   one collective, the all-gather or all-reduce the method's entry names (top-k and QSGD gather,
   fp16/bf16 and random-k all-reduce); ``allreduce-blocking``: one all-reduce of all gradients packed, after backward;
   ``nosync``: none at all;
-  ``powersgd`` / ``edgc`` (our engine, edgc/lowrank.py) and ``torch-powersgd`` (PyTorch's hook)
+  ``powersgd`` / ``edgc`` (our engine, edgc/engine/lowrank.py) and ``torch-powersgd`` (PyTorch's hook)
   once compressing: three all-reduces, the raw (uncompressed) tensors, the packed Ps, the packed Qs
   (our engine issues only the raw one for a bucket without a compressible matrix); EDGC adds an
   all-reduce and a broadcast of a few bytes at each decision step, which only a measured count sees.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from edgc.factors import compressed_rank as engine_rank
-from edgc.sync_methods import ALL_GATHER, sync_method
+from edgc.engine.factors import compressed_rank as engine_rank
+from edgc.sync.sync_methods import ALL_GATHER, sync_method
 
 from .presets import ModelSpec
 
@@ -78,7 +78,7 @@ def ddp_buckets(shapes: Sequence[tuple], cap_mib: float | None = None, bytes_per
 
 
 def compressed_rank(shape: tuple, rank: int, min_compression_rate: float = 2.0) -> int:
-    """The rank a gradient of this shape is sent at, 0 = raw: the engine's rule (`edgc.lowrank`) on
+    """The rank a gradient of this shape is sent at, 0 = raw: the engine's rule (`edgc.engine.lowrank`) on
     the tensor viewed as shape[0] x rest, which is also torch's hook's rule."""
     if len(shape) < 2 or math.prod(shape) == 0:
         return 0

@@ -7,7 +7,7 @@ leaves through it). An outer step is H inner steps of ``tokens_per_step`` tokens
 (6 · parameters FLOPs a token at the device's matmul rate × MFU) followed by the outer sync, not
 overlapped (DiLoCo's default; Streaming DiLoCo's overlap is not modelled). Per group and outer
 sync, for P parameters and N groups (`OUTER_SYNCS`: the bytes a value each sends, and the
-registry's collective kind, `edgc.sync_methods`):
+registry's collective kind, `edgc.sync.sync_methods`):
 
 * ring all-reduce (torchft's DiLoCo, fp32): 2 (N − 1)/N × 4P bytes on the wire, 2 (N − 1) latencies;
 * two-stage (torchft's FP8 ``allreduce_quantized``: 1 byte a value; edgc's ``quant3-2s``: 3 bits and

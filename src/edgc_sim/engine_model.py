@@ -1,8 +1,8 @@
-"""Our engine's compress + decompress time and its kernel launches, counted from `edgc.lowrank`.
+"""Our engine's compress + decompress time and its kernel launches, counted from `edgc.engine.lowrank`.
 
-The engine (`edgc.lowrank.LowRankCompressor.reduce_steps`, `edgc.layout`, `edgc.engine_state`,
-`edgc.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
-least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.jobs`). A job's
+The engine (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`, `edgc.engine.layout`, `edgc.engine.engine_state`,
+`edgc.engine.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
+least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.engine.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product that reads M (P, Q
 and the residual e = M − P·Qᵀ, which a CPU with float32 gradients forms instead as M − Ĝ, matrix by
 matrix) is one batched GEMM per group on the error-feedback arena; on an
@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from edgc.engine_state import subtracts_estimate
-from edgc.factors import compressed_rank
+from edgc.engine.engine_state import subtracts_estimate
+from edgc.engine.factors import compressed_rank
 from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
 
 from .collectives import MIB, ddp_buckets
 
-# Error feedback and factors are kept in float32 for fp32, bf16 and fp16 gradients (edgc.lowrank).
+# Error feedback and factors are kept in float32 for fp32, bf16 and fp16 gradients (edgc.engine.lowrank).
 COMPUTE_BYTES = 4
 # Elementwise accesses per compressed gradient value, besides the GEMMs' own (the product forms read
 # the error-feedback arena, the decompression writes Ĝ), as (gradient-dtype accesses, arena accesses):
@@ -52,7 +52,7 @@ MEASURE_ERROR_ACCESSES = 1  # ‖M‖² when the relative error is measured: one
 #   P: the non-finite flag's sum, P + poison (read, write).
 Q_FACTOR_BYTES = 8 + 5 + 13 + 4 + 12
 P_FACTOR_BYTES = 4 + 8
-# The orthonormalisation (edgc.factors.orthonormalize_blocks_) on an accelerator casts the whole flat
+# The orthonormalisation (edgc.engine.factors.orthonormalize_blocks_) on an accelerator casts the whole flat
 # buffer to float64 (read 4, write 8) and copies the result back (read 8, write 4); on a CPU LAPACK
 # copies each block in (read 4, write 4) and the result back (read 4, write 4). Its FLOPs
 # (`orth_flops`) run at the measured orthonormalisation rate.
@@ -65,7 +65,7 @@ HALF_WIRE_BYTES = 6 + 6
 HALF_Q_DECOMPRESS_BYTES = 6 + 6
 HALF_P_DECOMPRESS_BYTES = -2 + 6
 
-# Dispatches of the orthonormalisation (edgc.factors.orthonormalize_blocks_, cholesky2-fp64): the
+# Dispatches of the orthonormalisation (edgc.engine.factors.orthonormalize_blocks_, cholesky2-fp64): the
 # float64 cast and the copy back per call; per rank the first pass's shift (mean, clamp_, add_), the
 # second's (add_), a cholesky_ex per pass, and the failure check (the passes' info added, ne,
 # masked_fill_); per pass and block its Gram bmm and its triangular solve.
@@ -74,18 +74,18 @@ ORTH_OPS_PER_CALL = 2
 ORTH_OPS_PER_RANK = 3 + 1 + ORTH_PASSES + (ORTH_PASSES - 1) + 2
 ORTH_OPS_PER_BLOCK = 2
 HOUSEHOLDER_OPS_PER_BLOCK = 2  # the CPU's: linalg_qr, the copy back
-# edgc.factors.restart_dead_entries_ on the orthonormalised Q: nan_to_num, eq per call, a where per Q block.
+# edgc.engine.factors.restart_dead_entries_ on the orthonormalised Q: nan_to_num, eq per call, a where per Q block.
 RESTART_OPS = 2
 RESTART_OPS_PER_Q_BLOCK = 1
-# edgc.finite.nan_unless_finite: per non-empty tensor a float64 sum, the sums added, then the mul by 0
+# edgc.device.finite.nan_unless_finite: per non-empty tensor a float64 sum, the sums added, then the mul by 0
 # and the cast to float32 (a zeros when there is no tensor).
 FLAG_OPS = 2
 FLAG_OPS_PER_TENSOR = 2
 # Measured error (every round(1/alpha) steps): ‖M‖² and ‖e‖², each a zero and per shape group a norm over
-# its sampled rows, its cast to float64, its square and the scaled add (`edgc.lowrank._squares`).
+# its sampled rows, its cast to float64, its square and the scaled add (`edgc.engine.lowrank._squares`).
 MEASURE_ERROR_OPS = 2
 MEASURE_ERROR_OPS_PER_GROUP = 8
-# The hook around the engine (edgc.reducer): per job the step's non-finite flag is or-ed with the
+# The hook around the engine (edgc.sync.reducer): per job the step's non-finite flag is or-ed with the
 # job's; per step the flag is cast to float64 and stacked with the error sums for the step's one
 # host read, sums that are filled on the device when the step did not measure them (Python zeros).
 REDUCER_OPS_PER_JOB = 1
@@ -110,7 +110,7 @@ class EngineRates(NamedTuple):
 
 @dataclass(frozen=True)
 class JobLayout:
-    """What one job costs, from its tensors' shapes (`edgc.layout.CallLayout` without the tensors)."""
+    """What one job costs, from its tensors' shapes (`edgc.engine.layout.CallLayout` without the tensors)."""
 
     matrices: tuple  #: (m, n, rank) of every compressed matrix
     raw_values: int  #: values of the tensors sent raw (vectors, matrices too small to gain)
@@ -151,7 +151,7 @@ def orth_launches(blocks: dict, *, householder: bool = False) -> int:
 
 
 def flag_launches(tensors: int) -> int:
-    """Dispatches of `edgc.finite.nan_unless_finite` over that many non-empty, non-float64 tensors."""
+    """Dispatches of `edgc.device.finite.nan_unless_finite` over that many non-empty, non-float64 tensors."""
     return FLAG_OPS + FLAG_OPS_PER_TENSOR * tensors - 1 if tensors else 1
 
 
@@ -209,7 +209,7 @@ def engine_jobs(
     """The jobs one compressed step runs, as lists of tensor shapes: DDP's buckets of ``shapes``
     (definition order, `collectives.ddp_buckets`), each its own job on a CPU; on an accelerator
     consecutive buckets gathered until they hold ``fusion_mb`` (default the library's) or the
-    step's last bucket arrives (`edgc.jobs.JobQueue.submit`)."""
+    step's last bucket arrives (`edgc.engine.jobs.JobQueue.submit`)."""
     buckets = ddp_buckets(shapes, bucket_cap_mib, bytes_per_value)
     limit = (DEFAULT_ACCELERATOR_FUSION_MB if fusion_mb is None else fusion_mb) * MIB if accelerator else 0
     jobs, gathered, size = [], [], 0

@@ -117,16 +117,16 @@ def _skinny_numbers(flops: float, mem: float, launch: float, sync=lambda: None) 
 
 
 def _orth_numbers(count: int, rank: int, side: int, mem: float, launch: float, timer, device=None) -> dict:
-    """The engine's orthonormalisation (`edgc.factors.orthonormalize_blocks_`) of one (count, rank,
+    """The engine's orthonormalisation (`edgc.engine.factors.orthonormalize_blocks_`) of one (count, rank,
     side) block of a float32 buffer, as the engine runs it on P on this device (Householder on a
     CPU, CholeskyQR2 on an accelerator): seconds, and the rate of its FLOPs
     (engine_model.orth_flops) once its launches and its copies (at the copy bandwidth ``mem``) are
     taken out."""
     import torch
 
-    from edgc.factors import orthonormalize_blocks_
-    from edgc.layout import Block
-    from edgc.orthonormal_choice import orthonormalization_for
+    from edgc.engine.factors import orthonormalize_blocks_
+    from edgc.engine.layout import Block
+    from edgc.engine.orthonormal_choice import orthonormalization_for
 
     from .engine_model import HOUSEHOLDER_COPY_BYTES, ORTH_CAST_BYTES, orth_flops, orth_launches
 

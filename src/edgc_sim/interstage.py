@@ -1,7 +1,7 @@
 """The simulator's model of inter-stage traffic: raw activations forward, activation gradients back,
-compressed as `edgc train --interstage` sends them (`edgc.interstage`).
+compressed as `edgc train --interstage` sends them (`edgc.parallel.interstage`).
 
-Bytes come from the library itself (`edgc.interstage.wire_bytes`, `effective_rank`, `compresses`), so
+Bytes come from the library itself (`edgc.parallel.interstage.wire_bytes`, `effective_rank`, `compresses`), so
 a simulated step sends exactly what a training step logs: per stage boundary, one gradient per
 micro-batch, each a (micro-batch · tokens) × hidden matrix; a compressed one is the header plus P and
 Q, one sent raw through the compressed path the header plus the matrix (with ``off`` no header).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgc.interstage import MODES, compresses, effective_rank, wire_bytes
+from edgc.parallel.interstage import MODES, compresses, effective_rank, wire_bytes
 
 from . import cost_model as cm
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgc.rank_rules import delta_rank
+from edgc.policies.rank_rules import delta_rank
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def map_entropy_change_to_rank(
 ) -> int:
     """One window's stage-0 rank (the released code's `map_entropy_change_to_rank`): the entropy
     change between the last two windows, relative to the change between the first two, sets a target
-    in [r_max/4, r_max] (the controller's map, `edgc.rank_rules.delta_rank`); the rank moves toward
+    in [r_max/4, r_max] (the controller's map, `edgc.policies.rank_rules.delta_rank`); the rank moves toward
     it by at most `step`."""
     n = samples_per_window
     if len(entropy) < 2 * n:

@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from edgc.sync_methods import sync_method
+from edgc.sync.sync_methods import sync_method
 
 from . import collectives
 from . import cost_model as cm

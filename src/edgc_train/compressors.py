@@ -21,7 +21,7 @@ name                what runs in DDP's gradient synchronisation
 ``qsgd8``           ``edgc.QSGDState``: 8-bit stochastic quantisation (chunked max-abs), all-gather, EF
 ==================  ==========================================================================
 
-The baselines (``fp16`` … ``qsgd8``, and any other sync method registered in `edgc.sync_methods`)
+The baselines (``fp16`` … ``qsgd8``, and any other sync method registered in `edgc.sync.sync_methods`)
 compress from the first step (no warm-up) and run through the same ``edgc_hook`` as EDGC (their
 collectives are blocking inside it), with the same metrics.
 
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from edgc.sync_methods import sync_method
+from edgc.sync.sync_methods import sync_method
 
 from .config import scaled_edgc_defaults
 

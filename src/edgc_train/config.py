@@ -98,7 +98,7 @@ class TrainConfig:
     compressor: str = "edgc"
     """DP gradient sync: none (DDP's native all-reduce), allreduce (ours, hook), allreduce-blocking (after backward),
     nosync (compute floor), powersgd (static rank, our engine), torch-powersgd, edgc, fp16, bf16, topk, randomk, qsgd8
-    (or another sync method registered in edgc.sync_methods), optimus-cc (--pp only)."""
+    (or another sync method registered in edgc.sync.sync_methods), optimus-cc (--pp only)."""
 
     powersgd_rank: int = 8
     """Rank of the static compressors (powersgd, torch-powersgd). ≥ 1."""

@@ -21,7 +21,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 def compressor_names() -> tuple[str, ...]:
     """Every ``--compressor``: the harness's own, the library's registered sync methods, optimus-cc."""
-    from edgc.sync_methods import sync_method_names
+    from edgc.sync.sync_methods import sync_method_names
 
     return (*OWN_COMPRESSORS, *sync_method_names(), "optimus-cc")
 

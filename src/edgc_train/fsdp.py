@@ -1,4 +1,4 @@
-"""``edgc train --fsdp``: GPT-2 with FSDP2 as HSDP, the replica all-reduce compressed by `edgc.fsdp`.
+"""``edgc train --fsdp``: GPT-2 with FSDP2 as HSDP, the replica all-reduce compressed by `edgc.parallel.fsdp`.
 
 Ranks form a (replicas × shard) grid: consecutive ``--fsdp-shard`` ranks (one host) shard every
 transformer block and the root (embeddings, final LayerNorm, tied head) with ``fully_shard`` on the
@@ -79,7 +79,7 @@ class FSDPCompressor(EngineCompressor):
 
     def __init__(self, name: str, model, config, replicate_group):  # a group or a mesh dimension
         import edgc
-        from edgc.fsdp import register_fsdp_comm_hook
+        from edgc.parallel.fsdp import register_fsdp_comm_hook
 
         self.name = name
         if name == "allreduce":
@@ -93,7 +93,7 @@ class FSDPRunner(DataParallelRunner):
     """`runner.DataParallelRunner` for HSDP: its training step, with FSDP's own sync switch."""
 
     def __init__(self, cfg, data, rank: int, world: int, local_rank: int, device: torch.device):
-        from edgc.mesh import init_parallel_mesh
+        from edgc.distributed.mesh import init_parallel_mesh
 
         self.cfg, self.data, self.rank, self.world, self.device = cfg, data, rank, world, device
         shard = shard_degree(cfg, world)

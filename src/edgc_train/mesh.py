@@ -1,10 +1,10 @@
 """The process grid of `edgc train --pp/--tp`: this rank's place in the run's one `DeviceMesh`.
 
-`edgc.mesh.init_parallel_mesh` builds the mesh (dp_replicate, pp, dp_shard = 1, ep = 1, tp); every group
+`edgc.distributed.mesh.init_parallel_mesh` builds the mesh (dp_replicate, pp, dp_shard = 1, ep = 1, tp); every group
 comes from it: a stage's data-parallel group is ``mesh["dp_replicate"]``, a pipeline ``mesh["pp"]``,
 a stage's tensor-parallel ranks ``mesh["tp"]``, the tied embedding's stage 0 and stage P−1
-`edgc.mesh.pipeline_ends_group`, and a stage's DP × TP ranks, who take EDGC's decisions together,
-`edgc.mesh.group_across`. Global rank = (replica·P + stage)·T + tp_rank: a pipeline with
+`edgc.distributed.mesh.pipeline_ends_group`, and a stage's DP × TP ranks, who take EDGC's decisions together,
+`edgc.distributed.mesh.group_across`. Global rank = (replica·P + stage)·T + tp_rank: a pipeline with
 its TP ranks is P·T consecutive ranks (one host under ``torchrun --nproc_per_node P·T``), and each
 stage's DP group spans the hosts, which is where gradient compression pays.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from edgc.mesh import group_across, init_parallel_mesh, pipeline_ends_group
+from edgc.distributed.mesh import group_across, init_parallel_mesh, pipeline_ends_group
 
 from .rendezvous import dist_timeout
 

@@ -15,7 +15,7 @@ how many go to each of that rank's experts (``all_to_all_single`` of the counts)
 all-to-all, on gloo as on NCCL); a rank runs its experts on what it received, grouped by expert, and sends the results
 back the same way. The split sizes are read on the host, as every all-to-all dispatch does. The tokens
 each local expert processed are added to the layer's ``tokens`` counter (training forwards only),
-which the experts' state reads for a rank split by tokens (`edgc.rank_split`).
+which the experts' state reads for a rank split by tokens (`edgc.policies.rank_split`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """``edgc train --moe-experts E --ep P``: the mixture-of-experts GPT (moe.py), expert parallel over the
 mesh's ``ep`` dimension, its dense parameters and its experts each synced over their own group.
 
-The mesh is (dp_replicate = world / P, pp 1, dp_shard 1, ep P, tp 1) (`edgc.mesh.init_parallel_mesh`):
+The mesh is (dp_replicate = world / P, pp 1, dp_shard 1, ep P, tp 1) (`edgc.distributed.mesh.init_parallel_mesh`):
 consecutive P ranks (one host) split every layer's experts and exchange tokens, and the ranks with the
 same ``ep`` coordinate are the expert-data-parallel replicas. After backward, the dense parameters are
 synced over every rank by one state and the experts over ``mesh["dp_replicate"]`` by another, each
-expert its own matrix (`edgc.experts`), both with ``synchronize`` (the Megatron-style sync after
+expert its own matrix (`edgc.distributed.experts`), both with ``synchronize`` (the Megatron-style sync after
 backward: one call of the same tensors every step, so a resumed run continues bit for bit; DDP's
 buckets, rebuilt after its first step, would not). Compressors:
 
@@ -49,7 +49,7 @@ class MoECompressor(Compressor):
 
     def __init__(self, name: str, model, config, edp_group):
         import edgc
-        from edgc.experts import dense_parameters, expert_parameters
+        from edgc.distributed.experts import dense_parameters, expert_parameters
 
         self.name, self._module = name, model
         if name == "allreduce":
@@ -106,8 +106,8 @@ class MoERunner(DataParallelRunner):
     """`runner.DataParallelRunner` for the MoE GPT with expert parallelism (see the module docstring)."""
 
     def __init__(self, cfg, data, rank: int, world: int, local_rank: int, device: torch.device):
-        from edgc.experts import mark_experts
-        from edgc.mesh import init_parallel_mesh
+        from edgc.distributed.experts import mark_experts
+        from edgc.distributed.mesh import init_parallel_mesh
 
         self.cfg, self.data, self.rank, self.world, self.device = cfg, data, rank, world, device
         self.mesh = init_parallel_mesh(device.type, ep=cfg.ep, timeout=dist_timeout())
@@ -138,7 +138,7 @@ class MoERunner(DataParallelRunner):
     def clip_gradients(self, max_norm: float) -> None:
         """Clip the whole model's gradient norm: the dense part (the same on every rank) and every expert,
         each EP rank holding others (their squares summed over the EP group), so all ranks clip alike."""
-        from edgc.experts import dense_parameters, expert_parameters
+        from edgc.distributed.experts import dense_parameters, expert_parameters
 
         grads = [
             [p.grad for _, p in named(self.module) if p.grad is not None]
@@ -164,7 +164,7 @@ class MoERunner(DataParallelRunner):
 
     def verify_replicas(self, verify) -> None:
         """The experts (and everything) over their expert-data-parallel group, the dense parameters over all."""
-        from edgc.experts import dense_parameters
+        from edgc.distributed.experts import dense_parameters
 
         verify(self.module, self.dp_group)
         verify(_Named(dense_parameters(self.module)), None)

@@ -11,7 +11,7 @@ One optimizer step:
 1. our own pipeline schedule (1F1B or GPipe, ``batch_isend_irecv``, see `PipelineStep`) runs
    ``grad_accum`` micro-batches forward and backward; activations travel raw, activation
    gradients raw or, with ``--interstage all|cooldown``, as low-rank factors with error feedback
-   per micro-batch slot (`edgc.interstage`; this changes the model's gradient, lazily: what a
+   per micro-batch slot (`edgc.parallel.interstage`; this changes the model's gradient, lazily: what a
    step does not send is added to the same slot's gradient next step);
 2. each stage synchronises its gradients over its DP group with its compressor
    (``state.synchronize``, no DDP — DDP around a stage breaks under GPipe: its bucket rebuild asserts);
@@ -21,7 +21,7 @@ One optimizer step:
 4. the global gradient norm is clipped over the whole pipeline, then AdamW steps per stage.
 
 With ``--compressor edgc``, stage 0 leads (entropy-driven rank) and the other stages follow
-the DAC alignment (`edgc.pipeline.StageAligner`), which needs each stage's measured sync-time
+the DAC alignment (`edgc.parallel.pipeline.StageAligner`), which needs each stage's measured sync-time
 table: every stage profiles at start-up even when r_max is given.
 """
 

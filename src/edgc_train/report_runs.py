@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgc.rank_rules import RANK_MAPPINGS
+from edgc.policies.rank_rules import RANK_MAPPINGS
 
 SKIP_STEPS = 3  # steps excluded from the medians (one-off start-up costs)
 

@@ -93,7 +93,7 @@ class MetricsLog:
 
 
 class EDGCRecords(logging.Handler):
-    """EDGC's records (`edgc.events`, logger ``edgc``, rank 0 of each group) as a run shows them: each
+    """EDGC's records (`edgc.control.events`, logger ``edgc``, rank 0 of each group) as a run shows them: each
     on a line of its own (``say``: print, or the progress bar's write) and, with its data, as a
     ``metrics.jsonl`` line (``"kind"``: ``decision``, ``profiled``, ``notice``, ``warmup_over``, …).
     The library's own records: the harness adds no second way of telling them. Attached until `close`."""

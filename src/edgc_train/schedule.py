@@ -19,7 +19,7 @@ the other stage only serves after its send. The points:
 
 A stage without that neighbour leaves its part out (the first stage receives no activation
 and sends no gradient, the last the reverse). A compressed gradient (``--interstage``) is a
-header and a payload (`edgc.interstage`'s wire contract): the sender posts both in its batch;
+header and a payload (`edgc.parallel.interstage`'s wire contract): the sender posts both in its batch;
 the receiver posts the header's receive in its batch and receives the payload in a batch of its
 own, its size known from the rank both stages agree on (no host read per micro-batch; the step's
 headers are checked once at its end). A batch that receives is waited on at once (its sends with it:
@@ -89,7 +89,7 @@ class PipelineStep:
     """Everything one rank does per optimizer step in PP × DP training.
 
     The schedule is our own (1F1B or GPipe), so that the activation gradients can travel as
-    low-rank factors (`edgc.interstage`) and each micro-batch backward can be timed exactly
+    low-rank factors (`edgc.parallel.interstage`) and each micro-batch backward can be timed exactly
     (`BackwardTimer`).
 
     Its point-to-point traffic follows the contract in the module docstring (`StageLink`).

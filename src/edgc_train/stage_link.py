@@ -8,8 +8,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from edgc.interstage import MODES, IncomingGradient, check_headers, compresses, interstage_rank, send_gradient_ops
-from edgc.timing import Clock, to_host
+from edgc.device.timing import Clock, to_host
+from edgc.parallel.interstage import (
+    MODES,
+    IncomingGradient,
+    check_headers,
+    compresses,
+    interstage_rank,
+    send_gradient_ops,
+)
 
 from .mesh import Grid
 from .stage_sync import StageCompressor
@@ -34,7 +41,7 @@ class RawGradient:
 class StageLink:
     """A pipeline stage's point-to-point traffic with its neighbours, as the contract in schedule.py's
     docstring posts it: the batches of each point of the schedule, the activation gradients sent raw
-    or compressed (`edgc.interstage`) at the rank both stages agree on, and the step's spans and bytes.
+    or compressed (`edgc.parallel.interstage`) at the rank both stages agree on, and the step's spans and bytes.
     """
 
     def __init__(self, cfg, grid: Grid, compressor: StageCompressor, activation_shape: tuple, device: torch.device):

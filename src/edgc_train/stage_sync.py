@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import edgc
-from edgc.interstage import InterStageCompressor
-from edgc.mesh import local_tensor
-from edgc.pipeline import StageAligner
+from edgc.distributed.mesh import local_tensor
+from edgc.parallel.interstage import InterStageCompressor
+from edgc.parallel.pipeline import StageAligner
 
 from .compressors import METRIC_KEYS, Compressor
 from .mesh import Grid
@@ -219,7 +219,7 @@ def stage_metrics(step, timing: dict) -> list[dict]:
                         "interstage_bytes_raw",
                     )
                 },
-                # seconds this step (edgc.timing.Clock): activation-gradient exchanges and, with --interstage
+                # seconds this step (edgc.device.timing.Clock): activation-gradient exchanges and, with --interstage
                 # on, their payload transfers and compress/decompress (StageLink.spans), forward and
                 # backward compute summed over the micro-batches, the whole schedule
                 **{

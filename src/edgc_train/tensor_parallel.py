@@ -9,7 +9,7 @@ LayerNorms, embeddings and the LM head stay plain tensors, replicated: every TP 
 on the same inputs and gets the same gradient, so they stay identical as long as their sync is
 deterministic (`stage_sync.StageCompressor` averages them raw).
 
-EDGC compresses each sharded parameter's local shard over its DP group (`edgc.mesh.local_tensor`).
+EDGC compresses each sharded parameter's local shard over its DP group (`edgc.distributed.mesh.local_tensor`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
-from edgc.mesh import local_tensor
+from edgc.distributed.mesh import local_tensor
 
 from .linear_gpt2 import LinearGPT2Block
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from edgc.comm import barrier_before_exit
+from edgc.distributed.comm import barrier_before_exit
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -335,7 +335,7 @@ def train(
             write_run_config(run_dir, cfg, n_params, world, shape, data, device, runner.tokens_per_step)
         metrics = MetricsLog(run_dir, master, cfg.tensorboard, step if resume else None)
         trace = CommTrace(run_dir, rank, cfg.comm_trace, step if resume else None)
-        records = EDGCRecords(log, metrics)  # what EDGC decides, as the library logs it (edgc.events)
+        records = EDGCRecords(log, metrics)  # what EDGC decides, as the library logs it (edgc.control.events)
         log(describe_run(cfg, n_params, data, world))
 
         # ---------------------------------------------------------------- the loop

@@ -52,9 +52,9 @@ def test_a_sampled_step_reads_no_whole_pass_more_than_a_static_one(counts, monke
     gathered in one copy: neither is a pass over the matrices (4 B per element each). A small model's
     calls are below the row sample's size (measured exactly) and its entropy sample a large share of
     it: both made small here, as they are beside GPT-2 XL's matrices."""
-    import edgc.lowrank
+    import edgc.engine.lowrank
 
-    monkeypatch.setattr(edgc.lowrank, "ERROR_SAMPLE", 1 << 10)
+    monkeypatch.setattr(edgc.engine.lowrank, "ERROR_SAMPLE", 1 << 10)
     config = replace(config_of("sampled", 8), entropy_sample_cap=1000)
     sampled, static = count_hook_step(gpt2_parameters("tiny"), rank=8, config=config), counts["static"]
     assert per_element(sampled, sampled.bytes - static.bytes) < 1.0

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from edgc import streams
-from edgc.timing import host_reads_allowed
+from edgc.device.timing import host_reads_allowed
 from edgc_bench.stream_check import StreamChecker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distributed_harness

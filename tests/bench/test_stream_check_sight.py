@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from edgc import streams
-from edgc.timing import host_reads_allowed
+from edgc.device.timing import host_reads_allowed
 from edgc_bench.stream_check import StreamChecker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distributed_harness
@@ -155,13 +155,13 @@ def test_a_tensor_made_before_the_checker_is_a_finding_unless_declared():
 
 def test_a_loaded_checkpoint_is_on_the_host_and_its_move_to_the_device_waits():
     """A checkpoint's tensors are host tensors in pageable memory: a blocking ``.to(device)`` of one
-    makes the host wait; `edgc.timing.to_device` (pinned, non-blocking) does not."""
+    makes the host wait; `edgc.device.timing.to_device` (pinned, non-blocking) does not."""
     saved = io.BytesIO()
     torch.save({"e": torch.ones(4)}, saved)
     with StreamChecker(library=HERE) as checker:
         loaded = torch.load(io.BytesIO(saved.getvalue()))["e"]
         loaded.to(CPU)
-        from edgc.timing import to_device
+        from edgc.device.timing import to_device
 
         to_device(loaded, CPU)
     assert [sync.kind for sync in checker.host_syncs] == ["blocking .to(device) of a host tensor"], checker.report()

@@ -1,4 +1,4 @@
-"""Settings that must agree across ranks are compared before anything is sent (`edgc.agreement`), on 2
+"""Settings that must agree across ranks are compared before anything is sent (`edgc.distributed.agreement`), on 2
 gloo processes (one start-up): every `EDGCConfig` field, every argument of every registered sync
 method, a value "auto" resolves to, DiLoCo's ``sync_every`` and fragments, the method itself, each
 varied on rank 1 alone, ends in the same one line on both ranks, naming the setting and both values,
@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import AllReduceState, EDGCConfig, EDGCState, LowRankConfig, edgc_hook
-from edgc.agreement import SettingsDiffer
+from edgc.distributed.agreement import SettingsDiffer
 from edgc.integrations.diloco import DiLoCo
-from edgc.sync_methods import sync_method, sync_method_names
+from edgc.sync.sync_methods import sync_method, sync_method_names
 
 BASE = dict(r_max=8, r_min=2, total_steps=100)
 # field → another valid value beside BASE (and the defaults)

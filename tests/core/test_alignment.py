@@ -1,7 +1,7 @@
 import pytest
 
-from edgc.alignment import StageTiming, align_stage_ranks
-from edgc.profiling import SyncTimeTable
+from edgc.control.alignment import StageTiming, align_stage_ranks
+from edgc.control.profiling import SyncTimeTable
 
 
 def table(uncompressed, per_rank, base=0.1):

@@ -233,7 +233,7 @@ def _ddp_worker(rank, world_size, kind):
     Python-level reads of a tensor value inside the hook, and the library's own `to_host`."""
     from test_overlap import CountHostReads
 
-    import edgc.timing
+    import edgc.device.timing
 
     torch.manual_seed(0)
     model = TinyTransformer()
@@ -245,7 +245,7 @@ def _ddp_worker(rank, world_size, kind):
         "fp16": lambda: CastState(dtype="float16", model=ddp),
     }[kind]()
     reads, buckets = [], []  # per step
-    original_to_host = edgc.timing.to_host
+    original_to_host = edgc.device.timing.to_host
 
     def to_host(tensor):
         reads[-1]["to_host"] += 1
@@ -260,13 +260,13 @@ def _ddp_worker(rank, world_size, kind):
 
     ddp.register_comm_hook(state, counting_hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    edgc.timing.to_host = to_host
+    edgc.device.timing.to_host = to_host
     try:
         for step in range(6):
             reads.append({"in_hook": 0, "to_host": 0})
             train(rank, ddp, state, optimizer, buckets, step, step + 1)  # appends this step's bucket count
     finally:  # the process runs later tests (distributed_harness)
-        edgc.timing.to_host = original_to_host
+        edgc.device.timing.to_host = original_to_host
     return {
         "params": flat_parameters(model),
         "step": state.step,
@@ -287,15 +287,15 @@ def test_ddp_replicas_stay_identical_and_each_step_reads_the_host_once(kind):
         assert 0 < a["relative_error"] < 1  # the errors are still measured (read at the step's end)
     for result in (a, b):
         assert min(result["buckets"][1:]) >= 2  # (DDP rebuilds its buckets after the first step)
-        # However many buckets: the step's one packed read (tolist in edgc.timing.to_host) and no other;
+        # However many buckets: the step's one packed read (tolist in edgc.device.timing.to_host) and no other;
         # the loop reads the step's metrics after the optimizer step, so that read is outside the hook.
-        # The first step's hook also reads, once, whether the ranks' settings agree (edgc.agreement).
+        # The first step's hook also reads, once, whether the ranks' settings agree (edgc.distributed.agreement).
         first = {"in_hook": 1, "to_host": 2}
         assert result["reads"] == [first] + [{"in_hook": 0, "to_host": 1}] * 5, result["reads"]
 
 
 def test_first_of_runs_points_each_repeat_at_its_first_copy():
-    from edgc.baselines import first_of_runs
+    from edgc.sync.baselines import first_of_runs
 
     assert first_of_runs(torch.tensor([1, 1, 2, 5, 5, 5, 9])).tolist() == [0, 0, 2, 3, 3, 3, 6]
     assert first_of_runs(torch.tensor([4])).tolist() == [0]
@@ -315,13 +315,13 @@ def test_randomk_repeated_indices_send_one_value_each():
 def test_topk_on_an_accelerator_skips_the_candidate_count():
     """The CPU shortcut counts its candidates (``nonzero``): a host synchronisation on a GPU. A meta
     tensor, which has no values to count, stands in for one."""
-    from edgc.baselines import exact_topk_indices
+    from edgc.sync.baselines import exact_topk_indices
 
     assert exact_topk_indices(torch.empty(2_000_000, device="meta"), 1000).shape == (1000,)
 
 
 def test_fast_topk_selects_exactly_the_topk():
-    from edgc.baselines import exact_topk_indices
+    from edgc.sync.baselines import exact_topk_indices
 
     x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(4)).abs()
     for k in (1, 10_000, 200_000):

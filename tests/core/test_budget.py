@@ -1,4 +1,4 @@
-"""The byte budget (edgc.budget + the controller's budget mode) and warm-start-preserving rank changes."""
+"""The byte budget (edgc.control.budget + the controller's budget mode) and warm-start-preserving rank changes."""
 
 import math
 
@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from test_ddp import resume_worker, training_worker
 
 from edgc import EDGCConfig, LowRankCompressor
-from edgc.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
-from edgc.comm import Communicator
-from edgc.plans import DecisionInputs
-from edgc.rank_control import WindowController
-from edgc.signals import trend_need, window_stats
+from edgc.control.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
+from edgc.control.rank_control import WindowController
+from edgc.distributed.comm import Communicator
+from edgc.policies.plans import DecisionInputs
+from edgc.policies.signals import trend_need, window_stats
 
 # ---------------------------------------------------------------------------- pure planning
 

@@ -60,7 +60,7 @@ def histc_samples():
 
 @pytest.mark.parametrize("bins", [2, 7, 10, 1000])
 def test_histogram_counts_are_those_of_histc_on_cpu(bins):
-    from edgc.entropy import histogram_counts
+    from edgc.control.entropy import histogram_counts
 
     for sample in histc_samples():
         low, high = torch.aminmax(sample)
@@ -85,7 +85,7 @@ def test_histogram_entropy_is_deterministic_and_reads_the_host_once():
             with Ops() as ops, counted_host_reads() as host:
                 value = histogram_entropy(sample, 1000)
             assert math.isfinite(value) and value >= 0.0
-            assert host.reads == 1  # the result, read once (`edgc.timing.to_host`)
+            assert host.reads == 1  # the result, read once (`edgc.device.timing.to_host`)
             assert "_local_scalar_dense.default" not in ops.names, ops.names
             assert not {"histc.default", "bincount.default", "nonzero.default"} & set(ops.names), ops.names
     finally:
@@ -154,7 +154,7 @@ def test_sampler_state_round_trip():
 
 def test_samples_are_taken_once_per_window_when_no_decision_reads_them():
     from edgc import EDGCConfig
-    from edgc.entropy import EntropySampler
+    from edgc.control.entropy import EntropySampler
 
     reads = EDGCConfig(
         total_steps=400, window=20, iteration_sample_ratio=0.2, rank_budget=4, r_max=8, budget_signal="entropy"
@@ -167,7 +167,7 @@ def test_samples_are_taken_once_per_window_when_no_decision_reads_them():
 
 
 def test_report_only_estimates_thin_a_large_sample_and_decision_samples_do_not():
-    from edgc.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
+    from edgc.control.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
 
     reads = EDGCConfig(
         total_steps=400, window=20, rank_budget=4, r_max=8, budget_signal="entropy", gradient_sample_ratio=0.5
@@ -190,7 +190,7 @@ def test_report_only_samples_fold_the_cap_into_the_stride_once_the_step_size_is_
     """After one step the report's thinning is part of the stride (every 2·2-th element of each
     tensor here), so the full β sample is never gathered; the count survives a checkpoint, so a
     resumed run samples the same elements; decision samples keep the plain β stride."""
-    from edgc.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
+    from edgc.control.entropy import REPORT_SAMPLE_CAP, EntropySampler, histogram_entropy
 
     fixed = EDGCConfig(
         total_steps=400, window=20, rank_budget=4, r_max=8, gradient_sample_ratio=0.5, iteration_sample_ratio=1.0
@@ -241,7 +241,7 @@ def test_decision_samples_are_capped_by_entropy_sample_cap_and_uncapped_with_non
     """A decision's sample holds about ``entropy_sample_cap`` elements at most: thinned after
     gathering on the first step, by the stride once the step's size is known; None keeps every
     β-th element."""
-    from edgc.entropy import EntropySampler, histogram_entropy
+    from edgc.control.entropy import EntropySampler, histogram_entropy
 
     settings = dict(
         total_steps=400, window=20, r_max=8, gradient_sample_ratio=0.5, iteration_sample_ratio=1.0, entropy_bins=100

@@ -1,4 +1,4 @@
-"""Every decision is said through Python's logging (`edgc.events`, logger ``edgc``), in one process.
+"""Every decision is said through Python's logging (`edgc.control.events`, logger ``edgc``), in one process.
 
 Each event is one record whose message is one line and whose ``record.edgc`` carries its data: the
 profiling verdict, the warm-up's end, each rank decision (the record `EDGCState.last_decision`
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from edgc import EDGCConfig, EDGCState
-from edgc.events import GROUP_RANK_ZERO, LOGGER
-from edgc.profiling import describe_profiling_verdict
+from edgc.control.events import GROUP_RANK_ZERO, LOGGER
+from edgc.control.profiling import describe_profiling_verdict
 
 pytestmark = pytest.mark.filterwarnings("ignore:EDGCState. no process group")  # one process, on purpose
 

@@ -1,5 +1,5 @@
-"""Mixture of experts (`edgc.experts`, `edgc.rank_split`): dense gradients over the whole data-parallel
-group, stacked experts over their expert-data-parallel group, each expert its own matrix.
+"""Mixture of experts (`edgc.distributed.experts`, `edgc.policies.rank_split`): dense gradients over the
+whole data-parallel group, stacked experts over their expert-data-parallel group, each expert its own matrix.
 
 Single process: the split's arithmetic (same bytes, bounds, proportions), the split of a stacked
 gradient into views, the one-line refusals of a bad mark. On 4 gloo processes, EP 2 × DP 2 (one call
@@ -16,9 +16,9 @@ from distributed_harness import run_distributed
 from torch import nn
 
 from edgc import EDGCConfig, EDGCState
-from edgc.agreement import SettingsDiffer
-from edgc.experts import Experts, dense_parameters, expert_parameters, mark_experts
-from edgc.rank_split import TokenSplit, largest_rank, share_ranks
+from edgc.distributed.agreement import SettingsDiffer
+from edgc.distributed.experts import Experts, dense_parameters, expert_parameters, mark_experts
+from edgc.policies.rank_split import TokenSplit, largest_rank, share_ranks
 
 EXPERTS, LOCAL, D, H = 4, 2, 12, 24
 COMPRESS = dict(
@@ -134,7 +134,7 @@ def steps(model, dense, experts, rank: int, first: int, last: int) -> list[dict]
 
 
 def ddp_style(rank: int, world: int) -> dict:
-    from edgc.mesh import init_parallel_mesh
+    from edgc.distributed.mesh import init_parallel_mesh
 
     mesh = init_parallel_mesh("cpu", ep=2)
     edp, ep_rank = mesh["dp_replicate"], mesh["ep"].get_local_rank()

@@ -1,6 +1,6 @@
-"""FSDP2/HSDP with experts on their own mesh (`edgc.fsdp`, `edgc.experts`), EP 2 × DP 2 on 4 gloo processes
-(one call): the dense module sharded over the EP ranks of a replica, the stacked experts on their own
-(one-rank) shard mesh, each mesh's shards averaged over the replicas by a state of its own
+"""FSDP2/HSDP with experts on their own mesh (`edgc.parallel.fsdp`, `edgc.distributed.experts`), EP 2 × DP 2
+on 4 gloo processes (one call): the dense module sharded over the EP ranks of a replica, the stacked experts on
+their own (one-rank) shard mesh, each mesh's shards averaged over the replicas by a state of its own
 (``{mesh: state}``). The warm-up's gradients are the exact means of each group (dense over all four
 ranks, each expert over its two replicas); compressed steps keep every replica of a shard identical,
 each expert its own matrix. One state for the experts' mesh too, or no state for it, is refused in one
@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from edgc import EDGCConfig, EDGCState
-from edgc.experts import mark_experts
-from edgc.fsdp import register_fsdp_comm_hook
+from edgc.distributed.experts import mark_experts
+from edgc.parallel.fsdp import register_fsdp_comm_hook
 
 EXPERTS, LOCAL, D, H = 4, 2, 8, 16
 CONFIG = dict(
@@ -79,7 +79,7 @@ def refused(call) -> str:
 
 
 def worker(rank: int, world: int) -> dict:
-    from edgc.mesh import init_parallel_mesh
+    from edgc.distributed.mesh import init_parallel_mesh
 
     mesh = init_parallel_mesh("cpu", ep=2)
     ep_rank = mesh["ep"].get_local_rank()
@@ -153,7 +153,7 @@ def test_compressed_steps_keep_every_replica_identical_each_expert_its_own_matri
 def sharded_by_expert(rank: int, world: int) -> dict:
     """HSDP 2 replicas × 2 shards, no EP: all four experts on every replica, FSDP's Shard(0) giving each
     shard rank two whole experts; one state averages both modules' shards over the replicas."""
-    from edgc.fsdp import hsdp_mesh
+    from edgc.parallel.fsdp import hsdp_mesh
 
     mesh = hsdp_mesh(2)
     model = Model(0)

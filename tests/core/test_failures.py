@@ -269,7 +269,7 @@ def test_fuzzed_config_values_are_accepted_or_rejected_clearly(field, value):
 
 def half_wire_overflow_worker(rank, world_size):
     from edgc import LowRankCompressor
-    from edgc.comm import Communicator
+    from edgc.distributed.comm import Communicator
 
     compressor = LowRankCompressor(EDGCConfig(r_max=4))
     # Finite in fp16, but P = M·Q (entries up to 4000·√1024 = 128000) and Q = Mᵀ·P are not: the
@@ -297,7 +297,7 @@ def test_half_precision_wire_scales_factors_and_skips_a_step_that_still_overflow
 
 
 def test_profiling_sums_of_an_older_state_still_load():
-    from edgc.profiling import profile_seconds
+    from edgc.control.profiling import profile_seconds
 
     assert profile_seconds([0.6, 1.8, 3]) == [0.6, 3, 1.8, 3]  # one step count for both sums
     assert profile_seconds([0.6, 3, 0.9, 1]) == [0.6, 3, 0.9, 1]

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
-from edgc.finite import all_finite
+from edgc.device.finite import all_finite
 
 LOSS_SCALE = 2.0**16  # GradScaler's initial scale
 WIDTH = 64

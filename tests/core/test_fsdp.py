@@ -1,4 +1,4 @@
-"""EDGC on FSDP2 as HSDP: 4 gloo processes, 2 replicas × 2 shards (`edgc.fsdp`).
+"""EDGC on FSDP2 as HSDP: 4 gloo processes, 2 replicas × 2 shards (`edgc.parallel.fsdp`).
 
 One 4-process run per scenario family keeps the file fast on 2 cores: the worker trains a tiny
 model several ways and returns what the tests compare.
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from edgc import AllReduceState, EDGCConfig, EDGCState
-from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
+from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook
 
 VOCAB, WIDTH, SEQ = 64, 32, 8
 WARMUP_ONLY = dict(r_max=4, total_steps=1000, warmup_fraction=0.5, warmup_error_test=False, adaptive=False)

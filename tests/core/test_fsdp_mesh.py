@@ -1,4 +1,4 @@
-"""`register_fsdp_comm_hook` averages one mesh's shards over the group that goes with it (`edgc.fsdp`),
+"""`register_fsdp_comm_hook` averages one mesh's shards over the group that goes with it (`edgc.parallel.fsdp`),
 on 2 gloo processes (one start-up): a module sharded on another mesh than the rest (experts on an
 expert-data-parallel mesh) and a state whose group holds the other shards (built on the default
 group beside a model sharded over both ranks) are each refused in the same one line on both ranks,
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from edgc import EDGCConfig, EDGCState
-from edgc.fsdp import register_fsdp_comm_hook
+from edgc.parallel.fsdp import register_fsdp_comm_hook
 
 WARMUP = EDGCConfig.static(2, min_warmup_steps=10)
 

@@ -1,4 +1,4 @@
-"""No silent wrong result (`edgc.guards`, `edgc.fingerprint`), on 2 gloo processes (one start-up).
+"""No silent wrong result (`edgc.safeguards.guards`, `edgc.safeguards.fingerprint`), on 2 gloo processes (one start-up).
 
 A state built before ``init_process_group`` binds the group at its first step (the replicas end
 bit-identical); every misuse ends in one line on both ranks, the same on each: a group that does not
@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
-from edgc.fingerprint import ReplicasDiverged
+from edgc.safeguards.fingerprint import ReplicasDiverged
 
 STATIC = dict(min_warmup_steps=2, window=3)  # compressing from step 2, a window's end every 3 steps
 

@@ -1,4 +1,4 @@
-"""edgc.interstage: compressed activation gradients between pipeline stages (Optimus-CC's CB + LEP)."""
+"""edgc.parallel.interstage: compressed activation gradients between pipeline stages (Optimus-CC's CB + LEP)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import torch
 from distributed_harness import only_batched_point_to_point, run_distributed
 from test_overlap import CountHostReads
 
-from edgc.interstage import HEADER_BYTES, InterStageCompressor, decompress, effective_rank, interstage_rank, wire_bytes
+from edgc.parallel.interstage import (
+    HEADER_BYTES,
+    InterStageCompressor,
+    decompress,
+    effective_rank,
+    interstage_rank,
+    wire_bytes,
+)
 
 
 def test_error_feedback_conserves_the_stage_gradient_in_float64():
@@ -61,7 +68,7 @@ def _roundtrip(rank, world, ranks, known):
     """Packets at ``ranks`` from rank 1 to rank 0; with ``known`` the receiver passes each one's rank."""
     import torch.distributed as dist
 
-    from edgc.interstage import IncomingGradient, check_headers, send_gradient
+    from edgc.parallel.interstage import IncomingGradient, check_headers, send_gradient
 
     torch.manual_seed(1)
     grads = [torch.randn(2, 8, 16) for _ in ranks]
@@ -118,7 +125,7 @@ def _agreed_steps(rank, world, steps, packets, disagree_at):
     At step ``disagree_at`` the sender keeps rank 4 (it missed the new window's rank)."""
     import torch.distributed as dist
 
-    from edgc.interstage import IncomingGradient, check_headers, send_gradient_ops
+    from edgc.parallel.interstage import IncomingGradient, check_headers, send_gradient_ops
     from edgc_bench.stream_check import StreamChecker
 
     def agreed(step):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from edgc import EDGCConfig, EDGCState
-from edgc.fsdp import hsdp_mesh
+from edgc.parallel.fsdp import hsdp_mesh
 
 STATIC = dict(
     r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000, min_compression_rate=1.0

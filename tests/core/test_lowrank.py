@@ -5,8 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgc import EDGCConfig, LowRankCompressor, LowRankConfig, orthogonalize_
-from edgc.comm import Communicator
-from edgc.factors import orthonormalize_blocks_, orthonormalize_rows_
+from edgc.distributed.comm import Communicator
+from edgc.engine.factors import orthonormalize_blocks_, orthonormalize_rows_
 
 
 def make_grads(seed, dtype=torch.float64):

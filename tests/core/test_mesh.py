@@ -1,4 +1,4 @@
-"""`edgc.mesh`: one DeviceMesh for every group; the library takes its dimensions where it takes groups.
+"""`edgc.distributed.mesh`: one DeviceMesh for every group; the library takes its dimensions where it takes groups.
 
 4 gloo processes; each check is a collective on the mesh's groups."""
 
@@ -15,7 +15,7 @@ def _mesh_checks(rank: int, world: int) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     import edgc
-    from edgc.mesh import as_process_group, init_parallel_mesh, local_tensor, pipeline_ends_group
+    from edgc.distributed.mesh import as_process_group, init_parallel_mesh, local_tensor, pipeline_ends_group
 
     out = {}
     with pytest.raises(ValueError, match="must divide the world size 4"):  # before any collective
@@ -69,7 +69,7 @@ def _shard_decisions(rank: int, world: int, agree_over_stage: bool) -> dict:
     """TP 2 × DP 2 with two shards that see different gradients: TP shard 0's a fixed matrix, whose
     warm-up error test passes at its second check, TP shard 1's zeros, whose test never can."""
     import edgc
-    from edgc.mesh import group_across, init_parallel_mesh
+    from edgc.distributed.mesh import group_across, init_parallel_mesh
 
     mesh = init_parallel_mesh("cpu", tp=2)
     stage = group_across(mesh, ("dp_replicate", "tp"))  # here: all four ranks
@@ -112,7 +112,7 @@ def test_a_decision_group_makes_every_tp_shard_take_the_same_phases_and_ranks():
 
 def test_a_mesh_takes_the_models_device_not_the_cpu():
     """FSDP2 moves a model to its mesh's device: a CUDA model on a default "cpu" mesh went to the CPU."""
-    from edgc.mesh import mesh_device_type
+    from edgc.distributed.mesh import mesh_device_type
 
     model = torch.nn.Linear(2, 2)
     assert mesh_device_type(model) == "cpu"

@@ -10,11 +10,11 @@ import torch
 from distributed_harness import run_distributed
 from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads
 
-import edgc.orthonormal_choice as orthonormal_choice
+import edgc.engine.orthonormal_choice as orthonormal_choice
 from edgc import EDGCConfig, EDGCState, LowRankCompressor
-from edgc.comm import Communicator
-from edgc.factors import ORTHONORMALIZATIONS, orthonormalize_blocks_
-from edgc.orthonormal_choice import orthonormalization_for
+from edgc.distributed.comm import Communicator
+from edgc.engine.factors import ORTHONORMALIZATIONS, orthonormalize_blocks_
+from edgc.engine.orthonormal_choice import orthonormalization_for
 
 CHOLESKY = [method for method in ORTHONORMALIZATIONS if method != "householder"]
 
@@ -47,7 +47,7 @@ def test_a_method_is_timed_on_the_device_it_runs_on():
 
 
 def _agreeing(rank, world_size):
-    from edgc.comm import Communicator
+    from edgc.distributed.comm import Communicator
 
     mine = orthonormal_choice.TIMED[rank]  # each rank timed its device differently
     return orthonormal_choice.agreed(mine, Communicator(None), torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""DiLoCo's sparse outer sync (`edgc.outer_sparse`): bit packing of index codes, what one chunk sends
+"""DiLoCo's sparse outer sync (`edgc.sync.outer_sparse`): bit packing of index codes, what one chunk sends
 (its top-k, their signs, two magnitudes), the bytes, error-feedback conservation, rollback, exact
 resume, the per-tensor density choice (two gloo processes: `test_outer_sync`)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_baselines import grads_of, reduce
 
-from edgc.outer_alloc import allocate_by_cost
-from edgc.outer_sparse import DENSITIES, AllocatedSparseState, SparseQuantState, pack_bits, unpack_bits
-from edgc.sync_methods import sync_method
+from edgc.sync.outer_alloc import allocate_by_cost
+from edgc.sync.outer_sparse import DENSITIES, AllocatedSparseState, SparseQuantState, pack_bits, unpack_bits
+from edgc.sync.sync_methods import sync_method
 
 SHAPES = ((64, 96), (96,), (16, 8, 4))
 
@@ -112,7 +112,7 @@ def test_allocated_sparse_sync_stays_within_its_budget_and_conserves():
 
 
 def test_the_codec_decodes_what_it_encoded_and_zeros_from_an_all_zero_message():
-    from edgc.outer_sparse import SparseCodec
+    from edgc.sync.outer_sparse import SparseCodec
 
     codec = SparseCodec(density=8 / 256, chunk=256)
     for n in (1000, 256, 37):
@@ -128,7 +128,7 @@ def test_the_codec_decodes_what_it_encoded_and_zeros_from_an_all_zero_message():
 
 
 def test_an_outer_sync_spec_is_a_registered_name_and_its_modifiers(monkeypatch):
-    import edgc.sync_methods as methods
+    import edgc.sync.sync_methods as methods
 
     assert methods.outer_sync_spec("sparse64-decay0.95-mom0-lr1") == {
         "sync": "sparse64",

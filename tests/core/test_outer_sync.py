@@ -1,4 +1,4 @@
-"""DiLoCo's quantised outer sync (`edgc.outer_sync`): bit packing, the bytes on the wire, the rounding
+"""DiLoCo's quantised outer sync (`edgc.sync.outer_sync`): bit packing, the bytes on the wire, the rounding
 error, error-feedback conservation, the registry's names, and what decay and heal do to a state's
 error feedback; two gloo processes end with the same average."""
 
@@ -9,8 +9,16 @@ import torch
 from distributed_harness import run_distributed
 from test_baselines import grads_of, reduce
 
-from edgc.outer_sync import QuantizedState, decay_error_feedback, error_table, heal_error_feedback, levels, pack, unpack
-from edgc.sync_methods import sync_method
+from edgc.sync.outer_sync import (
+    QuantizedState,
+    decay_error_feedback,
+    error_table,
+    heal_error_feedback,
+    levels,
+    pack,
+    unpack,
+)
+from edgc.sync.sync_methods import sync_method
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -101,7 +109,7 @@ def test_two_processes_agree_and_conserve(name):
 
 
 def test_allocation_spends_the_budget_where_a_byte_removes_the_most_error():
-    from edgc.outer_alloc import CANDIDATES, allocate
+    from edgc.sync.outer_alloc import CANDIDATES, allocate
 
     sizes = [4096, 4096]
     quiet = [4.0**-b for b in CANDIDATES]  # error ∝ 4^-bits: each bit removes 3/4 of what is left
@@ -115,7 +123,7 @@ def test_allocation_spends_the_budget_where_a_byte_removes_the_most_error():
 
 
 def test_allocated_sync_stays_within_its_budget_and_conserves():
-    from edgc.outer_alloc import AllocatedQuantState
+    from edgc.sync.outer_alloc import AllocatedQuantState
 
     grads = grads_of()
     grads[2] *= 50  # one loud tensor (a small one: widening it fits the budget)

@@ -8,9 +8,9 @@ from models import batch, flat_parameters, loss_fn
 from test_ddp import ADAPTIVE, build, train
 from torch.overrides import TorchFunctionMode
 
-import edgc.timing
+import edgc.device.timing
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
-from edgc.comm import Communicator
+from edgc.distributed.comm import Communicator
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
@@ -70,7 +70,7 @@ def overlap_worker(rank, world_size, steps, read_metrics=True):
     reads: list[int] = []
     syncs: list[int] = []
     counted = {"to_host": 0, "synchronize": 0}
-    original_to_host, original_sync = edgc.timing.to_host, edgc.timing.synchronize
+    original_to_host, original_sync = edgc.device.timing.to_host, edgc.device.timing.synchronize
 
     def to_host(tensor):
         counted["to_host"] += 1
@@ -80,7 +80,7 @@ def overlap_worker(rank, world_size, steps, read_metrics=True):
         counted["synchronize"] += 1
         original_sync(device)
 
-    edgc.timing.to_host, edgc.timing.synchronize = to_host, synchronize  # the library's only ways
+    edgc.device.timing.to_host, edgc.device.timing.synchronize = to_host, synchronize  # the library's only ways
 
     def watching_hook(s, bucket):
         with CountHostReads() as mode:
@@ -105,7 +105,7 @@ def overlap_worker(rank, world_size, steps, read_metrics=True):
                 optimizer.step()
             syncs.append((counted["to_host"], counted["synchronize"]))
     finally:  # the process runs later tests (distributed_harness)
-        edgc.timing.to_host, edgc.timing.synchronize = original_to_host, original_sync
+        edgc.device.timing.to_host, edgc.device.timing.synchronize = original_to_host, original_sync
     return {
         "done": done_at_return,
         "reads": reads,
@@ -122,7 +122,7 @@ def test_hook_returns_before_the_bucket_is_averaged_and_reads_the_host_once_per_
         assert len(compressing) >= 10
         assert not all(compressing[:-1]), "every non-last bucket was complete at return: the hook blocked"
         assert compressing[-1], "the last bucket must drain every job before backward ends"
-        # Per step, however many buckets: one packed device read (tolist inside edgc.timing.to_host),
+        # Per step, however many buckets: one packed device read (tolist inside edgc.device.timing.to_host),
         # no device synchronise, and no other read of a tensor value. The loop reads the step's
         # metrics after the optimizer step, so the read happens there: never inside backward.
         for step in range(3, 6):
@@ -159,7 +159,7 @@ def test_a_layer_without_gradient_recovers_at_low_rank():
 
 
 def test_profiling_frees_its_q_factors_when_it_ends():
-    from edgc.plans import PROFILE
+    from edgc.policies.plans import PROFILE
 
     config = EDGCConfig(
         r_max=None,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from distributed_harness import run_distributed
 
 from edgc import EDGCConfig, EDGCState
-from edgc.pipeline import StageAligner
+from edgc.parallel.pipeline import StageAligner
 from edgc_bench.stream_check import StreamChecker
 
 CONFIG = dict(
@@ -77,7 +77,7 @@ def test_without_slack_the_follower_gets_the_leaders_time_as_budget():
 
 def test_window_boundaries_read_the_host_only_where_allowed():
     """The stages' exchange at a window boundary is a decision point: its reads of the agreed values
-    are the allowed kind (`edgc.timing.host_reads_allowed`), and its vectors reach the device
+    are the allowed kind (`edgc.device.timing.host_reads_allowed`), and its vectors reach the device
     without a blocking copy."""
     for races, syncs in run_distributed(aligner_worker, 2, 9, 0.0, True):
         assert races == [] and syncs == [], (races[:3], syncs[:5])

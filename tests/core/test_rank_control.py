@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgc import EDGCConfig, WindowController, delta_target, limit_rank
-from edgc.plans import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision, DecisionInputs, StepPlan
-from edgc.profiling import SyncTimeTable, profile_candidates
-from edgc.rank_rules import delta_ratio
+from edgc.control.profiling import SyncTimeTable, profile_candidates
+from edgc.policies.plans import COMPRESS, OFF, PROFILE, WARMUP, Agreed, Decision, DecisionInputs, StepPlan
+from edgc.policies.rank_rules import delta_ratio
 
 
 def next_rank(controller, entropies, shapes):
@@ -237,7 +237,7 @@ def test_controller_state_round_trip():
 
 
 def test_profiling_verdict_says_why_compression_is_off_with_the_measured_times():
-    from edgc.profiling import describe_profiling_verdict
+    from edgc.control.profiling import describe_profiling_verdict
 
     config = EDGCConfig(profile_max_rank=8, profile_steps_per_rank=1)
     controller, _ = run_controller(config, 10, lambda plan: Agreed(2.0, 1.0))

@@ -12,10 +12,10 @@ import torch
 from distributed_harness import run_distributed
 
 from edgc import EDGCConfig
-from edgc.entropy import gaussian_entropy
-from edgc.plans import COMPRESS, Agreed, DecisionInputs
-from edgc.rank_control import WindowController
-from edgc.rank_rules import entropy_shift
+from edgc.control.entropy import gaussian_entropy
+from edgc.control.rank_control import WindowController
+from edgc.policies.plans import COMPRESS, Agreed, DecisionInputs
+from edgc.policies.rank_rules import entropy_shift
 
 SHAPES = [(256, 256), (256, 1024), (1024, 256)]
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from edgc import ErrorModel, error_curve_mc, error_curve_mp
-from edgc.rank_model import cqm_target_rank
+from edgc.policies.rank_model import cqm_target_rank
 
 
 def test_monte_carlo_matches_marchenko_pastur_for_256x512():

@@ -5,7 +5,7 @@ everything built under the checker (nothing of unknown origin), several steps in
 read where a user would (after the run), not after every step: a host read orders every stream
 and would hide a race between one step and the next. Every scenario must show no two unordered
 accesses on different streams, no memory freed while another stream may use it, no stale host
-read and no host synchronisation from the library outside `edgc.timing.host_reads_allowed`.
+read and no host synchronisation from the library outside `edgc.device.timing.host_reads_allowed`.
 torchft's DDP with a heal runs under the checker in tests/integrations/test_torchft.py, DiLoCo's
 outer syncs in tests/integrations/test_diloco_stream_races.py.
 """
@@ -23,8 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
-from edgc.fsdp import hsdp_mesh, register_fsdp_comm_hook
 from edgc.integrations.diloco import DiLoCo
+from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook
 from edgc_bench.stream_check import StreamChecker
 
 # r_max profiled (ranks 8, 4, 2 and the plain sync), then adaptive ranks on an fp16 wire.
@@ -164,7 +164,7 @@ def test_state_loaded_between_steps_stays_alive_until_the_jobs_stream_is_done_wi
     """Q and error feedback loaded from a checkpoint or a peer are read by the jobs' stream and
     replaced there (the arenas): memory the compute stream allocated must be recorded on the jobs'
     stream, or backward may reuse it while the jobs still read it; and the checkpoint's host tensors
-    reach the device without a host wait (`edgc.timing.to_device`)."""
+    reach the device without a host wait (`edgc.device.timing.to_device`)."""
     for result in run_distributed(loaded_state_worker, 2, 6, 10, timeout=600):
         assert result["phase"] == "compress"
         check(result)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig
-from edgc.engine_state import EngineState
+from edgc.engine.engine_state import EngineState
 
 LIBRARY = Path(__file__).resolve().parents[2] / "src" / "edgc"
 MAX_STATE_ATTRIBUTES = 15
@@ -60,11 +60,11 @@ def test_a_state_that_has_stepped_holds_at_most_15_attributes():
 
 
 def test_the_end_of_a_step_is_one_named_value_read_once(monkeypatch):
-    import edgc.timing
-    from edgc.totals import StepTotals
+    import edgc.device.timing
+    from edgc.device.totals import StepTotals
 
     reads = []
-    monkeypatch.setattr(edgc.timing, "to_host", lambda tensor: reads.append(tensor) or tensor.tolist())
+    monkeypatch.setattr(edgc.device.timing, "to_host", lambda tensor: reads.append(tensor) or tensor.tolist())
     totals = StepTotals()
     totals.add_vector(("probe_error_sq", "probe_norm_sq"), torch.tensor([3.0, 4.0], dtype=torch.float64))
     totals.add(nonfinite=torch.tensor(False), error_sq=torch.tensor(1.5), norm_sq=6.0)
@@ -199,7 +199,11 @@ def test_each_setting_is_defined_once_and_flat_keywords_reach_the_nested_engine(
 
 # The modules that may read another library's private members, one per library: each docstring names
 # what it reads and why, so that a rename upstream changes one file.
-LIBRARY_ADAPTERS = {"edgc/torch_adapter.py", "edgc/fsdp_adapter.py", "edgc/integrations/torchft_adapter.py"}
+LIBRARY_ADAPTERS = {
+    "edgc/adapters/torch_adapter.py",
+    "edgc/adapters/fsdp_adapter.py",
+    "edgc/integrations/torchft_adapter.py",
+}
 FIRST_PARTY = ("edgc", "edgc_train", "edgc_bench", "edgc_sim", "edgc_experiments", "edgc_cli")
 
 
@@ -306,8 +310,8 @@ def test_ruff_checks_every_file_alike():
 def test_sync_methods_sit_at_most_two_classes_below_the_step_runner():
     """A method's behaviour is read in its class and at most one base below the runner (docs/layout.md,
     "Sync methods"); AllocatedSparseState is a SparseQuantState by contract."""
-    from edgc.reducer import GradientReducer
-    from edgc.sync_methods import SYNC_METHODS
+    from edgc.sync.reducer import GradientReducer
+    from edgc.sync.sync_methods import SYNC_METHODS
 
     def below_runner(cls: type) -> int:
         return cls.__mro__.index(GradientReducer)

@@ -1,4 +1,4 @@
-"""The two-stage compressed all-reduce (`edgc.two_stage`) and its codec (`edgc.codecs`): the codec's
+"""The two-stage compressed all-reduce (`edgc.sync.two_stage`) and its codec (`edgc.sync.codecs`): the codec's
 contract, three gloo processes ending bit-identical with the error feedback of both stages
 conserved, a spare that contributes zeros, a rollback that leaves each M in the error feedback,
 the owner's error feedback dropped when the group changes, and an exact resume from a checkpoint."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 from distributed_harness import run_distributed
 
-from edgc.codecs import QuantCodec, pack_planes, unpack_planes
-from edgc.comm import Communicator
-from edgc.sync_methods import TWO_STAGE, sync_method
-from edgc.two_stage import Partition, TwoStageQuantState
+from edgc.distributed.comm import Communicator
+from edgc.sync.codecs import QuantCodec, pack_planes, unpack_planes
+from edgc.sync.sync_methods import TWO_STAGE, sync_method
+from edgc.sync.two_stage import Partition, TwoStageQuantState
 
 SHAPES = [(300, 7), (5,), (1000,)]
 NAMES = ["a", "b", "c"]

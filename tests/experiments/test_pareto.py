@@ -6,9 +6,9 @@ import math
 import pytest
 
 from edgc import EDGCConfig
-from edgc.budget import spent_rank_steps
-from edgc.plans import DecisionInputs
-from edgc.rank_control import WindowController
+from edgc.control.budget import spent_rank_steps
+from edgc.control.rank_control import WindowController
+from edgc.policies.plans import DecisionInputs
 from edgc_cli.main import main
 from edgc_experiments.pareto import arms
 from edgc_experiments.pareto_summary import paired
@@ -231,8 +231,8 @@ def test_steady_excess_is_a_static_runs_mean_excess_over_its_twin():
 def test_shadow_records_the_compressors_own_error_and_its_own_power_iteration():
     import torch
 
-    from edgc.comm import Communicator
-    from edgc.lowrank import LowRankCompressor
+    from edgc.distributed.comm import Communicator
+    from edgc.engine.lowrank import LowRankCompressor
     from edgc_experiments.change_cost import Shadows
 
     compressor, comm = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0)), Communicator()

@@ -12,7 +12,7 @@ On a CUDA machine, ``python -m pytest -q tests/gpu`` (docs/gpu.md) checks:
 
 Everything runs under ``torch.use_deterministic_algorithms(True)``, and every step after DDP's
 one-time bucket rebuild (its first two iterations) under ``torch.cuda.set_sync_debug_mode("error")``:
-a host synchronisation outside `edgc.timing.host_reads_allowed` (a step being settled, a rank change) raises.
+a host synchronisation outside `edgc.device.timing.host_reads_allowed` (a step being settled, a rank change) raises.
 The assertions read device values only after the mode is back to "default". gloo's worker thread
 synchronises its CUDA copies by design, which "error" would turn into a failed collective, so the
 gloo run uses "warn" and fails on any "called a synchronizing CUDA operation" warning (the text of
@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 
 from distributed_harness import run_distributed  # noqa: E402
 
-import edgc.timing  # noqa: E402
+import edgc.device.timing  # noqa: E402
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook  # noqa: E402
-from edgc.comm import Communicator  # noqa: E402
+from edgc.distributed.comm import Communicator  # noqa: E402
 
 DEVICE = os.environ.get("EDGC_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEVICE == "cuda"
@@ -145,7 +145,7 @@ class TinyGPT(nn.Module):
 
 def batch(rank: int, step: int, device, vocab: int = 256, size: int = 4, seq_len: int = 16):
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = edgc.timing.to_device(torch.randint(0, vocab, (size, seq_len + 1), generator=generator), device)
+    tokens = edgc.device.timing.to_device(torch.randint(0, vocab, (size, seq_len + 1), generator=generator), device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -234,18 +234,18 @@ def _build(device, config_kwargs, seed=0):
 
 @contextlib.contextmanager
 def counted_host_reads():
-    """Counts calls of `edgc.timing.to_host` (the library's device→host reads) into ``counter[0]``."""
-    real, counter = edgc.timing.to_host, [0]
+    """Counts calls of `edgc.device.timing.to_host` (the library's device→host reads) into ``counter[0]``."""
+    real, counter = edgc.device.timing.to_host, [0]
 
     def counting(tensor):
         counter[0] += 1
         return real(tensor)
 
-    edgc.timing.to_host = counting
+    edgc.device.timing.to_host = counting
     try:
         yield counter
     finally:
-        edgc.timing.to_host = real
+        edgc.device.timing.to_host = real
 
 
 def _train(rank, device, ddp, state, optimizer, start, stop, debug_mode):

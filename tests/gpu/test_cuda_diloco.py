@@ -2,7 +2,7 @@
 
 On a CUDA machine (NCCL, one process) every inner and outer step after the first outer step runs
 under ``torch.cuda.set_sync_debug_mode("error")``: a blocking copy of a loaded error feedback to the
-device, or any other host synchronisation outside `edgc.timing.host_reads_allowed`, raises. Run
+device, or any other host synchronisation outside `edgc.device.timing.host_reads_allowed`, raises. Run
 again under ``TORCH_CUDA_SANITIZER=1`` (docs/gpu.md), the sanitizer reports a tensor freed or reused
 on one stream while another still reads it, the race a resume exposes when the loaded error
 feedback is moved to the device and replaced on the jobs' side stream. The resumed run must end bit

@@ -22,7 +22,7 @@ from torchft.manager import Manager
 
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DiLoCo
-from edgc.outer_sync import error_table
+from edgc.sync.outer_sync import error_table
 
 from .torchft_harness import FailingProcessGroup, Faults, InjectedKill, batch, initial_model, loss_of, run_groups
 

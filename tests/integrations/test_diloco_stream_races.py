@@ -1,6 +1,6 @@
 """DiLoCo's outer syncs under the CPU stream checker (`edgc_bench.stream_check`), two gloo processes.
 
-Every registered sync method (`edgc.sync_methods`, read when the test runs: a method added later is
+Every registered sync method (`edgc.sync.sync_methods`, read when the test runs: a method added later is
 checked too) and EDGC's PowerSGD: inner steps, outer steps, a checkpoint, and a resume in a new
 run whose first outer sync moves the loaded error feedback to the device and replaces it on the
 jobs' stream. EDGC's runs as Streaming DiLoCo (two fragments, each sync started two inner steps
@@ -24,7 +24,7 @@ from models import TinyTransformer, batch, loss_fn  # noqa: E402
 
 from edgc import EDGCConfig, LowRankConfig  # noqa: E402
 from edgc.integrations.diloco import DiLoCo  # noqa: E402
-from edgc.sync_methods import sync_method_names  # noqa: E402
+from edgc.sync.sync_methods import sync_method_names  # noqa: E402
 from edgc_bench.stream_check import StreamChecker  # noqa: E402
 
 from .test_diloco import CONFIG  # noqa: E402
@@ -99,7 +99,7 @@ def resume_worker(rank, world_size, methods):
 @pytest.mark.parametrize("half", [0, 1])
 def test_every_outer_sync_resumed_is_ordered_and_never_waits_for_the_device(half):
     """The loaded error feedback of every method reaches the device without a host wait and stays
-    alive until the jobs' stream is done with it (`edgc.timing.state_to_device`)."""
+    alive until the jobs' stream is done with it (`edgc.device.timing.state_to_device`)."""
     methods = [None, *sync_method_names()]
     methods = methods[half::2]  # two calls, so that a failure names fewer methods
     for found in run_distributed(resume_worker, 2, methods, timeout=600):

@@ -1,4 +1,4 @@
-"""DiLoCo's two-stage outer sync (`quant3-2s`, `edgc.two_stage`) on a plain process group, 3 gloo
+"""DiLoCo's two-stage outer sync (`quant3-2s`, `edgc.sync.two_stage`) on a plain process group, 3 gloo
 processes, syncs of several buckets: replicas bit-identical, the payload under a tenth; Streaming
 DiLoCo's fragments with their syncs started an inner step early (``fragment_sync_delay``) too; and
 a checkpoint taken mid-run (the owners' error feedback in it) resumes bit for bit."""

@@ -1,4 +1,4 @@
-"""DiLoCo's two-stage outer sync on torchft (`edgc.two_stage` through `edgc.integrations.torchft.DiLoCo`):
+"""DiLoCo's two-stage outer sync on torchft (`edgc.sync.two_stage` through `edgc.integrations.torchft.DiLoCo`):
 3 groups on gloo in one process, the all-to-all and all-gather issued on the quorum's process group
 itself. A failed collective discards the outer step on every group with each M kept in the error
 feedback (checked on the spot), a group killed in the middle of the all-to-all of a sync of several

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from edgc.interstage import wire_bytes
+from edgc.parallel.interstage import wire_bytes
 from edgc_cli.main import main
 from edgc_sim.calibrate import load_run
 from edgc_sim.calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration, predict_schedule

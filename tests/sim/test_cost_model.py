@@ -148,9 +148,9 @@ def test_engine_compress_model_matches_a_measured_single_process_reduce():
     engine (best of 5 each, so a disturbed call does not count), and an attempt that other users
     disturbed anyway is repeated. The model must hold at every rank in one of three attempts; a model
     off by more than 3x fails all three."""
-    from edgc.comm import Communicator
     from edgc.config import EDGCConfig
-    from edgc.lowrank import LowRankCompressor
+    from edgc.distributed.comm import Communicator
+    from edgc.engine.lowrank import LowRankCompressor
     from edgc_sim.engine_model import engine_compute_time
     from edgc_sim.host import measure_host
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from edgc.codecs import QuantCodec
-from edgc.sync_methods import ALL_GATHER, TWO_STAGE, sync_method
+from edgc.sync.codecs import QuantCodec
+from edgc.sync.sync_methods import ALL_GATHER, TWO_STAGE, sync_method
 from edgc_sim import diloco
 from edgc_sim.diloco import OUTER_SYNCS, Link, Site, crossover, outer_step, sync_seconds, wire_bytes
 from edgc_sim.diloco_report import calibrate_on_bench, markdown

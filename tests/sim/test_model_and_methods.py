@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgc.rank_rules import delta_target
+from edgc.policies.rank_rules import delta_target
 from edgc_sim.dac import align_stage_ranks, profile_r_max
 from edgc_sim.hardware import CLUSTERS, LinkSpec, cluster_with_inter_link
 from edgc_sim.iteration import BREAKDOWN_KEYS, IterationModel

@@ -1,11 +1,11 @@
 """The simulator's inter-stage model: compressed backward p2p in the 1F1B timeline, the cool-down's
-transfer count, bytes from edgc.interstage.wire_bytes, and --tp/--pp/--interstage on the CLI."""
+transfer count, bytes from edgc.parallel.interstage.wire_bytes, and --tp/--pp/--interstage on the CLI."""
 
 import random
 
 import pytest
 
-from edgc.interstage import wire_bytes
+from edgc.parallel.interstage import wire_bytes
 from edgc_sim import cost_model as cm
 from edgc_sim.cli import with_layout
 from edgc_sim.hardware import CLUSTERS
@@ -62,7 +62,7 @@ def test_step_bytes_are_wire_bytes_per_compressed_gradient():
     assert step_bytes("off", [None] * P, m, P, rows, cols) == (raw, raw)  # no header on the raw path
     # EDGC's warm-up: rank None through the compressed path is raw plus a header per gradient
     assert step_bytes("all", [None, None], 2, 2, rows, cols) == (2 * wire_bytes(rows, cols, 0), 2 * rows * cols * 4)
-    # factors that would not be smaller go raw (edgc.interstage.effective_rank)
+    # factors that would not be smaller go raw (edgc.parallel.interstage.effective_rank)
     assert step_bytes("all", [None, 300], 1, 2, 400, 400)[0] == wire_bytes(400, 400, 0)
 
 

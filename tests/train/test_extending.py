@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from edgc import EDGCConfig
-from edgc.signals import SIGNALS
-from edgc.sync_methods import SYNC_METHODS
+from edgc.policies.signals import SIGNALS
+from edgc.sync.sync_methods import SYNC_METHODS
 from edgc_cli.errors import CLIError
 from edgc_cli.main import build_parser, main
 from edgc_train.config import TrainConfig

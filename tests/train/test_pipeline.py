@@ -171,7 +171,7 @@ def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_r
 
 @pytest.mark.parametrize("mode", ["all", "cooldown"])
 def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formula(tmp_path, cache_dir, mode):
-    from edgc.interstage import wire_bytes
+    from edgc.parallel.interstage import wire_bytes
 
     run = tmp_path / mode
     proc = run_edgc(

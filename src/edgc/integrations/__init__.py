@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import EDGCConfig
-from ..reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
+from ..sync.reducer import GradientReducer, edgc_hook
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
@@ -32,7 +32,7 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
 
 
 def check_group(state: object) -> None:
-    """Check, before training, the process group an edgc state averages over (`edgc.guards`).
+    """Check, before training, the process group an edgc state averages over (`edgc.safeguards.guards`).
 
     A `GradientReducer` built for the default group before ``init_process_group`` (easy with
     launchers that initialise it for you) binds that group now; one given a DDP model refuses

@@ -16,7 +16,7 @@ group and the outer optimizer (Nesterov SGD in DiLoCo) steps θ_global with the 
 several ``model_fragments`` (Streaming DiLoCo) the fragments take turns: one every
 ``sync_every / fragments`` inner steps, each every ``sync_every``. With ``fragment_sync_delay`` τ > 0
 a fragment's sync starts τ inner steps before its outer step and goes on while they run, as
-torchft's DiLoCo does it: issued from the training thread on the jobs' side stream (`edgc.jobs`),
+torchft's DiLoCo does it: issued from the training thread on the jobs' side stream (`edgc.engine.jobs`),
 each inner step issues what it can (`GradientReducer.progress`), and the outer step waits for the
 rest, on the device (the compute stream waits for the side stream). Every collective is issued
 from the one thread, in program order with the inner steps' own (FSDP or TP inside a replica).
@@ -48,17 +48,17 @@ import torch
 import torch.distributed as dist
 from torch import nn, optim
 
-from .. import streams
 from ..config import EDGCConfig
-from ..finite import all_finite
-from ..outer_sync import decay_error_feedback
+from ..device import streams
+from ..device.finite import all_finite
+from ..device.timing import host_reads_allowed, state_to_host
 from ..state import EDGCState
-from ..sync_methods import sync_method, sync_method_names
-from ..timing import host_reads_allowed, state_to_host
+from ..sync.outer_sync import decay_error_feedback
+from ..sync.sync_methods import sync_method, sync_method_names
 
 STATE_FORMAT = "edgc-diloco/1"
 # The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (a payload of
-# 0.098× the raw bytes) through the two-stage all-reduce (`edgc.two_stage`), whose wire stays that
+# 0.098× the raw bytes) through the two-stage all-reduce (`edgc.sync.two_stage`), whose wire stays that
 # share of torchft's as the replica groups grow. Across the model families of `edgc experiment
 # diloco` the 3-bit codes ended within the interval of torchft's uncompressed DiLoCo where EDGC's
 # PowerSGD at rank 8 did not, nor did the sparse syncs at 0.02× the bytes or fewer, and the two-stage
@@ -167,7 +167,7 @@ class DiLoCo:
         ``sync_every`` (inner steps per outer step), ``backup_device`` and ``pin_memory`` (where θ_global
         is kept), ``fragment_sync_delay`` and ``fragment_update_alpha`` (Streaming DiLoCo's τ and α);
         plus ``config`` (steps = outer steps), ``power_iterations`` (1 or 2), ``sync_method`` (a
-        registered method's name, `edgc.sync_methods`, instead of EDGC's PowerSGD; ``config`` then goes
+        registered method's name, `edgc.sync.sync_methods`, instead of EDGC's PowerSGD; ``config`` then goes
         unused; with neither, `DEFAULT_OUTER_SYNC`) and ``error_feedback_decay`` (the error feedback is
         multiplied by it before every outer step's sync; 1: kept whole)."""
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
@@ -192,7 +192,7 @@ class DiLoCo:
         if power_iterations != 1:
             config = replace(config, engine=replace(config.engine, power_iterations=power_iterations))
         self.state = self._new_state(process_group, config, nn.ModuleList(fragments))
-        # Compared over the group before the first outer sync sends anything (`edgc.agreement`): a
+        # Compared over the group before the first outer sync sends anything (`edgc.distributed.agreement`): a
         # replica that syncs at other inner steps, or other fragments, would pair other collectives.
         self.state.agree_on(
             {
@@ -271,7 +271,7 @@ class DiLoCo:
         fragment.copied()
         fragment.deltas = deltas
         decay_error_feedback(self.state.error_table(), self._decay)
-        # A state that leaves the whole M in its error feedback on a rollback (`edgc.two_stage`) needs
+        # A state that leaves the whole M in its error feedback on a rollback (`edgc.sync.two_stage`) needs
         # no copy of Δ to carry: 4 bytes a parameter fewer while the verdict is out.
         keeps = self.state.rollback_keeps_input
         fragment.kept = [d.clone() for d in deltas] if self.state.defer_commit and not keeps else []

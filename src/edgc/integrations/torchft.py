@@ -49,10 +49,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import EDGCConfig
-from ..plans import PROFILE
-from ..reducer import GradientReducer, edgc_hook
+from ..policies.plans import PROFILE
 from ..state import EDGCState
-from ..sync_methods import sync_method
+from ..sync.reducer import GradientReducer, edgc_hook
+from ..sync.sync_methods import sync_method
 from . import torchft_adapter
 from .diloco import DiLoCo as _DiLoCo
 from .torchft_managed import ManagedCommunicator, ManagedSteps  # noqa: F401 - part of this integration's API

@@ -1,7 +1,7 @@
 """A sync state under torchft's manager: its collectives through the manager, its steps by the
 manager's verdict, its shared state to a healing replica (`edgc.integrations.torchft` has the whole).
 
-`ManagedCommunicator` is the `edgc.comm.Communicator` whose collectives go through a replica
+`ManagedCommunicator` is the `edgc.distributed.comm.Communicator` whose collectives go through a replica
 group's ``Manager``; `ManagedSteps` is what the manager does to any `GradientReducer` that uses it:
 defer each step until ``manager.should_commit()`` says whether to commit or roll it back, and
 register the state's shared part for a replica that heals.
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from ..comm import Communicator
-from ..reducer import GradientReducer
+from ..distributed.comm import Communicator
+from ..sync.reducer import GradientReducer
 from . import torchft_adapter
 
 try:
@@ -127,7 +127,7 @@ class ManagedCommunicator(Communicator):
             return _Watched(None, self)
 
     # torchft's manager offers only all-reduce; its process group runs all-to-all and all-gather
-    # on gloo and NCCL alike, so the two-stage sync (`edgc.two_stage`) issues them there directly,
+    # on gloo and NCCL alike, so the two-stage sync (`edgc.sync.two_stage`) issues them there directly,
     # under the manager's timeout, and reports a failure to the manager itself (`_Watched`).
     def _direct(self, start):
         if self.collective_failed:

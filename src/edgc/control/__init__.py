@@ -1,0 +1,12 @@
+"""Rank control: GDS sampling, the byte budget, sync-time profiles, DAC's window and decision round.
+
+Modules:
+    entropy.py      GDS — the gradient data sampler: cheap gradient-entropy estimates.
+    budget.py       The byte budget: spend a mean rank over the compressed steps, more of it early (pure logic).
+    profiling.py    Sync-time tables: {rank → measured gradient-sync time}, the r_max rule, interpolation.
+    alignment.py    DAC stage alignment: per-pipeline-stage ranks so all stages finish gradient sync together.
+    rank_control.py DAC, the window controller: when to compress and at which rank (pure logic, no collectives).
+    decisions.py    The decision round: how what the ranks measured becomes one decision that every rank applies.
+    shadow.py       What profiling measures: a compressed sync timed beside the real one, and the plain sync's time.
+    events.py       What EDGC decides, said through Python's `logging`: logger ``edgc``, one record per event.
+"""

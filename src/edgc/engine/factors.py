@@ -1,0 +1,194 @@
+"""Shapes, seeds and orthonormalisation of low-rank factors.
+
+What the PowerSGD engine (`edgc.engine.lowrank`), its rank-change policy (`edgc.engine.rank_change`) and the
+inter-stage compressor (`edgc.parallel.interstage`) share: how a gradient is viewed as a matrix, at which
+rank a matrix of that shape is worth compressing, seeds that agree across processes, and the
+in-place orthonormalisation of a batch of factors.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from ..config import ORTHONORMALIZATION_CHOICES
+
+# The methods `orthonormalize_blocks_` runs (`edgc.engine.orthonormal_choice` picks one per device).
+ORTHONORMALIZATIONS = tuple(name for name in ORTHONORMALIZATION_CHOICES if name != "auto")
+# dtype and floor of the Cholesky methods. The floor is added to every shift, so that an all-zero
+# batch (a layer that got no gradient) still has a positive-definite Gram matrix: far below any value
+# that matters in that dtype, far above its smallest normal number.
+_CHOLESKY = {"cholesky2-fp64": (torch.float64, 1e-300), "cholesky4-fp32": (torch.float32, 1e-30)}
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed from names and numbers that is the same in every process (unlike ``hash``)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
+
+
+def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-12, *, method: str = "cholesky2-fp64") -> torch.Tensor:
+    """Orthonormalise the rows of each matrix of a (batch, r, k) tensor in place (r ≤ k).
+
+    Shifted CholeskyQR2 in float64 by default, one batched call for the whole batch (no per-matrix
+    library call, no host synchronisation): twice G = X·Xᵀ + s·I = L·Lᵀ, X ← L⁻¹·X. One pass
+    leaves XXᵀ off the identity by about u·κ(X)² plus the shift's share, so a factor whose weak
+    directions sit 1e3 below its strongest would come out 1e-3 off orthonormal, and those
+    directions would shrink step after step; the second pass starts from κ ≈ 1 and restores them.
+    `edgc_bench.orthonormalization` measures it against batched Householder QR (its table is in
+    docs/concepts/engine.md): as orthonormal as a float64 Householder QR up to float32's condition
+    numbers, at a handful of batched kernels instead of a geqrf + orgqr per matrix. The first shift
+    s = epsilon·mean(diag G) keeps every Gram matrix positive definite: a rank-deficient batch gets
+    no NaN, and an all-zero row stays zero. A factorisation that fails all the same leaves its
+    matrix's rows NaN, never finite rows that are not orthonormal (`orthonormalize_blocks_`).
+    """
+    flat = rows.reshape(-1)
+    orthonormalize_blocks_(flat, [_WholeBatch(rows.shape)], epsilon, method=method)
+    if flat.data_ptr() != rows.data_ptr() or not rows.is_contiguous():
+        rows.copy_(flat.view(rows.shape))
+    return rows
+
+
+class _WholeBatch:
+    def __init__(self, shape: torch.Size):
+        self.count, self.rank, self.side = shape
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(self.count, self.rank, self.side)
+
+
+class _Block(Protocol):
+    count: int
+    rank: int
+    side: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+
+def orthonormalize_blocks_(
+    flat: torch.Tensor,
+    blocks: Sequence[_Block],
+    epsilon: float = 1e-12,
+    *,
+    method: str = "cholesky2-fp64",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`orthonormalize_rows_` for several (count, rank, side) blocks of one flat buffer at once: one
+    cast, and per pass one Cholesky factorisation for all the Gram matrices of one rank (their
+    sides differ, their r × r Gram matrices do not), so the library calls do not grow with the
+    number of blocks.
+
+    ``method`` (`ORTHONORMALIZATIONS`, `edgc.engine.orthonormal_choice`):
+    - ``householder``: LAPACK's Householder QR per block, in the buffer's dtype (what the engine runs
+      on a CPU): rows orthonormal to float32's precision at any condition number; rank-deficient
+      rows come out as an orthonormal completion rather than zero rows.
+    - ``cholesky2-fp64``: shifted CholeskyQR2 in float64, the first shift relative (epsilon·mean of
+      G's diagonal), the second absolute (epsilon: the rows are near unit norm by then).
+    - ``cholesky4-fp32``: shifted CholeskyQR in float32, four passes, for accelerators with slow
+      float64. A float32 Gram matrix carries rounding of about √side·u (u = 2⁻²³) of its diagonal, so
+      the first two passes are shifted by ten times that, which any condition number survives and
+      which divides it by about the shift's square root each; the last two, from κ near 1, by u.
+      As orthonormal as float32 Householder, for κ up to float32's 1/u and rank-deficient rows.
+
+    A Cholesky factorisation that fails (``cholesky_ex``'s info ≠ 0 in any pass: the partial factor
+    is finite, and its rows would be finite and not orthonormal) leaves that matrix's rows NaN, on
+    the device: a non-finite factor that the step's non-finite flag catches. ``out``: where the rows
+    go (a buffer laid out as ``flat``), ``flat`` itself by default.
+    """
+    out = flat if out is None else out
+    if method == "householder":
+        for block in blocks:
+            basis, _ = torch.linalg.qr(block.view(flat).transpose(-1, -2))
+            block.view(out).copy_(basis.transpose(-1, -2))
+        return out
+    if method not in _CHOLESKY:
+        raise ValueError(f"orthonormalisation method must be one of {ORTHONORMALIZATIONS}, got {method!r}")
+    dtype, floor = _CHOLESKY[method]
+    by_rank: dict[int, list[_Block]] = {}
+    for block in blocks:
+        by_rank.setdefault(block.rank, []).append(block)
+    x = flat.to(dtype, copy=True)
+    solved = torch.empty_like(x)
+    failed: dict[int, torch.Tensor] = {}
+    shifts = {rank: _shifts(method, epsilon, max(b.side for b in same)) for rank, same in by_rank.items()}
+    passes = len(next(iter(shifts.values()), ()))
+    for step in range(passes):
+        for rank, same_rank in by_rank.items():
+            views = [block.view(x) for block in same_rank]
+            gram = torch.empty(sum(v.shape[0] for v in views), rank, rank, dtype=dtype, device=x.device)
+            for view, square in zip(views, gram.split([v.shape[0] for v in views])):
+                torch.bmm(view, view.transpose(-1, -2), out=square)
+            _shift_(gram, shifts[rank][step], floor, relative=step == 0)
+            lower, info = torch.linalg.cholesky_ex(gram)
+            failed[rank] = info if step == 0 else failed[rank] + info
+            if step == passes - 1:  # any pass of a matrix failed: its rows NaN
+                lower.masked_fill_(failed[rank].ne(0).view(-1, 1, 1), float("nan"))
+            for block, view, factor in zip(same_rank, views, lower.split([v.shape[0] for v in views])):
+                torch.linalg.solve_triangular(factor, view, upper=False, out=block.view(solved))
+        x, solved = solved, x
+    out.copy_(x)
+    return out
+
+
+def _shifts(method: str, epsilon: float, side: int) -> tuple[float, ...]:
+    """The shift of each pass: relative to the mean diagonal in the first, absolute after it (rows
+    near unit norm by then). Its share of a row's norm is what the row loses in that pass."""
+    if method == "cholesky2-fp64":
+        return (epsilon, epsilon)
+    u = torch.finfo(torch.float32).eps
+    rounding = max(epsilon, 10 * math.sqrt(side) * u)
+    return (rounding, rounding, max(epsilon, u), max(epsilon, u))
+
+
+def _shift_(gram: torch.Tensor, shift: float, floor: float, *, relative: bool) -> None:
+    """G ← G + s·I in place: s = shift·mean(diag G) (at least the floor) when ``relative``, else
+    shift + floor."""
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    if relative:
+        diagonal.add_(diagonal.mean(-1, keepdim=True).clamp_(min=floor / max(shift, floor)), alpha=shift)
+    else:
+        diagonal.add_(shift + floor)
+
+
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-12) -> torch.Tensor:
+    """Orthonormalise the columns of each matrix in a (batch, k, r) tensor, in place
+    (`orthonormalize_rows_` on the transposed view)."""
+    orthonormalize_rows_(matrices.transpose(-1, -2), epsilon)
+    return matrices
+
+
+def restart_dead_entries_(flat: torch.Tensor, blocks: Sequence[_Block], replacement: torch.Tensor) -> torch.Tensor:
+    """Give every entry of an orthonormalised factor that is zero or not finite the matching entry
+    of ``replacement`` (one (r, side) set of rows per block, shared by its matrices, identical on
+    every process), selected on the device.
+
+    Why: a layer without gradient for a step gives Q = Mᵀ·P = 0, and a zero row of Q stays zero for
+    ever (P = M·Q and Q = Mᵀ·P keep it zero; the orthonormalisation keeps it zero too); a failed
+    factorisation leaves its matrix's rows NaN. The replacement restarts the power iteration in
+    those directions. A zero entry of a live row only lies along a direction in which M is zero
+    (M's column is zero there), so P = M·Q does not see what it is given."""
+    dead = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0) == 0
+    offset = 0
+    for block in blocks:
+        rows = replacement[offset : offset + block.rank * block.side].view(1, block.rank, block.side)
+        offset += block.rank * block.side
+        torch.where(block.view(dead), rows, block.view(flat), out=block.view(flat))
+    return flat
+
+
+def matrix_shape(tensor: torch.Tensor) -> tuple[int, int] | None:
+    if tensor.dim() < 2 or tensor.numel() == 0:
+        return None
+    return tensor.shape[0], tensor.numel() // tensor.shape[0]
+
+
+def compressed_rank(shape: tuple[int, int] | None, rank: int, min_compression_rate: float) -> int:
+    """Rank a matrix of this (m, n) shape is sent at, or 0 when sending it raw is cheaper."""
+    if shape is None:
+        return 0
+    m, n = shape
+    r = min(rank, m, n)
+    return r if (m + n) * r * min_compression_rate < m * n else 0

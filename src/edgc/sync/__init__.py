@@ -1,0 +1,23 @@
+"""The sync methods and the hook machinery that runs them: reducer, steps, gradients, baselines, outer syncs.
+
+Modules:
+    steps.py          One optimizer step as a `GradientReducer` keeps it: a `StepRecord`, and the metrics of a
+                      settled one.
+    gradients.py      The gradients a reducer is handed, of every kind, and how each is averaged raw.
+    reducer.py        `GradientReducer`: the one abstraction every gradient-sync method implements.
+    error_feedback.py `ErrorFeedbackReducer`: the one base of the sync methods that keep error feedback, and the
+                      parts of
+    baselines.py      Baseline gradient compressors, each a `GradientReducer` (same hook, metrics and checkpoints as
+                      EDGC).
+    outer_sync.py     Sync methods for DiLoCo's outer step beside EDGC's PowerSGD, and what DiLoCo does with any
+    outer_alloc.py    `AllocatedQuantState`: DiLoCo's quantised outer sync with the bits chosen per tensor, where
+                      each
+    outer_sparse.py   `SparseQuantState`: DiLoCo's outer sync as a chunked top-k with coded indices and 2-bit
+                      values,
+    codecs.py         Codecs of the two-stage compressed all-reduce (`edgc.sync.two_stage`): a flat run of values to a
+                      message of
+    two_stage.py      The two-stage compressed all-reduce: the sync-method registry's third collective kind
+                      (``TWO_STAGE``).
+    sync_methods.py   The registry of sync methods: the compressors `edgc train`, `edgc bench` and `edgc simulate`
+                      know by name.
+"""
