@@ -126,10 +126,16 @@ ROOT = LIBRARY.parents[1]
 PACKAGES = sorted(p.parent for p in (ROOT / "src").glob("*/__init__.py"))
 MAX_CLASS_ATTRIBUTES = 15
 MAX_FILE_LINES = 400
-# src/edgc's long files are split by its move into subpackages, its wide classes (EntropySampler,
-# WindowController) by their parts; until then the library is exempt from these two rules, and this
-# exemption goes once it meets them.
-LIBRARY_SPLIT_ELSEWHERE = LIBRARY
+# Library files past the limit, each one class whose parts share its state (the step runner, the
+# engine and its state between steps, the two-stage all-reduce, the config): named with the lines they
+# may hold, so that each can only shrink, and none may join them.
+LONG_LIBRARY_FILES = {
+    "src/edgc/config.py": 430,
+    "src/edgc/engine/engine_state.py": 445,
+    "src/edgc/engine/lowrank.py": 435,
+    "src/edgc/sync/reducer.py": 450,
+    "src/edgc/sync/two_stage.py": 430,
+}
 
 
 def all_trees() -> dict[str, ast.Module]:
@@ -169,19 +175,17 @@ def test_no_class_outside_the_library_assigns_more_than_15_attributes():
     wide = {
         f"{path}:{node.name}"
         for path, tree in all_trees().items()
-        if not (ROOT / path).is_relative_to(LIBRARY_SPLIT_ELSEWHERE)
         for node in ast.walk(tree)
         if isinstance(node, ast.ClassDef) and len(self_attributes(node)) > MAX_CLASS_ATTRIBUTES
     }
     assert wide == set(), "give it parts: objects it owns, each holding what belongs together"
 
 
-def test_no_file_outside_the_library_is_longer_than_400_lines():
+def test_no_file_is_longer_than_400_lines_but_the_named_library_ones():
     long = {
         path
         for path in all_trees()
-        if not (ROOT / path).is_relative_to(LIBRARY_SPLIT_ELSEWHERE)
-        and len((ROOT / path).read_text().splitlines()) > MAX_FILE_LINES
+        if len((ROOT / path).read_text().splitlines()) > LONG_LIBRARY_FILES.get(path, MAX_FILE_LINES)
     }
     assert long == set(), "split it by meaning into modules of the same package"
 

@@ -211,9 +211,10 @@ class UsageGuard:
             )
         return name
 
-    def ddp_bucket(self, state_name: str, params, last: bool) -> list[str]:
-        """The names of a DDP bucket's ``params`` (`names_for`); ``last`` ends the step. Refuses
-        parameters the first step did not sync."""
+    def ddp_bucket(self, state_name: str, comm: Communicator, params, grads, last: bool):
+        """The names of a DDP bucket's ``params`` (`names_for`) and its ``grads`` with each stacked experts
+        gradient split into its experts' matrices (`split_experts`; None for a sparse bucket's, which is
+        not split); ``last`` ends the step. Refuses parameters the first step did not sync."""
         names = self.names_for(state_name, params)
         if self.ddp_names is None:
             self._first_step_names.extend(names)
@@ -224,7 +225,9 @@ class UsageGuard:
                 f"{state_name}: a DDP bucket holds parameters its first step did not sync: one "
                 "state serves one DDP model (register a state of its own on each model)"
             )
-        return names
+        if grads is None:
+            return names, None
+        return self.split_experts(state_name, comm, names, list(grads))
 
 
 def check_gradients(state_name: str, params: list[torch.Tensor]) -> None:

@@ -146,13 +146,20 @@ class GradientReducer:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None
         )
-        names = self._guard.ddp_bucket(type(self).__name__, bucket.parameters(), bucket.is_last())
-        if is_sparse(buffer):  # a sparse gradient: DDP's bucket of its own, whose buffer is the gradient
-            check_sparse_layout(type(self).__name__, names[0], buffer)
+        if self.device is None:
+            self._use_device(buffer.device)
+        sparse = is_sparse(buffer)  # a sparse gradient: DDP's bucket of its own, whose buffer is the gradient
+        grads = None if sparse else bucket.gradients()
+        name, last = type(self).__name__, bucket.is_last()
+        names, grads = self._guard.ddp_bucket(name, self.comm, bucket.parameters(), grads, last)
+        if sparse:
+            check_sparse_layout(name, names[0], buffer)
             self._submit_sparse(names, buffer, future)
+        elif grads:
+            self._jobs.submit(names, grads, buffer, future, self._reduce, self._fusion_bytes(self._current))
         else:
-            self._submit(names, bucket.gradients(), buffer, future)
-        if bucket.is_last():
+            future.set_result(buffer)
+        if last:
             self._jobs.drain(self._reduce)
             self._end_step()
         return future
@@ -172,7 +179,7 @@ class GradientReducer:
         check_dense(type(self).__name__, names, tensors)
         if self._current is None:
             self._begin_step(tensors[0].device if tensors else None)
-        self._submit(list(names), list(tensors), None, None)
+        self._submit(list(names), list(tensors))
         if blocking or last:
             self._jobs.drain(self._reduce)
         else:
@@ -202,7 +209,7 @@ class GradientReducer:
         handed = HandedGradients.of(type(self).__name__, parameters, self.names_for)
         self._guard.fresh_gradients(type(self).__name__, handed.handed)
         self._begin_step(handed.grads[0].device if handed.grads else None)
-        self._submit(handed.dense_names, handed.dense, None, None)
+        self._submit(handed.dense_names, handed.dense)
         for name, grad in handed.sparse:
             self._submit_sparse([name], grad, None)
         self._jobs.drain(self._reduce)
@@ -212,21 +219,13 @@ class GradientReducer:
         self._guard.synchronized(handed.handed)
 
     # ------------------------------------------------------------------ one step
-    def _submit(
-        self,
-        names: list[str],
-        grads: list[torch.Tensor],
-        flat: torch.Tensor | None,
-        future: torch.futures.Future | None,
-    ) -> None:
-        if not grads:
-            if future is not None:
-                future.set_result(flat)
-            return
-        if self.device is None:
-            self._use_device(grads[0].device)
-        names, grads = self._guard.split_experts(type(self).__name__, self.comm, names, grads)  # an expert a matrix
-        self._jobs.submit(names, grads, flat, future, self._reduce, self._fusion_bytes(self._current))
+    def _submit(self, names: list[str], grads: list[torch.Tensor]) -> None:
+        """The dense tensors an integration or the plain loop hands over, as one bucket's job."""
+        if grads:
+            if self.device is None:
+                self._use_device(grads[0].device)
+            names, grads = self._guard.split_experts(type(self).__name__, self.comm, names, grads)  # an expert a matrix
+            self._jobs.submit(names, grads, None, None, self._reduce, self._fusion_bytes(self._current))
 
     def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:
         """A sparse gradient's job of its own (`edgc.sync.gradients.average_sparse`), after the buckets
