@@ -4,6 +4,9 @@
     state = EDGCState(process_group=None, config=EDGCConfig(total_steps=10_000), model=ddp_model)
     ddp_model.register_comm_hook(state, edgc_hook)
 
+The public API is what this package exports (``__all__``) and `edgc.integrations`; the modules
+beneath are internal: their names may move between versions (the old ones keep working, `moved.py`).
+
 Modules and sub-packages, from the ground up (each sub-package's docstring names its modules):
     adapters/       what the library must read inside PyTorch and FSDP2, each private name in one place
     device/         streams, device-timeline timing (the only host reads), finiteness flags
