@@ -4,13 +4,13 @@ Modules:
     cli.py          `edgc bench` flags → `BenchSettings` → `run_bench`
     flags.py        its flags, one function per group
     run.py          each method trained in turn on the emulated network (torchrun per host)
-    run_folder.py   the bench folder's layout (one run folder per method) and `read_run`
+    bench_folder.py the bench folder's layout (one run folder per method) and `read_run`
     table.py        the comparison table, its checks and plots, from the run folders
     targets.py      each method's time to the target loss, where it went, whether EDGC wins its cost back
     repeats.py      repeated benches side by side: each ratio's range, how often each target held
     rounds.py       `--rounds N`: the rounds (order reversed on even ones) side by side, their mean ratios
     netns.py        emulated hosts: network namespaces, a bridge, tbf rate-limited veth links
-    calibrate.py    the link sweep: all-reduce time vs message size on the emulated network
+    link_calibration.py the link sweep: all-reduce time vs message size on the emulated network
     stages.py       do pipeline stages finish their sync closer together with DAC?
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
     torchft_train.py one replica group's worker of that bench (torchft DDP, torchft + EDGC, plain DDP)

@@ -258,13 +258,13 @@ def check_training(settings: BenchSettings) -> None:
 
 def link_only(settings: BenchSettings, out: Path) -> int:
     """The bench's link calibration alone, on a fresh network of the same hosts and rate."""
-    from . import calibrate
+    from . import link_calibration
     from .netns import Network
     from .run import run_calibration
 
     out.mkdir(parents=True, exist_ok=True)
     with Network(settings.hosts, settings.rate_mbit) as net:
         rows = run_calibration(net, settings, out)
-    print(calibrate.table(rows, settings.rate_mbit))
+    print(link_calibration.table(rows, settings.rate_mbit))
     print(f"written: {out / 'calibration.json'}")
     return 0

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .run_folder import method_dir, read_run
+from .bench_folder import method_dir, read_run
 from .table import edgc_first, floor_target, rows
 from .targets import recovery
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from edgc.sync.sync_methods import sync_method, sync_method_names
 
-from . import calibrate, table
+from . import link_calibration, table
+from .bench_folder import method_dir, read_run
 from .netns import Network
 from .rounds import rounds_markdown
-from .run_folder import method_dir, read_run
 
 # The default comparison: what users run (DDP's native all-reduce, PyTorch's PowerSGD hook), the
 # compute floor, our uncompressed hook path, the paper's sync-after-backward, static ranks and EDGC.
@@ -73,7 +73,7 @@ class BenchSettings:
     edgc: dict = field(
         default_factory=lambda: {"profile_max_rank": 8, "profile_steps_per_rank": 1, "warmup_error_test": False}
     )
-    calibration_mb: tuple[float, ...] = calibrate.SIZES_MB
+    calibration_mb: tuple[float, ...] = link_calibration.SIZES_MB
     run_timeout_s: int = 900
     data: str | None = None
     max_chars: int | None = None
@@ -222,7 +222,7 @@ def run_calibration(net: Network, s: BenchSettings, out: Path) -> list[dict]:
         processes.append(
             net.popen(
                 host,
-                [sys.executable, "-m", "edgc_bench.calibrate", *sizes],
+                [sys.executable, "-m", "edgc_bench.link_calibration", *sizes],
                 env={**env, "RANK": str(host)},
                 timeout_s=300,
                 stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
@@ -234,7 +234,7 @@ def run_calibration(net: Network, s: BenchSettings, out: Path) -> list[dict]:
     if any(codes):
         raise RuntimeError(f"calibration failed (exit codes {codes})")
     results = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    rows = calibrate.rows(results, s.hosts, s.rate_mbit)
+    rows = link_calibration.rows(results, s.hosts, s.rate_mbit)
     (out / "calibration.json").write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -267,7 +267,7 @@ def run_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
             f"{'unlimited' if s.rate_mbit is None else f'{s.rate_mbit:g} Mbit/s'} per host link (tbf both ends)"
         )
         calibration = run_calibration(net, s, out)
-        say(calibrate.table(calibration, s.rate_mbit))
+        say(link_calibration.table(calibration, s.rate_mbit))
         if s.rounds == 1:
             return run_round(
                 net, s, out, execution_order(list(s.methods)), s.r_max, calibration, command, say, started, load_start

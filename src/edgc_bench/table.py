@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .run_folder import method_dir, read_run
+from .bench_folder import method_dir, read_run
 from .targets import median_of, reached_at, recoverable_bound, target_breakdown, target_loss
 
 UNTIMED = ("none", "nosync")  # methods whose logged comm time is 0 because nothing of ours ran
@@ -199,7 +199,7 @@ def _took(summary: dict) -> str:
 
 
 def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
-    from .calibrate import table as calibration_table
+    from .link_calibration import table as calibration_table
 
     s = summary["settings"]
     rate = "unlimited" if s["rate_mbit"] is None else f"{s['rate_mbit']:g} Mbit/s"
@@ -269,7 +269,7 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
 
 def _pipeline_markdown(summary: dict, rate: str) -> str:
     """bench.md of a TP × PP × DP bench: one whole model per host, DP over the link (no DDP reference)."""
-    from .calibrate import table as calibration_table
+    from .link_calibration import table as calibration_table
 
     s, load = summary["settings"], (summary["load_start"], summary["load_end"])
     parts = [

@@ -14,9 +14,9 @@ Modules:
     shapes.py              the gradient tensors one pipeline stage's DP buffer holds
     collectives.py         the collectives one training step of each method issues
     iteration.py           one training iteration: 1F1B compute + per-stage DP sync
-    interstage.py          inter-stage traffic: activations forward, activation gradients back
+    interstage_model.py    inter-stage traffic: activations forward, activation gradients back
     dac.py                 EDGC's rank ceiling and DAC per-stage alignment on the cost model
-    schedule.py            EDGC's stage-0 rank over a whole run, from an entropy series
+    rank_schedule.py       EDGC's stage-0 rank over a whole run, from an entropy series
     methods.py             the compared methods as per-stage rank schedules
     report.py              text table and time-breakdown plot of simulated runs
     tbf.py                 the emulated links' token-bucket burst (shared with edgc_bench.netns)

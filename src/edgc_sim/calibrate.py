@@ -17,7 +17,7 @@ from pathlib import Path
 from .hardware import ClusterSpec, DeviceSpec, LinkSpec
 from .iteration import IterationModel
 from .presets import ModelSpec, ParallelSpec, Preset
-from .schedule import read_metrics
+from .rank_schedule import read_metrics
 
 # `edgc train` writes the resolved GPT2Config shape under "model"; top-level keys are the user's
 # overrides (often null) and are only a fallback. The first non-null key wins.

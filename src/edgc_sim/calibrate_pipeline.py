@@ -5,7 +5,7 @@ the host (local gloo) while the DP groups cross the rate-limited link. Per run a
 with the same inter-stage ranks (rank 0's metrics.jsonl, replica 0, TP rank 0; the first
 SKIP_FRACTION of the run left out), the simulator predicts:
 
-* inter-stage bytes (sent, raw) per step — `edgc_sim.interstage.step_bytes`, i.e. `edgc.parallel.interstage`'s
+* inter-stage bytes (sent, raw) per step — `edgc_sim.interstage_model.step_bytes`, i.e. `edgc.parallel.interstage`'s
   wire format and cool-down policy; these must equal the logged ones exactly;
 * the schedule: `cost_model.one_f_one_b_timeline` with each stage's *measured* forward and backward
   compute per micro-batch (median forward_s / backward_s over the group ÷ micro-batches: TP
@@ -37,7 +37,7 @@ from edgc.parallel.interstage import HEADER_BYTES
 from . import cost_model as cm
 from .calibrate import SKIP_FRACTION, MeasuredRun, harness_model
 from .hardware import DeviceSpec, LinkSpec
-from .interstage import compress_s, gradient_bytes, gradient_ranks, step_bytes, transfer_s
+from .interstage_model import compress_s, gradient_bytes, gradient_ranks, step_bytes, transfer_s
 
 BYTES = 4  # fp32 activations and gradients (edgc train on CPU)
 

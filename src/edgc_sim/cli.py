@@ -12,12 +12,12 @@ from edgc.parallel.interstage import MODES
 
 from .calibrate_bench import LATENCY_SOURCES
 from .hardware import CLUSTERS, LINKS, cluster_with_inter_link
-from .interstage import InterStage
+from .interstage_model import InterStage
 from .iteration import IterationModel
 from .methods import METHODS, MethodConfig, simulate_methods
 from .presets import PRESETS
+from .rank_schedule import DeltaMapping, delta_rank_schedule, read_metrics, schedule_from_metrics, synthetic_entropy
 from .report import DAY, format_table, plot_breakdown, reductions
-from .schedule import DeltaMapping, delta_rank_schedule, read_metrics, schedule_from_metrics, synthetic_entropy
 
 
 def register(subparsers) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import cost_model as cm
 from .hardware import ClusterSpec
-from .interstage import InterStage, compress_s, gradient_bytes, gradient_ranks, step_bytes, transfer_s
+from .interstage_model import InterStage, compress_s, gradient_bytes, gradient_ranks, step_bytes, transfer_s
 from .presets import Preset
 from .shapes import StageParams, stage_params
 
@@ -119,7 +119,7 @@ class StageTimes:
 
 @dataclass(frozen=True)
 class InterstageCosts:
-    """The activation gradients' backward traffic (edgc_sim.interstage): the rank of each micro-batch's,
+    """The activation gradients' backward traffic (edgc_sim.interstage_model): the rank of each micro-batch's,
     the p2p time per boundary and micro-batch (raw ones cost what an activation does; compressed ones
     each TP rank's factors), the sender's compress + decompress added to its backward, and the bytes
     one TP rank of a replica sends (sent, raw), as `edgc train` logs them."""
@@ -217,7 +217,7 @@ class IterationModel:
     def _interstage(self, rows: int, cols: int) -> InterstageCosts:
         """Backward p2p per boundary and micro-batch: raw gradients cost what an activation does (scatter-
         gather); compressed ones each TP rank's factors (wire_bytes) plus compress + decompress on the
-        sender's backward (edgc_sim.interstage)."""
+        sender's backward (edgc_sim.interstage_model)."""
         mode, dev = self.interstage.mode, self.cluster.device
         ranks = gradient_ranks(mode, self.interstage.rank, self.m, self.P, rows, cols)
         p2p_bwd = [

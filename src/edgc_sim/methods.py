@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .dac import align_stage_ranks, profile_r_max
 from .iteration import BREAKDOWN_KEYS, IterationModel, IterationResult
-from .schedule import DeltaMapping, Window
+from .rank_schedule import DeltaMapping, Window
 
 METHODS = ("none", "powersgd", "optimus-cc", "edgc")
 METHOD_LABELS = {

@@ -10,17 +10,17 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     report_style.py the plots' shared look: smoothing, colours, the warm-up marked, titles, log axes
     report_runs.py  run folders loaded for the report, their statistics and number formats
     train.py        the training loop: runner → optimizer → resume → steps, logs, evals, checkpoints
-    fsdp.py         `--fsdp`: FSDP2 as HSDP, EDGC on the replica all-reduce
+    fsdp_runner.py  `--fsdp`: FSDP2 as HSDP, EDGC on the replica all-reduce
     moe_runner.py   `--moe-experts/--ep`: the MoE GPT, dense and expert gradients each over their own group
     moe.py          the MoE feed-forward: top-k routing, experts stored as torchtitan stores them, all-to-all
-    pipeline.py     `--pp/--tp`: this rank's stage, trained by the pipeline schedule
+    pipeline_runner.py `--pp/--tp`: this rank's stage, trained by the pipeline schedule
     schedule.py     one optimizer step of a stage: 1F1B / GPipe over batched point-to-point
     stage_link.py   a stage's point-to-point traffic: the batches, the activation gradients raw or compressed
     stage_sync.py   a stage's gradient sync over its DP group, and the per-stage metrics
     stage.py        one pipeline stage of GPT-2, and the loss
     tensor_parallel.py  `--tp`: torch's DTensor plan (ColwiseParallel / RowwiseParallel) for a block
     linear_gpt2.py  GPT-2 blocks with nn.Linear projections, loaded from HF's Conv1D
-    mesh.py         this rank's place in the run's DeviceMesh (`--pp/--tp`)
+    rank_grid.py    this rank's place in the run's DeviceMesh (`--pp/--tp`)
     runner.py       the runner interface and the DDP runner
     run_folder.py   a run folder's files: config.json, metrics.jsonl, comm traces, summary.json
     compressors.py  one DDP hook + state per compressor name

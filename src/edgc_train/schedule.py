@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .mesh import Grid
+from .rank_grid import Grid
 from .stage import GPT2Stage, module_width, next_token_loss
 from .stage_link import StageLink
 from .stage_sync import StageCompressor

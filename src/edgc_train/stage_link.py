@@ -18,7 +18,7 @@ from edgc.parallel.interstage import (
     send_gradient_ops,
 )
 
-from .mesh import Grid
+from .rank_grid import Grid
 from .stage_sync import StageCompressor
 
 SPANS = ("interstage", "interstage_wire", "interstage_compress", "forward")  # StageLink.spans, logged as <key>_s

@@ -16,7 +16,7 @@ from edgc.parallel.interstage import InterStageCompressor
 from edgc.parallel.pipeline import StageAligner
 
 from .compressors import METRIC_KEYS, Compressor
-from .mesh import Grid
+from .rank_grid import Grid
 from .stage import GPT2Stage
 from .tensor_parallel import is_sharded
 

@@ -143,11 +143,11 @@ def make_runner(cfg: TrainConfig, data, rank: int, world: int, local_rank: int, 
 
         return MoERunner(cfg, data, rank, world, local_rank, device)
     if cfg.fsdp:
-        from .fsdp import FSDPRunner
+        from .fsdp_runner import FSDPRunner
 
         return FSDPRunner(cfg, data, rank, world, local_rank, device)
     if cfg.pp > 1 or cfg.tp > 1:
-        from .pipeline import PipelineRunner
+        from .pipeline_runner import PipelineRunner
 
         return PipelineRunner(cfg, data, rank, world, device)
     return DataParallelRunner(cfg, data, rank, world, local_rank, device)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from edgc_bench.calibrate import SIZES_MB, size_label, table
+from edgc_bench.link_calibration import SIZES_MB, size_label, table
 from edgc_bench.netns import NetnsError, check_prerequisites
 from edgc_cli.main import main
 

@@ -164,7 +164,7 @@ def write_bench(folder, results, rate_mbit=1000, fsdp=False):
     """A finished bench's folder as `edgc bench` leaves it: results.json and one run folder per method."""
     import json
 
-    from edgc_bench.run_folder import method_dir
+    from edgc_bench.bench_folder import method_dir
 
     for method, run_ in results.items():
         path = method_dir(folder, method)

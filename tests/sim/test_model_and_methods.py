@@ -8,7 +8,7 @@ from edgc_sim.hardware import CLUSTERS, LinkSpec, cluster_with_inter_link
 from edgc_sim.iteration import BREAKDOWN_KEYS, IterationModel
 from edgc_sim.methods import METHODS, MethodConfig, simulate_methods
 from edgc_sim.presets import PRESETS, ModelSpec, ParallelSpec
-from edgc_sim.schedule import (
+from edgc_sim.rank_schedule import (
     DeltaMapping,
     delta_rank_schedule,
     map_entropy_change_to_rank,

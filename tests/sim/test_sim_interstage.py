@@ -9,7 +9,7 @@ from edgc.parallel.interstage import wire_bytes
 from edgc_sim import cost_model as cm
 from edgc_sim.cli import with_layout
 from edgc_sim.hardware import CLUSTERS
-from edgc_sim.interstage import InterStage, gradient_ranks, step_bytes
+from edgc_sim.interstage_model import InterStage, gradient_ranks, step_bytes
 from edgc_sim.iteration import IterationModel
 from edgc_sim.presets import PRESETS
 

@@ -97,8 +97,8 @@ def _pipeline_steps(rank, world, mode, schedule, micro):
     """Two training steps and one evaluation of a tiny GPT-2 cut into ``world`` stages; returns
     the batches this rank posted, its losses and its inter-stage bytes (sent, raw) per step."""
     from edgc_train.config import TrainConfig
-    from edgc_train.mesh import make_grid
     from edgc_train.model import build_model, model_shape
+    from edgc_train.rank_grid import make_grid
     from edgc_train.schedule import PipelineStep
     from edgc_train.stage import GPT2Stage
 

@@ -1,6 +1,6 @@
 """Link calibration: gloo all-reduce time vs message size on the emulated network, against bytes / rate.
 
-The worker (``python -m edgc_bench.calibrate SIZE_MB ...``) runs on every host (one process each,
+The worker (``python -m edgc_bench.link_calibration SIZE_MB ...``) runs on every host (one process each,
 env:// rendezvous from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); rank 0 prints one JSON line per
 size: {"mb", "seconds", "mean_s"} (median and mean of ``repeats(mb)`` timed all-reduces after one
 untimed, each timed on every host and taken as the minimum over hosts: the collective alone, no

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .mesh import make_grid
 from .model import build_model, count_parameters, model_shape
+from .rank_grid import make_grid
 from .runner import seed_everything
 from .sampler import BlockSampler, val_batches
 from .schedule import PipelineStep
