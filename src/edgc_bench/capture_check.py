@@ -1,8 +1,9 @@
 """The capture checker: whether the work of a step could be held by CUDA graphs, checked on the CPU.
 
-    from edgc_bench.capture_check import check_capture
+    from edgc_bench.capture_check import check_capture, check_hook_capture
     violations = check_capture(step, steps=2)      # step(): one steady step, on CPU tensors, fake or real
     assert violations == [], "\\n".join(map(str, violations))
+    check_hook_capture(gpt2_parameters("tiny"), rank=8)   # a DDP hook's steady static steps, fake tensors
 
 Graphs cannot be captured on a CPU, so what capture needs is checked on the step as it runs eagerly,
 over two steady steps (or more: each step against the ``period``-th before it). What is checked is
@@ -56,7 +57,7 @@ from .op_traffic import tensors_in
 from .stream_check import EDGC_DIR, HOST, PINNED, StreamChecker
 from .stream_check_syncs import value_read
 
-__all__ = ["CaptureChecker", "Violation", "check_capture", "passing_regions"]
+__all__ = ["CaptureChecker", "Violation", "check_capture", "check_hook_capture", "passing_regions"]
 
 
 class CaptureChecker(StreamChecker):
@@ -247,3 +248,16 @@ def passing_regions(step: Callable[[], object], steps: int = 2, *, period: int =
     checker = _checked(step, steps, 0, period, EDGC_DIR)
     called = {call.name for traced in checker.trace.steps for call in traced.calls if call.explicit}
     return frozenset(called - {violation.region for violation in checker.violations(period)})
+
+
+def check_hook_capture(
+    named_shapes: list[tuple[str, tuple[int, ...]]], steps: int = 2, *, period: int = 1, **settings
+) -> list[Violation]:
+    """`check_capture` over steady steps of a DDP hook's state on fake gradients of ``named_shapes``
+    (`edgc_bench.hook_steps.settled_hook` and its ``settings``: ``rank``, ``config``, ``bucket_cap_mb``,
+    …), each settled as the dispatch counter's counted step is. E.g. ``check_hook_capture(
+    gpt2_parameters("tiny"), rank=8, config=sampled_config(8))`` for two sampled steps."""
+    from .hook_steps import settled_hook
+
+    with settled_hook(named_shapes, **settings) as run:
+        return check_capture(run.settled_step, steps, period=period)
