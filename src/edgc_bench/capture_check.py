@@ -6,18 +6,22 @@
     check_hook_capture(gpt2_parameters("tiny"), rank=8)   # a DDP hook's steady static steps, fake tensors
 
 Graphs cannot be captured on a CPU, so what capture needs is checked on the step as it runs eagerly,
-over two steady steps (or more: each step against the ``period``-th before it). What is checked is
-each region's calls (`edgc.device.graphs.GraphRegion`: the work a graph would hold); where the step
-has no region, every stretch of the library's work between two points a graph cannot hold (a
-collective issued, a wait, a host read; `edgc_bench.capture_check_trace`), which is what today's engine
-could put in graphs. The rules, each a kind of `Violation`:
+over two steady steps or more. What is checked is each region's calls (`edgc.device.graphs.GraphRegion`:
+the work a graph would hold): every call of a region against its call before, since a replay repeats
+one capture whichever step it is in; and at each place of a step, the same region as ``period`` steps
+before (2 where a region per buffer is used in turn; then check 2·period steps, so that each is
+compared). Where the step has no region: every stretch of the library's work between two points a
+graph cannot hold (a collective issued, a wait, a host read; `edgc_bench.capture_check_trace`), each
+step against the ``period``-th before it: what today's engine could put in graphs. The rules, each a
+kind of `Violation`:
 
-- ``op sequence``: the same operators, in the same order, at every step;
+- ``op sequence``: the same operators, in the same order, at every call (every step);
 - ``arguments``: each with the same non-tensor arguments (scalars, dims, dtypes), on tensors of the
-  same shapes, strides, dtypes and offsets;
+  same shapes, strides, dtypes and offsets (a region that alternates between two halves of a buffer
+  breaks this: its replay would always use the captured half);
 - ``fresh buffer``: a storage made inside a call and used after it (a result kept, sent or read): made
   anew at every call, where a graph's replay writes the same memory each time;
-- ``changed buffer``: a storage made outside a call and used in it that is not the one the step before
+- ``changed buffer``: a storage made outside a call and used in it that is not the one the call before
   used there (made anew each step outside the region);
 - ``undeclared buffer``: one crossing an explicit region's boundary that is not among its buffers
   (the replay could not tell that it changed);
@@ -28,8 +32,8 @@ could put in graphs. The rules, each a kind of `Violation`:
   mask, ``unique``, ``repeat_interleave`` without ``output_size``), where host syncs count;
 - ``collective in region``, ``wait in region``: a collective issued, or a wait for one or for another
   stream, inside a region: they stay outside graphs;
-- ``new region``: a region called at the same place of two steps that is not the same `GraphRegion`
-  (it would capture at every step).
+- ``new region``: a region called at the same place of a step and ``period`` steps before that is not
+  the same `GraphRegion` (made per step, it would capture at every step).
 
 It is the CPU stream checker (`edgc_bench.stream_check.StreamChecker`) with a record of its own, so it
 sees what that one sees: every thread, stream waits, host syncs of real tensors by provenance (a host
@@ -237,17 +241,25 @@ def check_capture(
     step: Callable[[], object], steps: int = 2, *, settle: int = 0, period: int = 1, library: str = EDGC_DIR
 ) -> list[Violation]:
     """Run ``step()`` ``settle`` times, then ``steps`` times checked, under a `CaptureChecker`; the
-    violations (see the module docstring), each step against the ``period``-th before it (2 where
-    buffers are used in turn)."""
+    violations (see the module docstring; ``period``: 2 where a region per buffer is used in turn)."""
     return _checked(step, steps, settle, period, library).violations(period)
 
 
-def passing_regions(step: Callable[[], object], steps: int = 2, *, period: int = 1) -> frozenset[str]:
-    """The names of the graph regions called in ``steps`` checked runs of ``step()`` that no violation
-    is in: those a GPU would replay (`edgc_bench.dispatch_count` counts each call of one as one launch)."""
+def passing_regions(step: Callable[[], object], steps: int = 4, *, period: int = 2) -> frozenset[str]:
+    """The names of the graph regions called in ``steps`` checked runs of ``step()`` that no violation is
+    in and whose every `GraphRegion` was called twice at least (compared once): those a GPU would replay
+    (`edgc_bench.dispatch_count` counts each call of one as one launch). Period 2 by default, so that a
+    region per buffer used in turn passes, as its graphs would."""
     checker = _checked(step, steps, 0, period, EDGC_DIR)
-    called = {call.name for traced in checker.trace.steps for call in traced.calls if call.explicit}
-    return frozenset(called - {violation.region for violation in checker.violations(period)})
+    calls: dict[int, tuple[str, int]] = {}  # id(region) → (name, calls)
+    for traced in checker.trace.steps:
+        for call in traced.calls:
+            if call.explicit:
+                name, count = calls.get(id(call.region), (call.name, 0))
+                calls[id(call.region)] = (name, count + 1)
+    once = {name for name, count in calls.values() if count < 2}
+    failed = {violation.region for violation in checker.violations(period)}
+    return frozenset({name for name, _ in calls.values()} - once - failed)
 
 
 def check_hook_capture(

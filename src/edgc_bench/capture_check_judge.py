@@ -62,8 +62,10 @@ class _Found:
 
 
 def judge(trace: Trace, period: int = 1) -> list[Violation]:
-    """The violations of the steps in ``trace``, each step against the ``period``-th before it. Where
-    any step called a region, the regions are judged; else the library's stretches of work."""
+    """The violations of the steps in ``trace``. Where any step called a region, the regions are judged:
+    each `GraphRegion`'s every call against its call before (a replay repeats one capture, whatever
+    the step), and at each place of a step the same region as ``period`` steps before. Else the
+    library's stretches of work, each step against the ``period``-th before it."""
     explicit = any(call.explicit for step in trace.steps for call in step.calls)
     found = _Found()
     for kind, call, site, detail in trace.found:
@@ -78,19 +80,57 @@ def judge(trace: Trace, period: int = 1) -> list[Violation]:
                 f"{birth.describe(site=False)} makes a new storage at every call, used after it by {used}: "
                 "a buffer that crosses a region's boundary is made once and kept",
             )
+    if explicit:
+        _judge_regions(trace, period, found)
+        _undeclared(trace, found)
+        return found.violations
     for k in range(period, len(trace.steps)):
         earlier, later = trace.steps[k - period], trace.steps[k]
-        _compare_ops(_judged(earlier, explicit), _judged(later, explicit), k, period, found)
-        _compare_calls(trace, earlier, later, explicit, found)
-    if explicit:
-        _undeclared(trace, found)
+        labels = (f"step {k - period}", f"step {k}")
+        _compare_ops([op for op in earlier.ops if op.library], [op for op in later.ops if op.library], labels, found)
+        before = [call for call in earlier.calls if not call.explicit]
+        for old, call in zip(before, [call for call in later.calls if not call.explicit]):
+            _compare_inputs(trace, old, call, labels[0], found)
     return found.violations
 
 
-def _judged(step: StepTrace, explicit: bool) -> list[OpRecord]:
-    if explicit:
-        return [op for op in step.ops if op.call is not None and op.call.explicit]
-    return [op for op in step.ops if op.library]
+def _judge_regions(trace: Trace, period: int, found: _Found) -> None:
+    ops_of: dict[int, list[OpRecord]] = {}
+    for step in trace.steps:
+        for op in step.ops:
+            if op.call is not None and op.call.explicit:
+                ops_of.setdefault(id(op.call), []).append(op)
+    last: dict[int, tuple[str, Call]] = {}  # id(region) → (where, its last call)
+    for k, step in enumerate(trace.steps):
+        for call in (call for call in step.calls if call.explicit):
+            where = f"call of {call.name} in step {k}"
+            if id(call.region) in last:
+                before, old = last[id(call.region)]
+                _compare_ops(ops_of.get(id(old), []), ops_of.get(id(call), []), (before, where), found)
+                _compare_inputs(trace, old, call, before, found)
+            last[id(call.region)] = (f"its call in step {k}", call)
+    for k in range(period, len(trace.steps)):
+        before = _places(trace.steps[k - period])
+        for place, call in _places(trace.steps[k]).items():
+            old = before.get(place)
+            if old is not None and old.region is not call.region:
+                found.add(
+                    NEW_REGION,
+                    call.name,
+                    next(iter(call.inputs.values()), ("", "?"))[1],
+                    f"not the GraphRegion called here {period} step(s) before: a region is made once and kept "
+                    "(one per buffer in turn: check with that period), or it captures at every step",
+                )
+
+
+def _places(step: StepTrace) -> dict[tuple[str, int], Call]:
+    """The step's region calls by place: (name, occurrence)."""
+    places, seen = {}, {}
+    for call in step.calls:
+        if call.explicit:
+            seen[call.name] = seen.get(call.name, -1) + 1
+            places[(call.name, seen[call.name])] = call
+    return places
 
 
 def _differences(earlier: tuple, later: tuple) -> str:
@@ -100,15 +140,16 @@ def _differences(earlier: tuple, later: tuple) -> str:
     return "; ".join(f"argument {j}: {a} before, {b} now" for j, a, b in pairs[:3])
 
 
-def _compare_ops(earlier: list[OpRecord], later: list[OpRecord], k: int, period: int, found: _Found) -> None:
-    before = k - period
+def _compare_ops(earlier: list[OpRecord], later: list[OpRecord], labels: tuple[str, str], found: _Found) -> None:
+    """``labels``: what ran ``earlier`` and ``later`` (a step, a region's call)."""
+    before, now = labels
     for i, (a, b) in enumerate(zip(earlier, later)):
         if a.op != b.op or _name(a.call) != _name(b.call):
             found.add(
                 OP_SEQUENCE,
                 _name(b.call),
                 b.site,
-                f"operator {i} of step {k} is {b.op} (in {_name(b.call)}) where step {before} ran {a.op} "
+                f"operator {i} of {now} is {b.op} (in {_name(b.call)}) where {before} ran {a.op} "
                 f"at {a.site} (in {_name(a.call)})",
             )
             return
@@ -117,7 +158,7 @@ def _compare_ops(earlier: list[OpRecord], later: list[OpRecord], k: int, period:
                 ARGUMENTS,
                 _name(b.call),
                 b.site,
-                f"{b.op} between steps {before} and {k}: " + _differences(a.signature, b.signature),
+                f"{b.op}, {before} → {now}: " + _differences(a.signature, b.signature),
             )
     if len(earlier) != len(later):
         extra = (later if len(later) > len(earlier) else earlier)[min(len(earlier), len(later))]
@@ -125,52 +166,25 @@ def _compare_ops(earlier: list[OpRecord], later: list[OpRecord], k: int, period:
             OP_SEQUENCE,
             _name(extra.call),
             extra.site,
-            f"step {k} ran {len(later)} operators, step {before} {len(earlier)}; the first one of only one "
-            f"of them: {extra.op}",
+            f"{now} ran {len(later)} operators, {before} {len(earlier)}; the first one of only one of them: {extra.op}",
         )
 
 
-def _keyed(step: StepTrace, explicit: bool) -> dict:
-    """The step's judged calls by place: (name, occurrence) of a region; the order of a stretch."""
-    keyed, seen = {}, {}
-    for call in step.calls:
-        if call.explicit != explicit:
-            continue
-        if explicit:
-            seen[call.name] = seen.get(call.name, -1) + 1
-            keyed[(call.name, seen[call.name])] = call
-        else:
-            keyed[len(keyed)] = call
-    return keyed
-
-
-def _compare_calls(trace: Trace, earlier: StepTrace, later: StepTrace, explicit: bool, found: _Found) -> None:
-    before = _keyed(earlier, explicit)
-    for place, call in _keyed(later, explicit).items():
-        old = before.get(place)
-        if old is None:
-            continue  # the operators differ, said once
-        if explicit and old.region is not call.region:
-            found.add(
-                NEW_REGION,
-                call.name,
-                next(iter(call.inputs.values()), ("", "?"))[1],
-                "not the GraphRegion called here the step before: a region is made once and kept, or it "
-                "captures at every step",
-            )
-        if len(old.inputs) != len(call.inputs):
-            continue  # the operators differ too
-        for old_key, (key, (op, site)) in zip(old.inputs, call.inputs.items()):
-            birth = trace.births.get(key)
-            if key == old_key or (birth is not None and birth.call is not None and birth.call.explicit == explicit):
-                continue  # the same storage, or one made in a call: its fresh buffer is said where it is made
-            made = birth.describe() if birth is not None else "before the checked steps"
-            found.add(
-                CHANGED_BUFFER,
-                call.name,
-                birth.frame.site if birth is not None and birth.frame is not None else site,
-                f"{op} at {site} uses a storage that is not the one the step before used there: made {made}",
-            )
+def _compare_inputs(trace: Trace, old: Call, call: Call, before: str, found: _Found) -> None:
+    """Each storage crossing into ``call`` is the one that crossed into ``old`` at its place."""
+    if len(old.inputs) != len(call.inputs):
+        return  # the operators differ too, said once
+    for old_key, (key, (op, site)) in zip(old.inputs, call.inputs.items()):
+        birth = trace.births.get(key)
+        if key == old_key or (birth is not None and birth.call is not None and birth.call.explicit == call.explicit):
+            continue  # the same storage, or one made in a call: its fresh buffer is said where it is made
+        made = birth.describe() if birth is not None else "before the checked steps"
+        found.add(
+            CHANGED_BUFFER,
+            call.name,
+            birth.frame.site if birth is not None and birth.frame is not None else site,
+            f"{op} at {site} uses a storage that is not the one {before} used there: made {made}",
+        )
 
 
 def _undeclared(trace: Trace, found: _Found) -> None:

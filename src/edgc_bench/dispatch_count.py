@@ -20,8 +20,8 @@ becomes):
 - one per tensor for a ``_foreach_*`` op on lists of mixed dtypes, which PyTorch runs tensor by
   tensor (`edgc_bench.op_traffic.kernels_per_dispatch`);
 - one launch per call of a graph region (`edgc.device.graphs.GraphRegion`) that asks for graphs and
-  that the capture checker passes over two steady steps (`edgc_bench.capture_check`; ``replayed``),
-  its operators kept apart (``in_graphs``); a region the checker does not pass counts its operators;
+  that the capture checker passes over steady steps (`edgc_bench.capture_check.passing_regions`;
+  ``replayed``), its operators kept apart (``in_graphs``); a region it does not pass counts its operators;
 - one for everything else.
 A launch is not a kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a
 ``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or MAGMA kernels and a workspace allocation, a
@@ -209,10 +209,10 @@ def count_hook_step(
     every bucket of DDP's layout passed to `EDGCState.reduce_bucket` in DDP's order, after the warm-up
     and the settled steps; ``settings`` are its). Also the bytes its ops move and the most memory alive
     at once during it beyond the gradients (the engine's state included). ``graphs``: the graph regions
-    that the capture checker passes over two steady steps (`edgc_bench.capture_check`, run first) count
-    one launch per call (the module docstring's rule)."""
+    that the capture checker passes over four steady steps (`edgc_bench.capture_check.passing_regions`,
+    run first: the counted step comes after them) count one launch per call (the module docstring's rule)."""
     with settled_hook(named_shapes, **settings) as run:
-        replayed = passing_regions(run.settled_step, steps=2) if graphs else frozenset()
+        replayed = passing_regions(run.settled_step) if graphs else frozenset()
         run.host.reads, run.communicator.issued = 0, []
         run.live.reset_peak()
         with DispatchCounter(replayed) as counter:

@@ -152,3 +152,29 @@ def test_the_step_reads_allowed_outside_regions_pass_and_others_are_counted():
                 x.sum().item()
     (violation,) = checker.violations()
     assert violation.kind == HOST_SYNC and violation.region == "the step"
+
+
+class InTurn:
+    """Q in two halves of one buffer used in turn (the warm start's and the rollback's): by one region
+    that alternates between them, or by a region per half."""
+
+    def __init__(self, per_half: bool):
+        self.m, self.q = torch.randn(8, 6, device=CPU), torch.randn(2, 6, 2, device=CPU)
+        self.regions = [GraphRegion("form_q", graphs=True) for _ in range(2 if per_half else 1)]
+        self.calls = 0
+
+    def step(self) -> None:
+        old, new = self.calls % 2, 1 - self.calls % 2
+        region = self.regions[old % len(self.regions)]
+        region(lambda: torch.mm(self.m.t(), torch.mm(self.m, self.q[old]), out=self.q[new]), self.m, self.q)
+        self.calls += 1
+
+
+def test_buffers_used_in_turn_need_a_region_per_buffer_and_that_period():
+    """A replay repeats its capture: one region alternating between halves would always use the captured
+    half (each call is compared with the region's call before, whatever the period); a region per half
+    holds, checked at period 2 over 4 steps (at period 1 the region at each place changes every step)."""
+    alternating = check_capture(InTurn(per_half=False).step, 4, period=2, library=HERE)
+    assert {v.kind for v in alternating} == {ARGUMENTS}, alternating
+    assert check_capture(InTurn(per_half=True).step, 4, period=2, library=HERE) == []
+    assert [v.kind for v in check_capture(InTurn(per_half=True).step, 2, library=HERE)] == [NEW_REGION]
