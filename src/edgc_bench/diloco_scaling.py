@@ -38,22 +38,20 @@ def run_scaling(s: BenchSettings, o, out: Path, command: str, say=print) -> dict
     rate, started, rows = o.rates[-1], time.time(), []
     for hosts in o.scaling:
         settings = replace(s, hosts=hosts)
-        for delay in o.delays_ms:
-            with Network(hosts, rate, delay_ms=delay) as net:
-                for sync in ("diloco", *o.scaling_syncs):
-                    method, options = (
-                        ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
-                    )
-                    run_dir = out / f"{hosts}hosts" / (f"{delay:g}ms" if delay else "") / sync
-                    say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s, {delay:g} ms: {sync}")
+        for sync in ("diloco", *o.scaling_syncs):
+            method, options = ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
+            for delay in o.delays_ms:  # one after the other: a method's runs see the shared machine alike
+                run_dir = out / f"{hosts}hosts" / (f"{delay:g}ms" if delay else "") / sync
+                say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s, {delay:g} ms: {sync}")
+                with Network(hosts, rate, delay_ms=delay) as net:
                     result = run_method(net, settings, options, method, run_dir)
-                    result.update(measure(run_dir, hosts, settings.steps, None), load=os.getloadavg()[0])
-                    result.update(hosts=hosts, sync=sync, delay_ms=delay)
-                    rows.append(result)
-                    say(
-                        f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step, "
-                        f"outer step {result.get('outer_step_s') or 0:.2f} s"
-                    )
+                result.update(measure(run_dir, hosts, settings.steps, None), load=os.getloadavg()[0])
+                result.update(hosts=hosts, sync=sync, delay_ms=delay)
+                rows.append(result)
+                say(
+                    f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step, "
+                    f"outer step {result.get('outer_step_s') or 0:.2f} s"
+                )
     summary = {
         "settings": s.__dict__,
         "options": o.__dict__,

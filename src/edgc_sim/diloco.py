@@ -22,6 +22,9 @@ bucket (`buckets`: the two-stage sync two, an all-to-all and an all-gather). The
 method's own: torchft's DiLoCo all-reduces its fragment tensor by tensor (``use_bucketization`` off,
 its default: `torchft.local_sgd`), its FP8 path likewise; edgc's two-stage sync cuts the fragment
 into buckets of its configured ``bucket_values``; the one-stage sync sends the fragment as one message.
+A process group that runs several collectives at once (``Link.in_flight``: gloo's worker threads)
+overlaps their rounds as each sync's issue order allows (`latencies`); the internet tables assume
+one at a time, as NCCL's one stream runs them.
 
 Plus a fixed cost per outer step (the quorum and the commit vote) and the codec's passes over the
 values (`codec_passes`: 1 + N for the one-stage sync, which decodes every group's message; 3 + 1/N
@@ -36,10 +39,11 @@ flight loses: torchft's DiLoCo restores θ_global and loses its H inner steps, e
 pseudo-gradient in its error feedback and loses only the sync. Time to a token count then grows by
 1 / (1 − losses per second × cost per loss); where that is ≤ 0, the job never gets there.
 
-The link model's rate, its fixed cost per outer step and the CPU codec's rate are calibrated on the
-bench's 3- and 6-host runs (`edgc_sim.diloco_report.calibrate_on_bench`); internet latency
-(``latency_s``), the device and the failure rate are assumptions, and everything beyond 12 groups,
-beyond this machine's links and on an H100 is extrapolation.
+The link model's rate, its fixed cost per outer step, a round's own cost and the CPU codec's rate are
+calibrated on the bench's 3- and 6-host runs, and the latency's accounting is checked on the same
+runs with a delay added between the emulated hosts (`edgc_sim.diloco_report.calibrate_on_bench`);
+the internet's round trip (``latency_s``), the device and the failure rate are assumptions, and
+everything beyond the bench's groups, beyond this machine's links and on an H100 is extrapolation.
 """
 
 from __future__ import annotations
