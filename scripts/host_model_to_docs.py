@@ -120,8 +120,22 @@ def measured_rows(profiled: Path) -> dict:
     for r in rows:
         if (r["model"], r["method"], r["grad_dtype"], r["rank"]) == ("xl", "edgc", "bfloat16", 32):
             label = "25 (default)" if r["ddp_default"] else f"{r['bucket_cap_mb']:g}"
-            out[label] = {"wall_s": r["seconds"], "kernels_s": (r.get("kernel_profile") or {}).get("device_s")}
+            kernels = (r.get("kernel_profile") or {}).get("device_s")
+            out[label] = {"wall_s": r["seconds"], "kernels_s": kernels, "samples_s": r["seconds_all"]}
     return out
+
+
+def spread_line(*runs: dict) -> str:
+    """The hook's timed samples of both runs per bucket label: the spread the check sits in."""
+    parts = []
+    for label in runs[0]:
+        samples = [t for run in runs for t in run.get(label, {}).get("samples_s", [])]
+        parts.append(f"{label} MB {1e3 * min(samples):.1f}–{1e3 * max(samples):.1f} ms")
+    return (
+        f"The hook's {sum(len(run[label]['samples_s']) for run in runs for label in run) // len(runs[0])} timed calls "
+        "a row in the two runs span " + ", ".join(parts) + ": they fall in a faster and a slower group, and the "
+        "model (read from a profiled trace) sits with the slower."
+    )
 
 
 def censuses(steps: dict) -> dict:
@@ -139,7 +153,7 @@ def block(run: Path, profiled: Path, measured_census: dict, engine: dict, graphs
     trace = run / "trace_nccl.json.gz"
     costs = costs_from_trace(read_trace(trace), launch_s, f"{trace.relative_to(ROOT)}")
     measured = measured_rows(profiled)
-    rows = check_rows(costs, censuses(measured_census["steps"]), measured)
+    rows = check_rows(costs, censuses(measured_census["steps"]), measured, measured_rows(run))
     steps = {("eager", label): census for label, census in censuses(engine["steps"]).items()}
     for label in CAPS:
         steps[("CUDA graphs", label)] = None if graphs is None else censuses(graphs["steps"])[label]
@@ -154,11 +168,14 @@ def block(run: Path, profiled: Path, measured_census: dict, engine: dict, graphs
             costs_table(costs),
             "",
             f"**The check** (GPT-2 XL, rank 32, bf16 gradients, the hook alone, `{profiled.relative_to(ROOT)}`'s "
-            f"median; the measured engine's ops counted by `{measured_census['command']}`, torch "
+            f"median, the rows the model is held to; beside it `{run.relative_to(ROOT)}`'s, the same engine in the "
+            f"other run; the measured engine's ops counted by `{measured_census['command']}`, torch "
             f"{measured_census['torch']}): host = the census at the classes' costs; device = the simulator's "
             "engine model on the `h200` preset; predicted = the larger:",
             "",
             check_table(rows),
+            "",
+            spread_line(measured, measured_rows(run)),
             "",
             f"Where the host's time goes (25 MB buckets): {share_line(rows[0])}.",
             "",

@@ -89,9 +89,10 @@ def costs_table(costs: HostOpCosts) -> str:
     return "\n".join(lines)
 
 
-def check_rows(costs: HostOpCosts, censuses: dict, measured: dict) -> list[dict]:
+def check_rows(costs: HostOpCosts, censuses: dict, measured: dict, again: dict | None = None) -> list[dict]:
     """Per bucket label: the model on the H200 preset against the measured hook (``measured``: label ->
-    {"wall_s": the hook's time, "kernels_s": its kernels' summed time}), and the one-cost-per-op model before it."""
+    {"wall_s": the hook's time, "kernels_s": its kernels' summed time}; ``again``: the same hook in
+    another run, shown beside it), and the one-cost-per-op model before it."""
     device = DEVICES["h200"]
     rows = []
     for label, census in censuses.items():
@@ -110,6 +111,7 @@ def check_rows(costs: HostOpCosts, censuses: dict, measured: dict) -> list[dict]
                 "measured_s": measured[label]["wall_s"],
                 "kernels_s": measured[label].get("kernels_s"),
                 "error": step.wall_s / measured[label]["wall_s"] - 1,
+                "again_s": (again or {}).get(label, {}).get("wall_s"),
                 "by_class": step.host.by_class,
             }
         )
@@ -120,16 +122,18 @@ def check_table(rows: list[dict]) -> str:
     per_op = DEVICES["h200"].launch_s
     lines = [
         "| DDP bucket MB | dispatches + collectives / views / hook calls | host ms | device ms: model / kernels "
-        f"measured | predicted ms | measured ms | error | {1e6 * per_op:.1f} µs every op (before) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"measured | predicted ms | measured ms | error | the other run: ms, error "
+        f"| {1e6 * per_op:.1f} µs every op (before) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         flat_error = r["flat_s"] / r["measured_s"] - 1
         kernels = "–" if r["kernels_s"] is None else f"{1e3 * r['kernels_s']:.1f}"
+        again = "–" if r["again_s"] is None else f"{1e3 * r['again_s']:.1f}, {r['wall_s'] / r['again_s'] - 1:+.0%}"
         lines.append(
             f"| {r['bucket']} | {r['launches']:,} / {r['views']:,} / {r['hook_calls']} | {1e3 * r['host_s']:.1f} "
             f"| {1e3 * r['device_s']:.1f} / {kernels} | {1e3 * r['wall_s']:.1f} | {1e3 * r['measured_s']:.1f} "
-            f"| {r['error']:+.1%} | {1e3 * r['flat_s']:.1f} ({flat_error:+.0%}) |"
+            f"| {r['error']:+.1%} | {again} | {1e3 * r['flat_s']:.1f} ({flat_error:+.0%}) |"
         )
     worst = max(abs(r["error"]) for r in rows)
     verdict = "✓" if worst <= CHECK_WITHIN else "✗"
