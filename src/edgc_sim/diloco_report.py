@@ -202,12 +202,16 @@ def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) ->
                 "collectives": collectives(sync, r["params"], r["tensors"]),
                 "rounds": latencies(sync, r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT),
                 "measured_s": r["outer_step_s"],
+                "sync_measured_s": r["outer_step_s"] - r["sync_every"] * r["floor_s"],
+                "latency_model_s": latencies(sync, r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT)
+                * r["round_trip_s"],
                 "model_s": model,
                 "error": model / r["outer_step_s"] - 1,
                 "fitted": r in fit,
                 "extrapolated": r["hosts"] not in fit_hosts,
                 "wire_measured": r.get("wire_bytes"),
                 "wire_model": wire_bytes(sync, r["params"], r["hosts"]),
+                "load": r.get("load"),
             }
         )
     return {"link": link, "codec_s_per_value": codec, "rows": table, "fit_hosts": fit_hosts}
@@ -242,8 +246,22 @@ def calibration_table(result: dict, rate_mbit: float) -> str:
             "",
             f"- {mark} with latency added, at {' and '.join(map(str, result['fit_hosts']))} hosts: the model within "
             f"{worst:.1%} of the bench (≤ {LATENCY_CHECK_WITHIN:.0%} at each run)",
+            "- what the delay added to the sync (the outer step less H inner steps, against the same run without "
+            "it), bench / model: " + "; ".join(_added(r, result["rows"]) for r in checked),
         ]
+    loads = [r["load"] for r in result["rows"] if r.get("load") is not None]
+    if loads:
+        lines.append(f"- the machine's load average at the runs' ends: {min(loads):.0f}–{max(loads):.0f}")
     return "\n".join(lines)
+
+
+def _added(row: dict, rows: list[dict]) -> str:
+    """One delayed run's added sync time, measured against its run without the delay, beside the model's."""
+    plain = next(
+        (r for r in rows if (r["hosts"], r["method"]) == (row["hosts"], row["method"]) and not r["round_trip_s"]), None
+    )
+    measured = "–" if plain is None else f"{row['sync_measured_s'] - plain['sync_measured_s']:+.2f} s"
+    return f"{row['hosts']} groups {row['method']} {measured} / {row['latency_model_s']:+.2f} s"
 
 
 def markdown(site: Site, bench: dict | None = None) -> str:
