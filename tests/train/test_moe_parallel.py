@@ -1,10 +1,11 @@
 """The harness's MoE layer (`edgc_train.moe`, tokens through the all-to-all) under expert parallelism, on 4 gloo
 processes (one call for everything, `edgc.distributed.scaling`'s contract):
 
-* **ep = 1 and ep = 2 give the same gradients**: the same model and global batch (rank r reads the same
-  tokens in both), every token routed to the same experts (asserted), the dense and every expert's
-  gradient after the sync and before the optimizer equal (rtol 1e-5) at every step, uncompressed and with
-  EDGC at a compressing static rank (PowerSGD is linear in the mean: both compress the same mean).
+* **ep = 1 and ep = 2 give the same gradients and step**: the same model and global batch (rank r reads
+  the same tokens in both), every token routed to the same experts (asserted), the dense and every
+  expert's gradient after the sync and before the optimizer equal (rtol 1e-5) at every step, and so the
+  model after each step, uncompressed and with EDGC at a compressing static rank (PowerSGD is linear in
+  the mean: both compress the same mean).
 * **torchtitan's FSDP2 layout**: ``fully_shard`` of the MoE block with per-parameter meshes
   (``shard_placement_fn``: the experts on their expert-FSDP mesh, the router on the dense one: two
   parameter groups in one module), FSDP's division off and the loss divided by the global tokens, the
@@ -97,6 +98,9 @@ def at_ep(rank: int, ep: int, compressed: bool) -> list[dict]:
         with torch.no_grad():  # the same SGD step at either ep: the next step's routes must agree again
             for _, p in model.named_parameters():
                 p.add_(p.grad, alpha=-0.5)
+        params = {name: p.detach().clone() for name, p in dense_parameters(model)}
+        params.update({name: full_experts(p.detach(), ep_group, ep) for name, p in expert_parameters(model)})
+        records[-1]["params"] = params  # after the step
     return records
 
 
@@ -199,6 +203,8 @@ def test_ep_1_and_ep_2_route_alike_and_give_the_same_gradients(runs, compressed)
                 assert a["phases"] == b["phases"] == (("warmup",) * 2 if step == 0 else ("compress",) * 2)
             for name, grad in a["grads"].items():
                 torch.testing.assert_close(b["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=f"{step} {name}")
+            for name, param in a["params"].items():  # and the same model after the step
+                torch.testing.assert_close(b["params"][name], param, rtol=1e-5, atol=1e-7, msg=f"{step} {name}")
 
 
 @pytest.mark.parametrize("replicas", [2, 1], ids=["2-D expert mesh", "expert shard of 2"])
