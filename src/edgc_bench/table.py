@@ -82,10 +82,10 @@ LABELS = {
 }
 
 
-def result_table(rows_: list[dict], fsdp: bool = False) -> str:
+def result_table(rows_: list[dict], fsdp: bool = False, reference: str = "none") -> str:
     labels = {**LABELS, "none": "none (native HSDP)"} if fsdp else LABELS
     head = (
-        "| method | rank | DP comm s/step | step s (× none) | × floor | comm share | tokens/s | MB sent/step "
+        f"| method | rank | DP comm s/step | step s (× {reference}) | × floor | comm share | tokens/s | MB sent/step "
         "| compress s/step | final val loss | val ppl | time to target |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     )
@@ -255,18 +255,20 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         f"{s['micro_batch']} × {s['seq_len']} tokens per rank per step, {s['steps']} steps, seed {s['seed']}; "
         f"uncompressed communication share (sync after backward) {share}; EDGC r_max = {summary['r_max']}. "
         f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; {_took(summary)}.\n",
-        result_table(rows_, bool(s.get("fsdp"))),
+        result_table(rows_, bool(s.get("fsdp")), "allreduce" if s.get("moe_experts") else "none"),
         groups_table(rows_),
         (
             "Ratios are to `none` (native HSDP: FSDP2's own replica all-reduce) in the same "
             if s.get("fsdp")
+            else "Ratios (and the target) are to `allreduce` (our uncompressed sync of both groups) in the same "
+            if s.get("moe_experts")
             else "Ratios are to `none` (DDP with no hook: its native all-reduce, overlapped with backward) in the same "
         )
         + "invocation; × floor is the step time over `nosync`'s (no gradient sync at all). Times are medians over "
         "all steps (rank 0); DP comm is the time from issuing each collective to its completion, summed (it "
         "overlaps backward and other collectives, so it can exceed the step's share of waiting); "
         "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
-        "validation loss ≤ 1.01 × `none`'s final one."
+        "validation loss ≤ 1.01 × the reference's final one."
         + (
             ""
             if summary.get("round")

@@ -54,3 +54,14 @@ def test_each_groups_bytes_against_raw_and_the_ratios_to_our_uncompressed_sync()
     plain = run(1, 1, 1)
     plain["train"] = [{k: v for k, v in plain["train"][0].items() if not k.startswith(("dense_", "expert_"))}]
     assert groups_table(rows({"none": plain}, None)) == ""  # no mixture: no table
+
+
+def test_docs_sync_puts_a_mixture_of_experts_table_in_its_own_place(tmp_path, load_script):
+    module = load_script("bench_to_docs")
+    page = tmp_path / "page.md"
+    page.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
+    bench = tmp_path / "bench.md"
+    line = "2 hosts × 2 process(es) with 8 experts per MLP split over a host's processes (EP 2), …"
+    bench.write_text(f"<!-- bench:start -->\n{line}\n<!-- bench:end -->\n")
+    assert module.main([str(bench), str(page)]) == 0
+    assert "ddp" in page.read_text() and f"<!-- bench-moe-table:start -->\n{line}\n" in page.read_text()

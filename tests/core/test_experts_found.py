@@ -162,16 +162,19 @@ def test_the_counter_is_read_at_the_first_forward_of_each_step_and_never_written
     counter, model = torch.zeros(4), nn.Linear(2, 2)
     tokens = ExpertTokens()
     tokens.watch(model, [counter])
-    for step, routed in enumerate(([1, 2, 0, 0], [0, 0, 3, 1], [5, 0, 0, 0])):
+    for step, routed in enumerate(([1, 2, 0, 0], [0, 0, 3, 1], [5, 0, 2, 2])):
+        model.eval()
+        model(torch.zeros(1, 2))  # an evaluation between steps: no base (it may come before the reset)
+        model.train()
         if step == 2:
             counter.zero_()  # the model's own reset between steps (torchtitan's optimizer pre-hook)
-        model(torch.zeros(1, 2))  # the step's first forward
+        model(torch.zeros(1, 2))  # the step's first training forward
         counter += torch.tensor(routed, dtype=torch.float32)
         model(torch.zeros(1, 2))  # a second micro-batch: no new base
         before = counter.clone()
         tokens.count({"w": (counter, 2, 2)})  # rows 2, 3: this rank's experts of a per-global-expert counter
         assert torch.equal(counter, before)
-    assert tokens.counted["w"].tolist() == [3.0, 1.0] and tokens.steps == 3
+    assert tokens.counted["w"].tolist() == [5.0, 3.0] and tokens.steps == 3
 
 
 # ---------------------------------------------------------------------------- a resume at another ep

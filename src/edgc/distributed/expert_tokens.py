@@ -5,12 +5,13 @@ may reset it when it likes: torchtitan's ``tokens_per_expert_E`` drives its auxi
 balancing, which reads and zeroes it in an optimizer pre-hook. edgc owns its counts: it reads the
 counter and keeps what it read, and never changes it.
 
-* **What a step counted** is the counter's value at the sync minus its value at the first forward of
-  the step (taken by a forward pre-hook on the model, `watch`), so gradient accumulation's forwards
-  all count, a reset between steps is seen as one, and evaluation forwards between steps add nothing
-  the model did not add. Where no forward ran through the model the state watches, the value at the
-  last sync stands in. (With activation checkpointing a recomputed forward counts again, as it does
-  for torchtitan's balancing: the split's proportions are unchanged.)
+* **What a step counted** is the counter's value at the sync minus its value at the first training
+  forward of the step (the model in training mode, gradients on: taken by a forward pre-hook on the
+  model, `watch`), so gradient accumulation's forwards all count, a reset between steps is seen as one,
+  and an evaluation between steps (which may come before the model's reset) moves nothing. Where no
+  forward ran through the model the state watches, the value at the last sync stands in. (With
+  activation checkpointing a recomputed forward counts again, as it does for torchtitan's balancing:
+  the split's proportions are unchanged.)
 * **Which counter** (``mark_experts(..., tokens=)``, or a found experts module's nearest counter,
   `edgc.distributed.experts`): a counter *per local expert* (``[E_local]``, the tokens this rank's experts
   processed, every expert-parallel peer's included) is summed over the state's group, the expert's
@@ -59,10 +60,11 @@ class ExpertTokens:
             self._hook.remove()
             self._hook = None
         if model is not None and counters:
-            self._hook = model.register_forward_pre_hook(lambda *_: self._step_begins())
+            self._hook = model.register_forward_pre_hook(lambda module, _: self._step_begins(module))
 
-    def _step_begins(self) -> None:
-        if self._open or not self._counters:
+    def _step_begins(self, model: nn.Module) -> None:
+        # A training forward only: an evaluation between steps may come before the model's own reset
+        if self._open or not self._counters or not (model.training and torch.is_grad_enabled()):
             return
         self._open = True
         self._snapshot()
