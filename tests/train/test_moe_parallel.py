@@ -10,10 +10,12 @@ processes (one call for everything, `edgc.distributed.scaling`'s contract):
   (``shard_placement_fn``: the experts on their expert-FSDP mesh, the router on the dense one: two
   parameter groups in one module), FSDP's division off and the loss divided by the global tokens, the
   hook summing each group over its own replicate group. Two layouts of 4 ranks: replicas 2 × ep 2 (the
-  2-D expert mesh [dp_replicate 2, efsdp 1]) and ep 2 × an expert shard of 2 ranks (efsdp 2); the warm-up
-  step's gradients are the global loss's, and EDGC's compressed steps keep every replica of the dense
-  part and of each expert (over its expert-data-parallel group) identical. The experts' mesh without a
-  state of its own, or one state for both meshes, is refused in one line before any hook is set.
+  2-D expert mesh [dp_replicate 2, efsdp 1]) and ep 2 × an expert shard of 2 ranks (efsdp 2), and the
+  first with FSDP's division on (each rank's loss its mean: the hook averages, the experts scaled by
+  1/ep); the warm-up step's gradients are the global loss's, and EDGC's compressed steps keep every
+  replica of the dense part and of each expert (over its expert-data-parallel group) identical. The
+  experts' mesh without a state of its own, or one state for both meshes, is refused in one line before
+  any hook is set.
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def refused(call) -> str:
     return ""
 
 
-def titan_layout(rank: int, world: int, replicas: int) -> dict:
-    """``replicas`` × ep 2 × efsdp (4 / replicas / 2): the MoE block sharded as torchtitan shards it."""
+def titan_layout(rank: int, world: int, replicas: int, division_off: bool = True) -> dict:
+    """``replicas`` × ep 2 × efsdp (4 / replicas / 2): the MoE block sharded as torchtitan shards it, FSDP's
+    division off and the loss divided by the global tokens (torchtitan's), or on and each rank's loss its mean."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -137,7 +140,7 @@ def titan_layout(rank: int, world: int, replicas: int) -> dict:
     fully_shard(model.moe, mesh=dense_shard, shard_placement_fn=place)
     fully_shard(model, mesh=dense_shard)
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule) and division_off:
             module.set_gradient_divide_factor(1.0)  # torchtitan's: the loss is divided by the global tokens
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     dense = EDGCState(mesh["dp_replicate"], EDGCConfig(**STATIC))
@@ -152,7 +155,7 @@ def titan_layout(rank: int, world: int, replicas: int) -> dict:
     for step in range(STEPS):
         model.zero_grad()
         x, y = batch(rank, step)
-        (model(x, y, reduction="sum") / (TOKENS * world)).backward()
+        (model(x, y, reduction="sum") / (TOKENS * world) if division_off else model(x, y)).backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         for name, _ in expert_parameters(model):  # every expert: this EP rank's, then the other's
             grads[name] = full_experts(grads[name], mesh.get_group("ep"), 2)
@@ -183,7 +186,7 @@ def reference(world: int) -> list[dict]:
 
 def worker(rank: int, world: int) -> dict:
     out = {"parity": {(c, ep): at_ep(rank, ep, c) for c in (False, True) for ep in (1, 2)}}
-    out["titan"] = {replicas: titan_layout(rank, world, replicas) for replicas in (2, 1)}
+    out["titan"] = {(r, off): titan_layout(rank, world, r, off) for r, off in ((2, True), (1, True), (2, False))}
     out["reference"] = reference(world) if rank == 0 else None
     return out
 
@@ -207,11 +210,15 @@ def test_ep_1_and_ep_2_route_alike_and_give_the_same_gradients(runs, compressed)
                 torch.testing.assert_close(b["params"][name], param, rtol=1e-5, atol=1e-7, msg=f"{step} {name}")
 
 
-@pytest.mark.parametrize("replicas", [2, 1], ids=["2-D expert mesh", "expert shard of 2"])
-def test_torchtitans_layout_sums_each_group_over_its_replicas_and_keeps_replicas_identical(runs, replicas):
+@pytest.mark.parametrize(
+    "layout",
+    [(2, True), (1, True), (2, False)],
+    ids=["2-D expert mesh", "expert shard of 2", "FSDP's division on: the mean, experts by 1 over ep"],
+)
+def test_torchtitans_layout_reduces_each_group_over_its_replicas_and_keeps_replicas_identical(runs, layout):
     ref = runs[0]["reference"]
     for rank, out in enumerate(runs):
-        titan = out["titan"][replicas]
+        titan = out["titan"][layout]
         assert titan["groups"] == 2  # the router's mesh and the experts': one module, two parameter groups
         first = titan["steps"][0]
         assert first["phases"] == ("warmup", "warmup")
@@ -226,5 +233,5 @@ def test_torchtitans_layout_sums_each_group_over_its_replicas_and_keeps_replicas
 
 def test_the_experts_mesh_without_a_state_of_its_own_is_refused_in_one_line(runs):
     for case, words in (("one state", "needs a state of its own"), ("shared state", "give each mesh its own")):
-        lines = [out["titan"][2]["refusals"][case] for out in runs]
+        lines = [out["titan"][(2, True)]["refusals"][case] for out in runs]
         assert all(line == lines[0] and "\n" not in line for line in lines) and words in lines[0], lines[0]

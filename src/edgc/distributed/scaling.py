@@ -55,7 +55,13 @@ class GradientScale:
 
     def apply(self, names: list[str], grads: list[torch.Tensor], group_size: int, ep: Mapping[str, int]) -> None:
         """Multiply each gradient in place by its ``s`` (``ep``: parameter name → its experts' ep; others dense):
-        one launch per distinct factor, none where every factor is 1."""
+        one launch per distinct factor, none where every factor is 1 (no loop over the names without experts)."""
+        if self.convention == SUM:
+            if group_size != 1:
+                torch._foreach_mul_(grads, float(group_size))
+            return
+        if not ep:
+            return
         by_factor: dict[float, list[torch.Tensor]] = {}
         for name, grad in zip(names, grads):
             s = self.factor(group_size, ep.get(name, 1))
