@@ -61,7 +61,10 @@ from ..distributed.mesh import init_parallel_mesh
 from ..safeguards.guards import group_ranks
 from ..sync.reducer import GradientReducer
 
-__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout", "mesh_refusal"]
+__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout", "mesh_refusal", "REDUCTIONS"]
+
+REDUCTIONS = ("mean", "sum")
+STEP_ENDS = ("backward", "caller")
 
 
 def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
@@ -110,13 +113,14 @@ def mesh_refusal(name: str, mesh: DeviceMesh, reference: DeviceMesh, state_ranks
 def _sharded_modules(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
     """(name, module, its parameter group) of every `fully_shard`-ed module with parameters, in
     ``model.modules()`` order; a model sharded on a 2-D mesh is refused."""
-    found = []
+    found, seen = [], set()
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         group = fsdp_adapter.param_group(module)
-        if group is None or not group.fsdp_params:
+        if group is None or not group.fsdp_params or id(group) in seen:  # fully_shard([a, b]): one group, two modules
             continue
+        seen.add(id(group))
         if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
             raise ValueError(
                 "shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
@@ -128,9 +132,15 @@ def _sharded_modules(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
 
 class FSDPCommHook:
     """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`. ``states``:
-    one state, or a state per shard mesh ({mesh: state}), each module's shards averaged by its mesh's."""
+    one state, or a state per shard mesh ({mesh: state}), each module's shards averaged by its mesh's.
+    ``reduction``: "mean" (the shards averaged over the state's group) or "sum" (summed); ``step_end``:
+    "backward" (a backward is a step) or "caller" (`close_step` ends it), `register_fsdp_comm_hook`'s."""
 
-    def __init__(self, model: nn.Module, states):
+    def __init__(self, model: nn.Module, states, reduction: str = "mean", step_end: str = "backward"):
+        for what, value, allowed in (("reduction", reduction, REDUCTIONS), ("step_end", step_end, STEP_ENDS)):
+            if value not in allowed:
+                raise ValueError(f"register_fsdp_comm_hook: {what} must be one of {allowed}, got {value!r}")
+        self.reduction, self.step_end = reduction, step_end
         if not isinstance(model, FSDPModule):
             raise TypeError("register_fsdp_comm_hook needs a model that fully_shard was applied to")
         sharded = _sharded_modules(model)
@@ -158,9 +168,10 @@ class FSDPCommHook:
                     state.experts.hold(name, mark, _first_row(fsdp_param, mark, mesh), tuple(size))
             self._groups.append((module, layout))
             module.set_all_reduce_hook(self._make_hook(layout, group, state))
-        # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
-        # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
-        model.set_reduce_scatter_unused_params(True)
+        if step_end == "backward":
+            # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
+            # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
+            model.set_reduce_scatter_unused_params(True)
         for mesh, state in routes:
             # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
             state.parameter_shapes = shapes[state]
@@ -168,32 +179,43 @@ class FSDPCommHook:
             shard_ranks = dist.get_process_group_ranks(mesh.get_group())
             state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
         self._open: list[GradientReducer] = []  # the states whose step this backward opened, in order
+        self._reduced: dict[GradientReducer, set[str]] = {}  # step_end="caller": what this step reduced so far
 
     def _make_hook(self, layout, group, state: GradientReducer):
         # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
         # not a gradient and is neither sent nor compressed.
         expected = sum(padded for _, _, padded in layout)
+        partial: dict[int, list] = {}  # a reduce-scatter's numel → the parameters it holds (step_end="caller")
 
         def hook(reduce_output: torch.Tensor) -> None:
-            if reduce_output.numel() != expected:
-                raise RuntimeError(
-                    f"FSDP reduce-scatter output has {reduce_output.numel()} elements, the layout "
-                    f"{expected}: parameters without requires_grad changed since registering?"
-                )
+            held, numel = layout, reduce_output.numel()
+            if numel != expected:
+                if self.step_end != "caller":
+                    raise RuntimeError(
+                        f"FSDP reduce-scatter output has {numel} elements, the layout "
+                        f"{expected}: parameters without requires_grad changed since registering?"
+                    )
+                held = partial[numel] if numel in partial else partial.setdefault(numel, partial_layout(layout, numel))
+            if self.reduction == "sum" and state.comm.world_size > 1:
+                # k·g averaged is the sum; exact where k is a power of two (the mean divides by k)
+                reduce_output.mul_(state.comm.world_size)
             names, views, offset = [], [], 0
-            for name, size, padded in layout:
+            for name, size, padded in held:
                 numel = math.prod(size)
                 view = reduce_output[offset : offset + numel].view(size)
                 # a stacked experts shard stays 3-D: the state splits it by expert (`edgc.distributed.experts`)
                 views.append(view if name in state.experts.marks or view.dim() < 2 else view.view(size[0], -1))
                 names.append(name)
                 offset += padded
-            self._open_step(state)
+            self._open_step(state, names)
             # Blocking only where FSDP2 reads the buffer as soon as this returns; otherwise the job
             # goes on while the next groups' backward runs, and the step's close drains it.
-            state.reduce_tensors(
-                names, views, last=False, blocking=fsdp_adapter.reads_buffer_after_hook(group, reduce_output)
-            )
+            # Every rank of the group must decide alike (blocking or not changes the order of the jobs'
+            # collectives): a torchft replica that restarted has no gradients yet where its peers have them,
+            # so under torchft's manager (a communicator of its own) every hook blocks.
+            reads = fsdp_adapter.reads_buffer_after_hook(group, reduce_output)
+            blocking = reads or type(state.comm) is not Communicator
+            state.reduce_tensors(names, views, last=False, blocking=blocking)
             # A reduce buffer in another dtype than the parameters is freed by FSDP2 as soon as this
             # returns (it casts it), back to its reduce-scatter stream, which has waited neither for
             # this stream (the all-reduce one, that casts it) nor for the jobs' stream that wrote the
@@ -203,11 +225,37 @@ class FSDPCommHook:
 
         return hook
 
-    def _open_step(self, state: GradientReducer) -> None:
-        if not self._open:
+    def _open_step(self, state: GradientReducer, names: list[str]) -> None:
+        if not self._open and self.step_end == "backward":
             torch_adapter.at_backward_end(self._close_step)
         if state not in self._open:
             self._open.append(state)
+        if self.step_end == "caller":
+            reduced = self._reduced.setdefault(state, set())
+            twice = reduced.intersection(names)
+            if twice:
+                raise RuntimeError(
+                    f"FSDP reduced {sorted(twice)[0]} twice in one step: with step_end='caller', call "
+                    "close_step() once the step's backward passes are done"
+                )
+            reduced.update(names)
+
+    def close_step(self) -> None:
+        """End the step (``step_end="caller"``) once its backward passes are done: every state the step
+        used averages what it holds and closes (metrics, decisions); each parameter must have been reduced
+        exactly once since the last close. Nothing to do after a step that reduced nothing."""
+        if self.step_end != "caller":
+            raise RuntimeError("close_step() is for register_fsdp_comm_hook(..., step_end='caller')")
+        for state in self._open:
+            missing = sorted(set(state.parameter_shapes) - self._reduced.get(state, set()))
+            if missing:
+                self._open, self._reduced = [], {}
+                raise RuntimeError(
+                    f"FSDP reduced no gradient of {missing[0]} in this step ({len(missing)} parameter(s)): with "
+                    "step_end='caller' every parameter that requires a gradient must get one each step"
+                )
+        self._reduced = {}
+        self._close_step()
 
     def _close_step(self) -> None:
         # In the order the backward opened them: the same on every rank.
@@ -276,7 +324,35 @@ def _first_row(fsdp_param, mark: ExpertMark, mesh: DeviceMesh) -> int:
     return mark.first + mesh.get_local_rank() * -(-rows // mesh.size())
 
 
-def register_fsdp_comm_hook(model: nn.Module, state) -> FSDPCommHook:
+def partial_layout(layout: list, numel: int) -> list:
+    """The parameters of ``layout`` [(name, size, padded numel)] that a reduce-scatter of ``numel``
+    elements holds: FSDP reduce-scatters the parameters that got gradients in a backward, in the group's
+    order, so they are the one ordered subset whose padded sizes add up to ``numel``. Raises where none
+    or several do (two parameters of one shard size)."""
+    found: list[list] = []
+
+    def search(start: int, left: int, chosen: list) -> None:
+        if left == 0:
+            found.append(list(chosen))
+        for i in range(start, len(layout)):
+            if len(found) > 1:
+                return
+            if layout[i][2] <= left:
+                search(i + 1, left - layout[i][2], [*chosen, layout[i]])
+
+    search(0, numel, [])
+    if len(found) != 1:
+        names = [name for name, _, _ in layout]
+        raise RuntimeError(
+            f"FSDP reduce-scatter output has {numel} elements, which {'no' if not found else 'more than one'} "
+            f"subset of its group's parameters {names} makes up: cannot tell which gradients it holds"
+        )
+    return found[0]
+
+
+def register_fsdp_comm_hook(
+    model: nn.Module, state, *, reduction: str = "mean", step_end: str = "backward"
+) -> FSDPCommHook:
     """Average the gradient shards of a `fully_shard`-ed model over ``state``'s process group.
 
     ``model`` is sharded on the shard mesh dimension only (a 1-D mesh, e.g. ``hsdp_mesh(k)["dp_shard"]``);
@@ -284,5 +360,19 @@ def register_fsdp_comm_hook(model: nn.Module, state) -> FSDPCommHook:
     replicate group. Modules sharded on another mesh (experts on their expert-data-parallel mesh) take
     a state of their own: ``state`` is then ``{shard mesh: state on its replicate group}``, one per
     mesh. Call once, before the first backward; returns a handle with ``remove()``.
+
+    ``reduction``: "mean" (FSDP's own contract: it divided the reduce-scatter by the shard count, and
+    the replicas are averaged) or "sum", for a loop that turns FSDP's division off and scales the
+    loss itself (torchtitan: ``set_gradient_divide_factor(1.0)``, the loss divided by the global
+    token count): each shard is multiplied by the group's size before the state averages it, so the
+    state's error feedback and factors hold the summed gradient. The sum is the native SUM
+    all-reduce bit for bit during the warm-up where the group's size is a power of two (the raw
+    average divides by it).
+
+    ``step_end``: "backward" (one backward is one step, closed when it ends) or "caller", for a loop
+    whose step runs several backward passes (torchtitan's chunked loss reduces its output layer's
+    gradients in a backward of their own): the caller ends each step with ``hook.close_step()``, and a
+    group's reduce-scatter holds the parameters that got gradients in that backward (FSDP's rule;
+    `partial_layout`), every one of them once a step.
     """
-    return FSDPCommHook(model, state)
+    return FSDPCommHook(model, state, reduction, step_end)

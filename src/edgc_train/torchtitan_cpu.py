@@ -1,0 +1,222 @@
+"""torchtitan 0.3.0's own trainer on a CPU, under torchrun with gloo: a CPU-only launcher for the tests and
+the bench (never the library, which runs on any device unchanged).
+
+    torchrun --nproc_per_node 2 -m edgc_train.torchtitan_cpu PLAN.json
+
+PLAN (or the file ``$EDGC_TITAN_PLAN`` names) is a JSON list of runs, each ``{"name": ..., "args": [...]}``
+and optionally ``"kill_at": S`` (the process dies at the end of step S, as a crashed host would; not
+once torchrun has restarted it), ``"wait_after": [S, FILE]`` (after step S it waits until FILE
+exists) and ``"ready_file": FILE`` (written once the trainer is built, by a restarted process). Each run is one
+torchtitan ``Trainer`` (or the subclass its config names), built by torchtitan's ``ConfigManager``
+from ``args`` (torchtitan's command line: ``--module``, ``--config``, ``--parallelism.…``) and trained
+by its ``train()``. The process group is started once, here, and every run of the launch uses it
+(torchtitan then skips its own start): one launch, several runs. Each run writes
+``<dump_folder>/record/rank<R>.json``: per step the loss, the gradient norm and EDGC's metrics, the
+wall time of each step, a digest of this rank's parameter shards, their bytes in fp32 (what an
+uncompressed all-reduce of them sends), the mesh FSDP sharded them on, and EDGC's counters.
+
+What a CPU needs that torchtitan 0.3.0 does not do, patched here, in this process only:
+
+* the device: ``torchtitan.tools.utils`` picks "cuda" without a GPU; it gets "cpu" and a stand-in for
+  the device module (memory counters read 0) before any other torchtitan module is imported;
+* attention: FlexAttention has no backward on a CPU; its call computes plain
+  ``scaled_dot_product_attention`` over the dense mask of the block mask's own ``mask_mod`` (the same
+  causal, per-document mask), and the block mask is built eagerly (no compiler);
+* gloo has no PREMUL_SUM: FSDP's reduce-scatter is forced to a SUM (``set_force_sum_reduction_for_comms``),
+  the same result with torchtitan's divide factor of 1;
+* torch 2.13 has no ``torch.distributed.set_timeout``: torchtitan's shorter timeouts after the first
+  step are skipped; every collective keeps this launcher's timeout (``TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = timedelta(seconds=int(os.environ.get("EDGC_DIST_TIMEOUT", "120")))
+# torchtitan's flags every test and bench run of this launcher takes: the local tokenizer and data
+# (`write_assets`), the DTensor backend that fully_shard accepts on torch 2.13, no compile, no
+# validation, a fixed seed (the same initial weights in every run).
+CPU_ARGS = [
+    "--parallelism.spmd_backend",
+    "partial_dtensor",
+    "--debug.seed",
+    "0",
+    "--validator.no-enable",
+    "--compile.no-enable",
+]
+
+
+class _CPUDevice(types.SimpleNamespace):
+    """What torchtitan calls on its device module (``torch.cuda`` on a GPU), for the CPU."""
+
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        return {}
+
+
+def _cpu_device_module() -> _CPUDevice:
+    props = types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), name="cpu")
+    nothing = staticmethod(lambda *args, **kwargs: None)
+    return _CPUDevice(
+        set_device=nothing,
+        synchronize=nothing,
+        empty_cache=nothing,
+        reset_peak_memory_stats=nothing,
+        current_device=lambda: 0,
+        device_count=lambda: 1,
+        get_device_name=lambda device=None: "cpu",
+        get_device_properties=lambda device=None: props,
+    )
+
+
+def _sdpa_over_mask(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+    """FlexAttention's call as plain attention: the dense mask of the block mask's ``mask_mod``."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    if score_mod is not None or return_aux.lse:
+        raise NotImplementedError("the CPU launcher's attention takes no score_mod and returns no lse")
+    batch, _, length, _ = q.shape
+    mask = create_mask(block_mask.mask_mod, batch, None, length, k.shape[2], device=q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return out, types.SimpleNamespace(lse=None)
+
+
+def patch_torchtitan_for_cpu() -> None:
+    """The patches of the module docstring; call before importing torchtitan (but its tools.utils)."""
+    import torchtitan.tools.utils as utils
+
+    utils.device_type, utils.device_module = "cpu", _cpu_device_module()
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.distributed import fsdp as titan_fsdp
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common import attention, decoder
+
+    attention.FlexAttention.compiled_flex_attn = staticmethod(_sdpa_over_mask)
+    decoder.create_attention_mask = create_block_mask  # eager: no compiler on the test machine's path
+    dividing_off = titan_fsdp.disable_fsdp_gradient_division
+
+    def dividing_off_summing(model):
+        dividing_off(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    titan_fsdp.disable_fsdp_gradient_division = dividing_off_summing
+    if not hasattr(dist, "set_timeout"):
+        dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: None
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def parameter_digest(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of this rank's shard of every parameter (a DTensor's local tensor), by name."""
+    digests = {}
+    for name, param in model.named_parameters():
+        local = _local(param)
+        digests[name] = hashlib.sha256(local.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return digests
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _wait_for(path: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {path}")
+        time.sleep(0.2)
+
+
+def _edgc_metrics(trainer) -> dict:
+    state = getattr(trainer, "edgc_state", None)
+    if state is None:
+        return {}
+    metrics = state.last_step_metrics
+    keep = ("step", "phase", "rank", "bytes_sent", "bytes_raw", "committed")
+    return {key: metrics[key] for key in keep if key in metrics}
+
+
+def run_one(run: dict, record_dir: Path | None = None) -> dict:
+    """Build and train one run of the plan; returns (and writes) this rank's record of it."""
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args([*CPU_ARGS, *run["args"]])  # a subcommand (activation-checkpoint:none) last
+    trainer = config.build()
+    if run.get("ready_file") and _restarted():
+        Path(run["ready_file"]).write_text("up")
+    steps: list[dict] = []
+    log = trainer.metrics_processor.log
+    started = [time.perf_counter()]
+
+    def recording_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        now = time.perf_counter()
+        steps.append(
+            {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "seconds": now - started[0]}
+            | {"edgc": _edgc_metrics(trainer)}
+        )
+        started[0] = now
+        if run.get("kill_at") == step and not _restarted():
+            os._exit(17)  # a crashed host: no clean-up, no goodbye to the peers
+        if run.get("wait_after") and run["wait_after"][0] == step:
+            _wait_for(run["wait_after"][1])
+        return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    trainer.metrics_processor.log = recording_log
+    try:
+        trainer.train()
+        model = trainer.model_parts[0]
+        state = getattr(trainer, "edgc_state", None)
+        record = {
+            "name": run["name"],
+            "rank": dist.get_rank(),
+            "steps": steps,
+            "digest": parameter_digest(model),
+            "shard_bytes": 4 * sum(_local(p).numel() for p in model.parameters() if p.requires_grad),
+            "fsdp_mesh": list(next(model.parameters()).device_mesh.mesh_dim_names),
+            "edgc_totals": dict(state.totals) if state is not None else None,
+            # under torchft: steps the manager did not commit, heals from a peer
+            "edgc_faults": {key: getattr(state, key) for key in ("steps_discarded", "heals") if hasattr(state, key)},
+        }
+    finally:
+        trainer.close()
+    folder = record_dir or Path(config.dump_folder) / "record"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    plan = json.loads(Path(argv[0] if argv else os.environ["EDGC_TITAN_PLAN"]).read_text())
+    patch_torchtitan_for_cpu()
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    try:
+        for run in plan:
+            run_one(run)
+            dist.barrier()
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
