@@ -160,6 +160,12 @@ def add_mode_flags(p: argparse.ArgumentParser) -> None:
         "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)",
     )
     p.add_argument(
+        "--torchtitan",
+        action="store_true",
+        help="torchtitan's own trainer (llama3 debug model) as HSDP, a replica per host and --nproc shards: "
+        "native against EDGC, step time and bytes (docs/guides/torchtitan.md)",
+    )
+    p.add_argument(
         "--kill-at",
         type=int,
         default=None,
