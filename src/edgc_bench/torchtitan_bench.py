@@ -103,8 +103,8 @@ def markdown(summary: dict) -> str:
     lines = [
         f"`{summary['command']}`: torchtitan {summary['torchtitan']} llama3 debug model, HSDP {s['hosts']} replicas "
         f"(one per host) × {s['nproc']} shards, {s['steps']} steps, batch {s['micro_batch']} × {s['seq_len']} per "
-        f"rank, fp32, {link} links, CPU, gloo; "
-        f"{summary['date']}",
+        f"rank, fp32, {link} links, CPU, gloo; {summary['date']}, load average {summary['load_start'][0]:.1f} at "
+        f"start, {summary['load_end'][0]:.1f} at end",
         "",
         "| method | step time, 2nd half (s) | × native | wire per step, per host (MB) | × native "
         "| replica all-reduce per rank and step (MB) | EDGC rank | last loss |",
@@ -131,7 +131,7 @@ def run_torchtitan_bench(s: BenchSettings, out: Path, command: str, say=print) -
 
     out.mkdir(parents=True, exist_ok=True)
     assets = write_assets(out / "assets")
-    started = time.time()
+    started, load_start = time.time(), os.getloadavg()
     runs = []
     with Network(s.hosts, s.rate_mbit) as net:
         for method in METHODS:
@@ -142,7 +142,8 @@ def run_torchtitan_bench(s: BenchSettings, out: Path, command: str, say=print) -
         "command": command,
         "torchtitan": torchtitan.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        "load": os.getloadavg(),
+        "load_start": load_start,
+        "load_end": os.getloadavg(),
         "rows": [summary_row(run, s.steps) for run in runs],
         "runs": [{k: v for k, v in run.items() if k != "records"} for run in runs],
     }

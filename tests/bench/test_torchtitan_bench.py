@@ -54,6 +54,8 @@ def test_the_figures_are_the_second_halfs_and_a_failed_run_says_so():
         "command": "edgc bench --torchtitan",
         "torchtitan": "0.3.0",
         "date": "today",
+        "load_start": (1.0, 1.0, 1.0),
+        "load_end": (2.0, 2.0, 2.0),
         "rows": [native, failed],
     }
     text = markdown(summary)
