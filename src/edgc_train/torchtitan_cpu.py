@@ -143,13 +143,21 @@ def _wait_for(path: str, timeout_s: float = 600) -> None:
         time.sleep(0.2)
 
 
-def _edgc_metrics(trainer) -> dict:
-    state = getattr(trainer, "edgc_state", None)
+def _metrics(state) -> dict:
     if state is None:
         return {}
     metrics = state.last_step_metrics
     keep = ("step", "phase", "rank", "bytes_sent", "bytes_raw", "committed")
     return {key: metrics[key] for key in keep if key in metrics}
+
+
+def _states(trainer) -> dict:
+    """EDGC's states by shard mesh (`EDGCTrainer.edgc_states`), or its one state under the name "fsdp"."""
+    states = getattr(trainer, "edgc_states", None)
+    if states is None:
+        state = getattr(trainer, "edgc_state", None)
+        states = {} if state is None else {"fsdp": state}
+    return states
 
 
 def run_one(run: dict, record_dir: Path | None = None) -> dict:
@@ -168,7 +176,8 @@ def run_one(run: dict, record_dir: Path | None = None) -> dict:
         now = time.perf_counter()
         steps.append(
             {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "seconds": now - started[0]}
-            | {"edgc": _edgc_metrics(trainer)}
+            | {"edgc": _metrics(getattr(trainer, "edgc_state", None))}
+            | {"edgc_by_mesh": {name: _metrics(state) for name, state in _states(trainer).items()}}
         )
         started[0] = now
         if run.get("kill_at") == step and not _restarted():
@@ -192,6 +201,9 @@ def run_one(run: dict, record_dir: Path | None = None) -> dict:
             "edgc_totals": dict(state.totals) if state is not None else None,
             # under torchft: steps the manager did not commit, heals from a peer
             "edgc_faults": {key: getattr(state, key) for key in ("steps_discarded", "heals") if hasattr(state, key)},
+            # each state's parameters (by shard mesh: the dense ones, the routed experts) and counters
+            "edgc_parameters": {name: sorted(part.parameter_shapes) for name, part in _states(trainer).items()},
+            "edgc_totals_by_mesh": {name: dict(part.totals) for name, part in _states(trainer).items()},
         }
     finally:
         trainer.close()

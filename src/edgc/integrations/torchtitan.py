@@ -23,7 +23,8 @@ What `EDGCTrainer` changes, and nothing else (no fork; no private member of torc
 * **The sum/scale contract.** torchtitan turns FSDP's division off (``set_gradient_divide_factor(1.0)``)
   and divides the loss by the global batch's token count, so the gradient reduction must be a SUM
   over every data-parallel rank: the reduce-scatter sums over the shard group, and the hook sums
-  over the replicas (``reduction="sum"``: each shard times the replicate degree, then EDGC's average).
+  over the replicas (`edgc.distributed.scaling`'s "sum" convention, which the FSDP hook takes from
+  FSDP's division: each shard times the replicate degree, experts included, then EDGC's average).
   Nothing is scaled twice: EDGC divides by nothing torchtitan divides by. During EDGC's warm-up the
   result is native HSDP's SUM all-reduce bit for bit where the replicate degree is a power of two;
   compressing, it is PowerSGD's approximation of that sum, with the error feedback in the same units.
@@ -67,8 +68,9 @@ class EDGCTrainer(Trainer):
     """torchtitan's ``Trainer`` with EDGC on its replica all-reduce (the module docstring says what changes);
     built by torchtitan from ``config`` (its ``Trainer.Config`` plus ``edgc``, EDGC's settings).
 
-    ``edgc_state``: the `EDGCState` (None with a replicate degree of 1); ``edgc_hook``: its
-    `edgc.parallel.fsdp.FSDPCommHook`.
+    ``edgc_states``: an `EDGCState` per shard mesh, ``"fsdp"`` (the dense parameters) and, with expert
+    parallelism, ``"efsdp"`` (the routed experts, over their expert-data-parallel group), none with a
+    replicate degree of 1; ``edgc_hook``: their `edgc.parallel.fsdp.FSDPCommHook`.
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
@@ -77,7 +79,7 @@ class EDGCTrainer(Trainer):
         """EDGC's settings, every `EDGCConfig` field (``--edgc.r_max 8``; the engine's: ``--edgc.engine.seed 1``).
         ``total_steps`` None: the run's optimizer steps times its gradient accumulation steps."""
 
-    edgc_state: EDGCState | None
+    edgc_states: dict[str, EDGCState]
     edgc_hook: fsdp.FSDPCommHook | None
 
     def __init__(self, config: Config):
@@ -91,25 +93,34 @@ class EDGCTrainer(Trainer):
                 )
             spec = config.model_spec
             config.model_spec = dataclasses.replace(spec, parallelize_fn=adapter.shard_only(spec.parallelize_fn))
-        self.edgc_state, self.edgc_hook = None, None
+        self.edgc_states, self.edgc_hook = {}, None
         super().__init__(config)
-        self.edgc_state, self.edgc_hook = self._start_edgc()
+        self.edgc_states, self.edgc_hook = self._start_edgc()
 
-    def _start_edgc(self) -> tuple[EDGCState | None, fsdp.FSDPCommHook | None]:
+    @property
+    def edgc_state(self) -> EDGCState | None:
+        """The dense parameters' state (None with a replicate degree of 1)."""
+        return self.edgc_states.get(adapter.DENSE)
+
+    def _start_edgc(self) -> tuple[dict[str, EDGCState], fsdp.FSDPCommHook | None]:
         dims = self.parallel_dims
         if not dims.dp_replicate_enabled:
             logger.info("edgc: data_parallel_replicate_degree is 1, no replica all-reduce to compress: EDGC is off")
-            return None, None
+            return {}, None
         edgc = self.config.edgc
         if edgc.total_steps is None:
             edgc = dataclasses.replace(edgc, total_steps=self.config.training.steps * self.gradient_accumulation_steps)
         model = self.model_parts[0]
-        state = EDGCState(dims.get_mesh("dp_replicate"), edgc, model=model)
+        meshes = adapter.shard_meshes(dims)  # the dense parameters' and, with EP, the routed experts'
+        states = {name: EDGCState(dims.get_mesh("dp_replicate"), edgc, model=model) for name in meshes}
         # A step may run several backward passes (the chunked loss's output layer has its own): it ends
-        # when forward_backward_step returns.
-        hook = fsdp.register_fsdp_comm_hook(model, state, reduction="sum", step_end="caller")
-        logger.info(f"edgc: on the replica all-reduce over {dims.dp_replicate} replicas, {edgc.total_steps} steps")
-        return state, hook
+        # when forward_backward_step returns. The hook sums (FSDP's division is off).
+        hook = fsdp.register_fsdp_comm_hook(model, {meshes[n]: states[n] for n in meshes}, step_end="caller")
+        logger.info(
+            f"edgc: on the replica all-reduce over {dims.dp_replicate} replicas ({', '.join(meshes)}), "
+            f"{edgc.total_steps} steps"
+        )
+        return states, hook
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         """torchtitan's, then EDGC's step ends: its averages are in the gradients before they are clipped."""
@@ -120,20 +131,26 @@ class EDGCTrainer(Trainer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        if self.edgc_state is not None:
+        if self.edgc_states:
             buffer = io.BytesIO()
-            torch.save(self.edgc_state.state_dict(), buffer)
+            torch.save({name: part.state_dict() for name, part in self.edgc_states.items()}, buffer)
             state["edgc"] = {_rank_key(): buffer.getvalue()}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        if self.edgc_state is None:
+        if not self.edgc_states:
             return
         saved = state_dict.get("edgc", {}).get(_rank_key())
         if not isinstance(saved, bytes):
             raise ValueError(f"edgc: the checkpoint holds no EDGC state for {_rank_key()} (saved without EDGC?)")
-        self.edgc_state.load_state_dict(torch.load(io.BytesIO(saved), map_location="cpu", weights_only=False))
+        parts = torch.load(io.BytesIO(saved), map_location="cpu", weights_only=False)
+        if set(parts) != set(self.edgc_states):
+            raise ValueError(
+                f"edgc: the checkpoint holds EDGC states of {sorted(parts)}, this run {sorted(self.edgc_states)}"
+            )
+        for name, part in self.edgc_states.items():
+            part.load_state_dict(parts[name])
 
 
 def _rank_key() -> str:

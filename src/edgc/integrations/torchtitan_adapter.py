@@ -24,6 +24,7 @@ import importlib
 TORCHTITAN_VERSION = "0.3.0"
 MODELS = "torchtitan.models"  # its models' packages, each with a config_registry module
 TORCHFT_MODELS = "torchtitan.experiments.torchft"  # the models of its torchft experiment, likewise
+DENSE, EXPERTS = "fsdp", "efsdp"  # the shard meshes of the dense parameters and of the routed experts
 SHARD_ONLY_BACKENDS = ("partial_dtensor",)
 
 
@@ -80,3 +81,10 @@ def config_function(name: str, package: str):
         if callable(function):
             return function
     return None
+
+
+def shard_meshes(dims) -> dict:
+    """The meshes `ShardOnlyDims` makes FSDP shard on: ``DENSE`` always, ``EXPERTS`` with expert
+    parallelism (the routed experts' FSDP mesh, whose replicas are their expert-data-parallel group)."""
+    names = (DENSE, EXPERTS) if dims.ep_enabled else (DENSE,)
+    return {name: dims.get_mesh(name) for name in names}

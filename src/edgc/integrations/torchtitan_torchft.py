@@ -87,8 +87,9 @@ class EDGCTorchFTManager(TorchFTManager):
             raise ValueError("EDGC on torchtitan: pipeline parallelism is not supported; drop it or EDGC")
         model = model_parts[0]
         self.edgc_state = TorchFTEDGCState(self.manager, self.edgc_config, model=model)
-        # AVG over the groups, as torchtitan's own hook; a step ends when forward_backward_step returns
-        self.edgc_hook = fsdp.register_fsdp_comm_hook(model, self.edgc_state, step_end="caller")
+        # AVG over the groups, as torchtitan's own hook (each group's loss is divided by its own tokens,
+        # FSDP's division off); a step ends when forward_backward_step returns
+        self.edgc_hook = fsdp.register_fsdp_comm_hook(model, self.edgc_state, step_end="caller", scale="mean")
 
 
 class EDGCFaultTolerantTrainer(FaultTolerantTrainer):
