@@ -46,7 +46,7 @@ import torch.distributed as dist
 TIMEOUT = timedelta(seconds=int(os.environ.get("EDGC_DIST_TIMEOUT", "120")))
 # torchtitan's flags every test and bench run of this launcher takes: the local tokenizer and data
 # (`write_assets`), the DTensor backend that fully_shard accepts on torch 2.13, no compile, no
-# validation, a fixed seed (the same initial weights in every run).
+# validation, no CUDA graphs, a fixed seed (the same initial weights in every run).
 CPU_ARGS = [
     "--parallelism.spmd_backend",
     "partial_dtensor",
@@ -54,6 +54,7 @@ CPU_ARGS = [
     "0",
     "--validator.no-enable",
     "--compile.no-enable",
+    "--training.disable-cuda-graphs",  # a CPU has none; torchtitan refuses expert parallelism's dispatch with them
 ]
 
 

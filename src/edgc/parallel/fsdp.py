@@ -192,6 +192,7 @@ class FSDPCommHook:
             state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
         self._open: list[GradientReducer] = []  # the states whose step this backward opened, in order
         self._reduced: dict[GradientReducer, set[str]] = {}  # step_end="caller": what this step reduced so far
+        self._held = {state: set(shapes[state]) for state in self.states}  # the parameters each state reduces
 
     def _make_hook(self, layout, group, state: GradientReducer, divides: bool):
         # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
@@ -261,7 +262,7 @@ class FSDPCommHook:
         if self.step_end != "caller":
             raise RuntimeError("close_step() is for register_fsdp_comm_hook(..., step_end='caller')")
         for state in self._open:
-            missing = sorted(set(state.parameter_shapes) - self._reduced.get(state, set()))
+            missing = sorted(self._held[state] - self._reduced.get(state, set()))
             if missing:
                 self._open, self._reduced = [], {}
                 raise RuntimeError(
