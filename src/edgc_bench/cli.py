@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     if args.torchft:
         return torchft(settings, args, out)
     if args.torchtitan:
-        return torchtitan(settings, out)
+        return torchtitan(settings, args, out)
     if args.link_only:
         if (out / "calibration.json").exists():
             raise CLIError(f"--out: {out}/calibration.json already exists; choose a new folder")
@@ -218,7 +218,7 @@ def torchft(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int
     return 0
 
 
-def torchtitan(settings: BenchSettings, out: Path) -> int:
+def torchtitan(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
     """`edgc bench --torchtitan` (torchtitan_bench.py): native HSDP, then EDGC, in torchtitan's trainer."""
     if settings.pipeline or settings.fsdp:
         raise CLIError("--torchtitan: torchtitan's HSDP is a replica per host, --nproc shards; drop --tp/--pp/--fsdp")
@@ -230,9 +230,12 @@ def torchtitan(settings: BenchSettings, out: Path) -> int:
         import torchtitan  # noqa: F401
     except ImportError:
         raise CLIError("--torchtitan: torchtitan is not installed (pip install 'edgc[torchtitan]')") from None
-    from .torchtitan_bench import run_torchtitan_bench
+    if args.torchtitan_ep < 1 or settings.nproc % args.torchtitan_ep:
+        raise CLIError(f"--torchtitan-ep: must divide --nproc {settings.nproc}, got {args.torchtitan_ep}")
+    from .torchtitan_bench import TitanOptions, run_torchtitan_bench
 
-    run_torchtitan_bench(settings, out, command_line("--torchtitan"))
+    options = TitanOptions(config=args.torchtitan, ep=args.torchtitan_ep)
+    run_torchtitan_bench(settings, options, out, command_line("--torchtitan"))
     print((out / "bench.md").read_text())
     return 0
 

@@ -1,5 +1,6 @@
-"""`edgc bench --torchtitan`: torchtitan's own trainer, its llama3 debug model as HSDP (a replica per host, the
-host's processes sharding it), native against EDGC (`edgc.integrations.torchtitan`), on emulated hosts.
+"""`edgc bench --torchtitan [CONFIG]`: torchtitan's own trainer, one of its configs (its llama3 debug model by default;
+a MoE one with ``--torchtitan-ep``) as HSDP (a replica per host, the host's processes sharding it), native against
+EDGC (`edgc.integrations.torchtitan`), on emulated hosts.
 
 Each method is one torchtitan run: a ``torchrun`` agent per host inside its namespace, each running the
 CPU launcher `edgc_train.torchtitan_cpu` with the same model, data, seed, batch and steps. What is
@@ -11,7 +12,10 @@ compared, per method:
   which is all that crosses hosts but torchtitan's per-step loss and token-count all-reduces), per step;
 * EDGC's own counter: what its replica all-reduce sent per rank and step in the second half, against
   this rank's shards in fp32 (what the native all-reduce sends);
-* the last step's loss.
+* the last step's loss;
+* checks: EDGC's warm-up steps give native's losses and gradient norms bit for bit; the replicas end
+  with identical parameters (the routed experts across their expert-data-parallel group); with EP,
+  the dense and the routed-expert parameters each in a state of their own.
 
 Writes ``runs/<method>/`` (torchtitan's dump folder, the records, ``torchrun.log``), ``results.json``
 and ``bench.md``.
@@ -23,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgc_train.torchtitan_assets import asset_args, asset_env, write_assets
@@ -32,7 +37,13 @@ from .netns import Network
 from .run import BenchSettings, launch
 
 METHODS = ("native", "edgc")
-MODULES = {"native": "llama3", "edgc": "edgc.integrations.torchtitan"}
+MESH_NAMES = {"fsdp": "dense", "efsdp": "experts"}  # EDGC's states by the mesh their parameters are sharded on
+
+
+@dataclass(frozen=True)
+class TitanOptions:
+    config: str = "llama3_debugmodel"  # torchtitan's config function
+    ep: int = 1  # expert-parallel degree inside each host (a MoE config)
 
 
 def edgc_flags(edgc: dict) -> list[str]:
@@ -49,23 +60,34 @@ def edgc_flags(edgc: dict) -> list[str]:
     return flags
 
 
-def titan_args(s: BenchSettings, method: str, run_dir: Path, assets: Path) -> list[str]:
+def native_module(config: str) -> str:
+    """The torchtitan module whose config registry holds ``config`` (``--module`` of the native run)."""
+    from edgc.integrations.torchtitan_adapter import MODELS, config_function
+
+    function = config_function(config, MODELS)
+    if function is None:
+        raise ValueError(f"torchtitan has no config {config!r}")
+    return function.__module__.removesuffix(".config_registry")
+
+
+def titan_args(s: BenchSettings, o: TitanOptions, method: str, run_dir: Path, assets: Path) -> list[str]:
     """torchtitan's command line of one method's run."""
-    args = ["--module", MODULES[method], "--config", "llama3_debugmodel", *asset_args(assets)]
+    module = native_module(o.config) if method == "native" else "edgc.integrations.torchtitan"
+    args = ["--module", module, "--config", o.config, *asset_args(assets)]
     args += ["--training.steps", str(s.steps), "--training.seq_len", str(s.seq_len)]
     args += ["--training.local_batch_size", str(s.micro_batch), "--training.mixed_precision_param", "float32"]
     args += ["--parallelism.data_parallel_replicate_degree", str(s.hosts)]
     args += ["--parallelism.data_parallel_shard_degree", str(s.nproc), "--debug.seed", str(s.seed)]
-    args += ["--dump_folder", str(run_dir)]
+    args += ["--dump_folder", str(run_dir), "--parallelism.expert_parallel_degree", str(o.ep)]
     if method == "edgc":
         args += edgc_flags({**s.edgc, **({"r_max": s.r_max} if s.r_max is not None else {})})
     return [*args, "activation-checkpoint:none"]  # a subcommand: last
 
 
-def run_method(net: Network, s: BenchSettings, method: str, run_dir: Path, assets: Path) -> dict:
+def run_method(net: Network, s: BenchSettings, o: TitanOptions, method: str, run_dir: Path, assets: Path) -> dict:
     run_dir.mkdir(parents=True)
     plan = run_dir / "plan.json"
-    plan.write_text(json.dumps([{"name": method, "args": titan_args(s, method, run_dir, assets)}]))
+    plan.write_text(json.dumps([{"name": method, "args": titan_args(s, o, method, run_dir, assets)}]))
     sent_before, started = tx_bytes(net), time.time()
     env = {**asset_env(assets), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     codes = launch(net, s, ["edgc_train.torchtitan_cpu", str(plan)], run_dir / "torchrun.log", s.run_timeout_s, env)
@@ -81,28 +103,58 @@ def summary_row(run: dict, steps: int) -> dict:
         return {"method": run["method"], "failed": run["codes"]}
     late = [s for s in records[0]["steps"] if s["step"] > steps // 2]
     seconds = [s["seconds"] for s in late]
-    payload = [s["edgc"]["bytes_sent"] for r in records for s in r["steps"] if s["step"] > steps // 2 and s["edgc"]]
+    late_ranks = [[s for s in r["steps"] if s["step"] > steps // 2] for r in records]
+    meshes = list(late[0].get("edgc_by_mesh", {})) if late else []
+    by_mesh = {m: statistics.fmean(s["edgc_by_mesh"][m]["bytes_sent"] for r in late_ranks for s in r) for m in meshes}
     native = statistics.fmean(r["shard_bytes"] for r in records)  # its all-reduce sends the shards whole
     return {
         "method": run["method"],
         "step_s": statistics.median(seconds),
         "step_s_range": [min(seconds), max(seconds)],
         "wire_per_step": statistics.fmean(run["tx_bytes"]) / steps,
-        "payload_per_step": statistics.fmean(payload) if payload else native,
+        "payload_per_step": sum(by_mesh.values()) if by_mesh else native,
+        "payload_by_mesh": by_mesh,
         "shard_bytes": records[0]["shard_bytes"],
         "final_loss": records[0]["steps"][-1]["loss"],
         "ranks": sorted({s["edgc"].get("rank") for s in late if s["edgc"]} - {None}),
     }
 
 
+def checks(records: dict[str, list[dict]], nproc: int, ep: int) -> list[list]:
+    """[what, holds] of each check of the module docstring, from the runs' records (rank order)."""
+    native, edgc = records.get("native", []), records.get("edgc", [])
+    if not native or not edgc:
+        return []
+    warm = sum(1 for s in edgc[0]["steps"] if s["edgc"].get("phase") == "warmup")
+    same = all(
+        [s["loss"] for s in e["steps"][: warm + 1]] == [s["loss"] for s in n["steps"][: warm + 1]]
+        and [s["grad_norm"] for s in e["steps"][:warm]] == [s["grad_norm"] for s in n["steps"][:warm]]
+        for e, n in zip(edgc, native)
+    )
+    replicas = all(record["digest"] == edgc[rank % nproc]["digest"] for rank, record in enumerate(edgc))
+    found = [
+        [f"EDGC's {warm} warm-up steps give native's losses and gradient norms bit for bit", warm > 0 and same],
+        ["the replicas' parameters end identical (routed experts: across their expert-data-parallel group)", replicas],
+    ]
+    if ep > 1:
+        held = edgc[0]["edgc_parameters"]
+        experts_apart = all("experts" in n for n in held.get("efsdp", []))
+        dense_apart = not any("routed_experts" in n for n in held.get("fsdp", []))
+        apart = experts_apart and dense_apart
+        found.append(["the dense and the routed-expert parameters each in a state of their own", apart])
+    return found
+
+
 def markdown(summary: dict) -> str:
     s = summary["settings"]
     link = "unlimited" if s["rate_mbit"] is None else f"{s['rate_mbit']:g} Mbit/s"
+    expert_parallel = f", EP {s['ep']}" if s.get("ep", 1) > 1 else ""
     rows = {row["method"]: row for row in summary["rows"]}
     native = rows.get("native", {})
     lines = [
-        f"`{summary['command']}`: torchtitan {summary['torchtitan']} llama3 debug model, HSDP {s['hosts']} replicas "
-        f"(one per host) × {s['nproc']} shards, {s['steps']} steps, batch {s['micro_batch']} × {s['seq_len']} per "
+        f"`{summary['command']}`: torchtitan {summary['torchtitan']} {s['config']}, HSDP {s['hosts']} replicas "
+        f"(one per host) × {s['nproc']} shards{expert_parallel}, {s['steps']} steps, "
+        f"batch {s['micro_batch']} × {s['seq_len']} per "
         f"rank, fp32, {link} links, CPU, gloo; {summary['date']}, load average {summary['load_start'][0]:.1f} at "
         f"start, {summary['load_end'][0]:.1f} at end",
         "",
@@ -119,13 +171,21 @@ def markdown(summary: dict) -> str:
         ratio = lambda key: f"{row[key] / native[key]:.2f}×" if native.get(key) else "–"  # noqa: E731
         lines.append(
             f"| {method} | {row['step_s']:.2f} [{low:.2f}–{high:.2f}] | {ratio('step_s')} "
-            f"| {row['wire_per_step'] / 1e6:.2f} | {ratio('wire_per_step')} | {row['payload_per_step'] / 1e6:.3f} "
+            f"| {row['wire_per_step'] / 1e6:.2f} | {ratio('wire_per_step')} | {_payload(row)} "
             f"| {', '.join(map(str, row['ranks'])) or '–'} | {row['final_loss']:.4f} |"
         )
+    lines += [""] + [f"- {what}: {'holds' if holds else 'fails'}" for what, holds in summary.get("checks", [])]
     return "\n".join(lines) + "\n"
 
 
-def run_torchtitan_bench(s: BenchSettings, out: Path, command: str, say=print) -> dict:
+def _payload(row: dict) -> str:
+    """MB per rank and step: the total, and each state's where there are several (dense, routed experts)."""
+    parts = row.get("payload_by_mesh", {})
+    each = " (" + " + ".join(f"{MESH_NAMES.get(m, m)} {b / 1e6:.3f}" for m, b in parts.items()) + ")"
+    return f"{row['payload_per_step'] / 1e6:.3f}" + (each if len(parts) > 1 else "")
+
+
+def run_torchtitan_bench(s: BenchSettings, o: TitanOptions, out: Path, command: str, say=print) -> dict:
     """Native HSDP, then EDGC, on one emulated network; writes results.json and bench.md."""
     import torchtitan
 
@@ -135,16 +195,17 @@ def run_torchtitan_bench(s: BenchSettings, out: Path, command: str, say=print) -
     runs = []
     with Network(s.hosts, s.rate_mbit) as net:
         for method in METHODS:
-            say(f"[{time.time() - started:6.0f} s] {method}: torchtitan, {s.hosts} × {s.nproc}, {s.steps} steps")
-            runs.append(run_method(net, s, method, out / "runs" / method, assets))
+            say(f"[{time.time() - started:6.0f} s] {method}: {o.config}, {s.hosts} × {s.nproc}, {s.steps} steps")
+            runs.append(run_method(net, s, o, method, out / "runs" / method, assets))
     summary = {
-        "settings": s.__dict__ | {"methods": list(METHODS)},
+        "settings": s.__dict__ | {"methods": list(METHODS), "config": o.config, "ep": o.ep},
         "command": command,
         "torchtitan": torchtitan.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "load_start": load_start,
         "load_end": os.getloadavg(),
         "rows": [summary_row(run, s.steps) for run in runs],
+        "checks": checks({run["method"]: run["records"] for run in runs}, s.nproc, o.ep),
         "runs": [{k: v for k, v in run.items() if k != "records"} for run in runs],
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
