@@ -112,7 +112,8 @@ class EDGCTrainer(Trainer):
             edgc = dataclasses.replace(edgc, total_steps=self.config.training.steps * self.gradient_accumulation_steps)
         model = self.model_parts[0]
         meshes = adapter.shard_meshes(dims)  # the dense parameters' and, with EP, the routed experts'
-        states = {name: EDGCState(dims.get_mesh("dp_replicate"), edgc, model=model) for name in meshes}
+        # no model=: each state learns its own parameters (and experts) from the hook's groups alone
+        states = {name: EDGCState(dims.get_mesh("dp_replicate"), edgc) for name in meshes}
         # A step may run several backward passes (the chunked loss's output layer has its own): it ends
         # when forward_backward_step returns. The hook sums (FSDP's division is off).
         hook = fsdp.register_fsdp_comm_hook(model, {meshes[n]: states[n] for n in meshes}, step_end="caller")

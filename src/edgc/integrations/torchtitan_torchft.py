@@ -86,7 +86,7 @@ class EDGCTorchFTManager(TorchFTManager):
         if len(model_parts) != 1:
             raise ValueError("EDGC on torchtitan: pipeline parallelism is not supported; drop it or EDGC")
         model = model_parts[0]
-        self.edgc_state = TorchFTEDGCState(self.manager, self.edgc_config, model=model)
+        self.edgc_state = TorchFTEDGCState(self.manager, self.edgc_config)  # its parameters: the hook's
         # AVG over the groups, as torchtitan's own hook (each group's loss is divided by its own tokens,
         # FSDP's division off); a step ends when forward_backward_step returns
         self.edgc_hook = fsdp.register_fsdp_comm_hook(model, self.edgc_state, step_end="caller", scale="mean")
