@@ -138,7 +138,7 @@ def checks(records: dict[str, list[dict]], nproc: int, ep: int) -> list[list]:
     ]
     if ep > 1:
         held = edgc[0]["edgc_parameters"]
-        experts_apart = all("experts" in n for n in held.get("efsdp", []))
+        experts_apart = bool(held.get("efsdp")) and all("routed_experts" in n for n in held["efsdp"])
         dense_apart = not any("routed_experts" in n for n in held.get("fsdp", []))
         apart = experts_apart and dense_apart
         found.append(["the dense and the routed-expert parameters each in a state of their own", apart])

@@ -6,14 +6,16 @@ the bench (never the library, which runs on any device unchanged).
 PLAN (or the file ``$EDGC_TITAN_PLAN`` names) is a JSON list of runs, each ``{"name": ..., "args": [...]}``
 and optionally ``"kill_at": S`` (the process dies at the end of step S, as a crashed host would; not
 once torchrun has restarted it), ``"wait_after": [S, FILE]`` (after step S it waits until FILE
-exists) and ``"ready_file": FILE`` (written once the trainer is built, by a restarted process). Each run is one
+exists), ``"ready_file": FILE`` (written once the trainer is built, by a restarted process) and ``"nproc": N``
+(the run is trained by ranks 0..N-1 alone, in a process group of their own: see `shrink_world`). Each run is one
 torchtitan ``Trainer`` (or the subclass its config names), built by torchtitan's ``ConfigManager``
 from ``args`` (torchtitan's command line: ``--module``, ``--config``, ``--parallelism.…``) and trained
 by its ``train()``. The process group is started once, here, and every run of the launch uses it
-(torchtitan then skips its own start): one launch, several runs. Each run writes
+(torchtitan then skips its own start): one launch, several runs, of as many layouts as fit the world
+(runs of a smaller world come last). Each run writes
 ``<dump_folder>/record/rank<R>.json``: per step the loss, the gradient norm and EDGC's metrics, the
 wall time of each step, a digest of this rank's parameter shards, their bytes in fp32 (what an
-uncompressed all-reduce of them sends), the mesh FSDP sharded them on, and EDGC's counters.
+uncompressed all-reduce of them sends), the mesh FSDP sharded each on, and EDGC's counters.
 
 What a CPU needs that torchtitan 0.3.0 does not do, patched here, in this process only:
 
@@ -199,6 +201,7 @@ def run_one(run: dict, record_dir: Path | None = None) -> dict:
             "digest": parameter_digest(model),
             "shard_bytes": 4 * sum(_local(p).numel() for p in model.parameters() if p.requires_grad),
             "fsdp_mesh": list(next(model.parameters()).device_mesh.mesh_dim_names),
+            "parameter_meshes": {name: list(p.device_mesh.mesh_dim_names) for name, p in model.named_parameters()},
             "edgc_totals": dict(state.totals) if state is not None else None,
             # under torchft: steps the manager did not commit, heals from a peer
             "edgc_faults": {key: getattr(state, key) for key in ("steps_discarded", "heals") if hasattr(state, key)},
@@ -214,9 +217,45 @@ def run_one(run: dict, record_dir: Path | None = None) -> dict:
     return record
 
 
+def deepseek_v3_two_layers():
+    """torchtitan's deepseek-v3 debug model cut to its first two layers, a dense one and a MoE one (routed and
+    shared experts, router, expert-parallel dispatch): the tests' MoE model, a third of the six layers' CPU
+    time. A config function: ``--module edgc_train.torchtitan_cpu --config deepseek_v3_two_layers``."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    config = deepseek_v3_debugmodel()
+    config.model_spec.model.layers = config.model_spec.model.layers[:2]
+    return config
+
+
+def deepseek_v3_two_layers_edgc():
+    """`deepseek_v3_two_layers` trained by EDGCTrainer (``--edgc.FIELD`` flags set EDGC)."""
+    from edgc.integrations.torchtitan import with_edgc
+
+    return with_edgc(deepseek_v3_two_layers())
+
+
+def shrink_world(size: int, store_file: Path) -> bool:
+    """Ranks 0..size-1 leave the launch's process group for one of their own, of ``size`` ranks (a file store
+    at ``store_file``, new), which torchtitan then takes for its world; False on the other ranks, which are done."""
+    if size > dist.get_world_size():
+        raise ValueError(f"a run of {size} processes in a launch of {dist.get_world_size()}")
+    rank = dist.get_rank()
+    if rank == 0:
+        store_file.unlink(missing_ok=True)  # a file store left by an earlier launch would hold its keys
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank >= size:
+        return False
+    os.environ["WORLD_SIZE"] = str(size)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=size, timeout=TIMEOUT)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    plan = json.loads(Path(argv[0] if argv else os.environ["EDGC_TITAN_PLAN"]).read_text())
+    plan_file = Path(argv[0] if argv else os.environ["EDGC_TITAN_PLAN"])
+    plan = json.loads(plan_file.read_text())
     patch_torchtitan_for_cpu()
     from torchtitan.tools.logging import init_logger
 
@@ -224,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
         for run in plan:
+            size = run.get("nproc", dist.get_world_size())
+            if size != dist.get_world_size() and not shrink_world(size, plan_file.with_suffix(f".world{size}")):
+                break  # this rank takes no part in the runs of the smaller world
             run_one(run)
             dist.barrier()
     finally:
