@@ -16,6 +16,7 @@ Modules:
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
     torchft_train.py one replica group's worker of that bench (torchft DDP, torchft + EDGC, plain DDP)
     torchft_table.py its bench.md: the table and the acceptance checks
+    torchtitan_bench.py `edgc bench --torchtitan`: torchtitan's own trainer, native HSDP against EDGC
     diloco_bench.py `edgc bench --diloco`: DDP, DDP + EDGC, DiLoCo, DiLoCo + EDGC, Streaming DiLoCo per link
     diloco_cli.py   its flags and their checks
     diloco_train.py one replica group's worker of that bench (torchft DDP / DiLoCo, with or without EDGC)
