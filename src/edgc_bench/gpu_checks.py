@@ -5,7 +5,9 @@ and the HBM bytes Nsight Compute reads.
 ``torch.cuda.set_sync_debug_mode("error")`` themselves), then the engine, NCCL, resume and DiLoCo tests
 again with ``TORCH_CUDA_SANITIZER=1`` (gloo's worker threads copy CUDA tensors on streams of their
 own, so the gloo tests stay out of it); each a process of its own with its share of the part's
-limit, its outcome per test read from pytest's JUnit XML.
+limit, its outcome per test read from pytest's JUnit XML. Both run without tests/conftest.py
+(``--noconftest``): it stops any run on a machine without every extra the CI suite tests (torchft and
+sphinx among them, which the device's image lacks), and tests/gpu needs none of them nor its fixtures.
 
 "ncu": `edgc_bench.gpu_hbm` under Nsight Compute, first the kernels only a sampled step runs (the
 histogram's: their names are read from part "sampled"'s file, so only they are profiled), then a
@@ -73,7 +75,8 @@ def pytest_run(arguments: list[str], timeout: float, env: dict | None = None) ->
     """``python -m pytest ARGUMENTS`` bounded by ``timeout``: exit status, outcomes per test, output's end."""
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", f"--junitxml={junit}"]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rA"]
+        command.append(f"--junitxml={junit}")
         started = time.perf_counter()
         status, output = run_bounded(command + arguments, timeout, env)
         tests = read_junit(junit) if junit.exists() else []
@@ -96,8 +99,13 @@ def tests_part(record, settings: dict) -> None:
     """Part "tests" (the module docstring)."""
     started, limit = time.perf_counter(), settings["part_limit_s"]
     runs = [
-        ("sync_debug", settings["tests"], None, FIRST_SHARE),
-        ("sanitizer", settings["tests"] + settings["sanitized"], {"TORCH_CUDA_SANITIZER": "1"}, 1.0),
+        ("sync_debug", settings["tests"], {"HF_HUB_OFFLINE": "1"}, FIRST_SHARE),
+        (
+            "sanitizer",
+            settings["tests"] + settings["sanitized"],
+            {"HF_HUB_OFFLINE": "1", "TORCH_CUDA_SANITIZER": "1"},
+            1.0,
+        ),
     ]
     for name, arguments, env, share in runs:
         left = limit - (time.perf_counter() - started) - 2
