@@ -1,14 +1,14 @@
 """`python -m edgc_bench.gpu --out DIR`: the CUDA path measured on one GPU, in one command (docs/gpu.md).
 
 The parts (`edgc_bench.gpu_parts.PARTS`, ``--plan`` prints them with their limits) run one after
-another in the order of their value, each in a process of its own with its own time limit, cut to
-what is left of ``--budget``: a part that fails or runs out of time is killed with every process it
-started, and the next one runs. Each writes ``DIR/<part>.json`` as it measures, so a part killed, or
-the whole command, keeps what it had; ``DIR/summary.json`` (the plan, and each part's status, seconds
-and file) is rewritten before and after each part, and every part's output goes to ``DIR/log.txt``
-too. The default parts write 8 files at most (what the device tool brings back). The exit status is
-1 if any part failed, ran out of time or was skipped. scripts/gpu_to_docs.py copies the files into
-docs/gpu.md and the README.
+another in the order of their value, each in a process of its own with its own time limit (plus what
+the parts before it left of theirs), cut to what is left of ``--budget``: a part that fails or runs
+out of time is killed with every process it started, and the next one runs. Each writes
+``DIR/<part>.json`` as it measures, so a part killed, or the whole command, keeps what it had;
+``DIR/summary.json`` (the plan, and each part's status, seconds and file) is rewritten before and
+after each part, and every part's output goes to ``DIR/log.txt`` too. The default parts write 8 files
+at most (what the device tool brings back). The exit status is 1 if any part failed, ran out of time
+or was skipped. scripts/gpu_to_docs.py copies the files into docs/gpu.md and the README.
 
 ``--smoke`` runs every part's code on the CPU at a tiny size (GPT-2 "tiny", gloo; tests/bench/
 test_gpu_bench.py does); ``--count-only`` writes count.json alone, on any machine (the CPU's count).
@@ -142,8 +142,8 @@ def print_plan(args: argparse.Namespace) -> None:
         total += limit
         print(f"{name:8} {limit:7.0f} {total:7.0f}  {BY_NAME[name].what}")
     print(
-        f"budget {args.budget:.0f} s: a part's limit is cut to what is left of it; a part is not started "
-        f"with less than {LEAST_S} s left"
+        f"budget {args.budget:.0f} s: a part may also use what the parts before it left of their limits, and "
+        f"no more than is left of the budget; a part is not started with less than {LEAST_S} s left"
     )
 
 
@@ -155,14 +155,17 @@ def run(args: argparse.Namespace, runner=None) -> dict:
     summary = {"budget_s": args.budget, "plan": plan(args), "parts": {}}
     path = args.out / "summary.json"
     with open(args.out / "log.txt", "a") as log:
+        planned = 0.0  # when the part would start if every part before it took its whole limit
         for name, limit in summary["plan"]:
-            left = args.budget - (time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            left, saved = args.budget - elapsed, max(planned - elapsed, 0.0)
+            planned += limit
             entry = summary["parts"][name] = {"limit_s": limit, "file": f"{name}.json"}
             if left < LEAST_S:
                 entry["status"] = "skipped: the budget was spent"
                 _stopped(args.out, name, {"status": entry["status"]})
                 continue
-            timeout, part_started = min(limit, left), time.perf_counter()
+            timeout, part_started = min(limit + saved, left), time.perf_counter()
             entry.update(status="running", timeout_s=timeout)
             write_json(path, summary)
             print(f"== part {name}: {timeout:.0f} s at most", flush=True)

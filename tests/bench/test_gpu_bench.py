@@ -111,6 +111,22 @@ def test_a_part_past_its_limit_is_killed_and_the_next_runs_in_a_process_of_its_o
     assert read(tmp_path, "env")["torch"] == torch.__version__
 
 
+def test_a_part_may_use_what_the_parts_before_it_left_and_no_more_than_the_budget(tmp_path):
+    given = {}
+
+    def at_once(name, settings, out, timeout, log):  # every part done at once: its time is left over
+        given[name] = (timeout, settings["part_limit_s"])
+        return 0
+
+    argv = ["--parts", "env,hook,sampled", "--budget", "100", "--limit", "hook=30", "--out", str(tmp_path)]
+    assert gpu.run(gpu.parse(argv), at_once)["parts"]["sampled"]["status"] == "ok"
+    env_limit = BY_NAME["env"].limit_s
+    assert given["env"] == (env_limit, env_limit)
+    assert 30 < given["hook"][0] <= 30 + env_limit and given["hook"][0] == given["hook"][1]
+    # its own limit and the others' unused time, cut to what is left of the budget
+    assert BY_NAME["sampled"].limit_s < given["sampled"][0] <= 100
+
+
 def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
     assert gpu.main(["--smoke", "--parts", "env,hook", "--budget", "1", "--out", str(tmp_path)]) == 1
     parts = read(tmp_path, "summary")["parts"]
