@@ -77,7 +77,7 @@ def block(figures: dict) -> str:
     ]
     for outer in outers:
         lines.append(
-            f"| GPT-2 {outer['model']} | {outer['params'] / 1e9:.2f} B | {outer['groups']} | {outer['dispatches']} "
+            f"| GPT-2 {outer['model']} | {outer['params']:,} | {outer['groups']} | {outer['dispatches']} "
             f"| {outer['collectives']} | {outer['rollback_dispatches']} | {outer['bytes_per_param']:g} "
             f"| {outer['memory_per_param']:g} | {outer['transient_per_param']:g} | {outer['bytes_sent_per_param']:g} |"
         )

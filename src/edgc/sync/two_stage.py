@@ -322,6 +322,7 @@ class TwoStageReducer(GradientReducer):
         error = checked_error(self, state)
         super().load_state_dict(state)
         self.error = error
+        self.flat_errors.clear()  # the loaded entries are copied into a new buffer at their call's next use
         if self.comm.residuals_per_rank and int(state["world_size"]) != self.comm.world_size:
             self.error.clear()  # residuals are per rank: they cannot be split or merged
         self.owner_error = {  # (sizes, members, rank, bucket, values[, row multiple: 1 before it was saved])
@@ -333,6 +334,7 @@ class TwoStageReducer(GradientReducer):
     def _on_device(self, device: torch.device) -> None:
         # Read and replaced on the jobs' stream (`edgc.device.timing.state_to_device`)
         self.error = state_to_device(self.error, device, self._jobs.stream)
+        self.flat_errors.clear()
         moved = state_to_device(self.group_error_table(), device, self._jobs.stream)
         self.owner_error = {key: (p, moved[key]) for key, (p, _) in self.owner_error.items()}
 
