@@ -44,16 +44,20 @@ def run_scaling(s: BenchSettings, o, out: Path, command: str, say=print) -> dict
     rate, started, rows = o.rates[-1], time.time(), []
     for hosts in o.scaling:
         settings = replace(s, hosts=hosts)
-        with Network(hosts, rate) as net:
-            for sync in ("diloco", *o.scaling_syncs):
-                method, options = ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
-                run_dir = out / f"{hosts}hosts" / sync
-                say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s: {sync}")
-                result = run_method(net, settings, options, method, run_dir)
+        for sync in ("diloco", *o.scaling_syncs):
+            method, options = ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
+            for delay in o.delays_ms:  # one after the other: a method's runs see the shared machine alike
+                run_dir = out / f"{hosts}hosts" / (f"{delay:g}ms" if delay else "") / sync
+                say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s, {delay:g} ms: {sync}")
+                with Network(hosts, rate, delay_ms=delay) as net:
+                    result = run_method(net, settings, options, method, run_dir)
                 result.update(measure(run_dir, hosts, settings.steps, None), load=os.getloadavg()[0])
-                result.update(hosts=hosts, sync=sync)
+                result.update(hosts=hosts, sync=sync, delay_ms=delay)
                 rows.append(result)
-                say(f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step")
+                say(
+                    f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step, "
+                    f"outer step {result.get('outer_step_s') or 0:.2f} s"
+                )
     summary = {
         "settings": s.__dict__,
         "options": o.__dict__,
@@ -69,8 +73,8 @@ def run_scaling(s: BenchSettings, o, out: Path, command: str, say=print) -> dict
 
 
 def markdown(summary: dict) -> str:
-    """The scaling table and its checks."""
-    rows = summary["rows"]
+    """The scaling table and its checks (the runs without added latency), and the outer steps of those with it."""
+    rows = [r for r in summary["rows"] if not r.get("delay_ms")]
     syncs = [r["sync"] for r in rows if r["hosts"] == rows[0]["hosts"]]
     hosts = sorted({r["hosts"] for r in rows})
     cell = {(r["hosts"], r["sync"]): r for r in rows}
@@ -100,8 +104,32 @@ def markdown(summary: dict) -> str:
         times = " / ".join(_seconds(cell.get((h, x), {}).get("outer_step_s")) for x in syncs)
         floor = cell.get((h, "diloco"), {}).get("floor_s")
         lines.append(f"| {h} | " + " | ".join(parts) + f" | {times} (floor {_seconds(floor)}) |")
-    tail = [*checks(cell, hosts, syncs), *priced(cell, hosts, syncs)]
+    tail = [*checks(cell, hosts, syncs), *priced(cell, hosts, syncs), *delayed_lines(summary["rows"], syncs)]
     return "\n".join([*head, *lines, "", *tail, "<!-- bench-diloco-scaling:end -->", ""])
+
+
+def delayed_lines(rows: list[dict], syncs: list[str]) -> list[str]:
+    """The outer steps with a delay added between hosts (the round trip twice it), per groups and delay."""
+    points = sorted({(r["hosts"], r["delay_ms"]) for r in rows if r.get("delay_ms")})
+    if not points:
+        return []
+    cell = {(r["hosts"], r.get("delay_ms", 0), r["sync"]): r for r in rows}
+    lines = [
+        "",
+        "With a delay added on every path between two hosts (`--delay-ms`; a round trip is twice it), the outer step:",
+        "",
+        "| groups | round trip added | outer step: " + " / ".join(syncs) + " |",
+        "|---:|---:|---:|",
+    ]
+    for hosts, delay in points:
+        times = [cell.get((hosts, delay, x), {}).get("outer_step_s") for x in syncs]
+        plain = [cell.get((hosts, 0, x), {}).get("outer_step_s") for x in syncs]
+        lines.append(
+            f"| {hosts} | {2 * delay:g} ms | "
+            + " / ".join(f"{_seconds(t)} (no delay {_seconds(p)})" for t, p in zip(times, plain))
+            + " |"
+        )
+    return lines
 
 
 def _wire(wire: float | None, raw: float | None, reference: float | None, is_reference: bool) -> str:
@@ -176,9 +204,37 @@ def checks(cell: dict, hosts: list[int], syncs: list[str]) -> list[str]:
     return out
 
 
+PER_RUN_OPTIONS = ("scaling", "delays_ms")  # what runs joined into one table may differ in, besides the hosts
+
+
+def joined(summaries: list[dict]) -> dict:
+    """Several scaling runs as one (the host counts of one, the rest of another), each run's rows as
+    measured: their settings and options must agree but for the host counts and the delays."""
+    first = summaries[0]
+    for other in summaries[1:]:
+        for part, skip in (("settings", ("hosts",)), ("options", PER_RUN_OPTIONS)):
+            differ = sorted(
+                k for k in {*first[part], *other[part]} - set(skip) if first[part].get(k) != other[part].get(k)
+            )
+            if differ:
+                raise ValueError(f"scaling runs to join differ in {part} {', '.join(differ)}: `{other['command']}`")
+        if other["rate_mbit"] != first["rate_mbit"]:
+            raise ValueError(f"scaling runs to join differ in their rate: `{other['command']}`")
+    seen = {(r["hosts"], r.get("delay_ms", 0), r["sync"]) for s in summaries[1:] for r in s["rows"]}
+    return {
+        **first,
+        "rows": [r for r in first["rows"] if (r["hosts"], r.get("delay_ms", 0), r["sync"]) not in seen]
+        + [r for s in summaries[1:] for r in s["rows"]],
+        "command": "` and `".join(s["command"] for s in summaries),
+        "elapsed_s": sum(s["elapsed_s"] for s in summaries),
+    }
+
+
 if __name__ == "__main__":
     import sys
 
-    folder = Path(sys.argv[1])
-    (folder / "scaling.md").write_text(markdown(json.loads((folder / "results.json").read_text())))
-    print(folder / "scaling.md")
+    # FOLDER [MORE...]: FOLDER/scaling.md from its results.json and the others' (joined, `joined`)
+    folders = [Path(arg) for arg in sys.argv[1:]]
+    summary = joined([json.loads((folder / "results.json").read_text()) for folder in folders])
+    (folders[0] / "scaling.md").write_text(markdown(summary))
+    print(folders[0] / "scaling.md")

@@ -87,7 +87,7 @@ def write_run(
                 outer += 1
                 evals.append({"kind": "eval", "step": step + 1, "clock": clock, "val_loss": loss_at(step + 1)})
             lines.append(record)
-        lines.append({"kind": "final", "t": t, "steps": steps, "checksum": "same", "heals": 0})
+        lines.append({"kind": "final", "t": t, "steps": steps, "checksum": "same", "heals": 0, "tensors": 7})
         if group == 0:
             lines += evals
         (run_dir / f"group{group}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -148,6 +148,11 @@ def scaling_text(tmp_path: Path) -> str:
     """The scaling block of a synthetic run: torchft's ring, the one-stage quant3, the two-stage quant3-2s."""
     from edgc_bench.diloco_scaling import markdown
 
+    return markdown(scaling_summary(tmp_path))
+
+
+def scaling_summary(tmp_path: Path) -> dict:
+    """A synthetic scaling run's summary (see `scaling_text`)."""
     rows, raw = [], 3_843_840
     for hosts in (3, 6, 12):
         ring = 2 * (hosts - 1) / hosts * raw
@@ -157,17 +162,31 @@ def scaling_text(tmp_path: Path) -> str:
             write_run(run_dir, 5, hosts=hosts, payload=payload, wire=int(wire), shapes=SHAPES)
             rows.append({**diloco_table.measure(run_dir, hosts, 20, None), "hosts": hosts, "sync": sync})
     assert rows[0]["wire_bytes"] == int(2 * 2 / 3 * raw) and rows[0]["outer_step_s"] == pytest.approx(4 * 0.5 + 1.0)
-    return markdown(
-        {
-            "rows": rows,
-            "settings": BenchSettings(preset="tiny", steps=20).__dict__,
-            "options": {"sync_every": 5},
-            "command": "edgc bench --diloco --scaling 3,6,12",
-            "rate_mbit": 20.0,
-            "elapsed_s": 60.0,
-            "date": "2026-11-27 10:00 UTC",
-        }
-    )
+    rows.append({**rows[0], "delay_ms": 15.0, "outer_step_s": 4.5})  # a run with latency added: its own table
+    return {
+        "rows": rows,
+        "settings": BenchSettings(preset="tiny", steps=20).__dict__,
+        "options": {"sync_every": 5},
+        "command": "edgc bench --diloco --scaling 3,6,12",
+        "rate_mbit": 20.0,
+        "elapsed_s": 60.0,
+        "date": "2026-11-27 10:00 UTC",
+    }
+
+
+def test_scaling_runs_of_other_host_counts_join_into_one_table_and_only_runs_alike_join(tmp_path):
+    from edgc_bench.diloco_scaling import joined, markdown
+
+    whole = scaling_summary(tmp_path)
+    few = {**whole, "rows": [r for r in whole["rows"] if r["hosts"] != 12], "command": "a", "elapsed_s": 40.0}
+    many = {**whole, "rows": [r for r in whole["rows"] if r["hosts"] == 12], "command": "b", "elapsed_s": 20.0}
+    many["options"] = {**whole["options"], "scaling": [12]}
+    both = joined([few, many])
+    assert both["command"] == "a` and `b" and both["elapsed_s"] == 60.0
+    assert markdown(both).replace("`a` and `b`", f"`{whole['command']}`") == markdown(whole)
+    other = {**many, "settings": {**whole["settings"], "steps": 40}}
+    with pytest.raises(ValueError, match="differ in settings steps"):
+        joined([few, other])
 
 
 def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat_and_prices_what_users_compare_with(tmp_path):
@@ -188,11 +207,12 @@ def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat_and_prices_
         f"FP8 path (priced, its message {share[0]:.3f} · {share[1]:.3f} · {share[2]:.3f}× the fp32 one) "
         f"{0.098 / share[0]:.3f} · {0.098 / share[1]:.3f} · {0.098 / share[2]:.3f} at 3, 6, 12 groups" in text
     )
+    assert "| 3 | 30 ms | 4.50 s (no delay 3.00 s) / – (no delay 3.00 s) / – (no delay 3.00 s) |" in text
 
 
 def test_measures_from_the_logs(tmp_path):
     r = run_result(tmp_path, "diloco-edgc", 1, 5, skip={(2, 3)})
-    assert r["outer_steps"] == 4 and r["steps_done"] == 20 and r["identical"] is True
+    assert r["outer_steps"] == 4 and r["steps_done"] == 20 and r["identical"] is True and r["tensors"] == 7
     assert r["participation"]["fraction"] == [1.0, 1.0, 0.75]
     assert r["floor_s"] == 0.5 and r["sync_step_s"] == 1.0 and r["payload_bytes"] == 1000
     assert r["evals"][-1] == (20, pytest.approx(12.0), pytest.approx(6.0)) and r["final_loss"] == pytest.approx(6.0)
@@ -257,6 +277,8 @@ def test_the_committed_page_comes_from_a_run():
         (dict(scaling_syncs="quant3,int7"), "--scaling-syncs: edgc or a registered sync method"),
         (dict(scaling="3,x"), "--scaling: expected host counts"),
         (dict(scaling="1,6"), "--scaling: every host count must be in 2..64"),
+        (dict(delay_ms="0,x"), "--delay-ms: expected milliseconds"),
+        (dict(delay_ms="-5"), "--delay-ms: every delay must be ≥ 0"),
         (dict(outer_sync="sparse64-mom"), "--outer-sync: .*modifier 'mom'"),
         (dict(methods="diloco,diloco-edgc@int7"), "--methods: edgc or a registered sync method"),
         (dict(methods="diloco,ddp@quant3"), "--methods: each of"),
@@ -279,6 +301,7 @@ def test_bad_flags_get_one_line(tmp_path, flags, message):
             "outer_sync": "quant3-2s",
             "scaling": None,
             "scaling_syncs": "quant3,quant3-2s",
+            "delay_ms": "0",
             **flags,
         }
     )
@@ -301,6 +324,7 @@ def test_methods_choose_the_runs_and_an_outer_sync_each(tmp_path):
         outer_sync="sparse64-mom0",
         scaling=None,
         scaling_syncs="quant3,quant3-2s",
+        delay_ms="0",
     )
     options = diloco_options(settings, argparse.Namespace(**vars(args), methods="diloco,diloco-edgc@quant3"))
     assert options.methods == ("diloco", "diloco-edgc@quant3") and options.kill_at is None
