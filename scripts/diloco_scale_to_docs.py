@@ -4,7 +4,8 @@
         --memory runs/mem/outer_memory.json --sim runs/scale
 
 Blocks (scripts/doc_blocks.py finds their page): ``bench-diloco-scaling`` from the scaling.md that
-`edgc bench --diloco --scaling` wrote; ``outer-memory`` from the JSON of `python -m
+`edgc bench --diloco --scaling` wrote (runs of other host counts joined into one first: `python -m
+edgc_bench.diloco_scaling FOLDER MORE...` rewrites FOLDER/scaling.md); ``outer-memory`` from the JSON of `python -m
 edgc_bench.outer_memory` (or of several runs, each of some methods: ``--memory a.json,b.json``); the
 ``sim-diloco-*`` blocks from `edgc simulate --diloco --diloco-bench DIR`, run here on that bench
 folder. Nothing is typed.
