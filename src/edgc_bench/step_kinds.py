@@ -17,7 +17,9 @@ step's transient buffers included (`edgc_bench.live_memory`), per compressed gra
 - ``torchft``: a step left uncommitted until the manager's verdict (``defer_commit``), its residual
   written to the spare arena so that M survives for a rollback, then committed;
 - ``diloco``: one outer sync of DiLoCo's default method (`edgc.integrations.diloco.DEFAULT_OUTER_SYNC`)
-  of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element).
+  of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element), one entry
+  per model and number of replica groups (`DILOCO_COUNTS`), and the rollback of one
+  (``--diloco-only`` recounts these entries alone in the ``--out`` file).
 
 Beside the live tensors, ``process`` runs a step kind on real CPU tensors at the same widths with
 ``--layers`` blocks and reads the process's peak resident memory during the step
@@ -83,11 +85,16 @@ def count_kind(kind: str, model: str = "xl", rank: int = 32) -> StepCount:
     return count_hook_step(gpt2_parameters(model), rank=rank, config=config_of(kind, rank), **_hooks(kind))
 
 
-def count_outer_sync(model: str = "xl") -> dict:
-    """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter, after one
-    that made the error feedback, as one of two replicas (a two-stage sync's owner keeps the error
-    feedback of its half of the chunks): dispatches, bytes and memory beyond the pseudo-gradients, per
-    parameter."""
+DILOCO_COUNTS = (("xl", 2), ("xl", 12), ("medium", 2), ("medium", 12))  # (model, replica groups) counted
+
+
+def count_outer_sync(model: str = "xl", groups: int = 2) -> dict:
+    """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter (one flat
+    buffer, as DiLoCo hands them), after one that made the error feedback, as one of ``groups``
+    replicas (a two-stage sync's owner keeps the error feedback of its 1/groups of the chunks):
+    dispatches, collectives, bytes and memory per parameter (``memory``: the peak beyond the
+    pseudo-gradients; ``transient``: beyond the error feedback held too); then the dispatches of
+    rolling back an uncommitted sync."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
@@ -98,25 +105,38 @@ def count_outer_sync(model: str = "xl") -> dict:
     from .stand_ins import NamedParameters
 
     named = gpt2_parameters(model)
+    names, params = [name for name, _ in named], sum(math.prod(shape) for _, shape in named)
     with counted_host_reads(_zeros), FakeTensorMode():
-        deltas = [torch.empty(shape, dtype=torch.float32) for _, shape in named]
-        names = [name for name, _ in named]
+        flat = torch.empty(params, dtype=torch.float32)
+        parts = flat.split([math.prod(shape) for _, shape in named])
+        deltas = [part.view(shape) for part, (_, shape) in zip(parts, named)]
         with LiveStorages() as live:
             state = sync_method(DEFAULT_OUTER_SYNC).build(None, model=NamedParameters(list(zip(names, deltas))))
-            state.attach(counting_communicator(2))  # two replicas: each owns half the chunks
+            comm = counting_communicator(groups)
+            state.attach(comm)
             state.reduce_tensors(names, deltas, last=True)
             state.settle()
+            held, issued = live.live_bytes(), len(comm.issued)
             live.reset_peak()
             with DispatchCounter() as counter:
                 state.reduce_tensors(names, deltas, last=True)
             state.settle()
-    params = sum(math.prod(shape) for _, shape in named)
+            collectives = len(comm.issued) - issued
+        state.attach(defer_commit=True)
+        state.reduce_tensors(names, deltas, last=True)
+        with DispatchCounter() as rollback:
+            state.rollback_step("counted")
     return {
         "method": DEFAULT_OUTER_SYNC,
+        "model": model,
+        "groups": groups,
         "params": params,
         "dispatches": counter.total,
+        "collectives": collectives,
+        "rollback_dispatches": rollback.total,
         "bytes_per_param": round(counter.total_bytes / params, 3),
         "memory_per_param": round(live.peak_bytes / params, 3),
+        "transient_per_param": round((live.peak_bytes - held) / params, 3),
         "bytes_sent_per_param": round(state.last_step_metrics["bytes_sent"] / params, 4),
     }
 
@@ -227,7 +247,7 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
         "limits": LIMITS,
         "kinds": kinds,
         "sampled_small_cap": small_cap,
-        "diloco": count_outer_sync(model),
+        "diloco": [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS],
     }
 
 
@@ -241,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="blocks of the real-tensor run (the process's peak)")
     parser.add_argument("--process-peak", choices=KINDS, help="only this kind's process peak, as one JSON line")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--diloco-only", action="store_true", help="recount the diloco entries of --out alone")
     args = parser.parse_args(argv)
+    if args.diloco_only:
+        figures = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
+        figures["diloco"] = [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS]
+        emit(figures, args.out)
+        return 0
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
         return 0
