@@ -64,16 +64,18 @@ def block_markers(table: str) -> tuple[str, str]:
     """The block a bench's table belongs in, read from the table's own first line."""
     rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
     slow = bool(rate) and float(rate.group(1)) < 1000
-    if table.startswith("`edgc bench") and " --diloco" in table.splitlines()[0].split("`")[1]:
-        if " --methods " in table.splitlines()[0].split("`")[1]:  # a chosen set of outer syncs
+    first = table.splitlines()[0] if table else ""
+    command = first.split("`")[1] if first.count("`") >= 2 else ""  # the bench's command line, quoted
+    if table.startswith("`edgc bench") and " --diloco" in command:
+        if " --methods " in command:  # a chosen set of outer syncs
             return DILOCO_FRONTIER_START, DILOCO_FRONTIER_END
-        hosts = re.search(r"`: (\d+) hosts,", table.splitlines()[0])
+        hosts = re.search(r"`: (\d+) hosts,", first)
         more = hosts is not None and int(hosts.group(1)) != 3  # beside the three-host bench, not over it
         return (DILOCO_MORE_START, DILOCO_MORE_END) if more else (DILOCO_START, DILOCO_END)
     if "(one replica group each)" in table:
         return TORCHFT_START, TORCHFT_END
-    if " --torchtitan" in table.splitlines()[0].split("`")[1]:
-        moe = " --torchtitan-ep" in table.splitlines()[0].split("`")[1]
+    if " --torchtitan" in command:
+        moe = " --torchtitan-ep" in command
         return (TORCHTITAN_MOE_START, TORCHTITAN_MOE_END) if moe else (TORCHTITAN_START, TORCHTITAN_END)
     if re.search(r"hosts × TP\d+ × PP\d+", table):
         return TP_START, TP_END
