@@ -40,6 +40,7 @@ def _check_engine_fields(check: FieldCheck) -> None:
     check.choice("rank_change", RANK_CHANGES)
     check.choice("power_iterations", POWER_ITERATIONS)
     check.boolean("force_accelerator_kernels")
+    check.boolean("cuda_graphs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +60,7 @@ class LowRankConfig:
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
 
     orthogonalization_epsilon: float = 1e-12
-    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient
-    factors stay finite. ≥ 0."""
+    """Shift of each Gram matrix in orthonormalising P and Q, relative to its mean diagonal (finite factors). ≥ 0."""
 
     orthonormalization: str = "auto"
     """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast
@@ -73,14 +73,16 @@ class LowRankConfig:
     """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first
     columns, random new ones)."""
 
+    cuda_graphs: bool = False
+    """On CUDA, run each stretch of a compressed job as a CUDA graph once its rank has held (recaptured on a change)."""
+
     # Set by whoever builds the engine (DiLoCo's outer sync, a dispatch count), not by a run's
     # EDGCConfig: neither given flat nor in its to_dict, so config.json and checkpoints read as before.
     power_iterations: int = 1
     """Power iterations a compressed call runs: 1, or 2 for a second on the compressed matrices (twice their bytes)."""
 
     force_accelerator_kernels: bool = False
-    """A CPU runs a fast-float64 GPU's kernels (its orthonormalisation, its error feedback's path): dispatch counts,
-    tests of that path."""
+    """A CPU runs a fast-float64 GPU's kernels (orthonormalisation, error feedback's path): dispatch counts, tests."""
 
     def __post_init__(self) -> None:
         _check_engine_fields(FieldCheck(self))

@@ -35,14 +35,24 @@ class StepRecord:
     local_done: bool = False
     shared_done: bool = False
     metrics: dict = field(default_factory=dict)  # once settled locally
+    job_values: dict = field(default_factory=dict)  # name → each job's device value (`add`)
 
     def add(self, stats: ReduceStats) -> None:
-        """What one job sent and measured, into the step's totals."""
+        """What one job sent and measured, into the step's totals: counts added now, its device values
+        (flag, errors) kept to be summed on the host once the step's values are read (`measured`), so
+        that a job costs the step no device op."""
         total = self.stats
-        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
+        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent"):
             setattr(total, key, getattr(total, key) + getattr(stats, key))
-        total.nonfinite = total.nonfinite | stats.nonfinite
+        for key in ("nonfinite", "error_sq", "norm_sq"):
+            self.job_values.setdefault(key, []).append(getattr(stats, key))
         total.ranks.update(stats.ranks)
+
+    def measured(self) -> dict[str, list]:
+        """Per name (``nonfinite``, ``error_sq``, ``norm_sq``) what every job of the step gave, the step's own
+        record's value first: numbers, or device tensors of one element (`StepTotals.add_sum`)."""
+        own = self.stats
+        return {key: [getattr(own, key), *self.job_values.get(key, [])] for key in ("nonfinite", "error_sq", "norm_sq")}
 
 
 def step_metrics(record: StepRecord) -> dict:
