@@ -26,6 +26,7 @@ class StepTotals:
         self._names: list[str] = []
         self._parts: list[list] = []  # per name: its values, Python numbers or device tensors, summed
         self._vectors: dict[int, int] = {}  # part index → elements, for `add_vector`'s parts
+        self._weights: dict[int, list[float]] = {}  # part index → its values' weights, for `add_sum`'s
         self._copy: HostCopy | None = None
         self._host: dict[str, float] | None = None
 
@@ -33,9 +34,14 @@ class StepTotals:
         """Named scalars for the host."""
         self._take(list(values), [[value] for value in values.values()])
 
-    def add_sum(self, name: str, values: Sequence[float | bool | torch.Tensor]) -> None:
-        """One value for the host, the sum of ``values`` (device tensors of one element, or numbers)."""
+    def add_sum(
+        self, name: str, values: Sequence[float | bool | torch.Tensor], weights: Sequence[float] | None = None
+    ) -> None:
+        """One value for the host, the sum of ``values`` (device tensors of one element, or numbers), each
+        times its weight in ``weights`` where given (on the host: no device op)."""
         self._take([name], [list(values)])
+        if weights is not None:
+            self._weights[len(self._parts) - 1] = list(weights)
 
     def add_vector(self, names: Sequence[str], vector: torch.Tensor) -> None:
         """The elements of a 1-D float64 device tensor for the host, one name each, in order."""
@@ -83,7 +89,8 @@ class StepTotals:
                 index += count
                 continue
             values = [next(sent) if isinstance(v, torch.Tensor) else float(v) for v in self._parts[index]]
-            host[self._names[index]] = sum(values) if values else 0.0
+            weights = self._weights.get(index, [1.0] * len(values))
+            host[self._names[index]] = sum(v * w for v, w in zip(values, weights)) if values else 0.0
             index += 1
         self._host = host
         self._parts, self._copy = [], None

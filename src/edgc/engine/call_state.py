@@ -18,7 +18,7 @@ returns.
   decompression casts both factors in one pass (`pair`).
 - ``raw``: the raw tensors of the call and its non-finite flag, as sent; ``poison`` and ``bad``: the
   group's verdict (0 or NaN, and whether it is NaN); ``sums``: the error measurement's ‖M‖² and
-  ‖M − Ĝ‖², from the rows ``index`` names.
+  ‖M − Ĝ‖² of the chunks it reads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..device.timing import to_device
 from .layout import CallLayout
 
 
@@ -38,23 +37,8 @@ class StepBuffers:
     raw: torch.Tensor  # the raw tensors, then the flag element (the gradients' dtype)
     poison: torch.Tensor  # (1,) float32: 0, or NaN once the group saw a NaN/Inf
     bad: torch.Tensor  # 0-dim bool: poison is NaN
-    sums: torch.Tensor  # (2,): Σ‖M‖² and Σ‖M − Ĝ‖² of the call's compressed matrices, where measured
-    stride: int  # every stride-th row of each matrix is measured
-    index: torch.Tensor | None = None  # stride > 1: where the measured rows' elements lie in the arena
-    weights: torch.Tensor | None = None  # and √(rows / rows read) of each one's group, so Σ (w·x)² estimates ‖·‖²
+    sums: torch.Tensor  # (2,): ‖M‖² and ‖M − Ĝ‖² of the chunks of the arena the error measurement reads
     local_q: torch.Tensor | None = None  # without error feedback: Q before its average (the error measurement)
-
-
-def measured_rows(layout: CallLayout, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions in the arena, weights) of the elements of every ``stride``-th row of each compressed
-    matrix, each weighted by √(its rows / rows read), on the CPU."""
-    index, weights = [], []
-    for group in layout.groups:
-        rows = torch.arange(0, group.m, stride)
-        starts = group.error_offset + torch.arange(group.count)[:, None] * group.m * group.n + rows[None, :] * group.n
-        index.append((starts[:, :, None] + torch.arange(group.n)).reshape(-1))
-        weights.append(torch.full((index[-1].numel(),), (group.m / rows.numel()) ** 0.5, dtype=torch.float64))
-    return torch.cat(index), torch.cat(weights)
 
 
 @dataclass
@@ -106,30 +90,18 @@ class CallState:
         step = self.step
         if step is None:
             return ()
-        kept = (step.raw, step.poison, step.bad, step.sums, step.index, step.weights, step.local_q)
-        return tuple(t for t in kept if t is not None)
+        return tuple(t for t in (step.raw, step.poison, step.bad, step.sums, step.local_q) if t is not None)
 
     # ------------------------------------------------------------------ the step's own buffers
-    def step_buffers(
-        self, grad_dtype: torch.dtype, measure_dtype: torch.dtype, device: torch.device, stride: int
-    ) -> StepBuffers:
-        """The step buffers for gradients of ``grad_dtype``, the error measured in ``measure_dtype`` on every
-        ``stride``-th row, made where they are not yet."""
+    def step_buffers(self, grad_dtype: torch.dtype, measure_dtype: torch.dtype, device: torch.device) -> StepBuffers:
+        """The step buffers for gradients of ``grad_dtype``, the error measured in ``measure_dtype``, made
+        where they are not yet."""
         kept = self.step
-        if kept is None or (kept.raw.dtype, kept.sums.dtype, kept.raw.device, kept.stride) != (
-            grad_dtype,
-            measure_dtype,
-            device,
-            stride,
-        ):
+        if kept is None or (kept.raw.dtype, kept.sums.dtype, kept.raw.device) != (grad_dtype, measure_dtype, device):
             kept = self.step = StepBuffers(
                 raw=torch.zeros(self.layout.raw_numel + 1, dtype=grad_dtype, device=device),
                 poison=torch.zeros(1, dtype=torch.float32, device=device),
                 bad=torch.zeros((), dtype=torch.bool, device=device),
                 sums=torch.zeros(2, dtype=measure_dtype, device=device),
-                stride=stride,
             )
-            if stride > 1 and self.layout.groups:
-                index, weights = measured_rows(self.layout, stride)
-                kept.index, kept.weights = to_device(index, device), to_device(weights.to(measure_dtype), device)
         return kept

@@ -186,8 +186,8 @@ class EngineState:
         if call.layout.groups:
             if not self._q_intact(call, compute, device):
                 self._gather_q(call, device, compute)
-            if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
-                call.replacement = self._replacement_rows(call, device, compute)
+            if call.replacement is None or call.replacement.device != device:
+                call.replacement = self._replacement_rows(call, device)
         return call, arena
 
     def residual_target(self, call: CallState, arena: torch.Tensor) -> torch.Tensor:
@@ -335,17 +335,18 @@ class EngineState:
             q = torch.cat([q, extra], dim=1)
         return q
 
-    def _replacement_rows(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
+    def _replacement_rows(self, call: CallState, device: torch.device) -> torch.Tensor:
         """Unit rows laid out as the call's Q buffer: one (r, n) set per Q block, drawn once and repeated
         for each of its matrices (a restarted direction only has to be non-zero and the same on every
-        process), so that the restart is one select over the whole buffer."""
+        process, so bfloat16 holds it in half the memory of a Q), so that the restart is one select over
+        the whole buffer."""
         drawn = []
         for block in call.layout.q_blocks:
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, "reseed", block.rank, block.side))
             rows = torch.randn(block.rank, block.side, generator=generator, dtype=torch.float64)
             drawn.append((rows / rows.norm(dim=1, keepdim=True)).reshape(-1).repeat(block.count))
         rows = torch.cat(drawn) if drawn else torch.empty(0, dtype=torch.float64)
-        return to_device(rows.to(compute), device)
+        return to_device(rows.to(torch.bfloat16), device)
 
     def _keep_q(self, call: CallState, turn: int) -> None:
         call.turn = turn

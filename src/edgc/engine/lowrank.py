@@ -72,19 +72,20 @@ class ReduceStats:
     elements_sent: int = 0
     bytes_raw: int = 0
     bytes_sent: int = 0
-    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² over compressed matrices (when measured; `ERROR_SAMPLE`)
-    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² over compressed matrices (when measured; `ERROR_SAMPLE`)
+    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² of what was read (when measured; `ERROR_SAMPLE`), unscaled
+    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² of what was read (when measured; `ERROR_SAMPLE`), unscaled
     nonfinite: bool | torch.Tensor = False  # the group saw a NaN/Inf: the averaged gradients are NaN
+    measured_scale: float = 1.0  # what error_sq and norm_sq are multiplied by: elements per element read
     ranks: dict[str, int] = field(default_factory=dict)  # per parameter; 0 = sent raw
 
 
-# A measured call reads every s-th row of its matrices' M and e, s chosen so that it reads about this
-# many elements (s = 1, every row, for a call this small or smaller): ‖M − Ĝ‖/‖M‖ from the residual
-# as written, at a cost that does not grow with the model (a whole pass over M is 4 bytes per element).
+# A measured call reads every s-th chunk of its M and e, s chosen so that it reads about this many
+# elements (s = 1, all of it, for a call this small or smaller): ‖M − Ĝ‖/‖M‖ from the residual as
+# written, at a cost that does not grow with the model (a whole pass over M is 4 bytes per element).
 ERROR_SAMPLE = 1 << 16
 
 
-def _row_stride(layout: CallLayout, sampled: bool) -> int:
+def _chunk_stride(layout: CallLayout, sampled: bool) -> int:
     return max(1, layout.error_numel // ERROR_SAMPLE) if sampled else 1
 
 
@@ -202,7 +203,7 @@ class LowRankCompressor:
             )
             stats.elements_sent += again.elements_sent
             stats.bytes_sent += again.bytes_sent
-            stats.error_sq, stats.norm_sq = again.error_sq, again.norm_sq
+            stats.error_sq, stats.norm_sq, stats.measured_scale = again.error_sq, again.norm_sq, again.measured_scale
             stats.nonfinite = stats.nonfinite | again.nonfinite
         return stats
 
@@ -239,6 +240,7 @@ class LowRankCompressor:
         run.stats.nonfinite = step.bad
         if measure_error:
             run.stats.norm_sq, run.stats.error_sq = step.sums[0], step.sums[1]
+            run.stats.measured_scale = stretches.measured_scale(run.arena.numel(), run.stride)
         return run.stats
 
     def _open(
@@ -250,8 +252,8 @@ class LowRankCompressor:
         wire = DTYPES[self.config.communication_dtype] if self.config.communication_dtype else grad_dtype
         kept, arena = self.state.open_call(names, grads, rank, compute)
         layout = kept.layout
-        stride = _row_stride(layout, sampled=self.config.error_feedback)
-        kept.step_buffers(grad_dtype, compute, device, stride)
+        stride = _chunk_stride(layout, sampled=self.config.error_feedback)
+        kept.step_buffers(grad_dtype, compute, device)
         if measure_error and not self.config.error_feedback and kept.step.local_q is None:
             kept.step.local_q = torch.zeros(layout.q_numel, dtype=compute, device=device)
         stats = ReduceStats(ranks=dict(layout.ranks))
@@ -269,6 +271,7 @@ class LowRankCompressor:
             wire,
             wire == torch.float16 and comm.world_size > 1,
             measure_error,
+            stride,
             self.orthonormalization(device),
             self.config.orthogonalization_epsilon,
             error_feedback,

@@ -46,6 +46,7 @@ class JobRun:
     wire: torch.dtype  # of P and Q on the wire
     half_wire: bool  # an fp16 wire between ranks: factors scaled by a power of two (`half_wire_shift`)
     measure_error: bool
+    stride: int  # the error measurement reads every stride-th chunk of M and of the residual
     method: str  # the orthonormalisation's (`edgc.engine.factors`)
     epsilon: float
     error_feedback: bool
@@ -184,20 +185,31 @@ def finish(run: JobRun) -> None:
 
 
 # ---------------------------------------------------------------------------- their parts
+def measured_chunks(matrices: torch.Tensor, stride: int) -> torch.Tensor:
+    """What the error measurement reads of a call's arena (or scratch M): every ``stride``-th chunk of
+    `MEASURED_CHUNK` elements (all of it at stride 1), one strided view. Each element is read with the
+    same odds, so ‖read‖² times `measured_scale` estimates ‖·‖²: exact at stride 1."""
+    if stride == 1:
+        return matrices
+    rows = matrices.numel() // (stride * MEASURED_CHUNK)
+    return matrices[: rows * stride * MEASURED_CHUNK].view(rows, stride * MEASURED_CHUNK)[:, :MEASURED_CHUNK]
+
+
+def measured_scale(numel: int, stride: int) -> float:
+    """Elements of the arena per element `measured_chunks` reads."""
+    return 1.0 if stride == 1 else numel / ((numel // (stride * MEASURED_CHUNK)) * MEASURED_CHUNK)
+
+
+MEASURED_CHUNK = 64  # elements per chunk the error measurement reads: 256 B of float32, whole memory sectors
+
+
 def measure(matrices: torch.Tensor, run: JobRun, which: int) -> None:
-    """Σ‖M‖² (``which`` 0) or Σ‖e‖² (1) of the call's compressed matrices in ``matrices``, into
-    ``step.sums``: from every ``stride``-th row of each, scaled by its rows / rows read (one gather of
-    those rows, one weighted sum of squares), or at stride 1 from all of them (exact). A half-precision
-    arena's values are squared in float32 (a half-precision sum loses digits)."""
-    step = run.kept.step
-    if step.index is not None:
-        weighted = torch.index_select(matrices, 0, step.index) * step.weights
-        torch.dot(weighted, weighted, out=step.sums[which])
-    elif matrices.dtype in (torch.float16, torch.bfloat16):
-        norm = torch.linalg.vector_norm(matrices, dtype=torch.float32)
-        torch.mul(norm, norm, out=step.sums[which])
-    else:
-        torch.dot(matrices, matrices, out=step.sums[which])
+    """‖·‖² of the chunks of ``matrices`` the error measurement reads (`measured_chunks`; the caller
+    scales it): M's (``which`` 0) or the residual's (1), into ``step.sums``. A half-precision arena's
+    norm accumulates in float32 without a copy."""
+    half = matrices.dtype in (torch.float16, torch.bfloat16)
+    norm = torch.linalg.vector_norm(measured_chunks(matrices, run.stride), dtype=torch.float32 if half else None)
+    torch.mul(norm, norm, out=run.kept.step.sums[which])
 
 
 def decompress(run: JobRun) -> list | None:

@@ -45,14 +45,20 @@ class StepRecord:
         for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent"):
             setattr(total, key, getattr(total, key) + getattr(stats, key))
         for key in ("nonfinite", "error_sq", "norm_sq"):
-            self.job_values.setdefault(key, []).append(getattr(stats, key))
+            scale = 1.0 if key == "nonfinite" else stats.measured_scale
+            self.job_values.setdefault(key, []).append((getattr(stats, key), scale))
         total.ranks.update(stats.ranks)
 
-    def measured(self) -> dict[str, list]:
+    def measured(self) -> dict[str, tuple[list, list]]:
         """Per name (``nonfinite``, ``error_sq``, ``norm_sq``) what every job of the step gave, the step's own
-        record's value first: numbers, or device tensors of one element (`StepTotals.add_sum`)."""
+        record's value first, and what each is weighted by: numbers, or device tensors of one element
+        (`StepTotals.add_sum`)."""
         own = self.stats
-        return {key: [getattr(own, key), *self.job_values.get(key, [])] for key in ("nonfinite", "error_sq", "norm_sq")}
+        measured = {}
+        for key in ("nonfinite", "error_sq", "norm_sq"):
+            pairs = [(getattr(own, key), 1.0), *self.job_values.get(key, [])]
+            measured[key] = ([value for value, _ in pairs], [scale for _, scale in pairs])
+        return measured
 
 
 def step_metrics(record: StepRecord) -> dict:
