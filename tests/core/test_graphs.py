@@ -136,6 +136,11 @@ def test_warm_up_then_one_capture_then_replays(on_cuda, caplog):
         "graph region send_p: captured (capture 1, first capture)"
     ]
     assert caplog.records[0].edgc["kind"] == "graph_captured"
+    other = GraphRegion("send_p", graphs=True, warmup_calls=1, rank=1)  # another rank of the group: silent
+    with caplog.at_level(logging.INFO, logger="edgc"):
+        for _ in range(3):
+            other(add_one(out), out)
+    assert other.captures == 1 and len([r for r in caplog.records if r.name == "edgc"]) == 1
 
 
 def test_recapture_when_told_and_when_the_buffers_change(on_cuda, caplog):

@@ -95,6 +95,8 @@ class GraphRegion:
     graph memory pool to share (`torch.cuda.graph_pool_handle`; None: the graph's own), only safe for
     regions replayed in the order they were captured. ``capture_error_mode``: `torch.cuda.graph`'s;
     ``thread_local`` by default, since a hook captures on autograd's thread while others may allocate.
+    ``rank``: this process's rank in the group whose rank 0 speaks for it on the ``edgc`` logger
+    (`edgc.control.events.GROUP_RANK_ZERO`: every rank captures alike, one says so).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class GraphRegion:
         warmup_calls: int = 2,
         pool=None,
         capture_error_mode: str = "thread_local",
+        rank: int = 0,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"GraphRegion: name must be a non-empty string, got {name!r}")
@@ -120,6 +123,7 @@ class GraphRegion:
         self.warmup_calls = warmup_calls
         self.pool = pool
         self.capture_error_mode = capture_error_mode
+        self.rank = rank
         self.calls = 0  # every call, eager or not
         self.captures = 0  # graphs captured so far
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -189,13 +193,17 @@ class GraphRegion:
                 "graph region %s: capture failed, runs eagerly from now on: %s",
                 self.name,
                 str(error).splitlines()[0] if str(error) else type(error).__name__,
-                extra={"edgc": {"kind": "graph_failed", "region": self.name, "message": str(error)}},
+                extra={
+                    "edgc": {"kind": "graph_failed", "region": self.name, "message": str(error)},
+                    "edgc_rank": self.rank,
+                },
             )
             fn()
             return
         self._graph, self._captured_with = graph, _signature(buffers)
         self.captures += 1
         message = f"graph region {self.name}: captured (capture {self.captures}, {self._reason})"
-        LOGGER.info(message, extra={"edgc": {"kind": "graph_captured", "region": self.name, "message": message}})
+        record = {"kind": "graph_captured", "region": self.name, "message": message}
+        LOGGER.info(message, extra={"edgc": record, "edgc_rank": self.rank})
         self._reason = "captured again"
         graph.replay()
