@@ -10,6 +10,7 @@ Modules:
     repeats.py      repeated benches side by side: each ratio's range, how often each target held
     rounds.py       `--rounds N`: the rounds (order reversed on even ones) side by side, their mean ratios
     netns.py        emulated hosts: network namespaces, a bridge, tbf rate-limited veth links
+    delay_line.py   the hosts' switch with a delay on every path (latency where the kernel has no netem)
     link_calibration.py the link sweep: all-reduce time vs message size on the emulated network
     stages.py       do pipeline stages finish their sync closer together with DAC?
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart

@@ -36,6 +36,13 @@ c = ⌈β-sample size / cap⌉, from the element count of the step before), so t
 never gathered: gathering and concatenating it cost more than the histogram (~30 ms on that
 preset). On the first sampled step, before any count, each bucket's β sample is gathered and
 thinned before they are joined.
+
+Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a
+layer with dead experts would pile their zeros into the histogram and pull the estimate (and the rank)
+down. The exact zeros of the experts' matrices are left out of the sample (`add(..., experts=…)`): one
+more read of the step's count of them, at the step's end, where the estimate reads anyway. A live
+expert's gradient has next to no exact zeros; a dense parameter's zeros (an embedding's unused rows)
+stay, as the paper's estimator has them.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from ..device import timing
 from ..device.finite import all_finite
 from ..device.totals import StepTotals
 from ..policies.signals import get_signal
-from .gather import SampleBuffers, StepGather
+from .gather import SampleBuffers, StepGather, nonzero_values  # noqa: F401 (nonzero_values: its old place)
 from .histogram import finite_mask, gaussian_variance_on_device, histogram_entropy_on_device
 
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
@@ -189,14 +196,21 @@ class EntropySampler:
         size = math.ceil(self.elements_per_step / stride) + self.tensors_per_step if self.tensors_per_step else None
         self._gather = StepGather(step, stride, thinned, size, self._buffers)  # at most a step's elements
 
-    def add(self, tensors: Iterable[torch.Tensor]) -> None:
-        tensors = list(tensors)
-        self._counted[0] += sum(t.numel() for t in tensors)  # every step: the next sample's stride needs it
-        self._counted[1] += len(tensors)
-        if self._gather is None or not tensors:
+    @property
+    def sampling(self) -> bool:
+        """Whether this step gathers a sample (`add`'s tensors are read)."""
+        return self._gather is not None
+
+    def add(self, tensors: Iterable[torch.Tensor], experts: Iterable[torch.Tensor] = ()) -> None:
+        """Count (and on a sampled step gather) ``tensors``, and ``experts``: experts' matrices, whose exact
+        zeros the sample leaves out (the module docstring)."""
+        tensors, experts = list(tensors), list(experts)
+        self._counted[0] += sum(t.numel() for t in tensors) + sum(t.numel() for t in experts)  # the next stride
+        self._counted[1] += len(tensors) + len(experts)
+        if self._gather is None or not (tensors or experts):
             return
         start = time.perf_counter()
-        self._gather.add(tensors)
+        self._gather.add(tensors, experts)
         self._gather.seconds += time.perf_counter() - start
 
     def estimate(self, sample: torch.Tensor) -> float:

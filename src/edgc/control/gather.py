@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..adapters import torch_adapter
+from ..device import timing
 from ..device.timing import to_device
 
 PLANS_KEPT = 256  # bucket layouts whose gather indices are kept (a step's buckets, and then some)
@@ -35,6 +36,14 @@ def _runs(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Te
         else:
             runs.append((base, [tensor]))
     return runs
+
+
+def nonzero_values(values: torch.Tensor) -> torch.Tensor:
+    """The elements of ``values`` that are not exactly zero, in order (one read of their count, through
+    `edgc.device.timing.to_host`: step end only; the gather itself reads nothing)."""
+    keep = values.ne(0)
+    (count,) = timing.to_host(keep.sum())
+    return values[torch.nonzero_static(keep, size=int(count)).reshape(-1)]
 
 
 class SampleBuffers:
@@ -79,12 +88,18 @@ class StepGather:
         self.room: torch.Tensor | None = None
         self.filled = 0
         self.parts: list[torch.Tensor] = []
+        self.expert_parts: list[torch.Tensor] = []  # experts' matrices: their exact zeros left out at the end
         self.seconds = 0.0
         self._buffers = buffers
 
-    def add(self, tensors: list[torch.Tensor]) -> None:
+    def add(self, tensors: list[torch.Tensor], experts: list[torch.Tensor] = ()) -> None:
         """One bucket's tensors: each buffer's elements gathered into the room, or, where they do not fit
-        (the first sampled step, whose size is not known yet), kept as one part for the bucket."""
+        (the first sampled step, whose size is not known yet), kept as one part for the bucket. ``experts``:
+        experts' matrices, kept apart (`edgc.control.entropy`'s docstring: their exact zeros leave the sample)."""
+        if experts:
+            views = [t.detach().reshape(-1)[:: self.stride] for t in experts]
+            same = all(v.dtype == views[0].dtype for v in views)
+            self.expert_parts.append(torch.cat(views if same else [v.float() for v in views]).float())
         if self.room is None and self.size and not self.filled and tensors:
             self.room = self._buffers.room(self.size, tensors[0])
         apart = []
@@ -114,6 +129,8 @@ class StepGather:
     def sample(self, cap: int | None) -> torch.Tensor:
         """The step's sample, in the order its buckets came, thinned to ``cap`` if not already."""
         parts = ([self.room[: self.filled]] if self.filled else []) + self.parts
+        if self.expert_parts:
+            parts.append(nonzero_values(torch.cat(self.expert_parts)))
         size = sum(part.numel() for part in parts)
         if cap is not None and not self.thinned and size > cap:  # thinned before the copy into one
             parts = [part[:: math.ceil(size / cap)] for part in parts]
