@@ -60,7 +60,7 @@ def histc_samples():
 
 @pytest.mark.parametrize("bins", [2, 7, 10, 1000])
 def test_histogram_counts_are_those_of_histc_on_cpu(bins):
-    from edgc.control.entropy import histogram_counts
+    from edgc.control.histogram import histogram_counts
 
     for sample in histc_samples():
         low, high = torch.aminmax(sample)

@@ -57,6 +57,7 @@ class CallState:
     step: StepBuffers | None = None
     scratch: torch.Tensor | None = None  # M without error feedback (no arena to form it in)
     regions: dict = field(default_factory=dict)  # the stretches' graph regions (`edgc.engine.stretches`)
+    reason: str = "a new layout"  # why its regions capture: said on the logger with their first capture
 
     def views(self, arena: torch.Tensor) -> list[torch.Tensor]:
         return [block for group in self.layout.groups for block in group.error_view(arena).unbind(0)]

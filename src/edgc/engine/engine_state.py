@@ -229,11 +229,17 @@ class EngineState:
             # A new layout for these names (a rank change, DDP's bucket rebuild): drop the old ones'
             # buffers, whose values live on in the dicts until this call's rebuild copies them.
             overlap = set(names)
-            for other in [k for k in self._calls if overlap.intersection(k[0])]:
+            replaced = [k for k in self._calls if overlap.intersection(k[0])]
+            ranks = sorted({k[1] for k in replaced})
+            for other in replaced:
                 del self._calls[other]
             call = self._calls[key] = CallState(
                 CallLayout.plan(names, grads, rank, self.config.min_compression_rate, self.shares), shapes
             )
+            if ranks and ranks != [rank]:
+                call.reason = f"a rank change ({', '.join(map(str, ranks))} → {rank})"
+            elif replaced:
+                call.reason = "a new layout (the bucket's tensors changed)"
             for name, grad in zip(names, grads):
                 if (shape := matrix_shape(grad)) is not None:
                     self.shapes[name] = shape

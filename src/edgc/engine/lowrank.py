@@ -277,12 +277,13 @@ class LowRankCompressor:
             error_feedback,
             error_feedback and subtracts_estimate(cpu_kernels, grad_dtype == arena.dtype),
             stats,
+            rank=comm.rank,
             residual=self.state.residual_target(kept, arena) if error_feedback else None,
             select_q=not self.state.tracking,
         )
 
     def _stretch(self, run: JobRun, name: str, work) -> None:
-        stretches.run_stretch(run, name, work, self.config.cuda_graphs)
+        stretches.run_stretch(run, name, work, self.config.cuda_graphs, run.rank)
 
     @staticmethod
     def _count_sent(stats: ReduceStats, values: torch.Tensor, wire_dtype: torch.dtype) -> None:

@@ -52,6 +52,7 @@ class JobRun:
     error_feedback: bool
     subtracts: bool  # e = M − Ĝ from the Ĝ just written (`edgc.engine.engine_state.subtracts_estimate`)
     stats: object  # its `edgc.engine.lowrank.ReduceStats`
+    rank: int = 0  # this process's in the group (its rank 0 says what the graph regions capture)
     residual: torch.Tensor | None = None  # where e = M − P·Qᵀ goes (the arena, or an uncommitted step's spare)
     select_q: bool = False  # outside a tracked step: the stored Q kept on the device after a non-finite step
 
@@ -81,25 +82,22 @@ def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(torch.bmm(a, b))  # a small factor
 
 
-def run_stretch(run: JobRun, name: str, work: Callable[[JobRun], None], graphs: bool) -> None:
-    """``work(run)`` as the call's graph region ``name`` (`edgc.device.graphs`). With ``graphs``, one region
-    per set of buffers the stretch touches (Q, and an uncommitted step's arenas, are used in turn),
-    each captured once it has run eagerly on its buffers; without, one eager region per stretch (what
-    a checker and the dispatch counter observe)."""
+def run_stretch(run: JobRun, name: str, work: Callable[[JobRun], None], graphs: bool, rank: int = 0) -> None:
+    """``work(run)`` as one of the call's graph regions (`edgc.device.graphs`): one per set of buffers the
+    stretch touches (Q is used in turn, and an uncommitted step's arenas), so that each region's every
+    call is on the same buffers, as a replay needs; with ``graphs``, each is captured once it has run
+    eagerly on them (a few steps at the same rank), else always eager (what a checker and the dispatch
+    counter observe). ``rank``: the process's in its group (its rank 0 says the captures)."""
     call = run.kept
     buffers = (call.factors, run.arena, run.residual, call.replacement, *call.step_tensors(), *run.grads)
     buffers = tuple(t for t in buffers if t is not None)
-    key = (
-        (name, call.turn, run.arena.data_ptr(), run.residual is not None and run.residual.data_ptr())
-        if graphs
-        else name
-    )
+    key = (name, call.turn, id(run.arena), id(run.residual), run.select_q, run.measure_error)
     region = call.regions.get(key)
     if region is None:
         if len(call.regions) >= 12:  # buffers that change every step (a caller's new tensors): no graph pays
             call.regions.clear()
-        region = call.regions[key] = GraphRegion(f"{name} [{call.layout.describe()}]", graphs=graphs)
-        region.recapture("a new layout or new buffers")
+        region = call.regions[key] = GraphRegion(f"{name} [{call.layout.describe()}]", graphs=graphs, rank=rank)
+        region.recapture(call.reason)
     region(lambda: work(run), *buffers)
 
 
