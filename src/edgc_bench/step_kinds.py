@@ -19,6 +19,14 @@ step's transient buffers included (`edgc_bench.live_memory`), per compressed gra
 - ``diloco``: one outer sync of DiLoCo's default method (`edgc.integrations.diloco.DEFAULT_OUTER_SYNC`)
   of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element).
 
+The hook at the device's pace (``pace``, at GPT-2 medium and XL widths, ``--pace`` alone): a static
+step's dispatches eager and with CUDA graphs on (``cuda_graphs``: a graph region the capture checker
+passes over four steady steps counts one launch per call, `edgc_bench.dispatch_count`), the dispatches
+from entering the last bucket's ``reduce_bucket`` to the step's end (what the host issues once backward
+is over), a sampled step's beside it, the host reads of each, and the bytes a sampled step moves beyond
+a static one as a share of its own (its entropy sample's gather and histogram and its error
+measurement: a bound on the histogram's share).
+
 Beside the live tensors, ``process`` runs a step kind on real CPU tensors at the same widths with
 ``--layers`` blocks and reads the process's peak resident memory during the step
 (``/proc/self/status``'s VmHWM, reset before it) beyond what the gradients alone held: what the
@@ -36,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import DispatchCounter, StepCount, count_hook_step
+from .dispatch_count import GRAPH_LAUNCH, DispatchCounter, StepCount, count_hook_step
 from .engine_cost import emit
 from .gpt2_layout import gpt2_parameters
 from .hook_steps import _static_config, sampled_config
@@ -81,6 +89,40 @@ def _hooks(kind: str) -> dict:
 
 def count_kind(kind: str, model: str = "xl", rank: int = 32) -> StepCount:
     return count_hook_step(gpt2_parameters(model), rank=rank, config=config_of(kind, rank), **_hooks(kind))
+
+
+PACE_MODELS = ("medium", "xl")
+
+
+def pace(model: str = "xl", rank: int = 32, progress=print) -> dict:
+    """The hook at the device's pace at ``model``'s widths (the module docstring): static eager, static
+    with graphs, sampled."""
+    from dataclasses import replace
+
+    named = gpt2_parameters(model)
+    static = count_kind("static", model, rank)
+    progress(f"{model} static: {static.dispatches} dispatches")
+    graphed_config = replace(config_of("static", rank), cuda_graphs=True)
+    graphed = count_hook_step(named, rank=rank, config=graphed_config, graphs=True)
+    progress(f"{model} static with graphs: {graphed.dispatches} dispatches")
+    sampled = count_kind("sampled", model, rank)
+    progress(f"{model} sampled: {sampled.dispatches} dispatches")
+    steps = {"static": static, "static_graphs": graphed, "sampled": sampled}
+    return {
+        "model": model,
+        "rank": rank,
+        "buckets": static.buckets,
+        "compressed_matrices": static.compressed,
+        "dispatches": {kind: count.dispatches for kind, count in steps.items()},
+        "after_last_bucket": {kind: count.extra["after_last_bucket"] for kind, count in steps.items()},
+        "graph_replays": graphed.by_op.get(GRAPH_LAUNCH, 0),
+        "host_reads": {kind: count.host_reads for kind, count in steps.items()},
+        "bytes": {kind: round(count.per_compressed_element(count.bytes), 3) for kind, count in steps.items()},
+        "memory": {
+            kind: round(count.per_compressed_element(count.peak_state_bytes), 3) for kind, count in steps.items()
+        },
+        "sampled_extra_bytes_share": round((sampled.bytes - static.bytes) / sampled.bytes, 5),
+    }
 
 
 def count_outer_sync(model: str = "xl") -> dict:
@@ -228,6 +270,7 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
         "kinds": kinds,
         "sampled_small_cap": small_cap,
         "diloco": count_outer_sync(model),
+        "pace": {size: pace(size, rank, progress) for size in PACE_MODELS},
     }
 
 
@@ -241,9 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="blocks of the real-tensor run (the process's peak)")
     parser.add_argument("--process-peak", choices=KINDS, help="only this kind's process peak, as one JSON line")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--pace", action="store_true", help="only the pace figures, into --out's 'pace' (kept else)")
+    parser.add_argument("--models", nargs="+", default=PACE_MODELS, help="the pace's model widths")
     args = parser.parse_args(argv)
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
+        return 0
+    if args.pace:
+        figures = json.loads(args.out.read_text()) if args.out is not None and args.out.exists() else {}
+        figures["pace"] = {**figures.get("pace", {}), **{model: pace(model, args.rank) for model in args.models}}
+        emit(figures, args.out)
         return 0
     emit(measure(args.model, args.rank, args.layers), args.out)
     return 0
