@@ -122,7 +122,29 @@ def pace(model: str = "xl", rank: int = 32, progress=print) -> dict:
             kind: round(count.per_compressed_element(count.peak_state_bytes), 3) for kind, count in steps.items()
         },
         "sampled_extra_bytes_share": round((sampled.bytes - static.bytes) / sampled.bytes, 5),
+        "dtype": "bfloat16",
+        "torch": torch.__version__,
     }
+
+
+def histogram_share(model: str, row: dict) -> float:
+    """The bytes a sampled step's histogram moves (`edgc.control.histogram.histogram_entropy_on_device` over a
+    bf16 sample of ``entropy_sample_cap`` elements, the most a decision's sample holds), as a share of the
+    sampled step's bytes in ``row`` (a `pace` row: bytes per compressed element, every matrix compressed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc import EDGCConfig
+    from edgc.control.histogram import histogram_entropy_on_device
+
+    config = EDGCConfig()
+    matrices = [math.prod(shape) for _, shape in gpt2_parameters(model) if len(shape) >= 2]
+    if len(matrices) != row["compressed_matrices"]:
+        raise ValueError(f"{model}: {row['compressed_matrices']} matrices compressed of {len(matrices)}")
+    with FakeTensorMode():
+        sample = torch.empty(config.entropy_sample_cap, dtype=torch.bfloat16)
+        with DispatchCounter() as counter:
+            histogram_entropy_on_device(sample, config.entropy_bins)
+    return round(counter.total_bytes / (row["bytes"]["sampled"] * sum(matrices)), 5)
 
 
 def count_outer_sync(model: str = "xl") -> dict:
@@ -260,7 +282,7 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
     }
     from edgc import EDGCConfig
 
-    return {
+    result = {
         "model": model,
         "rank": rank,
         "dtype": "bfloat16",
@@ -272,6 +294,9 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
         "diloco": count_outer_sync(model),
         "pace": {size: pace(size, rank, progress) for size in PACE_MODELS},
     }
+    for size, row in result["pace"].items():
+        row["histogram_bytes_share"] = histogram_share(size, row)
+    return result
 
 
 SMALL_CAP = 1 << 20  # the entropy sample a report-only estimate takes (`edgc.control.entropy.REPORT_SAMPLE_CAP`)
@@ -285,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-peak", choices=KINDS, help="only this kind's process peak, as one JSON line")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--pace", action="store_true", help="only the pace figures, into --out's 'pace' (kept else)")
-    parser.add_argument("--models", nargs="+", default=PACE_MODELS, help="the pace's model widths")
+    parser.add_argument("--models", nargs="*", default=PACE_MODELS, help="the pace's model widths (none: shares only)")
     args = parser.parse_args(argv)
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
@@ -293,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pace:
         figures = json.loads(args.out.read_text()) if args.out is not None and args.out.exists() else {}
         figures["pace"] = {**figures.get("pace", {}), **{model: pace(model, args.rank) for model in args.models}}
+        for model, row in figures["pace"].items():
+            row["histogram_bytes_share"] = histogram_share(model, row)
         emit(figures, args.out)
         return 0
     emit(measure(args.model, args.rank, args.layers), args.out)
