@@ -74,7 +74,8 @@ class LowRankConfig:
     columns, random new ones)."""
 
     cuda_graphs: bool = False
-    """On CUDA, run each stretch of a compressed job as a CUDA graph once its rank has held (recaptured on a change)."""
+    """On CUDA, replay each stretch of a compressed job from a CUDA graph once it has run twice at a rank (captured
+    again after a rank change or a new layout, each capture said on the edgc logger); eager off CUDA."""
 
     # Set by whoever builds the engine (DiLoCo's outer sync, a dispatch count), not by a run's
     # EDGCConfig: neither given flat nor in its to_dict, so config.json and checkpoints read as before.

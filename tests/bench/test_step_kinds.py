@@ -72,6 +72,8 @@ def test_the_committed_figures_are_this_engines_static_step_and_the_page_shows_t
     script = load_script("step_kinds_to_docs")
     page = (ROOT / "docs" / "concepts" / "engine.md").read_text()
     assert script.block(FIGURES) in page
+    pace = script.pace_block(FIGURES, json.loads(script.BEFORE.read_text()))  # the engine page's and the GPU page's
+    assert pace in page and pace in (ROOT / "docs" / "gpu.md").read_text()
 
 
 def test_the_committed_outer_sync_is_diloco_s_default():
