@@ -115,7 +115,9 @@ def pace_block(figures: dict, before: dict) -> str:
             _held(counts["static"], goal["static"]),
             f"{_held(counts['static_graphs'], goal['static_graphs'])} ({row['graph_replays']} replays)",
             _held(counts["sampled"], sampled_goal),
-            " / ".join(_held(tail[kind], goal["after_last_bucket"]) for kind in ("static", "static_graphs", "sampled")),
+            " / ".join(  # the goal is a static step's: its last job alone
+                [_held(tail["static"], goal["after_last_bucket"]), f"{tail['static_graphs']:,}", f"{tail['sampled']:,}"]
+            ),
             " / ".join(_held(reads[kind], goal["host_reads"]) for kind in ("static", "sampled")),
             f"{row['sampled_extra_bytes_share']:.2%}",
             _share(row.get("histogram_bytes_share"), goal["histogram"]),
@@ -130,9 +132,11 @@ def pace_block(figures: dict, before: dict) -> str:
         "stretch the capture checker passes over four steady steps counts one launch per call; the CPU runs it "
         "eagerly, so whether cuSOLVER's calls capture is the GPU run's to see. Goals at XL: "
         f"{PACE_GOALS['static']} eager, {PACE_GOALS['static_graphs']} with graphs, "
-        f"{PACE_GOALS['after_last_bucket']} after the last bucket's entry, a sampled step at most "
-        f"{PACE_GOALS['sampled_extra']} beyond a static one, {PACE_GOALS['host_reads']} host read a step. The "
-        "last column bounds the sampled step's histogram: its gather, histogram and error measurement "
+        f"{PACE_GOALS['after_last_bucket']} after the last bucket's entry of a static step, a sampled step "
+        f"at most {PACE_GOALS['sampled_extra']} beyond a static one, {PACE_GOALS['host_reads']} host read a "
+        f"step, the histogram's bytes at most {PACE_GOALS['histogram']:.0%} of the sampled step's (counted "
+        "over a sample of `entropy_sample_cap` elements, the most a decision's sample holds); a sampled "
+        "step's bytes beyond a static one's are its sample's gather and histogram and its error measurement "
         f"together. Before (`docs/engine/step-kinds-before.json`, GPT-2 {before['model'].upper()}): "
         f"{old['static']['dispatches']:,} dispatches a static step, {old['sampled']['dispatches']:,} a sampled one.",
     ]
