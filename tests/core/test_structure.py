@@ -207,6 +207,7 @@ LIBRARY_ADAPTERS = {
     "edgc/adapters/torch_adapter.py",
     "edgc/adapters/fsdp_adapter.py",
     "edgc/integrations/torchft_adapter.py",
+    "edgc/integrations/torchtitan_adapter.py",
 }
 FIRST_PARTY = ("edgc", "edgc_train", "edgc_bench", "edgc_sim", "edgc_experiments", "edgc_cli")
 

@@ -7,6 +7,9 @@ Modules:
     torchft_managed.py a sync state under torchft's manager: collectives, the verdict per step, heals
     torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
     torchft_adapter.py the one place that reads torchft's private members (its process group, timeout, DiLoCo's step)
+    torchtitan.py   `EDGCTrainer`: torchtitan's trainer with EDGC on its replica all-reduce, one config name away
+    torchtitan_torchft.py EDGC across the replica groups of torchtitan's torchft experiment
+    torchtitan_adapter.py the one place that knows how torchtitan (0.3.0) shards its models for FSDP
 """
 
 from __future__ import annotations
