@@ -62,7 +62,7 @@ def block(figures: dict) -> str:
             f"{row['process']['peak_beyond_gradients']:g}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    small, outer = figures["sampled_small_cap"], figures["diloco"]
+    small, outers = figures["sampled_small_cap"], figures["diloco"]
     layers = figures["kinds"]["static"]["process"]["layers"]
     lines += [
         "",
@@ -79,11 +79,20 @@ def block(figures: dict) -> str:
         f"- **Sampled step:** its entropy sample holds up to `EDGCConfig.entropy_sample_cap` = "
         f"{figures['entropy_sample_cap']:,} elements; at {small['entropy_sample_cap']:,} it moves "
         f"{small['bytes']:g} B per element ({small['dispatches']} dispatches, {small['memory']:g} B of memory).",
-        f"- **DiLoCo outer sync** (`{outer['method']}`, every parameter's fp32 pseudo-gradient, "
-        f"{outer['params'] / 1e9:.2f} billion): {outer['dispatches']} dispatches, {outer['bytes_per_param']:g} B "
-        f"moved and {outer['memory_per_param']:g} B of memory per parameter beyond the pseudo-gradients, "
-        f"{outer['bytes_sent_per_param']:g} B per parameter on the wire.",
+        f"- **DiLoCo outer sync** (`{outers[0]['method']}`, every parameter's fp32 pseudo-gradient as one "
+        "flat buffer, one of N replica groups; memory per parameter beyond the pseudo-gradients, and beyond "
+        "the error feedback too, the sender's and the chunk owner's):",
+        "",
+        "| model | parameters | groups | dispatches | collectives | rollback: dispatches | bytes moved / param "
+        "| memory / param | beyond the error feedback | wire / param |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    for outer in outers:
+        lines.append(
+            f"| GPT-2 {outer['model']} | {outer['params']:,} | {outer['groups']} | {outer['dispatches']} "
+            f"| {outer['collectives']} | {outer['rollback_dispatches']} | {outer['bytes_per_param']:g} "
+            f"| {outer['memory_per_param']:g} | {outer['transient_per_param']:g} | {outer['bytes_sent_per_param']:g} |"
+        )
     return "\n".join(lines)
 
 

@@ -366,7 +366,8 @@ class EDGCState(GradientReducer):
             part.load_state_dict(state)
         if not keep_own:
             self.experts.load_state_dict(state.get("expert_tokens", {}), self.device)
-        if not state.get("shared") and int(state["world_size"]) != self.comm.world_size:
+        resized = int(state["world_size"]) != self.comm.world_size
+        if not state.get("shared") and self.comm.residuals_per_rank and resized:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
             warnings.warn(
                 f"EDGCState: world size changed from {state['world_size']} to {self.comm.world_size}; "

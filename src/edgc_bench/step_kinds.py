@@ -17,7 +17,9 @@ step's transient buffers included (`edgc_bench.live_memory`), per compressed gra
 - ``torchft``: a step left uncommitted until the manager's verdict (``defer_commit``), its residual
   written to the spare arena so that M survives for a rollback, then committed;
 - ``diloco``: one outer sync of DiLoCo's default method (`edgc.integrations.diloco.DEFAULT_OUTER_SYNC`)
-  of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element).
+  of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element), one entry
+  per model and number of replica groups (`DILOCO_COUNTS`), and the rollback of one
+  (``--diloco-only`` recounts these entries alone in the ``--out`` file).
 
 The hook at the device's pace (``pace``, at GPT-2 medium and XL widths, ``--pace`` alone): a static
 step's dispatches eager and with CUDA graphs on (``cuda_graphs``: a graph region the capture checker
@@ -147,11 +149,16 @@ def histogram_share(model: str, row: dict) -> float:
     return round(counter.total_bytes / (row["bytes"]["sampled"] * sum(matrices)), 5)
 
 
-def count_outer_sync(model: str = "xl") -> dict:
-    """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter, after one
-    that made the error feedback, as one of two replicas (a two-stage sync's owner keeps the error
-    feedback of its half of the chunks): dispatches, bytes and memory beyond the pseudo-gradients, per
-    parameter."""
+DILOCO_COUNTS = (("xl", 2), ("xl", 12), ("medium", 2), ("medium", 12))  # (model, replica groups) counted
+
+
+def count_outer_sync(model: str = "xl", groups: int = 2) -> dict:
+    """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter (one flat
+    buffer, as DiLoCo hands them), after one that made the error feedback, as one of ``groups``
+    replicas (a two-stage sync's owner keeps the error feedback of its 1/groups of the chunks):
+    dispatches, collectives, bytes and memory per parameter (``memory``: the peak beyond the
+    pseudo-gradients; ``transient``: beyond the error feedback held too); then the dispatches of
+    rolling back an uncommitted sync."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
@@ -162,25 +169,38 @@ def count_outer_sync(model: str = "xl") -> dict:
     from .stand_ins import NamedParameters
 
     named = gpt2_parameters(model)
+    names, params = [name for name, _ in named], sum(math.prod(shape) for _, shape in named)
     with counted_host_reads(_zeros), FakeTensorMode():
-        deltas = [torch.empty(shape, dtype=torch.float32) for _, shape in named]
-        names = [name for name, _ in named]
+        flat = torch.empty(params, dtype=torch.float32)
+        parts = flat.split([math.prod(shape) for _, shape in named])
+        deltas = [part.view(shape) for part, (_, shape) in zip(parts, named)]
         with LiveStorages() as live:
             state = sync_method(DEFAULT_OUTER_SYNC).build(None, model=NamedParameters(list(zip(names, deltas))))
-            state.attach(counting_communicator(2))  # two replicas: each owns half the chunks
+            comm = counting_communicator(groups)
+            state.attach(comm)
             state.reduce_tensors(names, deltas, last=True)
             state.settle()
+            held, issued = live.live_bytes(), len(comm.issued)
             live.reset_peak()
             with DispatchCounter() as counter:
                 state.reduce_tensors(names, deltas, last=True)
             state.settle()
-    params = sum(math.prod(shape) for _, shape in named)
+            collectives = len(comm.issued) - issued
+        state.attach(defer_commit=True)
+        state.reduce_tensors(names, deltas, last=True)
+        with DispatchCounter() as rollback:
+            state.rollback_step("counted")
     return {
         "method": DEFAULT_OUTER_SYNC,
+        "model": model,
+        "groups": groups,
         "params": params,
         "dispatches": counter.total,
+        "collectives": collectives,
+        "rollback_dispatches": rollback.total,
         "bytes_per_param": round(counter.total_bytes / params, 3),
         "memory_per_param": round(live.peak_bytes / params, 3),
+        "transient_per_param": round((live.peak_bytes - held) / params, 3),
         "bytes_sent_per_param": round(state.last_step_metrics["bytes_sent"] / params, 4),
     }
 
@@ -257,8 +277,8 @@ def _peak_in_a_new_process(kind: str, layers: int, rank: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
-    """The figures of the module docstring, as ``--out`` writes them."""
+def measure_kinds(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
+    """The hook's step kinds (and the sampled step at a small cap), as ``--out`` holds them."""
     from dataclasses import replace
 
     kinds = {}
@@ -282,7 +302,7 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
     }
     from edgc import EDGCConfig
 
-    result = {
+    return {
         "model": model,
         "rank": rank,
         "dtype": "bfloat16",
@@ -291,7 +311,14 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
         "limits": LIMITS,
         "kinds": kinds,
         "sampled_small_cap": small_cap,
-        "diloco": count_outer_sync(model),
+    }
+
+
+def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
+    """The figures of the module docstring, as ``--out`` writes them."""
+    result = {
+        **measure_kinds(model, rank, layers, progress),
+        "diloco": [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS],
         "pace": {size: pace(size, rank, progress) for size in PACE_MODELS},
     }
     for size, row in result["pace"].items():
@@ -311,7 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--pace", action="store_true", help="only the pace figures, into --out's 'pace' (kept else)")
     parser.add_argument("--models", nargs="*", default=PACE_MODELS, help="the pace's model widths (none: shares only)")
+    parser.add_argument("--kinds-only", action="store_true", help="recount the step kinds of --out alone")
+    parser.add_argument("--diloco-only", action="store_true", help="recount the diloco entries of --out alone")
     args = parser.parse_args(argv)
+    if args.diloco_only or args.kinds_only:
+        figures = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
+        if args.kinds_only:
+            figures.update(measure_kinds(args.model, args.rank, args.layers))
+        if args.diloco_only:
+            figures["diloco"] = [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS]
+        emit(figures, args.out)
+        return 0
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
         return 0

@@ -11,7 +11,7 @@ import pytest
 
 from edgc_bench.dispatch_count import count_hook_step
 from edgc_bench.gpt2_layout import gpt2_parameters
-from edgc_bench.step_kinds import KINDS, _hooks, config_of, process_peak
+from edgc_bench.step_kinds import DILOCO_COUNTS, KINDS, _hooks, config_of, process_peak
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = json.loads((ROOT / "docs" / "engine" / "step-kinds.json").read_text())
@@ -77,10 +77,19 @@ def test_the_committed_figures_are_this_engines_static_step_and_the_page_shows_t
 
 
 def test_the_committed_outer_sync_is_diloco_s_default():
-    """A new default outer sync is recounted (python -m edgc_bench.step_kinds --out …; the script)."""
+    """A new default outer sync is recounted (python -m edgc_bench.step_kinds --diloco-only --out …; the
+    script), at every model and number of groups, within its limits."""
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
 
-    assert FIGURES["diloco"]["method"] == DEFAULT_OUTER_SYNC
+    outers = FIGURES["diloco"]
+    assert outers and all(outer["method"] == DEFAULT_OUTER_SYNC for outer in outers)
+    assert {(outer["model"], outer["groups"]) for outer in outers} == set(DILOCO_COUNTS)
+    for outer in outers:  # launches and collectives flat in the model and the groups; a byte a parameter in flight
+        assert outer["dispatches"] <= 2000 and outer["rollback_dispatches"] <= 2000 and outer["collectives"] <= 64
+        assert outer["transient_per_param"] <= 1.0
+    for model in {outer["model"] for outer in outers}:
+        counts = [outer["dispatches"] for outer in outers if outer["model"] == model]
+        assert max(counts) <= 1.1 * min(counts)
 
 
 def test_the_process_peak_holds_at_least_the_error_feedback():

@@ -198,3 +198,10 @@ def owner_error_dropped(rank: int, owner: str, step: int, key: str, before, now)
         f"changed ({before.members} members, rank {before.rank} → {now.members}, rank {now.rank})"
     )
     say(rank, logging.INFO, {"kind": "owner_error", "step": step, "key": key, "message": message})
+
+
+def owner_error_cleared(rank: int, owner: str, step: int, reason: str) -> None:
+    """At ``step``, a two-stage sync (`edgc.sync.two_stage`, the state called ``owner``) dropped the error
+    feedback of every chunk it owned, for ``reason`` (a heal)."""
+    message = f"step {step}: {owner}: the owner's error feedback is dropped: {reason}"
+    say(rank, logging.INFO, {"kind": "owner_error", "step": step, "key": None, "message": message})

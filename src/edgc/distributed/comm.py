@@ -67,6 +67,10 @@ class Communicator:
     # Whether a plain average also reports if it is finite (`GradientReducer._average_raw`): where a
     # non-finite step must be discarded on every replica (torchft's manager), not only skipped.
     flags_nonfinite = False
+    # Whether a rank's error feedback belongs to its place among ``world_size`` ranks, so that a checkpoint
+    # loaded at another world size drops it (residuals cannot be split or merged). Not under torchft,
+    # where a replica group's error feedback is its own whatever the quorum's size.
+    residuals_per_rank = True
 
     def __init__(self, process_group=None):
         process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh

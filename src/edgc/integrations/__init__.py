@@ -3,6 +3,7 @@
 Modules:
     lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook
     diloco.py       DiLoCo / Streaming DiLoCo whose outer sync is EDGC's (plain process group)
+    diloco_fragment.py a DiLoCo fragment: θ_global and Δ as one flat buffer each, the outer optimizer
     torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages; DiLoCo
     torchft_managed.py a sync state under torchft's manager: collectives, the verdict per step, heals
     torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
