@@ -1,8 +1,7 @@
 """`EDGCConfig`: every knob of EDGC in one validated dataclass.
 
-Defaults follow the paper's released code (see ``docs`` / README table): α = 0.1, β = 0.25,
-1000 histogram bins, window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up
-floor 10 % of the planned steps, PowerSGD seed 714.
+Defaults follow the paper's released code (``docs``, README table): α = 0.1, β = 0.25, 1000 histogram bins,
+window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up floor 10 % of the planned steps, seed 714.
 """
 
 from __future__ import annotations
