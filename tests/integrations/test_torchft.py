@@ -138,6 +138,7 @@ class _Manager:
     """A quorum of two: this replica and a peer whose contribution is ``peer``."""
 
     _quorum_future = object()
+    _pg = None  # no process group to ask: the replica's place is its participating rank among the participants
 
     def __init__(self, rank, peer):
         self.rank, self.peer, self.error, self.calls = rank, peer, None, []
