@@ -1,0 +1,276 @@
+"""`edgc experiment diloco --regime frontier`: the sparse outer syncs tested where SparseLoCo claims them.
+
+SparseLoCo's reference configuration runs 8 replicas at H = 15 for ≈ 163 outer steps, warms the inner
+learning rate up, and tunes each method (inner lr 1e-3 for SparseLoCo, 8e-4 for DiLoCo; outer lr 1
+and 0.6). Short runs cannot tell a bad method from its error feedback's start-up: with decay 0.95 it
+remembers ≈ 20 syncs, and at 3 % density a value waits ≈ 30 syncs to be sent. So this regime runs
+R = 4 replicas (processes on gloo), H = 15, 1,800 inner steps (120 outer steps), a linear warm-up of
+the inner learning rate over the first `WARMUP_SHARE` of the inner steps and then a cosine to 0,
+AdamW inner steps, on GPT-2 and the LLaMA-style family at `FRONTIER_SIZE` (sized so that two shared
+cores train the whole regime in hours), every method paired with torchft's DiLoCo at three seeds.
+
+Each method is tuned first, on a seed no comparison uses (the first seed + `TUNING_SEED_OFFSET`),
+per family: its outer learning rate times each of ``--tune-outer`` (the method's own as the base:
+``--outer-lr`` with Nesterov ``--outer-momentum`` for torchft's DiLoCo and the quantised syncs, the
+rate its name gives for SparseLoCo's form), then, where the reference tunes it (torchft's DiLoCo and
+the sparse syncs), the inner learning rate times each of ``--tune-inner`` at the best outer rate.
+The point with the lowest validation loss after the last outer step is the method's setting at the
+comparison seeds.
+
+Every run logs, per outer step, the training loss (the mean over the replicas and its H inner steps)
+and the sync's relative error, and the validation loss of θ_global every `EVAL_EVERY` outer steps:
+the gap against torchft's DiLoCo can be read against the number of syncs (`diloco_regime_summary`).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import common
+from .diloco_families import Size
+from .diloco_train import OUTER_MOMENTUM
+
+FRONTIER_SIZE = Size(width=64, layers=2, heads=4, vocab=512, seq_len=64, batch=4, val_batches=32)
+WARMUP_SHARE = 0.1  # of the inner steps (SparseLoCo's reference: 500 of ≈ 2,450)
+EVAL_EVERY = 5  # outer steps between two validations of θ_global
+CHECKPOINTS = (20, 60)  # outer steps the frontier is drawn at, beside the last
+TUNING_SEED_OFFSET = 1000
+FRONTIER_METHODS = (
+    "torchft,quant3-2s,quant2-2s,sparse128-decay0.95-mom0-lr2,"
+    "sparse128-senders-decay0.95-mom0-lr1,sparse128-tiles-decay0.95-mom0-lr1"
+)
+# Each regime's defaults of `edgc experiment diloco`'s flags (the frontier's outer optimizer: torchft's
+# DiLoCo as its examples run it, Nesterov 0.9 at lr 0.7)
+REGIMES = {
+    "standard": dict(
+        models="gpt2,gru,cnn,llama",
+        inner="adamw,sgd",
+        sync_every="6,30",
+        methods="torchft,quant3,rank8,quant3+heal=zero",
+        replicas=2,
+        outer_momentum=OUTER_MOMENTUM,
+        steps=None,  # the experiment's DEFAULT_STEPS
+    ),
+    "frontier": dict(
+        models="gpt2,llama",
+        inner="adamw",
+        sync_every="15",
+        methods=FRONTIER_METHODS,
+        replicas=4,
+        outer_momentum=0.9,
+        steps=1800,
+    ),
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--regime",
+        choices=sorted(REGIMES),
+        default="standard",
+        help="standard: the cross-model evaluation; frontier: 4 replicas, H = 15, 1,800 inner steps, "
+        "a warm-up, each method tuned on a seed of its own (see edgc_experiments.diloco_regime)",
+    )
+    p.add_argument(
+        "--tune-outer",
+        default="0.5,1,2",
+        metavar="F,...",
+        help="frontier: the outer learning rates tried, as multiples of each method's (default 0.5,1,2)",
+    )
+    p.add_argument(
+        "--tune-inner",
+        default="0.8,1.25",
+        metavar="F,...",
+        help="frontier: the inner learning rates tried at the best outer one, as multiples of the family's, "
+        "for torchft's DiLoCo and the sparse syncs ('' for none; default 0.8,1.25)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="frontier: model families trained at once, each in its own replica processes (default 1)",
+    )
+
+
+def resolve(args, setting) -> None:
+    """Fill the flags left at None with the regime's defaults (and the inner steps, unless given)."""
+    defaults = dict(REGIMES[args.regime])
+    steps = defaults.pop("steps")
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if steps is not None and args.steps is None and not args.tiny:
+        setting.steps = steps
+
+
+def multiples(raw: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in raw.split(",") if v.strip()]
+    except ValueError:
+        raise common.CLIError(f"{flag}: expected numbers separated by commas, got {raw!r}") from None
+    if any(v <= 0 for v in values):
+        raise common.CLIError(f"{flag}: every multiple must be > 0, got {raw!r}")
+    return values
+
+
+def validate(args, setting) -> None:
+    """The frontier's own checks (`diloco.validate` has made the shared ones)."""
+    if not multiples(args.tune_outer, "--tune-outer"):
+        raise common.CLIError("--tune-outer: at least one multiple (1: the method's own rate)")
+    multiples(args.tune_inner, "--tune-inner")
+    if args.no_train and not args.reuse:
+        raise common.CLIError("--no-train needs --reuse")
+    if not 1 <= args.jobs <= 4:
+        raise common.CLIError(f"--jobs: must be in 1..4, got {args.jobs}")
+    if len(args.sync_every.split(",")) != 1:
+        raise common.CLIError("--sync-every: the frontier regime runs one H")
+
+
+def tunes_inner(arm: dict) -> bool:
+    """Whether the reference tunes the method's inner learning rate: torchft's DiLoCo and the sparse syncs."""
+    return arm["method"] == "torchft" or str(arm.get("sync", "")).startswith("sparse")
+
+
+def evals(outer_steps: int) -> list[int]:
+    """The outer steps after which θ_global is validated: every `EVAL_EVERY`, the checkpoints, the last."""
+    points = set(range(EVAL_EVERY, outer_steps + 1, EVAL_EVERY)) | set(checkpoints(outer_steps))
+    return sorted(points)
+
+
+def checkpoints(outer_steps: int) -> list[int]:
+    return [c for c in CHECKPOINTS if c < outer_steps] + [outer_steps]
+
+
+def base_arm(args, name: str, steps: int) -> dict:
+    """The method's arm before tuning (`diloco.method_arm` for its name, the regime's schedule)."""
+    from .diloco_runs import method_arm
+
+    h = int(args.sync_every)
+    outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+    arm = {"sync_every": h, "inner": args.inner, **outer, **method_arm(name)}
+    return {**arm, "warmup": round(WARMUP_SHARE * steps), "evals": evals(steps // h)}
+
+
+def tuned(arm: dict, point: tuple[float, float]) -> dict:
+    """``arm`` at a grid point (outer multiple, inner multiple)."""
+    return {**arm, "outer_lr": arm["outer_lr"] * point[0], "inner_lr": point[1]}
+
+
+def label(point: tuple[float, float]) -> str:
+    return f"outer×{point[0]:g} inner×{point[1]:g}"
+
+
+def best(runs: dict) -> str | None:
+    """The label of the finished run with the lowest final validation loss (None: every run diverged)."""
+    finished = {key: run["val_loss"] for key, run in runs.items() if run.get("val_loss") is not None}
+    return min(finished, key=finished.get) if finished else None
+
+
+class FamilyRuns:
+    """One family's runs (``tuning``: {method: {label: run}}; ``compare``: {method: {seed: run}}),
+    written to ``runs/<family>.json`` after every batch of runs, found again in ``--reuse`` folders."""
+
+    def __init__(self, out: Path, family: str, reuse: list[str]):
+        self.path = out / "runs" / f"{family}.json"
+        self.data: dict = {"tuning": {}, "compare": {}}
+        self.earlier = [json.loads(p.read_text()) for p in (Path(f) / "runs" / f"{family}.json" for f in reuse)]
+        self.earlier = [e for e in self.earlier if isinstance(e, dict)]
+
+    def get(self, kind: str, method: str, key: str, arm: dict) -> dict | None:
+        """The run of ``arm`` under (kind, method, key), here or in an earlier folder (the same arm only)."""
+        for source in [self.data, *self.earlier]:
+            run = source.get(kind, {}).get(method, {}).get(key)
+            if run is not None and run.get("arm") == arm:
+                return run
+        return None
+
+    def put(self, kind: str, method: str, key: str, run: dict) -> None:
+        self.data[kind].setdefault(method, {})[key] = run
+
+    def save(self) -> None:
+        common.write_json(self.path, self.data)
+
+
+def run(args, out, setting, log=print) -> tuple[list[int], list[str], dict, dict]:
+    """Tune and compare every method on every family: (seeds, methods, {family: its runs}, {family:
+    {method: the chosen grid point's label}}), for `diloco_regime_summary.summarise`."""
+    families = [f for f in args.models.split(",") if f]
+    methods = [m for m in args.methods.split(",") if m]
+    seeds = [setting.seed + k for k in range(args.seeds)]
+    (out / "runs").mkdir()
+    reuse = [f for f in args.reuse.split(",") if f]
+    stores = {f: FamilyRuns(out, f, reuse) for f in families}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        chosen = dict(
+            zip(families, pool.map(lambda f: _family(args, setting, f, methods, seeds, stores[f], log), families))
+        )
+    return seeds, methods, {f: s.data for f, s in stores.items()}, chosen
+
+
+def _family(args, setting, family: str, methods: list[str], seeds: list[int], store: FamilyRuns, log) -> dict:
+    """Tune every method on the tuning seed, then run them at their chosen points at every seed;
+    {method: chosen label}."""
+    steps = setting.steps
+    arms = {name: base_arm(args, name, steps) for name in methods}
+    outer_points = [(m, 1.0) for m in multiples(args.tune_outer, "--tune-outer")]
+    tuning_seed = setting.seed + TUNING_SEED_OFFSET
+    for name in methods:  # the outer rates, one batch of runs per method
+        grid = {(name, label(p)): tuned(arms[name], p) for p in outer_points}
+        _train(args, setting, family, store, "tuning", tuning_seed, grid, log)
+    second = {}
+    for name in methods:  # the inner rates at the best outer one
+        if tunes_inner(arms[name]):
+            top = _point(store.data["tuning"].get(name, {}), outer_points)
+            for n in multiples(args.tune_inner, "--tune-inner"):
+                second[name, label((top[0], n))] = tuned(arms[name], (top[0], n))
+    _train(args, setting, family, store, "tuning", tuning_seed, second, log)
+    chosen = {name: best(store.data["tuning"].get(name, {})) for name in methods}
+    for seed in seeds:
+        todo = {(name, str(seed)): store.data["tuning"][name][chosen[name]]["arm"] for name in methods if chosen[name]}
+        _train(args, setting, family, store, "compare", seed, todo, log)
+    return chosen
+
+
+def _point(runs: dict, points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The best of ``points`` (the first where every one diverged)."""
+    top = best({key: run for key, run in runs.items() if key in {label(p) for p in points}})
+    return next((p for p in points if label(p) == top), points[0])
+
+
+def _train(args, setting, family: str, store: FamilyRuns, kind: str, seed: int, arms: dict, log) -> None:
+    """Train the arms ``{(method, key): arm}`` at ``seed`` in one set of replica processes (those found
+    in the store or an earlier folder are taken from there), then write the store."""
+    from .diloco_runs import train_runs
+
+    todo = {}
+    for (name, key), arm in arms.items():
+        found = store.get(kind, name, key, arm)
+        if found is not None:
+            store.put(kind, name, key, found)
+        else:
+            todo[name, key] = arm
+    if todo and args.no_train:
+        log(f"  {family} {kind} at seed {seed}: not in the --reuse folders, left out: {', '.join(map(str, todo))}")
+    elif todo:
+        runs = train_runs(
+            family,
+            list(todo.values()),
+            seed,
+            setting.steps,
+            args.replicas,
+            timeout_s=24 * 3600,
+            cache_dir=setting.cache_dir,
+            size=FRONTIER_SIZE,
+        )
+        for (name, key), arm, result in zip(todo, todo.values(), runs):
+            store.put(kind, name, key, {**result, "arm": arm, "seed": seed})
+            val = result["val_loss"]
+            log(
+                f"  {family} {kind} {name} {key} (seed {seed}): "
+                f"{'diverged at outer step ' + str(result['diverged_at']) if val is None else f'val {val:.4f}'}, "
+                f"{result['wall_s'] / 60:.1f} min"
+            )
+    store.save()
