@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 from . import common
 from .diloco_families import Size
 from .diloco_train import OUTER_MOMENTUM
 
-FRONTIER_SIZE = Size(width=64, layers=2, heads=4, vocab=512, seq_len=64, batch=4, val_batches=32)
+# 2 layers × 64 wide, 4 × 32 tokens a replica's inner step: ≈ 15 ms of one core per inner step (the
+# framework's floor is ≈ 11), so a run of 4 × 1,800 inner steps is ≈ 2 CPU-minutes
+FRONTIER_SIZE = Size(width=64, layers=2, heads=4, vocab=512, seq_len=32, batch=4, val_batches=48)
 WARMUP_SHARE = 0.1  # of the inner steps (SparseLoCo's reference: 500 of ≈ 2,450)
 EVAL_EVERY = 5  # outer steps between two validations of θ_global
 CHECKPOINTS = (20, 60)  # outer steps the frontier is drawn at, beside the last
@@ -170,14 +173,16 @@ def best(runs: dict) -> str | None:
 
 
 class FamilyRuns:
-    """One family's runs (``tuning``: {method: {label: run}}; ``compare``: {method: {seed: run}}),
-    written to ``runs/<family>.json`` after every batch of runs, found again in ``--reuse`` folders."""
+    """One family's runs at `FRONTIER_SIZE` (``tuning``: {method: {label: run}}; ``compare``: {method:
+    {seed: run}}), written to ``runs/<family>.json`` after every batch of runs, found again in ``--reuse``
+    folders of the same size."""
 
     def __init__(self, out: Path, family: str, reuse: list[str]):
         self.path = out / "runs" / f"{family}.json"
-        self.data: dict = {"tuning": {}, "compare": {}}
-        self.earlier = [json.loads(p.read_text()) for p in (Path(f) / "runs" / f"{family}.json" for f in reuse)]
-        self.earlier = [e for e in self.earlier if isinstance(e, dict)]
+        self.data: dict = {"size": asdict(FRONTIER_SIZE), "tuning": {}, "compare": {}}
+        paths = [Path(f) / "runs" / f"{family}.json" for f in reuse]
+        self.earlier = [json.loads(p.read_text()) for p in paths if p.is_file()]
+        self.earlier = [e for e in self.earlier if e.get("size") == self.data["size"]]
 
     def get(self, kind: str, method: str, key: str, arm: dict) -> dict | None:
         """The run of ``arm`` under (kind, method, key), here or in an earlier folder (the same arm only)."""
