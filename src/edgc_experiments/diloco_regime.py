@@ -90,6 +90,12 @@ def add_arguments(p) -> None:
         "for torchft's DiLoCo and the sparse syncs ('' for none; default 0.8,1.25)",
     )
     p.add_argument(
+        "--tune-on",
+        metavar="FAMILY,...",
+        help="frontier: the families each method is tuned on; the others take the first one's choice "
+        "(default: every family of --models)",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -128,6 +134,8 @@ def validate(args, setting) -> None:
         raise common.CLIError("--no-train needs --reuse")
     if not 1 <= args.jobs <= 4:
         raise common.CLIError(f"--jobs: must be in 1..4, got {args.jobs}")
+    if not tune_on(args) or not set(tune_on(args)) <= set(args.models.split(",")):
+        raise common.CLIError(f"--tune-on: families of --models {args.models!r}, got {args.tune_on!r}")
     if len(args.sync_every.split(",")) != 1:
         raise common.CLIError("--sync-every: the frontier regime runs one H")
 
@@ -200,28 +208,38 @@ class FamilyRuns:
 
 
 def run(args, out, setting, log=print) -> tuple[list[int], list[str], dict, dict]:
-    """Tune and compare every method on every family: (seeds, methods, {family: its runs}, {family:
-    {method: the chosen grid point's label}}), for `diloco_regime_summary.summarise`."""
+    """Tune every method on the ``--tune-on`` families, then compare them on every family at the chosen
+    points (a family not tuned takes the first tuned family's): (seeds, methods, {family: its runs},
+    {family: {method: the chosen grid point's label}}), for `diloco_regime_summary.summarise`."""
     families = [f for f in args.models.split(",") if f]
     methods = [m for m in args.methods.split(",") if m]
     seeds = [setting.seed + k for k in range(args.seeds)]
     (out / "runs").mkdir()
     reuse = [f for f in args.reuse.split(",") if f]
     stores = {f: FamilyRuns(out, f, reuse) for f in families}
+    tuned_families = [f for f in families if f in tune_on(args)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        chosen = dict(
-            zip(families, pool.map(lambda f: _family(args, setting, f, methods, seeds, stores[f], log), families))
+        points = dict(
+            zip(tuned_families, pool.map(lambda f: _tune(args, setting, f, methods, stores[f], log), tuned_families))
         )
+        for family in families:
+            points.setdefault(family, points[tuned_families[0]])
+        list(pool.map(lambda f: _compare(args, setting, f, points[f], seeds, stores[f], log), families))
+    chosen = {f: {name: None if p is None else label(p) for name, p in points[f].items()} for f in families}
     return seeds, methods, {f: s.data for f, s in stores.items()}, chosen
 
 
-def _family(args, setting, family: str, methods: list[str], seeds: list[int], store: FamilyRuns, log) -> dict:
-    """Tune every method on the tuning seed, then run them at their chosen points at every seed;
-    {method: chosen label}."""
-    steps = setting.steps
-    arms = {name: base_arm(args, name, steps) for name in methods}
+def tune_on(args) -> list[str]:
+    """The families the methods are tuned on (``--tune-on``; every one of ``--models`` by default)."""
+    return [f for f in (args.tune_on or args.models).split(",") if f]
+
+
+def _tune(args, setting, family: str, methods: list[str], store: FamilyRuns, log) -> dict:
+    """Each method's grid on the tuning seed: {method: the best point (None: every point diverged)}."""
+    arms = {name: base_arm(args, name, setting.steps) for name in methods}
     outer_points = [(m, 1.0) for m in multiples(args.tune_outer, "--tune-outer")]
     tuning_seed = setting.seed + TUNING_SEED_OFFSET
+    tried = {name: list(outer_points) for name in methods}
     for name in methods:  # the outer rates, one batch of runs per method
         grid = {(name, label(p)): tuned(arms[name], p) for p in outer_points}
         _train(args, setting, family, store, "tuning", tuning_seed, grid, log)
@@ -231,18 +249,22 @@ def _family(args, setting, family: str, methods: list[str], seeds: list[int], st
             top = _point(store.data["tuning"].get(name, {}), outer_points)
             for n in multiples(args.tune_inner, "--tune-inner"):
                 second[name, label((top[0], n))] = tuned(arms[name], (top[0], n))
+                tried[name].append((top[0], n))
     _train(args, setting, family, store, "tuning", tuning_seed, second, log)
-    chosen = {name: best(store.data["tuning"].get(name, {})) for name in methods}
+    return {name: _point(store.data["tuning"].get(name, {}), tried[name], none=True) for name in methods}
+
+
+def _compare(args, setting, family: str, points: dict, seeds: list[int], store: FamilyRuns, log) -> None:
+    """Every method at its chosen point, at every seed (one batch of runs per seed)."""
+    arms = {name: tuned(base_arm(args, name, setting.steps), p) for name, p in points.items() if p is not None}
     for seed in seeds:
-        todo = {(name, str(seed)): store.data["tuning"][name][chosen[name]]["arm"] for name in methods if chosen[name]}
-        _train(args, setting, family, store, "compare", seed, todo, log)
-    return chosen
+        _train(args, setting, family, store, "compare", seed, {(n, str(seed)): arm for n, arm in arms.items()}, log)
 
 
-def _point(runs: dict, points: list[tuple[float, float]]) -> tuple[float, float]:
-    """The best of ``points`` (the first where every one diverged)."""
+def _point(runs: dict, points: list[tuple[float, float]], none: bool = False) -> tuple[float, float] | None:
+    """The best of ``points`` by their runs (where every one diverged: None if ``none``, else the first)."""
     top = best({key: run for key, run in runs.items() if key in {label(p) for p in points}})
-    return next((p for p in points if label(p) == top), points[0])
+    return next((p for p in points if label(p) == top), None if none else points[0])
 
 
 def _train(args, setting, family: str, store: FamilyRuns, kind: str, seed: int, arms: dict, log) -> None:

@@ -11,7 +11,7 @@ from statistics import mean
 
 from .common import fmt, fmt_interval, markdown_table, pyplot, save, t_interval, write_json
 from .diloco_frontier import BOUND, holds
-from .diloco_regime import FRONTIER_SIZE, TUNING_SEED_OFFSET, WARMUP_SHARE, checkpoints
+from .diloco_regime import FRONTIER_SIZE, TUNING_SEED_OFFSET, WARMUP_SHARE, checkpoints, tune_on
 
 SMALL_PAYLOAD = 0.02  # × torchft's: the payload the frontier is claimed at
 REFERENCE = "torchft"
@@ -60,10 +60,9 @@ def cell(p: dict | None) -> str:
     return "diverged" if p is None else fmt_interval(p, "+.2f")
 
 
-def tuned_setting(data: dict, method: str, label: str | None) -> str:
-    if label is None:
-        return "every point diverged"
-    arm = data["tuning"][method][label]["arm"]
+def tuned_setting(runs: dict, method: str) -> str:
+    """The outer learning rate and the inner one's multiple the method ran at."""
+    arm = next(iter(runs[method].values()))["arm"]
     return f"{arm['outer_lr']:.3g} · ×{arm.get('inner_lr', 1.0):g}"
 
 
@@ -78,7 +77,7 @@ def tables(families: list[str], stats: dict, data: dict, chosen: dict) -> tuple[
                 [
                     family,
                     method,
-                    tuned_setting(data[family], method, chosen[family].get(method)),
+                    tuned_setting(data[family]["compare"], method),
                     f"{s['payload']:.4f}",
                     fmt(s["relative_error"], ".2f"),
                     "–" if last is None else f"{last['val_loss']:.4f}",
@@ -87,6 +86,8 @@ def tables(families: list[str], stats: dict, data: dict, chosen: dict) -> tuple[
                 ]
             )
             runs = data[family]["tuning"].get(method, {})
+            if not runs:
+                continue
             losses = [
                 f"{'**' if key == chosen[family].get(method) else ''}{key}: "
                 f"{'diverged' if r['val_loss'] is None else format(r['val_loss'], '.4f')}"
@@ -153,6 +154,8 @@ def summarise(out, setting, args, seeds: list[int], methods: list[str], data: di
         (out / "summary.md").write_text("# No family has torchft's DiLoCo at every seed: nothing to compare.\n")
         return {"headline": "no family has torchft's DiLoCo at every seed", "paired": {}}
     rows, grid = tables(families, stats, data, chosen)
+    others = [f for f in families if f not in tune_on(args)]
+    untuned = f"{' and '.join(others)} at the points chosen there" if others else "each family on its own"
     last = stats[families[0]][REFERENCE]["last"]
     points = checkpoints(last)
     text = [
@@ -165,9 +168,10 @@ def summarise(out, setting, args, seeds: list[int], methods: list[str], data: di
         f"per replica, models {FRONTIER_SIZE.layers} layers × {FRONTIER_SIZE.width} wide on BPE tokens "
         f"(vocabulary {FRONTIER_SIZE.vocab}) of the first 1 M characters of the KJV Bible; AdamW inner steps, a "
         f"linear warm-up over the first {WARMUP_SHARE:.0%} of them, then a cosine to 0; gradients clipped at 1. "
-        f"Each method tuned on seed {setting.seed + TUNING_SEED_OFFSET} (outer lr × {args.tune_outer}, then inner lr "
-        f"× {args.tune_inner or '–'} at the best outer lr for torchft's DiLoCo and the sparse syncs), compared at "
-        f"seeds {seeds}. Δ % = 100·(method / torchft − 1) of the validation loss of θ_global over "
+        f"Each method tuned on seed {setting.seed + TUNING_SEED_OFFSET} of {' and '.join(tune_on(args))} (outer lr × "
+        f"{args.tune_outer}, then inner lr × {args.tune_inner or '–'} at the best outer lr for torchft's DiLoCo and "
+        f"the sparse syncs; {untuned}), compared at seeds {seeds}. Δ % = 100·(method / torchft − 1) of the "
+        "validation loss of θ_global over "
         f"{FRONTIER_SIZE.val_batches} × {FRONTIER_SIZE.batch} validation blocks after that outer step, same seed, "
         f"with its 95 % t-interval; a method holds where the interval lies inside ±{BOUND:g} %. Payload: what one "
         "replica's messages hold against torchft's fp32 pseudo-gradients (not the wire); ‖M−Ĝ‖/‖M‖: the sync's "
@@ -239,7 +243,10 @@ def plot_frontier(out, families: list[str], stats: dict):
                     xytext=(3, 2),
                     textcoords="offset points",
                 )
+            ax.plot([1.0], [0.0], "*", color="black", ms=7)  # torchft's DiLoCo itself
+            ax.annotate("torchft", (1.0, 0.0), fontsize=6, xytext=(-12, 5), textcoords="offset points")
             ax.set_xscale("log")
+            ax.set_xlim(0.005, 2.0)
             ax.set_title(f"{family}, after {c} outer steps", fontsize=8)
             ax.set_xlabel("payload vs torchft's DiLoCo", fontsize=7)
             ax.tick_params(which="both", labelsize=6)

@@ -92,7 +92,7 @@ def test_the_summary_pairs_each_outer_step_and_counts_what_holds(tmp_path):
     assert "quant3-2s (0.098×) 1/1" in text and "sparse128-tiles-decay0.95-mom0-lr1 (0.013×) 0/1" in text
     assert "+30.20 % at 20 → +10.20 % at 60 → +5.20 % at 120" in text  # the gap against the syncs
     data = {"gpt2": {"tuning": {m: {"outer×1 inner×1": compare[m]["1"]} for m in compare}, "compare": compare}}
-    args = argparse.Namespace(replicas=4, sync_every="15", tune_outer="1", tune_inner="")
+    args = argparse.Namespace(replicas=4, sync_every="15", tune_outer="1", tune_inner="", tune_on=None, models="gpt2")
     setting = argparse.Namespace(steps=1800, seed=1)
     chosen = {"gpt2": {m: "outer×1 inner×1" for m in compare}}
     result = summarise(tmp_path, setting, args, [1, 2, 3], list(compare), data, chosen)
@@ -110,6 +110,7 @@ def test_the_summary_pairs_each_outer_step_and_counts_what_holds(tmp_path):
         (["--tune-outer", ""], "--tune-outer"),
         (["--sync-every", "15,30"], "one H"),
         (["--methods", "quant3-2s,torchft"], "the first must be torchft"),
+        (["--tune-on", "gru"], "--tune-on"),
     ],
 )
 def test_bad_frontier_flags_exit_with_one_line(tmp_path, capsys, argv, message):
