@@ -7,7 +7,8 @@ another page, and the block is added at its end when missing): ``bench-table`` f
 bench at 1 Gbit/s, ``bench-rmax-table`` for one with EDGC's r_max given by `--r-max`,
 ``bench-slow-link-table`` for a DDP bench below 1 Gbit/s, ``bench-rounds-table`` and
 ``bench-slow-link-rounds-table`` for `--rounds N` at and below 1 Gbit/s (docs/results/bench.md);
-``bench-hsdp-table`` for `edgc bench --fsdp` (docs/results/hsdp.md); ``bench-tp-table`` for
+``bench-hsdp-table`` for `edgc bench --fsdp` (docs/results/hsdp.md); ``bench-moe-table`` for
+`--moe-experts E` (docs/guides/moe.md); ``bench-tp-table`` for
 `--tp/--pp` (docs/results/3d.md); ``bench-torchft-table`` for `--torchft` (docs/results/torchft.md);
 ``bench-diloco-table`` for `--diloco` at 3 hosts, ``bench-diloco-hosts-table`` at any other number
 (docs/results/diloco.md), ``bench-diloco-frontier-table`` for `--diloco --methods …` (a chosen set of
@@ -26,6 +27,7 @@ from doc_blocks import markers, name_of, page_of, replace, write  # noqa: E402
 
 START, END = markers("bench-table")
 HSDP_START, HSDP_END = markers("bench-hsdp-table")
+MOE_START, MOE_END = markers("bench-moe-table")
 # A slower link (e.g. --rate-mbit 100) is a second setting beside the default 1 Gbit/s table.
 SLOW_START, SLOW_END = markers("bench-slow-link-table")
 TP_START, TP_END = markers("bench-tp-table")
@@ -72,6 +74,8 @@ def block_markers(table: str) -> tuple[str, str]:
         return (SLOW_ROUNDS_START, SLOW_ROUNDS_END) if slow else (ROUNDS_START, ROUNDS_END)
     if " as HSDP " in table:
         return HSDP_START, HSDP_END
+    if " experts per MLP split over a host's processes " in table:
+        return MOE_START, MOE_END
     if slow:
         return SLOW_START, SLOW_END
     if re.search(r"--r-max \d+", table.splitlines()[0]):

@@ -32,6 +32,7 @@ PRODUCERS = {
     "experiment": "experiment_to_docs",
     "fsdp-memory": "fsdp_memory",
     "gpu": "gpu_to_docs",
+    "host-model": "host_model_to_docs",
     "interstage-calibration": "interstage_calibration_to_docs",
     "orthonormalization": "orthonormalization_to_docs",
     "parallel": "parallel_to_docs",

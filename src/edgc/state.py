@@ -94,6 +94,18 @@ class EDGCState(GradientReducer):
         self.compressor = LowRankCompressor(self.config.engine)
         self.profiler = ShadowProfiler(self.config.engine)
         self.decisions = DecisionRound(decision_group)
+        self.watch_tokens(model)
+
+    def watch_tokens(self, model: nn.Module | None) -> None:
+        """Read the experts' token counters at each step's first forward through ``model``, where the rank
+        split reads tokens (`edgc.distributed.expert_tokens`, `edgc.policies.rank_split`)."""
+        if self.controller.split.reads_tokens:
+            self.experts.watch(model)
+
+    def follow_fsdp(self, model: nn.Module, convention: str) -> None:
+        """`GradientReducer.follow_fsdp`, its experts' token counters read through ``model``'s forwards."""
+        super().follow_fsdp(model, convention)
+        self.watch_tokens(model)
 
     # ------------------------------------------------------------------ what the ranks agree on
     def agreed_settings(self, device: torch.device) -> dict[str, Any]:
@@ -180,7 +192,11 @@ class EDGCState(GradientReducer):
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._current.plan  # type: ignore[union-attr]
-        self.sampler.add(grads)  # a no-op unless this step is sampled
+        if self.sampler.sampling and self.experts.marks:  # the experts' exact zeros (dead experts) left out
+            experts = [self.experts.is_matrix(name) for name in names]
+            self.sampler.add([g for g, e in zip(grads, experts) if not e], [g for g, e in zip(grads, experts) if e])
+        else:
+            self.sampler.add(grads)  # counts them; a no-op beyond that unless this step is sampled
         if plan.probe_rank is not None:
             self.decisions.probe_bucket(names, grads, plan.probe_rank, self.compressor.config.seed)
         if plan.profile_rank is not None:
@@ -333,6 +349,9 @@ class EDGCState(GradientReducer):
 
     def _load(self, state: dict, *, keep_own: bool) -> None:
         """Load ``state``; ``keep_own``: this rank's own part (error feedback, expert tokens) stays."""
+        # the experts this rank holds, of a checkpoint saved at another ep: continued or refused in one line
+        if isinstance(state, dict) and isinstance(state.get("compressor"), dict):
+            state = {**state, "compressor": self.experts.restricted(state["compressor"])}
         check_loadable(state, self.config, self.controller.follower, self.parameter_shapes)
         if state["config"] != self.config.to_dict():
             changed = sorted(k for k, v in state["config"].items() if self.config.to_dict().get(k) != v)

@@ -10,6 +10,7 @@ Modules:
     repeats.py      repeated benches side by side: each ratio's range, how often each target held
     rounds.py       `--rounds N`: the rounds (order reversed on even ones) side by side, their mean ratios
     netns.py        emulated hosts: network namespaces, a bridge, tbf rate-limited veth links
+    delay_line.py   the hosts' switch with a delay on every path (latency where the kernel has no netem)
     link_calibration.py the link sweep: all-reduce time vs message size on the emulated network
     stages.py       do pipeline stages finish their sync closer together with DAC?
     torchft_bench.py `edgc bench --torchft`: a replica group killed mid-run, torchft vs elastic restart
@@ -29,6 +30,7 @@ Modules:
     gpu_support.py  the model, device timing, kernel counts and process groups the parts share
     gpu_trace.py    a profiled step's device work per stream, and its picture
     dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes
+    hook_steps.py   a DDP hook's state settled on fake gradients, without DDP or a process group
     stand_ins.py    what DDP and a process group hand the hook, without them: buckets, a recording communicator
     op_traffic.py   what one dispatched op costs a GPU: its kernels and the bytes it reads and writes
     live_memory.py  the memory a step keeps alive beyond the gradients, counted on the CPU by its storages
@@ -42,6 +44,9 @@ Modules:
     stream_check_patches.py what that checker replaces while it runs (torch.cpu's streams, works, ...)
     stream_check_moves.py   ... and what it makes of tensors made, moved and read from Python
     stream_check_syncs.py   which operators make the host wait for the device
+    capture_check.py        whether a step's work could be held by CUDA graphs, checked on the CPU
+    capture_check_trace.py  what it records of a step: operators, region calls, where storages are made
+    capture_check_judge.py  its violations, from that record
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
 """

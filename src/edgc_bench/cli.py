@@ -20,7 +20,7 @@ from .flags import (
     add_training_flags,
 )
 from .netns import NetnsError, check_prerequisites
-from .run import FSDP_METHODS, PIPELINE_METHODS, BenchSettings, all_methods, check_methods
+from .run import FSDP_METHODS, MOE_METHODS, PIPELINE_METHODS, BenchSettings, all_methods, check_methods
 
 
 def register(subparsers) -> None:
@@ -67,11 +67,15 @@ def rate_from(text: str | None) -> float | None:
 def methods_from(args: argparse.Namespace, pipeline: bool) -> list[str]:
     """--methods, checked against what the chosen parallelism can run."""
     try:
-        default = FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else DEFAULTS.methods
+        moe = bool(getattr(args, "moe_experts", 0))
+        default = (
+            FSDP_METHODS if args.fsdp else PIPELINE_METHODS if pipeline else MOE_METHODS if moe else DEFAULTS.methods
+        )
         diloco_methods = getattr(args, "diloco", False)  # --diloco's own methods: diloco_cli checks them
         chosen = args.methods if args.methods is not None and not diloco_methods else ",".join(default)
         names = ",".join(all_methods()) if chosen.strip() == "all" else chosen
-        methods = check_methods([m.strip() for m in names.split(",") if m.strip()], fsdp=args.fsdp, pipeline=pipeline)
+        names = [m.strip() for m in names.split(",") if m.strip()]
+        methods = check_methods(names, fsdp=args.fsdp, pipeline=pipeline, moe=moe)
     except ValueError as exc:
         raise CLIError(f"--methods: {exc}") from None
     if not methods:
@@ -92,6 +96,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     if args.interstage != "off" and pp == 1:
         raise CLIError("--interstage: compresses pipeline traffic and needs --pp > 1")
     nproc = args.nproc if args.nproc is not None else tp * pp if pipeline else 2 if args.fsdp else DEFAULTS.nproc
+    nproc = moe_nproc(args, nproc, pipeline)
     if pipeline and nproc != tp * pp:
         raise CLIError(
             f"--nproc: with --tp/--pp each host runs one whole model, so it must be tp × pp = {tp * pp}, got {nproc}"
@@ -142,7 +147,22 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         interstage=args.interstage,
         interstage_rank=positive("interstage-rank", args.interstage_rank),
         rounds=args.rounds,
+        moe_experts=args.moe_experts,
     )
+
+
+def moe_nproc(args: argparse.Namespace, nproc: int, pipeline: bool) -> int:
+    """--moe-experts checked against the layout: the processes of a host are its expert-parallel ranks (2 by
+    default), which must split the experts; not with --fsdp, --tp/--pp or --torchft."""
+    experts = args.moe_experts
+    if not experts:
+        return nproc
+    if experts < 0 or args.fsdp or pipeline or args.torchft or getattr(args, "diloco", False):
+        raise CLIError("--moe-experts: a positive count, without --fsdp, --tp/--pp, --torchft or --diloco")
+    nproc = args.nproc if args.nproc is not None else 2
+    if experts % nproc:
+        raise CLIError(f"--moe-experts {experts}: must be a multiple of --nproc {nproc} (the expert-parallel ranks)")
+    return nproc
 
 
 def run(args: argparse.Namespace) -> int:

@@ -74,6 +74,7 @@ class DilocoOptions:
     methods: tuple[str, ...] = METHODS  # those run at each link; "diloco-edgc@SPEC": DiLoCo + EDGC with SPEC
     scaling: tuple[int, ...] = ()  # host counts of the scaling pass (diloco_scaling.py) instead of the rounds
     scaling_syncs: tuple[str, ...] = ()  # … and the outer syncs it runs beside torchft's DiLoCo
+    delays_ms: tuple[float, ...] = (0.0,)  # … once per one-way delay added between hosts (edgc_bench.delay_line)
 
     def unit(self, method: str) -> int:
         """Inner steps between two syncs of ``method`` (a stop falls on one, and on an eval step)."""

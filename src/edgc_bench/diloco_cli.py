@@ -59,6 +59,13 @@ def add_diloco_flags(p: argparse.ArgumentParser) -> None:
         help="with --scaling: the outer syncs beside torchft's DiLoCo (default %(default)s)",
     )
     p.add_argument(
+        "--delay-ms",
+        default="0",
+        metavar="MS,...",
+        help="with --scaling: one-way delays added on every path between two hosts, one network each "
+        "(a round trip is twice it; edgc_bench.delay_line; default %(default)s)",
+    )
+    p.add_argument(
         "--time-budget",
         type=float,
         default=150.0,
@@ -119,6 +126,12 @@ def diloco_options(settings, args: argparse.Namespace):
     if bad:
         raise CLIError(f"--methods: each of {', '.join(METHODS)} or diloco-edgc@SPEC, got {', '.join(bad)}")
     scaling = _host_counts(args.scaling)
+    try:
+        delays = tuple(float(v) for v in args.delay_ms.split(",") if v.strip())
+    except ValueError:
+        raise CLIError(f"--delay-ms: expected milliseconds separated by commas, got {args.delay_ms!r}") from None
+    if not delays or any(d < 0 for d in delays):
+        raise CLIError(f"--delay-ms: every delay must be ≥ 0, got {args.delay_ms!r}")
     return DilocoOptions(
         rates=rates,
         sync_every=h,
@@ -131,6 +144,7 @@ def diloco_options(settings, args: argparse.Namespace):
         methods=methods,
         scaling=scaling,
         scaling_syncs=tuple(syncs),
+        delays_ms=delays,
     )
 
 

@@ -38,16 +38,20 @@ def run_scaling(s: BenchSettings, o, out: Path, command: str, say=print) -> dict
     rate, started, rows = o.rates[-1], time.time(), []
     for hosts in o.scaling:
         settings = replace(s, hosts=hosts)
-        with Network(hosts, rate) as net:
-            for sync in ("diloco", *o.scaling_syncs):
-                method, options = ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
-                run_dir = out / f"{hosts}hosts" / sync
-                say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s: {sync}")
-                result = run_method(net, settings, options, method, run_dir)
+        for sync in ("diloco", *o.scaling_syncs):
+            method, options = ("diloco", o) if sync == "diloco" else ("diloco-edgc", replace(o, outer_sync=sync))
+            for delay in o.delays_ms:  # one after the other: a method's runs see the shared machine alike
+                run_dir = out / f"{hosts}hosts" / (f"{delay:g}ms" if delay else "") / sync
+                say(f"[{time.time() - started:6.0f} s] {hosts} groups at {rate:g} Mbit/s, {delay:g} ms: {sync}")
+                with Network(hosts, rate, delay_ms=delay) as net:
+                    result = run_method(net, settings, options, method, run_dir)
                 result.update(measure(run_dir, hosts, settings.steps, None), load=os.getloadavg()[0])
-                result.update(hosts=hosts, sync=sync)
+                result.update(hosts=hosts, sync=sync, delay_ms=delay)
                 rows.append(result)
-                say(f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step")
+                say(
+                    f"    wire {(result['wire_bytes'] or 0) / 1e6:.3f} MB per process per outer step, "
+                    f"outer step {result.get('outer_step_s') or 0:.2f} s"
+                )
     summary = {
         "settings": s.__dict__,
         "options": o.__dict__,
@@ -63,8 +67,8 @@ def run_scaling(s: BenchSettings, o, out: Path, command: str, say=print) -> dict
 
 
 def markdown(summary: dict) -> str:
-    """The scaling table and its checks."""
-    rows = summary["rows"]
+    """The scaling table and its checks (the runs without added latency), and the outer steps of those with it."""
+    rows = [r for r in summary["rows"] if not r.get("delay_ms")]
     syncs = [r["sync"] for r in rows if r["hosts"] == rows[0]["hosts"]]
     hosts = sorted({r["hosts"] for r in rows})
     cell = {(r["hosts"], r["sync"]): r for r in rows}
@@ -94,7 +98,34 @@ def markdown(summary: dict) -> str:
         times = " / ".join(_seconds(cell.get((h, x), {}).get("outer_step_s")) for x in syncs)
         floor = cell.get((h, "diloco"), {}).get("floor_s")
         lines.append(f"| {h} | " + " | ".join(parts) + f" | {times} (floor {_seconds(floor)}) |")
-    return "\n".join([*head, *lines, "", *checks(cell, hosts, syncs), "<!-- bench-diloco-scaling:end -->", ""])
+    delayed = delayed_lines(summary["rows"], syncs)
+    return "\n".join(
+        [*head, *lines, "", *checks(cell, hosts, syncs), *delayed, "<!-- bench-diloco-scaling:end -->", ""]
+    )
+
+
+def delayed_lines(rows: list[dict], syncs: list[str]) -> list[str]:
+    """The outer steps with a delay added between hosts (the round trip twice it), per groups and delay."""
+    points = sorted({(r["hosts"], r["delay_ms"]) for r in rows if r.get("delay_ms")})
+    if not points:
+        return []
+    cell = {(r["hosts"], r.get("delay_ms", 0), r["sync"]): r for r in rows}
+    lines = [
+        "",
+        "With a delay added on every path between two hosts (`--delay-ms`; a round trip is twice it), the outer step:",
+        "",
+        "| groups | round trip added | outer step: " + " / ".join(syncs) + " |",
+        "|---:|---:|---:|",
+    ]
+    for hosts, delay in points:
+        times = [cell.get((hosts, delay, x), {}).get("outer_step_s") for x in syncs]
+        plain = [cell.get((hosts, 0, x), {}).get("outer_step_s") for x in syncs]
+        lines.append(
+            f"| {hosts} | {2 * delay:g} ms | "
+            + " / ".join(f"{_seconds(t)} (no delay {_seconds(p)})" for t, p in zip(times, plain))
+            + " |"
+        )
+    return lines
 
 
 def _wire(wire: float | None, raw: float | None, reference: float | None, is_reference: bool) -> str:

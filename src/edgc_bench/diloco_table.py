@@ -70,6 +70,7 @@ def measure(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict
         "steps_done": done,
         "outer_steps": outer_steps,
         "identical": all(finals) and len({f[-1]["checksum"] for f in finals}) == 1,
+        "tensors": finals[0][-1].get("tensors") if finals[0] else None,  # the shared model's parameter tensors
         "participation": participation(as_steps, outer_steps)
         if outer_steps
         else {"per_step": [], "fraction": [0.0] * hosts, "heals": [0] * hosts, "alone": []},

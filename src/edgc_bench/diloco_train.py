@@ -346,7 +346,12 @@ def main(argv: list[str] | None = None) -> None:
     done = manager.current_step() * (torchft_adapter.sync_every(diloco) if diloco is not None else 1)
     rec.keep(done, shared, last=True)
     write(
-        kind="final", t=time.time(), steps=done, checksum=tensors_digest(shared), heals=len([h for h in heals if h > 0])
+        kind="final",
+        t=time.time(),
+        steps=done,
+        checksum=tensors_digest(shared),
+        heals=len([h for h in heals if h > 0]),
+        tensors=len(shared),  # what torchft's DiLoCo all-reduces one by one
     )
     manager.shutdown(wait=False)
     evaluate(module, rec, data, cfg, args.replicas, write)

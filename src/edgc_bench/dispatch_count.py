@@ -1,32 +1,35 @@
-"""Kernel-launching ATen dispatches of one compressed EDGC step, counted on the CPU.
+"""Kernel launches of one compressed EDGC step, counted on the CPU as a GPU would make them.
 
     python -m edgc_bench.gpu --count-only --out DIR        # writes DIR/count.json
 
-What is counted: every ATen operator that reaches the Python dispatch key while the step runs
-(after autograd and composite-implicit decomposition, so ``torch.matmul`` counts as the ``mm`` or
-``bmm`` it becomes), except those that launch no kernel on a GPU:
-- views (``OpOverload.is_view``: ``view``, ``t``, ``transpose``, ``split``, ``detach``, …) and
-  in-place view ops (``torch.Tag.inplace_view``: ``t_``, ``as_strided_``, …);
-- ``METADATA_ONLY``: allocation without initialisation (``empty``, ``empty_strided``,
-  ``empty_like``, ``new_empty``, ``new_empty_strided``, ``resize_``), ``_unsafe_view`` (a view
-  whose schema does not say so), ``set_`` and the ``sym_*`` size queries;
-- the ``prim`` namespace (``prim.device``, ``prim.layout``): metadata queries, which a fake tensor
-  answers through the dispatcher where a real one answers in C++.
-Everything else counts once per dispatch, except a ``_foreach_*`` op on lists of mixed dtypes,
-which PyTorch runs tensor by tensor (`edgc_bench.op_traffic.kernels_per_dispatch`): once per tensor. A dispatch is not a
-kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a ``linalg_*`` op (QR, Cholesky, eigh)
-several cuSOLVER or
-MAGMA kernels and a workspace allocation, a GEMM sometimes two (split-K). The profiler on a GPU
-counts the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
+The rule (docs/concepts/engine.md, "How dispatches are counted"): the counter counts what a GPU would
+launch for each ATen operator that reaches the Python dispatch key while the step runs (after
+autograd and composite-implicit decomposition, so ``torch.matmul`` counts as the ``mm`` or ``bmm`` it
+becomes):
+- nothing for what launches no kernel: views (``OpOverload.is_view``: ``view``, ``t``, ``transpose``,
+  ``split``, ``detach``, …) and in-place view ops (``torch.Tag.inplace_view``: ``t_``, ``as_strided_``,
+  …); ``METADATA_ONLY``: allocation without initialisation (``empty``, ``empty_strided``,
+  ``empty_like``, ``new_empty``, ``new_empty_strided``, ``resize_``), ``_unsafe_view`` (a view whose
+  schema does not say so), ``set_`` and the ``sym_*`` size queries; the ``prim`` namespace
+  (``prim.device``, ``prim.layout``): metadata queries, which a fake tensor answers through the
+  dispatcher where a real one answers in C++;
+- one copy per input for a ``cat`` (or ``stack``) where CUDA copies input by input: inputs of
+  another dtype than the output (a gather that casts as it goes), more than 4 dimensions, or
+  offsets past 32 bits; else one batched copy per 128 inputs (64 if any input is strided)
+  (`edgc_bench.op_traffic.cat_kernels`, after ATen's ``cat_out_cuda``);
+- one per tensor for a ``_foreach_*`` op on lists of mixed dtypes, which PyTorch runs tensor by
+  tensor (`edgc_bench.op_traffic.kernels_per_dispatch`);
+- one launch per call of a graph region (`edgc.device.graphs.GraphRegion`) that asks for graphs and
+  that the capture checker passes over steady steps (`edgc_bench.capture_check.passing_regions`;
+  ``replayed``), its operators kept apart (``in_graphs``); a region it does not pass counts its operators;
+- one for everything else.
+A launch is not a kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a
+``linalg_*`` op (QR, Cholesky, eigh) several cuSOLVER or MAGMA kernels and a workspace allocation, a
+GEMM sometimes two (split-K), a graph's replay all the kernels it holds. The profiler on a GPU counts
+the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
 
-How: the tensors are fake (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes and
-strides with no storage), so GPT-2 XL's 1.5 billion gradients cost nothing. A fake tensor has no
-values, so any host read of one raises, except the step's one read (`edgc.device.timing.to_host`), which
-is counted and answered with zeros. Collectives go to `CountingCommunicator`, which records each
-one and completes it at once, so the engine runs exactly as it does in a process group (world size
-1 by default, as on the one-GPU bench), and no bytes move. The buckets are DDP's, reproduced by
-`ddp_buckets`, and each is passed to the hook's state as DDP would pass it (`GradBucketStandIn`);
-these stand-ins are in stand_ins.py.
+How: on fake tensors, through the DDP hook of a state settled on them (`edgc_bench.hook_steps`: no
+DDP, no process group, no memory).
 """
 
 from __future__ import annotations
@@ -34,16 +37,29 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from edgc.device import graphs
+
+from .capture_check import passing_regions
 from .gpu_support import counted_host_reads
-from .live_memory import LiveStorages
+from .hook_steps import _zeros, as_on_an_accelerator, sampled_config, settled_hook
 from .op_traffic import kernels_per_dispatch, op_traffic
-from .stand_ins import GradBucketStandIn, NamedParameters, counting_communicator, ddp_buckets, ready_order
+from .stand_ins import counting_communicator
+
+__all__ = ["DispatchCounter", "StepCount", "as_on_an_accelerator", "count_hook_step", "sampled_config"]
+GRAPH_LAUNCH = "graph_replay"  # the counted name of a graph region's call
+RULE = (
+    "launches a GPU would make per ATen dispatch: none for views, in-place view ops, allocation-only ops "
+    "(empty*, new_empty*, resize_), _unsafe_view, set_, sym_* and prim ops; a cat one copy per input where "
+    "CUDA copies input by input; a mixed-dtype _foreach_* one per tensor; a graph region the capture "
+    "checker passes one per call (edgc_bench.dispatch_count)"
+)
 
 aten = torch.ops.aten
 
@@ -73,20 +89,45 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 
 class DispatchCounter(TorchDispatchMode):
-    """Counts the kernel-launching dispatches made while it is active, per operator name, and the
-    bytes each of them reads and writes (`edgc_bench.op_traffic.op_traffic`)."""
+    """Counts the kernel launches made while it is active (the module docstring's rule), per operator
+    name, and the bytes each dispatch reads and writes (`edgc_bench.op_traffic.op_traffic`).
+    ``replayed``: the names of the graph regions whose calls count one launch each (`GRAPH_LAUNCH`),
+    those the capture checker passes; their operators go to ``in_graphs``."""
 
-    def __init__(self):
+    def __init__(self, replayed: Iterable[str] = ()):
         super().__init__()
         self.by_op: collections.Counter[str] = collections.Counter()
         self.bytes_by_op: collections.Counter[str] = collections.Counter()
+        self.in_graphs: collections.Counter[str] = collections.Counter()
+        self.replayed = frozenset(replayed)
+        self._local = threading.local()  # .region: the replayed region being called on this thread
+        self._observing = contextlib.ExitStack()
+
+    def __enter__(self):
+        super().__enter__()
+        self._observing.enter_context(graphs.observing(self))
+        return self
+
+    def __exit__(self, *exc):
+        self._observing.close()
+        return super().__exit__(*exc)
+
+    def region_begin(self, region, buffers, mode) -> None:
+        if region.graphs and region.name in self.replayed and getattr(self._local, "region", None) is None:
+            self._local.region = region
+            self.by_op[GRAPH_LAUNCH] += 1
+
+    def region_end(self, region, buffers, mode) -> None:
+        if getattr(self._local, "region", None) is region:
+            self._local.region = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if launches_kernel(func):
             name = func.overloadpacket.__name__
-            self.by_op[name] += kernels_per_dispatch(func, args)
+            replayed = getattr(self._local, "region", None) is not None
+            (self.in_graphs if replayed else self.by_op)[name] += kernels_per_dispatch(func, args, out)
             self.bytes_by_op[name] += sum(op_traffic(func, args, kwargs, out))
         return out
 
@@ -158,125 +199,45 @@ class StepCount:
         }
 
 
-def _zeros(tensor: torch.Tensor) -> list:
-    """The step's host read answered without reading: a fake tensor has no values."""
-    return [0.0] * tensor.numel()
-
-
-def _static_config(rank: int):
-    from edgc import EDGCConfig
-
-    return EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0)
-
-
-def sampled_config(rank: int):
-    """Adaptive rank control held at ``rank`` (one window over the run), the gradients sampled and the
-    error measured on every step: what a sampled step adds to a static one."""
-    from edgc import EDGCConfig
-
-    return EDGCConfig(
-        r_max=rank,
-        r_min=rank,
-        total_steps=100_000,
-        warmup_fraction=0.0,
-        warmup_error_test=False,
-        window=100_000,
-        iteration_sample_ratio=1.0,
-    )
-
-
-def as_on_an_accelerator(config):
-    """``config`` (an `EDGCConfig`) for a state on fake CPU tensors that takes the path it takes on a GPU
-    with fast float64: buckets fused into jobs of the accelerator default (unless it sets ``fusion_mb``)
-    and factors orthonormalised by the batched float64 CholeskyQR2 rather than LAPACK's Householder QR
-    (`edgc.config.LowRankConfig.force_accelerator_kernels`)."""
-    from dataclasses import replace
-
-    from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
-
-    fusion_mb = DEFAULT_ACCELERATOR_FUSION_MB if config.fusion_mb is None else config.fusion_mb
-    return replace(config, fusion_mb=fusion_mb, engine=replace(config.engine, force_accelerator_kernels=True))
-
-
 def count_hook_step(
     named_shapes: list[tuple[str, tuple[int, ...]]],
     *,
-    bucket_cap_mb: float | None = None,
-    rank: int = 32,
-    dtype: torch.dtype = torch.bfloat16,
-    world_size: int = 1,
-    config=None,
-    order: list[int] | None = None,
-    settle_steps: int = 1,
-    accelerator: bool = True,
-    count_step: int | None = None,
-    prepare: Callable | None = None,
-    after_step: Callable | None = None,
+    graphs: bool = False,
+    **settings,
 ) -> StepCount:
-    """Dispatches of one compressed step through the DDP hook: every bucket of DDP's layout passed
-    to `EDGCState.reduce_bucket` in DDP's order, after the warm-up and ``settle_steps`` compressed
-    steps (the first one creates Q and the error feedback). ``order``: the gradients' ready order
-    (default `ready_order`, GPT-2's). Also the bytes its ops move and the most memory alive at once
-    during it beyond the gradients (the engine's state included). ``accelerator``: the GPU's path
-    (`as_on_an_accelerator`); False: the CPU's. ``count_step``: count that optimizer step (not before
-    the settled ones); ``prepare(state)`` runs once the state is built, ``after_step(state)`` after each
-    step (the counted one's after the count: a torchft commit)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from edgc import EDGCState
-
-    names, shapes = [name for name, _ in named_shapes], [tuple(shape) for _, shape in named_shapes]
-    layout = ddp_buckets(shapes, ready_order(names) if order is None else order, dtype, bucket_cap_mb)
-    with counted_host_reads(_zeros) as host, FakeTensorMode():
-        parameters = [torch.empty(shape, dtype=dtype) for shape in shapes]
-        buckets = [
-            GradBucketStandIn(k, [parameters[i] for i in indices], dtype, last=k == len(layout) - 1)
-            for k, indices in enumerate(layout)
-        ]
-        with LiveStorages() as live:  # everything allocated from here on: the state and its steps
-            config = config or _static_config(rank)
-            config = as_on_an_accelerator(config) if accelerator else config
-            state = EDGCState(None, config, model=NamedParameters(list(zip(names, parameters))))
-            state.attach(communicator := counting_communicator(world_size))
-            if prepare is not None:
-                prepare(state)
-
-            def step() -> None:
-                for bucket in buckets:
-                    state.reduce_bucket(bucket)
-
-            compressed = 0
-            while compressed < settle_steps or (count_step is not None and state.step < count_step):
-                step()
-                compressed += state.last_step_metrics["phase"] == "compress"
-                if after_step is not None:
-                    after_step(state)
-                if state.step > 100:
-                    raise RuntimeError("the warm-up did not end within 100 steps: pass a static config")
-            host.reads, communicator.issued = 0, []
-            live.reset_peak()
-            with DispatchCounter() as counter:
-                step()
-                # settled in the count: its one host read (answered by _zeros), and a sampled step's
-                # entropy estimate (on a device these run at the next step's start: the step's all the same)
-                metrics = state.last_step_metrics
-            if after_step is not None:
-                after_step(state)
-    numel = dict(zip(names, (math.prod(shape) for shape in shapes)))
+    """Dispatches of one compressed step through the DDP hook (`edgc_bench.hook_steps.settled_hook`:
+    every bucket of DDP's layout passed to `EDGCState.reduce_bucket` in DDP's order, after the warm-up
+    and the settled steps; ``settings`` are its). Also the bytes its ops move and the most memory alive
+    at once during it beyond the gradients (the engine's state included). ``graphs``: the graph regions
+    that the capture checker passes over four steady steps (`edgc_bench.capture_check.passing_regions`,
+    run first: the counted step comes after them) count one launch per call (the module docstring's rule)."""
+    with settled_hook(named_shapes, **settings) as run:
+        replayed = passing_regions(run.settled_step) if graphs else frozenset()
+        run.host.reads, run.communicator.issued = 0, []
+        run.live.reset_peak()
+        with DispatchCounter(replayed) as counter:
+            run.step()
+            # settled in the count: its one host read (answered by _zeros), and a sampled step's
+            # entropy estimate (on a device these run at the next step's start: the step's all the same)
+            metrics = run.state.last_step_metrics
+        if run.after_step is not None:
+            run.after_step(run.state)
+    numel = dict(zip(run.names, (math.prod(shape) for shape in run.shapes)))
     compressed = [name for name, r in metrics.get("ranks", {}).items() if r]
     return StepCount(
         counter.total,
         dict(counter.by_op),
-        len(communicator.issued),
-        host.reads,
-        buckets=len(layout),
-        matrices=sum(len(shape) >= 2 for shape in shapes),
+        len(run.communicator.issued),
+        run.host.reads,
+        buckets=len(run.layout),
+        matrices=sum(len(shape) >= 2 for shape in run.shapes),
         compressed=len(compressed),
         phase=metrics["phase"],
         rank=metrics["rank"],
         bytes_by_op=dict(counter.bytes_by_op),
         compressed_elements=sum(numel[name] for name in compressed),
-        peak_state_bytes=live.peak_bytes,
+        peak_state_bytes=run.live.peak_bytes,
+        extra={"in_graphs": dict(counter.in_graphs)} if graphs else {},
     )
 
 
@@ -370,9 +331,7 @@ def count_report(
         "dtype": str(dtype).removeprefix("torch."),
         "world_size": 1,
         "torch": torch.__version__,
-        "rule": "ATen dispatches that launch device work: views, in-place view ops, allocation-only ops "
-        "(empty*, new_empty*, resize_), _unsafe_view, set_, sym_* and prim ops excluded "
-        "(edgc_bench.dispatch_count)",
+        "rule": RULE,
         "hook": rows,
         "engine_same_shape": engine,
     }

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import StepCount, _static_config, count_hook_step
+from .dispatch_count import StepCount, count_hook_step
 from .gpt2_layout import gpt2_parameters
+from .hook_steps import _static_config
 
 GRADIENT_BYTES = 2  # bf16
 

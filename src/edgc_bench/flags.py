@@ -6,7 +6,7 @@ import argparse
 import json
 
 from .diloco_cli import DILOCO_DEFAULTS
-from .run import FSDP_METHODS, PIPELINE_METHODS, BenchSettings, all_methods
+from .run import FSDP_METHODS, MOE_METHODS, PIPELINE_METHODS, BenchSettings, all_methods
 
 DEFAULTS = BenchSettings()
 
@@ -115,6 +115,17 @@ def add_parallelism_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="HSDP: the processes of a host shard the model with FSDP2, hosts are replicas, and the "
         "methods compress the replica all-reduce (methods: none, edgc, powersgd@…; default none,edgc)",
+    )
+    p.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        metavar="E",
+        help="a mixture of E experts in every MLP (edgc train --moe-experts E), split over the processes of "
+        "a host (--ep = --nproc): hosts are the experts' replicas, and both groups cross the link (dense "
+        "over every rank, experts over the hosts) (methods: allreduce, edgc, powersgd@…; default "
+        + ",".join(MOE_METHODS)
+        + ")",
     )
     p.add_argument(
         "--tp",

@@ -10,8 +10,10 @@ Topology (all names carry a per-invocation prefix, ``edgcb-<pid>-…``, so paral
        └── veth ── s<i> ── br0 (bridge) in namespace <prefix>-br
 
 ``tc tbf`` limits both ends of every host link (eth0: what the host sends; s<i>: what it receives),
-so each host has its own full-duplex NIC of ``rate_mbit``. netem is not in this kernel, so there is
-no added latency or loss. Addresses exist only inside the namespaces created here.
+so each host has its own full-duplex NIC of ``rate_mbit``. netem is not in this kernel: with
+``delay_ms`` a userspace switch (`edgc_bench.delay_line`) takes br0's place in the bridge namespace
+and holds every frame that long, so a round trip between two hosts takes twice it; no loss is
+added. Addresses exist only inside the namespaces created here.
 
 Clean-up is guaranteed on every exit path: the context manager's ``__exit__`` (normal end, any
 exception, Ctrl-C = KeyboardInterrupt), SIGTERM/SIGHUP (turned into SystemExit while the network
@@ -26,7 +28,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 from edgc_sim.tbf import burst_bytes
 
@@ -53,13 +57,16 @@ def namespaces() -> list[str]:
 
 
 class Network:
-    def __init__(self, hosts: int, rate_mbit: float | None = 1000.0, prefix: str | None = None):
+    def __init__(self, hosts: int, rate_mbit: float | None = 1000.0, prefix: str | None = None, delay_ms: float = 0.0):
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts: must be in [1, 250], got {hosts}")
         if rate_mbit is not None and rate_mbit <= 0:
             raise ValueError(f"rate_mbit: must be > 0, got {rate_mbit}")
+        if delay_ms < 0:
+            raise ValueError(f"delay_ms: must be ≥ 0, got {delay_ms}")
         self.hosts = hosts
         self.rate_mbit = rate_mbit
+        self.delay_ms = delay_ms
         self.prefix = prefix or f"edgcb-{os.getpid()}"
         self.bridge = f"{self.prefix}-br"
         self.created: list[str] = []
@@ -120,25 +127,48 @@ class Network:
             self._old_handlers[sig] = signal.signal(sig, _raise_exit)
         try:
             self._add_ns(self.bridge)
-            self._ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
-            self._ip("-n", self.bridge, "link", "set", "br0", "up")
+            if not self.delay_ms:
+                self._ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
+                self._ip("-n", self.bridge, "link", "set", "br0", "up")
             for i in range(self.hosts):
                 ns, port = self.ns(i), f"s{i}"
                 self._add_ns(ns)
                 self._ip("-n", self.bridge, "link", "add", port, "type", "veth", "peer", "name", HOST_IF, "netns", ns)
-                self._ip("-n", self.bridge, "link", "set", port, "master", "br0")
+                if self.delay_ms:
+                    self._ip("-n", self.bridge, "link", "set", port, "promisc", "on")
+                else:
+                    self._ip("-n", self.bridge, "link", "set", port, "master", "br0")
                 self._ip("-n", self.bridge, "link", "set", port, "up")
                 self._ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", HOST_IF)
                 self._ip("-n", ns, "link", "set", HOST_IF, "up")
                 if self.rate_mbit is not None:
                     self._tc(ns, HOST_IF)
                     self._tc(self.bridge, port)
+            if self.delay_ms:
+                self._start_delay_line()
         except BaseException:
             self.close()
             raise
         return self
 
     __enter__ = open
+
+    def _start_delay_line(self) -> None:
+        """The switch that delays every frame (`edgc_bench.delay_line`), in the bridge namespace."""
+        source = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+        ports = [f"s{i}" for i in range(self.hosts)]
+        argv = [sys.executable, "-m", "edgc_bench.delay_line", "--delay-ms", f"{self.delay_ms:g}", *ports]
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", self.bridge, *argv],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        if process.stdout.readline().strip() != "ready":
+            raise NetnsError(f"the delay line did not start (exit {process.poll()}): `{' '.join(argv)}`")
 
     # ------------------------------------------------------------------ processes
     def command(

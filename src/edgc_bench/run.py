@@ -84,6 +84,7 @@ class BenchSettings:
     interstage: str = "off"  # activation gradients between stages: off | all | cooldown (edgc train --interstage)
     interstage_rank: int = 8  # their rank (with edgc: the upper bound of the rank that follows the entropy)
     rounds: int = 1  # times the method list runs, reversed on even rounds (see the module docstring); 1–9
+    moe_experts: int = 0  # a mixture of experts in every MLP, split over a host's processes (edgc train --ep nproc)
 
     @property
     def pipeline(self) -> bool:
@@ -106,6 +107,8 @@ class BenchSettings:
 FSDP_METHODS = ("none", "edgc")  # with --fsdp: native HSDP vs EDGC on the replica all-reduce
 # with --tp/--pp: every stage syncs over its DP group with our all-reduce (none), static PowerSGD or EDGC
 PIPELINE_METHODS = ("none", "powersgd@rmax", "edgc")
+# with --moe-experts: the dense and the experts' groups, each synced by its own state (no DDP: no none)
+MOE_METHODS = ("allreduce", "edgc")
 
 
 def all_methods() -> tuple[str, ...]:
@@ -124,11 +127,15 @@ def all_methods() -> tuple[str, ...]:
     )
 
 
-def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False) -> list[str]:
+def check_methods(methods: list[str], fsdp: bool = False, pipeline: bool = False, moe: bool = False) -> list[str]:
     """Validated method tokens; raises ValueError with one line."""
     out = []
     for m in methods:
         base, _, rank = m.partition("@")
+        if moe and base not in ("allreduce", "powersgd", "edgc"):
+            raise ValueError(
+                f"method {m!r} is not available with --moe-experts; choose from allreduce, edgc, powersgd@…"
+            )
         if fsdp and base not in (*FSDP_METHODS, "allreduce", "powersgd"):
             raise ValueError(
                 f"method {m!r} is not available with --fsdp; choose from none, allreduce, edgc, powersgd@…"
@@ -170,6 +177,8 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
     ]  # no checkpoints: GBs per bench, never read
     if s.fsdp:
         args += ["--fsdp", "--fsdp-shard", str(s.nproc)]
+    if s.moe_experts:
+        args += ["--moe-experts", str(s.moe_experts), "--ep", str(s.nproc)]
     if s.pipeline:
         args += ["--tp", str(s.tp), "--pp", str(s.pp), "--grad-accum", str(s.grad_accum)]
         if s.pp > 1:

@@ -36,15 +36,10 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import (
-    DispatchCounter,
-    StepCount,
-    _static_config,
-    count_hook_step,
-    sampled_config,
-)
+from .dispatch_count import DispatchCounter, StepCount, count_hook_step
 from .engine_cost import emit
 from .gpt2_layout import gpt2_parameters
+from .hook_steps import _static_config, sampled_config
 from .live_memory import LiveStorages
 from .stand_ins import counting_communicator
 
@@ -98,8 +93,8 @@ def count_outer_sync(model: str = "xl") -> dict:
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
     from edgc.sync.sync_methods import sync_method
 
-    from .dispatch_count import _zeros
     from .gpu_support import counted_host_reads
+    from .hook_steps import _zeros
     from .stand_ins import NamedParameters
 
     named = gpt2_parameters(model)

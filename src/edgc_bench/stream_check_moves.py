@@ -186,7 +186,8 @@ class Moves:
             checker = self.checker
             if not self._watching() or checker.is_device(tensor):
                 return original(tensor, *args, **kwargs)
-            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            moved = {key: value for key, value in kwargs.items() if key != "copy"}  # not _parse_to's
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **moved)
             if device is None:
                 return original(tensor, *args, **kwargs)
             if not non_blocking:

@@ -55,6 +55,10 @@ class Patches:
         return self.moves.factory_kind(default)
 
     # ------------------------------------------------------------------ installing
+    def replace(self, owner, name: str, make) -> None:
+        """``owner.name`` becomes ``make(the original)`` until `remove` (a checker built on this one adds its own)."""
+        self._set(owner, name, make)
+
     def _set(self, owner, name: str, make) -> None:
         original = getattr(owner, name, None)
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))

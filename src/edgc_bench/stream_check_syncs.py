@@ -23,17 +23,15 @@ from edgc import torch_adapter
 
 aten = torch.ops.aten
 
-# Operators whose output size depends on values, or that read values to check errors.
-VALUE_SIZED = frozenset(
+# Operators whose output size depends on values, and those that read values to check errors or
+# to answer the host.
+DATA_DEPENDENT_SIZE = frozenset(
+    {aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.bincount}
+)
+HOST_CHECKED = frozenset(
     {
         aten._local_scalar_dense,
-        aten.nonzero,
-        aten.masked_select,
-        aten._unique2,
-        aten.unique_dim,
-        aten.unique_consecutive,
         aten.equal,
-        aten.bincount,
         aten.is_nonzero,
         aten._linalg_check_errors,
         aten._linalg_eigh,
@@ -41,6 +39,7 @@ VALUE_SIZED = frozenset(
         aten.linalg_eig,
     }
 )
+VALUE_SIZED = DATA_DEPENDENT_SIZE | HOST_CHECKED
 BOOL_INDEXED = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 
 
@@ -62,21 +61,31 @@ def _argument(func, args, kwargs, name: str, default=None):
     return default
 
 
-def host_syncs_of(checker, func, args, kwargs) -> list[tuple[str, torch.Tensor | None]]:
-    """The host synchronisation a device operator makes, if it makes one: (what, the tensor read) for
-    ``checker.host_sync`` once the operator is queued (the host waits for it too)."""
+def value_read(func, args, kwargs) -> tuple[str, bool, torch.Tensor | None] | None:
+    """Whether an operator reads its input's values on the host, whatever the tensors' provenance: (what,
+    whether its output's size depends on them, the tensor read), or None."""
     packet = func.overloadpacket
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if packet in VALUE_SIZED:
-        return [(packet.__name__, args[0] if args and isinstance(args[0], torch.Tensor) else None)]
+        return packet.__name__, packet in DATA_DEPENDENT_SIZE, first
     if packet in BOOL_INDEXED and any(
         isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in pytree.tree_leaves(args[1])
     ):
-        return [(f"{packet.__name__} with a boolean mask", args[0])]
-    if packet is aten.repeat_interleave and isinstance(args[0], torch.Tensor):
-        repeats = _argument(func, args, kwargs, "repeats", args[0])
+        return f"{packet.__name__} with a boolean mask", True, first
+    if packet is aten.repeat_interleave and first is not None:
+        repeats = _argument(func, args, kwargs, "repeats", first)
         if isinstance(repeats, torch.Tensor) and _argument(func, args, kwargs, "output_size") is None:
-            return [("repeat_interleave without output_size", repeats)]
-    if packet is aten.copy_:
+            return "repeat_interleave without output_size", True, repeats
+    return None
+
+
+def host_syncs_of(checker, func, args, kwargs) -> list[tuple[str, torch.Tensor | None]]:
+    """The host synchronisation a device operator makes, if it makes one: (what, the tensor read) for
+    ``checker.host_sync`` once the operator is queued (the host waits for it too)."""
+    read = value_read(func, args, kwargs)
+    if read is not None:
+        return [(read[0], read[2])]
+    if func.overloadpacket is aten.copy_:
         return _copy(checker, args[0], args[1], bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
     return []
 

@@ -50,8 +50,13 @@ def rows(results: dict[str, dict], r_max: int | None, pipeline: bool = False) ->
             row["interstage_sent_per_step"] = sum(r.get("interstage_bytes_sent", 0) for r in train) / len(train)
             row["interstage_raw_per_step"] = sum(r.get("interstage_bytes_raw", 0) for r in train) / len(train)
             row["interstage_s"] = median_of(run, "interstage_time_s")
+        if any("expert_bytes_sent" in r for r in train):  # a mixture of experts: each group's bytes
+            for group in ("dense", "expert"):
+                row[f"{group}_per_step"] = sum(r[f"{group}_bytes_sent"] for r in train) / len(train)
+                row[f"{group}_raw_per_step"] = sum(r[f"{group}_bytes_raw"] for r in train) / len(train)
         out.append(row)
-    ref = next((r for r in out if r["method"] == "none"), None)
+    # the reference: none (DDP's native all-reduce), or our uncompressed all-reduce where there is no DDP (MoE)
+    ref = next((r for r in out if r["method"] == "none"), next((r for r in out if r["method"] == "allreduce"), None))
     floor = next((r for r in out if r["method"] == "nosync"), None)
     for row in out:
         for key in ("comm_s", "step_s", "tokens_per_s", "bytes_per_step", "val_loss", "val_ppl", "time_to_target_s"):
@@ -77,10 +82,10 @@ LABELS = {
 }
 
 
-def result_table(rows_: list[dict], fsdp: bool = False) -> str:
+def result_table(rows_: list[dict], fsdp: bool = False, reference: str = "none") -> str:
     labels = {**LABELS, "none": "none (native HSDP)"} if fsdp else LABELS
     head = (
-        "| method | rank | DP comm s/step | step s (× none) | × floor | comm share | tokens/s | MB sent/step "
+        f"| method | rank | DP comm s/step | step s (× {reference}) | × floor | comm share | tokens/s | MB sent/step "
         "| compress s/step | final val loss | val ppl | time to target |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     )
@@ -99,6 +104,26 @@ def result_table(rows_: list[dict], fsdp: bool = False) -> str:
             f"| {r['bytes_per_step'] / 1e6:.2f}{_x(r['bytes_per_step_x'])} | {_num(r['compress_s'])} "
             f"| {r['val_loss']:.4f}{_x(r['val_loss_x'])} | {r['val_ppl']:.1f} | {target} |"
         )
+    return head + "\n".join(lines) + "\n"
+
+
+def groups_table(rows_: list[dict]) -> str:
+    """--moe-experts: per method each group's MB sent per step over the link and against its raw bytes."""
+    if not any("expert_per_step" in r for r in rows_):
+        return ""
+    head = (
+        "| method | step s | dense MB sent/step (× raw) | expert MB sent/step (× raw) |\n| --- | ---: | ---: | ---: |\n"
+    )
+    lines = [
+        f"| {r['method']} | {r['step_s']:.3f}{_x(r['step_s_x'])} | "
+        + " | ".join(
+            f"{r[f'{g}_per_step'] / 1e6:.3f} ({r[f'{g}_per_step'] / r[f'{g}_raw_per_step']:.3f}×)"
+            for g in ("dense", "expert")
+        )
+        + " |"
+        for r in rows_
+        if "expert_per_step" in r
+    ]
     return head + "\n".join(lines) + "\n"
 
 
@@ -215,6 +240,9 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         " as HSDP (FSDP2 shards inside a host, hosts are replicas; none = native HSDP: FSDP2 on the 2-D mesh, "
         "its own replica all-reduce)"
         if s.get("fsdp")
+        else f" with {s['moe_experts']} experts per MLP split over a host's processes (EP {s['nproc']}), hosts "
+        "the experts' replicas (no DDP: ratios are to `allreduce`, our uncompressed sync of both groups)"
+        if s.get("moe_experts")
         else ""
     )
     parts = [
@@ -227,17 +255,20 @@ def markdown(summary: dict, results: dict[str, dict] | None = None) -> str:
         f"{s['micro_batch']} × {s['seq_len']} tokens per rank per step, {s['steps']} steps, seed {s['seed']}; "
         f"uncompressed communication share (sync after backward) {share}; EDGC r_max = {summary['r_max']}. "
         f"Load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end; {_took(summary)}.\n",
-        result_table(rows_, bool(s.get("fsdp"))),
+        result_table(rows_, bool(s.get("fsdp")), "allreduce" if s.get("moe_experts") else "none"),
+        groups_table(rows_),
         (
             "Ratios are to `none` (native HSDP: FSDP2's own replica all-reduce) in the same "
             if s.get("fsdp")
+            else "Ratios (and the target) are to `allreduce` (our uncompressed sync of both groups) in the same "
+            if s.get("moe_experts")
             else "Ratios are to `none` (DDP with no hook: its native all-reduce, overlapped with backward) in the same "
         )
         + "invocation; × floor is the step time over `nosync`'s (no gradient sync at all). Times are medians over "
         "all steps (rank 0); DP comm is the time from issuing each collective to its completion, summed (it "
         "overlaps backward and other collectives, so it can exceed the step's share of waiting); "
         "MB sent/step is the mean (warm-up steps included); time to target = wall time to the first "
-        "validation loss ≤ 1.01 × `none`'s final one."
+        "validation loss ≤ 1.01 × the reference's final one."
         + (
             ""
             if summary.get("round")

@@ -21,6 +21,8 @@ Modules:
     report.py              text table and time-breakdown plot of simulated runs
     tbf.py                 the emulated links' token-bucket burst (shared with edgc_bench.netns)
     host.py                quick measurements of this machine (FLOP/s, local link)
+    host_ops.py            the host's cost per op class on a GPU, read from a profiler trace, and a step priced with it
+    host_report.py         that model against the measured GPU hook, and its prediction for an engine on a preset
     calibrate.py           the fit against `edgc train` runs: predicted vs measured step and comm
     bench_link.py          the bench's link fitted from its calibration sweep (`BenchLink`)
     step_model.py          the model of one measured bench step: payloads, timeline, wire, compress

@@ -9,12 +9,22 @@ overlapped (DiLoCo's default; Streaming DiLoCo's overlap is not modelled). Per g
 sync, for P parameters and N groups (`OUTER_SYNCS`: the bytes a value each sends, and the
 registry's collective kind, `edgc.sync.sync_methods`):
 
-* ring all-reduce (torchft's DiLoCo, fp32): 2 (N − 1)/N × 4P bytes on the wire, 2 (N − 1) latencies;
+* ring all-reduce (torchft's DiLoCo, fp32): 2 (N − 1)/N × 4P bytes on the wire;
 * two-stage (torchft's FP8 ``allreduce_quantized``: 1 byte a value; edgc's ``quant3-2s``: 3 bits and
-  a scale per 256): 2 (N − 1)/N × the encoded bytes, an all-to-all (one latency: its N − 1 messages
-  go at once) and a ring all-gather (N − 1 latencies);
+  a scale per 256): 2 (N − 1)/N × the encoded bytes, per bucket an all-to-all and a ring all-gather;
 * all-gather through torchft's manager (edgc's one-stage ``quant3``: an all-reduce of one slot per
-  group): 2 (N − 1) × the encoded bytes, 2 (N − 1) latencies: it grows with N.
+  group): 2 (N − 1) × the encoded bytes: it grows with N.
+
+Latency is charged per collective: each waits for its rounds in sequence (a ring all-reduce
+2 (N − 1), a ring all-gather N − 1, an all-to-all one: its N − 1 messages go at once), each round
+one round trip between sites (``latency_s``), and a sync issues one collective of its kind per
+bucket (`buckets`: the two-stage sync two, an all-to-all and an all-gather). The buckets are each
+method's own: torchft's DiLoCo all-reduces its fragment tensor by tensor (``use_bucketization`` off,
+its default: `torchft.local_sgd`), its FP8 path likewise; edgc's two-stage sync cuts the fragment
+into buckets of its configured ``bucket_values``; the one-stage sync sends the fragment as one message.
+A process group that runs several collectives at once (``Link.in_flight``: gloo's worker threads)
+overlaps their rounds as each sync's issue order allows (`latencies`); the internet tables assume
+one at a time, as NCCL's one stream runs them.
 
 Plus a fixed cost per outer step (the quorum and the commit vote) and the codec's passes over the
 values (`codec_passes`: 1 + N for the one-stage sync, which decodes every group's message; 3 + 1/N
@@ -29,18 +39,23 @@ flight loses: torchft's DiLoCo restores θ_global and loses its H inner steps, e
 pseudo-gradient in its error feedback and loses only the sync. Time to a token count then grows by
 1 / (1 − losses per second × cost per loss); where that is ≤ 0, the job never gets there.
 
-The link model's rate, its fixed cost per outer step and the CPU codec's rate are calibrated on the
-bench's 3- and 6-host runs (`edgc_sim.diloco_report.calibrate_on_bench`); internet latency
-(``latency_s``), the device and the failure rate are assumptions, and everything beyond 12 groups,
-beyond this machine's links and on an H100 is extrapolation.
+The link model's rate, its fixed cost per outer step, a round's own cost and the CPU codec's rate are
+calibrated on the bench's 3- and 6-host runs, and the latency's accounting is checked on the same
+runs with a delay added between the emulated hosts (`edgc_sim.diloco_report.calibrate_on_bench`);
+the internet's round trip (``latency_s``), the device and the failure rate are assumptions, and
+everything beyond the bench's groups, beyond this machine's links and on an H100 is extrapolation.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
 ALL_REDUCE, TWO_STAGE, SLOTS = "all-reduce", "two-stage", "all-gather (slots)"
+
+
+PER_TENSOR = 0  # bucket_values of a sync that issues one collective per parameter tensor
 
 
 @dataclass(frozen=True)
@@ -52,17 +67,37 @@ class OuterSync:
     kind: str  #: ALL_REDUCE, TWO_STAGE or SLOTS
     codec: bool = True  #: encodes and decodes its messages (see `codec_passes`)
     edgc: bool = True  #: keeps a discarded step's pseudo-gradient (error feedback); torchft's DiLoCo does not
+    #: values per bucket, one collective of the kind each (> 0; inf: the whole fragment at once;
+    #: PER_TENSOR: one per parameter tensor)
+    bucket_values: float = math.inf
 
 
 def _quant_bytes(bits: int, block: int = 256) -> float:
     return bits / 8 + 4 / block
 
 
+def configured_bucket_values(method: str) -> int:
+    """Values per bucket of a registered edgc sync method: its name's option, else its constructor's default."""
+    from edgc.sync.sync_methods import sync_method
+
+    spec = sync_method(method)
+    value = spec.options.get("bucket_values", inspect.signature(spec.reducer).parameters["bucket_values"].default)
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{method}: bucket_values {value!r} is not a count of values the model can price")
+    return value
+
+
 OUTER_SYNCS = {
-    "torchft": OuterSync("torchft's DiLoCo (fp32 ring)", 4.0, ALL_REDUCE, codec=False, edgc=False),
-    "torchft-fp8": OuterSync("torchft's FP8 path (two-stage)", 1.0 + 4 / 2048, TWO_STAGE, edgc=False),
+    "torchft": OuterSync(
+        "torchft's DiLoCo (fp32 ring)", 4.0, ALL_REDUCE, codec=False, edgc=False, bucket_values=PER_TENSOR
+    ),
+    "torchft-fp8": OuterSync(
+        "torchft's FP8 path (two-stage)", 1.0 + 4 / 2048, TWO_STAGE, edgc=False, bucket_values=PER_TENSOR
+    ),
     "quant3": OuterSync("edgc quant3 (one-stage, slots)", _quant_bytes(3), SLOTS),
-    "quant3-2s": OuterSync("edgc quant3-2s (two-stage)", _quant_bytes(3), TWO_STAGE),
+    "quant3-2s": OuterSync(
+        "edgc quant3-2s (two-stage)", _quant_bytes(3), TWO_STAGE, bucket_values=configured_bucket_values("quant3-2s")
+    ),
 }
 # An accelerator's memory traffic per value and codec pass: read the values (and the error feedback),
 # write the codes, read them back, write the result: about 16 bytes.
@@ -86,7 +121,7 @@ class Site:
     flops_per_s: float = 989e12 * 0.4  #: achieved matmul FLOP/s per accelerator (H100 bf16 at 40 % MFU), > 0
     mem_bytes_per_s: float = 2.92e12  #: memory bandwidth per accelerator, bytes/s (> 0)
     link_bits_per_s: float = 1e9  #: the site's link, each way, bits/s (> 0)
-    latency_s: float = 0.03  #: one message's latency between sites, seconds (≥ 0; assumed, not calibrated)
+    latency_s: float = 0.03  #: a round trip between sites, seconds, charged per round of a collective (≥ 0; assumed)
     step_overhead_s: float = 0.5  #: fixed cost of an outer step: quorum and commit vote, seconds (≥ 0)
     tokens_per_step: int = 2**20  #: tokens per inner step per group (> 0)
     sync_every: int = 100  #: H: inner steps per outer step (≥ 1)
@@ -123,27 +158,82 @@ def wire_bytes(sync: OuterSync, params: float, groups: int) -> float:
     return 2 * (groups - 1) / groups * payload
 
 
-def latencies(sync: OuterSync, groups: int) -> int:
-    """Message latencies one outer sync waits for in sequence."""
+def buckets(sync: OuterSync, params: float, tensors: int) -> int:
+    """Buckets of one outer sync over a fragment of ``params`` values in ``tensors`` tensors."""
+    if sync.bucket_values == PER_TENSOR:
+        return tensors
+    return 1 if math.isinf(sync.bucket_values) else math.ceil(params / sync.bucket_values)
+
+
+def collectives(sync: OuterSync, params: float, tensors: int) -> int:
+    """Collectives one outer sync issues: one a bucket, two for a two-stage sync (all-to-all, all-gather)."""
+    return buckets(sync, params, tensors) * (2 if sync.kind == TWO_STAGE else 1)
+
+
+def rounds(sync: OuterSync, groups: int) -> tuple[int, ...]:
+    """Rounds of each collective one bucket issues: a ring all-reduce 2 (N − 1); a two-stage bucket's
+    all-to-all one (its N − 1 messages go at once), then its ring all-gather N − 1."""
+    return (1, groups - 1) if sync.kind == TWO_STAGE else (2 * (groups - 1),)
+
+
+def latencies(sync: OuterSync, groups: int, params: float, tensors: int, in_flight: int = 1) -> float:
+    """Rounds one outer sync waits for in sequence, its collectives run by a process group that runs
+    ``in_flight`` at once, each taken up in issue order. One at a time (NCCL's one stream): every
+    bucket's rounds add up. More (gloo's worker threads): a sync that issues every bucket at once
+    (torchft's all-reduces tensor by tensor) waits for ⌈buckets / in_flight⌉ of them; the two-stage
+    sync issues bucket t's all-to-all while t − 1's is reduced and t − 2's all-gather is decoded
+    (`edgc.sync.two_stage`), which `pipelined_rounds` plays out."""
     if groups <= 1:
         return 0
-    return groups if sync.kind == TWO_STAGE else 2 * (groups - 1)
+    count, per_bucket = buckets(sync, params, tensors), rounds(sync, groups)
+    if in_flight <= 1:
+        return count * sum(per_bucket)
+    if sync.kind == TWO_STAGE:
+        return pipelined_rounds(count, *per_bucket, in_flight=in_flight)
+    return math.ceil(count / in_flight) * sum(per_bucket)
+
+
+def pipelined_rounds(count: int, scatter: int, gather: int, in_flight: int) -> float:
+    """The two-stage sync's issue and wait order over ``count`` buckets (scatter t, wait scatter t − 1
+    and issue its gather, wait gather t − 2), collectives taken up in issue order by ``in_flight``
+    workers: when the last result is there, in rounds."""
+    free, started, host, done = [0.0] * in_flight, 0.0, 0.0, {}
+
+    def issue(key, length):
+        nonlocal started
+        worker = min(range(in_flight), key=free.__getitem__)
+        started = max(host, free[worker], started)
+        free[worker] = done[key] = started + length
+
+    for t in range(count):
+        issue(("scatter", t), scatter)
+        if t >= 1:
+            host = max(host, done[("scatter", t - 1)])
+            issue(("gather", t - 1), gather)
+        if t >= 2:
+            host = max(host, done[("gather", t - 2)])
+    host = max(host, done[("scatter", count - 1)])
+    issue(("gather", count - 1), gather)
+    return max(done.values())
 
 
 @dataclass(frozen=True)
 class Link:
-    """What one outer sync pays besides its codec: the rate, a latency per message, a fixed cost."""
+    """What one outer sync pays besides its codec: the rate, a latency per round of a collective, a fixed cost."""
 
     bytes_per_s: float  #: each way, per group, > 0
-    latency_s: float = 0.0  #: per message in sequence, ≥ 0
+    latency_s: float = 0.0  #: a round trip between sites, charged per round of a collective (`latencies`), ≥ 0
     overhead_s: float = 0.0  #: per outer step, ≥ 0
+    in_flight: int = 1  #: collectives the process group runs at once (gloo: its worker threads; NCCL: one), ≥ 1
 
 
-def sync_seconds(sync: OuterSync, params: float, groups: int, link: Link, codec_s_per_value: float) -> float:
-    """One outer sync, not overlapped with the inner steps."""
+def sync_seconds(
+    sync: OuterSync, params: float, groups: int, link: Link, codec_s_per_value: float, tensors: int
+) -> float:
+    """One outer sync of ``params`` values in ``tensors`` tensors, not overlapped with the inner steps."""
     return (
         link.overhead_s
-        + latencies(sync, groups) * link.latency_s
+        + latencies(sync, groups, params, tensors, link.in_flight) * link.latency_s
         + wire_bytes(sync, params, groups) / link.bytes_per_s
         + codec_passes(sync, groups) * params * codec_s_per_value
     )
@@ -168,11 +258,26 @@ class OuterStep:
         return outer_steps * self.outer_s / self.goodput / 86400
 
 
-def outer_step(sync: OuterSync, params: float, groups: int, site: Site) -> OuterStep:
-    """The model of the module docstring for one outer sync at ``params`` parameters and ``groups`` groups."""
+@dataclass(frozen=True)
+class ModelSize:
+    """A model as an outer sync sees it: its values and the tensors they lie in."""
+
+    label: str  #: name in the tables
+    params: float  #: parameters (> 0)
+    tensors: int  #: parameter tensors (≥ 1)
+
+
+# LLaMA 3's layout at each size: 9 tensors a layer (4 attention, 3 MLP, 2 norms), the embedding and
+# the final norm, and an untied head from 8B on; 16, 32 and 80 layers.
+MODELS = (ModelSize("1B", 1e9, 9 * 16 + 2), ModelSize("8B", 8e9, 9 * 32 + 3), ModelSize("70B", 70e9, 9 * 80 + 3))
+
+
+def outer_step(sync: OuterSync, model: ModelSize, groups: int, site: Site) -> OuterStep:
+    """The model of the module docstring for one outer sync of ``model`` at ``groups`` groups."""
+    params = model.params
     inner = site.inner_s(params)
     link = Link(site.link_bits_per_s / 8, site.latency_s, site.step_overhead_s)
-    sync_s = sync_seconds(sync, params, groups, link, site.codec_s_per_value())
+    sync_s = sync_seconds(sync, params, groups, link, site.codec_s_per_value(), model.tensors)
     outer = site.sync_every * inner + sync_s
     lost_work = sync_s if sync.edgc else outer
     cost = site.detect_s + site.heal_bytes_per_param * params / link.bytes_per_s + lost_work
@@ -180,11 +285,11 @@ def outer_step(sync: OuterSync, params: float, groups: int, site: Site) -> Outer
     return OuterStep(inner, sync_s, outer, site.sync_every * inner / outer, cost, 1 - rate * cost)
 
 
-def crossover(method: str, params: float, site: Site, reference: str = "torchft", top: int = 1024) -> int | None:
+def crossover(method: str, model: ModelSize, site: Site, reference: str = "torchft", top: int = 1024) -> int | None:
     """The fewest groups (2…``top``) at which ``method``'s outer step is slower than ``reference``'s, or None."""
     for groups in range(2, top + 1):
-        mine = outer_step(OUTER_SYNCS[method], params, groups, site).outer_s
-        theirs = outer_step(OUTER_SYNCS[reference], params, groups, site).outer_s
+        mine = outer_step(OUTER_SYNCS[method], model, groups, site).outer_s
+        theirs = outer_step(OUTER_SYNCS[reference], model, groups, site).outer_s
         if mine > theirs:
             return groups
     return None

@@ -1,10 +1,13 @@
 """`edgc simulate --diloco`: the tables of DiLoCo at internet scale (`edgc_sim.diloco`), and the model
 against the bench's scaling runs (``--diloco-bench``: `calibrate_on_bench`).
 
-The bench's link is priced by three numbers fitted (least squares) to its 3- and 6-host outer steps:
-the rate, a fixed cost per outer step, and the CPU codec's seconds per value and pass; the inner step
-is the bench's own compute floor and the wire the model's (`edgc_sim.diloco.wire_bytes`, checked
-against the sockets' count). Any other host count of the bench is an extrapolation, said so.
+The bench's link is priced by three numbers fitted (least squares) to its 3- and 6-host outer steps
+without added latency: the rate, a fixed cost per outer step, and the CPU codec's seconds per value
+and pass; the inner step is the bench's own compute floor and the wire the model's
+(`edgc_sim.diloco.wire_bytes`, checked against the sockets' count). Runs with a delay added to the
+emulated links (``--delay-ms``) are not fitted: the model prices them with that link and the delay's
+round trip charged per round of each collective (`edgc_sim.diloco.latencies`), which is what they
+check. Any other host count of the bench is an extrapolation, said so.
 """
 
 from __future__ import annotations
@@ -14,17 +17,28 @@ from dataclasses import replace
 
 import torch
 
-from .diloco import OUTER_SYNCS, Link, Site, codec_passes, crossover, outer_step, sync_seconds, wire_bytes
+from .diloco import (
+    MODELS,
+    OUTER_SYNCS,
+    Link,
+    Site,
+    codec_passes,
+    collectives,
+    crossover,
+    latencies,
+    outer_step,
+    sync_seconds,
+    wire_bytes,
+)
 
-PARAMS = (1e9, 8e9, 70e9)
 LINK_BITS = (1e8, 1e9, 1e10)
 GROUPS = (8, 32, 128, 512, 1024)
 TOKENS = 1e12
 FIT_HOSTS = (3, 6)
-
-
-def _size(params: float) -> str:
-    return f"{params / 1e9:g}B"
+LATENCY_CHECK_WITHIN = 0.15  # the model against the bench's runs with a delay added to its links
+# The collectives the bench's process group (gloo) runs at once: ProcessGroupGloo's worker threads (its
+# options' default). Over the delayed links 52 all-reduces issued at once took half as long as in turn.
+GLOO_IN_FLIGHT = 2
 
 
 def _rate(bits: float) -> str:
@@ -35,22 +49,60 @@ def _days(days: float) -> str:
     return "never" if math.isinf(days) else f"{days:.1f} d" if days >= 1 else f"{24 * days:.1f} h"
 
 
+def one_collective_each(site: Site) -> dict:
+    """Every method as the model priced it before latency was charged per collective: one bucket a sync."""
+    return {name: replace(sync, bucket_values=math.inf) for name, sync in OUTER_SYNCS.items()}
+
+
 def internet_table(site: Site, groups: int = 1024, tokens: float = TOKENS) -> str:
-    """Per model size and link, each method: outer step, utilisation, time to ``tokens`` with failures."""
+    """Per model size and link, each method: outer step, utilisation, time to ``tokens`` with failures;
+    beside it the outer step with one collective a sync (the latency as it was charged before)."""
     methods = list(OUTER_SYNCS)
+    before = one_collective_each(site)
     head = "| model | link | " + " | ".join(OUTER_SYNCS[m].label for m in methods) + " |"
     lines = [head, "|---|---|" + "---:|" * len(methods)]
-    for params in PARAMS:
+    for model in MODELS:
         for bits in LINK_BITS:
             point = replace(site, link_bits_per_s=bits)
             cells = []
             for m in methods:
-                step = outer_step(OUTER_SYNCS[m], params, groups, point)
+                step = outer_step(OUTER_SYNCS[m], model, groups, point)
+                old = outer_step(before[m], model, groups, point)
                 cells.append(
-                    f"{step.outer_s:,.0f} s · {step.utilisation:.0%} · {_days(step.days_to(tokens, point, groups))}"
+                    f"{step.outer_s:,.0f} s · {step.utilisation:.0%} · {_days(step.days_to(tokens, point, groups))} "
+                    f"(one collective: {old.outer_s:,.0f} s)"
                 )
-            lines.append(f"| {_size(params)} | {_rate(bits)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {model.label} | {_rate(bits)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def collectives_line() -> str:
+    """Collectives per outer sync of each method at each model size."""
+    parts = []
+    for sync in OUTER_SYNCS.values():
+        counts = " / ".join(f"{collectives(sync, model.params, model.tensors):,}" for model in MODELS)
+        parts.append(f"{sync.label} {counts}")
+    return f"Collectives per outer sync at {' / '.join(model.label for model in MODELS)}: " + "; ".join(parts) + "."
+
+
+FEW_BUCKETS = 32  # a two-stage sync whose buckets are sized from the fragment: tens of collectives
+
+
+def few_buckets_line(site: Site, model=MODELS[1], bits: float = 1e9) -> str:
+    """The two-stage sync's outer step at ``FEW_BUCKETS`` buckets a sync, beside its configured one's and torchft's."""
+    point = replace(site, link_bits_per_s=bits)
+    sync = OUTER_SYNCS["quant3-2s"]
+    few = replace(sync, bucket_values=math.ceil(model.params / FEW_BUCKETS))
+    cells = [
+        f"{groups:,} groups {outer_step(few, model, groups, point).outer_s:,.0f} s "
+        f"(at {sync.bucket_values:,} values a bucket: {outer_step(sync, model, groups, point).outer_s:,.0f} s; "
+        f"torchft's: {outer_step(OUTER_SYNCS['torchft'], model, groups, point).outer_s:,.0f} s)"
+        for groups in (GROUPS[0], GROUPS[-1])
+    ]
+    return (
+        f"With {FEW_BUCKETS} buckets a sync ({collectives(few, model.params, model.tensors)} collectives), the "
+        f"two-stage sync's outer step at {model.label} and {_rate(bits)}: " + "; ".join(cells) + "."
+    )
 
 
 def crossover_table(site: Site) -> str:
@@ -60,96 +112,156 @@ def crossover_table(site: Site) -> str:
         "| model | link | " + " | ".join(OUTER_SYNCS[m].label for m in methods) + " |",
         "|---|---|" + "---:|" * len(methods),
     ]
-    for params in PARAMS:
+    for model in MODELS:
         for bits in LINK_BITS:
             point = replace(site, link_bits_per_s=bits)
-            found = [crossover(m, params, point) for m in methods]
+            found = [crossover(m, model, point) for m in methods]
             lines.append(
-                f"| {_size(params)} | {_rate(bits)} | "
+                f"| {model.label} | {_rate(bits)} | "
                 + " | ".join("none up to 1,024" if n is None else f"{n}" for n in found)
                 + " |"
             )
     return "\n".join(lines)
 
 
-def groups_table(site: Site, params: float = 8e9, bits: float = 1e9) -> str:
+def groups_table(site: Site, model=MODELS[1], bits: float = 1e9) -> str:
     """Utilisation of each method as the groups grow, at one model and link."""
     point = replace(site, link_bits_per_s=bits)
     lines = ["| groups | " + " | ".join(OUTER_SYNCS[m].label for m in OUTER_SYNCS) + " |"]
     lines.append("|---:|" + "---:|" * len(OUTER_SYNCS))
     for groups in GROUPS:
-        cells = [f"{outer_step(OUTER_SYNCS[m], params, groups, point).utilisation:.0%}" for m in OUTER_SYNCS]
+        cells = [f"{outer_step(OUTER_SYNCS[m], model, groups, point).utilisation:.0%}" for m in OUTER_SYNCS]
         lines.append(f"| {groups:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _bench_rows(summary: dict) -> list[dict]:
-    """The bench's scaling rows with what the model needs: groups, method, parameters, H, floor, outer step."""
+    """The bench's scaling rows with what the model needs: groups, method, parameters, tensors, H,
+    floor, outer step, and the round trip its links added (twice the one-way ``delay_ms``)."""
     rows = [r for r in summary["rows"] if r.get("outer_step_s") and r.get("floor_s")]
     params = {r["hosts"]: r["payload_bytes"] / 4 for r in rows if r["sync"] == "diloco"}
     h = summary["options"]["sync_every"]
     out = []
     for r in rows:
         name = "torchft" if r["sync"] == "diloco" else r["sync"]
+        if not r.get("tensors"):
+            raise ValueError(
+                f"--diloco-bench: the {r['hosts']}-host {r['sync']} run names no parameter tensors (a bench from "
+                "before they were logged: run it again)"
+            )
         if name in OUTER_SYNCS and r["hosts"] in params:
-            out.append({**r, "name": name, "params": params[r["hosts"]], "sync_every": h})
+            out.append(
+                {
+                    **r,
+                    "name": name,
+                    "params": params[r["hosts"]],
+                    "sync_every": h,
+                    "round_trip_s": 2 * r.get("delay_ms", 0.0) / 1e3,
+                }
+            )
     return out
 
 
 def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) -> dict:
     """The fitted link (see the module docstring) and, per bench row, the model's outer step against the measured."""
     rows = _bench_rows(summary)
-    fit = [r for r in rows if r["hosts"] in fit_hosts]
-    if len(fit) < 3:
-        raise ValueError(f"--diloco-bench: need ≥ 3 runs at {fit_hosts} hosts with an outer step time, got {len(fit)}")
+    fit = [r for r in rows if r["hosts"] in fit_hosts and not r["round_trip_s"]]
+    if len(fit) < 4:
+        raise ValueError(
+            f"--diloco-bench: need ≥ 4 runs at {fit_hosts} hosts without added latency and with an outer step "
+            f"time, got {len(fit)}"
+        )
     design = torch.tensor(
         [
-            [wire_bytes(OUTER_SYNCS[r["name"]], r["params"], r["hosts"]), 1.0]
-            + [codec_passes(OUTER_SYNCS[r["name"]], r["hosts"]) * r["params"]]
+            [
+                wire_bytes(OUTER_SYNCS[r["name"]], r["params"], r["hosts"]),
+                1.0,
+                codec_passes(OUTER_SYNCS[r["name"]], r["hosts"]) * r["params"],
+                latencies(OUTER_SYNCS[r["name"]], r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT),
+            ]
             for r in fit
         ],
         dtype=torch.float64,
     )
     target = torch.tensor([r["outer_step_s"] - r["sync_every"] * r["floor_s"] for r in fit], dtype=torch.float64)
-    seconds_per_byte, overhead, codec = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1).tolist()
-    link = Link(1 / seconds_per_byte, 0.0, max(0.0, overhead))
+    solution = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1).tolist()
+    seconds_per_byte, overhead, codec, per_round = solution[0], *(max(0.0, v) for v in solution[1:])
+    link = Link(1 / seconds_per_byte, per_round, overhead, GLOO_IN_FLIGHT)
     table = []
     for r in rows:
         sync = OUTER_SYNCS[r["name"]]
-        model = r["sync_every"] * r["floor_s"] + sync_seconds(sync, r["params"], r["hosts"], link, max(0.0, codec))
+        delayed = replace(link, latency_s=per_round + r["round_trip_s"])
+        model = r["sync_every"] * r["floor_s"] + sync_seconds(
+            sync, r["params"], r["hosts"], delayed, codec, r["tensors"]
+        )
         table.append(
             {
                 "hosts": r["hosts"],
                 "method": r["name"],
+                "round_trip_s": r["round_trip_s"],
+                "collectives": collectives(sync, r["params"], r["tensors"]),
+                "rounds": latencies(sync, r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT),
                 "measured_s": r["outer_step_s"],
+                "sync_measured_s": r["outer_step_s"] - r["sync_every"] * r["floor_s"],
+                "latency_model_s": latencies(sync, r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT)
+                * r["round_trip_s"],
                 "model_s": model,
                 "error": model / r["outer_step_s"] - 1,
-                "fitted": r["hosts"] in fit_hosts,
+                "fitted": r in fit,
+                "extrapolated": r["hosts"] not in fit_hosts,
                 "wire_measured": r.get("wire_bytes"),
                 "wire_model": wire_bytes(sync, r["params"], r["hosts"]),
+                "load": r.get("load"),
             }
         )
-    return {"link": link, "codec_s_per_value": max(0.0, codec), "rows": table, "fit_hosts": fit_hosts}
+    return {"link": link, "codec_s_per_value": codec, "rows": table, "fit_hosts": fit_hosts}
 
 
 def calibration_table(result: dict, rate_mbit: float) -> str:
     link = result["link"]
     lines = [
-        f"Fitted on the {' and '.join(map(str, result['fit_hosts']))}-host runs: "
+        f"Fitted on the {' and '.join(map(str, result['fit_hosts']))}-host runs without added latency: "
         f"{8 * link.bytes_per_s / 1e6:.1f} Mbit/s of the nominal {rate_mbit:g}, {link.overhead_s:.2f} s an "
-        f"outer step, the codec {1e9 * result['codec_s_per_value']:.1f} ns a value and pass on this CPU.",
+        f"outer step, {1e3 * link.latency_s:.2f} ms a round of a collective ({link.in_flight} collectives at once, "
+        f"gloo's threads), the codec {1e9 * result['codec_s_per_value']:.1f} ns a value and pass on this CPU. With "
+        "a delay added, each round also waits for its round trip.",
         "",
-        "| groups | method | outer step, bench | outer step, model | model vs bench | wire, sockets | wire, model |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| groups | round trip added | method | collectives a sync | rounds in sequence | outer step, bench "
+        "| outer step, model | model vs bench | wire, sockets | wire, model |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        note = "" if r["fitted"] else " (extrapolation)"
+        note = " (fitted)" if r["fitted"] else " (extrapolation)" if r["extrapolated"] else ""
         wire = "–" if r["wire_measured"] is None else f"{r['wire_measured'] / 1e6:.2f} MB"
         lines.append(
-            f"| {r['hosts']} | {OUTER_SYNCS[r['method']].label} | {r['measured_s']:.2f} s | {r['model_s']:.2f} s "
+            f"| {r['hosts']} | {1e3 * r['round_trip_s']:.0f} ms | {OUTER_SYNCS[r['method']].label} "
+            f"| {r['collectives']:,} | {r['rounds']:g} | {r['measured_s']:.2f} s | {r['model_s']:.2f} s "
             f"| {r['error']:+.1%}{note} | {wire} | {r['wire_model'] / 1e6:.2f} MB |"
         )
+    checked = [r for r in result["rows"] if r["round_trip_s"] and not r["extrapolated"]]
+    if checked:
+        worst = max(abs(r["error"]) for r in checked)
+        mark = "✓" if worst <= LATENCY_CHECK_WITHIN else "✗"
+        lines += [
+            "",
+            f"- {mark} with latency added, at {' and '.join(map(str, result['fit_hosts']))} hosts: the model within "
+            f"{worst:.1%} of the bench (≤ {LATENCY_CHECK_WITHIN:.0%} at each run)",
+            "- what the delay added to the sync (the outer step less H inner steps, against the same run without "
+            "it), bench / model: " + "; ".join(_added(r, result["rows"]) for r in checked),
+        ]
+    loads = [r["load"] for r in result["rows"] if r.get("load") is not None]
+    if loads:
+        lines.append(f"- the machine's load average at the runs' ends: {min(loads):.0f}–{max(loads):.0f}")
     return "\n".join(lines)
+
+
+def _added(row: dict, rows: list[dict]) -> str:
+    """One delayed run's added sync time, measured against its run without the delay, beside the model's."""
+    plain = next(
+        (r for r in rows if (r["hosts"], r["method"]) == (row["hosts"], row["method"]) and not r["round_trip_s"]), None
+    )
+    measured = "–" if plain is None else f"{row['sync_measured_s'] - plain['sync_measured_s']:+.2f} s"
+    return f"{row['hosts']} groups {row['method']} {measured} / {row['latency_model_s']:+.2f} s"
 
 
 def markdown(site: Site, bench: dict | None = None) -> str:
@@ -158,11 +270,17 @@ def markdown(site: Site, bench: dict | None = None) -> str:
         "<!-- sim-diloco-internet:start -->",
         f"`edgc simulate --diloco`: {site.gpus} H100-class GPUs a group ({site.flops_per_s / 1e12:.0f} TFLOP/s "
         f"achieved each), {site.tokens_per_step:,} tokens per inner step per group, H = {site.sync_every}, "
-        f"{1e3 * site.latency_s:.0f} ms a message between sites, {site.step_overhead_s:g} s fixed per outer step, "
-        f"a group lost every {site.hours_between_losses:g} h (healed over one site link). At 1,024 groups, per "
-        f"method: outer step · utilisation · time to {TOKENS:.0e} tokens, failures included.",
+        f"a {1e3 * site.latency_s:.0f} ms round trip between sites for each round of each collective, "
+        f"{site.step_overhead_s:g} s fixed per outer step, a group lost every {site.hours_between_losses:g} h "
+        f"(healed over one site link). At 1,024 groups, per method: outer step · utilisation · time to "
+        f"{TOKENS:.0e} tokens, failures included; in brackets the outer step with one collective a sync, as "
+        "latency was charged before.",
+        "",
+        collectives_line(),
         "",
         internet_table(site),
+        "",
+        few_buckets_line(site),
         "<!-- sim-diloco-internet:end -->",
         "",
         "<!-- sim-diloco-crossover:start -->",

@@ -213,6 +213,26 @@ DEVICES = {
             skinny_flops_per_s=50.7 * TERA,
             accelerator=True,
         ),
+        # H200 SXM: the H100 SXM5's matmul peaks (same GH100 compute; datasheet, dense), 141 GB of
+        # HBM3e. Measured on one H200 by edgc_sim.host.measure_cuda (docs/gpu/h200-2026-11-27/device.json),
+        # each the quantity the h100 preset's comment describes: copy 4.14 TB/s, per-op cost 10.4 us,
+        # skinny GEMMs 1.28 / 1.96 TB/s beyond their FLOPs at the measured fp32 rate 50.4 TFLOP/s, the
+        # engine's CholeskyQR2 of a (13, 32, 1600) block at 368 GFLOP/s (its launches taken out).
+        # The host's cost per op class (edgc_sim.host_ops) is read from that run's trace.
+        DeviceSpec(
+            "h200",
+            {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "fp16": 989 * TERA},
+            0.4,
+            4.14 * TERA,
+            10.4e-6,
+            "NVIDIA H200 SXM datasheet (dense) matmul peaks, mfu assumed; memory, per-op cost, skinny "
+            "GEMM and orthonormalisation rates measured on an H200 (docs/gpu/h200-2026-11-27/device.json)",
+            skinny_read_bytes_per_s=1.28 * TERA,
+            skinny_write_bytes_per_s=1.96 * TERA,
+            orth_flops_per_s=368 * GB,
+            skinny_flops_per_s=50.4 * TERA,
+            accelerator=True,
+        ),
     )
 }
 

@@ -14,8 +14,9 @@ how many go to each of that rank's experts (``all_to_all_single`` of the counts)
 (``all_to_all_single_autograd`` of torch's functional collectives, whose backward is the reverse
 all-to-all, on gloo as on NCCL); a rank runs its experts on what it received, grouped by expert, and sends the results
 back the same way. The split sizes are read on the host, as every all-to-all dispatch does. The tokens
-each local expert processed are added to the layer's ``tokens`` counter (training forwards only),
-which the experts' state reads for a rank split by tokens (`edgc.policies.rank_split`).
+each local expert processed are added to the layer's ``tokens`` counter (training forwards only), which
+the runner resets at each step and the experts' state reads, never writes, for a rank split by tokens
+(`edgc.distributed.expert_tokens`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ HIDDEN_PER_WIDTH = 2  # an expert's hidden width over the model's
 
 
 class GroupedExperts(nn.Module):
-    """``count`` SwiGLU experts of width ``dim`` and hidden width ``hidden``, each projection one 3-D tensor."""
+    """``count`` SwiGLU experts of width ``dim`` and hidden width ``hidden``, each projection one 3-D tensor,
+    of the layer's ``num_experts`` (its experts on every expert-parallel rank: `edgc.distributed.experts` finds
+    a module of this name, and refuses one that holds fewer than ``num_experts`` unless it is marked)."""
 
-    def __init__(self, dim: int, hidden: int, count: int):
+    def __init__(self, dim: int, hidden: int, count: int, num_experts: int | None = None):
         super().__init__()
+        self.num_experts = count if num_experts is None else num_experts
         self.w1 = nn.Parameter(torch.empty(count, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(count, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(count, hidden, dim))
@@ -69,13 +73,14 @@ class MoEFeedForward(nn.Module):
         self.first = ep_rank * self.local
         self.router = nn.Linear(dim, experts, bias=False)
         hidden = HIDDEN_PER_WIDTH * dim
-        self.experts = GroupedExperts(dim, hidden, self.local)
+        self.experts = GroupedExperts(dim, hidden, self.local, experts)
         nn.init.normal_(self.router.weight, std=init_std)
         with torch.no_grad():  # all E experts from the same stream on every rank; this rank keeps its own
             for local in self.experts.parameters():
                 full = torch.empty(experts, *local.shape[1:]).normal_(std=init_std)
                 local.copy_(full[self.first : self.first + self.local])
         self.register_buffer("tokens", torch.zeros(self.local), persistent=False)
+        self.routed = torch.zeros(experts, dtype=torch.long)  # this rank's tokens' choices per expert (the load)
         self.aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +90,8 @@ class MoEFeedForward(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         choices = chosen.reshape(-1)
         counts = torch.bincount(choices, minlength=self.num_experts)
+        if self.training and torch.is_grad_enabled():
+            self.routed = self.routed.to(counts.device) + counts.detach()
         share = counts.float() / choices.numel()
         self.aux_loss = self.num_experts * (share * probs.mean(0)).sum()
         order = torch.argsort(choices, stable=True)

@@ -7,7 +7,9 @@ same ``ep`` coordinate are the expert-data-parallel replicas. After backward, th
 synced over every rank by one state and the experts over ``mesh["dp_replicate"]`` by another, each
 expert its own matrix (`edgc.distributed.experts`), both with ``synchronize`` (the Megatron-style sync after
 backward: one call of the same tensors every step, so a resumed run continues bit for bit; DDP's
-buckets, rebuilt after its first step, would not). Compressors:
+buckets, rebuilt after its first step, would not). Each rank's loss is the mean over its own tokens, and
+the experts' state scales their gradients by 1/ep (`edgc.distributed.scaling`): the same gradients at any
+ep. Compressors:
 
 ==============  ===========================================================================
 ``allreduce``   our uncompressed all-reduce of both groups (`edgc.AllReduceState`)
@@ -16,7 +18,9 @@ buckets, rebuilt after its first step, would not). Compressors:
 ==============  ===========================================================================
 
 Each train line carries the bytes of each group (``dense_bytes_sent`` …, ``expert_bytes_sent`` …)
-beside their sums, and the load-balancing loss (``aux_loss``; ``loss`` is the next-token loss alone).
+beside their sums, the load-balancing loss (``aux_loss``; ``loss`` is the next-token loss alone), and the
+experts' load of rank 0's tokens (``expert_max_share``: the busiest expert's share of a layer's routed
+tokens; ``experts_idle``: a layer's experts that got none; both averaged over the layers).
 
 Checkpoints: one model and optimizer file per ``ep`` rank (``model_ep{i}.pt``), written by its replica
 0; each rank's compressor file holds both states. Replicas are verified before each checkpoint and at
@@ -120,7 +124,7 @@ class MoERunner(DataParallelRunner):
         self.module.to(device)
         edp = self.mesh["dp_replicate"]
         for layer in self.layers:
-            mark_experts(layer.experts, edp, first=layer.first, tokens=layer.tokens)
+            mark_experts(layer.experts, edp, first=layer.first, ep=cfg.ep, tokens=layer.tokens)
         self.n_params = count_parameters(self.module)
         self.compressor = MoECompressor(cfg.compressor, self.module, cfg.edgc_config, edp)
         ep_rank, replica = self.mesh["ep"].get_local_rank(), self.mesh["dp_replicate"].get_local_rank()
@@ -131,6 +135,14 @@ class MoERunner(DataParallelRunner):
     def ddp(self) -> torch.nn.Module:
         """What train_step runs forward through: no DDP, both groups synced after backward."""
         return self.module
+
+    def train_step(self) -> tuple[float, dict]:
+        """`DataParallelRunner.train_step`, each layer's token counter reset first: the model counts a step's
+        tokens, the experts' state reads them (`edgc.distributed.expert_tokens`)."""
+        for layer in self.layers:
+            layer.tokens.zero_()
+            layer.routed = torch.zeros_like(layer.routed)
+        return super().train_step()
 
     def auxiliary_loss(self) -> torch.Tensor:
         return self.cfg.moe_aux_weight * sum(layer.aux_loss for layer in self.layers)
@@ -159,8 +171,14 @@ class MoERunner(DataParallelRunner):
         torch._foreach_mul_(grads[0] + grads[1], scale)
 
     def step_extra(self) -> dict:
-        aux = sum(float(layer.aux_loss.detach()) for layer in self.layers) / max(1, len(self.layers))
-        return {"aux_loss": aux, **self.compressor.group_metrics()}
+        """The load-balancing loss, each group's bytes, and the experts' load of this rank's tokens, as the
+        mean over layers of the busiest expert's share of the routed tokens and of the experts that got none."""
+        layers = max(1, len(self.layers))
+        aux = sum(float(layer.aux_loss.detach()) for layer in self.layers) / layers
+        loads = [layer.routed.tolist() for layer in self.layers]
+        share = sum(max(load) / max(1, sum(load)) for load in loads) / layers
+        idle = sum(load.count(0) for load in loads) / layers
+        return {"aux_loss": aux, "expert_max_share": share, "experts_idle": idle, **self.compressor.group_metrics()}
 
     def verify_replicas(self, verify) -> None:
         """The experts (and everything) over their expert-data-parallel group, the dense parameters over all."""

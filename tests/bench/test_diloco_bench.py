@@ -84,7 +84,7 @@ def write_run(
                 outer += 1
                 evals.append({"kind": "eval", "step": step + 1, "clock": clock, "val_loss": loss_at(step + 1)})
             lines.append(record)
-        lines.append({"kind": "final", "t": t, "steps": steps, "checksum": "same", "heals": 0})
+        lines.append({"kind": "final", "t": t, "steps": steps, "checksum": "same", "heals": 0, "tensors": 7})
         if group == 0:
             lines += evals
         (run_dir / f"group{group}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -149,6 +149,7 @@ def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat(tmp_path):
             write_run(run_dir, 5, hosts=hosts, payload=raw if sync == "diloco" else int(0.098 * raw), wire=int(wire))
             rows.append({**diloco_table.measure(run_dir, hosts, 20, None), "hosts": hosts, "sync": sync})
     assert rows[0]["wire_bytes"] == int(2 * 2 / 3 * raw) and rows[0]["outer_step_s"] == pytest.approx(4 * 0.5 + 1.0)
+    rows.append({**rows[0], "delay_ms": 15.0, "outer_step_s": 4.5})  # a run with latency added: its own table
     text = markdown(
         {
             "rows": rows,
@@ -165,11 +166,12 @@ def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat(tmp_path):
     assert (
         "- ✓ quant3-2s: wire ÷ torchft's 0.098 · 0.098 · 0.098 at 3, 6, 12 groups (≤ 0.12 at each), spread 0.0%" in text
     )
+    assert "| 3 | 30 ms | 4.50 s (no delay 3.00 s) / – (no delay 3.00 s) / – (no delay 3.00 s) |" in text
 
 
 def test_measures_from_the_logs(tmp_path):
     r = run_result(tmp_path, "diloco-edgc", 1, 5, skip={(2, 3)})
-    assert r["outer_steps"] == 4 and r["steps_done"] == 20 and r["identical"] is True
+    assert r["outer_steps"] == 4 and r["steps_done"] == 20 and r["identical"] is True and r["tensors"] == 7
     assert r["participation"]["fraction"] == [1.0, 1.0, 0.75]
     assert r["floor_s"] == 0.5 and r["sync_step_s"] == 1.0 and r["payload_bytes"] == 1000
     assert r["evals"][-1] == (20, pytest.approx(12.0), pytest.approx(6.0)) and r["final_loss"] == pytest.approx(6.0)
@@ -234,6 +236,8 @@ def test_the_committed_page_comes_from_a_run():
         (dict(scaling_syncs="quant3,int7"), "--scaling-syncs: edgc or a registered sync method"),
         (dict(scaling="3,x"), "--scaling: expected host counts"),
         (dict(scaling="1,6"), "--scaling: every host count must be in 2..64"),
+        (dict(delay_ms="0,x"), "--delay-ms: expected milliseconds"),
+        (dict(delay_ms="-5"), "--delay-ms: every delay must be ≥ 0"),
         (dict(outer_sync="sparse64-mom"), "--outer-sync: .*modifier 'mom'"),
         (dict(methods="diloco,diloco-edgc@int7"), "--methods: edgc or a registered sync method"),
         (dict(methods="diloco,ddp@quant3"), "--methods: each of"),
@@ -256,6 +260,7 @@ def test_bad_flags_get_one_line(tmp_path, flags, message):
             "outer_sync": "quant3-2s",
             "scaling": None,
             "scaling_syncs": "quant3,quant3-2s",
+            "delay_ms": "0",
             **flags,
         }
     )
@@ -278,6 +283,7 @@ def test_methods_choose_the_runs_and_an_outer_sync_each(tmp_path):
         outer_sync="sparse64-mom0",
         scaling=None,
         scaling_syncs="quant3,quant3-2s",
+        delay_ms="0",
     )
     options = diloco_options(settings, argparse.Namespace(**vars(args), methods="diloco,diloco-edgc@quant3"))
     assert options.methods == ("diloco", "diloco-edgc@quant3") and options.kill_at is None

@@ -12,7 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 from distributed_harness import run_distributed  # noqa: E402
 
 from edgc import EDGCConfig  # noqa: E402
+from edgc.device.graphs import GraphRegion  # noqa: E402
+from edgc_bench.capture_check import passing_regions  # noqa: E402
 from edgc_bench.dispatch_count import (  # noqa: E402
+    GRAPH_LAUNCH,
     DispatchCounter,
     count_engine_call,
     count_gpt2_step,
@@ -181,3 +184,64 @@ def test_an_engine_call_grows_with_its_shapes_and_by_two_kernels_per_matrix():
     assert same_dtype[1]["mm"] - same_dtype[0]["mm"] == 7
     mixed = count_engine_call((1600, 6400), 2, other_shape=(1600, 4800))
     assert mixed.dispatches > one  # a second shape adds its products
+
+
+def launches(fn) -> DispatchCounter:
+    with DispatchCounter() as counter:
+        fn()
+    return counter
+
+
+def test_a_cat_counts_the_copies_cuda_launches_for_it():
+    """CUDA batches a cat's copies when every input has the output's dtype (128 inputs a launch, 64 when
+    one is strided) and copies input by input otherwise: a gather of strided bf16 views into fp32, as the
+    entropy sample is taken, is one copy per tensor."""
+    from edgc.control.entropy import strided_copy
+
+    def cat(n: int, stride: int = 1, dtype=torch.float32, out_dtype=None, dims: int = 1):
+        inputs = [torch.empty((2,) * (dims - 1) + (8,), dtype=dtype)[..., ::stride] for _ in range(n)]
+        out = None if out_dtype is None else torch.empty(n * 8 // stride, dtype=out_dtype)
+        return launches(lambda: torch.cat(inputs, out=out) if out is not None else torch.cat(inputs)).by_op["cat"]
+
+    assert [cat(1), cat(128), cat(129), cat(200)] == [1, 1, 2, 2]  # contiguous: 128 a launch
+    assert [cat(64, stride=2), cat(65, stride=2)] == [1, 2]  # strided: 64 a launch
+    assert cat(30, stride=2, dtype=torch.bfloat16, out_dtype=torch.float32) == 30  # casts: one copy each
+    assert cat(7, dims=5) == 7  # more than 4 dimensions: one copy each
+    grads = [torch.empty(64, 48, dtype=torch.bfloat16) for _ in range(12)]
+    assert launches(lambda: strided_copy(grads, 5)).by_op["cat"] == 12
+    assert launches(lambda: torch.stack([torch.empty(4, 4) for _ in range(3)])).total == 1
+
+
+class Regions:
+    """Two graph regions over kept buffers; ``host_read`` plants a host read in the second."""
+
+    def __init__(self, host_read: bool, graphs: bool = True):
+        self.x, self.y = torch.ones(8), torch.zeros(8)
+        self.first = GraphRegion("first", graphs=graphs)
+        self.second = GraphRegion("second", graphs=graphs)
+        self.host_read = host_read
+
+    def step(self):
+        self.first(lambda: self.y.copy_(self.x.mul(2).add_(1)), self.x, self.y)  # 3 launches
+        self.second(self._second, self.x, self.y)  # 2 launches, + the read's
+
+    def _second(self):
+        self.x.add_(self.y).mul_(0.5)
+        if self.host_read:
+            self.x.sum().item()
+
+
+def test_a_region_the_capture_checker_passes_counts_one_launch_per_call():
+    regions = Regions(host_read=True)
+    passed = passing_regions(regions.step)
+    assert passed == {"first"}  # the second reads the host: its operators count one by one
+    with DispatchCounter(passed) as counter:
+        regions.step()
+        regions.step()
+    assert counter.by_op[GRAPH_LAUNCH] == 2 and counter.in_graphs == {"mul": 2, "add_": 2, "copy_": 2}
+    assert counter.by_op["add_"] == counter.by_op["mul_"] == 2 and counter.by_op["sum"] == 2
+    assert counter.total == 2 + 2 * 4  # two replays, the second region's four launches per step
+    eager = Regions(host_read=False, graphs=False)  # a region that asks for no graphs runs its operators
+    with DispatchCounter({"first", "second"}) as counter:
+        eager.step()
+    assert GRAPH_LAUNCH not in counter.by_op and counter.total == 5

@@ -64,6 +64,45 @@ def test_two_hosts_all_reduce_and_cleanup():
     assert mine(net.prefix) == []
 
 
+ECHO = """
+import socket, sys, time
+if sys.argv[1] == "serve":
+    server = socket.create_server(("0.0.0.0", 29512))
+    peer, _ = server.accept()
+    while data := peer.recv(64):
+        peer.sendall(data)
+else:
+    for _ in range(100):
+        try:
+            peer = socket.create_connection((sys.argv[1], 29512))
+            break
+        except OSError:
+            time.sleep(0.1)
+    peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    trips = []
+    for _ in range(5):
+        start = time.perf_counter()
+        peer.sendall(b"x")
+        peer.recv(1)
+        trips.append(time.perf_counter() - start)
+    print(min(trips), flush=True)
+"""
+
+
+@needs_netns
+def test_a_delay_holds_every_frame_each_way_and_goes_with_the_network():
+    net = Network(hosts=2, rate_mbit=20, prefix=f"edgcb-test-{os.getpid()}-d", delay_ms=20)
+    with net:
+        line = net.processes[0]
+        net.popen(0, [sys.executable, "-c", ECHO, "serve"], timeout_s=60)
+        client = net.popen(1, [sys.executable, "-c", ECHO, net.addr(0)], timeout_s=60, stdout=subprocess.PIPE)
+        out, _ = client.communicate(timeout=90)
+        assert client.returncode == 0 and float(out) >= 2 * 0.020  # a round trip crosses the delay line twice
+    assert line.poll() is not None and mine(net.prefix) == []
+    with pytest.raises(ValueError, match="delay_ms"):
+        Network(hosts=2, delay_ms=-1)
+
+
 @needs_netns
 def test_cleanup_after_an_exception_and_failed_setup():
     net = Network(hosts=2, rate_mbit=None, prefix=f"edgcb-test-{os.getpid()}-x")

@@ -1,24 +1,31 @@
 """Mixture of experts (`edgc.distributed.experts`, `edgc.policies.rank_split`): dense gradients over the
 whole data-parallel group, stacked experts over their expert-data-parallel group, each expert its own matrix.
 
-Single process: the split's arithmetic (same bytes, bounds, proportions), the split of a stacked
-gradient into views, the one-line refusals of a bad mark. On 4 gloo processes, EP 2 × DP 2 (one call
-each): with synchronize, the warm-up's averages are the exact means of their groups, every compressed
-step keeps each expert identical on its replicas and conserves Ĝ + mean(e) = mean(G + e), ranks split
-by tokens are agreed and cost the uniform bytes, a resumed pair of states continues bit for bit, and an
-expert handed to the dense state, or experts marked with the wrong group, are refused in one line
-before anything is sent; with FSDP2/HSDP, experts sharded on their own mesh take a state of their own.
+Single process: the split of a stacked gradient into views (the rest: test_experts_found.py). On 4 gloo
+processes, EP 2 × DP 2 (one call): with synchronize, the warm-up's averages are the exact means of their
+groups (the experts' scaled by 1/ep), every compressed step keeps each expert identical on its replicas
+and conserves Ĝ + mean(e) = mean(G/ep + e), ranks split by tokens are agreed and cost the uniform bytes,
+a resumed pair of states continues bit for bit, and an expert handed to the dense state, or experts marked
+with the wrong group, are refused in one line before anything is sent. Without marks: a torchtitan-style
+DTensor sharded on the EP dimension is synced as experts by the state on its group (as if marked) and
+refused in one line by the dense state; a ``GroupedExperts`` holding 2 of 4 experts as plain tensors is
+refused. DDP: a DDP built after ``ignore_experts`` leaves the experts to their state; a DDP whose buckets
+hold experts (ep 1, found by class) splits them into matrices. torchtitan's load balancing (an optimizer
+pre-hook that reads and zeroes a per-global-expert counter) sees every count with a split by tokens on,
+and an expert that gets no token for several steps is given rank 1.
 """
 
+import expert_cases
 import pytest
 import torch
 from distributed_harness import run_distributed
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from edgc import EDGCConfig, EDGCState
 from edgc.distributed.agreement import SettingsDiffer
-from edgc.distributed.experts import Experts, dense_parameters, expert_parameters, mark_experts
-from edgc.policies.rank_split import TokenSplit, largest_rank, share_ranks
+from edgc.distributed.expert_sync import Experts
+from edgc.distributed.experts import dense_parameters, expert_parameters, mark_experts
 
 EXPERTS, LOCAL, D, H = 4, 2, 12, 24
 COMPRESS = dict(
@@ -41,10 +48,14 @@ class Model(nn.Module):
 
     def forward(self, x):
         h = self.dense(x)
-        route = torch.tensor([0, 0, 1] * (len(x) // 3))
+        route = self.route(len(x))
         self.tokens += torch.bincount(route, minlength=LOCAL).float()
-        out = torch.stack([self.experts.w[e] @ row for e, row in zip(route, h)])
+        w = self.experts.w.to_local() if isinstance(self.experts.w, DTensor) else self.experts.w
+        out = torch.stack([w[e] @ row for e, row in zip(route, h)])
         return out.square().mean()
+
+    def route(self, rows: int) -> torch.Tensor:
+        return torch.tensor([0, 0, 1] * (rows // 3))
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -52,53 +63,18 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- one process
-def test_shares_sum_to_the_budget_within_bounds_in_proportion():
-    assert share_ranks(16, [1, 2, 3, 10], cap=64) == [1, 2, 3, 10]
-    assert share_ranks(8, [1, 1, 1, 1], cap=64) == [2, 2, 2, 2]
-    capped = share_ranks(16, [0, 0, 1, 100], cap=6)  # the heavy one capped, the rest refilled
-    assert sum(capped) == 16 and max(capped) == 6 and min(capped) >= 1
-    for weights in ([3, 1], [0.5, 0.25, 0.25], [7, 0, 0, 1, 2]):
-        ranks = share_ranks(4 * len(weights), weights, cap=12)
-        assert sum(ranks) == 4 * len(weights) and all(1 <= r <= 12 for r in ranks)
-
-
-def test_the_token_split_keeps_each_stacked_parameters_bytes():
-    def compressed(shape, rank):
-        m, n = shape
-        return min(rank, m, n) if (m + n) * min(rank, m, n) * 2 < m * n else 0
-
-    groups = {"w": [(f"w[{i}]", (24, 12)) for i in range(4)]}
-    assert TokenSplit().ranks(2, groups, {}, compressed) == {}  # uncounted: every expert at the rank
-    ranks = TokenSplit().ranks(2, groups, {"w[0]": 10.0, "w[1]": 2.0, "w[2]": 2.0, "w[3]": 2.0}, compressed)
-    full = {f"w[{i}]": ranks.get(f"w[{i}]", 2) for i in range(4)}
-    assert sum(full.values()) == 4 * 2  # the bytes of rank 2 for all four (their shapes are one)
-    assert full["w[0]"] == largest_rank((24, 12), compressed) == 3  # the heavy one at its cap
-    assert sorted(full[f"w[{i}]"] for i in (1, 2, 3)) == [1, 2, 2]  # the rest share what is left
-
-
 def test_a_stacked_gradient_splits_into_views_named_by_global_expert():
     grad = torch.zeros(2, 3, 4)
     experts = Experts({}, {})
     model = nn.Module()
     model.w = nn.Parameter(torch.zeros(2, 3, 4))
-    mark_experts(model, None, first=6)
+    mark_experts(model, None, first=6, ep=1)
     experts = Experts({"w": model._edgc_experts}, {"w": (2, 3, 4)})
     names, views = experts.expand(["bias", "w"], [torch.zeros(3), grad])
     assert names == ["bias", "w[6]", "w[7]"]
     views[2].fill_(1.0)
     assert grad[1].eq(1).all() and grad[0].eq(0).all()
     assert experts.matrix_shapes({"w": (2, 3, 4)})["w[7]"] == (3, 4)
-
-
-def test_a_mark_that_cannot_be_experts_is_refused_in_one_line():
-    module = nn.Linear(4, 4)
-    for call, words in (
-        (lambda: mark_experts(module, None, first=0), "stacks its experts on dim 0"),
-        (lambda: mark_experts(nn.Module(), None, first=0), "has no parameters"),
-    ):
-        with pytest.raises(ValueError, match=words) as error:
-            call()
-        assert "\n" not in str(error.value)
 
 
 # ---------------------------------------------------------------------------- EP 2 × DP 2, synchronize
@@ -142,7 +118,7 @@ def ddp_style(rank: int, world: int) -> dict:
 
     def build():
         model = Model(ep_rank)
-        mark_experts(model.experts, edp, first=ep_rank * LOCAL, tokens=model.tokens)
+        mark_experts(model.experts, edp, first=ep_rank * LOCAL, ep=2, tokens=model.tokens)
         config = EDGCConfig(**COMPRESS)
         return model, EDGCState(None, config, model=model), EDGCState(edp, config, model=model)
 
@@ -169,6 +145,10 @@ def ddp_style(rank: int, world: int) -> dict:
     experts.load_state_dict(saved[1])
     out["resumed"] = steps(model, dense, experts, rank, 3, 6)
     out["refusals"] = refusals(rank, edp, mesh["ep"], ep_rank)
+    out["unmarked"] = expert_cases.unmarked(Model, rank, mesh, ep_rank, COMPRESS, batch, 2)
+    out["ddp"] = expert_cases.ddp_paths(Model, rank, mesh, ep_rank, COMPRESS, batch)
+    out["balancing"] = expert_cases.load_balancing(Model, rank, mesh, ep_rank, COMPRESS, batch, 4)
+    out["dead"] = expert_cases.dead_expert(Model, rank, mesh, ep_rank, COMPRESS, batch, 4)
     return out
 
 
@@ -177,7 +157,7 @@ def refusals(rank: int, edp, ep, ep_rank: int) -> dict:
     out = {}
     for case, group in (("dense state", None), ("wrong group", ep)):
         model = Model(ep_rank)
-        mark_experts(model.experts, edp if group is None else group, first=ep_rank * LOCAL)
+        mark_experts(model.experts, edp if group is None else group, first=ep_rank * LOCAL, ep=2)
         state = EDGCState(group, EDGCConfig(**COMPRESS), model=model)
         model(batch(rank, 0)).backward()
         local = [p.grad.clone() for p in model.parameters()]
@@ -203,7 +183,7 @@ def test_the_warm_up_averages_dense_over_all_ranks_and_experts_over_their_replic
         assert torch.allclose(synced["dense.weight"], sum(local["dense.weight"]) / 4, atol=1e-6)
         replicas = [r for r in range(4) if ddp_runs[r]["ep_rank"] == out["ep_rank"]]
         mean = sum(local["experts.w"][r] for r in replicas) / 2
-        assert torch.allclose(synced["experts.w"], mean, atol=1e-6)
+        assert torch.allclose(synced["experts.w"], mean / 2, atol=1e-6)  # scaled by 1/ep (edgc.distributed.scaling)
         assert not torch.allclose(mean, sum(local["experts.w"]) / 4)  # the whole group's would be wrong
 
 
@@ -215,10 +195,10 @@ def test_compressed_steps_keep_replicas_identical_and_conserve_the_mean(ddp_runs
             assert all(torch.equal(g, everyone["dense.weight"][0]) for g in everyone["dense.weight"])
             replicas = [r for r in range(4) if ddp_runs[r]["ep_rank"] == out["ep_rank"]]
             assert torch.equal(everyone["experts.w"][replicas[0]], everyone["experts.w"][replicas[1]])
-            for i in range(LOCAL):  # Ĝ + mean(e) = mean(G + e) for each expert's own matrix
+            for i in range(LOCAL):  # Ĝ + mean(e) = mean(G/ep + e) for each expert's own matrix
                 name = f"experts.w[{out['ep_rank'] * LOCAL + i}]"
                 before, after = out["errors"][step][name]
-                m = sum(ddp_runs[r]["records"][step]["local"]["experts.w"][i] + before[r] for r in replicas) / 2
+                m = sum(ddp_runs[r]["records"][step]["local"]["experts.w"][i] / 2 + before[r] for r in replicas) / 2
                 assert torch.allclose(record["grads"]["experts.w"][i] + sum(after) / 2, m, atol=1e-5), name
 
 
@@ -252,3 +232,67 @@ def test_experts_on_the_wrong_group_are_refused_in_one_line_before_anything_is_s
     assert all(line and "\n" not in line for line in lines), lines
     assert all(word in lines[0] for word in words), lines[0]
     assert all(out["refusals"][case]["untouched"] for out in ddp_runs)
+
+
+# ---------------------------------------------------------------------------- without marks, DDP, counters
+def test_a_torchtitan_style_expert_dtensor_without_marks_is_synced_as_experts_over_its_group(ddp_runs):
+    for out in ddp_runs:
+        first = out["ep_rank"] * LOCAL
+        for found, marked in zip(out["unmarked"]["found"], out["records"]):  # the same steps as marked
+            assert {f"experts.w[{first}]", f"experts.w[{first + 1}]"} <= set(found["ranks"])
+            for name, grad in marked["grads"].items():
+                assert torch.equal(found["grads"][name], grad), name
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("dense state", ("experts.w holds experts split over the expert-parallel ranks", "a state on its")),
+        ("split unnamed", ("experts.w holds 2 of its module's 4 experts", "mark_experts(module, group")),
+    ],
+)
+def test_an_unmarked_expert_a_state_cannot_average_is_refused_in_one_line_naming_it(ddp_runs, case, words):
+    lines = [out["unmarked"][case]["line"] for out in ddp_runs]
+    assert all(line and "\n" not in line for line in lines), lines
+    assert all(word in lines[0] for word in words), lines[0]
+    assert all(out["unmarked"][case]["step"] == 0 for out in ddp_runs)
+
+
+def test_a_ddp_built_after_ignore_experts_leaves_the_experts_to_their_state(ddp_runs):
+    warmup = [out["ddp"]["ignored"][0] for out in ddp_runs]
+    for out in ddp_runs:
+        record = out["ddp"]["ignored"][0]
+        assert record["phase"] == "warmup"
+        local_dense = [r["grads"]["dense.weight"] for r in warmup]
+        assert all(torch.equal(g, local_dense[0]) for g in local_dense)  # DDP averaged the dense part
+        replicas = [r for r in range(4) if ddp_runs[r]["ep_rank"] == out["ep_rank"]]
+        mean = sum(warmup[r]["local"] for r in replicas) / 2  # what DDP left: each rank's own experts
+        assert torch.allclose(record["grads"]["experts.w"], mean / 2, atol=1e-6)
+        assert "before wrapping it" in out["ddp"]["wrapped"] and "\n" not in out["ddp"]["wrapped"]
+
+
+def test_a_ddp_bucket_holding_experts_splits_them_into_matrices(ddp_runs):
+    for out in ddp_runs:
+        warmup, compressed = out["ddp"]["in buckets"]
+        assert {f"experts.w[{i}]" for i in range(2 * LOCAL)} <= set(compressed["ranks"])
+        for record in (warmup, compressed):
+            for name, grad in record["grads"].items():
+                assert torch.equal(grad, ddp_runs[0]["ddp"]["in buckets"][0 if record is warmup else 1]["grads"][name])
+
+
+def test_torchtitan_style_load_balancing_still_sees_its_counts_with_a_split_by_tokens(ddp_runs):
+    for out in ddp_runs:
+        balancing, first = out["balancing"], out["ep_rank"] * LOCAL
+        assert all(torch.equal(s, c) for s, c in zip(balancing["seen"], balancing["counted"]))  # untouched
+        assert balancing["bias"].abs().sum() > 0
+        # the split's weights: this rank's experts' rows, summed over their replicas, per step
+        assert balancing["weights"][1] == {f"experts.w[{first}]": 8.0, f"experts.w[{first + 1}]": 4.0}
+
+
+def test_an_expert_that_gets_no_token_for_several_steps_is_given_rank_one(ddp_runs):
+    for out in ddp_runs:
+        first = out["ep_rank"] * LOCAL
+        for record in out["dead"][2:]:  # after the first window's count
+            assert record["ranks"][f"experts.w[{first + 1}]"] == 1
+            assert record["ranks"][f"experts.w[{first}]"] > COMPRESS["r_max"]  # its share goes to the live one
+            assert record["grad"][1].eq(0).all()

@@ -12,6 +12,7 @@ TESTS = Path(__file__).resolve().parents[1]
 # Every file that may skip, and what of the machine it needs. Nothing else may skip.
 MACHINE_SKIPS = {
     "gpu/test_cuda.py": "a CUDA device (EDGC_TEST_DEVICE=cuda), NCCL",
+    "gpu/test_cuda_graphs.py": "a CUDA device (graph capture)",
     "bench/test_gpu_bench.py": "no CUDA device (the CPU fallback's message)",
     "bench/test_netns.py": "Linux network namespaces and tc (root)",
     "bench/test_link_only.py": "Linux network namespaces and tc (root)",

@@ -11,11 +11,12 @@ outer syncs in tests/integrations/test_diloco_stream_races.py.
 """
 
 import io
+import types
 
 import torch
 from distributed_harness import run_distributed
 from models import TinyTransformer, batch, loss_fn
-from test_ddp import ADAPTIVE, SlowWork
+from test_ddp import ADAPTIVE
 from test_fsdp import COMPRESS, VOCAB, Tiny
 from test_fsdp import batch as fsdp_batch
 from torch import nn
@@ -23,6 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
+from edgc.device import timing
+from edgc.distributed import comm
 from edgc.integrations.diloco import DiLoCo
 from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook
 from edgc_bench.stream_check import StreamChecker
@@ -48,16 +51,43 @@ def check(result: dict) -> None:
     assert result["host_syncs"] == [], result["report"]
 
 
+class VirtualWire:
+    """A clock that only the wire moves: every all-reduce's wait adds its bytes at 1 MB/s, and
+    nothing else takes time. Profiling then finds compression faster whatever the checker's cost per
+    kernel and however busy the machine is; a real sleep would make the verdict a timing race."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def wait(self, work, tensor):
+        self.now += tensor.numel() * tensor.element_size() / 1e6
+        return work.wait()
+
+
+class VirtualWireWork:
+    def __init__(self, wire, work, tensor):
+        self.wire, self.work, self.tensor = wire, work, tensor
+
+    def wait(self):
+        return self.wire.wait(self.work, self.tensor)
+
+    def is_completed(self):
+        return False
+
+
 class SlowerWireState(EDGCState):
-    """Every all-reduce waits for its bytes at 1 MB/s: profiling finds compression faster, even with
-    the checker's cost on every kernel of a compressed sync."""
+    """Every all-reduce waits for its bytes at 1 MB/s on the process's virtual clock (`VirtualWire`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        wire = VirtualWire()
+        clock = types.SimpleNamespace(perf_counter=wire.perf_counter)
+        timing.time = comm.time = clock
         issue = self.comm._all_reduce_work
-        self.comm._all_reduce_work = lambda tensor, op: SlowWork(
-            issue(tensor, op), tensor.numel() * tensor.element_size() / 1e6
-        )
+        self.comm._all_reduce_work = lambda tensor, op: VirtualWireWork(wire, issue(tensor, op), tensor)
 
 
 def ddp_worker(rank, world_size, steps):

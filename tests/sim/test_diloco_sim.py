@@ -1,16 +1,33 @@
 """The simulator's DiLoCo at many replica groups (`edgc_sim.diloco`): each collective kind's wire as the
-groups grow, the kinds the registry names, what a lost group costs each method, and the fit to a
-bench's scaling runs recovering the link it was made with."""
+groups grow, the kinds the registry names, latency charged per collective with each method's buckets,
+what a lost group costs each method, and the fit to a bench's scaling runs recovering the link it was
+made with and predicting the runs with latency added."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from edgc.sync.codecs import QuantCodec
 from edgc.sync.sync_methods import ALL_GATHER, TWO_STAGE, sync_method
 from edgc_sim import diloco
-from edgc_sim.diloco import OUTER_SYNCS, Link, Site, crossover, outer_step, sync_seconds, wire_bytes
-from edgc_sim.diloco_report import calibrate_on_bench, markdown
+from edgc_sim.diloco import (
+    MODELS,
+    OUTER_SYNCS,
+    Link,
+    Site,
+    collectives,
+    configured_bucket_values,
+    crossover,
+    latencies,
+    outer_step,
+    sync_seconds,
+    wire_bytes,
+)
+from edgc_sim.diloco_report import GLOO_IN_FLIGHT, calibrate_on_bench, calibration_table, markdown
+
+EIGHT_B = MODELS[1]
+XL_PARAMS, XL_TENSORS = 1_557_611_200, 580  # GPT-2 XL, Hugging Face's layout
 
 
 def test_two_stage_wire_stays_a_fixed_share_of_the_ring_and_the_slots_grow_with_the_groups():
@@ -34,43 +51,104 @@ def test_the_model_prices_the_kinds_the_registry_names_at_the_codecs_bytes():
     assert QuantCodec(3).message_bytes(n) / n == pytest.approx(OUTER_SYNCS["quant3-2s"].bytes_per_value, rel=1e-6)
 
 
-def test_the_one_stage_sync_crosses_torchfts_near_ten_groups_and_the_two_stage_never():
-    site = Site(link_bits_per_s=1e9)
-    assert 9 <= crossover("quant3", 8e9, site) <= 12
-    assert crossover("quant3-2s", 8e9, site) is None and crossover("torchft-fp8", 8e9, site) is None
+def test_latency_is_charged_per_collective_with_each_methods_buckets():
+    groups, two_stage = 12, OUTER_SYNCS["quant3-2s"]
+    assert (
+        two_stage.bucket_values
+        == configured_bucket_values("quant3-2s")
+        == sync_method("quant3-2s").build().bucket_values
+    )
+    buckets = math.ceil(XL_PARAMS / two_stage.bucket_values)
+    assert collectives(two_stage, XL_PARAMS, XL_TENSORS) == 2 * buckets == 5942  # an all-to-all and an all-gather each
+    assert latencies(two_stage, groups, XL_PARAMS, XL_TENSORS) == buckets * (1 + groups - 1)
+    # torchft's DiLoCo all-reduces tensor by tensor, its FP8 path likewise (two-stage per tensor)
+    assert latencies(OUTER_SYNCS["torchft"], groups, XL_PARAMS, XL_TENSORS) == XL_TENSORS * 2 * (groups - 1)
+    assert latencies(OUTER_SYNCS["torchft-fp8"], groups, XL_PARAMS, XL_TENSORS) == XL_TENSORS * groups
+    # the one-stage sync: one message a fragment, whatever its size
+    assert latencies(OUTER_SYNCS["quant3"], groups, XL_PARAMS, XL_TENSORS) == 2 * (groups - 1)
+    assert latencies(two_stage, 1, XL_PARAMS, XL_TENSORS) == 0
+    link, slow = Link(1e8, 0.0, 0.5), Link(1e8, 0.03, 0.5)
+    for sync in OUTER_SYNCS.values():
+        added = sync_seconds(sync, XL_PARAMS, groups, slow, 1e-9, XL_TENSORS) - sync_seconds(
+            sync, XL_PARAMS, groups, link, 1e-9, XL_TENSORS
+        )
+        assert added == pytest.approx(0.03 * latencies(sync, groups, XL_PARAMS, XL_TENSORS))
+    fewer = replace(two_stage, bucket_values=math.ceil(XL_PARAMS / 32))
+    assert collectives(fewer, XL_PARAMS, XL_TENSORS) == 64
+
+
+def test_a_process_group_that_runs_two_collectives_at_once_waits_for_fewer_rounds():
+    """gloo runs two at once (its worker threads): collectives issued together wait half as long, and
+    the two-stage sync's next all-to-all goes while this bucket's all-gather runs."""
+    import torch.distributed as dist
+
+    assert GLOO_IN_FLIGHT == dist.ProcessGroupGloo._Options()._threads
+    groups, tensors = 6, 52
+    ring = OUTER_SYNCS["torchft"]
+    assert latencies(ring, groups, 4e6, tensors, in_flight=2) == tensors // 2 * 2 * (groups - 1)
+    assert latencies(ring, groups, 4e6, tensors + 1, in_flight=2) == (tensors // 2 + 1) * 2 * (groups - 1)
+    assert diloco.pipelined_rounds(9, 1, groups - 1, in_flight=1) == 9 * groups  # in turn: every round adds up
+    assert diloco.pipelined_rounds(1, 1, groups - 1, in_flight=2) == groups  # one bucket: nothing to overlap
+    overlapped = [diloco.pipelined_rounds(count, 1, 2, in_flight=2) for count in (9, 30)]
+    assert overlapped == [14, 45]  # 3 groups: about half of 27 and 90
+
+
+def test_without_latency_the_one_stage_sync_crosses_torchfts_near_ten_groups_and_the_two_stage_never():
+    site = Site(link_bits_per_s=1e9, latency_s=0.0)
+    assert 9 <= crossover("quant3", EIGHT_B, site) <= 12
+    assert crossover("quant3-2s", EIGHT_B, site) is None and crossover("torchft-fp8", EIGHT_B, site) is None
+
+
+def test_over_a_wan_the_two_stage_syncs_round_trips_decide_until_its_buckets_are_few():
+    site = Site(link_bits_per_s=1e9, latency_s=0.03)
+    assert crossover("quant3-2s", EIGHT_B, site) == 2  # thousands of buckets, N round trips each
+    few = replace(OUTER_SYNCS["quant3-2s"], bucket_values=math.ceil(EIGHT_B.params / 32))
+    for groups in (8, 1024):
+        assert (
+            outer_step(few, EIGHT_B, groups, site).outer_s
+            < outer_step(OUTER_SYNCS["torchft"], EIGHT_B, groups, site).outer_s
+        )
 
 
 def test_a_lost_group_costs_torchft_its_outer_step_and_edgc_only_the_sync():
     site = Site(link_bits_per_s=1e9)
+    one_b = MODELS[0]
     theirs, mine = (
-        outer_step(OUTER_SYNCS["torchft"], 1e9, 64, site),
-        outer_step(OUTER_SYNCS["quant3-2s"], 1e9, 64, site),
+        outer_step(OUTER_SYNCS["torchft"], one_b, 64, site),
+        outer_step(OUTER_SYNCS["quant3-2s"], one_b, 64, site),
     )
-    heal = site.detect_s + site.heal_bytes_per_param * 1e9 / (1e9 / 8)
+    heal = site.detect_s + site.heal_bytes_per_param * one_b.params / (1e9 / 8)
     assert theirs.loss_cost_s == pytest.approx(heal + theirs.outer_s)
     assert mine.loss_cost_s == pytest.approx(heal + mine.sync_s)
-    never = outer_step(OUTER_SYNCS["torchft"], 70e9, 1024, Site(link_bits_per_s=1e8))
+    never = outer_step(OUTER_SYNCS["torchft"], MODELS[2], 1024, Site(link_bits_per_s=1e8))
     assert never.goodput <= 0 and math.isinf(never.days_to(1e12, site, 1024))
     with pytest.raises(ValueError, match="link_bits_per_s"):
         Site(link_bits_per_s=0)
 
 
-def synthetic_bench(link: Link, codec: float, floor: float = 0.3, h: int = 10, params: float = 4e6) -> dict:
-    """Scaling rows whose outer steps are the model's own at ``link``: the fit must give it back."""
-    rows = []
-    for hosts in (3, 6, 12):
-        for name, sync in (("diloco", "torchft"), ("quant3", "quant3"), ("quant3-2s", "quant3-2s")):
-            seconds = h * floor + sync_seconds(OUTER_SYNCS[sync], params, hosts, link, codec)
-            rows.append(
-                {
-                    "hosts": hosts,
-                    "sync": name,
-                    "payload_bytes": 4 * params,
-                    "floor_s": floor,
-                    "outer_step_s": seconds,
-                    "wire_bytes": wire_bytes(OUTER_SYNCS[sync], params, hosts),
-                }
-            )
+def synthetic_bench(
+    link: Link, codec: float, floor: float = 0.3, h: int = 10, params: float = 4e6, delay_ms: float = 0.0
+) -> dict:
+    """Scaling rows whose outer steps are the model's own at ``link`` (and, with ``delay_ms``, the same
+    runs with that one-way delay added to each round of each collective): the fit must give it back."""
+    rows, tensors = [], 52
+    for delay in (0.0, delay_ms) if delay_ms else (0.0,):
+        delayed = replace(link, latency_s=link.latency_s + 2 * delay / 1e3)
+        for hosts in (3, 6, 12):
+            for name, sync in (("diloco", "torchft"), ("quant3", "quant3"), ("quant3-2s", "quant3-2s")):
+                seconds = h * floor + sync_seconds(OUTER_SYNCS[sync], params, hosts, delayed, codec, tensors)
+                rows.append(
+                    {
+                        "hosts": hosts,
+                        "sync": name,
+                        "payload_bytes": 4 * params,
+                        "floor_s": floor,
+                        "outer_step_s": seconds,
+                        "wire_bytes": wire_bytes(OUTER_SYNCS[sync], params, hosts),
+                        "delay_ms": delay,
+                        "tensors": tensors,
+                    }
+                )
     return {
         "rows": rows,
         "options": {"sync_every": h},
@@ -79,14 +157,23 @@ def synthetic_bench(link: Link, codec: float, floor: float = 0.3, h: int = 10, p
     }
 
 
-def test_the_fit_on_three_and_six_hosts_gives_back_the_link_and_predicts_twelve():
-    link = Link(2.3e6, 0.0, 0.4)
-    result = calibrate_on_bench(synthetic_bench(link, 2e-8))
+def test_the_fit_on_three_and_six_hosts_gives_back_the_link_and_predicts_twelve_and_the_added_latency():
+    link = Link(2.3e6, 0.002, 0.4, GLOO_IN_FLIGHT)
+    result = calibrate_on_bench(synthetic_bench(link, 2e-8, params=3e6, delay_ms=15))
     assert result["link"].bytes_per_s == pytest.approx(2.3e6, rel=1e-6)
+    assert result["link"].latency_s == pytest.approx(0.002, rel=1e-6)
     assert result["link"].overhead_s == pytest.approx(0.4, rel=1e-6) and result["codec_s_per_value"] == pytest.approx(
         2e-8
     )
     assert all(abs(r["error"]) < 1e-6 for r in result["rows"])
-    assert {r["hosts"] for r in result["rows"] if not r["fitted"]} == {12}
-    text = markdown(Site(), synthetic_bench(link, 2e-8))
+    assert {r["hosts"] for r in result["rows"] if r["extrapolated"]} == {12}
+    assert not any(r["fitted"] for r in result["rows"] if r["round_trip_s"])  # checked, not fitted
+    assert {r["round_trip_s"] for r in result["rows"]} == {0.0, 0.03}
+    assert "✓ with latency added" in calibration_table(result, 20)
+    text = markdown(Site(), synthetic_bench(link, 2e-8, params=3e6))
     assert "(extrapolation)" in text and "sim-diloco-calibration:start" in text and "none up to 1,024" in text
+    untold = synthetic_bench(link, 2e-8)
+    for row in untold["rows"]:
+        del row["tensors"]
+    with pytest.raises(ValueError, match="names no parameter tensors"):
+        calibrate_on_bench(untold)

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgc_bench.dispatch_count import DispatchCounter, _zeros
+from edgc_bench.dispatch_count import DispatchCounter
 from edgc_bench.gpt2_layout import GPT2_SIZES, gpt2_parameters
 from edgc_bench.gpu_support import counted_host_reads
+from edgc_bench.hook_steps import _zeros
 from edgc_bench.stand_ins import counting_communicator
 from edgc_sim import cost_model as cm
 from edgc_sim import engine_model as em

@@ -6,8 +6,13 @@ these are read here, by name, and nowhere else:
 
 * ``FSDPModule._get_fsdp_state()._fsdp_param_groups``: a module's parameter groups, whose
   ``fsdp_params`` (each with its ``sharded_size`` and padding) lay out the hook's flat buffer, the
-  attributes ``foreach_reduce`` itself uses to view it; on unregistering, each group's
-  ``_all_reduce_hook`` is cleared (FSDP2 has no call that removes it).
+  attributes ``foreach_reduce`` itself uses to view it.
+* ``FSDPParamGroup._all_reduce_hook``: the hook ``foreach_reduce`` calls with that group's buffer, set
+  per group (what ``FSDPModule.set_all_reduce_hook`` sets on each of a module's groups; it refuses a
+  module with several groups, whose meshes differ, as one hook would not know which it was called
+  for: each group's own hook does), and cleared on unregistering (FSDP2 has no call that removes it).
+* ``FSDPParamGroup.gradient_divide_factor``: what ``FSDPModule.set_gradient_divide_factor`` set (None:
+  FSDP's own division), which sets the gradient scale (`edgc.distributed.scaling`).
 * ``FSDPParamGroup._orig_dtype``, ``._reduce_scatter_process_group`` and
   ``_fsdp_collectives._get_gradient_divide_factors``: whether FSDP2 reads the buffer again as soon as
   the hook returns (a cast, a division after the reduction), so that the hook must finish first; and
@@ -31,19 +36,14 @@ def param_groups(module: FSDPModule) -> list:
     return module._get_fsdp_state()._fsdp_param_groups
 
 
-def param_group(module: FSDPModule):
-    """The single FSDP parameter group of one `fully_shard`-ed module, or None (no parameters).
+def set_all_reduce_hook(group, hook) -> None:
+    """Set (None: clear) the all-reduce hook of one FSDP parameter group."""
+    group._all_reduce_hook = hook
 
-    FSDP2 keeps the layout (``fsdp_params``, ``sharded_size``, padding) in private state; the
-    attributes used here are those `foreach_reduce` itself uses to view the same buffer.
-    """
-    groups = param_groups(module)
-    if len(groups) > 1:
-        raise ValueError(
-            "EDGC for FSDP supports one parameter group per fully_shard call "
-            "(no per-parameter meshes from shard_placement_fn)"
-        )
-    return groups[0] if groups else None
+
+def divides(group) -> bool:
+    """Whether FSDP divides the gradients of ``group`` itself (no ``set_gradient_divide_factor`` given)."""
+    return group.gradient_divide_factor is None
 
 
 def reads_buffer_after_hook(group, reduce_output: torch.Tensor) -> bool:
@@ -70,12 +70,6 @@ def reads_buffer_after_hook(group, reduce_output: torch.Tensor) -> bool:
         fp.sharded_param.grad is not None or getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
         for fp in group.fsdp_params
     )
-
-
-def remove_all_reduce_hooks(module: FSDPModule) -> None:
-    """Unregister the all-reduce hook of every parameter group of ``module``."""
-    for group in param_groups(module):
-        group._all_reduce_hook = None
 
 
 def unsharded_size(fsdp_param) -> torch.Size:

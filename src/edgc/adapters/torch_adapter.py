@@ -15,6 +15,8 @@ Each is read here, by name, and nowhere else:
 * ``OpOverload._schema``, ``ScriptObject._type()`` and ``StreamSynchronizations._state_wait_for_other``
   (``torch.cuda._sanitizer``): what the bench's stream checker (`edgc_bench.stream_check`) reads of an
   operator's arguments, of a boxed work or process group, and how it orders one stream after another.
+* ``UntypedStorage._cdata``: a storage's identity, fake tensors' too, which the capture checker
+  (`edgc_bench.capture_check`) compares between steps.
 * ``ProcessGroupGloo._Options`` and an options object's ``_timeout``: the one way to give a
   DeviceMesh's gloo and NCCL groups the default group's timeout (`edgc.distributed.mesh`).
 
@@ -77,6 +79,12 @@ def op_schema(func):
 def script_type(value: torch.ScriptObject) -> str:
     """The TorchScript class name of a boxed object (a ``Work``, a ``ProcessGroup``)."""
     return str(value._type())
+
+
+def storage_identity(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (the same for every view of it, fake tensors included), unique
+    among the storages alive."""
+    return tensor.untyped_storage()._cdata
 
 
 def sanitizer_wait(syncs, waiting: dict, state: dict) -> None:

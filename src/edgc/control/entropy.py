@@ -29,6 +29,13 @@ c = ⌈β-sample size / cap⌉, from the element count of the step before), so t
 never gathered: gathering and concatenating it cost more than the histogram (~30 ms on that
 preset). On the first sampled step, before any count, each bucket's β sample is gathered and
 thinned before they are joined.
+
+Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a
+layer with dead experts would pile their zeros into the histogram and pull the estimate (and the rank)
+down. The exact zeros of the experts' matrices are left out of the sample (`add(..., experts=…)`): one
+more read of the step's count of them, at the step's end, where the estimate reads anyway. A live
+expert's gradient has next to no exact zeros; a dense parameter's zeros (an embedding's unused rows)
+stay, as the paper's estimator has them.
 """
 
 from __future__ import annotations
@@ -131,6 +138,14 @@ def drop_nonfinite(sample: torch.Tensor, bounds: tuple | None = None) -> tuple[t
     return sample[finite], int(sample.numel() - kept)
 
 
+def nonzero_values(values: torch.Tensor) -> torch.Tensor:
+    """The elements of ``values`` that are not exactly zero, in order (one read of their count, through
+    `edgc.device.timing.to_host`: step end only; the gather itself reads nothing)."""
+    keep = values.ne(0)
+    (count,) = timing.to_host(keep.sum())
+    return values[torch.nonzero_static(keep, size=int(count)).reshape(-1)]
+
+
 def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.Tensor, int]:
     """Every ``stride``-th element of each tensor, as one fp32 vector, and the non-finite count."""
     return drop_nonfinite(strided_copy(tensors, stride))
@@ -169,9 +184,14 @@ class StepGather:
         self.room: torch.Tensor | None = None
         self.filled = 0
         self.parts: list[torch.Tensor] = []
+        self.expert_parts: list[torch.Tensor] = []  # experts' matrices: their exact zeros left out at the end
         self.seconds = 0.0
 
-    def add(self, tensors: list[torch.Tensor]) -> None:
+    def add(self, tensors: list[torch.Tensor], experts: list[torch.Tensor] = ()) -> None:
+        if experts:
+            self.expert_parts.append(strided_copy(experts, self.stride))
+        if not tensors:
+            return
         if self.room is None and self.room_size and not self.filled:
             self.room = torch.empty(self.room_size, dtype=torch.float32, device=tensors[0].device)
         size = strided_size(tensors, self.stride)
@@ -184,6 +204,8 @@ class StepGather:
     def sample(self, cap: int | None) -> torch.Tensor:
         """The step's sample, in the order its buckets came, thinned to ``cap`` if not already."""
         parts = ([self.room[: self.filled]] if self.filled else []) + self.parts
+        if self.expert_parts:
+            parts.append(nonzero_values(torch.cat(self.expert_parts)))
         size = sum(part.numel() for part in parts)
         if cap is not None and not self.thinned and size > cap:  # thinned before the copy into one
             parts = [part[:: math.ceil(size / cap)] for part in parts]
@@ -233,14 +255,21 @@ class EntropySampler:
         room = math.ceil(self.elements_per_step / stride) + self.tensors_per_step if self.tensors_per_step else None
         self._gather = StepGather(step, stride, thinned, room)  # at most a step's elements
 
-    def add(self, tensors: Iterable[torch.Tensor]) -> None:
-        tensors = list(tensors)
-        self._counted[0] += sum(t.numel() for t in tensors)  # every step: the next sample's stride needs it
-        self._counted[1] += len(tensors)
-        if self._gather is None or not tensors:
+    @property
+    def sampling(self) -> bool:
+        """Whether this step gathers a sample (`add`'s tensors are read)."""
+        return self._gather is not None
+
+    def add(self, tensors: Iterable[torch.Tensor], experts: Iterable[torch.Tensor] = ()) -> None:
+        """Count (and on a sampled step gather) ``tensors``, and ``experts``: experts' matrices, whose exact
+        zeros the sample leaves out (the module docstring)."""
+        tensors, experts = list(tensors), list(experts)
+        self._counted[0] += sum(t.numel() for t in tensors) + sum(t.numel() for t in experts)  # the next stride
+        self._counted[1] += len(tensors) + len(experts)
+        if self._gather is None or not (tensors or experts):
             return
         start = time.perf_counter()
-        self._gather.add(tensors)
+        self._gather.add(tensors, experts)
         self._gather.seconds += time.perf_counter() - start
 
     def estimate(self, sample: torch.Tensor, bounds: tuple | None = None) -> float:

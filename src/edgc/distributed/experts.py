@@ -1,46 +1,57 @@
-"""Mixture-of-experts: each expert's gradient averaged over its expert-data-parallel group, as a matrix of its own.
+"""Mixture-of-experts: which parameters are experts, and over which group each expert's gradient is averaged.
 
-With expert parallelism (EP) a layer's E experts are split over the ranks of an EP group, and every
+With expert parallelism (EP) a layer's E experts are split over the ``ep`` ranks of an EP group, and every
 rank routes its tokens to them with an all-to-all. A dense parameter is then averaged over the whole
 data-parallel group (all replicas hold it), an expert's over its *expert-data-parallel* (EDP) group
 only: the ranks that hold the same experts (EP 2 × DP 2 on 4 ranks: dense over 4, each expert over 2).
 The experts of a layer are stored as torchtitan stores them, one 3-D ``[E_local, ·, ·]`` parameter per
-projection, which compressed as one matrix would mix unrelated experts in one low-rank factor.
+projection, which compressed as one matrix would mix unrelated experts in one low-rank factor: a state
+splits it and compresses each expert as a matrix of its own (`edgc.distributed.expert_sync`).
 
-So the experts module is marked, and a state given ``model=`` (or the FSDP hook) knows its experts:
+**Which parameters are experts** (`expert_marks`), the first that applies:
 
-    mark_experts(layer.experts, edp_group, first=ep_rank * E_local, tokens=layer.tokens_per_expert)
+* a module `mark_experts` marked: its group, first expert and ``ep`` as told (the override);
+* a DTensor parameter sharded on dim 0 over a mesh dimension named in ``EXPERT_MESH_DIMS`` (``"ep"``,
+  torchtitan's name and this library's mesh's): ``ep`` is that dimension's size, its first expert its
+  coordinate there times the experts per rank;
+* the parameters of a module whose class is named in ``EXPERT_MODULES`` (``GroupedExperts``:
+  torchtitan's and this harness's, matched by name, so the library imports neither), each a ``[E, ·, ·]``
+  stack. One that holds all of its module's experts (``num_experts``, where it says) is its experts at
+  ep = 1. One that holds fewer as plain tensors is split over ranks no one named: a state handed it
+  refuses it in one line before its first step (mark it).
+
+Never from a shape alone: a fused ``[3, h, d]`` QKV weight is one dense parameter. A found expert is
+averaged over the group of the state it reaches, which must hold one replica of it per rank: a state
+whose group holds two ranks of its EP dimension (a dense state handed it) refuses it in one line,
+naming it, before anything is sent; which experts each rank holds is compared with the other settings
+at the first step (`edgc.distributed.agreement`). Its token counter is the nearest 1-D buffer named in
+``TOKEN_COUNTERS`` on its module or the two above (torchtitan's ``tokens_per_expert_E``).
+
+Marked, with a state per group:
+
+    mark_experts(layer.experts, edp_group, first=ep_rank * E_local, ep=ep, tokens=layer.tokens_per_expert)
+    ignore_experts(model)                                  # before DDP(model), if DDP syncs the dense part
     dense = EDGCState(dp_group, config, model=model)       # every parameter but the experts
     experts = EDGCState(edp_group, config, model=model)    # the experts, each its own matrix
     loss.backward()
-    dense.synchronize(dense_parameters(model))             # or DDP with ignore_experts(ddp_model)
+    dense.synchronize(dense_parameters(model))
     experts.synchronize(expert_parameters(model))
 
-A state that syncs a marked parameter:
-
-* **splits it by expert**: ``grad[i]`` is the matrix of global expert ``first + i``, named
-  ``name[first + i]`` (its error feedback, Q and rank are its own), a view of the gradient, so its
-  average lands in place;
-* **refuses it on another group** than the one it was marked with, in one line, before anything is
-  sent (a dense state handed experts would average different experts together);
-* **agrees on it**: which experts it holds joins the settings its group compares at the first step
-  (`edgc.distributed.agreement`), so a group whose ranks hold different experts is refused there;
-* **counts its tokens**: ``tokens`` (a ``[E_local]`` tensor the model adds the tokens routed to
-  each local expert to, on the device) is summed over the group and reset at every window's end,
-  for a rank split by tokens (`edgc.policies.rank_split`).
+An expert's gradient is scaled by 1/ep before its average (the tokens of its ep peers are in it): the
+result is the same at any ep. The contract, and FSDP's division off (torchtitan's), is
+`edgc.distributed.scaling`'s, the one place gradients are scaled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..adapters import torch_adapter
-from ..device.timing import to_device, to_host
 from .mesh import as_process_group, local_tensor
 
 __all__ = [
@@ -50,42 +61,79 @@ __all__ = [
     "expert_parameters",
     "dense_parameters",
     "ignore_experts",
-    "Experts",
+    "EXPERT_MESH_DIMS",
+    "EXPERT_MODULES",
+    "TOKEN_COUNTERS",
 ]
 
 MARK = "_edgc_experts"  # the attribute a marked module carries
+EXPERT_MESH_DIMS = ("ep",)  # a DTensor Shard(0) over a mesh dimension of one of these names: experts split over it
+EXPERT_MODULES = ("GroupedExperts",)  # class names of modules that stack their experts on dim 0
+TOKEN_COUNTERS = ("tokens_per_expert_E", "tokens_per_expert", "tokens")  # a found experts module's counter
+COUNTER_DEPTH = 2  # modules above a found experts module searched for its counter
 
 
 @dataclass(frozen=True)
 class ExpertMark:
-    """What `mark_experts` attached to an experts module."""
+    """What makes a parameter's dim 0 a stack of experts: `mark_experts`'s, or found (`expert_marks`)."""
 
-    first: int  # global index of the module's first local expert
-    ranks: tuple[int, ...]  # global ranks of the expert-data-parallel group that averages them
-    tokens: torch.Tensor | None = None  # [E_local]: tokens routed to each local expert, added by the model
+    first: int  # global index of the first expert this EP rank holds
+    ranks: tuple[int, ...] | None  # global ranks of the expert-data-parallel group; None: found, the state's
+    tokens: torch.Tensor | None = None  # the model's counter, per local ([count]) or global ([count·ep]) expert
+    ep: int = 1  # expert-parallel ranks the layer's experts are split over (its gradient sums their tokens)
+    count: int = 0  # experts this EP rank holds (dim 0 as marked)
+    ep_ranks: tuple[int, ...] | None = None  # found on an EP mesh dimension: its global ranks
+    unknown: str | None = None  # found but split over ranks no one named: why a state refuses it
 
 
-def mark_experts(module: nn.Module, group, *, first: int, tokens: torch.Tensor | None = None) -> None:
-    """Mark ``module``'s parameters as stacked experts: dim 0 is the expert, ``first`` the global index of
-    its first local one, ``group`` (a process group or a 1-D DeviceMesh) the expert-data-parallel group
-    that averages them; ``tokens`` (optional, ``[E_local]``) the model's count of tokens routed to each."""
+def mark_experts(module: nn.Module, group, *, first: int, ep: int, tokens: torch.Tensor | None = None) -> None:
+    """Mark ``module``'s parameters as stacked experts (call before wrapping the model): dim 0 is the expert,
+    ``first`` the global index of this rank's first one, ``ep`` the expert-parallel ranks the layer's experts
+    are split over (1: every expert on every rank), ``group`` (a process group or a 1-D DeviceMesh) the
+    expert-data-parallel group that averages them; ``tokens`` (optional) the model's counter of tokens
+    routed to each local expert (``[E_local]``) or each global one (``[E]``), read and never written."""
     params = list(module.parameters())
     if not params:
         raise ValueError("mark_experts: the module has no parameters")
-    count = local_tensor(params[0]).shape[0] if local_tensor(params[0]).dim() else 0
-    if count < 1 or any(local_tensor(p).dim() < 2 or local_tensor(p).shape[0] != count for p in params):
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"mark_experts: ep must be an integer ≥ 1 (the expert-parallel ranks), got {ep!r}")
+    rows = [_rows(p, ep) if p.dim() >= 2 else 0 for p in params]
+    if rows[0] < 1 or any(r != rows[0] for r in rows):
         raise ValueError(
             "mark_experts: every parameter of an experts module stacks its experts on dim 0 "
             f"([E_local, …], at least 2-D), got shapes {[tuple(local_tensor(p).shape) for p in params]}"
         )
     if not isinstance(first, int) or first < 0:
         raise ValueError(f"mark_experts: first must be an integer ≥ 0, got {first!r}")
-    if tokens is not None and tokens.shape != (count,):
-        raise ValueError(f"mark_experts: tokens must have shape ({count},) (one count per local expert)")
+    if tokens is not None and tuple(tokens.shape) not in ((rows[0],), (rows[0] * ep,)):
+        raise ValueError(
+            f"mark_experts: tokens must have shape ({rows[0]},) (one count per local expert) or "
+            f"({rows[0] * ep},) (per global expert), got {tuple(tokens.shape)}"
+        )
     process_group = as_process_group(group)
     initialized = dist.is_available() and dist.is_initialized()
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD)) if initialized else (0,)
-    setattr(module, MARK, ExpertMark(first, ranks, tokens))
+    setattr(module, MARK, ExpertMark(first, ranks, tokens, ep, rows[0]))
+
+
+def _rows(p: torch.Tensor, ep: int) -> int:
+    """Experts of ``p`` on one EP rank: dim 0 of the tensor the model sees (a DTensor's global shape), per
+    EP rank where a DTensor is sharded over an EP dimension."""
+    return p.shape[0] // ep if _expert_placement(p) is not None else p.shape[0]
+
+
+def _expert_placement(p: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+    """(ep, this rank's coordinate, that dimension's global ranks) of a DTensor sharded on dim 0 over a mesh
+    dimension named in ``EXPERT_MESH_DIMS``; None for anything else."""
+    if not isinstance(p, DTensor):
+        return None
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names or ()
+    for dim, placement in enumerate(p.placements):
+        if dim < len(names) and names[dim] in EXPERT_MESH_DIMS and placement.is_shard(0):
+            ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
+            return mesh.size(dim), mesh.get_local_rank(dim), ranks
+    return None
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -93,36 +141,92 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _counter(inner: nn.Module, prefix: str, rows: int, ep: int) -> torch.Tensor | None:
+    """A found experts module's token counter: the nearest 1-D buffer named in ``TOKEN_COUNTERS`` of one
+    count per local or global expert, on the module or the ``COUNTER_DEPTH`` modules above it."""
+    parts = prefix.split(".") if prefix else []
+    for depth in range(len(parts), max(-1, len(parts) - COUNTER_DEPTH - 1), -1):
+        owner = inner.get_submodule(".".join(parts[:depth]))
+        buffers = dict(owner.named_buffers(recurse=False))
+        for name in TOKEN_COUNTERS:
+            buffer = buffers.get(name)
+            if isinstance(buffer, torch.Tensor) and buffer.dim() == 1 and buffer.shape[0] in (rows, rows * ep):
+                return buffer
+    return None
+
+
+def _found_module(inner: nn.Module, prefix: str, module: nn.Module) -> ExpertMark | None:
+    """The mark of an experts module found by its class (see the module docstring), or None: its own
+    parameters do not stack experts on dim 0 alike."""
+    params = [p for _, p in module.named_parameters(recurse=False)]
+    if not params or any(p.dim() < 3 for p in params):
+        return None
+    placement = _expert_placement(params[0])
+    ep, coordinate, ep_ranks = placement if placement is not None else (1, 0, None)
+    rows = params[0].shape[0] // ep
+    if rows < 1 or any(_rows(p, ep) != rows or (_expert_placement(p) is None) != (placement is None) for p in params):
+        return None
+    tokens = _counter(inner, prefix, rows, ep)
+    total = getattr(module, "num_experts", None)
+    if placement is None and isinstance(total, int) and rows < total:
+        reason = (
+            f"holds {rows} of its module's {total} experts ({type(module).__name__}, plain tensors), split over "
+            "expert-parallel ranks that no state was told"
+        )
+        return ExpertMark(0, None, tokens, 1, rows, None, reason)
+    return ExpertMark(coordinate * rows, None, tokens, ep, rows, ep_ranks)
+
+
 def expert_marks(model: nn.Module | None) -> dict[str, ExpertMark]:
-    """Parameter name (as ``model.named_parameters()`` names it, without DDP's ``module.``) → its mark."""
+    """Parameter name (as ``model.named_parameters()`` names it, without DDP's ``module.``) → its mark, for
+    every parameter that is experts (the module docstring's order: marked, then found)."""
     inner = None if model is None else _inner(model)
     if not isinstance(inner, nn.Module):  # a stand-in that only names parameters marks no expert
         return {}
-    marks = {}
+    marks: dict[str, ExpertMark] = {}
     for prefix, module in inner.named_modules():
         mark = getattr(module, MARK, None)
         if mark is not None:
-            for name, _ in module.named_parameters():
-                marks[f"{prefix}.{name}" if prefix else name] = mark
+            marks.update({_joined(prefix, name): mark for name, _ in module.named_parameters()})
+    for prefix, module in inner.named_modules():
+        if type(module).__name__ in EXPERT_MODULES:
+            found = _found_module(inner, prefix, module)
+            for name, _ in module.named_parameters(recurse=False) if found is not None else ():
+                marks.setdefault(_joined(prefix, name), found)
+    for name, p in inner.named_parameters():
+        placement = _expert_placement(p) if name not in marks and p.dim() >= 3 else None
+        if placement is not None:
+            ep, coordinate, ep_ranks = placement
+            marks[name] = ExpertMark(coordinate * (p.shape[0] // ep), None, None, ep, p.shape[0] // ep, ep_ranks)
     return marks
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every marked expert parameter: what the experts' state synchronizes."""
+    """(name, parameter) of every expert parameter (marked or found): what the experts' state synchronizes."""
     marks = expert_marks(model)
     return [(name, p) for name, p in _inner(model).named_parameters() if name in marks]
 
 
 def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every other parameter: what the dense state synchronizes."""
+    """(name, parameter) of every other parameter (shared experts included): what the dense state synchronizes."""
     marks = expert_marks(model)
     return [(name, p) for name, p in _inner(model).named_parameters() if name not in marks]
 
 
 def ignore_experts(module: nn.Module) -> None:
-    """Leave the marked experts (and their token counters) out of a DDP built on ``module`` afterwards
-    (call before wrapping): DDP averages over the whole data-parallel group, and broadcasts buffers
-    from its rank 0; the experts need their own group's state, and each rank counts its own tokens."""
+    """Leave the experts (and their token counters) out of a DDP built on ``module`` afterwards: call it on
+    the module before wrapping it (a DDP already built has chosen its parameters). DDP averages over the
+    whole data-parallel group, and broadcasts buffers from its rank 0; the experts need their own group's
+    state, and each rank counts its own tokens."""
+    if isinstance(getattr(module, "_orig_mod", module), nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "ignore_experts: call it on the module before wrapping it in DistributedDataParallel (the DDP "
+            "given has chosen the parameters it averages)"
+        )
     marks = expert_marks(module)
     counters = {id(mark.tokens) for mark in marks.values() if mark.tokens is not None}
     names = list(marks) + [name for name, buffer in module.named_buffers() if id(buffer) in counters]
@@ -132,131 +236,3 @@ def ignore_experts(module: nn.Module) -> None:
 def expert_name(name: str, index: int) -> str:
     """The matrix of global expert ``index`` in the stacked parameter ``name``."""
     return f"{name}[{index}]"
-
-
-class Experts:
-    """The stacked expert parameters one state may sync (see the module docstring), held by its
-    `edgc.safeguards.guards.UsageGuard`: ``marks`` and ``shapes`` (this rank's stacked shape) by parameter name, and
-    ``first``, the global index of the expert of each one's first row (the mark's, or an FSDP shard's
-    own: `hold`). ``synced``: those this state was handed; ``counted``: the tokens of each since the
-    window began, taken from the model's counters at every step (this rank's, kept with its checkpoint)."""
-
-    def __init__(self, marks: dict[str, ExpertMark], shapes: dict[str, tuple[int, ...]]):
-        self.marks = dict(marks)
-        self.shapes = {name: tuple(shapes[name]) for name in marks if name in shapes}
-        self.first = {name: mark.first for name, mark in marks.items()}
-        self.synced: set[str] = set()
-        self.counted: dict[str, torch.Tensor] = {}
-        self._checked: set[str] = set()
-
-    def __getstate__(self) -> dict:
-        """Without the model's token counters (device tensors of this run)."""
-        marks = {name: ExpertMark(mark.first, mark.ranks) for name, mark in self.marks.items()}
-        return {**self.__dict__, "marks": marks, "_checked": set()}
-
-    def hold(self, name: str, mark: ExpertMark, first: int, shape: tuple[int, ...]) -> None:
-        """Sync ``name`` (this rank's rows of shape ``shape``) as experts whose first row is global expert
-        ``first``: an FSDP shard of a marked parameter."""
-        self.marks[name], self.first[name], self.shapes[name] = mark, first, tuple(shape)
-
-    def expand(self, names: list[str], grads: list[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
-        """Each stacked expert gradient replaced by its experts' matrices (views), named `expert_name`."""
-        if not self.marks or not any(name in self.marks for name in names):
-            return names, grads
-        out_names, out_grads = [], []
-        for name, grad in zip(names, grads):
-            if name not in self.marks:
-                out_names.append(name)
-                out_grads.append(grad)
-                continue
-            self.synced.add(name)
-            first = self.first[name]
-            out_names += [expert_name(name, first + i) for i in range(grad.shape[0])]
-            out_grads += list(grad.unbind(0))
-        return out_names, out_grads
-
-    def check_group(self, state_name: str, names: Iterable[str], ranks) -> None:
-        """Refuse, in one line, an expert parameter handed to a state on another group than its own
-        (``ranks()``: the state's global ranks, asked only when a name is new)."""
-        for name in names:
-            if name in self._checked or name not in self.marks:
-                continue
-            mark, group = self.marks[name], list(ranks())
-            if list(mark.ranks) != group:
-                raise RuntimeError(
-                    f"{state_name}: {name} holds experts averaged over their expert-data-parallel group, "
-                    f"global ranks {list(mark.ranks)}, but this state averages over {group}: sync the "
-                    "experts with a state of their own on that group (and leave them out of this one: "
-                    "edgc.distributed.experts.dense_parameters, ignore_experts)"
-                )
-            self._checked.add(name)
-
-    def agreed(self, ranks: list[int]) -> dict[str, list]:
-        """What every rank of a group of global ``ranks`` must hold alike: each stacked parameter marked
-        for that group, and its first expert (ranks holding other experts are not each other's replicas)."""
-        held = sorted((name, self.first[name]) for name, mark in self.marks.items() if list(mark.ranks) == ranks)
-        return {"experts held": held} if held else {}
-
-    def matrix_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """``shapes`` (parameter name → shape) with each expert's matrix beside its stacked parameter."""
-        out = dict(shapes)
-        for matrices in self.groups().values():
-            out.update(matrices)
-        return out
-
-    def groups(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-        """Stacked parameter → (matrix name, its shape) of each of its experts: the matrices a rank split
-        shares one rank budget among."""
-        return {
-            name: [(expert_name(name, self.first[name] + i), shape[1:]) for i in range(shape[0])]
-            for name, shape in self.shapes.items()
-        }
-
-    def count_tokens(self) -> None:
-        """Add the model's counters of the experts this state syncs to ``counted`` and reset them (device
-        adds, no host read, no collective): at every step, after the forward that counted them."""
-        counters = {}
-        for name in sorted(self.synced):
-            tokens = self.marks[name].tokens
-            if tokens is None:
-                continue
-            start = self.first[name] - self.marks[name].first
-            rows = tokens.detach()[start : start + self.shapes[name][0]].to(torch.float64)
-            kept = self.counted.get(name)
-            if kept is None or kept.device != rows.device:  # the first step, or the first after a load
-                kept = self.counted[name] = torch.zeros_like(rows) if kept is None else to_device(kept, rows.device)
-            kept += rows
-            counters[id(tokens)] = tokens
-        for tokens in counters.values():
-            tokens.zero_()
-
-    def take_tokens(self, comm) -> dict[str, float]:
-        """Matrix name → the tokens routed to its expert since the last call, summed over ``comm``'s group
-        (integer counts in float64: exact, the same on every rank), ``counted`` reset. Collective over
-        the group (one all-reduce, not the step's traffic); nothing without counters."""
-        names = sorted(self.counted)
-        if not names:
-            return {}
-        summed = torch.cat([self.counted[name] for name in names])
-        if comm.issues and comm.world_size > 1:
-            issued_before = comm.mark()
-            comm.all_reduce(summed)
-            comm.forget_since(*issued_before)
-        values, out = to_host(summed), {}
-        for name in names:
-            count = self.counted[name].numel()
-            out.update({expert_name(name, self.first[name] + i): values[i] for i in range(count)})
-            values = values[count:]
-            self.counted[name].zero_()
-        return out
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tokens counted since the window began, by parameter name."""
-        return {name: counted.detach().cpu().clone() for name, counted in self.counted.items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | None) -> None:
-        self.counted = {
-            name: to_device(counted.to(torch.float64), device or "cpu")
-            for name, counted in state.items()
-            if name in self.marks
-        }

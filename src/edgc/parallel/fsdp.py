@@ -21,14 +21,25 @@ over the replicate group with `GradientReducer.reduce_tensors`: the same `EDGCSt
 sharded gradients FSDP then hands to the optimizer. With ``MixedPrecisionPolicy(reduce_dtype=
 torch.bfloat16)`` the shards are bf16; factors and error feedback are fp32 (see `edgc.engine.lowrank`).
 
-The model must be sharded on a 1-D mesh (the shard dimension): with a 2-D mesh FSDP runs its
-own replica all-reduce before the hook, and there would be nothing left to compress. Every
-module is sharded on one mesh, whose ranks the state's group meets only at this rank: the state
-averages one shard with the same shard of the other replicas. A module on another mesh (experts
-sharded on an expert-data-parallel mesh) is refused in one line: it needs a state of its own, on
-the replicate group that goes with its mesh (`mesh_refusal`); so is a state whose group holds other
-shards of a module (built on the shard mesh, or on the default group). Which shard each rank of
-the state's group holds is compared before the first step sends anything (`edgc.distributed.agreement`).
+Every parameter group is sharded on a 1-D mesh (its shard dimension): with a 2-D mesh FSDP runs its
+own replica all-reduce before the hook, and there would be nothing left to compress. A module may hold
+several groups, each on a mesh of its own (``fully_shard(block, shard_placement_fn=…)`` returning a
+``ShardPlacementResult`` with another mesh, as torchtitan shards an MoE block's experts on their
+expert-FSDP mesh and the rest on the dense one): each group gets a hook of its own (FSDP2's public
+``set_all_reduce_hook`` refuses such modules, as one hook would not know the group; `fsdp_adapter` sets
+each group's), and each group's shards are averaged over the replicate group that goes with its mesh,
+by the state given for that mesh (``{shard mesh: state}``). A 2-D expert mesh ``[dp_replicate, efsdp]``
+is given as its two halves: FSDP shards on ``efsdp``, the experts' state averages over ``dp_replicate``.
+A group on a mesh without a state is refused in one line (`mesh_refusal`); so is a state whose group
+holds other shards of a module (built on the shard mesh, or on the default group). Which shard each
+rank of the state's group holds is compared before the first step sends anything (`edgc.distributed.agreement`).
+
+**FSDP's division** sets the gradient scale (`edgc.distributed.scaling`, the contract): where FSDP divides
+(its default: by the shard mesh's size) the states average over their replicate groups, the experts'
+gradients scaled by 1/ep; where the division is off (``set_gradient_divide_factor`` set, torchtitan's
+1.0 with its loss divided by the global tokens) FSDP's division is the user's whole scaling and the
+states sum over their replicate groups, experts included. The groups one state averages must agree on
+it, and it must not change once the hook is registered: either is refused in one line.
 
 A group's job is started in its hook and goes on while the next groups' backward runs, unless
 FSDP2 reads the buffer right after the hook (it casts a ``reduce_dtype`` buffer to the parameters'
@@ -46,6 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -58,6 +70,7 @@ from ..device import streams
 from ..distributed.comm import Communicator
 from ..distributed.experts import ExpertMark, expert_marks
 from ..distributed.mesh import init_parallel_mesh
+from ..distributed.scaling import MEAN, SUM
 from ..safeguards.guards import group_ranks
 from ..sync.reducer import GradientReducer
 
@@ -107,33 +120,33 @@ def mesh_refusal(name: str, mesh: DeviceMesh, reference: DeviceMesh, state_ranks
     return None
 
 
-def _sharded_modules(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
-    """(name, module, its parameter group) of every `fully_shard`-ed module with parameters, in
-    ``model.modules()`` order; a model sharded on a 2-D mesh is refused."""
+def _sharded_groups(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
+    """(name, module, parameter group) of every parameter group with parameters of every `fully_shard`-ed
+    module, in ``model.modules()`` order (a module's groups in FSDP's order); a group on a 2-D mesh is refused."""
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = fsdp_adapter.param_group(module)
-        if group is None or not group.fsdp_params:
-            continue
-        if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
-            raise ValueError(
-                "shard the model on a 1-D mesh (e.g. hsdp_mesh(k)['dp_shard']): on a 2-D mesh FSDP "
-                "all-reduces over the replicas itself before any hook runs"
-            )
-        found.append((f"module {name!r}" if name else "the model", module, group))
+        for group in fsdp_adapter.param_groups(module):
+            if not group.fsdp_params:
+                continue
+            if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
+                raise ValueError(
+                    "shard the model on 1-D meshes (e.g. hsdp_mesh(k)['dp_shard'], a 2-D expert mesh's 'efsdp'): "
+                    "on a 2-D mesh FSDP all-reduces over the replicas itself before any hook runs"
+                )
+            found.append((f"module {name!r}" if name else "the model", module, group))
     return found
 
 
 class FSDPCommHook:
     """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`. ``states``:
-    one state, or a state per shard mesh ({mesh: state}), each module's shards averaged by its mesh's."""
+    one state, or a state per shard mesh ({mesh: state}), each parameter group's shards averaged by its mesh's."""
 
     def __init__(self, model: nn.Module, states):
         if not isinstance(model, FSDPModule):
             raise TypeError("register_fsdp_comm_hook needs a model that fully_shard was applied to")
-        sharded = _sharded_modules(model)
+        sharded = _sharded_groups(model)
         if not sharded:
             raise ValueError("the model has no parameters to reduce")
         routes = _routes(states, sharded[0][2].mesh_info.mesh)
@@ -141,9 +154,10 @@ class FSDPCommHook:
         self.states = [state for _, state in routes]
         self.state = self.states[0]
         self.model = model
+        divides = _division(sharded, chosen)
         names = {id(p): name for name, p in model.named_parameters()}
         marks = expert_marks(model)
-        self._groups = []  # (module, [(name, size, padded numel)])
+        self._groups = []  # (module, group, [(name, size, padded numel)])
         shapes: dict[GradientReducer, dict] = {state: {} for state in self.states}
         for (_, module, group), (mesh, state) in zip(sharded, chosen):
             layout = []
@@ -156,25 +170,31 @@ class FSDPCommHook:
                 if name in marks:  # this rank's rows of a stacked experts parameter, each expert its own matrix
                     mark = _expert_route(name, marks[name], mesh, state)
                     state.experts.hold(name, mark, _first_row(fsdp_param, mark, mesh), tuple(size))
-            self._groups.append((module, layout))
-            module.set_all_reduce_hook(self._make_hook(layout, group, state))
+            self._groups.append((module, group, layout))
+            fsdp_adapter.set_all_reduce_hook(group, self._make_hook(layout, group, state, divides[id(state)]))
         # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
         # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
         model.set_reduce_scatter_unused_params(True)
         for mesh, state in routes:
             # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
             state.parameter_shapes = shapes[state]
+            state.follow_fsdp(model, MEAN if divides[id(state)] else SUM)
             # The ranks of the state's group must hold the same shard: compared before anything is sent.
             shard_ranks = dist.get_process_group_ranks(mesh.get_group())
             state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
         self._open: list[GradientReducer] = []  # the states whose step this backward opened, in order
 
-    def _make_hook(self, layout, group, state: GradientReducer):
+    def _make_hook(self, layout, group, state: GradientReducer, divides: bool):
         # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
         # not a gradient and is neither sent nor compressed.
         expected = sum(padded for _, _, padded in layout)
 
         def hook(reduce_output: torch.Tensor) -> None:
+            if fsdp_adapter.divides(group) != divides:
+                raise RuntimeError(
+                    "FSDP's gradient division was changed after register_fsdp_comm_hook, which set the "
+                    "gradient scale from it (edgc.distributed.scaling): set it before registering"
+                )
             if reduce_output.numel() != expected:
                 raise RuntimeError(
                     f"FSDP reduce-scatter output has {reduce_output.numel()} elements, the layout "
@@ -217,8 +237,8 @@ class FSDPCommHook:
 
     def remove(self) -> None:
         """Unregister: FSDP goes back to no replica all-reduce at all (plain FSDP on the shard mesh)."""
-        for module, _ in self._groups:
-            fsdp_adapter.remove_all_reduce_hooks(module)
+        for _, group, _ in self._groups:
+            fsdp_adapter.set_all_reduce_hook(group, None)
         self._groups = []
 
 
@@ -248,22 +268,48 @@ def _route(name: str, mesh: DeviceMesh, routes) -> tuple[DeviceMesh, GradientRed
     raise ValueError(mesh_refusal(name, mesh, routes[0][0], None))
 
 
+def _division(sharded, chosen) -> dict[int, bool]:
+    """id(state) → whether FSDP divides the gradients of the groups it averages (`edgc.distributed.scaling`);
+    a state whose groups differ in it is refused."""
+    divides: dict[int, bool] = {}
+    for (name, _, group), (_, state) in zip(sharded, chosen):
+        mode = fsdp_adapter.divides(group)
+        if divides.setdefault(id(state), mode) != mode:
+            raise ValueError(
+                f"register_fsdp_comm_hook: {name}'s FSDP {'divides' if mode else 'does not divide'} its gradients "
+                "and another group of the same state's mesh the other way: one state averages or sums "
+                "(edgc.distributed.scaling); set_gradient_divide_factor alike on every module"
+            )
+    return divides
+
+
 def _expert_route(name: str, mark: ExpertMark, mesh: DeviceMesh, state: GradientReducer) -> ExpertMark:
     """The mark of an experts parameter as its state sees it (averaged over the state's group, the shard
-    mesh reducing over the rest), or its refusal: its expert-data-parallel group is not the state's group
-    times its shard mesh."""
+    mesh reducing over the rest), or its refusal: a marked one whose expert-data-parallel group is not the
+    state's group times its shard mesh, a found one whose EP ranks those cover twice, one split over
+    ranks no one named."""
     comm = state.comm
     if type(comm) is not Communicator or not comm.issues:
         return mark
     state_ranks, shard_ranks = group_ranks(comm), dist.get_process_group_ranks(mesh.get_group())
-    edp = set(mark.ranks)
-    if len(edp) != len(state_ranks) * len(shard_ranks) or not (set(state_ranks) | set(shard_ranks)) <= edp:
+    covered = set(state_ranks) | set(shard_ranks)
+    if mark.unknown is not None:
         raise ValueError(
-            f"register_fsdp_comm_hook: {name} holds experts averaged over global ranks {list(mark.ranks)}, but "
+            f"register_fsdp_comm_hook: {name} {mark.unknown}: say its expert-data-parallel group with "
+            "edgc.distributed.experts.mark_experts(module, group, first=…, ep=…)"
+        )
+    if mark.ranks is None:
+        wrong = mark.ep_ranks is not None and len(covered & set(mark.ep_ranks)) > 1
+    else:
+        wrong = len(set(mark.ranks)) != len(state_ranks) * len(shard_ranks) or not covered <= set(mark.ranks)
+    if wrong:
+        described = f"{list(mark.ranks)}" if mark.ranks is not None else f"outside its EP ranks {list(mark.ep_ranks)}"
+        raise ValueError(
+            f"register_fsdp_comm_hook: {name} holds experts averaged over global ranks {described}, but "
             f"its state averages over {state_ranks} and its shard mesh over {shard_ranks}: give the experts' "
             "mesh a state on the replicate group of their expert-data-parallel ranks"
         )
-    return ExpertMark(mark.first, tuple(state_ranks), mark.tokens)
+    return replace(mark, ranks=tuple(state_ranks))
 
 
 def _first_row(fsdp_param, mark: ExpertMark, mesh: DeviceMesh) -> int:

@@ -10,7 +10,10 @@ Other matrices keep r. ``EDGCConfig.rank_split`` names the split:
 * ``uniform``: every expert at r (no split);
 * ``tokens``: each expert's share in proportion to the tokens routed to it in the last window (its
   gradient is the sum of theirs), counted by the model and summed over the group at each window's
-  end (`edgc.distributed.experts.Experts.take_tokens`); uniform until a window has been counted.
+  end, per step (`edgc.distributed.expert_tokens`); uniform until a window has been counted. An
+  expert's rank is also capped at its tokens per step (at least 1): a gradient from n tokens has rank
+  at most n, so an expert that got few (or none: a dead expert, rank 1) leaves its share to the others;
+  where the caps leave less than the budget, fewer bytes are sent.
 
 A split is pure logic on agreed values (token counts are exact sums, identical on every rank), so
 every rank computes the same ranks without a broadcast. A new split is one class and one
@@ -39,31 +42,32 @@ def largest_rank(shape: tuple[int, int], compressed: Compressed) -> int:
     return low
 
 
-def share_ranks(total: int, weights: Sequence[float], cap: int) -> list[int]:
+def share_ranks(total: int, weights: Sequence[float], cap: int | Sequence[int]) -> list[int]:
     """Integer ranks in [1, cap], summing to ``total`` (clipped to what [1, cap] allows), as close to
-    ``total``·w/Σw as the bounds allow: entries past the cap fixed at it, then entries below 1 at 1, the
-    rest re-shared each time (an even share where their weights are all 0), then rounded by largest
-    remainder (ties to the earlier entry)."""
+    ``total``·w/Σw as the bounds allow: entries past their cap fixed at it, then entries below 1 at 1,
+    the rest re-shared each time (an even share where their weights are all 0), then rounded by largest
+    remainder (ties to the earlier entry). ``cap``: one for all, or one per entry (each at least 1)."""
     count = len(weights)
-    total = min(max(total, count), count * cap)
+    caps = [max(1, int(c)) for c in cap] if isinstance(cap, Sequence) else [cap] * count
+    total = min(max(total, count), sum(caps))
     fixed: dict[int, float] = {}
     ideal: dict[int, float] = {}
     while len(fixed) < count:
         free = [i for i in range(count) if i not in fixed]
         left, mass = total - sum(fixed.values()), sum(weights[i] for i in free)
         ideal = {i: left * weights[i] / mass if mass > 0 else left / len(free) for i in free}
-        over = [i for i, x in ideal.items() if x > cap]
+        over = [i for i, x in ideal.items() if x > caps[i]]
         under = [i for i, x in ideal.items() if x < 1]
         if not over and not under:
             break
-        fixed.update({i: float(cap) for i in over} if over else {i: 1.0 for i in under})
+        fixed.update({i: float(caps[i]) for i in over} if over else {i: 1.0 for i in under})
     values = {**ideal, **fixed}
-    ranks = [min(cap, max(1, math.floor(values[i]))) for i in range(count)]
+    ranks = [min(caps[i], max(1, math.floor(values[i]))) for i in range(count)]
     order = sorted(range(count), key=lambda i: (-(values[i] - math.floor(values[i])), i))
     spare = total - sum(ranks)
-    while spare > 0:  # largest remainders first, then round again: total ≤ count·cap, so it ends
+    while spare > 0:  # largest remainders first, then round again: total ≤ Σ caps, so it ends
         for i in order:
-            if spare > 0 and ranks[i] < cap:
+            if spare > 0 and ranks[i] < caps[i]:
                 ranks[i] += 1
                 spare -= 1
     return ranks
@@ -106,7 +110,9 @@ class TokenSplit(RankSplit):
             each = compressed(shape, rank)
             if not each:
                 continue  # sent raw at this rank: nothing to share
-            shares = share_ranks(each * len(matrices), counted, largest_rank(shape, compressed))
+            ceiling = largest_rank(shape, compressed)
+            caps = [min(ceiling, max(1, math.ceil(tokens))) for tokens in counted]  # rank ≤ tokens per step
+            shares = share_ranks(each * len(matrices), counted, caps)
             out.update({name: r for (name, _), r in zip(matrices, shares) if r != each})
         return out
 

@@ -41,8 +41,10 @@ from torch import nn
 from ..adapters import torch_adapter
 from ..distributed.agreement import agree
 from ..distributed.comm import Communicator
-from ..distributed.experts import Experts, expert_marks
+from ..distributed.expert_sync import Experts
+from ..distributed.experts import expert_marks
 from ..distributed.mesh import local_tensor
+from ..distributed.scaling import GradientScale
 
 
 def _distributed() -> bool:
@@ -67,6 +69,16 @@ def group_ranks(comm: Communicator) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def ddp_synced_names(model: nn.Module | None) -> list[str] | None:
+    """The names of the parameters ``model`` (a DDP model, or torch.compile's wrapper of one) averages:
+    those that need a gradient and it does not ignore; None for any other module."""
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+        return None
+    ignored = ddp.parameters_to_ignore
+    return [name for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored]
+
+
 def named_parameters(model: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) pairs without DDP's ``module.`` prefix, so names survive (un)wrapping."""
     if model is None:
@@ -86,9 +98,9 @@ class UsageGuard:
         parameters = named_parameters(model)
         self.names = {id(p): name for name, p in parameters}  # id(parameter) → its name
         self.shapes = {name: tuple(local_tensor(p).shape) for name, p in parameters}  # for checking loaded state
-        self.experts = Experts(
-            expert_marks(model), self.shapes
-        )  # the model's stacked experts (`edgc.distributed.experts`)
+        self.experts = Experts(expert_marks(model), self.shapes)  # its stacked experts (`edgc.distributed.experts`)
+        self.scale = GradientScale()  # the one place gradients are scaled (`edgc.distributed.scaling`)
+        self.ddp_synced = ddp_synced_names(model)  # what a DDP model hands its buckets, checked at the first step
         self.checked = False  # the first-use checks ran
         self.agreed = False  # the group compared its settings (`edgc.distributed.agreement`)
         self.also_agreed: dict[str, Any] = {}  # settings an integration added (`GradientReducer.agree_on`)
@@ -179,17 +191,28 @@ class UsageGuard:
         torchft's manager, whose replicas come and go."""
         if self.agreed:
             return
+        if self.ddp_synced:  # an expert DDP would hand it: refused before the first bucket is sent
+            self.check_experts(name, comm, self.ddp_synced)
         if type(settings_group) is Communicator and settings_group.issues:
-            self.also_agreed.update(self.experts.agreed(group_ranks(comm)))
+            ranks = group_ranks(comm)
+            self.also_agreed.update(self.experts.agreed(ranks))
+            self.also_agreed.update(self.scale.agreed(comm.world_size, self.experts.held(ranks)))
             agree(settings_group, name, settings(device), device, group_ranks(settings_group))
         self.agreed = True
 
-    def split_experts(self, name: str, comm: Communicator, names: list[str], grads: list[torch.Tensor]):
-        """``names`` and ``grads`` with each stacked experts gradient split into its experts' matrices
-        (`edgc.distributed.experts.Experts.expand`); an expert parameter on another group than its own (``comm``'s,
-        of the state called ``name``) is refused."""
+    def check_experts(self, name: str, comm: Communicator, names: list[str]) -> None:
+        """Refuse, in one line, an expert parameter among ``names`` that the state called ``name`` (averaging
+        over ``comm``'s group) cannot average (`edgc.distributed.expert_sync.Experts.check_group`): before
+        its first step sends anything."""
         if self.experts.marks and type(comm) is Communicator and comm.issues:
             self.experts.check_group(name, names, lambda: group_ranks(comm))
+
+    def prepare(self, name: str, comm: Communicator, names: list[str], grads: list[torch.Tensor]):
+        """``names`` and ``grads`` as the state's method takes them: each gradient scaled
+        (`edgc.distributed.scaling`), each stacked experts gradient then split into its experts' matrices
+        (`edgc.distributed.expert_sync.Experts.expand`); an expert parameter this state cannot average is refused."""
+        self.check_experts(name, comm, names)
+        self.scale.apply(names, grads, comm.world_size, self.experts.ep)
         return self.experts.expand(names, grads)
 
     def unnamed(self, state_name: str, index: int) -> str:
@@ -213,7 +236,7 @@ class UsageGuard:
 
     def ddp_bucket(self, state_name: str, comm: Communicator, params, grads, last: bool):
         """The names of a DDP bucket's ``params`` (`names_for`) and its ``grads`` with each stacked experts
-        gradient split into its experts' matrices (`split_experts`; None for a sparse bucket's, which is
+        gradient scaled and split into its experts' matrices (`prepare`; None for a sparse bucket's, which is
         not split); ``last`` ends the step. Refuses parameters the first step did not sync."""
         names = self.names_for(state_name, params)
         if self.ddp_names is None:
@@ -227,7 +250,7 @@ class UsageGuard:
             )
         if grads is None:
             return names, None
-        return self.split_experts(state_name, comm, names, list(grads))
+        return self.prepare(state_name, comm, names, list(grads))
 
 
 def check_gradients(state_name: str, params: list[torch.Tensor]) -> None:

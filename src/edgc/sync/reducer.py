@@ -57,13 +57,10 @@ class GradientReducer:
         self.comm = Communicator(process_group)
         self.step = 0  # optimizer steps completed
         self.totals = {"elements_raw": 0, "elements_sent": 0, "bytes_raw": 0, "bytes_sent": 0}
-        # Uncommitted steps: with ``defer_commit`` every step stays pending after its sync until
-        # `commit_step` or `rollback_step` (a fault-tolerant loop decides after the sync whether the
-        # step is applied); its record keeps the snapshot of the state from before it.
+        # Uncommitted steps: with ``defer_commit`` every step stays pending after its sync until `commit_step` or
+        # `rollback_step` (a fault-tolerant loop decides whether it is applied); its record keeps the state before.
         self.defer_commit = False
-        self._guard = UsageGuard(
-            model
-        )  # the parameters' names, the group, one state per DDP model (edgc.safeguards.guards)
+        self._guard = UsageGuard(model)  # the parameters' names, the group, one state per DDP model: guards.py
         self._jobs = JobQueue(self._add_stats)  # how bucket jobs run; the device and its clock
         self._current: StepRecord | None = None  # the step being synced
         self._last: StepRecord | None = None  # the last step closed, settled when the next one begins
@@ -91,9 +88,13 @@ class GradientReducer:
 
     @property
     def experts(self):
-        """The stacked expert parameters it knows (`edgc.distributed.experts.Experts`): from ``model=``, or an
-        FSDP hook."""
+        """The stacked experts it knows (`edgc.distributed.expert_sync.Experts`): from ``model=``, or an FSDP hook."""
         return self._guard.experts
+
+    def follow_fsdp(self, model: nn.Module, convention: str) -> None:
+        """What an FSDP hook (`edgc.parallel.fsdp`) tells it: the gradient scale FSDP's division sets
+        (`edgc.distributed.scaling`), and the model whose forwards count the experts' tokens."""
+        self._guard.scale.use(convention, type(self).__name__)
 
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
         return self._guard.names_for(type(self).__name__, params)
@@ -141,8 +142,7 @@ class GradientReducer:
         if self._current is None:
             self._begin_step(buffer.device)
         self.comm.poll()
-        # A Future holding CUDA tensors must name their device: it records an event on completion
-        # that DDP's stream waits on (no host synchronisation).
+        # A Future of CUDA tensors names their device: DDP's stream waits on its event (no host synchronisation).
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None
         )
@@ -208,6 +208,7 @@ class GradientReducer:
         """
         handed = HandedGradients.of(type(self).__name__, parameters, self.names_for)
         self._guard.fresh_gradients(type(self).__name__, handed.handed)
+        self._guard.check_experts(type(self).__name__, self.comm, handed.dense_names)  # before anything is sent
         self._begin_step(handed.grads[0].device if handed.grads else None)
         self._submit(handed.dense_names, handed.dense)
         for name, grad in handed.sparse:
@@ -224,7 +225,7 @@ class GradientReducer:
         if grads:
             if self.device is None:
                 self._use_device(grads[0].device)
-            names, grads = self._guard.split_experts(type(self).__name__, self.comm, names, grads)  # an expert a matrix
+            names, grads = self._guard.prepare(type(self).__name__, self.comm, names, grads)  # scaled, split
             self._jobs.submit(names, grads, None, None, self._reduce, self._fusion_bytes(self._current))
 
     def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:
