@@ -204,7 +204,10 @@ class FamilyRuns:
         self.data[kind].setdefault(method, {})[key] = run
 
     def save(self) -> None:
-        common.write_json(self.path, self.data)
+        """Written whole or not at all (a copy renamed into place): a run stopped mid-write keeps the last."""
+        partial = self.path.with_suffix(".json.partial")
+        common.write_json(partial, self.data)
+        partial.replace(self.path)
 
 
 def run(args, out, setting, log=print) -> tuple[list[int], list[str], dict, dict]:
@@ -240,8 +243,8 @@ def _tune(args, setting, family: str, methods: list[str], store: FamilyRuns, log
     outer_points = [(m, 1.0) for m in multiples(args.tune_outer, "--tune-outer")]
     tuning_seed = setting.seed + TUNING_SEED_OFFSET
     tried = {name: list(outer_points) for name in methods}
-    for name in methods:  # the outer rates, one batch of runs per method
-        grid = {(name, label(p)): tuned(arms[name], p) for p in outer_points}
+    for p in outer_points:  # the outer rates, in --tune-outer's order, every method at each before the next
+        grid = {(name, label(p)): tuned(arms[name], p) for name in methods}
         _train(args, setting, family, store, "tuning", tuning_seed, grid, log)
     second = {}
     for name in methods:  # the inner rates at the best outer one
@@ -268,8 +271,9 @@ def _point(runs: dict, points: list[tuple[float, float]], none: bool = False) ->
 
 
 def _train(args, setting, family: str, store: FamilyRuns, kind: str, seed: int, arms: dict, log) -> None:
-    """Train the arms ``{(method, key): arm}`` at ``seed`` in one set of replica processes (those found
-    in the store or an earlier folder are taken from there), then write the store."""
+    """Train the arms ``{(method, key): arm}`` at ``seed`` (those found in the store or an earlier folder
+    are taken from there), each in a set of replica processes of its own and written to the store as
+    soon as it ends: a regime stopped on the way keeps every run it finished, and ``--reuse`` resumes it."""
     from .diloco_runs import train_runs
 
     todo = {}
@@ -279,12 +283,14 @@ def _train(args, setting, family: str, store: FamilyRuns, kind: str, seed: int, 
             store.put(kind, name, key, found)
         else:
             todo[name, key] = arm
+    store.save()
     if todo and args.no_train:
         log(f"  {family} {kind} at seed {seed}: not in the --reuse folders, left out: {', '.join(map(str, todo))}")
-    elif todo:
-        runs = train_runs(
+        return
+    for (name, key), arm in todo.items():
+        (result,) = train_runs(
             family,
-            list(todo.values()),
+            [arm],
             seed,
             setting.steps,
             args.replicas,
@@ -292,12 +298,11 @@ def _train(args, setting, family: str, store: FamilyRuns, kind: str, seed: int, 
             cache_dir=setting.cache_dir,
             size=FRONTIER_SIZE,
         )
-        for (name, key), arm, result in zip(todo, todo.values(), runs):
-            store.put(kind, name, key, {**result, "arm": arm, "seed": seed})
-            val = result["val_loss"]
-            log(
-                f"  {family} {kind} {name} {key} (seed {seed}): "
-                f"{'diverged at outer step ' + str(result['diverged_at']) if val is None else f'val {val:.4f}'}, "
-                f"{result['wall_s'] / 60:.1f} min"
-            )
-    store.save()
+        store.put(kind, name, key, {**result, "arm": arm, "seed": seed})
+        store.save()
+        val = result["val_loss"]
+        log(
+            f"  {family} {kind} {name} {key} (seed {seed}): "
+            f"{'diverged at outer step ' + str(result['diverged_at']) if val is None else f'val {val:.4f}'}, "
+            f"{result['wall_s'] / 60:.1f} min"
+        )

@@ -116,3 +116,58 @@ def test_the_summary_pairs_each_outer_step_and_counts_what_holds(tmp_path):
 def test_bad_frontier_flags_exit_with_one_line(tmp_path, capsys, argv, message):
     assert main(["experiment", "diloco", "--regime", "frontier", *argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_stopped_regime_pairs_the_seeds_it_has_and_names_every_run_it_lacks(tmp_path):
+    compare = runs_of({"torchft": (lambda c, s: 0.0, 100.0), "quant3-2s": (lambda c, s: 0.5, 9.8)}, seeds=(1,))
+    sparse = "sparse128-senders-decay0.95-mom0-lr1"
+    tuning = {m: {"outer×1 inner×1": compare[m]["1"]} for m in compare}
+    tuning[sparse] = {
+        "outer×1 inner×1": {**compare["quant3-2s"]["1"], "val": {"20": 4.4, "60": 4.2, "120": 4.1}, "bytes": 1.3}
+    }
+    data = {"gpt2": {"tuning": tuning, "compare": compare}, "llama": {"tuning": {}, "compare": {}}}
+    args = argparse.Namespace(replicas=4, sync_every="15", tune_outer="1,2", tune_inner="", tune_on="gpt2")
+    args.models = "gpt2,llama"
+    chosen = {f: {m: "outer×1 inner×1" for m in ["torchft", "quant3-2s", sparse]} for f in data}
+    result = summarise(
+        tmp_path, argparse.Namespace(steps=1800, seed=1), args, [1, 2, 3], [*compare, sparse], data, chosen
+    )
+    summary = (tmp_path / "summary.md").read_text()
+    assert "quant3-2s (0.098×) 0/1 (seeds: gpt2 1 of 3)" in result["headline"]  # one seed holds nothing
+    assert "+0.50 (1 seed: no interval)" in summary
+    assert "tuning quant3-2s: 1 of 2 grid points" in summary and "quant3-2s at seeds 2, 3" in summary
+    assert f"{sparse} at seeds 1, 2, 3" in summary and "llama: tuning" not in summary
+    assert "llama: torchft at seeds 1, 2, 3" in summary
+    assert "+9.73 at 20 → +4.74 at 60 → +2.24 at 120" in summary  # vs torchft 4.01 at the tuning seed
+    empty = {f: {"tuning": data[f]["tuning"], "compare": {}} for f in data}
+    result = summarise(
+        tmp_path, argparse.Namespace(steps=1800, seed=1), args, [1, 2, 3], [*compare, sparse], empty, chosen
+    )
+    assert "no comparison seed has finished" in result["headline"] and (tmp_path / "summary.md").is_file()
+    assert (
+        f"closest at ≤ 0.02× payload {sparse} (0.013×), +9.73 at 20 → +4.74 at 60 → +2.24 at 120" in result["headline"]
+    )
+
+
+def test_every_finished_run_is_written_before_the_next_starts(tmp_path, monkeypatch):
+    from edgc_experiments import diloco_runs
+
+    calls = []
+
+    def one_run(family, arms, seed, steps, replicas, **kw):
+        calls.append(arms)
+        if len(calls) == 2:
+            raise RuntimeError("the machine restarted")
+        return [{"val_loss": 3.0, "diverged_at": None, "wall_s": 6.0}]
+
+    monkeypatch.setattr(diloco_runs, "train_runs", one_run)
+    store = regime.FamilyRuns(tmp_path, "gpt2", [])
+    (tmp_path / "runs").mkdir()
+    args = argparse.Namespace(no_train=False, replicas=4)
+    arms = {("a", "k"): {"outer_lr": 1.0}, ("b", "k"): {"outer_lr": 2.0}}
+    with pytest.raises(RuntimeError):
+        regime._train(args, argparse.Namespace(steps=30, cache_dir=None), "gpt2", store, "tuning", 7, arms, print)
+    assert [len(c) for c in calls] == [1, 1]  # one run per set of processes
+    again = regime.FamilyRuns(tmp_path / "next", "gpt2", [str(tmp_path)])
+    assert again.get("tuning", "a", "k", {"outer_lr": 1.0})["val_loss"] == 3.0
+    assert again.get("tuning", "b", "k", {"outer_lr": 2.0}) is None
