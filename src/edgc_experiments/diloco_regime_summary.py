@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from statistics import mean
 
-from .common import fmt, fmt_interval, markdown_table, pyplot, save, t_interval, write_json
+from .common import fmt, fmt_interval, markdown_table, t_interval, write_json
 from .diloco_frontier import BOUND, holds
 from .diloco_regime import FRONTIER_SIZE, TUNING_SEED_OFFSET, WARMUP_SHARE, checkpoints, tune_on
+from .diloco_regime_plots import plot_curves, plot_frontier
 
 SMALL_PAYLOAD = 0.02  # × torchft's: the payload the frontier is claimed at
 REFERENCE = "torchft"
@@ -98,9 +99,9 @@ def tables(stats: dict, data: dict) -> list[list]:
 
 
 def tuning_gaps(data: dict, chosen: dict, methods: list[str]) -> dict:
-    """{family: {method: {"payload": ×, "steps": {checkpoint: Δ %}}}}: at the tuning seed, each method's
-    chosen point against torchft's chosen point (one run each: no interval; a checkpoint a run did not
-    reach left out)."""
+    """{family: {method: {"payload": ×, "last": outer steps, "steps": {outer step: Δ %}}}}: at the tuning
+    seed, each method's chosen point against torchft's chosen point after every validated outer step
+    (one run each: no interval; a step a run did not reach left out)."""
     gaps = {}
     for family, runs in data.items():
         reference = runs["tuning"].get(REFERENCE, {}).get(chosen.get(family, {}).get(REFERENCE) or "")
@@ -109,16 +110,35 @@ def tuning_gaps(data: dict, chosen: dict, methods: list[str]) -> dict:
             if method == REFERENCE or reference is None or mine is None:
                 continue
             steps = {
-                c: 100 * (mine["val"][str(c)] / reference["val"][str(c)] - 1)
-                for c in checkpoints(reference["outer_steps"])
-                if mine["val"].get(str(c)) is not None and reference["val"].get(str(c)) is not None
+                int(c): 100 * (mine["val"][c] / loss - 1)
+                for c, loss in reference["val"].items()
+                if mine["val"].get(c) is not None and loss is not None
             }
-            gaps.setdefault(family, {})[method] = {"payload": mine["bytes"] / reference["bytes"], "steps": steps}
+            gaps.setdefault(family, {})[method] = {
+                "payload": mine["bytes"] / reference["bytes"],
+                "last": reference["outer_steps"],
+                "steps": dict(sorted(steps.items())),
+            }
     return gaps
 
 
-def moved(steps: dict) -> str:
-    return " → ".join(f"{d:+.2f} at {c}" for c, d in steps.items()) or "diverged"
+def tuning_stats(gaps: dict) -> dict:
+    """`tuning_gaps` in `family_stats`' shape for the pictures: each step a point of one seed."""
+    nan = float("nan")
+    stats = {}
+    for family, by_method in gaps.items():
+        last = next(iter(by_method.values()))["last"]
+        stats[family] = {REFERENCE: {"payload": 1.0, "steps": {}, "last": last}}
+        for method, g in by_method.items():
+            points = {c: {"mean": d, "low": nan, "high": nan, "deltas": [d]} for c, d in g["steps"].items()}
+            stats[family][method] = {"payload": g["payload"], "steps": points, "last": last}
+    return stats
+
+
+def moved(gap: dict) -> str:
+    """The gap at the checkpoints: "+a at 20 → +b at 60 → +c at 120" (diverged: none reached)."""
+    marks = [c for c in checkpoints(gap["last"]) if c in gap["steps"]]
+    return " → ".join(f"{gap['steps'][c]:+.2f} at {c}" for c in marks) or "diverged"
 
 
 def tuning_rows(data: dict, chosen: dict, methods: list[str]) -> list[list]:
@@ -138,7 +158,7 @@ def tuning_rows(data: dict, chosen: dict, methods: list[str]) -> list[list]:
                 for key, r in grid.items()
             )
             mine = gaps.get(family, {}).get(method)
-            rows.append([family, method, losses, "–" if mine is None else moved(mine["steps"])])
+            rows.append([family, method, losses, "–" if mine is None else moved(mine)])
     return rows
 
 
@@ -148,15 +168,15 @@ def tuning_headline(data: dict, chosen: dict, methods: list[str]) -> str:
     gaps = tuning_gaps(data, chosen, methods)
     text = "no comparison seed has finished yet, so nothing is paired and no interval exists"
     for family, by_method in gaps.items():
-        small = {m: g for m, g in by_method.items() if g["payload"] <= SMALL_PAYLOAD and g["steps"]}
+        small = {m: g for m, g in by_method.items() if g["payload"] <= SMALL_PAYLOAD and g["last"] in g["steps"]}
         if not small:
             continue
-        closest = min(small, key=lambda m: abs(list(small[m]["steps"].values())[-1]))
+        closest = min(small, key=lambda m: abs(small[m]["steps"][small[m]["last"]]))
         text += (
             f". At the tuning seed on {family} (one run each, Δ % against torchft's DiLoCo): closest at "
             f"≤ {SMALL_PAYLOAD:g}× payload {closest} ({small[closest]['payload']:.3f}×), "
-            f"{moved(small[closest]['steps'])} outer steps; every method: "
-            + "; ".join(f"{m} ({g['payload']:.3f}×) {moved(g['steps'])}" for m, g in by_method.items())
+            f"{moved(small[closest])} outer steps; every method: "
+            + "; ".join(f"{m} ({g['payload']:.3f}×) {moved(g)}" for m, g in by_method.items())
         )
     return text + "."
 
@@ -183,15 +203,13 @@ def headline(families: list[str], stats: dict, seeds: list[int] | None = None) -
             small, key=lambda m: max(_upper(stats[f][m]["steps"].get(last)) for f in families if m in stats[f])
         )
         mine = [f for f in families if closest in stats[f]]
-        moved = " → ".join(
+        path = " → ".join(
             f"{mean(p['mean'] for p in ps):+.2f} % at {c}"
             for c in checkpoints(last)
             if None not in (ps := [stats[f][closest]["steps"].get(c) for f in mine])
         )
         ends = "; ".join(f"{f} {cell(stats[f][closest]['steps'].get(last))} %" for f in mine)
-        text += (
-            f". Closest at ≤ {SMALL_PAYLOAD:g}× payload: {closest} ({ends}); its gap (mean of the families): {moved}"
-        )
+        text += f". Closest at ≤ {SMALL_PAYLOAD:g}× payload: {closest} ({ends}); its gap (mean of the families): {path}"
     return text + "."
 
 
@@ -250,6 +268,7 @@ def summarise(out, setting, args, seeds: list[int], methods: list[str], data: di
     families = [f for f in data if paired_seeds(data[f]["compare"], REFERENCE, seeds)]
     stats = {f: family_stats(data[f]["compare"], methods, seeds) for f in families}
     missing = not_run(data, methods, seeds, args, chosen)
+    gaps = tuning_gaps(data, chosen, methods)
     top = headline(families, stats, seeds) if families else tuning_headline(data, chosen, methods)
     last = stats[families[0]][REFERENCE]["last"] if families else setting.steps // int(args.sync_every)
     text = [
@@ -287,8 +306,9 @@ def summarise(out, setting, args, seeds: list[int], methods: list[str], data: di
         "",
         cost_line(data, list(data)),
     ]
-    if families:
-        text += ["", f"Plots: `{plot_frontier(out, families, stats).name}`, `{plot_curves(out, families, stats).name}`"]
+    pictures = (families, stats, "") if families else (list(gaps), tuning_stats(gaps), " (tuning seed, one run)")
+    if pictures[0]:
+        text += ["", f"Plots: `{plot_frontier(out, *pictures).name}`, `{plot_curves(out, *pictures).name}`"]
     (out / "summary.md").write_text("\n".join(text) + "\n")
     paired = {f"{f} {m} {c}": p for f in families for m, s in stats[f].items() for c, p in s["steps"].items()}
     write_json(
@@ -323,71 +343,3 @@ def setting_text(setting, args, seeds: list[int], last: int) -> str:
         "replica's messages hold against torchft's fp32 pseudo-gradients (not the wire); ‖M−Ĝ‖/‖M‖: the sync's "
         "relative error, mean over outer steps and seeds."
     )
-
-
-def plot_frontier(out, families: list[str], stats: dict):
-    """Δ % against the payload (log), one row per family, one column per checkpoint; each method a point
-    with its interval, green where it holds; the ±BOUND % band."""
-    plt = pyplot()
-    last = stats[families[0]][REFERENCE]["last"]
-    points = checkpoints(last)
-    fig, axes = plt.subplots(
-        len(families), len(points), figsize=(3.3 * len(points), 3.0 * len(families)), squeeze=False
-    )
-    for row, family in zip(axes, families):
-        for ax, c in zip(row, points):
-            ax.axhspan(-BOUND, BOUND, color="grey", alpha=0.2)
-            ax.axhline(0, color="black", lw=0.8)
-            for method, s in stats[family].items():
-                p = s["steps"].get(c)
-                if method == REFERENCE or p is None:
-                    continue
-                color = "tab:green" if holds(p) else "tab:red"
-                ax.errorbar(
-                    [s["payload"]],
-                    [p["mean"]],
-                    yerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]],
-                    fmt="o",
-                    color=color,
-                    ms=4,
-                    capsize=2,
-                )
-                ax.annotate(
-                    method.split("-decay")[0],
-                    (s["payload"], p["mean"]),
-                    fontsize=6,
-                    xytext=(3, 2),
-                    textcoords="offset points",
-                )
-            ax.plot([1.0], [0.0], "*", color="black", ms=7)  # torchft's DiLoCo itself
-            ax.annotate("torchft", (1.0, 0.0), fontsize=6, xytext=(-12, 5), textcoords="offset points")
-            ax.set_xscale("log")
-            ax.set_xlim(0.005, 2.0)
-            ax.set_title(f"{family}, after {c} outer steps", fontsize=8)
-            ax.set_xlabel("payload vs torchft's DiLoCo", fontsize=7)
-            ax.tick_params(which="both", labelsize=6)
-        row[0].set_ylabel(f"Δ % val loss vs torchft (95 % CI; band ±{BOUND:g} %)", fontsize=7)
-    return save(fig, out / "frontier.png")
-
-
-def plot_curves(out, families: list[str], stats: dict):
-    """Δ % against the outer steps, one panel per family: each method's mean with its interval shaded."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(families), figsize=(4.6 * len(families), 3.4), squeeze=False)
-    for ax, family in zip(axes[0], families):
-        ax.axhspan(-BOUND, BOUND, color="grey", alpha=0.2)
-        ax.axhline(0, color="black", lw=0.8)
-        for method, s in stats[family].items():
-            steps = [c for c, p in sorted(s["steps"].items()) if p is not None]
-            if method == REFERENCE or not steps:
-                continue
-            ps = [s["steps"][c] for c in steps]
-            (line,) = ax.plot(steps, [p["mean"] for p in ps], lw=1.2, label=method.split("-decay")[0])
-            ax.fill_between(steps, [p["low"] for p in ps], [p["high"] for p in ps], color=line.get_color(), alpha=0.15)
-        ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_title(family, fontsize=8)
-        ax.set_xlabel("outer steps (syncs)", fontsize=7)
-        ax.tick_params(labelsize=6)
-    axes[0][0].set_ylabel("Δ % val loss vs torchft's DiLoCo (95 % CI)", fontsize=7)
-    axes[0][-1].legend(fontsize=6)
-    return save(fig, out / "curves.png")

@@ -129,9 +129,8 @@ def test_a_stopped_regime_pairs_the_seeds_it_has_and_names_every_run_it_lacks(tm
     args = argparse.Namespace(replicas=4, sync_every="15", tune_outer="1,2", tune_inner="", tune_on="gpt2")
     args.models = "gpt2,llama"
     chosen = {f: {m: "outer×1 inner×1" for m in ["torchft", "quant3-2s", sparse]} for f in data}
-    result = summarise(
-        tmp_path, argparse.Namespace(steps=1800, seed=1), args, [1, 2, 3], [*compare, sparse], data, chosen
-    )
+    setting = argparse.Namespace(steps=1800, seed=1)
+    result = summarise(tmp_path, setting, args, [1, 2, 3], [*compare, sparse], data, chosen)
     summary = (tmp_path / "summary.md").read_text()
     assert "quant3-2s (0.098×) 0/1 (seeds: gpt2 1 of 3)" in result["headline"]  # one seed holds nothing
     assert "+0.50 (1 seed: no interval)" in summary
@@ -140,10 +139,10 @@ def test_a_stopped_regime_pairs_the_seeds_it_has_and_names_every_run_it_lacks(tm
     assert "llama: torchft at seeds 1, 2, 3" in summary
     assert "+9.73 at 20 → +4.74 at 60 → +2.24 at 120" in summary  # vs torchft 4.01 at the tuning seed
     empty = {f: {"tuning": data[f]["tuning"], "compare": {}} for f in data}
-    result = summarise(
-        tmp_path, argparse.Namespace(steps=1800, seed=1), args, [1, 2, 3], [*compare, sparse], empty, chosen
-    )
-    assert "no comparison seed has finished" in result["headline"] and (tmp_path / "summary.md").is_file()
+    for picture in ("frontier.png", "curves.png"):
+        (tmp_path / picture).unlink()
+    result = summarise(tmp_path, setting, args, [1, 2, 3], [*compare, sparse], empty, chosen)
+    assert "no comparison seed has finished" in result["headline"] and (tmp_path / "curves.png").stat().st_size > 0
     assert (
         f"closest at ≤ 0.02× payload {sparse} (0.013×), +9.73 at 20 → +4.74 at 60 → +2.24 at 120" in result["headline"]
     )
