@@ -231,10 +231,19 @@ def cost_line(data: dict, families: list[str]) -> str:
     per = ", ".join(
         f"{f} {mean(walls[f]):.1f} min ({min(walls[f]):.1f}–{max(walls[f]):.1f})" for f in families if walls[f]
     )
+    runs = [r for f in families for kind in ("tuning", "compare") for m in data[f][kind].values() for r in m.values()]
+    cpu = [r["cpu_s"] / 60 for r in runs if r.get("cpu_s") is not None]
+    busy = (
+        f" The {len(cpu)} runs that counted their CPU time took {mean(cpu):.1f} CPU-minutes each "
+        f"({min(cpu):.1f}–{max(cpu):.1f}; the replicas' processes together, their start included): at least "
+        f"{mean(cpu) / 2:.1f} min of wall time on two idle cores."
+        if cpu
+        else ""
+    )
     return (
         f"Cost: a cell (one method at one seed of one family: every replica's inner steps and validations) took "
         f"{mean(every):.1f} min of wall time on average on this machine's two shared cores ({per}); "
-        f"{len(every)} runs in all, {sum(every) / 60:.1f} h of runs (families trained at once overlap)."
+        f"{len(every)} runs in all, {sum(every) / 60:.1f} h of runs (families trained at once overlap).{busy}"
     )
 
 

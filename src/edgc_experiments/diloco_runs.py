@@ -124,8 +124,9 @@ def train_runs(
     size=None,
 ) -> list[dict]:
     """Train each of ``arms`` at ``seed`` for ``steps`` inner steps in the same ``replicas``
-    processes, one after the other; rank 0's reports. ``size``: the family's `diloco_families.Size`
-    (None: its standard one)."""
+    processes, one after the other; rank 0's reports, each with ``cpu_s``: the CPU seconds of every
+    replica's process for that arm (the first arm's with the processes' start and the family's
+    build). ``size``: the family's `diloco_families.Size` (None: its standard one)."""
     return run_replicas(
         _worker,
         (family, arms, seed, steps),
@@ -155,7 +156,15 @@ def _worker(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         fam = family(family_name, cache_dir, size or STANDARD)
-        results = [train(rank, world, fam, arm, seed, steps) for arm in arms]
+        results, cpu, began = [], [], 0.0  # the first arm's share: the process's start and the family's build too
+        for arm in arms:
+            results.append(train(rank, world, fam, arm, seed, steps))
+            cpu.append(time.process_time() - began)
+            began = time.process_time()
+        cpu = torch.tensor(cpu, dtype=torch.float64)
+        dist.all_reduce(cpu)  # every replica's process: what the run cost the machine's cores
+        for result, seconds in zip(results, cpu.tolist()):
+            result["cpu_s"] = seconds
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:

@@ -98,7 +98,7 @@ def test_the_summary_pairs_each_outer_step_and_counts_what_holds(tmp_path):
     result = summarise(tmp_path, setting, args, [1, 2, 3], list(compare), data, chosen)
     summary = (tmp_path / "summary.md").read_text()
     assert "**Headline:**" in summary and "| gpt2 | quant3-2s | 1 · ×1 | 0.0980 |" in summary
-    assert "Cost: a cell" in summary and "1.0 min" in summary
+    assert "Cost: a cell" in summary and "1.0 min" in summary and "CPU-minutes" not in summary
     assert (tmp_path / "frontier.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     assert result["paired"]["gpt2 quant3-2s 120"]["mean"] == pytest.approx(0.0)
 
@@ -120,6 +120,8 @@ def test_bad_frontier_flags_exit_with_one_line(tmp_path, capsys, argv, message):
 
 def test_a_stopped_regime_pairs_the_seeds_it_has_and_names_every_run_it_lacks(tmp_path):
     compare = runs_of({"torchft": (lambda c, s: 0.0, 100.0), "quant3-2s": (lambda c, s: 0.5, 9.8)}, seeds=(1,))
+    for method in compare:
+        compare[method]["1"]["cpu_s"] = 180.0
     sparse = "sparse128-senders-decay0.95-mom0-lr1"
     tuning = {m: {"outer×1 inner×1": compare[m]["1"]} for m in compare}
     tuning[sparse] = {
@@ -134,6 +136,7 @@ def test_a_stopped_regime_pairs_the_seeds_it_has_and_names_every_run_it_lacks(tm
     summary = (tmp_path / "summary.md").read_text()
     assert "quant3-2s (0.098×) 0/1 (seeds: gpt2 1 of 3)" in result["headline"]  # one seed holds nothing
     assert "+0.50 (1 seed: no interval)" in summary
+    assert "runs that counted their CPU time took 3.0 CPU-minutes each" in summary and "at least 1.5 min" in summary
     assert "tuning quant3-2s: 1 of 2 grid points" in summary and "quant3-2s at seeds 2, 3" in summary
     assert f"{sparse} at seeds 1, 2, 3" in summary and "llama: tuning" not in summary
     assert "llama: torchft at seeds 1, 2, 3" in summary
