@@ -12,7 +12,7 @@ $(BIN)/python:
 # torch is pinned and installed first so that no dependency can pull a CUDA build.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[train,dev,integrations,torchft,docs]'
+	$(BIN)/pip install -q -e '.[train,dev,integrations,torchft,torchtitan,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,6 +10,8 @@ bench at 1 Gbit/s, ``bench-rmax-table`` for one with EDGC's r_max given by `--r-
 ``bench-hsdp-table`` for `edgc bench --fsdp` (docs/results/hsdp.md); ``bench-moe-table`` for
 `--moe-experts E` (docs/guides/moe.md); ``bench-tp-table`` for
 `--tp/--pp` (docs/results/3d.md); ``bench-torchft-table`` for `--torchft` (docs/results/torchft.md);
+``bench-torchtitan-table`` for `--torchtitan` (torchtitan's own trainer, docs/results/hsdp.md), and
+``bench-torchtitan-moe-table`` for it with expert parallelism (`--torchtitan-ep`);
 ``bench-diloco-table`` for `--diloco` at 3 hosts, ``bench-diloco-hosts-table`` at any other number
 (docs/results/diloco.md), ``bench-diloco-frontier-table`` for `--diloco --methods …` (a chosen set of
 outer syncs against torchft's DiLoCo, docs/guides/slow-links.md).
@@ -32,6 +34,8 @@ MOE_START, MOE_END = markers("bench-moe-table")
 SLOW_START, SLOW_END = markers("bench-slow-link-table")
 TP_START, TP_END = markers("bench-tp-table")
 TORCHFT_START, TORCHFT_END = markers("bench-torchft-table")
+TORCHTITAN_START, TORCHTITAN_END = markers("bench-torchtitan-table")
+TORCHTITAN_MOE_START, TORCHTITAN_MOE_END = markers("bench-torchtitan-moe-table")
 DILOCO_START, DILOCO_END = markers("bench-diloco-table")
 DILOCO_MORE_START, DILOCO_MORE_END = markers("bench-diloco-hosts-table")  # --diloco at other than 3 hosts
 DILOCO_FRONTIER_START, DILOCO_FRONTIER_END = markers("bench-diloco-frontier-table")
@@ -60,14 +64,19 @@ def block_markers(table: str) -> tuple[str, str]:
     """The block a bench's table belongs in, read from the table's own first line."""
     rate = re.search(r"(\d+(?:\.\d+)?) Mbit/s per host link", table)
     slow = bool(rate) and float(rate.group(1)) < 1000
-    if table.startswith("`edgc bench") and " --diloco" in table.splitlines()[0].split("`")[1]:
-        if " --methods " in table.splitlines()[0].split("`")[1]:  # a chosen set of outer syncs
+    first = table.splitlines()[0] if table else ""
+    command = first.split("`")[1] if first.count("`") >= 2 else ""  # the bench's command line, quoted
+    if table.startswith("`edgc bench") and " --diloco" in command:
+        if " --methods " in command:  # a chosen set of outer syncs
             return DILOCO_FRONTIER_START, DILOCO_FRONTIER_END
-        hosts = re.search(r"`: (\d+) hosts,", table.splitlines()[0])
+        hosts = re.search(r"`: (\d+) hosts,", first)
         more = hosts is not None and int(hosts.group(1)) != 3  # beside the three-host bench, not over it
         return (DILOCO_MORE_START, DILOCO_MORE_END) if more else (DILOCO_START, DILOCO_END)
     if "(one replica group each)" in table:
         return TORCHFT_START, TORCHFT_END
+    if " --torchtitan" in command:
+        moe = " --torchtitan-ep" in command
+        return (TORCHTITAN_MOE_START, TORCHTITAN_MOE_END) if moe else (TORCHTITAN_START, TORCHTITAN_END)
     if re.search(r"hosts × TP\d+ × PP\d+", table):
         return TP_START, TP_END
     if re.search(r"\d+ rounds of ", table.splitlines()[0]):

@@ -8,7 +8,8 @@ Replaces block NAME (scripts/doc_blocks.py finds its page: ``experiment-entropy-
 docs/results/pareto.md, ``diloco-models``, ``diloco-outer-sync``, ``diloco-two-stage``,
 ``diloco-two-stage-sgd``, ``diloco-frontier``, ``diloco-frontier-variants``, ``diloco-frontier-h100`` and
 ``diloco-frontier-regime`` in docs/guides/slow-links.md, ``experiment-moe``, ``experiment-moe-16`` and
-``experiment-moe-top1`` in docs/guides/moe.md) with RESULTS_DIR/summary.md from its headline up to its list of plots;
+``experiment-moe-top1`` in docs/guides/moe.md) with RESULTS_DIR/summary.md from its headline up to its list
+of plots;
 ``--plot FILE`` also copies RESULTS_DIR/FILE to docs/img/exp_NAME.png (pareto: ``--plot pareto.png``,
 diloco-frontier: ``--plot frontier.png``); a second and later ``--plot`` go to docs/img/exp_NAME-STEM.png,
 STEM the file's own name (diloco-frontier-regime: ``--plot frontier.png --plot curves.png``).

@@ -2,6 +2,11 @@
 
     python scripts/gpu_to_docs.py RUN [--before BEFORE] [--profiled PROFILED]
 
+A run in parts (the folder holds summary.json: hook.json, sampled.json, outer.json, tests.json,
+ncu.json) is shown by scripts/gpu_measured.py, beside BEFORE and PROFILED, the earlier run's two
+folders: ``python scripts/gpu_to_docs.py RUN --before docs/gpu/h200-2026-11-27 --profiled
+docs/gpu/h200-2026-11-27-profiled``. Otherwise:
+
 RUN and BEFORE are folders of a run's files: env.json, engine.json, overlap.json, device.json and,
 where the run wrote them, count.json and trace_nccl.json.gz / trace_gloo.json.gz. With --before,
 every figure the two runs share is shown as before → after. Writes the block between
@@ -185,6 +190,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--before", type=Path, help="an earlier run's folder, shown beside it")
     parser.add_argument("--profiled", type=Path, help="a profiled run's folder (scripts/gpu_profiled.py)")
     args = parser.parse_args(argv)
+    if (args.run / "summary.json").exists():  # a run in parts: --profiled is the earlier run's companion
+        import gpu_measured
+
+        docs, readme = gpu_measured.build(gpu_measured.load(args.run), gpu_measured.load(args.before, args.profiled))
+        for block, lines in ((FIGURES, docs), (SUMMARY, readme)):
+            write(block, "\n".join(lines))
+        return 0
     run, before = load_run(args.run), load_run(args.before) if args.before else None
     docs, readme = build(
         run, before, REPO / "docs" / "img" / "gpu_overlap.png", read_json(REPO / "docs" / "gpu" / "count", "count")

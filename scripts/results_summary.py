@@ -122,10 +122,16 @@ def diloco_row(root: Path = ROOT) -> str:
     )
     hosts, preset = check(head, r"(\d+) hosts"), check(head, r"preset (\w+)")
     h = check(head, r"DiLoCo H = (\d+)")
+    # against what else users run, from the scaling run's priced line (its first number of groups)
+    scaling = block("bench-diloco-scaling", root)
+    bf16 = check(scaling, r"quant3-2s: wire ÷ a bf16 pseudo-gradient's ring all-reduce \(priced\) ([\d.]+)")
+    fp8 = check(scaling, r"quant3-2s: wire ÷ .*?÷ torchft's FP8 path \(priced, its message [^)]*\) ([\d.]+)")
+    groups = check(scaling, r"quant3-2s: wire ÷ a bf16 .* at (\d+)")
     return (
         f"| DiLoCo (H = {h}), {hosts} hosts at {links[-1]['rate']} Mbit/s, GPT-2 `{preset}` | time to target "
-        f"{1 / sooner:.2f}× of torchft's DiLoCo | {wire}× on the wire (payload {payload}×) | {loss} "
-        "| [diloco](docs/results/diloco.md) |"
+        f"{1 / sooner:.2f}× of torchft's DiLoCo | {wire}× on the wire of torchft's fp32 DiLoCo (payload "
+        f"{payload}×); at {groups} groups {float(bf16):.2f}× a bf16 pseudo-gradient's, {float(fp8):.2f}× "
+        f"torchft's FP8 path's (priced) | {loss} | [diloco](docs/results/diloco.md) |"
     )
 
 

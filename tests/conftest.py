@@ -17,6 +17,7 @@ REQUIRED_EXTRAS = {
     "train": "transformers",
     "integrations": "pytorch_lightning",
     "torchft": "torchft",
+    "torchtitan": "torchtitan",
     "docs": "sphinx",
     "dev": "hypothesis",
 }

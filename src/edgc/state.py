@@ -213,13 +213,15 @@ class EDGCState(GradientReducer):
     def _close_step(self, record: StepRecord) -> None:
         self.profiler.close_step(record.plan, self.comm, self._jobs, self.clock)
         self.decisions.close_step(record.totals)
+        with self._jobs.side_stream():  # the sample was gathered there
+            self.sampler.close(record.totals)  # its estimate, on the device: read with the step's values
 
     def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
         nonfinite = bool(totals.get("nonfinite"))
         self.compressor.state.end_step(nonfinite)
         if nonfinite:
             events.nonfinite(self._speaker, record.step)
-        entropy = self.sampler.finish()
+        entropy = self.sampler.settle(totals)
         self.profiler.settle_step()
         self.decisions.settle_step(record.plan, totals)
         plan, controller, last = record.plan, self.controller, self.decisions.last
@@ -364,7 +366,8 @@ class EDGCState(GradientReducer):
             part.load_state_dict(state)
         if not keep_own:
             self.experts.load_state_dict(state.get("expert_tokens", {}), self.device)
-        if not state.get("shared") and int(state["world_size"]) != self.comm.world_size:
+        resized = int(state["world_size"]) != self.comm.world_size
+        if not state.get("shared") and self.comm.residuals_per_rank and resized:
             # Residuals are per rank and cannot be split or merged exactly: drop them, keep the rest.
             warnings.warn(
                 f"EDGCState: world size changed from {state['world_size']} to {self.comm.world_size}; "

@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         return diloco(settings, args, out)
     if args.torchft:
         return torchft(settings, args, out)
+    if args.torchtitan:
+        return torchtitan(settings, args, out)
     if args.link_only:
         if (out / "calibration.json").exists():
             raise CLIError(f"--out: {out}/calibration.json already exists; choose a new folder")
@@ -212,6 +214,28 @@ def torchft(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int
     from .torchft_bench import run_torchft_bench
 
     run_torchft_bench(settings, out, command_line("--torchft"), kill_at, args.ckpt_every)
+    print((out / "bench.md").read_text())
+    return 0
+
+
+def torchtitan(settings: BenchSettings, args: argparse.Namespace, out: Path) -> int:
+    """`edgc bench --torchtitan` (torchtitan_bench.py): native HSDP, then EDGC, in torchtitan's trainer."""
+    if settings.pipeline or settings.fsdp:
+        raise CLIError("--torchtitan: torchtitan's HSDP is a replica per host, --nproc shards; drop --tp/--pp/--fsdp")
+    if settings.hosts < 2:
+        raise CLIError("--torchtitan: needs ≥ 2 hosts (one replica each)")
+    if (out / "runs").exists():
+        raise CLIError(f"--out: {out}/runs already exists; choose a new folder")
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        raise CLIError("--torchtitan: torchtitan is not installed (pip install 'edgc[torchtitan]')") from None
+    if args.torchtitan_ep < 1 or settings.nproc % args.torchtitan_ep:
+        raise CLIError(f"--torchtitan-ep: must divide --nproc {settings.nproc}, got {args.torchtitan_ep}")
+    from .torchtitan_bench import TitanOptions, run_torchtitan_bench
+
+    options = TitanOptions(config=args.torchtitan, ep=args.torchtitan_ep)
+    run_torchtitan_bench(settings, options, out, command_line("--torchtitan"))
     print((out / "bench.md").read_text())
     return 0
 

@@ -10,11 +10,17 @@ the process, gloo's traffic whatever edgc's counters say; diloco_train.py), and 
 mean over groups and committed outer steps, against the raw pseudo-gradient (4 bytes a parameter).
 A ring all-reduce writes 2 (N − 1)/N of its buffer per process, so torchft's column grows towards
 2×; the ratio to it is what stays flat or does not.
+
+Beside torchft's fp32 DiLoCo, two syncs users compare with are priced (neither runs here): a bf16
+pseudo-gradient's ring all-reduce (half torchft's measured fp32 wire), and torchft's FP8 path
+(``should_quantize=True``: `fp8_path_bytes`, its two stages 2 (N − 1)/N of that message, as torchft's
+measured wire is of the fp32 one; it needs Triton and a GPU).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import replace
@@ -98,10 +104,8 @@ def markdown(summary: dict) -> str:
         times = " / ".join(_seconds(cell.get((h, x), {}).get("outer_step_s")) for x in syncs)
         floor = cell.get((h, "diloco"), {}).get("floor_s")
         lines.append(f"| {h} | " + " | ".join(parts) + f" | {times} (floor {_seconds(floor)}) |")
-    delayed = delayed_lines(summary["rows"], syncs)
-    return "\n".join(
-        [*head, *lines, "", *checks(cell, hosts, syncs), *delayed, "<!-- bench-diloco-scaling:end -->", ""]
-    )
+    tail = [*checks(cell, hosts, syncs), *priced(cell, hosts, syncs), *delayed_lines(summary["rows"], syncs)]
+    return "\n".join([*head, *lines, "", *tail, "<!-- bench-diloco-scaling:end -->", ""])
 
 
 def delayed_lines(rows: list[dict], syncs: list[str]) -> list[str]:
@@ -139,6 +143,42 @@ def _seconds(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f} s"
 
 
+def fp8_path_bytes(shapes: list[list[int]], groups: int) -> int:
+    """Bytes of torchft's FP8 message for tensors of ``shapes`` over ``groups``, one call a parameter
+    (DiLoCo's default), as torchft.quantization lays it out: a tensor's rows (a 1-D tensor: a row a
+    value) padded to a multiple of the groups, each row an fp32 scale and a byte a value, padded to 4."""
+    total = 0
+    for shape in shapes:
+        rows, cols = (shape[0], 1) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
+        total += math.ceil(rows / groups) * groups * (math.ceil(cols / 4) + 1) * 4
+    return total
+
+
+def priced(cell: dict, hosts: list[int], syncs: list[str]) -> list[str]:
+    """Per compressed sync: its wire against a bf16 ring all-reduce's and torchft's FP8 path's, priced
+    from torchft's measured fp32 wire (see the module docstring)."""
+    out = []
+    for sync in syncs[1:]:
+        bf16, fp8, fp8_share = [], [], []
+        for h in hosts:
+            wire, torchft = cell.get((h, sync), {}).get("wire_bytes"), cell.get((h, "diloco"), {})
+            shapes = torchft.get("shapes")
+            if not (wire and torchft.get("wire_bytes") and shapes):
+                break
+            share = fp8_path_bytes(shapes, h) / (4 * sum(math.prod(s) for s in shapes))
+            bf16.append(wire / (torchft["wire_bytes"] / 2))
+            fp8.append(wire / (torchft["wire_bytes"] * share))
+            fp8_share.append(share)
+        if len(bf16) == len(hosts):
+            out.append(
+                f"- {sync}: wire ÷ a bf16 pseudo-gradient's ring all-reduce (priced) "
+                f"{' · '.join(f'{r:.3f}' for r in bf16)}; ÷ torchft's FP8 path (priced, its message "
+                f"{' · '.join(f'{r:.3f}' for r in fp8_share)}× the fp32 one) {' · '.join(f'{r:.3f}' for r in fp8)} "
+                f"at {', '.join(map(str, hosts))} groups"
+            )
+    return out
+
+
 def checks(cell: dict, hosts: list[int], syncs: list[str]) -> list[str]:
     """Per compressed outer sync: ≤ 0.12 × torchft's wire at every group count, and flat (max/min ≤ 1.1)."""
     from .diloco_table import check
@@ -164,9 +204,37 @@ def checks(cell: dict, hosts: list[int], syncs: list[str]) -> list[str]:
     return out
 
 
+PER_RUN_OPTIONS = ("scaling", "delays_ms")  # what runs joined into one table may differ in, besides the hosts
+
+
+def joined(summaries: list[dict]) -> dict:
+    """Several scaling runs as one (the host counts of one, the rest of another), each run's rows as
+    measured: their settings and options must agree but for the host counts and the delays."""
+    first = summaries[0]
+    for other in summaries[1:]:
+        for part, skip in (("settings", ("hosts",)), ("options", PER_RUN_OPTIONS)):
+            differ = sorted(
+                k for k in {*first[part], *other[part]} - set(skip) if first[part].get(k) != other[part].get(k)
+            )
+            if differ:
+                raise ValueError(f"scaling runs to join differ in {part} {', '.join(differ)}: `{other['command']}`")
+        if other["rate_mbit"] != first["rate_mbit"]:
+            raise ValueError(f"scaling runs to join differ in their rate: `{other['command']}`")
+    seen = {(r["hosts"], r.get("delay_ms", 0), r["sync"]) for s in summaries[1:] for r in s["rows"]}
+    return {
+        **first,
+        "rows": [r for r in first["rows"] if (r["hosts"], r.get("delay_ms", 0), r["sync"]) not in seen]
+        + [r for s in summaries[1:] for r in s["rows"]],
+        "command": "` and `".join(s["command"] for s in summaries),
+        "elapsed_s": sum(s["elapsed_s"] for s in summaries),
+    }
+
+
 if __name__ == "__main__":
     import sys
 
-    folder = Path(sys.argv[1])
-    (folder / "scaling.md").write_text(markdown(json.loads((folder / "results.json").read_text())))
-    print(folder / "scaling.md")
+    # FOLDER [MORE...]: FOLDER/scaling.md from its results.json and the others' (joined, `joined`)
+    folders = [Path(arg) for arg in sys.argv[1:]]
+    summary = joined([json.loads((folder / "results.json").read_text()) for folder in folders])
+    (folders[0] / "scaling.md").write_text(markdown(summary))
+    print(folders[0] / "scaling.md")

@@ -75,6 +75,7 @@ def measure(run_dir: Path, hosts: int, steps: int, kill_t: float | None) -> dict
         if outer_steps
         else {"per_step": [], "fraction": [0.0] * hosts, "heals": [0] * hosts, "alone": []},
         "payload_bytes": statistics.fmean(payload) if payload else None,
+        "shapes": next((r["shapes"] for r in groups[0] if r["kind"] == "model"), None),
         "floor_s": statistics.median(inner) if inner else None,
         "sync_step_s": statistics.median(full) if full else None,
         "outer_step_s": outer_step_s(groups[0], hosts),

@@ -14,7 +14,8 @@ The DiLoCo methods take ``--sync-every`` H inner steps per outer step (outer: Ne
 momentum 0.9 as in the DiLoCo paper); with ``--fragments`` F > 1 they are Streaming DiLoCo: the
 model is cut into F contiguous fragments of similar size, one syncs every H / F inner steps.
 
-Each process writes ``<out>/group<G>.jsonl``: a ``start`` line, one ``step`` line per inner step
+Each process writes ``<out>/group<G>.jsonl``: a ``start`` line, a ``model`` line (the parameters'
+shapes, what prices a sync from its byte layout), one ``step`` line per inner step
 (step time, training loss; on a sync step the outer step, committed or not, the quorum's
 participants, whether this group was one, whether it healed, the payload bytes, the bytes the process
 wrote to its sockets in the sync step (`socket_writes`) and EDGC's rank), a
@@ -304,7 +305,7 @@ def payload(diloco, fragment: int) -> dict:
     """The bytes one replica put into the outer step's all-reduce, and EDGC's rank."""
     last = getattr(diloco, "last_outer_step", None)
     if last is not None:  # EDGC's DiLoCo reports its own
-        return {"bytes": last.get("bytes_sent"), "rank": last.get("rank")}
+        return {"bytes": last.get("payload_bytes", last.get("bytes_sent")), "rank": last.get("rank")}
     params = torchft_adapter.fragment_module(torchft_adapter.fragments(diloco)[fragment]).parameters()
     return {"bytes": sum(p.numel() * p.element_size() for p in params), "rank": None}
 
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     data = prepare_data(args.data, args.vocab_size, 0.1, args.max_chars, None, log=lambda *a, **k: None)
     seed_everything(cfg.seed)
     module = build_model(model_shape(cfg.preset, data.vocab_size, cfg.seq_len, args.n_layer, args.n_embd, args.n_head))
+    write(kind="model", shapes=[list(p.shape) for p in module.parameters()])  # what a priced sync's layout needs
     optimizer = make_optimizer(module, cfg, torch.device("cpu"))
     sampler = BlockSampler(data.train, cfg.seq_len, cfg.micro_batch, args.group, args.replicas, cfg.seed)
     edgc_fields = json.loads(args.edgc)

@@ -171,6 +171,22 @@ def add_mode_flags(p: argparse.ArgumentParser) -> None:
         "on plain DDP (no failure) and EDGC with torchrun's elastic restart (docs/bench.md)",
     )
     p.add_argument(
+        "--torchtitan",
+        nargs="?",
+        const="llama3_debugmodel",
+        default=None,
+        metavar="CONFIG",
+        help="torchtitan's own trainer, its config CONFIG (default llama3_debugmodel), as HSDP, a replica per host "
+        "and --nproc shards: native against EDGC, step time and bytes (docs/guides/torchtitan.md)",
+    )
+    p.add_argument(
+        "--torchtitan-ep",
+        type=int,
+        default=1,
+        help="with --torchtitan and a MoE config (deepseek_v3_debugmodel): expert-parallel degree inside each host "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--kill-at",
         type=int,
         default=None,

@@ -47,10 +47,11 @@ def _cap_label(cap: float | None) -> dict:
     return {"bucket_cap_mb": 25 if cap is None else cap, "ddp_default": cap is None}
 
 
-def _hook_state(method: str, rank: int, named: list | None, model=None):
+def _hook_state(method: str, rank: int, named: list | None, model=None, config=None):
     """(state, hook) of ``method``: "edgc", "edgc-bf16-ef" (error feedback in the gradient's dtype),
     "edgc-sampled" (adaptive rank control held at ``rank``, the gradients sampled on every step: what
-    a sampled step adds) or "powersgd"; starting to compress at the third step, as the plain runs do."""
+    a sampled step adds) or "powersgd"; starting to compress at the third step, as the plain runs do.
+    ``config``: EDGC's `EDGCConfig` as given (``method`` an EDGC one)."""
     if method == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -59,9 +60,9 @@ def _hook_state(method: str, rank: int, named: list | None, model=None):
         ), psgd.powerSGD_hook
     from edgc import EDGCConfig, EDGCState, edgc_hook
 
-    if method == "edgc-sampled":
+    if config is None and method == "edgc-sampled":
         config = sampled_config(rank)
-    else:
+    elif config is None:
         extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
         config = EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, **extra)
     return EDGCState(None, config, model=model if model is not None else NamedParameters(named)), edgc_hook
@@ -152,7 +153,7 @@ class PreparedHook:
     ``call()`` runs it on every bucket and waits for its Futures, ``restore()`` puts the gradients
     back first. ``base`` is the device memory held before the buckets existed."""
 
-    def __init__(self, saved: list, method: str, grad_dtype: torch.dtype, rank: int, cap: float | None):
+    def __init__(self, saved: list, method: str, grad_dtype: torch.dtype, rank: int, cap: float | None, config=None):
         names = [name for name, _ in saved]
         device = saved[0][1].device
         self.layout = ddp_buckets([tuple(g.shape) for _, g in saved], ready_order(names), grad_dtype, cap)
@@ -165,19 +166,22 @@ class PreparedHook:
         ]
         self.sources = [[tokens[i] for i in indices] for indices in self.layout]
         self.gradient_bytes = sum(b.buffer().numel() * b.buffer().element_size() for b in self.buckets)
-        self.state, self.hook = _hook_state(method, rank, list(zip(names, tokens)))
+        self.state, self.hook = _hook_state(method, rank, list(zip(names, tokens)), config=config)
+
+    def issue(self) -> list:
+        """The hook on every bucket, in DDP's order; its Futures, not waited for."""
+        return [self.hook(self.state, bucket) for bucket in self.buckets]
 
     def call(self) -> None:
-        futures = [self.hook(self.state, bucket) for bucket in self.buckets]
-        for future in futures:
+        for future in self.issue():
             future.wait()
 
     def restore(self) -> None:
         for bucket, source in zip(self.buckets, self.sources):
             torch._foreach_copy_(bucket.gradients(), source)
 
-    def warm_up(self) -> None:
-        for _ in range(WARMUP_CALLS):
+    def warm_up(self, calls: int = WARMUP_CALLS) -> None:
+        for _ in range(calls):
             self.restore()
             self.call()
 

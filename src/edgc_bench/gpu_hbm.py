@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,28 +32,38 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
 
 
 def workload(model: str, rank: int, method: str) -> None:
-    """The profiled process: one warmed-up hook call inside the profiler's range."""
+    """The profiled process: one warmed-up hook call inside the profiler's range (on a CPU, with
+    gloo and no profiler: what a smoke run checks). Joins a process group of one unless one exists."""
     import torch.distributed as dist
 
     from .gpt2_layout import gpt2_parameters
     from .gpu_engine import PreparedHook
     from .gpu_support import free_port
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    cuda = torch.cuda.is_available()
+    owned = not dist.is_initialized()
+    if cuda:
+        torch.cuda.set_device(0)
+    if owned:
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     torch.manual_seed(0)
+    device = "cuda" if cuda else "cpu"
     saved = [
-        (name, torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 1e-3) for name, shape in gpt2_parameters(model)
+        (name, torch.randn(shape, device=device, dtype=torch.bfloat16) * 1e-3) for name, shape in gpt2_parameters(model)
     ]
     hook = PreparedHook(saved, method, torch.bfloat16, rank, None)
     hook.warm_up()
     hook.restore()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
     hook.call()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
-    dist.destroy_process_group()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    if owned:
+        dist.destroy_process_group()
 
 
 def parse(text: str) -> list[dict]:
@@ -70,15 +81,36 @@ def parse(text: str) -> list[dict]:
     return kernels
 
 
-def measure(model: str, rank: int, method: str, timeout: float) -> dict:
+NCU_PATHS = ("/usr/local/cuda/bin/ncu",)
+
+
+def ncu_path() -> str | None:
+    """Nsight Compute's command line, or None where it is not installed."""
+    return shutil.which("ncu") or next((path for path in NCU_PATHS if os.path.exists(path)), None)
+
+
+def kernel_filter(names: list[str]) -> list[str]:
+    """ncu's arguments that profile only the kernels of ``names`` (the profiler's demangled names),
+    matched by their function names; none for an empty list (every kernel)."""
+    functions = sorted({name.removeprefix("void ").split("(")[0].split("<")[0].split("::")[-1] for name in names})
+    functions = [f for f in functions if f]
+    if not functions:
+        return []
+    return ["--kernel-name-base", "function", "--kernel-name", "regex:^(" + "|".join(map(re.escape, functions)) + ")$"]
+
+
+def measure(model: str, rank: int, method: str, timeout: float, kernels: list[str] | None = None) -> dict:
+    """``method``'s hook call under ncu: bytes per kernel, summed; only the kernels named in
+    ``kernels`` (`kernel_filter`) when given."""
     from .gpt2_layout import gpt2_parameters
 
     command = [
-        shutil.which("ncu") or "ncu",
+        ncu_path() or "ncu",
         "--profile-from-start",
         "off",
         "--target-processes",
         "all",
+        *kernel_filter(kernels or []),
         "--clock-control",
         "none",
         "--metrics",
@@ -111,6 +143,7 @@ def measure(model: str, rank: int, method: str, timeout: float) -> dict:
         "model": model,
         "rank": rank,
         "method": method,
+        "only_kernels": kernel_filter(kernels or [])[3:] or None,
         "source": "Nsight Compute (dram__bytes_read.sum + dram__bytes_write.sum per kernel)",
         "kernels": len(kernels),
         "compressed_elements": elements,

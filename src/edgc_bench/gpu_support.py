@@ -32,8 +32,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """GPT-2 ``size`` with random weights: Hugging Face's model for the published sizes (no dropout),
+def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, shapes: dict | None = None):
+    """GPT-2 ``size`` with random weights: Hugging Face's model for the published sizes (no dropout)
+    and for those of ``shapes`` (name → (layers, width, heads, vocabulary, context)),
     `edgc_bench.gpt2_layout.GPT2Layout` for "tiny" (smoke runs; no transformers import)."""
     from .gpt2_layout import GPT2_SIZES, GPT2Layout
 
@@ -42,7 +43,7 @@ def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
             return GPT2Layout(size).to(dtype)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    layers, width, heads, vocab, context = GPT2_SIZES[size]
+    layers, width, heads, vocab, context = {**GPT2_SIZES, **(shapes or {})}[size]
     config = GPT2Config(
         n_layer=layers,
         n_embd=width,
@@ -58,10 +59,10 @@ def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
     return model.to(dtype)
 
 
-def vocabulary(size: str) -> int:
+def vocabulary(size: str, shapes: dict | None = None) -> int:
     from .gpt2_layout import GPT2_SIZES
 
-    return GPT2_SIZES[size][3]
+    return {**GPT2_SIZES, **(shapes or {})}[size][3]
 
 
 class DeviceTimer:

@@ -199,9 +199,12 @@ def train_args(s: BenchSettings, method: str, out: Path, r_max: int | None) -> l
     return args
 
 
-def launch(net: Network, s: BenchSettings, module_argv: list[str], log_path: Path, timeout_s: int) -> list[int]:
-    """Start one torchrun agent per host running ``python -m <module_argv>``; wait for all."""
-    env = {"OMP_NUM_THREADS": str(s.threads), "EDGC_DIST_TIMEOUT": "300", "PYTHONUNBUFFERED": "1"}
+def launch(
+    net: Network, s: BenchSettings, module_argv: list[str], log_path: Path, timeout_s: int, env: dict | None = None
+) -> list[int]:
+    """Start one torchrun agent per host running ``python -m <module_argv>`` (with ``env`` besides the
+    bench's own); wait for all."""
+    env = {"OMP_NUM_THREADS": str(s.threads), "EDGC_DIST_TIMEOUT": "300", "PYTHONUNBUFFERED": "1", **(env or {})}
     processes = []
     with open(log_path, "w") as log:
         for host in range(s.hosts):

@@ -17,7 +17,17 @@ step's transient buffers included (`edgc_bench.live_memory`), per compressed gra
 - ``torchft``: a step left uncommitted until the manager's verdict (``defer_commit``), its residual
   written to the spare arena so that M survives for a rollback, then committed;
 - ``diloco``: one outer sync of DiLoCo's default method (`edgc.integrations.diloco.DEFAULT_OUTER_SYNC`)
-  of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element).
+  of every parameter's fp32 pseudo-gradient (per parameter, not per compressed element), one entry
+  per model and number of replica groups (`DILOCO_COUNTS`), and the rollback of one
+  (``--diloco-only`` recounts these entries alone in the ``--out`` file).
+
+The hook at the device's pace (``pace``, at GPT-2 medium and XL widths, ``--pace`` alone): a static
+step's dispatches eager and with CUDA graphs on (``cuda_graphs``: a graph region the capture checker
+passes over four steady steps counts one launch per call, `edgc_bench.dispatch_count`), the dispatches
+from entering the last bucket's ``reduce_bucket`` to the step's end (what the host issues once backward
+is over), a sampled step's beside it, the host reads of each, and the bytes a sampled step moves beyond
+a static one as a share of its own (its entropy sample's gather and histogram and its error
+measurement: a bound on the histogram's share).
 
 Beside the live tensors, ``process`` runs a step kind on real CPU tensors at the same widths with
 ``--layers`` blocks and reads the process's peak resident memory during the step
@@ -36,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import DispatchCounter, StepCount, count_hook_step
+from .dispatch_count import GRAPH_LAUNCH, DispatchCounter, StepCount, count_hook_step
 from .engine_cost import emit
 from .gpt2_layout import gpt2_parameters
 from .hook_steps import _static_config, sampled_config
@@ -83,11 +93,72 @@ def count_kind(kind: str, model: str = "xl", rank: int = 32) -> StepCount:
     return count_hook_step(gpt2_parameters(model), rank=rank, config=config_of(kind, rank), **_hooks(kind))
 
 
-def count_outer_sync(model: str = "xl") -> dict:
-    """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter, after one
-    that made the error feedback, as one of two replicas (a two-stage sync's owner keeps the error
-    feedback of its half of the chunks): dispatches, bytes and memory beyond the pseudo-gradients, per
-    parameter."""
+PACE_MODELS = ("medium", "xl")
+
+
+def pace(model: str = "xl", rank: int = 32, progress=print) -> dict:
+    """The hook at the device's pace at ``model``'s widths (the module docstring): static eager, static
+    with graphs, sampled."""
+    from dataclasses import replace
+
+    named = gpt2_parameters(model)
+    static = count_kind("static", model, rank)
+    progress(f"{model} static: {static.dispatches} dispatches")
+    graphed_config = replace(config_of("static", rank), cuda_graphs=True)
+    graphed = count_hook_step(named, rank=rank, config=graphed_config, graphs=True)
+    progress(f"{model} static with graphs: {graphed.dispatches} dispatches")
+    sampled = count_kind("sampled", model, rank)
+    progress(f"{model} sampled: {sampled.dispatches} dispatches")
+    steps = {"static": static, "static_graphs": graphed, "sampled": sampled}
+    return {
+        "model": model,
+        "rank": rank,
+        "buckets": static.buckets,
+        "compressed_matrices": static.compressed,
+        "dispatches": {kind: count.dispatches for kind, count in steps.items()},
+        "after_last_bucket": {kind: count.extra["after_last_bucket"] for kind, count in steps.items()},
+        "graph_replays": graphed.by_op.get(GRAPH_LAUNCH, 0),
+        "host_reads": {kind: count.host_reads for kind, count in steps.items()},
+        "bytes": {kind: round(count.per_compressed_element(count.bytes), 3) for kind, count in steps.items()},
+        "memory": {
+            kind: round(count.per_compressed_element(count.peak_state_bytes), 3) for kind, count in steps.items()
+        },
+        "sampled_extra_bytes_share": round((sampled.bytes - static.bytes) / sampled.bytes, 5),
+        "dtype": "bfloat16",
+        "torch": torch.__version__,
+    }
+
+
+def histogram_share(model: str, row: dict) -> float:
+    """The bytes a sampled step's histogram moves (`edgc.control.histogram.histogram_entropy_on_device` over a
+    bf16 sample of ``entropy_sample_cap`` elements, the most a decision's sample holds), as a share of the
+    sampled step's bytes in ``row`` (a `pace` row: bytes per compressed element, every matrix compressed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc import EDGCConfig
+    from edgc.control.histogram import histogram_entropy_on_device
+
+    config = EDGCConfig()
+    matrices = [math.prod(shape) for _, shape in gpt2_parameters(model) if len(shape) >= 2]
+    if len(matrices) != row["compressed_matrices"]:
+        raise ValueError(f"{model}: {row['compressed_matrices']} matrices compressed of {len(matrices)}")
+    with FakeTensorMode():
+        sample = torch.empty(config.entropy_sample_cap, dtype=torch.bfloat16)
+        with DispatchCounter() as counter:
+            histogram_entropy_on_device(sample, config.entropy_bins)
+    return round(counter.total_bytes / (row["bytes"]["sampled"] * sum(matrices)), 5)
+
+
+DILOCO_COUNTS = (("xl", 2), ("xl", 12), ("medium", 2), ("medium", 12))  # (model, replica groups) counted
+
+
+def count_outer_sync(model: str = "xl", groups: int = 2) -> dict:
+    """One outer sync of DiLoCo's default method on fp32 pseudo-gradients of every parameter (one flat
+    buffer, as DiLoCo hands them), after one that made the error feedback, as one of ``groups``
+    replicas (a two-stage sync's owner keeps the error feedback of its 1/groups of the chunks):
+    dispatches, collectives, bytes and memory per parameter (``memory``: the peak beyond the
+    pseudo-gradients; ``transient``: beyond the error feedback held too); then the dispatches of
+    rolling back an uncommitted sync."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
@@ -98,25 +169,38 @@ def count_outer_sync(model: str = "xl") -> dict:
     from .stand_ins import NamedParameters
 
     named = gpt2_parameters(model)
+    names, params = [name for name, _ in named], sum(math.prod(shape) for _, shape in named)
     with counted_host_reads(_zeros), FakeTensorMode():
-        deltas = [torch.empty(shape, dtype=torch.float32) for _, shape in named]
-        names = [name for name, _ in named]
+        flat = torch.empty(params, dtype=torch.float32)
+        parts = flat.split([math.prod(shape) for _, shape in named])
+        deltas = [part.view(shape) for part, (_, shape) in zip(parts, named)]
         with LiveStorages() as live:
             state = sync_method(DEFAULT_OUTER_SYNC).build(None, model=NamedParameters(list(zip(names, deltas))))
-            state.attach(counting_communicator(2))  # two replicas: each owns half the chunks
+            comm = counting_communicator(groups)
+            state.attach(comm)
             state.reduce_tensors(names, deltas, last=True)
             state.settle()
+            held, issued = live.live_bytes(), len(comm.issued)
             live.reset_peak()
             with DispatchCounter() as counter:
                 state.reduce_tensors(names, deltas, last=True)
             state.settle()
-    params = sum(math.prod(shape) for _, shape in named)
+            collectives = len(comm.issued) - issued
+        state.attach(defer_commit=True)
+        state.reduce_tensors(names, deltas, last=True)
+        with DispatchCounter() as rollback:
+            state.rollback_step("counted")
     return {
         "method": DEFAULT_OUTER_SYNC,
+        "model": model,
+        "groups": groups,
         "params": params,
         "dispatches": counter.total,
+        "collectives": collectives,
+        "rollback_dispatches": rollback.total,
         "bytes_per_param": round(counter.total_bytes / params, 3),
         "memory_per_param": round(live.peak_bytes / params, 3),
+        "transient_per_param": round((live.peak_bytes - held) / params, 3),
         "bytes_sent_per_param": round(state.last_step_metrics["bytes_sent"] / params, 4),
     }
 
@@ -193,8 +277,8 @@ def _peak_in_a_new_process(kind: str, layers: int, rank: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
-    """The figures of the module docstring, as ``--out`` writes them."""
+def measure_kinds(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
+    """The hook's step kinds (and the sampled step at a small cap), as ``--out`` holds them."""
     from dataclasses import replace
 
     kinds = {}
@@ -227,8 +311,19 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
         "limits": LIMITS,
         "kinds": kinds,
         "sampled_small_cap": small_cap,
-        "diloco": count_outer_sync(model),
     }
+
+
+def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
+    """The figures of the module docstring, as ``--out`` writes them."""
+    result = {
+        **measure_kinds(model, rank, layers, progress),
+        "diloco": [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS],
+        "pace": {size: pace(size, rank, progress) for size in PACE_MODELS},
+    }
+    for size, row in result["pace"].items():
+        row["histogram_bytes_share"] = histogram_share(size, row)
+    return result
 
 
 SMALL_CAP = 1 << 20  # the entropy sample a report-only estimate takes (`edgc.control.entropy.REPORT_SAMPLE_CAP`)
@@ -241,9 +336,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="blocks of the real-tensor run (the process's peak)")
     parser.add_argument("--process-peak", choices=KINDS, help="only this kind's process peak, as one JSON line")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--pace", action="store_true", help="only the pace figures, into --out's 'pace' (kept else)")
+    parser.add_argument("--models", nargs="*", default=PACE_MODELS, help="the pace's model widths (none: shares only)")
+    parser.add_argument("--kinds-only", action="store_true", help="recount the step kinds of --out alone")
+    parser.add_argument("--diloco-only", action="store_true", help="recount the diloco entries of --out alone")
     args = parser.parse_args(argv)
+    if args.diloco_only or args.kinds_only:
+        figures = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
+        if args.kinds_only:
+            figures.update(measure_kinds(args.model, args.rank, args.layers))
+        if args.diloco_only:
+            figures["diloco"] = [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS]
+        emit(figures, args.out)
+        return 0
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
+        return 0
+    if args.pace:
+        figures = json.loads(args.out.read_text()) if args.out is not None and args.out.exists() else {}
+        figures["pace"] = {**figures.get("pace", {}), **{model: pace(model, args.rank) for model in args.models}}
+        for model, row in figures["pace"].items():
+            row["histogram_bytes_share"] = histogram_share(model, row)
+        emit(figures, args.out)
         return 0
     emit(measure(args.model, args.rank, args.layers), args.out)
     return 0

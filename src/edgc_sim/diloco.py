@@ -20,8 +20,10 @@ Latency is charged per collective: each waits for its rounds in sequence (a ring
 one round trip between sites (``latency_s``), and a sync issues one collective of its kind per
 bucket (`buckets`: the two-stage sync two, an all-to-all and an all-gather). The buckets are each
 method's own: torchft's DiLoCo all-reduces its fragment tensor by tensor (``use_bucketization`` off,
-its default: `torchft.local_sgd`), its FP8 path likewise; edgc's two-stage sync cuts the fragment
-into buckets of its configured ``bucket_values``; the one-stage sync sends the fragment as one message.
+its default: `torchft.local_sgd`), its FP8 path likewise; edgc's two-stage sync cuts the values it
+syncs into buckets as its reducer does (`edgc.sync.flat_buffers.bucket_plan`: sized from the run,
+about sixteen, unless the method fixes ``bucket_values``); the one-stage sync sends the fragment as
+one message.
 A process group that runs several collectives at once (``Link.in_flight``: gloo's worker threads)
 overlaps their rounds as each sync's issue order allows (`latencies`); the internet tables assume
 one at a time, as NCCL's one stream runs them.
@@ -56,6 +58,7 @@ ALL_REDUCE, TWO_STAGE, SLOTS = "all-reduce", "two-stage", "all-gather (slots)"
 
 
 PER_TENSOR = 0  # bucket_values of a sync that issues one collective per parameter tensor
+FROM_RUN = None  # bucket_values of a sync whose buckets are sized from the run, as edgc's reducer sizes them
 
 
 @dataclass(frozen=True)
@@ -68,23 +71,27 @@ class OuterSync:
     codec: bool = True  #: encodes and decodes its messages (see `codec_passes`)
     edgc: bool = True  #: keeps a discarded step's pseudo-gradient (error feedback); torchft's DiLoCo does not
     #: values per bucket, one collective of the kind each (> 0; inf: the whole fragment at once;
-    #: PER_TENSOR: one per parameter tensor)
-    bucket_values: float = math.inf
+    #: PER_TENSOR: one per parameter tensor; FROM_RUN: `edgc.sync.flat_buffers.bucket_plan`'s)
+    bucket_values: float | None = math.inf
+    row_multiple: int = 1  #: the codec's row: a bucket sized from the run is N of its multiples (≥ 1)
 
 
 def _quant_bytes(bits: int, block: int = 256) -> float:
     return bits / 8 + 4 / block
 
 
-def configured_bucket_values(method: str) -> int:
-    """Values per bucket of a registered edgc sync method: its name's option, else its constructor's default."""
+def configured_buckets(method: str) -> tuple[int | None, int]:
+    """(values per bucket, the codec's row multiple) of a registered edgc sync method: its name's option,
+    else its constructor's default; None (FROM_RUN) where its reducer sizes the buckets from the run."""
     from edgc.sync.sync_methods import sync_method
 
     spec = sync_method(method)
     value = spec.options.get("bucket_values", inspect.signature(spec.reducer).parameters["bucket_values"].default)
-    if not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"{method}: bucket_values {value!r} is not a count of values the model can price")
-    return value
+    if not (value is FROM_RUN or (isinstance(value, int) and value >= 1)):
+        raise ValueError(
+            f"{method}: bucket_values {value!r} is neither None (sized from the run) nor a count of values"
+        )
+    return value, getattr(spec.build().codec, "row_multiple", 1)
 
 
 OUTER_SYNCS = {
@@ -96,7 +103,10 @@ OUTER_SYNCS = {
     ),
     "quant3": OuterSync("edgc quant3 (one-stage, slots)", _quant_bytes(3), SLOTS),
     "quant3-2s": OuterSync(
-        "edgc quant3-2s (two-stage)", _quant_bytes(3), TWO_STAGE, bucket_values=configured_bucket_values("quant3-2s")
+        "edgc quant3-2s (two-stage)",
+        _quant_bytes(3),
+        TWO_STAGE,
+        **dict(zip(("bucket_values", "row_multiple"), configured_buckets("quant3-2s"))),
     ),
 }
 # An accelerator's memory traffic per value and codec pass: read the values (and the error feedback),
@@ -158,16 +168,21 @@ def wire_bytes(sync: OuterSync, params: float, groups: int) -> float:
     return 2 * (groups - 1) / groups * payload
 
 
-def buckets(sync: OuterSync, params: float, tensors: int) -> int:
-    """Buckets of one outer sync over a fragment of ``params`` values in ``tensors`` tensors."""
+def buckets(sync: OuterSync, params: float, tensors: int, groups: int) -> int:
+    """Buckets of one outer sync over a fragment of ``params`` values in ``tensors`` tensors at ``groups``
+    groups (a bucket sized from the run is a multiple of the groups times the codec's row)."""
+    if sync.bucket_values is FROM_RUN:
+        from edgc.sync.flat_buffers import bucket_plan
+
+        return bucket_plan(math.ceil(params), max(groups, 1), None, sync.row_multiple)[1]
     if sync.bucket_values == PER_TENSOR:
         return tensors
     return 1 if math.isinf(sync.bucket_values) else math.ceil(params / sync.bucket_values)
 
 
-def collectives(sync: OuterSync, params: float, tensors: int) -> int:
+def collectives(sync: OuterSync, params: float, tensors: int, groups: int) -> int:
     """Collectives one outer sync issues: one a bucket, two for a two-stage sync (all-to-all, all-gather)."""
-    return buckets(sync, params, tensors) * (2 if sync.kind == TWO_STAGE else 1)
+    return buckets(sync, params, tensors, groups) * (2 if sync.kind == TWO_STAGE else 1)
 
 
 def rounds(sync: OuterSync, groups: int) -> tuple[int, ...]:
@@ -185,7 +200,7 @@ def latencies(sync: OuterSync, groups: int, params: float, tensors: int, in_flig
     (`edgc.sync.two_stage`), which `pipelined_rounds` plays out."""
     if groups <= 1:
         return 0
-    count, per_bucket = buckets(sync, params, tensors), rounds(sync, groups)
+    count, per_bucket = buckets(sync, params, tensors, groups), rounds(sync, groups)
     if in_flight <= 1:
         return count * sum(per_bucket)
     if sync.kind == TWO_STAGE:

@@ -76,32 +76,40 @@ def internet_table(site: Site, groups: int = 1024, tokens: float = TOKENS) -> st
     return "\n".join(lines)
 
 
-def collectives_line() -> str:
-    """Collectives per outer sync of each method at each model size."""
+def collectives_line(groups: int = 1024) -> str:
+    """Collectives per outer sync of each method at each model size, at ``groups`` groups."""
     parts = []
     for sync in OUTER_SYNCS.values():
-        counts = " / ".join(f"{collectives(sync, model.params, model.tensors):,}" for model in MODELS)
+        counts = " / ".join(f"{collectives(sync, model.params, model.tensors, groups):,}" for model in MODELS)
         parts.append(f"{sync.label} {counts}")
-    return f"Collectives per outer sync at {' / '.join(model.label for model in MODELS)}: " + "; ".join(parts) + "."
+    return (
+        f"Collectives per outer sync at {' / '.join(model.label for model in MODELS)} and {groups:,} groups: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
-FEW_BUCKETS = 32  # a two-stage sync whose buckets are sized from the fragment: tens of collectives
+FIXED_BUCKET_VALUES = 2**19  # the two-stage sync's bucket before its buckets were sized from the run
 
 
-def few_buckets_line(site: Site, model=MODELS[1], bits: float = 1e9) -> str:
-    """The two-stage sync's outer step at ``FEW_BUCKETS`` buckets a sync, beside its configured one's and torchft's."""
+def fixed_buckets_line(site: Site, model=MODELS[1], bits: float = 1e9) -> str:
+    """The two-stage sync's outer step with its buckets sized from the run, beside it at a fixed
+    ``FIXED_BUCKET_VALUES`` values a bucket (thousands of collectives) and torchft's."""
     point = replace(site, link_bits_per_s=bits)
     sync = OUTER_SYNCS["quant3-2s"]
-    few = replace(sync, bucket_values=math.ceil(model.params / FEW_BUCKETS))
+    fixed = replace(sync, bucket_values=FIXED_BUCKET_VALUES)
     cells = [
-        f"{groups:,} groups {outer_step(few, model, groups, point).outer_s:,.0f} s "
-        f"(at {sync.bucket_values:,} values a bucket: {outer_step(sync, model, groups, point).outer_s:,.0f} s; "
+        f"{groups:,} groups {outer_step(sync, model, groups, point).outer_s:,.0f} s "
+        f"({collectives(sync, model.params, model.tensors, groups)} collectives; at {FIXED_BUCKET_VALUES:,} values "
+        f"a bucket, {collectives(fixed, model.params, model.tensors, groups):,} collectives: "
+        f"{outer_step(fixed, model, groups, point).outer_s:,.0f} s; "
         f"torchft's: {outer_step(OUTER_SYNCS['torchft'], model, groups, point).outer_s:,.0f} s)"
         for groups in (GROUPS[0], GROUPS[-1])
     ]
     return (
-        f"With {FEW_BUCKETS} buckets a sync ({collectives(few, model.params, model.tensors)} collectives), the "
-        f"two-stage sync's outer step at {model.label} and {_rate(bits)}: " + "; ".join(cells) + "."
+        f"The two-stage sync's outer step at {model.label} and {_rate(bits)}, its buckets sized from the run: "
+        + "; ".join(cells)
+        + "."
     )
 
 
@@ -199,7 +207,7 @@ def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) ->
                 "hosts": r["hosts"],
                 "method": r["name"],
                 "round_trip_s": r["round_trip_s"],
-                "collectives": collectives(sync, r["params"], r["tensors"]),
+                "collectives": collectives(sync, r["params"], r["tensors"], r["hosts"]),
                 "rounds": latencies(sync, r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT),
                 "measured_s": r["outer_step_s"],
                 "sync_measured_s": r["outer_step_s"] - r["sync_every"] * r["floor_s"],
@@ -280,7 +288,7 @@ def markdown(site: Site, bench: dict | None = None) -> str:
         "",
         internet_table(site),
         "",
-        few_buckets_line(site),
+        fixed_buckets_line(site),
         "<!-- sim-diloco-internet:end -->",
         "",
         "<!-- sim-diloco-crossover:start -->",

@@ -31,4 +31,6 @@ Modules, top to bottom (each imports only modules listed below it, or the librar
     config_checks.py  its checks: each field's range, the combinations, the model's shape
     model.py        GPT-2 presets, built from a config (no download)
     rendezvous.py   joining the process group under torchrun, across restarts
+    torchtitan_cpu.py  torchtitan's own trainer on a CPU under torchrun (CPU-only patches): the tests' and bench's
+    torchtitan_assets.py  a tokenizer and a corpus made on the spot for torchtitan's trainer
 """

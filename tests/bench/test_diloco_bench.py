@@ -29,6 +29,7 @@ def write_run(
     skip=(),
     kill=None,
     wire: int | None = None,
+    shapes: list | None = None,
 ) -> None:
     """Logs as diloco_train.py writes them: a sync every ``unit`` inner steps; group 0 evaluates every
     sync. ``skip``: (group, outer) pairs a group sat out; ``kill``: (time, outer) when group 1 died, the
@@ -36,6 +37,8 @@ def write_run(
     run_dir.mkdir(parents=True)
     for group in range(hosts):
         lines, t, clock = [{"kind": "start", "pid": 1, "t": 0.0, "restart": 0}], 0.0, 0.0
+        if shapes is not None:
+            lines.append({"kind": "model", "shapes": shapes})
         evals = [{"kind": "eval", "step": 0, "clock": 0.0, "val_loss": loss_at(0)}]
         outer = 0
         for step in range(steps):
@@ -138,33 +141,71 @@ def summary(tmp_path: Path, edgc_loss=0.0, edgc_sync=1.0, edgc_payload=1000) -> 
     }
 
 
-def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat(tmp_path):
+SHAPES = [[1000, 960], [960]]  # 960,960 values: 3,843,840 bytes raw
+
+
+def scaling_text(tmp_path: Path) -> str:
+    """The scaling block of a synthetic run: torchft's ring, the one-stage quant3, the two-stage quant3-2s."""
     from edgc_bench.diloco_scaling import markdown
 
-    rows, raw = [], 4_000_000
+    return markdown(scaling_summary(tmp_path))
+
+
+def scaling_summary(tmp_path: Path) -> dict:
+    """A synthetic scaling run's summary (see `scaling_text`)."""
+    rows, raw = [], 3_843_840
     for hosts in (3, 6, 12):
         ring = 2 * (hosts - 1) / hosts * raw
         for sync, wire in (("diloco", ring), ("quant3", 0.098 * 2 * (hosts - 1) * raw), ("quant3-2s", 0.098 * ring)):
             run_dir = tmp_path / f"{hosts}-{sync}"
-            write_run(run_dir, 5, hosts=hosts, payload=raw if sync == "diloco" else int(0.098 * raw), wire=int(wire))
+            payload = raw if sync == "diloco" else int(0.098 * raw)
+            write_run(run_dir, 5, hosts=hosts, payload=payload, wire=int(wire), shapes=SHAPES)
             rows.append({**diloco_table.measure(run_dir, hosts, 20, None), "hosts": hosts, "sync": sync})
     assert rows[0]["wire_bytes"] == int(2 * 2 / 3 * raw) and rows[0]["outer_step_s"] == pytest.approx(4 * 0.5 + 1.0)
     rows.append({**rows[0], "delay_ms": 15.0, "outer_step_s": 4.5})  # a run with latency added: its own table
-    text = markdown(
-        {
-            "rows": rows,
-            "settings": BenchSettings(preset="tiny", steps=20).__dict__,
-            "options": {"sync_every": 5},
-            "command": "edgc bench --diloco --scaling 3,6,12",
-            "rate_mbit": 20.0,
-            "elapsed_s": 60.0,
-            "date": "2026-11-27 10:00 UTC",
-        }
-    )
-    assert "| 12 | 7.33 MB = 1.83× |" in text
+    return {
+        "rows": rows,
+        "settings": BenchSettings(preset="tiny", steps=20).__dict__,
+        "options": {"sync_every": 5},
+        "command": "edgc bench --diloco --scaling 3,6,12",
+        "rate_mbit": 20.0,
+        "elapsed_s": 60.0,
+        "date": "2026-11-27 10:00 UTC",
+    }
+
+
+def test_scaling_runs_of_other_host_counts_join_into_one_table_and_only_runs_alike_join(tmp_path):
+    from edgc_bench.diloco_scaling import joined, markdown
+
+    whole = scaling_summary(tmp_path)
+    few = {**whole, "rows": [r for r in whole["rows"] if r["hosts"] != 12], "command": "a", "elapsed_s": 40.0}
+    many = {**whole, "rows": [r for r in whole["rows"] if r["hosts"] == 12], "command": "b", "elapsed_s": 20.0}
+    many["options"] = {**whole["options"], "scaling": [12]}
+    both = joined([few, many])
+    assert both["command"] == "a` and `b" and both["elapsed_s"] == 60.0
+    assert markdown(both).replace("`a` and `b`", f"`{whole['command']}`") == markdown(whole)
+    other = {**many, "settings": {**whole["settings"], "steps": 40}}
+    with pytest.raises(ValueError, match="differ in settings steps"):
+        joined([few, other])
+
+
+def test_the_scaling_table_says_which_outer_sync_keeps_its_wire_flat_and_prices_what_users_compare_with(tmp_path):
+    from edgc_bench.diloco_scaling import fp8_path_bytes
+
+    # torchft's FP8 layout: rows padded to the groups, an fp32 scale and a byte a value, 4-aligned; a 1-D
+    # tensor a row a value (8 bytes each)
+    assert fp8_path_bytes(SHAPES, 3) == 1002 * (240 + 1) * 4 + 960 * 8
+    text = scaling_text(tmp_path)
+    assert "| 12 | 7.05 MB = 1.83× |" in text
     assert "- ✗ quant3: wire ÷ torchft's 0.294 · 0.588 · 1.176" in text
     assert (
         "- ✓ quant3-2s: wire ÷ torchft's 0.098 · 0.098 · 0.098 at 3, 6, 12 groups (≤ 0.12 at each), spread 0.0%" in text
+    )
+    share = [fp8_path_bytes(SHAPES, h) / 3_843_840 for h in (3, 6, 12)]
+    assert (
+        "- quant3-2s: wire ÷ a bf16 pseudo-gradient's ring all-reduce (priced) 0.196 · 0.196 · 0.196; ÷ torchft's "
+        f"FP8 path (priced, its message {share[0]:.3f} · {share[1]:.3f} · {share[2]:.3f}× the fp32 one) "
+        f"{0.098 / share[0]:.3f} · {0.098 / share[1]:.3f} · {0.098 / share[2]:.3f} at 3, 6, 12 groups" in text
     )
     assert "| 3 | 30 ms | 4.50 s (no delay 3.00 s) / – (no delay 3.00 s) / – (no delay 3.00 s) |" in text
 
@@ -367,10 +408,14 @@ def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, lo
     page.write_text(
         bench.update("", bench.section(diloco_table.markdown(summary(tmp_path))), bench.DILOCO_START, bench.DILOCO_END)
     )
+    guide = tmp_path / "root/docs/guides/slow-links.md"
+    guide.parent.mkdir(parents=True)
+    guide.write_text(scaling_text(tmp_path / "scaling"))
     row = script.diloco_row(tmp_path / "root")
     assert row == (
         "| DiLoCo (H = 5), 3 hosts at 20 Mbit/s, GPT-2 `tiny` | time to target 0.25× of torchft's DiLoCo | "
-        "0.050× on the wire (payload 0.050×) | +0.00% | [diloco](docs/results/diloco.md) |"
+        "0.050× on the wire of torchft's fp32 DiLoCo (payload 0.050×); at 3 groups 0.20× a bf16 "
+        "pseudo-gradient's, 0.39× torchft's FP8 path's (priced) | +0.00% | [diloco](docs/results/diloco.md) |"
     )
     block = script.diloco_summary(tmp_path / "root")
     edgc = next(line for line in block.splitlines() if line.startswith("| 20 Mbit/s | DiLoCo + EDGC |"))

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 # The parts of the mechanism and of one producer, which write no block of their own.
-NOT_PRODUCERS = {"doc_blocks", "to_docs", "gpu_runs", "gpu_tables", "gpu_profiled"}
+NOT_PRODUCERS = {"doc_blocks", "to_docs", "gpu_runs", "gpu_tables", "gpu_profiled", "gpu_measured"}
 
 
 def test_every_script_that_writes_a_block_is_a_registered_producer(load_script):

@@ -63,7 +63,8 @@ def public_names() -> set[str]:
 
     names = {f"edgc.{name}" for name in edgc.__all__}
     names |= {f"edgc.integrations.{name}" for name in edgc.integrations.__all__}
-    for sub in ("lightning", "torchft", "torchft_quorum", "diloco"):  # every public-looking name they define
+    subs = ("lightning", "torchft", "torchft_quorum", "diloco", "torchtitan", "torchtitan_torchft")
+    for sub in subs:  # every public-looking name they define
         module = importlib.import_module(f"edgc.integrations.{sub}")
         names |= {
             f"{module.__name__}.{name}"

@@ -17,7 +17,7 @@ from edgc_sim.diloco import (
     Link,
     Site,
     collectives,
-    configured_bucket_values,
+    configured_buckets,
     crossover,
     latencies,
     outer_step,
@@ -53,13 +53,12 @@ def test_the_model_prices_the_kinds_the_registry_names_at_the_codecs_bytes():
 
 def test_latency_is_charged_per_collective_with_each_methods_buckets():
     groups, two_stage = 12, OUTER_SYNCS["quant3-2s"]
-    assert (
-        two_stage.bucket_values
-        == configured_bucket_values("quant3-2s")
-        == sync_method("quant3-2s").build().bucket_values
-    )
-    buckets = math.ceil(XL_PARAMS / two_stage.bucket_values)
-    assert collectives(two_stage, XL_PARAMS, XL_TENSORS) == 2 * buckets == 5942  # an all-to-all and an all-gather each
+    reducer = sync_method("quant3-2s").build()
+    assert configured_buckets("quant3-2s") == (reducer.bucket_values, reducer.codec.row_multiple)
+    assert two_stage.bucket_values is diloco.FROM_RUN
+    # the reducer's own cut of the run: about sixteen buckets, N whole rows each
+    buckets = reducer.buckets(XL_PARAMS, groups)[1]
+    assert buckets == 16 and collectives(two_stage, XL_PARAMS, XL_TENSORS, groups) == 32
     assert latencies(two_stage, groups, XL_PARAMS, XL_TENSORS) == buckets * (1 + groups - 1)
     # torchft's DiLoCo all-reduces tensor by tensor, its FP8 path likewise (two-stage per tensor)
     assert latencies(OUTER_SYNCS["torchft"], groups, XL_PARAMS, XL_TENSORS) == XL_TENSORS * 2 * (groups - 1)
@@ -73,8 +72,8 @@ def test_latency_is_charged_per_collective_with_each_methods_buckets():
             sync, XL_PARAMS, groups, link, 1e-9, XL_TENSORS
         )
         assert added == pytest.approx(0.03 * latencies(sync, groups, XL_PARAMS, XL_TENSORS))
-    fewer = replace(two_stage, bucket_values=math.ceil(XL_PARAMS / 32))
-    assert collectives(fewer, XL_PARAMS, XL_TENSORS) == 64
+    fixed = replace(two_stage, bucket_values=2**19)  # the bucket before it was sized from the run
+    assert collectives(fixed, XL_PARAMS, XL_TENSORS, groups) == 5942
 
 
 def test_a_process_group_that_runs_two_collectives_at_once_waits_for_fewer_rounds():
@@ -99,15 +98,16 @@ def test_without_latency_the_one_stage_sync_crosses_torchfts_near_ten_groups_and
     assert crossover("quant3-2s", EIGHT_B, site) is None and crossover("torchft-fp8", EIGHT_B, site) is None
 
 
-def test_over_a_wan_the_two_stage_syncs_round_trips_decide_until_its_buckets_are_few():
+def test_over_a_wan_the_two_stage_sync_stays_ahead_with_its_buckets_sized_from_the_run_and_not_at_a_fixed_bucket():
     site = Site(link_bits_per_s=1e9, latency_s=0.03)
-    assert crossover("quant3-2s", EIGHT_B, site) == 2  # thousands of buckets, N round trips each
-    few = replace(OUTER_SYNCS["quant3-2s"], bucket_values=math.ceil(EIGHT_B.params / 32))
+    assert crossover("quant3-2s", EIGHT_B, site) is None
     for groups in (8, 1024):
         assert (
-            outer_step(few, EIGHT_B, groups, site).outer_s
+            outer_step(OUTER_SYNCS["quant3-2s"], EIGHT_B, groups, site).outer_s
             < outer_step(OUTER_SYNCS["torchft"], EIGHT_B, groups, site).outer_s
         )
+    fixed = replace(OUTER_SYNCS["quant3-2s"], bucket_values=2**19)  # thousands of buckets, N round trips each
+    assert outer_step(fixed, EIGHT_B, 2, site).outer_s > outer_step(OUTER_SYNCS["torchft"], EIGHT_B, 2, site).outer_s
 
 
 def test_a_lost_group_costs_torchft_its_outer_step_and_edgc_only_the_sync():

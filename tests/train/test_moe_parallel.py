@@ -12,10 +12,11 @@ processes (one call for everything, `edgc.distributed.scaling`'s contract):
   hook summing each group over its own replicate group. Two layouts of 4 ranks: replicas 2 × ep 2 (the
   2-D expert mesh [dp_replicate 2, efsdp 1]) and ep 2 × an expert shard of 2 ranks (efsdp 2), and the
   first with FSDP's division on (each rank's loss its mean: the hook averages, the experts scaled by
-  1/ep); the warm-up step's gradients are the global loss's, and EDGC's compressed steps keep every
-  replica of the dense part and of each expert (over its expert-data-parallel group) identical. The
-  experts' mesh without a state of its own, or one state for both meshes, is refused in one line before
-  any hook is set.
+  1/ep), and the second with the experts sharded within each (``Shard(1)``, as torchtitan shards them
+  where the ranks outnumber the experts); the warm-up step's gradients are the global loss's, and EDGC's
+  compressed steps keep every replica of the dense part and of each expert (over its expert-data-parallel
+  group) identical. The experts' mesh without a state of its own, or one state for both meshes, is
+  refused in one line before any hook is set.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distributed_harness
 from distributed_harness import run_distributed  # noqa: E402
@@ -115,13 +117,13 @@ def refused(call) -> str:
     return ""
 
 
-def titan_layout(rank: int, world: int, replicas: int, division_off: bool = True) -> dict:
+def titan_layout(rank: int, world: int, replicas: int, division_off: bool = True, expert_dim: int = 0) -> dict:
     """``replicas`` × ep 2 × efsdp (4 / replicas / 2): the MoE block sharded as torchtitan shards it, FSDP's
-    division off and the loss divided by the global tokens (torchtitan's), or on and each rank's loss its mean."""
+    division off and the loss divided by the global tokens (torchtitan's), or on and each rank's loss its mean;
+    the experts sharded by expert (``expert_dim`` 0) or within each (1: torchtitan's past one expert a rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
-    from torch.distributed.tensor import Shard
 
     from edgc.parallel.fsdp import register_fsdp_comm_hook
 
@@ -134,8 +136,10 @@ def titan_layout(rank: int, world: int, replicas: int, division_off: bool = True
     experts = set(model.moe.experts.parameters())
     expert_info, dense_info = FSDPMeshInfo(mesh["efsdp"], shard_mesh_dim=0), FSDPMeshInfo(dense_shard, shard_mesh_dim=0)
 
+    dense_placement = ShardPlacementResult(Shard(0), dense_info)
+
     def place(p):  # torchtitan's: the experts on their expert-FSDP mesh, the rest on the dense one
-        return ShardPlacementResult(Shard(0), expert_info if p in experts else dense_info)
+        return ShardPlacementResult(Shard(expert_dim), expert_info) if p in experts else dense_placement
 
     fully_shard(model.moe, mesh=dense_shard, shard_placement_fn=place)
     fully_shard(model, mesh=dense_shard)
@@ -152,6 +156,7 @@ def titan_layout(rank: int, world: int, replicas: int, division_off: bool = True
     register_fsdp_comm_hook(model, {dense_shard: dense, mesh["efsdp"]: expert})
     groups = len(model.moe._get_fsdp_state()._fsdp_param_groups)
     out = {"groups": groups, "steps": [], "ep_rank": mesh["ep"].get_local_rank(), "refusals": refusals}
+    out["expert placement"] = model.moe.experts.w1.placements
     for step in range(STEPS):
         model.zero_grad()
         x, y = batch(rank, step)
@@ -186,7 +191,8 @@ def reference(world: int) -> list[dict]:
 
 def worker(rank: int, world: int) -> dict:
     out = {"parity": {(c, ep): at_ep(rank, ep, c) for c in (False, True) for ep in (1, 2)}}
-    out["titan"] = {(r, off): titan_layout(rank, world, r, off) for r, off in ((2, True), (1, True), (2, False))}
+    layouts = ((2, True, 0), (1, True, 0), (2, False, 0), (1, True, 1))
+    out["titan"] = {layout: titan_layout(rank, world, *layout) for layout in layouts}
     out["reference"] = reference(world) if rank == 0 else None
     return out
 
@@ -212,14 +218,20 @@ def test_ep_1_and_ep_2_route_alike_and_give_the_same_gradients(runs, compressed)
 
 @pytest.mark.parametrize(
     "layout",
-    [(2, True), (1, True), (2, False)],
-    ids=["2-D expert mesh", "expert shard of 2", "FSDP's division on: the mean, experts by 1 over ep"],
+    [(2, True, 0), (1, True, 0), (2, False, 0), (1, True, 1)],
+    ids=[
+        "2-D expert mesh",
+        "expert shard of 2",
+        "FSDP's division on: the mean, experts by 1 over ep",
+        "Shard(1) experts",
+    ],
 )
 def test_torchtitans_layout_reduces_each_group_over_its_replicas_and_keeps_replicas_identical(runs, layout):
     ref = runs[0]["reference"]
     for rank, out in enumerate(runs):
         titan = out["titan"][layout]
         assert titan["groups"] == 2  # the router's mesh and the experts': one module, two parameter groups
+        assert titan["expert placement"] == (Shard(layout[2]),)
         first = titan["steps"][0]
         assert first["phases"] == ("warmup", "warmup")
         for name, grad in ref[0].items():  # the warm-up's sum is the global loss's gradient
@@ -233,5 +245,5 @@ def test_torchtitans_layout_reduces_each_group_over_its_replicas_and_keeps_repli
 
 def test_the_experts_mesh_without_a_state_of_its_own_is_refused_in_one_line(runs):
     for case, words in (("one state", "needs a state of its own"), ("shared state", "give each mesh its own")):
-        lines = [out["titan"][(2, True)]["refusals"][case] for out in runs]
+        lines = [out["titan"][(2, True, 0)]["refusals"][case] for out in runs]
         assert all(line == lines[0] and "\n" not in line for line in lines) and words in lines[0], lines[0]

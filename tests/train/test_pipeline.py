@@ -7,7 +7,8 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
        stage's rank comes from timings measured in its window (DAC), so a resume inside a window
        would re-measure part of it and could rightly choose differently
   (a and b send their activation gradients compressed: --interstage all, rank following the DP rank)
-  is   `--pp 2 --nproc 2` with static PowerSGD and --interstage all / cooldown
+  is   `--pp 2 --nproc 2` with --interstage all (static PowerSGD) / cooldown (Optimus-CC: PowerSGD on stage 0
+       only; the Optimus-CC test reads this run too)
 """
 
 from __future__ import annotations
@@ -121,31 +122,8 @@ def test_report_plots_the_stages(dac_runs, tmp_path):
     assert "stages.png" in (tmp_path / "report" / "report.md").read_text()
 
 
-def test_optimus_cc_compresses_only_the_first_stages(tmp_path, cache_dir):
-    proc = run_edgc(
-        "train",
-        "--out",
-        str(tmp_path / "occ"),
-        "--nproc",
-        "2",
-        "--pp",
-        "2",
-        "--steps",
-        "6",
-        "--eval-every",
-        "0",
-        "--compressor",
-        "optimus-cc",
-        "--selective-stages",
-        "1",
-        "--powersgd-rank",
-        "4",
-        "--cache-dir",
-        str(cache_dir),
-        *SMALL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train = [r for r in read_metrics(tmp_path / "occ") if r["kind"] == "train"]
+def test_optimus_cc_compresses_only_the_first_stages(interstage_run):
+    train = [r for r in read_metrics(interstage_run("cooldown")) if r["kind"] == "train"]
     assert train[-1]["stages"][0]["rank"] == 4  # static rank on stage 0 after the warm-up
     assert all(r["stages"][1]["rank"] is None for r in train)  # stage 1 always uncompressed
 
@@ -169,38 +147,59 @@ def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_r
     assert any(r["interstage_bytes_sent"] < r["interstage_bytes_raw"] / 2 for r in train)
 
 
+# The data-parallel compressor of each interstage run. Optimus-CC pairs compressing the first stages'
+# gradients with compressing activation gradients, so the cool-down run is also the Optimus-CC run: one
+# launch asserts both, and every interstage invariant below holds whatever the stages' compressor.
+INTERSTAGE_COMPRESSOR = {
+    "all": ["--compressor", "powersgd"],
+    "cooldown": ["--compressor", "optimus-cc", "--selective-stages", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def interstage_run(tmp_path_factory, cache_dir):
+    """``interstage_run(mode)``: the 10-step `--pp 2 --nproc 2` run with ``--interstage mode``, launched once."""
+    runs = {}
+
+    def run(mode):
+        if mode not in runs:
+            runs[mode] = tmp_path_factory.mktemp("interstage") / mode
+            proc = run_edgc(
+                "train",
+                "--out",
+                str(runs[mode]),
+                "--nproc",
+                "2",
+                "--pp",
+                "2",
+                "--steps",
+                "10",
+                "--eval-every",
+                "0",
+                *INTERSTAGE_COMPRESSOR[mode],
+                "--powersgd-rank",
+                "4",
+                "--interstage",
+                mode,
+                "--interstage-rank",
+                "2",
+                "--lr",
+                "3e-3",
+                "--cache-dir",
+                str(cache_dir),
+                *SMALL,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return runs[mode]
+
+    return run
+
+
 @pytest.mark.parametrize("mode", ["all", "cooldown"])
-def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formula(tmp_path, cache_dir, mode):
+def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formula(interstage_run, mode):
     from edgc.parallel.interstage import wire_bytes
 
-    run = tmp_path / mode
-    proc = run_edgc(
-        "train",
-        "--out",
-        str(run),
-        "--nproc",
-        "2",
-        "--pp",
-        "2",
-        "--steps",
-        "10",
-        "--eval-every",
-        "0",
-        "--compressor",
-        "powersgd",
-        "--powersgd-rank",
-        "4",
-        "--interstage",
-        mode,
-        "--interstage-rank",
-        "2",
-        "--lr",
-        "3e-3",
-        "--cache-dir",
-        str(cache_dir),
-        *SMALL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = interstage_run(mode)
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
     m, n = 2 * 32, 256  # (micro-batch · tokens, the tiny preset's hidden size); grad_accum 2
     ranks = [2, 2] if mode == "all" else [0, 2]  # cool-down: the last pp − 1 = 1 micro-batch

@@ -67,6 +67,10 @@ class Communicator:
     # Whether a plain average also reports if it is finite (`GradientReducer._average_raw`): where a
     # non-finite step must be discarded on every replica (torchft's manager), not only skipped.
     flags_nonfinite = False
+    # Whether a rank's error feedback belongs to its place among ``world_size`` ranks, so that a checkpoint
+    # loaded at another world size drops it (residuals cannot be split or merged). Not under torchft,
+    # where a replica group's error feedback is its own whatever the quorum's size.
+    residuals_per_rank = True
 
     def __init__(self, process_group=None):
         process_group = self.group = as_process_group(process_group)  # a group, None, or a 1-D DeviceMesh
@@ -83,6 +87,7 @@ class Communicator:
         self._waits: list[tuple] = []  # (start, end) stamps of every wait that found work unfinished
         self.durations: list[float | None] = []  # seconds per collective of the last step ended by reset()
         self.wait_seconds = 0.0  # of the last finished step: time the caller was blocked in wait()
+        self._backend: str | None = None  # the group's, once asked (`waits_on_device`)
 
     def use_device(self, device: torch.device, clock: Clock | None = None) -> None:
         """Stamp collectives on ``device``'s timeline, with ``clock`` if given (shared with the reducer,
@@ -124,6 +129,16 @@ class Communicator:
     def mark(self) -> tuple[int, int]:
         """(collectives, waits) so far: the argument of a later ``forget_since``."""
         return len(self._records), len(self._waits)
+
+    @property
+    def waits_on_device(self) -> bool:
+        """Whether ``Pending.wait()`` makes the current stream wait rather than the host (NCCL's): a job
+        can then wait for a collective it has just issued and go on without blocking the caller."""
+        if not self._distributed:
+            return False
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.group))
+        return self._backend == "nccl"
 
     @property
     def issues(self) -> bool:

@@ -49,12 +49,12 @@ import torch.distributed as dist
 from torch import nn, optim
 
 from ..config import EDGCConfig
-from ..device import streams
 from ..device.finite import all_finite
-from ..device.timing import host_reads_allowed, state_to_host
+from ..device.timing import state_to_host
 from ..state import EDGCState
 from ..sync.outer_sync import decay_error_feedback
 from ..sync.sync_methods import sync_method, sync_method_names
+from .diloco_fragment import Fragment
 
 STATE_FORMAT = "edgc-diloco/1"
 # The outer sync without an EDGCConfig: 3-bit pseudo-gradients with error feedback (a payload of
@@ -64,81 +64,6 @@ STATE_FORMAT = "edgc-diloco/1"
 # PowerSGD at rank 8 did not, nor did the sparse syncs at 0.02× the bytes or fewer, and the two-stage
 # sync where the one-stage one did (docs/guides/slow-links.md).
 DEFAULT_OUTER_SYNC = "quant3-2s"
-
-
-class _Fragment:
-    """One model fragment: its parameters, their global values θ_global (the backup) and its outer optimizer.
-
-    The backup is in host memory (pinned on CUDA) unless ``backup_device`` says otherwise. Copies
-    to and from it are queued on the compute stream without a host wait (``non_blocking``: from
-    pinned memory the copy is asynchronous, from pageable memory CUDA makes it safe by waiting),
-    in stream order with everything that reads them; the host touches it only after an event that
-    follows the last of them (a checkpoint, a heal)."""
-
-    def __init__(
-        self,
-        index: int,
-        module: nn.Module,
-        outer_optimizer: optim.Optimizer,
-        backup_device: torch.device | None,
-        pin_memory: bool,
-    ):
-        self.index, self.module, self.outer_optimizer = index, module, outer_optimizer
-        named = list(module.named_parameters())
-        self.names = [f"{index}.{name}" for name, _ in named]
-        self.params = [p for _, p in named]
-        if backup_device is None or torch.device(backup_device).type == "cpu":
-            pin = pin_memory and bool(self.params) and streams.pins(self.params[0].device)
-            self.original = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
-        else:
-            self.original = [torch.empty(p.shape, dtype=p.dtype, device=backup_device) for p in self.params]
-        self.deltas: list[torch.Tensor] = []  # this outer step's Δ, averaged in place by the sync
-        self.kept: list[torch.Tensor] = []  # the local Δ as sent, while the step may still be discarded
-        self._last_copy = None  # an event after the last queued copy to or from the backup (None off CUDA)
-        self.save()
-
-    def copied(self) -> None:
-        """Copies to or from the backup were just queued on the compute stream."""
-        if self.params:
-            self._last_copy = streams.current_stream(self.params[0].device).record_event()
-
-    def _idle(self) -> None:
-        """Wait until no queued copy reads or writes the backup (before the host does)."""
-        if self._last_copy is not None:
-            with host_reads_allowed():  # a checkpoint or a heal: not a step
-                self._last_copy.synchronize()
-
-    @torch.no_grad()
-    def save(self) -> None:
-        """θ_global ← the parameters."""
-        for backup, p in zip(self.original, self.params):
-            backup.copy_(p.detach(), non_blocking=True)
-        self.copied()
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        """The parameters ← θ_global."""
-        for backup, p in zip(self.original, self.params):
-            p.copy_(backup, non_blocking=True)
-        self.copied()
-
-    def state_dict(self) -> dict:
-        self._idle()
-        original = state_to_host(dict(enumerate(self.original)))
-        return {"original": list(original.values()), "outer_optimizer": self.outer_optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["original"]) != len(self.original):
-            raise ValueError(
-                f"DiLoCo fragment {self.index}: the state has {len(state['original'])} parameters, "
-                f"the fragment {len(self.original)}"
-            )
-        self._idle()
-        with torch.no_grad():
-            for backup, saved in zip(self.original, state["original"]):
-                backup.copy_(saved)
-        with host_reads_allowed():  # torch's optimizer moves its loaded state with blocking copies: a resume
-            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
 
 class DiLoCo:
@@ -186,7 +111,7 @@ class DiLoCo:
         self._inner = inner_optimizer
         self._local_step = 0
         self._hooks: list = []
-        self._syncing: _Fragment | None = None  # the fragment whose sync was prepared and awaits its outer step
+        self._syncing: Fragment | None = None  # the fragment whose sync was prepared and awaits its outer step
         self._carry: dict[str, torch.Tensor] = {}  # raw-sent Δ of discarded outer steps, per parameter name
         # EDGC's engine only (`_check_outer_sync`), built with it (`LowRankConfig.power_iterations`)
         if power_iterations != 1:
@@ -205,7 +130,7 @@ class DiLoCo:
             }
         )
         self._fragments = [
-            _Fragment(i, module, outer, backup_device, pin_memory)
+            Fragment(i, module, outer, backup_device, pin_memory)
             for i, (module, outer) in enumerate(zip(fragments, outers))
         ]
         self.last_outer_step: dict | None = None  # what the last outer step did (see `_record`)
@@ -259,18 +184,16 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ one outer step
     @torch.no_grad()
-    def _prepare(self, fragment: _Fragment) -> None:
+    def _prepare(self, fragment: Fragment) -> None:
         """Δ = θ_global − θ_local (+ what a discarded step could not keep), and start its sync."""
-        deltas = []
-        for name, backup, p in zip(fragment.names, fragment.original, fragment.params):
-            delta = backup.to(p.device, p.dtype, non_blocking=True) - p.detach()
-            carried = self._carry.pop(name, None)
+        deltas = fragment.pseudo_gradients()
+        for name, delta in zip(fragment.names, deltas):
+            carried = self._carry.pop(name, None) if self._carry else None
             if carried is not None:
                 delta += carried.to(delta.device, delta.dtype, non_blocking=True)
-            deltas.append(delta)
         fragment.copied()
         fragment.deltas = deltas
-        decay_error_feedback(self.state.error_table(), self._decay)
+        decay_error_feedback(self.state, self._decay)  # the owners' part of a two-stage sync's too
         # A state that leaves the whole M in its error feedback on a rollback (`edgc.sync.two_stage`) needs
         # no copy of Δ to carry: 4 bytes a parameter fewer while the verdict is out.
         keeps = self.state.rollback_keeps_input
@@ -301,7 +224,7 @@ class DiLoCo:
         self._record(fragment, committed)
         fragment.deltas, fragment.kept = [], []
 
-    def _carry_raw(self, fragment: _Fragment) -> None:
+    def _carry_raw(self, fragment: Fragment) -> None:
         """A discarded step: the engine made M the error feedback of the compressed matrices; what was
         sent raw is carried into the next Δ (dropped where not finite, as M is)."""
         ranks = self.state.last_step_metrics.get("ranks", {})
@@ -309,7 +232,7 @@ class DiLoCo:
             if not ranks.get(name):
                 self._carry[name] = sent.masked_fill(~all_finite(sent), 0)  # on the device: no host read
 
-    def _record(self, fragment: _Fragment, committed: bool) -> None:
+    def _record(self, fragment: Fragment, committed: bool) -> None:
         metrics = self.state.last_step_metrics
         self.last_outer_step = {
             "fragment": fragment.index,
@@ -318,6 +241,7 @@ class DiLoCo:
             "phase": metrics.get("phase"),
             "rank": metrics.get("rank"),
             "bytes_sent": metrics.get("bytes_sent"),
+            "payload_bytes": metrics.get("payload_bytes", metrics.get("bytes_sent")),  # what the messages hold
             "bytes_raw": metrics.get("bytes_raw"),
             "relative_error": metrics.get("relative_error"),
             "nonfinite": metrics.get("nonfinite"),

@@ -242,7 +242,8 @@ def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key:
     manager's verdict (committed: the residual is kept; not: the error feedback is as before and
     DiLoCo carries the step's Δ into the next one); heal: the shared part, the outer step count, is
     registered as ``state_key``, and a healed replica keeps its own error feedback, none after a
-    restart (`edgc experiment diloco` measured it against a peer's copy: alike)."""
+    restart (`edgc experiment diloco` measured it against a peer's copy: alike), and drops the error
+    feedback it kept as a chunk owner of a two-stage sync (no peer holds it)."""
     entry = sync_method(name)
     if entry is None:
         raise ValueError(f"sync method {name!r} is not registered")
@@ -250,6 +251,8 @@ def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key:
 
     def load_step(shared: dict) -> None:
         state.step = int(shared["step"])
+        if hasattr(state, "drop_group_error"):  # a two-stage sync's chunk owners': no peer holds this one's
+            state.drop_group_error("healed from a peer")
 
     state.managed = ManagedSteps(state, manager, state_key, lambda: {"step": state.step}, load_step)  # type: ignore[attr-defined]
     return state

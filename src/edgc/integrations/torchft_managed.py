@@ -61,6 +61,9 @@ class ManagedCommunicator(Communicator):
     """
 
     flags_nonfinite = True  # a non-finite step is reported to the manager, so every replica discards it
+    # A replica group's error feedback is its own whatever the quorum's size: quorums change between
+    # steps, and before the first one the size is 1 (a checkpoint loaded then keeps it).
+    residuals_per_rank = False
 
     def __init__(self, manager: Manager):
         super().__init__(None)
@@ -74,6 +77,11 @@ class ManagedCommunicator(Communicator):
     def issues(self) -> bool:
         """A quorum of one sends nothing."""
         return self.world_size > 1
+
+    @property
+    def waits_on_device(self) -> bool:
+        """The manager's works are waited for as the host's (`Communicator.waits_on_device`)."""
+        return False
 
     def refresh(self) -> None:
         """Take the current quorum's size and this replica's place in it (blocks on a pending quorum)."""
@@ -181,11 +189,17 @@ class ManagedCommunicator(Communicator):
 
 def _group_place(manager: Manager, rank: int, participants: int) -> tuple[int, int]:
     """(rank, size) of this replica in the quorum's process group: the members a two-stage sync's
-    chunks are owned by (spares included); a process group that does not say: the participants."""
+    chunks are owned by, spares included; the wrapped group's (``parent``) where there is one, else the
+    group's own (torchft's ``ProcessGroupBaby*``, whose size is the quorum's), else the participants.
+    The chunks go by the group's own ranks; the rank here labels the owner's error feedback."""
+    group = torchft_adapter.process_group(manager)
     try:
-        parent = torchft_adapter.process_group(manager).parent
-        return parent.rank(), parent.size()
+        group = group.parent
     except (AttributeError, AssertionError):
+        pass
+    try:
+        return group.rank(), group.size()
+    except (AttributeError, AssertionError, NotImplementedError, RuntimeError):
         return max(rank, 0), participants
 
 

@@ -73,8 +73,11 @@ from ..distributed.mesh import init_parallel_mesh
 from ..distributed.scaling import MEAN, SUM
 from ..safeguards.guards import group_ranks
 from ..sync.reducer import GradientReducer
+from .fsdp_layout import partial_layout, shard_layout
 
-__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout", "mesh_refusal"]
+__all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout", "mesh_refusal", "partial_layout"]
+
+STEP_ENDS = ("backward", "caller")
 
 
 def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
@@ -88,11 +91,6 @@ def hsdp_mesh(shard_size: int, device=None) -> DeviceMesh:
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"shard size {shard_size} must divide the world size {world}")
     return init_parallel_mesh(device, dp_shard=shard_size)["dp_replicate", "dp_shard"]
-
-
-def shard_layout(group) -> list[tuple[nn.Parameter, torch.Size, int]]:
-    """(sharded parameter, this rank's shard size, padded shard numel) per parameter, in buffer order."""
-    return [(fp.sharded_param, fp.sharded_size, fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
 
 
 def _described(mesh: DeviceMesh) -> str:
@@ -122,14 +120,16 @@ def mesh_refusal(name: str, mesh: DeviceMesh, reference: DeviceMesh, state_ranks
 
 def _sharded_groups(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
     """(name, module, parameter group) of every parameter group with parameters of every `fully_shard`-ed
-    module, in ``model.modules()`` order (a module's groups in FSDP's order); a group on a 2-D mesh is refused."""
-    found = []
+    module, in ``model.modules()`` order (a module's groups in FSDP's order; a group that several modules
+    share, ``fully_shard([a, b])``, once); a group on a 2-D mesh is refused."""
+    found, seen = [], set()
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         for group in fsdp_adapter.param_groups(module):
-            if not group.fsdp_params:
+            if not group.fsdp_params or id(group) in seen:
                 continue
+            seen.add(id(group))
             if group.mesh_info.replicate_mesh_dim is not None:  # native HSDP or replicate()
                 raise ValueError(
                     "shard the model on 1-D meshes (e.g. hsdp_mesh(k)['dp_shard'], a 2-D expert mesh's 'efsdp'): "
@@ -141,9 +141,16 @@ def _sharded_groups(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
 
 class FSDPCommHook:
     """The all-reduce hooks of one `fully_shard`-ed model; made by `register_fsdp_comm_hook`. ``states``:
-    one state, or a state per shard mesh ({mesh: state}), each parameter group's shards averaged by its mesh's."""
+    one state, or a state per shard mesh ({mesh: state}), each parameter group's shards averaged by its mesh's.
+    ``step_end`` ("backward": a backward is a step; "caller": `close_step` ends it) and ``scale``:
+    `register_fsdp_comm_hook`'s."""
 
-    def __init__(self, model: nn.Module, states):
+    def __init__(self, model: nn.Module, states, step_end: str = "backward", scale: str | None = None):
+        if step_end not in STEP_ENDS:
+            raise ValueError(f"register_fsdp_comm_hook: step_end must be one of {STEP_ENDS}, got {step_end!r}")
+        if scale not in (None, MEAN, SUM):
+            raise ValueError(f"register_fsdp_comm_hook: scale must be None, {MEAN!r} or {SUM!r}, got {scale!r}")
+        self.step_end = step_end
         if not isinstance(model, FSDPModule):
             raise TypeError("register_fsdp_comm_hook needs a model that fully_shard was applied to")
         sharded = _sharded_groups(model)
@@ -172,22 +179,26 @@ class FSDPCommHook:
                     state.experts.hold(name, mark, _first_row(fsdp_param, mark, mesh), tuple(size))
             self._groups.append((module, group, layout))
             fsdp_adapter.set_all_reduce_hook(group, self._make_hook(layout, group, state, divides[id(state)]))
-        # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
-        # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
-        model.set_reduce_scatter_unused_params(True)
+        if step_end == "backward":
+            # Every parameter that requires a gradient enters every reduce-scatter (a zero gradient when
+            # unused, as in DDP), so the buffer layout, and the tensors sent, are the same every step.
+            model.set_reduce_scatter_unused_params(True)
         for mesh, state in routes:
             # Checkpoint checks compare error feedback with this rank's shards, not the full parameters.
             state.parameter_shapes = shapes[state]
-            state.follow_fsdp(model, MEAN if divides[id(state)] else SUM)
+            state.follow_fsdp(model, scale or (MEAN if divides[id(state)] else SUM))
             # The ranks of the state's group must hold the same shard: compared before anything is sent.
             shard_ranks = dist.get_process_group_ranks(mesh.get_group())
             state.agree_on({"FSDP shard": f"{shard_ranks.index(dist.get_rank())} of {len(shard_ranks)}"})
         self._open: list[GradientReducer] = []  # the states whose step this backward opened, in order
+        self._reduced: dict[GradientReducer, set[str]] = {}  # step_end="caller": what this step reduced so far
+        self._held = {state: set(shapes[state]) for state in self.states}  # the parameters each state reduces
 
     def _make_hook(self, layout, group, state: GradientReducer, divides: bool):
         # Padding: each shard occupies its padded numel; the trailing padding of the last shards is
         # not a gradient and is neither sent nor compressed.
         expected = sum(padded for _, _, padded in layout)
+        partial: dict[int, list] = {}  # a reduce-scatter's numel → the parameters it holds (step_end="caller")
 
         def hook(reduce_output: torch.Tensor) -> None:
             if fsdp_adapter.divides(group) != divides:
@@ -195,25 +206,31 @@ class FSDPCommHook:
                     "FSDP's gradient division was changed after register_fsdp_comm_hook, which set the "
                     "gradient scale from it (edgc.distributed.scaling): set it before registering"
                 )
-            if reduce_output.numel() != expected:
-                raise RuntimeError(
-                    f"FSDP reduce-scatter output has {reduce_output.numel()} elements, the layout "
-                    f"{expected}: parameters without requires_grad changed since registering?"
-                )
+            held, numel = layout, reduce_output.numel()
+            if numel != expected:
+                if self.step_end != "caller":
+                    raise RuntimeError(
+                        f"FSDP reduce-scatter output has {numel} elements, the layout "
+                        f"{expected}: parameters without requires_grad changed since registering?"
+                    )
+                held = partial[numel] if numel in partial else partial.setdefault(numel, partial_layout(layout, numel))
             names, views, offset = [], [], 0
-            for name, size, padded in layout:
+            for name, size, padded in held:
                 numel = math.prod(size)
                 view = reduce_output[offset : offset + numel].view(size)
                 # a stacked experts shard stays 3-D: the state splits it by expert (`edgc.distributed.experts`)
                 views.append(view if name in state.experts.marks or view.dim() < 2 else view.view(size[0], -1))
                 names.append(name)
                 offset += padded
-            self._open_step(state)
+            self._open_step(state, names)
             # Blocking only where FSDP2 reads the buffer as soon as this returns; otherwise the job
             # goes on while the next groups' backward runs, and the step's close drains it.
-            state.reduce_tensors(
-                names, views, last=False, blocking=fsdp_adapter.reads_buffer_after_hook(group, reduce_output)
-            )
+            # Every rank of the group must decide alike (blocking or not changes the order of the jobs'
+            # collectives): a torchft replica that restarted has no gradients yet where its peers have them,
+            # so under torchft's manager (a communicator of its own) every hook blocks.
+            reads = fsdp_adapter.reads_buffer_after_hook(group, reduce_output)
+            blocking = reads or type(state.comm) is not Communicator
+            state.reduce_tensors(names, views, last=False, blocking=blocking)
             # A reduce buffer in another dtype than the parameters is freed by FSDP2 as soon as this
             # returns (it casts it), back to its reduce-scatter stream, which has waited neither for
             # this stream (the all-reduce one, that casts it) nor for the jobs' stream that wrote the
@@ -223,11 +240,37 @@ class FSDPCommHook:
 
         return hook
 
-    def _open_step(self, state: GradientReducer) -> None:
-        if not self._open:
+    def _open_step(self, state: GradientReducer, names: list[str]) -> None:
+        if not self._open and self.step_end == "backward":
             torch_adapter.at_backward_end(self._close_step)
         if state not in self._open:
             self._open.append(state)
+        if self.step_end == "caller":
+            reduced = self._reduced.setdefault(state, set())
+            twice = reduced.intersection(names)
+            if twice:
+                raise RuntimeError(
+                    f"FSDP reduced {sorted(twice)[0]} twice in one step: with step_end='caller', call "
+                    "close_step() once the step's backward passes are done"
+                )
+            reduced.update(names)
+
+    def close_step(self) -> None:
+        """End the step (``step_end="caller"``) once its backward passes are done: every state the step
+        used averages what it holds and closes (metrics, decisions); each parameter must have been reduced
+        exactly once since the last close. Nothing to do after a step that reduced nothing."""
+        if self.step_end != "caller":
+            raise RuntimeError("close_step() is for register_fsdp_comm_hook(..., step_end='caller')")
+        for state in self._open:
+            missing = sorted(self._held[state] - self._reduced.get(state, set()))
+            if missing:
+                self._open, self._reduced = [], {}
+                raise RuntimeError(
+                    f"FSDP reduced no gradient of {missing[0]} in this step ({len(missing)} parameter(s)): with "
+                    "step_end='caller' every parameter that requires a gradient must get one each step"
+                )
+        self._reduced = {}
+        self._close_step()
 
     def _close_step(self) -> None:
         # In the order the backward opened them: the same on every rank.
@@ -322,7 +365,9 @@ def _first_row(fsdp_param, mark: ExpertMark, mesh: DeviceMesh) -> int:
     return mark.first + mesh.get_local_rank() * -(-rows // mesh.size())
 
 
-def register_fsdp_comm_hook(model: nn.Module, state) -> FSDPCommHook:
+def register_fsdp_comm_hook(
+    model: nn.Module, state, *, step_end: str = "backward", scale: str | None = None
+) -> FSDPCommHook:
     """Average the gradient shards of a `fully_shard`-ed model over ``state``'s process group.
 
     ``model`` is sharded on the shard mesh dimension only (a 1-D mesh, e.g. ``hsdp_mesh(k)["dp_shard"]``);
@@ -330,5 +375,16 @@ def register_fsdp_comm_hook(model: nn.Module, state) -> FSDPCommHook:
     replicate group. Modules sharded on another mesh (experts on their expert-data-parallel mesh) take
     a state of their own: ``state`` is then ``{shard mesh: state on its replicate group}``, one per
     mesh. Call once, before the first backward; returns a handle with ``remove()``.
+
+    ``step_end``: "backward" (one backward is one step, closed when it ends) or "caller", for a loop
+    whose step runs several backward passes (torchtitan's chunked loss reduces its output layer's
+    gradients in a backward of their own): the caller ends each step with ``hook.close_step()``, and a
+    group's reduce-scatter holds the parameters that got gradients in that backward (FSDP's rule;
+    `partial_layout`), every one of them once a step.
+
+    ``scale``: the gradient scale's convention (`edgc.distributed.scaling`): None, FSDP's division decides
+    (its default: "mean"; turned off: "sum"), or "mean"/"sum" where the loop's loss says otherwise —
+    torchtitan's torchft experiment turns the division off and divides each replica group's loss by that
+    group's own tokens, so its groups are averaged ("mean").
     """
-    return FSDPCommHook(model, state)
+    return FSDPCommHook(model, state, step_end, scale)

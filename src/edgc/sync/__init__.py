@@ -14,8 +14,10 @@ Modules:
                       each
     outer_sparse.py   `SparseQuantState`: DiLoCo's outer sync as a chunked top-k with coded indices and 2-bit
                       values,
-    codecs.py         Codecs of the two-stage compressed all-reduce (`edgc.sync.two_stage`): a flat run of values to a
-                      message of
+    codecs.py         Codecs of the two-stage compressed all-reduce (`edgc.sync.two_stage`): rows of values to rows
+                      of bytes
+    flat_buffers.py   How the two-stage all-reduce lays out one call: buckets, the call's tensors as one flat run,
+                      and its error feedback as one flat buffer
     two_stage.py      The two-stage compressed all-reduce: the sync-method registry's third collective kind
                       (``TWO_STAGE``).
     sync_methods.py   The registry of sync methods: the compressors `edgc train`, `edgc bench` and `edgc simulate`

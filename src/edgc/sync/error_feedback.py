@@ -5,7 +5,8 @@ by bucket, and has an owner's part).
 Error feedback: e ← (G + e) − C(G + e), the part of this rank's corrected gradient its compressed
 message did not carry, added to the next step's gradient, so mean over ranks of (decompressed + e)
 equals mean of (G + e). It is kept per parameter name (``error``), so a checkpoint survives another
-DDP bucket layout, and is dropped at a load whose world size differs (residuals are per rank).
+DDP bucket layout, and is dropped at a load whose world size differs (residuals are per rank; not
+under torchft, `edgc.distributed.comm.Communicator.residuals_per_rank`).
 
 A subclass implements ``_reduce`` with `ErrorFeedbackReducer._corrected` (M = G + e) and
 `ErrorFeedbackReducer._finish` (the average written, e ← M − what it sent, the call's statistics), and
@@ -179,7 +180,7 @@ class ErrorFeedbackReducer(GradientReducer):
         error = checked_error(self, state)
         super().load_state_dict(state)
         self.error = error
-        if int(state["world_size"]) != self.comm.world_size:
+        if self.comm.residuals_per_rank and int(state["world_size"]) != self.comm.world_size:
             self.error.clear()  # residuals are per rank: they cannot be split or merged
         if self.device is not None:
             self._on_device(self.device)

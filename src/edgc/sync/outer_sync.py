@@ -134,22 +134,38 @@ def error_table(state: GradientReducer) -> dict[str, torch.Tensor]:
     return state.error_table()
 
 
+def _tables(target: GradientReducer | dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(by parameter name, the group's part) of a state's error feedback, or of a table alone."""
+    if isinstance(target, GradientReducer):
+        group = getattr(target, "group_error_table", dict)()  # a two-stage sync's chunk owners'
+        return target.error_table(), group
+    return target, {}
+
+
 @torch.no_grad()
-def decay_error_feedback(table: dict[str, torch.Tensor], factor: float) -> None:
-    """e ← factor · e for every entry of the error feedback ``table`` (1: unchanged, 0: error feedback off
-    from here)."""
+def decay_error_feedback(target: GradientReducer | dict[str, torch.Tensor], factor: float) -> None:
+    """e ← factor · e for all the error feedback of a sync state (`GradientReducer.error_table`, and the
+    part it keeps for the group where it has one: a two-stage sync's owners', ``group_error_table``), or
+    of every entry of a table (1: unchanged, 0: error feedback off from here)."""
     if factor != 1.0:
-        for e in table.values():
+        named, group = _tables(target)
+        for e in [*named.values(), *group.values()]:
             e.mul_(factor)
 
 
 @torch.no_grad()
-def heal_error_feedback(table: dict[str, torch.Tensor], comm: Communicator, policy: str, healed: bool) -> None:
-    """The error feedback ``table`` of a replica that healed (``healed``) after a restart, by ``policy``:
-    ``zero`` — none (what a restarted process has); ``keep`` — its own, as if it had not restarted;
-    ``peer`` — rank 0's of ``comm``'s group, broadcast (every rank calls this: one broadcast per entry)."""
+def heal_error_feedback(
+    target: GradientReducer | dict[str, torch.Tensor], comm: Communicator, policy: str, healed: bool
+) -> None:
+    """The error feedback of a replica that healed (``healed``) after a restart, a sync state's or a
+    table's, by ``policy``: ``zero`` — none (what a restarted process has); ``keep`` — its own, as if it
+    had not restarted; ``peer`` — rank 0's of ``comm``'s group, broadcast (every rank calls this: one
+    broadcast per entry). The part a state keeps for the group (a two-stage sync's ``group_error_table``:
+    chunks this rank owns, which no other rank holds) is dropped from a healed replica whatever the
+    policy, with a line on the ``edgc`` logger."""
     if policy not in HEAL_POLICIES:
         raise ValueError(f"heal policy: one of {', '.join(HEAL_POLICIES)}, got {policy!r}")
+    table, _ = _tables(target)
     for name in sorted(table):
         e = table[name]
         if policy == "peer":
@@ -158,3 +174,5 @@ def heal_error_feedback(table: dict[str, torch.Tensor], comm: Communicator, poli
                 e.copy_(received)
         elif policy == "zero" and healed:
             e.zero_()
+    if healed and hasattr(target, "drop_group_error"):
+        target.drop_group_error(f"a heal ({policy}): no other rank holds the chunks this one owns")
