@@ -1,16 +1,18 @@
 """Copy an `edgc experiment` run's summary (its headline and tables) into the manual (never typed by hand).
 
-    .venv/bin/python scripts/experiment_to_docs.py RESULTS_DIR --block NAME [--plot FILE]
+    .venv/bin/python scripts/experiment_to_docs.py RESULTS_DIR --block NAME [--plot FILE …]
 
 Replaces block NAME (scripts/doc_blocks.py finds its page: ``experiment-entropy-trend``,
 ``experiment-sampling``, ``experiment-cqm``, ``experiment-rank-sweep``, ``experiment-window`` and
 ``experiment-pure-dp`` in docs/reproducing.md, ``pareto`` and ``pareto-1000`` in
 docs/results/pareto.md, ``diloco-models``, ``diloco-outer-sync``, ``diloco-two-stage``,
-``diloco-two-stage-sgd``, ``diloco-frontier``, ``diloco-frontier-variants`` and ``diloco-frontier-h100``
-in docs/guides/slow-links.md, ``experiment-moe``, ``experiment-moe-16`` and ``experiment-moe-top1`` in
-docs/guides/moe.md) with RESULTS_DIR/summary.md from its headline up to its list of plots;
+``diloco-two-stage-sgd``, ``diloco-frontier``, ``diloco-frontier-variants``, ``diloco-frontier-h100`` and
+``diloco-frontier-regime`` in docs/guides/slow-links.md, ``experiment-moe``, ``experiment-moe-16`` and
+``experiment-moe-top1`` in docs/guides/moe.md) with RESULTS_DIR/summary.md from its headline up to its list
+of plots;
 ``--plot FILE`` also copies RESULTS_DIR/FILE to docs/img/exp_NAME.png (pareto: ``--plot pareto.png``,
-diloco-frontier: ``--plot frontier.png``).
+diloco-frontier: ``--plot frontier.png``); a second and later ``--plot`` go to docs/img/exp_NAME-STEM.png,
+STEM the file's own name (diloco-frontier-regime: ``--plot frontier.png --plot curves.png``).
 """
 
 import argparse
@@ -32,10 +34,11 @@ def block(summary: str) -> str:
     return "\n\n".join(["\n".join(lines[start:end]).strip(), *command])
 
 
-def copy_summary(results: Path, name: str, plot: str | None = None) -> None:
+def copy_summary(results: Path, name: str, plots: list[str] | None = None) -> None:
     body = block((results / "summary.md").read_text())
-    if plot:
-        shutil.copyfile(results / plot, ROOT / "docs" / "img" / f"exp_{name}.png")
+    for i, plot in enumerate(plots or []):
+        target = f"exp_{name}.png" if i == 0 else f"exp_{name}-{Path(plot).stem}.png"
+        shutil.copyfile(results / plot, ROOT / "docs" / "img" / target)
     write(name, body)
 
 
@@ -43,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="the experiment's folder (runs/experiments/NAME)")
     parser.add_argument("--block", required=True, help="the block to fill, e.g. pareto or experiment-window")
-    parser.add_argument("--plot", help="a PNG of the folder to copy to docs/img/exp_BLOCK.png")
+    parser.add_argument(
+        "--plot",
+        action="append",
+        help="a PNG of the folder to copy to docs/img/exp_BLOCK.png (again: exp_BLOCK-STEM.png)",
+    )
     args = parser.parse_args(argv)
     copy_summary(args.results, args.block, args.plot)
     return 0

@@ -8,6 +8,9 @@ Modules:
     diloco.py       does compressed DiLoCo hold against torchft's DiLoCo across models? (paired seeds)
     diloco_families.py the model families of diloco: GPT-2 tiny, a char GRU, a causal char CNN, a LLaMA
     diloco_frontier.py diloco's frontier: each method's bytes and where it holds within 1 %, the plot
+    diloco_regime.py diloco --regime frontier: 4 replicas, H = 15, 120 outer steps, each method tuned
+    diloco_regime_summary.py its summary: Δ % at 20, 60, 120 outer steps, what a stopped run lacks
+    diloco_regime_plots.py its pictures: the frontier (payload against Δ %) and Δ % against the outer steps
     diloco_runs.py  the replica processes of diloco: torchft's DiLoCo or edgc's, one arm after another
     diloco_pairs.py DiLoCo at the same bytes: sync often at a low rank or rarely at a high one? (paired seeds)
     diloco_train.py the two-process DiLoCo (or per-step EDGC) runs of diloco-pairs

@@ -22,70 +22,47 @@ per seed with its mean and 95 % t-interval (at equal outer steps); at equal byte
 the smallest H against torchft at the largest (whose bytes are H_max/H_min times fewer per inner
 step); and the spectrum: the share of a pseudo-gradient's energy in its top r singular values beside
 the share of one step's gradient (rank 0, the first outer step of torchft's run at the first seed).
+
+``--regime frontier`` runs instead where SparseLoCo claims its frontier (`diloco_regime`): 4 replicas,
+H = 15, 1,800 inner steps with a warm-up, GPT-2 and the LLaMA, each method tuned on a seed of its own,
+the gap read at 20, 60 and 120 outer steps (`diloco_regime_summary`).
 """
 
 from __future__ import annotations
 
-import re
 from statistics import mean
 
-from . import common
+from . import common, diloco_regime, diloco_regime_summary
 from .common import fmt, fmt_interval, markdown_table, t_interval
 from .diloco_families import FAMILIES, INNER
 from .diloco_frontier import BOUND, frontier_table, plot_frontier
-from .diloco_runs import train_runs
-from .diloco_train import OUTER_LR, OUTER_MOMENTUM
+from .diloco_regime import REGIMES
+from .diloco_runs import method_arm, train_runs
+from .diloco_train import OUTER_LR
 
 NAME = "diloco"
 HELP = "compressed DiLoCo against torchft's DiLoCo across model families, inner optimizers and H, paired seeds"
 DEFAULT_STEPS = 120
 TINY_STEPS = 12
-DEFAULT_METHODS = "torchft,quant3,rank8,quant3+heal=zero"
 SPECTRUM_RANKS = (1, 4, 16)
 TOLERANCE = 3.0  # % of torchft's validation loss the acceptance allows
 
 
-def method_arm(name: str) -> dict:
-    """The arm fields of a method name (see the module docstring); ValueError for an unknown one."""
-    from edgc.sync.sync_methods import outer_modifiers, outer_sync_spec
-
-    base, _, heal = name.partition("+heal=")
-    kind, *modifiers = base.split("-")
-    rank = re.fullmatch(r"rank(\d+)", kind)
-    if kind == "torchft":
-        if modifiers or heal:
-            raise ValueError(f"{name!r}: torchft's DiLoCo takes no modifier")
-        return {"method": "torchft"}
-    arm: dict = {"method": "edgc", "rank": int(rank.group(1)) if rank else None}
-    if rank or kind == "raw":
-        arm.update(outer_modifiers(modifiers, name))
-    else:
-        arm.update(outer_sync_spec(base))
-    if heal:
-        arm["heal_policy"] = heal
-    return arm
-
-
 def add_arguments(p) -> None:
-    p.add_argument("--models", default=",".join(FAMILIES), help=f"model families (default {','.join(FAMILIES)})")
-    p.add_argument("--inner", default=",".join(INNER), help=f"inner optimizers (default {','.join(INNER)})")
-    p.add_argument("--sync-every", default="6,30", metavar="H,...", help="inner steps per outer step (default 6,30)")
-    p.add_argument(
-        "--methods",
-        default=DEFAULT_METHODS,
-        help=f"methods, torchft's first (default {DEFAULT_METHODS}; see the module docstring)",
-    )
+    def default(name: str) -> str:  # each regime's default, for the help
+        return f"default {REGIMES['standard'][name]}; frontier: {REGIMES['frontier'][name]}"
+
+    p.add_argument("--models", help=f"model families of {','.join(FAMILIES)} ({default('models')})")
+    p.add_argument("--inner", help=f"inner optimizers of {','.join(INNER)} ({default('inner')})")
+    p.add_argument("--sync-every", metavar="H,...", help=f"inner steps per outer step ({default('sync_every')})")
+    p.add_argument("--methods", help=f"methods, torchft's first (see the module docstring; {default('methods')})")
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per method (default 3)")
-    p.add_argument("--replicas", type=int, default=2, metavar="N", help="DiLoCo replicas, one process each (default 2)")
+    p.add_argument("--replicas", type=int, metavar="N", help=f"DiLoCo replicas (a process each; {default('replicas')})")
     p.add_argument(
         "--outer-lr", type=float, default=OUTER_LR, help=f"outer Nesterov SGD learning rate (default {OUTER_LR})"
     )
-    p.add_argument(
-        "--outer-momentum",
-        type=float,
-        default=OUTER_MOMENTUM,
-        help=f"outer Nesterov momentum (default {OUTER_MOMENTUM})",
-    )
+    p.add_argument("--outer-momentum", type=float, help=f"outer Nesterov momentum ({default('outer_momentum')})")
+    diloco_regime.add_arguments(p)
     p.add_argument(
         "--reuse",
         default="",
@@ -105,6 +82,7 @@ def _split(raw: str) -> list[str]:
 
 
 def validate(args, setting) -> None:
+    diloco_regime.resolve(args, setting)
     for flag, values, allowed in (("--models", args.models, FAMILIES), ("--inner", args.inner, INNER)):
         bad = [v for v in _split(values) if v not in allowed]
         if bad or not _split(values):
@@ -120,6 +98,8 @@ def validate(args, setting) -> None:
         raise common.CLIError("--methods: the first must be torchft (the reference every method is paired with)")
     if not 2 <= args.seeds <= 10 or not 2 <= args.replicas <= 8:
         raise common.CLIError("--seeds must be in 2..10 and --replicas in 2..8")
+    if args.regime == "frontier":
+        diloco_regime.validate(args, setting)
 
 
 def plan(args, steps: int) -> list[tuple[str, str, int, dict]]:
@@ -141,6 +121,8 @@ def plan(args, steps: int) -> list[tuple[str, str, int, dict]]:
 
 
 def run(args, out, setting, log=print) -> dict:
+    if args.regime == "frontier":
+        return diloco_regime_summary.summarise(out, setting, args, *diloco_regime.run(args, out, setting, log))
     seeds = [setting.seed + k for k in range(args.seeds)]
     cells = plan(args, setting.steps)
     (out / "runs").mkdir()

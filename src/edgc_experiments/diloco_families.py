@@ -11,7 +11,8 @@ enough that two shared cores train it for a few hundred steps in seconds.
 Every family gives the same interface (`Family`): a model built from the seed, this rank's training
 batches (its own shard, `edgc_train.sampler.BlockSampler`), ``logits = model(inputs)`` and a validation
 loss over a fixed set of validation blocks. The inner optimizers (AdamW, SGD with Nesterov momentum)
-have one learning rate per family, cosine-decayed over the run.
+have one learning rate per family, cosine-decayed over the run. A `Size` sets the transformers' width,
+depth and vocabulary and every family's batches (`STANDARD`: the figures above).
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ CNN_CONTEXT = 16
 BPE_FAMILIES = ("gpt2", "llama")
 
 
+@dataclass(frozen=True)
+class Size:
+    """The transformer families' shape and every family's batches."""
+
+    width: int = 128  #: the transformers' hidden size
+    layers: int = 2  #: transformer blocks
+    heads: int = 4  #: attention heads
+    vocab: int = BPE_VOCAB  #: BPE vocabulary of the transformer families (the character ones keep their alphabet)
+    seq_len: int = SEQ_LEN  #: tokens per sequence
+    batch: int = BATCH  #: sequences per inner step, per replica
+    val_batches: int = VAL_BATCHES  #: validation batches of ``batch`` sequences
+
+    def __post_init__(self):
+        if min(self.width, self.layers, self.heads, self.vocab, self.seq_len, self.batch, self.val_batches) < 1:
+            raise ValueError(f"Size: every field must be ≥ 1, got {self}")
+        if self.width % self.heads:
+            raise ValueError(f"Size: width {self.width} is not a multiple of heads {self.heads}")
+
+
+STANDARD = Size()
+
+
 @dataclass
 class Corpus:
     """Token ids of the training and validation text and the vocabulary size."""
@@ -54,14 +77,15 @@ class Corpus:
     vocab_size: int
 
 
-def load_corpus(family: str, cache_dir: str | None = None) -> Corpus:
-    """The family's tokens of the first `CHARS` characters of the KJV: BPE (cached by `edgc train`'s
-    data preparation) for ``gpt2``, characters for the others (their own alphabet, from the text)."""
+def load_corpus(family: str, cache_dir: str | None = None, vocab: int = BPE_VOCAB) -> Corpus:
+    """The family's tokens of the first `CHARS` characters of the KJV: BPE of ``vocab`` tokens (cached by
+    `edgc train`'s data preparation) for ``gpt2`` and ``llama``, characters for the others (their own
+    alphabet, from the text)."""
     from edgc_train.data import load_corpus as read_text
     from edgc_train.data import prepare_data, source_files, split_corpus
 
     if family in BPE_FAMILIES:
-        data = prepare_data(None, BPE_VOCAB, 0.05, CHARS, cache_dir, log=lambda _: None)
+        data = prepare_data(None, vocab, 0.05, CHARS, cache_dir, log=lambda _: None)
         return Corpus(np.asarray(data.train), np.asarray(data.val), data.vocab_size)
     text = read_text(source_files(None), CHARS)
     train_text, val_text = split_corpus(text, 0.05)
@@ -102,11 +126,12 @@ class CharCNN(nn.Module):
 class GPT2Logits(nn.Module):
     """`edgc train`'s GPT-2 returning the logits alone."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, size: Size = STANDARD):
         super().__init__()
         from edgc_train.model import build_model, model_shape
 
-        self.gpt = build_model(model_shape("tiny", vocab, SEQ_LEN, n_layer=2, n_embd=128, n_head=4))
+        shape = model_shape("tiny", vocab, size.seq_len, n_layer=size.layers, n_embd=size.width, n_head=size.heads)
+        self.gpt = build_model(shape)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.gpt(input_ids=tokens).logits
@@ -115,18 +140,18 @@ class GPT2Logits(nn.Module):
 class LlamaLogits(nn.Module):
     """A small LLaMA (``transformers.LlamaForCausalLM``, random weights) returning the logits alone."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, size: Size = STANDARD):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
             vocab_size=vocab,
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=SEQ_LEN,
+            hidden_size=size.width,
+            intermediate_size=size.width * 11 // 4,  # SwiGLU's 8/3 × width, rounded as LLaMA rounds it
+            num_hidden_layers=size.layers,
+            num_attention_heads=size.heads,
+            num_key_value_heads=size.heads,
+            max_position_embeddings=size.seq_len,
             tie_word_embeddings=False,
         )
         self.llama = LlamaForCausalLM(config)
@@ -135,10 +160,10 @@ class LlamaLogits(nn.Module):
         return self.llama(input_ids=tokens).logits
 
 
-BUILDERS: dict[str, Callable[[int], nn.Module]] = {
+BUILDERS: dict[str, Callable[[int, Size], nn.Module]] = {  # (vocabulary, size) -> model
     "gpt2": GPT2Logits,
-    "gru": CharGRU,
-    "cnn": CharCNN,
+    "gru": lambda vocab, size: CharGRU(vocab),
+    "cnn": lambda vocab, size: CharCNN(vocab),
     "llama": LlamaLogits,
 }
 
@@ -149,22 +174,24 @@ class Family:
 
     name: str
     corpus: Corpus
+    size: Size = STANDARD
 
     def build(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return BUILDERS[self.name](self.corpus.vocab_size)
+        return BUILDERS[self.name](self.corpus.vocab_size, self.size)
 
     def sampler(self, rank: int, world: int, seed: int):
         from edgc_train.sampler import BlockSampler
 
-        return BlockSampler(self.corpus.train, SEQ_LEN, BATCH, rank, world, seed)
+        return BlockSampler(self.corpus.train, self.size.seq_len, self.size.batch, rank, world, seed)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = (torch.from_numpy(np.ascontiguousarray(a)) for a in batch)
         return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
-    def inner_optimizer(self, model: nn.Module, kind: str) -> torch.optim.Optimizer:
-        lr = INNER_LR[(self.name, kind)]
+    def inner_optimizer(self, model: nn.Module, kind: str, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+        """The family's inner optimizer of ``kind`` at its learning rate × ``lr_scale``."""
+        lr = INNER_LR[(self.name, kind)] * lr_scale
         if kind == "adamw":
             decay = [p for p in model.parameters() if p.dim() >= 2]
             rest = [p for p in model.parameters() if p.dim() < 2]
@@ -175,23 +202,31 @@ class Family:
             )
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
 
-    @torch.no_grad()
     def validation_loss(self, model: nn.Module) -> float:
+        total, count = self.validation_sums(model)
+        return total / count
+
+    @torch.no_grad()
+    def validation_sums(self, model: nn.Module, rank: int = 0, world: int = 1) -> tuple[float, int]:
+        """(summed loss, tokens) over this rank's share of the validation batches (every ``world``-th
+        from the ``rank``-th: the shares of all ranks make the whole set)."""
         from edgc_train.sampler import val_batches
 
+        size = self.size
+        batches = list(val_batches(self.corpus.val, size.seq_len, size.batch, size.val_batches, 0, 1))
         model.eval()
         total, count = 0.0, 0
-        for x, y in val_batches(self.corpus.val, SEQ_LEN, BATCH, VAL_BATCHES, 0, 1):
+        for x, y in batches[rank::world]:
             logits = model(torch.from_numpy(x))
             total += float(
                 F.cross_entropy(logits.flatten(0, 1).float(), torch.from_numpy(y).flatten(), reduction="sum")
             )
             count += y.size
         model.train()
-        return total / count
+        return total, count
 
 
-def family(name: str, cache_dir: str | None = None) -> Family:
+def family(name: str, cache_dir: str | None = None, size: Size = STANDARD) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"model family {name!r}: choose from {', '.join(FAMILIES)}")
-    return Family(name, load_corpus(name, cache_dir))
+    return Family(name, load_corpus(name, cache_dir, size.vocab), size)

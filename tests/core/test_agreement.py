@@ -79,6 +79,8 @@ METHOD_ALTERNATIVES = {
         "chunk": (2048, 1024),
         "groups": (3, 4),
         "error_feedback": (False, True),
+        "aggregate": ("senders", "all"),
+        "tile": (64, 0),
     },
     "AllocatedSparseState": {
         "density": (64 / 4096, 128 / 4096),

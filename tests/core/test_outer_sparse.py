@@ -143,3 +143,46 @@ def test_an_outer_sync_spec_is_a_registered_name_and_its_modifiers(monkeypatch):
     for bad in ("quant9", "sparse64-mom", "sparse64-lr1-lr2", "sparse64-x"):
         with pytest.raises(ValueError):
             methods.outer_sync_spec(bad)
+
+
+def test_tiles_are_cut_as_the_reference_cuts_a_dimension_and_each_tile_sends_its_own_top_k():
+    from edgc.sync.outer_sparse import tile_side, tiling
+
+    assert [tile_side(n, 64) for n in (128, 352, 300, 40, 7, 1)] == [64, 44, 60, 40, 7, 1]
+    assert tiling((128, 64), 64) == (4096, None)  # rows of one tile: the flat order already
+    assert tiling((300,), 64) == (60, None)
+    state = SparseQuantState(density=4 / 64, tile=8, aggregate="senders")
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(5))
+    out = reduce(state, [x])[0]  # a world of one: what it sent
+    tiles = x.view(2, 8, 3, 8).permute(0, 2, 1, 3).reshape(6, 64)
+    sent = out.view(2, 8, 3, 8).permute(0, 2, 1, 3).reshape(6, 64)
+    for tile, row in zip(tiles, sent):
+        assert set(row.nonzero().squeeze(1).tolist()) == set(tile.abs().topk(4).indices.tolist())
+    assert torch.allclose(out + state.error["p0"], x, atol=1e-6)  # sent + e = M, in the tensor's own order
+    assert state.last_step_metrics["bytes_sent"] == state.message_bytes([(16, 24)])
+    for bad in (dict(aggregate="median"), dict(tile=1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SparseQuantState(**bad)
+
+
+def _senders_worker(rank, world_size, name):
+    torch.manual_seed(200 + rank)
+    grads = [torch.randn(40, 300), torch.randn(300)]
+    state = sync_method(name).build(None)
+    out = reduce(state, [g.clone() for g in grads])
+    return {"sent": [g - state.error[f"p{i}"] for i, g in enumerate(grads)], "out": out}
+
+
+@pytest.mark.parametrize("name", ["sparse128-senders", "sparse128-tiles"])
+def test_a_value_is_averaged_over_the_replicas_that_sent_it(name):
+    from distributed_harness import run_distributed
+
+    a, b = run_distributed(_senders_worker, 2, name)
+    counts = []
+    for i in range(2):
+        assert torch.equal(a["out"][i], b["out"][i])
+        senders = (a["sent"][i] != 0).float() + (b["sent"][i] != 0).float()
+        expected = (a["sent"][i] + b["sent"][i]) / senders.clamp(min=1)
+        assert torch.allclose(a["out"][i], expected, atol=1e-5)
+        counts.append(senders.reshape(-1))
+    assert set(torch.cat(counts).unique().tolist()) == {0, 1, 2}  # values one replica sent, and both

@@ -11,7 +11,14 @@ entry's place in the message instead of sent. Bytes per chunk: ⌈k·(index bits
 at 64 of 4096 values that is 112 bytes against 16,384 raw (0.0068×), at 128 of 4096 216 (0.013×).
 
 Every rank decodes every rank's message and adds them in rank order (replicas stay bit-identical)
-and keeps e ← M − its own decoded message: what a sync did not carry, it carries later. With
+and keeps e ← M − its own decoded message: what a sync did not carry, it carries later. The sum is
+divided by the replicas (``aggregate="all"``: SparseLoCo's equation) or, per value, by the replicas
+whose message carried it (``aggregate="senders"``: SparseLoCo's code, a scatter-mean that leaves out
+the replicas that did not send the index; where replicas choose different indices, most values
+come from one replica and the two differ by up to the number of replicas). With ``tile`` > 0 the
+chunks are tiles instead of flat runs, as SparseLoCo's code cuts them: a matrix (a tensor of more
+dimensions viewed as its first dimension by the rest) in tiles of h × w, h and w the largest divisors
+of its two dimensions that are at most ``tile``; a vector in runs of its largest divisor ≤ ``tile``. With
 DiLoCo's ``error_feedback_decay`` β < 1 and an outer SGD without momentum this is SparseLoCo's
 update (e ← β·e + Δ; the error feedback stands in for the outer momentum); with DiLoCo's Nesterov
 outer optimizer it is DiLoCo with a sparse sync. `edgc experiment diloco` compares the two.
@@ -33,6 +40,7 @@ from .error_feedback import ErrorFeedbackReducer
 from .outer_alloc import allocate_by_cost
 
 DENSITIES = (1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16)
+AGGREGATIONS = ("all", "senders")  # divide each sent value's sum by every replica, or by those that sent it
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -97,13 +105,46 @@ def _group_of_entry(k: int, groups: int, device: torch.device) -> torch.Tensor:
 
 def decode(packed: torch.Tensor, scales: torch.Tensor, lay: _Layout, groups: int) -> torch.Tensor:
     """The flat values a message of ``lay`` stands for (zero where nothing was sent)."""
-    codes = unpack_bits(packed, lay.index_bits + 1, lay.chunks * lay.k).view(lay.chunks, lay.k)
-    index = codes & ((1 << lay.index_bits) - 1)
+    index, codes = _indices(packed, lay)
     sign = 1 - 2 * (codes >> lay.index_bits).to(torch.float32)
     magnitude = scales.reshape(lay.chunks, -1)[:, _group_of_entry(lay.k, lay.groups(groups), packed.device)]
     dense = torch.zeros(lay.chunks, lay.size, dtype=torch.float32, device=packed.device)
     dense.scatter_(1, index, sign * magnitude)  # one chunk's indices are distinct: no two writes meet
     return dense.view(-1)[: lay.n]
+
+
+def _indices(packed: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index within its chunk, whole code) of each of a message's entries, (chunks, k) each."""
+    codes = unpack_bits(packed, lay.index_bits + 1, lay.chunks * lay.k).view(lay.chunks, lay.k)
+    return codes & ((1 << lay.index_bits) - 1), codes
+
+
+def positions(packed: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """1 where a message of ``lay`` carries a value, 0 elsewhere (flat, fp32)."""
+    index, _ = _indices(packed, lay)
+    dense = torch.zeros(lay.chunks, lay.size, dtype=torch.float32, device=packed.device)
+    dense.scatter_(1, index, 1.0)
+    return dense.view(-1)[: lay.n]
+
+
+def tile_side(n: int, tile: int) -> int:
+    """The largest divisor of ``n`` that is at most ``tile``."""
+    return max(d for d in range(1, min(n, tile) + 1) if n % d == 0)
+
+
+def tiling(shape: tuple[int, ...], tile: int) -> tuple[int, torch.Tensor | None]:
+    """(values per tile, the flat indices that put a tensor of ``shape`` in tile order, tile after
+    tile; None where that order is the flat one: a vector, or a matrix whose rows fit in one tile)."""
+    n = math.prod(shape)
+    if len(shape) < 2:
+        return tile_side(max(n, 1), tile), None
+    rows = shape[0]
+    cols = n // rows
+    h, w = tile_side(rows, tile), tile_side(cols, tile)
+    if w == cols:
+        return h * w, None
+    order = torch.arange(n).view(rows // h, h, cols // w, w).permute(0, 2, 1, 3).reshape(-1)
+    return h * w, order
 
 
 class SparseCodec:
@@ -141,7 +182,7 @@ class SparseQuantState(ErrorFeedbackReducer):
     """Chunked top-k, coded indices, 2-bit values, all-gathered; error feedback (see the module docstring)."""
 
     method = "sparse"
-    ARGUMENTS = ("density", "chunk", "groups")  # agreed across the group before the first sync
+    ARGUMENTS = ("density", "chunk", "groups", "aggregate", "tile")  # agreed across the group before the first sync
     ROLLBACK_RESTORES_ERROR = True  # torchft's verdict: the residual from before a discarded step comes back
 
     def __init__(
@@ -153,12 +194,23 @@ class SparseQuantState(ErrorFeedbackReducer):
         groups: int = 2,
         error_feedback: bool = True,
         model=None,
+        aggregate: str = "all",
+        tile: int = 0,
     ):
         """``process_group``: the replicas' group (None: the default one); ``density``: the share of each
         chunk's values sent, in (0, 1]; ``chunk``: values per chunk (≥ 8); ``groups``: magnitudes per
         chunk (2: two-bit values); ``error_feedback``: keep what a sync did not carry for the next;
-        ``model``: names the tensors (checkpoints are keyed by parameter name)."""
+        ``model``: names the tensors (checkpoints are keyed by parameter name); ``aggregate``: what a
+        sent value's sum is divided by, ``"all"`` (the replicas) or ``"senders"`` (the replicas that sent
+        it); ``tile``: 0 for flat chunks of ``chunk`` values, else the largest side of a tile (≥ 2; the
+        chunks are then tiles and ``chunk`` goes unused)."""
         super().__init__(process_group, error_feedback=error_feedback, model=model)
+        if aggregate not in AGGREGATIONS:
+            raise ValueError(f"aggregate: one of {', '.join(AGGREGATIONS)}, got {aggregate!r}")
+        if not (isinstance(tile, int) and (tile == 0 or tile >= 2)):
+            raise ValueError(f"tile: 0 (flat chunks) or an integer ≥ 2, got {tile!r}")
+        self.aggregate, self.tile = aggregate, tile
+        self._tilings: dict[tuple[int, ...], tuple[int, torch.Tensor | None]] = {}  # by shape
         if not (isinstance(density, (int, float)) and 0 < density <= 1):
             raise ValueError(f"density: must be in (0, 1], got {density!r}")
         if not (isinstance(chunk, int) and chunk >= 8):
@@ -170,9 +222,32 @@ class SparseQuantState(ErrorFeedbackReducer):
     def layout(self, n: int, density: float | None = None) -> _Layout:
         return _Layout(n, self.chunk, self.density if density is None else density)
 
-    def message_bytes(self, sizes: list[int]) -> int:
-        """Bytes one rank sends for tensors of ``sizes`` values at the state's density."""
-        return sum(self.layout(n).bytes(self.groups) for n in sizes)
+    def message_bytes(self, sizes: list) -> int:
+        """Bytes one rank sends for tensors of ``sizes`` (each a shape, or a number of values: a vector)
+        at the state's density."""
+        shapes = [(s,) if isinstance(s, int) else tuple(s) for s in sizes]
+        return sum(self._layout_of(shape).bytes(self.groups) for shape in shapes)
+
+    def _tiling(self, shape: tuple[int, ...]) -> tuple[int, torch.Tensor | None]:
+        if shape not in self._tilings:
+            self._tilings[shape] = tiling(shape, self.tile)
+        return self._tilings[shape]
+
+    def _layout_of(self, shape: tuple[int, ...]) -> _Layout:
+        n = math.prod(shape)
+        return _Layout(n, self._tiling(shape)[0], self.density) if self.tile else self.layout(n)
+
+    def _tile_order(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """The flat indices that put the concatenated tensors in tile order (None: flat chunks, or
+        every tensor's tile order its own)."""
+        orders = [self._tiling(tuple(g.shape))[1] for g in grads] if self.tile else []
+        if all(order is None for order in orders):
+            return None
+        parts, offset = [], 0
+        for g, order in zip(grads, orders):
+            parts.append((torch.arange(g.numel()) if order is None else order) + offset)
+            offset += g.numel()
+        return torch.cat(parts).to(grads[0].device)
 
     def encode(self, x: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
         return encode(x, lay, self.groups)
@@ -180,39 +255,50 @@ class SparseQuantState(ErrorFeedbackReducer):
     def decode(self, packed: torch.Tensor, scales: torch.Tensor, lay: _Layout) -> torch.Tensor:
         return decode(packed, scales, lay, self.groups)
 
-    def _layouts(self, names: list[str], parts: list[torch.Tensor]) -> list[_Layout]:
-        return [self.layout(p.numel()) for p in parts]
+    def _layouts(self, names: list[str], parts: list[torch.Tensor], shapes: list) -> list[_Layout]:
+        """Each tensor's layout, from its shape (``parts``, its values as sent, are for a subclass that
+        chooses the layout by them)."""
+        return [self._layout_of(tuple(shape)) for shape in shapes]
 
     def _reduce(self, names, grads, flat) -> None:
         corrected = self._corrected(names, grads)
-        parts = list(corrected.split([g.numel() for g in grads]))
-        layouts = self._layouts(names, parts)
+        order = self._tile_order(grads)
+        ordered = corrected if order is None else corrected[order]
+        parts = list(ordered.split([g.numel() for g in grads]))
+        layouts = self._layouts(names, parts, [g.shape for g in grads])
         messages, sent_local = [], []
         for part, lay in zip(parts, layouts):
             packed, scales = self.encode(part, lay)
             messages += [packed, scales.reshape(-1).view(torch.uint8)]
             sent_local.append(self.decode(packed, scales, lay))
         message = torch.cat(messages)
-        average = torch.zeros_like(corrected)
+        average = torch.zeros_like(ordered)
+        senders = torch.zeros_like(ordered) if self.aggregate == "senders" else None
         for received in self.comm.all_gather(message):
-            average.add_(self._decode_message(received, layouts).to(average.dtype))
-        average.div_(self.comm.world_size)
+            pieces = list(self._split_message(received, layouts))
+            average.add_(torch.cat([self.decode(*piece) for piece in pieces]).to(average.dtype))
+            if senders is not None:
+                senders.add_(torch.cat([positions(packed, lay) for packed, _, lay in pieces]).to(senders.dtype))
+        average.div_(self.comm.world_size if senders is None else senders.clamp_(min=1))
         sent = torch.cat(sent_local).to(corrected.dtype)
+        if order is not None:  # back from tile order
+            sent, average = (torch.empty_like(t).index_copy_(0, order, t) for t in (sent, average))
         elements = sum(lay.chunks * lay.k for lay in layouts)
         self._finish(names, grads, flat, corrected, sent, average, elements, message.numel())
 
-    def _decode_message(self, message: torch.Tensor, layouts: list[_Layout]) -> torch.Tensor:
-        values, offset = [], 0
+    def _split_message(self, message: torch.Tensor, layouts: list[_Layout]):
+        """(packed codes, scales, layout) of each tensor in a message."""
+        offset = 0
         for lay in layouts:
             code_bytes, scale_bytes = lay.code_bytes(), 4 * lay.chunks * lay.groups(self.groups)
             packed = message[offset : offset + code_bytes]
             scales = message[offset + code_bytes : offset + code_bytes + scale_bytes].clone().view(torch.float32)
             offset += code_bytes + scale_bytes
-            values.append(self.decode(packed, scales, lay))
-        return torch.cat(values)
+            yield packed, scales, lay
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "density": self.density, "chunk": self.chunk, "groups": self.groups}
+        settings = {name: getattr(self, name) for name in self.ARGUMENTS}
+        return {**super().state_dict(), **settings}
 
 
 class AllocatedSparseState(SparseQuantState):
@@ -240,7 +326,7 @@ class AllocatedSparseState(SparseQuantState):
             raise ValueError(f"density: the budget must be in [{DENSITIES[0]:g}, {DENSITIES[-1]:g}], got {density!r}")
         self.last_density: dict[str, float] = {}  # the last step's choice, by parameter name
 
-    def _layouts(self, names: list[str], parts: list[torch.Tensor]) -> list[_Layout]:
+    def _layouts(self, names: list[str], parts: list[torch.Tensor], shapes: list) -> list[_Layout]:
         candidates = [[self.layout(p.numel(), d) for d in DENSITIES] for p in parts]
         errors = torch.stack(
             [

@@ -142,6 +142,20 @@ register_sync_method(TopKState, name="topk5", collective=ALL_GATHER, options={"r
 register_sync_method(SparseQuantState, name="sparse64", collective=ALL_GATHER, options={"density": 64 / 4096})
 register_sync_method(SparseQuantState, name="sparse128", collective=ALL_GATHER, options={"density": 128 / 4096})
 register_sync_method(AllocatedSparseState, name="sparse64a", collective=ALL_GATHER, options={"density": 64 / 4096})
+# sparse128 as SparseLoCo's code averages: each sent value over the replicas that sent it (not over all),
+# in flat chunks and in its 64 × 64 tiles
+register_sync_method(
+    SparseQuantState,
+    name="sparse128-senders",
+    collective=ALL_GATHER,
+    options={"density": 128 / 4096, "aggregate": "senders"},
+)
+register_sync_method(
+    SparseQuantState,
+    name="sparse128-tiles",
+    collective=ALL_GATHER,
+    options={"density": 128 / 4096, "aggregate": "senders", "tile": 64},
+)
 # quant<b>'s codes through the two-stage all-reduce (`edgc.sync.two_stage`): the wire flat in the groups
 for _bits in (8, 4, 3, 2):
     register_sync_method(TwoStageQuantState, name=f"quant{_bits}-2s", collective=TWO_STAGE, options={"bits": _bits})
