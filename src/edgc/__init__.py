@@ -5,7 +5,7 @@
     ddp_model.register_comm_hook(state, edgc_hook)
 
 The public API is what this package exports (``__all__``) and `edgc.integrations`; the modules
-beneath are internal: their names may move between versions (the old ones keep working, `moved.py`).
+beneath are internal: their names may move between versions (`CHANGELOG.md` says where).
 
 Modules and sub-packages, from the ground up (each sub-package's docstring names its modules):
     adapters/       what the library must read inside PyTorch and FSDP2, each private name in one place
@@ -22,10 +22,8 @@ Modules and sub-packages, from the ground up (each sub-package's docstring names
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
     parallel/       composition with PyTorch's parallelisms: FSDP2/HSDP, pipeline stages and their traffic
     integrations/   glue for training stacks (Lightning, torchft, DiLoCo)
-    moved.py        where each module of the former flat layout went: old import paths keep working
 """
 
-from . import moved
 from .config import EDGCConfig, LowRankConfig, field_docs
 from .control.entropy import EntropySampler, gaussian_entropy, histogram_entropy
 from .control.rank_control import WindowController
@@ -39,10 +37,8 @@ from .policies.signals import register_signal
 from .safeguards.fingerprint import ReplicasDiverged
 from .state import EDGCState
 from .sync.baselines import CastState, QSGDState, RandomKState, TopKState
-from .sync.reducer import AllReduceState, GradientReducer, allreduce_hook, edgc_hook
+from .sync.reducer import AllReduceState, GradientReducer, edgc_hook
 from .sync.sync_methods import register_sync_method
-
-moved.install()  # old module paths (checkpoints, pickles, user code) find the moved modules
 
 __all__ = [
     "EDGCConfig",
@@ -50,7 +46,6 @@ __all__ = [
     "EDGCState",
     "edgc_hook",
     "AllReduceState",
-    "allreduce_hook",
     "GradientReducer",
     "LowRankCompressor",
     "EntropySampler",

@@ -5,8 +5,8 @@ name                what runs in DDP's gradient synchronisation
 ==================  ==========================================================================
 ``none``            DDP with no hook: its native all-reduce, overlapped with backward (what users
                     run today; every ratio is against it)
-``allreduce``       ``edgc.allreduce_hook``: the same averaged all-reduce through our non-blocking
-                    hook machinery, with our metrics
+``allreduce``       ``edgc.edgc_hook`` with ``edgc.AllReduceState``: the same averaged all-reduce through
+                    our non-blocking hook machinery, with our metrics
 ``allreduce-blocking`` the paper's (Megatron-style) sync: an all-reduce of all gradients *after*
                     backward, nothing overlapped (a labelled comparison, not a baseline)
 ``nosync``          no gradient sync at all: the compute floor (replicas drift apart; time only)
@@ -168,7 +168,7 @@ class EngineCompressor(Compressor):
             self.state = method.build(model=ddp_model, ratio=config.compress_ratio, seed=config.seed)
         else:
             self.state = edgc.EDGCState(process_group=None, config=config, model=ddp_model)
-        ddp_model.register_comm_hook(self.state, edgc.allreduce_hook if name == "allreduce" else edgc.edgc_hook)
+        ddp_model.register_comm_hook(self.state, edgc.edgc_hook)
 
     def step_metrics(self) -> dict[str, Any]:
         m = self.state.last_step_metrics or {}

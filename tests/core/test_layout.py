@@ -141,12 +141,12 @@ def library_part(module: str) -> str:
 def test_the_librarys_parts_import_one_way():
     """The library's sub-packages and top-level modules form no circle among themselves: each part
     stands above the parts it uses (the order of `edgc`'s docstring, docs/layout.md). `edgc` itself
-    (the public face) and `edgc.moved` (old paths) stand above all."""
+    (the public face) stands above all."""
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
-        if name.split(".")[0] != "edgc" or name in ("edgc", "edgc.moved"):
+        if name.split(".")[0] != "edgc" or name == "edgc":
             continue
-        deps = {library_part(dep) for dep in imports_of(name, path) if dep not in ("edgc", "edgc.moved")}
+        deps = {library_part(dep) for dep in imports_of(name, path) if dep != "edgc"}
         graph.setdefault(library_part(name), set()).update(deps - {library_part(name)})
     graph = {part: {dep for dep in deps if dep in graph} for part, deps in graph.items()}
     assert import_cycles(graph) == []

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, allreduce_hook, edgc_hook
+from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.integrations import register_edgc
 
 
@@ -56,4 +56,3 @@ def test_hook_registers_directly_and_through_register_edgc(two_process_results):
 def test_without_a_process_group_it_warns_and_registers_nothing():
     with pytest.warns(UserWarning, match="no hook registered"):
         assert register_edgc(nn.Linear(2, 2), EDGCConfig()) is None
-    assert allreduce_hook is edgc_hook

@@ -145,7 +145,7 @@ class EDGCTrainer(Trainer):
         saved = state_dict.get("edgc", {}).get(_rank_key())
         if not isinstance(saved, bytes):
             raise ValueError(f"edgc: the checkpoint holds no EDGC state for {_rank_key()} (saved without EDGC?)")
-        parts = torch.load(io.BytesIO(saved), map_location="cpu", weights_only=False)
+        parts = torch.load(io.BytesIO(saved), map_location="cpu", weights_only=True)  # state dicts: plain values
         if set(parts) != set(self.edgc_states):
             raise ValueError(
                 f"edgc: the checkpoint holds EDGC states of {sorted(parts)}, this run {sorted(self.edgc_states)}"

@@ -446,5 +446,3 @@ edgc_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
-
-allreduce_hook = edgc_hook  # the same hook; the name reads better with AllReduceState
