@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from edgc import torch_adapter
+from edgc.adapters import torch_adapter
 
 from .op_traffic import tensors_in
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from edgc import torch_adapter
+from edgc.adapters import torch_adapter
 
 aten = torch.ops.aten
 

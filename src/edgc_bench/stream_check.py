@@ -70,7 +70,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import edgc
-from edgc import timing, torch_adapter
+from edgc.adapters import torch_adapter
+from edgc.device import timing
 
 from .op_traffic import tensors_in
 from .stream_check_access import Accesses, Race, accesses_of, schema_writes

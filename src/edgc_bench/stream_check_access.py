@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.cuda._sanitizer import StreamSynchronizations
 
-from edgc import torch_adapter
+from edgc.adapters import torch_adapter
 
 from .op_traffic import tensors_in
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from edgc import torch_adapter
+from edgc.adapters import torch_adapter
 
 aten = torch.ops.aten
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from edgc import streams
+from edgc.device import streams
 from edgc.device.graphs import GraphRegion
 from edgc_bench.capture_check import CaptureChecker, check_capture
 from edgc_bench.capture_check_judge import (

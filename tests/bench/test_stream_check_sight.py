@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from edgc import streams
+from edgc.device import streams
 from edgc.device.timing import host_reads_allowed
 from edgc_bench.stream_check import StreamChecker
 

@@ -18,7 +18,8 @@ import pytest
 import torch.distributed as dist
 from distributed_harness import hosted_store
 
-from edgc import barrier_before_exit, comm
+from edgc import barrier_before_exit
+from edgc.distributed import comm
 
 
 def test_without_a_process_group_it_does_nothing():

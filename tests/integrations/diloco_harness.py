@@ -193,11 +193,11 @@ def _train(replica, manager, pg, module, inner, diloco, outer_steps, faults, rep
         "replica": replica,
         "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
         "global": torch.cat([t.reshape(-1) for f in diloco._fragments for t in f.original]),
-        "shared": state.managed.shared_state_dict(),
+        "shared": diloco.managed.shared_state_dict(),
         "loss": final_loss,
-        "heals": state.managed.heals,
+        "heals": diloco.managed.heals,
         "bytes_ratio": state.totals["bytes_sent"] / max(1, state.totals["bytes_raw"]),
-        "discarded": state.managed.steps_discarded,
+        "discarded": diloco.managed.steps_discarded,
         "original": [f.state_dict() for f in diloco._fragments],
     }
 

@@ -41,7 +41,7 @@ def test_a_checkpoint_loaded_before_the_first_quorum_keeps_the_error_feedback(me
     saved_by = sync_method(method).build(None, model=model)
     saved_by.reduce_tensors(names, grads, last=True)
     saved = {**saved_by.state_dict(), "world_size": 3}  # saved in a quorum of three
-    state = managed_sync_state(method, BeforeTheFirstQuorum(), model, "outer")
+    state = managed_sync_state(method, BeforeTheFirstQuorum(), model, "outer").state
     assert state.comm.world_size == 1  # no quorum yet
     state.load_state_dict(saved)
     kept = state.error_table()

@@ -51,12 +51,12 @@ from torch import nn
 from ..config import EDGCConfig
 from ..policies.plans import PROFILE
 from ..state import EDGCState
-from ..sync.reducer import GradientReducer, edgc_hook
+from ..sync.reducer import edgc_hook
 from ..sync.sync_methods import sync_method
 from . import torchft_adapter
 from .diloco import DiLoCo as _DiLoCo
-from .torchft_managed import ManagedCommunicator, ManagedSteps  # noqa: F401 - part of this integration's API
-from .torchft_quorum import QuorumSettings  # noqa: F401 - part of this integration's API
+from .torchft_managed import ManagedCommunicator, ManagedSteps
+from .torchft_quorum import QuorumSettings
 
 try:
     from torchft.manager import Manager
@@ -65,6 +65,16 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("edgc.integrations.torchft needs torchft: pip install 'edgc[torchft]'") from error
 
 STATE_KEY = "edgc"
+
+__all__ = [
+    "DistributedDataParallel",
+    "DiLoCo",
+    "TorchFTEDGCState",
+    "QuorumSettings",
+    "ManagedSteps",
+    "ManagedCommunicator",
+    "managed_sync_state",
+]
 
 
 class TorchFTEDGCState(EDGCState):
@@ -165,6 +175,8 @@ class DiLoCo(_DiLoCo):
     ``fragment_sync_delay``, ``fragment_update_alpha``, ``power_iterations``, ``sync_method`` and
     ``error_feedback_decay`` are `edgc.integrations.diloco.DiLoCo`'s (a ``sync_method``'s state is
     built by `managed_sync_state`); ``state_key`` names the outer sync's state among the manager's.
+    ``managed``: the outer sync's torchft side (`ManagedSteps`: heals, discarded steps), once the sync
+    is built.
     """
 
     def __init__(
@@ -191,6 +203,7 @@ class DiLoCo(_DiLoCo):
                 "shared state before the outer sync"
             )
         self.manager, self._state_key = manager, state_key
+        self.managed: ManagedSteps | None = None
         super().__init__(
             None,
             model_fragments,
@@ -213,8 +226,11 @@ class DiLoCo(_DiLoCo):
 
     def _new_state(self, process_group, config: EDGCConfig, model: nn.Module):
         if self._sync_method is not None:
-            return managed_sync_state(self._sync_method, self.manager, model, self._state_key)
-        return TorchFTEDGCState(self.manager, config, model=model, state_key=self._state_key)
+            self.managed = managed_sync_state(self._sync_method, self.manager, model, self._state_key)
+            return self.managed.state
+        state = TorchFTEDGCState(self.manager, config, model=model, state_key=self._state_key)
+        self.managed = state.managed
+        return state
 
     def _start_outer_step(self) -> None:
         self.manager.start_quorum()  # a healing replica receives θ_global, the outer optimizer and EDGC's state here
@@ -235,11 +251,11 @@ class DiLoCo(_DiLoCo):
 
 # ---------------------------------------------------------------------------- a registered method as DiLoCo's outer
 # sync
-def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key: str) -> GradientReducer:
+def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key: str) -> ManagedSteps:
     """The registered sync method ``name``'s state for one torchft replica group (`DiLoCo`'s
-    ``sync_method``), its torchft side as ``state.managed`` (`ManagedSteps`): every collective through
-    the manager (an all-gather is an all-reduce of one slot per participant); each step waits for the
-    manager's verdict (committed: the residual is kept; not: the error feedback is as before and
+    ``sync_method``), returned with its torchft side: the `ManagedSteps` whose ``state`` it is. Every
+    collective goes through the manager (an all-gather is an all-reduce of one slot per participant);
+    each step waits for the manager's verdict (committed: the residual is kept; not: the error feedback is as before and
     DiLoCo carries the step's Δ into the next one); heal: the shared part, the outer step count, is
     registered as ``state_key``, and a healed replica keeps its own error feedback, none after a
     restart (`edgc experiment diloco` measured it against a peer's copy: alike), and drops the error
@@ -254,5 +270,4 @@ def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key:
         if hasattr(state, "drop_group_error"):  # a two-stage sync's chunk owners': no peer holds this one's
             state.drop_group_error("healed from a peer")
 
-    state.managed = ManagedSteps(state, manager, state_key, lambda: {"step": state.step}, load_step)  # type: ignore[attr-defined]
-    return state
+    return ManagedSteps(state, manager, state_key, lambda: {"step": state.step}, load_step)
