@@ -1,16 +1,16 @@
 """Glue for training stacks: register an edgc hook wherever a DDP model is built for you.
 
 Modules:
-    lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook
-    diloco.py       DiLoCo / Streaming DiLoCo whose outer sync is EDGC's (plain process group)
-    diloco_fragment.py a DiLoCo fragment: θ_global and Δ as one flat buffer each, the outer optimizer
-    torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages; DiLoCo
-    torchft_managed.py a sync state under torchft's manager: collectives, the verdict per step, heals
-    torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum
-    torchft_adapter.py the one place that reads torchft's private members (its process group, timeout, DiLoCo's step)
-    torchtitan.py   `EDGCTrainer`: torchtitan's trainer with EDGC on its replica all-reduce, one config name away
-    torchtitan_torchft.py EDGC across the replica groups of torchtitan's torchft experiment
-    torchtitan_adapter.py the one place that knows how torchtitan (0.3.0) shards its models for FSDP
+    lightning.py    `EDGCDDPStrategy`: Lightning's DDPStrategy that registers the EDGC hook.
+    diloco.py       DiLoCo / Streaming DiLoCo whose outer sync is EDGC's (plain process group).
+    diloco_fragment.py A DiLoCo fragment: θ_global and Δ as one flat buffer each, the outer optimizer.
+    torchft.py      EDGC across torchft replica groups: uncommitted steps, heal, quorum averages; DiLoCo.
+    torchft_managed.py A sync state under torchft's manager: collectives, the verdict per step, heals.
+    torchft_quorum.py  `QuorumSettings`: lighthouse and Manager settings that keep every live group in the quorum.
+    torchft_adapter.py The one place that reads torchft's private members (its process group, timeout, DiLoCo's step).
+    torchtitan.py   `EDGCTrainer`: torchtitan's trainer with EDGC on its replica all-reduce, one config name away.
+    torchtitan_torchft.py EDGC across the replica groups of torchtitan's torchft experiment.
+    torchtitan_adapter.py The one place that knows how torchtitan (0.3.0) shards its models for FSDP.
 """
 
 from __future__ import annotations
