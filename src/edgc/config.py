@@ -348,7 +348,7 @@ class EDGCConfig:
         """The fields as plain JSON values, so a dict survives config.json unchanged.
 
         Returns:
-            The fields, flat (the engine's beside the others, tuples as lists): the keywords a user gives.
+            The fields, flat (the engine's beside the others, tuples as lists), as the keywords a user gives.
         """
 
         def plain(value: Any) -> Any:

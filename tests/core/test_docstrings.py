@@ -16,7 +16,8 @@ The rules for each of those callables:
   comes from a base outside edgc (an exception, Lightning's strategy), or whose docstring names the edgc
   base its ``__init__`` comes from, has no arguments of its own to document;
 - ``Returns:`` (or ``Yields:``) where the function returns a value: its return annotation is not None,
-  or, without one, a ``return`` of its own gives a value.
+  or, without one, a ``return`` of its own gives a value. Its first line has no colon outside code:
+  napoleon would render the text before it as the return type.
 
 A docstring is cut off when its last line does not end a sentence (``.``, ``?`` or ``!``, maybe before a
 closing bracket or quote), or when an entry of a package's module listing (``name.py  what it holds``)
@@ -40,6 +41,7 @@ SENTENCE_END = re.compile(r"[.?!][)\]\"'`*]*$")
 LISTING_ENTRY = re.compile(r"^ {4}[\w.]+(?:\.py|/)\s+\S")
 ARG_ENTRY = re.compile(r"^\**(\w+)(?: \([^)]*\))?:(?:\s|$)")
 SECTION = re.compile(r"^(\w[\w ]*):$")
+CODE = re.compile(r"``[^`]*``|`[^`]*`")
 
 
 def integration_modules() -> list:
@@ -134,6 +136,10 @@ def problems_of_function(name: str, function, doc: str | None, *, returns: bool 
         found.append(f"{name}: Args: lacks {missing}")
     if returns and returns_value(function) and not {"Returns", "Yields"} & set(sections(doc)):
         found.append(f"{name}: no Returns:")
+    for section in ("Returns", "Yields"):
+        first = next((line for line in sections(doc).get(section, []) if line.strip()), "")
+        if re.search(r"(?<!:):(?!:)", CODE.sub("", first)):
+            found.append(f"{name}: {section}: a colon in its first line (napoleon reads a type before it)")
     return found
 
 
@@ -248,6 +254,10 @@ def test_the_rules_catch_what_they_are_for():
             """
 
     assert problems_of_function("f", documented, documented.__doc__) == []
+    typed = documented.__doc__.replace("The sum.", "int: the sum.")
+    assert problems_of_function("f", documented, typed) == [
+        "f: Returns: a colon in its first line (napoleon reads a type before it)"
+    ]
     assert problems_of_function("g", undocumented, undocumented.__doc__) == [
         "g: Args: lacks ['a', 'b']",
         "g: no Returns:",

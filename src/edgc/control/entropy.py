@@ -359,7 +359,7 @@ class EntropySampler:
         """The series a budget signal can read by name.
 
         Returns:
-            Name → (step, value) pairs: ``"entropy"`` and each followed signal's own measure.
+            Name → (step, value) pairs of ``"entropy"`` and of each followed signal's own measure.
         """
         return {"entropy": self.history, **self.series}
 

@@ -71,7 +71,7 @@ class Fragment:
         """Δ = θ_global − θ_local of every parameter, in the parameters' dtype and on their device.
 
         Returns:
-            Δ per parameter, in the parameters' order: views of one flat buffer where the backup is one.
+            Δ per parameter, in the parameters' order; views of one flat buffer where the backup is one.
         """
         params = [p.detach() for p in self.params]
         if not self.flat:

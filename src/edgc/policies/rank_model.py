@@ -36,7 +36,7 @@ def error_curve_mc(m: int, n: int, samples: int = 4, seed: int = 0) -> np.ndarra
         seed: the draws' seed.
 
     Returns:
-        g(r) for r = 0..min(m, n): the mean squared error of the best rank-r approximation.
+        g(r) for r = 0..min(m, n), the mean squared error of the best rank-r approximation.
     """
     p, q = min(m, n), max(m, n)
     rng = np.random.default_rng(seed)

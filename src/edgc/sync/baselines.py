@@ -334,7 +334,7 @@ class QSGDState(ErrorFeedbackReducer):
             generator: the noise's, on x's device.
 
         Returns:
-            (int8 levels of shape x, fp32 scale per chunk): `dequantize` of them ≈ x.
+            (int8 levels of shape x, fp32 scale per chunk), whose `dequantize` ≈ x.
         """
         n = x.numel()
         chunks = math.ceil(n / self.chunk)

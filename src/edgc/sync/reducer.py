@@ -122,7 +122,7 @@ class GradientReducer:
             device: the gradients', for values resolved by device.
 
         Returns:
-            Name → value: the method, its own arguments (a subclass adds them), what an integration
+            Name → value of the method, its own arguments (a subclass adds them) and what an integration
             added (`agree_on`).
         """
         return {"method": type(self).__qualname__, **self._guard.also_agreed}
@@ -148,7 +148,7 @@ class GradientReducer:
         """This rank's error feedback.
 
         Returns:
-            Parameter name → the state's own tensor (changing one in place changes the state): none here;
+            Parameter name → the state's own tensor (changing one in place changes the state); none here,
             a method with error feedback has it.
         """
         return {}
