@@ -3,10 +3,9 @@
 Two levels of down-sampling (paper §2.4): the entropy is estimated only on every
 round(1/α)-th optimizer step, and only on a β fraction of the gradient elements.
 
-Element choice: every k-th element (k = round(1/β)) of each flattened gradient tensor,
-starting at element 0. A fixed stride (as in the authors' code) is deterministic, needs no
-random generator, is identical on every run and resume, and does not depend on how DDP
-groups tensors into buckets. Non-finite values are dropped from the sample and counted.
+Element choice: every k-th element (k = round(1/β)) of each flattened gradient tensor, starting at element 0. A fixed
+stride (as in the authors' code) is deterministic, needs no random generator, is identical on every run and resume,
+and does not depend on how DDP groups tensors into buckets. Non-finite values are dropped from the sample and counted.
 
 Where a rank decision reads the samples, the sample holds at most ``entropy_sample_cap`` elements
 (2²² by default): on a GPU the histogram's integer index-add into a thousand bins is one atomic per
@@ -20,22 +19,19 @@ heavy-tailed (Student-t, ν = 4) sample it is about the same at 2²² as at 2²�
 Every sampled step of a run then reads a sample of the same size, so the estimates a decision
 compares stay comparable (a histogram over the sample's own [min, max] depends on its size).
 
-Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal),
-they are for the report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a
-1000-bin histogram of 7M elements costs ~40 ms of a step on one CPU core (the ``small`` bench
-preset), of 1M about 6 ms, and its entropy moves by far less than the step-to-step changes the
-report shows. The thinning is applied to the stride itself (every c·k-th element of each tensor,
-c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is
-never gathered: gathering and concatenating it cost more than the histogram (~30 ms on that
-preset). On the first sampled step, before any count, each bucket's β sample is gathered and
-thinned before they are joined.
+Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal), they are for the
+report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a 1000-bin histogram of 7M elements costs
+~40 ms of a step on one CPU core (the ``small`` bench preset), of 1M about 6 ms, and its entropy moves by far less
+than the step-to-step changes the report shows. The thinning is applied to the stride itself (every c·k-th element of
+each tensor, c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is never
+gathered: gathering and concatenating it cost more than the histogram (~30 ms on that preset). On the first sampled
+step, before any count, each bucket's β sample is gathered and thinned before they are joined.
 
-Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a
-layer with dead experts would pile their zeros into the histogram and pull the estimate (and the rank)
-down. The exact zeros of the experts' matrices are left out of the sample (`add(..., experts=…)`): one
-more read of the step's count of them, at the step's end, where the estimate reads anyway. A live
-expert's gradient has next to no exact zeros; a dense parameter's zeros (an embedding's unused rows)
-stay, as the paper's estimator has them.
+Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a layer with
+dead experts would pile their zeros into the histogram and pull the estimate (and the rank) down. The exact zeros of
+the experts' matrices are left out of the sample (`add(..., experts=…)`): one more read of the step's count of them,
+at the step's end, where the estimate reads anyway. A live expert's gradient has next to no exact zeros; a dense
+parameter's zeros (an embedding's unused rows) stay, as the paper's estimator has them.
 """
 
 from __future__ import annotations
