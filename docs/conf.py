@@ -10,7 +10,11 @@ sys.path[:0] = [str(DOCS.parent / "src"), str(DOCS / "_ext")]
 
 project = "edgc"
 copyright = "the edgc authors"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.mathjax", "edgc_docs"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax", "edgc_docs"]
+# The docstrings are Google-style (`Args:`, `Returns:`, `Raises:`; tests/core/test_docstrings.py): napoleon
+# renders them as parameter lists; NumPy-style sections are not read, so no other underlined text becomes one.
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build", "img", "_ext", "_static"]
 myst_enable_extensions = ["dollarmath", "deflist"]

@@ -3,6 +3,9 @@
 ``{edgc-config} edgc`` renders every `EDGCConfig` field from `edgc.config.field_docs` (the same
 docstrings `EDGCConfig` validates against); ``{edgc-config} train`` every `TrainConfig` field from
 `edgc_train.config.field_help`, the text of `edgc train --help`.
+
+An attribute's or a property's docstring is rendered as written: `sphinx.ext.napoleon` reads the Google
+sections of functions and classes, but would take an attribute's text before its first colon for its type.
 """
 
 from __future__ import annotations
@@ -44,6 +47,24 @@ class ConfigTable(SphinxDirective):
         return container.children
 
 
+ATTRIBUTE_KINDS = ("attribute", "property", "data")
+_as_written: dict[str, list[str]] = {}
+
+
+def keep_attribute_docstring(app, what, name, obj, options, lines) -> None:
+    """Before napoleon (priority 500): an attribute's docstring as written."""
+    if what in ATTRIBUTE_KINDS:
+        _as_written[name] = list(lines)
+
+
+def restore_attribute_docstring(app, what, name, obj, options, lines) -> None:
+    """After napoleon: the attribute's docstring back as written."""
+    if what in ATTRIBUTE_KINDS and name in _as_written:
+        lines[:] = _as_written.pop(name)
+
+
 def setup(app):
     app.add_directive("edgc-config", ConfigTable)
+    app.connect("autodoc-process-docstring", keep_attribute_docstring, priority=400)
+    app.connect("autodoc-process-docstring", restore_attribute_docstring, priority=600)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

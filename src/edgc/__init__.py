@@ -8,20 +8,20 @@ The public API is what this package exports (``__all__``) and `edgc.integrations
 beneath are internal: their names may move between versions (`CHANGELOG.md` says where).
 
 Modules and sub-packages, from the ground up (each sub-package's docstring names its modules):
-    adapters/       what the library must read inside PyTorch and FSDP2, each private name in one place
-    device/         streams, device-timeline timing (the only host reads), finiteness flags
-    distributed/    the one DeviceMesh, the communication layer, experts' groups, settings agreed
-    policies/       pure rank policies: plans and decisions, CQM, the paper's mappings, splits, signals
-    registry.py     registries by name (signals, rank mappings, sync methods): one entry per name
-    checks.py       field checks of the config dataclasses: each failure one line naming the field
-    config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass
-    engine/         the PowerSGD engine: factors, layouts, its state between steps, rank changes, jobs
-    control/        rank control: GDS, the byte budget, sync-time profiles, DAC's window and decision round
-    safeguards/     misuse refused, replicas compared, checkpoints checked
-    sync/           the step runner (`GradientReducer`, the DDP hooks) and the sync methods it runs
-    state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state)
-    parallel/       composition with PyTorch's parallelisms: FSDP2/HSDP, pipeline stages and their traffic
-    integrations/   glue for training stacks (Lightning, torchft, DiLoCo)
+    adapters/       What the library must read inside PyTorch and FSDP2, each private name in one place.
+    device/         Streams, device-timeline timing (the only host reads), finiteness flags.
+    distributed/    The one DeviceMesh, the communication layer, experts' groups, settings agreed.
+    policies/       Pure rank policies: plans and decisions, CQM, the paper's mappings, splits, signals.
+    registry.py     Registries by name (signals, rank mappings, sync methods): one entry per name.
+    checks.py       Field checks of the config dataclasses: each failure one line naming the field.
+    config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass.
+    engine/         The PowerSGD engine: factors, layouts, its state between steps, rank changes, jobs.
+    control/        Rank control: GDS, the byte budget, sync-time profiles, DAC's window and decision round.
+    safeguards/     Misuse refused, replicas compared, checkpoints checked.
+    sync/           The step runner (`GradientReducer`, the DDP hooks) and the sync methods it runs.
+    state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state).
+    parallel/       Composition with PyTorch's parallelisms: FSDP2/HSDP, pipeline stages and their traffic.
+    integrations/   Glue for training stacks (Lightning, torchft, DiLoCo).
 """
 
 from .config import EDGCConfig, LowRankConfig, field_docs

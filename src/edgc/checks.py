@@ -2,6 +2,8 @@
 
 check = FieldCheck(self)             # in a config's __post_init__
 check.integer("window", 1)           # ValueError: "EDGCConfig.window must be an integer ≥ 1, got 0"
+
+The first check that fails raises its `ValueError`, so a config reports one bad field at a time.
 """
 
 from __future__ import annotations

@@ -274,7 +274,18 @@ class EDGCConfig:
     # ------------------------------------------------------------------ helpers
     @classmethod
     def static(cls, rank: int, **overrides: Any) -> EDGCConfig:
-        """Static PowerSGD at ``rank`` after the warm-up: the non-adaptive baseline."""
+        """Static PowerSGD after the warm-up: the non-adaptive baseline.
+
+        Args:
+            rank: the rank of every compressed step (r_max = r_min).
+            **overrides: any other field.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: ``overrides`` set ``r_max``, ``r_min`` or ``adaptive``.
+        """
         fixed = sorted({"r_max", "r_min", "adaptive"} & set(overrides))
         if fixed:
             raise ValueError(f"EDGCConfig.static: {fixed} are set by the rank argument; pass rank= only")
@@ -307,12 +318,20 @@ class EDGCConfig:
         return max(1, round(1.0 / self.gradient_sample_ratio))
 
     def warmup_floor(self) -> int:
-        """Steps that are always uncompressed: max(⌊f_w·T⌋, min_warmup_steps)."""
+        """Steps that are always uncompressed.
+
+        Returns:
+            max(⌊f_w·T⌋, min_warmup_steps).
+        """
         from_fraction = math.floor(self.warmup_fraction * self.total_steps) if self.total_steps else 0
         return max(from_fraction, self.min_warmup_steps)
 
     def warmup_ceiling(self) -> int:
-        """The warm-up never lasts beyond max(⌊max_warmup_fraction·T⌋, warmup_floor()) steps (no cap without T)."""
+        """The steps the warm-up never lasts beyond.
+
+        Returns:
+            max(⌊max_warmup_fraction·T⌋, warmup_floor()), or infinity without T.
+        """
         if not self.total_steps:
             return math.inf  # type: ignore[return-value]
         return max(math.floor(self.max_warmup_fraction * self.total_steps), self.warmup_floor())
@@ -326,8 +345,11 @@ class EDGCConfig:
         return rank_mapping(self.rank_mapping).entropy_estimator
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat plain JSON values (the engine's fields beside the others, tuples as lists), so a dict
-        survives config.json unchanged and reads as the keywords a user gives."""
+        """The fields as plain JSON values, so a dict survives config.json unchanged.
+
+        Returns:
+            The fields, flat (the engine's beside the others, tuples as lists), as the keywords a user gives.
+        """
 
         def plain(value: Any) -> Any:
             return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
@@ -338,7 +360,17 @@ class EDGCConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EDGCConfig:
-        """The config of a `to_dict` (flat; an ``engine`` table of `LowRankConfig` fields is read too)."""
+        """The config of a `to_dict`.
+
+        Args:
+            values: the fields, flat; an ``engine`` table of `LowRankConfig` fields is read too.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: an unknown field.
+        """
         known = {f.name for f in dataclasses.fields(cls)} | set(ENGINE_FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:
@@ -384,8 +416,14 @@ _engine_fields_flat(EDGCConfig)
 
 
 def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
-    """(name, default, one-line doc) for every field of ``config_class`` (default `EDGCConfig`), read
-    from the source docstrings."""
+    """The one-line doc of every field of a config dataclass, read from the source docstrings.
+
+    Args:
+        config_class: the dataclass (default `EDGCConfig`).
+
+    Returns:
+        (name, default, one-line doc) per field, in the fields' order ("" where a field has none).
+    """
     import ast
     import inspect
 

@@ -55,22 +55,27 @@ class EDGCState(GradientReducer):
     directly (`synchronize`, `reduce_tensors`). Build one per model, after ``init_process_group``
     (one built before binds the default group at its first step: `edgc.safeguards.guards`).
 
-    - ``process_group``: the group whose gradients it averages; None: the default group. A 1-D
-      ``DeviceMesh`` (``mesh["dp_replicate"]``) works too. With DDP, DDP's own group.
-    - ``config``: every setting (`EDGCConfig`); None: the defaults. Give ``total_steps`` at least.
-    - ``model``: the DDP model it is registered on (or the module that model wraps, or the module
-      whose parameters `synchronize` gets). It names the parameters, so that the compressor's state
-      is keyed by name and checkpoints survive another DDP bucket layout; a parameter not in it is
-      refused. Without it, parameters are named by order of appearance (warns once).
-    - ``follower``, ``always_profile``: for pipeline stages (see `edgc.parallel.pipeline.StageAligner`).
-    - ``decision_group``: the ranks that must decide alike, where they are more than
-      ``process_group``'s: with tensor parallelism, a stage's DP replicas of all its TP shards
-      (`edgc.distributed.mesh.group_across`), so that every shard profiles, warms up and compresses at the same
-      step and rank. Measurements are averaged and its rank 0's proposal is broadcast over it;
-      gradients still go over ``process_group`` alone.
-
     What it decides is logged (`edgc.control.events`) and in `last_step_metrics`; once per window the ranks
     compare their shared state (`edgc.safeguards.fingerprint`).
+
+    Args:
+        process_group: the group whose gradients it averages; None: the default group. A 1-D
+            ``DeviceMesh`` (``mesh["dp_replicate"]``) works too. With DDP, DDP's own group.
+        config: every setting (`EDGCConfig`); None: the defaults. Give ``total_steps`` at least.
+        model: the DDP model it is registered on (or the module that model wraps, or the module
+            whose parameters `synchronize` gets). It names the parameters, so that the compressor's state
+            is keyed by name and checkpoints survive another DDP bucket layout; a parameter not in it is
+            refused. Without it, parameters are named by order of appearance (warns once).
+        follower: for pipeline stages after the first (see `edgc.parallel.pipeline.StageAligner`).
+        always_profile: for pipeline stages (see `edgc.parallel.pipeline.StageAligner`).
+        decision_group: the ranks that must decide alike, where they are more than
+            ``process_group``'s: with tensor parallelism, a stage's DP replicas of all its TP shards
+            (`edgc.distributed.mesh.group_across`), so that every shard profiles, warms up and compresses at
+            the same step and rank. Measurements are averaged and its rank 0's proposal is broadcast over
+            it; gradients still go over ``process_group`` alone.
+
+    Raises:
+        TypeError: ``config`` is not an `EDGCConfig`.
     """
 
     def __init__(
@@ -97,13 +102,22 @@ class EDGCState(GradientReducer):
         self.watch_tokens(model)
 
     def watch_tokens(self, model: nn.Module | None) -> None:
-        """Read the experts' token counters at each step's first forward through ``model``, where the rank
-        split reads tokens (`edgc.distributed.expert_tokens`, `edgc.policies.rank_split`)."""
+        """Read the experts' token counters at each step's first forward through a model, where the rank
+        split reads tokens (`edgc.distributed.expert_tokens`, `edgc.policies.rank_split`).
+
+        Args:
+            model: the model; None: nothing to watch.
+        """
         if self.controller.split.reads_tokens:
             self.experts.watch(model)
 
     def follow_fsdp(self, model: nn.Module, convention: str) -> None:
-        """`GradientReducer.follow_fsdp`, its experts' token counters read through ``model``'s forwards."""
+        """`GradientReducer.follow_fsdp`, its experts' token counters read through ``model``'s forwards.
+
+        Args:
+            model: the model whose forwards count the experts' tokens.
+            convention: the gradient scale FSDP's division sets (`edgc.distributed.scaling`).
+        """
         super().follow_fsdp(model, convention)
         self.watch_tokens(model)
 
@@ -112,7 +126,14 @@ class EDGCState(GradientReducer):
         """`GradientReducer.agreed_settings`, with every `EDGCConfig` field, the values its "auto" and None
         resolve to on ``device``, and this state's own arguments. The orthonormalisation is the group's
         by then (`edgc.engine.orthonormal_choice`: rank 0's timing, or the checkpoint's), so a timing that differs
-        between ranks is no disagreement, and checkpoints that differ are one."""
+        between ranks is no disagreement, and checkpoints that differ are one.
+
+        Args:
+            device: the gradients'.
+
+        Returns:
+            Name → value of every setting compared.
+        """
         config, compressor = self.config, self.compressor
         compressor.agree_orthonormalization(device, self.settings_group())
         fusion = self._fusion_megabytes(device)
@@ -129,7 +150,11 @@ class EDGCState(GradientReducer):
         }
 
     def settings_group(self) -> Communicator:
-        """The decision group, where it is wider than the process group: its ranks must decide alike."""
+        """The group whose ranks must decide alike.
+
+        Returns:
+            The decision group's communicator where it is wider than the process group, else the state's.
+        """
         return self.decisions.communicator(self.comm)
 
     @property
@@ -138,7 +163,11 @@ class EDGCState(GradientReducer):
         return self.settings_group().rank
 
     def error_table(self) -> dict[str, torch.Tensor]:
-        """`GradientReducer.error_table`: the engine's error feedback."""
+        """`GradientReducer.error_table`.
+
+        Returns:
+            The engine's error feedback, by parameter name.
+        """
         return self.compressor.error
 
     # ------------------------------------------------------------------ per step
@@ -319,7 +348,11 @@ class EDGCState(GradientReducer):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.safeguards.checkpoint`."""
+        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.safeguards.checkpoint`.
+
+        Returns:
+            The state, for `load_state_dict`.
+        """
         state = {
             "format": STATE_FORMAT,
             **super().state_dict(),
@@ -335,16 +368,31 @@ class EDGCState(GradientReducer):
 
     def shared_state_dict(self) -> dict:
         """`state_dict()` without this rank's error feedback: the part every replica holds identically
-        (step, Q, rank schedule, controller, entropy series), what a healing replica takes from a peer."""
+        (step, Q, rank schedule, controller, entropy series), what a healing replica takes from a peer.
+
+        Returns:
+            The shared state, for `load_shared_state_dict`.
+        """
         own = {"compressor": self.compressor.state_dict(include_error=False), "expert_tokens": {}}
         return {**self.state_dict(), **own, "shared": True}
 
     def load_shared_state_dict(self, state: dict) -> None:
-        """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart)."""
+        """Load a peer's `shared_state_dict()`, keeping this rank's own error feedback (none after a restart).
+
+        Args:
+            state: the peer's shared state.
+        """
         self._load(state, keep_own=True)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a `state_dict()`; a malformed or mismatched state raises ValueError and changes nothing."""
+        """Restore a `state_dict()`.
+
+        Args:
+            state: what `state_dict` returned.
+
+        Raises:
+            ValueError: a malformed or mismatched state; nothing is changed.
+        """
         self._load(state, keep_own=False)
 
     def _load(self, state: dict, *, keep_own: bool) -> None:

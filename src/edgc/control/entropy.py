@@ -3,10 +3,9 @@
 Two levels of down-sampling (paper §2.4): the entropy is estimated only on every
 round(1/α)-th optimizer step, and only on a β fraction of the gradient elements.
 
-Element choice: every k-th element (k = round(1/β)) of each flattened gradient tensor,
-starting at element 0. A fixed stride (as in the authors' code) is deterministic, needs no
-random generator, is identical on every run and resume, and does not depend on how DDP
-groups tensors into buckets. Non-finite values are dropped from the sample and counted.
+Element choice: every k-th element (k = round(1/β)) of each flattened gradient tensor, starting at element 0. A fixed
+stride (as in the authors' code) is deterministic, needs no random generator, is identical on every run and resume,
+and does not depend on how DDP groups tensors into buckets. Non-finite values are dropped from the sample and counted.
 
 Where a rank decision reads the samples, the sample holds at most ``entropy_sample_cap`` elements
 (2²² by default): on a GPU the histogram's integer index-add into a thousand bins is one atomic per
@@ -20,22 +19,19 @@ heavy-tailed (Student-t, ν = 4) sample it is about the same at 2²² as at 2²�
 Every sampled step of a run then reads a sample of the same size, so the estimates a decision
 compares stay comparable (a histogram over the sample's own [min, max] depends on its size).
 
-Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal),
-they are for the report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a
-1000-bin histogram of 7M elements costs ~40 ms of a step on one CPU core (the ``small`` bench
-preset), of 1M about 6 ms, and its entropy moves by far less than the step-to-step changes the
-report shows. The thinning is applied to the stride itself (every c·k-th element of each tensor,
-c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is
-never gathered: gathering and concatenating it cost more than the histogram (~30 ms on that
-preset). On the first sampled step, before any count, each bucket's β sample is gathered and
-thinned before they are joined.
+Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal), they are for the
+report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a 1000-bin histogram of 7M elements costs
+~40 ms of a step on one CPU core (the ``small`` bench preset), of 1M about 6 ms, and its entropy moves by far less
+than the step-to-step changes the report shows. The thinning is applied to the stride itself (every c·k-th element of
+each tensor, c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is never
+gathered: gathering and concatenating it cost more than the histogram (~30 ms on that preset). On the first sampled
+step, before any count, each bucket's β sample is gathered and thinned before they are joined.
 
-Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a
-layer with dead experts would pile their zeros into the histogram and pull the estimate (and the rank)
-down. The exact zeros of the experts' matrices are left out of the sample (`add(..., experts=…)`): one
-more read of the step's count of them, at the step's end, where the estimate reads anyway. A live
-expert's gradient has next to no exact zeros; a dense parameter's zeros (an embedding's unused rows)
-stay, as the paper's estimator has them.
+Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a layer with
+dead experts would pile their zeros into the histogram and pull the estimate (and the rank) down. The exact zeros of
+the experts' matrices are left out of the sample (`add(..., experts=…)`): one more read of the step's count of them,
+at the step's end, where the estimate reads anyway. A live expert's gradient has next to no exact zeros; a dense
+parameter's zeros (an embedding's unused rows) stay, as the paper's estimator has them.
 """
 
 from __future__ import annotations
@@ -83,7 +79,15 @@ def histogram_entropy(sample: torch.Tensor, bins: int = 1000, bounds: tuple | No
 
     Because the bin edges adapt to the range, this is scale-invariant: it measures how
     concentrated the values are relative to their spread. A constant sample has entropy 0.
-    One host read: the result. ``bounds``: the sample's ``torch.aminmax``, if the caller has it.
+    One host read: the result.
+
+    Args:
+        sample: the values, any shape.
+        bins: the histogram's bins.
+        bounds: the sample's ``torch.aminmax``, if the caller has it.
+
+    Returns:
+        The entropy in nats (NaN for an empty sample).
     """
     x = sample.detach().reshape(-1).float()
     if x.numel() == 0:
@@ -94,7 +98,14 @@ def histogram_entropy(sample: torch.Tensor, bins: int = 1000, bounds: tuple | No
 
 
 def gaussian_entropy(sample: torch.Tensor) -> float:
-    """Differential entropy ½·ln(2πeσ²) (nats) of a Gaussian with the sample's variance."""
+    """Differential entropy ½·ln(2πeσ²) (nats) of a Gaussian with the sample's variance.
+
+    Args:
+        sample: the values, any shape.
+
+    Returns:
+        The entropy in nats (NaN under two values, −inf for a constant sample).
+    """
     x = sample.detach().reshape(-1).double()
     if x.numel() < 2:
         return float("nan")
@@ -220,7 +231,9 @@ class EntropySampler:
     Usage per step: ``begin(step)``; ``add(tensors)`` for each bucket; ``finish()``. On steps that
     are not due (step % ``config.sample_period`` != 0) all three are no-ops but for ``add`` counting the
     step's elements (a report sample's stride needs them), so the hot path pays nothing.
-    ``config``: the `EDGCConfig` whose sampling fields (α, β, bins, estimator) it follows.
+
+    Args:
+        config: the `EDGCConfig` whose sampling fields (α, β, bins, estimator) it follows.
     """
 
     def __init__(self, config: EDGCConfig):
@@ -239,9 +252,23 @@ class EntropySampler:
         self._gather: StepGather | None = None  # this step's sample, on a sampled step
 
     def due(self, step: int) -> bool:
+        """Whether ``step`` is sampled.
+
+        Args:
+            step: the optimizer step.
+
+        Returns:
+            True when step % the sampling period is 0.
+        """
         return step % self.settings.every == 0
 
     def begin(self, step: int, enabled: bool = True) -> None:
+        """Start a step: gather its sample when it is due and ``enabled``.
+
+        Args:
+            step: the optimizer step.
+            enabled: False: count the step's elements, sample nothing.
+        """
         if self._counted[0]:
             self.elements_per_step, self.tensors_per_step = self._counted
         self._counted = [0, 0]
@@ -261,8 +288,12 @@ class EntropySampler:
         return self._gather is not None
 
     def add(self, tensors: Iterable[torch.Tensor], experts: Iterable[torch.Tensor] = ()) -> None:
-        """Count (and on a sampled step gather) ``tensors``, and ``experts``: experts' matrices, whose exact
-        zeros the sample leaves out (the module docstring)."""
+        """Count, and on a sampled step gather, one bucket's gradients.
+
+        Args:
+            tensors: the gradients.
+            experts: experts' matrices, whose exact zeros the sample leaves out (the module docstring).
+        """
         tensors, experts = list(tensors), list(experts)
         self._counted[0] += sum(t.numel() for t in tensors) + sum(t.numel() for t in experts)  # the next stride
         self._counted[1] += len(tensors) + len(experts)
@@ -273,12 +304,25 @@ class EntropySampler:
         self._gather.seconds += time.perf_counter() - start
 
     def estimate(self, sample: torch.Tensor, bounds: tuple | None = None) -> float:
+        """The entropy of ``sample`` by the configured estimator.
+
+        Args:
+            sample: the finite values of a step's sample.
+            bounds: the sample's ``torch.aminmax``, if the caller has it.
+
+        Returns:
+            The entropy in nats.
+        """
         if self.settings.estimator == "gaussian":
             return gaussian_entropy(sample)
         return histogram_entropy(sample, self.settings.bins, bounds)
 
     def finish(self) -> float | None:
-        """Entropy of this step's sample (None when the step was not sampled or all was non-finite)."""
+        """End the step: record the entropy of its sample, and each followed signal's measure.
+
+        Returns:
+            The entropy (nats), or None when the step was not sampled or all was non-finite.
+        """
         gather, self._gather = self._gather, None
         if gather is None:
             return None
@@ -308,13 +352,27 @@ class EntropySampler:
                 self.series.setdefault(signal.name, []).append((step, value))
 
     def signal_series(self) -> dict[str, list[tuple[int, float]]]:
-        """The series a budget signal can read by name: the entropy and each signal's own measure."""
+        """The series a budget signal can read by name.
+
+        Returns:
+            Name → (step, value) pairs of ``"entropy"`` and of each followed signal's own measure.
+        """
         return {"entropy": self.history, **self.series}
 
     def values(self) -> list[float]:
+        """The recorded entropies.
+
+        Returns:
+            The entropies (nats), in step order.
+        """
         return [value for _, value in self.history]
 
     def state_dict(self) -> dict:
+        """The recorded series and counters.
+
+        Returns:
+            The state, for `load_state_dict`.
+        """
         return {
             "history": list(self.history),
             "series": {name: list(values) for name, values in self.series.items()},
@@ -325,6 +383,11 @@ class EntropySampler:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (a checkpoint of an earlier version included).
+
+        Args:
+            state: the sampler's state.
+        """
         self.history = [(int(s), float(v)) for s, v in state["history"]]
         # A checkpoint from before the signals' registry holds the gradient norm's series alone.
         series = state.get("series", {"gradnorm": state.get("norm_history", [])})

@@ -116,9 +116,10 @@ class WindowController:
     """DAC's controller of one `EDGCState` (see the module docstring): plans each step and turns agreed
     measurements into decisions; pure logic, no collectives.
 
-    ``config``: the `EDGCConfig` (window, warm-up, r_max/r_min, rank rule); ``follower``: the rank is
-    set from outside with `follow` (pipeline stages after the first); ``always_profile``: measure the
-    sync-time table even when r_max is given (stage alignment needs it).
+    Args:
+        config: the `EDGCConfig` (window, warm-up, r_max/r_min, rank rule).
+        follower: the rank is set from outside with `follow` (pipeline stages after the first).
+        always_profile: measure the sync-time table even when r_max is given (stage alignment needs it).
     """
 
     def __init__(self, config: EDGCConfig, *, follower: bool = False, always_profile: bool = False):
@@ -145,7 +146,14 @@ class WindowController:
         return None if r_max is None else self.rule.default_r_min(r_max)
 
     def budget_state(self, step: int) -> dict | None:
-        """With a byte budget: the budget, the compressed steps planned and done, and the mean rank so far."""
+        """The byte budget's account at ``step``.
+
+        Args:
+            step: the optimizer step.
+
+        Returns:
+            The budget, the compressed steps planned and done, and the mean rank so far; None without a budget.
+        """
         return self.rule.budget_state(self.schedule, step)
 
     def _scheduled_rank(self, step: int) -> int | None:
@@ -168,6 +176,14 @@ class WindowController:
         return self.warmup.error_test_step is not None and step >= self.warmup.error_test_step
 
     def plan(self, step: int) -> StepPlan:
+        """Plan ``step``: its phase and rank, what it profiles or probes, whether it ends in a decision.
+
+        Args:
+            step: the optimizer step about to run.
+
+        Returns:
+            The step's plan.
+        """
         if self.follower:
             return self._plan_follower(step)
         if self.phase == WARMUP and self._warmup_over(step):
@@ -206,8 +222,16 @@ class WindowController:
         return StepPlan(step, self.phase, self.rank if self.phase == COMPRESS else None)
 
     def follow(self, step: int, rank: int | None) -> None:
-        """Adopt an externally decided rank from ``step`` on (None = uncompressed). Followers only;
-        ignored while the stage is still profiling or when profiling found compression never pays."""
+        """Adopt an externally decided rank. Followers only; ignored while the stage is still profiling
+        or when profiling found compression never pays.
+
+        Args:
+            step: the first step of the rank.
+            rank: the rank (None = uncompressed).
+
+        Raises:
+            RuntimeError: not a follower.
+        """
         if not self.follower:
             raise RuntimeError("follow() is for follower controllers (pipeline stages after the first)")
         if self.phase in (PROFILE, OFF):
@@ -217,8 +241,13 @@ class WindowController:
             self.schedule.append((step, rank or 0))
 
     def agree(self, step: int, rank: int | None) -> None:
-        """Adopt ``rank`` from ``step`` on, if compressing: a leader whose peers outside its group
-        (the TP ranks of its pipeline stage) agreed on it. Same bookkeeping as a decision."""
+        """Adopt a rank, if compressing: a leader whose peers outside its group (the TP ranks of its
+        pipeline stage) agreed on it. Same bookkeeping as a decision.
+
+        Args:
+            step: the first step of the rank.
+            rank: the agreed rank (None: no change).
+        """
         if self.phase == COMPRESS and rank is not None and rank != self.rank:
             self.rank = rank
             self.schedule.append((step, rank))
@@ -256,12 +285,23 @@ class WindowController:
 
     # ------------------------------------------------------------------ deciding
     def current(self) -> Decision:
+        """The decision in force: phase, r_max and r_min, rank and the warm-up's error test.
+
+        Returns:
+            The decision, a new object.
+        """
         warmup = self.warmup
         return Decision(self.phase, self.r_max, self.r_min, self.rank, warmup.error_test_step, warmup.error_at_start)
 
     def propose(self, inputs: DecisionInputs) -> Decision:
-        """Group rank 0's decision at a decision point, from ``inputs`` (`edgc.policies.plans.DecisionInputs`:
-        the plan, the agreed measurements, the series). Reads state, changes nothing."""
+        """Group rank 0's decision at a decision point. Reads state, changes nothing.
+
+        Args:
+            inputs: the plan, the agreed measurements, the series (`edgc.policies.plans.DecisionInputs`).
+
+        Returns:
+            The decision, for every rank to `apply`.
+        """
         plan, agreed, profiling = inputs.plan, inputs.agreed, self.profiling
         decision = self.current()
         if plan.phase == PROFILE:
@@ -306,8 +346,12 @@ class WindowController:
             table.uncompressed, table.uncompressed_is_bound = agreed.uncompressed_time, False
 
     def apply(self, inputs: DecisionInputs, decision: Decision) -> None:
-        """Adopt a decision (the same on every rank) at the end of ``inputs.plan.step``; ``inputs``: the
-        round's, as `propose` read them."""
+        """Adopt a decision (the same on every rank) at the end of ``inputs.plan.step``.
+
+        Args:
+            inputs: the round's, as `propose` read them.
+            decision: the decision group rank 0 proposed.
+        """
         plan, agreed = inputs.plan, inputs.agreed
         if plan.phase == PROFILE:
             self._record_profile(self.profiling.table, plan, agreed)
@@ -334,6 +378,9 @@ class WindowController:
         ``off``: no rank pays, compression is off; ``floor``: r_max is the lowest candidate rank;
         ``found``: a higher one. Only a *profiled* r_max can be at its floor: a given r_max is the
         user's choice.
+
+        Returns:
+            The verdict, or None.
         """
         table = self.profiling.table
         if self.follower or not table.by_rank or self.phase == PROFILE or self.config.r_max is not None:
@@ -354,6 +401,11 @@ class WindowController:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
+        """The phase, ranks, schedule, sync-time table, warm-up test and the experts' split.
+
+        Returns:
+            The state, for `load_state_dict`.
+        """
         return {
             "follower": self.follower,
             "phase": self.phase,
@@ -370,6 +422,14 @@ class WindowController:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned.
+
+        Args:
+            state: a controller's state, a follower's for a follower.
+
+        Raises:
+            ValueError: an unknown phase, or a follower's state for a leader (or back).
+        """
         if state["phase"] not in PHASES:
             raise ValueError(f"unknown phase {state['phase']!r} in EDGC controller state")
         if state.get("follower", False) != self.follower:

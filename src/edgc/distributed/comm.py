@@ -318,6 +318,9 @@ def barrier_before_exit(group=None) -> None:
     reference, and the freeing, to the main thread. Accelerate's ``end_training()`` and Lightning's
     exit handler call ``destroy_process_group``: call this before them too. tests/core/exit_race.py
     makes the abort near-certain without it.
+
+    Args:
+        group: the process group (or mesh dimension's group) to wait on; None: the default group.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return

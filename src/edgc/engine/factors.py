@@ -155,7 +155,15 @@ def _shift_(gram: torch.Tensor, shift: float, floor: float, *, relative: bool) -
 
 def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-12) -> torch.Tensor:
     """Orthonormalise the columns of each matrix in a (batch, k, r) tensor, in place
-    (`orthonormalize_rows_` on the transposed view)."""
+    (`orthonormalize_rows_` on the transposed view).
+
+    Args:
+        matrices: the (batch, k, r) matrices.
+        epsilon: the first shift's scale, s = epsilon·mean(diag G): every Gram matrix stays positive definite.
+
+    Returns:
+        ``matrices``, orthonormalised.
+    """
     orthonormalize_rows_(matrices.transpose(-1, -2), epsilon)
     return matrices
 

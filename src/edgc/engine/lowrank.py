@@ -145,10 +145,17 @@ class _Call:
 
 class LowRankCompressor:
     """PowerSGD compression of named gradients with error feedback and warm-started Q; see the module
-    docstring. ``config``: the engine's `LowRankConfig` (or an `EDGCConfig`, whose ``engine`` it is).
+    docstring.
 
     ``state``: what it keeps between steps (`edgc.engine.engine_state.EngineState`). ``power_iterations`` and
-    ``force_accelerator_kernels`` are its config's (`LowRankConfig`), set when it is built."""
+    ``force_accelerator_kernels`` are its config's (`LowRankConfig`), set when it is built.
+
+    Args:
+        config: the engine's `LowRankConfig` (or an `EDGCConfig`, whose ``engine`` it is).
+
+    Raises:
+        TypeError: ``config`` is neither.
+    """
 
     def __init__(self, config: LowRankConfig | EDGCConfig):
         if isinstance(config, EDGCConfig):
@@ -179,19 +186,40 @@ class LowRankCompressor:
         return self.state.error
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
-        """Rank used for a matrix of this shape, or 0 when it is cheaper to send it raw."""
+        """The rank a matrix is compressed at.
+
+        Args:
+            shape: the matrix's (m, n); None: not a matrix.
+            rank: the step's rank.
+
+        Returns:
+            The rank used, or 0 when it is cheaper to send the matrix raw.
+        """
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
     def compressed_shapes(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """(m, n) of every matrix the engine has seen (its state's record, `EngineState.shapes`) that it
-        compresses at ``rank``."""
+        """The matrices the engine has seen (its state's record, `EngineState.shapes`) that it compresses.
+
+        Args:
+            rank: the step's rank.
+
+        Returns:
+            (m, n) of each.
+        """
         return tuple(shape for shape in self.state.shapes.values() if self.compressed_rank(shape, rank))
 
     def orthonormalization(self, device: torch.device) -> str:
         """The method that orthonormalises this engine's factors on ``device`` (`edgc.engine.factors`):
         ``LowRankConfig.orthonormalization`` where it names one, else the one its state keeps (the
         group's, `agree_orthonormalization`, or a checkpoint's), else this process's choice for the
-        device (`edgc.engine.orthonormal_choice`; a fast-float64 GPU's with ``force_accelerator_kernels``)."""
+        device (`edgc.engine.orthonormal_choice`; a fast-float64 GPU's with ``force_accelerator_kernels``).
+
+        Args:
+            device: the factors' device.
+
+        Returns:
+            The method's name.
+        """
         if self.config.orthonormalization != "auto":
             return self.config.orthonormalization
         if self.force_accelerator_kernels and device.type == "cpu":
@@ -203,7 +231,12 @@ class LowRankCompressor:
     def agree_orthonormalization(self, device: torch.device, comm: Communicator) -> None:
         """Where the method is the engine's to choose and no checkpoint chose it: this rank's choice on
         ``device`` made the group's (`edgc.engine.orthonormal_choice.agreed`; on a CPU every rank takes
-        Householder by rule, and nothing is sent). Call on every rank at the same point."""
+        Householder by rule, and nothing is sent). Call on every rank at the same point.
+
+        Args:
+            device: the factors' device.
+            comm: the group's communicator.
+        """
         if self.config.orthonormalization != "auto" or self.state.orthonormalization is not None:
             return
         if device.type == "cpu" or self.force_accelerator_kernels:
@@ -213,31 +246,62 @@ class LowRankCompressor:
 
     def change_rank(self, rank: int, comm: Communicator) -> tuple[int, int]:
         """Give every stored Q the columns of ``rank``, keeping the warm start (`edgc.engine.rank_change.change_rank`):
-        one blocking all-reduce when some Q grows under the 'warm' rule; (elements, bytes) it sent."""
+        one blocking all-reduce when some Q grows under the 'warm' rule.
+
+        Args:
+            rank: the new rank.
+            comm: the group's communicator.
+
+        Returns:
+            (elements, bytes) it sent.
+        """
         before = dict(self.q)
         sent = rank_change.change_rank(self.state, rank, comm)
         self.state.note_resized({name: q for name, q in before.items() if self.q.get(name) is not q})
         return sent
 
     def state_dict(self, *, include_error: bool = True) -> dict:
-        """`EngineState.state_dict`."""
+        """`EngineState.state_dict`.
+
+        Args:
+            include_error: keep this rank's error feedback in it.
+
+        Returns:
+            The state, for `load_state_dict`.
+        """
         return self.state.state_dict(include_error=include_error)
 
     def load_state_dict(self, state: dict, *, keep_error: bool = False) -> None:
-        """`EngineState.load_state_dict` (``keep_error``: this rank's error feedback stays, a peer's share loaded)."""
+        """`EngineState.load_state_dict`.
+
+        Args:
+            state: what `state_dict` returned.
+            keep_error: this rank's error feedback stays, a peer's share loaded.
+        """
         self.state.load_state_dict(state, keep_error=keep_error)
 
     def reduce(
         self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, *, measure_error: bool = True
     ) -> ReduceStats:
-        """Blocking form of `reduce_steps`: replace ``grads`` in place with their compressed average."""
+        """Blocking form of `reduce_steps`: replace ``grads`` in place with their compressed average.
+
+        Args:
+            names: the gradients' parameter names.
+            grads: the gradients, averaged in place.
+            rank: the step's rank.
+            comm: the group's communicator.
+            measure_error: measure the step's compression error.
+
+        Returns:
+            The step's `ReduceStats`.
+        """
         return run_job(self.reduce_steps(names, grads, rank, comm, measure_error=measure_error))
 
     def reduce_steps(
         self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, *, measure_error: bool = False
     ) -> Job:
         """The compressed average of ``grads`` as a job (`edgc.distributed.comm`): three collectives, two yields
-        per power iteration; returns `ReduceStats`.
+        per power iteration.
 
         Forms M = G + e in the error-feedback arena and Pᵀ = Qᵀ·Mᵀ, issues the raw tensors (+ a
         non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·M and issues it,
@@ -246,6 +310,16 @@ class LowRankCompressor:
         `EngineState.end_step` when it learns of one. A second power iteration repeats this on the
         compressed matrices, whose M = Ĝ₁ + e₁ is the same M, from the Q just agreed: its P and Q
         cost as many bytes again, and the step's error is its own.
+
+        Args:
+            names: the gradients' parameter names.
+            grads: the gradients, averaged in place.
+            rank: the step's rank.
+            comm: the group's communicator.
+            measure_error: measure the step's compression error.
+
+        Returns:
+            The job, a generator whose value is the step's `ReduceStats`.
         """
         stats = yield from self._power_iteration(names, grads, rank, comm, measure_error)
         for _ in range(self.power_iterations - 1):

@@ -86,15 +86,28 @@ class DiLoCo:
         sync_method: str | None = None,
         error_feedback_decay: float = 1.0,
     ):
-        """``process_group``: the replicas' group (None: the default one; without an initialised one, a
-        world of one). The rest as ``torchft.local_sgd.DiLoCo``: ``model_fragments`` (one module, or
-        Streaming DiLoCo's fragments), ``inner_optimizer``, ``outer_optimizer`` (one, or one per fragment),
-        ``sync_every`` (inner steps per outer step), ``backup_device`` and ``pin_memory`` (where θ_global
-        is kept), ``fragment_sync_delay`` and ``fragment_update_alpha`` (Streaming DiLoCo's τ and α);
-        plus ``config`` (steps = outer steps), ``power_iterations`` (1 or 2), ``sync_method`` (a
-        registered method's name, `edgc.sync.sync_methods`, instead of EDGC's PowerSGD; ``config`` then goes
-        unused; with neither, `DEFAULT_OUTER_SYNC`) and ``error_feedback_decay`` (the error feedback is
-        multiplied by it before every outer step's sync; 1: kept whole)."""
+        """Build the outer sync's state and agree on its settings over the group.
+
+        The arguments but ``process_group`` and the last four are those of ``torchft.local_sgd.DiLoCo``.
+
+        Args:
+            process_group: the replicas' group (None: the default one; without an initialised one, a
+                world of one).
+            model_fragments: one module, or Streaming DiLoCo's fragments.
+            inner_optimizer: the optimizer of the inner steps.
+            outer_optimizer: the outer optimizer, one, or one per fragment.
+            sync_every: inner steps per outer step.
+            config: EDGC's settings (its steps are outer steps).
+            backup_device: where θ_global is kept.
+            pin_memory: whether θ_global is kept in pinned memory.
+            fragment_sync_delay: Streaming DiLoCo's τ.
+            fragment_update_alpha: Streaming DiLoCo's α.
+            power_iterations: PowerSGD's power iterations, 1 or 2.
+            sync_method: a registered method's name (`edgc.sync.sync_methods`) instead of EDGC's PowerSGD;
+                ``config`` then goes unused; with neither, `DEFAULT_OUTER_SYNC`.
+            error_feedback_decay: the error feedback is multiplied by it before every outer step's sync
+                (1: kept whole).
+        """
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = (
             list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer] * len(fragments)
@@ -251,7 +264,14 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """Everything DiLoCo keeps beyond the model and the inner optimizer (which the caller saves):
         θ_global and outer optimizer per fragment, the inner step count, the carried Δ and this
-        replica's whole EDGC state (error feedback included). Not while an overlapped sync is in flight."""
+        replica's whole EDGC state (error feedback included).
+
+        Returns:
+            The state, for `load_state_dict`.
+
+        Raises:
+            RuntimeError: an overlapped outer sync is in flight (``fragment_sync_delay``).
+        """
         if self._syncing is not None:
             raise RuntimeError(
                 "DiLoCo.state_dict(): a fragment's outer sync is in flight (fragment_sync_delay); "
@@ -266,6 +286,14 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned.
+
+        Args:
+            state: a state `state_dict` returned, by a DiLoCo with as many fragments.
+
+        Raises:
+            ValueError: ``state`` is not a DiLoCo state, or holds another number of fragments.
+        """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a DiLoCo state (expected format {STATE_FORMAT!r})")
         if len(state["fragments"]) != len(self._fragments):

@@ -17,7 +17,15 @@ class Fragment:
     to and from it are queued on the compute stream without a host wait (``non_blocking``: from
     pinned memory the copy is asynchronous, from pageable memory CUDA makes it safe by waiting),
     in stream order with everything that reads them; the host touches it only after an event that
-    follows the last of them (a checkpoint, a heal)."""
+    follows the last of them (a checkpoint, a heal).
+
+    Args:
+        index: the fragment's place among its DiLoCo's, which prefixes its parameters' names.
+        module: the fragment's module.
+        outer_optimizer: its outer optimizer.
+        backup_device: where θ_global is kept (None: host memory).
+        pin_memory: pin the host backup where the parameters' device can use pinned memory.
+    """
 
     def __init__(
         self,
@@ -60,8 +68,11 @@ class Fragment:
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
-        """Δ = θ_global − θ_local of every parameter, in the parameters' dtype and on their device: views
-        of one flat buffer where the backup is one."""
+        """Δ = θ_global − θ_local of every parameter, in the parameters' dtype and on their device.
+
+        Returns:
+            Δ per parameter, in the parameters' order; views of one flat buffer where the backup is one.
+        """
         params = [p.detach() for p in self.params]
         if not self.flat:
             return [backup.to(p.device, p.dtype, non_blocking=True) - p for backup, p in zip(self.original, params)]
@@ -86,11 +97,24 @@ class Fragment:
         self.copied()
 
     def state_dict(self) -> dict:
+        """θ_global on the host and the outer optimizer's state, once no queued copy touches the backup.
+
+        Returns:
+            The state, for `load_state_dict`.
+        """
         self._idle()
         original = state_to_host(dict(enumerate(self.original)))
         return {"original": list(original.values()), "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore θ_global and the outer optimizer from what `state_dict` returned.
+
+        Args:
+            state: a fragment's state with as many parameters.
+
+        Raises:
+            ValueError: ``state`` holds another number of parameters.
+        """
         if len(state["original"]) != len(self.original):
             raise ValueError(
                 f"DiLoCo fragment {self.index}: the state has {len(state['original'])} parameters, "

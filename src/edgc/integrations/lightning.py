@@ -32,16 +32,34 @@ from . import check_group
 
 
 def make_strategy_class(base: type) -> type:
-    """An EDGC-registering subclass of the given Lightning ``DDPStrategy`` class."""
+    """An EDGC-registering subclass of the given Lightning ``DDPStrategy`` class.
+
+    Args:
+        base: Lightning's ``DDPStrategy``, from ``pytorch_lightning`` or ``lightning.pytorch``.
+
+    Returns:
+        The subclass, `EDGCDDPStrategy` over ``base``.
+    """
 
     class EDGCDDPStrategy(base):  # type: ignore[misc, valid-type]
         """Lightning's ``DDPStrategy`` that registers a comm hook on any device (see the module docstring).
 
-        Give at most one of: ``config``, the `EDGCConfig` of the `EDGCState` built in each process
-        once DDP wraps the model (the default: ``EDGCConfig()``); ``state_factory``, a function of the
-        DDP model that returns any `GradientReducer`; ``ddp_comm_hook`` with its ``ddp_comm_state``,
-        any other hook (PyTorch's own). ``ddp_comm_wrapper`` wraps the hook, as in ``DDPStrategy``.
-        Other keyword arguments go to ``DDPStrategy``. The state is `comm_state` once training starts.
+        Give at most one of ``config``, ``state_factory`` and ``ddp_comm_hook``. The state is
+        `comm_state` once training starts.
+
+        Args:
+            config: the `EDGCConfig` of the `EDGCState` built in each process once DDP wraps the model
+                (the default: ``EDGCConfig()``).
+            state_factory: a function of the DDP model that returns any `GradientReducer`.
+            ddp_comm_state: the state of ``ddp_comm_hook``.
+            ddp_comm_hook: any other hook (PyTorch's own), registered on every device.
+            ddp_comm_wrapper: wraps the hook, as in ``DDPStrategy``.
+            **kwargs: go to ``DDPStrategy`` (and from there to DistributedDataParallel).
+
+        Raises:
+            ValueError: more than one of ``config``, ``state_factory`` and ``ddp_comm_hook``, or a
+                ``ddp_comm_state`` without its hook.
+            TypeError: ``config`` is not an `EDGCConfig`.
         """
 
         def __init__(

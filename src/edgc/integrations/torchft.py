@@ -81,11 +81,18 @@ class TorchFTEDGCState(EDGCState):
     """`EDGCState` for one rank of a torchft replica group (see the module docstring); what
     `DistributedDataParallel` builds (``model.edgc_state``), and `DiLoCo`'s outer sync.
 
-    ``manager``: the group's torchft ``Manager`` (``use_async_quorum=False``): every collective goes
-    through it, and its ``should_commit()`` commits or rolls back each step (`ManagedSteps`, as
-    ``managed``). ``config`` and ``model``: as `EDGCState`'s. ``state_key``: the key of the shared
-    state the manager sends a healing replica. ``steps_discarded``, ``heals`` and
-    ``profile_steps_alone`` count what the faults cost.
+    ``steps_discarded``, ``heals`` and ``profile_steps_alone`` count what the faults cost.
+
+    Args:
+        manager: the group's torchft ``Manager`` (``use_async_quorum=False``): every collective goes
+            through it, and its ``should_commit()`` commits or rolls back each step (`ManagedSteps`, as
+            ``managed``).
+        config: as `EDGCState`'s.
+        model: as `EDGCState`'s.
+        state_key: the key of the shared state the manager sends a healing replica.
+
+    Raises:
+        ValueError: the manager was built with ``use_async_quorum=True``.
     """
 
     def __init__(
@@ -134,7 +141,11 @@ class TorchFTEDGCState(EDGCState):
         return self.managed.steps_uncounted
 
     def finish_step(self, committed: bool) -> None:
-        """The manager's verdict on the pending step (`ManagedSteps.finish_step`)."""
+        """The manager's verdict on the pending step (`ManagedSteps.finish_step`).
+
+        Args:
+            committed: whether the manager committed the step.
+        """
         self.managed.finish_step(committed)
 
 
@@ -145,8 +156,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     syncs the initial weights by healing), and buckets are never rebuilt, so a recovering replica
     has the same buckets as its peers. The EDGC state is ``model.edgc_state``.
 
-    ``manager``: the group's torchft ``Manager`` (``use_async_quorum=False``); ``module``: the model;
-    ``config``: the `EDGCConfig` of its `TorchFTEDGCState`; other keyword arguments go to DDP.
+    Args:
+        manager: the group's torchft ``Manager`` (``use_async_quorum=False``).
+        module: the model.
+        config: the `EDGCConfig` of its `TorchFTEDGCState`.
+        **kwargs: go to DDP.
     """
 
     def __init__(self, manager: Manager, module: nn.Module, config: EDGCConfig | None = None, **kwargs):
@@ -170,13 +184,28 @@ class DiLoCo(_DiLoCo):
     fragment θ_global and the outer optimizer, and EDGC's step, Q, rank schedule and controller
     (``state_key``). Needs ``Manager(use_async_quorum=False)``, as torchft's DiLoCo does.
 
-    ``manager`` takes the place of the process group; ``model_fragments``, ``inner_optimizer``,
-    ``outer_optimizer``, ``sync_every``, ``config``, ``backup_device``, ``pin_memory``,
-    ``fragment_sync_delay``, ``fragment_update_alpha``, ``power_iterations``, ``sync_method`` and
-    ``error_feedback_decay`` are `edgc.integrations.diloco.DiLoCo`'s (a ``sync_method``'s state is
-    built by `managed_sync_state`); ``state_key`` names the outer sync's state among the manager's.
-    ``managed``: the outer sync's torchft side (`ManagedSteps`: heals, discarded steps), once the sync
-    is built.
+    Args:
+        manager: the group's torchft ``Manager``; it takes the place of the process group.
+        model_fragments: as `edgc.integrations.diloco.DiLoCo`'s.
+        inner_optimizer: as `edgc.integrations.diloco.DiLoCo`'s.
+        outer_optimizer: as `edgc.integrations.diloco.DiLoCo`'s.
+        sync_every: as `edgc.integrations.diloco.DiLoCo`'s.
+        config: as `edgc.integrations.diloco.DiLoCo`'s.
+        backup_device: as `edgc.integrations.diloco.DiLoCo`'s.
+        pin_memory: as `edgc.integrations.diloco.DiLoCo`'s.
+        fragment_sync_delay: as `edgc.integrations.diloco.DiLoCo`'s.
+        fragment_update_alpha: as `edgc.integrations.diloco.DiLoCo`'s.
+        power_iterations: as `edgc.integrations.diloco.DiLoCo`'s.
+        sync_method: as `edgc.integrations.diloco.DiLoCo`'s (its state is built by `managed_sync_state`).
+        error_feedback_decay: as `edgc.integrations.diloco.DiLoCo`'s.
+        state_key: names the outer sync's state among the manager's.
+
+    Attributes:
+        managed: the outer sync's torchft side (`ManagedSteps`: heals, discarded steps), once the sync is
+            built.
+
+    Raises:
+        ValueError: the manager was built with ``use_async_quorum=True``.
     """
 
     def __init__(
@@ -255,11 +284,24 @@ def managed_sync_state(name: str, manager: Manager, model: nn.Module, state_key:
     """The registered sync method ``name``'s state for one torchft replica group (`DiLoCo`'s
     ``sync_method``), returned with its torchft side: the `ManagedSteps` whose ``state`` it is. Every
     collective goes through the manager (an all-gather is an all-reduce of one slot per participant);
-    each step waits for the manager's verdict (committed: the residual is kept; not: the error feedback is as before and
-    DiLoCo carries the step's Δ into the next one); heal: the shared part, the outer step count, is
+    each step waits for the manager's verdict (committed: the residual is kept; not: the error feedback
+    is as before and DiLoCo carries the step's Δ into the next one); heal: the shared part, the outer step count, is
     registered as ``state_key``, and a healed replica keeps its own error feedback, none after a
     restart (`edgc experiment diloco` measured it against a peer's copy: alike), and drops the error
-    feedback it kept as a chunk owner of a two-stage sync (no peer holds it)."""
+    feedback it kept as a chunk owner of a two-stage sync (no peer holds it).
+
+    Args:
+        name: the registered sync method's name (`edgc.sync.sync_methods`).
+        manager: the replica group's torchft ``Manager``.
+        model: the model (or the fragments' modules) the method syncs.
+        state_key: the key the shared part is registered under with the manager.
+
+    Returns:
+        The method's torchft side, a `ManagedSteps`; its ``state`` is the method's state.
+
+    Raises:
+        ValueError: no sync method is registered as ``name``.
+    """
     entry = sync_method(name)
     if entry is None:
         raise ValueError(f"sync method {name!r} is not registered")

@@ -57,7 +57,9 @@ class ManagedCommunicator(Communicator):
     did not come from a collective — raised on issue, or reported by the caller — leaves the
     group sound, so the rest of the step's collectives still run on the quorum's process group,
     and peers that have not seen the error are not left waiting for this replica until a timeout.
-    ``manager``: the replica group's torchft ``Manager``.
+
+    Args:
+        manager: the replica group's torchft ``Manager``.
     """
 
     flags_nonfinite = True  # a non-finite step is reported to the manager, so every replica discards it
@@ -102,6 +104,11 @@ class ManagedCommunicator(Communicator):
         return self.collective_failed or self.manager.errored() is not None
 
     def reset(self) -> list[float]:
+        """End a step now and start the next afresh: no collective of it has failed yet.
+
+        Returns:
+            The durations (s) of the ended step's collectives in issue order.
+        """
         durations = super().reset()
         self.collective_failed = False
         self.refresh()  # at a step's start: the quorum started before the forward pass
@@ -111,6 +118,12 @@ class ManagedCommunicator(Communicator):
         """Managed works have no cheap completion query: durations run from issue to wait."""
 
     def report_nonfinite(self, owner: str, step: int) -> None:
+        """Report a NaN/Inf average to the manager as an error, so that no replica commits the step.
+
+        Args:
+            owner: the state whose average it was, named in the error.
+            step: the step whose average it was.
+        """
         self.manager.report_error(
             RuntimeError(f"{owner}: non-finite gradient average at step {step}; the step is discarded on every replica")
         )
@@ -154,7 +167,14 @@ class ManagedCommunicator(Communicator):
         return self._direct(lambda pg: pg.allgather_into_tensor_coalesced([out], [tensor], options))
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The quorum's rank 0's ``tensor`` on every replica: an all-reduce (sum) that only it feeds."""
+        """The quorum's rank 0's ``tensor`` on every replica: an all-reduce (sum) that only it feeds.
+
+        Args:
+            tensor: this replica's tensor, overwritten in place.
+
+        Returns:
+            ``tensor``, holding rank 0's values.
+        """
         if self.world_size == 1:
             return tensor
         if self.rank != 0:
@@ -167,7 +187,14 @@ class ManagedCommunicator(Communicator):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every participant's ``tensor``, in participating-rank order. torchft's manager offers no
         all-gather, so it is a summing all-reduce of one slot per participant, each filled by its
-        owner alone (a non-participant's tensor is zeroed by the manager): twice an all-gather's traffic."""
+        owner alone (a non-participant's tensor is zeroed by the manager): twice an all-gather's traffic.
+
+        Args:
+            tensor: this replica's tensor.
+
+        Returns:
+            One tensor per participant.
+        """
         if self.world_size == 1:
             return [tensor]
         slots = tensor.new_zeros((self.world_size, *tensor.shape))
@@ -199,14 +226,23 @@ def _group_place(manager: Manager, rank: int, participants: int) -> tuple[int, i
 
 
 class ManagedSteps:
-    """torchft's side of one sync state, ``state`` (any `GradientReducer`; see the module docstring): its
-    collectives go through the replica group's ``manager`` (`ManagedCommunicator`, which also reports a
+    """torchft's side of one sync state (see the module docstring).
+
+    The state's collectives go through the manager (`ManagedCommunicator`, which also reports a
     non-finite average to it), each step waits for the manager's verdict (``manager.should_commit()``
-    settles the step, then commits or rolls it back: `finish_step`), and ``shared`` (a callable returning the
-    state's shared part) is registered as ``state_key`` for a healing replica, which loads it with
-    ``load_shared``. ``uncounted``: called on a committed step, a reason to roll it back all the same
-    (EDGC: a profiling step timed in a quorum of one), or None. ``steps_discarded``, ``heals`` and
-    ``steps_uncounted`` count what the faults cost."""
+    settles the step, then commits or rolls it back: `finish_step`), and the state's shared part is
+    registered for a healing replica. ``steps_discarded``, ``heals`` and ``steps_uncounted`` count what
+    the faults cost.
+
+    Args:
+        state: the sync state, any `GradientReducer`.
+        manager: the replica group's torchft ``Manager``.
+        state_key: the key the shared part is registered under with the manager.
+        shared: a callable returning the state's shared part.
+        load_shared: a callable a healing replica loads the shared part with.
+        uncounted: called on a committed step, a reason to roll it back all the same (EDGC: a profiling
+            step timed in a quorum of one), or None.
+    """
 
     def __init__(self, state: GradientReducer, manager: Manager, state_key: str, shared, load_shared, uncounted=None):
         state.attach(ManagedCommunicator(manager), defer_commit=True)
@@ -219,7 +255,11 @@ class ManagedSteps:
         self._wrap_should_commit()
 
     def shared_state_dict(self) -> dict:
-        """What every replica holds alike, as a healing replica receives it."""
+        """What every replica holds alike, as a healing replica receives it.
+
+        Returns:
+            The shared part of the state.
+        """
         return self._shared()
 
     def _heal(self, state: dict) -> None:
@@ -227,7 +267,11 @@ class ManagedSteps:
         self.heals += 1
 
     def finish_step(self, committed: bool) -> None:
-        """The manager's verdict on the pending step."""
+        """The manager's verdict on the pending step: commit it, or roll it back.
+
+        Args:
+            committed: whether the manager committed the step.
+        """
         state = self.state
         if not state.pending:
             return

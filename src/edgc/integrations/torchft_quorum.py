@@ -71,7 +71,19 @@ class QuorumSettings:
     def for_groups(
         cls, groups: int, tolerated_failures: int = 0, timeout: timedelta = timedelta(seconds=60)
     ) -> QuorumSettings:
-        """Settings for ``groups`` replica groups that go on without up to ``tolerated_failures`` dead ones."""
+        """Settings for ``groups`` replica groups that go on without up to ``tolerated_failures`` dead ones.
+
+        Args:
+            groups: the replica groups.
+            tolerated_failures: how many of them may die with training going on.
+            timeout: one collective or manager call; the quorum's timeouts are multiples of it.
+
+        Returns:
+            The settings.
+
+        Raises:
+            ValueError: ``groups`` < 1, or ``tolerated_failures`` outside [0, ``groups``).
+        """
         if groups < 1 or not 0 <= tolerated_failures < groups:
             raise ValueError(f"need groups ≥ 1 and 0 ≤ tolerated_failures < groups, got {groups}, {tolerated_failures}")
         return cls(
@@ -83,7 +95,11 @@ class QuorumSettings:
         )
 
     def lighthouse_args(self) -> list[str]:
-        """Command-line flags of ``torchft_lighthouse``."""
+        """Command-line flags of ``torchft_lighthouse``.
+
+        Returns:
+            The flags and their values, in order.
+        """
         return [
             "--min_replicas",
             str(self.min_replicas),
@@ -96,7 +112,11 @@ class QuorumSettings:
         ]
 
     def lighthouse_kwargs(self) -> dict:
-        """Keyword arguments of ``torchft._torchft.LighthouseServer`` (an in-process lighthouse)."""
+        """Keyword arguments of ``torchft._torchft.LighthouseServer`` (an in-process lighthouse).
+
+        Returns:
+            The keyword arguments.
+        """
         return {
             "min_replicas": self.min_replicas,
             "join_timeout_ms": _ms(self.join_timeout),
@@ -105,7 +125,11 @@ class QuorumSettings:
         }
 
     def manager_kwargs(self) -> dict:
-        """Keyword arguments of ``torchft.Manager``."""
+        """Keyword arguments of ``torchft.Manager``.
+
+        Returns:
+            The keyword arguments.
+        """
         return {"min_replica_size": self.min_replicas, "timeout": self.timeout, "quorum_timeout": self.quorum_timeout}
 
 
@@ -122,11 +146,23 @@ def launch_local_groups(
     args: Sequence[str] = (),
     module: bool = False,
 ) -> int:
-    """Run ``script`` as ``groups`` replica groups on this machine: a lighthouse in this process
-    with ``settings``, one ``torchrun`` (one process, one restart) per group with
-    ``REPLICA_GROUP_ID``, ``REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set, plus ``group_env(group)``.
-    ``args`` follow the script; with ``module``, ``script`` names a module, run as ``python -m script``.
-    Returns the worst exit status (0 = every group finished); kills what is left on the way out."""
+    """Run ``script`` as ``groups`` replica groups on this machine, under a lighthouse in this process.
+
+    Each group is one ``torchrun`` (one process, one restart) with ``REPLICA_GROUP_ID``,
+    ``REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set; what is left is killed on the way out.
+
+    Args:
+        script: the script's path, or a module's name with ``module``.
+        groups: the replica groups to run.
+        settings: the lighthouse's settings.
+        group_env: more environment variables of one group, given its index.
+        timeout_s: how long to wait for each group (s).
+        args: command-line arguments that follow the script.
+        module: ``script`` names a module, run as ``python -m script``.
+
+    Returns:
+        The worst exit status (0 = every group finished).
+    """
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", **settings.lighthouse_kwargs())

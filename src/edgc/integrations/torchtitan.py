@@ -65,12 +65,17 @@ __all__ = ["EDGCTrainer", "with_edgc", "TORCHTITAN_VERSION"]
 
 
 class EDGCTrainer(Trainer):
-    """torchtitan's ``Trainer`` with EDGC on its replica all-reduce (the module docstring says what changes);
-    built by torchtitan from ``config`` (its ``Trainer.Config`` plus ``edgc``, EDGC's settings).
+    """torchtitan's ``Trainer`` with EDGC on its replica all-reduce (the module docstring says what changes).
 
     ``edgc_states``: an `EDGCState` per shard mesh, ``"fsdp"`` (the dense parameters) and, with expert
     parallelism, ``"efsdp"`` (the routed experts, over their expert-data-parallel group), none with a
     replicate degree of 1; ``edgc_hook``: their `edgc.parallel.fsdp.FSDPCommHook`.
+
+    Args:
+        config: built by torchtitan: its ``Trainer.Config`` plus ``edgc``, EDGC's settings.
+
+    Raises:
+        ValueError: a replicate degree above 1 with pipeline parallelism, which EDGC does not support.
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
@@ -124,13 +129,25 @@ class EDGCTrainer(Trainer):
         return states, hook
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
-        """torchtitan's, then EDGC's step ends: its averages are in the gradients before they are clipped."""
+        """torchtitan's, then EDGC's step ends: its averages are in the gradients before they are clipped.
+
+        Args:
+            **kwargs: torchtitan's ``forward_backward_step``'s.
+
+        Returns:
+            The loss, as torchtitan's.
+        """
         loss = super().forward_backward_step(**kwargs)
         if self.edgc_hook is not None:
             self.edgc_hook.close_step()
         return loss
 
     def state_dict(self) -> dict:
+        """torchtitan's checkpoint state plus this rank's EDGC states, under ``"edgc"``.
+
+        Returns:
+            The state, for torchtitan's checkpointer.
+        """
         state = super().state_dict()
         if self.edgc_states:
             buffer = io.BytesIO()
@@ -139,6 +156,14 @@ class EDGCTrainer(Trainer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torchtitan's, then this rank's EDGC states, from what `state_dict` returned.
+
+        Args:
+            state_dict: the checkpoint's state.
+
+        Raises:
+            ValueError: the checkpoint holds no EDGC state for this rank, or states of other meshes.
+        """
         super().load_state_dict(state_dict)
         if not self.edgc_states:
             return
@@ -159,8 +184,18 @@ def _rank_key() -> str:
 
 
 def with_edgc(config: Trainer.Config, edgc: EDGCConfig | None = None) -> EDGCTrainer.Config:
-    """torchtitan's ``config`` (a ``Trainer.Config``, as a config function returns it) trained by
-    `EDGCTrainer` with ``edgc`` (default `EDGCConfig()`): for a config registry of one's own."""
+    """torchtitan's ``config`` trained by `EDGCTrainer` with EDGC's settings: for a config registry of one's own.
+
+    Args:
+        config: a ``Trainer.Config``, as a config function returns it (or an `EDGCTrainer` one).
+        edgc: EDGC's settings (default `EDGCConfig()`; for an `EDGCTrainer` config, None keeps its own).
+
+    Returns:
+        The `EDGCTrainer` config.
+
+    Raises:
+        TypeError: ``config`` belongs to another trainer than torchtitan's own.
+    """
     if isinstance(config, EDGCTrainer.Config):
         return config if edgc is None else dataclasses.replace(config, edgc=edgc)
     if type(config) is not Trainer.Config:

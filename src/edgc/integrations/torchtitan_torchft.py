@@ -55,9 +55,17 @@ _SYNC_QUORUM = "edgc (a synchronous quorum, a sync every step)"
 
 
 class EDGCTorchFTManager(TorchFTManager):
-    """torchtitan's ``TorchFTManager`` whose all-reduce hook is EDGC's (the module docstring), built from
-    ``config`` (torchtitan's ``--fault_tolerance`` settings; ``semi_sync_method`` must be None). Once the
-    trainer has called `maybe_set_all_reduce_hook`: ``edgc_state`` (a `TorchFTEDGCState`) and ``edgc_hook``."""
+    """torchtitan's ``TorchFTManager`` whose all-reduce hook is EDGC's (the module docstring).
+
+    Once the trainer has called `maybe_set_all_reduce_hook`: ``edgc_state`` (a `TorchFTEDGCState`) and
+    ``edgc_hook``.
+
+    Args:
+        config: torchtitan's ``--fault_tolerance`` settings; ``semi_sync_method`` must be None.
+
+    Raises:
+        ValueError: fault tolerance is on with a ``semi_sync_method``.
+    """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(FaultTolerance):
@@ -81,6 +89,14 @@ class EDGCTorchFTManager(TorchFTManager):
             self.replicate_pg.register("dp_replicate")
 
     def maybe_set_all_reduce_hook(self, model_parts: list[torch.nn.Module]) -> None:
+        """Register EDGC's hook (``edgc_state``, ``edgc_hook``) on the model, where fault tolerance is on.
+
+        Args:
+            model_parts: torchtitan's model parts; one, as EDGC runs without pipeline parallelism.
+
+        Raises:
+            ValueError: more than one model part (pipeline parallelism).
+        """
         if not self.enabled:
             return
         if len(model_parts) != 1:
@@ -93,8 +109,10 @@ class EDGCTorchFTManager(TorchFTManager):
 
 
 class EDGCFaultTolerantTrainer(FaultTolerantTrainer):
-    """torchtitan's ``FaultTolerantTrainer`` with EDGC across its replica groups (`EDGCTorchFTManager`), built
-    by torchtitan from ``config`` (its config plus ``edgc``, EDGC's settings)."""
+    """torchtitan's ``FaultTolerantTrainer`` with EDGC across its replica groups (`EDGCTorchFTManager`).
+
+    torchtitan builds it from ``config``: its config plus ``edgc``, EDGC's settings.
+    """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(FaultTolerantTrainer.Config):
@@ -103,6 +121,11 @@ class EDGCFaultTolerantTrainer(FaultTolerantTrainer):
         """EDGC's settings, every `EDGCConfig` field (``--edgc.r_max 8``); ``total_steps`` None: the run's steps."""
 
     def init_distributed(self):
+        """torchtitan's, then the manager is given EDGC's settings (``total_steps`` None: the run's steps).
+
+        Returns:
+            torchtitan's parallel dimensions.
+        """
         dims = super().init_distributed()
         edgc = self.config.edgc
         if edgc.total_steps is None:
@@ -115,7 +138,14 @@ class EDGCFaultTolerantTrainer(FaultTolerantTrainer):
         return self.ft_manager.edgc_state
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
-        """torchtitan's, then EDGC's step ends: its averages are in the gradients before they are clipped."""
+        """torchtitan's, then EDGC's step ends: its averages are in the gradients before they are clipped.
+
+        Args:
+            **kwargs: torchtitan's ``forward_backward_step``'s.
+
+        Returns:
+            The loss, as torchtitan's.
+        """
         loss = super().forward_backward_step(**kwargs)
         if self.ft_manager.edgc_hook is not None:
             self.ft_manager.edgc_hook.close_step()
@@ -123,8 +153,18 @@ class EDGCFaultTolerantTrainer(FaultTolerantTrainer):
 
 
 def with_edgc_torchft(config: FaultTolerantTrainer.Config, edgc: EDGCConfig | None = None):
-    """The torchft experiment's ``config`` trained by `EDGCFaultTolerantTrainer` with ``edgc`` (default
-    `EDGCConfig()`), syncing every step (its ``semi_sync_method`` set to None)."""
+    """The torchft experiment's ``config`` trained by `EDGCFaultTolerantTrainer`, syncing every step.
+
+    Args:
+        config: the experiment's ``FaultTolerantTrainer.Config``.
+        edgc: EDGC's settings (default `EDGCConfig()`).
+
+    Returns:
+        The `EDGCFaultTolerantTrainer` config, its ``semi_sync_method`` set to None.
+
+    Raises:
+        TypeError: ``config`` is not a ``FaultTolerantTrainer.Config``.
+    """
     if type(config) is not FaultTolerantTrainer.Config:
         raise TypeError(f"with_edgc_torchft takes FaultTolerantTrainer.Config, got {type(config).__qualname__}")
     fault_tolerance = _derive(config.fault_tolerance, EDGCTorchFTManager.Config, semi_sync_method=None)

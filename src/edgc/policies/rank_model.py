@@ -27,7 +27,17 @@ MC_MAX_ELEMENTS = 4_000_000
 
 
 def error_curve_mc(m: int, n: int, samples: int = 4, seed: int = 0) -> np.ndarray:
-    """g(r; m, n) for r = 0..min(m, n) by Monte Carlo over ``samples`` Gaussian matrices."""
+    """g(r; m, n) for r = 0..min(m, n) by Monte Carlo over Gaussian matrices.
+
+    Args:
+        m: the matrices' rows.
+        n: their columns.
+        samples: the Gaussian matrices drawn.
+        seed: the draws' seed.
+
+    Returns:
+        g(r) for r = 0..min(m, n), the mean squared error of the best rank-r approximation.
+    """
     p, q = min(m, n), max(m, n)
     rng = np.random.default_rng(seed)
     tails = np.zeros(p + 1)
@@ -46,6 +56,14 @@ def error_curve_mp(m: int, n: int, grid: int = 20_001) -> np.ndarray:
     f(x) = √((b−x)(x−a)) / (2πγx) on [a, b], a = (1−√γ)², b = (1+√γ)². The top r of p eigenvalues
     lie above the quantile x_r = F⁻¹(1 − r/p), so g(r) = p·q·∫_a^{x_r} x f(x) dx.
     Integrated in θ with x = a + (b−a)(1−cos θ)/2, which removes the edge singularities.
+
+    Args:
+        m: the matrices' rows.
+        n: their columns.
+        grid: the quadrature's points in θ.
+
+    Returns:
+        g(r) for r = 0..min(m, n).
     """
     p, q = min(m, n), max(m, n)
     gamma = p / q
@@ -66,9 +84,12 @@ class ErrorModel:
     """g summed over a set of matrix shapes, with per-shape curves cached.
 
     ``total(r)`` is Σ_i g(min(r, k_i); m_i, n_i) over every compressed matrix: the expected
-    squared truncation error of the whole gradient at rank r (unit variance). ``samples`` and
-    ``seed``: the Monte Carlo draws per small shape (`error_curve_mc`); larger shapes take the
+    squared truncation error of the whole gradient at rank r (unit variance). Larger shapes take the
     Marchenko–Pastur curve (`error_curve_mp`).
+
+    Args:
+        samples: the Monte Carlo draws per small shape (`error_curve_mc`).
+        seed: their seed.
     """
 
     def __init__(self, samples: int = 4, seed: int = 0):
@@ -77,6 +98,15 @@ class ErrorModel:
         self._curves: dict[tuple[int, int], np.ndarray] = {}
 
     def curve(self, m: int, n: int) -> np.ndarray:
+        """g(r; m, n), cached per shape: Monte Carlo up to `MC_MAX_ELEMENTS` elements, else Marchenko–Pastur.
+
+        Args:
+            m: the matrix's rows.
+            n: its columns.
+
+        Returns:
+            g(r) for r = 0..min(m, n).
+        """
         key = (min(m, n), max(m, n))
         if key not in self._curves:
             if m * n <= MC_MAX_ELEMENTS:
@@ -86,6 +116,15 @@ class ErrorModel:
         return self._curves[key]
 
     def total(self, rank: int, shapes: Iterable[tuple[int, int]]) -> float:
+        """Σ_i g(min(r, k_i); m_i, n_i) over the matrices.
+
+        Args:
+            rank: the rank r.
+            shapes: (m, n) of every compressed matrix.
+
+        Returns:
+            The expected squared truncation error of the whole gradient at rank r (unit variance).
+        """
         value = 0.0
         for m, n in shapes:
             g = self.curve(m, n)
@@ -93,7 +132,17 @@ class ErrorModel:
         return value
 
     def inverse(self, target: float, shapes: list[tuple[int, int]], r_low: int, r_high: int) -> int:
-        """Smallest rank in [r_low, r_high] whose total error ≤ target (r_high if none)."""
+        """The smallest rank whose total error is within a target.
+
+        Args:
+            target: the total error allowed.
+            shapes: (m, n) of every compressed matrix.
+            r_low: the lowest rank searched.
+            r_high: the highest.
+
+        Returns:
+            The smallest rank in [r_low, r_high] whose total error ≤ target (r_high if none).
+        """
         for rank in range(r_low, r_high + 1):  # total() is non-increasing in rank
             if self.total(rank, shapes) <= target:
                 return rank

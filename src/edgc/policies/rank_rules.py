@@ -18,7 +18,19 @@ from .rank_model import ErrorModel, cqm_target_rank
 
 
 def limit_rank(target: float, previous: int, r_min: int, r_max: int, step_limit: int, granularity: int) -> int:
-    """Round ``target`` down to the granularity, then move from ``previous`` by at most ``step_limit``."""
+    """Round ``target`` down to the granularity, then move from ``previous`` by at most ``step_limit``.
+
+    Args:
+        target: the rank a mapping asked for.
+        previous: the rank in force.
+        r_min: the lowest rank allowed.
+        r_max: the highest.
+        step_limit: the most the rank moves in one decision.
+        granularity: ranks are multiples of it (r_min aside).
+
+    Returns:
+        The new rank, within [r_min, r_max].
+    """
     target = min(max(target, r_min), r_max)
     target = max(r_min, int(target // granularity * granularity))
     move = max(-step_limit, min(step_limit, target - previous))
@@ -107,8 +119,16 @@ def delta_target(entropies: Sequence[float], per_window: int, r_min: int, r_max:
 
     ρ = ‖Δ latest two windows‖ / ‖Δ first two windows of training‖ (changes of the window means,
     `delta_ratio`); target = r_min + (r_max − r_min)·ρ, rounded. Fast-moving entropy (unstable
-    regime) keeps the rank near r_max; a stable entropy lets it decay to r_min. With fewer than two
-    windows of history the target is r_max.
+    regime) keeps the rank near r_max; a stable entropy lets it decay to r_min.
+
+    Args:
+        entropies: the entropy samples of the run so far, in step order.
+        per_window: samples per window.
+        r_min: the lowest rank.
+        r_max: the highest.
+
+    Returns:
+        The target rank; r_max with fewer than two windows of history.
     """
     means = window_means(entropies, per_window)
     if means is None:
@@ -274,7 +294,17 @@ RANK_MAPPINGS: Registry[RankMapping] = Registry("rank mapping")
 
 
 def register_rank_mapping(mapping: RankMapping) -> RankMapping:
-    """Make ``mapping`` available as ``EDGCConfig.rank_mapping = mapping.name``."""
+    """Make a mapping available as ``EDGCConfig.rank_mapping = mapping.name``.
+
+    Args:
+        mapping: the `RankMapping`, registered under its ``name``.
+
+    Returns:
+        ``mapping``.
+
+    Raises:
+        ValueError: not a `RankMapping`, or its name is empty or taken.
+    """
     if not isinstance(mapping, RankMapping):
         raise ValueError(f"a rank mapping is a RankMapping, got {mapping!r}")
     return RANK_MAPPINGS.add(mapping.name, mapping)

@@ -131,7 +131,17 @@ SIGNALS: Registry[BudgetSignal] = Registry("budget signal")
 
 
 def register_signal(signal: BudgetSignal) -> BudgetSignal:
-    """Make ``signal`` available as ``EDGCConfig.budget_signal = signal.name`` (and to the experiments)."""
+    """Make a signal available as ``EDGCConfig.budget_signal = signal.name`` (and to the experiments).
+
+    Args:
+        signal: the `BudgetSignal`, registered under its ``name``.
+
+    Returns:
+        ``signal``.
+
+    Raises:
+        ValueError: not a `BudgetSignal`, or its name is empty or taken.
+    """
     if not isinstance(signal, BudgetSignal):
         raise ValueError(f"a budget signal is a BudgetSignal, got {signal!r}")
     return SIGNALS.add(signal.name, signal)

@@ -60,8 +60,13 @@ def _pack(grads: list[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
 class CastState(GradientReducer):
     """Averaged all-reduce of the gradients cast to fp16 or bf16 (no error feedback).
 
-    ``dtype``: the wire's, ``"float16"`` or ``"bfloat16"`` (or the torch dtype). ``process_group``
-    and ``model``: as `GradientReducer`'s (the group; the module whose parameters it names).
+    Args:
+        process_group: as `GradientReducer`'s: the group it averages over.
+        dtype: the wire's, ``"float16"`` or ``"bfloat16"`` (or the torch dtype).
+        model: as `GradientReducer`'s: the module whose parameters it names.
+
+    Raises:
+        ValueError: another dtype.
     """
 
     method = "cast"
@@ -83,6 +88,14 @@ class CastState(GradientReducer):
         self.dtype = dtype
 
     def agreed_settings(self, device: torch.device) -> dict[str, Any]:
+        """`GradientReducer.agreed_settings` and the wire's dtype.
+
+        Args:
+            device: the gradients'.
+
+        Returns:
+            Name → value of every setting compared.
+        """
         return {**super().agreed_settings(device), "CastState.dtype": str(self.dtype)}
 
     def _reduce(self, names, grads, flat) -> None:
@@ -100,9 +113,22 @@ class CastState(GradientReducer):
         return dict(COMPRESSED)
 
     def state_dict(self) -> dict:
+        """`GradientReducer.state_dict`, marked with the method's name.
+
+        Returns:
+            The state, for `load_state_dict`.
+        """
         return {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned.
+
+        Args:
+            state: a `CastState`'s state.
+
+        Raises:
+            ValueError: another method's state.
+        """
         check_format(state, self.method)
         super().load_state_dict(state)
 
@@ -156,8 +182,11 @@ def first_of_runs(ordered: torch.Tensor) -> torch.Tensor:
 class TopKState(ErrorFeedbackReducer):
     """Global top-k by magnitude per call; values + int32 indices in one all-gather; error feedback.
 
-    ``ratio``: the share of entries sent, in (0, 1]; ``error_feedback``: keep what was not sent for
-    the next step. ``process_group`` and ``model``: as `GradientReducer`'s.
+    Args:
+        process_group: as `GradientReducer`'s.
+        ratio: the share of entries sent, in (0, 1].
+        error_feedback: keep what was not sent for the next step.
+        model: as `GradientReducer`'s.
     """
 
     method = "topk"
@@ -195,8 +224,15 @@ class RandomKState(ErrorFeedbackReducer):
     Indices are k draws with replacement from a generator on the gradients' device seeded by
     (seed, step, call), so a resumed run draws the same ones. ``rescale`` (default: on without
     error feedback) divides the kept values by P(an index is drawn) = 1 − (1 − 1/N)^k, which
-    makes the result unbiased. ``ratio``: the share of entries drawn, in (0, 1]; ``error_feedback``:
-    keep what was not sent; ``seed``: of the draws; ``process_group`` and ``model``: as `GradientReducer`'s.
+    makes the result unbiased.
+
+    Args:
+        process_group: as `GradientReducer`'s.
+        ratio: the share of entries drawn, in (0, 1].
+        error_feedback: keep what was not sent.
+        rescale: divide the kept values by P(an index is drawn); None: on without error feedback.
+        seed: of the draws.
+        model: as `GradientReducer`'s.
     """
 
     method = "randomk"
@@ -218,7 +254,15 @@ class RandomKState(ErrorFeedbackReducer):
         self.seed = int(seed)
 
     def indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """This call's k draws from range(n), sorted (so that repeats sit side by side), on ``device``."""
+        """This call's k draws from range(n), seeded by (seed, step, call).
+
+        Args:
+            n: the entries drawn from.
+            device: where the draws are made and kept.
+
+        Returns:
+            The k indices, sorted (so that repeats sit side by side).
+        """
         generator = seeded_generator(device, self.seed, "randomk", self.step, self._call)
         return torch.randint(0, n, (_keep(n, self.ratio),), generator=generator, device=device).sort().values
 
@@ -242,6 +286,11 @@ class RandomKState(ErrorFeedbackReducer):
         self._finish(names, grads, flat, corrected, sent_local, average, k, k * 4)
 
     def state_dict(self) -> dict:
+        """The error feedback's state and the draws' seed.
+
+        Returns:
+            The state, for ``load_state_dict``.
+        """
         return {**super().state_dict(), "seed": self.seed}
 
 
@@ -251,8 +300,17 @@ class QSGDState(ErrorFeedbackReducer):
     Per chunk of ``chunk`` elements: scale = max|x| / 127, q = ⌊|x|/scale + u⌋·sign(x) with
     u ~ U[0, 1) (so E[q·scale] = x), sent as int8 followed by the chunk scales as bytes. The noise u
     is drawn on the gradients' device from a generator seeded by (``seed``, rank, step, call):
-    independent between ranks, and the same again in a resumed run. ``error_feedback``: keep the
-    quantisation error for the next step; ``process_group`` and ``model``: as `GradientReducer`'s.
+    independent between ranks, and the same again in a resumed run.
+
+    Args:
+        process_group: as `GradientReducer`'s.
+        chunk: the elements per scale.
+        error_feedback: keep the quantisation error for the next step.
+        seed: of the noise.
+        model: as `GradientReducer`'s.
+
+    Raises:
+        ValueError: ``chunk`` is not an integer ≥ 1.
     """
 
     method = "qsgd8"
@@ -269,8 +327,15 @@ class QSGDState(ErrorFeedbackReducer):
         self.seed = int(seed)
 
     def quantize(self, x: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 levels of shape x, fp32 scale per chunk); dequantize(...) ≈ x, unbiased over the
-        noise drawn from ``generator`` (on x's device)."""
+        """Quantise ``x`` to 8-bit levels, unbiased over the noise.
+
+        Args:
+            x: the values.
+            generator: the noise's, on x's device.
+
+        Returns:
+            (int8 levels of shape x, fp32 scale per chunk), whose `dequantize` ≈ x.
+        """
         n = x.numel()
         chunks = math.ceil(n / self.chunk)
         padded = torch.zeros(chunks * self.chunk, dtype=torch.float32, device=x.device)
@@ -284,6 +349,15 @@ class QSGDState(ErrorFeedbackReducer):
         return level.view(-1)[:n].to(torch.int8), scale
 
     def dequantize(self, levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The values of `quantize`'s levels.
+
+        Args:
+            levels: the int8 levels.
+            scale: the fp32 scale per chunk.
+
+        Returns:
+            The values, fp32, of the levels' shape flattened.
+        """
         n = levels.numel()
         chunks = scale.numel()
         padded = torch.zeros(chunks * self.chunk, dtype=torch.float32, device=levels.device)
@@ -304,4 +378,9 @@ class QSGDState(ErrorFeedbackReducer):
         self._finish(names, grads, flat, corrected, sent_local, average, message.numel(), message.numel())
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "seed": self.seed}  # (no generator: the noise is seeded per call)
+        """The error feedback's state and the noise's seed (no generator: the noise is seeded per call).
+
+        Returns:
+            The state, for ``load_state_dict``.
+        """
+        return {**super().state_dict(), "seed": self.seed}

@@ -47,9 +47,13 @@ from .steps import StepRecord, step_metrics
 
 
 class GradientReducer:
-    """Base of every comm-hook state (the module docstring has the ``_reduce`` contract). ``process_group``:
-    the group it averages over (None: the default one; a 1-D DeviceMesh too). ``model``: the module whose
-    parameters it syncs (the DDP model or the module it wraps): it names them (`edgc.safeguards.guards`)."""
+    """Base of every comm-hook state (the module docstring has the ``_reduce`` contract).
+
+    Args:
+        process_group: the group it averages over (None: the default one; a 1-D DeviceMesh too).
+        model: the module whose parameters it syncs (the DDP model or the module it wraps): it names
+            them (`edgc.safeguards.guards`).
+    """
 
     rollback_keeps_input = False  # a rollback leaves all the input in the state: callers keep no copy (two_stage)
 
@@ -92,31 +96,61 @@ class GradientReducer:
         return self._guard.experts
 
     def follow_fsdp(self, model: nn.Module, convention: str) -> None:
-        """What an FSDP hook (`edgc.parallel.fsdp`) tells it: the gradient scale FSDP's division sets
-        (`edgc.distributed.scaling`), and the model whose forwards count the experts' tokens."""
+        """What an FSDP hook (`edgc.parallel.fsdp`) tells it.
+
+        Args:
+            model: the model whose forwards count the experts' tokens.
+            convention: the gradient scale FSDP's division sets, "mean" or "sum" (`edgc.distributed.scaling`).
+        """
         self._guard.scale.use(convention, type(self).__name__)
 
     def names_for(self, params: Iterable[torch.Tensor]) -> list[str]:
+        """The names of parameters, as the model names them.
+
+        Args:
+            params: the parameters.
+
+        Returns:
+            Their names; one the model does not name is named by first appearance.
+        """
         return self._guard.names_for(type(self).__name__, params)
 
     def agreed_settings(self, device: torch.device) -> dict[str, Any]:
-        """Name → value of what every rank of the group must hold alike, compared at the first step
-        (`edgc.distributed.agreement`): the method, its own arguments (a subclass adds them), what an integration
-        added (`agree_on`). ``device``: the gradients', for values resolved by device."""
+        """What every rank of the group must hold alike, compared at the first step (`edgc.distributed.agreement`).
+
+        Args:
+            device: the gradients', for values resolved by device.
+
+        Returns:
+            Name → value of the method, its own arguments (a subclass adds them) and what an integration
+            added (`agree_on`).
+        """
         return {"method": type(self).__qualname__, **self._guard.also_agreed}
 
     def agree_on(self, settings: dict[str, Any]) -> None:
         """Add settings every rank must hold alike (an integration's), compared with the state's own at
-        its first step; refused once that step has begun."""
+        its first step; refused once that step has begun.
+
+        Args:
+            settings: name → value.
+        """
         self._guard.agree_on(type(self).__name__, settings)
 
     def settings_group(self) -> Communicator:
-        """The communicator over whose group the settings are compared: the state's."""
+        """The communicator over whose group the settings are compared.
+
+        Returns:
+            The state's.
+        """
         return self.comm
 
     def error_table(self) -> dict[str, torch.Tensor]:
-        """This rank's error feedback by parameter name, the state's own tensors (changing one in place
-        changes the state): none here; a method with error feedback has it."""
+        """This rank's error feedback.
+
+        Returns:
+            Parameter name → the state's own tensor (changing one in place changes the state); none here,
+            a method with error feedback has it.
+        """
         return {}
 
     def check_group(self) -> None:
@@ -127,9 +161,12 @@ class GradientReducer:
         self._guard.first_use(type(self).__name__, self.comm)
 
     def attach(self, comm: Communicator | None = None, *, defer_commit: bool | None = None) -> None:
-        """What drives the state's steps, given before its first step (torchft's manager, a counting stand-in):
-        ``comm``, the communicator it averages through; ``defer_commit``, keep every step pending until
-        `commit_step` or `rollback_step`. None leaves either as it is."""
+        """What drives the state's steps, given before its first step (torchft's manager, a counting stand-in).
+
+        Args:
+            comm: the communicator it averages through; None leaves it as it is.
+            defer_commit: keep every step pending until `commit_step` or `rollback_step`; None leaves it.
+        """
         if comm is not None:
             self.comm = comm
         if defer_commit is not None:
@@ -137,7 +174,14 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ entry points
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP path: start averaging one bucket; the Future completes when it is averaged."""
+        """DDP path: start averaging one bucket.
+
+        Args:
+            bucket: DDP's bucket.
+
+        Returns:
+            A Future that completes with the bucket's buffer once it is averaged.
+        """
         buffer = bucket.buffer()
         if self._current is None:
             self._begin_step(buffer.device)
@@ -175,6 +219,12 @@ class GradientReducer:
         Buckets of one optimizer step are passed in the same order on every rank; ``last=True``
         closes the step (its metrics and decisions are settled when the next one begins). ``names``
         key the compressor state (error feedback, Q), the same on every rank and step for a tensor.
+
+        Args:
+            names: the tensors' names.
+            tensors: the gradients, averaged in place.
+            last: this bucket closes the optimizer step.
+            blocking: wait until the tensors hold the average.
         """
         check_dense(type(self).__name__, names, tensors)
         if self._current is None:
@@ -205,6 +255,9 @@ class GradientReducer:
         averaged shard by shard: this rank's local shard. Sparse gradients and gradients in another
         layout are averaged exactly (`edgc.sync.gradients`). Called again on the gradients it averaged,
         unchanged since (no backward between), it refuses in one line (`edgc.safeguards.guards`).
+
+        Args:
+            parameters: ``model.parameters()`` or ``model.named_parameters()``.
         """
         handed = HandedGradients.of(type(self).__name__, parameters, self.names_for)
         self._guard.fresh_gradients(type(self).__name__, handed.handed)
@@ -380,7 +433,11 @@ class GradientReducer:
         """The pending step is discarded (the optimizer did not step): the state is as if it had not
         synced — same step number and shared state — except that what the step tried to send is
         kept for the next one where the method has error feedback. Bytes sent stay counted: they
-        were sent. No-op when none is pending. ``reason``: for its record (`edgc.control.events`)."""
+        were sent. No-op when none is pending.
+
+        Args:
+            reason: for its record (`edgc.control.events`).
+        """
         self.settle()  # its values first (a non-finite step's cleanup), then undo its shared state
         if not self.pending:
             return
@@ -402,12 +459,21 @@ class GradientReducer:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         """Settles the last step first (`settle`: call it on every rank at the same point, as
-        checkpoints are taken), so that a resumed run starts where this one would go on."""
+        checkpoints are taken), so that a resumed run starts where this one would go on.
+
+        Returns:
+            The step, the totals and the world size; a subclass adds its state.
+        """
         self.comm = self._guard.bound(self.comm)  # a default group created after the state (edgc.safeguards.guards)
         self.settle()
         return {"step": self.step, "totals": dict(self.totals), "world_size": self.comm.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned; the last step's values, not yet settled, are dropped.
+
+        Args:
+            state: a state's `state_dict`.
+        """
         self.comm = self._guard.bound(self.comm)
         if self._last is not None:  # its values belong to the state before: never settled now
             self._last.local_done = self._last.shared_done = True
@@ -433,8 +499,15 @@ class AllReduceState(GradientReducer):
 def edgc_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook for any `GradientReducer` (EDGCState, AllReduceState, …).
 
-    Usage: ``ddp_model.register_comm_hook(state, edgc_hook)``. Returns at once with a Future;
-    backward goes on while the bucket is averaged (see the module docstring for the order).
+    Usage: ``ddp_model.register_comm_hook(state, edgc_hook)``. Backward goes on while the bucket is
+    averaged (see the module docstring for the order).
+
+    Args:
+        state: the hook's state.
+        bucket: DDP's bucket.
+
+    Returns:
+        At once, a Future that completes with the averaged bucket.
     """
     return state.reduce_bucket(bucket)
 

@@ -71,7 +71,20 @@ def register_sync_method(
     collective: str = ALL_REDUCE,
     options: Mapping[str, Any] | None = None,
 ) -> SyncMethod:
-    """Make ``reducer`` known to the tools under ``name`` (default: its ``method`` attribute)."""
+    """Make a sync method known to the tools by name.
+
+    Args:
+        reducer: the method, a `GradientReducer` subclass.
+        name: its name (default: its ``method`` attribute).
+        collective: what one call issues: ``ALL_REDUCE``, ``ALL_GATHER`` or ``TWO_STAGE``.
+        options: constructor arguments the name fixes.
+
+    Returns:
+        The registered `SyncMethod`.
+
+    Raises:
+        ValueError: not a `GradientReducer` subclass, an unknown collective, or a name empty or taken.
+    """
     name = name or getattr(reducer, "method", "")
     if not (isinstance(reducer, type) and issubclass(reducer, GradientReducer)):
         raise ValueError(f"a sync method is a GradientReducer subclass, got {reducer!r}")
