@@ -58,4 +58,5 @@ Modules:
     capture_check_judge.py  its violations, from that record
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
+    warm_start.py   the warm start's orthonormalisation passes, measured by what the engine sends
 """
