@@ -71,13 +71,13 @@ def count_census(graphs: bool = False, settle_steps: int = 1) -> dict | None:
     config's CUDA graphs on, or None where the engine has none."""
     import torch
 
-    from edgc import EDGCConfig
+    from edgc import EDGCConfig, LowRankConfig
     from edgc_bench.dispatch_count import count_hook_step
     from edgc_bench.gpt2_layout import gpt2_parameters
 
     config = EDGCConfig.static(32, total_steps=100_000, warmup_fraction=0.0)
     if graphs:
-        if "cuda_graphs" not in {f.name for f in dataclasses.fields(EDGCConfig)}:
+        if "cuda_graphs" not in {f.name for f in dataclasses.fields(LowRankConfig)}:  # EDGCConfig takes it flat
             return None
         config = dataclasses.replace(config, cuda_graphs=True)
     steps = {}

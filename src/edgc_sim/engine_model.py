@@ -256,6 +256,7 @@ def job_cost(
     *,
     world_size: int = 2,
     measure_error: bool = False,
+    warm_start_passes: int = WARM_START_PASSES,
 ) -> EngineCost:
     """Compress + decompress of one job: on the host its launches at the per-op cost; on the device,
     per compressed matrix, two product GEMMs reading M (float32 arena, FLOPs at the float32 rate the
@@ -264,7 +265,8 @@ def job_cost(
     accesses among the elementwise ones, its FLOPs at the float32 rate; on a CPU with float32
     gradients a read of Ĝ instead), the elementwise passes,
     the factors' elementwise bytes and their orthonormalisation (FLOPs at the measured rate, or the
-    float32 matmul rate where none was measured)."""
+    float32 matmul rate where none was measured; ``warm_start_passes``: Q's, an engine's before its
+    warm start ran fewer than P's)."""
     half = bytes_per_value < COMPUTE_BYTES
     grad_accesses, arena_accesses = ELEMENTWISE_ACCESSES
     arena_accesses += MEASURE_ERROR_ACCESSES if measure_error else 0
@@ -293,7 +295,7 @@ def job_cost(
             * (m * (P_FACTOR_BYTES + cast_bytes + p_half) + n * (Q_FACTOR_BYTES + cast_bytes + q_half))
             / mem_bytes_per_s
         )
-        warm_start = orth_flops(r, n, householder=householder, passes=WARM_START_PASSES)
+        warm_start = orth_flops(r, n, householder=householder, passes=warm_start_passes)
         seconds += (orth_flops(r, m, householder=householder) + warm_start) / orth_rate
     launches = job_launches(
         job,
@@ -318,6 +320,7 @@ def engine_step_cost(
     world_size: int = 2,
     measure_error: bool = False,
     min_compression_rate: float = 2.0,
+    warm_start_passes: int = WARM_START_PASSES,
 ) -> EngineCost:
     """Host and device time of one step whose jobs hold these tensor shapes (`engine_jobs`)."""
     costs = [
@@ -330,6 +333,7 @@ def engine_step_cost(
             rates,
             world_size=world_size,
             measure_error=measure_error,
+            warm_start_passes=warm_start_passes,
         )
         for job in jobs
     ]
