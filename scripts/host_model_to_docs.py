@@ -185,9 +185,10 @@ def block(run: Path, profiled: Path, measured_census: dict, engine: dict, graphs
             "",
             f"Where the host's time goes (25 MB buckets): {share_line(rows[0])}.",
             "",
-            f"**The prediction for this checkout's engine** (counted by `{engine['command']}`, torch "
-            f"{engine['torch']}; with CUDA graphs a replay costs one element-wise op's host time, the ops "
-            "inside it none):",
+            f"**The prediction for this checkout's engine** (counted by `{engine['command']}`"
+            + ("" if graphs is None else f" and `{graphs['command']}`")
+            + f", torch {engine['torch']}; with CUDA graphs a replay costs one element-wise op's host time, the "
+            "ops inside it none):",
             "",
             prediction_table(costs, steps),
         ]
