@@ -84,7 +84,7 @@ def test_step_launches_are_the_committed_gpt2_dispatch_counts(row):
     """The model's launches of a compressed GPT-2 step on the GPU's path (DDP's buckets fused into jobs
     of the library's fusion size, M and Ĝ gathered) equal the dispatches `edgc_bench.dispatch_count`
     counted for docs/gpu/count/count.json (kept current by tests/bench/test_dispatch_count.py):
-    every job's, one per job and two per step for the hook around them."""
+    every job's, and the hook's own per job and per step (fitted to these rows: two numbers for nine rows)."""
     model = gpt2_model(row["model"])
     shapes = gpt2_gradient_shapes(model)
     assert shapes == [tuple(shape) for _, shape in gpt2_parameters(row["model"])]
