@@ -46,19 +46,20 @@ def counting_views():
     from edgc_bench import dispatch_count
 
     class ViewCountingCounter(dispatch_count.DispatchCounter):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, replayed=()):
+            super().__init__(replayed)
             self.views_by_op: Counter = Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace != "prim" and not dispatch_count.launches_kernel(func):
+            replayed = getattr(self._local, "region", None) is not None  # a replay issues none of its views
+            if func.namespace != "prim" and not dispatch_count.launches_kernel(func) and not replayed:
                 self.views_by_op[func.overloadpacket.__name__] += 1
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     made: list = []
 
-    def counter():
-        made.append(ViewCountingCounter())
+    def counter(replayed=()):
+        made.append(ViewCountingCounter(replayed))
         return made[-1]
 
     with mock.patch.object(dispatch_count, "DispatchCounter", counter):
@@ -70,20 +71,25 @@ def count_census(graphs: bool = False, settle_steps: int = 1) -> dict | None:
     config's CUDA graphs on, or None where the engine has none."""
     import torch
 
-    from edgc import EDGCConfig
+    from edgc import EDGCConfig, LowRankConfig
     from edgc_bench.dispatch_count import count_hook_step
     from edgc_bench.gpt2_layout import gpt2_parameters
 
     config = EDGCConfig.static(32, total_steps=100_000, warmup_fraction=0.0)
     if graphs:
-        if "cuda_graphs" not in {f.name for f in dataclasses.fields(EDGCConfig)}:
+        if "cuda_graphs" not in {f.name for f in dataclasses.fields(LowRankConfig)}:  # EDGCConfig takes it flat
             return None
         config = dataclasses.replace(config, cuda_graphs=True)
     steps = {}
     for label, cap in CAPS.items():
         with counting_views() as made:
             count = count_hook_step(
-                gpt2_parameters("xl"), bucket_cap_mb=cap, config=config, settle_steps=settle_steps, dtype=torch.bfloat16
+                gpt2_parameters("xl"),
+                bucket_cap_mb=cap,
+                config=config,
+                settle_steps=settle_steps,
+                dtype=torch.bfloat16,
+                graphs=graphs,  # the regions the capture checker passes: one launch a call
             )
         steps[label] = {
             "by_op": count.by_op,
@@ -179,9 +185,10 @@ def block(run: Path, profiled: Path, measured_census: dict, engine: dict, graphs
             "",
             f"Where the host's time goes (25 MB buckets): {share_line(rows[0])}.",
             "",
-            f"**The prediction for this checkout's engine** (counted by `{engine['command']}`, torch "
-            f"{engine['torch']}; with CUDA graphs a replay costs one element-wise op's host time, the ops "
-            "inside it none):",
+            f"**The prediction for this checkout's engine** (counted by `{engine['command']}`"
+            + ("" if graphs is None else f" and `{graphs['command']}`")
+            + f", torch {engine['torch']}; with CUDA graphs a replay costs one element-wise op's host time, the "
+            "ops inside it none):",
             "",
             prediction_table(costs, steps),
         ]

@@ -23,6 +23,18 @@ from doc_blocks import write  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIGURES = REPO / "docs" / "engine" / "step-kinds.json"
+BEFORE = REPO / "docs" / "engine" / "step-kinds-before.json"  # the engine before jobs over fixed buffers
+# What a step at GPT-2 XL widths is held to (the hook at the device's pace): dispatches eager and with
+# CUDA graphs, after the last bucket's entry, a sampled step's beyond a static one's, host reads a step
+PACE_GOALS = {
+    "static": 450,
+    "static_graphs": 150,
+    "after_last_bucket": 90,
+    "sampled_extra": 30,
+    "host_reads": 1,
+    "histogram": 0.01,  # of the sampled step's bytes
+}
+PACE_BLOCKS = ("step-pace", "gpu-step-pace")  # the engine page's and the GPU page's
 NAMES = {
     "static": "static",
     "sampled": "sampled (entropy sample, error measured)",
@@ -84,9 +96,71 @@ def block(figures: dict) -> str:
     return "\n".join(lines)
 
 
+def _held(value: float, goal: float | None) -> str:
+    return f"{value:,}" if goal is None or value <= goal else f"**{value:,}** (goal ≤ {goal:,})"
+
+
+def _share(value: float | None, goal: float | None) -> str:
+    if value is None:
+        return "not counted"
+    return f"{value:.2%}" if goal is None or value <= goal else f"**{value:.2%}** (goal ≤ {goal:.0%})"
+
+
+def pace_block(figures: dict, before: dict) -> str:
+    """The hook at the device's pace per model width (`edgc_bench.step_kinds.pace`), held to its goals at XL."""
+    lines = [
+        "| GPT-2 | buckets / matrices compressed | static step, eager | static, CUDA graphs on | sampled step "
+        "| after the last bucket's entry: static / graphs / sampled | host reads: static / sampled "
+        "| sampled bytes beyond static | its histogram's bytes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for model, row in figures["pace"].items():
+        goal = PACE_GOALS if model == "xl" else dict.fromkeys(PACE_GOALS)
+        counts, tail, reads = row["dispatches"], row["after_last_bucket"], row["host_reads"]
+        sampled_goal = None if goal["sampled_extra"] is None else counts["static"] + goal["sampled_extra"]
+        cells = [
+            model,
+            f"{row['buckets']} / {row['compressed_matrices']}",
+            _held(counts["static"], goal["static"]),
+            f"{_held(counts['static_graphs'], goal['static_graphs'])} ({row['graph_replays']} replays)",
+            _held(counts["sampled"], sampled_goal),
+            " / ".join(  # the goal is a static step's: its last job alone
+                [_held(tail["static"], goal["after_last_bucket"]), f"{tail['static_graphs']:,}", f"{tail['sampled']:,}"]
+            ),
+            " / ".join(_held(reads[kind], goal["host_reads"]) for kind in ("static", "sampled")),
+            f"{row['sampled_extra_bytes_share']:.2%}",
+            _share(row.get("histogram_bytes_share"), goal["histogram"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    old, rank = before["kinds"], next(iter(figures["pace"].values()))["rank"]
+    lines += [
+        "",
+        f"Rank {rank}, bfloat16 gradients through the DDP hook, DDP's default buckets fused into the "
+        f"accelerator's jobs, torch {figures['torch']}; counted on fake tensors by "
+        "`python -m edgc_bench.step_kinds --pace` (how dispatches are counted: below). With CUDA graphs on, a "
+        "stretch the capture checker passes over four steady steps counts one launch per call; the CPU runs it "
+        "eagerly, so whether cuSOLVER's calls capture is the GPU run's to see. Goals at XL: "
+        f"{PACE_GOALS['static']} eager, {PACE_GOALS['static_graphs']} with graphs, "
+        f"{PACE_GOALS['after_last_bucket']} after the last bucket's entry of a static step, a sampled step "
+        f"at most {PACE_GOALS['sampled_extra']} beyond a static one, {PACE_GOALS['host_reads']} host read a "
+        f"step, the histogram's bytes at most {PACE_GOALS['histogram']:.0%} of the sampled step's (counted "
+        "over a sample of `entropy_sample_cap` elements, the most a decision's sample holds); a sampled "
+        "step's bytes beyond a static one's are its sample's gather and histogram and its error measurement "
+        f"together. Before (`docs/engine/step-kinds-before.json`, GPT-2 {before['model'].upper()}): "
+        f"{old['static']['dispatches']:,} dispatches a static step, {old['sampled']['dispatches']:,} a sampled one.",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
-    page = write("step-kinds", block(json.loads(FIGURES.read_text())))
+    figures = json.loads(FIGURES.read_text())
+    page = write("step-kinds", block(figures))
     print(f"wrote the step-kinds block of {page.relative_to(REPO)}")
+    if "pace" in figures:
+        text = pace_block(figures, json.loads(BEFORE.read_text()))
+        for name in PACE_BLOCKS:
+            page = write(name, text)
+            print(f"wrote the {name} block of {page.relative_to(REPO)}")
     return 0
 
 

@@ -1,8 +1,7 @@
 """`EDGCConfig`: every knob of EDGC in one validated dataclass.
 
-Defaults follow the paper's released code (see ``docs`` / README table): α = 0.1, β = 0.25,
-1000 histogram bins, window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up
-floor 10 % of the planned steps, PowerSGD seed 714.
+Defaults follow the paper's released code (``docs``, README table): α = 0.1, β = 0.25, 1000 histogram bins,
+window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up floor 10 % of the planned steps, seed 714.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ def _check_engine_fields(check: FieldCheck) -> None:
     check.choice("rank_change", RANK_CHANGES)
     check.choice("power_iterations", POWER_ITERATIONS)
     check.boolean("force_accelerator_kernels")
+    check.boolean("cuda_graphs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +59,7 @@ class LowRankConfig:
     """dtype of P/Q on the wire: None = the gradient dtype, or 'bfloat16', 'float16', 'float32'."""
 
     orthogonalization_epsilon: float = 1e-12
-    """Shift of each Gram matrix in the orthonormalisation of P and Q, relative to its mean diagonal, so rank-deficient
-    factors stay finite. ≥ 0."""
+    """Shift of each Gram matrix in orthonormalising P and Q, relative to its mean diagonal (finite factors). ≥ 0."""
 
     orthonormalization: str = "auto"
     """How P and Q are orthonormalised: 'auto' (by device: Householder on CPU, float64 CholeskyQR2 on GPUs with fast
@@ -73,14 +72,17 @@ class LowRankConfig:
     """How Q follows a rank change: 'warm' (keep the highest-energy directions, add the residual's) or 'truncate' (first
     columns, random new ones)."""
 
+    cuda_graphs: bool = False
+    """On CUDA, replay each stretch of a compressed job from a CUDA graph once it has run twice at a rank (captured
+    again after a rank change or a new layout, each capture said on the edgc logger); eager off CUDA."""
+
     # Set by whoever builds the engine (DiLoCo's outer sync, a dispatch count), not by a run's
     # EDGCConfig: neither given flat nor in its to_dict, so config.json and checkpoints read as before.
     power_iterations: int = 1
     """Power iterations a compressed call runs: 1, or 2 for a second on the compressed matrices (twice their bytes)."""
 
     force_accelerator_kernels: bool = False
-    """A CPU runs a fast-float64 GPU's kernels (its orthonormalisation, its error feedback's path): dispatch counts,
-    tests of that path."""
+    """A CPU runs a fast-float64 GPU's kernels (orthonormalisation, error feedback's path): dispatch counts, tests."""
 
     def __post_init__(self) -> None:
         _check_engine_fields(FieldCheck(self))

@@ -242,13 +242,15 @@ class EDGCState(GradientReducer):
     def _close_step(self, record: StepRecord) -> None:
         self.profiler.close_step(record.plan, self.comm, self._jobs, self.clock)
         self.decisions.close_step(record.totals)
+        with self._jobs.side_stream():  # the sample was gathered there
+            self.sampler.close(record.totals)  # its estimate, on the device: read with the step's values
 
     def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
         nonfinite = bool(totals.get("nonfinite"))
         self.compressor.state.end_step(nonfinite)
         if nonfinite:
             events.nonfinite(self._speaker, record.step)
-        entropy = self.sampler.finish()
+        entropy = self.sampler.settle(totals)
         self.profiler.settle_step()
         self.decisions.settle_step(record.plan, totals)
         plan, controller, last = record.plan, self.controller, self.decisions.last

@@ -46,6 +46,7 @@ Modules:
     engine_cost.py  a GPT-2 step's bytes and memory per compressed element, beside their floors
     (docs/concepts/engine.md)
     step_kinds.py   every kind of compressed step counted: kernels, bytes, memory (docs/concepts/engine.md)
+    engine_launches.py the simulator's dispatches per job term, fitted to the engine's counts
     stream_check.py the CUDA path's stream races and host synchronisations, checked on the CPU
     stream_check_access.py its kernels' accesses and the races between them
     stream_check_memory.py where each storage came from, and what its free means
@@ -58,4 +59,5 @@ Modules:
     capture_check_judge.py  its violations, from that record
     gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
+    warm_start.py   the warm start's orthonormalisation passes, measured by what the engine sends
 """

@@ -210,13 +210,18 @@ def count_hook_step(
     and the settled steps; ``settings`` are its). Also the bytes its ops move and the most memory alive
     at once during it beyond the gradients (the engine's state included). ``graphs``: the graph regions
     that the capture checker passes over four steady steps (`edgc_bench.capture_check.passing_regions`,
-    run first: the counted step comes after them) count one launch per call (the module docstring's rule)."""
+    run first: the counted step comes after them) count one launch per call (the module docstring's rule).
+    ``extra["after_last_bucket"]``: the dispatches from entering the last bucket's `reduce_bucket` to the
+    step's end (its settle included): what the host issues once backward is over."""
     with settled_hook(named_shapes, **settings) as run:
         replayed = passing_regions(run.settled_step) if graphs else frozenset()
         run.host.reads, run.communicator.issued = 0, []
         run.live.reset_peak()
         with DispatchCounter(replayed) as counter:
-            run.step()
+            for bucket in run.buckets[:-1]:
+                run.state.reduce_bucket(bucket)
+            before_last = counter.total
+            run.state.reduce_bucket(run.buckets[-1])
             # settled in the count: its one host read (answered by _zeros), and a sampled step's
             # entropy estimate (on a device these run at the next step's start: the step's all the same)
             metrics = run.state.last_step_metrics
@@ -237,7 +242,10 @@ def count_hook_step(
         bytes_by_op=dict(counter.bytes_by_op),
         compressed_elements=sum(numel[name] for name in compressed),
         peak_state_bytes=run.live.peak_bytes,
-        extra={"in_graphs": dict(counter.in_graphs)} if graphs else {},
+        extra={
+            "after_last_bucket": counter.total - before_last,
+            **({"in_graphs": dict(counter.in_graphs)} if graphs else {}),
+        },
     )
 
 

@@ -36,6 +36,9 @@ def kernels_per_dispatch(func: torch._ops.OpOverload, args: tuple, out=None) -> 
     return len(lists[0]) if mixed else 1
 
 
+# Gathers: they read the elements their index names (as many as they write), not their whole input.
+GATHERS = frozenset({aten.index_select, aten.take, aten.gather})
+
 # Ops that overwrite a mutable argument without reading it (their destination counts as written only).
 OVERWRITES = frozenset({aten.copy_, aten._foreach_copy_, aten.zero_, aten._foreach_zero_, aten.fill_})
 
@@ -58,12 +61,16 @@ def _nbytes(value) -> int:
 def op_traffic(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tuple[int, int]:
     """(bytes read, bytes written) of one dispatch, as a kernel that touches every element once would
     move them: each input tensor read once (a GEMM's operands included; a broadcast input at its own
-    size), each output written once. A mutable argument (``add_``'s self) is read and written, an
-    ``out=`` argument only written, as is the destination of `OVERWRITES`; new outputs are written."""
+    size; a gather's input only where its index points), each output written once. A mutable argument
+    (``add_``'s self) is read and written, an ``out=`` argument only written, as is the destination of
+    `OVERWRITES`; new outputs are written."""
     read = written = 0
+    gathered = func.overloadpacket in GATHERS
     for position, argument in enumerate(torch_adapter.op_schema(func).arguments):
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         size = _nbytes(value)
+        if gathered and argument.name == "self":  # the elements gathered, at the input's element size
+            size = sum(t.numel() for t in tensors_in(out)) * value.element_size()
         if argument.is_out:
             written += size
         elif argument.alias_info is not None and argument.alias_info.is_write:

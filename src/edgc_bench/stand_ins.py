@@ -68,6 +68,10 @@ def counting_communicator(world_size: int = 1):
         def issues(self) -> bool:
             return True
 
+        @property
+        def waits_on_device(self) -> bool:  # as NCCL's: the accelerator's path the counts stand for
+            return True
+
         def _all_reduce_work(self, tensor, op):
             self.issued.append(("all_reduce", tensor.numel(), str(tensor.dtype)))
             return _CompletedWork()

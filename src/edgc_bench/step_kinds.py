@@ -21,6 +21,14 @@ step's transient buffers included (`edgc_bench.live_memory`), per compressed gra
   per model and number of replica groups (`DILOCO_COUNTS`), and the rollback of one
   (``--diloco-only`` recounts these entries alone in the ``--out`` file).
 
+The hook at the device's pace (``pace``, at GPT-2 medium and XL widths, ``--pace`` alone): a static
+step's dispatches eager and with CUDA graphs on (``cuda_graphs``: a graph region the capture checker
+passes over four steady steps counts one launch per call, `edgc_bench.dispatch_count`), the dispatches
+from entering the last bucket's ``reduce_bucket`` to the step's end (what the host issues once backward
+is over), a sampled step's beside it, the host reads of each, and the bytes a sampled step moves beyond
+a static one as a share of its own (its entropy sample's gather and histogram and its error
+measurement: a bound on the histogram's share).
+
 Beside the live tensors, ``process`` runs a step kind on real CPU tensors at the same widths with
 ``--layers`` blocks and reads the process's peak resident memory during the step
 (``/proc/self/status``'s VmHWM, reset before it) beyond what the gradients alone held: what the
@@ -38,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import DispatchCounter, StepCount, count_hook_step
+from .dispatch_count import GRAPH_LAUNCH, DispatchCounter, StepCount, count_hook_step
 from .engine_cost import emit
 from .gpt2_layout import gpt2_parameters
 from .hook_steps import _static_config, sampled_config
@@ -83,6 +91,62 @@ def _hooks(kind: str) -> dict:
 
 def count_kind(kind: str, model: str = "xl", rank: int = 32) -> StepCount:
     return count_hook_step(gpt2_parameters(model), rank=rank, config=config_of(kind, rank), **_hooks(kind))
+
+
+PACE_MODELS = ("medium", "xl")
+
+
+def pace(model: str = "xl", rank: int = 32, progress=print) -> dict:
+    """The hook at the device's pace at ``model``'s widths (the module docstring): static eager, static
+    with graphs, sampled."""
+    from dataclasses import replace
+
+    named = gpt2_parameters(model)
+    static = count_kind("static", model, rank)
+    progress(f"{model} static: {static.dispatches} dispatches")
+    graphed_config = replace(config_of("static", rank), cuda_graphs=True)
+    graphed = count_hook_step(named, rank=rank, config=graphed_config, graphs=True)
+    progress(f"{model} static with graphs: {graphed.dispatches} dispatches")
+    sampled = count_kind("sampled", model, rank)
+    progress(f"{model} sampled: {sampled.dispatches} dispatches")
+    steps = {"static": static, "static_graphs": graphed, "sampled": sampled}
+    return {
+        "model": model,
+        "rank": rank,
+        "buckets": static.buckets,
+        "compressed_matrices": static.compressed,
+        "dispatches": {kind: count.dispatches for kind, count in steps.items()},
+        "after_last_bucket": {kind: count.extra["after_last_bucket"] for kind, count in steps.items()},
+        "graph_replays": graphed.by_op.get(GRAPH_LAUNCH, 0),
+        "host_reads": {kind: count.host_reads for kind, count in steps.items()},
+        "bytes": {kind: round(count.per_compressed_element(count.bytes), 3) for kind, count in steps.items()},
+        "memory": {
+            kind: round(count.per_compressed_element(count.peak_state_bytes), 3) for kind, count in steps.items()
+        },
+        "sampled_extra_bytes_share": round((sampled.bytes - static.bytes) / sampled.bytes, 5),
+        "dtype": "bfloat16",
+        "torch": torch.__version__,
+    }
+
+
+def histogram_share(model: str, row: dict) -> float:
+    """The bytes a sampled step's histogram moves (`edgc.control.histogram.histogram_entropy_on_device` over a
+    bf16 sample of ``entropy_sample_cap`` elements, the most a decision's sample holds), as a share of the
+    sampled step's bytes in ``row`` (a `pace` row: bytes per compressed element, every matrix compressed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from edgc import EDGCConfig
+    from edgc.control.histogram import histogram_entropy_on_device
+
+    config = EDGCConfig()
+    matrices = [math.prod(shape) for _, shape in gpt2_parameters(model) if len(shape) >= 2]
+    if len(matrices) != row["compressed_matrices"]:
+        raise ValueError(f"{model}: {row['compressed_matrices']} matrices compressed of {len(matrices)}")
+    with FakeTensorMode():
+        sample = torch.empty(config.entropy_sample_cap, dtype=torch.bfloat16)
+        with DispatchCounter() as counter:
+            histogram_entropy_on_device(sample, config.entropy_bins)
+    return round(counter.total_bytes / (row["bytes"]["sampled"] * sum(matrices)), 5)
 
 
 DILOCO_COUNTS = (("xl", 2), ("xl", 12), ("medium", 2), ("medium", 12))  # (model, replica groups) counted
@@ -213,8 +277,8 @@ def _peak_in_a_new_process(kind: str, layers: int, rank: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
-    """The figures of the module docstring, as ``--out`` writes them."""
+def measure_kinds(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
+    """The hook's step kinds (and the sampled step at a small cap), as ``--out`` holds them."""
     from dataclasses import replace
 
     kinds = {}
@@ -247,8 +311,19 @@ def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) 
         "limits": LIMITS,
         "kinds": kinds,
         "sampled_small_cap": small_cap,
-        "diloco": [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS],
     }
+
+
+def measure(model: str = "xl", rank: int = 32, layers: int = 8, progress=print) -> dict:
+    """The figures of the module docstring, as ``--out`` writes them."""
+    result = {
+        **measure_kinds(model, rank, layers, progress),
+        "diloco": [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS],
+        "pace": {size: pace(size, rank, progress) for size in PACE_MODELS},
+    }
+    for size, row in result["pace"].items():
+        row["histogram_bytes_share"] = histogram_share(size, row)
+    return result
 
 
 SMALL_CAP = 1 << 20  # the entropy sample a report-only estimate takes (`edgc.control.entropy.REPORT_SAMPLE_CAP`)
@@ -261,15 +336,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="blocks of the real-tensor run (the process's peak)")
     parser.add_argument("--process-peak", choices=KINDS, help="only this kind's process peak, as one JSON line")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--pace", action="store_true", help="only the pace figures, into --out's 'pace' (kept else)")
+    parser.add_argument("--models", nargs="*", default=PACE_MODELS, help="the pace's model widths (none: shares only)")
+    parser.add_argument("--kinds-only", action="store_true", help="recount the step kinds of --out alone")
     parser.add_argument("--diloco-only", action="store_true", help="recount the diloco entries of --out alone")
     args = parser.parse_args(argv)
-    if args.diloco_only:
+    if args.diloco_only or args.kinds_only:
         figures = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
-        figures["diloco"] = [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS]
+        if args.kinds_only:
+            figures.update(measure_kinds(args.model, args.rank, args.layers))
+        if args.diloco_only:
+            figures["diloco"] = [count_outer_sync(m, groups) for m, groups in DILOCO_COUNTS]
         emit(figures, args.out)
         return 0
     if args.process_peak:
         print(json.dumps(process_peak(args.process_peak, args.layers, args.rank)))
+        return 0
+    if args.pace:
+        figures = json.loads(args.out.read_text()) if args.out is not None and args.out.exists() else {}
+        figures["pace"] = {**figures.get("pace", {}), **{model: pace(model, args.rank) for model in args.models}}
+        for model, row in figures["pace"].items():
+            row["histogram_bytes_share"] = histogram_share(model, row)
+        emit(figures, args.out)
         return 0
     emit(measure(args.model, args.rank, args.layers), args.out)
     return 0

@@ -11,6 +11,7 @@ Modules:
     hardware.py            links, devices and clusters, each number with its source
     cost_model.py          FLOPs, alpha-beta collectives, the 1F1B timeline, PowerSGD cost
     engine_model.py        our engine's jobs, kernel launches and compress time (host and device)
+    engine_launches.py     a job's dispatches per term of its layout, fitted to the engine's own counts
     shapes.py              the gradient tensors one pipeline stage's DP buffer holds
     collectives.py         the collectives one training step of each method issues
     iteration.py           one training iteration: 1F1B compute + per-stage DP sync

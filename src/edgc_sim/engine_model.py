@@ -6,9 +6,10 @@ least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.engine
 compressed matrices fall into *shape groups* (same m, n, rank); every product that reads M (P, Q
 and the residual e = M − P·Qᵀ, which a CPU with float32 gradients forms instead as M − Ĝ, matrix by
 matrix) is one batched GEMM per group on the error-feedback arena; on an
-accelerator P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (two passes), with one
-factorisation per pass and rank for all *blocks* (P blocks: groups of one (rank, m); Q blocks: one
-(rank, n), for matrices m × n), on a CPU by one Householder QR per block. What touches the
+accelerator P and Q are orthonormalised by a shifted CholeskyQR2 in float64 (P in two passes, the
+warm-started Q in its first, `edgc.engine.stretches.WARM_START_PASSES`), with one factorisation per
+pass and rank for all *blocks* (P blocks: groups of one (rank, m); Q blocks: one (rank, n), for
+matrices m × n), on a CPU by one Householder QR per block. What touches the
 gradients goes matrix by matrix, where they lie in DDP's buckets: M = G + e (one ``_foreach_add_``,
 which PyTorch runs tensor by tensor when G and e differ in dtype) and Ĝ written into each gradient
 (one product per matrix). So a job's launches are a fixed number plus a few per group and per block
@@ -16,12 +17,17 @@ which PyTorch runs tensor by tensor when G and e differ in dtype) and Ĝ written
 e and writes M, the two product forms read M, the decompression writes Ĝ, the residual reads M and
 writes e.
 
-`job_launches` counts the kernel-launching dispatches of one steady job exactly as
-`edgc_bench.dispatch_count` does (tests/sim/test_engine_model.py holds the two together); the
-time model charges each of them the device's per-op cost on the host, and the bytes and FLOPs on
-the device (`EngineCost`). A CPU does both in turn; on an accelerator the host issues ahead of the
-device (a side stream, one host read per step), so fusing buckets into fewer jobs saves time only
-while the launches, not the bytes, are the larger share.
+`job_launches` gives the kernel-launching dispatches of one steady job as `edgc_bench.dispatch_count`
+counts them: its layout's terms (`JobLayout.terms`: per job, per matrix, per shape group, per P and Q
+block, for its raw tensors) at the dispatches the engine was counted to issue per term
+(`edgc_sim.engine_launches`, fitted to the engine's own counts, none typed here;
+tests/sim/test_engine_model.py holds them to fresh counts). A job's three stretches each finish where
+the engine runs them (its finish at the hook call after its last collective): the count per step is
+the same. The time model charges each dispatch the device's per-op cost on the host, and the bytes
+and FLOPs on the device (`EngineCost`). A CPU does both in turn; on an accelerator the host issues
+ahead of the device (a side stream, one host read per step), so fusing buckets into fewer jobs saves
+time only while the launches, not the bytes, are the larger share. What the host spends per op class
+(a Cholesky is not a view) is `edgc_sim.host_ops`'s.
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from typing import NamedTuple
 
 from edgc.engine.engine_state import subtracts_estimate
 from edgc.engine.factors import compressed_rank
+from edgc.engine.stretches import WARM_START_PASSES
 from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
 
 from .collectives import MIB, ddp_buckets
+from .engine_launches import LaunchTable, Setting, job_terms, launch_table
 
 # Error feedback and factors are kept in float32 for fp32, bf16 and fp16 gradients (edgc.engine.lowrank).
 COMPUTE_BYTES = 4
@@ -65,32 +73,17 @@ HALF_WIRE_BYTES = 6 + 6
 HALF_Q_DECOMPRESS_BYTES = 6 + 6
 HALF_P_DECOMPRESS_BYTES = -2 + 6
 
-# Dispatches of the orthonormalisation (edgc.engine.factors.orthonormalize_blocks_, cholesky2-fp64): the
-# float64 cast and the copy back per call; per rank the first pass's shift (mean, clamp_, add_), the
+# Dispatches of one `edgc.engine.factors.orthonormalize_blocks_` call at its default passes (cholesky2-fp64):
+# the float64 cast and the copy back per call; per rank the first pass's shift (mean, clamp_, add_), the
 # second's (add_), a cholesky_ex per pass, and the failure check (the passes' info added, ne,
-# masked_fill_); per pass and block its Gram bmm and its triangular solve.
+# masked_fill_); per pass and block its Gram bmm and its triangular solve. Only `edgc_sim.host` uses
+# them, to take one call's launches out of its measured time; a job's dispatches are counted
+# (`edgc_sim.engine_launches`).
 ORTH_PASSES = 2
 ORTH_OPS_PER_CALL = 2
 ORTH_OPS_PER_RANK = 3 + 1 + ORTH_PASSES + (ORTH_PASSES - 1) + 2
 ORTH_OPS_PER_BLOCK = 2
 HOUSEHOLDER_OPS_PER_BLOCK = 2  # the CPU's: linalg_qr, the copy back
-# edgc.engine.factors.restart_dead_entries_ on the orthonormalised Q: nan_to_num, eq per call, a where per Q block.
-RESTART_OPS = 2
-RESTART_OPS_PER_Q_BLOCK = 1
-# edgc.device.finite.nan_unless_finite: per non-empty tensor a float64 sum, the sums added, then the mul by 0
-# and the cast to float32 (a zeros when there is no tensor).
-FLAG_OPS = 2
-FLAG_OPS_PER_TENSOR = 2
-# Measured error (every round(1/alpha) steps): ‖M‖² and ‖e‖², each a zero and per shape group a norm over
-# its sampled rows, its cast to float64, its square and the scaled add (`edgc.engine.lowrank._squares`).
-MEASURE_ERROR_OPS = 2
-MEASURE_ERROR_OPS_PER_GROUP = 8
-# The hook around the engine (edgc.sync.reducer): per job the step's non-finite flag is or-ed with the
-# job's; per step the flag is cast to float64 and stacked with the error sums for the step's one
-# host read, sums that are filled on the device when the step did not measure them (Python zeros).
-REDUCER_OPS_PER_JOB = 1
-REDUCER_OPS_PER_STEP = 2
-UNMEASURED_ERROR_FILLS = 2
 
 
 class EngineRates(NamedTuple):
@@ -117,10 +110,11 @@ class JobLayout:
     groups: int  #: shape groups: distinct (m, n, rank)
     p_blocks: dict  #: rank -> P blocks of that rank (distinct m)
     q_blocks: dict  #: rank -> Q blocks of that rank (distinct n)
+    raw_tensors: int = 0  #: non-empty tensors sent raw
 
     @classmethod
     def plan(cls, shapes: Sequence[tuple], rank: int, min_compression_rate: float = 2.0) -> JobLayout:
-        matrices, raw = [], 0
+        matrices, raw, raw_tensors = [], 0, 0
         for shape in shapes:
             values = math.prod(shape)
             view = (shape[0], values // shape[0]) if len(shape) >= 2 and values else None
@@ -128,9 +122,14 @@ class JobLayout:
             if r:
                 matrices.append((*view, r))
             else:
-                raw += values
+                raw, raw_tensors = raw + values, raw_tensors + bool(values)
         groups = set(matrices)
-        return cls(tuple(matrices), raw, len(groups), _blocks(groups, lambda m, n: m), _blocks(groups, lambda m, n: n))
+        p_blocks, q_blocks = _blocks(groups, lambda m, n: m), _blocks(groups, lambda m, n: n)
+        return cls(tuple(matrices), raw, len(groups), p_blocks, q_blocks, raw_tensors)
+
+    def terms(self) -> dict:
+        """Its terms of the dispatch count (`edgc_sim.engine_launches.job_terms`)."""
+        return job_terms(self.matrices, self.raw_tensors, sum(self.p_blocks.values()), sum(self.q_blocks.values()))
 
 
 def _blocks(groups: set, side) -> dict:
@@ -150,11 +149,6 @@ def orth_launches(blocks: dict, *, householder: bool = False) -> int:
     )
 
 
-def flag_launches(tensors: int) -> int:
-    """Dispatches of `edgc.device.finite.nan_unless_finite` over that many non-empty, non-float64 tensors."""
-    return FLAG_OPS + FLAG_OPS_PER_TENSOR * tensors - 1 if tensors else 1
-
-
 def job_launches(
     job: JobLayout,
     *,
@@ -163,39 +157,16 @@ def job_launches(
     world_size: int = 2,
     measure_error: bool = False,
     tracked: bool = False,
+    table: LaunchTable | None = None,
 ) -> int:
-    """Kernel-launching dispatches of one steady `reduce_steps` job, in its order. ``accelerator``:
-    the accelerator's orthonormalisation (batched CholeskyQR2, not Householder per block);
+    """Kernel-launching dispatches of one steady `reduce_steps` job: its terms (`JobLayout.terms`) at the
+    dispatches the engine was counted to issue per term (``table``, default the committed
+    `edgc_sim.engine_launches.launch_table`). ``accelerator``: the accelerator's kernels;
     ``half_gradients``: bf16 gradients with float32 error feedback (fp16 adds power-of-two
     scalings, not counted); ``world_size`` > 1 divides before each all-reduce; ``tracked``: within
     a hook's step, whose end puts the stored Q back after a non-finite step (no select on the device)."""
-    raw = job.raw_values > 0
-    divides = world_size > 1
-    matrices = len(job.matrices)
-    ops = 0
-    if matrices:  # M = G + e: one _foreach_add_, a kernel per matrix when G and e differ in dtype
-        ops += matrices if half_gradients else 1
-        ops += orth_launches(job.q_blocks, householder=not accelerator)  # Q's warm start
-        ops += RESTART_OPS + RESTART_OPS_PER_Q_BLOCK * sum(job.q_blocks.values())
-        ops += job.groups  # Pᵀ = Qᵀ·Mᵀ, one bmm per group
-    ops += 2 + flag_launches(bool(matrices) + raw) + 1  # raw message (new_zeros, cat), its flag, copy_
-    ops += divides  # the raw message's mean
-    ops += raw  # _foreach_copy_ of the averaged raw tensors back
-    ops += half_gradients  # the flag's cast to float32
-    if not matrices:
-        return ops + 1  # isnan: the job ends after the raw message
-    wire_ops = 2 if half_gradients else int(divides)  # P's and Q's mean: div into the wire dtype, copy back; or div_
-    ops += 2 * wire_ops
-    ops += orth_launches(job.p_blocks, householder=not accelerator) + job.groups  # orth(P), Qᵀ = Pᵀ·M per group
-    ops += flag_launches(1) + 1 + 1  # Q's flag, poison + flag, isnan
-    ops += 1 + half_gradients  # P + poison (cast in the same op), Q cast to the gradient's dtype
-    ops += 2 * half_gradients  # both cast back to the arena's dtype for the residual
-    ops += matrices  # Ĝ matrix by matrix into the gradients
-    # e: M − Ĝ matrix by matrix on a CPU with float32 gradients, else M − P·Qᵀ, one baddbmm per group
-    ops += matrices if subtracts_estimate(not accelerator, not half_gradients) else job.groups
-    ops += not tracked  # the kept Q's where, outside a tracked step
-    measured = MEASURE_ERROR_OPS + MEASURE_ERROR_OPS_PER_GROUP * job.groups
-    return ops + (measured if measure_error else 0)
+    setting = Setting(accelerator, half_gradients, world_size > 1, measure_error, tracked)
+    return (table or launch_table()).job(setting, job.terms())
 
 
 def engine_jobs(
@@ -231,33 +202,34 @@ def step_launches(
     world_size: int = 2,
     measure_error: bool = False,
     min_compression_rate: float = 2.0,
+    table: LaunchTable | None = None,
 ) -> int:
-    """Dispatches of one compressed step through the DDP hook: every job's, and the reducer's own."""
-    return (
-        REDUCER_OPS_PER_STEP
-        + (0 if measure_error else UNMEASURED_ERROR_FILLS)
-        + sum(
-            REDUCER_OPS_PER_JOB
-            + job_launches(
-                JobLayout.plan(job, rank, min_compression_rate),
-                accelerator=accelerator,
-                half_gradients=half_gradients,
-                world_size=world_size,
-                measure_error=measure_error,
-                tracked=True,
-            )
-            for job in jobs
+    """Dispatches of one compressed step through the DDP hook: every job's, and the hook's own per job
+    and per step (counted on static steps: `LaunchTable.hook`)."""
+    table = table or launch_table()
+    return table.hook["per_step"] + sum(
+        table.hook["per_job"]
+        + job_launches(
+            JobLayout.plan(job, rank, min_compression_rate),
+            accelerator=accelerator,
+            half_gradients=half_gradients,
+            world_size=world_size,
+            measure_error=measure_error,
+            tracked=True,
+            table=table,
         )
+        for job in jobs
     )
 
 
-def orth_flops(rank: int, side: int, *, householder: bool = False) -> float:
-    """FLOPs of orthonormalising one r x k factor: by the shifted CholeskyQR2, per pass the Gram matrix
-    X·Xᵀ (2 r² k) and the triangular solve L⁻¹·X (r² k), the r x r Cholesky (r³/3) left out; by
-    Householder (``householder``, a CPU's), geqrf and orgqr, 2 r² k each less O(r³)."""
+def orth_flops(rank: int, side: int, *, householder: bool = False, passes: int = ORTH_PASSES) -> float:
+    """FLOPs of orthonormalising one r x k factor: by the shifted CholeskyQR2, per pass (``passes``: the
+    warm start runs fewer) the Gram matrix X·Xᵀ (2 r² k) and the triangular solve L⁻¹·X (r² k), the
+    r x r Cholesky (r³/3) left out; by Householder (``householder``, a CPU's: always whole), geqrf and
+    orgqr, 2 r² k each less O(r³)."""
     if householder:
         return 4 * rank * rank * side
-    return ORTH_PASSES * 3 * rank * rank * side
+    return passes * 3 * rank * rank * side
 
 
 class EngineCost(NamedTuple):
@@ -284,6 +256,7 @@ def job_cost(
     *,
     world_size: int = 2,
     measure_error: bool = False,
+    warm_start_passes: int = WARM_START_PASSES,
 ) -> EngineCost:
     """Compress + decompress of one job: on the host its launches at the per-op cost; on the device,
     per compressed matrix, two product GEMMs reading M (float32 arena, FLOPs at the float32 rate the
@@ -292,7 +265,8 @@ def job_cost(
     accesses among the elementwise ones, its FLOPs at the float32 rate; on a CPU with float32
     gradients a read of Ĝ instead), the elementwise passes,
     the factors' elementwise bytes and their orthonormalisation (FLOPs at the measured rate, or the
-    float32 matmul rate where none was measured)."""
+    float32 matmul rate where none was measured; ``warm_start_passes``: Q's, an engine's before its
+    warm start ran fewer than P's)."""
     half = bytes_per_value < COMPUTE_BYTES
     grad_accesses, arena_accesses = ELEMENTWISE_ACCESSES
     arena_accesses += MEASURE_ERROR_ACCESSES if measure_error else 0
@@ -321,7 +295,8 @@ def job_cost(
             * (m * (P_FACTOR_BYTES + cast_bytes + p_half) + n * (Q_FACTOR_BYTES + cast_bytes + q_half))
             / mem_bytes_per_s
         )
-        seconds += (orth_flops(r, m, householder=householder) + orth_flops(r, n, householder=householder)) / orth_rate
+        warm_start = orth_flops(r, n, householder=householder, passes=warm_start_passes)
+        seconds += (orth_flops(r, m, householder=householder) + warm_start) / orth_rate
     launches = job_launches(
         job,
         accelerator=rates.accelerator,
@@ -330,7 +305,7 @@ def job_cost(
         measure_error=measure_error,
         tracked=True,
     )
-    return EngineCost((launches + REDUCER_OPS_PER_JOB) * launch_s, seconds)
+    return EngineCost((launches + launch_table().hook["per_job"]) * launch_s, seconds)
 
 
 def engine_step_cost(
@@ -345,6 +320,7 @@ def engine_step_cost(
     world_size: int = 2,
     measure_error: bool = False,
     min_compression_rate: float = 2.0,
+    warm_start_passes: int = WARM_START_PASSES,
 ) -> EngineCost:
     """Host and device time of one step whose jobs hold these tensor shapes (`engine_jobs`)."""
     costs = [
@@ -357,11 +333,13 @@ def engine_step_cost(
             rates,
             world_size=world_size,
             measure_error=measure_error,
+            warm_start_passes=warm_start_passes,
         )
         for job in jobs
     ]
-    step_ops = REDUCER_OPS_PER_STEP + (0 if measure_error else UNMEASURED_ERROR_FILLS)
-    return EngineCost(step_ops * launch_s + sum(c.host_s for c in costs), sum(c.device_s for c in costs))
+    return EngineCost(
+        launch_table().hook["per_step"] * launch_s + sum(c.host_s for c in costs), sum(c.device_s for c in costs)
+    )
 
 
 def engine_compute_time(

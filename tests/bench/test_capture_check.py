@@ -178,3 +178,17 @@ def test_buffers_used_in_turn_need_a_region_per_buffer_and_that_period():
     assert {v.kind for v in alternating} == {ARGUMENTS}, alternating
     assert check_capture(InTurn(per_half=True).step, 4, period=2, library=HERE) == []
     assert [v.kind for v in check_capture(InTurn(per_half=True).step, 2, library=HERE)] == [NEW_REGION]
+
+
+@pytest.mark.parametrize("kind", ["static", "sampled"])
+def test_the_engines_steady_steps_pass_the_capture_checker(kind):
+    """The DDP hook's steady steps on a small GPT-2 (a region per stretch, per Q buffer and per step kind):
+    nothing a graph could not hold, at period 2 over four steps, so that each region's
+    call is compared with its call before and each Q buffer's region with the one two steps before."""
+    from edgc_bench.capture_check import check_hook_capture
+    from edgc_bench.gpt2_layout import gpt2_parameters
+    from edgc_bench.hook_steps import sampled_config
+
+    settings = {"config": sampled_config(8)} if kind == "sampled" else {}
+    violations = check_hook_capture(gpt2_parameters("tiny"), 4, period=2, rank=8, **settings)
+    assert violations == [], "\n".join(map(str, violations))

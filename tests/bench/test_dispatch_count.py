@@ -88,6 +88,9 @@ def test_the_counted_step_is_a_steady_compressed_step():
     assert once.by_op == twice.by_op
     assert once.host_reads == 1
     assert once.matrices == sum(len(shape) >= 2 for _, shape in named) == once.compressed
+    # the accelerator's fusion gathers this small model's buckets into one job, started by the last
+    # bucket: all of the step follows its entry
+    assert once.buckets > 1 and once.extra["after_last_bucket"] == once.dispatches
 
 
 def ddp_layout_worker(rank, world_size, caps):

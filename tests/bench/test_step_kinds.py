@@ -34,10 +34,15 @@ def test_every_kind_is_a_compressed_step_of_its_own_kind(counts):
 
 
 def test_a_rank_change_that_keeps_its_matrices_rebuilds_the_arena_in_place(counts):
-    """No second arena beside the old one, nothing of it copied: the arena's bytes are static's."""
+    """No second arena beside the old one, nothing of it copied. The new rank's factors (P and two Q
+    buffers) are built while the old ones are still read for the warm start, so the peak may pass
+    static's by those, which at a small model's widths are a large share of an element's bytes; a
+    second fp32 arena would add 4 B an element on top."""
     static, change = counts["static"], counts["rank-change"]
-    assert per_element(change, change.peak_state_bytes) <= per_element(static, static.peak_state_bytes)
-    assert per_element(change, change.bytes_by_op.get("zeros", 0)) < 0.1  # no zero-filled arena
+    extra = per_element(change, change.peak_state_bytes) - per_element(static, static.peak_state_bytes)
+    assert extra < 4.0
+    # no zero-filled arena (4 B an element); the new factors buffer is zero-filled, a fraction of one
+    assert per_element(change, change.bytes_by_op.get("zeros", 0)) < 1.0
 
 
 def test_torchfts_uncommitted_step_holds_one_spare_arena(counts):
@@ -72,6 +77,8 @@ def test_the_committed_figures_are_this_engines_static_step_and_the_page_shows_t
     script = load_script("step_kinds_to_docs")
     page = (ROOT / "docs" / "concepts" / "engine.md").read_text()
     assert script.block(FIGURES) in page
+    pace = script.pace_block(FIGURES, json.loads(script.BEFORE.read_text()))  # the engine page's and the GPU page's
+    assert pace in page and pace in (ROOT / "docs" / "gpu.md").read_text()
 
 
 def test_the_committed_outer_sync_is_diloco_s_default():

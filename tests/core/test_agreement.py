@@ -59,6 +59,7 @@ ALTERNATIVES = {
     "orthonormalization": "cholesky2-fp64",
     "seed": 715,
     "rank_change": "truncate",
+    "cuda_graphs": True,
 }
 # a registered sync method's class → its constructor's arguments, each with two valid values (rank 1
 # takes the one its name does not fix, or the first: so the first must differ from the default)

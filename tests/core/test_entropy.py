@@ -60,7 +60,7 @@ def histc_samples():
 
 @pytest.mark.parametrize("bins", [2, 7, 10, 1000])
 def test_histogram_counts_are_those_of_histc_on_cpu(bins):
-    from edgc.control.entropy import histogram_counts
+    from edgc.control.histogram import histogram_counts
 
     for sample in histc_samples():
         low, high = torch.aminmax(sample)
@@ -110,24 +110,37 @@ def test_sampler_samples_every_kth_step_and_element_and_counts_nonfinite():
     assert sampler.calls == 2 and sampler.seconds_total > 0
 
 
-def test_a_sampled_step_gathers_its_buckets_into_one_sample_and_reads_it_for_range_and_finiteness_once():
-    """Once a step's size is known, every bucket's strided copy goes straight into one vector (no copy
-    of the parts into one at the end), and the histogram's range is the finite check too: no pass over
-    the sample for each (a sampled step's bytes at GPT-2 XL, `edgc_bench.step_kinds`)."""
+def test_a_sampled_step_gathers_each_bucket_with_one_gather_and_estimates_without_atomics_or_reads():
+    """A bucket's tensors are views of one flat buffer (DDP's): its sample is one gather from it, straight
+    into the step's one vector once the step's size is known (no copy per tensor, no join at the end);
+    the estimate counts into private rows (no index-add over shared bins) and reaches the host in one
+    read at the step's end (`edgc.device.totals.StepTotals`)."""
+    from edgc.device.totals import StepTotals
+    from edgc_bench.gpu_support import counted_host_reads
+
     sampler = EntropySampler(EDGCConfig(iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, entropy_bins=10))
     generator = torch.Generator().manual_seed(6)
-    buckets = [[torch.randn(101, generator=generator), torch.randn(7, 9, generator=generator)], [torch.randn(50)]]
+    sizes = [[101, 63], [50]]
+    flats = [torch.randn(sum(bucket), generator=generator) for bucket in sizes]
+    buckets = [list(flat.split(bucket)) for flat, bucket in zip(flats, sizes)]
+    buckets[0][1] = buckets[0][1].view(7, 9)
     values = []
     for step in range(2):
-        with Ops() as ops:
+        totals = StepTotals()
+        with Ops() as ops, counted_host_reads() as host:
             sampler.begin(step)
             for bucket in buckets:
                 sampler.add(bucket)
-            values.append(sampler.finish())
+            sampler.close(totals)
+            totals.send(torch.device("cpu"))
+            totals.read()
+            values.append(sampler.settle(totals))
+        assert host.reads == 1
     joined = torch.cat([t.reshape(-1)[::2] for bucket in buckets for t in bucket])
     assert values == [pytest.approx(histogram_entropy(joined, bins=10))] * 2
-    assert ops.names.count("cat.out") == 2 and "cat.default" not in ops.names, ops.names  # one per bucket
-    assert ops.names.count("aminmax.default") == 1 and "sum.dim_IntList" not in ops.names, ops.names
+    assert ops.names.count("index_select.out") == 2 and "cat.default" not in ops.names, ops.names
+    assert ops.names.count("cat.out") == 1, ops.names  # the step's values joined for the host, not the sample
+    assert not any(name.startswith(("index_add", "histc", "bincount")) for name in ops.names), ops.names
 
 
 def test_sampler_copies_the_sample_before_the_gradient_is_overwritten():

@@ -50,11 +50,19 @@ def test_warmup_end_and_each_decision_are_one_line_each_with_their_data(caplog_e
     [warmup] = said(caplog_edgc, "warmup_over")
     assert warmup.levelno == logging.INFO and warmup.edgc["step"] == config.warmup_floor()
     assert warmup.getMessage().startswith(f"step {config.warmup_floor()}: EDGC warm-up is over")
+    assert warmup.edgc["cuda_graphs"] is False and "CUDA graphs" not in warmup.getMessage()
     decisions = said(caplog_edgc, "decision")
     assert decisions and decisions[-1].edgc == state.last_decision
     assert any(d.edgc["rank"] != d.edgc["old_rank"] for d in decisions)  # the budget moves the rank
     for record in caplog_edgc.records:
         assert "\n" not in record.getMessage() and record.getMessage() == record.edgc["message"]
+
+
+def test_the_warmup_end_says_whether_cuda_graphs_are_on(caplog_edgc):
+    config = EDGCConfig(r_max=4, window=3, total_steps=30, warmup_error_test=False, adaptive=False, cuda_graphs=True)
+    run(config, config.warmup_floor() + 1)
+    [warmup] = said(caplog_edgc, "warmup_over")
+    assert warmup.edgc["cuda_graphs"] is True and "CUDA graphs on" in warmup.getMessage()
 
 
 def test_the_profiling_verdict_says_r_max_or_why_compression_is_off(caplog_edgc):

@@ -217,10 +217,13 @@ def test_a_non_finite_raw_bias_on_one_rank_sets_the_step_flag_whatever_the_bucke
     assert torch.equal(results[0][2], results[1][2])
 
 
-def test_persistent_compressor_memory_is_at_most_1_05_times_the_gradients():
-    # Error feedback (the compressed matrices), Q (n × r each) and one set of restart rows per
-    # (r, n): nothing else survives a step. Q is r/m of its matrix: rank 8 on these 256-wide
-    # matrices is the share rank 32 has on GPT-2's.
+def test_persistent_compressor_memory_is_at_most_1_07_times_the_gradients():
+    # Error feedback (the compressed matrices); P (m × r) and two Q buffers (n × r each), used in turn
+    # (the fixed buffers a job's stretches read and write, the previous Q kept for a rollback); restart
+    # rows laid out as Q, in bfloat16; the raw tensors' buffer with its flag and the step's verdict and
+    # error sums: nothing else survives a step. Q is r/m of its matrix: rank 8 on these 256-wide
+    # matrices is the share rank 32 has on GPT-2's. P and the second Q were a step's transients before
+    # they were kept: the step's peak (edgc_bench.step_kinds) is what they did not raise.
     model = torch.nn.Sequential(torch.nn.Embedding(512, 256), torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -229,10 +232,11 @@ def test_persistent_compressor_memory_is_at_most_1_05_times_the_gradients():
     named = list(model.named_parameters())
     compressor.reduce([n for n, _ in named], [p.grad for _, p in named], 8, Communicator())
     matrices = [p.shape for _, p in named if p.dim() == 2]
-    values = sum(m * n + n * 8 for m, n in matrices) + sum(n * 8 for n in {n for _, n in matrices})
+    raw = sum(p.numel() for _, p in named if p.dim() < 2)
+    values = sum(m * n + (2 * n + m) * 8 for m, n in matrices) + raw + 1 + 1 + 2  # + flag, poison, sums
     persistent = compressor.state.state_bytes()
-    assert persistent == 4 * values
-    assert persistent <= 1.05 * gradient_bytes, persistent / gradient_bytes
+    assert persistent == 4 * values + 2 * sum(n * 8 for _, n in matrices) + 1  # restart rows; the verdict
+    assert persistent <= 1.07 * gradient_bytes, persistent / gradient_bytes
 
 
 def world_of_one_worker(rank, world_size):

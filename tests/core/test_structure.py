@@ -73,7 +73,7 @@ def test_the_end_of_a_step_is_one_named_value_read_once(monkeypatch):
         totals.add(late=1.0)  # sent: nothing more
     totals.read()
     totals.read()
-    assert len(reads) == 1 and reads[0].shape == (5,)  # one tensor, one read
+    assert len(reads) == 1 and reads[0].shape == (4,)  # one tensor (Python numbers stay on the host), one read
     assert (totals["norm_sq"], totals["probe_norm_sq"], totals.get("nonfinite")) == (6.0, 4.0, 0.0)
     assert "probe_error_sq" in totals and "absent" not in totals and totals.get("absent") == 0.0
     with pytest.raises(ValueError):

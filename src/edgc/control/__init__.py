@@ -2,6 +2,9 @@
 
 Modules:
     entropy.py      GDS — the gradient data sampler: cheap gradient-entropy estimates.
+    gather.py       One sampled step's gradient sample, gathered with one gather per buffer its tensors lie in.
+    histogram.py    Entropy estimates of a gradient sample on the device: no atomics into few bins, no host read, no
+                    size that depends on the values.
     budget.py       The byte budget: spend a mean rank over the compressed steps, more of it early (pure logic).
     profiling.py    Sync-time tables: {rank → measured gradient-sync time}, the r_max rule, interpolation.
     alignment.py    DAC stage alignment: per-pipeline-stage ranks so all stages finish gradient sync together.

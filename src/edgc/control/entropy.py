@@ -3,35 +3,46 @@
 Two levels of down-sampling (paper §2.4): the entropy is estimated only on every
 round(1/α)-th optimizer step, and only on a β fraction of the gradient elements.
 
-Element choice: every k-th element (k = round(1/β)) of each flattened gradient tensor, starting at element 0. A fixed
-stride (as in the authors' code) is deterministic, needs no random generator, is identical on every run and resume,
-and does not depend on how DDP groups tensors into buckets. Non-finite values are dropped from the sample and counted.
+Element choice: every k-th element (k = round(1/β)) of each flattened gradient tensor,
+starting at element 0. A fixed stride (as in the authors' code) is deterministic, needs no
+random generator, is identical on every run and resume, and does not depend on how DDP
+groups tensors into buckets. Non-finite values are dropped from the sample and counted.
 
 Where a rank decision reads the samples, the sample holds at most ``entropy_sample_cap`` elements
-(2²² by default): on a GPU the histogram's integer index-add into a thousand bins is one atomic per
-element, and at GPT-2 XL the whole β sample (~390M elements) made that one kernel most of a sampled
-step's device time, with the sample and its bin index held beside the engine's state (docs/gpu.md).
-The histogram reads and writes ~60 B per sampled element (gather, range, bin index, index-add): at
-2²² a sampled step at GPT-2 XL moves under 32 B per compressed element, as a static step does
-(docs/concepts/engine.md), where 2²⁴ added 0.6 B. A larger sample buys little: over the sample's own
+(2²² by default): at GPT-2 XL the whole β sample (~390M elements), counted with one atomic
+index-add into a thousand bins, made that one kernel most of a sampled step's device time, with the
+sample and its bin index held beside the engine's state (docs/gpu.md). The histogram is now counted
+into private rows without shared counters (`edgc.control.histogram`), and reads and writes ~70 B per
+sampled element (gather, range, bin index, counts): at 2²² a sampled step at GPT-2 XL moves under
+32 B per compressed element, as a static step does (docs/concepts/engine.md). A larger sample buys
+little: over the sample's own
 [min, max] the estimate's spread is set by the sample's extremes, and for a Gaussian or a
 heavy-tailed (Student-t, ν = 4) sample it is about the same at 2²² as at 2²⁴.
 Every sampled step of a run then reads a sample of the same size, so the estimates a decision
 compares stay comparable (a histogram over the sample's own [min, max] depends on its size).
 
-Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal), they are for the
-report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a 1000-bin histogram of 7M elements costs
-~40 ms of a step on one CPU core (the ``small`` bench preset), of 1M about 6 ms, and its entropy moves by far less
-than the step-to-step changes the report shows. The thinning is applied to the stride itself (every c·k-th element of
-each tensor, c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is never
-gathered: gathering and concatenating it cost more than the histogram (~30 ms on that preset). On the first sampled
-step, before any count, each bucket's β sample is gathered and thinned before they are joined.
+The sample is gathered bucket by bucket with one gather per buffer its tensors lie in (a DDP bucket's
+flat buffer: one ``index_select`` with the positions of its tensors' every k-th elements, kept per
+bucket layout), not a copy per tensor, in the gradients' dtype. Its estimate is made on the device
+when the step closes and reaches the host with the step's one read (`edgc.device.totals.StepTotals`):
+a sampled step reads the host no more often than a static one.
 
-Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a layer with
-dead experts would pile their zeros into the histogram and pull the estimate (and the rank) down. The exact zeros of
-the experts' matrices are left out of the sample (`add(..., experts=…)`): one more read of the step's count of them,
-at the step's end, where the estimate reads anyway. A live expert's gradient has next to no exact zeros; a dense
-parameter's zeros (an embedding's unused rows) stay, as the paper's estimator has them.
+Where no rank decision reads the samples (a hand-set schedule, the budget's ``schedule`` signal),
+they are for the report only, and the estimate uses at most ``REPORT_SAMPLE_CAP`` elements: a
+1000-bin histogram of 7M elements costs ~40 ms of a step on one CPU core (the ``small`` bench
+preset), of 1M about 6 ms, and its entropy moves by far less than the step-to-step changes the
+report shows. The thinning is applied to the stride itself (every c·k-th element of each tensor,
+c = ⌈β-sample size / cap⌉, from the element count of the step before), so the full β sample is
+never gathered: gathering and concatenating it cost more than the histogram (~30 ms on that
+preset). On the first sampled step, before any count, each bucket's β sample is gathered and
+thinned before they are joined.
+
+Experts (`edgc.distributed.experts`): an expert that received no token has an exactly zero gradient, and a
+layer with dead experts would pile their zeros into the histogram and pull the estimate (and the rank)
+down. The exact zeros of the experts' matrices are left out of the sample (`add(..., experts=…)`): one
+more read of the step's count of them, at the step's end, where the estimate reads anyway. A live
+expert's gradient has next to no exact zeros; a dense parameter's zeros (an embedding's unused rows)
+stay, as the paper's estimator has them.
 """
 
 from __future__ import annotations
@@ -46,59 +57,36 @@ import torch
 from ..config import EDGCConfig
 from ..device import timing
 from ..device.finite import all_finite
+from ..device.totals import StepTotals
 from ..policies.signals import get_signal
+from .gather import SampleBuffers, StepGather, nonzero_values  # noqa: F401 (nonzero_values: its old place)
+from .histogram import finite_mask, gaussian_variance_on_device, histogram_entropy_on_device
 
 REPORT_SAMPLE_CAP = 1 << 20  # elements in a report-only estimate
 
 
-def histogram_counts(values: torch.Tensor, bins: int, bounds: tuple | None = None) -> torch.Tensor:
-    """Counts (int64) of finite fp32 ``values`` in ``bins`` equal bins over their own [min, max].
-
-    The same counts as ``torch.histc(values, bins, min, max)`` on CPU: bin ⌊(x − min)·bins/(max − min)⌋
-    in fp32 arithmetic, the top edge in the last bin, a constant sample all in the first. Built from
-    arithmetic and an integer index-add, so it is deterministic and reads nothing to the host on
-    every device: ``histc`` on CUDA refuses ``torch.use_deterministic_algorithms(True)`` and needs
-    the range as host numbers, and ``bincount`` on CUDA reads its size to the host. ``bounds``: the
-    values' ``torch.aminmax``, where the caller has it (a pass over the values fewer).
-    """
-    low, high = torch.aminmax(values) if bounds is None else bounds
-    span = high - low
-    span = torch.where(span > 0, span, torch.ones_like(span))  # a constant sample: every element in bin 0
-    # A range past ~10³⁵ overflows this fp32 product (in histc too, where it is undefined): such
-    # elements land in an end bin, never outside.
-    index = (values - low).mul_(bins).div_(span).to(torch.int32).clamp_(0, bins - 1)
-    # Counted in int32 below 2³¹ elements (half the bytes of the index-add's source), returned as int64.
-    dtype = torch.int32 if values.numel() < 2**31 else torch.int64
-    one = torch.ones((), dtype=dtype, device=values.device)
-    counts = torch.zeros(bins, dtype=dtype, device=values.device).index_add_(0, index, one.expand(index.shape))
-    return counts.to(torch.int64)
-
-
 def histogram_entropy(sample: torch.Tensor, bins: int = 1000, bounds: tuple | None = None) -> float:
-    """Plug-in Shannon entropy (nats) of a histogram over the sample's own [min, max].
-
-    Because the bin edges adapt to the range, this is scale-invariant: it measures how
-    concentrated the values are relative to their spread. A constant sample has entropy 0.
-    One host read: the result.
+    """Plug-in Shannon entropy (nats) of a histogram over the finite values' own [min, max]
+    (`edgc.control.histogram`): scale-invariant, it measures how concentrated the values are relative to
+    their spread. A constant sample has entropy 0; an empty one NaN. One host read: the result.
 
     Args:
         sample: the values, any shape.
         bins: the histogram's bins.
-        bounds: the sample's ``torch.aminmax``, if the caller has it.
+        bounds: unused, for callers of earlier versions.
 
     Returns:
         The entropy in nats (NaN for an empty sample).
     """
-    x = sample.detach().reshape(-1).float()
-    if x.numel() == 0:
+    if sample.numel() == 0:
         return float("nan")
-    p = histogram_counts(x, bins, bounds) / x.numel()
-    (value,) = timing.to_host(-torch.xlogy(p, p).sum())  # xlogy(0, 0) = 0: empty bins add nothing
+    entropy, _ = histogram_entropy_on_device(sample.detach(), bins)
+    (value,) = timing.to_host(entropy)
     return value + 0.0  # no −0.0
 
 
 def gaussian_entropy(sample: torch.Tensor) -> float:
-    """Differential entropy ½·ln(2πeσ²) (nats) of a Gaussian with the sample's variance.
+    """Differential entropy ½·ln(2πeσ²) (nats) of a Gaussian with the finite values' variance.
 
     Args:
         sample: the values, any shape.
@@ -106,12 +94,17 @@ def gaussian_entropy(sample: torch.Tensor) -> float:
     Returns:
         The entropy in nats (NaN under two values, −inf for a constant sample).
     """
-    x = sample.detach().reshape(-1).double()
-    if x.numel() < 2:
+    if sample.numel() < 2:
         return float("nan")
-    (variance,) = timing.to_host(x.var())
-    if variance <= 0:
-        return float("-inf")
+    variance, _ = gaussian_variance_on_device(sample.detach())
+    (value,) = timing.to_host(variance)
+    return gaussian_entropy_of(value)
+
+
+def gaussian_entropy_of(variance: float) -> float:
+    """½·ln(2πeσ²) of a variance (−inf for 0, NaN for NaN)."""
+    if not variance > 0:
+        return float("-inf") if variance == 0 else float("nan")
     return 0.5 * math.log(2 * math.pi * math.e * variance)
 
 
@@ -149,14 +142,6 @@ def drop_nonfinite(sample: torch.Tensor, bounds: tuple | None = None) -> tuple[t
     return sample[finite], int(sample.numel() - kept)
 
 
-def nonzero_values(values: torch.Tensor) -> torch.Tensor:
-    """The elements of ``values`` that are not exactly zero, in order (one read of their count, through
-    `edgc.device.timing.to_host`: step end only; the gather itself reads nothing)."""
-    keep = values.ne(0)
-    (count,) = timing.to_host(keep.sum())
-    return values[torch.nonzero_static(keep, size=int(count)).reshape(-1)]
-
-
 def strided_sample(tensors: Iterable[torch.Tensor], stride: int) -> tuple[torch.Tensor, int]:
     """Every ``stride``-th element of each tensor, as one fp32 vector, and the non-finite count."""
     return drop_nonfinite(strided_copy(tensors, stride))
@@ -181,56 +166,14 @@ class SamplingSettings:
         )
 
 
-class StepGather:
-    """One sampled step's gradient sample, gathered bucket by bucket without a host read.
-
-    Into one vector sized from the step before (no copy of the parts into one at the end); parts
-    that do not fit, or the first step's, are kept apart and joined in `sample`."""
-
-    def __init__(self, step: int, stride: int, thinned: bool, room: int | None):
-        self.step = step
-        self.stride = stride  # this step's stride, the cap folded in where `thinned`
-        self.thinned = thinned  # else a report sample is thinned after gathering
-        self.room_size = room  # elements the step's sample can hold at most, once a step is known
-        self.room: torch.Tensor | None = None
-        self.filled = 0
-        self.parts: list[torch.Tensor] = []
-        self.expert_parts: list[torch.Tensor] = []  # experts' matrices: their exact zeros left out at the end
-        self.seconds = 0.0
-
-    def add(self, tensors: list[torch.Tensor], experts: list[torch.Tensor] = ()) -> None:
-        if experts:
-            self.expert_parts.append(strided_copy(experts, self.stride))
-        if not tensors:
-            return
-        if self.room is None and self.room_size and not self.filled:
-            self.room = torch.empty(self.room_size, dtype=torch.float32, device=tensors[0].device)
-        size = strided_size(tensors, self.stride)
-        if self.room is not None and not self.parts and self.filled + size <= self.room.numel():
-            strided_copy(tensors, self.stride, self.room[self.filled : self.filled + size])
-            self.filled += size
-        else:  # filtered in finish(): no per-bucket read
-            self.parts.append(strided_copy(tensors, self.stride))
-
-    def sample(self, cap: int | None) -> torch.Tensor:
-        """The step's sample, in the order its buckets came, thinned to ``cap`` if not already."""
-        parts = ([self.room[: self.filled]] if self.filled else []) + self.parts
-        if self.expert_parts:
-            parts.append(nonzero_values(torch.cat(self.expert_parts)))
-        size = sum(part.numel() for part in parts)
-        if cap is not None and not self.thinned and size > cap:  # thinned before the copy into one
-            parts = [part[:: math.ceil(size / cap)] for part in parts]
-        if len(parts) == 1 and parts[0].is_contiguous():
-            return parts[0]
-        return torch.cat(parts) if parts else torch.empty(0)
-
-
 class EntropySampler:
     """Collects the sampled gradient of one step (possibly bucket by bucket) and records its entropy.
 
-    Usage per step: ``begin(step)``; ``add(tensors)`` for each bucket; ``finish()``. On steps that
-    are not due (step % ``config.sample_period`` != 0) all three are no-ops but for ``add`` counting the
-    step's elements (a report sample's stride needs them), so the hot path pays nothing.
+    Usage per step: ``begin(step)``; ``add(tensors)`` for each bucket; ``close(totals)`` when the step's
+    buckets are all in (its estimate made on the device, into the step's `StepTotals`), ``settle(totals)``
+    once they are read (or ``finish()``: both, reading the host at once). On steps that are not due
+    (step % ``config.sample_period`` != 0) all of them are no-ops but for ``add`` counting the step's
+    elements (a report sample's stride needs them), so the hot path pays nothing.
 
     Args:
         config: the `EDGCConfig` whose sampling fields (α, β, bins, estimator) it follows.
@@ -250,6 +193,8 @@ class EntropySampler:
         self.tensors_per_step: int | None = None  # and its tensors
         self._counted = [0, 0]  # elements and tensors of this step so far
         self._gather: StepGather | None = None  # this step's sample, on a sampled step
+        self._closed: tuple | None = None  # (step, sample size, seconds) of a sample closed, until settled
+        self._buffers = SampleBuffers()  # what sampled steps keep: gather indices, the sample's vector
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is sampled.
@@ -258,7 +203,7 @@ class EntropySampler:
             step: the optimizer step.
 
         Returns:
-            True when step % the sampling period is 0.
+            True when the step is a multiple of the sampling period.
         """
         return step % self.settings.every == 0
 
@@ -272,15 +217,15 @@ class EntropySampler:
         if self._counted[0]:
             self.elements_per_step, self.tensors_per_step = self._counted
         self._counted = [0, 0]
-        self._gather = None
+        self._gather = self._closed = None
         if not (enabled and self.due(step)):
             return
         stride, cap = self.settings.stride, self.settings.cap
         thinned = cap is not None and bool(self.elements_per_step)
         if thinned:
             stride *= max(1, math.ceil(self.elements_per_step / stride / cap))
-        room = math.ceil(self.elements_per_step / stride) + self.tensors_per_step if self.tensors_per_step else None
-        self._gather = StepGather(step, stride, thinned, room)  # at most a step's elements
+        size = math.ceil(self.elements_per_step / stride) + self.tensors_per_step if self.tensors_per_step else None
+        self._gather = StepGather(step, stride, thinned, size, self._buffers)  # at most a step's elements
 
     @property
     def sampling(self) -> bool:
@@ -303,75 +248,113 @@ class EntropySampler:
         self._gather.add(tensors, experts)
         self._gather.seconds += time.perf_counter() - start
 
-    def estimate(self, sample: torch.Tensor, bounds: tuple | None = None) -> float:
-        """The entropy of ``sample`` by the configured estimator.
+    def estimate(self, sample: torch.Tensor) -> float:
+        """This sampler's estimate of ``sample`` (one host read).
 
         Args:
-            sample: the finite values of a step's sample.
-            bounds: the sample's ``torch.aminmax``, if the caller has it.
+            sample: the values of a step's sample.
 
         Returns:
             The entropy in nats.
         """
         if self.settings.estimator == "gaussian":
             return gaussian_entropy(sample)
-        return histogram_entropy(sample, self.settings.bins, bounds)
+        return histogram_entropy(sample, self.settings.bins)
 
-    def finish(self) -> float | None:
-        """End the step: record the entropy of its sample, and each followed signal's measure.
+    def close(self, totals: StepTotals) -> None:
+        """The step's sample is complete: its estimate, its finite count and the followed budget signal's
+        measure, made on the device and added to the step's ``totals`` (read with the step's one read,
+        `settle`). A no-op on a step that was not sampled.
 
-        Returns:
-            The entropy (nats), or None when the step was not sampled or all was non-finite.
+        Args:
+            totals: the step's device values, read once at its end.
         """
         gather, self._gather = self._gather, None
         if gather is None:
-            return None
+            return
         start = time.perf_counter()
         sample = gather.sample(self.settings.cap)
-        # The histogram's range, read once: it tells the finite check too (NaN or ±Inf reach it)
-        bounds = torch.aminmax(sample) if sample.numel() and self.settings.estimator != "gaussian" else None
-        sample, nonfinite = drop_nonfinite(sample, bounds)
-        value = self.estimate(sample, None if nonfinite else bounds) if sample.numel() else None
-        seconds = gather.seconds + time.perf_counter() - start
+        values = {}
+        if sample.numel():
+            if self.settings.estimator == "gaussian":
+                values["entropy"], values["entropy_finite"] = gaussian_variance_on_device(sample)
+            else:
+                values["entropy"], values["entropy_finite"] = histogram_entropy_on_device(sample, self.settings.bins)
+            for signal in self.signals:
+                measured = signal.measure(sample.float(), finite_mask(sample))
+                if measured is not None:
+                    values[f"signal:{signal.name}"] = measured
+            totals.add(**values)
+        self._closed = (gather.step, sample.numel(), gather.seconds + time.perf_counter() - start)
+
+    def settle(self, totals: StepTotals) -> float | None:
+        """The step's estimate, read from ``totals`` (the step's one read), into the history.
+
+        Args:
+            totals: the step's values, read.
+
+        Returns:
+            The step's entropy in nats, or None when the step was not sampled or nothing it sampled was finite.
+        """
+        closed, self._closed = self._closed, None
+        if closed is None:
+            return None
+        step, size, seconds = closed
         self.calls += 1
         self.last_seconds = seconds
         self.seconds_total += seconds
-        self.nonfinite_total += nonfinite
-        if sample.numel():
-            self._measure_signals(gather.step, sample)
-        if value is not None and math.isfinite(value):
-            self.history.append((gather.step, value))
-            return value
+        finite = int(totals.get("entropy_finite", 0))
+        self.nonfinite_total += size - finite
+        if not finite:
+            return None
+        value = totals["entropy"]
+        if self.settings.estimator == "gaussian":
+            value = gaussian_entropy_of(value) if finite > 1 else float("nan")
+        for signal in self.signals:
+            measured = signal.value(totals.get(f"signal:{signal.name}", math.nan))
+            if measured is not None and math.isfinite(measured):
+                self.series.setdefault(signal.name, []).append((step, measured))
+        if math.isfinite(value):
+            self.history.append((step, value + 0.0))  # no −0.0
+            return value + 0.0
         return None
 
-    def _measure_signals(self, step: int, sample: torch.Tensor) -> None:
-        """The followed budget signal's own value of this step's sample (`edgc.policies.signals`)."""
-        for signal in self.signals:
-            value = signal.measure(sample)
-            if value is not None and math.isfinite(value):
-                self.series.setdefault(signal.name, []).append((step, value))
+    def finish(self) -> float | None:
+        """`close` and `settle` at once, the host reading the estimate now (where no step record keeps
+        the values: the experiments' own loops).
+
+        Returns:
+            The step's entropy in nats, or None (as `settle`).
+        """
+        totals = StepTotals()
+        self.close(totals)
+        device = totals.device_of_values()
+        if device is not None:
+            totals.send(device)
+        totals.read()
+        return self.settle(totals)
 
     def signal_series(self) -> dict[str, list[tuple[int, float]]]:
         """The series a budget signal can read by name.
 
         Returns:
-            Name → (step, value) pairs of ``"entropy"`` and of each followed signal's own measure.
+            The entropy and each followed signal's own measure by name, each a list of (step, value).
         """
         return {"entropy": self.history, **self.series}
 
     def values(self) -> list[float]:
-        """The recorded entropies.
+        """The entropy estimates so far.
 
         Returns:
-            The entropies (nats), in step order.
+            The estimates in nats, oldest first.
         """
         return [value for _, value in self.history]
 
     def state_dict(self) -> dict:
-        """The recorded series and counters.
+        """What a resumed run needs of the sampler.
 
         Returns:
-            The state, for `load_state_dict`.
+            The history, the signals' series and the counters, as plain values.
         """
         return {
             "history": list(self.history),
@@ -383,10 +366,10 @@ class EntropySampler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned (a checkpoint of an earlier version included).
+        """Continue from a `state_dict`.
 
         Args:
-            state: the sampler's state.
+            state: what `state_dict` returned.
         """
         self.history = [(int(s), float(v)) for s, v in state["history"]]
         # A checkpoint from before the signals' registry holds the gradient norm's series alone.

@@ -6,18 +6,21 @@
 The events, each a record whose message is one line starting ``step S:`` (S: the first step it
 applies to, counted from 0 as `EDGCState.step` counts):
 
-===============  =========  ================================================================
-kind             level      when
-===============  =========  ================================================================
-``profiled``     INFO       start-up profiling found r_max (what it measured, how)
-``notice``       WARNING    … found no rank that pays (compression is off) or only the lowest
-``warmup_over``  INFO       the uncompressed warm-up ended: compression starts, at which rank
-``decision``     INFO       a rank decision at a window's end (the rank kept or moved, and why)
-``rank_set``     INFO       a hand-set ``rank_schedule`` changed the rank
-``nonfinite``    WARNING    a synced gradient held a NaN/Inf (what EDGC did about it)
-``discarded``    INFO       a step was rolled back (`GradientReducer.rollback_step`), and why
-``owner_error``  INFO       a two-stage sync dropped its chunks' error feedback: the group changed
-===============  =========  ================================================================
+==================  =========  ================================================================
+kind                level      when
+==================  =========  ================================================================
+``profiled``        INFO       start-up profiling found r_max (what it measured, how)
+``notice``          WARNING    … found no rank that pays (compression is off) or only the lowest
+``warmup_over``     INFO       the uncompressed warm-up ended: compression starts, at which rank
+``decision``        INFO       a rank decision at a window's end (the rank kept or moved, and why)
+``rank_set``        INFO       a hand-set ``rank_schedule`` changed the rank
+``nonfinite``       WARNING    a synced gradient held a NaN/Inf (what EDGC did about it)
+``discarded``       INFO       a step was rolled back (`GradientReducer.rollback_step`), and why
+``owner_error``     INFO       a two-stage sync dropped its chunks' error feedback: the group changed
+``graph_captured``  INFO       a stretch was captured into a CUDA graph (``cuda_graphs``), and why: its
+                               first capture at a layout, a rank change (r → r'), new buffers
+``graph_failed``    WARNING    a capture failed: that stretch runs eagerly from then on
+==================  =========  ================================================================
 
 WARNING records reach stderr even where logging is not configured (Python's last-resort handler);
 INFO records need a handler at INFO. A record carries its data as ``record.edgc`` (a dict with
@@ -104,9 +107,11 @@ def warmup_over(rank: int, step: int, controller: WindowController, config: EDGC
         why = f"the error test did not pass within its ceiling of {config.warmup_ceiling()} steps"
     else:
         why = f"after its floor of {config.warmup_floor()} uncompressed steps"
+    graphs = config.engine.cuda_graphs
     message = (
         f"step {step}: EDGC warm-up is over ({why}): compressing at rank {controller.rank} "
         f"(r_min {controller.r_min}, r_max {controller.r_max})"
+        + ("; CUDA graphs on: each stretch of a job is captured once it has run twice at a rank" if graphs else "")
     )
     say(
         rank,
@@ -117,6 +122,7 @@ def warmup_over(rank: int, step: int, controller: WindowController, config: EDGC
             "rank": controller.rank,
             "r_min": controller.r_min,
             "r_max": controller.r_max,
+            "cuda_graphs": graphs,
             "message": message,
         },
     )

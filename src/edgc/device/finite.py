@@ -41,3 +41,29 @@ def nan_unless_finite(*tensors: torch.Tensor) -> torch.Tensor:
     for value in sums[1:]:
         total = total + value
     return (total * 0).float().reshape(1)
+
+
+def finite_flag(values: torch.Tensor) -> torch.Tensor:
+    """A (1,) float64 tensor that is finite exactly when every element of ``values`` is: their sum in
+    float64 (which 16- and 32-bit values cannot overflow), or for float64 values 0 or NaN."""
+    if values.dtype == torch.float64:
+        return torch.where(torch.isfinite(values).all(), 0.0, float("nan")).reshape(1)
+    return (
+        values.sum(0, keepdim=True, dtype=torch.float64)
+        if values.dim() == 1
+        else values.sum(dtype=torch.float64).reshape(1)
+    )
+
+
+def flag_into(out: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """`nan_unless_finite` of ``tensors`` (one or two, non-empty) written into ``out`` (one element, any
+    floating dtype): 0·s₁·s₂ of their `finite_flag` s is NaN when either is not finite (0·Inf, 0·NaN),
+    and the product of two finite float64 sums of 16- or 32-bit values cannot overflow. No tensor:
+    0."""
+    if not tensors:
+        out.zero_()
+        return
+    flag = finite_flag(tensors[0])
+    for values in tensors[1:]:
+        flag = torch.mul(flag, finite_flag(values))
+    torch.mul(flag, 0, out=out)

@@ -87,6 +87,7 @@ class Communicator:
         self._waits: list[tuple] = []  # (start, end) stamps of every wait that found work unfinished
         self.durations: list[float | None] = []  # seconds per collective of the last step ended by reset()
         self.wait_seconds = 0.0  # of the last finished step: time the caller was blocked in wait()
+        self._backend: str | None = None  # the group's, once asked (`waits_on_device`)
 
     def use_device(self, device: torch.device, clock: Clock | None = None) -> None:
         """Stamp collectives on ``device``'s timeline, with ``clock`` if given (shared with the reducer,
@@ -128,6 +129,16 @@ class Communicator:
     def mark(self) -> tuple[int, int]:
         """(collectives, waits) so far: the argument of a later ``forget_since``."""
         return len(self._records), len(self._waits)
+
+    @property
+    def waits_on_device(self) -> bool:
+        """Whether ``Pending.wait()`` makes the current stream wait rather than the host (NCCL's): a job
+        can then wait for a collective it has just issued and go on without blocking the caller."""
+        if not self._distributed:
+            return False
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.group))
+        return self._backend == "nccl"
 
     @property
     def issues(self) -> bool:

@@ -45,5 +45,7 @@ def detached_fields(fields: dict, state_name: str, comm, last: Any) -> dict:
         **fields,
         "comm": DetachedCommunicator(state_name, comm.rank, comm.world_size),
         "_current": None,
-        "_last": None if last is None else dataclasses.replace(last, totals=StepTotals(), collectives=None, busy=[]),
+        "_last": None
+        if last is None
+        else dataclasses.replace(last, totals=StepTotals(), collectives=None, busy=[], job_values={}),
     }

@@ -4,10 +4,14 @@ Modules:
     factors.py            Shapes, seeds and orthonormalisation of low-rank factors.
     layout.py             How one compression call lays out its tensors: raw ones, shape groups and flat factor
                           buffers.
+    call_state.py         The buffers one call layout keeps from step to step: what every stretch of its job reads
+                          and writes.
     engine_state.py       What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
     rank_change.py        How the warm-start Q of every matrix follows a rank change (`EDGCConfig.rank_change`).
     orthonormal_choice.py Which orthonormalisation the engine runs on a device: timed once, agreed by the group,
                           kept.
+    stretches.py          The device work of one engine call, stretch by stretch: each a function over the call's
+                          fixed buffers.
     lowrank.py            The PowerSGD engine: rank-r compression with error feedback and warm-started Q, batched by
                           shape.
     jobs.py               How a reducer's bucket jobs run: in a fixed order, gathered into batches, on a side

@@ -1,10 +1,11 @@
 """What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
 
 Per parameter name: the warm-start Q (n × r, identical on every rank) and this rank's error
-feedback e (m × n). Per call layout (`CallState`): the *arena* whose (m, n) views are the error
-feedback of the call's compressed matrices (M = G + e is formed in place, one batched add per
-shape group), the flat Qᵀ buffer of the last step (the next step reads it as is: no copy, no
-allocation), and the rows that restart a Q row that collapsed to zero.
+feedback e (m × n). Per call layout, the buffers its stretches read and write
+(`edgc.engine.call_state.CallState`): the *arena* whose (m, n) views are the error feedback of the
+call's compressed matrices (M = G + e is formed in place), the factors (Pᵀ and two Qᵀ buffers used
+in turn: a step reads one and writes the other, no copy, no allocation), and the rows that restart a
+Q row that collapsed to zero.
 
 ``q`` and ``error`` are plain dicts the engine keeps pointing into those buffers; anything that
 replaces an entry (a checkpoint, a rank change) breaks the match, and the next call of that layout
@@ -12,15 +13,14 @@ rebuilds its buffers from the dicts. So the dicts are always the truth, and the 
 
 A step's changes (`begin_step` … `end_step` / `commit` / `rollback`): after a non-finite step the
 error feedback it touched is cleared (M = G + e was formed in place before anyone knew of the
-NaN/Inf, and with a GradScaler the kept residual would come back at twice its size) and Q factors
-resized for a new rank get their old shape back. With ``uncommitted=True`` the residual goes to a
-second arena so that M survives: `commit` keeps the residual, `rollback` makes M the error
-feedback again (zeroing the matrices whose M is not finite).
+NaN/Inf, and with a GradScaler the kept residual would come back at twice its size), Q turns back to
+the buffer the step started from, and Q factors resized for a new rank get their old shape back.
+With ``uncommitted=True`` the residual goes to a second arena so that M survives: `commit` keeps
+the residual, `rollback` makes M the error feedback again (zeroing the matrices whose M is not
+finite).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,25 +28,9 @@ from ..adapters import torch_adapter
 from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
-from .factors import matrix_shape, orthonormalize_blocks_, restart_dead_entries_, stable_seed
+from .call_state import CallState
+from .factors import matrix_shape, stable_seed
 from .layout import CallLayout
-
-
-@dataclass
-class CallState:
-    """The buffers kept for one call layout (see the module docstring)."""
-
-    layout: CallLayout
-    shapes: tuple  # the tensor shapes the layout was planned for
-    arena: torch.Tensor | None = None  # error feedback of the compressed matrices (M during a step)
-    error_views: list[torch.Tensor] = field(default_factory=list)  # (m, n) views of arena, layout order
-    spare: torch.Tensor | None = None  # uncommitted steps: the arena the residual goes to
-    q_flat: torch.Tensor | None = None  # the last step's Qᵀ buffer
-    q_views: list[torch.Tensor] = field(default_factory=list)  # (n, r) views of q_flat, layout order
-    replacement: torch.Tensor | None = None  # rows that restart zero rows of Q: (r, n) per Q block
-
-    def views(self, arena: torch.Tensor) -> list[torch.Tensor]:
-        return [block for group in self.layout.groups for block in group.error_view(arena).unbind(0)]
 
 
 def subtracts_estimate(cpu_kernels: bool, estimate_in_arena_dtype: bool) -> bool:
@@ -94,7 +78,7 @@ class EngineState:
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
         self._resized: dict[str, torch.Tensor] = {}  # Q factors as they were before this step resized them
-        self._q_stored: list[tuple[CallState, torch.Tensor]] = []  # (call, its Q before this step)
+        self._q_turns: list[tuple[CallState, int]] = []  # (call, the Q buffer it started this step from)
         self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
         self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
 
@@ -104,18 +88,19 @@ class EngineState:
         self.keep_uncommitted = uncommitted
         self._tracking = True
         self._touched, self._resized, self._step_arenas, self._step_popped = [], {}, [], {}
-        self._q_stored = []
+        self._q_turns = []
 
     def end_step(self, nonfinite: bool) -> None:
         """The step's non-finite flag is known (on the host, at its end): after a non-finite step clear
-        the error feedback it touched and give resized Q factors their old shape back. Q is kept."""
+        the error feedback it touched, turn Q back to the buffer the step started from, and give resized
+        Q factors their old shape back."""
         if nonfinite:
             for arena in self._touched:
                 arena.zero_()
-            for call, q_stored in reversed(self._q_stored):  # the earliest last: a Q from before the step
-                self._keep_q(call, q_stored)
+            for call, turn in reversed(self._q_turns):  # the earliest last: a Q from before the step
+                self._keep_q(call, turn)
             self.q.update(self._resized)
-        self._touched, self._resized, self._q_stored = [], {}, []
+        self._touched, self._resized, self._q_turns = [], {}, []
         if not self.keep_uncommitted:
             self._tracking = False
 
@@ -141,21 +126,34 @@ class EngineState:
         self._step_arenas, self._step_popped, self._tracking = [], {}, False
 
     def snapshot(self) -> dict:
-        """The shared state (Q) as it is now, cheaply: Q buffers are replaced every step, never
-        written in place, so references suffice (`restore`)."""
-        return {"q": dict(self.q), "calls": {key: (c.q_flat, c.q_views) for key, c in self._calls.items()}}
+        """The shared state (Q) as it is now, cheaply: references, and which of each call's two Q buffers
+        is the current one, nothing copied (`restore`).
+
+        The contract: a snapshot holds for one step. A step reads the current Q buffer and writes the
+        other, so after the next step the snapshot's buffer is still intact and `restore` turns back to
+        it (an uncommitted step rolled back, a shadow sync undone); a second step writes into it. Restore
+        before the second step begins, as the reducer's step protocol does (a pending step must be
+        committed or rolled back before the next one)."""
+        return {"q": dict(self.q), "calls": {key: (c.factors, c.turn) for key, c in self._calls.items()}}
 
     def restore(self, snapshot: dict) -> None:
+        """Back to ``snapshot`` (`snapshot`: within one step of it)."""
         self.q = dict(snapshot["q"])
-        for key, (q_flat, q_views) in snapshot["calls"].items():
-            if key in self._calls:
-                self._calls[key].q_flat, self._calls[key].q_views = q_flat, q_views
+        for key, (factors, turn) in snapshot["calls"].items():
+            call = self._calls.get(key)
+            if call is not None and call.factors is factors:
+                call.turn = turn
 
     def drop_error(self) -> None:
         """Forget every residual (they are per rank: a new world size cannot split or merge them)."""
         self.error.clear()
         for call in self._calls.values():
             call.arena, call.spare, call.error_views = None, None, []
+
+    @property
+    def tracking(self) -> bool:
+        """Between `begin_step` and the step's resolution (`end_step`, or `commit`/`rollback`)."""
+        return self._tracking
 
     def note_resized(self, previous: dict[str, torch.Tensor]) -> None:
         if self._tracking:
@@ -164,42 +162,60 @@ class EngineState:
 
     # ------------------------------------------------------------------ per-call buffers
     def open_call(
-        self, names: list[str], grads: list[torch.Tensor], rank: int, compute: torch.dtype, method: str
-    ) -> tuple[CallState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """A call of the engine begins: (its kept buffers, M = G + e in its arena, the stored Qᵀ, the
-        warm-started Qᵀ; both None where it compresses nothing). A matrix sent raw now (after a rank
-        change) takes its pending residual along. ``compute``: the dtype of M and the factors;
-        ``method``: the orthonormalisation's (`edgc.engine.factors`)."""
+        self, names: list[str], grads: list[torch.Tensor], rank: int, compute: torch.dtype
+    ) -> tuple[CallState, torch.Tensor]:
+        """A call of the engine begins: its kept buffers, made where they are not (a new layout, a
+        checkpoint, a rank change), and where M = G + e is to be formed (its arena; scratch without
+        error feedback). Nothing on the device yet but for those rebuilds: the call's stretches form
+        M and the rest (`edgc.engine.stretches`). A matrix sent raw now (after a rank change) takes its
+        pending residual along. ``compute``: the dtype of M and the factors."""
         call = self._call_state(names, grads, rank)
         self._flush_into_raw(call.layout, grads)
-        arena = self._form_m(call, grads, compute)
-        q_stored = q_in = None
-        if call.layout.groups:
-            q_stored, q_in = self._warm_start(call, grads[0].device, compute, method)
-        return call, arena, q_stored, q_in
-
-    def close_call(
-        self,
-        call: CallState,
-        arena: torch.Tensor,
-        factors: list[tuple[torch.Tensor, torch.Tensor]] | list[list[torch.Tensor]] | None,
-        q_stored: torch.Tensor,
-        q_flat: torch.Tensor,
-        nonfinite: torch.Tensor,
-    ) -> None:
-        """A call ends: with error feedback, e = M − P·Qᵀ from ``factors`` (per shape group (Pᵀ, Qᵀ) in
-        the arena's dtype); the call's Q is the averaged ``q_flat``, or the stored one where the
-        group saw a NaN/Inf (``nonfinite``, a device flag). Within a tracked step the averaged one is kept
-        and `end_step` puts the stored one back after a non-finite step (no select over Q on the device:
-        Q buffers are replaced, never written, so keeping the stored one's reference costs nothing);
-        outside one, the select runs on the device."""
-        if factors is not None:
-            self._keep_residual(call, arena, factors)
-        if self._tracking:
-            self._q_stored.append((call, q_stored))
-            self._keep_q(call, q_flat)
+        device = grads[0].device
+        if not self.config.error_feedback:
+            arena = call.scratch
+            if arena is None or arena.dtype != compute or arena.device != device:
+                arena = call.scratch = torch.empty(call.layout.error_numel, dtype=compute, device=device)
         else:
-            self._keep_q(call, torch.where(nonfinite, q_stored, q_flat))
+            error_dtype = grads[0].dtype if self.config.error_feedback_dtype == "gradient" else compute
+            if not self._arena_intact(call, error_dtype, device):
+                self._rebuild_arena(call, error_dtype, device)
+            arena = call.arena
+            if self._tracking and not self.keep_uncommitted:
+                self._touched.append(arena)
+        if call.layout.groups:
+            if not self._q_intact(call, compute, device):
+                self._gather_q(call, device, compute)
+            if call.replacement is None or call.replacement.device != device:
+                call.replacement = self._replacement_rows(call, device)
+        return call, arena
+
+    def residual_target(self, call: CallState, arena: torch.Tensor) -> torch.Tensor:
+        """Where the call's residual e = M − P·Qᵀ goes: over M in its arena, or (uncommitted) into the
+        spare arena, M left intact for a rollback."""
+        if not self.keep_uncommitted:
+            return arena
+        spare = call.spare
+        if spare is None or spare.shape != arena.shape or spare.dtype != arena.dtype:
+            spare = call.spare = torch.empty_like(arena)
+        return spare
+
+    def close_call(self, call: CallState, arena: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """A call ends (its stretches ran): its Q is the other buffer now, the one the group's average was
+        written to. Within a tracked step the buffer it started from is remembered, and `end_step`
+        turns back to it after a non-finite step (nothing selected on the device, nothing copied);
+        outside one, the finish stretch kept the stored Q in the new buffer on the device where the
+        group saw a NaN/Inf. An uncommitted step's residual arena becomes the error feedback."""
+        if residual is not None and residual is not arena:
+            call.spare = None
+            self._step_arenas.append((call, arena))
+            self._touched.append(residual)  # a non-finite step clears the residual, never M
+            self._use_arena(call, residual)
+        if not call.layout.groups:
+            return
+        if self._tracking:
+            self._q_turns.append((call, call.turn))
+        self._keep_q(call, 1 - call.turn)
 
     def rank_for(self, name: str, rank: int) -> int:
         """The rank ``name`` is compressed at when the step's rank is ``rank`` (its share, if it has one)."""
@@ -213,11 +229,17 @@ class EngineState:
             # A new layout for these names (a rank change, DDP's bucket rebuild): drop the old ones'
             # buffers, whose values live on in the dicts until this call's rebuild copies them.
             overlap = set(names)
-            for other in [k for k in self._calls if overlap.intersection(k[0])]:
+            replaced = [k for k in self._calls if overlap.intersection(k[0])]
+            ranks = sorted({k[1] for k in replaced})
+            for other in replaced:
                 del self._calls[other]
             call = self._calls[key] = CallState(
                 CallLayout.plan(names, grads, rank, self.config.min_compression_rate, self.shares), shapes
             )
+            if ranks and ranks != [rank]:
+                call.reason = f"a rank change ({', '.join(map(str, ranks))} → {rank})"
+            elif replaced:
+                call.reason = "a new layout (the bucket's tensors changed)"
             for name, grad in zip(names, grads):
                 if (shape := matrix_shape(grad)) is not None:
                     self.shapes[name] = shape
@@ -231,28 +253,6 @@ class EngineState:
                 grads[i].add_(pending.view_as(grads[i]).to(grads[i].dtype))
                 if self.keep_uncommitted:
                     self._step_popped[layout.names[i]] = pending
-
-    def _form_m(self, call: CallState, grads: list[torch.Tensor], compute: torch.dtype) -> torch.Tensor:
-        """M = G + e of every compressed matrix, in the arena, added from each gradient where it lies:
-        no gathered copy of the gradients, so a pass reads G once and e once and writes M once (one
-        ``_foreach_add_``: one multi-tensor kernel where G and e share a dtype, one kernel per matrix
-        where they do not). Without error feedback, M is G copied into a scratch arena of the
-        compute dtype (one ``_foreach_copy_``, which casts within its one kernel)."""
-        layout = call.layout
-        ordered = [grads[i].view(group.m, group.n) for group in layout.groups for i in group.indices]
-        if not self.config.error_feedback:
-            scratch = torch.empty(layout.error_numel, dtype=compute, device=grads[0].device)
-            if ordered:
-                torch._foreach_copy_(call.views(scratch), ordered)
-            return scratch
-        error_dtype = grads[0].dtype if self.config.error_feedback_dtype == "gradient" else compute
-        if not self._arena_intact(call, error_dtype, grads[0].device):
-            self._rebuild_arena(call, error_dtype, grads[0].device)
-        if ordered:
-            torch._foreach_add_(call.error_views, ordered)
-        if self._tracking and not self.keep_uncommitted:
-            self._touched.append(call.arena)
-        return call.arena
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
         return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
@@ -297,75 +297,31 @@ class EngineState:
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
-    def _keep_residual(
-        self,
-        call: CallState,
-        arena: torch.Tensor,
-        factors: list[tuple[torch.Tensor, torch.Tensor]] | list[list[torch.Tensor]],
-    ) -> None:
-        """e = M − P·Qᵀ for the whole call, one batched product per shape group that reads M and
-        writes e (``baddbmm``, β = 1, α = −1): Ĝ is never read back. ``factors``: per group (Pᵀ, Qᵀ)
-        in the arena's dtype, or the group's Ĝ matrices in that dtype (e = M − Ĝ, a CPU's choice:
-        `subtracts_estimate`). Over M in place, or (uncommitted) into the spare
-        arena, M left intact for a rollback."""
-        residual = arena
-        if self.keep_uncommitted:
-            residual = call.spare
-            if residual is None or residual.shape != arena.shape or residual.dtype != arena.dtype:
-                residual = torch.empty_like(arena)
-        for group, factor in zip(call.layout.groups, factors):
-            if isinstance(factor, list):  # Ĝ's matrices: e = M − Ĝ, one element-wise pass each
-                for m, estimate, e in zip(group.error_view(arena), factor, group.error_view(residual)):
-                    torch.sub(m, estimate, out=e)
-            else:
-                p_t, q_t = factor
-                torch.baddbmm(
-                    group.error_view(arena), p_t.transpose(1, 2), q_t, alpha=-1, out=group.error_view(residual)
-                )
-        if not self.keep_uncommitted:
-            return
-        call.spare = None
-        self._step_arenas.append((call, arena))
-        self._touched.append(residual)  # a non-finite step clears the residual, never M
-        self._use_arena(call, residual)
-
     # ------------------------------------------------------------------ Q
-    def _warm_start(
-        self, call: CallState, device: torch.device, compute: torch.dtype, method: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stored Qᵀ, Qᵀ with rows orthonormalised and dead rows restarted) of the call's matrices,
-        laid out as its Q buffer.
-
-        Orthonormal rather than merely scaled: P = M·Q then has M's condition number, not M's times
-        Q's (Q = Mᵀ·P carries the singular values, so its own condition number grows with their
-        spread, and float32 would lose P's weak directions). A zero row (a layer without gradient,
-        a rank-deficient M: the orthonormalisation keeps it zero) or the NaN rows of a failed
-        factorisation restart from the replacement rows (`restart_dead_entries_`), so a Q that
-        cannot be orthonormalised does not stall the power iteration step after step."""
-        source = call.q_flat if self._q_intact(call, compute, device) else self._gather_q(call, device, compute)
-        if call.replacement is None or call.replacement.device != device or call.replacement.dtype != compute:
-            call.replacement = self._replacement_rows(call, device, compute)
-        q_in = orthonormalize_blocks_(
-            source,
-            call.layout.q_blocks,
-            self.config.orthogonalization_epsilon,
-            method=method,
-            out=torch.empty_like(source),
-        )
-        restart_dead_entries_(q_in, call.layout.q_blocks, call.replacement)
-        return source, q_in
-
     def _q_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
-        return _still_kept(call.q_flat, call.q_views, self.q, call.layout.compressed_names, dtype, device)
+        factors = call.factors
+        if factors is None or factors.dtype != dtype or factors.device != device:
+            return False
+        return _still_kept(
+            call.q(call.turn), call.q_views[call.turn], self.q, call.layout.compressed_names, dtype, device
+        )
 
-    def _gather_q(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(call.layout.q_numel, device=device, dtype=compute)
+    def _gather_q(self, call: CallState, device: torch.device, compute: torch.dtype) -> None:
+        """The call's Q buffers anew, the current one from the dict (a first step, a checkpoint, a rank
+        change): a new factors buffer, so that nothing read from the dict is overwritten while read."""
+        stored = {name: self.q.get(name) for name in call.layout.compressed_names}
+        columns = {}
         for group in call.layout.groups:
-            stored = [self.q.get(name) for name in group.names]
-            self.note_resized({n: q for n, q in zip(group.names, stored) if q is not None and q.shape[1] != group.rank})
-            columns = [self.resized_q(name, group.n, group.rank, device).to(compute).T for name in group.names]
-            group.q_view(buffer).copy_(torch.stack(columns))
-        return buffer
+            self.note_resized(
+                {n: stored[n] for n in group.names if stored[n] is not None and stored[n].shape[1] != group.rank}
+            )
+            columns[id(group)] = [
+                self.resized_q(name, group.n, group.rank, device).to(compute).T for name in group.names
+            ]
+        call.make_factors(compute, device)
+        for group in call.layout.groups:
+            group.q_view(call.q(0)).copy_(torch.stack(columns[id(group)]))
+        self._keep_q(call, 0)
 
     def resized_q(self, name: str, n: int, rank: int, device: torch.device) -> torch.Tensor:
         """This parameter's warm-start Q (``n`` = its column count) with exactly ``rank`` columns: the
@@ -385,27 +341,31 @@ class EngineState:
             q = torch.cat([q, extra], dim=1)
         return q
 
-    def _replacement_rows(self, call: CallState, device: torch.device, compute: torch.dtype) -> torch.Tensor:
-        """Unit rows, one (r, n) set per Q block, shared by its matrices: a restarted direction only has
-        to be non-zero and the same on every process, so it need not cost a second Q of memory."""
+    def _replacement_rows(self, call: CallState, device: torch.device) -> torch.Tensor:
+        """Unit rows laid out as the call's Q buffer: one (r, n) set per Q block, drawn once and repeated
+        for each of its matrices (a restarted direction only has to be non-zero and the same on every
+        process, so bfloat16 holds it in half the memory of a Q), so that the restart is one select over
+        the whole buffer."""
         drawn = []
         for block in call.layout.q_blocks:
             generator = torch.Generator().manual_seed(stable_seed(self.config.seed, "reseed", block.rank, block.side))
             rows = torch.randn(block.rank, block.side, generator=generator, dtype=torch.float64)
-            drawn.append((rows / rows.norm(dim=1, keepdim=True)).reshape(-1))
+            drawn.append((rows / rows.norm(dim=1, keepdim=True)).reshape(-1).repeat(block.count))
         rows = torch.cat(drawn) if drawn else torch.empty(0, dtype=torch.float64)
-        return to_device(rows.to(compute), device)
+        return to_device(rows.to(torch.bfloat16), device)
 
-    def _keep_q(self, call: CallState, q_flat: torch.Tensor) -> None:
-        call.q_flat = q_flat
-        call.q_views = [q.T for group in call.layout.groups for q in group.q_view(q_flat).unbind(0)]
-        self.q.update(zip(call.layout.compressed_names, call.q_views))
+    def _keep_q(self, call: CallState, turn: int) -> None:
+        call.turn = turn
+        self.q.update(zip(call.layout.compressed_names, call.q_views[turn]))
 
     def state_bytes(self) -> int:
         """Device bytes the engine keeps between steps: error feedback, Q, restart rows (and the spare
         arena of uncommitted steps)."""
         buffers = {
-            id(t): t for c in self._calls.values() for t in (c.arena, c.spare, c.q_flat, c.replacement) if t is not None
+            id(t): t
+            for c in self._calls.values()
+            for t in (c.arena, c.spare, c.factors, c.replacement, c.scratch, *c.step_tensors())
+            if t is not None
         }
         kept = {id(t.untyped_storage()) for t in buffers.values()}
         loose = [t for t in (*self.q.values(), *self.error.values()) if id(t.untyped_storage()) not in kept]

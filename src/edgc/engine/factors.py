@@ -75,6 +75,7 @@ def orthonormalize_blocks_(
     *,
     method: str = "cholesky2-fp64",
     out: torch.Tensor | None = None,
+    passes: int | None = None,
 ) -> torch.Tensor:
     """`orthonormalize_rows_` for several (count, rank, side) blocks of one flat buffer at once: one
     cast, and per pass one Cholesky factorisation for all the Gram matrices of one rank (their
@@ -96,7 +97,11 @@ def orthonormalize_blocks_(
     A Cholesky factorisation that fails (``cholesky_ex``'s info ≠ 0 in any pass: the partial factor
     is finite, and its rows would be finite and not orthonormal) leaves that matrix's rows NaN, on
     the device: a non-finite factor that the step's non-finite flag catches. ``out``: where the rows
-    go (a buffer laid out as ``flat``), ``flat`` itself by default.
+    go (a buffer laid out as ``flat``), ``flat`` itself by default. ``passes``: the Cholesky methods'
+    first passes only (their shifts), where rows need to be well conditioned rather than orthonormal
+    (the engine's warm start); None: all of them. With ``passes`` a failed factorisation is not
+    masked: its rows come out finite and less well conditioned, or not finite where its factor
+    has a zero on its diagonal, which a restart catches (`restart_dead_entries_`).
     """
     out = flat if out is None else out
     if method == "householder":
@@ -113,7 +118,8 @@ def orthonormalize_blocks_(
     x = flat.to(dtype, copy=True)
     solved = torch.empty_like(x)
     failed: dict[int, torch.Tensor] = {}
-    shifts = {rank: _shifts(method, epsilon, max(b.side for b in same)) for rank, same in by_rank.items()}
+    masked = passes is None
+    shifts = {rank: _shifts(method, epsilon, max(b.side for b in same))[:passes] for rank, same in by_rank.items()}
     passes = len(next(iter(shifts.values()), ()))
     for step in range(passes):
         for rank, same_rank in by_rank.items():
@@ -124,8 +130,8 @@ def orthonormalize_blocks_(
             _shift_(gram, shifts[rank][step], floor, relative=step == 0)
             lower, info = torch.linalg.cholesky_ex(gram)
             failed[rank] = info if step == 0 else failed[rank] + info
-            if step == passes - 1:  # any pass of a matrix failed: its rows NaN
-                lower.masked_fill_(failed[rank].ne(0).view(-1, 1, 1), float("nan"))
+            if masked and step == passes - 1:  # any pass of a matrix failed: its rows NaN
+                lower.masked_fill_(failed[rank].view(-1, 1, 1) != 0, float("nan"))
             for block, view, factor in zip(same_rank, views, lower.split([v.shape[0] for v in views])):
                 torch.linalg.solve_triangular(factor, view, upper=False, out=block.view(solved))
         x, solved = solved, x
@@ -168,23 +174,17 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 1e-12) -> torch.Tens
     return matrices
 
 
-def restart_dead_entries_(flat: torch.Tensor, blocks: Sequence[_Block], replacement: torch.Tensor) -> torch.Tensor:
-    """Give every entry of an orthonormalised factor that is zero or not finite the matching entry
-    of ``replacement`` (one (r, side) set of rows per block, shared by its matrices, identical on
-    every process), selected on the device.
+def restart_dead_entries_(flat: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:
+    """Give every entry of an orthonormalised factor that is zero or not finite the matching entry of
+    ``replacement`` (laid out as ``flat``, identical on every process), selected on the device in one
+    pass: x/x is 1 exactly where x is finite and not zero (0/0, ∞/∞ and NaN/NaN are NaN).
 
     Why: a layer without gradient for a step gives Q = Mᵀ·P = 0, and a zero row of Q stays zero for
     ever (P = M·Q and Q = Mᵀ·P keep it zero; the orthonormalisation keeps it zero too); a failed
     factorisation leaves its matrix's rows NaN. The replacement restarts the power iteration in
     those directions. A zero entry of a live row only lies along a direction in which M is zero
     (M's column is zero there), so P = M·Q does not see what it is given."""
-    dead = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0) == 0
-    offset = 0
-    for block in blocks:
-        rows = replacement[offset : offset + block.rank * block.side].view(1, block.rank, block.side)
-        offset += block.rank * block.side
-        torch.where(block.view(dead), rows, block.view(flat), out=block.view(flat))
-    return flat
+    return torch.where(flat / flat == 1, flat, replacement, out=flat)
 
 
 def matrix_shape(tensor: torch.Tensor) -> tuple[int, int] | None:

@@ -3,14 +3,16 @@
 A *job* (`edgc.distributed.comm`) syncs one or more buckets: it issues collectives, yields, and on resumption
 waits for them and goes on; it yields ISSUES_MORE while it has collectives left to issue.
 
-Order. Jobs start in bucket order. At each hook call the bucket's job starts first, then the jobs
-that were in flight before it and still have collectives to issue are resumed once, oldest first:
-so on the one side stream the new job's gather and first product are queued before an older job
-waits for its collective, and run while that collective is on the wire. A job that only has to
-wait and finish is left for the drain at the step's last bucket, so backward never waits for a
-transfer that nothing needs yet. Which job runs when depends only on the bucket sequence and on
-what the jobs yield, so every rank issues the same collectives in the same order, whatever the
-bucket sizes.
+Order. Jobs start in bucket order. At each hook call the bucket's job starts first, then every job
+that was in flight before it is resumed once, oldest first, to its next yield: one with collectives
+left to issue waits for those it issued and issues the next, one that has issued its last waits for
+it and finishes. So on the one side stream the new job's gather and first product are queued before
+an older job waits for its collective, and run while that collective is on the wire; and a job
+finishes at the hook call after its last collective (on CUDA its wait is the stream's, not the
+host's), so what the host issues after the step's last bucket enters the hook is that bucket's job
+alone, plus what the calls before it left: nothing once jobs are a hook call apart. Which job runs
+when depends only on the bucket sequence and on what the jobs yield, so every rank issues the same
+collectives in the same order, whatever the bucket sizes.
 
 Fusion. Consecutive buckets are gathered until they hold at least ``fusion_bytes`` (or the
 step's last bucket arrives), and one job syncs them all; their Futures complete together. A
@@ -117,8 +119,8 @@ class JobQueue:
         fusion_bytes: float,
     ) -> None:
         """A bucket to sync: its job starts now, or once the gathered buckets reach ``fusion_bytes``;
-        then the jobs in flight before it that have collectives to issue are resumed (see Order)."""
-        due = self._due()
+        then every job in flight before it is resumed to its next yield (see Order)."""
+        due = list(self.in_flight)  # each job in flight before this bucket: one stretch further (see Order)
         self._gathered.append((names, grads, flat, future))
         self._gathered_bytes += sum(g.numel() * g.element_size() for g in grads)
         if self._gathered_bytes >= fusion_bytes:

@@ -139,6 +139,11 @@ class CallLayout:
         self.p_blocks, self.p_numel = _pack(self.groups, "p_offset", lambda g: (g.rank, g.m), lambda g: g.p_numel)
         self.q_blocks, self.q_numel = _pack(self.groups, "q_offset", lambda g: (g.rank, g.n), lambda g: g.q_numel)
 
+    def describe(self) -> str:
+        """A short account of the layout, for the logger: its matrices, shape groups and raw tensors."""
+        compressed = sum(group.count for group in self.groups)
+        return f"{compressed} matrices in {len(self.groups)} shape groups at rank {self.rank}, {len(self.raw)} raw"
+
     @property
     def compressed_names(self) -> list[str]:
         return [name for group in self.groups for name in group.names]

@@ -80,6 +80,11 @@ class ManagedCommunicator(Communicator):
         """A quorum of one sends nothing."""
         return self.world_size > 1
 
+    @property
+    def waits_on_device(self) -> bool:
+        """The manager's works are waited for as the host's (`Communicator.waits_on_device`)."""
+        return False
+
     def refresh(self) -> None:
         """Take the current quorum's size and this replica's place in it (blocks on a pending quorum)."""
         if not torchft_adapter.quorum_started(self.manager):

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..device import timing
 from ..registry import Registry
 from .rank_rules import delta_ratio
 
@@ -83,10 +82,16 @@ class BudgetSignal:
     name: str = ""
     reads_samples: bool = True  #: whether its need reads sampled series (else the GDS samples are for the report only)
 
-    def measure(self, sample: torch.Tensor) -> float | None:
-        """This signal's value on a sampled step's GDS sample (non-empty, finite, fp32, on the
-        gradient's device); None = not measured there. Called at the step's end: a host read is fine."""
+    def measure(self, sample: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
+        """This signal's measure of a sampled step's GDS sample (non-empty, fp32, on the gradient's device;
+        ``finite``: where it is finite, the elements to read) as a device tensor of one element, which
+        reaches the host with the step's one read (`value` turns it into the series' value); None = not
+        measured there. No host read here."""
         return None
+
+    def value(self, measured: float) -> float | None:
+        """The series' value of what `measure` gave, read on the host (None: no value this step)."""
+        return measured
 
     def need(self, series: Mapping[str, Series], *, progress: float, window: int, significance: float) -> float:
         """The verdict in [0, 1] at a window boundary. ``series``: every series by name (this one's
@@ -110,9 +115,11 @@ class GradNormSignal(BudgetSignal):
 
     name = "gradnorm"
 
-    def measure(self, sample: torch.Tensor) -> float | None:
-        (rms,) = timing.to_host(sample.square().mean().sqrt())
-        return math.log(rms) if rms > 0 and math.isfinite(rms) else None
+    def measure(self, sample: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
+        return torch.where(finite, sample, 0.0).square().sum() / finite.sum()  # the mean square
+
+    def value(self, measured: float) -> float | None:
+        return 0.5 * math.log(measured) if measured > 0 and math.isfinite(measured) else None
 
 
 class EntropySignal(BudgetSignal):

@@ -331,8 +331,8 @@ class GradientReducer:
         assert record is not None
         self._close_step(record)  # the method's own values, by name
         if self.device is not None:
-            stats = record.stats
-            record.totals.add(nonfinite=stats.nonfinite, error_sq=stats.error_sq, norm_sq=stats.norm_sq)
+            for name, (values, weights) in record.measured().items():
+                record.totals.add_sum(name, values, weights)
             with self._jobs.side_stream():  # made where the step's statistics were computed
                 record.totals.send(self.device)
         record.busy, record.collectives = self._jobs.take_busy(), self.comm.take_step()

@@ -35,14 +35,30 @@ class StepRecord:
     local_done: bool = False
     shared_done: bool = False
     metrics: dict = field(default_factory=dict)  # once settled locally
+    job_values: dict = field(default_factory=dict)  # name → each job's device value (`add`)
 
     def add(self, stats: ReduceStats) -> None:
-        """What one job sent and measured, into the step's totals."""
+        """What one job sent and measured, into the step's totals: counts added now, its device values
+        (flag, errors) kept to be summed on the host once the step's values are read (`measured`), so
+        that a job costs the step no device op."""
         total = self.stats
-        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent", "error_sq", "norm_sq"):
+        for key in ("elements_raw", "elements_sent", "bytes_raw", "bytes_sent"):
             setattr(total, key, getattr(total, key) + getattr(stats, key))
-        total.nonfinite = total.nonfinite | stats.nonfinite
+        for key in ("nonfinite", "error_sq", "norm_sq"):
+            scale = 1.0 if key == "nonfinite" else stats.measured_scale
+            self.job_values.setdefault(key, []).append((getattr(stats, key), scale))
         total.ranks.update(stats.ranks)
+
+    def measured(self) -> dict[str, tuple[list, list]]:
+        """Per name (``nonfinite``, ``error_sq``, ``norm_sq``) what every job of the step gave, the step's own
+        record's value first, and what each is weighted by: numbers, or device tensors of one element
+        (`StepTotals.add_sum`)."""
+        own = self.stats
+        measured = {}
+        for key in ("nonfinite", "error_sq", "norm_sq"):
+            pairs = [(getattr(own, key), 1.0), *self.job_values.get(key, [])]
+            measured[key] = ([value for value, _ in pairs], [scale for _, scale in pairs])
+        return measured
 
 
 def step_metrics(record: StepRecord) -> dict:
