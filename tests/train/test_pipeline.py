@@ -1,6 +1,7 @@
 """`edgc train --pp`: pipeline correctness against a single process, and PP2 × DP2 with EDGC's DAC.
 
-Runs (tiny preset, 2 pipeline micro-batches per step):
+Runs (tiny preset, 2 pipeline micro-batches per step), steps of the one launch of `pipeline_runs`
+(tests/train/conftest.py) after test_tensor_parallel's, on the first 4, 2 or 1 of its 8 processes:
   pp   `--pp 2 --nproc 4` (PP2 × DP2), 1F1B, compression off, 6 steps;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints every window (4, 8, 12)
   b    a copy of a cut back to its step-8 checkpoint, then `--resume`d. At a window boundary: a later
@@ -13,9 +14,11 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from .conftest import FAST, cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses
+from .conftest import FAST, and_resumed, assert_matches_solo, read_metrics, train_losses
 
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
 EDGC = [
@@ -45,46 +48,46 @@ EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstag
 UNCOMPRESSED = ["--steps", "6", "--eval-every", "3", "--compressor", "none", *SMALL]
 
 
-def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
+# The data-parallel compressor of each interstage run. Optimus-CC pairs compressing the first stages'
+# gradients with compressing activation gradients, so the cool-down run is also the Optimus-CC run: one
+# run asserts both, and every interstage invariant below holds whatever the stages' compressor.
+INTERSTAGE_COMPRESSOR = {
+    "all": ["--compressor", "powersgd"],
+    "cooldown": ["--compressor", "optimus-cc", "--selective-stages", "1"],
+}
+DAC_JOB = ["--pp", "2", "--steps", "12", "--ckpt-every", "4", "--eval-every", "0", *EDGC_DAC, *SMALL]
+
+
+def interstage_job(mode: str) -> list[str]:
+    """The 10-step `--pp 2` run on 2 processes with ``--interstage mode``."""
+    job = ["--pp", "2", "--steps", "10", "--eval-every", "0", *INTERSTAGE_COMPRESSOR[mode], "--powersgd-rank", "4"]
+    return [*job, "--interstage", mode, "--interstage-rank", "2", "--lr", "3e-3", *SMALL]
+
+
+def pipeline_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) -> list[dict]:
+    """The plan steps of this file's runs and of the single-process run (last: 1 process); their folders
+    go into ``runs``."""
+    names = ["pp", "dac-a", "dac-b", "interstage-all", "interstage-cooldown", "solo"]
+    runs |= {name: root / name for name in names}
+    cache = ["--cache-dir", str(cache_dir)]
     # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     # The 1F1B schedule here; GPipe's in test_tensor_parallel's TP × PP × DP comparison.
-    run_parallel_and_solo(
-        tmp_path,
-        ["--nproc", "4", "--pp", "2", "--pp-schedule", "1f1b"],
-        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)],
-        solo_run,
-    )
+    parity = ["--out", str(runs["pp"]), "--pp", "2", "--pp-schedule", "1f1b", *UNCOMPRESSED, *cache]
+    steps = [{"train": parity}, *and_resumed(runs["dac-a"], runs["dac-b"], DAC_JOB, cache_dir)]
+    steps = [{**step, "nproc": 4} for step in steps]
+    for mode in INTERSTAGE_COMPRESSOR:
+        steps.append({"train": ["--out", str(runs[f"interstage-{mode}"]), *interstage_job(mode), *cache], "nproc": 2})
+    solo = ["--out", str(runs["solo"]), *UNCOMPRESSED, *cache, "--micro-batch", "4"]
+    return [*steps, {"train": solo, "nproc": 1}]
+
+
+def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(pipeline_runs):
+    assert_matches_solo(pipeline_runs["pp"], pipeline_runs["solo"])
 
 
 @pytest.fixture(scope="module")
-def dac_runs(tmp_path_factory, cache_dir):
-    root = tmp_path_factory.mktemp("pp_runs")
-    a, b = root / "a", root / "b"
-    proc = run_edgc(
-        "train",
-        "--out",
-        str(a),
-        "--nproc",
-        "4",
-        "--pp",
-        "2",
-        "--steps",
-        "12",
-        "--ckpt-every",
-        "4",
-        "--eval-every",
-        "0",
-        "--cache-dir",
-        str(cache_dir),
-        *EDGC_DAC,
-        *SMALL,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cut_back(a, b, 12)
-    proc = run_edgc("train", "--resume", str(b), "--nproc", "4", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return a, b
+def dac_runs(pipeline_runs):
+    return pipeline_runs["dac-a"], pipeline_runs["dac-b"]
 
 
 def test_pp2_dp2_stages_agree_and_stage0_rank_adapts(dac_runs):
@@ -147,52 +150,10 @@ def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_r
     assert any(r["interstage_bytes_sent"] < r["interstage_bytes_raw"] / 2 for r in train)
 
 
-# The data-parallel compressor of each interstage run. Optimus-CC pairs compressing the first stages'
-# gradients with compressing activation gradients, so the cool-down run is also the Optimus-CC run: one
-# launch asserts both, and every interstage invariant below holds whatever the stages' compressor.
-INTERSTAGE_COMPRESSOR = {
-    "all": ["--compressor", "powersgd"],
-    "cooldown": ["--compressor", "optimus-cc", "--selective-stages", "1"],
-}
-
-
 @pytest.fixture(scope="module")
-def interstage_run(tmp_path_factory, cache_dir):
-    """``interstage_run(mode)``: the 10-step `--pp 2 --nproc 2` run with ``--interstage mode``, launched once."""
-    runs = {}
-
-    def run(mode):
-        if mode not in runs:
-            runs[mode] = tmp_path_factory.mktemp("interstage") / mode
-            proc = run_edgc(
-                "train",
-                "--out",
-                str(runs[mode]),
-                "--nproc",
-                "2",
-                "--pp",
-                "2",
-                "--steps",
-                "10",
-                "--eval-every",
-                "0",
-                *INTERSTAGE_COMPRESSOR[mode],
-                "--powersgd-rank",
-                "4",
-                "--interstage",
-                mode,
-                "--interstage-rank",
-                "2",
-                "--lr",
-                "3e-3",
-                "--cache-dir",
-                str(cache_dir),
-                *SMALL,
-            )
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        return runs[mode]
-
-    return run
+def interstage_run(pipeline_runs):
+    """``interstage_run(mode)``: the 10-step 2-process run with ``--interstage mode``."""
+    return lambda mode: pipeline_runs[f"interstage-{mode}"]
 
 
 @pytest.mark.parametrize("mode", ["all", "cooldown"])
