@@ -66,14 +66,6 @@ def and_resumed(a: Path, b: Path, job: list[str], cache_dir: Path) -> list[dict]
     ]
 
 
-def run_and_resume(folder: Path, job: list[str], cache_dir: Path, nproc: int = 4) -> tuple[Path, Path]:
-    """``folder/a``: ``job`` on ``nproc`` processes, uninterrupted; ``folder/b``: a copy cut back before its
-    last checkpoint, then resumed; both in the same ``nproc`` processes (one launch)."""
-    a, b = folder / "a", folder / "b"
-    run_plan(folder, nproc, and_resumed(a, b, job, cache_dir))
-    return a, b
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     """The run's metric records; a last line still being written (no newline yet) is left out, so a
     test may poll the file of a running run."""
@@ -87,17 +79,20 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session")
-def pipeline_runs(tmp_path_factory, cache_dir) -> dict[str, Path]:
-    """Every run of test_tensor_parallel and test_pipeline (name → run folder), in one launch of 8
-    processes: the TP × PP × DP runs on all 8, then the PP × DP runs on 4, the 2-stage runs on 2, and
-    the single-process run both files compare with on 1."""
+def shared_runs(tmp_path_factory, cache_dir) -> dict[str, Path]:
+    """Every run of test_tensor_parallel, test_pipeline, test_fsdp_train and test_moe_train (name → run
+    folder), in one launch of 8 processes: the TP × PP × DP runs on all 8, then the PP × DP, FSDP and MoE
+    runs on 4, the 2-stage runs on 2, and the single-process run the TP and PP runs compare with on 1."""
+    from .test_fsdp_train import fsdp_steps
+    from .test_moe_train import moe_steps
     from .test_pipeline import pipeline_steps
     from .test_tensor_parallel import tensor_parallel_steps
 
-    root = tmp_path_factory.mktemp("pipeline")
+    root = tmp_path_factory.mktemp("shared")
     runs: dict[str, Path] = {}
-    steps = tensor_parallel_steps(root, cache_dir, runs) + pipeline_steps(root, cache_dir, runs)
-    run_plan(root, 8, steps, timeout=1500)
+    steps = tensor_parallel_steps(root, cache_dir, runs) + fsdp_steps(root, cache_dir, runs)
+    steps += moe_steps(root, cache_dir, runs) + pipeline_steps(root, cache_dir, runs)
+    run_plan(root, 8, steps, timeout=1800)
     return runs
 
 

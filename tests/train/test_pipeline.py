@@ -1,7 +1,8 @@
 """`edgc train --pp`: pipeline correctness against a single process, and PP2 × DP2 with EDGC's DAC.
 
-Runs (tiny preset, 2 pipeline micro-batches per step), steps of the one launch of `pipeline_runs`
-(tests/train/conftest.py) after test_tensor_parallel's, on the first 4, 2 or 1 of its 8 processes:
+Runs (tiny preset, 2 pipeline micro-batches per step), steps of the one launch of `shared_runs`
+(tests/train/conftest.py) after those of test_tensor_parallel, test_fsdp_train and test_moe_train, on the
+first 4, 2 or 1 of its 8 processes:
   pp   `--pp 2 --nproc 4` (PP2 × DP2), 1F1B, compression off, 6 steps;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints every window (4, 8, 12)
   b    a copy of a cut back to its step-8 checkpoint, then `--resume`d. At a window boundary: a later
@@ -81,13 +82,13 @@ def pipeline_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) -> list[d
     return [*steps, {"train": solo, "nproc": 1}]
 
 
-def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(pipeline_runs):
-    assert_matches_solo(pipeline_runs["pp"], pipeline_runs["solo"])
+def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(shared_runs):
+    assert_matches_solo(shared_runs["pp"], shared_runs["solo"])
 
 
 @pytest.fixture(scope="module")
-def dac_runs(pipeline_runs):
-    return pipeline_runs["dac-a"], pipeline_runs["dac-b"]
+def dac_runs(shared_runs):
+    return shared_runs["dac-a"], shared_runs["dac-b"]
 
 
 def test_pp2_dp2_stages_agree_and_stage0_rank_adapts(dac_runs):
@@ -151,9 +152,9 @@ def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_r
 
 
 @pytest.fixture(scope="module")
-def interstage_run(pipeline_runs):
+def interstage_run(shared_runs):
     """``interstage_run(mode)``: the 10-step 2-process run with ``--interstage mode``."""
-    return lambda mode: pipeline_runs[f"interstage-{mode}"]
+    return lambda mode: shared_runs[f"interstage-{mode}"]
 
 
 @pytest.mark.parametrize("mode", ["all", "cooldown"])

@@ -1,7 +1,7 @@
 """`edgc train --tp`: tensor parallelism through DTensor, alone and in TP × PP × DP.
 
 Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step), the first steps of the one launch of
-`pipeline_runs` (tests/train/conftest.py), on all 8 of its processes:
+`shared_runs` (tests/train/conftest.py), on all 8 of its processes:
   tp3d   `--tp 2 --pp 2` on 8 processes (TP2 × PP2 × DP2), GPipe, compression off, 6 steps, evaluated at 3 and 6;
          solo  the same data in 1 process (the one test_pipeline compares with)
   a / b  `--tp 2 --pp 2` on 8 processes with EDGC and --interstage all, 8 steps, checkpoints at 4 and 8; b = a cut
@@ -32,13 +32,13 @@ def tensor_parallel_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) ->
 
 
 @pytest.fixture(scope="module")
-def runs_3d(pipeline_runs):
-    return pipeline_runs["tp-a"], pipeline_runs["tp-b"]
+def runs_3d(shared_runs):
+    return shared_runs["tp-a"], shared_runs["tp-b"]
 
 
-def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(pipeline_runs):
-    assert_matches_solo(pipeline_runs["tp3d"], pipeline_runs["solo"])
-    assert sorted(train_losses(pipeline_runs["tp3d"])) == list(range(1, 7))
+def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(shared_runs):
+    assert_matches_solo(shared_runs["tp3d"], shared_runs["solo"])
+    assert sorted(train_losses(shared_runs["tp3d"])) == list(range(1, 7))
 
 
 def test_tp2_pp2_dp2_with_edgc_keeps_replicas_identical_and_the_loss_falls(runs_3d):
