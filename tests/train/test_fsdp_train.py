@@ -15,6 +15,10 @@ import pytest
 
 from .conftest import FAST, and_resumed, read_metrics, train_losses
 
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
+
 FSDP_JOB = [
     "--fsdp",
     "--fsdp-shard",

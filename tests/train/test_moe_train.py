@@ -19,6 +19,10 @@ from edgc_train.config import TrainConfig
 
 from .conftest import FAST, and_resumed, read_metrics, train_losses
 
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
+
 MOE_JOB = [
     *"--moe-experts 4 --ep 2 --n-layer 2 --n-embd 64 --n-head 4 --steps 8 --eval-every 4 --ckpt-every 4".split(),
     *"--compressor edgc --edgc r_max=4 --edgc warmup_error_test=false --edgc window=2".split(),

@@ -21,6 +21,10 @@ import pytest
 
 from .conftest import FAST, and_resumed, assert_matches_solo, read_metrics, train_losses
 
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
+
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
 EDGC = [
     "--compressor",

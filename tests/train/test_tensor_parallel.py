@@ -19,6 +19,10 @@ import torch
 from .conftest import and_resumed, assert_matches_solo, read_metrics, train_losses
 from .test_pipeline import EDGC_DAC, SMALL, UNCOMPRESSED
 
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
+
 TP_PP = ["--tp", "2", "--pp", "2"]
 TP_EDGC_JOB = [*TP_PP, "--steps", "8", "--ckpt-every", "4", "--eval-every", "0", "--lr", "3e-3", *EDGC_DAC, *SMALL]
 
