@@ -66,7 +66,9 @@ def pytest_collection_modifyitems(config, items):
 # worker runs the shared run once (under plain --dist loadfile each worker would run it again).
 SHARED_RUN_SCOPES = {
     "tests/train/test_fault_tolerance.py": "tests/train/test_torchrun.py",  # reference_run
-    "tests/train/test_tensor_parallel.py": "tests/train/test_pipeline.py",  # solo_run
+    "tests/train/test_tensor_parallel.py": "tests/train/test_pipeline.py",  # shared_runs
+    "tests/train/test_fsdp_train.py": "tests/train/test_pipeline.py",  # shared_runs
+    "tests/train/test_moe_train.py": "tests/train/test_pipeline.py",  # shared_runs
 }
 
 try:

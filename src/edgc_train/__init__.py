@@ -1,6 +1,7 @@
 """The GPT-2 training harness behind `edgc train`, `edgc report` and `edgc demo`.
 
 Modules, top to bottom (each imports only modules listed below it, or the library):
+    plan.py         several `edgc train` jobs, one after another in the same torchrun workers (tests)
     cli.py          `edgc train` flags and config file → `TrainConfig` → (torchrun) → `train.train`
     demo.py         `edgc demo` (`make run`): uncompressed vs EDGC on the tiny GPT-2, then the report
     report_cli.py   `edgc report RUN_DIR …`

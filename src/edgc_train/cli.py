@@ -303,18 +303,18 @@ def _restart(args: argparse.Namespace, flags: dict, world_size: int, stop_at: in
 
 
 # ------------------------------------------------------------------------- entry point
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run this command under torchrun (``--standalone --nproc_per_node N``), as ``python -m
-    torch.distributed.run`` would, but as the agent of this process: a second interpreter would
-    import torch once more before any worker starts. Returns torchrun's exit status (1 when a
-    worker failed, after its failure summary)."""
+def launch_torchrun(nproc: int, argv: list[str], worker: tuple[str, ...] = ("edgc_cli.main", "train")) -> int:
+    """Run this command (``python -m`` ``worker`` ``argv``) under torchrun (``--standalone --nproc_per_node
+    N``), as ``python -m torch.distributed.run`` would, but as the agent of this process: a second
+    interpreter would import torch once more before any worker starts. Returns torchrun's exit status
+    (1 when a worker failed, after its failure summary)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as run_agent
 
     # torchrun would set 1 thread per process and warn; split the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    agent_args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "edgc_cli.main", "train", *argv])
+    agent_args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", *worker, *argv])
     try:
         run_agent(agent_args)
     except ChildFailedError as failure:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from edgc_train.plan import cut_back  # noqa: F401  (the tests' interrupted runs)
 
 REPO = Path(__file__).resolve().parents[2]
 EDGC = [sys.executable, "-m", "edgc_cli.main"]
@@ -43,24 +44,26 @@ def run_edgc(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([*EDGC, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def cut_back(run_dir: Path, copy: Path, latest_step: int) -> Path:
-    """``copy`` = ``run_dir`` without its ``latest_step`` checkpoint and summary: an interrupted run to resume."""
-    shutil.copytree(run_dir, copy)
-    shutil.rmtree(copy / "checkpoints" / f"step_{latest_step:06d}")
-    (copy / "summary.json").unlink()
-    return copy
+def run_plan(folder: Path, nproc: int, steps: list[dict], timeout: int = 900) -> None:
+    """``steps`` (edgc_train.plan's: ``{"train": [...]}``, ``{"cut_back": [...]}``, each with an optional
+    ``nproc``) in one launch of ``nproc`` processes; asserts it succeeded."""
+    plan = folder / "plan.json"
+    plan.write_text(json.dumps(steps))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "edgc_train.plan", "--nproc", str(nproc), str(plan)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
 
-def run_and_resume(folder: Path, job: list[str], cache_dir: Path, nproc: int = 4) -> tuple[Path, Path]:
-    """``folder/a``: ``job`` on ``nproc`` processes, uninterrupted; ``folder/b``: a copy cut back before its
-    last checkpoint (the ``--steps`` of ``job``), then resumed. Both must succeed."""
-    a, steps = folder / "a", int(job[job.index("--steps") + 1])
-    proc = run_edgc("train", "--out", str(a), "--nproc", str(nproc), *job, "--cache-dir", str(cache_dir), timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    b = cut_back(a, folder / "b", steps)
-    proc = run_edgc("train", "--resume", str(b), "--nproc", str(nproc), "--no-progress", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return a, b
+def and_resumed(a: Path, b: Path, job: list[str], cache_dir: Path) -> list[dict]:
+    """Plan steps: ``job`` into ``a``, uninterrupted; ``b``, a copy of ``a`` cut back before its last
+    checkpoint (the ``--steps`` of ``job``), then resumed."""
+    steps = int(job[job.index("--steps") + 1])
+    return [
+        {"train": ["--out", str(a), *job, "--cache-dir", str(cache_dir)]},
+        {"cut_back": [str(a), str(b), steps]},
+        {"train": ["--resume", str(b), "--no-progress"]},
+    ]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -76,35 +79,32 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session")
-def solo_run(tmp_path_factory):
-    """``solo_run(common)``: the single-process run with micro-batch 4 of ``common``'s flags, run once
-    per session (the PP and TP × PP × DP comparisons compare with the same one)."""
-    runs: dict[tuple, Path] = {}
+def shared_runs(tmp_path_factory, cache_dir) -> dict[str, Path]:
+    """Every run of test_tensor_parallel, test_pipeline, test_fsdp_train and test_moe_train (name → run
+    folder), in one launch of 8 processes: the TP × PP × DP runs on all 8, then the PP × DP, FSDP and MoE
+    runs on 4, the 2-stage runs on 2, and the single-process run the TP and PP runs compare with on 1."""
+    from .test_fsdp_train import fsdp_steps
+    from .test_moe_train import moe_steps
+    from .test_pipeline import pipeline_steps
+    from .test_tensor_parallel import tensor_parallel_steps
 
-    def run(common: list[str]) -> Path:
-        if tuple(common) not in runs:
-            solo = tmp_path_factory.mktemp("solo") / "solo"
-            proc = run_edgc("train", "--out", str(solo), *common, "--micro-batch", "4")
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[tuple(common)] = solo
-        return runs[tuple(common)]
-
-    return run
+    root = tmp_path_factory.mktemp("shared")
+    runs: dict[str, Path] = {}
+    steps = tensor_parallel_steps(root, cache_dir, runs) + fsdp_steps(root, cache_dir, runs)
+    steps += moe_steps(root, cache_dir, runs) + pipeline_steps(root, cache_dir, runs)
+    run_plan(root, 8, steps, timeout=1800)
+    return runs
 
 
-def run_parallel_and_solo(tmp_path: Path, parallel: list[str], common: list[str], solo_run) -> tuple[Path, Path]:
-    """The same data in a parallel job (``parallel`` flags) and in one process with micro-batch 4
-    (``solo_run``'s); asserts both finished and their train and eval losses agree to 1e-5."""
-    proc = run_edgc("train", "--out", str(tmp_path / "parallel"), *parallel, *common, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = (tmp_path / "parallel", solo_run(common))
-    losses = [train_losses(run) for run in runs]
+def assert_matches_solo(parallel: Path, solo: Path) -> None:
+    """The same data in a parallel job and in one process with micro-batch 4: their train and eval
+    losses agree to 1e-5, at every step."""
+    losses = [train_losses(run) for run in (parallel, solo)]
     assert sorted(losses[0]) == sorted(losses[1]) and losses[1]
     for step in losses[1]:
         assert losses[0][step] == pytest.approx(losses[1][step], abs=1e-5), step
-    evals = [[r["val_loss"] for r in read_metrics(run) if r["kind"] == "eval"] for run in runs]
+    evals = [[r["val_loss"] for r in read_metrics(run) if r["kind"] == "eval"] for run in (parallel, solo)]
     assert evals[0] == pytest.approx(evals[1], abs=1e-5)
-    return runs
 
 
 # The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):

@@ -1,4 +1,5 @@
-"""End to end: `edgc train --fsdp` on 4 processes (2 replicas × 2 shards), and an exact resume.
+"""End to end: `edgc train --fsdp` on 4 processes (2 replicas × 2 shards), and an exact resume (steps of
+the one launch of `shared_runs`, tests/train/conftest.py).
 
 A: an 8-step EDGC job, uninterrupted, checkpoints at 4 and 8, compressing from step 3.
 B: A's folder cut back to its step-4 checkpoint, then `--resume`d: B's losses at steps 5-8 and its
@@ -8,10 +9,15 @@ B: A's folder cut back to its step-4 checkpoint, then `--resume`d: B's losses at
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from .conftest import FAST, read_metrics, run_and_resume, train_losses
+from .conftest import FAST, and_resumed, read_metrics, train_losses
+
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
 
 FSDP_JOB = [
     "--fsdp",
@@ -35,9 +41,15 @@ FSDP_JOB = [
 ]
 
 
+def fsdp_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) -> list[dict]:
+    """The plan steps of A and B (4 processes) in `shared_runs`' launch; their folders go into ``runs``."""
+    runs |= {"fsdp-a": root / "fsdp-a", "fsdp-b": root / "fsdp-b"}
+    return [{**step, "nproc": 4} for step in and_resumed(runs["fsdp-a"], runs["fsdp-b"], FSDP_JOB, cache_dir)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
-    return run_and_resume(tmp_path_factory.mktemp("fsdp"), FSDP_JOB, cache_dir)
+def runs(shared_runs):
+    return shared_runs["fsdp-a"], shared_runs["fsdp-b"]
 
 
 def test_fsdp_run_compresses_and_learns(runs):

@@ -1,4 +1,5 @@
-"""End to end: `edgc train --moe-experts 4 --ep 2` on 4 processes (EP 2 × DP 2), and an exact resume.
+"""End to end: `edgc train --moe-experts 4 --ep 2` on 4 processes (EP 2 × DP 2), and an exact resume (steps
+of the one launch of `shared_runs`, tests/train/conftest.py).
 
 A: an 8-step EDGC job on both groups (ranks of the experts split by their tokens every 2-step window),
    uninterrupted, checkpoints at 4 and 8, compressing from step 2; its replicas are verified at each
@@ -9,12 +10,18 @@ B: A's folder cut back to its step-4 checkpoint, then `--resume`d: B's losses at
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from edgc_train.config import TrainConfig
 
-from .conftest import FAST, read_metrics, run_and_resume, train_losses
+from .conftest import FAST, and_resumed, read_metrics, train_losses
+
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
 
 MOE_JOB = [
     *"--moe-experts 4 --ep 2 --n-layer 2 --n-embd 64 --n-head 4 --steps 8 --eval-every 4 --ckpt-every 4".split(),
@@ -24,9 +31,15 @@ MOE_JOB = [
 ]
 
 
+def moe_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) -> list[dict]:
+    """The plan steps of A and B (4 processes) in `shared_runs`' launch; their folders go into ``runs``."""
+    runs |= {"moe-a": root / "moe-a", "moe-b": root / "moe-b"}
+    return [{**step, "nproc": 4} for step in and_resumed(runs["moe-a"], runs["moe-b"], MOE_JOB, cache_dir)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
-    return run_and_resume(tmp_path_factory.mktemp("moe"), MOE_JOB, cache_dir)
+def runs(shared_runs):
+    return shared_runs["moe-a"], shared_runs["moe-b"]
 
 
 def test_an_moe_run_compresses_both_groups_and_learns(runs):

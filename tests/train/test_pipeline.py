@@ -1,6 +1,8 @@
 """`edgc train --pp`: pipeline correctness against a single process, and PP2 × DP2 with EDGC's DAC.
 
-Runs (tiny preset, 2 pipeline micro-batches per step):
+Runs (tiny preset, 2 pipeline micro-batches per step), steps of the one launch of `shared_runs`
+(tests/train/conftest.py) after those of test_tensor_parallel, test_fsdp_train and test_moe_train, on the
+first 4, 2 or 1 of its 8 processes:
   pp   `--pp 2 --nproc 4` (PP2 × DP2), 1F1B, compression off, 6 steps;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints every window (4, 8, 12)
   b    a copy of a cut back to its step-8 checkpoint, then `--resume`d. At a window boundary: a later
@@ -13,9 +15,15 @@ Runs (tiny preset, 2 pipeline micro-batches per step):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from .conftest import FAST, cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses
+from .conftest import FAST, and_resumed, assert_matches_solo, read_metrics, train_losses
+
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
 
 SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
 EDGC = [
@@ -45,46 +53,46 @@ EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstag
 UNCOMPRESSED = ["--steps", "6", "--eval-every", "3", "--compressor", "none", *SMALL]
 
 
-def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
+# The data-parallel compressor of each interstage run. Optimus-CC pairs compressing the first stages'
+# gradients with compressing activation gradients, so the cool-down run is also the Optimus-CC run: one
+# run asserts both, and every interstage invariant below holds whatever the stages' compressor.
+INTERSTAGE_COMPRESSOR = {
+    "all": ["--compressor", "powersgd"],
+    "cooldown": ["--compressor", "optimus-cc", "--selective-stages", "1"],
+}
+DAC_JOB = ["--pp", "2", "--steps", "12", "--ckpt-every", "4", "--eval-every", "0", *EDGC_DAC, *SMALL]
+
+
+def interstage_job(mode: str) -> list[str]:
+    """The 10-step `--pp 2` run on 2 processes with ``--interstage mode``."""
+    job = ["--pp", "2", "--steps", "10", "--eval-every", "0", *INTERSTAGE_COMPRESSOR[mode], "--powersgd-rank", "4"]
+    return [*job, "--interstage", mode, "--interstage-rank", "2", "--lr", "3e-3", *SMALL]
+
+
+def pipeline_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) -> list[dict]:
+    """The plan steps of this file's runs and of the single-process run (last: 1 process); their folders
+    go into ``runs``."""
+    names = ["pp", "dac-a", "dac-b", "interstage-all", "interstage-cooldown", "solo"]
+    runs |= {name: root / name for name in names}
+    cache = ["--cache-dir", str(cache_dir)]
     # PP2 × DP2 with micro-batch 2 per replica reads exactly the blocks of one process with micro-batch 4.
     # The 1F1B schedule here; GPipe's in test_tensor_parallel's TP × PP × DP comparison.
-    run_parallel_and_solo(
-        tmp_path,
-        ["--nproc", "4", "--pp", "2", "--pp-schedule", "1f1b"],
-        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)],
-        solo_run,
-    )
+    parity = ["--out", str(runs["pp"]), "--pp", "2", "--pp-schedule", "1f1b", *UNCOMPRESSED, *cache]
+    steps = [{"train": parity}, *and_resumed(runs["dac-a"], runs["dac-b"], DAC_JOB, cache_dir)]
+    steps = [{**step, "nproc": 4} for step in steps]
+    for mode in INTERSTAGE_COMPRESSOR:
+        steps.append({"train": ["--out", str(runs[f"interstage-{mode}"]), *interstage_job(mode), *cache], "nproc": 2})
+    solo = ["--out", str(runs["solo"]), *UNCOMPRESSED, *cache, "--micro-batch", "4"]
+    return [*steps, {"train": solo, "nproc": 1}]
+
+
+def test_pp2_dp2_matches_the_single_process_run_when_uncompressed(shared_runs):
+    assert_matches_solo(shared_runs["pp"], shared_runs["solo"])
 
 
 @pytest.fixture(scope="module")
-def dac_runs(tmp_path_factory, cache_dir):
-    root = tmp_path_factory.mktemp("pp_runs")
-    a, b = root / "a", root / "b"
-    proc = run_edgc(
-        "train",
-        "--out",
-        str(a),
-        "--nproc",
-        "4",
-        "--pp",
-        "2",
-        "--steps",
-        "12",
-        "--ckpt-every",
-        "4",
-        "--eval-every",
-        "0",
-        "--cache-dir",
-        str(cache_dir),
-        *EDGC_DAC,
-        *SMALL,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cut_back(a, b, 12)
-    proc = run_edgc("train", "--resume", str(b), "--nproc", "4", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return a, b
+def dac_runs(shared_runs):
+    return shared_runs["dac-a"], shared_runs["dac-b"]
 
 
 def test_pp2_dp2_stages_agree_and_stage0_rank_adapts(dac_runs):
@@ -147,52 +155,10 @@ def test_dac_run_sends_activation_gradients_at_a_rank_that_follows_the_entropy_r
     assert any(r["interstage_bytes_sent"] < r["interstage_bytes_raw"] / 2 for r in train)
 
 
-# The data-parallel compressor of each interstage run. Optimus-CC pairs compressing the first stages'
-# gradients with compressing activation gradients, so the cool-down run is also the Optimus-CC run: one
-# launch asserts both, and every interstage invariant below holds whatever the stages' compressor.
-INTERSTAGE_COMPRESSOR = {
-    "all": ["--compressor", "powersgd"],
-    "cooldown": ["--compressor", "optimus-cc", "--selective-stages", "1"],
-}
-
-
 @pytest.fixture(scope="module")
-def interstage_run(tmp_path_factory, cache_dir):
-    """``interstage_run(mode)``: the 10-step `--pp 2 --nproc 2` run with ``--interstage mode``, launched once."""
-    runs = {}
-
-    def run(mode):
-        if mode not in runs:
-            runs[mode] = tmp_path_factory.mktemp("interstage") / mode
-            proc = run_edgc(
-                "train",
-                "--out",
-                str(runs[mode]),
-                "--nproc",
-                "2",
-                "--pp",
-                "2",
-                "--steps",
-                "10",
-                "--eval-every",
-                "0",
-                *INTERSTAGE_COMPRESSOR[mode],
-                "--powersgd-rank",
-                "4",
-                "--interstage",
-                mode,
-                "--interstage-rank",
-                "2",
-                "--lr",
-                "3e-3",
-                "--cache-dir",
-                str(cache_dir),
-                *SMALL,
-            )
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        return runs[mode]
-
-    return run
+def interstage_run(shared_runs):
+    """``interstage_run(mode)``: the 10-step 2-process run with ``--interstage mode``."""
+    return lambda mode: shared_runs[f"interstage-{mode}"]
 
 
 @pytest.mark.parametrize("mode", ["all", "cooldown"])

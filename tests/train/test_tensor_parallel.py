@@ -1,65 +1,48 @@
 """`edgc train --tp`: tensor parallelism through DTensor, alone and in TP × PP × DP.
 
-Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step):
-  tp3d   `--tp 2 --pp 2 --nproc 8` (TP2 × PP2 × DP2), GPipe, compression off, 6 steps, evaluated at 3 and 6;
+Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step), the first steps of the one launch of
+`shared_runs` (tests/train/conftest.py), on all 8 of its processes:
+  tp3d   `--tp 2 --pp 2` on 8 processes (TP2 × PP2 × DP2), GPipe, compression off, 6 steps, evaluated at 3 and 6;
          solo  the same data in 1 process (the one test_pipeline compares with)
-  a / b  `--tp 2 --pp 2 --nproc 8` with EDGC and --interstage all, 8 steps, checkpoints at 4 and 8; b = a cut
+  a / b  `--tp 2 --pp 2` on 8 processes with EDGC and --interstage all, 8 steps, checkpoints at 4 and 8; b = a cut
          back to step 4 and `--resume`d (TP × DP without pipeline stages, with EDGC: tests/integrations/
          test_llama_tp_dp.py)
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from .conftest import cut_back, read_metrics, run_edgc, run_parallel_and_solo, train_losses
+from .conftest import and_resumed, assert_matches_solo, read_metrics, train_losses
 from .test_pipeline import EDGC_DAC, SMALL, UNCOMPRESSED
 
+# whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
+# a loaded 2-core machine); the launch has its own timeout and every collective in it one
+pytestmark = pytest.mark.timeout(1800)
 
-def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(tmp_path, cache_dir, solo_run):
-    parallel, _ = run_parallel_and_solo(
-        tmp_path,
-        ["--nproc", "8", "--tp", "2", "--pp", "2", "--pp-schedule", "gpipe"],
-        [*UNCOMPRESSED, "--cache-dir", str(cache_dir)],
-        solo_run,
-    )
-    assert sorted(train_losses(parallel)) == list(range(1, 7))
+TP_PP = ["--tp", "2", "--pp", "2"]
+TP_EDGC_JOB = [*TP_PP, "--steps", "8", "--ckpt-every", "4", "--eval-every", "0", "--lr", "3e-3", *EDGC_DAC, *SMALL]
+
+
+def tensor_parallel_steps(root: Path, cache_dir: Path, runs: dict[str, Path]) -> list[dict]:
+    """The plan steps of this file's runs (8 processes each); their folders go into ``runs``."""
+    runs |= {"tp3d": root / "tp3d", "tp-a": root / "tp-a", "tp-b": root / "tp-b"}
+    parity = ["--out", str(runs["tp3d"]), *TP_PP, "--pp-schedule", "gpipe", *UNCOMPRESSED]
+    parity += ["--cache-dir", str(cache_dir)]
+    return [{"train": parity}, *and_resumed(runs["tp-a"], runs["tp-b"], TP_EDGC_JOB, cache_dir)]
 
 
 @pytest.fixture(scope="module")
-def runs_3d(tmp_path_factory, cache_dir):
-    root = tmp_path_factory.mktemp("tp3d")
-    a, b = root / "a", root / "b"
-    proc = run_edgc(
-        "train",
-        "--out",
-        str(a),
-        "--nproc",
-        "8",
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-        "--steps",
-        "8",
-        "--ckpt-every",
-        "4",
-        "--eval-every",
-        "0",
-        "--lr",
-        "3e-3",
-        "--cache-dir",
-        str(cache_dir),
-        *EDGC_DAC,
-        *SMALL,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cut_back(a, b, 8)
-    proc = run_edgc("train", "--resume", str(b), "--nproc", "8", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return a, b
+def runs_3d(shared_runs):
+    return shared_runs["tp-a"], shared_runs["tp-b"]
+
+
+def test_tp2_pp2_dp2_matches_the_single_process_run_when_uncompressed(shared_runs):
+    assert_matches_solo(shared_runs["tp3d"], shared_runs["solo"])
+    assert sorted(train_losses(shared_runs["tp3d"])) == list(range(1, 7))
 
 
 def test_tp2_pp2_dp2_with_edgc_keeps_replicas_identical_and_the_loss_falls(runs_3d):

@@ -269,3 +269,21 @@ def test_resume_drops_metric_lines_after_the_checkpoint(tmp_path):
     log.close()
     kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in kept] == [("train", s) for s in (1, 2, 3, 4, 5)]
+
+
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        ([{"train": []}, {"train": [], "nproc": 1}, {"train": [], "nproc": 2}], "step 2: nproc 2 must be in [1, 1]"),
+        ([{"train": [], "nproc": 8}], "step 0: nproc 8 must be in [1, 4]"),
+        ([{"train": [], "cut_back": []}], "step 0: needs exactly one of"),
+        ([{"nproc": 2}], "step 0: needs exactly one of"),
+    ],
+)
+def test_a_plan_whose_world_grows_or_whose_step_is_unclear_is_refused(plan, words):
+    from edgc_train.plan import check_plan
+
+    check_plan([{"train": []}, {"cut_back": [], "nproc": 2}, {"train": [], "nproc": 1}], 4)  # a shrinking plan
+    with pytest.raises(ValueError) as error:
+        check_plan(plan, 4)
+    assert words in str(error.value)
