@@ -139,7 +139,7 @@ def test_a_sampled_step_gathers_each_bucket_with_one_gather_and_estimates_withou
     joined = torch.cat([t.reshape(-1)[::2] for bucket in buckets for t in bucket])
     assert values == [pytest.approx(histogram_entropy(joined, bins=10))] * 2
     assert ops.names.count("index_select.out") == 2 and "cat.default" not in ops.names, ops.names
-    assert ops.names.count("cat.out") == 1, ops.names  # the step's values joined for the host, not the sample
+    assert "cat.out" not in ops.names, ops.names  # the sample lies in its vector; the host's values go by dtype
     assert not any(name.startswith(("index_add", "histc", "bincount")) for name in ops.names), ops.names
 
 
