@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import math
 import threading
 from collections.abc import Callable, Iterable
@@ -214,7 +215,10 @@ def count_hook_step(
     ``extra["after_last_bucket"]``: the dispatches from entering the last bucket's `reduce_bucket` to the
     step's end (its settle included): what the host issues once backward is over."""
     with settled_hook(named_shapes, **settings) as run:
-        replayed = passing_regions(run.settled_step) if graphs else frozenset()
+        replayed = frozenset()
+        if graphs:
+            replayed = passing_regions(run.settled_step)
+            gc.collect()  # the checker's trace (its cycles) held its steps' scratch: not the engine's memory
         run.host.reads, run.communicator.issued = 0, []
         run.live.reset_peak()
         with DispatchCounter(replayed) as counter:

@@ -110,8 +110,8 @@ def test_sampler_samples_every_kth_step_and_element_and_counts_nonfinite():
     assert sampler.calls == 2 and sampler.seconds_total > 0
 
 
-def test_a_sampled_step_gathers_each_bucket_with_one_gather_and_estimates_without_atomics_or_reads():
-    """A bucket's tensors are views of one flat buffer (DDP's): its sample is one gather from it, straight
+def test_a_sampled_step_gathers_each_job_with_one_cat_and_estimates_without_atomics_or_reads():
+    """A job's tensors (a bucket's, or several fused) are gathered with one cat of strided views, straight
     into the step's one vector once the step's size is known (no copy per tensor, no join at the end);
     the estimate counts into private rows (no index-add over shared bins) and reaches the host in one
     read at the step's end (`edgc.device.totals.StepTotals`)."""
@@ -138,8 +138,9 @@ def test_a_sampled_step_gathers_each_bucket_with_one_gather_and_estimates_withou
         assert host.reads == 1
     joined = torch.cat([t.reshape(-1)[::2] for bucket in buckets for t in bucket])
     assert values == [pytest.approx(histogram_entropy(joined, bins=10))] * 2
-    assert ops.names.count("index_select.out") == 2 and "cat.default" not in ops.names, ops.names
-    assert ops.names.count("cat.out") == 1, ops.names  # the step's values joined for the host, not the sample
+    # one cat per bucket's job straight into the step's vector (the first step: a part each), no join at the end
+    assert ops.names.count("cat.out") == 2 and "index_select.out" not in ops.names, ops.names
+    assert "cat.default" not in ops.names, ops.names
     assert not any(name.startswith(("index_add", "histc", "bincount")) for name in ops.names), ops.names
 
 

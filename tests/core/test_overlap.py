@@ -252,3 +252,25 @@ def test_a_world_of_one_with_a_process_group_issues_its_collectives():
     """As DDP does: a one-GPU NCCL run then goes through NCCL's streams and Work.wait (tests/gpu)."""
     ((issued, averaged, world),) = run_distributed(world_of_one_worker, 1)
     assert (issued, world) == (1, 1) and torch.equal(averaged, torch.ones(3))
+
+
+def test_step_totals_send_each_dtype_in_one_batched_copy_and_read_in_order():
+    """A step's values of mixed dtypes (a job's bool flag, its float32 sums) reach the host in the order
+    they were added, joined with one batched copy and one cast per dtype (a ``cat`` that casts would copy
+    input by input on a GPU: one kernel per job)."""
+    from edgc.device.totals import StepTotals
+    from edgc_bench.dispatch_count import DispatchCounter
+
+    totals = StepTotals()
+    flags = [torch.tensor(k == 1) for k in range(5)]
+    sums = [torch.tensor([float(k)]) for k in range(5)]
+    totals.add_sum("nonfinite", flags)
+    totals.add_sum("error_sq", sums, weights=[2.0] * 5)
+    totals.add(loss=torch.tensor(3.5, dtype=torch.float64), step=7)
+    totals.add_vector(("a", "b"), torch.tensor([0.25, 0.5], dtype=torch.float64))
+    with DispatchCounter() as counter:
+        totals.send(torch.device("cpu"))
+    totals.read()
+    assert (totals["nonfinite"], totals["error_sq"], totals["loss"]) == (1.0, 20.0, 3.5)
+    assert (totals["step"], totals["a"], totals["b"]) == (7.0, 0.25, 0.5)
+    assert counter.total <= 2 * 3, dict(counter.by_op)  # three dtypes: a batched copy and a cast each

@@ -21,9 +21,9 @@ heavy-tailed (Student-t, ν = 4) sample it is about the same at 2²² as at 2²�
 Every sampled step of a run then reads a sample of the same size, so the estimates a decision
 compares stay comparable (a histogram over the sample's own [min, max] depends on its size).
 
-The sample is gathered bucket by bucket with one gather per buffer its tensors lie in (a DDP bucket's
-flat buffer: one ``index_select`` with the positions of its tensors' every k-th elements, kept per
-bucket layout), not a copy per tensor, in the gradients' dtype. Its estimate is made on the device
+The sample is gathered job by job (a DDP bucket, or the buckets fused into one job) with one ``cat`` of
+its tensors' every-k-th-element views (`edgc.control.gather`: one batched copy per 64 views on a GPU),
+not a copy per tensor, in the gradients' dtype. Its estimate is made on the device
 when the step closes and reaches the host with the step's one read (`edgc.device.totals.StepTotals`):
 a sampled step reads the host no more often than a static one.
 

@@ -48,9 +48,10 @@ def bin_counts(values: torch.Tensor, bins: int, nonfinite: torch.Tensor, bounds:
         placed = torch.full((rows * ROW,), bins, dtype=torch.int64, device=values.device)
     else:
         placed = torch.empty(size, dtype=torch.int64, device=values.device)
-    scaled = (values - low).mul_(bins).div_(span)
-    torch.clamp(scaled.to(torch.int64), 0, bins - 1, out=placed[:size])
-    placed[:size].masked_fill_(nonfinite, bins)  # non-finite: past the last bin
+    # The bin in float32 (exact for whole numbers this small): clamped, the non-finite past the last
+    # bin, then one conversion into the index (clamping before the truncation gives the same bins).
+    scaled = (values - low).mul_(bins).div_(span).clamp_(0, bins - 1)
+    placed[:size].copy_(scaled.masked_fill_(nonfinite, bins))
     counts = torch.zeros(rows, bins + 1, dtype=torch.int32, device=values.device)
     one = torch.ones((), dtype=torch.int32, device=values.device)
     counts.scatter_add_(1, placed.view(rows, ROW), one.expand(rows, ROW))
@@ -61,17 +62,21 @@ def histogram_counts(values: torch.Tensor, bins: int, bounds: tuple | None = Non
     """Counts (int64) of finite fp32 ``values`` in ``bins`` equal bins over their own [min, max]
     (`bin_counts`; non-finite values are not counted). ``bounds``: the finite values' ``(min, max)``,
     where the caller has them (a pass over the values fewer)."""
-    values = values.reshape(-1).float()
-    nonfinite = (values - values) != 0
+    nonfinite, values = _nonfinite(values), values.reshape(-1).float()
     return bin_counts(values, bins, nonfinite, finite_bounds(values, nonfinite) if bounds is None else bounds)
+
+
+def _nonfinite(values: torch.Tensor) -> torch.Tensor:
+    """Where the flattened ``values`` are not finite, read in their own dtype (half the bytes of float32)."""
+    values = values.reshape(-1)
+    return (values - values) != 0
 
 
 def histogram_entropy_on_device(values: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(plug-in Shannon entropy in nats of the finite values' histogram over their own [min, max], and
     how many values are finite), both 0-dim device tensors: NaN entropy when none is. Scale-invariant:
     it measures how concentrated the values are relative to their spread; a constant sample has 0."""
-    values = values.reshape(-1).float()
-    nonfinite = (values - values) != 0
+    nonfinite, values = _nonfinite(values), values.reshape(-1).float()
     counts = bin_counts(values, bins, nonfinite, finite_bounds(values, nonfinite))
     count = counts.sum()
     p = counts / count

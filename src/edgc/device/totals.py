@@ -15,8 +15,8 @@ class StepTotals:
     warm-up probe, its entropy), as Python numbers, device tensors of one element (`add`), the
     elements of a 1-D one (`add_vector`) or a list of either, summed on the host (`add_sum`: one
     value per job, no device op per job). Adding touches no tensor: at the step's end `send` joins
-    the device values, on the stream where they were computed, into one float64 device tensor (one
-    ``cat``, which casts as it copies) that goes to the host behind an event
+    the device values, on the stream where they were computed, into one float64 device tensor (a
+    ``cat`` per dtype and one cast each, `_joined_by_dtype`) that goes to the host behind an event
     (`edgc.device.timing.HostCopy`), and `read` reads it, once, when the step is settled. Python
     numbers never go to the device. Then they are read by name: ``totals[name]``, ``name in
     totals``, ``totals.get(name)`` (0.0 for a name not added: a step that saw no device sends
@@ -28,6 +28,7 @@ class StepTotals:
         self._vectors: dict[int, int] = {}  # part index → elements, for `add_vector`'s parts
         self._weights: dict[int, list[float]] = {}  # part index → its values' weights, for `add_sum`'s
         self._copy: HostCopy | None = None
+        self._order: list[int] | None = None  # where each sent element goes, when they were grouped by dtype
         self._host: dict[str, float] | None = None
 
     def add(self, **values: float | bool | torch.Tensor) -> None:
@@ -73,13 +74,20 @@ class StepTotals:
         tensors = [t.reshape(-1) for t in self._device_values()]
         if tensors:
             joined = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float64, device=device)
-            self._copy = HostCopy(torch.cat(tensors, out=joined))
+            self._order = _joined_by_dtype(tensors, joined)
+            self._copy = HostCopy(joined)
 
     def read(self) -> None:
         """Read the sent values: the step's one host read, which waits for their copy alone. Once."""
         if self._host is not None:
             return
-        sent = iter(self._copy.values() if self._copy is not None else [])
+        values = self._copy.values() if self._copy is not None else []
+        if self._order is not None:  # sent grouped by dtype: back to the order they were added in
+            in_order = [0.0] * len(values)
+            for value, place in zip(values, self._order):
+                in_order[place] = value
+            values = in_order
+        sent = iter(values)
         host: dict[str, float] = {}
         index = 0
         while index < len(self._parts):
@@ -93,7 +101,7 @@ class StepTotals:
             host[self._names[index]] = sum(v * w for v, w in zip(values, weights)) if values else 0.0
             index += 1
         self._host = host
-        self._parts, self._copy = [], None
+        self._parts, self._copy, self._order = [], None, None
 
     def _values(self) -> dict[str, float]:
         if self._host is None:
@@ -108,3 +116,27 @@ class StepTotals:
 
     def get(self, name: str, default: float = 0.0) -> float:
         return self._values().get(name, default)
+
+
+def _joined_by_dtype(tensors: list[torch.Tensor], joined: torch.Tensor) -> list[int] | None:
+    """The values of ``tensors`` into the float64 ``joined``, grouped by dtype: a ``cat`` that casts copies
+    input by input on a GPU (a kernel per job's flag or sum), so each dtype's values are joined in
+    their own dtype (one batched copy) and cast into ``joined`` in one copy. Returns where each
+    element of ``joined`` was in the plain ``cat`` of ``tensors`` (None: in order), for the host."""
+    dtypes = list(dict.fromkeys(t.dtype for t in tensors))
+    if dtypes == [joined.dtype] or len(tensors) == 1:
+        torch.cat(tensors, out=joined)
+        return None
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
+    order, start = [], 0
+    for dtype in dtypes:
+        members = [k for k, t in enumerate(tensors) if t.dtype == dtype]
+        same = [tensors[k] for k in members]
+        size = sum(t.numel() for t in same)
+        joined[start : start + size].copy_(same[0] if len(same) == 1 else torch.cat(same))
+        order += [offsets[k] + i for k in members for i in range(tensors[k].numel())]
+        start += size
+    return order

@@ -54,6 +54,7 @@ class CallState:
     turn: int = 0  # which Q holds the current one
     q_views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (n, r) views of each Q, layout order
     replacement: torch.Tensor | None = None  # rows that restart zero rows of Q: (r, n) per Q block
+    identity: torch.Tensor | None = None  # r × r, the orthonormalisation's Gram dtype (`factors.gram_dtype`)
     step: StepBuffers | None = None
     scratch: torch.Tensor | None = None  # M without error feedback (no arena to form it in)
     regions: dict = field(default_factory=dict)  # the stretches' graph regions (`edgc.engine.stretches`)
@@ -85,6 +86,16 @@ class CallState:
         self.q_views = tuple(
             [q.T for group in self.layout.groups for q in group.q_view(self.q(turn)).unbind(0)] for turn in (0, 1)
         )
+
+    def keep_identity(self, method: str, device: torch.device) -> None:
+        """The identity the orthonormalisation's Gram products add their shift with, made where it is not."""
+        from .factors import gram_dtype
+
+        rank, dtype, kept = max((g.rank for g in self.layout.groups), default=0), gram_dtype(method), self.identity
+        if dtype is None:
+            self.identity = None
+        elif kept is None or (kept.shape[0], kept.dtype, kept.device) != (rank, dtype, device):
+            self.identity = torch.eye(rank, dtype=dtype, device=device)
 
     def step_tensors(self) -> tuple[torch.Tensor, ...]:
         """The step buffers' tensors (none before the first step)."""

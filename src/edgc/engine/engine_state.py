@@ -364,7 +364,7 @@ class EngineState:
         buffers = {
             id(t): t
             for c in self._calls.values()
-            for t in (c.arena, c.spare, c.factors, c.replacement, c.scratch, *c.step_tensors())
+            for t in (c.arena, c.spare, c.factors, c.replacement, c.identity, c.scratch, *c.step_tensors())
             if t is not None
         }
         kept = {id(t.untyped_storage()) for t in buffers.values()}

@@ -76,6 +76,7 @@ def orthonormalize_blocks_(
     method: str = "cholesky2-fp64",
     out: torch.Tensor | None = None,
     passes: int | None = None,
+    identity: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`orthonormalize_rows_` for several (count, rank, side) blocks of one flat buffer at once: one
     cast, and per pass one Cholesky factorisation for all the Gram matrices of one rank (their
@@ -101,7 +102,11 @@ def orthonormalize_blocks_(
     first passes only (their shifts), where rows need to be well conditioned rather than orthonormal
     (the engine's warm start); None: all of them. With ``passes`` a failed factorisation is not
     masked: its rows come out finite and less well conditioned, or not finite where its factor
-    has a zero on its diagonal, which a restart catches (`restart_dead_entries_`).
+    has a zero on its diagonal, which a restart catches (`restart_dead_entries_`). ``identity``: a kept
+    identity matrix of the method's dtype (`gram_dtype`), at least rank × rank: each Gram matrix is
+    then formed with its absolute shift (the floor, in a relative pass) already on its diagonal, one
+    ``baddbmm`` per block, and a pass launches no separate shift (a relative one adds s·mean(diag G)
+    to the floored G: the same shift but for the floor, far below any value that matters).
     """
     out = flat if out is None else out
     if method == "householder":
@@ -125,9 +130,7 @@ def orthonormalize_blocks_(
         for rank, same_rank in by_rank.items():
             views = [block.view(x) for block in same_rank]
             gram = torch.empty(sum(v.shape[0] for v in views), rank, rank, dtype=dtype, device=x.device)
-            for view, square in zip(views, gram.split([v.shape[0] for v in views])):
-                torch.bmm(view, view.transpose(-1, -2), out=square)
-            _shift_(gram, shifts[rank][step], floor, relative=step == 0)
+            _gram_(views, gram, shifts[rank][step], floor, step == 0, identity)
             lower, info = torch.linalg.cholesky_ex(gram)
             failed[rank] = info if step == 0 else failed[rank] + info
             if masked and step == passes - 1:  # any pass of a matrix failed: its rows NaN
@@ -147,6 +150,37 @@ def _shifts(method: str, epsilon: float, side: int) -> tuple[float, ...]:
     u = torch.finfo(torch.float32).eps
     rounding = max(epsilon, 10 * math.sqrt(side) * u)
     return (rounding, rounding, max(epsilon, u), max(epsilon, u))
+
+
+def _gram_(
+    views: list[torch.Tensor],
+    gram: torch.Tensor,
+    shift: float,
+    floor: float,
+    relative: bool,
+    identity: torch.Tensor | None,
+) -> None:
+    """G = X·Xᵀ + s·I of every view into ``gram`` (`_shift_`); with ``identity``, the absolute part of the
+    shift (the floor in a ``relative`` pass) is added by the products themselves."""
+    squares = gram.split([v.shape[0] for v in views])
+    if identity is None:
+        for view, square in zip(views, squares):
+            torch.bmm(view, view.transpose(-1, -2), out=square)
+        _shift_(gram, shift, floor, relative=relative)
+        return
+    rank = gram.shape[-1]
+    added = floor if relative else shift + floor
+    for view, square in zip(views, squares):
+        torch.baddbmm(identity[:rank, :rank], view, view.transpose(-1, -2), beta=added, out=square)
+    if relative:
+        diagonal = gram.diagonal(dim1=-2, dim2=-1)
+        diagonal.add_(diagonal.mean(-1, keepdim=True), alpha=shift)
+
+
+def gram_dtype(method: str) -> torch.dtype | None:
+    """The dtype ``method``'s Gram matrices are formed in (None for Householder, which forms none): that of
+    the identity `orthonormalize_blocks_` takes, made once and kept by the caller."""
+    return _CHOLESKY[method][0] if method in _CHOLESKY else None
 
 
 def _shift_(gram: torch.Tensor, shift: float, floor: float, *, relative: bool) -> None:

@@ -328,6 +328,9 @@ class LowRankCompressor:
         layout = kept.layout
         stride = _chunk_stride(layout, sampled=self.config.error_feedback)
         kept.step_buffers(grad_dtype, compute, device)
+        method = self.orthonormalization(device)
+        if layout.groups:
+            kept.keep_identity(method, device)
         if measure_error and not self.config.error_feedback and kept.step.local_q is None:
             kept.step.local_q = torch.zeros(layout.q_numel, dtype=compute, device=device)
         stats = ReduceStats(ranks=dict(layout.ranks))
@@ -346,7 +349,7 @@ class LowRankCompressor:
             wire == torch.float16 and comm.world_size > 1,
             measure_error,
             stride,
-            self.orthonormalization(device),
+            method,
             self.config.orthogonalization_epsilon,
             error_feedback,
             error_feedback and subtracts_estimate(cpu_kernels, grad_dtype == arena.dtype),

@@ -89,7 +89,8 @@ def run_stretch(run: JobRun, name: str, work: Callable[[JobRun], None], graphs: 
     eagerly on them (a few steps at the same rank), else always eager (what a checker and the dispatch
     counter observe). ``rank``: the process's in its group (its rank 0 says the captures)."""
     call = run.kept
-    buffers = (call.factors, run.arena, run.residual, call.replacement, *call.step_tensors(), *run.grads)
+    buffers = (call.factors, run.arena, run.residual, call.replacement, call.identity, *call.step_tensors())
+    buffers = (*buffers, *run.grads)
     buffers = tuple(t for t in buffers if t is not None)
     key = (name, call.turn, id(run.arena), id(run.residual), run.select_q, run.measure_error)
     region = call.regions.get(key)
@@ -119,6 +120,7 @@ def send_p(run: JobRun) -> None:
             method=run.method,
             out=torch.empty_like(call.q(call.turn)),
             passes=WARM_START_PASSES,
+            identity=call.identity,
         )
         restart_dead_entries_(q_in, call.replacement)
         for group in layout.groups:
@@ -142,11 +144,11 @@ def send_q(run: JobRun) -> None:
     call, layout, step = run.kept, run.layout, run.kept.step
     if run.raw_grads:
         torch._foreach_copy_(run.raw_grads, list(step.raw[:-1].split([t.numel() for t in run.raw_grads])))
-    step.poison.copy_(step.raw[-1:])  # identical on every rank: it is an average
     if not layout.groups:
+        step.poison.copy_(step.raw[-1:])  # identical on every rank: it is an average
         torch.ne(step.poison.view(()), step.poison.view(()), out=step.bad)  # NaN: the only value ≠ itself
         return
-    orthonormalize_blocks_(call.p, layout.p_blocks, run.epsilon, method=run.method)
+    orthonormalize_blocks_(call.p, layout.p_blocks, run.epsilon, method=run.method, identity=call.identity)
     q_new = call.q(run.new_turn)
     for group in layout.groups:
         _bmm_into(group.q_view(q_new), group.p_view(call.p), group.error_view(run.arena))
@@ -167,7 +169,8 @@ def finish(run: JobRun) -> None:
     if run.half_wire:
         for group in layout.groups:
             group.q_view(q_new).div_(half_wire_shift(group.m))
-    torch.add(step.poison, finite_flag(q_new), alpha=0, out=step.poison)  # 0·NaN and 0·Inf are NaN
+    # The raw average's flag (identical on every rank) and Q's: 0·NaN and 0·Inf are NaN.
+    torch.add(step.raw[-1:], finite_flag(q_new), alpha=0, out=step.poison)
     torch.ne(step.poison.view(()), step.poison.view(()), out=step.bad)
     factors = decompress(run)
     if factors is not None:
