@@ -12,8 +12,8 @@ Where a rank decision reads the samples, the sample holds at most ``entropy_samp
 (2²² by default): at GPT-2 XL the whole β sample (~390M elements), counted with one atomic
 index-add into a thousand bins, made that one kernel most of a sampled step's device time, with the
 sample and its bin index held beside the engine's state (docs/gpu.md). The histogram is now counted
-into private rows without shared counters (`edgc.control.histogram`), and reads and writes ~70 B per
-sampled element (gather, range, bin index, counts): at 2²² a sampled step at GPT-2 XL moves under
+into private rows without shared counters (`edgc.control.histogram`), and reads and writes ~110 B per
+sampled bf16 element (gather, range, bin index, counts): at 2²² a sampled step at GPT-2 XL moves under
 32 B per compressed element, as a static step does (docs/concepts/engine.md). A larger sample buys
 little: over the sample's own
 [min, max] the estimate's spread is set by the sample's extremes, and for a Gaussian or a
