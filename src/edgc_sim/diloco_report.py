@@ -1,9 +1,10 @@
 """`edgc simulate --diloco`: the tables of DiLoCo at internet scale (`edgc_sim.diloco`), and the model
 against the bench's scaling runs (``--diloco-bench``: `calibrate_on_bench`).
 
-The bench's link is priced by three numbers fitted (least squares) to its 3- and 6-host outer steps
-without added latency: the rate, a fixed cost per outer step, and the CPU codec's seconds per value
-and pass; the inner step is the bench's own compute floor and the wire the model's
+The bench's link is priced by four numbers fitted to its 3- and 6-host outer steps without added
+latency (least squares on the outer steps' relative errors, every cost ≥ 0: `nonnegative_fit`): the
+rate, a fixed cost per outer step, the CPU codec's seconds per value and pass, and a cost per round;
+the inner step is the bench's own compute floor and the wire the model's
 (`edgc_sim.diloco.wire_bytes`, checked against the sockets' count). Runs with a delay added to the
 emulated links (``--delay-ms``) are not fitted: the model prices them with that link and the delay's
 round trip charged per round of each collective (`edgc_sim.diloco.latencies`), which is what they
@@ -12,6 +13,7 @@ check. Any other host count of the bench is an extrapolation, said so.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -170,6 +172,32 @@ def _bench_rows(summary: dict) -> list[dict]:
     return out
 
 
+def nonnegative_fit(design: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> list[float]:
+    """The coefficients ≥ 0 that minimise Σ (weight · (design·x − target))², the first one (the seconds a
+    byte) always fitted: the least-squares solution on every support that holds the first column, the
+    best whose coefficients are all ≥ 0 (the non-negative optimum is the least-squares solution on its
+    own support, so a few columns need no iterative solver). A negative cost clamped after an
+    unconstrained fit would leave the other coefficients fitted to it."""
+    a, b = design * weights.unsqueeze(1), target * weights
+    columns = design.shape[1]
+    best: tuple[float, list[float]] | None = None
+    for k in range(columns):
+        for rest in itertools.combinations(range(1, columns), k):
+            support = [0, *rest]
+            x = torch.linalg.lstsq(a[:, support], b.unsqueeze(1)).solution.squeeze(1)
+            if (x < 0).any():
+                continue
+            residual = float(((a[:, support] @ x - b) ** 2).sum())
+            if best is None or residual < best[0]:
+                full = [0.0] * columns
+                for column, value in zip(support, x.tolist()):
+                    full[column] = value
+                best = (residual, full)
+    if best is None:
+        raise ValueError("--diloco-bench: no positive rate fits the runs without added latency")
+    return best[1]
+
+
 def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) -> dict:
     """The fitted link (see the module docstring) and, per bench row, the model's outer step against the measured."""
     rows = _bench_rows(summary)
@@ -192,8 +220,8 @@ def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) ->
         dtype=torch.float64,
     )
     target = torch.tensor([r["outer_step_s"] - r["sync_every"] * r["floor_s"] for r in fit], dtype=torch.float64)
-    solution = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1).tolist()
-    seconds_per_byte, overhead, codec, per_round = solution[0], *(max(0.0, v) for v in solution[1:])
+    measured = torch.tensor([r["outer_step_s"] for r in fit], dtype=torch.float64)
+    seconds_per_byte, overhead, codec, per_round = nonnegative_fit(design, target, weights=1 / measured)
     link = Link(1 / seconds_per_byte, per_round, overhead, GLOO_IN_FLIGHT)
     table = []
     for r in rows:

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from edgc.sync.codecs import QuantCodec
 from edgc.sync.sync_methods import ALL_GATHER, TWO_STAGE, sync_method
@@ -24,7 +25,7 @@ from edgc_sim.diloco import (
     sync_seconds,
     wire_bytes,
 )
-from edgc_sim.diloco_report import GLOO_IN_FLIGHT, calibrate_on_bench, calibration_table, markdown
+from edgc_sim.diloco_report import GLOO_IN_FLIGHT, calibrate_on_bench, calibration_table, markdown, nonnegative_fit
 
 EIGHT_B = MODELS[1]
 XL_PARAMS, XL_TENSORS = 1_557_611_200, 580  # GPT-2 XL, Hugging Face's layout
@@ -177,3 +178,32 @@ def test_the_fit_on_three_and_six_hosts_gives_back_the_link_and_predicts_twelve_
         del row["tensors"]
     with pytest.raises(ValueError, match="names no parameter tensors"):
         calibrate_on_bench(untold)
+
+
+def test_the_link_fit_keeps_every_cost_non_negative_and_optimal_among_those():
+    """Runs whose best unconstrained fit has a negative fixed cost (a noisy bench): the fit is the
+    non-negative optimum (its KKT conditions hold), not the unconstrained one clamped, which fits worse."""
+    generator = torch.Generator().manual_seed(0)
+    design = torch.rand(6, 4, generator=generator, dtype=torch.float64) * torch.tensor([1e7, 1.0, 3e7, 300.0])
+    design[:, 1] = 1.0
+    target = (
+        design @ torch.tensor([4e-7, 0.0, 4e-8, 0.0], dtype=torch.float64)
+        - 0.8
+        + 0.3 * torch.rand(6, generator=generator, dtype=torch.float64)
+    )
+    weights = 1 / target.abs()
+    unconstrained = torch.linalg.lstsq(design * weights[:, None], (target * weights)[:, None]).solution.squeeze(1)
+    assert (unconstrained < 0).any()  # the case the fit is for
+    fitted = torch.tensor(nonnegative_fit(design, target, weights), dtype=torch.float64)
+    assert (fitted >= 0).all() and fitted[0] > 0
+
+    def loss(x):
+        return float((((design @ x - target) * weights) ** 2).sum())
+
+    gradient = (design * weights[:, None]).T @ ((design @ fitted - target) * weights)
+    scale = gradient.abs().max()
+    for coefficient, slope in zip(fitted.tolist(), gradient.tolist()):
+        assert slope >= -1e-9 * scale  # raising a cost held at 0 cannot lower the loss
+        if coefficient > 0:
+            assert abs(slope) <= 1e-6 * scale  # a free cost sits at its optimum
+    assert loss(fitted) <= loss(unconstrained.clamp(min=0))
