@@ -126,8 +126,9 @@ def add_diloco_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--diloco-bench",
-        metavar="DIR",
-        help="with --diloco: also fit the link to `edgc bench --diloco --scaling` in DIR and compare",
+        metavar="DIR[,DIR...]",
+        help="with --diloco: also fit the link to `edgc bench --diloco --scaling` in DIR and compare "
+        "(several folders: repeats of one bench command, their medians fitted, their range shown)",
     )
 
 
@@ -201,14 +202,17 @@ def _project(args) -> int:
 
 def _diloco(args) -> int:
     from .diloco import Site
-    from .diloco_report import markdown
+    from .diloco_report import join_repeats, markdown
 
     bench = None
     if args.diloco_bench:
-        path = Path(args.diloco_bench) / "results.json"
-        if not path.is_file():
-            raise ValueError(f"--diloco-bench: {path} not found (written by edgc bench --diloco --scaling)")
-        bench = json.loads(path.read_text())
+        summaries = []
+        for folder in args.diloco_bench.split(","):
+            path = Path(folder) / "results.json"
+            if not path.is_file():
+                raise ValueError(f"--diloco-bench: {path} not found (written by edgc bench --diloco --scaling)")
+            summaries.append(json.loads(path.read_text()))
+        bench = join_repeats(summaries)
     print(markdown(Site(), bench))
     return 0
 

@@ -25,7 +25,14 @@ from edgc_sim.diloco import (
     sync_seconds,
     wire_bytes,
 )
-from edgc_sim.diloco_report import GLOO_IN_FLIGHT, calibrate_on_bench, calibration_table, markdown, nonnegative_fit
+from edgc_sim.diloco_report import (
+    GLOO_IN_FLIGHT,
+    calibrate_on_bench,
+    calibration_table,
+    join_repeats,
+    markdown,
+    nonnegative_fit,
+)
 
 EIGHT_B = MODELS[1]
 XL_PARAMS, XL_TENSORS = 1_557_611_200, 580  # GPT-2 XL, Hugging Face's layout
@@ -207,3 +214,29 @@ def test_the_link_fit_keeps_every_cost_non_negative_and_optimal_among_those():
         if coefficient > 0:
             assert abs(slope) <= 1e-6 * scale  # a free cost sits at its optimum
     assert loss(fitted) <= loss(unconstrained.clamp(min=0))
+
+
+def _repeat(bench: dict, delayed_factor: float) -> dict:
+    """A repeat of ``bench`` whose runs with a delay took ``delayed_factor`` times as long."""
+    rows = [
+        {**r, "outer_step_s": r["outer_step_s"] * (delayed_factor if r["delay_ms"] else 1.0)} for r in bench["rows"]
+    ]
+    return {**bench, "rows": rows}
+
+
+def test_repeats_of_the_bench_are_fitted_by_their_medians_and_a_miss_inside_their_range_is_called_noise():
+    link = Link(2.3e6, 0.002, 0.4, GLOO_IN_FLIGHT)
+    bench = synthetic_bench(link, 2e-8, params=3e6, delay_ms=15)
+    joined = join_repeats([_repeat(bench, 1.3), _repeat(bench, 0.9), _repeat(bench, 1.0)])
+    result = calibrate_on_bench(joined)
+    assert all(abs(r["error"]) < 1e-6 for r in result["rows"])  # the medians are the model's own
+    delayed = [r for r in result["rows"] if r["round_trip_s"]]
+    assert all(len(r["repeats_s"]) == 3 for r in delayed)
+    assert "✓ with latency added" in calibration_table(result, 20) and "× 3 repeats" in joined["command"]
+    slow = calibrate_on_bench(join_repeats([_repeat(bench, 1.25), _repeat(bench, 1.2), _repeat(bench, 0.9)]))
+    assert "≈ (noise) with latency added" in calibration_table(slow, 20)  # 1/1.2 − 1 = −16.7 %, inside 0.9–1.25
+    far = calibrate_on_bench(join_repeats([_repeat(bench, 1.25), _repeat(bench, 1.2), _repeat(bench, 1.3)]))
+    assert "✗ with latency added" in calibration_table(far, 20)
+    other = {**bench, "options": {**bench["options"], "sync_every": 5}}
+    with pytest.raises(ValueError, match="not repeats"):
+        join_repeats([bench, other])
