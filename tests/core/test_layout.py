@@ -94,8 +94,18 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 # The layers, from the bottom; a module may import its own layer or one below, never one above.
+# `edgc_probes` (the counters and checkers the tests and the bench share) imports only the library;
 # `edgc_cli.errors` sits beneath the tools that raise its error, `edgc_cli.main` above all of them.
-LAYERS = ["edgc", "edgc_cli.errors", "edgc_train", "edgc_sim", "edgc_bench", "edgc_experiments", "edgc_cli.main"]
+LAYERS = [
+    "edgc",
+    "edgc_probes",
+    "edgc_cli.errors",
+    "edgc_train",
+    "edgc_sim",
+    "edgc_bench",
+    "edgc_experiments",
+    "edgc_cli.main",
+]
 
 
 def layer(module: str) -> int:
@@ -110,6 +120,14 @@ def test_no_import_runs_up_the_layers():
         (name, dep) for name, path in MODULES.items() for dep in imports_of(name, path) if layer(dep) > layer(name)
     )
     assert upward == [], upward
+
+
+def test_the_probes_import_only_the_library_and_the_bench_measures_with_them():
+    probes = {name: path for name, path in MODULES.items() if name.split(".")[0] == "edgc_probes"}
+    reached = {dep.split(".")[0] for name, path in probes.items() for dep in imports_of(name, path)}
+    assert reached <= {"edgc", "edgc_probes"}, reached
+    bench = {dep for name, path in MODULES.items() if name.startswith("edgc_bench") for dep in imports_of(name, path)}
+    assert {"edgc_probes.dispatch_count", "edgc_probes.host_reads", "edgc_probes.participation"} <= bench
 
 
 def test_an_import_module_call_with_a_literal_name_is_an_import(tmp_path, monkeypatch):
