@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import write  # noqa: E402
 
 from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB  # noqa: E402
-from edgc_bench.gpt2_layout import GPT2_SIZES  # noqa: E402
+from edgc_probes.gpt2_layout import GPT2_SIZES  # noqa: E402
 from edgc_sim import engine_model as em  # noqa: E402
 from edgc_sim.collectives import gpt2_gradient_shapes  # noqa: E402
 from edgc_sim.hardware import DEVICES  # noqa: E402

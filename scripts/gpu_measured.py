@@ -277,7 +277,7 @@ def build(run: dict, before: dict | None) -> tuple[list[str], list[str]]:
     docs += [
         "",
         "**The hook alone** (one backward's gradients in DDP's buckets; dispatches counted on the device "
-        "by edgc_bench.dispatch_count's rule, before: the CPU's count; busy = the kernels' time ÷ the call's):",
+        "by edgc_probes.dispatch_count's rule, before: the CPU's count; busy = the kernels' time ÷ the call's):",
         "",
         *alone_table(run, before),
     ]

@@ -5,7 +5,7 @@
     python scripts/host_model_to_docs.py --engine-census FILE [--graphs-census FILE]
 
 ``census`` counts one hook step of this checkout's engine at GPT-2 XL, rank 32, bf16 gradients, DDP's
-default, 100 and 200 MB buckets (`edgc_bench.dispatch_count`, fake tensors, views counted beside the
+default, 100 and 200 MB buckets (`edgc_probes.dispatch_count`, fake tensors, views counted beside the
 kernel-launching dispatches) and writes the counts; the file in the H200 run's folder holds the
 engine that run measured, counted so. Without a subcommand it writes the ``sim-host-model`` block of
 docs/gpu.md: the host's cost per op class read from the run's profiler trace (`edgc_sim.host_ops`),
@@ -72,8 +72,8 @@ def count_census(graphs: bool = False, settle_steps: int = 1) -> dict | None:
     import torch
 
     from edgc import EDGCConfig, LowRankConfig
-    from edgc_bench.dispatch_count import count_hook_step
-    from edgc_bench.gpt2_layout import gpt2_parameters
+    from edgc_probes.dispatch_count import count_hook_step
+    from edgc_probes.gpt2_layout import gpt2_parameters
 
     config = EDGCConfig.static(32, total_steps=100_000, warmup_fraction=0.0)
     if graphs:

@@ -1,4 +1,5 @@
 """`edgc bench`: every compressor side by side on emulated hosts joined by rate-limited links (docs/bench.md).
+What it counts on the CPU (dispatches, bytes, memory, host reads, stream order) it counts with `edgc_probes`.
 
 Modules:
     cli.py          `edgc bench` flags → `BenchSettings` → `run_bench`
@@ -38,26 +39,10 @@ Modules:
     gpu_hbm.py      HBM bytes of one hook call, from Nsight Compute's DRAM counters
     gpu_support.py  the model, device timing, kernel counts and process groups the parts share
     gpu_trace.py    a profiled step's device work per stream, and its picture
-    dispatch_count.py  the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes
-    hook_steps.py   a DDP hook's state settled on fake gradients, without DDP or a process group
-    stand_ins.py    what DDP and a process group hand the hook, without them: buckets, a recording communicator
-    op_traffic.py   what one dispatched op costs a GPU: its kernels and the bytes it reads and writes
-    live_memory.py  the memory a step keeps alive beyond the gradients, counted on the CPU by its storages
     engine_cost.py  a GPT-2 step's bytes and memory per compressed element, beside their floors
     (docs/concepts/engine.md)
     step_kinds.py   every kind of compressed step counted: kernels, bytes, memory (docs/concepts/engine.md)
     engine_launches.py the simulator's dispatches per job term, fitted to the engine's counts
-    stream_check.py the CUDA path's stream races and host synchronisations, checked on the CPU
-    stream_check_access.py its kernels' accesses and the races between them
-    stream_check_memory.py where each storage came from, and what its free means
-    stream_check_threads.py every thread and future under it
-    stream_check_patches.py what that checker replaces while it runs (torch.cpu's streams, works, ...)
-    stream_check_moves.py   ... and what it makes of tensors made, moved and read from Python
-    stream_check_syncs.py   which operators make the host wait for the device
-    capture_check.py        whether a step's work could be held by CUDA graphs, checked on the CPU
-    capture_check_trace.py  what it records of a step: operators, region calls, where storages are made
-    capture_check_judge.py  its violations, from that record
-    gpt2_layout.py  GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
     warm_start.py   the warm start's orthonormalisation passes, measured by what the engine sends
 """

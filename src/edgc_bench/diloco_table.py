@@ -16,7 +16,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .torchft_bench import participation, read_lines
+from edgc_probes.participation import participation
+
+from .torchft_bench import read_lines
 
 LABELS = {
     "ddp": "DDP (torchft, uncompressed, every step)",

@@ -5,14 +5,14 @@ per compressed gradient element, counted on the CPU.
 
 One steady compressed step through the public DDP hook on GPT-2 ``--model``'s parameters in bf16,
 DDP's default 25 MB buckets fused into the accelerator's jobs, rank ``--rank``, on the accelerator's
-path (`edgc_bench.dispatch_count.count_hook_step`, fake tensors: nothing is allocated):
+path (`edgc_probes.dispatch_count.count_hook_step`, fake tensors: nothing is allocated):
 - ``bytes``: every kernel-launching op's inputs read and outputs written (`op_traffic`), per op;
 - ``matrix_bytes``: the part that does not grow with the rank, the passes over M, G, e and Ĝ: the
   step counted at rank r and r/2, extrapolated to rank 0 (the factors P and Q, their casts and
   their orthonormalisation move bytes in proportion to r, the r × r Gram matrices aside);
 - ``floors``: the fewest bytes those passes can take (`matrix_byte_floors`), with PyTorch's ops and
   with fused kernels;
-- ``memory``: the most bytes alive at once beyond the gradients (`edgc_bench.live_memory`), the
+- ``memory``: the most bytes alive at once beyond the gradients (`edgc_probes.live_memory`), the
   engine's state included, with float32 error feedback and with error feedback in the gradient's
   dtype (``error_feedback_dtype='gradient'``).
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import StepCount, count_hook_step
-from .gpt2_layout import gpt2_parameters
-from .hook_steps import _static_config
+from edgc_probes.dispatch_count import StepCount, count_hook_step
+from edgc_probes.gpt2_layout import gpt2_parameters
+from edgc_probes.hook_steps import _static_config
 
 GRADIENT_BYTES = 2  # bf16
 

@@ -4,10 +4,10 @@
 
 For every `edgc_sim.engine_launches.SETTINGS` combination, the probe jobs (`PROBES`) are run through
 `LowRankCompressor.reduce` on fake tensors and their dispatches counted (`count_job`: the steady
-second call, `edgc_bench.dispatch_count`'s rule); each term's dispatches are fitted to them. The
+second call, `edgc_probes.dispatch_count`'s rule); each term's dispatches are fitted to them. The
 hook's own dispatches per job and per step are fitted to the committed GPT-2 hook counts
 (docs/gpu/count/count.json, held to the engine by tests/bench/test_dispatch_count.py) less their
-jobs' modelled dispatches. tests/sim/test_engine_model.py holds the table to fresh counts.
+jobs' modelled dispatches. tests/bench/test_engine_launches.py holds the table to fresh counts.
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ from pathlib import Path
 
 import torch
 
+from edgc_probes.dispatch_count import DispatchCounter
+from edgc_probes.gpt2_layout import GPT2_SIZES
+from edgc_probes.hook_steps import _zeros
+from edgc_probes.host_reads import counted_host_reads
+from edgc_probes.stand_ins import counting_communicator
 from edgc_sim import engine_launches as el
 from edgc_sim import engine_model as em
 from edgc_sim.collectives import gpt2_gradient_shapes
 from edgc_sim.presets import ModelSpec
-
-from .dispatch_count import DispatchCounter
-from .gpt2_layout import GPT2_SIZES
-from .gpu_support import counted_host_reads
-from .hook_steps import _zeros
-from .stand_ins import counting_communicator
 
 REPO = Path(__file__).resolve().parents[2]
 COUNT = REPO / "docs" / "gpu" / "count" / "count.json"

@@ -228,7 +228,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"no part {', '.join(unknown)} (parts: {', '.join(BY_NAME)})")
     if args.out is None and not args.plan:
         parser.error("--out is required")
-    from .gpt2_layout import GPT2_SIZES
+    from edgc_probes.gpt2_layout import GPT2_SIZES
 
     args.sizes = sorted(args.sizes.split(","), key=lambda size: -GPT2_SIZES[size][1])
     args.ranks = [int(r) for r in args.ranks.split(",")]

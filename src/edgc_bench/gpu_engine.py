@@ -5,7 +5,7 @@ Two measurements per model, DDP on a process group of one (NCCL on the GPU):
   largest model) with ``powerSGD_hook``, at the goal rank, per DDP bucket size. The hook's cost to
   the step is hooked − plain; with it the backward time, kernels per step (profiler) and memory.
 - ``hook_alone``: each hook on its own, over one backward's real gradients laid out in DDP's
-  buckets (`edgc_bench.stand_ins.ddp_buckets`) and restored before every call: seconds per
+  buckets (`edgc_probes.stand_ins.ddp_buckets`) and restored before every call: seconds per
   step, kernels, memory beyond the gradients. Both hooks run on bf16 and on fp32 copies of the
   same gradients, since ``powerSGD_hook`` orthogonalises half precision by Gram–Schmidt in half
   precision and fp32 by a QR, while EDGC computes in fp32 either way. Every rank at DDP's default
@@ -26,7 +26,9 @@ from collections.abc import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .dispatch_count import sampled_config
+from edgc_probes.dispatch_count import sampled_config
+from edgc_probes.stand_ins import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
+
 from .gpu_support import (
     DeviceTimer,
     device_activity_count,
@@ -37,7 +39,6 @@ from .gpu_support import (
     peak_memory,
     vocabulary,
 )
-from .stand_ins import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
 
 # both hooks: 2 uncompressed steps (DDP's bucket rebuild), then one that creates Q and the error feedback
 WARMUP_CALLS = 3

@@ -37,7 +37,7 @@ def device_profile(cuda: bool = True) -> dict:
 
 def count_part(record, settings: dict) -> None:
     """count.json: the dispatches of one compressed step per model and bucket size, on the CPU."""
-    from .dispatch_count import count_report
+    from edgc_probes.dispatch_count import count_report
 
     caps = settings["bucket_caps"]
     report = count_report(settings["sizes"], caps, rank=settings["rank"], progress=lambda line: print(line, flush=True))

@@ -36,7 +36,8 @@ def workload(model: str, rank: int, method: str) -> None:
     gloo and no profiler: what a smoke run checks). Joins a process group of one unless one exists."""
     import torch.distributed as dist
 
-    from .gpt2_layout import gpt2_parameters
+    from edgc_probes.gpt2_layout import gpt2_parameters
+
     from .gpu_engine import PreparedHook
     from .gpu_support import free_port
 
@@ -102,7 +103,7 @@ def kernel_filter(names: list[str]) -> list[str]:
 def measure(model: str, rank: int, method: str, timeout: float, kernels: list[str] | None = None) -> dict:
     """``method``'s hook call under ncu: bytes per kernel, summed; only the kernels named in
     ``kernels`` (`kernel_filter`) when given."""
-    from .gpt2_layout import gpt2_parameters
+    from edgc_probes.gpt2_layout import gpt2_parameters
 
     command = [
         ncu_path() or "ncu",

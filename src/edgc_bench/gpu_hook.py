@@ -8,10 +8,10 @@ this build's engine has the option, `graphs_option`):
   the host;
 - the hook alone on one backward's real gradients in DDP's buckets (restored before each call): its
   time on the device, the host's time issuing it, the dispatches of one call counted on the device
-  (`edgc_bench.dispatch_count.DispatchCounter`, a graph region's replay one launch), the host time per
+  (`edgc_probes.dispatch_count.DispatchCounter`, a graph region's replay one launch), the host time per
   dispatch, the kernels the profiler saw beside them, the graph regions' modes and the peak memory.
 
-"sampled": a sampled step (`edgc_bench.hook_steps.sampled_config`: the gradients sampled and the error
+"sampled": a sampled step (`edgc_probes.hook_steps.sampled_config`: the gradients sampled and the error
 measured on every call) against a static one, the hook alone at the same size on random gradients of
 the model's shapes: time, kernels, dispatches, host reads per call, and the kernels only the sampled
 step runs (the histogram's, whose HBM bytes part "ncu" reads by their names).
@@ -27,9 +27,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.device import graphs
+from edgc_probes.host_reads import counted_host_reads
 
 from .gpu_engine import WARMUP_CALLS, PreparedHook, _cap_label, _release, saved_gradients
-from .gpu_support import DeviceTimer, counted_host_reads, gpt2, kernel_profile, median, peak_memory, vocabulary
+from .gpu_support import DeviceTimer, gpt2, kernel_profile, median, peak_memory, vocabulary
 
 # Names the CUDA-graphs switch of the engine's config may have (the first this build has is used).
 GRAPHS_OPTIONS = ("cuda_graphs",)
@@ -55,8 +56,7 @@ def not_available(mode: str) -> str | None:
 def edgc_config(kind: str, rank: int, mode: str):
     """EDGC's config of a ``kind`` ("static" or "sampled") step at ``rank``, in ``mode`` ("eager", "graphs")."""
     from edgc import EDGCConfig
-
-    from .hook_steps import sampled_config
+    from edgc_probes.hook_steps import sampled_config
 
     if kind == "sampled":
         config = sampled_config(rank)
@@ -84,7 +84,7 @@ class RegionModes:
 
 
 def _dispatches(hook: PreparedHook, replayed: set[str]) -> dict:
-    from .dispatch_count import DispatchCounter
+    from edgc_probes.dispatch_count import DispatchCounter
 
     hook.restore()
     with DispatchCounter(replayed) as counter:
@@ -246,7 +246,7 @@ def hook_part(record, settings: dict) -> None:
 
 def random_gradients(size: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """Random bf16 gradients of GPT-2 ``size``'s parameters (no model built)."""
-    from .gpt2_layout import gpt2_parameters
+    from edgc_probes.gpt2_layout import gpt2_parameters
 
     torch.manual_seed(0)
     return [

@@ -7,7 +7,7 @@ inner steps; its cost is that call's time minus a plain inner ``step()``'s, and 
 during that call beyond what the process held just before it (parameters, gradients, AdamW's
 moments and DiLoCo's error feedback from the outer step before: the training state). Both are taken
 at the second outer step, when the error feedback exists; a third outer step is counted
-(`edgc_bench.dispatch_count.DispatchCounter`: the dispatches that launch device work).
+(`edgc_probes.dispatch_count.DispatchCounter`: the dispatches that launch device work).
 
 After the listed sizes (XL first), the largest model that fits: the widest of `BEYOND_XL` whose
 training state and outer step, at the bytes per parameter XL took, fit in 90 % of the device's
@@ -60,8 +60,7 @@ def _release(device: torch.device) -> None:
 def outer_step(size: str, method: str, settings: dict, device: torch.device) -> dict:
     """One measured outer step of DiLoCo with the outer sync ``method`` on GPT-2 ``size``."""
     from edgc.integrations.diloco import DiLoCo
-
-    from .dispatch_count import DispatchCounter
+    from edgc_probes.dispatch_count import DispatchCounter
 
     torch.manual_seed(0)
     model = gpt2(size, device, dtype=torch.float32, shapes=BEYOND_XL)
@@ -102,7 +101,7 @@ def outer_step(size: str, method: str, settings: dict, device: torch.device) -> 
 
 def params_of(size: str) -> int:
     """Parameters of GPT-2 ``size`` (or of a `BEYOND_XL` shape), from its shapes alone."""
-    from .gpt2_layout import GPT2_SIZES
+    from edgc_probes.gpt2_layout import GPT2_SIZES
 
     layers, width, _, vocab, context = {**GPT2_SIZES, **BEYOND_XL}[size]
     return layers * (12 * width * width + 13 * width) + (vocab + context + 2) * width

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .gpu_support import DeviceTimer, counted_host_reads, gpt2, median, spawn_group, vocabulary
+from edgc_probes.host_reads import counted_host_reads
+
+from .gpu_support import DeviceTimer, gpt2, median, spawn_group, vocabulary
 
 SETTLE_STEPS = 4  # DDP's bucket rebuild (2 warm-up steps), Q's creation, one more
 

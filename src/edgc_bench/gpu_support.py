@@ -6,13 +6,12 @@ Everything here runs unchanged on a CPU (gloo, ``perf_counter``, no kernel count
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,8 +34,8 @@ def median(values: list[float]) -> float:
 def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, shapes: dict | None = None):
     """GPT-2 ``size`` with random weights: Hugging Face's model for the published sizes (no dropout)
     and for those of ``shapes`` (name → (layers, width, heads, vocabulary, context)),
-    `edgc_bench.gpt2_layout.GPT2Layout` for "tiny" (smoke runs; no transformers import)."""
-    from .gpt2_layout import GPT2_SIZES, GPT2Layout
+    `edgc_probes.gpt2_layout.GPT2Layout` for "tiny" (smoke runs; no transformers import)."""
+    from edgc_probes.gpt2_layout import GPT2_SIZES, GPT2Layout
 
     if size == "tiny":
         with torch.device(device):
@@ -60,7 +59,7 @@ def gpt2(size: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, s
 
 
 def vocabulary(size: str, shapes: dict | None = None) -> int:
-    from .gpt2_layout import GPT2_SIZES
+    from edgc_probes.gpt2_layout import GPT2_SIZES
 
     return {**GPT2_SIZES, **(shapes or {})}[size][3]
 
@@ -125,29 +124,6 @@ def kernel_profile(run: Callable[[], None], device: torch.device, top: int = 12)
         "span_s": (max(ends) - min(starts)) / 1e9 if events else 0.0,
         "top": [[name, count, ns / 1e9] for name, (count, ns) in ranked],
     }
-
-
-class HostReads:
-    reads = 0
-
-
-@contextlib.contextmanager
-def counted_host_reads(answer: Callable[[torch.Tensor], list] | None = None) -> Iterator[HostReads]:
-    """Counts calls of `edgc.device.timing.to_host`, the library's device→host reads, in ``.reads``;
-    ``answer`` replaces the read itself (a fake tensor has no values to read)."""
-    import edgc.device.timing
-
-    real, counter = edgc.device.timing.to_host, HostReads()
-
-    def counting(tensor: torch.Tensor) -> list:
-        counter.reads += 1
-        return (answer or real)(tensor)
-
-    edgc.device.timing.to_host = counting
-    try:
-        yield counter
-    finally:
-        edgc.device.timing.to_host = real
 
 
 def memory_allocated(device: torch.device) -> int | None:

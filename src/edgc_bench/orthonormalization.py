@@ -24,7 +24,7 @@ as a layer without gradient or a collapsed power iteration gives). Per method an
 - ``finite``: whether every output is finite (a NaN here poisons the step);
 - ``seconds``: median per call over the repeats (device events on a GPU) and ``seconds_range``,
   their min and max; ``dispatches`` per call (the
-  kernel-launching ATen dispatches of `edgc_bench.dispatch_count`; a ``linalg_*`` dispatch is
+  kernel-launching ATen dispatches of `edgc_probes.dispatch_count`; a ``linalg_*`` dispatch is
   several kernels on a GPU).
 """
 
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from edgc.engine.factors import orthonormalize_rows_
+from edgc_probes.dispatch_count import DispatchCounter
 
-from .dispatch_count import DispatchCounter
 from .gpu_support import DeviceTimer, median
 
 CONDITIONS = (1e1, 1e3, 1e5, 1e7)

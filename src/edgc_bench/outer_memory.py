@@ -12,7 +12,7 @@ third is measured two ways, each rank:
 - ``rss``: the peak resident set during the step (``VmHWM`` after ``/proc/self/clear_refs`` reset it)
   minus the resident set before it, with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``) so
   that freed tensors go back to the kernel instead of being held for reuse: what the CPU path takes;
-- ``live``: the most bytes of tensors made during the step alive at once (`edgc_bench.live_memory`,
+- ``live``: the most bytes of tensors made during the step alive at once (`edgc_probes.live_memory`,
   counted as the engine's memory is): what a caching allocator would hold on an accelerator.
 
 Methods (``--methods``): registered sync methods by name (``quant3``, today's one-stage default;
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .live_memory import LiveStorages
+from edgc_probes.live_memory import LiveStorages
 
 TENSOR = 2**20  # values per parameter tensor
 MMAP_THRESHOLD = str(128 * 1024)  # bytes: every tensor's block is mmapped, and unmapped when freed

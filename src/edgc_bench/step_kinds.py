@@ -3,11 +3,11 @@
     python -m edgc_bench.step_kinds --out docs/engine/step-kinds.json     # GPT-2 XL, rank 32, a few min
     python scripts/step_kinds_to_docs.py                                   # the engine page's block
 
-On fake tensors (`edgc_bench.dispatch_count.count_hook_step`: the accelerator's path, DDP's default
-buckets fused into jobs, bf16 gradients, world size 1): the dispatches (`edgc_bench.dispatch_count`,
+On fake tensors (`edgc_probes.dispatch_count.count_hook_step`: the accelerator's path, DDP's default
+buckets fused into jobs, bf16 gradients, world size 1): the dispatches (`edgc_probes.dispatch_count`,
 the rule the GPU page's counts follow), the bytes every kernel reads and writes (`op_traffic`) and
 the most bytes alive at once during the step beyond the gradients, the engine's state and the
-step's transient buffers included (`edgc_bench.live_memory`), per compressed gradient element, for:
+step's transient buffers included (`edgc_probes.live_memory`), per compressed gradient element, for:
 
 - ``static``: a steady step of static PowerSGD (no error measured, nothing sampled);
 - ``sampled``: a step of adaptive control (held at the rank) that samples the gradients for the
@@ -23,7 +23,7 @@ step's transient buffers included (`edgc_bench.live_memory`), per compressed gra
 
 The hook at the device's pace (``pace``, at GPT-2 medium and XL widths, ``--pace`` alone): a static
 step's dispatches eager and with CUDA graphs on (``cuda_graphs``: a graph region the capture checker
-passes over four steady steps counts one launch per call, `edgc_bench.dispatch_count`), the dispatches
+passes over four steady steps counts one launch per call, `edgc_probes.dispatch_count`), the dispatches
 from entering the last bucket's ``reduce_bucket`` to the step's end (what the host issues once backward
 is over), a sampled step's beside it, the host reads of each, and the bytes a sampled step moves beyond
 a static one as a share of its own (its entropy sample's gather and histogram and its error
@@ -46,12 +46,13 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_count import GRAPH_LAUNCH, DispatchCounter, StepCount, count_hook_step
+from edgc_probes.dispatch_count import GRAPH_LAUNCH, DispatchCounter, StepCount, count_hook_step
+from edgc_probes.gpt2_layout import gpt2_parameters
+from edgc_probes.hook_steps import _static_config, sampled_config
+from edgc_probes.live_memory import LiveStorages
+from edgc_probes.stand_ins import counting_communicator
+
 from .engine_cost import emit
-from .gpt2_layout import gpt2_parameters
-from .hook_steps import _static_config, sampled_config
-from .live_memory import LiveStorages
-from .stand_ins import counting_communicator
 
 KINDS = ("static", "sampled", "rank-change", "torchft")
 LIMITS = {"bytes": 32.0, "dispatches": 2000, "memory": 4.4, "rank-change": 8.8, "torchft": 8.4}
@@ -163,10 +164,9 @@ def count_outer_sync(model: str = "xl", groups: int = 2) -> dict:
 
     from edgc.integrations.diloco import DEFAULT_OUTER_SYNC
     from edgc.sync.sync_methods import sync_method
-
-    from .gpu_support import counted_host_reads
-    from .hook_steps import _zeros
-    from .stand_ins import NamedParameters
+    from edgc_probes.hook_steps import _zeros
+    from edgc_probes.host_reads import counted_host_reads
+    from edgc_probes.stand_ins import NamedParameters
 
     named = gpt2_parameters(model)
     names, params = [name for name, _ in named], sum(math.prod(shape) for _, shape in named)
@@ -221,9 +221,8 @@ def process_peak(kind: str, layers: int = 2, rank: int = 32, steps: int = 3) -> 
     resident bytes during the counted step beyond those held with the gradients alone, per
     compressed element (Linux: VmHWM reset through /proc/self/clear_refs)."""
     from edgc import EDGCState
-
-    from .dispatch_count import as_on_an_accelerator
-    from .stand_ins import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
+    from edgc_probes.dispatch_count import as_on_an_accelerator
+    from edgc_probes.stand_ins import GradBucketStandIn, NamedParameters, ddp_buckets, ready_order
 
     named = [(n, s) for n, s in gpt2_parameters("xl") if _block(n) is None or _block(n) < layers]
     names, shapes = [n for n, _ in named], [tuple(s) for _, s in named]

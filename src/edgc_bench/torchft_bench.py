@@ -21,7 +21,7 @@ Per run: median step time (the survivor's committed steps with every group in th
 time (launch to exit), steps lost (steps whose work was thrown away: uncommitted steps of the
 survivors, or the steps since the last checkpoint plus the one in flight), heal time (kill → the
 killed worker's next training step), final validation loss, and for the torchft runs whether the
-replicas ended bit-identical and who took part in which step (`participation`).
+replicas ended bit-identical and who took part in which step (`edgc_probes.participation`).
 
 The torchft runs' quorum settings are `QuorumSettings.for_groups(hosts, tolerated_failures)`: no
 tolerated failure in the failure-free runs, one in those with a kill.
@@ -41,6 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from edgc.integrations.torchft_quorum import QuorumSettings
+from edgc_probes.participation import participation
 
 from .netns import Network, _kill_group
 from .run import PORT, BenchSettings, launch, train_args
@@ -244,35 +245,6 @@ def measure_torchft(run_dir: Path, hosts: int, steps: int, kill_t: float | None)
         "val_loss": finals[0].get("val_loss"),
         "identical": len({f.get("checksum") for f in finals}) == 1 and "checksum" in finals[0],
         "participation": participation(groups, steps),
-    }
-
-
-def participation(groups: list[list[dict]], steps: int) -> dict:
-    """Who took part in which step, from each group's ``step`` lines.
-
-    A step's quorum is the largest that committed it (groups left behind may commit the same step
-    later, in a quorum of their own); a group took part in the step if it committed it as one of
-    that quorum's participants. ``per_step``: the size of each step's quorum (0: never committed);
-    ``fraction``: per group, the share of the run's steps it took part in; ``heals``: per group,
-    the times it received the state from a peer (the initial weight sync at step 0 excluded);
-    ``alone``: the steps some group committed in a quorum of one."""
-    commits = [
-        [
-            r
-            for r in records
-            if r["kind"] == "step" and r["committed"] and r.get("participating", True) and r["step"] < steps
-        ]
-        for records in groups
-    ]
-    quorum: dict[int, int] = {}
-    for r in (r for records in commits for r in records):
-        quorum[r["step"]] = max(quorum.get(r["step"], 0), r["participants"])
-    took_part = [{r["step"] for r in records if r["participants"] == quorum[r["step"]]} for records in commits]
-    return {
-        "per_step": [quorum.get(step, 0) for step in range(steps)],
-        "fraction": [len(group) / steps for group in took_part],
-        "heals": [sum(r["kind"] == "step" and r.get("healed", False) for r in records) for records in groups],
-        "alone": sorted({r["step"] for records in commits for r in records if r["participants"] == 1}),
     }
 
 

@@ -46,8 +46,7 @@ def run(passes: int | None, spread: float, method: str, steps: int, rank: int) -
     """(relative error per step, Ĝ per step) of the engine with ``passes`` warm-start passes (None: all)."""
     from edgc import LowRankCompressor, LowRankConfig
     from edgc.engine import stretches
-
-    from .stand_ins import counting_communicator
+    from edgc_probes.stand_ins import counting_communicator
 
     kept, stretches.WARM_START_PASSES = stretches.WARM_START_PASSES, passes
     try:

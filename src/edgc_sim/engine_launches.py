@@ -1,7 +1,7 @@
 """How many dispatches one job of our engine issues, as linear terms of its layout fitted to counts of the engine.
 
 A job's dispatches (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`, counted by
-`edgc_bench.dispatch_count`'s rule) are a fixed number, plus a number per compressed matrix (what
+`edgc_probes.dispatch_count`'s rule) are a fixed number, plus a number per compressed matrix (what
 touches the gradients where they lie), per shape group (the batched products), per P block and per
 Q block (the orthonormalisations' per-block work), and a number when raw tensors ride along (and per
 further `RAW_GATHER_BATCH` of them, the copies of their gather); a job with nothing to compress issues
@@ -27,7 +27,7 @@ import numpy as np
 
 TERMS = ("job", "raw", "raw_batch", "matrix", "group", "p_block", "q_block", "raw_only")
 # Inputs per copy of a contiguous same-dtype ``cat`` on CUDA, the raw message's gather: a rule of the
-# dispatch counter's (`edgc_bench.op_traffic.CAT_BATCH`), not of the engine.
+# dispatch counter's (`edgc_probes.op_traffic.CAT_BATCH`), not of the engine.
 RAW_GATHER_BATCH = 128
 TABLE_PATH = Path(__file__).resolve().parents[2] / "docs" / "engine" / "launches.json"
 PROBE_RANK = 32

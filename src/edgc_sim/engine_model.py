@@ -17,11 +17,11 @@ which PyTorch runs tensor by tensor when G and e differ in dtype) and Ĝ written
 e and writes M, the two product forms read M, the decompression writes Ĝ, the residual reads M and
 writes e.
 
-`job_launches` gives the kernel-launching dispatches of one steady job as `edgc_bench.dispatch_count`
+`job_launches` gives the kernel-launching dispatches of one steady job as `edgc_probes.dispatch_count`
 counts them: its layout's terms (`JobLayout.terms`: per job, per matrix, per shape group, per P and Q
 block, for its raw tensors) at the dispatches the engine was counted to issue per term
 (`edgc_sim.engine_launches`, fitted to the engine's own counts, none typed here;
-tests/sim/test_engine_model.py holds them to fresh counts). A job's three stretches each finish where
+tests/bench/test_engine_launches.py holds them to fresh counts). A job's three stretches each finish where
 the engine runs them (its finish at the hook call after its last collective): the count per step is
 the same. The time model charges each dispatch the device's per-op cost on the host, and the bytes
 and FLOPs on the device (`EngineCost`). A CPU does both in turn; on an accelerator the host issues

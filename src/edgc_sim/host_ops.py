@@ -6,7 +6,7 @@ launches cost per op, and that differs by an order of magnitude between a view (
 batched Cholesky (≈ 100 µs). So the host's time is priced per op class (`OP_CLASSES`), each class's
 cost read from a `torch.profiler` trace of the hook on the GPU (`costs_from_trace`), and multiplied
 by the ops of each class one step issues (`OpCensus`: the dispatch counter's per-op output, views
-included, counted on the CPU for any model size; `edgc_bench.dispatch_count`).
+included, counted on the CPU for any model size; `edgc_probes.dispatch_count`).
 
 Reading a trace. DDP calls the hook from the autograd hook of a bucket's last gradient, so in the
 trace each hook call is what an ``AccumulateGrad`` evaluation holds besides the accumulation itself.
@@ -159,7 +159,7 @@ class HostOpCosts:
 
 @dataclass(frozen=True)
 class OpCensus:
-    """The ops one hook step issues (`edgc_bench.dispatch_count`'s per-op output, views counted beside it)."""
+    """The ops one hook step issues (`edgc_probes.dispatch_count`'s per-op output, views counted beside it)."""
 
     by_op: dict  #: kernel-launching dispatches per op name, as the counter counts them
     views_by_op: dict  #: dispatches that launch nothing (views, allocation, metadata) per op name

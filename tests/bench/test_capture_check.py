@@ -1,4 +1,4 @@
-"""The capture checker (`edgc_bench.capture_check`): each kind of violation planted in a small step of
+"""The capture checker (`edgc_probes.capture_check`): each kind of violation planted in a small step of
 two regions (P = M·Q, a collective outside, Q = Mᵀ·P, as the engine's stretches go) is caught once,
 with its kind, its region and the line to change; the clean step passes, on real and on fake tensors."""
 
@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from edgc.device import streams
 from edgc.device.graphs import GraphRegion
-from edgc_bench.capture_check import CaptureChecker, check_capture
-from edgc_bench.capture_check_judge import (
+from edgc_probes.capture_check import CaptureChecker, check_capture
+from edgc_probes.capture_check_judge import (
     ARGUMENTS,
     CHANGED_BUFFER,
     COLLECTIVE,
@@ -23,7 +23,7 @@ from edgc_bench.capture_check_judge import (
     UNDECLARED,
     WAIT,
 )
-from edgc_bench.stand_ins import counting_communicator
+from edgc_probes.stand_ins import counting_communicator
 
 HERE = str(Path(__file__).parent)  # the code under check: this file's
 CPU = torch.device("cpu")
@@ -185,9 +185,9 @@ def test_the_engines_steady_steps_pass_the_capture_checker(kind):
     """The DDP hook's steady steps on a small GPT-2 (a region per stretch, per Q buffer and per step kind):
     nothing a graph could not hold, at period 2 over four steps, so that each region's
     call is compared with its call before and each Q buffer's region with the one two steps before."""
-    from edgc_bench.capture_check import check_hook_capture
-    from edgc_bench.gpt2_layout import gpt2_parameters
-    from edgc_bench.hook_steps import sampled_config
+    from edgc_probes.capture_check import check_hook_capture
+    from edgc_probes.gpt2_layout import gpt2_parameters
+    from edgc_probes.hook_steps import sampled_config
 
     settings = {"config": sampled_config(8)} if kind == "sampled" else {}
     violations = check_hook_capture(gpt2_parameters("tiny"), 4, period=2, rank=8, **settings)

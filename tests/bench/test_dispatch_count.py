@@ -1,4 +1,4 @@
-"""edgc_bench.dispatch_count: the kernel-launching dispatches of a compressed step, counted on the CPU."""
+"""edgc_probes.dispatch_count: the kernel-launching dispatches of a compressed step, counted on the CPU."""
 
 import json
 import sys
@@ -13,17 +13,17 @@ from distributed_harness import run_distributed  # noqa: E402
 
 from edgc import EDGCConfig  # noqa: E402
 from edgc.device.graphs import GraphRegion  # noqa: E402
-from edgc_bench.capture_check import passing_regions  # noqa: E402
-from edgc_bench.dispatch_count import (  # noqa: E402
+from edgc_bench.engine_cost import matrix_byte_floors  # noqa: E402
+from edgc_probes.capture_check import passing_regions  # noqa: E402
+from edgc_probes.dispatch_count import (  # noqa: E402
     GRAPH_LAUNCH,
     DispatchCounter,
     count_engine_call,
     count_gpt2_step,
     count_hook_step,
 )
-from edgc_bench.engine_cost import matrix_byte_floors  # noqa: E402
-from edgc_bench.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
-from edgc_bench.stand_ins import ddp_buckets, ready_order  # noqa: E402
+from edgc_probes.gpt2_layout import GPT2Layout, gpt2_parameters  # noqa: E402
+from edgc_probes.stand_ins import ddp_buckets, ready_order  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = json.loads((ROOT / "docs" / "gpu" / "count" / "count.json").read_text())
@@ -59,7 +59,7 @@ def test_bytes_are_each_input_read_and_each_output_written_once():
 def test_live_storages_count_what_is_allocated_under_them_while_it_lives():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from edgc_bench.live_memory import LiveStorages
+    from edgc_probes.live_memory import LiveStorages
 
     with FakeTensorMode():
         before = torch.empty(1000)  # allocated before: never counted

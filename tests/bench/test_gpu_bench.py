@@ -160,8 +160,8 @@ def test_the_overlap_part_measures_the_delay_against_plain_steps(tmp_path):
 
 
 def test_the_largest_model_tried_is_the_widest_predicted_to_fit():
-    from edgc_bench.gpt2_layout import gpt2_parameters
     from edgc_bench.gpu_outer import beyond_xl, params_of
+    from edgc_probes.gpt2_layout import gpt2_parameters
 
     assert params_of("medium") == sum(math.prod(shape) for _, shape in gpt2_parameters("medium"))
     assert params_of("xl") == 1_557_611_200  # GPT-2 XL's (docs/gpu/h200-2026-11-27-profiled/outer.json)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edgc_bench.dispatch_count import count_hook_step
-from edgc_bench.gpt2_layout import gpt2_parameters
 from edgc_bench.step_kinds import DILOCO_COUNTS, KINDS, _hooks, config_of, process_peak
+from edgc_probes.dispatch_count import count_hook_step
+from edgc_probes.gpt2_layout import gpt2_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = json.loads((ROOT / "docs" / "engine" / "step-kinds.json").read_text())

@@ -1,4 +1,4 @@
-"""The CPU stream-race checker itself (`edgc_bench.stream_check`): it flags what CUDA would get wrong
+"""The CPU stream-race checker itself (`edgc_probes.stream_check`): it flags what CUDA would get wrong
 and passes what is ordered, on hand-made stream programs."""
 
 import os
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from edgc.device import streams
 from edgc.device.timing import host_reads_allowed
-from edgc_bench.stream_check import StreamChecker
+from edgc_probes.stream_check import StreamChecker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distributed_harness
 

@@ -1,4 +1,4 @@
-"""What the CPU stream checker must see as a GPU would (`edgc_bench.stream_check`): short stream
+"""What the CPU stream checker must see as a GPU would (`edgc_probes.stream_check`): short stream
 programs that CUDA gets wrong, one per thing an earlier checker could not see, each beside its
 ordered twin, which must pass."""
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from edgc.device import streams
 from edgc.device.timing import host_reads_allowed
-from edgc_bench.stream_check import StreamChecker
+from edgc_probes.stream_check import StreamChecker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distributed_harness
 

@@ -10,6 +10,7 @@ from edgc_bench import torchft_bench, torchft_table
 from edgc_bench.cli import torchft
 from edgc_bench.run import BenchSettings
 from edgc_cli.errors import CLIError
+from edgc_probes.participation import participation
 
 
 def every_group_every_step(groups=2, steps=40):
@@ -158,7 +159,7 @@ def test_a_group_that_commits_a_step_behind_its_peers_did_not_take_part_in_it():
         return {"kind": "step", "step": step, "committed": True, "participants": participants}
 
     together = [line(s, 3 if s == 0 else 2) for s in range(3)]
-    measured = torchft_bench.participation([together, together, [line(0, 3), line(1, 1), line(2, 1)]], steps=4)
+    measured = participation([together, together, [line(0, 3), line(1, 1), line(2, 1)]], steps=4)
     assert measured["per_step"] == [3, 2, 2, 0] and measured["fraction"] == [0.75, 0.75, 0.25]
     assert measured["alone"] == [1, 2] and measured["heals"] == [0, 0, 0]
 

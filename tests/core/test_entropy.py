@@ -76,7 +76,7 @@ def test_histogram_counts_are_those_of_histc_on_cpu(bins):
 
 def test_histogram_entropy_is_deterministic_and_reads_the_host_once():
     """histc on CUDA raises under deterministic algorithms; a range read to the host syncs a GPU."""
-    from edgc_bench.gpu_support import counted_host_reads
+    from edgc_probes.host_reads import counted_host_reads
 
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -116,7 +116,7 @@ def test_a_sampled_step_gathers_each_job_with_one_cat_and_estimates_without_atom
     the estimate counts into private rows (no index-add over shared bins) and reaches the host in one
     read at the step's end (`edgc.device.totals.StepTotals`)."""
     from edgc.device.totals import StepTotals
-    from edgc_bench.gpu_support import counted_host_reads
+    from edgc_probes.host_reads import counted_host_reads
 
     sampler = EntropySampler(EDGCConfig(iteration_sample_ratio=1.0, gradient_sample_ratio=0.5, entropy_bins=10))
     generator = torch.Generator().manual_seed(6)

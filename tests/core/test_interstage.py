@@ -126,7 +126,7 @@ def _agreed_steps(rank, world, steps, packets, disagree_at):
     import torch.distributed as dist
 
     from edgc.parallel.interstage import IncomingGradient, check_headers, send_gradient_ops
-    from edgc_bench.stream_check import StreamChecker
+    from edgc_probes.stream_check import StreamChecker
 
     def agreed(step):
         return 4 if step < 2 else 2

@@ -94,8 +94,18 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 # The layers, from the bottom; a module may import its own layer or one below, never one above.
+# `edgc_probes` (the counters and checkers the tests and the bench share) imports only the library;
 # `edgc_cli.errors` sits beneath the tools that raise its error, `edgc_cli.main` above all of them.
-LAYERS = ["edgc", "edgc_cli.errors", "edgc_train", "edgc_sim", "edgc_bench", "edgc_experiments", "edgc_cli.main"]
+LAYERS = [
+    "edgc",
+    "edgc_probes",
+    "edgc_cli.errors",
+    "edgc_train",
+    "edgc_sim",
+    "edgc_bench",
+    "edgc_experiments",
+    "edgc_cli.main",
+]
 
 
 def layer(module: str) -> int:
@@ -110,6 +120,72 @@ def test_no_import_runs_up_the_layers():
         (name, dep) for name, path in MODULES.items() for dep in imports_of(name, path) if layer(dep) > layer(name)
     )
     assert upward == [], upward
+
+
+def test_the_probes_import_only_the_library_and_the_bench_measures_with_them():
+    probes = {name: path for name, path in MODULES.items() if name.split(".")[0] == "edgc_probes"}
+    reached = {dep.split(".")[0] for name, path in probes.items() for dep in imports_of(name, path)}
+    assert reached <= {"edgc", "edgc_probes"}, reached
+    bench = {dep for name, path in MODULES.items() if name.startswith("edgc_bench") for dep in imports_of(name, path)}
+    assert {"edgc_probes.dispatch_count", "edgc_probes.host_reads", "edgc_probes.participation"} <= bench
+
+
+TESTS = SRC.parent / "tests"
+BENCH_TESTS = ("bench", "gpu")  # the bench's own tests, and the GPU's (run by `python -m edgc_bench.gpu`)
+
+
+def bench_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of each use of `edgc_bench` in a test file: an import anywhere in it (inside a
+    function too), or a string that names one of its modules or runs one (``-m edgc_bench.gpu``),
+    docstrings aside (they may say which command made a committed figure)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "edgc_bench"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "edgc_bench":
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if re.fullmatch(r"edgc_bench(\.\w+)+", node.value) or re.search(r"-m\s+edgc_bench\b", node.value):
+                found.append((node.lineno, node.value))
+        elif (
+            isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        ):
+            found += [
+                (node.lineno, a.value) for a in node.args if isinstance(a, ast.Constant) and a.value == "edgc_bench"
+            ]
+    return found
+
+
+def test_only_the_bench_and_gpu_tests_use_the_bench():
+    """The other tests count and check with `edgc_probes`; what they test of the bench lives in tests/bench."""
+    used = {
+        f"{path.relative_to(TESTS)}:{line}": what
+        for path in TESTS.rglob("*.py")
+        if path.relative_to(TESTS).parts[0] not in BENCH_TESTS
+        for line, what in bench_uses(path)
+    }
+    assert used == {}, used
+
+
+def test_a_bench_use_is_found_inside_a_function_and_in_a_command_line(tmp_path):
+    path = tmp_path / "test_m.py"
+    text = (
+        '''"""Counted by `python -m BENCH.gpu` (a docstring: not a use)."""\n'''
+        "def test_f():\n    from BENCH.run import all_methods\n    importlib.import_module('BENCH')\n"
+        "    run(['python', '-m', 'BENCH.gpu'])\n    run('python -m BENCH.gpu --smoke')\n"
+    )
+    path.write_text(text.replace("BENCH", "edgc_bench"))  # this file names none, so the check passes over it
+    uses = [(line, what.replace("edgc_bench", "BENCH")) for line, what in sorted(bench_uses(path))]
+    assert uses == [(3, "BENCH.run"), (4, "BENCH"), (5, "BENCH.gpu"), (6, "python -m BENCH.gpu --smoke")]
 
 
 def test_an_import_module_call_with_a_literal_name_is_an_import(tmp_path, monkeypatch):

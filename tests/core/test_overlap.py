@@ -259,7 +259,7 @@ def test_step_totals_send_each_dtype_in_one_batched_copy_and_read_in_order():
     they were added, joined with one batched copy and one cast per dtype (a ``cat`` that casts would copy
     input by input on a GPU: one kernel per job)."""
     from edgc.device.totals import StepTotals
-    from edgc_bench.dispatch_count import DispatchCounter
+    from edgc_probes.dispatch_count import DispatchCounter
 
     totals = StepTotals()
     flags = [torch.tensor(k == 1) for k in range(5)]

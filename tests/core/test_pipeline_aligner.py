@@ -10,7 +10,7 @@ from distributed_harness import run_distributed
 
 from edgc import EDGCConfig, EDGCState
 from edgc.parallel.pipeline import StageAligner
-from edgc_bench.stream_check import StreamChecker
+from edgc_probes.stream_check import StreamChecker
 
 CONFIG = dict(
     r_max=8,

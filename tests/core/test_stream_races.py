@@ -1,4 +1,4 @@
-"""The CUDA path's stream order and host synchronisations, checked on the CPU (`edgc_bench.stream_check`).
+"""The CUDA path's stream order and host synchronisations, checked on the CPU (`edgc_probes.stream_check`).
 
 Two gloo processes, on the accelerator's kernels (`LowRankConfig.force_accelerator_kernels`),
 everything built under the checker (nothing of unknown origin), several steps in a row, metrics
@@ -28,7 +28,7 @@ from edgc.device import timing
 from edgc.distributed import comm
 from edgc.integrations.diloco import DiLoCo
 from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook
-from edgc_bench.stream_check import StreamChecker
+from edgc_probes.stream_check import StreamChecker
 
 # r_max profiled (ranks 8, 4, 2 and the plain sync), then adaptive ranks on an fp16 wire.
 PROFILED = {key: value for key, value in ADAPTIVE.items() if key not in ("r_max", "r_min")} | dict(

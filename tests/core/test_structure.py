@@ -209,7 +209,7 @@ LIBRARY_ADAPTERS = {
     "edgc/integrations/torchft_adapter.py",
     "edgc/integrations/torchtitan_adapter.py",
 }
-FIRST_PARTY = ("edgc", "edgc_train", "edgc_bench", "edgc_sim", "edgc_experiments", "edgc_cli")
+FIRST_PARTY = ("edgc", "edgc_probes", "edgc_train", "edgc_bench", "edgc_sim", "edgc_experiments", "edgc_cli")
 
 
 def is_private(name: str) -> bool:

@@ -78,8 +78,8 @@ def test_the_registry_holds_the_third_kind():
 
 
 def test_a_sync_launches_as_many_kernels_at_twelve_groups_as_at_two(monkeypatch):
-    from edgc_bench.dispatch_count import DispatchCounter
-    from edgc_bench.stand_ins import counting_communicator
+    from edgc_probes.dispatch_count import DispatchCounter
+    from edgc_probes.stand_ins import counting_communicator
 
     monkeypatch.setattr("edgc.sync.flat_buffers.MIN_BUCKET_VALUES", 2048)  # sixteen buckets of a small run
     flat = torch.randn(16 * 3072)  # 3072 values a bucket: whole rows at 2 and at 12 groups

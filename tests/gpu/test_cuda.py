@@ -24,7 +24,7 @@ suite's process pool, with NCCL's skipped. That keeps this file from rotting; it
 about the CUDA path. Until a GPU runs the file, these remain unproven:
 - that no step synchronises the host outside the allowed points (the debug mode exists on CUDA only;
   tests/core/test_stream_races.py counts them on the CPU, and checks the stream order, on a model
-  of CUDA's semantics: `edgc_bench.stream_check`);
+  of CUDA's semantics: `edgc_probes.stream_check`);
 - NCCL: ``Work.wait`` making a stream wait, CUDA Futures completing through events, no deadlock;
 - bit-identical replicas and exact resume with CUDA kernels in deterministic mode (CPU kernels
   are deterministic anyway), and the library's ops all having a deterministic CUDA kernel;

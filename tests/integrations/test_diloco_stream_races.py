@@ -1,4 +1,4 @@
-"""DiLoCo's outer syncs under the CPU stream checker (`edgc_bench.stream_check`), two gloo processes.
+"""DiLoCo's outer syncs under the CPU stream checker (`edgc_probes.stream_check`), two gloo processes.
 
 Every registered sync method (`edgc.sync.sync_methods`, read when the test runs: a method added later is
 checked too) and EDGC's PowerSGD: inner steps, outer steps, a checkpoint, and a resume in a new
@@ -25,7 +25,7 @@ from models import TinyTransformer, batch, loss_fn  # noqa: E402
 from edgc import EDGCConfig, LowRankConfig  # noqa: E402
 from edgc.integrations.diloco import DiLoCo  # noqa: E402
 from edgc.sync.sync_methods import sync_method_names  # noqa: E402
-from edgc_bench.stream_check import StreamChecker  # noqa: E402
+from edgc_probes.stream_check import StreamChecker  # noqa: E402
 
 from .test_diloco import CONFIG  # noqa: E402
 

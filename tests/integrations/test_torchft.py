@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edgc.integrations.torchft import ManagedCommunicator
-from edgc_bench.torchft_bench import participation
+from edgc_probes.participation import participation
 
 from .torchft_harness import TIMEOUT, Faults, run_replicas
 

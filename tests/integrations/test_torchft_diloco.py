@@ -9,7 +9,7 @@ outer step (checked on the spot by the harness, float64, bit for bit).
 import pytest
 import torch
 
-from edgc_bench.torchft_bench import participation
+from edgc_probes.participation import participation
 
 from .diloco_harness import run_replicas
 from .torchft_harness import Faults

@@ -36,7 +36,7 @@ from torchft.process_group import ProcessGroupGloo
 from edgc import EDGCConfig
 from edgc.integrations.torchft import DistributedDataParallel
 from edgc.integrations.torchft_quorum import QuorumSettings
-from edgc_bench.stream_check import StreamChecker
+from edgc_probes.stream_check import StreamChecker
 
 VOCAB, SEQ, NOISE = 64, 16, 0.2
 CONFIG = dict(
@@ -318,7 +318,7 @@ def run_replicas(
     """Train ``replicas`` groups to ``steps`` committed steps; a killed group restarts (up to ``attempts``).
     The quorum settings are the bench's: those of its kill pass, or with ``tolerated_failures=0``
     those of its failure-free passes. The groups in ``checked`` run their steps under the CPU
-    stream checker (`edgc_bench.stream_check`): its findings in ``["checker"][group]``."""
+    stream checker (`edgc_probes.stream_check`): its findings in ``["checker"][group]``."""
     return run_groups(train_replica, steps, faults, replicas, attempts, tolerated_failures, checked)
 
 

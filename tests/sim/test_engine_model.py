@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from edgc_bench.engine_launches import count_job
-from edgc_bench.gpt2_layout import GPT2_SIZES, gpt2_parameters
-from edgc_bench.op_traffic import CAT_BATCH
+from edgc_probes.gpt2_layout import GPT2_SIZES, gpt2_parameters
+from edgc_probes.op_traffic import CAT_BATCH
 from edgc_sim import cost_model as cm
 from edgc_sim import engine_launches as el
 from edgc_sim import engine_model as em
@@ -16,43 +15,6 @@ from edgc_sim.collectives import gpt2_gradient_shapes
 from edgc_sim.presets import ModelSpec
 
 COUNT = json.loads((Path(__file__).resolve().parents[2] / "docs" / "gpu" / "count" / "count.json").read_text())
-
-
-JOBS = {
-    "one matrix": [(1600, 6400)],
-    "a wide and a tall matrix, one block each": [(1600, 6400), (6400, 1600), (1600,)],
-    "three long sides, two short ones": [(512, 2048), (512, 1536), (256, 512), (2048, 512), (512,), (64, 4, 4)],
-    "same shapes, many matrices": [(256, 1024)] * 6 + [(1024,)] * 3,
-    "nothing worth compressing": [(4, 512), (512,), (2, 3)],
-    "a GPT-2 block's raw tensors, more than one gather": [(768, 2304), (768, 768)] + [(768,)] * 140,
-}
-
-
-@pytest.mark.parametrize("name", sorted(JOBS))
-@pytest.mark.parametrize(
-    "setting",
-    [
-        el.Setting(True, True, False, False, True),  # the GPU bench's hook step (docs/gpu/count)
-        el.Setting(True, False, True, True, False),
-        el.Setting(False, False, True, False, True),  # a CPU run in a process group
-        el.Setting(False, True, True, True, False),
-    ],
-    ids=lambda setting: setting.key,
-)
-def test_job_launches_are_the_engines_dispatches(name, setting):
-    """The committed table (docs/engine/launches.json, fitted on other jobs) gives the dispatches the
-    engine issues now for jobs it was not fitted on: recount with `python -m edgc_bench.engine_launches`
-    after changing the engine."""
-    shapes, rank = JOBS[name], 32
-    modelled = em.job_launches(
-        em.JobLayout.plan(shapes, rank),
-        accelerator=setting.accelerator,
-        half_gradients=setting.half_gradients,
-        world_size=2 if setting.divides else 1,
-        measure_error=setting.measure_error,
-        tracked=setting.tracked,
-    )
-    assert modelled == count_job(shapes, rank, setting)
 
 
 def test_the_fit_reads_each_terms_dispatches_and_refuses_what_is_not_linear():
@@ -82,7 +44,7 @@ def gpt2_model(size: str) -> ModelSpec:
 @pytest.mark.parametrize("row", COUNT["hook"], ids=lambda row: f"{row['model']}-{row['bucket_cap_mb']}MB")
 def test_step_launches_are_the_committed_gpt2_dispatch_counts(row):
     """The model's launches of a compressed GPT-2 step on the GPU's path (DDP's buckets fused into jobs
-    of the library's fusion size, M and Ĝ gathered) equal the dispatches `edgc_bench.dispatch_count`
+    of the library's fusion size, M and Ĝ gathered) equal the dispatches `edgc_probes.dispatch_count`
     counted for docs/gpu/count/count.json (kept current by tests/bench/test_dispatch_count.py):
     every job's, and the hook's own per job and per step (fitted to these rows: two numbers for nine rows)."""
     model = gpt2_model(row["model"])

@@ -1,16 +1,13 @@
 """docs/extending.md's two extensions, run as the page writes them: each of its files is written out
 and imported (which registers it), then goes through the tools that read the registries: `edgc
-train` in this process, the bench's methods, the simulator's price of a step, the pareto experiment;
-and the tools know neither name before the import nor after the registrations are undone."""
+train` in this process, the simulator's price of a step, the pareto experiment (the bench's methods:
+tests/bench/test_extending_bench.py); and the tools know neither name before the import nor after
+the registrations are undone."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import re
 import sys
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,35 +20,7 @@ from edgc_cli.main import build_parser, main
 from edgc_train.config import TrainConfig
 
 from .conftest import FAST, read_metrics
-
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
-
-
-def page_files() -> dict[str, str]:
-    """The page's Python blocks that open with ``# NAME.py``, by file name."""
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
-    return {m.group(1): block for block in blocks if (m := re.match(r"# (\w+\.py)", block))}
-
-
-@contextmanager
-def page_extensions(folder: Path):
-    """The page's files, written to ``folder`` and imported (which registers them); on exit their
-    registrations and modules are undone, so no other test sees them."""
-    files = page_files()
-    assert sorted(files) == ["my_compressor.py", "my_signal.py"]
-    for name, text in files.items():
-        (folder / name).write_text(text)
-    sys.path.insert(0, str(folder))
-    before = {id(registry): set(registry) for registry in (SIGNALS, SYNC_METHODS)}
-    try:
-        yield [importlib.import_module(name.removesuffix(".py")) for name in sorted(files)]
-    finally:
-        for registry in (SIGNALS, SYNC_METHODS):
-            for name in set(registry) - before[id(registry)]:
-                del registry[name]
-        for name in files:
-            sys.modules.pop(name.removesuffix(".py"), None)
-        sys.path.remove(str(folder))
+from .extension_page import page_extensions
 
 
 @pytest.fixture
@@ -62,7 +31,7 @@ def extensions(tmp_path):
         yield modules
 
 
-def test_a_compressor_in_one_file_runs_in_train_bench_and_simulator(extensions, tmp_path, cache_dir):
+def test_a_compressor_in_one_file_runs_in_train_and_simulator(extensions, tmp_path, cache_dir):
     run = tmp_path / "run"
     assert (
         main(
@@ -88,12 +57,6 @@ def test_a_compressor_in_one_file_runs_in_train_bench_and_simulator(extensions, 
     steps = [r for r in read_metrics(run) if r["kind"] == "train"]
     assert len(steps) == 3 and all(math.isfinite(r["loss"]) for r in steps)
     assert steps[-1]["phase"] == "compress" and steps[-1]["bytes_sent"] < steps[-1]["bytes_raw"] / 3  # 1 byte of 4
-
-    from edgc_bench.run import BenchSettings, all_methods, check_methods, train_args
-
-    assert "int8" in all_methods() and check_methods(["none", "int8"]) == ["none", "int8"]
-    argv = train_args(BenchSettings(), "int8", tmp_path / "bench", r_max=None)
-    assert argv[argv.index("--compressor") + 1] == "int8" and "--compress-ratio" not in argv  # it takes no ratio
 
     from edgc_sim.bench_link import BenchLink
     from edgc_sim.step_model import compress_model, wire_parts
@@ -156,8 +119,6 @@ def test_a_budget_signal_in_one_file_steers_the_budget_in_train_and_pareto(exten
 
 
 def test_the_tools_know_the_names_only_while_the_registrations_hold(tmp_path):
-    from edgc_bench.run import all_methods
-
     def accepted(make, field: str) -> bool:
         try:
             make()
@@ -166,18 +127,17 @@ def test_the_tools_know_the_names_only_while_the_registrations_hold(tmp_path):
             return False
         return True
 
-    def known() -> tuple[bool, bool, bool]:
-        """Whether the budget config takes ``peak``, the harness's config ``int8`` and the bench ``int8``."""
+    def known() -> tuple[bool, bool]:
+        """Whether the budget config takes ``peak`` and the harness's config ``int8``."""
         return (
             accepted(
                 lambda: EDGCConfig(r_max=4, rank_budget=2, total_steps=100, budget_signal="peak"), "budget_signal"
             ),
             accepted(lambda: TrainConfig(compressor="int8"), "compressor"),
-            "int8" in all_methods(),
         )
 
-    assert known() == (False, False, False)
+    assert known() == (False, False)
     with page_extensions(tmp_path):
-        assert known() == (True, True, True)
-    assert known() == (False, False, False)
+        assert known() == (True, True)
+    assert known() == (False, False)
     assert "int8" not in SYNC_METHODS and "peak" not in SIGNALS and "my_compressor" not in sys.modules

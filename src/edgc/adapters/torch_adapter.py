@@ -14,10 +14,10 @@ Each is read here, by name, and nowhere else:
 * ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: parameters a DDP built
   afterwards leaves alone (`edgc.distributed.experts`: experts have a group of their own).
 * ``OpOverload._schema``, ``ScriptObject._type()`` and ``StreamSynchronizations._state_wait_for_other``
-  (``torch.cuda._sanitizer``): what the bench's stream checker (`edgc_bench.stream_check`) reads of an
+  (``torch.cuda._sanitizer``): what the CPU stream checker (`edgc_probes.stream_check`) reads of an
   operator's arguments, of a boxed work or process group, and how it orders one stream after another.
 * ``UntypedStorage._cdata``: a storage's identity, fake tensors' too, which the capture checker
-  (`edgc_bench.capture_check`) compares between steps.
+  (`edgc_probes.capture_check`) compares between steps.
 * ``ProcessGroupGloo._Options`` and an options object's ``_timeout``: the one way to give a
   DeviceMesh's gloo and NCCL groups the default group's timeout (`edgc.distributed.mesh`).
 

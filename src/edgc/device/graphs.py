@@ -5,7 +5,7 @@
     send_p(lambda: form_p(q_in, arena, p_flat), q_in, arena, p_flat)   # every step
     comm.mean_async(p_flat)                               # collectives stay outside
 
-What a region's code holds to (its contract; `edgc_bench.capture_check` proves it on the CPU):
+What a region's code holds to (its contract; `edgc_probes.capture_check` proves it on the CPU):
 - ``fn`` takes no argument and returns nothing; its one effect is device work that reads and writes
   the ``buffers`` passed with the call (a tensor stands for its whole storage: a view of a passed
   buffer is passed). What else it allocates is scratch, dead when it returns. A tensor made outside
@@ -36,8 +36,8 @@ eagerly from then on.
 
 Observers. `observing(observer)` tells ``observer`` of every call in its body, from any thread:
 ``region_begin(region, buffers, mode)`` before and ``region_end(region, buffers, mode)`` after, mode
-`EAGER`, `CAPTURE` or `REPLAY`. That is how a checker (`edgc_bench.capture_check`) and the dispatch
-counter (`edgc_bench.dispatch_count`) see where a region begins and ends and what crosses it. A region
+`EAGER`, `CAPTURE` or `REPLAY`. That is how a checker (`edgc_probes.capture_check`) and the dispatch
+counter (`edgc_probes.dispatch_count`) see where a region begins and ends and what crosses it. A region
 holds no state worth a checkpoint: a resumed run captures anew.
 """
 

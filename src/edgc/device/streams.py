@@ -4,7 +4,7 @@ On CUDA a stream is a `torch.cuda.Stream`. Elsewhere there are no streams, and `
 stand-ins take their place: a `torch.cpu.Stream` whose ``wait_stream``/``record_event``/
 ``wait_event`` do nothing, and ``torch.cpu.stream(s)`` that only names the current one. So the
 code that orders work across streams runs the same on every device, and a checker can give the
-stand-ins an identity on the CPU and check that order there (`edgc_bench.stream_check`, which
+stand-ins an identity on the CPU and check that order there (`edgc_probes.stream_check`, which
 does the same for FSDP2's streams, themselves `torch.cpu` stand-ins on the CPU).
 
 Use a stream's own ``wait_stream(other)``, ``record_event()`` (an event, or None on the CPU) and
@@ -23,10 +23,10 @@ import torch
 Stream = Any  # torch.cuda.Stream, or torch.cpu.Stream off CUDA
 
 # Told of every `record_stream` off CUDA, where tensors have no stream to record: a checker's
-# hook (`edgc_bench.stream_check`); None outside one.
+# hook (`edgc_probes.stream_check`); None outside one.
 record_stream_observer: Callable[[torch.Tensor, Stream], None] | None = None
 # Asked off CUDA whether the calling thread runs CUDA's path on CPU tensors, pinned host copies
-# included: a checker's (`edgc_bench.stream_check`); None outside one.
+# included: a checker's (`edgc_probes.stream_check`); None outside one.
 pinned_off_cuda: Callable[[], bool] | None = None
 
 

@@ -35,7 +35,7 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "cpu":
-        torch.cpu.synchronize()  # nothing to wait for, but a checker sees the call (`edgc_bench.stream_check`)
+        torch.cpu.synchronize()  # nothing to wait for, but a checker sees the call (`edgc_probes.stream_check`)
     elif device.type != "meta" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize(device)
 
@@ -50,7 +50,7 @@ _allowed = threading.local()  # depth of host_reads_allowed on this thread
 
 
 def host_reads_are_allowed() -> bool:
-    """Whether this thread is inside `host_reads_allowed` (a checker's question: `edgc_bench.stream_check`)."""
+    """Whether this thread is inside `host_reads_allowed` (a checker's question: `edgc_probes.stream_check`)."""
     return getattr(_allowed, "depth", 0) > 0
 
 

@@ -23,7 +23,7 @@ and the orthonormalisation is one batched Cholesky QR per rank on an accelerator
 QR per block on a CPU (`edgc.engine.layout.CallLayout`, `edgc.engine.factors.orthonormalize_blocks_`,
 `LowRankCompressor.orthonormalization`). What touches the gradients goes matrix by matrix, where they
 lie: M = G + e reads each gradient once, Ĝ is written straight into it, and no copy of the
-gradients is made (bytes and memory: `edgc_bench.dispatch_count`). A call issues three
+gradients is made (bytes and memory: `edgc_probes.dispatch_count`). A call issues three
 all-reduces (raw + a non-finite flag, P, Q). A call's layout and every buffer its work reads and
 writes are kept from step to step (`edgc.engine.call_state.CallState`: the error-feedback arena, P,
 two Q buffers used in turn), so a steady step copies no Q and allocates nothing that outlives a

@@ -20,7 +20,7 @@ buffer are one tensor here).
 
 Every thread. A dispatch mode is thread-local: the checker enters it on every thread started,
 every executor task submitted and every future callback registered from a thread it watches
-(`edgc_bench.stream_check_threads`), and its state is guarded by one lock.
+(`edgc_probes.stream_check_threads`), and its state is guarded by one lock.
 
 Collectives (``c10d`` ops, every kind: all-reduce, all-gather, all-to-all, broadcast, …) run as
 NCCL runs them: on one collectives stream per process group, which waits for the issuing stream,
@@ -47,15 +47,15 @@ Host tensors are off every stream, except pinned ones written or read by a non-b
 the host may then touch them only after a wait that orders it after that copy (an event's or the
 stream's ``synchronize``), else it reads a stale value.
 
-Host synchronisations (`edgc_bench.stream_check_syncs`): what would make the host wait for the
+Host synchronisations (`edgc_probes.stream_check_syncs`): what would make the host wait for the
 device on CUDA, outside `edgc.device.timing.host_reads_allowed` and set-up code (``checker.device()``),
 from a frame of the library (`edgc`). Where they are not counted, they still order the streams as
 the wait would.
 
-The parts: `edgc_bench.stream_check_access` (accesses and races), `edgc_bench.stream_check_memory`
-(provenance and frees), `edgc_bench.stream_check_threads` (every thread),
-`edgc_bench.stream_check_patches` and `edgc_bench.stream_check_moves` (what Python-level calls
-do), `edgc_bench.stream_check_syncs` (host synchronisations).
+The parts: `edgc_probes.stream_check_access` (accesses and races), `edgc_probes.stream_check_memory`
+(provenance and frees), `edgc_probes.stream_check_threads` (every thread),
+`edgc_probes.stream_check_patches` and `edgc_probes.stream_check_moves` (what Python-level calls
+do), `edgc_probes.stream_check_syncs` (host synchronisations).
 """
 
 from __future__ import annotations

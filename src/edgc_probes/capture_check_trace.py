@@ -1,4 +1,4 @@
-"""What the capture checker (`edgc_bench.capture_check`) records while a step runs: its operators, the
+"""What the capture checker (`edgc_probes.capture_check`) records while a step runs: its operators, the
 calls of its regions, where each storage was made and what crosses a region's boundary.
 
 A *call* is one call of a region in one step: a `edgc.device.graphs.GraphRegion`'s (explicit), or, where

@@ -1,7 +1,7 @@
-"""Where each storage came from and what its free means, for `edgc_bench.stream_check`.
+"""Where each storage came from and what its free means, for `edgc_probes.stream_check`.
 
 A storage is known by the address of its memory and classed once, where it is made (the module
-docstring of `edgc_bench.stream_check` lists the ways): a device tensor on the stream it was
+docstring of `edgc_probes.stream_check` lists the ways): a device tensor on the stream it was
 allocated on, a host tensor (off every stream), or a pinned host buffer (on the streams of the
 copies that use it). One met for the first time as an operator's input came from somewhere the
 checker could not see: that is a finding.

@@ -1,6 +1,6 @@
 """The capture checker: whether the work of a step could be held by CUDA graphs, checked on the CPU.
 
-    from edgc_bench.capture_check import check_capture, check_hook_capture
+    from edgc_probes.capture_check import check_capture, check_hook_capture
     violations = check_capture(step, steps=2)      # step(): one steady step, on CPU tensors, fake or real
     assert violations == [], "\\n".join(map(str, violations))
     check_hook_capture(gpt2_parameters("tiny"), rank=8)   # a DDP hook's steady static steps, fake tensors
@@ -11,7 +11,7 @@ the work a graph would hold): every call of a region against its call before, si
 one capture whichever step it is in; and at each place of a step, the same region as ``period`` steps
 before (2 where a region per buffer is used in turn; then check 2·period steps, so that each is
 compared). Where the step has no region: every stretch of the library's work between two points a
-graph cannot hold (a collective issued, a wait, a host read; `edgc_bench.capture_check_trace`), each
+graph cannot hold (a collective issued, a wait, a host read; `edgc_probes.capture_check_trace`), each
 step against the ``period``-th before it: what today's engine could put in graphs. The rules, each a
 kind of `Violation`:
 
@@ -35,7 +35,7 @@ kind of `Violation`:
 - ``new region``: a region called at the same place of a step and ``period`` steps before that is not
   the same `GraphRegion` (made per step, it would capture at every step).
 
-It is the CPU stream checker (`edgc_bench.stream_check.StreamChecker`) with a record of its own, so it
+It is the CPU stream checker (`edgc_probes.stream_check.StreamChecker`) with a record of its own, so it
 sees what that one sees: every thread, stream waits, host syncs of real tensors by provenance (a host
 tensor's values are the host's). On fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`, the
 dispatch counter's harness) every tensor stands for a device one; a fake tensor cannot answer a host
@@ -248,7 +248,7 @@ def check_capture(
 def passing_regions(step: Callable[[], object], steps: int = 4, *, period: int = 2) -> frozenset[str]:
     """The names of the graph regions called in ``steps`` checked runs of ``step()`` that no violation is
     in and whose every `GraphRegion` was called twice at least (compared once): those a GPU would replay
-    (`edgc_bench.dispatch_count` counts each call of one as one launch). Period 2 by default, so that a
+    (`edgc_probes.dispatch_count` counts each call of one as one launch). Period 2 by default, so that a
     region per buffer used in turn passes, as its graphs would."""
     checker = _checked(step, steps, 0, period, EDGC_DIR)
     calls: dict[int, tuple[str, int]] = {}  # id(region) → (name, calls)
@@ -266,7 +266,7 @@ def check_hook_capture(
     named_shapes: list[tuple[str, tuple[int, ...]]], steps: int = 2, *, period: int = 1, **settings
 ) -> list[Violation]:
     """`check_capture` over steady steps of a DDP hook's state on fake gradients of ``named_shapes``
-    (`edgc_bench.hook_steps.settled_hook` and its ``settings``: ``rank``, ``config``, ``bucket_cap_mb``,
+    (`edgc_probes.hook_steps.settled_hook` and its ``settings``: ``rank``, ``config``, ``bucket_cap_mb``,
     …), each settled as the dispatch counter's counted step is. E.g. ``check_hook_capture(
     gpt2_parameters("tiny"), rank=8, config=sampled_config(8))`` for two sampled steps."""
     from .hook_steps import settled_hook

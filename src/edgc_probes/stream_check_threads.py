@@ -1,4 +1,4 @@
-"""Every thread and every future under the stream checker (`edgc_bench.stream_check`).
+"""Every thread and every future under the stream checker (`edgc_probes.stream_check`).
 
 A dispatch mode is thread-local, so a checker entered on one thread sees nothing of another. On
 CUDA much of a step runs elsewhere: DDP's comm hook on autograd's device thread, torchft's quorum

@@ -16,11 +16,11 @@ becomes):
 - one copy per input for a ``cat`` (or ``stack``) where CUDA copies input by input: inputs of
   another dtype than the output (a gather that casts as it goes), more than 4 dimensions, or
   offsets past 32 bits; else one batched copy per 128 inputs (64 if any input is strided)
-  (`edgc_bench.op_traffic.cat_kernels`, after ATen's ``cat_out_cuda``);
+  (`edgc_probes.op_traffic.cat_kernels`, after ATen's ``cat_out_cuda``);
 - one per tensor for a ``_foreach_*`` op on lists of mixed dtypes, which PyTorch runs tensor by
-  tensor (`edgc_bench.op_traffic.kernels_per_dispatch`);
+  tensor (`edgc_probes.op_traffic.kernels_per_dispatch`);
 - one launch per call of a graph region (`edgc.device.graphs.GraphRegion`) that asks for graphs and
-  that the capture checker passes over steady steps (`edgc_bench.capture_check.passing_regions`;
+  that the capture checker passes over steady steps (`edgc_probes.capture_check.passing_regions`;
   ``replayed``), its operators kept apart (``in_graphs``); a region it does not pass counts its operators;
 - one for everything else.
 A launch is not a kernel: a ``_foreach_*`` op launches one kernel per chunk of its tensor list, a
@@ -28,7 +28,7 @@ A launch is not a kernel: a ``_foreach_*`` op launches one kernel per chunk of i
 GEMM sometimes two (split-K), a graph's replay all the kernels it holds. The profiler on a GPU counts
 the kernels (`edgc_bench.gpu`); this count is what the CPU can hold the code to.
 
-How: on fake tensors, through the DDP hook of a state settled on them (`edgc_bench.hook_steps`: no
+How: on fake tensors, through the DDP hook of a state settled on them (`edgc_probes.hook_steps`: no
 DDP, no process group, no memory).
 """
 
@@ -48,8 +48,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from edgc.device import graphs
 
 from .capture_check import passing_regions
-from .gpu_support import counted_host_reads
 from .hook_steps import _zeros, as_on_an_accelerator, sampled_config, settled_hook
+from .host_reads import counted_host_reads
 from .op_traffic import kernels_per_dispatch, op_traffic
 from .stand_ins import counting_communicator
 
@@ -59,7 +59,7 @@ RULE = (
     "launches a GPU would make per ATen dispatch: none for views, in-place view ops, allocation-only ops "
     "(empty*, new_empty*, resize_), _unsafe_view, set_, sym_* and prim ops; a cat one copy per input where "
     "CUDA copies input by input; a mixed-dtype _foreach_* one per tensor; a graph region the capture "
-    "checker passes one per call (edgc_bench.dispatch_count)"
+    "checker passes one per call (edgc_probes.dispatch_count)"
 )
 
 aten = torch.ops.aten
@@ -91,7 +91,7 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 class DispatchCounter(TorchDispatchMode):
     """Counts the kernel launches made while it is active (the module docstring's rule), per operator
-    name, and the bytes each dispatch reads and writes (`edgc_bench.op_traffic.op_traffic`).
+    name, and the bytes each dispatch reads and writes (`edgc_probes.op_traffic.op_traffic`).
     ``replayed``: the names of the graph regions whose calls count one launch each (`GRAPH_LAUNCH`),
     those the capture checker passes; their operators go to ``in_graphs``."""
 
@@ -206,11 +206,11 @@ def count_hook_step(
     graphs: bool = False,
     **settings,
 ) -> StepCount:
-    """Dispatches of one compressed step through the DDP hook (`edgc_bench.hook_steps.settled_hook`:
+    """Dispatches of one compressed step through the DDP hook (`edgc_probes.hook_steps.settled_hook`:
     every bucket of DDP's layout passed to `EDGCState.reduce_bucket` in DDP's order, after the warm-up
     and the settled steps; ``settings`` are its). Also the bytes its ops move and the most memory alive
     at once during it beyond the gradients (the engine's state included). ``graphs``: the graph regions
-    that the capture checker passes over four steady steps (`edgc_bench.capture_check.passing_regions`,
+    that the capture checker passes over four steady steps (`edgc_probes.capture_check.passing_regions`,
     run first: the counted step comes after them) count one launch per call (the module docstring's rule).
     ``extra["after_last_bucket"]``: the dispatches from entering the last bucket's `reduce_bucket` to the
     step's end (its settle included): what the host issues once backward is over."""

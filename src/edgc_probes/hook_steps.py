@@ -1,14 +1,14 @@
 """A DDP hook's steps on fake tensors, without DDP or a process group: the harness that the dispatch
-counter (`edgc_bench.dispatch_count`) counts a step of and the capture checker (`edgc_bench.capture_check`)
+counter (`edgc_probes.dispatch_count`) counts a step of and the capture checker (`edgc_probes.capture_check`)
 checks steps of.
 
 The tensors are fake (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes and strides with
 no storage), so GPT-2 XL's 1.5 billion gradients cost nothing. A fake tensor has no values, so the
 step's one host read (`edgc.device.timing.to_host`) is counted and answered with zeros. Collectives go
-to `edgc_bench.stand_ins.counting_communicator`, which records each one and completes it at once, so
+to `edgc_probes.stand_ins.counting_communicator`, which records each one and completes it at once, so
 the engine runs exactly as it does in a process group (world size 1 by default, as on the one-GPU
-bench), and no bytes move. The buckets are DDP's (`edgc_bench.stand_ins.ddp_buckets`), each passed to
-the hook's state as DDP would pass it (`edgc_bench.stand_ins.GradBucketStandIn`).
+bench), and no bytes move. The buckets are DDP's (`edgc_probes.stand_ins.ddp_buckets`), each passed to
+the hook's state as DDP would pass it (`edgc_probes.stand_ins.GradBucketStandIn`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gpu_support import HostReads, counted_host_reads
+from .host_reads import HostReads, counted_host_reads
 from .live_memory import LiveStorages
 from .stand_ins import GradBucketStandIn, NamedParameters, counting_communicator, ddp_buckets, ready_order
 

@@ -1,4 +1,4 @@
-"""What `edgc_bench.stream_check.StreamChecker` replaces while it is active, and puts back after.
+"""What `edgc_probes.stream_check.StreamChecker` replaces while it is active, and puts back after.
 
 `torch.cpu`'s stream and event stand-ins get an identity and tell the checker of every wait, record
 and host wait (``Event.synchronize``, ``Stream.synchronize``, ``torch.cpu.synchronize``); the

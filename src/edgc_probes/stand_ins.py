@@ -15,7 +15,7 @@ def ready_order(names: list[str]) -> list[int]:
     iteration). Reverse registration order, except that a LayerNorm's weight is ready before its
     bias (its backward node accumulates them in that order, where a Conv1D's ``addmm`` gives the
     bias first). Checked against DDP around ``GPT2LMHeadModel`` and, in the suite, around
-    `edgc_bench.gpt2_layout.GPT2Layout` (tests/bench/test_dispatch_count.py)."""
+    `edgc_probes.gpt2_layout.GPT2Layout` (tests/bench/test_dispatch_count.py)."""
     order = list(reversed(range(len(names))))
     for k in range(len(order) - 1):
         bias, weight = names[order[k]], names[order[k + 1]]

@@ -1,4 +1,4 @@
-"""Kernel accesses and the races between them, for `edgc_bench.stream_check`.
+"""Kernel accesses and the races between them, for `edgc_probes.stream_check`.
 
 The rule is `torch.cuda._sanitizer`'s: each storage keeps its last write and the reads since; a
 kernel on stream S that reads a storage must be ordered after its last write, and one that writes

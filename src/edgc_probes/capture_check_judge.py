@@ -1,5 +1,5 @@
-"""The capture checker's verdict (`edgc_bench.capture_check`): the record of the checked steps
-(`edgc_bench.capture_check_trace.Trace`) turned into violations, each said once, where it is made."""
+"""The capture checker's verdict (`edgc_probes.capture_check`): the record of the checked steps
+(`edgc_probes.capture_check_trace.Trace`) turned into violations, each said once, where it is made."""
 
 from __future__ import annotations
 

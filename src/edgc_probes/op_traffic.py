@@ -1,6 +1,6 @@
 """What one dispatched ATen op costs a GPU beyond its launch: how many kernels, how many bytes.
 
-`edgc_bench.dispatch_count.DispatchCounter` applies both to every kernel-launching dispatch. The
+`edgc_probes.dispatch_count.DispatchCounter` applies both to every kernel-launching dispatch. The
 bytes are those of a kernel that touches each element once: every input tensor read once (a GEMM's
 operands included), every output written once. Caches, a GEMM's re-reads of its small operand and
 a broadcast's repeats are not modelled; what is counted is what a pass over memory must move.

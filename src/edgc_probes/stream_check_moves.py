@@ -1,4 +1,4 @@
-"""What the stream checker (`edgc_bench.stream_check`) makes of tensors made, moved and read by
+"""What the stream checker (`edgc_probes.stream_check`) makes of tensors made, moved and read by
 Python-level calls, which a dispatch mode sees only as the kernels they run, if any.
 
 Factories class what they make: with ``device=`` (or in ``checker.device()``) a device tensor, with

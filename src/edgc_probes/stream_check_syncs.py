@@ -1,4 +1,4 @@
-"""Which ATen operators make the host wait for the device on CUDA (`edgc_bench.stream_check`).
+"""Which ATen operators make the host wait for the device on CUDA (`edgc_probes.stream_check`).
 
 A value read (``_local_scalar_dense``: ``item``, ``bool``, ``float``); an operator whose output size
 depends on values (``nonzero``, boolean-mask indexing, ``unique``, ``repeat_interleave`` without
@@ -9,7 +9,7 @@ between host and device: a blocking one either way, and any copy into pageable h
 (CUDA returns from it only once the copy is done), where a non-blocking copy into pinned memory
 is a stream operation (`StreamChecker.host_touches` checks the host's reads of it). The Python-level
 ones (``.cpu()``, ``tolist``, ``numpy``, ``Stream.synchronize``, ...) are in
-`edgc_bench.stream_check_patches`.
+`edgc_probes.stream_check_patches`.
 """
 
 from __future__ import annotations
