@@ -149,7 +149,46 @@ def pace_block(figures: dict, before: dict) -> str:
         f"together. Before (`docs/engine/step-kinds-before.json`, GPT-2 {before['model'].upper()}): "
         f"{old['static']['dispatches']:,} dispatches a static step, {old['sampled']['dispatches']:,} a sampled one.",
     ]
+    xl = figures["pace"].get("xl", {})
+    if "floors" in xl:
+        lines += ["", _missed(xl, figures["limits"]["bytes"])]
     return "\n".join(lines)
+
+
+def _sharing(matrices: int) -> str:
+    if matrices == 0:
+        return "no two compressed matrices of one shape share a bucket"
+    return f"only {matrices} compressed matrices share a bucket with another of their shape"
+
+
+def _missed(row: dict, bytes_limit: float) -> str:
+    """Where the XL step misses its goals, and why, from the pace row's ``floors``."""
+    floors, counts = row["floors"], row["dispatches"]
+    static, per_gradient, extra = counts["static"], floors["per_gradient"], floors["sampled_extra"]
+    copied = row["bytes"]["static"] + floors["copy_bytes_per_element"]
+    parts = []
+    if static > PACE_GOALS["static"]:
+        parts.append(
+            f"a static step eager is {static:,} against {PACE_GOALS['static']:,}: {per_gradient:,} of its dispatches "
+            f"are per gradient, where DDP's buckets hold them ({row['compressed_matrices']} matrices: Ĝ = P·Qᵀ "
+            "written into each, and M = G + e, a mixed-dtype add a GPU runs tensor by tensor); "
+            f"{_sharing(floors['matrices_sharing_a_bucket_with_their_shape'])}, so a batched op per shape group "
+            "would first copy the gradients into one "
+            f"buffer: {floors['copy_bytes_per_element']} B more per element, {copied:.2f} B against the "
+            f"{bytes_limit:g} B the step is held to. The other {static - per_gradient:,} are the jobs' factor "
+            f"work and collectives. With CUDA graphs on, {counts['static_graphs']:,} against "
+            f"{PACE_GOALS['static_graphs']:,}"
+        )
+    sampled_extra = counts["sampled"] - static
+    if sampled_extra > PACE_GOALS["sampled_extra"]:
+        parts.append(
+            f"a sampled step adds {sampled_extra} against {PACE_GOALS['sampled_extra']}: the error measurement "
+            f"{extra['error_measurement']} (‖M‖ and ‖e‖ of every job, each squared: M is overwritten by its residual "
+            f"within the job), the entropy sample's gather {extra['sample_gather']} (one a job), the histogram "
+            f"and the entropy {extra['histogram_and_entropy']} (once a step); within the goal only by measuring "
+            "fewer jobs, a different estimate"
+        )
+    return "Where GPT-2 XL misses its goals: " + "; ".join(parts) + "." if parts else "GPT-2 XL holds every goal."
 
 
 def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed

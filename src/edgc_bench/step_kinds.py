@@ -42,6 +42,7 @@ import gc
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ from edgc_probes.dispatch_count import GRAPH_LAUNCH, DispatchCounter, StepCount,
 from edgc_probes.gpt2_layout import gpt2_parameters
 from edgc_probes.hook_steps import _static_config, sampled_config
 from edgc_probes.live_memory import LiveStorages
-from edgc_probes.stand_ins import counting_communicator
+from edgc_probes.stand_ins import counting_communicator, ddp_buckets, ready_order
 
 from .engine_cost import emit
 
@@ -125,8 +126,40 @@ def pace(model: str = "xl", rank: int = 32, progress=print) -> dict:
             kind: round(count.per_compressed_element(count.peak_state_bytes), 3) for kind, count in steps.items()
         },
         "sampled_extra_bytes_share": round((sampled.bytes - static.bytes) / sampled.bytes, 5),
+        "floors": floors(named, static, sampled),
         "dtype": "bfloat16",
         "torch": torch.__version__,
+    }
+
+
+PER_GRADIENT_OPS = ("mm", "_foreach_add_")  # Ĝ = P·Qᵀ into each gradient; M = G + e, mixed dtypes: per tensor
+ERROR_MEASUREMENT_OPS = ("linalg_vector_norm", "mul")  # a sampled job's ‖M‖ and ‖e‖, each squared
+SAMPLE_GATHER_OPS = ("cat",)  # a sampled job's entropy sample; the rest: the histogram, once a step
+
+
+def floors(named: list, static: StepCount, sampled: StepCount) -> dict:
+    """Why a step's dispatches are what they are, from its counts and DDP's layout: the per-gradient ops
+    (`PER_GRADIENT_OPS`), how many compressed matrices share a bucket with another of their shape (only
+    those could share a batched op without the gradients first copied into one buffer, which would move
+    2 × the gradient's element size more bytes per element), and a sampled step's extra by part."""
+    names, shapes = [name for name, _ in named], [tuple(shape) for _, shape in named]
+    buckets = ddp_buckets(shapes, ready_order(names), torch.bfloat16, None)
+    neighbours = 0
+    for bucket in buckets:
+        per_shape = Counter(shapes[i] for i in bucket if len(shapes[i]) >= 2)
+        neighbours += sum(count for count in per_shape.values() if count > 1)
+    extra = {op: sampled.by_op.get(op, 0) - static.by_op.get(op, 0) for op in set(sampled.by_op) | set(static.by_op)}
+    measurement = sum(extra.get(op, 0) for op in ERROR_MEASUREMENT_OPS)
+    gather = sum(extra.get(op, 0) for op in SAMPLE_GATHER_OPS)
+    return {
+        "per_gradient": sum(static.by_op.get(op, 0) for op in PER_GRADIENT_OPS),
+        "matrices_sharing_a_bucket_with_their_shape": neighbours,
+        "copy_bytes_per_element": 2 * torch.bfloat16.itemsize,
+        "sampled_extra": {
+            "error_measurement": measurement,
+            "sample_gather": gather,
+            "histogram_and_entropy": sampled.dispatches - static.dispatches - measurement - gather,
+        },
     }
 
 
