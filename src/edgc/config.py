@@ -343,7 +343,7 @@ class EDGCConfig:
         """The fields as plain JSON values, so a dict survives config.json unchanged.
 
         Returns:
-            The fields (tuples as lists), the engine's in an ``engine`` table: the keywords of `from_dict`.
+            The fields (tuples as lists), the engine's in an ``engine`` table, as `from_dict` reads them.
         """
 
         def plain(value: Any) -> Any:
@@ -366,9 +366,10 @@ class EDGCConfig:
             ValueError: an unknown field, or an engine field given beside the others (the line names its table).
         """
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-        for name in [name for name in unknown if name in LOWRANK_FIELDS]:
-            nested = f"EDGCConfig(engine=LowRankConfig({name}=...)), in a dict {{'engine': {{{name!r}: ...}}}}"
-            raise ValueError(f"EDGCConfig has no field {name!r}: it is an engine field, {nested}")
+        flat = [name for name in unknown if name in LOWRANK_FIELDS]
+        if flat:
+            nested = f"EDGCConfig(engine=LowRankConfig({flat[0]}=...)), in a dict {{'engine': {{{flat[0]!r}: ...}}}}"
+            raise ValueError(f"EDGCConfig has no field {flat[0]!r}: it is an engine field, {nested}")
         engine = values.get("engine", {})
         if isinstance(engine, dict):
             unknown += [f"engine.{name}" for name in sorted(set(engine) - set(LOWRANK_FIELDS))]
