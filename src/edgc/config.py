@@ -366,13 +366,13 @@ class EDGCConfig:
             ValueError: an unknown field, or an engine field given beside the others (the line names its table).
         """
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-        flat = [name for name in unknown if name in LOWRANK_FIELDS]
+        flat = [name for name in unknown if name in ENGINE_FIELDS]
         if flat:
             nested = f"EDGCConfig(engine=LowRankConfig({flat[0]}=...)), in a dict {{'engine': {{{flat[0]!r}: ...}}}}"
             raise ValueError(f"EDGCConfig has no field {flat[0]!r}: it is an engine field, {nested}")
         engine = values.get("engine", {})
         if isinstance(engine, dict):
-            unknown += [f"engine.{name}" for name in sorted(set(engine) - set(LOWRANK_FIELDS))]
+            unknown += [f"engine.{name}" for name in sorted(set(engine) - set(ENGINE_FIELDS))]
         if unknown:
             raise ValueError(f"EDGCConfig: unknown field(s) {unknown}")
         if isinstance(engine, dict):
@@ -380,9 +380,8 @@ class EDGCConfig:
         return cls(**values)
 
 
-LOWRANK_FIELDS = tuple(f.name for f in dataclasses.fields(LowRankConfig))
 ENGINE_OWNER_FIELDS = ("power_iterations", "force_accelerator_kernels")  # the engine's owner's (`LowRankConfig`)
-ENGINE_FIELDS = tuple(name for name in LOWRANK_FIELDS if name not in ENGINE_OWNER_FIELDS)  # in `EDGCConfig.to_dict`
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(LowRankConfig) if f.name not in ENGINE_OWNER_FIELDS)
 
 
 def nested_config_dict(values: dict[str, Any]) -> dict[str, Any]:
@@ -395,7 +394,7 @@ def nested_config_dict(values: dict[str, Any]) -> dict[str, Any]:
     Returns:
         The dict with every engine field in ``engine`` (a nested one unchanged).
     """
-    flat = {name: values[name] for name in LOWRANK_FIELDS if name in values}
+    flat = {name: values[name] for name in ENGINE_FIELDS if name in values}
     if not flat:
         return values
     rest = {name: value for name, value in values.items() if name not in flat and name != "engine"}

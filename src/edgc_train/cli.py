@@ -98,7 +98,7 @@ def _convert(name: str, raw: str, annotation: str):
 def parse_edgc_flags(items: list[str]) -> dict:
     """``--edgc KEY=VALUE`` flags as an EDGCConfig table: ``engine.FIELD`` keys (the engine's, as
     torchtitan's ``--edgc.engine.FIELD``) in its ``engine`` table."""
-    from edgc.config import LOWRANK_FIELDS
+    from edgc.config import ENGINE_FIELDS
 
     out: dict = {}
     for item in items:
@@ -106,7 +106,7 @@ def parse_edgc_flags(items: list[str]) -> dict:
         key = key.strip()
         if not sep or not key:
             raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
-        if key in LOWRANK_FIELDS:
+        if key in ENGINE_FIELDS:
             raise CLIError(f"--edgc {key}: it is an engine field, --edgc engine.{key}={value}")
         try:
             value = json.loads(value)
