@@ -24,7 +24,7 @@ def test_every_arm_spends_the_budget_of_static(budget):
     assert plan["alt-warm"]["shadow_ranks"] == (budget // 2, budget + budget // 2)  # the alternation's two ranks
     assert plan["alt-warm"]["shadow_twin"] == "run" and "shadow_twin" not in plan["static"]  # static: independent
     for name, fields in plan.items():
-        controller = WindowController(EDGCConfig(**compressor_fields(fields)))
+        controller = WindowController(EDGCConfig.from_dict(compressor_fields(fields)))
         for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
             plan = controller.plan(step)
             if plan.decision:
