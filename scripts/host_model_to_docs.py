@@ -12,7 +12,7 @@ docs/gpu.md: the host's cost per op class read from the run's profiler trace (`e
 scaled by the per-op cost its device.json measured; the model against each measured hook row of the
 profiled run (the measured engine's census); and its prediction for this checkout's engine (counted
 now, or read from ``--engine-census``) on the H200 and H100 presets, eager, and with CUDA graphs
-where the engine has them (``EDGCConfig.cuda_graphs``; a replay counted as one op by the counter,
+where the engine has them (``EDGCConfig.engine.cuda_graphs``; a replay counted as one op by the counter,
 or a census from ``--graphs-census``). Nothing is typed: every figure comes from those files and counts.
 """
 
@@ -43,7 +43,7 @@ def counting_views():
     """While active, the dispatch counter also counts what it leaves out (views, allocation,
     metadata; not the ``prim`` queries a fake tensor makes where a real one answers in C++): the
     host issues those too. Yields the counters made, last one the latest step's."""
-    from edgc_bench import dispatch_count
+    from edgc_probes import dispatch_count
 
     class ViewCountingCounter(dispatch_count.DispatchCounter):
         def __init__(self, replayed=()):
@@ -77,9 +77,9 @@ def count_census(graphs: bool = False, settle_steps: int = 1) -> dict | None:
 
     config = EDGCConfig.static(32, total_steps=100_000, warmup_fraction=0.0)
     if graphs:
-        if "cuda_graphs" not in {f.name for f in dataclasses.fields(LowRankConfig)}:  # EDGCConfig takes it flat
+        if "cuda_graphs" not in {f.name for f in dataclasses.fields(LowRankConfig)}:
             return None
-        config = dataclasses.replace(config, cuda_graphs=True)
+        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, cuda_graphs=True))
     steps = {}
     for label, cap in CAPS.items():
         with counting_views() as made:
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("census needs --out")
         steps = count_census(args.graphs, args.settle_steps)
         if steps is None:
-            p.error("--graphs: this checkout's EDGCConfig has no cuda_graphs")
+            p.error("--graphs: this checkout's LowRankConfig has no cuda_graphs")
         args.out.write_text(json.dumps(census_file(steps, args.graphs), indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0

@@ -13,12 +13,11 @@ from typing import Any
 
 
 class FieldCheck:
-    """Field checks of a config dataclass; each failure is one line naming the class (``owner``, by
-    default the config's own) and the field."""
+    """Field checks of a config dataclass; each failure is one line naming the class and the field."""
 
-    def __init__(self, config: Any, owner: str | None = None):
+    def __init__(self, config: Any):
         self.config = config
-        self.owner = owner or type(config).__name__
+        self.owner = type(config).__name__
 
     def fail(self, name: str, requirement: str) -> None:
         raise ValueError(f"{self.owner}.{name} {requirement}, got {getattr(self.config, name)!r}")

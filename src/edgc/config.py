@@ -7,10 +7,7 @@ window w = 1000 steps, rank step s = 4, r_min = r_max / 4, warm-up floor 10 % of
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,21 +22,6 @@ ERROR_FEEDBACK_DTYPES = ("float32", "gradient")
 ORTHONORMALIZATION_CHOICES = ("auto", "householder", "cholesky2-fp64", "cholesky4-fp32")
 RANK_CHANGES = ("warm", "truncate")
 POWER_ITERATIONS = (1, 2)
-
-
-def _check_engine_fields(check: FieldCheck) -> None:
-    """The checks of `LowRankConfig`'s fields (given flat to `EDGCConfig` too: `EDGCConfig.engine`)."""
-    check.number("min_compression_rate", allow_zero=True)
-    check.number("orthogonalization_epsilon", allow_zero=True)
-    check.choice("orthonormalization", ORTHONORMALIZATION_CHOICES)
-    check.boolean("error_feedback")
-    check.choice("error_feedback_dtype", ERROR_FEEDBACK_DTYPES)
-    check.choice("communication_dtype", COMM_DTYPES)
-    check.integer("seed", 0)
-    check.choice("rank_change", RANK_CHANGES)
-    check.choice("power_iterations", POWER_ITERATIONS)
-    check.boolean("force_accelerator_kernels")
-    check.boolean("cuda_graphs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +59,7 @@ class LowRankConfig:
     again after a rank change or a new layout, each capture said on the edgc logger); eager off CUDA."""
 
     # Set by whoever builds the engine (DiLoCo's outer sync, a dispatch count), not by a run's
-    # EDGCConfig: neither given flat nor in its to_dict, so config.json and checkpoints read as before.
+    # EDGCConfig: not in its to_dict, so config.json and checkpoints read as before.
     power_iterations: int = 1
     """Power iterations a compressed call runs: 1, or 2 for a second on the compressed matrices (twice their bytes)."""
 
@@ -85,7 +67,18 @@ class LowRankConfig:
     """A CPU runs a fast-float64 GPU's kernels (orthonormalisation, error feedback's path): dispatch counts, tests."""
 
     def __post_init__(self) -> None:
-        _check_engine_fields(FieldCheck(self))
+        check = FieldCheck(self)
+        check.number("min_compression_rate", allow_zero=True)
+        check.number("orthogonalization_epsilon", allow_zero=True)
+        check.choice("orthonormalization", ORTHONORMALIZATION_CHOICES)
+        check.boolean("error_feedback")
+        check.choice("error_feedback_dtype", ERROR_FEEDBACK_DTYPES)
+        check.choice("communication_dtype", COMM_DTYPES)
+        check.integer("seed", 0)
+        check.choice("rank_change", RANK_CHANGES)
+        check.choice("power_iterations", POWER_ITERATIONS)
+        check.boolean("force_accelerator_kernels")
+        check.boolean("cuda_graphs")
 
 
 @dataclass(kw_only=True)
@@ -197,13 +190,13 @@ class EDGCConfig:
     256 on accelerators, 0 (each bucket its own job) on CPU. ≥ 0."""
 
     engine: LowRankConfig = field(default_factory=LowRankConfig)
-    """The PowerSGD engine's settings (a `LowRankConfig`, the table's last rows). Its fields are also given and read
-    flat: EDGCConfig(error_feedback=False), --edgc error_feedback=false, config.error_feedback."""
+    """The PowerSGD engine's settings, a `LowRankConfig` (the table's last rows, ``engine.NAME``):
+    EDGCConfig(engine=LowRankConfig(error_feedback=False)), --edgc engine.error_feedback=false, config.engine.seed."""
 
     def __post_init__(self) -> None:
         check = FieldCheck(self)
         if not isinstance(self.engine, LowRankConfig):
-            check.fail("engine", "must be a LowRankConfig (or give its fields flat: EDGCConfig(seed=1))")
+            check.fail("engine", "must be a LowRankConfig: EDGCConfig(engine=LowRankConfig(seed=1))")
         for name in ("r_max", "r_min", "total_steps"):
             if getattr(self, name) is not None:
                 check.integer(name, 1)
@@ -350,36 +343,40 @@ class EDGCConfig:
         """The fields as plain JSON values, so a dict survives config.json unchanged.
 
         Returns:
-            The fields, flat (the engine's beside the others, tuples as lists), as the keywords a user gives.
+            The fields (tuples as lists), the engine's in an ``engine`` table, as `from_dict` reads them.
         """
 
         def plain(value: Any) -> Any:
             return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
-        engine = {name: getattr(self.engine, name) for name in ENGINE_FIELDS}
-        return {k: plain(v) for k, v in {**values, **engine}.items()}
+        values = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "engine"}
+        return {**values, "engine": {name: plain(getattr(self.engine, name)) for name in ENGINE_FIELDS}}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EDGCConfig:
-        """The config of a `to_dict`.
+        """The config of a `to_dict`: a JSON or TOML table, ``--edgc`` flags.
 
         Args:
-            values: the fields, flat; an ``engine`` table of `LowRankConfig` fields is read too.
+            values: the fields, the engine's in an ``engine`` table (a dict saved flat: `nested_config_dict` first).
 
         Returns:
             The config.
 
         Raises:
-            ValueError: an unknown field.
+            ValueError: an unknown field, or an engine field given beside the others (the line names its table).
         """
-        known = {f.name for f in dataclasses.fields(cls)} | set(ENGINE_FIELDS)
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        flat = [name for name in unknown if name in ENGINE_FIELDS]
+        if flat:
+            nested = f"EDGCConfig(engine=LowRankConfig({flat[0]}=...)), in a dict {{'engine': {{{flat[0]!r}: ...}}}}"
+            raise ValueError(f"EDGCConfig has no field {flat[0]!r}: it is an engine field, {nested}")
+        engine = values.get("engine", {})
+        if isinstance(engine, dict):
+            unknown += [f"engine.{name}" for name in sorted(set(engine) - set(ENGINE_FIELDS))]
         if unknown:
             raise ValueError(f"EDGCConfig: unknown field(s) {unknown}")
-        values = dict(values)
-        if isinstance(values.get("engine"), dict):
-            values.update(values.pop("engine"))
+        if isinstance(engine, dict):
+            values = {**values, "engine": LowRankConfig(**engine)}
         return cls(**values)
 
 
@@ -387,34 +384,35 @@ ENGINE_OWNER_FIELDS = ("power_iterations", "force_accelerator_kernels")  # the e
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(LowRankConfig) if f.name not in ENGINE_OWNER_FIELDS)
 
 
-def _engine_fields_flat(config_class: type) -> type:
-    """Let ``config_class`` (`EDGCConfig`) take and show its ``engine``'s fields flat: its constructor
-    moves them into ``engine`` (a bad value names ``EDGCConfig.<field>``), and a read-only property
-    per field reads them from there. Each field is defined once, in `LowRankConfig`."""
-    dataclass_init = config_class.__init__
+def nested_config_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """An `EDGCConfig.to_dict` as one written now, for readers of saved ones (config.json, a checkpoint's
+    ``config``): one written before the engine's fields were nested (beside the others) has them moved in.
 
-    @functools.wraps(dataclass_init)
-    def __init__(self, **values: Any) -> None:
-        flat = {name: values.pop(name) for name in ENGINE_FIELDS if name in values}
-        if flat:
-            engine = values.get("engine", LowRankConfig())
-            if isinstance(engine, LowRankConfig):
-                merged = {**dataclasses.asdict(engine), **flat}
-                _check_engine_fields(FieldCheck(types.SimpleNamespace(**merged), owner=config_class.__name__))
-                values["engine"] = LowRankConfig(**merged)
-        dataclass_init(self, **values)
+    Args:
+        values: the saved dict, flat or nested.
 
-    config_class.__init__ = __init__
-    for name in ENGINE_FIELDS:
-        setattr(
-            config_class,
-            name,
-            property(operator.attrgetter(f"engine.{name}"), doc=f"``engine.{name}`` (`LowRankConfig.{name}`)."),
-        )
-    return config_class
+    Returns:
+        The dict with every engine field in ``engine`` (a nested one unchanged).
+    """
+    flat = {name: values[name] for name in ENGINE_FIELDS if name in values}
+    if not flat:
+        return values
+    rest = {name: value for name, value in values.items() if name not in flat and name != "engine"}
+    return {**rest, "engine": {**flat, **(values.get("engine") or {})}}
 
 
-_engine_fields_flat(EDGCConfig)
+def dotted_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """An `EDGCConfig.to_dict` (or a saved one) by dotted name, the engine's ``engine.NAME`` as torchtitan names them.
+
+    Args:
+        values: the dict.
+
+    Returns:
+        Dotted name → value.
+    """
+    values = nested_config_dict(values)
+    engine = values.get("engine") or {}
+    return {**{k: v for k, v in values.items() if k != "engine"}, **{f"engine.{k}": v for k, v in engine.items()}}
 
 
 def field_docs(config_class: type = None) -> list[tuple[str, Any, str]]:
@@ -454,14 +452,16 @@ __all__ = [
     "RANK_CHANGES",
     "ENGINE_FIELDS",
     "ENGINE_OWNER_FIELDS",
+    "nested_config_dict",
+    "dotted_fields",
 ]
 
 
 def config_table_markdown() -> str:
     """The manual's table of every EDGCConfig field, generated from the dataclasses themselves: the
-    engine's fields last, under the flat names a user gives them."""
+    engine's fields last, as ``engine.NAME`` (`LowRankConfig`'s, in ``EDGCConfig.engine``)."""
     rows = ["| field | default | meaning, unit, valid range |", "| --- | --- | --- |"]
-    engine = [row for row in field_docs(LowRankConfig) if row[0] in ENGINE_FIELDS]
+    engine = [(f"engine.{name}", *rest) for name, *rest in field_docs(LowRankConfig) if name in ENGINE_FIELDS]
     for name, default, doc in field_docs(EDGCConfig) + engine:
         shown = "LowRankConfig()" if name == "engine" else repr(default)
         rows.append(f"| `{name}` | `{shown}` | {doc.replace('|', '∣')} |")

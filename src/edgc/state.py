@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import EDGCConfig
+from .config import EDGCConfig, dotted_fields
 from .control import events
 from .control.decisions import DecisionRound
 from .control.entropy import EntropySampler
@@ -139,7 +139,7 @@ class EDGCState(GradientReducer):
         fusion = self._fusion_megabytes(device)
         return {
             **super().agreed_settings(device),
-            **{f"EDGCConfig.{name}": value for name, value in config.to_dict().items()},
+            **{f"EDGCConfig.{name}": value for name, value in dotted_fields(config.to_dict()).items()},
             "EDGCState.follower": self.controller.follower,
             "EDGCState.always_profile": self.controller.always_profile,
             "entropy_estimator in use": config.resolved_entropy_estimator,
@@ -403,8 +403,9 @@ class EDGCState(GradientReducer):
         if isinstance(state, dict) and isinstance(state.get("compressor"), dict):
             state = {**state, "compressor": self.experts.restricted(state["compressor"])}
         check_loadable(state, self.config, self.controller.follower, self.parameter_shapes)
-        if state["config"] != self.config.to_dict():
-            changed = sorted(k for k, v in state["config"].items() if self.config.to_dict().get(k) != v)
+        saved, now = dotted_fields(state["config"]), dotted_fields(self.config.to_dict())  # saved: flat or nested
+        if saved != now:
+            changed = sorted(k for k, v in saved.items() if now.get(k) != v)
             warnings.warn(f"EDGCState: loading state saved with different config fields {changed}", stacklevel=3)
         super().load_state_dict(state)
         for key, part in self._series().items():

@@ -113,7 +113,9 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
             f"(whole pipeline steps), got {eval_batches}"
         )
     methods = methods_from(args, pipeline)
-    edgc = {**DEFAULTS.edgc, **edgc_items(args.edgc)}
+    from edgc_train.config import merge_edgc
+
+    edgc = merge_edgc(DEFAULTS.edgc, edgc_items(args.edgc))
     if not 1 <= args.rounds <= 9:
         raise CLIError(f"--rounds: must be in [1, 9], got {args.rounds}")
     if args.rounds > 1 and (args.torchft or args.link_only) and not getattr(args, "diloco", False):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from edgc_cli.errors import CLIError
 
@@ -75,17 +74,10 @@ def add_diloco_flags(p: argparse.ArgumentParser) -> None:
 
 
 def edgc_items(items: list[str]) -> dict:
-    """``--edgc KEY=VALUE`` items as EDGCConfig fields (values as JSON where they parse)."""
-    fields = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
-        try:
-            fields[key] = json.loads(value)
-        except ValueError:
-            fields[key] = value
-    return fields
+    """``--edgc KEY=VALUE`` items as an EDGCConfig table, as `edgc train` reads them (`edgc_train.cli`)."""
+    from edgc_train.cli import parse_edgc_flags
+
+    return parse_edgc_flags(items)
 
 
 def diloco_options(settings, args: argparse.Namespace):

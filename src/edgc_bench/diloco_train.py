@@ -138,7 +138,7 @@ def diloco_sync(args, module, inner, group: int, heals: list, edgc_fields: dict)
         )
         return diloco, manager
     outer_steps = args.steps * args.fragments // args.sync_every
-    config = EDGCConfig(**{"total_steps": max(1, outer_steps), **edgc_fields})
+    config = EDGCConfig.from_dict({"total_steps": max(1, outer_steps), **edgc_fields})
     return EDGCDiLoCo(manager, fragments, inner, outer, args.sync_every, config), manager
 
 
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     heals: list[int] = []
     diloco = None
     if args.method.startswith("ddp"):
-        config = EDGCConfig(total_steps=args.steps, **edgc_fields)
+        config = EDGCConfig.from_dict({"total_steps": args.steps, **edgc_fields})
         model, state, manager = torchft_sync(args, module, optimizer, config, args.group, heals, init_sync=False)
     else:
         diloco, manager = diloco_sync(args, module, optimizer, args.group, heals, edgc_fields)

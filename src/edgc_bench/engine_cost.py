@@ -47,7 +47,8 @@ def matrix_byte_floors(gradient: int, error: int) -> dict[str, int]:
 
 
 def step(model: str, rank: int, error_feedback_dtype: str = "float32") -> StepCount:
-    config = replace(_static_config(rank), error_feedback_dtype=error_feedback_dtype)
+    config = _static_config(rank)
+    config = replace(config, engine=replace(config.engine, error_feedback_dtype=error_feedback_dtype))
     return count_hook_step(gpt2_parameters(model), rank=rank, dtype=torch.bfloat16, config=config)
 
 

@@ -59,13 +59,13 @@ def _hook_state(method: str, rank: int, named: list | None, model=None, config=N
         return psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
         ), psgd.powerSGD_hook
-    from edgc import EDGCConfig, EDGCState, edgc_hook
+    from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 
     if config is None and method == "edgc-sampled":
         config = sampled_config(rank)
     elif config is None:
-        extra = {"error_feedback_dtype": "gradient"} if method == "edgc-bf16-ef" else {}
-        config = EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, **extra)
+        engine = LowRankConfig(error_feedback_dtype="gradient" if method == "edgc-bf16-ef" else "float32")
+        config = EDGCConfig.static(rank, total_steps=100_000, warmup_fraction=0.0, engine=engine)
     return EDGCState(None, config, model=model if model is not None else NamedParameters(named)), edgc_hook
 
 

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(cfg.seed)
     module = build_model(model_shape(cfg.preset, data.vocab_size, cfg.seq_len))
     optimizer = make_optimizer(module, cfg, torch.device("cpu"))
-    edgc_config = EDGCConfig(total_steps=args.steps, **json.loads(args.edgc))
+    edgc_config = EDGCConfig.from_dict({"total_steps": args.steps, **json.loads(args.edgc)})
     manager, heals = None, []
     if args.mode == "ddp":
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))

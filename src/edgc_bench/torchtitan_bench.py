@@ -46,17 +46,20 @@ class TitanOptions:
     ep: int = 1  # expert-parallel degree inside each host (a MoE config)
 
 
-def edgc_flags(edgc: dict) -> list[str]:
-    """``--edgc key=value`` items of the bench as torchtitan's ``--edgc.key value`` flags."""
+def edgc_flags(edgc: dict, section: str = "edgc") -> list[str]:
+    """``--edgc key=value`` items of the bench as torchtitan's ``--edgc.key value`` flags (the engine's table:
+    ``--edgc.engine.key value``)."""
     flags = []
     for key, value in edgc.items():
-        if isinstance(value, bool):
-            flags.append(f"--edgc.{'' if value else 'no-'}{key.replace('_', '-')}")
+        if isinstance(value, dict):
+            flags += edgc_flags(value, f"{section}.{key}")
+        elif isinstance(value, bool):
+            flags.append(f"--{section}.{'' if value else 'no-'}{key.replace('_', '-')}")
         elif isinstance(value, (list, tuple)):  # a pair, or pairs (rank_schedule): every number its own token
             flat = [v for item in value for v in (item if isinstance(item, (list, tuple)) else [item])]
-            flags += [f"--edgc.{key}", *map(str, flat)]
+            flags += [f"--{section}.{key}", *map(str, flat)]
         else:
-            flags += [f"--edgc.{key}", str(value)]
+            flags += [f"--{section}.{key}", str(value)]
     return flags
 
 

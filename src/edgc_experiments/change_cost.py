@@ -1,6 +1,6 @@
 """What one rank change costs the compression, measured on the very matrices the run compresses.
 
-A rank change (`EDGCConfig.rank_change`) replaces the warm start of PowerSGD's power iteration; what
+A rank change (`EDGCConfig.engine.rank_change`) replaces the warm start of PowerSGD's power iteration; what
 it throws away shows as a higher compression error in the steps after it. A second run that never
 changes rank would see other matrices (its trajectory, its error feedback), and its noise would
 drown the difference. So `Shadows` follows the run instead: for each rank of an alternation it

@@ -181,7 +181,7 @@ def _build_diloco(arm: dict, model, inner, outer, outer_steps: int):
     from edgc import EDGCConfig
     from edgc.integrations.diloco import DiLoCo
 
-    config = EDGCConfig(**arm_config(arm, outer_steps))
+    config = EDGCConfig.from_dict(arm_config(arm, outer_steps))
     diloco = DiLoCo(
         None,
         [model],

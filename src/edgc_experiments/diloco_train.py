@@ -32,7 +32,8 @@ UNCOMPRESSED = 1e12  # a compression rate no matrix meets: everything is sent ra
 
 
 def arm_config(arm: dict, outer_steps: int) -> dict:
-    """The `EDGCConfig` fields of an arm: a static rank from the first outer step, or none at all."""
+    """The `EDGCConfig` fields of an arm (`EDGCConfig.from_dict`'s): a static rank from the first outer step, or
+    none at all."""
     fields = dict(
         total_steps=max(1, outer_steps),
         warmup_fraction=0.0,
@@ -42,7 +43,7 @@ def arm_config(arm: dict, outer_steps: int) -> dict:
         window=1,
     )
     if arm.get("rank") is None:
-        return {**fields, "r_max": 1, "r_min": 1, "adaptive": False, "min_compression_rate": UNCOMPRESSED}
+        return {**fields, "r_max": 1, "r_min": 1, "adaptive": False, "engine": {"min_compression_rate": UNCOMPRESSED}}
     return {**fields, "r_max": arm["rank"], "r_min": arm["rank"], "adaptive": False, **arm.get("edgc", {})}
 
 
@@ -157,7 +158,7 @@ def _diloco(model, inner, schedule, sampler, cfg, arm: dict, seed: int) -> dict:
     )
     sync_every = int(arm["sync_every"])
     outer_steps = cfg.steps // sync_every
-    config = EDGCConfig(**arm_config(arm, outer_steps))
+    config = EDGCConfig.from_dict(arm_config(arm, outer_steps))
     diloco = DiLoCo(None, [model], inner, outer, sync_every, config, power_iterations=arm.get("power_iterations", 1))
     outer_log = []
     with diloco:
@@ -196,7 +197,7 @@ def _per_step(model, inner, schedule, sampler, cfg, arm: dict, seed: int) -> dic
     from edgc import EDGCConfig
     from edgc.state import EDGCState
 
-    state = EDGCState(None, EDGCConfig(**arm_config(arm, cfg.steps)), model=model)
+    state = EDGCState(None, EDGCConfig.from_dict(arm_config(arm, cfg.steps)), model=model)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     errors = []
     for step in range(cfg.steps):

@@ -47,11 +47,11 @@ def base_fields(steps: int) -> dict:
 def arms(
     budget: int, steps: int, signals: list[str], hand_set: list[str], change_cost: bool, rank_change: str | None = None
 ) -> dict[str, dict]:
-    """{arm name: EDGCConfig fields} at this budget; ``rank_change``: the rule of every arm that
-    does not set its own (None: EDGCConfig's default)."""
+    """{arm name: EDGCConfig fields (`EDGCConfig.from_dict`'s)} at this budget; ``rank_change``: the rule of
+    every arm that does not set its own (None: EDGCConfig's default)."""
     base = base_fields(steps)
     if rank_change is not None:
-        base["rank_change"] = rank_change
+        base["engine"] = {"rank_change": rank_change}
     n = compressed_steps(steps)
     start = steps - n
 
@@ -100,7 +100,7 @@ def arms(
                     "r_max": high,
                     "adaptive": False,
                     "rank_schedule": entries,
-                    "rank_change": mode,
+                    "engine": {"rank_change": mode},
                     "shadow_ranks": (low, high),
                 }
                 if period == 1:  # the compression cost is read off these: twins that are the never-changed run

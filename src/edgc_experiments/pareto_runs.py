@@ -28,7 +28,7 @@ def resolved_config(fields: dict) -> dict:
     instrument's own ``cold_start``). Run keys hold this, so a changed default is a different run."""
     from edgc import EDGCConfig
 
-    config = EDGCConfig(**compressor_fields(fields)).to_dict()
+    config = EDGCConfig.from_dict(compressor_fields(fields)).to_dict()
     if fields.get("cold_start"):
         config["cold_start"] = True
     if fields.get("shadow_ranks"):
@@ -47,16 +47,21 @@ def reusable_runs(folders: list[str], log=print) -> dict[str, dict]:
     """{run key: record} of the finished runs in earlier pareto folders (runs/*.json, or a results.json).
 
     Records whose key holds only an arm's explicit fields (written before keys held the resolved
-    config) are not reused: under which defaults they ran is not recorded."""
+    config) are not reused: under which defaults they ran is not recorded. A key whose config has the
+    engine's fields flat (written before they were nested) is read as its nested equal."""
+    from edgc.config import nested_config_dict
+
     found, older = {}, 0
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise common.CLIError(f"--reuse: {folder} is not a folder")
         for path in sorted(folder.glob("runs/*.json")):
             record = json.loads(path.read_text())
-            if "config" not in json.loads(record["key"]):
+            key = json.loads(record["key"])
+            if "config" not in key:
                 older += 1
                 continue
+            record["key"] = run_key(key["setting"], nested_config_dict(key["config"]), key["seed"])
             found[record["key"]] = record
         summary = folder / "results.json"
         if summary.is_file():  # a finished experiment: the keys follow from its setting, configs and seeds
@@ -67,7 +72,7 @@ def reusable_runs(folders: list[str], log=print) -> dict[str, dict]:
             for b, configs_b in data["configs"].items():
                 for name, config in configs_b.items():
                     for seed, result in data["runs"][b][name].items():
-                        key = run_key(data["setting"], config, int(seed))
+                        key = run_key(data["setting"], nested_config_dict(config), int(seed))
                         found.setdefault(key, {"key": key, "result": result})
     if older:
         log(f"  --reuse: {older} records from before run keys held the whole config are not reused")

@@ -89,7 +89,7 @@ def train_run(setting, config_fields: dict[str, Any], seed: int) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     seed_everything(cfg.seed + 1)
     cold_start = bool(config_fields.get("cold_start", False))
-    state = EDGCState(None, EDGCConfig(**compressor_fields(config_fields)), model=model)
+    state = EDGCState(None, EDGCConfig.from_dict(compressor_fields(config_fields)), model=model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shadows = (
         Shadows(state.compressor, config_fields["shadow_ranks"], config_fields.get("shadow_twin", "independent"))

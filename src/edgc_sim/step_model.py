@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edgc.config import nested_config_dict
 from edgc.sync.sync_methods import sync_method
 
 from . import collectives
@@ -48,10 +49,17 @@ def median_interval(
     return _quantile(medians, tail), _quantile(medians, 1 - tail)
 
 
+def _compression_rate(config: dict) -> float:
+    """The engine's ``min_compression_rate`` of a run's config.json (its ``edgc`` table, flat in a run
+    begun before the engine's fields were nested), 2.0 by default."""
+    edgc = nested_config_dict(config.get("edgc") or {})
+    return float((edgc.get("engine") or {}).get("min_compression_rate") or 2.0)
+
+
 def step_payloads(compressor: str, rank: int | None, config: dict, nbytes: float) -> list:
     """Bytes of each collective of one step (collectives.step_collectives for this run's model),
     rescaled to the measured `nbytes` per step."""
-    rate = float((config.get("edgc") or {}).get("min_compression_rate") or 2.0)
+    rate = _compression_rate(config)
     if compressor == "torch-powersgd":
         rate = 2.0  # PowerSGDState's default, which edgc_train keeps
     payloads = collectives.step_collectives(compressor, harness_model(config), rank, 4, rate)
@@ -60,7 +68,7 @@ def step_payloads(compressor: str, rank: int | None, config: dict, nbytes: float
 
 def payload_groups(compressor: str, rank: int | None, config: dict, nbytes: float) -> list:
     """`step_payloads` grouped per DDP bucket (collectives.bucket_collectives), same scaling."""
-    rate = float((config.get("edgc") or {}).get("min_compression_rate") or 2.0)
+    rate = _compression_rate(config)
     if compressor == "torch-powersgd":
         rate = 2.0
     groups = collectives.bucket_collectives(compressor, harness_model(config), rank, 4, rate)

@@ -19,7 +19,7 @@ from typing import Any
 
 from edgc_cli.errors import CLIError
 
-from .config import TrainConfig, field_help
+from .config import TrainConfig, field_help, merge_edgc
 
 # Flags that may be given with --resume (they do not change what is computed).
 RESUME_OK = {"progress", "tensorboard"}
@@ -95,16 +95,27 @@ def _convert(name: str, raw: str, annotation: str):
     return raw
 
 
-def _parse_edgc(items: list[str]) -> dict:
-    out = {}
+def parse_edgc_flags(items: list[str]) -> dict:
+    """``--edgc KEY=VALUE`` flags as an EDGCConfig table: ``engine.FIELD`` keys (the engine's, as
+    torchtitan's ``--edgc.engine.FIELD``) in its ``engine`` table."""
+    from edgc.config import ENGINE_FIELDS
+
+    out: dict = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise CLIError(f"--edgc: expected KEY=VALUE, got {item!r}")
+        if key in ENGINE_FIELDS:
+            raise CLIError(f"--edgc {key}: it is an engine field, --edgc engine.{key}={value}")
         try:
-            out[key.strip()] = json.loads(value)
+            value = json.loads(value)
         except ValueError:
-            out[key.strip()] = value  # bare strings such as rank_mapping=cqm
+            pass  # bare strings such as rank_mapping=cqm
+        table, _, name = key.rpartition(".")
+        if table not in ("", "engine"):
+            raise CLIError(f"--edgc {key}: EDGCConfig has no table {table!r} (only engine.FIELD)")
+        out = merge_edgc(out, {"engine": {name: value}} if table else {name: value})
     return out
 
 
@@ -116,7 +127,7 @@ def flag_values(args: argparse.Namespace) -> dict:
             continue
         raw = getattr(args, f.name)
         if f.name == "edgc":
-            values["edgc"] = _parse_edgc(raw)
+            values["edgc"] = parse_edgc_flags(raw)
         elif isinstance(raw, bool):
             values[f.name] = raw
         else:
@@ -147,6 +158,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
     if auto_resume and args.out is not None and Path(args.out).exists():
         return _restart(args, flags, world_size, stop_at)
     if args.resume is not None:
+        from edgc.config import dotted_fields, nested_config_dict
+
         from . import checkpoint as ckpt  # (imported here: torch takes seconds, a new run's checks need none)
         from .run_folder import config_from_run
 
@@ -170,18 +183,15 @@ def resolve(args: argparse.Namespace, world_size: int) -> tuple[TrainConfig, Pat
             raise CLIError(f"--resume: {run_dir} has no checkpoint to resume from")
         trainer = _verified_trainer(latest, world_size, "--resume")
         saved = {k: v for k, v in trainer.get("config", {}).items() if k not in RESUME_OK}
+        saved["edgc"] = nested_config_dict(saved.get("edgc") or {})  # flat in a run begun before engine.FIELD
         now = {k: v for k, v in cfg.to_dict().items() if k not in RESUME_OK}
         if saved != now:
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             raise CLIError(f"--resume: {latest / 'trainer.json'} does not match config.json ({', '.join(diff)})")
-        saved_edgc = json.loads((run_dir / "config.json").read_text()).get("edgc")
-        now_edgc = cfg.edgc_config.to_dict() if cfg.edgc_config is not None else None
+        saved_edgc = dotted_fields(json.loads((run_dir / "config.json").read_text()).get("edgc") or {})
+        now_edgc = dotted_fields(cfg.edgc_config.to_dict()) if cfg.edgc_config is not None else {}
         if saved_edgc != now_edgc:  # e.g. the run-length scaling rules changed since the run started
-            diff = sorted(
-                k
-                for k in set(saved_edgc or {}) | set(now_edgc or {})
-                if (saved_edgc or {}).get(k) != (now_edgc or {}).get(k)
-            )
+            diff = sorted(k for k in saved_edgc.keys() | now_edgc.keys() if saved_edgc.get(k) != now_edgc.get(k))
             raise CLIError(f"--resume: the EDGC config derived now differs from config.json ({', '.join(diff)})")
         if trainer["step"] >= cfg.steps:
             raise CLIError(f"--resume: {run_dir} already finished all {cfg.steps} steps")
@@ -251,7 +261,7 @@ def _fresh_config(args: argparse.Namespace, flags: dict) -> TrainConfig:
         if not isinstance(file_edgc, dict):
             raise ValueError("edgc: must be a table of EDGCConfig fields")
         values.update({k: v for k, v in flags.items() if k != "edgc"})
-        values["edgc"] = {**file_edgc, **flags.get("edgc", {})}
+        values["edgc"] = merge_edgc(file_edgc, flags.get("edgc", {}))
         return TrainConfig.from_dict(values)
     except (ValueError, TypeError) as exc:
         raise CLIError(str(exc)) from None

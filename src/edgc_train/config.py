@@ -4,8 +4,9 @@ Sources, later ones winning: the defaults below, a JSON or TOML file (``--config
 the field names), then command-line flags (``--micro-batch 4`` sets ``micro_batch``). Each field's
 docstring is its ``--help`` line: meaning, unit and allowed range.
 
-EDGC knobs that depend on the run length are filled in unless given explicitly (``--edgc key=value``
-/ an ``"edgc": {...}`` table in the file), see ``scaled_edgc_defaults``; the resulting `EDGCConfig`
+EDGC knobs that depend on the run length are filled in unless given explicitly (``--edgc key=value``,
+the engine's ``--edgc engine.key=value`` / an ``"edgc": {...}`` table in the file, the engine's in its
+``"engine"`` table), see ``scaled_edgc_defaults``; the resulting `EDGCConfig`
 is resolved once, when the TrainConfig is built (``edgc_config``). A TrainConfig is frozen: a changed
 run is a new one (``dataclasses.replace``), which resolves its own.
 """
@@ -107,7 +108,7 @@ class TrainConfig:
     """Fraction of gradient elements sent by topk and randomk. In (0, 1]."""
 
     edgc: dict = field(default_factory=dict)
-    """EDGCConfig fields to set explicitly (compressor edgc/powersgd), e.g. {"r_max": 16}."""
+    """EDGCConfig fields to set explicitly (compressor edgc/powersgd), e.g. {"r_max": 16, "engine": {"seed": 1}}."""
 
     # ---- pipeline parallelism
     pp: int = 1
@@ -224,8 +225,8 @@ class TrainConfig:
                     "(a static rank: use --powersgd-rank)"
                 )
             values = {"total_steps": self.steps, "warmup_fraction": values["warmup_fraction"]}
-            return EDGCConfig.static(self.powersgd_rank, **{**values, **self.edgc})
-        return EDGCConfig.from_dict({**values, **self.edgc})
+            values = EDGCConfig.static(self.powersgd_rank, **values).to_dict()
+        return EDGCConfig.from_dict(merge_edgc(values, self.edgc))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -237,6 +238,17 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+def merge_edgc(*tables: dict) -> dict:
+    """EDGCConfig tables (a file's ``edgc``, the ``--edgc`` flags'), later ones winning, field by field in
+    their ``engine`` tables too."""
+    merged: dict = {}
+    for table in tables:
+        if isinstance(merged.get("engine"), dict) and isinstance(table.get("engine"), dict):
+            table = {**table, "engine": {**merged["engine"], **table["engine"]}}
+        merged.update(table)
+    return merged
 
 
 def scaled_edgc_defaults(steps: int) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from edgc.config import nested_config_dict
+
 from . import checkpoint as ckpt
 from .config import TrainConfig
 
@@ -150,7 +152,7 @@ def config_from_run(run_dir: Path) -> TrainConfig:
     """Rebuild the TrainConfig of an existing run from its ``config.json``."""
     values = json.loads((run_dir / "config.json").read_text())
     fields = set(TrainConfig.__dataclass_fields__)
-    values["edgc"] = values.get("edgc_overrides") or {}
+    values["edgc"] = nested_config_dict(values.get("edgc_overrides") or {})  # flat before engine.FIELD
     return TrainConfig.from_dict({k: v for k, v in values.items() if k in fields})
 
 

@@ -15,12 +15,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import AllReduceState, EDGCConfig, EDGCState, LowRankConfig, edgc_hook
+from edgc.config import dotted_fields
 from edgc.distributed.agreement import SettingsDiffer
 from edgc.integrations.diloco import DiLoCo
 from edgc.sync.sync_methods import sync_method, sync_method_names
 
 BASE = dict(r_max=8, r_min=2, total_steps=100)
-# field → another valid value beside BASE (and the defaults)
+# field (the engine's: engine.NAME) → another valid value beside BASE (and the defaults)
 ALTERNATIVES = {
     "r_max": 16,
     "r_min": 4,
@@ -51,15 +52,15 @@ ALTERNATIVES = {
     "rank_schedule": ((0, 4),),
     "rank_split": "tokens",
     "fusion_mb": 1.0,
-    "min_compression_rate": 1.0,
-    "error_feedback": False,
-    "error_feedback_dtype": "gradient",
-    "communication_dtype": "bfloat16",
-    "orthogonalization_epsilon": 1e-10,
-    "orthonormalization": "cholesky2-fp64",
-    "seed": 715,
-    "rank_change": "truncate",
-    "cuda_graphs": True,
+    "engine.min_compression_rate": 1.0,
+    "engine.error_feedback": False,
+    "engine.error_feedback_dtype": "gradient",
+    "engine.communication_dtype": "bfloat16",
+    "engine.orthogonalization_epsilon": 1e-10,
+    "engine.orthonormalization": "cholesky2-fp64",
+    "engine.seed": 715,
+    "engine.rank_change": "truncate",
+    "engine.cuda_graphs": True,
 }
 # a registered sync method's class → its constructor's arguments, each with two valid values (rank 1
 # takes the one its name does not fix, or the first: so the first must differ from the default)
@@ -125,12 +126,18 @@ def plain(rank: int, module: nn.Module, state) -> dict:
     return refused(module, state, lambda: state.synchronize(module.named_parameters()))
 
 
+def config_with(field: str, value) -> EDGCConfig:
+    """BASE with ``field`` (``engine.NAME``: the engine's) set to ``value``."""
+    table, _, name = field.rpartition(".")
+    return EDGCConfig(**BASE, engine=LowRankConfig(**{name: value})) if table else EDGCConfig(**{**BASE, field: value})
+
+
 def config_fields(rank: int) -> dict:
     module = mlp()
     backward(module, rank)
     out = {}
     for field, other in ALTERNATIVES.items():
-        config = EDGCConfig(**{**BASE, **({field: other} if rank == 1 else {})})
+        config = config_with(field, other) if rank == 1 else EDGCConfig(**BASE)
         out[field] = plain(rank, module, EDGCState(None, config, model=module))
     engine = LowRankConfig(force_accelerator_kernels=rank == 1)  # "auto" resolves to an accelerator's method
     state = EDGCState(None, EDGCConfig(**BASE, engine=engine), model=module)
@@ -213,7 +220,7 @@ def one_line_on_both(lines: list[str], *words: str) -> None:
 
 
 def test_the_table_holds_every_config_field_and_every_methods_argument():
-    assert set(ALTERNATIVES) == set(EDGCConfig().to_dict())
+    assert set(ALTERNATIVES) == set(dotted_fields(EDGCConfig().to_dict()))
     for name in sync_method_names():
         reducer = sync_method(name).reducer
         arguments = set(inspect.signature(reducer).parameters) - {"process_group", "model"}
@@ -223,8 +230,8 @@ def test_the_table_holds_every_config_field_and_every_methods_argument():
 @pytest.mark.parametrize("field", sorted(ALTERNATIVES))
 def test_every_config_field_that_differs_is_refused_before_anything_is_sent(results, field):
     got = [out["config"][field] for out in results]
-    base = EDGCConfig(**BASE).to_dict()[field]
-    other = EDGCConfig(**{**BASE, field: ALTERNATIVES[field]}).to_dict()[field]
+    base = dotted_fields(EDGCConfig(**BASE).to_dict())[field]
+    other = dotted_fields(config_with(field, ALTERNATIVES[field]).to_dict())[field]
     one_line_on_both(
         [g["line"] for g in got], f"setting EDGCConfig.{field} differs", f"{base!r} on rank 0", f"{other!r} on rank 1"
     )

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ddp import resume_worker, training_worker
 
-from edgc import EDGCConfig, LowRankCompressor
+from edgc import EDGCConfig, LowRankCompressor, LowRankConfig
 from edgc.control.budget import budget_target, nearest_rank, rank_grid, spent_rank_steps
 from edgc.control.rank_control import WindowController
 from edgc.distributed.comm import Communicator
@@ -129,7 +129,7 @@ def low_rank_matrix(m, n, spectrum, seed):
 
 
 def test_a_falling_rank_keeps_the_highest_energy_directions():
-    compressor = LowRankCompressor(EDGCConfig(r_max=6, min_compression_rate=0.0))
+    compressor = LowRankCompressor(EDGCConfig(r_max=6, engine=LowRankConfig(min_compression_rate=0.0)))
     comm = Communicator()
     grad = low_rank_matrix(40, 30, [1.0, 2.0, 0.5, 8.0, 4.0, 0.1], seed=1)  # energy not in column order
     for _ in range(3):  # warm the power iteration up at rank 6
@@ -156,7 +156,9 @@ def test_a_falling_rank_keeps_the_highest_energy_directions():
 def growing_worker(rank, world_size, mode):
     """Rank 2 for three steps, then 4: per process, the residual directions and EF conservation.
     On a wide matrix (the falling-rank test has a tall one): Q sits on its longer side."""
-    compressor = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0, rank_change=mode))
+    compressor = LowRankCompressor(
+        EDGCConfig(r_max=4, engine=LowRankConfig(min_compression_rate=0.0, rank_change=mode))
+    )
     comm = Communicator()
     records = []
     residual = torch.zeros(30, 40, dtype=torch.float64)
@@ -203,8 +205,8 @@ BUDGET = dict(
     warmup_error_test=False,
     iteration_sample_ratio=1.0,
     gradient_sample_ratio=0.5,
-    min_compression_rate=1.0,
     entropy_significance=0.0,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )
 
 

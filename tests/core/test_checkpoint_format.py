@@ -4,6 +4,7 @@ moved loads after it (the modules beneath `edgc` are internal and may move: CHAN
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import pickletools
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgc import EDGCConfig, EDGCState
+from edgc import EDGCConfig, EDGCState, LowRankConfig
 from edgc.integrations.diloco import DiLoCo
 from edgc.sync.sync_methods import sync_method, sync_method_names
 
@@ -89,3 +90,20 @@ def test_diloco_after_outer_steps():
             inner.step()
             inner.zero_grad()
     assert_plain(diloco.state_dict())
+
+
+def test_a_checkpoint_whose_config_has_the_engine_fields_flat_loads_as_saved():
+    config = EDGCConfig(r_max=2, window=2, total_steps=8, warmup_fraction=0.0, warmup_error_test=False)
+    net = model()
+    saved = trained(EDGCState(None, config, model=net), net).state_dict()
+    nested = saved["config"]
+    flat = {**{k: v for k, v in nested.items() if k != "engine"}, **nested["engine"]}  # what earlier versions saved
+    fresh = EDGCState(None, config, model=model())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fresh.load_state_dict({**saved, "config": flat})
+    assert not [str(w.message) for w in said if "different config" in str(w.message)]
+    assert equal(fresh.state_dict(), saved)
+    other = EDGCState(None, dataclasses.replace(config, engine=LowRankConfig(seed=1)), model=model())
+    with pytest.warns(UserWarning, match=r"different config fields \['engine.seed'\]"):
+        other.load_state_dict({**saved, "config": flat})

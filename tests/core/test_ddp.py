@@ -9,7 +9,7 @@ from distributed_harness import run_distributed
 from models import TinyTransformer, batch, flat_parameters, loss_fn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig, edgc_hook
 from edgc.distributed.comm import Communicator
 
 # The CQM mapping on the Gaussian entropy moves the rank within a few windows on this toy run,
@@ -24,11 +24,11 @@ ADAPTIVE = dict(
     warmup_error_test=False,
     iteration_sample_ratio=1.0,
     gradient_sample_ratio=0.5,
-    min_compression_rate=1.0,
     rank_mapping="cqm",
     entropy_estimator="gaussian",
     cqm_mc_samples=1,
     entropy_significance=0.0,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )  # no noise gate: the rank must move within a few windows here
 
 

@@ -1,4 +1,4 @@
-"""The engine's stretches as graph regions (`edgc.engine.stretches`, `EDGCConfig.cuda_graphs`): what a graph
+"""The engine's stretches as graph regions (`edgc.engine.stretches`, `EDGCConfig.engine.cuda_graphs`): what a graph
 would replay is what the stretch computes eagerly, step after step, because every stretch reads and writes
 the same buffers at every call. The CPU cannot capture: a stand-in capture keeps the stretch's work and
 each replay runs it again on the buffers of the call it was captured in, as a CUDA graph's kernels run on

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgc import EDGCConfig, EDGCState
+from edgc import EDGCConfig, EDGCState, LowRankConfig
 from edgc.control.events import GROUP_RANK_ZERO, LOGGER
 from edgc.control.profiling import describe_profiling_verdict
 
@@ -59,7 +59,14 @@ def test_warmup_end_and_each_decision_are_one_line_each_with_their_data(caplog_e
 
 
 def test_the_warmup_end_says_whether_cuda_graphs_are_on(caplog_edgc):
-    config = EDGCConfig(r_max=4, window=3, total_steps=30, warmup_error_test=False, adaptive=False, cuda_graphs=True)
+    config = EDGCConfig(
+        r_max=4,
+        window=3,
+        total_steps=30,
+        warmup_error_test=False,
+        adaptive=False,
+        engine=LowRankConfig(cuda_graphs=True),
+    )
     run(config, config.warmup_floor() + 1)
     [warmup] = said(caplog_edgc, "warmup_over")
     assert warmup.edgc["cuda_graphs"] is True and "CUDA graphs on" in warmup.getMessage()

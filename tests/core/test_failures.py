@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from models import TinyTransformer, batch, flat_parameters, loss_fn
 from test_ddp import ADAPTIVE, build, train
 
-from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 
 # ---------------------------------------------------------------------------- non-finite gradients
 
@@ -130,7 +130,7 @@ def test_a_dead_peer_makes_the_survivor_fail_quickly_instead_of_hanging():
 def small_state(steps=6, world_size_override=None):
     torch.manual_seed(0)
     model = TinyTransformer(vocab=32, width=16, layers=1, heads=2, seq_len=8)
-    state = EDGCState(None, EDGCConfig(**dict(ADAPTIVE, min_compression_rate=0.5)), model=model)
+    state = EDGCState(None, EDGCConfig(**dict(ADAPTIVE, engine=LowRankConfig(min_compression_rate=0.5))), model=model)
     for step in range(steps):
         tokens, targets = batch(0, step, vocab=32, seq_len=8)
         model.zero_grad()
@@ -145,7 +145,7 @@ def small_state(steps=6, world_size_override=None):
 def test_resume_on_another_world_size_resets_only_error_feedback():
     model, saved = small_state(world_size_override=2)
     assert saved["compressor"]["error"]
-    fresh = EDGCState(None, EDGCConfig(**dict(ADAPTIVE, min_compression_rate=0.5)), model=model)
+    fresh = EDGCState(None, EDGCConfig(**dict(ADAPTIVE, engine=LowRankConfig(min_compression_rate=0.5))), model=model)
     with pytest.warns(UserWarning, match="world size changed from 2 to 1"):
         fresh.load_state_dict(saved)
     assert fresh.compressor.error == {}
@@ -176,7 +176,7 @@ def test_corrupt_or_mismatched_state_is_rejected_and_changes_nothing(corrupt):
         saved["compressor"]["error"][name] = torch.zeros(3, 3)
     else:
         saved["compressor"]["q"]["no.such.param"] = torch.zeros(4, 2)
-    fresh = EDGCState(None, EDGCConfig(**dict(ADAPTIVE, min_compression_rate=0.5)), model=model)
+    fresh = EDGCState(None, EDGCConfig(**dict(ADAPTIVE, engine=LowRankConfig(min_compression_rate=0.5))), model=model)
     before = fresh.state_dict()
     with pytest.raises(ValueError, match="EDGC state"):
         fresh.load_state_dict(saved)
@@ -225,7 +225,7 @@ def test_a_pickled_state_refuses_to_step_and_names_the_way_that_resumes_exactly(
 def test_a_state_that_cannot_name_parameters_warns_once():
     torch.manual_seed(0)
     model = TinyTransformer(vocab=32, width=16, layers=1, heads=2, seq_len=8)
-    config = EDGCConfig(**dict(ADAPTIVE, min_compression_rate=0.5))
+    config = EDGCConfig(**dict(ADAPTIVE, engine=LowRankConfig(min_compression_rate=0.5)))
     for state, expected in ((EDGCState(None, config), 1), (EDGCState(None, config, model=model), 0)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -277,7 +277,7 @@ def half_wire_overflow_worker(rank, world_size):
     grad = torch.full((1024, 1024), 4000.0, dtype=torch.float16)
     stats = compressor.reduce(["w"], [grad], 4, Communicator())
     # fp32 gradients beyond the fp16 range on an fp16 wire: the factors cannot fit.
-    wire = LowRankCompressor(EDGCConfig(r_max=4, communication_dtype="float16"))
+    wire = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(communication_dtype="float16")))
     overflow = torch.full((64, 64), 1e6)
     overflow_stats = wire.reduce(["w"], [overflow], 4, Communicator())
     return (

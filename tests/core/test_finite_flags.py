@@ -12,7 +12,7 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 from edgc.device.finite import all_finite
 
 LOSS_SCALE = 2.0**16  # GradScaler's initial scale
@@ -27,7 +27,11 @@ def scaled_fp16_step_worker(rank, world_size, min_compression_rate, poison):
     model = nn.Linear(WIDTH, WIDTH).half()
     ddp = DDP(model)
     config = EDGCConfig(
-        r_max=4, adaptive=False, min_warmup_steps=0, warmup_error_test=False, min_compression_rate=min_compression_rate
+        r_max=4,
+        adaptive=False,
+        min_warmup_steps=0,
+        warmup_error_test=False,
+        engine=LowRankConfig(min_compression_rate=min_compression_rate),
     )
     state = EDGCState(None, config, model=ddp)
     ddp.register_comm_hook(state, edgc_hook)

@@ -13,7 +13,7 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from edgc import AllReduceState, EDGCConfig, EDGCState
+from edgc import AllReduceState, EDGCConfig, EDGCState, LowRankConfig
 from edgc.parallel.fsdp import hsdp_mesh, register_fsdp_comm_hook
 
 VOCAB, WIDTH, SEQ = 64, 32, 8
@@ -28,10 +28,10 @@ COMPRESS = dict(
     warmup_error_test=False,
     iteration_sample_ratio=1.0,
     gradient_sample_ratio=0.5,
-    min_compression_rate=1.0,
     rank_mapping="cqm",
     entropy_estimator="gaussian",
     cqm_mc_samples=1,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )
 
 

@@ -14,7 +14,7 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 from edgc.sync.gradients import HandedGradients
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,7 +95,7 @@ def averaged(kind: str, path: str, rank: int, steps: int, config: EDGCConfig) ->
 def worker(rank: int, world_size: int) -> dict:
     out = {}
     warmup = EDGCConfig.static(2, min_warmup_steps=10)
-    compressing = EDGCConfig.static(2, min_warmup_steps=1, min_compression_rate=0.0)
+    compressing = EDGCConfig.static(2, min_warmup_steps=1, engine=LowRankConfig(min_compression_rate=0.0))
     for kind in KINDS:
         for path in PATHS:
             out[kind, path] = {**averaged(kind, path, rank, 2, warmup), "mean": group_mean(kind, world_size, 1)}

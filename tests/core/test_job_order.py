@@ -13,15 +13,12 @@ from test_ddp import build
 from test_fsdp import COMPRESS, VOCAB
 from test_fsdp import batch as fsdp_batch
 from test_fsdp import build as fsdp_build
+from test_overlap import STATIC
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from edgc import EDGCConfig, EDGCState
 from edgc.parallel.fsdp import hsdp_mesh
-
-STATIC = dict(
-    r_max=4, r_min=4, adaptive=False, warmup_error_test=False, min_warmup_steps=2, window=1000, min_compression_rate=1.0
-)
 
 
 def logging_jobs(state) -> list[list[tuple[str, int]]]:

@@ -89,7 +89,7 @@ def test_batched_engine_computes_per_matrix_powersgd_on_tall_and_wide_matrices()
 
 def test_a_step_without_gradient_does_not_stall_the_power_iteration():
     # A zero gradient leaves Q = Mᵀ·P = 0, and a zero Q would stay zero for ever; its rows restart.
-    compressor = LowRankCompressor(EDGCConfig(r_max=4, error_feedback=False))
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(error_feedback=False)))
     low_rank = torch.randn(24, 2, dtype=torch.float64) @ torch.randn(2, 80, dtype=torch.float64)
     for grad, expected in (
         (torch.zeros(24, 80, dtype=torch.float64), torch.zeros(24, 80, dtype=torch.float64)),
@@ -101,7 +101,9 @@ def test_a_step_without_gradient_does_not_stall_the_power_iteration():
 
 
 def test_rank_at_least_min_dimension_is_lossless():
-    compressor = LowRankCompressor(EDGCConfig(r_max=64, min_compression_rate=0.0, error_feedback=False))
+    compressor = LowRankCompressor(
+        EDGCConfig(r_max=64, engine=LowRankConfig(min_compression_rate=0.0, error_feedback=False))
+    )
     grads = make_grads(7, dtype=torch.float32)
     originals = {n: g.clone() for n, g in grads.items()}
     stats = compressor.reduce(list(grads), list(grads.values()), 64, Communicator())
@@ -201,7 +203,7 @@ class FlatBlock:
 
 
 def test_q_resize_truncates_or_extends_identically_everywhere():
-    a, b = LowRankCompressor(EDGCConfig(seed=3)), LowRankCompressor(EDGCConfig(seed=3))
+    a, b = LowRankCompressor(LowRankConfig(seed=3)), LowRankCompressor(LowRankConfig(seed=3))
     q8 = a.state.resized_q("w", 20, 8, torch.device("cpu"))
     torch.testing.assert_close(q8, b.state.resized_q("w", 20, 8, torch.device("cpu")), rtol=0, atol=0)
     a.q["w"] = q8
@@ -210,7 +212,9 @@ def test_q_resize_truncates_or_extends_identically_everywhere():
     torch.testing.assert_close(grown[:, :8], q8, rtol=0, atol=0)
     b.q["w"] = q8.clone()
     torch.testing.assert_close(grown, b.state.resized_q("w", 20, 12, torch.device("cpu")), rtol=0, atol=0)
-    assert not torch.equal(LowRankCompressor(EDGCConfig(seed=4)).state.resized_q("w", 20, 8, torch.device("cpu")), q8)
+    assert not torch.equal(
+        LowRankCompressor(LowRankConfig(seed=4)).state.resized_q("w", 20, 8, torch.device("cpu")), q8
+    )
 
 
 def test_half_precision_gradients_keep_fp32_state():
@@ -251,7 +255,7 @@ def test_non_finite_gradient_gives_nan_averages_keeps_q_and_clears_error_feedbac
 
 
 def test_matrix_that_turns_raw_after_a_rank_change_flushes_its_residual():
-    compressor = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=1.0))
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(min_compression_rate=1.0)))
     grads = make_grads(4)
     compressor.reduce(list(grads), list(grads.values()), 4, Communicator())
     residual = compressor.error["conv.weight"].clone()
@@ -274,7 +278,7 @@ def test_a_rank_fall_is_one_batched_eigendecomposition_not_one_per_matrix():
             self.calls += func.overloadpacket.__name__.startswith("_linalg_eigh")
             return func(*args, **(kwargs or {}))
 
-    compressor = LowRankCompressor(EDGCConfig(r_max=8, min_compression_rate=1.0))
+    compressor = LowRankCompressor(EDGCConfig(r_max=8, engine=LowRankConfig(min_compression_rate=1.0)))
     generator = torch.Generator().manual_seed(0)
     names = [f"w{k}" for k in range(6)]
     shapes = [(48, 32), (48, 32), (32, 48), (64, 24), (64, 24), (40, 40)]

@@ -11,7 +11,7 @@ from distributed_harness import run_distributed
 from test_lowrank import FlatBlock, ill_conditioned_rows, make_grads
 
 import edgc.engine.orthonormal_choice as orthonormal_choice
-from edgc import EDGCConfig, EDGCState, LowRankCompressor
+from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig
 from edgc.distributed.comm import Communicator
 from edgc.engine.factors import ORTHONORMALIZATIONS, orthonormalize_blocks_
 from edgc.engine.orthonormal_choice import orthonormalization_for
@@ -125,7 +125,7 @@ def test_a_failed_factorisation_leaves_its_rows_nan(monkeypatch, method):
 
 
 def test_a_failed_orthonormalisation_of_p_makes_the_step_non_finite(monkeypatch):
-    compressor = LowRankCompressor(EDGCConfig(r_max=4, orthonormalization="cholesky2-fp64"))
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(orthonormalization="cholesky2-fp64")))
     compressor.reduce(*_step(0), 4, Communicator())
     q_before = {name: q.clone() for name, q in compressor.q.items()}
     names, grads = _step(1)
@@ -147,7 +147,7 @@ def test_a_failed_orthonormalisation_of_the_warm_start_restarts_it(monkeypatch):
     """Q's warm start does not depend on the step's gradient: were its failure poison, every step
     after it would fail the same way. Rows that come out of a failed factor not finite restart from
     the seeded replacement rows instead."""
-    compressor = LowRankCompressor(EDGCConfig(r_max=4, orthonormalization="cholesky2-fp64"))
+    compressor = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(orthonormalization="cholesky2-fp64")))
     compressor.reduce(*_step(0), 4, Communicator())
     names, grads = _step(1)
     real = torch.linalg.cholesky_ex
@@ -179,7 +179,7 @@ def test_every_method_gives_the_cpus_averages_and_error_feedback(method):
     """Householder (the CPU's) against each Cholesky method over steps: P's column signs may differ,
     P·Qᵀ and the error feedback may not."""
     cpu = LowRankCompressor(EDGCConfig(r_max=4))
-    other = LowRankCompressor(EDGCConfig(r_max=4, orthonormalization=method))
+    other = LowRankCompressor(EDGCConfig(r_max=4, engine=LowRankConfig(orthonormalization=method)))
     for step in range(4):
         names, grads = _step(step)
         on_cpu, on_other = [g.clone() for g in grads], [g.clone() for g in grads]

@@ -9,7 +9,7 @@ from test_ddp import ADAPTIVE, build, train
 from torch.overrides import TorchFunctionMode
 
 import edgc.device.timing
-from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig, edgc_hook
 from edgc.distributed.comm import Communicator
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
@@ -26,6 +26,18 @@ class CountHostReads(TorchFunctionMode):
         if getattr(func, "__name__", "") in HOST_READS:
             self.reads += 1
         return func(*args, **(kwargs or {}))
+
+
+# static rank 4 from step 2, every matrix compressed
+STATIC = dict(
+    r_max=4,
+    r_min=4,
+    adaptive=False,
+    warmup_error_test=False,
+    min_warmup_steps=2,
+    window=1000,
+    engine=LowRankConfig(min_compression_rate=1.0),
+)
 
 
 def many_buckets_worker(rank, world_size, bucket_cap_mb, steps):
@@ -55,17 +67,8 @@ def test_small_buckets_keep_replicas_identical_and_every_rank_on_the_same_ranks(
 
 
 def overlap_worker(rank, world_size, steps, read_metrics=True):
-    static = dict(
-        r_max=4,
-        r_min=4,
-        adaptive=False,
-        warmup_error_test=False,
-        min_warmup_steps=2,
-        window=1000,
-        min_compression_rate=1.0,
-    )
     model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.05)
-    state = EDGCState(None, EDGCConfig(**static), model=ddp)
+    state = EDGCState(None, EDGCConfig(**STATIC), model=ddp)
     done_at_return: list[list[bool]] = []
     reads: list[int] = []
     syncs: list[int] = []
@@ -145,7 +148,7 @@ def test_a_loop_that_reads_no_metrics_reads_each_step_once_one_step_late():
 
 def test_a_layer_without_gradient_recovers_at_low_rank():
     """Review defect: M = 0 made Q = 0, and Gram–Schmidt (rank ≤ 2) kept it 0 for ever."""
-    compressor = LowRankCompressor(EDGCConfig(r_max=2, min_compression_rate=1.0))
+    compressor = LowRankCompressor(EDGCConfig(r_max=2, engine=LowRankConfig(min_compression_rate=1.0)))
     generator = torch.Generator().manual_seed(0)
     gradients = [torch.randn(32, 24, generator=generator, dtype=torch.float64) for _ in range(8)]
     gradients[1] = torch.zeros(32, 24, dtype=torch.float64)  # no gradient this step
@@ -167,7 +170,7 @@ def test_profiling_frees_its_q_factors_when_it_ends():
         profile_steps_per_rank=1,
         window=2,
         warmup_error_test=False,
-        min_compression_rate=1.0,
+        engine=LowRankConfig(min_compression_rate=1.0),
     )
     state = EDGCState(None, config)
     layer = torch.nn.Linear(32, 32)
@@ -180,17 +183,8 @@ def test_profiling_frees_its_q_factors_when_it_ends():
 
 
 def raw_bias_inf_worker(rank, world_size):
-    config = dict(
-        r_max=4,
-        r_min=4,
-        adaptive=False,
-        warmup_error_test=False,
-        min_warmup_steps=2,
-        window=1000,
-        min_compression_rate=1.0,
-    )
     model, ddp, _, optimizer, calls = build(None, bucket_cap_mb=0.0005)  # one parameter per bucket
-    state = EDGCState(None, EDGCConfig(**config), model=ddp)
+    state = EDGCState(None, EDGCConfig(**STATIC), model=ddp)
     ddp.register_comm_hook(state, edgc_hook)
     bias = model.head.bias
     poison = {"step": None}

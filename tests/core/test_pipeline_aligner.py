@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from distributed_harness import run_distributed
 
-from edgc import EDGCConfig, EDGCState
+from edgc import EDGCConfig, EDGCState, LowRankConfig
 from edgc.parallel.pipeline import StageAligner
 from edgc_probes.stream_check import StreamChecker
 
@@ -22,10 +22,10 @@ CONFIG = dict(
     profile_max_rank=8,
     profile_steps_per_rank=1,
     iteration_sample_ratio=1.0,
-    min_compression_rate=0.5,
     rank_mapping="cqm",
     entropy_estimator="gaussian",
     cqm_mc_samples=1,
+    engine=LowRankConfig(min_compression_rate=0.5),
 )
 
 

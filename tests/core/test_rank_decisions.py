@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributed_harness import run_distributed
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, LowRankConfig
 from edgc.control.entropy import gaussian_entropy
 from edgc.control.rank_control import WindowController
 from edgc.policies.plans import COMPRESS, Agreed, DecisionInputs
@@ -143,7 +143,7 @@ def cqm_worker(rank, world_size, steps):
         warmup_error_test=False,
         min_warmup_steps=0,
         cqm_mc_samples=1,
-        min_compression_rate=1.0,
+        engine=LowRankConfig(min_compression_rate=1.0),
     )
     state = EDGCState(None, cfg, model=model)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank sees its own noise

@@ -18,10 +18,17 @@ from test_ddp import ADAPTIVE
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
 
 ONE_PER_PARAMETER, ONE_FOR_ALL = 1e-6, 1000.0  # bucket_cap_mb
-SKINNY = dict(r_max=2, r_min=2, adaptive=False, warmup_error_test=False, min_warmup_steps=2, min_compression_rate=1.0)
+SKINNY = dict(
+    r_max=2,
+    r_min=2,
+    adaptive=False,
+    warmup_error_test=False,
+    min_warmup_steps=2,
+    engine=LowRankConfig(min_compression_rate=1.0),
+)
 
 
 class Skinny(nn.Module):

@@ -12,6 +12,7 @@ outer syncs in tests/integrations/test_diloco_stream_races.py.
 
 import io
 import types
+from dataclasses import replace
 
 import torch
 from distributed_harness import run_distributed
@@ -32,13 +33,17 @@ from edgc_probes.stream_check import StreamChecker
 
 # r_max profiled (ranks 8, 4, 2 and the plain sync), then adaptive ranks on an fp16 wire.
 PROFILED = {key: value for key, value in ADAPTIVE.items() if key not in ("r_max", "r_min")} | dict(
-    iteration_sample_ratio=0.5, profile_max_rank=8, profile_steps_per_rank=1, communication_dtype="float16"
+    iteration_sample_ratio=0.5,
+    profile_max_rank=8,
+    profile_steps_per_rank=1,
+    engine=LowRankConfig(communication_dtype="float16"),
 )
 
 
 def on_accelerator_kernels(**fields) -> EDGCConfig:
     """The config of ``fields`` whose engine (and its shadow syncs') runs the accelerator's kernels."""
-    return EDGCConfig(**fields, engine=LowRankConfig(force_accelerator_kernels=True))
+    config = EDGCConfig(**fields)
+    return replace(config, engine=replace(config.engine, force_accelerator_kernels=True))
 
 
 def findings(checker: StreamChecker, **out) -> dict:

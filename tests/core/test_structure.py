@@ -190,15 +190,17 @@ def test_no_file_is_longer_than_400_lines_but_the_named_library_ones():
     assert long == set(), "split it by meaning into modules of the same package"
 
 
-def test_each_setting_is_defined_once_and_flat_keywords_reach_the_nested_engine():
+def test_each_setting_is_defined_once_and_spelled_one_way_nested_in_its_engine():
     configs = [EDGCConfig, LowRankConfig]
     fields = [f.name for config in configs for f in dataclasses.fields(config)]
     assert sorted(name for name in set(fields) if fields.count(name) > 1) == []
     assert {f.name: f.type for f in dataclasses.fields(EDGCConfig)}["engine"] in (LowRankConfig, "LowRankConfig")
-    config = EDGCConfig(r_max=8, error_feedback=False, seed=3)  # the flat keywords users give
-    assert config.engine == LowRankConfig(error_feedback=False, seed=3)
-    assert (config.error_feedback, config.seed) == (False, 3)
-    assert EDGCConfig.from_dict(config.to_dict()) == config and "error_feedback" in config.to_dict()
+    config = EDGCConfig(r_max=8, engine=LowRankConfig(error_feedback=False, seed=3))
+    assert (config.engine.error_feedback, config.engine.seed) == (False, 3)
+    assert not hasattr(config, "error_feedback") and not hasattr(config, "seed")
+    with pytest.raises(TypeError, match="seed"):
+        EDGCConfig(seed=3)  # type: ignore[call-arg]
+    assert EDGCConfig.from_dict(config.to_dict()) == config and "error_feedback" in config.to_dict()["engine"]
 
 
 # The modules that may read another library's private members, one per library: each docstring names

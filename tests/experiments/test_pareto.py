@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, LowRankConfig
 from edgc.control.budget import spent_rank_steps
 from edgc.control.rank_control import WindowController
 from edgc.policies.plans import DecisionInputs
@@ -24,7 +24,7 @@ def test_every_arm_spends_the_budget_of_static(budget):
     assert plan["alt-warm"]["shadow_ranks"] == (budget // 2, budget + budget // 2)  # the alternation's two ranks
     assert plan["alt-warm"]["shadow_twin"] == "run" and "shadow_twin" not in plan["static"]  # static: independent
     for name, fields in plan.items():
-        controller = WindowController(EDGCConfig(**compressor_fields(fields)))
+        controller = WindowController(EDGCConfig.from_dict(compressor_fields(fields)))
         for step in range(400):  # no signal moves a hand-set or schedule run; gradnorm sees no series: need 0
             plan = controller.plan(step)
             if plan.decision:
@@ -136,7 +136,7 @@ def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_
     setting = vars(Setting(steps=400))
     explicit = {"r_max": 4, "r_min": 4, "adaptive": False}
     config = resolved_config(explicit)
-    assert config["rank_change"] == EDGCConfig().rank_change and config["r_max"] == 4  # defaults are in the key
+    assert config["engine"]["rank_change"] == EDGCConfig().engine.rank_change and config["r_max"] == 4  # defaults too
     assert resolved_config({**explicit, "cold_start": True}) == {**config, "cold_start": True}
     runs = tmp_path / "old" / "runs"
     runs.mkdir(parents=True)
@@ -150,9 +150,24 @@ def test_run_keys_hold_the_resolved_config_and_older_records_are_not_reused(tmp_
     assert said == ["  --reuse: 1 records from before run keys held the whole config are not reused"]
 
 
+def test_a_run_keyed_by_a_config_with_the_engine_fields_flat_is_reused_under_its_nested_key(tmp_path):
+    from edgc_experiments.common import Setting
+    from edgc_experiments.pareto_runs import resolved_config, reusable_runs, run_key
+
+    setting = vars(Setting(steps=400))
+    config = resolved_config({"r_max": 4, "r_min": 4, "adaptive": False, "cold_start": True})
+    flat = {**{k: v for k, v in config.items() if k != "engine"}, **config["engine"]}  # as earlier versions keyed it
+    runs = tmp_path / "old" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "flat.json").write_text(json.dumps({"key": run_key(setting, flat, 1), "result": {"val_loss": 5.0}}))
+    found = reusable_runs([str(tmp_path / "old")], [].append)
+    nested_key = run_key(setting, config, 1)
+    assert list(found) == [nested_key] and found[nested_key]["result"] == {"val_loss": 5.0}
+
+
 def test_rank_change_flag_sets_every_arm_but_the_alternations():
     plan = arms(4, 400, ["schedule"], ["hand-3"], True, rank_change="truncate")
-    assert {name: fields.get("rank_change") for name, fields in plan.items()} == {
+    assert {name: fields.get("engine", {}).get("rank_change") for name, fields in plan.items()} == {
         "static": "truncate",
         "budget-schedule": "truncate",
         "hand-3": "truncate",
@@ -162,7 +177,7 @@ def test_rank_change_flag_sets_every_arm_but_the_alternations():
         "alt3-warm": "warm",
         "alt3-truncate": "truncate",
     }
-    assert "rank_change" not in arms(4, 400, ["schedule"], [], False)["budget-schedule"]  # EDGCConfig's default
+    assert "engine" not in arms(4, 400, ["schedule"], [], False)["budget-schedule"]  # EDGCConfig's default
 
 
 # ---------------------------------------------------------------------------- cost of a change in compression error
@@ -235,7 +250,7 @@ def test_shadow_records_the_compressors_own_error_and_its_own_power_iteration():
     from edgc.engine.lowrank import LowRankCompressor
     from edgc_experiments.change_cost import Shadows
 
-    compressor, comm = LowRankCompressor(EDGCConfig(r_max=4, min_compression_rate=0.0)), Communicator()
+    compressor, comm = LowRankCompressor(LowRankConfig(min_compression_rate=0.0)), Communicator()
     shadows = Shadows(compressor, [2, 4], twin="run")
     independent = Shadows(compressor, [2], twin="independent")
     weight, bias = torch.nn.Parameter(torch.zeros(12, 9)), torch.nn.Parameter(torch.zeros(9))

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 from distributed_harness import run_distributed  # noqa: E402
 
 import edgc.device.timing  # noqa: E402
-from edgc import EDGCConfig, EDGCState, LowRankCompressor, edgc_hook  # noqa: E402
+from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig, edgc_hook  # noqa: E402
 from edgc.distributed.comm import Communicator  # noqa: E402
 
 DEVICE = os.environ.get("EDGC_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,11 +69,11 @@ ADAPTIVE = dict(
     warmup_error_test=False,
     iteration_sample_ratio=1.0,
     gradient_sample_ratio=0.5,
-    min_compression_rate=1.0,
     rank_mapping="cqm",
     entropy_estimator="gaussian",
     cqm_mc_samples=1,
     entropy_significance=0.0,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )
 SETTLE_STEPS = 2  # DDP rebuilds its buckets after the first iteration (with host reads of its own)
 STEPS = 14
@@ -166,7 +166,7 @@ SHAPES = {"a": (256, 512), "b": (256, 512), "conv": (64, 3, 3, 3), "bias": (512,
 def test_engine_conserves_error_feedback(dtype):
     torch.manual_seed(0)
     rank = 8
-    compressor = LowRankCompressor(EDGCConfig(r_max=rank, min_compression_rate=1.0))
+    compressor = LowRankCompressor(EDGCConfig(r_max=rank, engine=LowRankConfig(min_compression_rate=1.0)))
     before = {}
     for step in range(3):
         grads = [torch.randn(shape, device=DEVICE).to(dtype) for shape in SHAPES.values()]
@@ -201,7 +201,7 @@ def test_engine_matches_the_cpu_in_fp32():
     names = ["w1", "w2", "b"]
     results = []
     for device in ("cpu", DEVICE):
-        compressor = LowRankCompressor(EDGCConfig(r_max=16, min_compression_rate=1.0))
+        compressor = LowRankCompressor(EDGCConfig(r_max=16, engine=LowRankConfig(min_compression_rate=1.0)))
         moved = [g.clone().to(device) for g in grads]
         with strict_sync() if device == DEVICE else contextlib.nullcontext():
             for _ in range(2):  # a second step exercises the warm start and the error feedback

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from models import TinyTransformer
 from torchft.manager import Manager
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, LowRankConfig
 from edgc.integrations.torchft import DiLoCo
 from edgc.sync.outer_sync import error_table
 
@@ -37,7 +37,7 @@ CONFIG = dict(
     warmup_fraction=0.0,
     min_warmup_steps=0,
     warmup_error_test=False,
-    min_compression_rate=1.0,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from models import TinyTransformer, batch, flat_parameters, loss_fn
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, LowRankConfig
 from edgc.integrations.diloco import DiLoCo
 
 SYNC_EVERY = 4
@@ -26,8 +26,8 @@ CONFIG = dict(
     warmup_fraction=0.0,
     min_warmup_steps=0,
     warmup_error_test=False,
-    min_compression_rate=1.0,
     iteration_sample_ratio=1.0,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )
 pytestmark = pytest.mark.timeout(240)
 

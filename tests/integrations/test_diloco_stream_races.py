@@ -11,6 +11,7 @@ kernels; no race, no stale host read, no host synchronisation from the library i
 import io
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # distrib
 from distributed_harness import run_distributed  # noqa: E402
 from models import TinyTransformer, batch, loss_fn  # noqa: E402
 
-from edgc import EDGCConfig, LowRankConfig  # noqa: E402
+from edgc import EDGCConfig  # noqa: E402
 from edgc.integrations.diloco import DiLoCo  # noqa: E402
 from edgc.sync.sync_methods import sync_method_names  # noqa: E402
 from edgc_probes.stream_check import StreamChecker  # noqa: E402
@@ -42,8 +43,8 @@ def built(checker, method: str | None, outer_steps: int):
         if method is None:  # EDGC's PowerSGD, streaming: two fragments, each sync overlapping 2 inner steps
             ends = nn.ModuleDict({"embed": model.embed, "head": model.head})
             ends.register_parameter("position", model.position)
-            accelerator = LowRankConfig(force_accelerator_kernels=True)
-            config = EDGCConfig(total_steps=2 * outer_steps, engine=accelerator, **CONFIG)
+            config = EDGCConfig(total_steps=2 * outer_steps, **CONFIG)
+            config = replace(config, engine=replace(config.engine, force_accelerator_kernels=True))
             diloco = DiLoCo(None, [ends, model.blocks], inner, outer, 2 * SYNC_EVERY, config, fragment_sync_delay=2)
             diloco.issued = []  # (inner step, thread) of every collective of the sync
             issue = diloco.state.comm._issue

@@ -19,7 +19,7 @@ import torch
 from distributed_harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, LowRankConfig
 from edgc.integrations import register_edgc
 
 STEPS, SEQ, VOCAB = 50, 32, 512
@@ -50,8 +50,7 @@ def train(rank, dtype, communication_dtype, steps, error_feedback_dtype="float32
             window=10,
             total_steps=STEPS,
             warmup_error_test=False,
-            communication_dtype=communication_dtype,
-            error_feedback_dtype=error_feedback_dtype,
+            engine=LowRankConfig(communication_dtype=communication_dtype, error_feedback_dtype=error_feedback_dtype),
         ),
     )
     params = list(model.parameters())

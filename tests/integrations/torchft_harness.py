@@ -33,7 +33,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-from edgc import EDGCConfig
+from edgc import EDGCConfig, LowRankConfig
 from edgc.integrations.torchft import DistributedDataParallel
 from edgc.integrations.torchft_quorum import QuorumSettings
 from edgc_probes.stream_check import StreamChecker
@@ -48,9 +48,9 @@ CONFIG = dict(
     warmup_error_test=False,
     iteration_sample_ratio=1.0,
     gradient_sample_ratio=0.5,
-    min_compression_rate=1.0,
     entropy_estimator="gaussian",
     entropy_significance=0.0,
+    engine=LowRankConfig(min_compression_rate=1.0),
 )
 TIMEOUT = timedelta(seconds=5)  # process group and manager calls
 

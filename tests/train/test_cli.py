@@ -102,6 +102,8 @@ def test_ckpt_every_minus_one_writes_no_checkpoint(tmp_path, cache_dir):
         (["--micro-batch", "1.5"], "--micro-batch: expected an integer"),
         (["--edgc", "window=0"], "EDGCConfig.window must be an integer ≥ 1"),
         (["--edgc", "windw=5"], "unknown field(s) ['windw']"),
+        (["--edgc", "seed=3"], "--edgc seed: it is an engine field, --edgc engine.seed=3"),
+        (["--edgc", "engine.sed=3"], "unknown field(s) ['engine.sed']"),
         (["--nproc", "0"], "--nproc: must be ≥ 1"),
         (["--data", "/no/such/corpus"], "does not exist"),
         (["--config", "/no/such/config.toml"], "config file /no/such/config.toml does not exist"),

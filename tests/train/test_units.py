@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from edgc_train import checkpoint as ckpt
-from edgc_train.cli import load_config_file
-from edgc_train.config import TrainConfig, field_help, scaled_edgc_defaults
+from edgc_train.cli import load_config_file, parse_edgc_flags
+from edgc_train.config import TrainConfig, field_help, merge_edgc, scaled_edgc_defaults
 from edgc_train.data import DataError, prepare_data, source_files, split_text
 from edgc_train.model import build_model, count_parameters, model_shape
 from edgc_train.sampler import BlockSampler, val_batches
@@ -92,6 +92,28 @@ def test_edgc_knobs_scale_with_run_length(steps):
     assert cfg.total_steps == steps and cfg.window == d["window"]
     if steps >= 20_000:
         assert d["window"] == 1000 and sample_every == 10  # the paper's values
+
+
+def test_the_engines_fields_are_its_table_in_files_and_flags():
+    flags = parse_edgc_flags(["r_max=4", "engine.seed=3", "engine.error_feedback=false"])
+    assert flags == {"r_max": 4, "engine": {"seed": 3, "error_feedback": False}}
+    assert merge_edgc({"window": 9, "engine": {"seed": 1, "rank_change": "truncate"}}, flags) == {
+        "window": 9,
+        "r_max": 4,
+        "engine": {"seed": 3, "rank_change": "truncate", "error_feedback": False},
+    }
+    assert TrainConfig(compressor="powersgd", edgc={"engine": {"seed": 3}}).edgc_config.engine.seed == 3
+    with pytest.raises(ValueError, match="EDGCConfig has no field 'seed': it is an engine field"):
+        TrainConfig(edgc={"seed": 3})  # a file's [edgc] table with the engine's field beside the others
+
+
+def test_a_run_folder_written_with_the_engine_fields_flat_still_loads(tmp_path):
+    from edgc_train.run_folder import config_from_run
+
+    cfg = TrainConfig(steps=40, edgc={"r_max": 4, "engine": {"seed": 3}})
+    flat = {"r_max": 4, "seed": 3}  # the overrides of a run begun before the engine's fields were nested
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "edgc_overrides": flat}))
+    assert config_from_run(tmp_path) == cfg and config_from_run(tmp_path).edgc_config.engine.seed == 3
 
 
 def test_user_edgc_fields_win_over_scaled_defaults():

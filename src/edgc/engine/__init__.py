@@ -7,7 +7,7 @@ Modules:
     call_state.py         The buffers one call layout keeps from step to step: what every stretch of its job reads
                           and writes.
     engine_state.py       What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
-    rank_change.py        How the warm-start Q of every matrix follows a rank change (`EDGCConfig.rank_change`).
+    rank_change.py        How the warm-start Q of every matrix follows a rank change (`EDGCConfig.engine.rank_change`).
     orthonormal_choice.py Which orthonormalisation the engine runs on a device: timed once, agreed by the group,
                           kept.
     stretches.py          The device work of one engine call, stretch by stretch: each a function over the call's

@@ -29,7 +29,7 @@ writes are kept from step to step (`edgc.engine.call_state.CallState`: the error
 two Q buffers used in turn), so a steady step copies no Q and allocates nothing that outlives a
 stretch. A call is a job of three stretches between its two yields (`edgc.engine.stretches`): form M
 and P and send them (`send_p`), take the raw average, orthonormalise P and send Q (`send_q`), then
-decompress and keep (`finish`), each a graph region that ``EDGCConfig.cuda_graphs`` captures on CUDA;
+decompress and keep (`finish`), each a graph region that ``EDGCConfig.engine.cuda_graphs`` captures on CUDA;
 with ``power_iterations = 2`` the compressed matrices go through a second call.
 
 The compressor holds its state (``compressor.state``, an `edgc.engine.engine_state.EngineState`): Q and error

@@ -1,4 +1,4 @@
-"""How the warm-start Q of every matrix follows a rank change (`EDGCConfig.rank_change`).
+"""How the warm-start Q of every matrix follows a rank change (`EDGCConfig.engine.rank_change`).
 
 Rank changes keep error feedback (the residual is still what was not sent) and, with
 ``rank_change='warm'`` (`change_rank`, called before the first step at the new rank), keep the

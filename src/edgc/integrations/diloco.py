@@ -332,9 +332,9 @@ def _check(
         raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {alpha!r}")
     if iterations not in (1, 2):
         raise ValueError(f"DiLoCo: power_iterations must be 1 or 2, got {iterations!r}")
-    if iterations == 2 and not config.error_feedback:
+    if iterations == 2 and not config.engine.error_feedback:
         raise ValueError(
-            "DiLoCo: power_iterations=2 needs EDGCConfig.error_feedback (the second iteration reads M from it)"
+            "DiLoCo: power_iterations=2 needs EDGCConfig.engine.error_feedback (the second iteration reads M from it)"
         )
     names = [id(p) for m in fragments for p in m.parameters()]
     if len(names) != len(set(names)):

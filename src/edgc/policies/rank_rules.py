@@ -186,7 +186,7 @@ class PaperRules:
     def error_model(self) -> ErrorModel:
         """The cqm mapping's error model g(r; m, n), of this config's draws and seed."""
         if self._error_model is None:
-            self._error_model = ErrorModel(samples=self.config.cqm_mc_samples, seed=self.config.seed)
+            self._error_model = ErrorModel(samples=self.config.cqm_mc_samples, seed=self.config.engine.seed)
         return self._error_model
 
     def limit(self, target: float, controller: ControllerView) -> int:
