@@ -30,6 +30,9 @@ FAST = [
     "--no-progress",
     "--no-tensorboard",
 ]
+# A 2-layer, 128-wide model: a third to a half of the tiny preset's step time, for the multi-process runs whose
+# invariants (parity with one process, replicas identical, exact resume, bytes) do not depend on the model's size.
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4"]
 
 
 @pytest.fixture(scope="session")

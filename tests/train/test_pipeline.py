@@ -1,8 +1,8 @@
 """`edgc train --pp`: pipeline correctness against a single process, and PP2 × DP2 with EDGC's DAC.
 
-Runs (tiny preset, 2 pipeline micro-batches per step), steps of the one launch of `shared_runs`
-(tests/train/conftest.py) after those of test_tensor_parallel, test_fsdp_train and test_moe_train, on the
-first 4, 2 or 1 of its 8 processes:
+Runs (tiny preset, pp and solo the 2-layer SMALL_MODEL; 2 pipeline micro-batches per step), steps of the one
+launch of `shared_runs` (tests/train/conftest.py) after those of test_tensor_parallel, test_fsdp_train and
+test_moe_train, on the first 4, 2 or 1 of its 8 processes:
   pp   `--pp 2 --nproc 4` (PP2 × DP2), 1F1B, compression off, 6 steps;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints every window (4, 8, 12)
   b    a copy of a cut back to its step-8 checkpoint, then `--resume`d. At a window boundary: a later
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FAST, and_resumed, assert_matches_solo, read_metrics, train_losses
+from .conftest import FAST, SMALL_MODEL, and_resumed, assert_matches_solo, read_metrics, train_losses
 
 # whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
 # a loaded 2-core machine); the launch has its own timeout and every collective in it one
@@ -50,7 +50,7 @@ EDGC = [
 ]  # no noise gate: 12 steps must show rank changes
 EDGC_DAC = [*EDGC, "--interstage", "all", "--interstage-rank", "6", "--interstage-min-rank", "3"]
 # The uncompressed runs compared with one process (test_tensor_parallel's too: one solo run for all)
-UNCOMPRESSED = ["--steps", "6", "--eval-every", "3", "--compressor", "none", *SMALL]
+UNCOMPRESSED = ["--steps", "6", "--eval-every", "3", "--compressor", "none", *SMALL, *SMALL_MODEL]
 
 
 # The data-parallel compressor of each interstage run. Optimus-CC pairs compressing the first stages'
