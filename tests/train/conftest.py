@@ -30,6 +30,9 @@ FAST = [
     "--no-progress",
     "--no-tensorboard",
 ]
+# A 2-layer, 128-wide model: a third to a half of the tiny preset's step time, for the multi-process runs whose
+# invariants (parity with one process, replicas identical, exact resume, bytes) do not depend on the model's size.
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4"]
 
 
 @pytest.fixture(scope="session")
@@ -108,14 +111,15 @@ def assert_matches_solo(parallel: Path, solo: Path) -> None:
 
 
 # The 2-process EDGC job of test_torchrun (exact resume) and test_fault_tolerance (killed worker):
-# 20 steps, checkpoints at 10 and 20, compressing from step 3 (warm-up floor ⌊0.1·20⌋ = 2).
+# 12 steps, evaluated and checkpointed at 6 and 12, compressing from step 3 (EDGC's floor of 2 warm-up steps).
+EDGC_STEPS, EDGC_CHECKPOINT = 12, 6
 EDGC_JOB = [
     "--steps",
-    "20",
+    str(EDGC_STEPS),
     "--eval-every",
-    "10",
+    str(EDGC_CHECKPOINT),
     "--ckpt-every",
-    "10",
+    str(EDGC_CHECKPOINT),
     "--compressor",
     "edgc",
     "--edgc",

@@ -20,7 +20,7 @@ import pytest
 from edgc_cli.main import main
 from edgc_train.data import DataError, _pre_tokens_reach, check_split_sizes, load_corpus, prepare_data, split_corpus
 
-from .conftest import FAST, cut_back, train_losses
+from .conftest import FAST, SMALL_MODEL, cut_back, train_losses
 
 
 def _tree_digest(path):
@@ -352,6 +352,7 @@ def test_single_process_resume_is_exact(capsys, tmp_path, cache_dir, compressor)
         "--cache-dir",
         str(cache_dir),
         *FAST,
+        *SMALL_MODEL,
     ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["train", "--out", str(a), *job]) == 0
@@ -391,6 +392,7 @@ def test_budget_run_tells_each_decision_and_resumes_exactly(capsys, tmp_path, ca
         "--cache-dir",
         str(cache_dir),
         *FAST,
+        *SMALL_MODEL,
     ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["train", "--out", str(a), *job]) == 0

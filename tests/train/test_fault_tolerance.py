@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from .conftest import EDGC_JOB, REPO, read_metrics, train_losses
+from .conftest import EDGC_CHECKPOINT, EDGC_JOB, EDGC_STEPS, REPO, read_metrics, train_losses
 
 
 def torchrun(run_dir, cache_dir, *extra):
@@ -39,7 +39,7 @@ def torchrun(run_dir, cache_dir, *extra):
 
 
 def final_model(run_dir):
-    return torch.load(run_dir / "checkpoints" / "step_000020" / "model.pt", weights_only=True)
+    return torch.load(run_dir / "checkpoints" / f"step_{EDGC_STEPS:06d}" / "model.pt", weights_only=True)
 
 
 @pytest.mark.timeout(600)
@@ -63,7 +63,7 @@ def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cach
         while victim is None and time.monotonic() < deadline and agent.poll() is None:
             metrics = killed / "metrics.jsonl"
             steps = [r["step"] for r in read_metrics(killed)] if metrics.exists() else []
-            if steps and max(steps) >= 12:
+            if steps and max(steps) >= EDGC_CHECKPOINT + 2:  # after a checkpoint, before the run's end
                 workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
                 victim = int(workers[-1])
                 os.kill(victim, signal.SIGKILL)
@@ -79,7 +79,7 @@ def test_killed_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, cach
 
     # Training continued from a checkpoint (steps after it were run again) and ended identical.
     losses, expected = train_losses(killed), train_losses(reference)
-    assert sorted(losses) == list(range(1, 21))
+    assert sorted(losses) == list(range(1, EDGC_STEPS + 1))
     assert losses == expected
     reference_model, resumed_model = final_model(reference), final_model(killed)
     assert all(torch.equal(reference_model[k], resumed_model[k]) for k in reference_model)

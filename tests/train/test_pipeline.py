@@ -1,8 +1,8 @@
 """`edgc train --pp`: pipeline correctness against a single process, and PP2 × DP2 with EDGC's DAC.
 
-Runs (tiny preset, 2 pipeline micro-batches per step), steps of the one launch of `shared_runs`
-(tests/train/conftest.py) after those of test_tensor_parallel, test_fsdp_train and test_moe_train, on the
-first 4, 2 or 1 of its 8 processes:
+Runs (the 2-layer, 128-wide SMALL_MODEL, 2 pipeline micro-batches per step), steps of the one
+launch of `shared_runs` (tests/train/conftest.py) after those of test_tensor_parallel, test_fsdp_train and
+test_moe_train, on the first 4, 2 or 1 of its 8 processes:
   pp   `--pp 2 --nproc 4` (PP2 × DP2), 1F1B, compression off, 6 steps;   solo  the same data in 1 process, no pipeline
   a    `--pp 2 --nproc 4` (PP2 × DP2) with EDGC, 12 steps, checkpoints every window (4, 8, 12)
   b    a copy of a cut back to its step-8 checkpoint, then `--resume`d. At a window boundary: a later
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FAST, and_resumed, assert_matches_solo, read_metrics, train_losses
+from .conftest import FAST, SMALL_MODEL, and_resumed, assert_matches_solo, read_metrics, train_losses
 
 # whichever test comes first sets up `shared_runs`: one launch of every run of four files (minutes on
 # a loaded 2-core machine); the launch has its own timeout and every collective in it one
 pytestmark = pytest.mark.timeout(1800)
 
-SMALL = [*FAST, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
+SMALL = [*FAST, *SMALL_MODEL, "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--eval-batches", "2"]
 EDGC = [
     "--compressor",
     "edgc",
@@ -167,7 +167,7 @@ def test_interstage_compression_two_stages_loss_falls_and_bytes_match_the_formul
 
     run = interstage_run(mode)
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
-    m, n = 2 * 32, 256  # (micro-batch · tokens, the tiny preset's hidden size); grad_accum 2
+    m, n = 2 * 32, 128  # (micro-batch · tokens, SMALL_MODEL's hidden size); grad_accum 2
     ranks = [2, 2] if mode == "all" else [0, 2]  # cool-down: the last pp − 1 = 1 micro-batch
     for r in train:
         assert r["stages"][1]["interstage_rank"] == 2

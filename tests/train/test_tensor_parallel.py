@@ -1,7 +1,7 @@
 """`edgc train --tp`: tensor parallelism through DTensor, alone and in TP × PP × DP.
 
-Runs (tiny preset, seq 32, 2 micro-batches of 2 per replica and step), the first steps of the one launch of
-`shared_runs` (tests/train/conftest.py), on all 8 of its processes:
+Runs (a 2-layer, 128-wide model, seq 32, 2 micro-batches of 2 per replica and step), the first steps of the one
+launch of `shared_runs` (tests/train/conftest.py), on all 8 of its processes:
   tp3d   `--tp 2 --pp 2` on 8 processes (TP2 × PP2 × DP2), GPipe, compression off, 6 steps, evaluated at 3 and 6;
          solo  the same data in 1 process (the one test_pipeline compares with)
   a / b  `--tp 2 --pp 2` on 8 processes with EDGC and --interstage all, 8 steps, checkpoints at 4 and 8; b = a cut

@@ -1,12 +1,12 @@
 """End to end: `edgc train --nproc 2` (torchrun, gloo) on the tiny preset, and an exact resume.
 
 Two 2-process runs (~15-40 s each on 2 shared cores):
-  A  a 20-step EDGC job, uninterrupted, checkpoints at steps 10 and 20;
-  B  a copy of A's folder cut back to its step-10 checkpoint (as if A had died after step 10; the
-     metric lines of steps 11-20 are still there and must be dropped), then `--resume`d to step 20.
-B's losses at steps 11-20 must equal A's bit for bit. (`--stop-at` is covered in test_cli.py.)
+  A  a 12-step EDGC job, uninterrupted, checkpoints at steps 6 and 12;
+  B  a copy of A's folder cut back to its step-6 checkpoint (as if A had died after step 6; the
+     metric lines of steps 7-12 are still there and must be dropped), then `--resume`d to step 12.
+B's losses at steps 7-12 must equal A's bit for bit. (`--stop-at` is covered in test_cli.py.)
 EDGC is given r_max=8 and no warm-up error test, so it compresses from step 3 on (warm-up floor
-⌊0.1·20⌋ = 2): the resume must then restore error feedback and Q factors, not just the model.
+of 2 steps): the resume must then restore error feedback and Q factors, not just the model.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import math
 
 import pytest
 
-from .conftest import cut_back, read_metrics, run_edgc, train_losses
+from .conftest import EDGC_CHECKPOINT, EDGC_STEPS, cut_back, read_metrics, run_edgc, train_losses
 
+STEPS = list(range(1, EDGC_STEPS + 1))
+CHECKPOINTS = [f"step_{step:06d}" for step in (EDGC_CHECKPOINT, EDGC_STEPS)]
 TRAIN_KEYS = {
     "kind",
     "step",
@@ -45,10 +47,10 @@ TRAIN_KEYS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reference_run):
     a, b = reference_run, tmp_path_factory.mktemp("runs") / "b"
-    cut_back(a, b, 20)
-    # A crashed save of step 20 left its temp folder: not a checkpoint, and cleared when step 20 is saved.
-    (b / "checkpoints" / ".step_000020.tmp").mkdir()
-    (b / "checkpoints" / ".step_000020.tmp" / "model.pt").write_bytes(b"partial")
+    cut_back(a, b, EDGC_STEPS)
+    # A crashed save of the last step left its temp folder: not a checkpoint, and cleared when that step is saved.
+    (b / "checkpoints" / f".{CHECKPOINTS[-1]}.tmp").mkdir()
+    (b / "checkpoints" / f".{CHECKPOINTS[-1]}.tmp" / "model.pt").write_bytes(b"partial")
     proc = run_edgc("train", "--resume", str(b), "--nproc", "2", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return a, b
@@ -57,11 +59,11 @@ def runs(tmp_path_factory, reference_run):
 def test_two_process_run_learns(runs):
     a, _ = runs
     losses = train_losses(a)
-    assert sorted(losses) == list(range(1, 21))
-    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (18, 19, 20)) / 3
+    assert sorted(losses) == STEPS
+    first, last = sum(losses[s] for s in STEPS[:3]) / 3, sum(losses[s] for s in STEPS[-3:]) / 3
     assert last < first - 0.5, losses
     evals = [r for r in read_metrics(a) if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [10, 20]
+    assert [r["step"] for r in evals] == [EDGC_CHECKPOINT, EDGC_STEPS]
     assert evals[-1]["val_loss"] < math.log(512) - 0.5  # clearly better than a uniform guess
     assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
 
@@ -104,14 +106,14 @@ def test_metrics_follow_the_contract(runs):
     assert 3_000_000 < config["n_params"] < 5_000_000
     summary = json.loads((a / "summary.json").read_text())
     assert (
-        summary["steps"] == 20
+        summary["steps"] == EDGC_STEPS
         and summary["val_loss"] == [r for r in read_metrics(a) if r["kind"] == "eval"][-1]["val_loss"]
     )
 
 
 def test_comm_trace_lines_up_with_the_metrics_on_every_rank(runs):
     """--comm-trace: each rank logs its collectives' durations per step; rank 0's sum is its comm_time_s,
-    and a resume cuts the traces back to the checkpoint like metrics.jsonl (steps 11-20 once each)."""
+    and a resume cuts the traces back to the checkpoint like metrics.jsonl (steps 7-12 once each)."""
     for run in runs:
         train = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
         traces = [
@@ -119,7 +121,7 @@ def test_comm_trace_lines_up_with_the_metrics_on_every_rank(runs):
             for k in (0, 1)
         ]
         for trace in traces:
-            assert [t["step"] for t in trace] == list(range(1, 21))
+            assert [t["step"] for t in trace] == STEPS
             for t in trace:  # the same collectives in the same order on both ranks
                 assert len(t["collective_s"]) == train[t["step"]]["collectives"] and min(t["collective_s"]) > 0
         for t in traces[0]:
@@ -129,8 +131,8 @@ def test_comm_trace_lines_up_with_the_metrics_on_every_rank(runs):
 def test_checkpoint_layout(runs):
     a, b = runs
     for run in runs:
-        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000020"]
-    files = {p.name for p in (a / "checkpoints" / "step_000010").iterdir()}
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == CHECKPOINTS
+    files = {p.name for p in (a / "checkpoints" / CHECKPOINTS[0]).iterdir()}
     assert files == {
         "model.pt",
         "optimizer.pt",
@@ -148,8 +150,8 @@ def test_resume_reproduces_uninterrupted_losses_exactly(runs):
     a, b = runs
     la, lb = train_losses(a), train_losses(b)
     steps = [r["step"] for r in read_metrics(b) if r["kind"] == "train"]
-    assert steps == list(range(1, 21))  # lines 11-20 of the copy were dropped, then written anew
-    for step in range(11, 21):
+    assert steps == STEPS  # lines 7-12 of the copy were dropped, then written anew
+    for step in STEPS[EDGC_CHECKPOINT:]:
         assert lb[step] == la[step], (step, la[step], lb[step])
     ea = [r["val_loss"] for r in read_metrics(a) if r["kind"] == "eval"]
     eb = [r["val_loss"] for r in read_metrics(b) if r["kind"] == "eval"]
