@@ -124,9 +124,28 @@ def _collect(results, world_size: int, timeout: float, collected: dict) -> list:
         except queue.Empty:
             raise TimeoutError(f"distributed test did not finish within {timeout} s") from None
         if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
+            failures = {rank: value, **_other_failures(results, world_size - len(collected) - 1)}
+            raise RuntimeError("\n".join(f"rank {r} failed:\n{v}" for r, v in sorted(failures.items())))
         collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
     return [collected[rank] for rank in range(world_size)]
+
+
+OTHER_FAILURES_GRACE_S = 2.0  # how long a failed call waits for the other ranks' reports
+
+
+def _other_failures(results, pending: int) -> dict:
+    """The failures the other ranks report within `OTHER_FAILURES_GRACE_S` of the first: a rank that
+    fails because another closed its connections names the symptom; the other one names the cause."""
+    failures, deadline = {}, time.monotonic() + OTHER_FAILURES_GRACE_S
+    while pending > 0 and (left := deadline - time.monotonic()) > 0:
+        try:
+            rank, ok, value = results.get(timeout=left)
+        except queue.Empty:
+            break
+        pending -= 1
+        if not ok:
+            failures[rank] = value
+    return failures
 
 
 class _Pool:

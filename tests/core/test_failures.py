@@ -301,3 +301,17 @@ def test_profiling_sums_of_an_older_state_still_load():
 
     assert profile_seconds([0.6, 1.8, 3]) == [0.6, 3, 1.8, 3]  # one step count for both sums
     assert profile_seconds([0.6, 3, 0.9, 1]) == [0.6, 3, 0.9, 1]
+
+
+def _every_rank_fails(rank, world_size):
+    raise ValueError(f"cause on rank {rank}")
+
+
+def test_a_failed_distributed_call_reports_every_rank_that_failed():
+    """The first report of a failure names a symptom as often as a cause (a peer that closed its
+    connections): the harness waits briefly for the others' reports and names each rank's error."""
+    with pytest.raises(RuntimeError) as raised:
+        run_distributed(_every_rank_fails, 2, timeout=60)
+    text = str(raised.value)
+    assert "rank 0 failed" in text and "rank 1 failed" in text
+    assert "cause on rank 0" in text and "cause on rank 1" in text
