@@ -1,5 +1,5 @@
-"""The generated blocks of the manual: where each lives, how one is read, replaced and checked, and
-which script produces each kind of figure (`scripts/to_docs.py KIND …` runs one).
+"""The generated blocks of the manual: where each lives, how one is read, replaced and checked (the
+producers of scripts/producers/, run by `scripts/to_docs.py KIND …`, write them through here).
 
 A block is the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``. Each name occurs in
 exactly one page under docs/ (or in README.md), so a producer names the block it fills and this
@@ -9,38 +9,9 @@ producer reads and writes its blocks through this module; none splits a page at 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent
-
-# Each kind of figure, by name, and the script whose `main(argv)` produces its blocks from a run's
-# output (its docstring says which run and which blocks). The script's own name runs it too.
-PRODUCERS = {
-    "bench": "bench_to_docs",
-    "bench-ab": "bench_ab_to_docs",
-    "bench-repeats": "bench_repeats_to_docs",
-    "calibration": "calibration_to_docs",
-    "demo": "demo_to_docs",
-    "diloco-scale": "diloco_scale_to_docs",
-    "diloco-wire": "diloco_wire_to_docs",
-    "dispatch-count": "dispatch_count_to_docs",
-    "engine-cost": "engine_cost_to_docs",
-    "engine-model": "engine_model_to_docs",
-    "experiment": "experiment_to_docs",
-    "fsdp-memory": "fsdp_memory",
-    "gpu": "gpu_to_docs",
-    "host-model": "host_model_to_docs",
-    "interstage-calibration": "interstage_calibration_to_docs",
-    "orthonormalization": "orthonormalization_to_docs",
-    "parallel": "parallel_to_docs",
-    "results-summary": "results_summary",
-    "simulate": "simulate_to_docs",
-    "stages": "stages_to_docs",
-    "step-kinds": "step_kinds_to_docs",
-}
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -95,15 +66,3 @@ def is_current(name: str, body: str, page: Path | None = None) -> bool:
     """Whether block ``name`` already holds ``body`` (what `write` would leave there)."""
     text = (page or page_of(name)).read_text()
     return replace(text, name, body) == text
-
-
-def producer(kind: str):
-    """The module of the script that produces figure kind ``kind``."""
-    if kind not in PRODUCERS:
-        raise SystemExit(f"no figure kind {kind!r}; one of: {', '.join(sorted(PRODUCERS))}")
-    script = PRODUCERS[kind]
-    sys.path.insert(0, str(SCRIPTS))  # the scripts import each other and this module by name
-    spec = importlib.util.spec_from_file_location(script, SCRIPTS / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -47,6 +47,13 @@ def load_script():
     return load
 
 
+@pytest.fixture
+def load_producer(load_script):
+    """The module that produces figure kind ``kind`` (what ``python scripts/to_docs.py KIND`` runs), found
+    through the producers' registry."""
+    return load_script("to_docs").producer
+
+
 # Heaviest folders first. `make test` runs two pytest-xdist workers, each taking whole files in
 # collection order (--dist loadfile): a long file started last would leave the other worker idle
 # for its length. The order of the tests within a file is kept.

@@ -8,7 +8,7 @@ out of time is killed with every process it started, and the next one runs. Each
 ``DIR/summary.json`` (the plan, and each part's status, seconds and file) is rewritten before and
 after each part, and every part's output goes to ``DIR/log.txt`` too. The default parts write 8 files
 at most (what the device tool brings back). The exit status is 1 if any part failed, ran out of time
-or was skipped. scripts/gpu_to_docs.py copies the files into docs/gpu.md and the README.
+or was skipped. scripts/to_docs.py gpu copies the files into docs/gpu.md and the README.
 
 ``--smoke`` runs every part's code on the CPU at a tiny size (GPT-2 "tiny", gloo; tests/bench/
 test_gpu_bench.py does); ``--count-only`` writes count.json alone, on any machine (the CPU's count).

@@ -1,7 +1,7 @@
 """Every kind of compressed step, counted: kernels, bytes moved and memory per compressed element.
 
     python -m edgc_bench.step_kinds --out docs/engine/step-kinds.json     # GPT-2 XL, rank 32, a few min
-    python scripts/step_kinds_to_docs.py                                   # the engine page's block
+    python scripts/to_docs.py step-kinds                                   # the engine page's block
 
 On fake tensors (`edgc_probes.dispatch_count.count_hook_step`: the accelerator's path, DDP's default
 buckets fused into jobs, bf16 gradients, world size 1): the dispatches (`edgc_probes.dispatch_count`,

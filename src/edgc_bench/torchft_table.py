@@ -10,7 +10,7 @@ LABELS = {
     "torchft-edgc": "torchft + EDGC",
     "elastic-edgc": "EDGC + torchrun elastic restart from the last checkpoint",
 }
-# The part of bench.md that scripts/bench_to_docs.py copies into the manual (the torchft results' block).
+# The part of bench.md that scripts/to_docs.py bench copies into the manual (the torchft results' block).
 SRC_START, SRC_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 

@@ -212,6 +212,6 @@ def run_torchtitan_bench(s: BenchSettings, o: TitanOptions, out: Path, command: 
         "runs": [{k: v for k, v in run.items() if k != "records"} for run in runs],
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
-    # between the markers scripts/bench_to_docs.py copies into the manual (docs/results/hsdp.md)
+    # between the markers scripts/to_docs.py bench copies into the manual (docs/results/hsdp.md)
     (out / "bench.md").write_text(f"<!-- bench:start -->\n{markdown(summary)}<!-- bench:end -->\n")
     return summary

@@ -348,7 +348,7 @@ def _added(row: dict, rows: list[dict]) -> str:
 
 
 def markdown(site: Site, bench: dict | None = None) -> str:
-    """Every table, in the blocks that scripts/diloco_sim_to_docs.py copies."""
+    """Every table, in the blocks that `scripts/to_docs.py diloco-scale --sim` copies."""
     parts = [
         "<!-- sim-diloco-internet:start -->",
         f"`edgc simulate --diloco`: {site.gpus} H100-class GPUs a group ({site.flops_per_s / 1e12:.0f} TFLOP/s "

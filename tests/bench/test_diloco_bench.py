@@ -244,8 +244,8 @@ def test_the_checks_fail_by_how_much(tmp_path):
     assert any("target 1.09 × sooner (≥ 2 ×)" in line for line in failed), failed
 
 
-def test_the_table_goes_to_the_diloco_results_page(tmp_path, load_script):
-    script = load_script("bench_to_docs")
+def test_the_table_goes_to_the_diloco_results_page(tmp_path, load_producer):
+    script = load_producer("bench")
     table = script.section(diloco_table.markdown(summary(tmp_path)))
     assert script.block_markers(table) == (script.DILOCO_START, script.DILOCO_END)
     page = (ROOT / "docs/results/diloco.md").read_text()
@@ -399,10 +399,10 @@ def test_three_groups_train_diloco_edgc_through_a_lighthouse_on_loopback(tmp_pat
     assert [step for step, _, _ in r["evals"]] == [0, 2, 4] and r["payload_bytes"] > 0
 
 
-def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, load_script):
-    """scripts/results_summary.py's README row and slow-links block, from a synthetic run's table."""
-    script = load_script("results_summary")
-    bench = load_script("bench_to_docs")
+def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, load_producer):
+    """scripts/to_docs.py results-summary's README row and slow-links block, from a synthetic run's table."""
+    script = load_producer("results-summary")
+    bench = load_producer("bench")
     page = tmp_path / "root/docs/results/diloco.md"
     page.parent.mkdir(parents=True)
     page.write_text(
@@ -424,7 +424,7 @@ def test_the_summaries_read_a_bench_table_as_diloco_table_writes_it(tmp_path, lo
     assert "Kill pass at 20 Mbit/s" in prose and "outer steps discarded 1, the survivors went on after 1.5 s" in prose
 
 
-def test_the_slow_links_guide_holds_the_summary_of_the_committed_page(load_script):
-    script = load_script("results_summary")
+def test_the_slow_links_guide_holds_the_summary_of_the_committed_page(load_producer):
+    script = load_producer("results-summary")
     guide = (ROOT / "docs/guides/slow-links.md").read_text()
     assert f"<!-- diloco-bench:start -->\n{script.diloco_summary()}\n<!-- diloco-bench:end -->" in guide

@@ -143,7 +143,7 @@ def test_gpt2_xl_steps_launch_few_kernels_at_ddps_buckets_and_fewer_at_200_mb():
     default, large = count_gpt2_step("xl"), count_gpt2_step("xl", 200)
     assert default.dispatches <= 2000 and large.dispatches <= 1000, (default.dispatches, large.dispatches)
     # The docs state these figures from docs/gpu/count/count.json: it must be this engine's count
-    # (python -m edgc_bench.gpu --count-only --out docs/gpu/count; python scripts/dispatch_count_to_docs.py).
+    # (python -m edgc_bench.gpu --count-only --out docs/gpu/count; python scripts/to_docs.py dispatch-count).
     committed = {(row["model"], float(row["bucket_cap_mb"])): row["dispatches"] for row in COMMITTED["hook"]}
     assert (committed["xl", 25.0], committed["xl", 200.0]) == (default.dispatches, large.dispatches)
     assert default.compressed == large.compressed == 194  # every matrix compressed
@@ -165,14 +165,14 @@ def test_gpt2_xl_steps_launch_few_kernels_at_ddps_buckets_and_fewer_at_200_mb():
     assert matrix_bytes <= matrix_byte_floors(2, 4)["stock"] + 0.01 and round(matrix_bytes, 2) == COST["matrix_bytes"]
 
 
-def test_the_engine_page_shows_the_committed_cost(load_script):
-    script = load_script("engine_cost_to_docs")
+def test_the_engine_page_shows_the_committed_cost(load_producer):
+    script = load_producer("engine-cost")
     page = (ROOT / "docs" / "concepts" / "engine.md").read_text()
     assert script.block(COST, json.loads(script.BEFORE.read_text())) in page
 
 
-def test_the_gpu_page_shows_the_committed_count(load_script):
-    script = load_script("dispatch_count_to_docs")
+def test_the_gpu_page_shows_the_committed_count(load_producer):
+    script = load_producer("dispatch-count")
     page = (ROOT / "docs" / "gpu.md").read_text()
     assert script.block(COMMITTED, json.loads(script.BEFORE.read_text())) in page
 

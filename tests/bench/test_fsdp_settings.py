@@ -29,8 +29,8 @@ def test_fsdp_refuses_methods_the_fsdp_hook_cannot_run():
         parse("--fsdp", "--methods", "none,topk")
 
 
-def test_docs_sync_puts_an_hsdp_table_in_its_own_place(tmp_path, load_script):
-    module = load_script("bench_to_docs")
+def test_docs_sync_puts_an_hsdp_table_in_its_own_place(tmp_path, load_producer):
+    module = load_producer("bench")
     page = tmp_path / "page.md"
     page.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
     bench = tmp_path / "bench.md"

@@ -41,7 +41,7 @@ def test_the_default_parts_fit_the_budget_in_the_order_of_their_value(capsys):
     assert [line.split()[0] for line in printed[1 : 1 + len(DEFAULT_PARTS)]] == list(DEFAULT_PARTS)
 
 
-def test_the_smoke_run_measures_every_part_and_the_docs_take_its_files(tmp_path, load_script):
+def test_the_smoke_run_measures_every_part_and_the_docs_take_its_files(tmp_path, load_producer):
     # the default parts, then one that fails on a CPU (the device profile needs CUDA): the others keep theirs
     parts = [*DEFAULT_PARTS, "device"]
     assert gpu.main(["--smoke", "--parts", ",".join(parts), "--out", str(tmp_path)], runner=in_the_pool) == 1
@@ -89,7 +89,7 @@ def test_the_smoke_run_measures_every_part_and_the_docs_take_its_files(tmp_path,
     if ncu["ncu"] is None:  # no Nsight Compute here: the profiled workload ran alone, twice, and said so
         assert len(ncu["workload_ran"]) == 2 and len(ncu["unavailable"]) == 2 and "rows" not in ncu
 
-    gpu_measured = load_script("gpu_measured")
+    gpu_measured = load_producer("gpu").gpu_measured
     before = gpu_measured.load(
         Path(__file__).resolve().parents[2] / "docs/gpu/h200-2026-11-27",
         Path(__file__).resolve().parents[2] / "docs/gpu/h200-2026-11-27-profiled",

@@ -1,4 +1,4 @@
-"""scripts/gpu_to_docs.py: the GPU runs' files become the docs' figures. The "before" run is the first
+"""scripts/to_docs.py gpu: the GPU runs' files become the docs' figures. The "before" run is the first
 GPU run's committed files (docs/gpu/before); the "after" run is made up here, in the shape
 `python -m edgc_bench.gpu` writes."""
 
@@ -170,8 +170,8 @@ def _after_run(folder: Path) -> None:
         json.dump({"traceEvents": events}, handle)
 
 
-def test_an_after_run_is_shown_beside_the_first_one(tmp_path, load_script):
-    script = load_script("gpu_to_docs")
+def test_an_after_run_is_shown_beside_the_first_one(tmp_path, load_producer):
+    script = load_producer("gpu")
     _after_run(tmp_path)
     docs, readme = script.build(script.load_run(tmp_path), script.load_run(BEFORE), tmp_path / "overlap.png")
     text = "\n".join(docs)
@@ -204,8 +204,8 @@ def test_an_after_run_is_shown_beside_the_first_one(tmp_path, load_script):
     assert "| medium |" not in text  # rows of the first run that this one did not measure again are left out
 
 
-def test_the_first_run_alone_renders_from_its_committed_files(tmp_path, load_script):
-    script = load_script("gpu_to_docs")
+def test_the_first_run_alone_renders_from_its_committed_files(tmp_path, load_producer):
+    script = load_producer("gpu")
     docs, readme = script.build(script.load_run(BEFORE), None, tmp_path / "overlap.png")
     text = "\n".join(docs)
     assert not (tmp_path / "overlap.png").exists()  # no trace committed: the picture stays as it is
@@ -219,11 +219,11 @@ H200 = BEFORE.parent / "h200-2026-11-27"
 PROFILED = BEFORE.parent / "h200-2026-11-27-profiled"
 
 
-def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_script):
+def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_producer):
     """docs/gpu.md and the README hold what the script makes of the committed H200 runs, line by line."""
     import sys
 
-    script = load_script("gpu_to_docs")
+    script = load_producer("gpu")
     sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))
     from gpu_profiled import sections
 
@@ -238,7 +238,7 @@ def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_scr
     assert all(line in front for line in readme[:-1] + more_readme if line)
 
 
-def test_the_profiled_sections_copy_the_files_figures(load_script):
+def test_the_profiled_sections_copy_the_files_figures(load_producer):
     import sys
 
     sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))

@@ -56,8 +56,8 @@ def test_each_groups_bytes_against_raw_and_the_ratios_to_our_uncompressed_sync()
     assert groups_table(rows({"none": plain}, None)) == ""  # no mixture: no table
 
 
-def test_docs_sync_puts_a_mixture_of_experts_table_in_its_own_place(tmp_path, load_script):
-    module = load_script("bench_to_docs")
+def test_docs_sync_puts_a_mixture_of_experts_table_in_its_own_place(tmp_path, load_producer):
+    module = load_producer("bench")
     page = tmp_path / "page.md"
     page.write_text("<!-- bench-table:start -->\nddp\n<!-- bench-table:end -->\n")
     bench = tmp_path / "bench.md"

@@ -137,8 +137,8 @@ def test_not_root_is_a_clear_error(monkeypatch):
     assert main(["bench", "--steps", "2"]) == 2
 
 
-def test_docs_sync_copies_the_bench_section(tmp_path, load_script):
-    module = load_script("bench_to_docs")
+def test_docs_sync_copies_the_bench_section(tmp_path, load_producer):
+    module = load_producer("bench")
     bench = tmp_path / "bench.md"
     bench.write_text("# x\n<!-- bench:start -->\n| a |\n<!-- bench:end -->\nrest\n")
     page = tmp_path / "page.md"
@@ -150,8 +150,8 @@ def test_docs_sync_copies_the_bench_section(tmp_path, load_script):
     assert "| b |" in page.read_text() and "| a |" not in page.read_text()
 
 
-def test_docs_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_script):
-    module = load_script("bench_to_docs")
+def test_docs_sync_puts_each_ddp_setting_in_its_own_block(tmp_path, load_producer):
+    module = load_producer("bench")
     page = tmp_path / "page.md"
     page.write_text("intro\n")
     bench = tmp_path / "bench.md"

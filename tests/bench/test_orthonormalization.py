@@ -24,8 +24,8 @@ def test_the_engine_is_as_orthonormal_as_float64_householder_where_one_pass_is_n
     assert {row["method"] for row in rows} == set(METHODS)
 
 
-def test_the_engine_page_shows_the_committed_comparison(load_script):
-    script = load_script("orthonormalization_to_docs")
+def test_the_engine_page_shows_the_committed_comparison(load_producer):
+    script = load_producer("orthonormalization")
     assert script.block(json.loads(COMMITTED.read_text())) in (ROOT / "docs" / "concepts" / "engine.md").read_text()
 
 

@@ -67,14 +67,14 @@ def test_a_sampled_step_reads_no_whole_pass_more_than_a_static_one(counts, monke
     assert per_element(exact, exact.bytes - static.bytes) > per_element(sampled, sampled.bytes - static.bytes) + 7
 
 
-def test_the_committed_figures_are_this_engines_static_step_and_the_page_shows_them(load_script):
+def test_the_committed_figures_are_this_engines_static_step_and_the_page_shows_them(load_producer):
     static = FIGURES["kinds"]["static"]
     assert (static["dispatches"], static["bytes"], static["memory"]) == (
         COST["dispatches"],
         COST["bytes"],
         COST["memory"]["float32"],
     )
-    script = load_script("step_kinds_to_docs")
+    script = load_producer("step-kinds")
     page = (ROOT / "docs" / "concepts" / "engine.md").read_text()
     assert script.block(FIGURES) in page
     pace = script.pace_block(FIGURES, json.loads(script.BEFORE.read_text()))  # the engine page's and the GPU page's

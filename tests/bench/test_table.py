@@ -111,10 +111,10 @@ def test_recoverable_bound_weighs_edgc_overhead_against_what_a_lower_rank_saves(
     assert targets.recoverable_bound(results) is None  # EDGC needed fewer steps: not a question of overhead
 
 
-def test_ab_script_compares_the_methods_both_folders_ran(tmp_path, load_script):
+def test_ab_script_compares_the_methods_both_folders_ran(tmp_path, load_producer):
     import json
 
-    module = load_script("bench_ab_to_docs")
+    module = load_producer("bench-ab")
 
     def folder(name, step, mb):
         path = tmp_path / name
@@ -222,8 +222,8 @@ def test_repeats_put_runs_side_by_side_and_count_the_targets_met(tmp_path):
     assert "skipped (not a DDP bench with edgc, powersgd@rmax and nosync): h" in text
 
 
-def test_repeats_script_replaces_only_its_block(tmp_path, load_script):
-    module = load_script("bench_repeats_to_docs")
+def test_repeats_script_replaces_only_its_block(tmp_path, load_producer):
+    module = load_producer("bench-repeats")
     fast = {
         "none": run([3.0, 2.5, 2.0], step_s=2.0, comm_s=1.0, compress_s=0.0),
         "nosync": run([3.0, 3.0, 3.0], step_s=0.8, comm_s=0.0, compress_s=0.0),

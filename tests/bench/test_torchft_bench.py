@@ -78,9 +78,9 @@ def test_groups_left_out_of_quorums_fail_the_participation_check_and_differing_r
     assert "REPLICAS DIFFER" not in torchft_table.markdown(summary())
 
 
-def test_the_table_goes_to_the_torchft_results_page(load_script):
+def test_the_table_goes_to_the_torchft_results_page(load_producer):
     bench_md = torchft_table.markdown(summary())
-    script = load_script("bench_to_docs")
+    script = load_producer("bench")
     page = (
         "# x\n\n<!-- bench-torchft-table:start -->\nold\n<!-- bench-torchft-table:end -->\n\n"
         "<!-- bench-table:start -->\n"

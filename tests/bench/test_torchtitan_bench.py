@@ -82,8 +82,8 @@ def test_the_checks_compare_the_warmup_with_native_and_the_replicas():
     assert [holds for _, holds in checks({"native": native, "edgc": edgc}, nproc=1, ep=2)] == [True, False, False]
 
 
-def test_its_table_has_a_block_of_its_own(tmp_path: Path, load_script):
-    module = load_script("bench_to_docs")
+def test_its_table_has_a_block_of_its_own(tmp_path: Path, load_producer):
+    module = load_producer("bench")
     bench = tmp_path / "bench.md"
     bench.write_text("<!-- bench:start -->\n`edgc bench --torchtitan --out x`: torchtitan\n| t |\n<!-- bench:end -->\n")
     page = tmp_path / "page.md"

@@ -10,23 +10,28 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-# The parts of the mechanism and of one producer, which write no block of their own.
-NOT_PRODUCERS = {"doc_blocks", "to_docs", "gpu_runs", "gpu_tables", "gpu_profiled", "gpu_measured"}
+PRODUCERS = SCRIPTS / "producers"
+# The parts of one producer, which write no block of their own.
+PARTS = {"__init__", "gpu_runs", "gpu_tables", "gpu_profiled", "gpu_measured"}
 
 
-def test_every_script_that_writes_a_block_is_a_registered_producer(load_script):
-    doc_blocks = load_script("doc_blocks")
-    scripts = {p.stem for p in SCRIPTS.glob("*.py")} - NOT_PRODUCERS
-    assert set(doc_blocks.PRODUCERS.values()) == scripts
-    for script in scripts:  # read, not imported: some import the harness, the simulator, matplotlib
-        tree = ast.parse((SCRIPTS / f"{script}.py").read_text())
-        assert any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body), script
+def test_every_producer_is_a_module_registered_by_kind_and_no_script_runs_one_alone(load_script):
+    producers = load_script("to_docs").PRODUCERS
+    modules = {p.stem for p in PRODUCERS.glob("*.py")} - PARTS
+    assert set(producers.values()) == modules
+    assert {p.name for p in SCRIPTS.glob("*.py")} == {"doc_blocks.py", "to_docs.py"}
+    for module in modules | PARTS:  # read, not imported: some import the harness, the simulator, matplotlib
+        tree = ast.parse((PRODUCERS / f"{module}.py").read_text())
+        defines_main = any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)
+        assert defines_main == (module not in PARTS), module
+        runs_alone = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        assert runs_alone == [], module
 
 
 def test_no_script_finds_a_marker_itself():
     """A marker is written only by doc_blocks.markers; a docstring may name one."""
     found = []
-    for path in sorted(SCRIPTS.glob("*.py")):
+    for path in sorted(SCRIPTS.rglob("*.py")):
         tree = ast.parse(path.read_text())
         documented = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
         docstrings = {
@@ -64,6 +69,8 @@ def test_a_block_is_read_replaced_added_and_checked(load_script, tmp_path):
 def test_to_docs_lists_the_kinds_and_refuses_an_unknown_one(load_script, capsys):
     to_docs = load_script("to_docs")
     assert to_docs.main(["--list"]) == 0
-    assert "gpu                      scripts/gpu_to_docs.py" in capsys.readouterr().out
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == len(to_docs.PRODUCERS)
+    assert "gpu                      scripts/producers/gpu.py  Copy the figures of GPU runs" in listed[12]
     with pytest.raises(SystemExit, match="no figure kind 'nope'"):
         to_docs.main(["nope"])

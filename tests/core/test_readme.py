@@ -33,7 +33,9 @@ def test_no_generated_block_but_the_summary_and_the_gpu_one():
 
 def test_the_results_summary_is_the_one_the_script_copies_from_the_results_pages():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "results_summary.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "to_docs.py"), "results-summary", "--check"],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
 

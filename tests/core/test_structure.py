@@ -139,7 +139,7 @@ def long_library_files() -> dict[str, int]:
 
 def all_trees() -> dict[str, ast.Module]:
     """Every package's modules and the scripts, by path from the repository root."""
-    paths = [p for package in PACKAGES for p in package.rglob("*.py")] + sorted((ROOT / "scripts").glob("*.py"))
+    paths = [p for package in PACKAGES for p in package.rglob("*.py")] + sorted((ROOT / "scripts").rglob("*.py"))
     return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in paths}
 
 

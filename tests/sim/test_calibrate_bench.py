@@ -301,8 +301,8 @@ def test_cli_calibrate_bench(tmp_path, capsys):
     assert "nominal 920 Mbit/s" in capsys.readouterr().out
 
 
-def test_docs_script_regenerates_docs_and_the_results_page(tmp_path, capsys, load_script):
-    module = load_script("calibration_to_docs")
+def test_docs_script_regenerates_docs_and_the_results_page(tmp_path, capsys, load_producer):
+    module = load_producer("calibration")
     bench = write_bench(tmp_path)
     (bench / "runs" / "powersgd").rename(bench / "runs" / "powersgd-rmax")
     profile = tmp_path / "host.json"
@@ -316,7 +316,7 @@ def test_docs_script_regenerates_docs_and_the_results_page(tmp_path, capsys, loa
     assert "old" not in text and text.endswith("tail\n") and "| +0.0 % |" in row
     assert "rank-0 comm time (with peer wait) within 15%: none, fp16, powersgd-rmax r=4; outside: none." in text
     assert "link time" not in text  # no run was traced
-    assert "scripts/calibration_to_docs.py " + " ".join(args) in docs.read_text()
+    assert "scripts/to_docs.py calibration " + " ".join(args) in docs.read_text()
     assert module.main(args) == 0 and page.read_text() == text  # idempotent
 
 

@@ -123,7 +123,7 @@ def test_cli_calibrate_reads_a_tp_pp_bench_folder(tmp_path, capsys):
     assert "| none | cooldown | -/4 | 10 |" in out and "| yes |" in out
 
 
-def test_docs_script_fills_the_doc_section_and_the_results_page(tmp_path, load_script):
+def test_docs_script_fills_the_doc_section_and_the_results_page(tmp_path, load_producer):
     bench, _ = write_bench(tmp_path)
     (bench / "bench.md").write_text(
         "# edgc bench\n\n<!-- bench:start -->\n`edgc bench --tp 2 --pp 2` — 2 hosts × TP2 × "
@@ -134,7 +134,7 @@ def test_docs_script_fills_the_doc_section_and_the_results_page(tmp_path, load_s
     docs, page = tmp_path / "simulate.md", tmp_path / "page.md"
     docs.write_text("intro\n<!-- interstage-calibration:start -->\nSTALE\n<!-- interstage-calibration:end -->\nafter\n")
     page.write_text("top\n<!-- bench-tp-table:start -->\nSTALE\n<!-- bench-tp-table:end -->\n")
-    module = load_script("interstage_calibration_to_docs")
+    module = load_producer("interstage-calibration")
     assert module.main([str(bench), "--host-profile", str(profile), "--docs", str(docs), "--results", str(page)]) == 0
     doc = docs.read_text()
     assert "STALE" not in doc and doc.startswith("intro\n") and doc.endswith("after\n")

@@ -75,10 +75,10 @@ def test_larger_buckets_issue_less_on_the_same_device_work():
     assert all(cost.device_s > cost.host_s for cost in costs)
 
 
-def test_the_docs_block_is_this_models_output(load_script):
-    """docs/simulate.md's engine-model block is what scripts/engine_model_to_docs.py writes now
+def test_the_docs_block_is_this_models_output(load_producer):
+    """docs/simulate.md's engine-model block is what scripts/to_docs.py engine-model writes now
     (regenerate with it after changing the model, the h100 preset or the committed count)."""
-    script = load_script("engine_model_to_docs")
+    script = load_producer("engine-model")
     page = (DOCS.parent / "simulate.md").read_text()
     start, end = (f"<!-- {script.BLOCK}:{edge} -->" for edge in ("start", "end"))
     assert page.split(start, 1)[1].split(end, 1)[0].strip() == script.block(COUNT).strip()

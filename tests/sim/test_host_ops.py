@@ -89,10 +89,10 @@ def test_op_classes(name, kind):
     assert op_class(name) == kind
 
 
-def test_the_committed_model_is_within_its_bound_of_each_measured_hook_row_and_in_the_docs(load_script):
+def test_the_committed_model_is_within_its_bound_of_each_measured_hook_row_and_in_the_docs(load_producer):
     """The H200 trace, its per-op cost and the measured engine's census give each measured row within
-    CHECK_WITHIN; docs/gpu.md shows these tables (scripts/host_model_to_docs.py)."""
-    script = load_script("host_model_to_docs")
+    CHECK_WITHIN; docs/gpu.md shows these tables (scripts/to_docs.py host-model)."""
+    script = load_producer("host-model")
     launch_s = json.loads((RUN / "device.json").read_text())["measured"]["launch_s"]
     costs = costs_from_trace(
         read_trace(RUN / "trace_nccl.json.gz"), launch_s, "docs/gpu/h200-2026-11-27/trace_nccl.json.gz"

@@ -1,7 +1,7 @@
 """Every step kind's kernels, bytes and memory per compressed element, into docs/concepts/engine.md.
 
     python -m edgc_bench.step_kinds --out docs/engine/step-kinds.json     # GPT-2 XL, rank 32, minutes
-    python scripts/step_kinds_to_docs.py                                   # the block
+    python scripts/to_docs.py step-kinds                                   # the block
 
 Reads docs/engine/step-kinds.json and writes the ``step-kinds`` block: per step kind (static,
 sampled, rank change, torchft's uncommitted step) the dispatches, the bytes moved and the memory
@@ -15,15 +15,11 @@ from the file.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import ROOT, write
 
-REPO = Path(__file__).resolve().parent.parent
-FIGURES = REPO / "docs" / "engine" / "step-kinds.json"
-BEFORE = REPO / "docs" / "engine" / "step-kinds-before.json"  # the engine before jobs over fixed buffers
+FIGURES = ROOT / "docs" / "engine" / "step-kinds.json"
+BEFORE = ROOT / "docs" / "engine" / "step-kinds-before.json"  # the engine before jobs over fixed buffers
 # What a step at GPT-2 XL widths is held to (the hook at the device's pace): dispatches eager and with
 # CUDA graphs, after the last bucket's entry, a sampled step's beyond a static one's, host reads a step
 PACE_GOALS = {
@@ -194,14 +190,10 @@ def _missed(row: dict, bytes_limit: float) -> str:
 def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     figures = json.loads(FIGURES.read_text())
     page = write("step-kinds", block(figures))
-    print(f"wrote the step-kinds block of {page.relative_to(REPO)}")
+    print(f"wrote the step-kinds block of {page.relative_to(ROOT)}")
     if "pace" in figures:
         text = pace_block(figures, json.loads(BEFORE.read_text()))
         for name in PACE_BLOCKS:
             page = write(name, text)
-            print(f"wrote the {name} block of {page.relative_to(REPO)}")
+            print(f"wrote the {name} block of {page.relative_to(ROOT)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """The simulator's host model per op class: checked against the H200's hook, its prediction for this engine.
 
-    python scripts/host_model_to_docs.py census --out docs/gpu/h200-2026-11-27/op-census.json
-    python scripts/host_model_to_docs.py                     # the block (counts this engine: minutes)
-    python scripts/host_model_to_docs.py --engine-census FILE [--graphs-census FILE]
+    python scripts/to_docs.py host-model census --out docs/gpu/h200-2026-11-27/op-census.json
+    python scripts/to_docs.py host-model                     # the block (counts this engine: minutes)
+    python scripts/to_docs.py host-model --engine-census FILE [--graphs-census FILE]
 
 ``census`` counts one hook step of this checkout's engine at GPT-2 XL, rank 32, bf16 gradients, DDP's
 default, 100 and 200 MB buckets (`edgc_probes.dispatch_count`, fake tensors, views counted beside the
@@ -22,13 +22,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, write  # noqa: E402
+from doc_blocks import ROOT, write
 
 RUN = ROOT / "docs" / "gpu" / "h200-2026-11-27"
 PROFILED = ROOT / "docs" / "gpu" / "h200-2026-11-27-profiled"
@@ -112,7 +110,7 @@ def census_file(steps: dict, graphs: bool) -> dict:
         "world_size": 1,
         "cuda_graphs": graphs,
         "torch": torch.__version__,
-        "command": "python scripts/host_model_to_docs.py census" + (" --graphs" if graphs else ""),
+        "command": "python scripts/to_docs.py host-model census" + (" --graphs" if graphs else ""),
         "steps": steps,
     }
 
@@ -196,7 +194,7 @@ def block(run: Path, profiled: Path, measured_census: dict, engine: dict, graphs
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="to_docs.py host-model", description=__doc__.split("\n")[0])
     p.add_argument("what", nargs="?", choices=["census"], help="census: count this engine and write --out")
     p.add_argument("--out", type=Path, help="with census: the JSON to write")
     p.add_argument("--graphs", action="store_true", help="with census: count with the engine's CUDA graphs on")
@@ -227,7 +225,3 @@ def main(argv: list[str] | None = None) -> int:
         graphs = None if counted is None else census_file(counted, True)
     print(write(BLOCK, block(args.run, args.profiled, read(args.census), engine, graphs)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Our engine's modelled cost of a compressed GPT-2 XL step on the simulator's `h100` preset, into docs/simulate.md.
 
-    PYTHONPATH=src .venv/bin/python scripts/engine_model_to_docs.py
+    PYTHONPATH=src .venv/bin/python scripts/to_docs.py engine-model
 
 Writes the ``engine-model`` block: per DDP bucket size, with the library's fusion and without it, the
 jobs of one step, the launches `edgc_sim.engine_model` counts beside the dispatches counted for
@@ -12,21 +12,17 @@ this model's output. Nothing is typed: every figure comes from the model and the
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import ROOT, write
 
-from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB  # noqa: E402
-from edgc_probes.gpt2_layout import GPT2_SIZES  # noqa: E402
-from edgc_sim import engine_model as em  # noqa: E402
-from edgc_sim.collectives import gpt2_gradient_shapes  # noqa: E402
-from edgc_sim.hardware import DEVICES  # noqa: E402
-from edgc_sim.presets import ModelSpec  # noqa: E402
+from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
+from edgc_probes.gpt2_layout import GPT2_SIZES
+from edgc_sim import engine_model as em
+from edgc_sim.collectives import gpt2_gradient_shapes
+from edgc_sim.hardware import DEVICES
+from edgc_sim.presets import ModelSpec
 
-REPO = Path(__file__).resolve().parent.parent
-COUNT = REPO / "docs" / "gpu" / "count" / "count.json"
+COUNT = ROOT / "docs" / "gpu" / "count" / "count.json"
 BLOCK = "engine-model"
 # (DDP bucket MB, fusion MB): DDP's default buckets apart and fused, then the larger buckets fused
 CASES = ((25, 0), (25, None), (100, None), (200, None))
@@ -90,9 +86,5 @@ def block(count: dict, device=DEVICES["h100"]) -> str:
 
 def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     page = write(BLOCK, block(json.loads(COUNT.read_text())))
-    print(f"wrote block {BLOCK!r} in {page.relative_to(REPO)}")
+    print(f"wrote block {BLOCK!r} in {page.relative_to(ROOT)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Memory per rank of HSDP + EDGC vs native HSDP (FSDP2 on a 2-D mesh), 4 gloo processes, CPU.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/fsdp_memory.py [--preset tiny] [--steps 8]
+    PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/to_docs.py fsdp-memory [--preset tiny] [--steps 8]
 
 Each variant runs in fresh processes (2 replicas × 2 shards) on the GPT-2 harness model with random
 tokens. Per rank it reports: the peak resident set size (``ru_maxrss``: the whole process, torch
@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from doc_blocks import ROOT, write
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests" / "core"))  # the suite's process launcher, timeouts and all
 from distributed_harness import run_distributed  # noqa: E402
-from doc_blocks import write  # noqa: E402
 
 
 def nbytes(tensors) -> int:
@@ -81,7 +80,7 @@ def worker(rank, world, variant, preset, steps, vocab, seq_len, batch):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py fsdp-memory", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=4096)
@@ -107,7 +106,7 @@ def render(results: dict, args) -> str:
     """The table and the sentence under it, from the measurements alone."""
     mib = 2**20
     lines = [
-        f"`PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/fsdp_memory.py --preset {args.preset} --steps "
+        f"`PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/to_docs.py fsdp-memory --preset {args.preset} --steps "
         f"{args.steps}`: "
         f"GPT-2 {args.preset}, vocab {args.vocab}, 2 replicas × 2 shards, {args.steps} steps, "
         f"batch {args.batch}×{args.seq_len} per rank (CPU, gloo)",
@@ -130,7 +129,3 @@ def render(results: dict, args) -> str:
         f"is {min(extra):+.1f} to {max(extra):+.1f} MiB.",
     ]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Compare two `edgc bench` folders method by method (an A/B of two code versions or settings)
 and write the table into a markdown file between <!-- MARKER:start/end -->.
 
-    python scripts/bench_ab_to_docs.py A B --label-a "hand-written TP" --label-b "DTensor TP" \
+    python scripts/to_docs.py bench-ab A B --label-a "hand-written TP" --label-b "DTensor TP" \
         --marker bench-tp-ab [--doc PAGE]
 
 Only methods both folders ran are compared. Every number comes from the folders' results.json;
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import write
 
 
 def load(folder: Path) -> dict:
@@ -57,7 +55,7 @@ def table(a: dict, b: dict, label_a: str, label_b: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py bench-ab", description=__doc__.splitlines()[0])
     parser.add_argument("a", type=Path)
     parser.add_argument("b", type=Path)
     parser.add_argument("--label-a", default="A")
@@ -77,7 +75,3 @@ def main(argv=None) -> int:
     page = write(args.marker, body, args.doc, add_missing=True)
     print(f"{page}: {args.marker} from {args.a} and {args.b}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

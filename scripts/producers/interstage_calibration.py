@@ -1,7 +1,7 @@
 """Regenerate the inter-stage calibration section of docs/simulate.md and the TP × PP results
 from one `edgc bench --tp T --pp P` folder.
 
-    .venv/bin/python scripts/interstage_calibration_to_docs.py runs/bench-tp --host-profile runs/bench-tp/host.json
+    .venv/bin/python scripts/to_docs.py interstage-calibration runs/bench-tp --host-profile runs/bench-tp/host.json
 
 It runs the same calibration as `edgc simulate --calibrate BENCH --host-profile PROFILE`
 (edgc_sim.calibrate_pipeline; this CPU and its local gloo link are measured when no profile is
@@ -15,18 +15,14 @@ typed by hand.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_to_docs import section  # noqa: E402  (the bench's own table)
-from doc_blocks import write  # noqa: E402
+from doc_blocks import ROOT, write
 
-from edgc_sim.calibrate import load_run  # noqa: E402
-from edgc_sim.calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration  # noqa: E402
-from edgc_sim.cli import expand_bench_dirs  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from edgc_sim.calibrate import load_run
+from edgc_sim.calibrate_pipeline import calibrate_pipeline, format_pipeline_calibration
+from edgc_sim.cli import expand_bench_dirs
+from producers.bench import section  # the bench's own table
 
 
 def span(values) -> str:
@@ -64,7 +60,7 @@ def summary(rows) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py interstage-calibration", description=__doc__.splitlines()[0])
     parser.add_argument("bench", help="an `edgc bench --tp/--pp` output folder")
     parser.add_argument("--host-profile", help="edgc simulate --measure-host --save-profile JSON (default: measure)")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "simulate.md"))
@@ -102,7 +98,3 @@ def main(argv=None) -> int:
     write("interstage-calibration-line", line, results, add_missing=True)
     print(f"{docs}, {results}: inter-stage calibration of {bench}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The profiled GPU run's sections of docs/gpu.md and the README (`scripts/gpu_to_docs.py --profiled DIR`).
+"""The profiled GPU run's sections of docs/gpu.md and the README (`scripts/to_docs.py gpu --profiled DIR`).
 
 DIR holds what one call of the device tool wrote with
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from doc_blocks import ROOT
+
 DASH = "–"
 
 
@@ -36,7 +37,7 @@ def load(folder: Path) -> dict:
         "engine": _read(folder / "engine.json") or {"hook_alone": [], "errors": []},
         "outer": _read(folder / "outer.json") or {"rows": [], "errors": []},
         "hbm": hbm,
-        "cost": _read(REPO / "docs" / "engine" / "cost.json") or {},
+        "cost": _read(ROOT / "docs" / "engine" / "cost.json") or {},
     }
 
 
@@ -150,7 +151,7 @@ def sections(folder: Path) -> tuple[list[str], list[str]]:
     run = load(folder)
     env = run["env"]
     where = (
-        f"`{folder.resolve().relative_to(REPO) if folder.resolve().is_relative_to(REPO) else folder}`: "
+        f"`{folder.resolve().relative_to(ROOT) if folder.resolve().is_relative_to(ROOT) else folder}`: "
         f"{env.get('device', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', DASH)}, {env.get('date', '?')}"
     )
     docs = [

@@ -1,7 +1,7 @@
 """The dispatch counts of this checkout's engine, and the DDP bucket size they recommend, into docs/gpu.md.
 
     python -m edgc_bench.gpu --count-only --out docs/gpu/count     # counts on the CPU (~30 s)
-    python scripts/dispatch_count_to_docs.py                        # the block below, and the README's line
+    python scripts/to_docs.py dispatch-count                        # the block below, and the README's line
 
 Reads docs/gpu/count/count.json (this engine) and docs/gpu/before/count.json (the engine the first GPU
 run measured, counted on the CPU afterwards) and writes the ``dispatch-counts`` block of docs/gpu.md.
@@ -12,14 +12,10 @@ engine without a new count fails CI. Nothing is typed: every figure comes from t
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import ROOT, write
 
-REPO = Path(__file__).resolve().parent.parent
-CURRENT, BEFORE = REPO / "docs" / "gpu" / "count" / "count.json", REPO / "docs" / "gpu" / "before" / "count.json"
+CURRENT, BEFORE = ROOT / "docs" / "gpu" / "count" / "count.json", ROOT / "docs" / "gpu" / "before" / "count.json"
 SIZES = ("medium", "large", "xl")
 
 
@@ -71,7 +67,3 @@ def main(argv: list[str] | None = None) -> int:  # no arguments: every input is 
     before = json.loads(BEFORE.read_text()) if BEFORE.exists() else None
     write("dispatch-counts", block(current, before))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Regenerate docs/calibration.md and the results' calibration table from one `edgc bench` folder.
 
-    .venv/bin/python scripts/calibration_to_docs.py runs/bench-4 --host-profile runs/bench-4/host.json
-    .venv/bin/python scripts/calibration_to_docs.py runs/bench --link-calibration runs/link/calibration.json
+    .venv/bin/python scripts/to_docs.py calibration runs/bench-4 --host-profile runs/bench-4/host.json
+    .venv/bin/python scripts/to_docs.py calibration runs/bench --link-calibration runs/link/calibration.json
 
 It runs the same calibration as `edgc simulate --calibrate BENCH/runs/{none,fp16,bf16,powersgd-rmax,
 powersgd-rmin,torch-powersgd,edgc}` (the methods present; `none` is required), with the link fitted
@@ -15,19 +15,16 @@ with the per-method errors. No number is typed by hand.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import page_of, replace  # noqa: E402
+from doc_blocks import ROOT, page_of, replace
 
-from edgc_sim.bench_link import bench_link, find_bench_calibration  # noqa: E402
-from edgc_sim.calibrate import load_run  # noqa: E402
-from edgc_sim.calibrate_bench import LATENCY_SOURCES, NEW_STYLE, calibrate_bench  # noqa: E402
-from edgc_sim.calibration_tables import format_bench_calibration  # noqa: E402
-from edgc_sim.host import load_profile, measure_host  # noqa: E402
+from edgc_sim.bench_link import bench_link, find_bench_calibration
+from edgc_sim.calibrate import load_run
+from edgc_sim.calibrate_bench import LATENCY_SOURCES, NEW_STYLE, calibrate_bench
+from edgc_sim.calibration_tables import format_bench_calibration
+from edgc_sim.host import load_profile, measure_host
 
-ROOT = Path(__file__).resolve().parents[1]
 METHODS = (
     "none",
     "nosync",
@@ -141,7 +138,7 @@ def calibration_page(regenerate: str, command: str, table: str, judgement: str) 
             "collectives per step and comm_trace/ each collective's time on every rank, from which the "
             "other runs' fixed cost per collective is taken), measure the host on the idle machine with "
             "`.venv/bin/edgc simulate --measure-host --host-processes 2 --save-profile runs/bench-N/host.json` "
-            "and run `.venv/bin/python scripts/calibration_to_docs.py runs/bench-N --host-profile "
+            "and run `.venv/bin/python scripts/to_docs.py calibration runs/bench-N --host-profile "
             "runs/bench-N/host.json`.",
             "",
             table,
@@ -153,7 +150,9 @@ def calibration_page(regenerate: str, command: str, table: str, judgement: str) 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="to_docs.py calibration", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("bench", help="an `edgc bench --out` folder (runs/<method>/ inside)")
     parser.add_argument("--link-calibration", help="calibration.json to fit the link from (default: BENCH's)")
     parser.add_argument(
@@ -194,7 +193,7 @@ def main(argv: list[str]) -> int:
         command += f" --host-profile {args.host_profile}"
     if args.latency != "traced":
         command += f" --latency {args.latency}"
-    regenerate = ".venv/bin/python scripts/calibration_to_docs.py " + " ".join(argv)
+    regenerate = ".venv/bin/python scripts/to_docs.py calibration " + " ".join(argv)
     doc = calibration_page(regenerate, command, format_bench_calibration(rows, link, device), verdict(rows))
     Path(args.docs).write_text(doc)
     results = Path(args.results) if args.results else page_of("calibration-table")
@@ -204,7 +203,3 @@ def main(argv: list[str]) -> int:
     print(doc)
     print(f"written: {args.docs}, {results} (calibration table)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

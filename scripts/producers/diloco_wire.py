@@ -1,7 +1,7 @@
 """Copy the bytes on the sockets per outer step of `edgc bench --diloco` runs at several group counts
 into the slow-links guide (block ``diloco-wire``), never typed by hand.
 
-    .venv/bin/python scripts/diloco_wire_to_docs.py runs/wire-3 runs/wire-6
+    .venv/bin/python scripts/to_docs.py diloco-wire runs/wire-3 runs/wire-6
 
 Each folder is one bench (its results.json) at one ``--hosts``; per method: the payload one group put
 into the sync per outer step, what left a host's interface per outer step (the mean over the hosts of
@@ -12,14 +12,11 @@ same bench.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import write
 
-from edgc_bench.diloco_table import label, wire_per_sync  # noqa: E402
+from edgc_bench.diloco_table import label, wire_per_sync
 
 REFERENCE = "diloco"
 BOUND = 0.06  # the wire per outer step the frontier is held to, against torchft's DiLoCo
@@ -86,7 +83,3 @@ def main(argv: list[str]) -> int:
     page = write("diloco-wire", block([Path(a) for a in argv]))
     print(f"{page}: diloco-wire from {', '.join(argv)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

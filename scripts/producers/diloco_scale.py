@@ -1,6 +1,6 @@
 """Copy DiLoCo's many-groups figures into the slow-links guide, each from the output that made it.
 
-    python scripts/diloco_scale_to_docs.py --scaling runs/scale/scaling.md \\
+    python scripts/to_docs.py diloco-scale --scaling runs/scale/scaling.md \\
         --memory runs/mem/outer_memory.json --sim runs/scale
 
 Blocks (scripts/doc_blocks.py finds their page): ``bench-diloco-scaling`` from the scaling.md that
@@ -19,8 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, read, write  # noqa: E402
+from doc_blocks import ROOT, read, write
 
 SIM_BLOCKS = ("sim-diloco-internet", "sim-diloco-crossover", "sim-diloco-groups", "sim-diloco-calibration")
 
@@ -50,7 +49,7 @@ def memory_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="to_docs.py diloco-scale", description=__doc__.split("\n")[0])
     p.add_argument("--scaling", help="scaling.md of `edgc bench --diloco --scaling`")
     p.add_argument("--memory", help="the JSON of `python -m edgc_bench.outer_memory --out` (several: a,b)")
     p.add_argument("--sim", metavar="BENCH_DIR", help="run `edgc simulate --diloco --diloco-bench BENCH_DIR`")
@@ -66,7 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         for name in SIM_BLOCKS:
             print(write(name, between(done.stdout, name)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

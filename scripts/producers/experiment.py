@@ -1,6 +1,6 @@
 """Copy an `edgc experiment` run's summary (its headline and tables) into the manual (never typed by hand).
 
-    .venv/bin/python scripts/experiment_to_docs.py RESULTS_DIR --block NAME [--plot FILE …]
+    .venv/bin/python scripts/to_docs.py experiment RESULTS_DIR --block NAME [--plot FILE …]
 
 Replaces block NAME (scripts/doc_blocks.py finds its page: ``experiment-entropy-trend``,
 ``experiment-sampling``, ``experiment-cqm``, ``experiment-rank-sweep``, ``experiment-window`` and
@@ -17,11 +17,9 @@ STEM the file's own name (diloco-frontier-regime: ``--plot frontier.png --plot c
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, write  # noqa: E402
+from doc_blocks import ROOT, write
 
 
 def block(summary: str) -> str:
@@ -43,7 +41,7 @@ def copy_summary(results: Path, name: str, plots: list[str] | None = None) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py experiment", description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="the experiment's folder (runs/experiments/NAME)")
     parser.add_argument("--block", required=True, help="the block to fill, e.g. pareto or experiment-window")
     parser.add_argument(
@@ -54,7 +52,3 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     copy_summary(args.results, args.block, args.plot)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

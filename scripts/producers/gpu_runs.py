@@ -1,4 +1,4 @@
-"""A GPU run's files (`python -m edgc_bench.gpu --out DIR`) as scripts/gpu_to_docs.py reads them: each
+"""A GPU run's files (`python -m edgc_bench.gpu --out DIR`) as scripts/to_docs.py gpu reads them: each
 file of the folder, the rows a figure is read from, and the cells it is shown in (before → after)."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from doc_blocks import ROOT
+
 GIB = 2**30
 GOAL_RATIO, GOAL_SHARE = 0.5, 0.05  # the GPU goals: EDGC ≤ 0.5× powerSGD_hook, ≤ 5 % of backward
 DASH = "–"
@@ -114,7 +115,7 @@ def verdict(value, goal: float, unit: str, spec: str) -> str:
 def shown(folder: Path) -> str:
     """A run folder as the docs name it: relative to the repository when inside it."""
     try:
-        return str(folder.resolve().relative_to(REPO))
+        return str(folder.resolve().relative_to(ROOT))
     except ValueError:
         return str(folder)
 

@@ -1,10 +1,10 @@
 """Copy the figures of GPU runs (`python -m edgc_bench.gpu --out DIR`) into docs/gpu.md and the README.
 
-    python scripts/gpu_to_docs.py RUN [--before BEFORE] [--profiled PROFILED]
+    python scripts/to_docs.py gpu RUN [--before BEFORE] [--profiled PROFILED]
 
 A run in parts (the folder holds summary.json: hook.json, sampled.json, outer.json, tests.json,
-ncu.json) is shown by scripts/gpu_measured.py, beside BEFORE and PROFILED, the earlier run's two
-folders: ``python scripts/gpu_to_docs.py RUN --before docs/gpu/h200-2026-11-27 --profiled
+ncu.json) is shown by scripts/producers/gpu_measured.py, beside BEFORE and PROFILED, the earlier run's two
+folders: ``python scripts/to_docs.py gpu RUN --before docs/gpu/h200-2026-11-27 --profiled
 docs/gpu/h200-2026-11-27-profiled``. Otherwise:
 
 RUN and BEFORE are folders of a run's files: env.json, engine.json, overlap.json, device.json and,
@@ -13,22 +13,23 @@ every figure the two runs share is shown as before → after. Writes the block b
 ``<!-- gpu-figures:start -->`` … ``end`` in docs/gpu.md and the shorter ``gpu`` block in README.md, and
 docs/img/gpu_overlap.png from RUN's trace (the NCCL run's, with its injected delay, else gloo's)
 when RUN has one. The first run's small files are kept in docs/gpu/before/, so
-``python scripts/gpu_to_docs.py docs/gpu/before`` rebuilds the docs from a clean clone (the
+``python scripts/to_docs.py gpu docs/gpu/before`` rebuilds the docs from a clean clone (the
 picture then stays as it is). Nothing is typed: every figure comes from the files.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402  (finds the page that holds a block and replaces it)
-from gpu_runs import (  # noqa: E402  (a run's files, its rows and cells)
+from doc_blocks import ROOT, write  # finds the page that holds a block and replaces it
+
+from edgc_bench import gpu_trace
+from producers import gpu_measured
+from producers.gpu_profiled import sections
+from producers.gpu_runs import (  # a run's files, its rows and cells
     GOAL_RATIO,
     GOAL_SHARE,
-    REPO,
     alone_row,
     describe,
     goal_rank,
@@ -40,7 +41,7 @@ from gpu_runs import (  # noqa: E402  (a run's files, its rows and cells)
     step_row,
     verdict,
 )
-from gpu_tables import (  # noqa: E402  (the figures' tables and lines)
+from producers.gpu_tables import (  # the figures' tables and lines
     alone_table,
     bucket_table,
     count_table,
@@ -50,8 +51,6 @@ from gpu_tables import (  # noqa: E402  (the figures' tables and lines)
     step_table,
     trace_lines,
 )
-
-from edgc_bench import gpu_trace  # noqa: E402
 
 FIGURES, SUMMARY = "gpu-figures", "gpu"  # the blocks of docs/gpu.md and of the README
 
@@ -185,32 +184,24 @@ def build(
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py gpu", description=__doc__.strip().splitlines()[0])
     parser.add_argument("run", type=Path, help="the run's folder")
     parser.add_argument("--before", type=Path, help="an earlier run's folder, shown beside it")
-    parser.add_argument("--profiled", type=Path, help="a profiled run's folder (scripts/gpu_profiled.py)")
+    parser.add_argument("--profiled", type=Path, help="a profiled run's folder (scripts/producers/gpu_profiled.py)")
     args = parser.parse_args(argv)
     if (args.run / "summary.json").exists():  # a run in parts: --profiled is the earlier run's companion
-        import gpu_measured
-
         docs, readme = gpu_measured.build(gpu_measured.load(args.run), gpu_measured.load(args.before, args.profiled))
         for block, lines in ((FIGURES, docs), (SUMMARY, readme)):
             write(block, "\n".join(lines))
         return 0
     run, before = load_run(args.run), load_run(args.before) if args.before else None
     docs, readme = build(
-        run, before, REPO / "docs" / "img" / "gpu_overlap.png", read_json(REPO / "docs" / "gpu" / "count", "count")
+        run, before, ROOT / "docs" / "img" / "gpu_overlap.png", read_json(ROOT / "docs" / "gpu" / "count", "count")
     )
     if args.profiled:
-        from gpu_profiled import sections
-
         more_docs, more_readme = sections(args.profiled)
         docs += more_docs
         readme[-1:-1] = more_readme  # before the closing line that points to the page
     for block, lines in ((FIGURES, docs), (SUMMARY, readme)):
         write(block, "\n".join(lines))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

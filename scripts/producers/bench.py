@@ -1,6 +1,6 @@
 """Copy the table that `edgc bench` wrote (OUT/bench.md, between <!-- bench:start/end -->) into the manual.
 
-    python scripts/bench_to_docs.py runs/bench/bench.md [PAGE]
+    python scripts/to_docs.py bench runs/bench/bench.md [PAGE]
 
 Each kind of bench has its own block (scripts/doc_blocks.py finds the page that holds it; PAGE names
 another page, and the block is added at its end when missing): ``bench-table`` for the default DDP
@@ -24,8 +24,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import markers, name_of, page_of, replace, write  # noqa: E402
+from doc_blocks import markers, name_of, page_of, replace, write
 
 START, END = markers("bench-table")
 HSDP_START, HSDP_END = markers("bench-hsdp-table")
@@ -103,7 +102,3 @@ def main(argv: list[str]) -> int:
     write(name_of(start), table, page, add_missing=True)
     print(f"{page}: bench table from {bench}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

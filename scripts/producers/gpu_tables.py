@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_runs import (  # noqa: E402
+from edgc_bench import gpu_trace
+from producers.gpu_runs import (
     DASH,
     GIB,
     alone_row,
@@ -21,8 +19,6 @@ from gpu_runs import (  # noqa: E402
     ratio,
     step_row,
 )
-
-from edgc_bench import gpu_trace  # noqa: E402
 
 
 def step_table(run: dict, before: dict | None) -> list[str]:

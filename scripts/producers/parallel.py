@@ -1,6 +1,6 @@
 """Run `edgc train` in 3D (TP × PP × DP) with and without compression and write the numbers into the manual.
 
-    PYTHONPATH=src .venv/bin/python scripts/parallel_to_docs.py [--runs runs/3d] [--reuse]
+    PYTHONPATH=src .venv/bin/python scripts/to_docs.py parallel [--runs runs/3d] [--reuse]
 
 Both runs use the same command apart from the compressor flags; the table between the
 ``parallel-table`` markers (docs/results/3d.md) is rendered from their metrics.jsonl only (nothing typed by hand).
@@ -13,11 +13,9 @@ import json
 import shlex
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, write  # noqa: E402
+from doc_blocks import ROOT, write
 
 BASE = [
     "--preset",
@@ -137,7 +135,7 @@ def render(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs/3d")
     parser.add_argument(
         "--reuse",
@@ -157,7 +155,3 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"written: {write('parallel-table', text)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

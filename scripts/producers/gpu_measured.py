@@ -1,16 +1,14 @@
 """The figures of a GPU run in parts (`python -m edgc_bench.gpu`: summary.json, hook.json, sampled.json,
 outer.json, tests.json, ncu.json) as docs/gpu.md's block and the README's, each beside the earlier
 run's (``--before`` a whole run's folder, ``--profiled`` its profiled companion: engine.json with the
-kernels, outer.json, hbm*.json) as before → after. scripts/gpu_to_docs.py calls `build` when the run's
+kernels, outer.json, hbm*.json) as before → after. scripts/to_docs.py gpu calls `build` when the run's
 folder has a summary.json."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_runs import DASH, GIB, describe, fmt, markdown_table, read_json, shown  # noqa: E402
+from producers.gpu_runs import DASH, GIB, describe, fmt, markdown_table, read_json, shown
 
 GOAL_ADDED, GOAL_SAMPLED, GOAL_OUTER_S = 0.05, 0.10, 1.0  # ≤ 5 % of backward; ≤ a static step + 10 %; ≤ 1 s
 MODEL, RANK = "xl", 32  # the goals' model and rank, when a run does not say

@@ -1,7 +1,7 @@
 """Copy the side-by-side view of repeated `edgc bench` runs into the manual (never typed by hand).
 
-    .venv/bin/python scripts/bench_repeats_to_docs.py runs/bench-18 runs/bench-18-r2 …
-    .venv/bin/python scripts/bench_repeats_to_docs.py --block bench-repeats-vm2 runs/bench-30 …
+    .venv/bin/python scripts/to_docs.py bench-repeats runs/bench-18 runs/bench-18-r2 …
+    .venv/bin/python scripts/to_docs.py bench-repeats --block bench-repeats-vm2 runs/bench-30 …
 
 Replaces block ``bench-repeats`` (or ``--block NAME``: runs on another machine go into a view of their
 own, since their ratios are not draws of the same machine's noise; docs/results/bench.md holds both)
@@ -9,13 +9,11 @@ with ``python -m edgc_bench.repeats RUN…``'s output.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import write
 
-from edgc_bench.repeats import render  # noqa: E402
+from edgc_bench.repeats import render
 
 
 def write_view(paths: list[str], page: Path | None = None, block: str = "bench-repeats") -> None:
@@ -23,13 +21,9 @@ def write_view(paths: list[str], page: Path | None = None, block: str = "bench-r
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py bench-repeats", description=__doc__.splitlines()[0])
     parser.add_argument("--block", default="bench-repeats", help="block name (default: bench-repeats)")
     parser.add_argument("runs", nargs="+", help="bench output folders")
     args = parser.parse_args(argv)
     write_view(args.runs, block=args.block)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Copy the summaries of the results pages from their generated blocks (never typed by hand).
 
-    .venv/bin/python scripts/results_summary.py          # rewrite the summary blocks
-    .venv/bin/python scripts/results_summary.py --check  # exit 1 if one of them is stale
+    .venv/bin/python scripts/to_docs.py results-summary          # rewrite the summary blocks
+    .venv/bin/python scripts/to_docs.py results-summary --check  # exit 1 if one of them is stale
 
 Each row is read from a block that a script copied from a run's output (docs/results/). The README's
 ``results-summary`` block: the DDP bench at 1 Gbit/s and 100 Mbit/s, HSDP, torchft with a replica
@@ -18,8 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, is_current, page_of, read, write  # noqa: E402
+from doc_blocks import ROOT, is_current, page_of, read, write
 
 
 def block(name: str, root: Path = ROOT) -> str:
@@ -184,7 +183,7 @@ def diloco_summary(root: Path = ROOT) -> str:
     h, rounds = check(head, r"DiLoCo H = (\d+)"), check(head, r"(\d+) round\(s\) per link")
     intro = (
         f"From `edgc bench --diloco` ({hosts} hosts, GPT-2 `{preset}`, {steps} inner steps, DiLoCo H = {h}, "
-        f"{rounds} rounds per link: their mean), copied by `scripts/results_summary.py` from [the DiLoCo "
+        f"{rounds} rounds per link: their mean), copied by `scripts/to_docs.py results-summary` from [the DiLoCo "
         "results page](../results/diloco.md), which has every method, the ranges over the rounds and the "
         "settings. A link's target is the highest of its runs' lowest validation losses, the later target "
         "the same over the runs that took every step; the speed-ups are at the target / the later target, "
@@ -242,12 +241,8 @@ def main(argv: list[str]) -> int:
     if "--check" in argv and stale:
         print(
             f"{', '.join(str(p.relative_to(ROOT)) for p in stale)}: a results summary is stale; "
-            "run scripts/results_summary.py",
+            "run scripts/to_docs.py results-summary",
             file=sys.stderr,
         )
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,18 +1,16 @@
 """Copy the table `python -m edgc_bench.stages` wrote (OUT/stages.md) into the manual.
 
-    .venv/bin/python scripts/stages_to_docs.py OUT --block stages-pp2     # PP2 × DP2
-    .venv/bin/python scripts/stages_to_docs.py OUT --block stages-3d      # TP2 × PP2 × DP2
+    .venv/bin/python scripts/to_docs.py stages OUT --block stages-pp2     # PP2 × DP2
+    .venv/bin/python scripts/to_docs.py stages OUT --block stages-3d      # TP2 × PP2 × DP2
 
 Replaces the block (docs/results/3d.md) with OUT/stages.md's table and the spread line under it;
 nothing is typed by hand.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import write
 
 
 def table(stages_md: str) -> str:
@@ -25,13 +23,9 @@ def table(stages_md: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="to_docs.py stages", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the --out folder of python -m edgc_bench.stages")
     parser.add_argument("--block", required=True, help="stages-pp2 or stages-3d")
     args = parser.parse_args(argv)
     print(f"written: {write(args.block, table((args.out / 'stages.md').read_text()))}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Run `edgc simulate` for the paper's presets and write the projections into the manual.
 
-    PYTHONPATH=src .venv/bin/python scripts/simulate_to_docs.py
+    PYTHONPATH=src .venv/bin/python scripts/to_docs.py simulate
 
 Fills three blocks (see scripts/doc_blocks.py): ``simulate-presets`` (every method, each preset on
 its assumed cluster) and ``simulate-links`` (EDGC on each inter-node link) in docs/simulate.md, and
@@ -16,8 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import ROOT, write  # noqa: E402
+from doc_blocks import ROOT, write
 
 PRESETS = {"gpt2-2.5b": "GPT2-2.5B", "gpt2-12.1b": "GPT2-12.1B"}
 LINKS = {
@@ -104,7 +103,3 @@ def main(argv: list[str] | None = None) -> int:  # no arguments: every input is 
     rows.append(f"| paper, best case | -{PAPER[0]} | -{PAPER[1]} |")
     write("simulate-summary", "\n".join(rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The engine's bytes and memory per compressed element, before and now, into docs/concepts/engine.md.
 
     python -m edgc_bench.engine_cost --out docs/engine/cost.json     # this engine, CPU, ~1 min
-    python scripts/engine_cost_to_docs.py                              # the block
+    python scripts/to_docs.py engine-cost                              # the block
 
 Reads docs/engine/cost.json (this engine) and docs/engine/cost-before.json (the same command run on
 the engine of commit 0eee217, which gathered the gradients into one copy per job, added it to the
@@ -15,14 +15,10 @@ the two files.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_blocks import write  # noqa: E402
+from doc_blocks import ROOT, write
 
-REPO = Path(__file__).resolve().parent.parent
-CURRENT, BEFORE = REPO / "docs" / "engine" / "cost.json", REPO / "docs" / "engine" / "cost-before.json"
+CURRENT, BEFORE = ROOT / "docs" / "engine" / "cost.json", ROOT / "docs" / "engine" / "cost-before.json"
 
 
 def block(now: dict, before: dict) -> str:
@@ -65,9 +61,5 @@ def block(now: dict, before: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:  # no arguments: every input is committed
     page = write("engine-cost", block(json.loads(CURRENT.read_text()), json.loads(BEFORE.read_text())))
-    print(f"wrote the engine-cost block of {page.relative_to(REPO)}")
+    print(f"wrote the engine-cost block of {page.relative_to(ROOT)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
