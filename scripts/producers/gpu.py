@@ -25,8 +25,7 @@ from pathlib import Path
 from doc_blocks import ROOT, write  # finds the page that holds a block and replaces it
 
 from edgc_bench import gpu_trace
-from producers import gpu_measured
-from producers.gpu_profiled import sections
+from producers import gpu_measured, gpu_profiled
 from producers.gpu_runs import (  # a run's files, its rows and cells
     GOAL_RATIO,
     GOAL_SHARE,
@@ -199,7 +198,7 @@ def main(argv: list[str]) -> int:
         run, before, ROOT / "docs" / "img" / "gpu_overlap.png", read_json(ROOT / "docs" / "gpu" / "count", "count")
     )
     if args.profiled:
-        more_docs, more_readme = sections(args.profiled)
+        more_docs, more_readme = gpu_profiled.sections(args.profiled)
         docs += more_docs
         readme[-1:-1] = more_readme  # before the closing line that points to the page
     for block, lines in ((FIGURES, docs), (SUMMARY, readme)):

@@ -221,12 +221,8 @@ PROFILED = BEFORE.parent / "h200-2026-11-27-profiled"
 
 def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_producer):
     """docs/gpu.md and the README hold what the script makes of the committed H200 runs, line by line."""
-    import sys
-
     script = load_producer("gpu")
-    sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))
-    from gpu_profiled import sections
-
+    sections = script.gpu_profiled.sections
     image, current_count = tmp_path / "gpu_overlap.png", script.read_json(BEFORE.parent / "count", "count")
     docs, readme = script.build(script.load_run(H200), script.load_run(BEFORE), image, current_count)
     more_docs, more_readme = sections(PROFILED)
@@ -239,13 +235,9 @@ def test_the_committed_h200_runs_render_as_the_docs_show_them(tmp_path, load_pro
 
 
 def test_the_profiled_sections_copy_the_files_figures(load_producer):
-    import sys
-
-    sys.path.insert(0, str(BEFORE.parents[2] / "scripts"))
-    from gpu_profiled import load, sections
-
-    run = load(PROFILED)
-    docs, readme = sections(PROFILED)
+    profiled = load_producer("gpu").gpu_profiled
+    run = profiled.load(PROFILED)
+    docs, readme = profiled.sections(PROFILED)
     hbm = run["hbm"]["rows"][0]
     assert any(f"{hbm['bytes_per_compressed_element']:.1f} B per compressed element" in line for line in readme)
     assert run["hbm"]["errors"] and any("not measured" in line for line in docs)  # the sampled step's timeout
