@@ -8,7 +8,7 @@ Modules:
     dispatch_count.py       the kernel-launching dispatches of one compressed step, counted on the CPU, and their bytes
     op_traffic.py           what one dispatched op costs a GPU: its kernels and the bytes it reads and writes
     live_memory.py          the memory a step keeps alive beyond the gradients, counted by its storages
-    host_reads.py           the library's device→host reads, counted
+    host_reads.py           device→host reads, counted: the library's own, and any read of a tensor's value
     hook_steps.py           a DDP hook's state settled on fake gradients, without DDP or a process group
     stand_ins.py            what DDP and a process group hand the hook, without them: buckets, a recording communicator
     gpt2_layout.py          GPT-2 with Hugging Face's parameter layout in plain torch (shapes, smoke runs)

@@ -1,5 +1,7 @@
-"""The library's device→host reads (`edgc.device.timing.to_host`), counted: on a GPU each makes the
-host wait for the device, so what a step reads is counted where it cannot be timed."""
+"""The device→host reads of a piece of code, counted: on a GPU each makes the host wait for the
+device, so what a step reads is counted where it cannot be timed. `counted_host_reads` counts the
+library's own reads (`edgc.device.timing.to_host`); `CountHostReads` every Python-level read of a
+tensor's value (``.item()``, ``bool(t)``, …), wherever it is made."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+# The tensor methods that hand a value to Python, each a device→host read on a GPU.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
 
 class HostReads:
@@ -30,3 +36,16 @@ def counted_host_reads(answer: Callable[[torch.Tensor], list] | None = None) -> 
         yield counter
     finally:
         edgc.device.timing.to_host = real
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts every Python-level read of a tensor value (the calls that synchronise a GPU) in ``.reads``."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))

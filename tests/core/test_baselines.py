@@ -231,9 +231,8 @@ def test_two_processes_agree_and_conserve(kind):
 def _ddp_worker(rank, world_size, kind):
     """Six steps through DDP's hook with several buckets, counting the host reads of every step:
     Python-level reads of a tensor value inside the hook, and the library's own `to_host`."""
-    from test_overlap import CountHostReads
-
     import edgc.device.timing
+    from edgc_probes.host_reads import CountHostReads
 
     torch.manual_seed(0)
     model = TinyTransformer()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed_harness import only_batched_point_to_point, run_distributed
-from test_overlap import CountHostReads
 
 from edgc.parallel.interstage import (
     HEADER_BYTES,
@@ -15,6 +14,7 @@ from edgc.parallel.interstage import (
     interstage_rank,
     wire_bytes,
 )
+from edgc_probes.host_reads import CountHostReads
 
 
 def test_error_feedback_conserves_the_stage_gradient_in_float64():

@@ -6,27 +6,11 @@ import torch
 from distributed_harness import run_distributed
 from models import batch, flat_parameters, loss_fn
 from test_ddp import ADAPTIVE, build, train
-from torch.overrides import TorchFunctionMode
 
 import edgc.device.timing
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig, edgc_hook
 from edgc.distributed.comm import Communicator
-
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
-
-
-class CountHostReads(TorchFunctionMode):
-    """Counts every Python-level read of a tensor value (the calls that synchronise a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
+from edgc_probes.host_reads import CountHostReads
 
 # static rank 4 from step 2, every matrix compressed
 STATIC = dict(
