@@ -31,6 +31,7 @@ PRODUCERS = {
     "gpu": "gpu",
     "host-model": "host_model",
     "interstage-calibration": "interstage_calibration",
+    "mixed-precision": "mixed_precision",
     "orthonormalization": "orthonormalization",
     "parallel": "parallel",
     "results-summary": "results_summary",

@@ -45,4 +45,5 @@ Modules:
     engine_launches.py the simulator's dispatches per job term, fitted to the engine's counts
     orthonormalization.py  the engine's orthonormalisation against batched Householder QR (also a GPU part)
     warm_start.py   the warm start's orthonormalisation passes, measured by what the engine sends
+    mixed_precision.py  bf16 training against fp32 through the hook: loss and bytes (docs/integrations.md)
 """
