@@ -11,7 +11,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 PRODUCERS = SCRIPTS / "producers"
-# The parts of one producer, which write no block of their own.
+# The registry, and the parts of one producer: none writes a block of its own.
 PARTS = {"__init__", "gpu_runs", "gpu_tables", "gpu_profiled", "gpu_measured"}
 
 
