@@ -16,8 +16,9 @@ registry's collective kind, `edgc.sync.sync_methods`):
   group): 2 (N − 1) × the encoded bytes: it grows with N.
 
 Latency is charged per collective: each waits for its rounds in sequence (a ring all-reduce
-2 (N − 1), a ring all-gather N − 1, an all-to-all one: its N − 1 messages go at once), each round
-one round trip between sites (``latency_s``), and a sync issues one collective of its kind per
+2 (N − 1), a ring all-gather N − 1, an all-to-all one: its N − 1 messages go at once), and a round
+waits for its neighbour's message, which left when the round began: one way between sites, half the
+round trip (``round_trip_s``), not a request and its answer. A sync issues one collective of its kind per
 bucket (`buckets`: the two-stage sync two, an all-to-all and an all-gather). The buckets are each
 method's own: torchft's DiLoCo all-reduces its fragment tensor by tensor (``use_bucketization`` off,
 its default: `torchft.local_sgd`), its FP8 path likewise; edgc's two-stage sync cuts the values it
@@ -44,7 +45,7 @@ pseudo-gradient in its error feedback and loses only the sync. Time to a token c
 The link model's rate, its fixed cost per outer step, a round's own cost and the CPU codec's rate are
 calibrated on the bench's 3- and 6-host runs, and the latency's accounting is checked on the same
 runs with a delay added between the emulated hosts (`edgc_sim.diloco_report.calibrate_on_bench`);
-the internet's round trip (``latency_s``), the device and the failure rate are assumptions, and
+the internet's round trip (``round_trip_s``), the device and the failure rate are assumptions, and
 everything beyond the bench's groups, beyond this machine's links and on an H100 is extrapolation.
 """
 
@@ -131,7 +132,7 @@ class Site:
     flops_per_s: float = 989e12 * 0.4  #: achieved matmul FLOP/s per accelerator (H100 bf16 at 40 % MFU), > 0
     mem_bytes_per_s: float = 2.92e12  #: memory bandwidth per accelerator, bytes/s (> 0)
     link_bits_per_s: float = 1e9  #: the site's link, each way, bits/s (> 0)
-    latency_s: float = 0.03  #: a round trip between sites, seconds, charged per round of a collective (≥ 0; assumed)
+    round_trip_s: float = 0.03  #: between sites, seconds; a collective's round waits half of it (≥ 0; assumed)
     step_overhead_s: float = 0.5  #: fixed cost of an outer step: quorum and commit vote, seconds (≥ 0)
     tokens_per_step: int = 2**20  #: tokens per inner step per group (> 0)
     sync_every: int = 100  #: H: inner steps per outer step (≥ 1)
@@ -143,7 +144,7 @@ class Site:
         for name in ("gpus", "flops_per_s", "mem_bytes_per_s", "link_bits_per_s", "tokens_per_step", "sync_every"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Site.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("latency_s", "step_overhead_s", "detect_s", "heal_bytes_per_param"):
+        for name in ("round_trip_s", "step_overhead_s", "detect_s", "heal_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Site.{name} must be ≥ 0, got {getattr(self, name)!r}")
         if not self.hours_between_losses > 0:
@@ -234,12 +235,18 @@ def pipelined_rounds(count: int, scatter: int, gather: int, in_flight: int) -> f
 
 @dataclass(frozen=True)
 class Link:
-    """What one outer sync pays besides its codec: the rate, a latency per round of a collective, a fixed cost."""
+    """What one outer sync pays besides its codec: the rate, a cost per round of a collective, a fixed cost."""
 
     bytes_per_s: float  #: each way, per group, > 0
-    latency_s: float = 0.0  #: a round trip between sites, charged per round of a collective (`latencies`), ≥ 0
+    round_s: float = 0.0  #: a round's own cost on the link, without distance (fitted on the bench), seconds, ≥ 0
     overhead_s: float = 0.0  #: per outer step, ≥ 0
     in_flight: int = 1  #: collectives the process group runs at once (gloo: its worker threads; NCCL: one), ≥ 1
+    round_trip_s: float = 0.0  #: between sites, seconds, ≥ 0; a round waits one way of it (its neighbour's message)
+
+    @property
+    def per_round_s(self) -> float:
+        """What each round of a collective waits: its own cost and the message's way across, half a round trip."""
+        return self.round_s + self.round_trip_s / 2
 
 
 def sync_seconds(
@@ -248,7 +255,7 @@ def sync_seconds(
     """One outer sync of ``params`` values in ``tensors`` tensors, not overlapped with the inner steps."""
     return (
         link.overhead_s
-        + latencies(sync, groups, params, tensors, link.in_flight) * link.latency_s
+        + latencies(sync, groups, params, tensors, link.in_flight) * link.per_round_s
         + wire_bytes(sync, params, groups) / link.bytes_per_s
         + codec_passes(sync, groups) * params * codec_s_per_value
     )
@@ -291,7 +298,7 @@ def outer_step(sync: OuterSync, model: ModelSize, groups: int, site: Site) -> Ou
     """The model of the module docstring for one outer sync of ``model`` at ``groups`` groups."""
     params = model.params
     inner = site.inner_s(params)
-    link = Link(site.link_bits_per_s / 8, site.latency_s, site.step_overhead_s)
+    link = Link(site.link_bits_per_s / 8, overhead_s=site.step_overhead_s, round_trip_s=site.round_trip_s)
     sync_s = sync_seconds(sync, params, groups, link, site.codec_s_per_value(), model.tensors)
     outer = site.sync_every * inner + sync_s
     lost_work = sync_s if sync.edgc else outer

@@ -6,9 +6,10 @@ latency (least squares on the outer steps' relative errors, every cost ≥ 0: `n
 rate, a fixed cost per outer step, the CPU codec's seconds per value and pass, and a cost per round;
 the inner step is the bench's own compute floor and the wire the model's
 (`edgc_sim.diloco.wire_bytes`, checked against the sockets' count). Runs with a delay added to the
-emulated links (``--delay-ms``) are not fitted: the model prices them with that link and the delay's
-round trip charged per round of each collective (`edgc_sim.diloco.latencies`), which is what they
-check. Any other host count of the bench is an extrapolation, said so.
+emulated links (``--delay-ms``) are not fitted: the model prices them with that link and each round
+of each collective waiting one way of the delay's round trip (`edgc_sim.diloco.latencies`,
+`edgc_sim.diloco.Link.per_round_s`), which is what they check. Any other host count of the bench is
+an extrapolation, said so.
 """
 
 from __future__ import annotations
@@ -173,8 +174,18 @@ def join_repeats(summaries: list[dict]) -> dict:
                 "load": max((r["load"] for r in repeats if r.get("load") is not None), default=None),
             }
         )
-    command = first["command"] + (f" (× {len(summaries)} repeats, medians)" if len(summaries) > 1 else "")
-    return {**first, "rows": rows, "command": command}
+    return {**first, "rows": rows, "command": repeated_command([s["command"] for s in summaries])}
+
+
+def repeated_command(commands: list[str]) -> str:
+    """The bench command of several repeats, with each repeat's ``--out`` folder, so the block says how to remake it."""
+    if len(commands) == 1:
+        return commands[0]
+    head, _, _ = commands[0].rpartition(" --out ")
+    outs = [command.rpartition(" --out ")[2] for command in commands]
+    if not head or any(command.rpartition(" --out ")[0] != head for command in commands):
+        return f"{commands[0]} (× {len(commands)} repeats, medians)"
+    return f"{head} --out {{{','.join(outs)}}} (× {len(commands)} repeats, medians)"
 
 
 def _bench_rows(summary: dict) -> list[dict]:
@@ -258,7 +269,7 @@ def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) ->
     table = []
     for r in rows:
         sync = OUTER_SYNCS[r["name"]]
-        delayed = replace(link, latency_s=per_round + r["round_trip_s"])
+        delayed = replace(link, round_trip_s=r["round_trip_s"])
         model = r["sync_every"] * r["floor_s"] + sync_seconds(
             sync, r["params"], r["hosts"], delayed, codec, r["tensors"]
         )
@@ -272,7 +283,8 @@ def calibrate_on_bench(summary: dict, fit_hosts: tuple[int, ...] = FIT_HOSTS) ->
                 "measured_s": r["outer_step_s"],
                 "sync_measured_s": r["outer_step_s"] - r["sync_every"] * r["floor_s"],
                 "latency_model_s": latencies(sync, r["hosts"], r["params"], r["tensors"], GLOO_IN_FLIGHT)
-                * r["round_trip_s"],
+                * r["round_trip_s"]
+                / 2,
                 "model_s": model,
                 "error": model / r["outer_step_s"] - 1,
                 "fitted": r in fit,
@@ -291,9 +303,9 @@ def calibration_table(result: dict, rate_mbit: float) -> str:
     lines = [
         f"Fitted on the {' and '.join(map(str, result['fit_hosts']))}-host runs without added latency: "
         f"{8 * link.bytes_per_s / 1e6:.1f} Mbit/s of the nominal {rate_mbit:g}, {link.overhead_s:.2f} s an "
-        f"outer step, {1e3 * link.latency_s:.2f} ms a round of a collective ({link.in_flight} collectives at once, "
+        f"outer step, {1e3 * link.round_s:.2f} ms a round of a collective ({link.in_flight} collectives at once, "
         f"gloo's threads), the codec {1e9 * result['codec_s_per_value']:.1f} ns a value and pass on this CPU. With "
-        "a delay added, each round also waits for its round trip.",
+        "a delay added, each round also waits for its neighbour's message: one way, half the round trip.",
         "",
         "| groups | round trip added | method | collectives a sync | rounds in sequence | outer step, bench "
         "| outer step, model | model vs bench | wire, sockets | wire, model |",
@@ -353,7 +365,8 @@ def markdown(site: Site, bench: dict | None = None) -> str:
         "<!-- sim-diloco-internet:start -->",
         f"`edgc simulate --diloco`: {site.gpus} H100-class GPUs a group ({site.flops_per_s / 1e12:.0f} TFLOP/s "
         f"achieved each), {site.tokens_per_step:,} tokens per inner step per group, H = {site.sync_every}, "
-        f"a {1e3 * site.latency_s:.0f} ms round trip between sites for each round of each collective, "
+        f"a {1e3 * site.round_trip_s:.0f} ms round trip between sites (each round of each collective waits one way, "
+        f"{1e3 * site.round_trip_s / 2:.0f} ms), "
         f"{site.step_overhead_s:g} s fixed per outer step, a group lost every {site.hours_between_losses:g} h "
         f"(healed over one site link). At 1,024 groups, per method: outer step · utilisation · time to "
         f"{TOKENS:.0e} tokens, failures included; in brackets the outer step with one collective a sync, as "

@@ -74,12 +74,16 @@ def test_latency_is_charged_per_collective_with_each_methods_buckets():
     # the one-stage sync: one message a fragment, whatever its size
     assert latencies(OUTER_SYNCS["quant3"], groups, XL_PARAMS, XL_TENSORS) == 2 * (groups - 1)
     assert latencies(two_stage, 1, XL_PARAMS, XL_TENSORS) == 0
-    link, slow = Link(1e8, 0.0, 0.5), Link(1e8, 0.03, 0.5)
+    link, far, costly = Link(1e8, 0.0, 0.5), Link(1e8, 0.0, 0.5, round_trip_s=0.03), Link(1e8, 0.004, 0.5)
     for sync in OUTER_SYNCS.values():
-        added = sync_seconds(sync, XL_PARAMS, groups, slow, 1e-9, XL_TENSORS) - sync_seconds(
-            sync, XL_PARAMS, groups, link, 1e-9, XL_TENSORS
+        base = sync_seconds(sync, XL_PARAMS, groups, link, 1e-9, XL_TENSORS)
+        rounds_waited = latencies(sync, groups, XL_PARAMS, XL_TENSORS)
+        # a round waits for its neighbour's message, sent when the round began: one way, half the round trip
+        far_s = sync_seconds(sync, XL_PARAMS, groups, far, 1e-9, XL_TENSORS)
+        assert far_s - base == pytest.approx(0.015 * rounds_waited)
+        assert sync_seconds(sync, XL_PARAMS, groups, costly, 1e-9, XL_TENSORS) - base == pytest.approx(
+            0.004 * rounds_waited
         )
-        assert added == pytest.approx(0.03 * latencies(sync, groups, XL_PARAMS, XL_TENSORS))
     fixed = replace(two_stage, bucket_values=2**19)  # the bucket before it was sized from the run
     assert collectives(fixed, XL_PARAMS, XL_TENSORS, groups) == 5942
 
@@ -101,13 +105,13 @@ def test_a_process_group_that_runs_two_collectives_at_once_waits_for_fewer_round
 
 
 def test_without_latency_the_one_stage_sync_crosses_torchfts_near_ten_groups_and_the_two_stage_never():
-    site = Site(link_bits_per_s=1e9, latency_s=0.0)
+    site = Site(link_bits_per_s=1e9, round_trip_s=0.0)
     assert 9 <= crossover("quant3", EIGHT_B, site) <= 12
     assert crossover("quant3-2s", EIGHT_B, site) is None and crossover("torchft-fp8", EIGHT_B, site) is None
 
 
 def test_over_a_wan_the_two_stage_sync_stays_ahead_with_its_buckets_sized_from_the_run_and_not_at_a_fixed_bucket():
-    site = Site(link_bits_per_s=1e9, latency_s=0.03)
+    site = Site(link_bits_per_s=1e9, round_trip_s=0.03)
     assert crossover("quant3-2s", EIGHT_B, site) is None
     for groups in (8, 1024):
         assert (
@@ -138,10 +142,11 @@ def synthetic_bench(
     link: Link, codec: float, floor: float = 0.3, h: int = 10, params: float = 4e6, delay_ms: float = 0.0
 ) -> dict:
     """Scaling rows whose outer steps are the model's own at ``link`` (and, with ``delay_ms``, the same
-    runs with that one-way delay added to each round of each collective): the fit must give it back."""
+    runs with that one-way delay added to each host's link: each round of each collective waits one way of it):
+    the fit must give it back."""
     rows, tensors = [], 52
     for delay in (0.0, delay_ms) if delay_ms else (0.0,):
-        delayed = replace(link, latency_s=link.latency_s + 2 * delay / 1e3)
+        delayed = replace(link, round_trip_s=2 * delay / 1e3)
         for hosts in (3, 6, 12):
             for name, sync in (("diloco", "torchft"), ("quant3", "quant3"), ("quant3-2s", "quant3-2s")):
                 seconds = h * floor + sync_seconds(OUTER_SYNCS[sync], params, hosts, delayed, codec, tensors)
@@ -169,7 +174,7 @@ def test_the_fit_on_three_and_six_hosts_gives_back_the_link_and_predicts_twelve_
     link = Link(2.3e6, 0.002, 0.4, GLOO_IN_FLIGHT)
     result = calibrate_on_bench(synthetic_bench(link, 2e-8, params=3e6, delay_ms=15))
     assert result["link"].bytes_per_s == pytest.approx(2.3e6, rel=1e-6)
-    assert result["link"].latency_s == pytest.approx(0.002, rel=1e-6)
+    assert result["link"].round_s == pytest.approx(0.002, rel=1e-6)
     assert result["link"].overhead_s == pytest.approx(0.4, rel=1e-6) and result["codec_s_per_value"] == pytest.approx(
         2e-8
     )
@@ -233,6 +238,9 @@ def test_repeats_of_the_bench_are_fitted_by_their_medians_and_a_miss_inside_thei
     delayed = [r for r in result["rows"] if r["round_trip_s"]]
     assert all(len(r["repeats_s"]) == 3 for r in delayed)
     assert "✓ with latency added" in calibration_table(result, 20) and "× 3 repeats" in joined["command"]
+    outs = [{**bench, "command": f"{bench['command']} --out runs/r{k}"} for k in range(3)]
+    remade = f"{bench['command']} --out {{runs/r0,runs/r1,runs/r2}} (× 3 repeats, medians)"
+    assert join_repeats(outs)["command"] == remade
     slow = calibrate_on_bench(join_repeats([_repeat(bench, 1.25), _repeat(bench, 1.2), _repeat(bench, 0.9)]))
     assert "≈ (noise) with latency added" in calibration_table(slow, 20)  # 1/1.2 − 1 = −16.7 %, inside 0.9–1.25
     far = calibrate_on_bench(join_repeats([_repeat(bench, 1.25), _repeat(bench, 1.2), _repeat(bench, 1.3)]))
