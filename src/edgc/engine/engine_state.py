@@ -7,7 +7,8 @@ call's compressed matrices (M = G + e is formed in place), the factors (Pᵀ and
 in turn: a step reads one and writes the other, no copy, no allocation), and the rows that restart a
 Q row that collapsed to zero.
 
-``q`` and ``error`` are plain dicts the engine keeps pointing into those buffers; anything that
+``q`` and ``error`` (the table of ``feedback``, the engine's `edgc.runner.error_feedback.ErrorFeedback`) are
+plain dicts the engine keeps pointing into those buffers; anything that
 replaces an entry (a checkpoint, a rank change) breaks the match, and the next call of that layout
 rebuilds its buffers from the dicts. So the dicts are always the truth, and the buffers a cache.
 
@@ -28,6 +29,7 @@ from ..adapters import torch_adapter
 from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
+from ..runner.error_feedback import ErrorFeedback
 from .call_state import CallState
 from .factors import matrix_shape, stable_seed
 from .layout import CallLayout
@@ -67,7 +69,8 @@ class EngineState:
     def __init__(self, config: LowRankConfig):
         self.config = config
         self.q: dict[str, torch.Tensor] = {}  # name → (n, r), identical on every rank
-        self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
+        # name → (m, n), this rank's residual; a rollback makes it M again (the second arena)
+        self.feedback = ErrorFeedback(config.error_feedback, rollback="resend")
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.shares: dict[
             str, int
@@ -81,6 +84,11 @@ class EngineState:
         self._q_turns: list[tuple[CallState, int]] = []  # (call, the Q buffer it started this step from)
         self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
         self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
+
+    @property
+    def error(self) -> dict[str, torch.Tensor]:
+        """name → (m, n) error feedback of this rank (``feedback``'s table)."""
+        return self.feedback.table
 
     # ------------------------------------------------------------------ the step protocol
     def begin_step(self, *, uncommitted: bool = False) -> None:
@@ -146,7 +154,7 @@ class EngineState:
 
     def drop_error(self) -> None:
         """Forget every residual (they are per rank: a new world size cannot split or merge them)."""
-        self.error.clear()
+        self.feedback.drop()
         for call in self._calls.values():
             call.arena, call.spare, call.error_views = None, None, []
 
@@ -378,7 +386,7 @@ class EngineState:
         waits for the device."""
         return {
             "q": state_to_host(self.q),
-            "error": state_to_host(self.error) if include_error else {},
+            **(self.feedback.state_dict() if include_error else {"error": {}}),
             "shapes": {name: list(shape) for name, shape in self.shapes.items()},
             "orthonormalization": self.orthonormalization,
         }
@@ -388,7 +396,8 @@ class EngineState:
         replica keeps its own). Its orthonormalisation, where it has one, is the group's (a resumed or
         healed replica times nothing); else the one chosen so far stays."""
         self.q = dict(state["q"])
-        self.error = self.error if keep_error else dict(state["error"])
+        if not keep_error:
+            self.feedback.load_state_dict(state, what="EDGC")
         self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
         self.orthonormalization = state.get("orthonormalization") or self.orthonormalization
         self._calls.clear()
@@ -399,5 +408,5 @@ class EngineState:
         """Q and error feedback onto ``device`` for ``stream``, the jobs' stream that reads and replaces
         them (`edgc.device.timing.state_to_device`)."""
         self.q = state_to_device(self.q, device, stream)
-        self.error = state_to_device(self.error, device, stream)
+        self.feedback.to(device, stream)
         self._calls.clear()
