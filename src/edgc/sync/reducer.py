@@ -149,8 +149,7 @@ class GradientReducer:
         """The error feedback it keeps (`edgc.runner.error_feedback.ErrorFeedback`).
 
         Returns:
-            This rank's by parameter name first, then what it keeps for the group (a two-stage sync's
-            owners'); none here: a method with error feedback has it.
+            This rank's by parameter name, then the group's part (a two-stage sync's owners'); none here.
         """
         return []
 
@@ -158,8 +157,7 @@ class GradientReducer:
         """This rank's error feedback.
 
         Returns:
-            Parameter name → the state's own tensor (changing one in place changes the state): the table
-            of the first of `error_feedbacks`, or none.
+            Parameter name → the state's own tensor (changed in place, the state's): `error_feedbacks`' first.
         """
         parts = self.error_feedbacks()
         return parts[0].table if parts else {}
