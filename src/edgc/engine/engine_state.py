@@ -29,7 +29,7 @@ from ..adapters import torch_adapter
 from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
-from ..runner.error_feedback import ErrorFeedback
+from ..runner.error_feedback import ErrorFeedback, fill_views, views_intact
 from .call_state import CallState
 from .factors import matrix_shape, stable_seed
 from .layout import CallLayout
@@ -41,24 +41,6 @@ def subtracts_estimate(cpu_kernels: bool, estimate_in_arena_dtype: bool) -> bool
     is cheaper than that product, and exact where Ĝ has the arena's dtype. An accelerator keeps the
     product, which never reads Ĝ back (the fewest bytes). The simulator asks this too."""
     return cpu_kernels and estimate_in_arena_dtype
-
-
-def _still_kept(
-    buffer: torch.Tensor | None,
-    views: list[torch.Tensor],
-    store: dict[str, torch.Tensor],
-    names: list[str],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> bool:
-    """Whether a call's buffer still holds what ``store`` says: every name maps to its view in it."""
-    return (
-        buffer is not None
-        and buffer.dtype == dtype
-        and buffer.device == device
-        and len(views) == len(names)
-        and all(store.get(name) is view for name, view in zip(names, views))
-    )
 
 
 class EngineState:
@@ -263,7 +245,7 @@ class EngineState:
                     self._step_popped[layout.names[i]] = pending
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
-        return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
+        return views_intact(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
 
     def _rebuild_arena(self, call: CallState, dtype: torch.dtype, device: torch.device) -> None:
         """The arena from the error dict (a first step, a checkpoint, a rank change): zeros where a
@@ -274,10 +256,7 @@ class EngineState:
         arena = self._arena_in_place(call, dtype, device)
         if arena is None:
             arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
-            for name, view in zip(call.layout.compressed_names, call.views(arena)):
-                old = self.error.get(name)
-                if old is not None and old.numel() == view.numel():
-                    view.copy_(old.reshape(view.shape))
+            fill_views(self.error, call.layout.compressed_names, call.views(arena))
         call.spare = None
         self._use_arena(call, arena)
 
@@ -310,7 +289,7 @@ class EngineState:
         factors = call.factors
         if factors is None or factors.dtype != dtype or factors.device != device:
             return False
-        return _still_kept(
+        return views_intact(
             call.q(call.turn), call.q_views[call.turn], self.q, call.layout.compressed_names, dtype, device
         )
 

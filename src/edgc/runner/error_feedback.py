@@ -36,6 +36,45 @@ from ..device.timing import state_to_device, state_to_host
 ROLLBACK_MODES = ("keep", "restore", "resend")
 
 
+def views_intact(buffer, views: list, table: dict, names: list, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a flat buffer still holds what ``table`` says: every name maps to its view in it (a load, a
+    device move, an entry set by hand breaks the match).
+
+    Args:
+        buffer: the flat buffer, or None.
+        views: its entries' views, in ``names``' order.
+        table: key → tensor.
+        names: the keys.
+        dtype: the dtype it must have.
+        device: the device it must be on.
+
+    Returns:
+        True when the buffer is still the table's.
+    """
+    return (
+        buffer is not None
+        and buffer.dtype == dtype
+        and buffer.device == device
+        and len(views) == len(names)
+        and all(table.get(name) is view for name, view in zip(names, views))
+    )
+
+
+def fill_views(table: dict, names: list, views: list[torch.Tensor]) -> None:
+    """Copy each entry ``table`` holds into its view of a new buffer (left zero where it holds none, or
+    one of another size); the caller then makes the views the entries.
+
+    Args:
+        table: key → tensor.
+        names: the keys.
+        views: their views in the new buffer.
+    """
+    for name, view in zip(names, views):
+        old = table.get(name)
+        if old is not None and old.numel() == view.numel():
+            view.copy_(old.reshape(view.shape))
+
+
 class FlatErrors:
     """The flat storage of an error feedback: each call's entries (keyed by its first name) as one flat
     buffer, the table holding views of it. An entry the table no longer holds as its view (a load, a
@@ -56,24 +95,15 @@ class FlatErrors:
         Returns:
             The buffer, ``table``'s entries its views (zero where ``table`` held none).
         """
-        key = names[0]
-        kept = self._flat.get(key)
-        if kept is not None:
-            kept_names, views, flat = kept
-            if (
-                kept_names == tuple(names)
-                and flat.dtype == dtype
-                and flat.device == grads[0].device
-                and all(table.get(n) is v and v.shape == g.shape for n, v, g in zip(names, views, grads))
-            ):
+        key, device = names[0], grads[0].device
+        kept_names, views, flat = self._flat.get(key, ((), [], None))
+        if kept_names == tuple(names) and views_intact(flat, views, table, names, dtype, device):
+            if all(v.shape == g.shape for v, g in zip(views, grads)):
                 return flat
-        flat = torch.zeros(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+        flat = torch.zeros(sum(g.numel() for g in grads), dtype=dtype, device=device)
         views = [part.view(g.shape) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        for name, view in zip(names, views):
-            old = table.get(name)
-            if old is not None and old.shape == view.shape:
-                view.copy_(old)
-            table[name] = view
+        fill_views(table, names, views)
+        table.update(zip(names, views))
         self._flat[key] = (tuple(names), views, flat)
         return flat
 
