@@ -157,7 +157,7 @@ class GradientReducer:
         """This rank's error feedback.
 
         Returns:
-            Parameter name → the state's own tensor (changed in place, the state's): `error_feedbacks`' first.
+            Parameter name → the state's own tensor (changed in place, the state's), of `error_feedbacks`' first.
         """
         parts = self.error_feedbacks()
         return parts[0].table if parts else {}
