@@ -12,6 +12,7 @@ Modules and sub-packages, from the ground up (each sub-package's docstring names
     device/         Streams, device-timeline timing (the only host reads), finiteness flags.
     distributed/    The one DeviceMesh, the communication layer, experts' groups, settings agreed.
     policies/       Pure rank policies: plans and decisions, CQM, the paper's mappings, splits, signals.
+    runner/         The step runner's base pieces: the one error feedback (`ErrorFeedback`).
     registry.py     Registries by name (signals, rank mappings, sync methods): one entry per name.
     checks.py       Field checks of the config dataclasses: each failure one line naming the field.
     config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass.

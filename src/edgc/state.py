@@ -38,6 +38,7 @@ from .device.totals import StepTotals
 from .distributed.comm import Communicator
 from .engine.lowrank import LowRankCompressor
 from .policies.plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
+from .runner.error_feedback import ErrorFeedback
 from .safeguards.checkpoint import STATE_FORMAT, check_loadable
 from .safeguards.fingerprint import SharedFields, compare_replicas
 from .sync.reducer import GradientReducer
@@ -162,13 +163,13 @@ class EDGCState(GradientReducer):
         """This rank in the group that decides: its events are said by that group's rank 0 (`edgc.control.events`)."""
         return self.settings_group().rank
 
-    def error_table(self) -> dict[str, torch.Tensor]:
-        """`GradientReducer.error_table`.
+    def error_feedbacks(self) -> list[ErrorFeedback]:
+        """`GradientReducer.error_feedbacks`.
 
         Returns:
             The engine's error feedback, by parameter name.
         """
-        return self.compressor.error
+        return [self.compressor.state.feedback]
 
     # ------------------------------------------------------------------ per step
     def _plan_step(self, record: StepRecord) -> None:

@@ -7,7 +7,8 @@ call's compressed matrices (M = G + e is formed in place), the factors (Pᵀ and
 in turn: a step reads one and writes the other, no copy, no allocation), and the rows that restart a
 Q row that collapsed to zero.
 
-``q`` and ``error`` are plain dicts the engine keeps pointing into those buffers; anything that
+``q`` and ``error`` (the table of ``feedback``, the engine's `edgc.runner.error_feedback.ErrorFeedback`) are
+plain dicts the engine keeps pointing into those buffers; anything that
 replaces an entry (a checkpoint, a rank change) breaks the match, and the next call of that layout
 rebuilds its buffers from the dicts. So the dicts are always the truth, and the buffers a cache.
 
@@ -28,6 +29,7 @@ from ..adapters import torch_adapter
 from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
+from ..runner.error_feedback import ErrorFeedback, fill_views, views_intact
 from .call_state import CallState
 from .factors import matrix_shape, stable_seed
 from .layout import CallLayout
@@ -41,24 +43,6 @@ def subtracts_estimate(cpu_kernels: bool, estimate_in_arena_dtype: bool) -> bool
     return cpu_kernels and estimate_in_arena_dtype
 
 
-def _still_kept(
-    buffer: torch.Tensor | None,
-    views: list[torch.Tensor],
-    store: dict[str, torch.Tensor],
-    names: list[str],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> bool:
-    """Whether a call's buffer still holds what ``store`` says: every name maps to its view in it."""
-    return (
-        buffer is not None
-        and buffer.dtype == dtype
-        and buffer.device == device
-        and len(views) == len(names)
-        and all(store.get(name) is view for name, view in zip(names, views))
-    )
-
-
 class EngineState:
     """The engine's state and its step protocol (see the module docstring); the
     `edgc.engine.lowrank.LowRankCompressor` that holds it (``compressor.state``) computes on it.
@@ -67,7 +51,8 @@ class EngineState:
     def __init__(self, config: LowRankConfig):
         self.config = config
         self.q: dict[str, torch.Tensor] = {}  # name → (n, r), identical on every rank
-        self.error: dict[str, torch.Tensor] = {}  # name → (m, n), this rank's residual
+        # name → (m, n), this rank's residual; a rollback makes it M again (the second arena)
+        self.feedback = ErrorFeedback(config.error_feedback, rollback="resend")
         self.shapes: dict[str, tuple[int, int]] = {}  # name → (m, n) of every matrix seen
         self.shares: dict[
             str, int
@@ -81,6 +66,11 @@ class EngineState:
         self._q_turns: list[tuple[CallState, int]] = []  # (call, the Q buffer it started this step from)
         self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
         self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
+
+    @property
+    def error(self) -> dict[str, torch.Tensor]:
+        """name → (m, n) error feedback of this rank (``feedback``'s table)."""
+        return self.feedback.table
 
     # ------------------------------------------------------------------ the step protocol
     def begin_step(self, *, uncommitted: bool = False) -> None:
@@ -146,7 +136,7 @@ class EngineState:
 
     def drop_error(self) -> None:
         """Forget every residual (they are per rank: a new world size cannot split or merge them)."""
-        self.error.clear()
+        self.feedback.drop()
         for call in self._calls.values():
             call.arena, call.spare, call.error_views = None, None, []
 
@@ -255,7 +245,7 @@ class EngineState:
                     self._step_popped[layout.names[i]] = pending
 
     def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
-        return _still_kept(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
+        return views_intact(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
 
     def _rebuild_arena(self, call: CallState, dtype: torch.dtype, device: torch.device) -> None:
         """The arena from the error dict (a first step, a checkpoint, a rank change): zeros where a
@@ -266,10 +256,7 @@ class EngineState:
         arena = self._arena_in_place(call, dtype, device)
         if arena is None:
             arena = torch.zeros(call.layout.error_numel, dtype=dtype, device=device)
-            for name, view in zip(call.layout.compressed_names, call.views(arena)):
-                old = self.error.get(name)
-                if old is not None and old.numel() == view.numel():
-                    view.copy_(old.reshape(view.shape))
+            fill_views(self.error, call.layout.compressed_names, call.views(arena))
         call.spare = None
         self._use_arena(call, arena)
 
@@ -302,7 +289,7 @@ class EngineState:
         factors = call.factors
         if factors is None or factors.dtype != dtype or factors.device != device:
             return False
-        return _still_kept(
+        return views_intact(
             call.q(call.turn), call.q_views[call.turn], self.q, call.layout.compressed_names, dtype, device
         )
 
@@ -378,7 +365,7 @@ class EngineState:
         waits for the device."""
         return {
             "q": state_to_host(self.q),
-            "error": state_to_host(self.error) if include_error else {},
+            **(self.feedback.state_dict() if include_error else {"error": {}}),
             "shapes": {name: list(shape) for name, shape in self.shapes.items()},
             "orthonormalization": self.orthonormalization,
         }
@@ -388,7 +375,8 @@ class EngineState:
         replica keeps its own). Its orthonormalisation, where it has one, is the group's (a resumed or
         healed replica times nothing); else the one chosen so far stays."""
         self.q = dict(state["q"])
-        self.error = self.error if keep_error else dict(state["error"])
+        if not keep_error:
+            self.feedback.load_state_dict(state, what="EDGC")
         self.shapes = {name: (int(m), int(n)) for name, (m, n) in state.get("shapes", {}).items()}
         self.orthonormalization = state.get("orthonormalization") or self.orthonormalization
         self._calls.clear()
@@ -399,5 +387,5 @@ class EngineState:
         """Q and error feedback onto ``device`` for ``stream``, the jobs' stream that reads and replaces
         them (`edgc.device.timing.state_to_device`)."""
         self.q = state_to_device(self.q, device, stream)
-        self.error = state_to_device(self.error, device, stream)
+        self.feedback.to(device, stream)
         self._calls.clear()

@@ -72,6 +72,7 @@ import torch.distributed as dist
 from ..device.timing import state_to_device, state_to_host, to_device, to_host
 from ..distributed.mesh import as_process_group
 from ..engine.factors import orthogonalize_, stable_seed
+from ..runner.error_feedback import ErrorFeedback
 
 HEADER = 3  # int64 values: rank, rows, columns
 HEADER_BYTES = HEADER * 8
@@ -128,14 +129,20 @@ class Packet:
 
 
 class InterStageCompressor:
-    """Sender side: rank-r compression with error feedback per micro-batch slot."""
+    """Sender side: rank-r compression with error feedback per micro-batch slot (``feedback``, an
+    `edgc.runner.error_feedback.ErrorFeedback` keyed by slot)."""
 
     def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32):
         self.seed, self.dtype = seed, dtype
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.feedback = ErrorFeedback()
         self.qs: dict[int, torch.Tensor] = {}
         self.bytes_sent = 0
         self.bytes_raw = 0
+
+    @property
+    def residuals(self) -> dict[int, torch.Tensor]:
+        """slot → its residual (``feedback``'s table)."""
+        return self.feedback.table
 
     def _q(self, slot: int, n: int, rank: int, device: torch.device) -> torch.Tensor:
         q = self.qs.get(slot)
@@ -178,13 +185,26 @@ class InterStageCompressor:
         return out
 
     def state_dict(self) -> dict:
-        return {"residuals": state_to_host(self.residuals), "qs": state_to_host(self.qs)}
+        """The residuals (`ErrorFeedback.state_dict`'s format) and the warm-start Q per slot, on the host.
+
+        Returns:
+            ``{"error": {slot: tensor}, "qs": {slot: tensor}}``.
+        """
+        return {**self.feedback.state_dict(), "qs": state_to_host(self.qs)}
 
     def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
-        """Residuals and Q onto ``device`` (used on the compute stream alone: no stream to keep them for)."""
-        for key in ("residuals", "qs"):
-            loaded = {int(k): v for k, v in state[key].items()}
-            setattr(self, key, state_to_device(loaded, device, None) if device else loaded)
+        """Residuals and Q onto ``device`` (used on the compute stream alone: no stream to keep them for);
+        a state saved with the residuals under ``"residuals"`` (before the one format) loads too.
+
+        Args:
+            state: `state_dict`'s.
+            device: where they are used (None: left where they are).
+        """
+        qs = {int(k): v for k, v in state["qs"].items()}
+        self.qs = state_to_device(qs, device, None) if device else qs
+        self.feedback.load_state_dict(state, what="interstage", key=int)
+        if device:
+            self.feedback.to(device)
 
 
 def decompress(packet: Packet) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""`ErrorFeedbackReducer`: the one base of the sync methods that keep error feedback, and the parts of
-it the two-stage all-reduce shares without being one (its error feedback is written in place, bucket
-by bucket, and has an owner's part).
+"""`ErrorFeedbackReducer`: the one base of the sync methods that keep error feedback, and the checks and
+checkpoint format the two-stage all-reduce shares with it (its error feedback is written in place,
+bucket by bucket, and has an owner's part). What is kept is `edgc.runner.error_feedback.ErrorFeedback`'s.
 
 Error feedback: e ← (G + e) − C(G + e), the part of this rank's corrected gradient its compressed
 message did not carry, added to the next step's gradient, so mean over ranks of (decompressed + e)
-equals mean of (G + e). It is kept per parameter name (``error``), so a checkpoint survives another
-DDP bucket layout, and is dropped at a load whose world size differs (residuals are per rank; not
-under torchft, `edgc.distributed.comm.Communicator.residuals_per_rank`).
+equals mean of (G + e). It is kept per parameter name (``feedback``, ``error`` its table), so a
+checkpoint survives another DDP bucket layout, and is dropped at a load whose world size differs
+(residuals are per rank; not under torchft, `edgc.distributed.comm.Communicator.residuals_per_rank`).
 
 A subclass implements ``_reduce`` with `ErrorFeedbackReducer._corrected` (M = G + e) and
 `ErrorFeedbackReducer._finish` (the average written, e ← M − what it sent, the call's statistics), and
@@ -15,14 +15,15 @@ names its constructor's own arguments in ``ARGUMENTS`` (agreed across the group,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..device.timing import state_to_device, state_to_host
 from ..engine.lowrank import ReduceStats
+from ..runner.error_feedback import ErrorFeedback
 from .reducer import GradientReducer
 
 BASELINE_FORMAT = "edgc-baseline/1"
@@ -50,23 +51,23 @@ def method_settings(reducer: GradientReducer) -> dict[str, Any]:
     return {f"{type(reducer).__name__}.{key}": value for key, value in named.items()}
 
 
-def checked_error(reducer: GradientReducer, state: dict) -> dict[str, torch.Tensor]:
-    """The error feedback table of a saved state, checked against the reducer's method and parameters."""
-    method = reducer.method
-    check_format(state, method)
-    error = state.get("error")
-    if not isinstance(error, dict):
-        raise ValueError(f"corrupt {method} state: 'error' must be a table of tensors")
-    shapes = reducer.parameter_shapes
-    for name, tensor in error.items():
-        shape = shapes.get(name)
-        if shapes and shape is None:
-            raise ValueError(f"{method} state has error feedback for {name!r}, which the model does not have")
-        if shape is not None and tuple(tensor.shape) != shape:
-            raise ValueError(
-                f"{method} state error of {name!r} has shape {tuple(tensor.shape)}, the parameter needs {shape}"
-            )
-    return dict(error)
+def load_feedback(reducer: GradientReducer, feedback: ErrorFeedback, state: dict, load_rest: Callable) -> None:
+    """Load a saved state: its error feedback into ``feedback`` (checked against the reducer's method and
+    parameters, before anything changes), the rest by ``load_rest``; the error feedback dropped where the
+    world size changed (residuals are per rank: not under torchft,
+    `edgc.distributed.comm.Communicator.residuals_per_rank`).
+
+    Args:
+        reducer: the state loading.
+        feedback: its error feedback.
+        state: the saved state (`ErrorFeedback.state_dict`'s format at its top level).
+        load_rest: `GradientReducer.load_state_dict` of the reducer.
+    """
+    check_format(state, reducer.method)
+    feedback.load_state_dict(state, shapes=reducer.parameter_shapes, what=reducer.method)
+    load_rest(state)
+    if reducer.comm.residuals_per_rank and int(state["world_size"]) != reducer.comm.world_size:
+        feedback.drop()  # residuals are per rank: they cannot be split or merged
 
 
 class ErrorFeedbackReducer(GradientReducer):
@@ -77,7 +78,7 @@ class ErrorFeedbackReducer(GradientReducer):
 
     method = ""
     ARGUMENTS: tuple[str, ...] = ()  # the constructor's own arguments, kept under their names: agreed
-    ROLLBACK_RESTORES_ERROR = False  # a rolled-back step puts back the error feedback from before it
+    ERROR_ROLLBACK = "keep"  # what a rolled-back step leaves of the error feedback (`ErrorFeedback.rollback`)
 
     def __init__(
         self,
@@ -87,8 +88,8 @@ class ErrorFeedbackReducer(GradientReducer):
         model: nn.Module | None = None,
     ):
         super().__init__(process_group, model=model)
-        self.error_feedback = bool(error_feedback)
-        self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, fp32, the parameter's shape
+        # name -> this rank's residual, fp32, the parameter's shape
+        self.feedback = ErrorFeedback(error_feedback, rollback=self.ERROR_ROLLBACK)
         self._call = 0  # calls (buckets) so far in this step
 
     def _plan_step(self, record) -> None:
@@ -98,13 +99,23 @@ class ErrorFeedbackReducer(GradientReducer):
         """`GradientReducer.agreed_settings`, with ``error_feedback`` and the subclass's `ARGUMENTS`."""
         return {**super().agreed_settings(device), **method_settings(self)}
 
-    def error_table(self) -> dict[str, torch.Tensor]:
-        """`GradientReducer.error_table`: ``error``."""
-        return self.error
+    @property
+    def error_feedback(self) -> bool:
+        """Whether it keeps what a sync did not carry for the next."""
+        return self.feedback.enabled
+
+    @property
+    def error(self) -> dict[str, torch.Tensor]:
+        """This rank's error feedback by parameter name (the state's own tensors)."""
+        return self.feedback.table
+
+    def error_feedbacks(self) -> list[ErrorFeedback]:
+        """`GradientReducer.error_feedbacks`: ``feedback``."""
+        return [self.feedback]
 
     def _on_device(self, device: torch.device) -> None:
         # The jobs' stream reads a loaded error feedback and replaces it (`edgc.device.timing.state_to_device`).
-        self.error = state_to_device(self.error, device, self._jobs.stream)
+        self.feedback.to(device, self._jobs.stream)
 
     def _corrected(self, names: list[str], grads: list[torch.Tensor]) -> torch.Tensor:
         """M = G + e as one flat fp32 (fp64 for fp64 gradients) vector."""
@@ -112,7 +123,7 @@ class ErrorFeedbackReducer(GradientReducer):
         parts = []
         for name, g in zip(names, grads):
             part = g.reshape(-1).to(dtype)
-            error = self.error.get(name) if self.error_feedback else None
+            error = self.feedback.get(name)
             if error is not None and error.numel() == g.numel():
                 part = part + error.reshape(-1).to(dtype)
             parts.append(part)
@@ -135,11 +146,7 @@ class ErrorFeedbackReducer(GradientReducer):
         else:
             unpack(average, grads, flat)
         residual = corrected - sent_local
-        if self.error_feedback:
-            offset = 0
-            for name, g in zip(names, grads):
-                self.error[name] = residual[offset : offset + g.numel()].view(g.shape).clone()
-                offset += g.numel()
+        self.feedback.keep_split(names, grads, residual)
         n = corrected.numel()
         # Device values, read once at the end of the step (`GradientReducer._close_step`).
         self._add_stats(
@@ -158,29 +165,18 @@ class ErrorFeedbackReducer(GradientReducer):
     def _settle_step(self, record, totals) -> dict:
         return dict(COMPRESSED)
 
-    # Uncommitted steps (torchft's verdict), where ``ROLLBACK_RESTORES_ERROR``: the residual is the state to restore.
+    # Uncommitted steps (torchft's verdict): where ``ERROR_ROLLBACK`` is "restore", the residual from before.
     def _snapshot(self) -> dict:
-        snapshot = super()._snapshot()
-        return {**snapshot, "error": dict(self.error)} if self.ROLLBACK_RESTORES_ERROR else snapshot
+        return {**super()._snapshot(), "error": self.feedback.snapshot()}
 
     def _restore(self, snapshot: dict) -> None:
         super()._restore(snapshot)
-        if self.ROLLBACK_RESTORES_ERROR:
-            self.error = snapshot["error"]
+        self.feedback.restore(snapshot["error"])
 
     def state_dict(self) -> dict:
-        return {
-            "format": BASELINE_FORMAT,
-            "method": self.method,
-            **super().state_dict(),
-            "error": state_to_host(self.error),
-        }
+        return {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict(), **self.feedback.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        error = checked_error(self, state)
-        super().load_state_dict(state)
-        self.error = error
-        if self.comm.residuals_per_rank and int(state["world_size"]) != self.comm.world_size:
-            self.error.clear()  # residuals are per rank: they cannot be split or merged
+        load_feedback(self, self.feedback, state, super().load_state_dict)
         if self.device is not None:
             self._on_device(self.device)

@@ -1,6 +1,7 @@
 """How the two-stage all-reduce (`edgc.sync.two_stage`) lays out one call: the run of values cut into
-buckets (`Partition`, `bucket_plan`), the call's tensors as one flat run (`flat_run`), and this rank's
-error feedback as one flat buffer per call whose per-parameter entries are views (`FlatErrors`).
+buckets (`Partition`, `bucket_plan`) and the call's tensors as one flat run (`flat_run`); this rank's
+error feedback, one flat buffer per call whose per-parameter entries are views, is
+`edgc.runner.error_feedback.FlatErrors`.
 
 Buckets are sized from the run (`bucket_plan`): a run of n values is cut into about `TARGET_BUCKETS`
 buckets, each at least `MIN_BUCKET_VALUES` and at most `MAX_BUCKET_VALUES`, a multiple of the members
@@ -109,42 +110,3 @@ def _base(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor ``tensor`` views, or itself."""
     base = view_base(tensor)
     return tensor if base is None else base
-
-
-class FlatErrors:
-    """This rank's error feedback of each call (keyed by its first name) as one flat buffer, the table by
-    parameter name holding views of it: what decay, heal and checkpoints change in place, the calls
-    read and write whole. An entry the table no longer holds as its view (a load, a move to the
-    device, an entry set by hand) is copied into a new buffer at the call's next use."""
-
-    def __init__(self):
-        self._flat: dict[str, tuple[tuple[str, ...], list[torch.Tensor], torch.Tensor]] = {}
-
-    def of(
-        self, table: dict[str, torch.Tensor], names: list[str], grads: list[torch.Tensor], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The flat error feedback of the call of ``names``, ``table``'s entries its views (zero where
-        ``table`` held none)."""
-        key = names[0]
-        kept = self._flat.get(key)
-        if kept is not None:
-            kept_names, views, flat = kept
-            if (
-                kept_names == tuple(names)
-                and flat.dtype == dtype
-                and flat.device == grads[0].device
-                and all(table.get(n) is v and v.shape == g.shape for n, v, g in zip(names, views, grads))
-            ):
-                return flat
-        flat = torch.zeros(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-        views = [part.view(g.shape) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        for name, view in zip(names, views):
-            old = table.get(name)
-            if old is not None and old.shape == view.shape:
-                view.copy_(old)
-            table[name] = view
-        self._flat[key] = (tuple(names), views, flat)
-        return flat
-
-    def clear(self) -> None:
-        self._flat.clear()

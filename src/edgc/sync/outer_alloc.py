@@ -76,7 +76,7 @@ class AllocatedQuantState(ErrorFeedbackReducer):
 
     method = "allocated"
     ARGUMENTS = ("mean_bits", "chunk")  # its argument ``bits`` is kept as mean_bits
-    ROLLBACK_RESTORES_ERROR = True  # as `QuantizedState`'s
+    ERROR_ROLLBACK = "restore"  # as `QuantizedState`'s
 
     def __init__(
         self, process_group=None, *, bits: float = 3.0, chunk: int = 256, error_feedback: bool = True, model=None

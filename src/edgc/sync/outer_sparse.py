@@ -183,7 +183,7 @@ class SparseQuantState(ErrorFeedbackReducer):
 
     method = "sparse"
     ARGUMENTS = ("density", "chunk", "groups", "aggregate", "tile")  # agreed across the group before the first sync
-    ROLLBACK_RESTORES_ERROR = True  # torchft's verdict: the residual from before a discarded step comes back
+    ERROR_ROLLBACK = "restore"  # torchft's verdict: the residual from before a discarded step comes back
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..distributed.comm import Communicator
+from ..runner.error_feedback import ErrorFeedback
 from .error_feedback import ErrorFeedbackReducer
 from .reducer import GradientReducer
 
@@ -86,7 +87,7 @@ class QuantizedState(ErrorFeedbackReducer):
 
     method = "quantized"
     ARGUMENTS = ("bits", "chunk")
-    ROLLBACK_RESTORES_ERROR = True  # torchft's verdict: the residual from before a discarded step comes back
+    ERROR_ROLLBACK = "restore"  # torchft's verdict: the residual from before a discarded step comes back
 
     def __init__(self, process_group=None, *, bits: int = 3, chunk: int = 256, error_feedback: bool = True, model=None):
         """``process_group``: the replicas' group (None: the default one); ``bits``: bits a value (2–8);
@@ -134,23 +135,27 @@ def error_table(state: GradientReducer) -> dict[str, torch.Tensor]:
     return state.error_table()
 
 
-def _tables(target: GradientReducer | dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """(by parameter name, the group's part) of a state's error feedback, or of a table alone."""
+def _feedbacks(target: GradientReducer | dict[str, torch.Tensor]) -> list[ErrorFeedback]:
+    """The error feedback of a state (`GradientReducer.error_feedbacks`), or a table's, as `ErrorFeedback`."""
     if isinstance(target, GradientReducer):
-        group = getattr(target, "group_error_table", dict)()  # a two-stage sync's chunk owners'
-        return target.error_table(), group
-    return target, {}
+        return target.error_feedbacks()
+    table = ErrorFeedback()
+    table.table = target  # the caller's own tensors: changed in place
+    return [table]
 
 
 @torch.no_grad()
 def decay_error_feedback(target: GradientReducer | dict[str, torch.Tensor], factor: float) -> None:
-    """e ← factor · e for all the error feedback of a sync state (`GradientReducer.error_table`, and the
-    part it keeps for the group where it has one: a two-stage sync's owners', ``group_error_table``), or
-    of every entry of a table (1: unchanged, 0: error feedback off from here)."""
-    if factor != 1.0:
-        named, group = _tables(target)
-        for e in [*named.values(), *group.values()]:
-            e.mul_(factor)
+    """e ← factor · e for all the error feedback of a sync state (`GradientReducer.error_feedbacks`: its own
+    and the part it keeps for the group where it has one, a two-stage sync's owners'), or of every entry
+    of a table (1: unchanged, 0: error feedback off from here).
+
+    Args:
+        target: a sync state, or a table of error feedback.
+        factor: the decay.
+    """
+    for feedback in _feedbacks(target):
+        feedback.decay(factor)
 
 
 @torch.no_grad()
@@ -160,12 +165,20 @@ def heal_error_feedback(
     """The error feedback of a replica that healed (``healed``) after a restart, a sync state's or a
     table's, by ``policy``: ``zero`` — none (what a restarted process has); ``keep`` — its own, as if it
     had not restarted; ``peer`` — rank 0's of ``comm``'s group, broadcast (every rank calls this: one
-    broadcast per entry). The part a state keeps for the group (a two-stage sync's ``group_error_table``:
-    chunks this rank owns, which no other rank holds) is dropped from a healed replica whatever the
-    policy, with a line on the ``edgc`` logger."""
+    broadcast per entry). The part a state keeps for the group (a two-stage sync's owners': chunks this
+    rank owns, which no other rank holds) is dropped from a healed replica whatever the policy, with a
+    line on the ``edgc`` logger.
+
+    Args:
+        target: a sync state, or a table of error feedback.
+        comm: the replicas' communicator.
+        policy: one of `HEAL_POLICIES`.
+        healed: this replica is the one that healed.
+    """
     if policy not in HEAL_POLICIES:
         raise ValueError(f"heal policy: one of {', '.join(HEAL_POLICIES)}, got {policy!r}")
-    table, _ = _tables(target)
+    feedbacks = _feedbacks(target)
+    table = feedbacks[0].table if feedbacks else {}
     for name in sorted(table):
         e = table[name]
         if policy == "peer":

@@ -41,6 +41,7 @@ from ..device.totals import StepTotals
 from ..distributed.comm import Communicator
 from ..engine.jobs import JobQueue
 from ..engine.lowrank import ReduceStats
+from ..runner.error_feedback import ErrorFeedback
 from ..safeguards.guards import UsageGuard
 from .gradients import HandedGradients, average_raw, average_sparse, check_dense, check_sparse_layout, is_sparse
 from .steps import StepRecord, step_metrics
@@ -144,14 +145,22 @@ class GradientReducer:
         """
         return self.comm
 
+    def error_feedbacks(self) -> list[ErrorFeedback]:
+        """The error feedback it keeps (`edgc.runner.error_feedback.ErrorFeedback`).
+
+        Returns:
+            This rank's by parameter name, then the group's part (a two-stage sync's owners'); none here.
+        """
+        return []
+
     def error_table(self) -> dict[str, torch.Tensor]:
         """This rank's error feedback.
 
         Returns:
-            Parameter name → the state's own tensor (changing one in place changes the state); none here,
-            a method with error feedback has it.
+            Parameter name → the state's own tensor (changed in place, the state's), of `error_feedbacks`' first.
         """
-        return {}
+        parts = self.error_feedbacks()
+        return parts[0].table if parts else {}
 
     def check_group(self) -> None:
         """Bind a default group created after the state, and check the group it averages over

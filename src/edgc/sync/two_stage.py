@@ -59,12 +59,12 @@ import torch
 from ..control import events
 from ..device import streams
 from ..device.finite import all_finite
-from ..device.timing import state_to_device, state_to_host
 from ..distributed.comm import FINISHES, ISSUES_MORE
 from ..engine.lowrank import ReduceStats
+from ..runner.error_feedback import ErrorFeedback
 from .codecs import QuantCodec, decode_rows, decode_run, encode_rows, encode_run
-from .error_feedback import BASELINE_FORMAT, COMPRESSED, checked_error, method_settings
-from .flat_buffers import FlatErrors, Partition, bucket_plan, flat_run
+from .error_feedback import BASELINE_FORMAT, COMPRESSED, load_feedback, method_settings
+from .flat_buffers import Partition, bucket_plan, flat_run
 from .reducer import GradientReducer
 
 __all__ = ["Partition", "TwoStageQuantState", "TwoStageReducer", "bucket_plan"]
@@ -97,7 +97,7 @@ class _Call:
         self.copied = self.run is None
         if self.copied:
             self.run = torch.cat([g.reshape(-1) for g in grads])
-        self.error = state.flat_errors.of(state.error, names, grads, self.dtype) if state.error_feedback else None
+        self.error = state.feedback.flat(names, grads, self.dtype) if state.error_feedback else None
         self.owner_in, self.owner_out = state.owner_error_of(names[0], self.partition, self.dtype, device)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         # what it sent (``bytes_sent``: 2 (N − 1)/N of the payload) and measured, added to bucket by bucket
@@ -116,9 +116,10 @@ class TwoStageReducer(GradientReducer):
     """The two-stage compressed all-reduce with ``codec`` (see the module docstring), in buckets of
     ``bucket_values`` values (None: sized from each call's run, `bucket_plan`). ``process_group``,
     ``error_feedback`` and ``model`` as `edgc.sync.baselines`' states; without error feedback neither
-    stage keeps a remainder. Its error feedback is written in place bucket by bucket and has an
-    owner's part, so it shares `edgc.sync.error_feedback`'s checks and checkpoint format, not its
-    reducer's M = G + e."""
+    stage keeps a remainder. Two `edgc.runner.error_feedback.ErrorFeedback`: the senders' (``feedback``,
+    flat per call, written in place bucket by bucket) and the owners' (``owners``, tied to the call's
+    partition); it shares `edgc.sync.error_feedback`'s checks and checkpoint format, not its reducer's
+    M = G + e."""
 
     method = "two-stage"
     ARGUMENTS: tuple[str, ...] = ("bucket_values",)  # agreed before the first sync; a codec's own: a subclass's
@@ -133,14 +134,13 @@ class TwoStageReducer(GradientReducer):
         model=None,
     ):
         super().__init__(process_group, model=model)
-        self.error_feedback = bool(error_feedback)
-        self.error: dict[str, torch.Tensor] = {}  # name -> this rank's residual, a view of its call's flat buffer
-        self.flat_errors = FlatErrors()
+        # name -> this rank's residual, a view of its call's flat buffer; a rollback makes it M again
+        self.feedback = ErrorFeedback(error_feedback, rollback="resend")
         if not (bucket_values is None or (isinstance(bucket_values, int) and bucket_values >= 1)):
             raise ValueError(f"bucket_values: values per bucket, None or an integer ≥ 1, got {bucket_values!r}")
         self.codec, self.bucket_values = codec, bucket_values
-        # the owners' error feedback per call (keyed by its first name): (partition, values of the owned chunks)
-        self.owner_error: dict[str, tuple[Partition, torch.Tensor]] = {}
+        # the owners' error feedback per call (keyed by its first name): the values of the owned chunks
+        self.owners = ErrorFeedback(error_feedback, rollback="restore", layout=_partition)
         self._undo: list[_Call] = []  # the pending step's calls, for a rollback
         self._payload = 0  # encoded bytes of this step's buckets
 
@@ -154,6 +154,21 @@ class TwoStageReducer(GradientReducer):
         return {**super().agreed_settings(device), **method_settings(self), **codec}
 
     @property
+    def error_feedback(self) -> bool:
+        """Whether both stages keep what their messages did not carry."""
+        return self.feedback.enabled
+
+    @property
+    def error(self) -> dict[str, torch.Tensor]:
+        """This rank's own error feedback by parameter name (views of the calls' buffers)."""
+        return self.feedback.table
+
+    @property
+    def owner_error(self):
+        """The owners' error feedback per call, key → (partition, values of the owned chunks): a live view."""
+        return self.owners.by_layout()
+
+    @property
     def rollback_keeps_input(self) -> bool:
         """A rolled-back step leaves each tensor's whole M in the error feedback (see the module docstring)."""
         return self.error_feedback
@@ -161,34 +176,27 @@ class TwoStageReducer(GradientReducer):
     def owner_error_of(self, key: str, partition: Partition, dtype, device) -> tuple:
         """(the owner's error feedback a call reads, the tensor it writes): the same tensor unless
         the step may be rolled back; none without error feedback; zero where the partition changed."""
-        if not self.error_feedback:
-            return None, None
-        kept = self.owner_error.get(key)
-        if kept is not None and kept[0] != partition:
-            events.owner_error_dropped(
-                self.settings_group().rank, type(self).__name__, self.step, key, kept[0], partition
-            )
-            kept = None
-        current = torch.zeros(partition.owned(), dtype=dtype, device=device) if kept is None else kept[1]
-        written = torch.empty_like(current) if self.defer_commit else current
-        self.owner_error[key] = (partition, written)
-        return current, written
 
-    def error_table(self) -> dict[str, torch.Tensor]:
-        """`GradientReducer.error_table`: this rank's own error feedback, ``error`` (views of the calls' buffers)."""
-        return self.error
+        def changed(before: Partition, now: Partition) -> None:
+            events.owner_error_dropped(self.settings_group().rank, type(self).__name__, self.step, key, before, now)
+
+        make = lambda: torch.zeros(partition.owned(), dtype=dtype, device=device)  # noqa: E731
+        return self.owners.tied(key, partition, make, fresh=self.defer_commit, changed=changed)
+
+    def error_feedbacks(self) -> list[ErrorFeedback]:
+        """`GradientReducer.error_feedbacks`: this rank's own (``feedback``) and the owners' (``owners``)."""
+        return [self.feedback, self.owners]
 
     def group_error_table(self) -> dict[str, torch.Tensor]:
         """The error feedback this rank keeps as the owner of chunks, by call (the state's own tensors):
         decayed with `error_table`'s, dropped at a heal (`edgc.sync.outer_sync`)."""
-        return {key: values for key, (_, values) in self.owner_error.items()}
+        return dict(self.owners.table)
 
     def drop_group_error(self, reason: str) -> None:
         """Drop the owners' error feedback (a heal: no other rank holds the chunks this one owns), with a
         line on the ``edgc`` logger giving ``reason``."""
-        if self.owner_error:
-            events.owner_error_cleared(self.settings_group().rank, type(self).__name__, self.step, reason)
-        self.owner_error = {}
+        rank = self.settings_group().rank
+        self.owners.drop(lambda: events.owner_error_cleared(rank, type(self).__name__, self.step, reason))
 
     # ------------------------------------------------------------------ one call, bucket by bucket
     def _plan_step(self, record) -> None:
@@ -284,12 +292,12 @@ class TwoStageReducer(GradientReducer):
         return {**COMPRESSED, "payload_bytes": self._payload}
 
     def _snapshot(self) -> dict:
-        return {**super()._snapshot(), "owner_error": dict(self.owner_error)}
+        return {**super()._snapshot(), "owner_error": self.owners.snapshot()}
 
     def _restore(self, snapshot: dict) -> None:
         """Each contributor's e ← its whole M again (e + what its own messages carried; not finite: 0)."""
         super()._restore(snapshot)
-        self.owner_error = snapshot["owner_error"]
+        self.owners.restore(snapshot["owner_error"])
         for call in self._undo:
             members = call.partition.members
             for lo, hi, chunk, message in call.undo:
@@ -306,37 +314,30 @@ class TwoStageReducer(GradientReducer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        host = state_to_host(self.group_error_table())
-        owner = {
-            key: (list(p.sizes), p.members, p.rank, p.bucket, host[key], p.row_multiple)
-            for key, (p, _) in self.owner_error.items()
-        }
-        own = {"bucket_values": self.bucket_values, "owner_error": owner}
         base = {"format": BASELINE_FORMAT, "method": self.method, **super().state_dict()}
-        return {**base, "error": state_to_host(self.error), **own}
+        own = {"bucket_values": self.bucket_values, "owner_error": self.owners.state_dict()}
+        return {**base, **self.feedback.state_dict(), **own}
 
     def load_state_dict(self, state: dict) -> None:
         owner = state.get("owner_error", {})
         if not isinstance(owner, dict):
             raise ValueError(f"corrupt {self.method} state: 'owner_error' must be a table")
-        error = checked_error(self, state)
-        super().load_state_dict(state)
-        self.error = error
-        self.flat_errors.clear()  # the loaded entries are copied into a new buffer at their call's next use
-        if self.comm.residuals_per_rank and int(state["world_size"]) != self.comm.world_size:
-            self.error.clear()  # residuals are per rank: they cannot be split or merged
-        self.owner_error = {  # (sizes, members, rank, bucket, values[, row multiple: 1 before it was saved])
-            key: (Partition(tuple(saved[0]), *saved[1:4], *saved[5:]), saved[4].clone()) for key, saved in owner.items()
-        }
+        owners = ErrorFeedback(self.error_feedback, rollback="restore", layout=_partition)
+        owners.load_state_dict(owner, what=self.method)  # the one format, or the (partition…, values) of before
+        load_feedback(self, self.feedback, state, super().load_state_dict)
+        self.owners = owners
         if self.device is not None:
             self._on_device(self.device)
 
     def _on_device(self, device: torch.device) -> None:
         # Read and replaced on the jobs' stream (`edgc.device.timing.state_to_device`)
-        self.error = state_to_device(self.error, device, self._jobs.stream)
-        self.flat_errors.clear()
-        moved = state_to_device(self.group_error_table(), device, self._jobs.stream)
-        self.owner_error = {key: (p, moved[key]) for key, (p, _) in self.owner_error.items()}
+        self.feedback.to(device, self._jobs.stream)
+        self.owners.to(device, self._jobs.stream)
+
+
+def _partition(saved: list) -> Partition:
+    """A partition from its saved values (sizes, members, rank, bucket[, row multiple: 1 before it was saved])."""
+    return Partition(tuple(saved[0]), *saved[1:])
 
 
 class TwoStageQuantState(TwoStageReducer):
