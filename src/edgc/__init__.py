@@ -12,12 +12,14 @@ Modules and sub-packages, from the ground up (each sub-package's docstring names
     device/         Streams, device-timeline timing (the only host reads), finiteness flags.
     distributed/    The one DeviceMesh, the communication layer, experts' groups, settings agreed.
     policies/       Pure rank policies: plans and decisions, CQM, the paper's mappings, splits, signals.
+    runner/         The step runner's base: its values, job queue, seeds and events.
     registry.py     Registries by name (signals, rank mappings, sync methods): one entry per name.
     checks.py       Field checks of the config dataclasses: each failure one line naming the field.
     config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass.
     engine/         The PowerSGD engine: factors, layouts, its state between steps, rank changes, jobs.
-    control/        Rank control: GDS, the byte budget, sync-time profiles, DAC's window and decision round.
-    safeguards/     Misuse refused, replicas compared, checkpoints checked.
+    control/        Rank control: GDS, the byte budget, sync-time profiles, DAC's window and decision round, its
+                    checkpoint's checks.
+    safeguards/     Misuse refused, replicas compared.
     sync/           The step runner (`GradientReducer`, the DDP hooks) and the sync methods it runs.
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state).
     parallel/       Composition with PyTorch's parallelisms: FSDP2/HSDP, pipeline stages and their traffic.

@@ -30,6 +30,7 @@ from torch import nn
 
 from .config import EDGCConfig, dotted_fields
 from .control import events
+from .control.checkpoint import STATE_FORMAT, check_loadable
 from .control.decisions import DecisionRound
 from .control.entropy import EntropySampler
 from .control.rank_control import WindowController
@@ -38,7 +39,6 @@ from .device.totals import StepTotals
 from .distributed.comm import Communicator
 from .engine.lowrank import LowRankCompressor
 from .policies.plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
-from .safeguards.checkpoint import STATE_FORMAT, check_loadable
 from .safeguards.fingerprint import SharedFields, compare_replicas
 from .sync.reducer import GradientReducer
 from .sync.steps import StepRecord
@@ -46,7 +46,7 @@ from .sync.steps import StepRecord
 __all__ = ["EDGCState", "STATE_FORMAT", "DEFAULT_ACCELERATOR_FUSION_MB"]
 
 # Compressed steps on an accelerator gather DDP buckets into jobs of this many MB (EDGCConfig.fusion_mb):
-# a job's kernel launches are a fixed count plus a few per shape (edgc.engine.jobs).
+# a job's kernel launches are a fixed count plus a few per shape (edgc.runner.jobs).
 DEFAULT_ACCELERATOR_FUSION_MB = 256
 
 
@@ -207,7 +207,7 @@ class EDGCState(GradientReducer):
         self.profiler.use_orthonormalization(self.compressor.orthonormalization(device))
 
     def _fusion_bytes(self, record: StepRecord | None) -> float:
-        """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.engine.jobs`)."""
+        """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.runner.jobs`)."""
         plan = record.plan if record is not None else None
         if plan is None or plan.rank is None or plan.profile_rank is not None:
             return 0  # uncompressed: each bucket all-reduced in place, as DDP would
@@ -350,7 +350,7 @@ class EDGCState(GradientReducer):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.safeguards.checkpoint`.
+        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.control.checkpoint`.
 
         Returns:
             The state, for `load_state_dict`.

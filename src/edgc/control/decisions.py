@@ -24,8 +24,9 @@ import torch.distributed as dist
 from ..device.timing import to_device
 from ..device.totals import StepTotals
 from ..distributed.comm import Communicator
-from ..engine.factors import matrix_shape, orthonormalize_rows_, stable_seed
+from ..engine.factors import matrix_shape, orthonormalize_rows_
 from ..policies.plans import COMPRESS, Agreed, Decision, DecisionInputs, StepPlan
+from ..runner.seeds import stable_seed
 from .rank_control import WindowController
 
 

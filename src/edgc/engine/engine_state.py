@@ -28,8 +28,9 @@ from ..adapters import torch_adapter
 from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
+from ..runner.seeds import stable_seed
 from .call_state import CallState
-from .factors import matrix_shape, stable_seed
+from .factors import matrix_shape
 from .layout import CallLayout
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device.timing import state_to_device, state_to_host
-from ..engine.lowrank import ReduceStats
+from ..runner.stats import ReduceStats
 from .reducer import GradientReducer
 
 BASELINE_FORMAT = "edgc-baseline/1"

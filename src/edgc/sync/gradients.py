@@ -29,7 +29,7 @@ from ..adapters import torch_adapter
 from ..device.finite import all_finite
 from ..distributed.comm import FINISHES, Communicator, Job
 from ..distributed.mesh import local_tensor
-from ..engine.lowrank import ReduceStats
+from ..runner.stats import ReduceStats
 from ..safeguards.guards import check_gradients
 
 

@@ -6,7 +6,7 @@ approximation for a compressor). ``flat`` is DDP's bucket buffer that ``grads`` 
 into, or None. It either does so before returning (blocking; it returns its `ReduceStats`, or
 None after `_add_stats`), or returns a *job* (`edgc.distributed.comm`): a generator that issues collectives,
 yields, and on resumption waits for them and goes on. How jobs run — a fixed order on every rank,
-buckets fused into batches, a side stream — is `edgc.engine.jobs`; the DDP hook never blocks backward on
+buckets fused into batches, a side stream — is `edgc.runner.jobs`; the DDP hook never blocks backward on
 a job.
 
 Everything else — step counting, parameter names, the plain training-loop path, timing and
@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..control import events
 from ..device import streams
 from ..device.timing import DEVICE_TIMING_EVERY, Clock, host_reads_allowed
 from ..device.totals import StepTotals
 from ..distributed.comm import Communicator
-from ..engine.jobs import JobQueue
-from ..engine.lowrank import ReduceStats
+from ..runner import events
+from ..runner.jobs import JobQueue
+from ..runner.stats import ReduceStats
 from ..safeguards.guards import UsageGuard
 from .gradients import HandedGradients, average_raw, average_sparse, check_dense, check_sparse_layout, is_sparse
 from .steps import StepRecord, step_metrics
@@ -387,7 +387,7 @@ class GradientReducer:
         """The step begins (the one before is settled): plan it (``record.plan``, ``record.always_timed``)."""
 
     def _fusion_bytes(self, record: StepRecord | None) -> float:
-        """Gradient bytes of consecutive buckets that one job syncs (`edgc.engine.jobs`); 0: each bucket its own."""
+        """Gradient bytes of consecutive buckets that one job syncs (`edgc.runner.jobs`); 0: each bucket its own."""
         return 0
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:

@@ -1,7 +1,7 @@
 """One optimizer step as a `GradientReducer` keeps it: a `StepRecord`, and the metrics of a settled one.
 
 A record lives from the step's first bucket until the next step begins: what the sync method
-planned for it, what its jobs sent (`edgc.engine.lowrank.ReduceStats`), the values it needs on the host
+planned for it, what its jobs sent (`edgc.runner.stats.ReduceStats`), the values it needs on the host
 (`StepTotals`: added by name, sent as one device tensor at its end, read once when it is settled),
 its collectives' and jobs' stamps, and once settled its metrics (`step_metrics`, plus the method's
 own). With ``defer_commit`` it also keeps the snapshot of the state from before it until the step is
@@ -17,7 +17,7 @@ from typing import Any
 from ..device.timing import Clock
 from ..device.totals import StepTotals
 from ..distributed.comm import StepCollectives
-from ..engine.lowrank import ReduceStats
+from ..runner.stats import ReduceStats
 
 
 @dataclass
