@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import write  # noqa: E402
 
-from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB  # noqa: E402
+from edgc.runner.jobs import DEFAULT_ACCELERATOR_FUSION_MB  # noqa: E402
 from edgc_probes.gpt2_layout import GPT2_SIZES  # noqa: E402
 from edgc_sim import engine_model as em  # noqa: E402
 from edgc_sim.collectives import gpt2_gradient_shapes  # noqa: E402

@@ -2,7 +2,7 @@
 
 The engine (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`, `edgc.engine.layout`, `edgc.engine.engine_state`,
 `edgc.engine.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
-least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.runner.jobs`). A job's
+least `edgc.runner.jobs.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.runner.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product that reads M (P, Q
 and the residual e = M − P·Qᵀ, which a CPU with float32 gradients forms instead as M − Ĝ, matrix by
 matrix) is one batched GEMM per group on the error-feedback arena; on an
@@ -40,7 +40,7 @@ from typing import NamedTuple
 from edgc.engine.engine_state import subtracts_estimate
 from edgc.engine.factors import compressed_rank
 from edgc.engine.stretches import WARM_START_PASSES
-from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
+from edgc.runner.jobs import DEFAULT_ACCELERATOR_FUSION_MB
 
 from .collectives import MIB, ddp_buckets
 from .engine_launches import LaunchTable, Setting, job_terms, launch_table

@@ -28,6 +28,7 @@ class StepRecord:
     snapshot: dict | None = None  # with defer_commit: the state before the step, until committed or rolled back
     plan: Any = None  # what the method planned for the step (`_plan_step`; EDGC: a `edgc.policies.plans.StepPlan`)
     always_timed: bool = False  # take device timestamps whatever the cadence (EDGC's profiling)
+    fusion_mb: float | None = 0  # MB of buckets one job syncs; 0: each its own; None: the device's (`edgc.runner.jobs`)
     stats: ReduceStats = field(default_factory=ReduceStats)
     totals: StepTotals = field(default_factory=StepTotals)  # the values it needs on the host, by name
     busy: list[tuple] = field(default_factory=list)  # (start, end) stamps of the jobs' time, on their stream
