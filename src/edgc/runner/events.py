@@ -34,10 +34,10 @@ stage's rank 0 speaks for its stage). To hear every rank,
 ``logging.getLogger("edgc").removeFilter(edgc.runner.events.GROUP_RANK_ZERO)``; ``record.edgc_rank`` is
 the rank in the group that decides.
 
-Each event takes that rank (``rank``: the sync state's in the group that decides, `GradientReducer.speaker`)
-and the plain values it reports. The events every sync state says are here (`discarded`, `owner_error`) with
-`say`, which says any; EDGC's rank control says its own through `say` (`edgc.control.events`), and a graph region
-its captures (`edgc.device.graphs`).
+Each event takes that rank (``rank``: the sync state's rank in its `GradientReducer.settings_group`) and
+the plain values it reports. The events every sync state says are here (`discarded`, `owner_error`), with
+`say`, which says any: EDGC's rank control says its own through it (`edgc.control.events`), and a graph
+region its captures (`edgc.device.graphs`).
 """
 
 from __future__ import annotations
