@@ -229,7 +229,7 @@ class GradientReducer(StepCycle):
 
 class AllReduceState(GradientReducer):
     """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics
-    (``process_group``, ``model``: as `GradientReducer`'s)."""
+    (``process_group``, ``model``: as `GradientReducer`'s, which its base `edgc.sync.step_cycle.StepCycle` takes)."""
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         return self._average_raw(names, grads, flat)
