@@ -14,7 +14,7 @@ It orchestrates; each part is a collaborator it owns: the controller plans each 
 (`edgc.control.rank_control.WindowController`), the sampler measures the entropy (`edgc.control.entropy`), the
 compressor syncs (`edgc.engine.lowrank.LowRankCompressor`, which holds its state), the profiler times the
 shadow syncs (`edgc.control.shadow`), and the decision round agrees and decides (`edgc.control.decisions`). The
-step itself is one `edgc.sync.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
+step itself is one `edgc.runner.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from .device.totals import StepTotals
 from .engine.lowrank import LowRankCompressor
 from .policies.plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
 from .runner.jobs import fusion_megabytes
+from .runner.reducer import GradientReducer
+from .runner.steps import StepRecord
 from .safeguards.fingerprint import SharedFields, compare_replicas
-from .sync.reducer import GradientReducer
-from .sync.steps import StepRecord
 
 __all__ = ["EDGCState", "STATE_FORMAT"]
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device.timing import state_to_device, state_to_host
+from ..runner.reducer import GradientReducer
 from ..runner.stats import ReduceStats
-from .reducer import GradientReducer
 
 BASELINE_FORMAT = "edgc-baseline/1"
 COMPRESSED = {"phase": "compress", "rank": None, "entropy": None}  # a method's part of its step metrics

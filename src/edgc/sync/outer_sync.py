@@ -20,8 +20,8 @@ import math
 import torch
 
 from ..distributed.comm import Communicator
+from ..runner.reducer import GradientReducer
 from .error_feedback import ErrorFeedbackReducer
-from .reducer import GradientReducer
 
 HEAL_POLICIES = ("zero", "keep", "peer")
 

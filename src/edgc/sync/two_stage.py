@@ -61,11 +61,11 @@ from ..device.finite import all_finite
 from ..device.timing import state_to_device, state_to_host
 from ..distributed.comm import FINISHES, ISSUES_MORE
 from ..runner import events
+from ..runner.reducer import GradientReducer
 from ..runner.stats import ReduceStats
 from .codecs import QuantCodec, decode_rows, decode_run, encode_rows, encode_run
 from .error_feedback import BASELINE_FORMAT, COMPRESSED, checked_error, method_settings
 from .flat_buffers import FlatErrors, Partition, bucket_plan, flat_run
-from .reducer import GradientReducer
 
 __all__ = ["Partition", "TwoStageQuantState", "TwoStageReducer", "bucket_plan"]
 

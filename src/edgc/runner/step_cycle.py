@@ -12,7 +12,7 @@ checkpointed by name.
 
 A method says what it does with a step through these hooks, each called once per step in this
 order, each handed the step's record: `_plan_step` (the step begins: its plan, and how many bytes of
-buckets one job gathers, ``record.fusion_mb``), `_reduce` per bucket (`edgc.sync.reducer`),
+buckets one job gathers, ``record.fusion_mb``), `_reduce` per bucket (`edgc.runner.reducer`),
 `_close_step` (its last bucket is averaged: its own values for the host, added by name),
 `_settle_step` (the values are on the host: the method's metrics); and `_snapshot` / `_restore` /
 `_commit` for uncommitted steps, `_on_device` at the first step. What one method does beyond them
@@ -31,10 +31,10 @@ from torch import nn
 from ..device.timing import DEVICE_TIMING_EVERY, Clock, host_reads_allowed
 from ..device.totals import StepTotals
 from ..distributed.comm import Communicator
-from ..runner import events
-from ..runner.jobs import JobQueue, fusion_megabytes
-from ..runner.stats import ReduceStats
 from ..safeguards.guards import UsageGuard
+from . import events
+from .jobs import JobQueue, fusion_megabytes
+from .stats import ReduceStats
 from .steps import StepRecord, step_metrics
 
 

@@ -11,7 +11,7 @@ a job.
 
 Everything else lives once, here and in its base: the entry points (the DDP hook, an integration's
 buckets, the plain training loop), parameter names and the gradients' kinds here; step counting,
-timing and per-step metrics, uncommitted steps and checkpoints in `edgc.sync.step_cycle.StepCycle`,
+timing and per-step metrics, uncommitted steps and checkpoints in `edgc.runner.step_cycle.StepCycle`,
 whose docstring names the hooks a method fills in besides ``_reduce``.
 """
 
@@ -186,7 +186,7 @@ class GradientReducer(StepCycle):
         Blocking (the Megatron-style sync after backward: nothing left to overlap with), and the
         step is settled (`settle`) before it returns. A DTensor parameter (tensor parallelism) is
         averaged shard by shard: this rank's local shard. Sparse gradients and gradients in another
-        layout are averaged exactly (`edgc.sync.gradients`). Called again on the gradients it averaged,
+        layout are averaged exactly (`edgc.runner.gradients`). Called again on the gradients it averaged,
         unchanged since (no backward between), it refuses in one line (`edgc.safeguards.guards`).
 
         Args:
@@ -215,7 +215,7 @@ class GradientReducer(StepCycle):
             self._jobs.submit(names, grads, None, None, self._reduce, self._fusion_bytes())
 
     def _submit_sparse(self, names: list[str], grad: torch.Tensor, future: torch.futures.Future | None) -> None:
-        """A sparse gradient's job of its own (`edgc.sync.gradients.average_sparse`), after the buckets
+        """A sparse gradient's job of its own (`edgc.runner.gradients.average_sparse`), after the buckets
         gathered before it have started, so that every rank issues in bucket order."""
         if self.device is None:
             self._use_device(grad.device)
@@ -223,13 +223,13 @@ class GradientReducer(StepCycle):
         self._jobs.submit(names, [grad], grad, future, lambda *bucket: average_sparse(self.comm, *bucket), 0)
 
     def _average_raw(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
-        """Plain averaged all-reduce, as a job (`edgc.sync.gradients.average_raw`)."""
+        """Plain averaged all-reduce, as a job (`edgc.runner.gradients.average_raw`)."""
         return average_raw(self.comm, names, grads, flat)
 
 
 class AllReduceState(GradientReducer):
     """Plain averaged all-reduce through the same non-blocking machinery, with EDGC's metrics
-    (``process_group``, ``model``: as `GradientReducer`'s, which its base `edgc.sync.step_cycle.StepCycle` takes)."""
+    (``process_group``, ``model``: as `GradientReducer`'s, which its base `edgc.runner.step_cycle.StepCycle` takes)."""
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         return self._average_raw(names, grads, flat)

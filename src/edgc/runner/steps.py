@@ -17,7 +17,7 @@ from typing import Any
 from ..device.timing import Clock
 from ..device.totals import StepTotals
 from ..distributed.comm import StepCollectives
-from ..runner.stats import ReduceStats
+from .stats import ReduceStats
 
 
 @dataclass
