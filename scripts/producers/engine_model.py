@@ -15,7 +15,7 @@ import json
 
 from doc_blocks import ROOT, write
 
-from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
+from edgc.runner.jobs import DEFAULT_ACCELERATOR_FUSION_MB
 from edgc_probes.gpt2_layout import GPT2_SIZES
 from edgc_sim import engine_model as em
 from edgc_sim.collectives import gpt2_gradient_shapes

@@ -12,14 +12,16 @@ Modules and sub-packages, from the ground up (each sub-package's docstring names
     device/         Streams, device-timeline timing (the only host reads), finiteness flags.
     distributed/    The one DeviceMesh, the communication layer, experts' groups, settings agreed.
     policies/       Pure rank policies: plans and decisions, CQM, the paper's mappings, splits, signals.
-    runner/         The step runner's base pieces: the one error feedback (`ErrorFeedback`).
+    runner/         The step runner (`GradientReducer`, the DDP hook): a step's cycle, jobs, values, seeds, events,
+                    the one error feedback (`ErrorFeedback`).
     registry.py     Registries by name (signals, rank mappings, sync methods): one entry per name.
     checks.py       Field checks of the config dataclasses: each failure one line naming the field.
     config.py       `EDGCConfig`: every knob of EDGC in one validated dataclass.
     engine/         The PowerSGD engine: factors, layouts, its state between steps, rank changes, jobs.
-    control/        Rank control: GDS, the byte budget, sync-time profiles, DAC's window and decision round.
-    safeguards/     Misuse refused, replicas compared, checkpoints checked.
-    sync/           The step runner (`GradientReducer`, the DDP hooks) and the sync methods it runs.
+    control/        Rank control: GDS, the byte budget, sync-time profiles, DAC's window and decision round, its
+                    checkpoint's checks.
+    safeguards/     Misuse refused, replicas compared.
+    sync/           The sync methods the runner runs: baselines, outer syncs, sparse, two-stage, codecs.
     state.py        `EDGCState`: the EDGC compressor for one data-parallel group (a DDP hook state).
     parallel/       Composition with PyTorch's parallelisms: FSDP2/HSDP, pipeline stages and their traffic.
     integrations/   Glue for training stacks (Lightning, torchft, DiLoCo).
@@ -35,10 +37,10 @@ from .engine.lowrank import LowRankCompressor
 from .policies.rank_model import ErrorModel, error_curve_mc, error_curve_mp
 from .policies.rank_rules import delta_target, limit_rank, register_rank_mapping
 from .policies.signals import register_signal
+from .runner.reducer import AllReduceState, GradientReducer, edgc_hook
 from .safeguards.fingerprint import ReplicasDiverged
 from .state import EDGCState
 from .sync.baselines import CastState, QSGDState, RandomKState, TopKState
-from .sync.reducer import AllReduceState, GradientReducer, edgc_hook
 from .sync.sync_methods import register_sync_method
 
 __all__ = [

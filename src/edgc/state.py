@@ -14,7 +14,7 @@ It orchestrates; each part is a collaborator it owns: the controller plans each 
 (`edgc.control.rank_control.WindowController`), the sampler measures the entropy (`edgc.control.entropy`), the
 compressor syncs (`edgc.engine.lowrank.LowRankCompressor`, which holds its state), the profiler times the
 shadow syncs (`edgc.control.shadow`), and the decision round agrees and decides (`edgc.control.decisions`). The
-step itself is one `edgc.sync.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
+step itself is one `edgc.runner.steps.StepRecord`, whose ``plan`` is the controller's `StepPlan`.
 """
 
 from __future__ import annotations
@@ -30,25 +30,22 @@ from torch import nn
 
 from .config import EDGCConfig, dotted_fields
 from .control import events
+from .control.checkpoint import STATE_FORMAT, check_loadable
 from .control.decisions import DecisionRound
 from .control.entropy import EntropySampler
 from .control.rank_control import WindowController
 from .control.shadow import ShadowProfiler
+from .device.timing import host_reads_allowed
 from .device.totals import StepTotals
-from .distributed.comm import Communicator
 from .engine.lowrank import LowRankCompressor
 from .policies.plans import COMPRESS, OFF, PROFILE, Agreed, DecisionInputs, StepPlan
 from .runner.error_feedback import ErrorFeedback
-from .safeguards.checkpoint import STATE_FORMAT, check_loadable
+from .runner.jobs import fusion_megabytes
+from .runner.reducer import GradientReducer
+from .runner.steps import StepRecord
 from .safeguards.fingerprint import SharedFields, compare_replicas
-from .sync.reducer import GradientReducer
-from .sync.steps import StepRecord
 
-__all__ = ["EDGCState", "STATE_FORMAT", "DEFAULT_ACCELERATOR_FUSION_MB"]
-
-# Compressed steps on an accelerator gather DDP buckets into jobs of this many MB (EDGCConfig.fusion_mb):
-# a job's kernel launches are a fixed count plus a few per shape (edgc.engine.jobs).
-DEFAULT_ACCELERATOR_FUSION_MB = 256
+__all__ = ["EDGCState", "STATE_FORMAT"]
 
 
 class EDGCState(GradientReducer):
@@ -99,7 +96,8 @@ class EDGCState(GradientReducer):
             self.sampler.elements_per_step = sum(math.prod(shape) for shape in self._guard.shapes.values())
         self.compressor = LowRankCompressor(self.config.engine)
         self.profiler = ShadowProfiler(self.config.engine)
-        self.decisions = DecisionRound(decision_group)
+        self.decisions = DecisionRound()
+        self._guard.decide_over(decision_group)  # settings agreed and decisions taken over it (`settings_group`)
         self.watch_tokens(model)
 
     def watch_tokens(self, model: nn.Module | None) -> None:
@@ -137,7 +135,7 @@ class EDGCState(GradientReducer):
         """
         config, compressor = self.config, self.compressor
         compressor.agree_orthonormalization(device, self.settings_group())
-        fusion = self._fusion_megabytes(device)
+        fusion = fusion_megabytes(config.fusion_mb, device)
         return {
             **super().agreed_settings(device),
             **{f"EDGCConfig.{name}": value for name, value in dotted_fields(config.to_dict()).items()},
@@ -149,14 +147,6 @@ class EDGCState(GradientReducer):
             "fusion_mb in use": fusion,
             "power_iterations": compressor.power_iterations,
         }
-
-    def settings_group(self) -> Communicator:
-        """The group whose ranks must decide alike.
-
-        Returns:
-            The decision group's communicator where it is wider than the process group, else the state's.
-        """
-        return self.decisions.communicator(self.comm)
 
     @property
     def _speaker(self) -> int:
@@ -180,6 +170,8 @@ class EDGCState(GradientReducer):
         plan = record.plan = self.controller.plan(record.step)
         events.planned(self._speaker, before, plan, self.controller, self.config)  # the warm-up's end, a hand-set rank
         record.always_timed = plan.phase == PROFILE or plan.profile_rank is not None  # r_max comes from their times
+        if plan.rank is not None and plan.profile_rank is None:  # compressed: buckets gathered into larger jobs
+            record.fusion_mb = self.config.fusion_mb  # None: the device's default (`edgc.runner.jobs`)
         # Followers take their rank from the pipeline alignment: their entropy is never used.
         sampled = self.config.adaptive and not self.controller.follower and plan.phase != OFF
         self.sampler.begin(record.step, enabled=sampled)
@@ -201,24 +193,13 @@ class EDGCState(GradientReducer):
         self.compressor.state.to(device, self._jobs.stream)
         self.profiler.to(device, self._jobs.stream)
 
-    def _agree_on_device(self, device: torch.device) -> None:
-        """The orthonormalisation the group runs on the device (`edgc.engine.orthonormal_choice`), the shadow
-        syncs' too."""
+    def _use_device(self, device: torch.device) -> None:
+        """`GradientReducer._use_device`, then what the group agrees on the device, every rank at the same
+        point of its first step: the orthonormalisation it runs (`edgc.engine.orthonormal_choice`), the
+        shadow syncs' too."""
+        super()._use_device(device)
         self.compressor.agree_orthonormalization(device, self.comm)
         self.profiler.use_orthonormalization(self.compressor.orthonormalization(device))
-
-    def _fusion_bytes(self, record: StepRecord | None) -> float:
-        """Compressed steps gather buckets into jobs of `EDGCConfig.fusion_mb` (`edgc.engine.jobs`)."""
-        plan = record.plan if record is not None else None
-        if plan is None or plan.rank is None or plan.profile_rank is not None:
-            return 0  # uncompressed: each bucket all-reduced in place, as DDP would
-        return self._fusion_megabytes(self.device) * 2**20
-
-    def _fusion_megabytes(self, device: torch.device | None) -> float:
-        """`EDGCConfig.fusion_mb`, or the device's default where it is None."""
-        if self.config.fusion_mb is not None:
-            return self.config.fusion_mb
-        return 0 if device is None or device.type == "cpu" else DEFAULT_ACCELERATOR_FUSION_MB
 
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None):
         plan = self._current.plan  # type: ignore[union-attr]
@@ -269,9 +250,19 @@ class EDGCState(GradientReducer):
             "decision": last if last is not None and last["step"] == record.step else None,
         }
 
+    def settle(self) -> None:
+        """`GradientReducer.settle`, then what the group settles together, once a step, where every rank
+        settles alike (`_settle_group`: collectives)."""
+        super().settle()
+        record = self._last
+        if record is not None and not record.shared_done:
+            record.shared_done = True
+            with host_reads_allowed():  # a decision reads the agreed values (once per window at most)
+                self._settle_group(record)
+
     def _settle_group(self, record: StepRecord) -> None:
-        """Where every rank settles alike (collectives): at a window's end the replicas' fingerprints
-        are compared (`edgc.safeguards.fingerprint`); at a decision step the decision round runs."""
+        """At a window's end the replicas' fingerprints are compared (`edgc.safeguards.fingerprint`); at a
+        decision step the decision round runs."""
         if (record.step + 1) % self.config.window == 0:
             self._compare_replicas(record.step)
             if self.controller.split.reads_tokens:  # the window's tokens, for the next window's split
@@ -280,8 +271,9 @@ class EDGCState(GradientReducer):
         if not plan.decision:
             return
         device = self.device or torch.device("cpu")
-        agreed = self.decisions.agree(self.profiler.mean_times(plan), self.comm, device)
-        decision = self.decisions.run(self._decision_inputs(plan, agreed), self.controller, self.comm, device)
+        decides = self.settings_group()
+        agreed = self.decisions.agree(self.profiler.mean_times(plan), decides, self.comm, device)
+        decision = self.decisions.run(self._decision_inputs(plan, agreed), self.controller, decides, self.comm, device)
         profiling_over = plan.phase == PROFILE and self.controller.phase != PROFILE
         self.profiler.decided(finished=profiling_over)
         if plan.phase == COMPRESS:
@@ -351,7 +343,7 @@ class EDGCState(GradientReducer):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.safeguards.checkpoint`.
+        """This rank's complete state, keyed by parameter name (not DDP bucket index): `edgc.control.checkpoint`.
 
         Returns:
             The state, for `load_state_dict`.

@@ -58,7 +58,7 @@ def as_on_an_accelerator(config):
     (`edgc.config.LowRankConfig.force_accelerator_kernels`)."""
     from dataclasses import replace
 
-    from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
+    from edgc.runner.jobs import DEFAULT_ACCELERATOR_FUSION_MB
 
     fusion_mb = DEFAULT_ACCELERATOR_FUSION_MB if config.fusion_mb is None else config.fusion_mb
     return replace(config, fusion_mb=fusion_mb, engine=replace(config.engine, force_accelerator_kernels=True))

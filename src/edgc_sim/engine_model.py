@@ -2,7 +2,7 @@
 
 The engine (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`, `edgc.engine.layout`, `edgc.engine.engine_state`,
 `edgc.engine.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
-least `edgc.state.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.engine.jobs`). A job's
+least `edgc.runner.jobs.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.runner.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product that reads M (P, Q
 and the residual e = M − P·Qᵀ, which a CPU with float32 gradients forms instead as M − Ĝ, matrix by
 matrix) is one batched GEMM per group on the error-feedback arena; on an
@@ -40,7 +40,7 @@ from typing import NamedTuple
 from edgc.engine.engine_state import subtracts_estimate
 from edgc.engine.factors import compressed_rank
 from edgc.engine.stretches import WARM_START_PASSES
-from edgc.state import DEFAULT_ACCELERATOR_FUSION_MB
+from edgc.runner.jobs import DEFAULT_ACCELERATOR_FUSION_MB
 
 from .collectives import MIB, ddp_buckets
 from .engine_launches import LaunchTable, Setting, job_terms, launch_table
@@ -180,7 +180,7 @@ def engine_jobs(
     """The jobs one compressed step runs, as lists of tensor shapes: DDP's buckets of ``shapes``
     (definition order, `collectives.ddp_buckets`), each its own job on a CPU; on an accelerator
     consecutive buckets gathered until they hold ``fusion_mb`` (default the library's) or the
-    step's last bucket arrives (`edgc.engine.jobs.JobQueue.submit`)."""
+    step's last bucket arrives (`edgc.runner.jobs.JobQueue.submit`)."""
     buckets = ddp_buckets(shapes, bucket_cap_mib, bytes_per_value)
     limit = (DEFAULT_ACCELERATOR_FUSION_MB if fusion_mb is None else fusion_mb) * MIB if accelerator else 0
     jobs, gathered, size = [], [], 0

@@ -201,7 +201,7 @@ def test_profiling_steps_train_exactly_like_plain_ddp():
         assert not result["table"]["uncompressed_is_bound"] and result["r_max"] == 4
     assert min(with_hook[0]["calls"][1:]) >= 2, "the model should span several DDP buckets"
     calls = with_hook[0]["calls"]  # one plain all-reduce per bucket; + agree and broadcast at each decision
-    # each decision's all-reduce and broadcast run when the next step begins (edgc.sync.reducer.settle)
+    # each decision's all-reduce and broadcast run when the next step begins (EDGCState.settle)
     assert with_hook[0]["collectives"] == [calls[0], calls[1], calls[2] + 2, calls[3] + 2, calls[4] + 2]
     for rank in range(2):
         assert torch.equal(with_hook[rank]["params"], plain[rank]["params"])
@@ -222,7 +222,7 @@ def test_on_a_slow_wire_the_quick_test_finds_r_max_in_one_overlapped_step():
         assert 0 < table["by_rank"][8] <= table["uncompressed"]
     calls = with_hook[0]["calls"]
     assert min(calls[1:]) >= 2, "the model should span several DDP buckets"
-    # the decision's all-reduce and broadcast run when the next step begins (edgc.sync.reducer.settle)
+    # the decision's all-reduce and broadcast run when the next step begins (EDGCState.settle)
     assert with_hook[0]["collectives"] == [calls[0], calls[1], calls[2] + 2, calls[3]]
     for rank in range(2):
         assert torch.equal(with_hook[rank]["params"], plain[rank]["params"])

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from edgc import EDGCConfig, EDGCState, LowRankConfig
-from edgc.control.events import GROUP_RANK_ZERO, LOGGER
 from edgc.control.profiling import describe_profiling_verdict
+from edgc.runner.events import GROUP_RANK_ZERO, LOGGER
 
 pytestmark = pytest.mark.filterwarnings("ignore:EDGCState. no process group")  # one process, on purpose
 

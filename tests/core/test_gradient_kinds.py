@@ -1,5 +1,5 @@
 """Every kind of gradient DDP or a plain loop hands EDGC is averaged to the exact group mean
-(`edgc.sync.gradients`), on 2 gloo processes (one start-up): dense ones of every float dtype, a
+(`edgc.runner.gradients`), on 2 gloo processes (one start-up): dense ones of every float dtype, a
 channels-last convolution's and a transposed one (another layout), and a sparse embedding's, which
 DDP hands the hook as a bucket of its own. Judged against the mean of both ranks' local gradients,
 recomputed on each rank: bit for bit while uncompressed (dividing by two and adding two values is
@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, LowRankConfig, edgc_hook
-from edgc.sync.gradients import HandedGradients
+from edgc.runner.gradients import HandedGradients
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = (*DTYPES, "channels last", "transposed", "sparse")

@@ -317,7 +317,7 @@ def test_ruff_checks_every_file_alike():
 def test_sync_methods_sit_at_most_two_classes_below_the_step_runner():
     """A method's behaviour is read in its class and at most one base below the runner (docs/layout.md,
     "Sync methods"); AllocatedSparseState is a SparseQuantState by contract."""
-    from edgc.sync.reducer import GradientReducer
+    from edgc.runner.reducer import GradientReducer
     from edgc.sync.sync_methods import SYNC_METHODS
 
     def below_runner(cls: type) -> int:

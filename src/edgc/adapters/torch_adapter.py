@@ -8,7 +8,7 @@ Each is read here, by name, and nowhere else:
   views one arena (`edgc.engine.engine_state`), and that a call's tensors are one run of one buffer
   (`edgc.sync.flat_buffers`).
 * ``Tensor._values()`` and ``._indices()``: a sparse gradient's parts as they are, coalesced or not
-  (the public ``values()`` refuses an uncoalesced tensor) (`edgc.sync.gradients`).
+  (the public ``values()`` refuses an uncoalesced tensor) (`edgc.runner.gradients`).
 * ``Variable._execution_engine.queue_callback``: a call at the end of the backward pass, where
   FSDP2's hooks of one step are all in (`edgc.parallel.fsdp`), as FSDP2 itself closes its step.
 * ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: parameters a DDP built

@@ -11,5 +11,6 @@ Modules:
     rank_control.py DAC, the window controller: when to compress and at which rank (pure logic, no collectives).
     decisions.py    The decision round: how what the ranks measured becomes one decision that every rank applies.
     shadow.py       What profiling measures: a compressed sync timed beside the real one, and the plain sync's time.
-    events.py       What EDGC decides, said through Python's `logging`: logger ``edgc``, one record per event.
+    checkpoint.py   What an `EDGCState` checkpoint holds, and the checks a loaded one passes before anything changes.
+    events.py       What EDGC's rank control decides, said through the ``edgc`` logger (`edgc.runner.events`).
 """

@@ -19,39 +19,25 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from ..device.timing import to_device
 from ..device.totals import StepTotals
 from ..distributed.comm import Communicator
-from ..engine.factors import matrix_shape, orthonormalize_rows_, stable_seed
+from ..engine.factors import matrix_shape, orthonormalize_rows_
 from ..policies.plans import COMPRESS, Agreed, Decision, DecisionInputs, StepPlan
+from ..runner.seeds import stable_seed
 from .rank_control import WindowController
 
 
 class DecisionRound:
-    """The round of one state (see the module docstring). ``group``: the decision group where it is
-    wider than the state's process group (None: the state's communicator decides)."""
+    """The round of one state (see the module docstring). The decision group is the state's
+    (`GradientReducer.settings_group`): the round is handed its communicator."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.wider = None if group is None else Communicator(group)
+    def __init__(self):
         self.relative_errors: list[float] = []  # ‖M − Ĝ‖²/‖M‖² of the measured steps since the last decision
         self.probe: torch.Tensor | None = None  # this step's (error², ‖M‖²) on the device, summed over buckets
         self.probe_values: tuple[float, float] | None = None  # the settled step's (‖M − M̂‖², ‖M‖²), on the host
         self.last: dict | None = None  # the last rank decision taken, as a record for people (`edgc.control.events`)
-
-    def communicator(self, comm: Communicator) -> Communicator:
-        """The communicator that decides: the wider one, else the state's ``comm``."""
-        return self.wider or comm
-
-    def __getstate__(self) -> dict:
-        """A process group stays with this process, as the state's communicator does (`edgc.distributed.detached`)."""
-        from ..distributed.detached import DetachedCommunicator
-
-        wider = self.wider
-        if wider is None:
-            return dict(self.__dict__)
-        return {**self.__dict__, "wider": DetachedCommunicator("EDGCState", wider.rank, wider.world_size)}
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
@@ -92,22 +78,27 @@ class DecisionRound:
             uncompressed_bound=profiled[2],
         )
 
-    def agree(self, profiled: tuple[float, float, float], comm: Communicator, device: torch.device) -> Agreed:
-        """This rank's measurements (`measured`, with ``profiled``) averaged over the decision group (the
-        state's ``comm``, or the wider group): the round's first blocking collective."""
-        decisions = self.communicator(comm)
+    def agree(
+        self, profiled: tuple[float, float, float], decisions: Communicator, comm: Communicator, device: torch.device
+    ) -> Agreed:
+        """This rank's measurements (`measured`, with ``profiled``) averaged over the decision group
+        (``decisions``: the state's ``comm``, or a wider group's): the round's first blocking collective."""
         local = torch.tensor(self.measured(profiled).encode(), dtype=torch.float64, device=device)
         agreed = Agreed(*decisions.mean_(local).tolist())
         self._not_gradient_traffic(decisions, comm)
         return agreed
 
     def run(
-        self, inputs: DecisionInputs, controller: WindowController, comm: Communicator, device: torch.device
+        self,
+        inputs: DecisionInputs,
+        controller: WindowController,
+        decisions: Communicator,
+        comm: Communicator,
+        device: torch.device,
     ) -> Decision:
         """The round's decision from ``inputs`` (built once, with the `agree`-d measurements): the decision
-        group's rank 0 proposes, the proposal is broadcast (the round's second blocking collective), and
-        every rank applies it to ``controller`` alike; returns it."""
-        decisions = self.communicator(comm)
+        group's (``decisions``') rank 0 proposes, the proposal is broadcast (the round's second blocking
+        collective), and every rank applies it to ``controller`` alike; returns it."""
         proposal = controller.propose(inputs) if decisions.rank == 0 else controller.current()
         vector = decisions.broadcast(torch.tensor(proposal.encode(), dtype=torch.float64, device=device))
         self._not_gradient_traffic(decisions, comm)

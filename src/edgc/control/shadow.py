@@ -25,9 +25,10 @@ from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import Clock
 from ..distributed.comm import Communicator, Job, run_job
-from ..engine.jobs import JobQueue
-from ..engine.lowrank import LowRankCompressor, ReduceStats
+from ..engine.lowrank import LowRankCompressor
 from ..policies.plans import StepPlan
+from ..runner.jobs import JobQueue
+from ..runner.stats import ReduceStats
 from .profiling import profile_seconds
 
 

@@ -96,7 +96,7 @@ class GraphRegion:
     regions replayed in the order they were captured. ``capture_error_mode``: `torch.cuda.graph`'s;
     ``thread_local`` by default, since a hook captures on autograd's thread while others may allocate.
     ``rank``: this process's rank in the group whose rank 0 speaks for it on the ``edgc`` logger
-    (`edgc.control.events.GROUP_RANK_ZERO`: every rank captures alike, one says so).
+    (`edgc.runner.events.GROUP_RANK_ZERO`: every rank captures alike, one says so).
     """
 
     def __init__(

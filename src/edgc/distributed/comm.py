@@ -345,7 +345,7 @@ def barrier_before_exit(group=None) -> None:
 # backward can go on, and on resumption waits for them (rule 2) before computing and issuing the
 # next ones. It yields ISSUES_MORE when it will issue more collectives once resumed, FINISHES
 # when all that is left is to wait and compute locally. Its return value is its result. The
-# driver (`edgc.sync.reducer`) resumes jobs at points that depend only on the bucket sequence and on
+# driver (`edgc.runner.reducer`) resumes jobs at points that depend only on the bucket sequence and on
 # what the jobs yielded, never on timing, so every rank issues the same collectives in order.
 ISSUES_MORE, FINISHES = "issues more", "finishes"
 Job = Generator[str, None, Any]

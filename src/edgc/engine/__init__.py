@@ -1,7 +1,7 @@
-"""The PowerSGD engine: factors, layouts, its state between steps, rank changes, jobs on streams.
+"""The PowerSGD engine: factors, layouts, its state between steps, rank changes, its device work.
 
 Modules:
-    factors.py            Shapes, seeds and orthonormalisation of low-rank factors.
+    factors.py            Shapes and orthonormalisation of low-rank factors.
     layout.py             How one compression call lays out its tensors: raw ones, shape groups and flat factor
                           buffers.
     call_state.py         The buffers one call layout keeps from step to step: what every stretch of its job reads
@@ -14,6 +14,4 @@ Modules:
                           fixed buffers.
     lowrank.py            The PowerSGD engine: rank-r compression with error feedback and warm-started Q, batched by
                           shape.
-    jobs.py               How a reducer's bucket jobs run: in a fixed order, gathered into batches, on a side
-                          stream.
 """

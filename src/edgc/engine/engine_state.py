@@ -30,8 +30,9 @@ from ..config import LowRankConfig
 from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
 from ..runner.error_feedback import ErrorFeedback, fill_views, views_intact
+from ..runner.seeds import stable_seed
 from .call_state import CallState
-from .factors import matrix_shape, stable_seed
+from .factors import matrix_shape
 from .layout import CallLayout
 
 

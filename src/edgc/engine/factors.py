@@ -1,15 +1,13 @@
-"""Shapes, seeds and orthonormalisation of low-rank factors.
+"""Shapes and orthonormalisation of low-rank factors.
 
 What the PowerSGD engine (`edgc.engine.lowrank`), its rank-change policy (`edgc.engine.rank_change`) and the
 inter-stage compressor (`edgc.parallel.interstage`) share: how a gradient is viewed as a matrix, at which
-rank a matrix of that shape is worth compressing, seeds that agree across processes, and the
-in-place orthonormalisation of a batch of factors.
+rank a matrix of that shape is worth compressing, and the in-place orthonormalisation of a batch of factors.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -23,11 +21,6 @@ ORTHONORMALIZATIONS = tuple(name for name in ORTHONORMALIZATION_CHOICES if name 
 # batch (a layer that got no gradient) still has a positive-definite Gram matrix: far below any value
 # that matters in that dtype, far above its smallest normal number.
 _CHOLESKY = {"cholesky2-fp64": (torch.float64, 1e-300), "cholesky4-fp32": (torch.float32, 1e-30)}
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed from names and numbers that is the same in every process (unlike ``hash``)."""
-    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
 
 
 def orthonormalize_rows_(rows: torch.Tensor, epsilon: float = 1e-12, *, method: str = "cholesky2-fp64") -> torch.Tensor:

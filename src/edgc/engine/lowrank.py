@@ -44,12 +44,11 @@ feedback in the gradient's dtype with ``error_feedback_dtype='gradient'``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..config import EDGCConfig, LowRankConfig
 from ..distributed.comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
+from ..runner.stats import ReduceStats
 from . import rank_change, stretches
 from .engine_state import EngineState, subtracts_estimate
 from .factors import compressed_rank
@@ -58,25 +57,6 @@ from .orthonormal_choice import agreed, orthonormalization_for
 from .stretches import JobRun
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass
-class ReduceStats:
-    """What one call sent and how well it compressed (local view).
-
-    ``error_sq``, ``norm_sq`` and ``nonfinite`` may be 0-dim device tensors: they are read once,
-    at the end of the optimizer step, never per bucket.
-    """
-
-    elements_raw: int = 0  # elements an uncompressed all-reduce would have sent
-    elements_sent: int = 0
-    bytes_raw: int = 0
-    bytes_sent: int = 0
-    error_sq: float | torch.Tensor = 0.0  # ‖M − Ĝ‖² of what was read (when measured; `ERROR_SAMPLE`), unscaled
-    norm_sq: float | torch.Tensor = 0.0  # ‖M‖² of what was read (when measured; `ERROR_SAMPLE`), unscaled
-    nonfinite: bool | torch.Tensor = False  # the group saw a NaN/Inf: the averaged gradients are NaN
-    measured_scale: float = 1.0  # what error_sq and norm_sq are multiplied by: elements per element read
-    ranks: dict[str, int] = field(default_factory=dict)  # per parameter; 0 = sent raw
 
 
 # A measured call reads every s-th chunk of its M and e, s chosen so that it reads about this many

@@ -24,8 +24,9 @@ import torch
 
 from ..device.timing import host_reads_allowed, to_device
 from ..distributed.comm import Communicator
+from ..runner.seeds import stable_seed
 from .engine_state import EngineState
-from .factors import compressed_rank, orthogonalize_, stable_seed
+from .factors import compressed_rank, orthogonalize_
 
 
 def change_rank(kept: EngineState, rank: int, comm: Communicator) -> tuple[int, int]:

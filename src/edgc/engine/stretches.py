@@ -51,7 +51,7 @@ class JobRun:
     epsilon: float
     error_feedback: bool
     subtracts: bool  # e = M − Ĝ from the Ĝ just written (`edgc.engine.engine_state.subtracts_estimate`)
-    stats: object  # its `edgc.engine.lowrank.ReduceStats`
+    stats: object  # its `edgc.runner.stats.ReduceStats`
     rank: int = 0  # this process's in the group (its rank 0 says what the graph regions capture)
     residual: torch.Tensor | None = None  # where e = M − P·Qᵀ goes (the arena, or an uncommitted step's spare)
     select_q: bool = False  # outside a tracked step: the stored Q kept on the device after a non-finite step

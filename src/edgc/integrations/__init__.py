@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import EDGCConfig
+from ..runner.reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
-from ..sync.reducer import GradientReducer, edgc_hook
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel | None:

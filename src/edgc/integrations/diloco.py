@@ -16,7 +16,7 @@ group and the outer optimizer (Nesterov SGD in DiLoCo) steps θ_global with the 
 several ``model_fragments`` (Streaming DiLoCo) the fragments take turns: one every
 ``sync_every / fragments`` inner steps, each every ``sync_every``. With ``fragment_sync_delay`` τ > 0
 a fragment's sync starts τ inner steps before its outer step and goes on while they run, as
-torchft's DiLoCo does it: issued from the training thread on the jobs' side stream (`edgc.engine.jobs`),
+torchft's DiLoCo does it: issued from the training thread on the jobs' side stream (`edgc.runner.jobs`),
 each inner step issues what it can (`GradientReducer.progress`), and the outer step waits for the
 rest, on the device (the compute stream waits for the side stream). Every collective is issued
 from the one thread, in program order with the inner steps' own (FSDP or TP inside a replica).

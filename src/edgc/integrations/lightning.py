@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import EDGCConfig
+from ..runner.reducer import GradientReducer, edgc_hook
 from ..state import EDGCState
-from ..sync.reducer import GradientReducer, edgc_hook
 from . import check_group
 
 

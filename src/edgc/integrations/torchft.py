@@ -50,8 +50,8 @@ from torch import nn
 
 from ..config import EDGCConfig
 from ..policies.plans import PROFILE
+from ..runner.reducer import edgc_hook
 from ..state import EDGCState
-from ..sync.reducer import edgc_hook
 from ..sync.sync_methods import sync_method
 from . import torchft_adapter
 from .diloco import DiLoCo as _DiLoCo

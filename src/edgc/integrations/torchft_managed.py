@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from ..distributed.comm import Communicator
-from ..sync.reducer import GradientReducer
+from ..runner.reducer import GradientReducer
 from . import torchft_adapter
 
 try:

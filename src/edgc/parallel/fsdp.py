@@ -71,8 +71,8 @@ from ..distributed.comm import Communicator
 from ..distributed.experts import ExpertMark, expert_marks
 from ..distributed.mesh import init_parallel_mesh
 from ..distributed.scaling import MEAN, SUM
+from ..runner.reducer import GradientReducer
 from ..safeguards.guards import group_ranks
-from ..sync.reducer import GradientReducer
 from .fsdp_layout import partial_layout, shard_layout
 
 __all__ = ["hsdp_mesh", "register_fsdp_comm_hook", "FSDPCommHook", "shard_layout", "mesh_refusal", "partial_layout"]

@@ -71,8 +71,9 @@ import torch.distributed as dist
 
 from ..device.timing import state_to_device, state_to_host, to_device, to_host
 from ..distributed.mesh import as_process_group
-from ..engine.factors import orthogonalize_, stable_seed
+from ..engine.factors import orthogonalize_
 from ..runner.error_feedback import ErrorFeedback
+from ..runner.seeds import stable_seed
 
 HEADER = 3  # int64 values: rank, rows, columns
 HEADER_BYTES = HEADER * 8

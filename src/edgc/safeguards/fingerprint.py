@@ -6,7 +6,7 @@ from another checkpoint, a state bound to another group or a bug would show othe
 replicas that drift apart, with exit code 0. (Settings that differ between ranks are refused
 before they are used, at the first step: `edgc.distributed.agreement`; this checks the state they produce.)
 So at the end of every window (`EDGCConfig.window` steps, where the group settles together:
-`GradientReducer.settle`) each rank of the group compares, in one collective:
+`EDGCState.settle`) each rank of the group compares, in one collective:
 
 =================  ================================================================
 field              value

@@ -41,6 +41,7 @@ from torch import nn
 from ..adapters import torch_adapter
 from ..distributed.agreement import agree
 from ..distributed.comm import Communicator
+from ..distributed.detached import DetachedCommunicator
 from ..distributed.expert_sync import Experts
 from ..distributed.experts import expert_marks
 from ..distributed.mesh import local_tensor
@@ -104,13 +105,24 @@ class UsageGuard:
         self.checked = False  # the first-use checks ran
         self.agreed = False  # the group compared its settings (`edgc.distributed.agreement`)
         self.also_agreed: dict[str, Any] = {}  # settings an integration added (`GradientReducer.agree_on`)
+        self.decision_comm: Communicator | None = None  # the ranks that must act alike, where more (`decide_over`)
         self.warned_unnamed = False
         self.ddp_names: frozenset[str] | None = None  # the parameters of the first DDP step, once it ended
         self._first_step_names: list[str] = []
         self._synced: list[tuple[weakref.ref, int]] = []  # the gradients synchronize() left, with their versions
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "names": {}, "_synced": []}
+        """A process group stays with this process, as the state's communicator does (`edgc.distributed.detached`)."""
+        wider = self.decision_comm
+        if wider is not None:
+            wider = DetachedCommunicator("sync state", wider.rank, wider.world_size)
+        return {**self.__dict__, "names": {}, "_synced": [], "decision_comm": wider}
+
+    def decide_over(self, group: dist.ProcessGroup | None) -> None:
+        """The ranks that must act alike where they are more than the state's group (None: the state's
+        alone): they compare the settings at the first step (`agree`), and their rank 0 speaks for them
+        (`GradientReducer.settings_group`)."""
+        self.decision_comm = None if group is None else Communicator(group)
 
     def fresh_gradients(self, state_name: str, grads: list[torch.Tensor]) -> None:
         """Refuse a ``synchronize()`` on the gradients the last one left, every one unchanged since."""

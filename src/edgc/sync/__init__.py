@@ -1,10 +1,6 @@
-"""The sync methods and the hook machinery that runs them: reducer, steps, gradients, baselines, outer syncs.
+"""The sync methods the step runner (`edgc.runner`) runs: baselines, outer syncs, sparse, two-stage, codecs.
 
 Modules:
-    steps.py          One optimizer step as a `GradientReducer` keeps it: a `StepRecord`, and the metrics of a
-                      settled one.
-    gradients.py      The gradients a reducer is handed, of every kind, and how each is averaged raw.
-    reducer.py        `GradientReducer`: the one abstraction every gradient-sync method implements.
     error_feedback.py `ErrorFeedbackReducer`: the one base of the sync methods that keep error feedback, and the
                       parts of it the two-stage all-reduce shares without being one.
     baselines.py      Baseline gradient compressors, each a `GradientReducer` (same hook, metrics and checkpoints as

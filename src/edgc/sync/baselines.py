@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.factors import stable_seed
-from ..engine.lowrank import ReduceStats
+from ..runner.reducer import GradientReducer
+from ..runner.seeds import stable_seed
+from ..runner.stats import ReduceStats
 from .error_feedback import BASELINE_FORMAT, COMPRESSED, ErrorFeedbackReducer, check_format
 from .error_feedback import unpack as _unpack
-from .reducer import GradientReducer
 
 CAST_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.lowrank import ReduceStats
 from ..runner.error_feedback import ErrorFeedback
-from .reducer import GradientReducer
+from ..runner.reducer import GradientReducer
+from ..runner.stats import ReduceStats
 
 BASELINE_FORMAT = "edgc-baseline/1"
 COMPRESSED = {"phase": "compress", "rank": None, "entropy": None}  # a method's part of its step metrics

@@ -21,8 +21,8 @@ import torch
 
 from ..distributed.comm import Communicator
 from ..runner.error_feedback import ErrorFeedback
+from ..runner.reducer import GradientReducer
 from .error_feedback import ErrorFeedbackReducer
-from .reducer import GradientReducer
 
 HEAL_POLICIES = ("zero", "keep", "peer")
 

@@ -31,11 +31,11 @@ from typing import Any
 from torch import nn
 
 from ..registry import Registry
+from ..runner.reducer import GradientReducer
 from .baselines import CastState, QSGDState, RandomKState, TopKState
 from .outer_alloc import AllocatedQuantState
 from .outer_sparse import AllocatedSparseState, SparseQuantState
 from .outer_sync import QuantizedState
-from .reducer import GradientReducer
 from .two_stage import TwoStageQuantState
 
 ALL_REDUCE, ALL_GATHER, TWO_STAGE = "all-reduce", "all-gather", "two-stage"

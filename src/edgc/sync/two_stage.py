@@ -56,16 +56,16 @@ from __future__ import annotations
 
 import torch
 
-from ..control import events
 from ..device import streams
 from ..device.finite import all_finite
 from ..distributed.comm import FINISHES, ISSUES_MORE
-from ..engine.lowrank import ReduceStats
+from ..runner import events
 from ..runner.error_feedback import ErrorFeedback
+from ..runner.reducer import GradientReducer
+from ..runner.stats import ReduceStats
 from .codecs import QuantCodec, decode_rows, decode_run, encode_rows, encode_run
 from .error_feedback import BASELINE_FORMAT, COMPRESSED, load_feedback, method_settings
 from .flat_buffers import Partition, bucket_plan, flat_run
-from .reducer import GradientReducer
 
 __all__ = ["Partition", "TwoStageQuantState", "TwoStageReducer", "bucket_plan"]
 

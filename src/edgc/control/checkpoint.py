@@ -15,10 +15,10 @@ import math
 import torch
 
 from ..config import EDGCConfig
-from ..control.entropy import EntropySampler
-from ..control.profiling import profile_seconds
-from ..control.rank_control import WindowController
 from ..engine.factors import ORTHONORMALIZATIONS
+from .entropy import EntropySampler
+from .profiling import profile_seconds
+from .rank_control import WindowController
 
 STATE_FORMAT = "edgc-state/1"
 COMPRESSOR_KEYS = {"q", "error", "shapes", "orthonormalization"}

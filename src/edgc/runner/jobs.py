@@ -45,6 +45,26 @@ from ..distributed.comm import FINISHES, ISSUES_MORE
 
 Start = Callable[[list[str], list[torch.Tensor], "torch.Tensor | None"], Any]
 
+# A step that fuses at the device's default gathers buckets into jobs of this many MB on an accelerator
+# (EDGCConfig.fusion_mb): a job's kernel launches are a fixed count plus a few per shape.
+DEFAULT_ACCELERATOR_FUSION_MB = 256
+
+
+def fusion_megabytes(setting: float | None, device: torch.device | None) -> float:
+    """The MB of consecutive buckets one job syncs.
+
+    Args:
+        setting: the method's (``StepRecord.fusion_mb``, `EDGCConfig.fusion_mb`): MB, 0 for none, None for the
+            device's default.
+        device: the gradients' (None: not known yet).
+
+    Returns:
+        ``setting``, or where it is None `DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator and 0 on a CPU.
+    """
+    if setting is not None:
+        return setting
+    return 0 if device is None or device.type == "cpu" else DEFAULT_ACCELERATOR_FUSION_MB
+
 
 class _Entry:
     """A started job and the (Future, bucket buffer) pairs it completes."""

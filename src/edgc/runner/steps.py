@@ -1,7 +1,7 @@
 """One optimizer step as a `GradientReducer` keeps it: a `StepRecord`, and the metrics of a settled one.
 
 A record lives from the step's first bucket until the next step begins: what the sync method
-planned for it, what its jobs sent (`edgc.engine.lowrank.ReduceStats`), the values it needs on the host
+planned for it, what its jobs sent (`edgc.runner.stats.ReduceStats`), the values it needs on the host
 (`StepTotals`: added by name, sent as one device tensor at its end, read once when it is settled),
 its collectives' and jobs' stamps, and once settled its metrics (`step_metrics`, plus the method's
 own). With ``defer_commit`` it also keeps the snapshot of the state from before it until the step is
@@ -17,7 +17,7 @@ from typing import Any
 from ..device.timing import Clock
 from ..device.totals import StepTotals
 from ..distributed.comm import StepCollectives
-from ..engine.lowrank import ReduceStats
+from .stats import ReduceStats
 
 
 @dataclass
@@ -28,6 +28,7 @@ class StepRecord:
     snapshot: dict | None = None  # with defer_commit: the state before the step, until committed or rolled back
     plan: Any = None  # what the method planned for the step (`_plan_step`; EDGC: a `edgc.policies.plans.StepPlan`)
     always_timed: bool = False  # take device timestamps whatever the cadence (EDGC's profiling)
+    fusion_mb: float | None = 0  # MB of buckets one job syncs; 0: each its own; None: the device's (`edgc.runner.jobs`)
     stats: ReduceStats = field(default_factory=ReduceStats)
     totals: StepTotals = field(default_factory=StepTotals)  # the values it needs on the host, by name
     busy: list[tuple] = field(default_factory=list)  # (start, end) stamps of the jobs' time, on their stream

@@ -29,8 +29,8 @@ from ..adapters import torch_adapter
 from ..device.finite import all_finite
 from ..distributed.comm import FINISHES, Communicator, Job
 from ..distributed.mesh import local_tensor
-from ..engine.lowrank import ReduceStats
 from ..safeguards.guards import check_gradients
+from .stats import ReduceStats
 
 
 def is_sparse(tensor: torch.Tensor) -> bool:
