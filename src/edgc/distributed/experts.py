@@ -49,10 +49,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..adapters import torch_adapter
-from .mesh import as_process_group, local_tensor
+from .mesh import as_process_group, is_dtensor, local_tensor
 
 __all__ = [
     "ExpertMark",
@@ -125,7 +124,7 @@ def _rows(p: torch.Tensor, ep: int) -> int:
 def _expert_placement(p: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
     """(ep, this rank's coordinate, that dimension's global ranks) of a DTensor sharded on dim 0 over a mesh
     dimension named in ``EXPERT_MESH_DIMS``; None for anything else."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return None
     mesh = p.device_mesh
     names = mesh.mesh_dim_names or ()

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from ..adapters import torch_adapter
 
@@ -49,6 +49,7 @@ __all__ = [
     "pipeline_ends_group",
     "group_across",
     "local_tensor",
+    "is_dtensor",
 ]
 
 MESH_DIMS = ("dp_replicate", "pp", "dp_shard", "ep", "tp")
@@ -169,4 +170,12 @@ def group_across(mesh: DeviceMesh, dims: tuple[str, ...], timeout: timedelta | N
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view: writing it writes the DTensor), or the tensor itself.
     EDGC compresses a tensor-parallel parameter's gradient shard by shard, each over its DP group."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor. Reads the class off an already-imported
+    ``torch.distributed.tensor`` rather than importing it here (about a second of CPU in every
+    process, most of ``import edgc``): no DTensor can exist before that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
