@@ -6,7 +6,10 @@ the bench (never the library, which runs on any device unchanged).
 PLAN (or the file ``$EDGC_TITAN_PLAN`` names) is a JSON list of runs, each ``{"name": ..., "args": [...]}``
 and optionally ``"kill_at": S`` (the process dies at the end of step S, as a crashed host would; not
 once torchrun has restarted it), ``"wait_after": [S, FILE]`` (after step S it waits until FILE
-exists), ``"ready_file": FILE`` (written once the trainer is built, by a restarted process) and ``"nproc": N``
+exists), ``"ready_file": FILE`` (written once the trainer is built, by a restarted process), ``"start_with":
+[FILE, ...]`` (its first process writes the first FILE once the trainer is built, then waits for every other
+before the first step: replica groups whose torchft managers all heartbeat before any asks for a quorum,
+so that the first quorum holds them all, however slowly each started) and ``"nproc": N``
 (the run is trained by ranks 0..N-1 alone, in a process group of their own: see `shrink_world`). Each run is one
 torchtitan ``Trainer`` (or the subclass its config names), built by torchtitan's ``ConfigManager``
 from ``args`` (torchtitan's command line: ``--module``, ``--config``, ``--parallelism.…``) and trained
@@ -171,6 +174,11 @@ def run_one(run: dict, record_dir: Path | None = None) -> dict:
     trainer = config.build()
     if run.get("ready_file") and _restarted():
         Path(run["ready_file"]).write_text("up")
+    if run.get("start_with") and not _restarted():
+        own, *others = run["start_with"]
+        Path(own).write_text("built")
+        for other in others:
+            _wait_for(other)
     steps: list[dict] = []
     log = trainer.metrics_processor.log
     started = [time.perf_counter()]

@@ -124,9 +124,12 @@ def torchft_groups(assets, tmp_path_factory) -> list[dict]:
     ft += ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-enable-ft-dataloader-checkpoints"]
     ft += ["--lr_scheduler.warmup_steps", "0", "--lr_scheduler.min_lr_factor", "1.0", "--profiler.no-enable-profiling"]
     ft += [*asset_args(assets), *MODEL, "--training.steps", str(STEPS)]
-    plans = []
+    plans, built = [], [str(folder / f"group{group}.built") for group in range(2)]
     for group in range(2):
         run = {"name": f"group{group}", "args": [*ft, "--fault_tolerance.replica_id", str(group)]}
+        # both managers heartbeat before either asks: a group slow to start (a loaded machine) is in the
+        # first quorum rather than healing into the run, which would leave group 0 without steps 1..2
+        run["start_with"] = [built[group], built[1 - group]]
         run["args"] += ["--dump_folder", str(folder / run["name"]), *LAST]
         run |= (
             {"kill_at": KILLED_AFTER, "ready_file": str(ready)}
