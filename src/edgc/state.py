@@ -184,7 +184,7 @@ class EDGCState(GradientReducer):
             self.compressor.state.shares = split  # each expert's own rank, where the split gives one
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
             # before any bucket, on every rank alike (`LowRankCompressor.change_rank`), on the jobs'
-            # stream that owns Q. A non-finite step puts the old Q back (`EngineState.end_step`),
+            # stream that owns Q. A non-finite step puts the old Q back (`EngineMemory.end_step`),
             # and the next step redoes the change.
             with self._jobs.side_stream(after_compute=True):
                 elements, nbytes = self.compressor.change_rank(plan.rank, self.comm)
@@ -325,7 +325,7 @@ class EDGCState(GradientReducer):
         return (self.profiler, self.decisions)
 
     # ------------------------------------------------------------------ uncommitted steps
-    # Per replica: the error feedback (rolled back to M = G + e, see EngineState.rollback).
+    # Per replica: the error feedback (rolled back to M = G + e, see EngineMemory.rollback).
     # Shared (identical on every rank): step, Q, controller, entropy series, profiling state —
     # restored from the snapshot, so a discarded step is not counted anywhere.
     def _shared_snapshot(self) -> dict:

@@ -2,7 +2,7 @@
 
 A call (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`) issues three collectives and does its
 work in three stretches between them (`send_p`, `send_q`, `finish`). Each reads and writes the
-gradients and the buffers its layout keeps (`edgc.engine.call_state.CallState`); what else it
+gradients and the buffers its layout keeps (`edgc.engine.call_state.CallBuffers`); what else it
 allocates is scratch, dead when it returns; it reads nothing to the host and runs the same operators
 on the same shapes at every steady step. So each can run as a graph region
 (`edgc.device.graphs.GraphRegion`): eagerly, or captured once and replayed (`run_stretch`).
@@ -22,7 +22,7 @@ import torch
 
 from ..device.finite import finite_flag, flag_into
 from ..device.graphs import GraphRegion
-from .call_state import CallState
+from .call_state import CallBuffers
 from .factors import orthonormalize_blocks_, restart_dead_entries_
 
 # The passes of the warm start's orthonormalisation. It only conditions Q: P = M·Q and M·Q·R⁻¹ span the
@@ -35,9 +35,9 @@ WARM_START_PASSES = 1
 @dataclass
 class JobRun:
     """What one call carries from one stretch of its job to the next (host side: the buffers are the
-    call's, `CallState`)."""
+    call's, `CallBuffers`)."""
 
-    kept: CallState
+    kept: CallBuffers
     grads: list[torch.Tensor]
     ordered: list[torch.Tensor]  # the compressed gradients as (m, n) matrices, layout order
     raw_grads: list[torch.Tensor]  # the raw ones, flat
@@ -221,7 +221,7 @@ def decompress(run: JobRun) -> list | None:
     the residual subtracts Ĝ (`edgc.engine.engine_state.subtracts_estimate`), Ĝ's matrices themselves.
     The step's poison (0 or NaN) goes into both factors, cast with them in one pass: on a
     non-finite step Ĝ is NaN everywhere, so every rank's optimizer (or GradScaler) skips it; the
-    residual of such a step is cleared by `EngineState.end_step`."""
+    residual of such a step is cleared by `EngineMemory.end_step`."""
     call, layout, step = run.kept, run.layout, run.kept.step
     grad_dtype = run.grads[0].dtype
     where, p_at, q_at = call.pair(run.new_turn)
