@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig
-from edgc.engine.engine_state import EngineMemory
+from edgc.engine.engine_memory import EngineMemory
 
 LIBRARY = Path(__file__).resolve().parents[2] / "src" / "edgc"
 MAX_STATE_ATTRIBUTES = 15

@@ -25,14 +25,14 @@ QR per block on a CPU (`edgc.engine.layout.CallLayout`, `edgc.engine.factors.ort
 lie: M = G + e reads each gradient once, Ĝ is written straight into it, and no copy of the
 gradients is made (bytes and memory: `edgc_probes.dispatch_count`). A call issues three
 all-reduces (raw + a non-finite flag, P, Q). A call's layout and every buffer its work reads and
-writes are kept from step to step (`edgc.engine.call_state.CallBuffers`: the error-feedback arena, P,
+writes are kept from step to step (`edgc.engine.call_buffers.CallBuffers`: the error-feedback arena, P,
 two Q buffers used in turn), so a steady step copies no Q and allocates nothing that outlives a
 stretch. A call is a job of three stretches between its two yields (`edgc.engine.stretches`): form M
 and P and send them (`send_p`), take the raw average, orthonormalise P and send Q (`send_q`), then
 decompress and keep (`finish`), each a graph region that ``EDGCConfig.engine.cuda_graphs`` captures on CUDA;
 with ``power_iterations = 2`` the compressed matrices go through a second call.
 
-The compressor holds its state (``compressor.state``, an `edgc.engine.engine_state.EngineMemory`): Q and error
+The compressor holds its state (``compressor.state``, an `edgc.engine.engine_memory.EngineMemory`): Q and error
 feedback per parameter name (``q``, ``error``, read here too), `snapshot`/`restore` of the shared
 part (Q), `commit`/`rollback` of an uncommitted step (``begin_step(uncommitted=True)``: the residual
 goes to a spare arena so that M survives; rollback makes M the error feedback again, so the step's
@@ -50,7 +50,7 @@ from ..config import EDGCConfig, LowRankConfig
 from ..distributed.comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from ..runner.stats import ReduceStats
 from . import rank_change, stretches
-from .engine_state import EngineMemory, subtracts_estimate
+from .engine_memory import EngineMemory, subtracts_estimate
 from .factors import compressed_rank
 from .layout import CallLayout
 from .orthonormal_choice import agreed, orthonormalization_for
@@ -73,7 +73,7 @@ class LowRankCompressor:
     """PowerSGD compression of named gradients with error feedback and warm-started Q; see the module
     docstring.
 
-    ``state``: what it keeps between steps (`edgc.engine.engine_state.EngineMemory`). ``power_iterations`` and
+    ``state``: what it keeps between steps (`edgc.engine.engine_memory.EngineMemory`). ``power_iterations`` and
     ``force_accelerator_kernels`` are its config's (`LowRankConfig`), set when it is built.
 
     Args:

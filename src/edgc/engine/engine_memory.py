@@ -2,7 +2,7 @@
 
 Per parameter name: the warm-start Q (n × r, identical on every rank) and this rank's error
 feedback e (m × n). Per call layout, the buffers its stretches read and write
-(`edgc.engine.call_state.CallBuffers`): the *arena* whose (m, n) views are the error feedback of the
+(`edgc.engine.call_buffers.CallBuffers`): the *arena* whose (m, n) views are the error feedback of the
 call's compressed matrices (M = G + e is formed in place), the factors (Pᵀ and two Qᵀ buffers used
 in turn: a step reads one and writes the other, no copy, no allocation), and the rows that restart a
 Q row that collapsed to zero.
@@ -31,7 +31,7 @@ from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
 from ..runner.error_feedback import ErrorFeedback, fill_views, views_intact
 from ..runner.seeds import stable_seed
-from .call_state import CallBuffers
+from .call_buffers import CallBuffers
 from .factors import matrix_shape
 from .layout import CallLayout
 
@@ -161,7 +161,7 @@ class EngineMemory:
         error feedback). Nothing on the device yet but for those rebuilds: the call's stretches form
         M and the rest (`edgc.engine.stretches`). A matrix sent raw now (after a rank change) takes its
         pending residual along. ``compute``: the dtype of M and the factors."""
-        call = self._call_state(names, grads, rank)
+        call = self._call_buffers(names, grads, rank)
         self._flush_into_raw(call.layout, grads)
         device = grads[0].device
         if not self.config.error_feedback:
@@ -213,7 +213,7 @@ class EngineMemory:
         """The rank ``name`` is compressed at when the step's rank is ``rank`` (its share, if it has one)."""
         return self.shares.get(name, rank)
 
-    def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallBuffers:
+    def _call_buffers(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallBuffers:
         key = (tuple(names), rank, tuple(self.shares.get(name, 0) for name in names) if self.shares else ())
         shapes = tuple(tuple(g.shape) for g in grads)
         call = self._calls.get(key)
