@@ -163,6 +163,8 @@ class EDGCState(GradientReducer):
 
     # ------------------------------------------------------------------ per step
     def _plan_step(self, record: StepRecord) -> None:
+        if record.snapshot is not None:  # an uncommitted step: the shared state from before it, for `_on_verdict`
+            record.snapshot.update(self._shared_snapshot())
         self.compressor.state.begin_step(uncommitted=self.defer_commit)
         self.profiler.begin_step()
         self.decisions.begin_step()
@@ -182,7 +184,7 @@ class EDGCState(GradientReducer):
             self.compressor.state.shares = split  # each expert's own rank, where the split gives one
             # A new rank (decision, hand-set schedule, pipeline alignment): Q follows it here,
             # before any bucket, on every rank alike (`LowRankCompressor.change_rank`), on the jobs'
-            # stream that owns Q. A non-finite step puts the old Q back (`EngineState.end_step`),
+            # stream that owns Q. A non-finite step puts the old Q back (`EngineMemory.end_step`),
             # and the next step redoes the change.
             with self._jobs.side_stream(after_compute=True):
                 elements, nbytes = self.compressor.change_rank(plan.rank, self.comm)
@@ -221,11 +223,16 @@ class EDGCState(GradientReducer):
             names, grads, plan.rank, self.comm, measure_error=self.sampler.due(plan.step)
         )
 
-    def _close_step(self, record: StepRecord) -> None:
+    def _end_step(self) -> None:
+        """`GradientReducer._end_step`, after the rank control's values for the host are added to the step's
+        totals by name: the shadow syncs' times, the probes', the entropy sample's estimate."""
+        record = self._current
+        assert record is not None
         self.profiler.close_step(record.plan, self.comm, self._jobs, self.clock)
         self.decisions.close_step(record.totals)
         with self._jobs.side_stream():  # the sample was gathered there
             self.sampler.close(record.totals)  # its estimate, on the device: read with the step's values
+        super()._end_step()
 
     def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
         nonfinite = bool(totals.get("nonfinite"))
@@ -318,28 +325,27 @@ class EDGCState(GradientReducer):
         return (self.profiler, self.decisions)
 
     # ------------------------------------------------------------------ uncommitted steps
-    # Per replica: the error feedback (rolled back to M = G + e, see EngineState.rollback).
+    # Per replica: the error feedback (rolled back to M = G + e, see EngineMemory.rollback).
     # Shared (identical on every rank): step, Q, controller, entropy series, profiling state —
     # restored from the snapshot, so a discarded step is not counted anywhere.
-    def _snapshot(self) -> dict:
-        snapshot = {**super()._snapshot(), "q": self.compressor.state.snapshot()}
+    def _shared_snapshot(self) -> dict:
+        snapshot = {"q": self.compressor.state.snapshot()}
         for key, part in self._series().items():
             snapshot[key] = copy.deepcopy(part.state_dict())
         for part in self._top_level_parts():
             snapshot.update(part.snapshot())
         return snapshot
 
-    def _restore(self, snapshot: dict) -> None:
-        super()._restore(snapshot)
+    def _on_verdict(self, committed: bool, snapshot: dict) -> None:
+        if committed:
+            self.compressor.state.commit()
+            return
         for key, part in self._series().items():
             part.load_state_dict(snapshot[key])
         for part in self._top_level_parts():
             part.restore(snapshot)
         self.compressor.state.restore(snapshot["q"])
         self.compressor.state.rollback()
-
-    def _commit(self) -> None:
-        self.compressor.state.commit()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

@@ -96,7 +96,7 @@ class Shadows:
         self.records.append((step, rank, error / norm if norm > 0 else math.nan, twins))
 
     def _start_where_the_run_did(self, twin: LowRankCompressor, rank: int) -> None:
-        """Give a matrix the twin has not seen the run's first Q: the seeded draw `EngineState.resized_q` makes at the
+        """Give a matrix the twin has not seen the run's first Q: the seeded draw `EngineMemory.resized_q` makes at the
         run's rank (the twin's own `reduce` then cuts or extends it as the run would)."""
         for name, matrix in self._m.items():
             if name not in twin.q:

@@ -1,6 +1,6 @@
 """Our engine's compress + decompress time and its kernel launches, counted from `edgc.engine.lowrank`.
 
-The engine (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`, `edgc.engine.layout`, `edgc.engine.engine_state`,
+The engine (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`, `edgc.engine.layout`, `edgc.engine.engine_memory`,
 `edgc.engine.factors`) works per *job*: one DDP bucket on a CPU, consecutive buckets fused into jobs of at
 least `edgc.runner.jobs.DEFAULT_ACCELERATOR_FUSION_MB` on an accelerator (`edgc.runner.jobs`). A job's
 compressed matrices fall into *shape groups* (same m, n, rank); every product that reads M (P, Q
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from edgc.engine.engine_state import subtracts_estimate
+from edgc.engine.engine_memory import subtracts_estimate
 from edgc.engine.factors import compressed_rank
 from edgc.engine.stretches import WARM_START_PASSES
 from edgc.runner.jobs import DEFAULT_ACCELERATOR_FUSION_MB

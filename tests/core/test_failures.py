@@ -67,7 +67,7 @@ def test_inf_on_one_rank_reaches_every_optimizer_keeps_q_and_clears_residuals():
             assert before[kind].keys() == after[kind].keys()
             for name in before[kind]:
                 # Q is kept bit for bit; the residual is cleared on every rank (a GradScaler would
-                # halve its scale after such a step; see EngineState.end_step).
+                # halve its scale after such a step; see EngineMemory.end_step).
                 expected = torch.zeros_like(before[kind][name]) if kind == "error" else before[kind][name]
                 assert torch.equal(expected, after[kind][name]), (kind, name)
         assert all(math.isfinite(value) for _, value in result["history"])

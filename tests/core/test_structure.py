@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgc import EDGCConfig, EDGCState, LowRankCompressor, LowRankConfig
-from edgc.engine.engine_state import EngineState
+from edgc.engine.engine_memory import EngineMemory
 
 LIBRARY = Path(__file__).resolve().parents[2] / "src" / "edgc"
 MAX_STATE_ATTRIBUTES = 15
@@ -106,8 +106,8 @@ def test_no_library_class_has_two_library_bases():
             ):
                 offenders.append(f"{path.name}:{node.lineno}: type(…) with {len(node.args[1].elts)} bases")
     assert offenders == [], "compose instead: a collaborator the class owns, or the communicator it is given"
-    assert not issubclass(LowRankCompressor, EngineState)  # the compressor holds its state
-    assert isinstance(LowRankCompressor(LowRankConfig()).state, EngineState)
+    assert not issubclass(LowRankCompressor, EngineMemory)  # the compressor holds its state
+    assert isinstance(LowRankCompressor(LowRankConfig()).state, EngineMemory)
 
 
 def test_no_library_function_is_longer_than_80_lines():

@@ -5,7 +5,7 @@ Each is read here, by name, and nowhere else:
 * ``Tensor._version``: the in-place version counter, which tells that a gradient was not touched
   since ``synchronize()`` averaged it (`edgc.safeguards.guards`).
 * ``Tensor._base``: the tensor a view was taken from, which tells that the kept error feedback still
-  views one arena (`edgc.engine.engine_state`), and that a call's tensors are one run of one buffer
+  views one arena (`edgc.engine.engine_memory`), and that a call's tensors are one run of one buffer
   (`edgc.sync.flat_buffers`).
 * ``Tensor._values()`` and ``._indices()``: a sparse gradient's parts as they are, coalesced or not
   (the public ``values()`` refuses an uncoalesced tensor) (`edgc.runner.gradients`).

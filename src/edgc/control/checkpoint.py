@@ -69,7 +69,7 @@ def _check_shapes(compressor: dict, parameter_shapes: dict) -> None:
                 raise ValueError(f"EDGC state has {kind} for parameter {name!r}, which the model does not have")
             rows, cols = shape[0], math.prod(shape[1:])
             # Q sits on the columns; a state saved with Q on the shorter side is accepted too:
-            # a warm start that no longer fits is drawn anew (edgc.engine.engine_state.EngineState.resized_q).
+            # a warm start that no longer fits is drawn anew (edgc.engine.engine_memory.EngineMemory.resized_q).
             expected = [(rows, cols)] if kind == "error" else [(cols,), (min(rows, cols),)]
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected[0])]) not in expected:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__

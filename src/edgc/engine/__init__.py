@@ -4,9 +4,9 @@ Modules:
     factors.py            Shapes and orthonormalisation of low-rank factors.
     layout.py             How one compression call lays out its tensors: raw ones, shape groups and flat factor
                           buffers.
-    call_state.py         The buffers one call layout keeps from step to step: what every stretch of its job reads
+    call_buffers.py       The buffers one call layout keeps from step to step: what every stretch of its job reads
                           and writes.
-    engine_state.py       What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
+    engine_memory.py      What the PowerSGD engine keeps between steps, and how a step's changes are kept or undone.
     rank_change.py        How the warm-start Q of every matrix follows a rank change (`EDGCConfig.engine.rank_change`).
     orthonormal_choice.py Which orthonormalisation the engine runs on a device: timed once, agreed by the group,
                           kept.

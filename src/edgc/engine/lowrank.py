@@ -25,14 +25,14 @@ QR per block on a CPU (`edgc.engine.layout.CallLayout`, `edgc.engine.factors.ort
 lie: M = G + e reads each gradient once, Ĝ is written straight into it, and no copy of the
 gradients is made (bytes and memory: `edgc_probes.dispatch_count`). A call issues three
 all-reduces (raw + a non-finite flag, P, Q). A call's layout and every buffer its work reads and
-writes are kept from step to step (`edgc.engine.call_state.CallState`: the error-feedback arena, P,
+writes are kept from step to step (`edgc.engine.call_buffers.CallBuffers`: the error-feedback arena, P,
 two Q buffers used in turn), so a steady step copies no Q and allocates nothing that outlives a
 stretch. A call is a job of three stretches between its two yields (`edgc.engine.stretches`): form M
 and P and send them (`send_p`), take the raw average, orthonormalise P and send Q (`send_q`), then
 decompress and keep (`finish`), each a graph region that ``EDGCConfig.engine.cuda_graphs`` captures on CUDA;
 with ``power_iterations = 2`` the compressed matrices go through a second call.
 
-The compressor holds its state (``compressor.state``, an `edgc.engine.engine_state.EngineState`): Q and error
+The compressor holds its state (``compressor.state``, an `edgc.engine.engine_memory.EngineMemory`): Q and error
 feedback per parameter name (``q``, ``error``, read here too), `snapshot`/`restore` of the shared
 part (Q), `commit`/`rollback` of an uncommitted step (``begin_step(uncommitted=True)``: the residual
 goes to a spare arena so that M survives; rollback makes M the error feedback again, so the step's
@@ -50,7 +50,7 @@ from ..config import EDGCConfig, LowRankConfig
 from ..distributed.comm import FINISHES, ISSUES_MORE, Communicator, Job, run_job
 from ..runner.stats import ReduceStats
 from . import rank_change, stretches
-from .engine_state import EngineState, subtracts_estimate
+from .engine_memory import EngineMemory, subtracts_estimate
 from .factors import compressed_rank
 from .layout import CallLayout
 from .orthonormal_choice import agreed, orthonormalization_for
@@ -73,7 +73,7 @@ class LowRankCompressor:
     """PowerSGD compression of named gradients with error feedback and warm-started Q; see the module
     docstring.
 
-    ``state``: what it keeps between steps (`edgc.engine.engine_state.EngineState`). ``power_iterations`` and
+    ``state``: what it keeps between steps (`edgc.engine.engine_memory.EngineMemory`). ``power_iterations`` and
     ``force_accelerator_kernels`` are its config's (`LowRankConfig`), set when it is built.
 
     Args:
@@ -89,7 +89,7 @@ class LowRankCompressor:
         if not isinstance(config, LowRankConfig):
             raise TypeError(f"LowRankCompressor takes a LowRankConfig (or an EDGCConfig), got {type(config).__name__}")
         self.config = config
-        self.state = EngineState(config)
+        self.state = EngineMemory(config)
 
     @property
     def power_iterations(self) -> int:
@@ -103,12 +103,12 @@ class LowRankCompressor:
 
     @property
     def q(self) -> dict[str, torch.Tensor]:
-        """name → (n, r) warm-start Q, identical on every rank (`EngineState.q`)."""
+        """name → (n, r) warm-start Q, identical on every rank (`EngineMemory.q`)."""
         return self.state.q
 
     @property
     def error(self) -> dict[str, torch.Tensor]:
-        """name → (m, n) error feedback of this rank (`EngineState.error`)."""
+        """name → (m, n) error feedback of this rank (`EngineMemory.error`)."""
         return self.state.error
 
     def compressed_rank(self, shape: tuple[int, int] | None, rank: int) -> int:
@@ -124,7 +124,7 @@ class LowRankCompressor:
         return compressed_rank(shape, rank, self.config.min_compression_rate)
 
     def compressed_shapes(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """The matrices the engine has seen (its state's record, `EngineState.shapes`) that it compresses.
+        """The matrices the engine has seen (its state's record, `EngineMemory.shapes`) that it compresses.
 
         Args:
             rank: the step's rank.
@@ -187,7 +187,7 @@ class LowRankCompressor:
         return sent
 
     def state_dict(self, *, include_error: bool = True) -> dict:
-        """`EngineState.state_dict`.
+        """`EngineMemory.state_dict`.
 
         Args:
             include_error: keep this rank's error feedback in it.
@@ -198,7 +198,7 @@ class LowRankCompressor:
         return self.state.state_dict(include_error=include_error)
 
     def load_state_dict(self, state: dict, *, keep_error: bool = False) -> None:
-        """`EngineState.load_state_dict`.
+        """`EngineMemory.load_state_dict`.
 
         Args:
             state: what `state_dict` returned.
@@ -233,7 +233,7 @@ class LowRankCompressor:
         non-finite flag) and P, yields; orthonormalises P, computes Qᵀ = Pᵀ·M and issues it,
         yields; writes Ĝ = P·Qᵀ into the gradients and e = M − P·Qᵀ. No host read of a device value:
         a non-finite step is handled by device-side selects, and the caller calls
-        `EngineState.end_step` when it learns of one. A second power iteration repeats this on the
+        `EngineMemory.end_step` when it learns of one. A second power iteration repeats this on the
         compressed matrices, whose M = Ĝ₁ + e₁ is the same M, from the Q just agreed: its P and Q
         cost as many bytes again, and the step's error is its own.
 
@@ -300,7 +300,7 @@ class LowRankCompressor:
     def _open(
         self, names: list[str], grads: list[torch.Tensor], rank: int, comm: Communicator, measure_error: bool
     ) -> JobRun:
-        """The call's buffers (`EngineState.open_call`) and what its stretches carry."""
+        """The call's buffers (`EngineMemory.open_call`) and what its stretches carry."""
         grad_dtype, device = grads[0].dtype, grads[0].device
         compute = torch.float64 if grad_dtype == torch.float64 else torch.float32
         wire = DTYPES[self.config.communication_dtype] if self.config.communication_dtype else grad_dtype

@@ -9,7 +9,7 @@ blocks, with device events, and takes the faster.
 A timing differs from replica to replica and from a run to its resume, and the two methods round
 differently: replicas that ran different ones would drift apart. So the group takes its rank 0's
 choice (`agreed`: one broadcast, at the state's first step, where every rank stands at the same
-point), and the engine keeps it in its state and checkpoints (`edgc.engine.engine_state.EngineState`): a
+point), and the engine keeps it in its state and checkpoints (`edgc.engine.engine_memory.EngineMemory`): a
 resumed run, or a healing replica, runs the method its peers run and times nothing.
 """
 

@@ -8,13 +8,13 @@ Q·V's column norms are the singular values of the last step's approximation; on
 eigendecomposition for all of them), and a rising rank adds directions where the residuals are
 largest (one power iteration eᵀ·e·Ω on the residual e (m × n), Q being on the n side,
 averaged over the group by one all-reduce so every replica appends the same
-columns), orthogonal to the kept ones. ``'truncate'`` (`edgc.engine.engine_state.EngineState.resized_q`
+columns), orthogonal to the kept ones. ``'truncate'`` (`edgc.engine.engine_memory.EngineMemory.resized_q`
 alone) keeps the first r columns and appends columns drawn from a generator seeded by (seed,
 parameter name, old rank, new rank): no communication, but the new directions are random and the
 kept ones are whichever came first.
 
 `change_rank` runs before the first step at the new rank, on every rank alike, on the engine's
-`edgc.engine.engine_state.EngineState`; ``resized_q`` runs inside a step for each matrix and covers what
+`edgc.engine.engine_memory.EngineMemory`; ``resized_q`` runs inside a step for each matrix and covers what
 `change_rank` left (truncate mode, new matrices).
 """
 
@@ -25,11 +25,11 @@ import torch
 from ..device.timing import host_reads_allowed, to_device
 from ..distributed.comm import Communicator
 from ..runner.seeds import stable_seed
-from .engine_state import EngineState
+from .engine_memory import EngineMemory
 from .factors import compressed_rank, orthogonalize_
 
 
-def change_rank(kept: EngineState, rank: int, comm: Communicator) -> tuple[int, int]:
+def change_rank(kept: EngineMemory, rank: int, comm: Communicator) -> tuple[int, int]:
     """Give every Q ``kept`` stores the columns of ``rank`` while keeping the warm start (see the module docstring).
 
     Called on every rank with the same ``rank`` at the same point (before the first step that
@@ -75,7 +75,7 @@ def principal_columns(qs: list[torch.Tensor], ranks: list[int]) -> list[torch.Te
     return kept  # type: ignore[return-value]
 
 
-def grow_along_residual(kept: EngineState, grow: list[tuple[str, int]], comm: Communicator) -> tuple[int, int]:
+def grow_along_residual(kept: EngineMemory, grow: list[tuple[str, int]], comm: Communicator) -> tuple[int, int]:
     """Append, to each Q, the group's top residual directions orthogonal to its current columns."""
     blocks = []
     for name, target in grow:

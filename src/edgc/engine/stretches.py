@@ -2,7 +2,7 @@
 
 A call (`edgc.engine.lowrank.LowRankCompressor.reduce_steps`) issues three collectives and does its
 work in three stretches between them (`send_p`, `send_q`, `finish`). Each reads and writes the
-gradients and the buffers its layout keeps (`edgc.engine.call_state.CallState`); what else it
+gradients and the buffers its layout keeps (`edgc.engine.call_buffers.CallBuffers`); what else it
 allocates is scratch, dead when it returns; it reads nothing to the host and runs the same operators
 on the same shapes at every steady step. So each can run as a graph region
 (`edgc.device.graphs.GraphRegion`): eagerly, or captured once and replayed (`run_stretch`).
@@ -22,7 +22,7 @@ import torch
 
 from ..device.finite import finite_flag, flag_into
 from ..device.graphs import GraphRegion
-from .call_state import CallState
+from .call_buffers import CallBuffers
 from .factors import orthonormalize_blocks_, restart_dead_entries_
 
 # The passes of the warm start's orthonormalisation. It only conditions Q: P = M·Q and M·Q·R⁻¹ span the
@@ -35,9 +35,9 @@ WARM_START_PASSES = 1
 @dataclass
 class JobRun:
     """What one call carries from one stretch of its job to the next (host side: the buffers are the
-    call's, `CallState`)."""
+    call's, `CallBuffers`)."""
 
-    kept: CallState
+    kept: CallBuffers
     grads: list[torch.Tensor]
     ordered: list[torch.Tensor]  # the compressed gradients as (m, n) matrices, layout order
     raw_grads: list[torch.Tensor]  # the raw ones, flat
@@ -50,7 +50,7 @@ class JobRun:
     method: str  # the orthonormalisation's (`edgc.engine.factors`)
     epsilon: float
     error_feedback: bool
-    subtracts: bool  # e = M − Ĝ from the Ĝ just written (`edgc.engine.engine_state.subtracts_estimate`)
+    subtracts: bool  # e = M − Ĝ from the Ĝ just written (`edgc.engine.engine_memory.subtracts_estimate`)
     stats: object  # its `edgc.runner.stats.ReduceStats`
     rank: int = 0  # this process's in the group (its rank 0 says what the graph regions capture)
     residual: torch.Tensor | None = None  # where e = M − P·Qᵀ goes (the arena, or an uncommitted step's spare)
@@ -218,10 +218,10 @@ def decompress(run: JobRun) -> list | None:
     buckets, not at one stride); returns, with error feedback, the factors Ĝ was formed from (a
     half-precision gradient's: rounded to its dtype) in the arena's dtype, per shape group, for
     e = M − P·Qᵀ (`keep_residual`), so that Ĝ + e = M but for the rounding of Ĝ's own values; where
-    the residual subtracts Ĝ (`edgc.engine.engine_state.subtracts_estimate`), Ĝ's matrices themselves.
+    the residual subtracts Ĝ (`edgc.engine.engine_memory.subtracts_estimate`), Ĝ's matrices themselves.
     The step's poison (0 or NaN) goes into both factors, cast with them in one pass: on a
     non-finite step Ĝ is NaN everywhere, so every rank's optimizer (or GradScaler) skips it; the
-    residual of such a step is cleared by `EngineState.end_step`."""
+    residual of such a step is cleared by `EngineMemory.end_step`."""
     call, layout, step = run.kept, run.layout, run.kept.step
     grad_dtype = run.grads[0].dtype
     where, p_at, q_at = call.pair(run.new_turn)

@@ -26,7 +26,6 @@ from torch import nn
 
 from ..device import streams
 from ..distributed.comm import Communicator
-from .error_feedback import ErrorFeedback
 from .gradients import HandedGradients, average_raw, average_sparse, check_dense, check_sparse_layout, is_sparse
 from .step_cycle import StepCycle
 
@@ -84,14 +83,6 @@ class GradientReducer(StepCycle):
             settings: name → value.
         """
         self._guard.agree_on(type(self).__name__, settings)
-
-    def error_feedbacks(self) -> list[ErrorFeedback]:
-        """The error feedback it keeps (`edgc.runner.error_feedback.ErrorFeedback`).
-
-        Returns:
-            This rank's by parameter name, then the group's part (a two-stage sync's owners'); none here.
-        """
-        return []
 
     def error_table(self) -> dict[str, torch.Tensor]:
         """This rank's error feedback.

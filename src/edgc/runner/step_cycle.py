@@ -10,14 +10,18 @@ when its metrics are read, or when the next step begins (`edgc.device.timing`). 
 ``defer_commit`` it stays pending until it is committed or rolled back; between steps the state is
 checkpointed by name.
 
-A method says what it does with a step through these hooks, each called once per step in this
-order, each handed the step's record: `_plan_step` (the step begins: its plan, and how many bytes of
+A method says what it does with a step through five hooks, each called at most once per step (but
+`_reduce`) in this order: `_plan_step(record)` (the step begins: its plan, and how many bytes of
 buckets one job gathers, ``record.fusion_mb``), `_reduce` per bucket (`edgc.runner.reducer`),
-`_close_step` (its last bucket is averaged: its own values for the host, added by name),
-`_settle_step` (the values are on the host: the method's metrics); and `_snapshot` / `_restore` /
-`_commit` for uncommitted steps, `_on_device` at the first step. What one method does beyond them
-(EDGC's decision round, settled by the group together; its agreement on the device) it adds to the
-cycle's own methods (`settle`, `_use_device`) in its class.
+`_settle_step(record, totals)` (the step's values are on the host: the method's metrics),
+`_on_verdict(committed, snapshot)` for an uncommitted step (kept, or rolled back to the state of
+``snapshot``), and `_on_device(device)` at the first step and at a load (by default every error
+feedback it keeps moves there). The error feedback a method keeps (`error_feedbacks`) is
+snapshotted and restored by the cycle itself, each as its rollback mode says
+(`edgc.runner.error_feedback.ErrorFeedback.rollback`). What one method does beyond them (EDGC's
+values for the host at the step's close, its decision round settled by the group together, its
+agreement on the device, its shared state in the snapshot) it adds to the cycle's own methods
+(`_end_step`, `settle`, `_use_device`, `_plan_step`'s ``record.snapshot``) in its class.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..device.totals import StepTotals
 from ..distributed.comm import Communicator
 from ..safeguards.guards import UsageGuard
 from . import events
+from .error_feedback import ErrorFeedback
 from .jobs import JobQueue, fusion_megabytes
 from .stats import ReduceStats
 from .steps import StepRecord, step_metrics
@@ -84,6 +89,15 @@ class StepCycle:
             added (`agree_on`).
         """
         return {"method": type(self).__qualname__, **self._guard.also_agreed}
+
+    def error_feedbacks(self) -> list[ErrorFeedback]:
+        """The error feedback it keeps (`edgc.runner.error_feedback.ErrorFeedback`): moved to the device,
+        snapshotted and restored by the cycle.
+
+        Returns:
+            This rank's by parameter name, then the group's part (a two-stage sync's owners'); none here.
+        """
+        return []
 
     def settings_group(self) -> Communicator:
         """The communicator of the ranks that must act alike: its group compares the settings at the first
@@ -149,7 +163,6 @@ class StepCycle:
         behind an event and are read when it is settled."""
         record = self._current
         assert record is not None
-        self._close_step(record)  # the method's own values, by name
         if self.device is not None:
             for name, (values, weights) in record.measured().items():
                 record.totals.add_sum(name, values, weights)
@@ -201,19 +214,17 @@ class StepCycle:
     def _reduce(self, names: list[str], grads: list[torch.Tensor], flat: torch.Tensor | None) -> Any:
         raise NotImplementedError
 
-    def _close_step(self, record: StepRecord) -> None:
-        """The step's last bucket is averaged: finish its work, and add the values the step needs on the
-        host besides the reducer's own (``nonfinite``, ``error_sq``, ``norm_sq``) to ``record.totals``
-        by name (`edgc.device.totals.StepTotals`: 0-dim device tensors)."""
-
     def _settle_step(self, record: StepRecord, totals: StepTotals) -> dict:
-        """The step's values are on the host, read by name (``totals``, the record's: the reducer's and
-        `_close_step`'s): the method's part of its metrics. Local: no collective here."""
+        """The step's values are on the host, read by name (``totals``, the record's: the reducer's and what
+        the method added before the step's close): the method's part of its metrics. Local: no collective here."""
         return {"phase": "off", "rank": None, "entropy": None}
 
     def _on_device(self, device: torch.device) -> None:
         """Called with the gradients' device (move loaded state there): at the first step, and at a load
-        once the device is known. No collective here: a healing replica loads alone."""
+        once the device is known; by default every error feedback (`error_feedbacks`) goes there, for the
+        jobs' stream that reads and replaces it. No collective here: a healing replica loads alone."""
+        for feedback in self.error_feedbacks():
+            feedback.to(device, self._jobs.stream)
 
     # ------------------------------------------------------------------ uncommitted steps
     @property
@@ -226,8 +237,8 @@ class StepCycle:
         self.settle()
         if not self.pending:
             return
-        self._last.snapshot = None  # type: ignore[union-attr]
-        self._commit()
+        snapshot, self._last.snapshot = self._last.snapshot, None  # type: ignore[union-attr]
+        self._on_verdict(True, snapshot)
         self.last_step_metrics["committed"] = True
 
     def rollback_step(self, reason: str = "the optimizer did not step") -> None:
@@ -243,19 +254,22 @@ class StepCycle:
         if not self.pending:
             return
         snapshot, self._last.snapshot = self._last.snapshot, None  # type: ignore[union-attr]
-        self._restore(snapshot)
+        self.step = snapshot["step"]
+        for feedback, kept in zip(self.error_feedbacks(), snapshot["error_feedback"]):
+            feedback.restore(kept)  # as its rollback mode says (`ErrorFeedback.snapshot`)
+        self._on_verdict(False, snapshot)
         self.last_step_metrics["committed"] = False
         events.discarded(self.settings_group().rank, type(self).__name__, snapshot["step"], reason)
 
     def _snapshot(self) -> dict:
-        """What `rollback_step` restores; subclasses add their state (cheaply: no gradient-sized copy)."""
-        return {"step": self.step}
+        """What `rollback_step` restores, taken as the step begins: the step number and each error
+        feedback's snapshot (references; None where its rollback mode restores nothing). A method adds
+        its shared state to ``record.snapshot`` in `_plan_step` (cheaply: no gradient-sized copy)."""
+        return {"step": self.step, "error_feedback": [feedback.snapshot() for feedback in self.error_feedbacks()]}
 
-    def _restore(self, snapshot: dict) -> None:
-        self.step = snapshot["step"]
-
-    def _commit(self) -> None:
-        """The pending step is kept."""
+    def _on_verdict(self, committed: bool, snapshot: dict) -> None:
+        """The pending step's verdict: kept (``committed``), or discarded, the step number and the error
+        feedback already back to ``snapshot``: put back the rest of what the method keeps."""
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:

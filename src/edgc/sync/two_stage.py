@@ -291,26 +291,23 @@ class TwoStageReducer(GradientReducer):
     def _settle_step(self, record, totals) -> dict:
         return {**COMPRESSED, "payload_bytes": self._payload}
 
-    def _snapshot(self) -> dict:
-        return {**super()._snapshot(), "owner_error": self.owners.snapshot()}
-
-    def _restore(self, snapshot: dict) -> None:
-        """Each contributor's e ← its whole M again (e + what its own messages carried; not finite: 0)."""
-        super()._restore(snapshot)
-        self.owners.restore(snapshot["owner_error"])
-        for call in self._undo:
-            members = call.partition.members
-            for lo, hi, chunk, message in call.undo:
-                size = self.codec.message_bytes(chunk)
-                decode_run(self.codec, message.view(members, size), chunk, call.error[lo:hi], call.dtype, add=True)
-                # made on the jobs' side stream, read here on the caller's: not reused before that read
-                streams.record_stream(message, streams.current_stream(message.device))
-            if call.error is not None and call.undo:
-                call.error.masked_fill_(~torch.isfinite(call.error), 0)
+    def _on_verdict(self, committed: bool, snapshot: dict) -> None:
+        """Rolled back (the owners' error feedback is back already): each contributor's e ← its whole M
+        again (e + what its own messages carried; not finite: 0)."""
+        if not committed:
+            for call in self._undo:
+                self._resend(call)
         self._undo = []
 
-    def _commit(self) -> None:
-        self._undo = []
+    def _resend(self, call: _Call) -> None:
+        members = call.partition.members
+        for lo, hi, chunk, message in call.undo:
+            size = self.codec.message_bytes(chunk)
+            decode_run(self.codec, message.view(members, size), chunk, call.error[lo:hi], call.dtype, add=True)
+            # made on the jobs' side stream, read here on the caller's: not reused before that read
+            streams.record_stream(message, streams.current_stream(message.device))
+        if call.error is not None and call.undo:
+            call.error.masked_fill_(~torch.isfinite(call.error), 0)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -328,11 +325,6 @@ class TwoStageReducer(GradientReducer):
         self.owners = owners
         if self.device is not None:
             self._on_device(self.device)
-
-    def _on_device(self, device: torch.device) -> None:
-        # Read and replaced on the jobs' stream (`edgc.device.timing.state_to_device`)
-        self.feedback.to(device, self._jobs.stream)
-        self.owners.to(device, self._jobs.stream)
 
 
 def _partition(saved: list) -> Partition:

@@ -13,7 +13,7 @@ returns.
 - ``factors``: one buffer holding Pᵀ and two Qᵀ buffers, laid out [Q₁ | P | Q₀]. Q is used in turn:
   a step warm-starts from ``q(turn)`` and writes the group's new Q into the other one, so the Q a
   step started from is still there when it ends: a non-finite step, a rollback or a snapshot's
-  restore goes back to it by turning back, without a copy (`EngineState.snapshot` states how long
+  restore goes back to it by turning back, without a copy (`EngineMemory.snapshot` states how long
   that holds: one step). P sits between them, so P and either Q are one contiguous slice: the
   decompression casts both factors in one pass (`pair`).
 - ``raw``: the raw tensors of the call and its non-finite flag, as sent; ``poison`` and ``bad``: the
@@ -42,7 +42,7 @@ class StepBuffers:
 
 
 @dataclass
-class CallState:
+class CallBuffers:
     """The buffers kept for one call layout (see the module docstring)."""
 
     layout: CallLayout

@@ -2,7 +2,7 @@
 
 Per parameter name: the warm-start Q (n × r, identical on every rank) and this rank's error
 feedback e (m × n). Per call layout, the buffers its stretches read and write
-(`edgc.engine.call_state.CallState`): the *arena* whose (m, n) views are the error feedback of the
+(`edgc.engine.call_buffers.CallBuffers`): the *arena* whose (m, n) views are the error feedback of the
 call's compressed matrices (M = G + e is formed in place), the factors (Pᵀ and two Qᵀ buffers used
 in turn: a step reads one and writes the other, no copy, no allocation), and the rows that restart a
 Q row that collapsed to zero.
@@ -31,7 +31,7 @@ from ..device import streams
 from ..device.timing import state_to_device, state_to_host, to_device
 from ..runner.error_feedback import ErrorFeedback, fill_views, views_intact
 from ..runner.seeds import stable_seed
-from .call_state import CallState
+from .call_buffers import CallBuffers
 from .factors import matrix_shape
 from .layout import CallLayout
 
@@ -44,8 +44,9 @@ def subtracts_estimate(cpu_kernels: bool, estimate_in_arena_dtype: bool) -> bool
     return cpu_kernels and estimate_in_arena_dtype
 
 
-class EngineState:
-    """The engine's state and its step protocol (see the module docstring); the
+class EngineMemory:
+    """The engine's memory between steps (Q and the error feedback, as PowerSGD's memory dicts) and its step
+    protocol (see the module docstring); the
     `edgc.engine.lowrank.LowRankCompressor` that holds it (``compressor.state``) computes on it.
     ``config``: the engine's `LowRankConfig`."""
 
@@ -60,12 +61,12 @@ class EngineState:
         ] = {}  # name → its own rank where a rank split gives it one (`edgc.policies.rank_split`)
         self.orthonormalization: str | None = None  # the group's method (`edgc.engine.orthonormal_choice`), once chosen
         self.keep_uncommitted = False
-        self._calls: dict[tuple, CallState] = {}
+        self._calls: dict[tuple, CallBuffers] = {}
         self._tracking = False  # between begin_step and the step's resolution
         self._touched: list[torch.Tensor] = []  # arenas whose error feedback this step wrote
         self._resized: dict[str, torch.Tensor] = {}  # Q factors as they were before this step resized them
-        self._q_turns: list[tuple[CallState, int]] = []  # (call, the Q buffer it started this step from)
-        self._step_arenas: list[tuple[CallState, torch.Tensor]] = []  # uncommitted: (call, its M arena)
+        self._q_turns: list[tuple[CallBuffers, int]] = []  # (call, the Q buffer it started this step from)
+        self._step_arenas: list[tuple[CallBuffers, torch.Tensor]] = []  # uncommitted: (call, its M arena)
         self._step_popped: dict[str, torch.Tensor] = {}  # error feedback moved into raw-sent gradients
 
     @property
@@ -154,13 +155,13 @@ class EngineState:
     # ------------------------------------------------------------------ per-call buffers
     def open_call(
         self, names: list[str], grads: list[torch.Tensor], rank: int, compute: torch.dtype
-    ) -> tuple[CallState, torch.Tensor]:
+    ) -> tuple[CallBuffers, torch.Tensor]:
         """A call of the engine begins: its kept buffers, made where they are not (a new layout, a
         checkpoint, a rank change), and where M = G + e is to be formed (its arena; scratch without
         error feedback). Nothing on the device yet but for those rebuilds: the call's stretches form
         M and the rest (`edgc.engine.stretches`). A matrix sent raw now (after a rank change) takes its
         pending residual along. ``compute``: the dtype of M and the factors."""
-        call = self._call_state(names, grads, rank)
+        call = self._call_buffers(names, grads, rank)
         self._flush_into_raw(call.layout, grads)
         device = grads[0].device
         if not self.config.error_feedback:
@@ -181,7 +182,7 @@ class EngineState:
                 call.replacement = self._replacement_rows(call, device)
         return call, arena
 
-    def residual_target(self, call: CallState, arena: torch.Tensor) -> torch.Tensor:
+    def residual_target(self, call: CallBuffers, arena: torch.Tensor) -> torch.Tensor:
         """Where the call's residual e = M − P·Qᵀ goes: over M in its arena, or (uncommitted) into the
         spare arena, M left intact for a rollback."""
         if not self.keep_uncommitted:
@@ -191,7 +192,7 @@ class EngineState:
             spare = call.spare = torch.empty_like(arena)
         return spare
 
-    def close_call(self, call: CallState, arena: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def close_call(self, call: CallBuffers, arena: torch.Tensor, residual: torch.Tensor | None) -> None:
         """A call ends (its stretches ran): its Q is the other buffer now, the one the group's average was
         written to. Within a tracked step the buffer it started from is remembered, and `end_step`
         turns back to it after a non-finite step (nothing selected on the device, nothing copied);
@@ -212,7 +213,7 @@ class EngineState:
         """The rank ``name`` is compressed at when the step's rank is ``rank`` (its share, if it has one)."""
         return self.shares.get(name, rank)
 
-    def _call_state(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallState:
+    def _call_buffers(self, names: list[str], grads: list[torch.Tensor], rank: int) -> CallBuffers:
         key = (tuple(names), rank, tuple(self.shares.get(name, 0) for name in names) if self.shares else ())
         shapes = tuple(tuple(g.shape) for g in grads)
         call = self._calls.get(key)
@@ -224,7 +225,7 @@ class EngineState:
             ranks = sorted({k[1] for k in replaced})
             for other in replaced:
                 del self._calls[other]
-            call = self._calls[key] = CallState(
+            call = self._calls[key] = CallBuffers(
                 CallLayout.plan(names, grads, rank, self.config.min_compression_rate, self.shares), shapes
             )
             if ranks and ranks != [rank]:
@@ -245,10 +246,10 @@ class EngineState:
                 if self.keep_uncommitted:
                     self._step_popped[layout.names[i]] = pending
 
-    def _arena_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
+    def _arena_intact(self, call: CallBuffers, dtype: torch.dtype, device: torch.device) -> bool:
         return views_intact(call.arena, call.error_views, self.error, call.layout.compressed_names, dtype, device)
 
-    def _rebuild_arena(self, call: CallState, dtype: torch.dtype, device: torch.device) -> None:
+    def _rebuild_arena(self, call: CallBuffers, dtype: torch.dtype, device: torch.device) -> None:
         """The arena from the error dict (a first step, a checkpoint, a rank change): zeros where a
         matrix has no residual yet. Where the dict's entries already lie in one buffer exactly where
         this layout places them (a rank change that keeps the compressed matrices, their order and so
@@ -261,7 +262,7 @@ class EngineState:
         call.spare = None
         self._use_arena(call, arena)
 
-    def _arena_in_place(self, call: CallState, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    def _arena_in_place(self, call: CallBuffers, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         names = call.layout.compressed_names
         base = torch_adapter.view_base(self.error.get(names[0])) if names else None
         if (
@@ -280,13 +281,13 @@ class EngineState:
                 return None
         return base
 
-    def _use_arena(self, call: CallState, arena: torch.Tensor) -> None:
+    def _use_arena(self, call: CallBuffers, arena: torch.Tensor) -> None:
         call.arena = arena
         call.error_views = call.views(arena)
         self.error.update(zip(call.layout.compressed_names, call.error_views))
 
     # ------------------------------------------------------------------ Q
-    def _q_intact(self, call: CallState, dtype: torch.dtype, device: torch.device) -> bool:
+    def _q_intact(self, call: CallBuffers, dtype: torch.dtype, device: torch.device) -> bool:
         factors = call.factors
         if factors is None or factors.dtype != dtype or factors.device != device:
             return False
@@ -294,7 +295,7 @@ class EngineState:
             call.q(call.turn), call.q_views[call.turn], self.q, call.layout.compressed_names, dtype, device
         )
 
-    def _gather_q(self, call: CallState, device: torch.device, compute: torch.dtype) -> None:
+    def _gather_q(self, call: CallBuffers, device: torch.device, compute: torch.dtype) -> None:
         """The call's Q buffers anew, the current one from the dict (a first step, a checkpoint, a rank
         change): a new factors buffer, so that nothing read from the dict is overwritten while read."""
         stored = {name: self.q.get(name) for name in call.layout.compressed_names}
@@ -329,7 +330,7 @@ class EngineState:
             q = torch.cat([q, extra], dim=1)
         return q
 
-    def _replacement_rows(self, call: CallState, device: torch.device) -> torch.Tensor:
+    def _replacement_rows(self, call: CallBuffers, device: torch.device) -> torch.Tensor:
         """Unit rows laid out as the call's Q buffer: one (r, n) set per Q block, drawn once and repeated
         for each of its matrices (a restarted direction only has to be non-zero and the same on every
         process, so bfloat16 holds it in half the memory of a Q), so that the restart is one select over
@@ -342,7 +343,7 @@ class EngineState:
         rows = torch.cat(drawn) if drawn else torch.empty(0, dtype=torch.float64)
         return to_device(rows.to(torch.bfloat16), device)
 
-    def _keep_q(self, call: CallState, turn: int) -> None:
+    def _keep_q(self, call: CallBuffers, turn: int) -> None:
         call.turn = turn
         self.q.update(zip(call.layout.compressed_names, call.q_views[turn]))
 
