@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(1500)
 STEPS, WARMUP, CHECKPOINT_AT = 6, 2, 4
 MOE_STEPS, MOE_WARMUP = 2, 1
 KILLED_AFTER, REJOINS_AFTER = 3, 4  # torchft: group 1 dies after this step; group 0 waits for it after that one
+FT_STEPS = STEPS + 1  # the restarted group may heal in a step late (below): two steps together at the least
 MODEL = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32"]
 EDGC = ["--edgc.r_max", "4", "--edgc.r_min", "4", "--edgc.no-adaptive", "--edgc.no-warmup-error-test"]
 EDGC += ["--edgc.warmup_fraction", "0"]
@@ -123,7 +124,7 @@ def torchft_groups(assets, tmp_path_factory) -> list[dict]:
     # torchtitan 0.3.0's torchft optimizer hands a healing group step 0's learning rates (docs/guides/torchtitan.md)
     ft += ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-enable-ft-dataloader-checkpoints"]
     ft += ["--lr_scheduler.warmup_steps", "0", "--lr_scheduler.min_lr_factor", "1.0", "--profiler.no-enable-profiling"]
-    ft += [*asset_args(assets), *MODEL, "--training.steps", str(STEPS)]
+    ft += [*asset_args(assets), *MODEL, "--training.steps", str(FT_STEPS)]
     plans, built = [], [str(folder / f"group{group}.built") for group in range(2)]
     for group in range(2):
         run = {"name": f"group{group}", "args": [*ft, "--fault_tolerance.replica_id", str(group)]}
@@ -233,12 +234,17 @@ def test_torchft_group_killed_heals_and_the_replicas_end_identical(torchft_group
     trains alone, group 1 restarts and heals (model, optimizer, step, and EDGC's shared state) from it;
     from then on both commit the same compressed steps and end with the same weights."""
     survivor, restarted = torchft_groups
-    assert [s["step"] for s in survivor["steps"]] == list(range(1, STEPS + 1))
-    assert [s["step"] for s in restarted["steps"]] == list(range(REJOINS_AFTER + 1, STEPS + 1))
+    assert [s["step"] for s in survivor["steps"]] == list(range(1, FT_STEPS + 1))
+    # The restarted group heals in at the first quorum that holds it: the step after group 0 waited for
+    # it, or the next when group 0's request made a quorum of one first (the lighthouse's fast quorum
+    # issues once every member of the last quorum has asked: a few ms decide it on a loaded machine).
+    joined = [s["step"] for s in restarted["steps"]]
+    assert REJOINS_AFTER < joined[0] <= REJOINS_AFTER + 2 and joined == list(range(joined[0], FT_STEPS + 1))
     assert restarted["edgc_faults"]["heals"] == 1 and survivor["edgc_faults"]["heals"] == 0
     for record in torchft_groups:
-        late = record["steps"][-(STEPS - REJOINS_AFTER) :]
+        late = [s for s in record["steps"] if s["step"] > REJOINS_AFTER]
         assert all(s["edgc"]["phase"] == "compress" and s["edgc"]["committed"] for s in late)
         assert all(s["edgc"]["bytes_sent"] <= 0.2 * record["shard_bytes"] for s in late)
-    assert [s["grad_norm"] for s in restarted["steps"]] == [s["grad_norm"] for s in survivor["steps"][REJOINS_AFTER:]]
+    together = [s["grad_norm"] for s in survivor["steps"] if s["step"] >= joined[0]]
+    assert [s["grad_norm"] for s in restarted["steps"]] == together
     assert restarted["digest"] == survivor["digest"]
